@@ -1,0 +1,34 @@
+"""``python -m kvjax <command>``: the project's command-line entry point.
+
+Commands:
+  info      JAX version, devices, and which op implementations are available on this backend.
+  simulate  Host-only capacity simulation of the scheduler (recycle policies, pool policies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module with a ``main(argv) -> int``, one-line help)
+COMMANDS = {
+    "info": ("kvjax.cli_info", "JAX version, devices, available op implementations"),
+    "simulate": ("kvjax.sched.simulate", "host-only capacity simulation of recycle and pool policies"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The jitted step function, its inputs, sampling and the engine loop."""

@@ -1,0 +1,1 @@
+"""Toy Qwen3.5 (GDN + gated attention) and DeepSeek (MLA + DSA) models."""

@@ -1,0 +1,8 @@
+"""The public numerical API of kvjax.
+
+Each op validates its arguments on the host (trace time), then dispatches on ``impl`` (see
+:mod:`kvjax.ops.dispatch`) to its pure-jnp float32 reference or to a Pallas kernel.
+"""
+
+from kvjax.ops import dispatch
+from kvjax.ops.dispatch import available, resolve

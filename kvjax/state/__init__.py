@@ -1,0 +1,4 @@
+"""Device-side state: GDN state pools and paged KV / latent / DSA caches as immutable pytrees.
+
+Pools are updated only by vectorised scatter/gather and returned by value.
+"""
