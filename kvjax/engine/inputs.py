@@ -1,0 +1,101 @@
+"""``StepInputs``: everything one jitted model step reads besides the parameters and the caches.
+
+One step serves a mixed, ragged batch: prefill chunks and decode tokens of up to ``B`` sequences, ``T`` tokens
+in all, token-major. ``B``, ``T`` and ``max_blocks`` come from static buckets (the scheduler pads), so a long
+run compiles a handful of times. Padding rows have ``cu_seqlens`` length 0, GDN slot 0 (PAD), all-``-1``
+block tables; padding tokens (past ``cu_seqlens[-1]``) have slot mapping ``-1`` and write nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.errors import InvalidPlanError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Device inputs of one step (a pytree of arrays; all leaves are data, nothing static)."""
+
+    token_ids: jax.Array  # i32[T]: input token of each step token (padding tokens: any valid id, e.g. 0)
+    positions: jax.Array  # i32[T]: absolute position of each token in its sequence (RoPE)
+    cu_seqlens: jax.Array  # i32[B+1]: query start offsets of each row; padding rows have length 0
+    seq_lens: jax.Array  # i32[B]: context length of each row *including* this step's tokens (0 for padding)
+    gdn_slots: jax.Array  # i32[B]: GDN state slot of each row (1..max_seqs); 0 = PAD row
+    has_initial_state: jax.Array  # bool[B]: row already has computed tokens (read its GDN state)
+    block_tables: jax.Array  # i32[B, Hkv, max_blocks]: page of each (row, KV head, block); -1 = hole
+    slot_mapping: jax.Array  # i32[T, Hkv]: page * page_size + offset where each new K/V goes; -1 = skip
+    logits_indices: jax.Array  # i32[B]: token index (into T) whose logits each row returns
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def validate(self, *, num_pages: int, page_size: int, max_slots: int) -> None:
+        """Host-side (``debug=True``) check of shapes, dtypes and id ranges; raises :class:`InvalidPlanError`.
+
+        ``max_slots`` is the GDN pool size including slot 0 (``max_seqs + 1``).
+        """
+        a = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        t, b = a["token_ids"].shape[0], a["seq_lens"].shape[0]
+        expect = {
+            "token_ids": (t,), "positions": (t,), "cu_seqlens": (b + 1,), "seq_lens": (b,), "gdn_slots": (b,),
+            "has_initial_state": (b,), "logits_indices": (b,),
+        }
+        for name, shape in expect.items():
+            if a[name].shape != shape:
+                raise InvalidPlanError(f"StepInputs.{name} has shape {a[name].shape}, expected {shape}")
+        for name in ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "block_tables",
+                     "slot_mapping", "logits_indices"):
+            if a[name].dtype != np.int32:
+                raise InvalidPlanError(f"StepInputs.{name} must be int32, got {a[name].dtype}")
+        if a["has_initial_state"].dtype != np.bool_:
+            raise InvalidPlanError(f"StepInputs.has_initial_state must be bool, got {a['has_initial_state'].dtype}")
+        bt, sm = a["block_tables"], a["slot_mapping"]
+        if bt.ndim != 3 or bt.shape[0] != b:
+            raise InvalidPlanError(f"StepInputs.block_tables must be [B={b}, Hkv, max_blocks], got {bt.shape}")
+        if sm.shape != (t, bt.shape[1]):
+            raise InvalidPlanError(f"StepInputs.slot_mapping must be [T={t}, Hkv={bt.shape[1]}], got {sm.shape}")
+        cu = a["cu_seqlens"]
+        if cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] > t:
+            raise InvalidPlanError(f"StepInputs.cu_seqlens must start at 0, be non-decreasing and <= T={t}: {cu}")
+        n_new = np.diff(cu)
+        if (a["seq_lens"] < n_new).any():
+            raise InvalidPlanError(f"StepInputs.seq_lens {a['seq_lens']} shorter than new tokens {n_new}")
+        if ((bt < -1) | (bt >= num_pages)).any():
+            raise InvalidPlanError(f"StepInputs.block_tables has page ids outside [-1, {num_pages})")
+        if ((sm < -1) | (sm >= num_pages * page_size)).any():
+            raise InvalidPlanError(f"StepInputs.slot_mapping has entries outside [-1, {num_pages * page_size})")
+        slots = a["gdn_slots"]
+        if ((slots < 0) | (slots >= max_slots)).any():
+            raise InvalidPlanError(f"StepInputs.gdn_slots {slots} outside [0, {max_slots})")
+        active = n_new > 0
+        if (slots[active] == 0).any():
+            raise InvalidPlanError(f"StepInputs.gdn_slots: a row with tokens uses the PAD slot 0: {slots}")
+        live = slots[active]
+        if len(np.unique(live)) != len(live):
+            raise InvalidPlanError(f"StepInputs.gdn_slots: two rows share a slot: {slots}")
+        li = a["logits_indices"]
+        if ((li < 0) | (li >= max(t, 1))).any():
+            raise InvalidPlanError(f"StepInputs.logits_indices {li} outside [0, {t})")
+
+    @classmethod
+    def from_numpy(cls, **arrays) -> "StepInputs":
+        """Build from host arrays (ints cast to int32, ``has_initial_state`` to bool); no validation."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if set(arrays) != fields:
+            raise InvalidPlanError(f"StepInputs needs exactly {sorted(fields)}, got {sorted(arrays)}")
+        out = {}
+        for name, value in arrays.items():
+            dtype = jnp.bool_ if name == "has_initial_state" else jnp.int32
+            out[name] = jnp.asarray(np.asarray(value), dtype)
+        return cls(**out)

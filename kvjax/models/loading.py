@@ -1,0 +1,56 @@
+"""``load_pretrained(path)``: a Hugging Face ``save_pretrained`` directory -> a kvjax model.
+
+Dispatch is on ``config.json``: first ``architectures[0]``, then ``model_type``, looked up in
+:data:`LOADERS` (``name -> "module:function"``, imported lazily). A loader is called as
+``fn(path: str, config: dict) -> model`` and must build and check the whole model before returning
+(nothing partially loaded escapes). To add a model family, add one line to :data:`LOADERS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from kvjax.errors import CheckpointError
+from kvjax.models.common import read_config
+
+LOADERS: dict[str, str] = {
+    # architecture or model_type -> "module:function"
+    "Qwen3_5ForCausalLM": "kvjax.models.qwen3_5:load",
+    "Qwen3_5ForConditionalGeneration": "kvjax.models.qwen3_5:load",  # text tower only
+    "qwen3_5_text": "kvjax.models.qwen3_5:load",
+    "qwen3_5": "kvjax.models.qwen3_5:load",
+    "DeepseekV32ForCausalLM": "kvjax.models.deepseek:load",
+    "deepseek_v32": "kvjax.models.deepseek:load",
+}
+
+
+def resolve_loader(config: dict) -> tuple[str, str]:
+    """``(matched name, "module:function")`` for a config dict; :class:`CheckpointError` if unknown."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list):
+        raise CheckpointError(f"config 'architectures' must be a list, got {archs!r}")
+    for name in [*archs, config.get("model_type")]:
+        if isinstance(name, str) and name in LOADERS:
+            return name, LOADERS[name]
+    raise CheckpointError(
+        f"unknown architecture: architectures={archs!r}, model_type={config.get('model_type')!r}; "
+        f"supported: {sorted(LOADERS)}"
+    )
+
+
+def load_pretrained(path: str | os.PathLike) -> Any:
+    """Load the model saved at ``path`` (``config.json`` + safetensors) with the loader its config names.
+
+    Raises :class:`kvjax.errors.CheckpointError` for a missing directory, an unknown architecture, a bad
+    config, or a missing / mis-shaped tensor (the message names it).
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path!r} does not exist")
+    config = read_config(path)
+    _, target = resolve_loader(config)
+    module, _, attr = target.partition(":")
+    fn = getattr(importlib.import_module(module), attr)
+    return fn(path, config)
