@@ -1,0 +1,246 @@
+"""DeepSeek multi-head latent attention (MLA): absorbed decode over a paged latent cache, its float32
+reference, an un-absorbed reference for ragged causal batches (prefill), and the weight-absorption helpers.
+
+Layout (DESIGN.md, "MLA"). The latent cache holds one ``R + r`` wide row per token (``R = kv_lora_rank``,
+512 in DeepSeek; ``r = qk_rope_head_dim``, 64): ``[kv_c ‖ k_pe]``, where ``kv_c`` is the normalised compressed
+KV and ``k_pe`` the roped shared key. Position ``p`` of sequence ``b`` lives in page
+``block_tables[b, 0, p // page_size]`` at offset ``p % page_size``.
+
+Absorption. ``kv_b_proj`` expands ``kv_c`` per head into ``k_nope = W_UK[h] @ kv_c`` and ``v = W_UV[h] @ kv_c``
+(``W_UK[h]: [nope, R]``, ``W_UV[h]: [v, R]``). Then ``q_nope · k_nope = (q_nope @ W_UK[h]) · kv_c``, so decode
+folds ``W_UK`` into the query (``q_latent = q_nope @ W_UK[h]``, :func:`absorb_query`) and attends with every
+head over the single latent head (an MQA with K = the whole 576-wide row and V = its first ``R`` values);
+``W_UV`` is applied to the ``R``-wide output afterwards (:func:`absorb_output`).
+
+Kernel contract. :func:`mla_decode` validates on the host and calls ``dispatch.resolve("mla_decode", impl)``
+with exactly::
+
+    fn(q_latent,       # [B, H, R]   (bf16 / f16 / f32)
+       q_rope,         # [B, H, r]
+       latent_pages,   # [P, page_size, R + r]
+       block_tables,   # i32[B, 1, max_blocks]; -1 = no page (positions not attendable, never read)
+       seq_lens,       # i32[B]; 0 = padding row (output 0)
+       scale=...,          # Python float
+       num_kv_splits=...,  # int | None (None: the implementation chooses)
+       [interpret=...])    # bool, kernels only (added by dispatch)
+    -> o: [B, H, R] in q_latent's dtype
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.ops import dispatch
+from kvjax.ops._checks import check_array, check_float, check_int32
+
+
+def _gather_latent(latent_pages, block_tables, length):
+    """f32[B, length, R+r] rows of positions 0..length-1 and bool[B, length] page-present mask."""
+    page_size = latent_pages.shape[1]
+    pos = jnp.arange(length)
+    page = block_tables[:, 0, pos // page_size]  # i32[B, length]
+    present = page >= 0
+    rows = latent_pages[jnp.maximum(page, 0), pos % page_size]  # [B, length, R+r]
+    return rows.astype(jnp.float32), present
+
+
+def _softmax_weights(s, mask):
+    """Normalised attention weights f32[..., L] and lse f32[...] of logits ``s`` where ``mask`` (broadcast).
+
+    Rows without any visible key get all-zero weights and lse ``-inf`` (never NaN).
+    """
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), -jnp.inf)
+    return p / safe, lse
+
+
+def mla_decode_reference(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    scale: float,
+    num_kv_splits: int | None = None,
+    return_lse: bool = False,
+):
+    """Float32 oracle of :func:`mla_decode` (``num_kv_splits`` is accepted and ignored).
+
+    Returns ``o: [B, H, R]`` in ``q_latent``'s dtype, or ``(o, lse f32[B, H])`` with ``return_lse``.
+    """
+    del num_kv_splits
+    rank = q_latent.shape[-1]
+    length = block_tables.shape[-1] * latent_pages.shape[1]
+    rows, present = _gather_latent(latent_pages, block_tables, length)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)  # [B, H, R+r]
+    visible = present & (jnp.arange(length)[None, :] < seq_lens[:, None])  # bool[B, L]
+    rows = jnp.where(visible[..., None], rows, 0.0)  # garbage past the length cannot leak
+    s = jnp.einsum("bhd,bld->bhl", q, rows) * scale
+    mask = visible[:, None, :]  # [B, 1, L]
+    p, lse = _softmax_weights(s, mask)
+    o = jnp.einsum("bhl,bld->bhd", p, rows[..., :rank]).astype(q_latent.dtype)
+    return (o, lse) if return_lse else o
+
+
+def _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale, num_kv_splits) -> None:
+    check_float("q_latent", q_latent, rank=3)
+    b, h, rank = q_latent.shape
+    check_float("q_rope", q_rope, rank=3)
+    if q_rope.shape[:2] != (b, h):
+        raise ValueError(f"q_rope must have shape ({b}, {h}, rope_dim) like q_latent, got {tuple(q_rope.shape)}")
+    if q_rope.dtype != q_latent.dtype:
+        raise ValueError(f"q_rope dtype {q_rope.dtype} differs from q_latent dtype {q_latent.dtype}")
+    check_float("latent_pages", latent_pages, rank=3)
+    width = rank + q_rope.shape[-1]
+    if latent_pages.shape[-1] != width:
+        raise ValueError(
+            f"latent_pages last dim must be kv_lora_rank + rope_dim = {rank} + {q_rope.shape[-1]} = {width}, "
+            f"got shape {tuple(latent_pages.shape)}"
+        )
+    check_int32("block_tables", block_tables, rank=3)
+    if block_tables.shape[:2] != (b, 1):
+        raise ValueError(
+            f"block_tables must have shape ({b}, 1, max_blocks) (one latent head), got {tuple(block_tables.shape)}"
+        )
+    check_int32("seq_lens", seq_lens, shape=(b,))
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
+    if num_kv_splits is not None and (
+        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or num_kv_splits < 1
+    ):
+        raise ValueError(f"num_kv_splits must be None or an int >= 1, got {num_kv_splits!r}")
+    if not isinstance(seq_lens, jax.core.Tracer):
+        lens = np.asarray(seq_lens)
+        capacity = block_tables.shape[-1] * latent_pages.shape[1]
+        bad = np.flatnonzero((lens < 0) | (lens > capacity))
+        if bad.size:
+            raise ValueError(
+                f"seq_lens must be in [0, max_blocks * page_size = {capacity}]; rows {bad.tolist()} have "
+                f"{lens[bad].tolist()}"
+            )
+
+
+def mla_decode(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    scale: float,
+    num_kv_splits: int | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Absorbed MLA decode: every query head attends over the paged latent cache (one token per sequence).
+
+    Logit of position ``p``: ``scale * (q_latent · kv_c[p] + q_rope · k_pe[p])``; value: ``kv_c[p]``.
+    ``seq_lens[b]`` positions (including the token written this step) are attended; rows with
+    ``seq_lens == 0`` give 0. Returns ``o: [B, H, R]`` in ``q_latent``'s dtype; changes nothing.
+    ``num_kv_splits`` (kernels) fixes the split-KV factor; ``None`` lets the kernel choose from static shapes.
+    """
+    _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale, num_kv_splits)
+    fn = dispatch.resolve("mla_decode", impl)
+    return fn(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale=float(scale),
+              num_kv_splits=num_kv_splits)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Un-absorbed attention (prefill / chunked prefill / decode) and absorption helpers.
+
+
+def split_kv_b_proj(
+    kv_b_weight: jax.Array,  # [H * (nope + v), R] (torch ``nn.Linear.weight`` layout: [out, in])
+    num_heads: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Split ``kv_b_proj``'s weight into per-head ``W_UK: [H, nope, R]`` and ``W_UV: [H, v, R]``.
+
+    (A flax ``Dense`` kernel is the transpose, ``[R, H * (nope + v)]``: pass ``kernel.T``.)
+    """
+    check_float("kv_b_weight", kv_b_weight, rank=2)
+    want = num_heads * (qk_nope_head_dim + v_head_dim)
+    if kv_b_weight.shape[0] != want:
+        raise ValueError(
+            f"kv_b_weight must have {num_heads} * ({qk_nope_head_dim} + {v_head_dim}) = {want} rows, "
+            f"got shape {tuple(kv_b_weight.shape)}"
+        )
+    w = kv_b_weight.reshape(num_heads, qk_nope_head_dim + v_head_dim, kv_b_weight.shape[1])
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+    """``q_latent[..., h, :] = q_nope[..., h, :] @ W_UK[h]``: ``[..., H, nope] x [H, nope, R] -> [..., H, R]``."""
+    if q_nope.shape[-2:] != w_uk.shape[:2]:
+        raise ValueError(f"q_nope [..., H, nope] {tuple(q_nope.shape)} does not match w_uk {tuple(w_uk.shape)}")
+    out = jnp.einsum("...hn,hnr->...hr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+    return out.astype(q_nope.dtype)
+
+
+def absorb_output(o_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
+    """``o[..., h, :] = W_UV[h] @ o_latent[..., h, :]``: ``[..., H, R] x [H, v, R] -> [..., H, v]``."""
+    if o_latent.shape[-2] != w_uv.shape[0] or o_latent.shape[-1] != w_uv.shape[2]:
+        raise ValueError(f"o_latent [..., H, R] {tuple(o_latent.shape)} does not match w_uv {tuple(w_uv.shape)}")
+    out = jnp.einsum("...hr,hvr->...hv", o_latent.astype(jnp.float32), w_uv.astype(jnp.float32))
+    return out.astype(o_latent.dtype)
+
+
+def mla_prefill_reference(
+    q_nope: jax.Array,  # [T, H, nope]
+    q_pe: jax.Array,  # [T, H, r] (roped)
+    latent_pages: jax.Array,  # [P, page_size, R + r] (this step's tokens already written)
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B], context length including this step's tokens
+    w_uk: jax.Array,  # [H, nope, R]
+    w_uv: jax.Array,  # [H, v, R]
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1]
+    scale: float,
+) -> jax.Array:
+    """Un-absorbed MLA over a ragged causal batch, float32 inside: the oracle for prefill and the decode check.
+
+    Keys and values are expanded per head from the cached latent: ``k = [W_UK[h] kv_c ‖ k_pe]``,
+    ``v = W_UV[h] kv_c``. Row ``b``'s ``n = cu[b+1] - cu[b]`` new tokens sit at positions
+    ``seq_lens[b] - n .. seq_lens[b] - 1`` and are causal among themselves (prefill, chunked prefill and decode
+    are one case). Tokens past ``cu_seqlens[-1]`` get 0. Returns ``o: [T, H, v]`` in ``q_nope``'s dtype.
+    """
+    check_float("q_nope", q_nope, rank=3)
+    check_float("q_pe", q_pe, rank=3)
+    check_int32("cu_seqlens", cu_seqlens, shape=(block_tables.shape[0] + 1,))
+    t = q_nope.shape[0]
+    rank = w_uk.shape[-1]
+    length = block_tables.shape[-1] * latent_pages.shape[1]
+    rows, present = _gather_latent(latent_pages, block_tables, length)  # [B, L, R+r]
+    rows = jnp.where((present & (jnp.arange(length)[None, :] < seq_lens[:, None]))[..., None], rows, 0.0)
+    kv_c, k_pe = rows[..., :rank], rows[..., rank:]
+    k_nope = jnp.einsum("hnr,blr->bhln", w_uk.astype(jnp.float32), kv_c)  # [B, H, L, nope]
+    v = jnp.einsum("hvr,blr->bhlv", w_uv.astype(jnp.float32), kv_c)  # [B, H, L, v]
+
+    tok = jnp.arange(t)
+    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right") - 1, 0, block_tables.shape[0] - 1)
+    valid = tok < cu_seqlens[-1]
+    pos = seq_lens[row] - (cu_seqlens[row + 1] - tok)  # absolute position of each new token
+
+    def one(qn, qp, b, p, ok):
+        s = (jnp.einsum("hn,hln->hl", qn.astype(jnp.float32), k_nope[b])
+             + jnp.einsum("hr,lr->hl", qp.astype(jnp.float32), k_pe[b])) * scale
+        key = jnp.arange(length)
+        mask = (present[b] & (key <= p) & ok)[None, :]
+        p, _ = _softmax_weights(s, mask)
+        return jnp.einsum("hl,hlv->hv", p, v[b])
+
+    o = jax.lax.map(lambda a: one(*a), (q_nope, q_pe, row, pos, valid))
+    return o.astype(q_nope.dtype)
+
+
+dispatch.register_reference("mla_decode", mla_decode_reference)
+dispatch.register_kernel("mla_decode", "pallas", "kvjax.pallas.mla_decode:mla_decode_pallas", platforms=("gpu",))
+dispatch.register_kernel("mla_decode", "triton", "kvjax.triton.mla_decode:mla_decode_triton", platforms=("gpu",))
