@@ -1,0 +1,567 @@
+"""Toy DeepSeek-V3.2 (MLA + DSA lightning indexer) in flax NNX, with Hugging Face parity.
+
+Computes exactly what ``transformers``' ``DeepseekV32ForCausalLM`` computes (dense MLP layers; MoE layers are
+refused with a clear error):
+
+- **MLA**: ``q = q_b_proj(rmsnorm(q_a_proj(x)))`` split ``[nope | rope]``; ``kv_a_proj_with_mqa(x)`` split into
+  the latent ``kv_c = rmsnorm(.)`` (``kv_lora_rank``) and one shared ``k_rope``; DeepSeek's *interleaved* RoPE
+  on ``q_rope``/``k_rope`` (output de-interleaved, as HF); ``kv_b_proj`` expands ``kv_c`` into per-head
+  ``k_nope``/``v``. Softmax scale ``qk_head_dim**-0.5``, times ``yarn_mscale(factor, mscale_all_dim)**2`` when
+  YaRN is configured (HF ``yarn_apply_mscale``); YaRN's ``attention_factor`` scales cos/sin.
+- **DSA indexer** (HF ``DeepseekV32Indexer``): ``q_i = wq_b(q_resid)`` (``[Hi, Di]``), ``k_i = LayerNorm(wk(x))``
+  (one ``Di`` key per token), *non-interleaved* (``rotate_half``) RoPE on the first ``qk_rope_head_dim`` dims of
+  both; ``score[t, s] = sum_h w[t, h] * relu(q_i[t, h] . k_i[s] / sqrt(Di))`` with
+  ``w = weights_proj(x) / sqrt(Hi)``; causal mask; the top ``min(index_topk, S)`` keys per query are the only
+  keys the MLA attends to. HF skips the reference implementation's Hadamard rotation and fp8 scoring (it
+  scores in f32), and so does :meth:`DeepseekV32.logits` by default.
+
+**fp8 indexer keys.** The step path stores indexer keys in the DSA cache as fp8 e4m3 with one f32 scale per
+``quant_block`` values (:func:`quantize_index_key`), as the DSA cache layout prescribes. Quantisation can
+change which keys win the top-k, so the cached path does *not* in general select what HF's f32 forward
+selects. ``logits(..., indexer_fp8=True)`` applies the same quantise/dequantise round trip to the indexer keys
+of the full-sequence forward: that is the oracle of a step over an fp8 indexer cache. ``init_caches(...,
+indexer_fp8=False)`` keeps f32 indexer keys: then the step reproduces HF's selection.
+
+**Step** (:meth:`DeepseekV32.step`): a ragged token-major batch (:class:`kvjax.engine.inputs.StepInputs`) writes
+each new token's latent row ``[kv_c | k_rope]`` into the paged MLA latent cache and its indexer key into the
+indexer cache by ``slot_mapping``, scores the cached indexer keys, and attends with weight absorption
+(``W_UK`` folded into q, ``W_UV`` applied to the latent output) over the selected cached latents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.config import DSAIndexerConfig, MLAConfig
+from kvjax.errors import CheckpointError
+from kvjax.models.common import (
+    Linear,
+    RMSNorm,
+    TensorSource,
+    apply_rope,
+    assign_params,
+    config_get,
+    load_safetensors,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from kvjax.ops.mla import absorb_output, absorb_query, split_kv_b_proj
+
+ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_HI = jax.lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekConfig:
+    """Hyper-parameters of a DeepSeek-V3.2 decoder (HF ``DeepseekV32Config`` field names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int  # H
+    q_lora_rank: int  # the DSA indexer reads q_a_layernorm(q_a_proj(x)), so V3.2 always has one
+    kv_lora_rank: int  # latent width (512 in DeepSeek)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # r (64 in DeepSeek)
+    v_head_dim: int
+    index_n_heads: int  # Hi
+    index_head_dim: int  # Di
+    index_topk: int
+    rope_parameters: tuple[tuple[str, Any], ...]  # HF rope_parameters dict as sorted items (hashable)
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"DeepseekConfig.{name} must be an int >= 1, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise CheckpointError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise CheckpointError(
+                f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_parameters)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla(self) -> MLAConfig:
+        return MLAConfig(self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                         self.qk_nope_head_dim, self.v_head_dim, self.q_lora_rank)
+
+    @property
+    def indexer(self) -> DSAIndexerConfig:
+        return DSAIndexerConfig(self.index_n_heads, self.index_head_dim, self.index_topk,
+                                quant_block=math.gcd(self.index_head_dim, 128))
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim**-0.5``, times ``yarn_get_mscale(factor, mscale_all_dim)**2`` (HF yarn_apply_mscale)."""
+        scale = self.qk_head_dim ** -0.5
+        rp = self.rope
+        if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+            factor = float(rp["factor"])
+            m = 1.0 if factor <= 1 else 0.1 * float(rp["mscale_all_dim"]) * math.log(factor) + 1.0
+            scale = scale * m * m
+        return scale
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "DeepseekConfig":
+        """Parse a HF ``config.json`` dict; :class:`CheckpointError` names the offending key."""
+        g = lambda key, default=..., kind=int: config_get(cfg, key, default, kind=kind)  # noqa: E731
+        n_layers = g("num_hidden_layers")
+        act = g("hidden_act", "silu", str)
+        if act != "silu":
+            raise CheckpointError(f"config key 'hidden_act' must be 'silu', got {act!r}")
+        mlp_types = cfg.get("mlp_layer_types")
+        if mlp_types is None:
+            n_dense = min(g("first_k_dense_replace", 3), n_layers)
+            mlp_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
+        sparse = [i for i, t in enumerate(mlp_types) if t != "dense"]
+        if sparse:
+            raise CheckpointError(
+                f"MoE layers are not supported by the toy DeepSeek: mlp_layer_types{sparse} = "
+                f"{[mlp_types[i] for i in sparse]} (set first_k_dense_replace >= num_hidden_layers)"
+            )
+        layer_types = cfg.get("layer_types") or ["indexed_attention"] * n_layers
+        if any(t != "indexed_attention" for t in layer_types):
+            raise CheckpointError(f"config key 'layer_types' must be all 'indexed_attention', got {layer_types!r}")
+        if cfg.get("q_lora_rank") is None:
+            raise CheckpointError("config key 'q_lora_rank' is required (DeepSeek-V3.2's indexer reads q_resid)")
+        heads, kv_heads = g("num_attention_heads"), g("num_key_value_heads", None)
+        if kv_heads not in (None, heads):
+            raise CheckpointError(f"config key 'num_key_value_heads'={kv_heads} must equal num_attention_heads={heads}")
+        rope = dict(g("rope_parameters", None, dict) or {})
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": g("rope_theta", 10000.0, (int, float))}
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        if rope["rope_type"] == "yarn":
+            rope.setdefault("original_max_position_embeddings", g("max_position_embeddings"))
+        return cls(
+            vocab_size=g("vocab_size"), hidden_size=g("hidden_size"), intermediate_size=g("intermediate_size"),
+            num_hidden_layers=n_layers, num_attention_heads=heads, q_lora_rank=g("q_lora_rank"),
+            kv_lora_rank=g("kv_lora_rank"), qk_nope_head_dim=g("qk_nope_head_dim"),
+            qk_rope_head_dim=g("qk_rope_head_dim"), v_head_dim=g("v_head_dim"),
+            index_n_heads=g("index_n_heads"), index_head_dim=g("index_head_dim"), index_topk=g("index_topk"),
+            rope_parameters=tuple(sorted(rope.items())),
+            max_position_embeddings=g("max_position_embeddings", 4096),
+            rms_norm_eps=float(g("rms_norm_eps", 1e-6, (int, float))),
+            attention_bias=bool(g("attention_bias", False, bool)),
+            tie_word_embeddings=bool(g("tie_word_embeddings", False, bool)),
+        )
+
+
+# ----------------------------------------------------------------------------------- fp8 indexer keys
+
+
+def quantize_index_key(
+    k: jax.Array,  # f32[..., Di]
+    block: int,
+) -> tuple[jax.Array, jax.Array]:  # (f8e4m3[..., Di], f32[..., Di // block])
+    """fp8 e4m3 quantisation with one f32 scale ``amax / 448`` per ``block`` consecutive values."""
+    d = k.shape[-1]
+    kb = k.astype(jnp.float32).reshape(*k.shape[:-1], d // block, block)
+    scale = jnp.maximum(jnp.max(jnp.abs(kb), axis=-1), 1e-12) / FP8_MAX
+    q = jnp.clip(kb / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(k.shape), scale
+
+
+def dequantize_index_key(
+    q: jax.Array,  # f8e4m3[..., Di] (or f32: returned as is)
+    scale: jax.Array,  # f32[..., Di // block]
+) -> jax.Array:  # f32[..., Di]
+    """Inverse of :func:`quantize_index_key` (an f32 cache passes through unchanged)."""
+    if q.dtype == jnp.float32:
+        return q
+    d, nb = q.shape[-1], scale.shape[-1]
+    qb = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, d // nb)
+    return (qb * scale[..., None]).reshape(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+class LayerNorm(nnx.Module):
+    """``torch.nn.LayerNorm`` (affine) in float32: ``weight: [D]`` (ones), ``bias: [D]`` (zeros)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=jnp.float32):
+        self.eps = float(eps)
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [D]
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))  # [D]
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
+        xf = x.astype(jnp.float32)
+        mu = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...] + self.bias[...]).astype(x.dtype)
+
+
+class Indexer(nnx.Module):
+    """DSA lightning indexer: per-token query heads ``[Hi, Di]``, one key ``[Di]`` and head weights ``[Hi]``."""
+
+    def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.n_heads, self.head_dim, self.rope_dim = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, rngs=rngs, dtype=dtype)
+        self.wk = Linear(c.hidden_size, c.index_head_dim, rngs=rngs, dtype=dtype)
+        self.k_norm = LayerNorm(c.index_head_dim, 1e-6, dtype=dtype)
+        self.weights_proj = Linear(c.hidden_size, c.index_n_heads, rngs=rngs, dtype=dtype)
+
+    def project(self, x, q_resid, cos, sin):
+        """``(q f32[..., Hi, Di], k f32[..., Di], w f32[..., Hi])`` for hidden ``x`` and ``q_resid`` ``[..., *]``."""
+        q = self.wq_b(q_resid).reshape(*q_resid.shape[:-1], self.n_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, interleaved=False)
+        k = apply_rope(self.k_norm(self.wk(x))[..., None, :], cos, sin, interleaved=False)[..., 0, :]
+        w = self.weights_proj(x).astype(jnp.float32) * (self.n_heads ** -0.5)
+        return q.astype(jnp.float32), k.astype(jnp.float32), w
+
+    def scores(self, q, k, w):
+        """Index scores ``f32[..., S]`` of queries ``q [..., Hi, Di]`` (weights ``w [..., Hi]``) over keys
+        ``k [..., S, Di]``: ``sum_h w_h * relu(q_h . k / sqrt(Di))``."""
+        s = jnp.einsum("...hd,...sd->...hs", q, k, precision=_HI) * (self.head_dim ** -0.5)
+        return jnp.einsum("...h,...hs->...s", w, jax.nn.relu(s), precision=_HI)
+
+
+def topk_mask(scores: jax.Array, allowed: jax.Array, topk: int) -> jax.Array:
+    """bool[..., S]: the ``min(topk, S)`` best ``scores`` per row among ``allowed`` keys (HF's top-k after the
+    causal mask; disallowed keys can fill the top-k only when fewer than ``topk`` are allowed, and they stay
+    masked)."""
+    s = scores.shape[-1]
+    k = min(topk, s)
+    masked = jnp.where(allowed, scores, -jnp.inf)
+    if k == s:
+        return jnp.broadcast_to(allowed, scores.shape)
+    _, idx = jax.lax.top_k(masked, k)
+    return jnp.any(jax.nn.one_hot(idx, s, dtype=jnp.bool_), axis=-2) & allowed
+
+
+def _masked_softmax(s, mask):
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom > 0, denom, 1.0)
+
+
+class Attention(nnx.Module):
+    """MLA with the DSA indexer (HF ``DeepseekV32Attention``)."""
+
+    def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.c = c
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, rngs=rngs, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, dtype=dtype)
+        self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, bias=c.attention_bias, rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, dtype=dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias,
+                             rngs=rngs, dtype=dtype)
+        self.indexer = Indexer(c, rngs=rngs, dtype=dtype)
+
+    def _project(self, x, cos, sin):
+        """Per token: ``q_resid [..., qr]``, ``q_nope [..., H, nope]``, roped ``q_rope [..., H, r]``,
+        latent ``kv_c [..., R]`` and roped shared ``k_rope [..., r]``."""
+        c = self.c
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        q_rope = apply_rope(q_rope, cos, sin, interleaved=True)
+        ckv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(ckv[..., : c.kv_lora_rank])
+        k_rope = apply_rope(ckv[..., None, c.kv_lora_rank:], cos, sin, interleaved=True)[..., 0, :]
+        return q_resid, q_nope, q_rope, kv_c, k_rope
+
+    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False):
+        """Full causal sequence ``x: [B, T, D]`` (cos/sin ``f32[B, T, r/2]``) -> ``[B, T, D]``."""
+        c = self.c
+        b, t, _ = x.shape
+        q_resid, q_nope, q_rope, kv_c, k_rope = self._project(x, cos, sin)
+        kv = self.kv_b_proj(kv_c).reshape(b, t, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=_HI)
+             + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, precision=_HI)).astype(jnp.float32) * c.softmax_scale
+
+        iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+        if indexer_fp8:
+            ik = dequantize_index_key(*quantize_index_key(ik, c.indexer.quant_block))
+        causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        iscores = self.indexer.scores(iq, ik[:, None], iw)  # [B, T, S]
+        mask = topk_mask(iscores, causal, c.index_topk)  # [B, T, S]
+        p = _masked_softmax(s, mask[:, None]).astype(v.dtype)
+        o = jnp.einsum("bhts,bshv->bthv", p, v, precision=_HI).reshape(b, t, -1)
+        return self.o_proj(o)
+
+    def step(self, x, cos, sin, cache, meta):
+        """Cached step over ``x: [T, D]``: writes this step's latents / indexer keys, attends over the cache.
+
+        Returns ``([T, D], new cache)``; see :meth:`DeepseekV32.step` for ``cache`` and ``meta``.
+        """
+        c = self.c
+        q_resid, q_nope, q_rope, kv_c, k_rope = self._project(x, cos, sin)
+        iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+        latent_pages = cache["latent"]
+        new_rows = jnp.concatenate([kv_c, k_rope], axis=-1).astype(latent_pages.dtype)  # [T, R + r]
+        if cache["index_k"].dtype == jnp.float32:
+            ik_q, ik_s = ik, jnp.ones((*ik.shape[:-1], cache["index_scale"].shape[-1]), jnp.float32)
+        else:
+            ik_q, ik_s = quantize_index_key(ik, c.indexer.quant_block)
+        slots = meta["slots"]
+        cache = {
+            "latent": _write_rows(latent_pages, slots, new_rows),
+            "index_k": _write_rows(cache["index_k"], slots, ik_q.astype(cache["index_k"].dtype)),
+            "index_scale": _write_rows(cache["index_scale"], slots, ik_s),
+        }
+        pages = meta["pages"]  # i32[T, L]: page of every context position of each token's row
+        offs = meta["offsets"]  # i32[L]
+        ctx = cache["latent"][pages, offs[None]].astype(jnp.float32)  # [T, L, R + r]
+        ctx_k = dequantize_index_key(cache["index_k"][pages, offs[None]], cache["index_scale"][pages, offs[None]])
+        allowed = meta["allowed"]  # bool[T, L]: causal, page present, real token
+        iscores = self.indexer.scores(iq, ctx_k, iw)  # [T, L]
+        mask = topk_mask(iscores, allowed, c.index_topk)
+
+        w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.kernel[...].T, c.num_attention_heads,
+                                     c.qk_nope_head_dim, c.v_head_dim)
+        q_lat = absorb_query(q_nope.astype(jnp.float32), w_uk)  # [T, H, R]
+        kv_ctx, kr_ctx = ctx[..., : c.kv_lora_rank], ctx[..., c.kv_lora_rank:]
+        s = (jnp.einsum("thr,tlr->thl", q_lat, kv_ctx, precision=_HI)
+             + jnp.einsum("thr,tlr->thl", q_rope.astype(jnp.float32), kr_ctx, precision=_HI)) * c.softmax_scale
+        p = _masked_softmax(s, mask[:, None])
+        o_lat = jnp.einsum("thl,tlr->thr", p, kv_ctx, precision=_HI)  # [T, H, R]
+        o = absorb_output(o_lat, w_uv).astype(x.dtype).reshape(x.shape[0], -1)
+        return self.o_proj(o), cache
+
+
+def _write_rows(pages: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """Scatter ``rows [T, W]`` into ``pages [P, page_size, W]`` at flat ``slots i32[T]``; ``-1`` is dropped."""
+    p, ps = pages.shape[:2]
+    flat = pages.reshape(p * ps, *pages.shape[2:])
+    idx = jnp.where(slots >= 0, slots, p * ps)  # out of range -> dropped
+    return flat.at[idx].set(rows, mode="drop").reshape(pages.shape)
+
+
+class MLP(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
+        self.mlp = MLP(c, rngs=rngs, dtype=dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, indexer_fp8=indexer_fp8)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def step(self, x, cos, sin, cache, meta):
+        a, cache = self.self_attn.step(self.input_layernorm(x), cos, sin, cache, meta)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_table(c: DeepseekConfig) -> tuple[np.ndarray, float]:
+    """HF rotary inverse frequencies ``f32[r/2]`` (default or YaRN) and the cos/sin ``attention_factor``."""
+    return rope_inv_freq(c.qk_rope_head_dim, c.rope, max_position_embeddings=c.max_position_embeddings)
+
+
+class DeepseekV32(nnx.Module):
+    """DeepSeek-V3.2 causal LM (dense MLP). Parameter paths mirror HF names without the ``model.`` prefix."""
+
+    def __init__(self, config: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        c = config
+        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, rngs=rngs, dtype=dtype)
+
+    def _cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # f32[..., r/2] each
+        inv_freq, factor = _rope_table(self.config)
+        return rope_cos_sin(positions, inv_freq, factor)
+
+    def _head(self, h: jax.Array) -> jax.Array:
+        h = self.norm(h)
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], precision=_HI).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def logits(self, input_ids: jax.Array, *, indexer_fp8: bool = False) -> jax.Array:
+        """Full-sequence forward, no cache: ``input_ids i32[B, T]`` -> ``f32[B, T, vocab]`` (positions 0..T-1).
+
+        ``indexer_fp8=True`` rounds the indexer keys through the fp8 cache quantisation (the oracle of a step
+        over an fp8 indexer cache); the default is HF's f32 indexer.
+        """
+        b, t = input_ids.shape
+        x = self.embed_tokens[...][input_ids]
+        cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
+        for layer in self.layers:
+            x = layer(x, cos, sin, indexer_fp8=indexer_fp8)
+        return self._head(x)
+
+    def init_caches(self, num_pages: int, page_size: int, *, dtype=jnp.float32,
+                    indexer_fp8: bool = True) -> tuple[dict[str, jax.Array], ...]:
+        """Empty per-layer caches: ``latent [P, page_size, R + r]`` (``dtype``), indexer keys
+        ``index_k [P, page_size, Di]`` (fp8 e4m3, or f32 when ``indexer_fp8=False``) and ``index_scale
+        f32[P, page_size, Di // quant_block]``."""
+        c = self.config
+        nb = c.index_head_dim // c.indexer.quant_block
+        kdt = jnp.float8_e4m3fn if indexer_fp8 else jnp.float32
+        return tuple(
+            {"latent": jnp.zeros((num_pages, page_size, c.latent_dim), dtype),
+             "index_k": jnp.zeros((num_pages, page_size, c.index_head_dim), kdt),
+             "index_scale": jnp.ones((num_pages, page_size, nb), jnp.float32)}
+            for _ in range(c.num_hidden_layers)
+        )
+
+    def step(self, caches, inputs) -> tuple[jax.Array, tuple]:
+        """One ragged step over the paged caches (pure: returns new caches; jit with caches donated).
+
+        ``caches``: from :meth:`init_caches`. ``inputs``: a :class:`kvjax.engine.inputs.StepInputs` (reads
+        ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``, ``block_tables i32[B, 1, max_blocks]``,
+        ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]``; GDN fields are unused). Token ``t`` of row ``b``
+        attends to positions ``0..positions[t]`` of row ``b`` that its indexer selects; this step's tokens are
+        written first. Returns ``(logits f32[N, vocab] at logits_indices, new caches)``.
+        """
+        t = inputs.token_ids.shape[0]
+        page_size = caches[0]["latent"].shape[1]
+        tables = inputs.block_tables[:, 0, :]  # i32[B, max_blocks]
+        n_ctx = tables.shape[1] * page_size
+        tok = jnp.arange(t)
+        row = jnp.clip(jnp.searchsorted(inputs.cu_seqlens, tok, side="right") - 1, 0, tables.shape[0] - 1)
+        valid = tok < inputs.cu_seqlens[-1]
+        key_pos = jnp.arange(n_ctx)
+        page = tables[row][:, key_pos // page_size]  # i32[T, L]
+        meta = {
+            "slots": jnp.where(valid, inputs.slot_mapping[:, 0], -1),
+            "pages": jnp.maximum(page, 0),
+            "offsets": key_pos % page_size,
+            "allowed": (page >= 0) & (key_pos[None] <= inputs.positions[:, None]) & valid[:, None],
+        }
+        x = self.embed_tokens[...][inputs.token_ids]
+        cos, sin = self._cos_sin(inputs.positions)
+        new = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer.step(x, cos, sin, cache, meta)
+            new.append(cache)
+        return self._head(x[inputs.logits_indices]), tuple(new)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _param_values(config: DeepseekConfig, src: TensorSource) -> dict[tuple, np.ndarray]:
+    """Every parameter path of :class:`DeepseekV32` -> its checked value from the checkpoint."""
+    c = config
+    vals: dict[tuple, np.ndarray] = {}
+
+    def linear(path: tuple, name: str, d_in: int, d_out: int, bias: bool = False) -> None:
+        vals[(*path, "kernel")] = src.take(f"{name}.weight", (d_out, d_in)).T
+        if bias:
+            vals[(*path, "bias")] = src.take(f"{name}.bias", (d_out,))
+
+    def vector(path: tuple, name: str, dim: int) -> None:
+        vals[path] = src.take(name, (dim,))
+
+    vals[("embed_tokens",)] = src.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+    for i in range(c.num_hidden_layers):
+        p, n = ("layers", i), f"model.layers.{i}"
+        a, an = (*p, "self_attn"), f"{n}.self_attn"
+        linear((*a, "q_a_proj"), f"{an}.q_a_proj", c.hidden_size, c.q_lora_rank, c.attention_bias)
+        vector((*a, "q_a_layernorm", "weight"), f"{an}.q_a_layernorm.weight", c.q_lora_rank)
+        linear((*a, "q_b_proj"), f"{an}.q_b_proj", c.q_lora_rank, c.num_attention_heads * c.qk_head_dim)
+        linear((*a, "kv_a_proj_with_mqa"), f"{an}.kv_a_proj_with_mqa", c.hidden_size, c.latent_dim,
+               c.attention_bias)
+        vector((*a, "kv_a_layernorm", "weight"), f"{an}.kv_a_layernorm.weight", c.kv_lora_rank)
+        linear((*a, "kv_b_proj"), f"{an}.kv_b_proj", c.kv_lora_rank,
+               c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
+        linear((*a, "o_proj"), f"{an}.o_proj", c.num_attention_heads * c.v_head_dim, c.hidden_size,
+               c.attention_bias)
+        ix, ixn = (*a, "indexer"), f"{an}.indexer"
+        linear((*ix, "wq_b"), f"{ixn}.wq_b", c.q_lora_rank, c.index_n_heads * c.index_head_dim)
+        linear((*ix, "wk"), f"{ixn}.wk", c.hidden_size, c.index_head_dim)
+        vector((*ix, "k_norm", "weight"), f"{ixn}.k_norm.weight", c.index_head_dim)
+        vector((*ix, "k_norm", "bias"), f"{ixn}.k_norm.bias", c.index_head_dim)
+        linear((*ix, "weights_proj"), f"{ixn}.weights_proj", c.hidden_size, c.index_n_heads)
+        for proj, d_in, d_out in (("gate_proj", c.hidden_size, c.intermediate_size),
+                                  ("up_proj", c.hidden_size, c.intermediate_size),
+                                  ("down_proj", c.intermediate_size, c.hidden_size)):
+            linear((*p, "mlp", proj), f"{n}.mlp.{proj}", d_in, d_out)
+        vector((*p, "input_layernorm", "weight"), f"{n}.input_layernorm.weight", c.hidden_size)
+        vector((*p, "post_attention_layernorm", "weight"), f"{n}.post_attention_layernorm.weight", c.hidden_size)
+    vector(("norm", "weight"), "model.norm.weight", c.hidden_size)
+    if not c.tie_word_embeddings:
+        linear(("lm_head",), "lm_head", c.hidden_size, c.vocab_size)
+    return vals
+
+
+def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dtype=jnp.float32) -> DeepseekV32:
+    """Build a :class:`DeepseekV32` from a HF config dict and its named tensors; all checks happen first.
+
+    Raises :class:`CheckpointError` naming a bad config key, a missing / mis-shaped / non-float tensor or an
+    unexpected tensor (e.g. MoE weights, or layers beyond ``num_hidden_layers``).
+    """
+    cfg = DeepseekConfig.from_hf(config)
+    for name, value in tensors.items():
+        if not np.issubdtype(np.asarray(value).dtype, np.floating) and str(value.dtype) != "bfloat16":
+            raise CheckpointError(f"tensor {name!r} has non-float dtype {value.dtype}")
+    src = TensorSource(tensors)
+    values = _param_values(cfg, src)
+    ignore = ("lm_head.",) if cfg.tie_word_embeddings else ()
+    extra = src.unused(ignore)
+    if extra:
+        raise CheckpointError(f"checkpoint has tensors the config does not describe: {extra[:8]}")
+    model = DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+    return assign_params(model, values)
+
+
+def load(path: str, config: Mapping[str, Any] | None = None, *, dtype=jnp.float32) -> DeepseekV32:
+    """Loader for :func:`kvjax.models.load_pretrained`: ``config.json`` + safetensors at ``path``."""
+    if config is None:
+        from kvjax.models.common import read_config
+
+        config = read_config(path)
+    DeepseekConfig.from_hf(config)  # config errors before reading any tensor
+    return from_hf(config, load_safetensors(path), dtype=dtype)
