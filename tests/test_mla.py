@@ -153,3 +153,99 @@ def test_decode_validation_scalars():
         mla.mla_decode(*args, scale=0.0, impl="reference")
     with pytest.raises(ValueError, match="num_kv_splits must be None or an int >= 1"):
         mla.mla_decode(*args, scale=0.1, num_kv_splits=0, impl="reference")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels against the reference.
+
+
+def _random_decode(rng, lens, h, page_size, max_blocks, dtype):
+    rows, pages, tables = _paged_latent(rng, lens, page_size, max_blocks)
+    q = rng.standard_normal((len(lens), h, RANK)).astype(np.float32)
+    qr = rng.standard_normal((len(lens), h, ROPE)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    return cast(q), cast(qr), cast(pages), jnp.asarray(tables), jnp.asarray(np.asarray(lens, np.int32))
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def _oracle(q, qr, pages, tables, lens, scale):
+    f32 = lambda x: x.astype(jnp.float32)
+    return mla.mla_decode_reference(f32(q), f32(qr), f32(pages), tables, lens, scale=scale)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_pallas_interpret_matches_reference(rng, splits):
+    """Mixed lengths (1, page edges, empty splits), random page permutation, holes after each sequence."""
+    lens = [1, 63, 64, 65, 190, 0]
+    args = _random_decode(rng, lens, h=5, page_size=64, max_blocks=4, dtype=jnp.bfloat16)
+    scale = 0.06
+    got = mla.mla_decode(*args, scale=scale, num_kv_splits=splits, impl="interpret")
+    assert got.dtype == jnp.bfloat16 and got.shape == (6, 5, RANK)
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[-1], 0.0)  # seq_len 0: padding row
+    want = _oracle(*args, scale)
+    assert _rel_err(got[:-1], want[:-1]) <= 2e-2
+
+
+def _split_tables(tables, lens, page_size, splits):
+    """Per split: block tables keeping only the split's pages (same rule as the kernels), others -1."""
+    out = []
+    n_pages = -(-np.asarray(lens) // page_size)
+    per = -(-n_pages // splits)
+    for s in range(splits):
+        t = np.full_like(tables, -1)
+        for b in range(tables.shape[0]):
+            lo, hi = s * per[b], min((s + 1) * per[b], n_pages[b])
+            t[b, 0, lo:hi] = tables[b, 0, lo:hi]
+        out.append(t)
+    return out
+
+
+def test_lse_merge_is_exact_and_stage1_matches(rng):
+    from kvjax.pallas.mla_decode import _stage1_call, merge_splits
+
+    lens, page_size, splits, scale = [7, 130, 64, 1], 32, 3, 0.05
+    q, qr, pages, tables, lens_a = _random_decode(rng, lens, h=16, page_size=page_size, max_blocks=5,
+                                                  dtype=jnp.float32)
+    full_o, full_lse = mla.mla_decode_reference(q, qr, pages, tables, lens_a, scale=scale, return_lse=True)
+    parts = [mla.mla_decode_reference(q, qr, pages, jnp.asarray(t), lens_a, scale=scale, return_lse=True)
+             for t in _split_tables(np.asarray(tables), lens, page_size, splits)]
+    o_parts = jnp.stack([p[0] for p in parts], 1)  # [B, S, H, R]
+    lse_parts = jnp.stack([p[1] for p in parts], 1)  # [B, S, H]
+    assert np.isneginf(np.asarray(lse_parts)[3, 1:]).all()  # length 1: two empty splits
+    merged = merge_splits(o_parts, lse_parts)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(full_o), rtol=2e-6, atol=2e-6)
+
+    o1, lse1 = _stage1_call(q, qr, pages, tables, lens_a, scale=scale, num_splits=splits, block_h=16,
+                            num_warps=4, num_stages=2, interpret=True)
+    np.testing.assert_allclose(np.asarray(lse1), np.asarray(lse_parts), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o_parts), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(merge_splits(o1, lse1)), np.asarray(full_lse[..., None] * 0 + full_o),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_num_kv_splits_choice_is_static():
+    from kvjax.pallas.mla_decode import choose_num_kv_splits
+
+    assert choose_num_kv_splits(128, 1, 64, 132) == 3
+    assert choose_num_kv_splits(128, 4, 64, 132) == 1
+    assert choose_num_kv_splits(1, 1, 2, 132) == 1  # never more splits than pages allow
+    assert choose_num_kv_splits(2, 1, 512, 132) == 64  # capped
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+@pytest.mark.parametrize("h", [16, 128])
+def test_kernels_gpu_long_mixed(rng, impl, h):
+    lens = [1, 8192, 64, 4097, 777, 8000, 65, 3]
+    args = _random_decode(rng, lens, h=h, page_size=64, max_blocks=128, dtype=jnp.bfloat16)
+    want = _oracle(*args, 0.07)
+    for splits in (None, 1, 5):
+        got = mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        assert _rel_err(got, want) <= 2e-2, (impl, h, splits)

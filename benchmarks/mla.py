@@ -1,0 +1,269 @@
+"""MLA decode (Pallas vs Triton vs copy bandwidth) and DSA sparse-vs-dense decode benchmark.
+
+Run on a GPU (jit-compiled; prints a table last, writes JSON):
+
+    python benchmarks/mla.py --torch-copy OUT/torch_copy.json      # separate process: torch D2D copy
+    python benchmarks/mla.py --out OUT/mla.json [--torch-copy-json OUT/torch_copy.json] [--quick]
+
+Bytes counted for MLA decode: the latent rows attended, ``sum(seq_lens) * (R + r) * itemsize`` (queries,
+outputs and the f32 split buffers are listed separately, not counted). Copy bandwidth counts bytes read plus
+bytes written; "% of copy BW" compares the kernel's latent-bytes rate against the best copy measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def torch_copy(path: str) -> None:
+    import torch
+
+    n = 1 << 30  # 1 GiB
+    x = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(5):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(30):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    t = statistics.median(times)
+    res = {"torch_copy_GBps": 2 * n / t / 1e9, "bytes": n, "median_s": t, "device": torch.cuda.get_device_name()}
+    print(res)
+    with open(path, "w") as f:
+        json.dump(res, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--torch-copy", default=None)
+    ap.add_argument("--torch-copy-json", default=None)
+    ap.add_argument("--out", default="mla_bench.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-triton", action="store_true")
+    ap.add_argument("--skip-dsa", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sweep kernel configs (block_h, warps, stages, splits)")
+    args = ap.parse_args()
+    if args.torch_copy:
+        torch_copy(args.torch_copy)
+        return
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.ops import mla
+    from kvjax.pallas import mla_decode as pk
+
+    dev = jax.devices()[0]
+    results = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
+               "num_sms": pk._num_sms(), "mla": [], "dsa": [], "checks": []}
+    if args.torch_copy_json:
+        with open(args.torch_copy_json) as f:
+            results["torch_copy"] = json.load(f)
+
+    def bench(fn, *a, reps=30, inner=5):
+        out = fn(*a)
+        jax.block_until_ready(out)
+        out = fn(*a)
+        jax.block_until_ready(out)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / inner)
+        return statistics.median(times)
+
+    # ---- copy ceilings (same run) ----
+    n = 1 << 29  # elements of bf16: 1 GiB
+    x = jax.random.normal(jax.random.key(0), (n // 1024, 1024), jnp.bfloat16)
+    jcopy = jax.jit(lambda a: a * 1.5)
+    t = bench(jcopy, x)
+    results["jnp_elementwise_GBps"] = 2 * x.nbytes / t / 1e9
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    rows = 32
+
+    @jax.jit
+    def pcopy(a):
+        return pl.pallas_call(
+            copy_kernel, grid=(a.shape[0] // rows,),
+            in_specs=[pl.BlockSpec((rows, 1024), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((rows, 1024), lambda i: (i, 0)),
+            out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+        )(a)
+
+    t = bench(pcopy, x)
+    results["pallas_copy_GBps"] = 2 * x.nbytes / t / 1e9
+    del x
+    copy_bw = max(results["jnp_elementwise_GBps"], results["pallas_copy_GBps"],
+                  results.get("torch_copy", {}).get("torch_copy_GBps", 0.0))
+    results["copy_ceiling_GBps"] = copy_bw
+    print(f"copy: jnp {results['jnp_elementwise_GBps']:.0f} GB/s, pallas {results['pallas_copy_GBps']:.0f} GB/s, "
+          f"torch {results.get('torch_copy', {}).get('torch_copy_GBps', float('nan')):.0f} GB/s", flush=True)
+
+    rng = np.random.default_rng(0)
+
+    def make(b, h, length, page_size=64, lens=None, extra=0):
+        lens = np.full(b, length, np.int32) if lens is None else np.asarray(lens, np.int32)
+        max_blocks = -(-int(lens.max()) // page_size)
+        num_pages = b * max_blocks + extra
+        perm = rng.permutation(num_pages).astype(np.int32)
+        tables = perm[: b * max_blocks].reshape(b, 1, max_blocks)
+        k = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+        pages = jax.random.normal(k[0], (num_pages, page_size, 576), jnp.bfloat16)
+        q = jax.random.normal(k[1], (b, h, 512), jnp.bfloat16)
+        qr = jax.random.normal(k[2], (b, h, 64), jnp.bfloat16)
+        return q, qr, pages, jnp.asarray(tables), jnp.asarray(lens)
+
+    def rel(got, want):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    impls = {"pallas": pk.mla_decode_pallas}
+    if not args.skip_triton:
+        try:
+            from kvjax.triton.mla_decode import mla_decode_triton
+
+            impls["triton"] = mla_decode_triton
+        except Exception as e:  # noqa: BLE001 - report and continue with Pallas only
+            print("triton unavailable:", repr(e), flush=True)
+            results["triton_error"] = repr(e)
+
+    # ---- correctness on the GPU: mixed lengths up to 8k, both head counts, several split factors ----
+    scale = 192 ** -0.5
+    for h in (16, 128):
+        a = make(8, h, 0, lens=[1, 8192, 64, 4097, 777, 8000, 65, 3], extra=7)
+        f32 = lambda v: v.astype(jnp.float32)
+        want = mla.mla_decode_reference(f32(a[0]), f32(a[1]), f32(a[2]), a[3], a[4], scale=scale)
+        for name, fn in impls.items():
+            for splits in (None, 1, 5):
+                try:
+                    got = fn(*a, scale=scale, num_kv_splits=splits)
+                    e = rel(got, want)
+                    ok = e <= 2e-2 and bool(np.isfinite(np.asarray(got, np.float32)).all())
+                except Exception as ex:  # noqa: BLE001
+                    e, ok = repr(ex)[:300], False
+                results["checks"].append({"op": "mla_decode", "impl": name, "H": h, "splits": splits,
+                                          "rel_err": e, "ok": ok})
+                print("check", name, h, splits, e, ok, flush=True)
+
+    # ---- timing: B=128, L=4096, page 64 ----
+    b, length = (32, 4096) if args.quick else (128, 4096)
+    for h in (16, 128):
+        a = make(b, h, length)
+        latent_bytes = b * length * 576 * 2
+        configs = [dict()]
+        if args.sweep:
+            shapes = [(16, 4), (16, 8)] if h == 16 else [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
+            splits = (2, 4, 8) if h == 16 else (None,)
+            configs = [dict(block_h=bh, num_warps=nw, num_stages=ns, num_kv_splits=sp)
+                       for bh, nw in shapes for ns in (2, 3) for sp in splits]
+            if h == 128:
+                configs.append(dict(block_h=64, num_warps=8, num_stages=2, num_kv_splits=2))
+        for name, fn in impls.items():
+            best = None
+            for cfg in configs:
+                kw = {k: v for k, v in cfg.items() if k != "num_kv_splits"}
+                f = jax.jit(lambda *x, _kw=kw, _sp=cfg.get("num_kv_splits"): fn(
+                    *x, scale=scale, num_kv_splits=_sp, **_kw))
+                try:
+                    t = bench(f, *a)
+                except Exception as ex:  # noqa: BLE001
+                    print("fail", name, h, cfg, repr(ex)[:200], flush=True)
+                    results["mla"].append({"impl": name, "H": h, **cfg, "error": repr(ex)[:300]})
+                    continue
+                gbps = latent_bytes / t / 1e9
+                row = {"impl": name, "B": b, "L": length, "H": h, "page": 64, **cfg, "median_ms": t * 1e3,
+                       "latent_GBps": gbps, "pct_copy": 100 * gbps / copy_bw}
+                results["mla"].append(row)
+                with open(args.out, "w") as fh:
+                    json.dump(results, fh, indent=1, default=str)
+                print(f"{name:7s} H={h:3d} {cfg} {t*1e3:.3f} ms {gbps:.0f} GB/s {100*gbps/copy_bw:.1f}%", flush=True)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            results.setdefault("best", {})[f"{name}_H{h}"] = {"median_ms": best[0] * 1e3, "cfg": best[1]} \
+                if best else None
+
+    if not args.skip_dsa:
+        try:
+            _bench_dsa(results, bench, rng, quick=args.quick)
+        except Exception as ex:  # noqa: BLE001
+            results["dsa_error"] = repr(ex)[:500]
+            print("dsa failed:", repr(ex)[:500], flush=True)
+
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+    print("\n=== MLA decode, B=%d L=%d page 64 bf16, %s; copy ceiling %.0f GB/s ===" % (b, length, results["device"],
+                                                                                    copy_bw))
+    for key, v in results.get("best", {}).items():
+        if v:
+            gbps = b * length * 576 * 2 / (v["median_ms"] / 1e3) / 1e9
+            print(f"{key:12s} {v['median_ms']:.3f} ms  {gbps:.0f} GB/s  {100*gbps/copy_bw:.1f}% of copy  {v['cfg']}")
+    for row in results["dsa"]:
+        print("dsa", row)
+    bad = [c for c in results["checks"] if not c["ok"]]
+    print("checks:", len(results["checks"]) - len(bad), "ok,", len(bad), "failed", bad if bad else "")
+
+
+def _bench_dsa(results, bench, rng, quick=False):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.ops import dsa, mla
+
+    b, h, topk = (8, 16, 2048) if quick else (32, 16, 2048)
+    scale = 192 ** -0.5
+    for length in (8192, 32768):
+        page = 64
+        max_blocks = length // page
+        num_pages = b * max_blocks
+        perm = rng.permutation(num_pages).astype(np.int32)
+        tables = jnp.asarray(perm.reshape(b, 1, max_blocks))
+        lens = jnp.full((b,), length, jnp.int32)
+        k = jax.random.split(jax.random.key(length), 4)
+        pages = jax.random.normal(k[0], (num_pages, page, 576), jnp.bfloat16)
+        q = jax.random.normal(k[1], (b, h, 512), jnp.bfloat16)
+        qr = jax.random.normal(k[2], (b, h, 64), jnp.bfloat16)
+        idx = jnp.sort(jax.random.randint(k[3], (b, topk), 0, length, jnp.int32), axis=-1)
+        dense = jax.jit(lambda *x: mla.mla_decode(*x, scale=scale, impl="pallas"))
+        t_dense = bench(dense, q, qr, pages, tables, lens)
+        row = {"B": b, "H": h, "L": length, "topk": topk, "dense_pallas_ms": t_dense * 1e3}
+        for impl in dsa.sparse_impls():
+            sparse = jax.jit(lambda *x, _i=impl: dsa.sparse_mla_decode(*x, scale=scale, impl=_i))
+            try:
+                want = dsa.sparse_mla_decode(q.astype(jnp.float32), qr.astype(jnp.float32),
+                                             pages.astype(jnp.float32), tables, lens, idx, scale=scale,
+                                             impl="reference")
+                got = sparse(q, qr, pages, tables, lens, idx)
+                e = float(jnp.linalg.norm((got.astype(jnp.float32) - want)) / jnp.linalg.norm(want))
+                results["checks"].append({"op": "sparse_mla_decode", "impl": impl, "L": length, "rel_err": e,
+                                          "ok": e <= 2e-2})
+                row[f"sparse_{impl}_ms"] = bench(sparse, q, qr, pages, tables, lens, idx) * 1e3
+            except Exception as ex:  # noqa: BLE001
+                row[f"sparse_{impl}_error"] = repr(ex)[:300]
+        results["dsa"].append(row)
+        print("dsa", row, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

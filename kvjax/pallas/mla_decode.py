@@ -1,0 +1,180 @@
+"""Split-KV MLA decode over a paged latent cache (Pallas, Triton lowering).
+
+Stage 1: one program per (head group, KV split, sequence). It walks the latent pages of its split of the
+sequence, one page per step: the page is read once as two tiles, ``kv_c [page_size, R]`` and
+``k_pe [page_size, r]``; logits are ``q_latent · kv_c + q_rope · k_pe`` and the same ``kv_c`` tile is the
+value. It writes the split's normalised f32 output and its log-sum-exp. A sequence is cut into
+``num_kv_splits`` contiguous page ranges of its own length, so every split of a long sequence has work and
+the splits of a short one may be empty (output 0, lse ``-inf``, no NaN). Holes (``-1``) and positions past
+``seq_lens`` are masked: their bytes are never loaded.
+
+Stage 2 merges the splits with their log-sum-exps (a small fused XLA reduction). With one split, stage 1
+writes the final output directly in the query dtype and stage 2 is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_MAX_SPLITS = 64  # bounds the f32 split buffers
+_MASK_INIT = -1e30  # finite running-max start: a fully masked page keeps exp(...) at 0, never NaN
+
+
+def _stage1_kernel(
+    tables_ref,  # i32[B, 1, max_blocks] (whole array)
+    lens_ref,  # i32[B] (whole array)
+    q_ref,  # [block_h, R]
+    qr_ref,  # [block_h, r]
+    latent_ref,  # [P, page_size, R + r] (whole array)
+    o_ref,  # [block_h, R] (f32 partial, or final dtype when there is one split)
+    lse_ref,  # f32[block_h]
+    *,
+    scale: float,
+    num_splits: int,
+):
+    split, b = pl.program_id(1), pl.program_id(2)
+    page_size = latent_ref.shape[1]
+    block_h, rank = q_ref.shape
+    rope = qr_ref.shape[1]
+
+    seq_len = lens_ref[b]
+    n_pages = pl.cdiv(seq_len, page_size)
+    per_split = pl.cdiv(n_pages, num_splits)
+    start = split * per_split
+    end = jnp.minimum(start + per_split, n_pages)
+
+    q = q_ref[...]
+    qr = qr_ref[...]
+    offs = jnp.arange(page_size, dtype=jnp.int32)
+
+    def body(j, carry):
+        acc, m, l = carry
+        page = tables_ref[b, 0, j]
+        valid = (j * page_size + offs < seq_len) & (page >= 0)  # bool[page_size]
+        page = jnp.maximum(page, 0)
+        kv = plgpu.load(latent_ref.at[page, :, pl.ds(0, rank)], mask=valid[:, None], other=0.0)
+        kr = plgpu.load(latent_ref.at[page, :, pl.ds(rank, rope)], mask=valid[:, None], other=0.0)
+        s = pl.dot(q, kv, trans_b=True) + pl.dot(qr, kr, trans_b=True)  # f32[block_h, page_size]
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + pl.dot(p.astype(kv.dtype), kv)
+        return acc, m_new, l
+
+    init = (
+        jnp.zeros((block_h, rank), jnp.float32),
+        jnp.full((block_h,), _MASK_INIT, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    acc, m, l = jax.lax.fori_loop(start, end, body, init)
+    has = l > 0.0
+    safe_l = jnp.where(has, l, 1.0)
+    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has, m + jnp.log(safe_l), -jnp.inf)
+
+
+def _stage1_call(q, qr, latent, tables, lens, *, scale, num_splits, block_h, num_warps, num_stages,
+                 interpret):
+    b, h, rank = q.shape
+    rope = qr.shape[-1]
+    groups = h // block_h
+    out_dtype = q.dtype if num_splits == 1 else jnp.float32
+    kernel = functools.partial(_stage1_kernel, scale=scale, num_splits=num_splits)
+    whole = pl.no_block_spec  # the kernel indexes these itself
+    return pl.pallas_call(
+        kernel,
+        grid=(groups, num_splits, b),  # head groups vary fastest: they share each page through L2
+        in_specs=[
+            whole,
+            whole,
+            pl.BlockSpec((None, block_h, rank), lambda g, s, i: (i, g, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda g, s, i: (i, g, 0)),
+            whole,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, rank), lambda g, s, i: (i, s, g, 0)),
+            pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, num_splits, h, rank), out_dtype),
+            jax.ShapeDtypeStruct((b, num_splits, h), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="mla_decode_stage1",
+    )(tables, lens, q, qr, latent)
+
+
+def merge_splits(o_parts: jax.Array, lse_parts: jax.Array) -> jax.Array:
+    """Stage 2: f32[B, S, H, R] split outputs and f32[B, S, H] lse -> f32[B, H, R].
+
+    ``o = Σ_s exp(lse_s - lse) o_s`` with ``lse = log Σ_s exp(lse_s)``; empty splits (lse ``-inf``) weigh 0 and
+    an all-empty row gives 0.
+    """
+    m = jnp.max(lse_parts, axis=1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_parts - m)  # [B, S, H]
+    denom = jnp.sum(w, axis=1)
+    o = jnp.einsum("bsh,bshr->bhr", w, o_parts, precision=jax.lax.Precision.HIGHEST)
+    return o / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def choose_num_kv_splits(batch: int, head_groups: int, max_blocks: int, num_sms: int) -> int:
+    """Static split factor: enough programs for about two per SM, at least 4 pages per split, at most 64."""
+    programs = batch * head_groups
+    want = max(1, math.ceil(2 * num_sms / programs))
+    return max(1, min(want, max_blocks // 4, _MAX_SPLITS))
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "num_kv_splits", "block_h", "num_warps", "num_stages", "interpret"),
+)
+def mla_decode_pallas(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    scale: float,
+    num_kv_splits: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Split-KV MLA decode (see module doc). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype."""
+    b, h, _ = q_latent.shape
+    if block_h is None:
+        block_h = 16 if h <= 16 else 32
+    pad = -h % block_h
+    q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
+        qr = jnp.pad(qr, ((0, 0), (0, pad), (0, 0)))
+    groups = (h + pad) // block_h
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(b, groups, block_tables.shape[-1], _num_sms())
+    if num_warps is None:
+        num_warps = 4 if block_h <= 16 else 8
+    o, lse = _stage1_call(q, qr, latent_pages, block_tables, seq_lens, scale=scale, num_splits=num_kv_splits,
+                          block_h=block_h, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if num_kv_splits == 1:
+        out = o[:, 0].astype(q_latent.dtype)
+    else:
+        out = merge_splits(o, lse).astype(q_latent.dtype)
+    return out[:, :h]

@@ -1,0 +1,135 @@
+"""Split-KV MLA decode as a hand-written Triton kernel, called from JAX through jax-triton.
+
+The same algorithm as :mod:`kvjax.pallas.mla_decode` (one program per head group, KV split and sequence;
+one latent page per step, read once; f32 split outputs + lse merged by the shared stage 2), written directly
+in Triton so the benchmark can compare the Pallas lowering against it on one GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+import triton
+import triton.language as tl
+
+from kvjax.pallas.mla_decode import _num_sms, choose_num_kv_splits, merge_splits
+
+
+@triton.jit
+def _mla_stage1_kernel(
+    q_ptr,  # [B, Hp, R]
+    qr_ptr,  # [B, Hp, r]
+    lat_ptr,  # [P, PS, R + r]
+    bt_ptr,  # i32[B, 1, MAX_BLOCKS]
+    lens_ptr,  # i32[B]
+    o_ptr,  # [B, S, Hp, R]
+    lse_ptr,  # f32[B, S, Hp]
+    SCALE: tl.constexpr,
+    HP: tl.constexpr,
+    R: tl.constexpr,
+    ROPE: tl.constexpr,
+    PS: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    g = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, R)
+    offs_e = tl.arange(0, ROPE)
+    offs_t = tl.arange(0, PS)
+
+    q = tl.load(q_ptr + (b * HP + offs_h)[:, None] * R + offs_r[None, :])
+    qr = tl.load(qr_ptr + (b * HP + offs_h)[:, None] * ROPE + offs_e[None, :])
+    seq_len = tl.load(lens_ptr + b)
+    n_pages = tl.cdiv(seq_len, PS)
+    per_split = tl.cdiv(n_pages, NUM_SPLITS)
+    start = split * per_split
+    end = tl.minimum(start + per_split, n_pages)
+
+    acc = tl.zeros((BLOCK_H, R), dtype=tl.float32)
+    m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(start, end):
+        page = tl.load(bt_ptr + b * MAX_BLOCKS + j)
+        valid = (j * PS + offs_t < seq_len) & (page >= 0)
+        row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + offs_t[:, None] * (R + ROPE)
+        kv = tl.load(row + offs_r[None, :], mask=valid[:, None], other=0.0)
+        kr = tl.load(row + R + offs_e[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))
+        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m = m_new
+
+    has = l > 0.0
+    safe_l = tl.where(has, l, 1.0)
+    out_row = (b * NUM_SPLITS + split) * HP + offs_h
+    tl.store(o_ptr + out_row[:, None] * R + offs_r[None, :], (acc / safe_l[:, None]).to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + out_row, tl.where(has, m + tl.log(safe_l), float("-inf")))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "num_kv_splits", "block_h", "num_warps", "num_stages", "interpret")
+)
+def mla_decode_triton(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    scale: float,
+    num_kv_splits: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Split-KV MLA decode in Triton (GPU only). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype."""
+    if interpret:
+        raise ValueError("the Triton MLA kernel has no interpret mode; use impl='interpret' (Pallas)")
+    b, h, rank = q_latent.shape
+    rope = q_rope.shape[-1]
+    _, page_size, _ = latent_pages.shape
+    if block_h is None:
+        block_h = 16 if h <= 16 else 32
+    pad = -h % block_h
+    q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
+        qr = jnp.pad(qr, ((0, 0), (0, pad), (0, 0)))
+    hp = h + pad
+    groups = hp // block_h
+    max_blocks = block_tables.shape[-1]
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(b, groups, max_blocks, _num_sms())
+    if num_warps is None:
+        num_warps = 4 if block_h <= 16 else 8
+    out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
+    o, lse = jt.triton_call(
+        q, qr, latent_pages, block_tables, seq_lens,
+        kernel=_mla_stage1_kernel,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, num_kv_splits, hp, rank), out_dtype),
+            jax.ShapeDtypeStruct((b, num_kv_splits, hp), jnp.float32),
+        ],
+        grid=(groups, num_kv_splits, b),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        SCALE=float(scale), HP=hp, R=rank, ROPE=rope, PS=page_size, MAX_BLOCKS=max_blocks,
+        NUM_SPLITS=num_kv_splits, BLOCK_H=block_h,
+    )
+    if num_kv_splits == 1:
+        out = o[:, 0].astype(q_latent.dtype)
+    else:
+        out = merge_splits(o, lse).astype(q_latent.dtype)
+    return out[:, :h]
