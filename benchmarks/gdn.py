@@ -1,0 +1,322 @@
+"""GDN kernels benchmark: Pallas decode on the slot pool, chunked prefill, vs fla (torch + Triton) and copy BW.
+
+Usage (GPU machine):
+    python benchmarks/gdn.py --fla  --out OUT/gdn_fla.json    # torch process: fla kernels + torch copy
+    python benchmarks/gdn.py        --out OUT/gdn.json        # jax process: kvjax kernels (+ merges fla json)
+
+The two parts run in separate processes (fla's Triton and JAX's Triton must not share one). Every timed
+configuration is first checked against the float32 reference. Prints a table last and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+DECODE_SHAPES = [(128, 32), (256, 16)]  # (B, H), K = V = 128, one token per row
+PREFILL_SHAPES = [(1, 8192, 16), (4, 4096, 32)]  # (B, T, H), K = V = 128
+KD = VD = 128
+
+
+# ------------------------------------------------------------------------------------------------ torch / fla
+def run_fla(out_path: str, quick: bool) -> None:
+    import torch
+    import triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    dev = "cuda"
+    res = {"device": torch.cuda.get_device_name(), "decode": [], "prefill": [], "copy": {}}
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
+    x = torch.randn(256 * 1024 * 1024, device=dev)  # 1 GiB f32
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    res["copy"] = {"bytes": 2 * x.numel() * 4, "ms": ms, "gbps": 2 * x.numel() * 4 / ms / 1e6}
+    del x, y
+    for b, h in DECODE_SHAPES:
+        q = torch.randn(b, 1, h, KD, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, 1, h, KD, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, 1, h, VD, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(b, 1, h, device=dev, dtype=torch.float32) * 0.5
+        beta = torch.rand(b, 1, h, device=dev, dtype=torch.bfloat16)
+        s0 = torch.randn(b, h, KD, VD, device=dev, dtype=torch.float32)
+        fn = lambda: fused_recurrent_gated_delta_rule(  # noqa: E731
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        ms = bench(fn)
+        state_bytes = 2 * b * h * KD * VD * 4
+        res["decode"].append({"B": b, "H": h, "ms": ms, "state_gbps": state_bytes / ms / 1e6})
+    for b, t, h in PREFILL_SHAPES:
+        q = torch.randn(b, t, h, KD, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, t, h, KD, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, t, h, VD, device=dev, dtype=torch.bfloat16)
+        g = torch.nn.functional.logsigmoid(torch.randn(b, t, h, device=dev, dtype=torch.float32)) * 0.1
+        beta = torch.rand(b, t, h, device=dev, dtype=torch.bfloat16)
+        s0 = torch.randn(b, h, KD, VD, device=dev, dtype=torch.float32)
+        fn = lambda: chunk_gated_delta_rule(  # noqa: E731
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        res["prefill"].append({"B": b, "T": t, "H": h, "ms": bench(fn)})
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------ jax / kvjax
+def _time(fn, *, n=20, rounds=7):
+    """Median over ``rounds`` of the mean time of ``n`` back-to-back async calls (``fn()`` returns an array)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(times)
+
+
+def _rel(a, b):
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _copy_ceiling():
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    n = 256 * 1024 * 1024
+    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
+    add = jax.jit(lambda a: a + 1.0)
+    ms_xla = _time(lambda: add(x))
+
+    def copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    rows = 8
+    pcopy = jax.jit(lambda a: pl.pallas_call(
+        copy_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(a.shape[0] // rows,),
+        in_specs=[pl.BlockSpec((rows, 4096), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((rows, 4096), lambda i: (i, 0)),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1))(a))
+    ms_pl = _time(lambda: pcopy(x))
+    ok = bool(jnp.array_equal(pcopy(x), x))
+    nbytes = 2 * n * 4
+    return {"bytes": nbytes, "xla_add_ms": ms_xla, "xla_add_gbps": nbytes / ms_xla / 1e6,
+            "pallas_copy_ms": ms_pl, "pallas_copy_gbps": nbytes / ms_pl / 1e6, "pallas_copy_ok": ok}
+
+
+def _gdn_inputs(key, t, hk, hv, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (t, hk, KD), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (t, hk, KD), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (t, hv, VD), jnp.float32).astype(dtype)
+    g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (t, hv), jnp.float32)) * 0.1
+    beta = jax.random.uniform(ks[4], (t, hv), jnp.float32).astype(dtype)
+    return q, k, v, g, beta
+
+
+def bench_decode(quick: bool):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.ops import gdn_state
+    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool
+
+    out = []
+    rng = np.random.default_rng(0)
+    configs = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)] if not quick else [(32, 4)]
+    for b, h in DECODE_SHAPES:
+        num_slots = b + 8
+        q, k, v, g, beta = _gdn_inputs(jax.random.key(b), b, h, h, jnp.bfloat16)
+        slots = jnp.asarray(rng.permutation(np.arange(1, num_slots + 1))[:b].astype(np.int32))
+        has = jnp.ones((b,), bool)
+        cu = jnp.arange(b + 1, dtype=jnp.int32)
+        pool0 = jax.random.normal(jax.random.key(1), (1, num_slots + 1, h, KD, VD), jnp.float32).at[:, 0].set(0)
+        kw = dict(layer=0, slot_ids=slots, has_initial_state=has, cu_seqlens=cu, scale=KD ** -0.5,
+                  use_qk_l2norm=True)
+        ro, rp = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool0, **kw)
+        rows = {}
+        state_bytes = 2 * b * h * KD * VD * 4
+        io_bytes = (2 * b * h * KD + 2 * b * h * VD) * 2 + b * h * 6
+        for bv, nw in configs:
+            step = jax.jit(functools.partial(gdn_state._pool_kernel, recurrent_gated_delta_rule_pool,
+                                             interpret=False, block_v=bv, num_warps=nw, **kw),
+                           donate_argnums=(5,))
+            o, p = step(q, k, v, g, beta, jnp.array(pool0, copy=True))
+            err_o, err_p = _rel(o, ro), _rel(p, rp)
+            pad_ok = bool(jnp.all(p[:, 0] == 0))
+            pool = [jnp.array(pool0, copy=True)]
+
+            def run():
+                o, pool[0] = step(q, k, v, g, beta, pool[0])
+                return pool[0]
+
+            ms = _time(run, n=50)
+            hlo = step.lower(q, k, v, g, beta, pool[0]).compile().as_text()
+            rows[(bv, nw)] = dict(B=b, H=h, block_v=bv, num_warps=nw, ms=ms, err_o=err_o, err_state=err_p,
+                                  pad_slot_untouched=pad_ok, state_gbps=state_bytes / ms / 1e6,
+                                  total_gbps=(state_bytes + io_bytes) / ms / 1e6,
+                                  hlo_copies=hlo.count(" copy("))
+            print("decode", rows[(bv, nw)], flush=True)
+        best = min(rows.values(), key=lambda r: r["ms"])
+        # half the rows are padding (slot 0): their state traffic must vanish
+        half = jnp.where(jnp.arange(b) % 2 == 0, slots, 0).astype(jnp.int32)
+        kw2 = dict(kw, slot_ids=half)
+        step = jax.jit(functools.partial(gdn_state._pool_kernel, recurrent_gated_delta_rule_pool, interpret=False,
+                                         block_v=best["block_v"], num_warps=best["num_warps"], **kw2),
+                       donate_argnums=(5,))
+        ro2, rp2 = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool0, **kw2)
+        o2, p2 = step(q, k, v, g, beta, jnp.array(pool0, copy=True))
+        pool = [jnp.array(pool0, copy=True)]
+
+        def run2():
+            o, pool[0] = step(q, k, v, g, beta, pool[0])
+            return pool[0]
+
+        best = dict(best, half_padding_ms=_time(run2, n=50), half_padding_err_o=_rel(o2, ro2),
+                    half_padding_err_state=_rel(p2, rp2))
+        # the public op (dispatch, validation) on the same pool
+        pool = [jnp.array(pool0, copy=True)]
+
+        def run3():
+            o, pool[0] = gdn_state.gdn_decode(q, k, v, g, beta, pool[0], layer=0, slot_ids=slots,
+                                              use_qk_l2norm=True, impl="pallas")
+            return pool[0]
+
+        best["public_op_ms"] = _time(run3, n=50)
+        out.append({"best": best, "sweep": list(rows.values())})
+    return out
+
+
+def bench_prefill(quick: bool):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.ops import gdn
+    from kvjax.pallas import gdn_chunk
+
+    out = []
+    sweep = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (32, 4, 1)] if not quick else [(32, 4, 2)]
+    for b, t, h in PREFILL_SHAPES:
+        tt = b * t
+        q, k, v, g, beta = _gdn_inputs(jax.random.key(t + h), tt, h, h, jnp.bfloat16)
+        cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+        s0 = jax.random.normal(jax.random.key(2), (b, h, KD, VD), jnp.float32)
+        rows_ = jnp.arange(b, dtype=jnp.int32)
+        flags = jnp.full((b,), 3, jnp.int32)
+        ro, rf = gdn.chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
+                                                      scale=KD ** -0.5, use_qk_l2norm=True)
+        res = {"B": b, "T": t, "H": h, "inverse": {}, "sweep": []}
+        for inv in ("solve", "doubling"):
+            prep = jax.jit(functools.partial(gdn_chunk._prepare, scale=KD ** -0.5, use_qk_l2norm=True,
+                                             chunk=gdn_chunk.CHUNK, inverse=inv))
+            res["inverse"][inv] = _time(lambda: prep(q, k, v, g, beta, cu)[3])
+        best_inv = min(res["inverse"], key=res["inverse"].get)
+        prep = jax.jit(functools.partial(gdn_chunk._prepare, scale=KD ** -0.5, use_qk_l2norm=True,
+                                         chunk=gdn_chunk.CHUNK, inverse=best_inv))
+        parts = prep(q, k, v, g, beta, cu)
+        for bv, nw, ns in sweep:
+            call = jax.jit(functools.partial(gdn_chunk._chunk_call, out_dtype=v.dtype, num_tokens=tt, block_v=bv,
+                                             num_warps=nw, num_stages=ns, interpret=False))
+            try:
+                ms = _time(lambda: call(*parts, s0, cu, rows_, flags)[0])
+            except Exception as e:  # noqa: BLE001 (report, keep sweeping)
+                print("prefill kernel config failed", bv, nw, ns, repr(e)[:300], flush=True)
+                continue
+            res["sweep"].append(dict(block_v=bv, num_warps=nw, num_stages=ns, kernel_ms=ms))
+            print("prefill", b, t, h, res["sweep"][-1], flush=True)
+        kb = min(res["sweep"], key=lambda r: r["kernel_ms"])
+        full = jax.jit(functools.partial(gdn_chunk.chunk_gated_delta_rule_pool, cu_seqlens=cu, rows=rows_,
+                                         flags=flags, scale=KD ** -0.5, use_qk_l2norm=True,
+                                         block_v=kb["block_v"], num_warps=kb["num_warps"],
+                                         num_stages=kb["num_stages"], inverse=best_inv))
+        o, f = full(q, k, v, g, beta, jnp.array(s0, copy=True))
+        res.update(err_o=_rel(o, ro), err_state=_rel(f, rf), best_kernel=kb, best_inverse=best_inv,
+                   prep_ms=res["inverse"][best_inv])
+        res["total_ms"] = _time(lambda: full(q, k, v, g, beta, s0)[0])  # pool not donated here: includes a copy
+        out.append(res)
+        print("prefill result", {k_: v_ for k_, v_ in res.items() if k_ != "sweep"}, flush=True)
+    return out
+
+
+def run_jax(out_path: str, fla_path: str | None, quick: bool) -> None:
+    import jax
+
+    res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    res["copy"] = _copy_ceiling()
+    print("copy", res["copy"], flush=True)
+    res["decode"] = bench_decode(quick)
+    res["prefill"] = bench_prefill(quick)
+    fla = None
+    if fla_path and os.path.exists(fla_path):
+        with open(fla_path) as f:
+            fla = json.load(f)
+        res["fla"] = fla
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    _table(res, fla)
+
+
+def _table(res, fla) -> None:
+    ceil = max(res["copy"]["xla_add_gbps"], res["copy"]["pallas_copy_gbps"],
+               (fla or {}).get("copy", {}).get("gbps", 0.0))
+    print(f"\nGDN kernels on {res['device']} (jax {res['jax']}); copy ceiling {ceil:.0f} GB/s "
+          f"(xla {res['copy']['xla_add_gbps']:.0f}, pallas {res['copy']['pallas_copy_gbps']:.0f}, "
+          f"torch {(fla or {}).get('copy', {}).get('gbps', float('nan')):.0f})")
+    print("decode  B   H   kvjax_ms  GB/s(state) %copy  fla_ms  fla_GB/s  ratio  err_o    half_pad_ms")
+    for i, d in enumerate(res["decode"]):
+        r = d["best"]
+        f = fla["decode"][i] if fla else {"ms": float("nan"), "state_gbps": float("nan")}
+        print(f"       {r['B']:4d} {r['H']:3d} {r['ms']:8.4f} {r['state_gbps']:9.0f} {100 * r['state_gbps'] / ceil:6.1f}"
+              f" {f['ms']:7.4f} {f['state_gbps']:8.0f} {f['ms'] / r['ms']:6.2f} {r['err_o']:.1e} "
+              f"{r['half_padding_ms']:.4f}")
+    print("prefill B   T     H   kvjax_ms  prep_ms  kernel_ms  fla_ms  speedup  err_o    err_state")
+    for i, p in enumerate(res["prefill"]):
+        f = fla["prefill"][i] if fla else {"ms": float("nan")}
+        print(f"        {p['B']} {p['T']:5d} {p['H']:3d} {p['total_ms']:8.4f} {p['prep_ms']:8.4f} "
+              f"{p['best_kernel']['kernel_ms']:9.4f} {f['ms']:7.4f} {f['ms'] / p['total_ms']:7.2f} "
+              f"{p['err_o']:.1e} {p['err_state']:.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fla", action="store_true", help="run the torch/fla half")
+    ap.add_argument("--out", default="gdn.json")
+    ap.add_argument("--fla-json", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--table", default=None, help="print the table of a saved kvjax json (with --fla-json)")
+    a = ap.parse_args()
+    if a.table:
+        with open(a.table) as f:
+            res = json.load(f)
+        fla = None
+        if a.fla_json and os.path.exists(a.fla_json):
+            with open(a.fla_json) as f:
+                fla = json.load(f)
+        _table(res, fla)
+    elif a.fla:
+        run_fla(a.out, a.quick)
+    else:
+        sys.path.insert(0, os.getcwd())
+        run_jax(a.out, a.fla_json, a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Chunked gated delta rule (prefill / extend) as a Pallas kernel (Triton lowering) plus a parallel XLA stage.
+
+The token stream is cut into global chunks of ``C`` tokens (``C = 64``) *without* repacking the ragged batch:
+a chunk may hold the tail of one sequence and the head of the next, and every intra-chunk quantity is masked
+to pairs of tokens of the same sequence ("segments"). Two stages:
+
+1. ``_prepare`` (XLA, parallel over all chunks and heads; the state-independent part, fla's "WY" form):
+   per segment cumulative log-decay ``gc``, ``T = (I + tril(beta k k^T * decay, -1))^-1``,
+   ``w = T (beta exp(gc) k)``, ``u = T (beta v)`` and the causal intra-chunk scores ``A = (q k^T) * decay``.
+2. ``_chunk_kernel`` (Pallas, one program per (sequence row, value head, block of value columns)): walks the
+   row's chunks in order with the state slice ``S: f32[K, block_v]`` in registers::
+
+       v_new = u - w S;   o = (q * exp(gc)) S + A v_new;   S = exp(g_last) S + (k * exp(g_last - gc))^T v_new
+
+   reading the initial state from, and writing the final state to, a pool ``f32[R, Hv, K, V]`` at the row's
+   index (aliased input -> output: in place under jit with a donated pool), exactly like
+   :mod:`kvjax.pallas.gdn_recurrent` (same ``rows`` / ``flags`` convention). Each program writes the outputs
+   of its own sequence's tokens (masked stores); the first and last rows also zero the tokens outside every
+   sequence.
+
+Matmul operands are in the input dtype (bf16 in serving: like fla, states are rounded to bf16 for the
+tensor-core products and accumulate in f32); for float32 inputs every product runs at full f32 precision.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, _check_pow2
+
+CHUNK = 64
+
+
+def _chunk_kernel(
+    cu_ref,  # i32[N+1]
+    rows_ref,  # i32[N]
+    flags_ref,  # i32[N]
+    q_ref,  # [Tp, Hk, K]  (l2-normed, scaled)
+    k_ref,  # [Tp, Hk, K]  (l2-normed)
+    w_ref,  # [NC, Hv, C, K]
+    u_ref,  # [NC, Hv, C, V]
+    a_ref,  # [NC, Hv, C, C]
+    gc_ref,  # f32[NC, Hv, C]  per-segment cumulative log-decay
+    gl_ref,  # f32[NC, Hv, C]  gc at the segment's last token in the chunk
+    pool_in_ref,  # f32[R, Hv, K, V]  (aliased with pool_ref)
+    o_ref,  # [Tp, Hv, V]
+    pool_ref,  # f32[R, Hv, K, V]
+    *,
+    group: int,
+    chunk: int,
+    block_v: int,
+    num_tokens: int,
+    precision,
+):
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_seqs = pl.num_programs(0)
+    hk = h // group
+    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    start, end = cu_ref[n], cu_ref[n + 1]
+    row, flags = rows_ref[n], flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    read = live & ((flags & FLAG_HAS_INITIAL) != 0)
+    lo = jnp.where(n == 0, 0, start)
+    hi = jnp.where(n == num_seqs - 1, num_tokens, end)
+    kd = pool_in_ref.shape[2]
+    s0 = plt.load(
+        pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), read), other=0.0
+    )
+    dt = w_ref.dtype
+    dot = functools.partial(pl.dot, precision=precision)
+    idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    def body(c, s):  # s: f32[K, block_v]
+        r = c * chunk + idx
+        in_seq = (r >= start) & (r < end) & live
+        own = (r >= lo) & (r < hi)
+        rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        gc = gc_ref[c, h, :]
+        gl = gl_ref[c, h, :]
+        sb = s.astype(dt)
+        v_new = u_ref[c, h, :, vs].astype(jnp.float32) - dot(w_ref[c, h, :, :], sb)
+        v_new = jnp.where(in_seq[:, None], v_new, 0.0)
+        vb_ = v_new.astype(dt)
+        qg = (q_ref[rs, hk, :].astype(jnp.float32) * jnp.exp(gc)[:, None]).astype(dt)
+        o = dot(qg, sb) + dot(a_ref[c, h, :, :], vb_)
+        o = jnp.where(in_seq[:, None], o, 0.0)
+        plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=own[:, None])
+        any_in = jnp.sum(in_seq.astype(jnp.int32)) > 0
+        g_last = jnp.max(jnp.where(in_seq, gl, -jnp.inf))
+        d_last = jnp.where(any_in, jnp.exp(g_last), 1.0)
+        kdec = jnp.exp(jnp.where(in_seq, gl - gc, -jnp.inf))
+        kg = (k_ref[rs, hk, :].astype(jnp.float32) * kdec[:, None]).astype(dt)
+        return s * d_last + dot(kg, vb_, trans_a=True)
+
+    s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, body, s0)
+
+    @pl.when(live)
+    def _():
+        pool_ref[row, h, :, vs] = s
+
+
+def _chunk_call(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_dtype, num_tokens, block_v,
+                num_warps, num_stages, interpret):
+    tp, hk, kd = qn.shape
+    nc, hv, chunk, vd = u.shape
+    precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, num_tokens=num_tokens, precision=precision
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((tp, hv, vd), out_dtype),
+            jax.ShapeDtypeStruct(pool.shape, jnp.float32),
+        ),
+        grid=(rows.shape[0], hv, vd // block_v),
+        input_output_aliases={10: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gdn_chunk",
+    )(cu_seqlens, rows, flags, qn, kn, w, u, a, gc, gl, pool)
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def _unit_lower_inverse(lmat, method: str):
+    """``(I + L)^-1`` for strictly lower-triangular ``L: f32[..., C, C]``."""
+    c = lmat.shape[-1]
+    eye = jnp.eye(c, dtype=lmat.dtype)
+    if method == "solve":
+        eye_b = jnp.broadcast_to(eye, lmat.shape)
+        return lax.linalg.triangular_solve(
+            lmat + eye, eye_b, left_side=True, lower=True, unit_diagonal=True
+        )
+    # (I + L)^-1 = sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)...: L is nilpotent (L^C = 0).
+    mm = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
+    power = -lmat
+    inv = eye + power
+    for _ in range(int(np.log2(c)) - 1):
+        power = mm(power, power)
+        inv = inv + mm(inv, power)
+    return inv
+
+
+def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, inverse):
+    """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel."""
+    num_tokens, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    group = hv // hk
+    dt = q.dtype
+    prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
+    num_chunks = -(-num_tokens // chunk)
+    tp = num_chunks * chunk
+    num_seqs = cu_seqlens.shape[0] - 1
+
+    def pad(x):
+        return jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
+
+    t = jnp.arange(tp, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+    valid = (seq >= 0) & (seq < num_seqs) & (t < num_tokens)
+    seg = jnp.where(valid, seq, -1).reshape(num_chunks, chunk)  # i32[NC, C]
+
+    qf, kf = pad(q).astype(jnp.float32), pad(k).astype(jnp.float32)
+    if use_qk_l2norm:
+        qf, kf = _l2norm(qf), _l2norm(kf)
+    qn, kn = (qf * scale).astype(dt), kf.astype(dt)  # [Tp, Hk, K]
+
+    def heads_first(x, h):  # [Tp, h, ...] -> [NC, h, C, ...]
+        x = x.reshape(num_chunks, chunk, h, *x.shape[2:])
+        return jnp.moveaxis(x, 2, 1)
+
+    gch = heads_first(jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0), hv)  # f32[NC, Hv, C]
+    bch = heads_first(jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0), hv)  # f32[NC, Hv, C]
+    qc, kc = heads_first(qn, hk), heads_first(kn, hk)  # [NC, Hk, C, K]
+    vc = heads_first(pad(v).astype(jnp.float32), hv)  # f32[NC, Hv, C, V]
+
+    pos = jnp.arange(chunk, dtype=jnp.int32)
+    prev = jnp.concatenate([jnp.full((num_chunks, 1), -2, jnp.int32), seg[:, :-1]], axis=1)
+    nxt = jnp.concatenate([seg[:, 1:], jnp.full((num_chunks, 1), -2, jnp.int32)], axis=1)
+    first = lax.cummax(jnp.where(seg != prev, pos, 0), axis=1)  # i32[NC, C] segment start
+    last = lax.cummin(jnp.where(seg != nxt, pos, chunk - 1), axis=1, reverse=True)  # segment end
+    cs = jnp.cumsum(gch, axis=-1)
+    gc = cs - jnp.take_along_axis(cs - gch, first[:, None, :], axis=-1)  # f32[NC, Hv, C]
+    gl = jnp.take_along_axis(gc, last[:, None, :], axis=-1)
+
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    incl = (same & (pos[:, None] >= pos[None, :]))[:, None]  # [NC, 1, C, C]
+    strict = (same & (pos[:, None] > pos[None, :]))[:, None]
+    decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # f32[NC, Hv, C, C]
+
+    def expand(x):  # [NC, Hk, ...] -> [NC, Hv, ...]
+        return jnp.repeat(x, group, axis=1) if group > 1 else x
+
+    ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=jnp.float32)
+    kk = expand(ein("nhik,nhjk->nhij", kc, kc))
+    lmat = jnp.where(strict, kk * decay * bch[..., :, None], 0.0)
+    tinv = _unit_lower_inverse(lmat, inverse)  # f32[NC, Hv, C, C]
+    kb = expand(kc.astype(jnp.float32)) * (bch * jnp.exp(gc))[..., None]
+    hi = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST if dt == jnp.float32 else None,
+                           preferred_element_type=jnp.float32)
+    w = hi("nhij,nhjk->nhik", tinv.astype(dt), kb.astype(dt)).astype(dt)
+    u = hi("nhij,nhjv->nhiv", tinv.astype(dt), (vc * bch[..., None]).astype(dt)).astype(dt)
+    a = (expand(ein("nhik,nhjk->nhij", qc, kc)) * decay).astype(dt)
+    return qn, kn, w, u, a, gc, gl
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "inverse", "interpret"),
+    donate_argnames=("pool",),
+)
+def chunk_gated_delta_rule_pool(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    pool: jax.Array,  # f32[R, Hv, K, V]  donated, updated in place
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    rows: jax.Array,  # i32[N]
+    flags: jax.Array,  # i32[N]  FLAG_HAS_INITIAL | FLAG_LIVE
+    scale: float,
+    use_qk_l2norm: bool = False,
+    block_v: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    inverse: str = "solve",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``."""
+    num_tokens, _, kd = q.shape
+    vd = v.shape[2]
+    _check_pow2("K", kd)
+    _check_pow2("V", vd)
+    block_v = min(block_v, vd)
+    _check_pow2("block_v", block_v)
+    if inverse not in ("solve", "doubling"):
+        raise ValueError(f"inverse must be 'solve' or 'doubling', got {inverse!r}")
+    qn, kn, w, u, a, gc, gl = _prepare(
+        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK, inverse=inverse
+    )
+    o, pool = _chunk_call(
+        qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, num_tokens=num_tokens,
+        block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+    return o[:num_tokens], pool
+
+
+def chunk_gated_delta_rule_pallas(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Kernel for ``kvjax.ops.chunk_gated_delta_rule``: ``(o: [T, Hv, V], final: f32[N, Hv, K, V])``."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
+    if initial_state is None:
+        pool = jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
+        flags = jnp.full((num_seqs,), FLAG_LIVE, jnp.int32)
+    else:
+        pool = jnp.array(initial_state, jnp.float32, copy=True)
+        flags = jnp.full((num_seqs,), FLAG_LIVE | FLAG_HAS_INITIAL, jnp.int32)
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    return chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+    )

@@ -1,0 +1,210 @@
+"""Recurrent (stepwise) gated delta rule as a Pallas kernel (Triton lowering): decode and verification.
+
+One program per (sequence row ``n``, value head ``h``, block of ``block_v`` value columns). It holds the state
+slice ``S: f32[K, block_v]`` in registers, walks the row's tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and
+updates ``S`` with the delta rule. Value columns of the state are independent, so splitting ``V`` costs no
+extra state traffic: each program reads and writes its ``K * block_v * 4`` bytes exactly once.
+
+The state lives in a *pool* ``f32[R, Hv, K, V]`` addressed by a per-row index ``rows[n]``: for the public op
+the pool is ``initial_state`` (``rows = arange(N)``), for the slot-addressed GDN pool it is the layer's
+flattened ``[L * (S + 1)]`` slots. The pool is aliased input -> output (``input_output_aliases``), so under
+jit with a donated pool the update happens in place. Per row ``flags[n]``: bit 0 = read the initial state
+(else start from zeros), bit 1 = the row is live (else it is padding: nothing read, computed or written,
+and its tokens' outputs are zero). Tokens outside every sequence get zero outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+L2NORM_EPS = 1e-6
+FLAG_HAS_INITIAL = 1
+FLAG_LIVE = 2
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+
+
+def _zero_tokens(o_ref, h, vs, lo, hi, block_v):
+    def body(t, carry):
+        o_ref[t, h, vs] = jnp.zeros((block_v,), o_ref.dtype)
+        return carry
+
+    lax.fori_loop(lo, hi, body, 0)
+
+
+def _recurrent_kernel(
+    cu_ref,  # i32[N+1]
+    rows_ref,  # i32[N]  pool row of each sequence
+    flags_ref,  # i32[N]  bit0 has_initial_state, bit1 live
+    q_ref,  # [T, Hk, K]
+    k_ref,  # [T, Hk, K]
+    v_ref,  # [T, Hv, V]
+    g_ref,  # f32[T, Hv]
+    beta_ref,  # [T, Hv]
+    pool_in_ref,  # f32[R, Hv, K, V]  (aliased with pool_ref)
+    o_ref,  # [T, Hv, V]
+    pool_ref,  # f32[R, Hv, K, V]
+    *,
+    group: int,
+    scale: float,
+    use_qk_l2norm: bool,
+    block_v: int,
+    num_tokens: int,
+):
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_seqs = pl.num_programs(0)
+    hk = h // group
+    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    start, end = cu_ref[n], cu_ref[n + 1]
+    row, flags = rows_ref[n], flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    has_init = (flags & FLAG_HAS_INITIAL) != 0
+
+    @pl.when(live)
+    def _():
+        s0 = pool_in_ref[row, h, :, vs]
+        s0 = jnp.where(has_init, s0, jnp.zeros_like(s0))
+
+        def step(t, s):  # s: f32[K, block_v]
+            q = q_ref[t, hk, :].astype(jnp.float32)
+            k = k_ref[t, hk, :].astype(jnp.float32)
+            if use_qk_l2norm:
+                q, k = _l2norm(q), _l2norm(k)
+            v = v_ref[t, h, vs].astype(jnp.float32)
+            decay = jnp.exp(g_ref[t, h].astype(jnp.float32))
+            beta = beta_ref[t, h].astype(jnp.float32)
+            s = s * decay
+            delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
+            s = s + k[:, None] * delta[None, :]
+            o = jnp.sum(s * q[:, None], axis=0) * scale
+            o_ref[t, h, vs] = o.astype(o_ref.dtype)
+            return s
+
+        s = lax.fori_loop(start, end, step, s0)
+        pool_ref[row, h, :, vs] = s
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        _zero_tokens(o_ref, h, vs, start, end, block_v)
+
+    @pl.when(n == 0)
+    def _():
+        _zero_tokens(o_ref, h, vs, 0, start, block_v)
+
+    @pl.when(n == num_seqs - 1)
+    def _():
+        _zero_tokens(o_ref, h, vs, end, num_tokens, block_v)
+
+
+def _recurrent_call(
+    q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_qk_l2norm, block_v, num_warps, interpret
+):
+    num_tokens, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    num_seqs = rows.shape[0]
+    kernel = functools.partial(
+        _recurrent_kernel,
+        group=hv // hk,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        block_v=block_v,
+        num_tokens=num_tokens,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
+            jax.ShapeDtypeStruct(pool.shape, jnp.float32),
+        ),
+        grid=(num_seqs, hv, vd // block_v),
+        input_output_aliases={8: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_recurrent",
+    )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
+
+
+def _check_pow2(name: str, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"the Pallas GDN kernels need power-of-two {name}, got {value}")
+
+
+def _pick_block_v(vd: int, block_v: int | None) -> int:
+    bv = min(vd, block_v or 32)
+    _check_pow2("block_v", bv)
+    if vd % bv:
+        raise ValueError(f"block_v={bv} must divide V={vd}")
+    return bv
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    donate_argnames=("pool",),
+)
+def recurrent_gated_delta_rule_pool(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    pool: jax.Array,  # f32[R, Hv, K, V]  donated, updated in place
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    rows: jax.Array,  # i32[N]  pool row per sequence
+    flags: jax.Array,  # i32[N]  FLAG_HAS_INITIAL | FLAG_LIVE
+    scale: float,
+    use_qk_l2norm: bool = False,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Stepwise gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
+
+    Non-live rows (``flags & FLAG_LIVE == 0``) are neither read nor written and their tokens get ``o = 0``.
+    """
+    kd, vd = q.shape[2], v.shape[2]
+    _check_pow2("K", kd)
+    _check_pow2("V", vd)
+    return _recurrent_call(
+        q, k, v, g, beta, pool, cu_seqlens, rows, flags,
+        scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=_pick_block_v(vd, block_v), num_warps=num_warps,
+        interpret=interpret,
+    )
+
+
+def recurrent_gated_delta_rule_pallas(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Kernel for ``kvjax.ops.recurrent_gated_delta_rule``: ``(o: [T, Hv, V], final: f32[N, Hv, K, V])``."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
+    if initial_state is None:
+        pool = jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
+        flags = jnp.full((num_seqs,), FLAG_LIVE, jnp.int32)
+    else:
+        pool = jnp.array(initial_state, jnp.float32, copy=True)
+        flags = jnp.full((num_seqs,), FLAG_LIVE | FLAG_HAS_INITIAL, jnp.int32)
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    return recurrent_gated_delta_rule_pool(
+        q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+    )
