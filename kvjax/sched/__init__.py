@@ -1,1 +1,19 @@
-"""Host-side cache manager and scheduler. Pure Python + numpy: this package never imports jax."""
+"""Host-side cache manager and scheduler. Pure Python + numpy: this package never imports jax.
+
+Modules, one concept each: ``slots`` (GDN slot allocator), ``blocks`` (head-wise page allocator and block tables,
+pool policies ``shared`` / ``partitioned``), ``recycle`` (the SWA recycle rule and policies ``none`` / ``timely``),
+``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler``, ``workload`` and ``simulate`` (the
+capacity simulator behind ``python -m kvjax simulate``).
+"""
+
+from kvjax.sched.blocks import POOLS, BlockAllocator
+from kvjax.sched.plan import StepPlan, seq_buckets, token_buckets
+from kvjax.sched.recycle import NoRecycle, RecyclePolicy, TimelyRecycle, recycle_out_of_window
+from kvjax.sched.request import Request, Status
+from kvjax.sched.scheduler import Scheduler
+from kvjax.sched.slots import PAD_SLOT, SlotAllocator
+
+__all__ = [
+    "POOLS", "PAD_SLOT", "BlockAllocator", "NoRecycle", "RecyclePolicy", "Request", "Scheduler", "SlotAllocator",
+    "Status", "StepPlan", "TimelyRecycle", "recycle_out_of_window", "seq_buckets", "token_buckets",
+]

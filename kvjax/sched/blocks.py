@@ -1,0 +1,191 @@
+"""Head-wise page allocator and block tables for a group of attention layers that share one table layout.
+
+Every KV head of every sequence has its own row of logical blocks: position ``p`` of head ``h`` of the request in
+table row ``r`` lives in page ``tables[r, h, p // page_size]``; ``-1`` is a hole (never allocated, or recycled).
+The table row of a request is its GDN slot id, so ``tables`` has ``max_seqs + 1`` rows and row 0 (PAD) stays all
+``-1``: gathering ``tables[gdn_slots]`` gives a batch's block tables, and a padding row gets only holes.
+
+Pool policies (how heads share the ``num_pages`` single-head pages of a layer):
+
+- ``shared``: one free list; a page freed by a SWA head can serve any head.
+- ``partitioned``: the seed's per-head free lists. Head ``h`` owns pages ``[h * P, (h + 1) * P)`` with
+  ``P = num_pages // H_kv`` (``num_pages`` must be a multiple of ``H_kv``), so a page recycled by a SWA head only
+  ever serves that head again.
+
+Every head writes every position, so all heads of a row always cover the same number of logical blocks
+(``num_blocks[r]``); they differ only in which blocks were recycled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.errors import DoubleFreeError, OutOfPagesError, RequestTooLongError
+
+POOLS = ("shared", "partitioned")
+
+
+class BlockAllocator:
+    """Pages and head-wise block tables. Rows are GDN slot ids ``1..max_seqs``; row 0 is the all-hole PAD row."""
+
+    def __init__(self, cache: CacheConfig, attention: AttentionConfig, pool: str = "shared") -> None:
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        h_kv = attention.num_kv_heads
+        self.cache, self.attention, self.pool = cache, attention, pool
+        self.page_size = cache.page_size
+        self.num_heads = h_kv
+        self.window = np.asarray(attention.window, np.int64)  # i64[H_kv]; 0 = full head
+        self.sinks = np.asarray(attention.sinks, np.int64)  # i64[H_kv]
+        self.swa_heads = np.flatnonzero(self.window > 0)  # i64[n_swa]
+        if pool == "partitioned":
+            if cache.num_pages % h_kv:
+                raise ValueError(
+                    f"partitioned pool: num_pages={cache.num_pages} must be a multiple of num_kv_heads={h_kv} "
+                    "(each head gets num_pages // num_kv_heads pages)"
+                )
+            per = cache.num_pages // h_kv
+            self.pool_of_head = np.arange(h_kv)  # i32[H_kv]
+            ranges = [range(h * per, (h + 1) * per) for h in range(h_kv)]
+        else:
+            self.pool_of_head = np.zeros(h_kv, np.int64)  # i32[H_kv]
+            ranges = [range(cache.num_pages)]
+        self.heads_in_pool = np.bincount(self.pool_of_head, minlength=len(ranges)).tolist()  # heads of each pool
+        self.pool_pages = [len(r) for r in ranges]
+        self._free: list[list[int]] = [list(reversed(r)) for r in ranges]  # pop() -> lowest page id
+        rows = cache.max_seqs + 1
+        self.tables = np.full((rows, h_kv, cache.max_blocks_per_seq), -1, np.int32)  # i32[max_seqs+1, H_kv, max_blocks]
+        self.num_blocks = [0] * rows  # [max_seqs+1] (list: read per request per step): blocks covered by each row
+        self.recycled_upto = np.zeros((rows, h_kv), np.int64)  # i64[max_seqs+1, H_kv]: recycle cursor (blocks)
+        self.owner_row = np.full(cache.num_pages, -1, np.int32)  # i32[num_pages]: row holding each page, -1 free
+        self.owner_head = np.full(cache.num_pages, -1, np.int32)  # i32[num_pages]: head holding each page
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks that cover positions ``[0, num_tokens)``."""
+        return -(-num_tokens // self.page_size)
+
+    def free_pages(self) -> list[int]:
+        """Free pages per pool (one entry for ``shared``, ``H_kv`` for ``partitioned``)."""
+        return [len(f) for f in self._free]
+
+    def available(self) -> float:
+        """Fraction of all pages that are free, as a float in [0, 1] (no integer truncation)."""
+        return sum(self.free_pages()) / float(self.cache.num_pages)
+
+    def used_pages(self) -> int:
+        return self.cache.num_pages - sum(self.free_pages())
+
+    def pages_needed(self, row: int, num_tokens: int) -> np.ndarray:
+        """i64[num_pools]: pages each pool must give so ``row`` covers ``[0, num_tokens)`` on every head."""
+        new_blocks = max(0, self.blocks_for(num_tokens) - self.num_blocks[row])
+        return np.asarray(self.heads_in_pool, np.int64) * new_blocks
+
+    def can_allocate(self, row: int, num_tokens: int, reserve: float = 0.0) -> bool:
+        """Whether ``allocate(row, num_tokens)`` would succeed leaving ``reserve`` (fraction) of each pool free."""
+        return self.can_fit(max(0, self.blocks_for(num_tokens) - self.num_blocks[row]), reserve)
+
+    def can_fit(self, new_blocks: int, reserve: float = 0.0) -> bool:
+        """Whether ``new_blocks`` more blocks on every head fit, leaving ``reserve`` of each pool free."""
+        if new_blocks <= 0:
+            return True
+        need = [new_blocks * k for k in self.heads_in_pool]
+        return all(n + reserve * size <= len(f) for n, size, f in zip(need, self.pool_pages, self._free))
+
+    # ---- updates -------------------------------------------------------------------------------------------
+    def allocate(self, row: int, num_tokens: int) -> None:
+        """Give ``row`` pages on every head for the blocks that ``[0, num_tokens)`` adds; all or nothing.
+
+        Raises :class:`RequestTooLongError` past ``max_blocks_per_seq`` and :class:`OutOfPagesError` when a pool
+        is short; in both cases nothing changes.
+        """
+        self._check_row(row)
+        start, stop = self.num_blocks[row], self.blocks_for(num_tokens)
+        if stop > self.cache.max_blocks_per_seq:
+            raise RequestTooLongError(
+                f"{num_tokens} tokens need {stop} blocks > max_blocks_per_seq={self.cache.max_blocks_per_seq}"
+            )
+        if stop <= start:
+            return
+        need = self.pages_needed(row, num_tokens)
+        short = [(p, int(n), len(self._free[p])) for p, n in enumerate(need) if n > len(self._free[p])]
+        if short:
+            raise OutOfPagesError(f"row {row}: (pool, pages needed, free) = {short}")
+        for h in range(self.num_heads):
+            free = self._free[int(self.pool_of_head[h])]
+            pages = [free.pop() for _ in range(stop - start)]
+            self.tables[row, h, start:stop] = pages
+            self.owner_row[pages] = row
+            self.owner_head[pages] = h
+        self.num_blocks[row] = stop
+
+    def free_ranges(self, rows: np.ndarray, heads: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> int:
+        """Return the pages of blocks ``[starts[k], stops[k])`` of ``(rows[k], heads[k])`` for every ``k``
+        (``i64[K]`` each; holes are skipped) and set those entries to -1. Vectorised; returns pages freed."""
+        counts = np.maximum(np.asarray(stops, np.int64) - starts, 0)
+        total = int(counts.sum())
+        if total == 0:
+            return 0
+        offsets = np.cumsum(counts) - counts
+        rr, hh = np.repeat(rows, counts), np.repeat(heads, counts)
+        bb = np.arange(total) - np.repeat(offsets - np.asarray(starts, np.int64), counts)
+        pages = self.tables[rr, hh, bb]
+        held = pages >= 0
+        rr, hh, bb, pages = rr[held], hh[held], bb[held], pages[held]
+        if ((self.owner_row[pages] != rr) | (self.owner_head[pages] != hh)).any():
+            raise DoubleFreeError(f"pages {pages.tolist()} are not owned by the (row, head) freeing them")
+        self.tables[rr, hh, bb] = -1
+        self.owner_row[pages] = -1
+        self.owner_head[pages] = -1
+        if len(self._free) == 1:
+            self._free[0].extend(pages.tolist())
+        else:
+            pools = self.pool_of_head[hh]
+            for p in np.unique(pools).tolist():
+                self._free[p].extend(pages[pools == p].tolist())
+        return len(pages)
+
+    def free_row(self, row: int) -> int:
+        """Return every page of ``row`` (all heads) and reset it to holes; returns the number of pages freed."""
+        self._check_row(row)
+        n, h = self.num_blocks[row], self.num_heads
+        freed = self.free_ranges(np.full(h, row), np.arange(h), np.zeros(h, np.int64), np.full(h, n))
+        self.num_blocks[row] = 0
+        self.recycled_upto[row] = 0
+        return freed
+
+    def _check_row(self, row: int) -> None:
+        if not 1 <= row <= self.cache.max_seqs:
+            raise ValueError(f"block-table row must be a GDN slot in 1..{self.cache.max_seqs}, got {row}")
+
+    # ---- invariants ----------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless: no page is owned twice, free + used == total per pool, the tables and
+        the ownership arrays agree, partitioned heads only hold their own pages, and row 0 is all holes."""
+        t = self.tables
+        if (t[0] != -1).any():
+            raise AssertionError("PAD row 0 of the block tables holds pages")
+        used = t[t >= 0]
+        if len(np.unique(used)) != len(used):
+            raise AssertionError("a page appears twice in the block tables")
+        free = [p for f in self._free for p in f]
+        if len(set(free)) != len(free) or set(free) & set(used.tolist()):
+            raise AssertionError("a page is free twice, or both free and in a table")
+        if len(free) + len(used) != self.cache.num_pages:
+            raise AssertionError(f"free {len(free)} + used {len(used)} != total {self.cache.num_pages}")
+        rows, heads, blocks = np.nonzero(t >= 0)
+        pages = t[rows, heads, blocks]
+        if (self.owner_row[pages] != rows).any() or (self.owner_head[pages] != heads).any():
+            raise AssertionError("block tables disagree with page ownership")
+        if (self.owner_row >= 0).sum() != len(used) or (self.owner_row[free] != -1).any():
+            raise AssertionError("ownership array marks pages that no table holds")
+        if (blocks >= np.asarray(self.num_blocks)[rows]).any():
+            raise AssertionError("a table entry lies past its row's num_blocks")
+        if self.pool == "partitioned":
+            per = self.pool_pages[0]
+            if (pages // per != heads).any():
+                raise AssertionError("partitioned pool: a head holds another head's page")
+            for h, f in enumerate(self._free):
+                if any(p // per != h for p in f):
+                    raise AssertionError(f"partitioned pool: head {h}'s free list holds a foreign page")

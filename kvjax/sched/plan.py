@@ -1,0 +1,130 @@
+"""``StepPlan``: one step's fixed-shape host arrays, padded to static buckets, and the builder.
+
+Buckets. ``T`` (tokens) is the smallest entry of ``token_buckets(max_num_batched_tokens)`` = powers of two from
+16 below the budget, then the budget itself (budget 2048: 16, 32, …, 1024, 2048). ``B`` (rows) is the smallest
+entry of ``seq_buckets(max_seqs)`` = powers of two from 8 below ``max_seqs``, then ``max_seqs``. The block
+axis is the smallest entry of ``seq_buckets``-style powers of two from 8 below ``max_blocks_per_seq``, then
+``max_blocks_per_seq``, that covers every row's context. A long run therefore compiles
+``len(T set) * len(B set) * len(block set)`` shapes at most.
+
+Padding. Tokens past ``cu_seqlens[num_seqs]``: token id 0, position 0, slot mapping ``-1`` on every head.
+Rows past ``num_seqs``: ``cu_seqlens`` length 0, ``seq_lens`` 0, GDN slot 0 (PAD), ``has_initial_state``
+False, all-``-1`` block tables, ``logits_indices`` 0, ``sample_mask`` False.
+Every array is built fresh from the requests scheduled this step, so a batch row never carries a previous
+request's slot id or blocks.
+
+Sampling. ``logits_indices[b]`` is the token (index into ``T``) whose logits row ``b`` returns: its last token
+for a real row (always in ``[0, T)``, as :class:`kvjax.engine.inputs.StepInputs` requires) and 0 for padding.
+``sample_mask[b]`` is True iff that token is the last known token of the request (end of prefill or a decode),
+i.e. the sampled token is appended; a mid-prefill chunk's logits are discarded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.request import Request
+
+DEVICE_FIELDS = ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
+                 "block_tables", "slot_mapping", "logits_indices")
+
+
+def pow2_buckets(limit: int, smallest: int) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``limit``, then ``limit``."""
+    out, b = [], smallest
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    return pow2_buckets(max_num_batched_tokens, 16)
+
+
+def seq_buckets(max_seqs: int) -> tuple[int, ...]:
+    return pow2_buckets(max_seqs, 8)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= ``n``; raises ``ValueError`` if ``n`` exceeds the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One step's inputs (numpy; field names match ``StepInputs``) plus host bookkeeping."""
+
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    cu_seqlens: np.ndarray  # i32[B+1]
+    seq_lens: np.ndarray  # i32[B]: context length including this step's tokens; 0 for padding rows
+    gdn_slots: np.ndarray  # i32[B]: 1..max_seqs; 0 (PAD) for padding rows
+    has_initial_state: np.ndarray  # bool[B]
+    block_tables: np.ndarray  # i32[B, H_kv, max_blocks_bucket]; -1 holes
+    slot_mapping: np.ndarray  # i32[T, H_kv]: page * page_size + offset; -1 skip
+    logits_indices: np.ndarray  # i32[B]: in [0, T)
+    sample_mask: np.ndarray  # bool[B]: row appends its sampled token
+    query_lens: np.ndarray  # i32[B]: tokens of each row this step (0 for padding)
+    request_ids: tuple  # request id of rows 0..num_seqs-1
+    num_tokens: int  # real tokens (<= T)
+    num_seqs: int  # real rows (<= B)
+    step: int  # scheduler step that produced this plan
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The fields ``StepInputs.from_numpy`` takes."""
+        return {name: getattr(self, name) for name in DEVICE_FIELDS}
+
+
+def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAllocator,
+               t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...]) -> StepPlan:
+    """Lay out ``scheduled`` = [(request, tokens this step)] (blocks already allocated) as a padded plan."""
+    nseq = len(scheduled)
+    n = np.array([k for _, k in scheduled], np.int64)
+    start = np.array([r.num_computed for r, _ in scheduled], np.int64)
+    slots = np.array([r.slot for r, _ in scheduled], np.int64)
+    ntok = int(n.sum())
+    T, B = bucket(max(ntok, 1), t_buckets), bucket(max(nseq, 1), b_buckets)
+    ps = blocks.page_size
+
+    cu = np.zeros(B + 1, np.int32)
+    np.cumsum(n, out=cu[1: nseq + 1])
+    cu[nseq + 1:] = ntok
+    seq_lens = np.zeros(B, np.int32)
+    seq_lens[:nseq] = start + n
+    query_lens = np.zeros(B, np.int32)
+    query_lens[:nseq] = n
+    gdn_slots = np.zeros(B, np.int32)
+    gdn_slots[:nseq] = slots
+    has_init = np.zeros(B, bool)
+    has_init[:nseq] = start > 0
+
+    token_ids = np.zeros(T, np.int32)
+    if nseq:
+        token_ids[:ntok] = np.concatenate([r.token_ids[r.num_computed: r.num_computed + k] for r, k in scheduled])
+    positions = np.zeros(T, np.int32)
+    pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)
+    positions[:ntok] = pos
+
+    nblk = bucket(max(int(-(-seq_lens.max() // ps)), 1), blk_buckets)
+    block_tables = blocks.tables[gdn_slots, :, :nblk]  # fancy index: a copy; row 0 (PAD) is all -1
+    H = blocks.num_heads
+    slot_mapping = np.full((T, H), -1, np.int32)
+    tok_row = np.repeat(np.arange(nseq), n)
+    pages = block_tables[tok_row[:, None], np.arange(H)[None, :], (pos // ps)[:, None]]
+    slot_mapping[:ntok] = pages * ps + (pos % ps)[:, None]
+
+    logits_indices = np.zeros(B, np.int32)
+    logits_indices[:nseq] = cu[1: nseq + 1] - 1
+    sample_mask = np.zeros(B, bool)
+    sample_mask[:nseq] = start + n == np.array([r.num_tokens for r, _ in scheduled], np.int64)
+    return StepPlan(token_ids, positions, cu, seq_lens, gdn_slots, has_init, block_tables, slot_mapping,
+                    logits_indices, sample_mask, query_lens, tuple(r.request_id for r, _ in scheduled), ntok,
+                    nseq, step)

@@ -1,0 +1,145 @@
+"""SWA block recycling: the rule, the per-step policies, and page footprints derived from the rule.
+
+The rule (DESIGN.md). A query at position ``i`` attends key ``j`` iff ``j <= i`` and (``i - j < window`` or
+``j < sinks``). Before a step, a request has ``L`` computed tokens; this step's and all later queries sit at
+``i >= L``. So a non-sink key ``j`` is still needed iff ``j >= L - window + 1``, and block ``b`` (positions
+``[b*ps, (b+1)*ps)``) of a SWA head is recyclable iff
+
+- its last position is out of every future window: ``(b + 1) * ps <= L - window + 1``, and
+- it holds no sink position: ``b * ps >= sinks``, i.e. ``b >= ceil(sinks / ps)``, and
+- (block-boundary rule) it is not the block that holds position ``L``, written this step: ``b < L // ps``.
+  The first condition already implies this for ``window >= 1``; it is enforced explicitly anyway.
+
+Full-attention heads (``window == 0``) never recycle.
+
+A policy is an object with one method, ``recycle(blocks, rows, num_computed) -> pages freed``, that the scheduler
+calls at the start of every step with its running requests. A new policy is a few lines, e.g.::
+
+    class LazyRecycle:
+        frees_swa_blocks = True
+        def __init__(self, threshold): self.threshold = threshold
+        def recycle(self, blocks, rows, num_computed):
+            return recycle_out_of_window(blocks, rows, num_computed) if blocks.available() < self.threshold else 0
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from kvjax.sched.blocks import BlockAllocator
+
+
+def first_recyclable_block(sinks: np.ndarray | int, page_size: int) -> np.ndarray:
+    """i64[...]: the lowest block index that holds no sink position, ``ceil(sinks / page_size)``."""
+    return -(-np.asarray(sinks, np.int64) // page_size)
+
+
+def recycle_stop(num_computed: np.ndarray | int, window: np.ndarray | int, page_size: int) -> np.ndarray:
+    """Blocks ``[0, stop)`` are out of the window of every query at ``>= num_computed`` (0 for full heads).
+
+    Broadcasts ``num_computed`` against ``window``; the block-boundary rule caps ``stop`` at ``L // page_size``.
+    """
+    L = np.asarray(num_computed, np.int64)
+    w = np.asarray(window, np.int64)
+    stop = np.clip((L - w + 1) // page_size, 0, L // page_size)
+    return np.where(w > 0, stop, 0)
+
+
+def recycle_out_of_window(blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
+    """Free every recyclable block of the given rows (``rows: i64[R]``, ``num_computed: i64[R]``); returns pages
+    freed. Vectorised over rows and heads; a per-(row, head) cursor skips blocks already handled."""
+    swa = blocks.swa_heads
+    if len(swa) == 0 or len(rows) == 0:
+        return 0
+    rows = np.asarray(rows, np.int64)
+    stop = recycle_stop(np.asarray(num_computed, np.int64)[:, None], blocks.window[swa][None, :], blocks.page_size)
+    cursor = blocks.recycled_upto[rows[:, None], swa[None, :]]
+    start = np.maximum(cursor, first_recyclable_block(blocks.sinks[swa], blocks.page_size)[None, :])
+    r, k = np.nonzero(stop > start)
+    if len(r) == 0:
+        return 0
+    freed = blocks.free_ranges(rows[r], swa[k], start[r, k], stop[r, k])
+    blocks.recycled_upto[rows[r], swa[k]] = stop[r, k]
+    return freed
+
+
+class RecyclePolicy(Protocol):
+    """What the scheduler calls once per step, before it allocates this step's blocks."""
+
+    name: str
+    frees_swa_blocks: bool  # whether out-of-window blocks are (eventually) given back; sizes the too-long check
+
+    def recycle(self, blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int: ...
+
+
+class NoRecycle:
+    """``none``: blocks stay until the request finishes or is preempted."""
+
+    name = "none"
+    frees_swa_blocks = False
+
+    def recycle(self, blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
+        return 0
+
+
+class TimelyRecycle:
+    """``timely``: free a SWA head's block as soon as the rule allows, every step."""
+
+    name = "timely"
+    frees_swa_blocks = True
+
+    def recycle(self, blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
+        return recycle_out_of_window(blocks, rows, num_computed)
+
+
+RECYCLE_POLICIES = {"none": NoRecycle, "timely": TimelyRecycle}
+
+
+def make_recycle_policy(policy: "str | RecyclePolicy") -> RecyclePolicy:
+    """A policy object from its name (``none`` | ``timely``) or the object itself."""
+    if isinstance(policy, str):
+        if policy not in RECYCLE_POLICIES:
+            raise ValueError(f"recycle policy must be one of {sorted(RECYCLE_POLICIES)}, got {policy!r}")
+        return RECYCLE_POLICIES[policy]()
+    if not callable(getattr(policy, "recycle", None)):
+        raise ValueError(f"recycle policy {policy!r} has no recycle(blocks, rows, num_computed) method")
+    return policy
+
+
+# ---- footprints (for admission checks and the simulator's bound) --------------------------------------------
+def live_blocks(num_computed: np.ndarray, num_new: np.ndarray, window: np.ndarray, sinks: np.ndarray,
+                page_size: int, recycle: bool = True) -> np.ndarray:
+    """i64[N, H]: blocks a head holds during a step that starts at ``num_computed`` (``i64[N]``) and writes
+    ``num_new`` (``i64[N]``) tokens, after timely recycling (``recycle=True``) or with none (``False``).
+    ``window``, ``sinks``: ``i64[H]``."""
+    L = np.asarray(num_computed, np.int64)[:, None]
+    total = -(-(L + np.asarray(num_new, np.int64)[:, None]) // page_size)
+    total = np.broadcast_to(total, (total.shape[0], len(window)))
+    if not recycle:
+        return total.copy()
+    stop = recycle_stop(L, np.asarray(window, np.int64)[None, :], page_size)
+    first = first_recyclable_block(np.asarray(sinks, np.int64), page_size)[None, :]
+    return total - np.maximum(stop - first, 0)
+
+
+def peak_live_blocks(total_len: int, window: np.ndarray, sinks: np.ndarray, page_size: int, max_chunk: int,
+                     recycle: bool = True) -> np.ndarray:
+    """i64[H]: each head's blocks in its worst step of a request of ``total_len`` tokens running alone, with
+    chunks of up to ``max_chunk`` tokens starting anywhere (a resumed request re-prefills prompt + outputs)."""
+    return _per_step_blocks(total_len, window, sinks, page_size, max_chunk, recycle).max(axis=0)
+
+
+def peak_total_blocks(total_len: int, window: np.ndarray, sinks: np.ndarray, page_size: int, max_chunk: int,
+                      recycle: bool = True) -> int:
+    """Pages (all heads) of the worst step of a request of ``total_len`` tokens running alone."""
+    return int(_per_step_blocks(total_len, window, sinks, page_size, max_chunk, recycle).sum(axis=1).max())
+
+
+def _per_step_blocks(total_len: int, window, sinks, page_size: int, max_chunk: int, recycle: bool) -> np.ndarray:
+    # Fed tokens are positions [0, total_len - 1): the last output token is sampled, never fed.
+    fed = max(total_len - 1, 1)
+    L = np.arange(fed, dtype=np.int64)
+    n = np.minimum(max_chunk, fed - L)
+    return live_blocks(L, n, np.asarray(window, np.int64), np.asarray(sinks, np.int64), page_size, recycle)

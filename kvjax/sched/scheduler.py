@@ -1,0 +1,232 @@
+"""Continuous-batching scheduler with chunked prefill, SWA recycling and preemption by recompute.
+
+One step: ``plan = sched.schedule()`` → run the model on ``plan`` → ``sched.update(plan, sampled)``.
+
+``schedule``
+1. calls the recycle policy on every running request (out-of-window SWA blocks go back to the pool);
+2. serves running requests in order under the token budget: a decode takes 1 token, a prefill (or a resumed
+   request's re-prefill) takes ``min(left to compute, budget left)`` tokens. When the pages for a request's
+   tokens are short, the most recently admitted running request is preempted (slot and pages freed, progress
+   dropped, requeued at the front) until they fit — possibly the request itself;
+3. if nothing was preempted, admits preempted then waiting requests while the budget, a free slot and the
+   pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow;
+4. returns a :class:`~kvjax.sched.plan.StepPlan`.
+
+``update`` advances every scheduled request by its tokens, appends the sampled token where the plan samples,
+and finishes requests on ``max_new_tokens`` or eos. Every way into RUNNING (admission, resume, ``add_request(...,
+running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort, preemption) goes
+through ``_release`` which frees the slot and all pages.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.errors import RequestTooLongError
+from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
+from kvjax.sched.recycle import RecyclePolicy, make_recycle_policy, peak_live_blocks, peak_total_blocks
+from kvjax.sched.request import Request, Status
+from kvjax.sched.slots import SlotAllocator
+
+
+class Scheduler:
+    """Owns the request queues, the GDN slot allocator and the head-wise block allocator of one model.
+
+    Args:
+      cache: page size, pages per layer, ``max_seqs`` (slots and batch rows), block-table width.
+      attention: KV heads and their per-head ``window`` / ``sinks`` (one table layout for all layers).
+      max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+      pool: ``"shared"`` | ``"partitioned"`` (see :mod:`kvjax.sched.blocks`).
+      recycle: ``"none"`` | ``"timely"`` or a policy object (see :mod:`kvjax.sched.recycle`).
+      watermark: fraction of each pool kept free when admitting a new request while others run.
+    """
+
+    def __init__(self, cache: CacheConfig, attention: AttentionConfig, *, max_num_batched_tokens: int,
+                 pool: str = "shared", recycle: "str | RecyclePolicy" = "none", watermark: float = 0.01) -> None:
+        if not isinstance(cache, CacheConfig) or not isinstance(attention, AttentionConfig):
+            raise ValueError(f"need a CacheConfig and an AttentionConfig, got {type(cache).__name__}, "
+                             f"{type(attention).__name__}")
+        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+                or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.cache, self.attention = cache, attention
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark = float(watermark)
+        self.recycle_policy = make_recycle_policy(recycle)
+        self.blocks = BlockAllocator(cache, attention, pool)
+        self.slots = SlotAllocator(cache.max_seqs)
+        self.t_buckets = token_buckets(max_num_batched_tokens)
+        self.b_buckets = seq_buckets(cache.max_seqs)
+        self.blk_buckets = pow2_buckets(cache.max_blocks_per_seq, 8)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.preempted: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.step = 0
+        self.num_preemptions = 0
+        self._last_plan: StepPlan | None = None
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
+                    request_id: int | None = None, running: bool = False) -> Request:
+        """Queue a request (or, with ``running=True``, start it at once: it takes a slot now and computes from
+        the next step). Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
+        ``running`` and no slot is free; on error nothing changes."""
+        req = Request(prompt, max_new_tokens, eos_token_id, request_id)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id} is already known")
+        self._check_fits(req)
+        if running:
+            self._start(req)
+        else:
+            self.waiting.append(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request wherever it is; a running one gives back its slot and pages."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"unknown request id {request_id}")
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            (self.waiting if req.status is Status.WAITING else self.preempted).remove(req)
+        req.status = Status.ABORTED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.preempted or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Pick this step's work, allocate its pages, and return its plan (see the module docstring)."""
+        blocks, ps = self.blocks, self.cache.page_size
+        if self.running:
+            rows = np.array([r.slot for r in self.running], np.int64)
+            done = np.array([r.num_computed for r in self.running], np.int64)
+            self.recycle_policy.recycle(blocks, rows, done)
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            new_blocks = -(-(req.num_computed + n) // ps) - blocks.num_blocks[req.slot]
+            if new_blocks > 0:
+                while not blocks.can_fit(new_blocks):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not Status.RUNNING:
+                    break
+                blocks.allocate(req.slot, req.num_computed + n)
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+        while not preempted and budget > 0 and (self.preempted or self.waiting) \
+                and len(self.running) < self.cache.max_seqs:
+            queue = self.preempted if self.preempted else self.waiting
+            req = queue[0]
+            n = min(req.num_tokens, budget)
+            reserve = self.watermark if self.running else 0.0
+            if not self.blocks.can_fit(self.blocks.blocks_for(n), reserve):
+                break
+            queue.popleft()
+            self._start(req)
+            self.blocks.allocate(req.slot, n)
+            scheduled.append((req, n))
+            budget -= n
+        plan = build_plan(self.step, scheduled, self.blocks, self.t_buckets, self.b_buckets, self.blk_buckets)
+        self._last_plan = plan
+        self.step += 1
+        return plan
+
+    def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
+        """Apply a step's result: ``sampled: int[B]`` = the token sampled for each plan row (read only where
+        ``plan.sample_mask``). Returns the requests that finished."""
+        if plan is not self._last_plan:
+            raise ValueError(f"update() needs the plan of the latest schedule() (step {self.step - 1}), "
+                             f"got the plan of step {plan.step}")
+        sampled = np.asarray(sampled)
+        if sampled.shape[0] < plan.num_seqs:
+            raise ValueError(f"sampled has {sampled.shape[0]} entries, the plan has {plan.num_seqs} rows")
+        self._last_plan = None
+        finished = []
+        lens, mask, tokens = plan.query_lens.tolist(), plan.sample_mask.tolist(), sampled.tolist()
+        for b, rid in enumerate(plan.request_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status is not Status.RUNNING:  # aborted between schedule and update
+                continue
+            req.num_computed += lens[b]
+            if mask[b] and req.append(tokens[b]):
+                self.running.remove(req)
+                self._release(req)
+                req.status = Status.FINISHED
+                del self.requests[rid]
+                finished.append(req)
+        return finished
+
+    # ---- transitions ---------------------------------------------------------------------------------------
+    def _start(self, req: Request) -> None:
+        req.slot = self.slots.allocate()
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free_row(req.slot)
+        self.slots.free(req.slot)
+        req.slot = 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted.appendleft(req)
+
+    def _check_fits(self, req: Request) -> None:
+        total = req.prompt_len + req.max_new_tokens
+        if total > self.cache.max_seq_len:
+            raise RequestTooLongError(
+                f"request of {req.prompt_len} prompt + {req.max_new_tokens} new tokens = {total} > max_seq_len="
+                f"{self.cache.max_seq_len} (page_size * max_blocks_per_seq)")
+        args = (np.asarray(self.attention.window), np.asarray(self.attention.sinks), self.cache.page_size,
+                self.max_num_batched_tokens, self.recycle_policy.frees_swa_blocks)
+        if self.blocks.pool == "partitioned":
+            peak, have = int(peak_live_blocks(total, *args).max()), self.blocks.pool_pages[0]
+            where = "pages per head (partitioned pool)"
+        else:
+            peak, have, where = peak_total_blocks(total, *args), self.cache.num_pages, "pages (shared pool)"
+        if peak > have:
+            raise RequestTooLongError(
+                f"request of {total} tokens needs {peak} {where} in its worst step even alone, only {have} exist")
+
+    # ---- invariants ----------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless allocators are consistent and slots/rows match the queues."""
+        self.blocks.check_integrity()
+        self.slots.check_integrity()
+        slots = [r.slot for r in self.running]
+        if any(r.status is not Status.RUNNING for r in self.running) or 0 in slots or len(set(slots)) != len(slots):
+            raise AssertionError(f"running requests without a unique slot: {self.running}")
+        if set(slots) != self.slots.allocated:
+            raise AssertionError(f"allocated slots {sorted(self.slots.allocated)} != running slots {sorted(slots)}")
+        idle = np.setdiff1d(np.arange(1, self.cache.max_seqs + 1), slots)
+        if (self.blocks.tables[idle] != -1).any() or np.asarray(self.blocks.num_blocks)[idle].any():
+            raise AssertionError("a free slot's block-table row still holds pages")
+        for q in (self.waiting, self.preempted):
+            if any(r.slot != 0 or r.num_computed != 0 for r in q):
+                raise AssertionError(f"a queued request holds a slot or progress: {list(q)}")
+

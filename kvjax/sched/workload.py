@@ -1,0 +1,61 @@
+"""Synthetic workloads and model layouts for the capacity simulator.
+
+The seed-shaped workload copies the seed's benchmark (random fixed-IO dataset): 128 prompts with 1,356,656 input
+and 518,946 output tokens in all, i.e. means of 10,599 prompt and 4,054 output tokens per request. Lengths are
+drawn uniformly in ``mean * [1 - spread, 1 + spread]`` and multiplied by ``scale`` (to shrink the run); every
+output runs to ``max_new_tokens`` (the seed benchmarks with ``--ignore-eos``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.config import AttentionConfig, CacheConfig
+
+SEED_PROMPT_MEAN = 10_599  # 1,356,656 input tokens / 128 prompts
+SEED_OUTPUT_MEAN = 4_054  # 518,946 output tokens / 128 prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    prompt: np.ndarray  # i32[prompt_len]
+    max_new_tokens: int
+
+    @property
+    def total_len(self) -> int:
+        return int(self.prompt.size) + self.max_new_tokens
+
+
+def seed_workload(num_requests: int, *, scale: float = 1.0, spread: float = 0.25, vocab: int = 32_000,
+                  seed: int = 0) -> list[RequestSpec]:
+    """``num_requests`` requests shaped like the seed's benchmark, lengths scaled by ``scale`` (>= 1 token)."""
+    if num_requests < 1 or scale <= 0 or not 0 <= spread < 1 or vocab < 2:
+        raise ValueError(f"seed_workload: need num_requests >= 1, scale > 0, 0 <= spread < 1, vocab >= 2; got "
+                         f"{num_requests}, {scale}, {spread}, {vocab}")
+    rng = np.random.default_rng(seed)
+
+    def lengths(mean: float) -> np.ndarray:
+        return np.maximum(1, np.rint(scale * mean * rng.uniform(1 - spread, 1 + spread, num_requests))).astype(int)
+
+    prompts, outputs = lengths(SEED_PROMPT_MEAN), lengths(SEED_OUTPUT_MEAN)
+    return [RequestSpec(rng.integers(1, vocab, p, dtype=np.int32), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def swa_layout(num_kv_heads: int, swa_fraction: float, window: int, sinks: int, *, group_size: int = 2,
+               head_dim: int = 128) -> AttentionConfig:
+    """A layer whose first ``round(swa_fraction * num_kv_heads)`` KV heads are SWA (``window``, ``sinks``)."""
+    return AttentionConfig.with_swa_fraction(num_kv_heads * group_size, num_kv_heads, head_dim,
+                                             swa_fraction=swa_fraction, window=window, sinks=sinks)
+
+
+def cache_for(workload: list[RequestSpec], *, num_kv_heads: int, page_size: int, full_requests: float,
+              max_seqs: int) -> CacheConfig:
+    """Page memory that holds ``full_requests`` mean-length requests on every head without recycling; block
+    tables wide enough for the longest request."""
+    mean_len = float(np.mean([w.total_len for w in workload]))
+    pages = int(np.ceil(full_requests * -(-mean_len // page_size))) * num_kv_heads
+    longest = max(w.total_len for w in workload)
+    return CacheConfig(page_size=page_size, num_pages=pages, max_seqs=max_seqs,
+                       max_blocks_per_seq=-(-longest // page_size))
