@@ -1,0 +1,322 @@
+"""Gated DeltaNet (gated delta rule) ops: chunked (prefill) and recurrent (decode / verification) forms.
+
+Semantics are those of Hugging Face transformers' ``qwen3_5`` ``torch_chunk_gated_delta_rule`` and
+``torch_recurrent_gated_delta_rule``, over a ragged (varlen) token-major batch. For every sequence ``n``
+(tokens ``cu_seqlens[n] : cu_seqlens[n+1]``) and value head ``j`` (q/k head ``h = j // (Hv // Hk)``), with
+the state ``S: f32[K, V]`` starting from ``initial_state[n, j]`` (zeros if ``None``)::
+
+    q_t, k_t = l2norm(q_t), l2norm(k_t)            # only if use_qk_l2norm; l2norm(x) = x * rsqrt(|x|^2 + 1e-6)
+    S   = exp(g_t) * S                             # g: log-decay, <= 0
+    S   = S + k_t (beta_t * (v_t - S^T k_t))^T     # delta rule
+    o_t = scale * S^T q_t                          # scale defaults to K ** -0.5
+
+Tokens outside every sequence (``t < cu_seqlens[0]`` or ``t >= cu_seqlens[N]``, the padding of a static
+token bucket) get ``o_t = 0``. An empty sequence writes no outputs and returns its initial state (or zeros).
+
+Kernel contract
+---------------
+The public ops validate their arguments on the host (at trace time), resolve ``scale`` to a Python float and
+then call the implementation chosen by :func:`kvjax.ops.dispatch.resolve` with exactly::
+
+    fn(q, k, v, g, beta, *, cu_seqlens, initial_state, scale, use_qk_l2norm)   # kernels also get interpret=
+
+    q, k:          [T, Hk, K]  float (same dtype as v)
+    v:             [T, Hv, V]  float, Hv % Hk == 0
+    g:             f32[T, Hv]  log-decay
+    beta:          [T, Hv]     float
+    cu_seqlens:    i32[N+1]    may be traced; non-decreasing, within [0, T] (not checked on device)
+    initial_state: f32[N, Hv, K, V] or None (None = zeros)
+    scale:         Python float (static)
+    use_qk_l2norm: Python bool (static)
+    returns (o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])
+
+Op names in the dispatch registry: ``"chunk_gated_delta_rule"`` and ``"recurrent_gated_delta_rule"``.
+The references (``*_reference`` below) follow the same contract, compute in float32 with
+``Precision.HIGHEST`` matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is
+traced, so a new scale does not recompile).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kvjax.ops import dispatch
+from kvjax.ops._checks import check_array, check_float, check_int32
+
+CHUNK_OP = "chunk_gated_delta_rule"
+RECURRENT_OP = "recurrent_gated_delta_rule"
+CHUNK_SIZE = 64
+L2NORM_EPS = 1e-6  # Hugging Face / fla l2norm epsilon (added to the squared norm)
+
+_HI = lax.Precision.HIGHEST
+
+
+def _einsum(spec: str, *xs):
+    return jnp.einsum(spec, *xs, precision=_HI)
+
+
+def l2norm(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
+    """``x * rsqrt(sum(x**2, -1) + eps)`` in float32 (Hugging Face's ``l2norm``)."""
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _prepare_qk(q, k, num_v_heads: int, scale: float, use_qk_l2norm: bool):
+    """Float32, optional l2norm, q scaled, q/k heads expanded to value heads (``repeat_interleave``)."""
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    group = num_v_heads // k.shape[1]
+    return jnp.repeat(q * scale, group, axis=1), jnp.repeat(k, group, axis=1)
+
+
+def _token_sequences(cu_seqlens, num_tokens: int):
+    """Per token: its sequence id (clipped into range), position in it, and whether it belongs to one."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens, t, side="right", method="compare_all").astype(jnp.int32) - 1  # i32[T]
+    valid = (seq >= 0) & (seq < num_seqs)
+    seq = jnp.clip(seq, 0, num_seqs - 1)
+    return seq, t - cu_seqlens[seq], valid
+
+
+def _initial_or_zeros(initial_state, num_seqs: int, hv: int, kd: int, vd: int):
+    if initial_state is None:
+        return jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
+    return jnp.asarray(initial_state, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recurrent reference: one scan step per token.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
+def recurrent_gated_delta_rule_reference(
+    q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale: float, use_qk_l2norm: bool = False
+):
+    """Stepwise gated delta rule over a ragged batch (see the module docstring for the contract)."""
+    num_tokens, hv, vd = v.shape
+    kd = k.shape[-1]
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    num_seqs = cu_seqlens.shape[0] - 1
+    q, k = _prepare_qk(q, k, hv, scale, use_qk_l2norm)  # f32[T, Hv, K]
+    seq, pos, valid = _token_sequences(cu_seqlens, num_tokens)
+    is_last = valid & (pos == cu_seqlens[seq + 1] - cu_seqlens[seq] - 1)
+    init = _initial_or_zeros(initial_state, num_seqs, hv, kd, vd)  # f32[N, Hv, K, V]
+
+    def step(carry, xs):
+        state, final = carry  # f32[Hv, K, V], f32[N, Hv, K, V]
+        q_t, k_t, v_t, g_t, b_t, n, p, ok, last = xs
+        s = jnp.where(p == 0, init[n], state)
+        s = s * jnp.exp(g_t)[:, None, None]
+        delta = (v_t - _einsum("hk,hkv->hv", k_t, s)) * b_t[:, None]  # f32[Hv, V]
+        s = s + k_t[:, :, None] * delta[:, None, :]
+        o_t = jnp.where(ok, _einsum("hk,hkv->hv", q_t, s), 0.0)
+        final = final.at[jnp.where(last, n, num_seqs)].set(s, mode="drop")
+        return (jnp.where(ok, s, state), final), o_t
+
+    xs = (q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), seq, pos, valid, is_last)
+    (_, final), o = lax.scan(step, (jnp.zeros((hv, kd, vd), jnp.float32), init), xs)
+    return o.astype(v.dtype), final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked reference: WY/UT form over 64-token chunks, sequences packed chunk-aligned.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _chunk_layout(cu_seqlens, num_tokens: int, chunk: int):
+    """Pack each sequence into whole chunks, back to back, so no chunk mixes two sequences.
+
+    Returns ``dest: i32[T]`` (row of each token in the packed ``[C * chunk]`` buffer; ``C * chunk`` for tokens
+    outside every sequence, which drops them), and per chunk ``seq: i32[C]``, ``first, last: bool[C]``.
+    ``C = (T + (chunk - 1) * N) // chunk`` bounds ``sum_n ceil(len_n / chunk)`` statically.
+    """
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_chunks = max(1, (num_tokens + (chunk - 1) * num_seqs) // chunk)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]  # i32[N]
+    chunk_end = jnp.cumsum((lens + chunk - 1) // chunk).astype(jnp.int32)  # i32[N]
+    chunk_begin = chunk_end - (lens + chunk - 1) // chunk
+    seq, pos, valid = _token_sequences(cu_seqlens, num_tokens)
+    dest = jnp.where(valid, chunk_begin[seq] * chunk + pos, num_chunks * chunk)
+
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    c_seq = jnp.searchsorted(chunk_end, c, side="right", method="compare_all").astype(jnp.int32)  # N: unused
+    used = c_seq < num_seqs
+    c_seq = jnp.minimum(c_seq, num_seqs - 1)
+    first = used & (c == chunk_begin[c_seq])
+    last = used & (c == chunk_end[c_seq] - 1)
+    return dest, num_chunks, c_seq, first, last
+
+
+def _to_chunks(x, dest, num_chunks: int, chunk: int):
+    """``[T, ...]`` -> zero-padded ``[C, chunk, ...]`` by the packed layout."""
+    packed = jnp.zeros((num_chunks * chunk,) + x.shape[1:], x.dtype).at[dest].set(x, mode="drop")
+    return packed.reshape((num_chunks, chunk) + x.shape[1:])
+
+
+def _solve_unit_lower(lower, rhs):
+    """``(I + lower)^-1 rhs`` by forward substitution; ``lower: [..., c, c]`` strictly lower, ``rhs: [..., c, n]``."""
+
+    def row(i, x):
+        return x.at[..., i, :].set(rhs[..., i, :] - _einsum("...j,...jn->...n", lower[..., i, :], x))
+
+    return lax.fori_loop(0, rhs.shape[-2], row, jnp.zeros_like(rhs))
+
+
+@functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
+def chunk_gated_delta_rule_reference(
+    q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale: float, use_qk_l2norm: bool = False
+):
+    """Chunked (WY/UT-form) gated delta rule over a ragged batch (see the module docstring for the contract).
+
+    Phase 1, all chunks at once: within a chunk (positions ``i, j``; ``G = cumsum(g)``), with
+    ``D[i, j] = exp(G_i - G_j)`` for ``j <= i`` (else 0), solve the unit-lower-triangular system
+    ``A = I + strict_lower(beta_i k_i.k_j D[i, j])`` for ``U = A^-1 (beta v)`` and ``W = A^-1 (beta exp(G) k)``.
+    Phase 2, a scan over chunks carrying the state ``S``::
+
+        V' = U - W S;   O = exp(G) q S + (q k^T * D) V';   S = exp(G_last) S + (exp(G_last - G) k)^T V'
+    """
+    num_tokens, hv, vd = v.shape
+    kd = k.shape[-1]
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    num_seqs = cu_seqlens.shape[0] - 1
+    c = CHUNK_SIZE
+    q, k = _prepare_qk(q, k, hv, scale, use_qk_l2norm)  # f32[T, Hv, K]
+    dest, num_chunks, c_seq, first, last = _chunk_layout(cu_seqlens, num_tokens, c)
+
+    # [C, Hv, c, ...]; padding rows are zero (k = v = beta = g = 0), so they neither read nor change S.
+    qc, kc, vc = (_to_chunks(x, dest, num_chunks, c).transpose(0, 2, 1, 3) for x in (q, k, v.astype(jnp.float32)))
+    gc, bc = (_to_chunks(x.astype(jnp.float32), dest, num_chunks, c).transpose(0, 2, 1) for x in (g, beta))
+
+    g_cum = jnp.cumsum(gc, axis=-1)  # f32[C, Hv, c]
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(causal, g_cum[..., :, None] - g_cum[..., None, :], -jnp.inf))  # f32[C, Hv, c, c]
+    k_beta = kc * bc[..., None]
+    lower = jnp.tril(_einsum("...ik,...jk->...ij", k_beta, kc) * decay, -1)
+    rhs = jnp.concatenate([vc * bc[..., None], k_beta * jnp.exp(g_cum)[..., None]], axis=-1)
+    solved = _solve_unit_lower(lower, rhs)
+    u, w = solved[..., :vd], solved[..., vd:]  # f32[C, Hv, c, V], f32[C, Hv, c, K]
+    attn = _einsum("...ik,...jk->...ij", qc, kc) * decay  # f32[C, Hv, c, c]
+    q_dec = qc * jnp.exp(g_cum)[..., None]
+    k_dec = kc * jnp.exp(g_cum[..., -1:] - g_cum)[..., None]
+    chunk_decay = jnp.exp(g_cum[..., -1])[..., None, None]  # f32[C, Hv, 1, 1]
+
+    init = _initial_or_zeros(initial_state, num_seqs, hv, kd, vd)
+
+    def step(carry, xs):
+        state, final = carry  # f32[Hv, K, V], f32[N, Hv, K, V]
+        u_c, w_c, attn_c, q_c, k_c, decay_c, n, is_first, is_last = xs
+        s = jnp.where(is_first, init[n], state)
+        v_new = u_c - _einsum("hik,hkv->hiv", w_c, s)
+        o_c = _einsum("hik,hkv->hiv", q_c, s) + _einsum("hij,hjv->hiv", attn_c, v_new)
+        s = s * decay_c + _einsum("hik,hiv->hkv", k_c, v_new)
+        final = final.at[jnp.where(is_last, n, num_seqs)].set(s, mode="drop")
+        return (s, final), o_c
+
+    xs = (u, w, attn, q_dec, k_dec, chunk_decay, c_seq, first, last)
+    (_, final), oc = lax.scan(step, (jnp.zeros((hv, kd, vd), jnp.float32), init), xs)
+    o_packed = oc.transpose(0, 2, 1, 3).reshape(num_chunks * c, hv, vd)
+    o = o_packed.at[dest].get(mode="fill", fill_value=0.0)
+    return o.astype(v.dtype), final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public ops: host validation, then dispatch.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _validate(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl) -> float:
+    check_float("q", q, rank=3)
+    check_array("k", k, shape=tuple(q.shape), dtypes=[q.dtype])
+    check_float("v", v, rank=3)
+    check_array("v", v, dtypes=[q.dtype])
+    num_tokens, hk, kd = q.shape
+    hv = v.shape[1]
+    if v.shape[0] != num_tokens:
+        raise ValueError(f"v has {v.shape[0]} tokens but q has {num_tokens} (v shape {tuple(v.shape)})")
+    if hv % hk:
+        raise ValueError(f"v has Hv={hv} value heads, not a multiple of q/k's Hk={hk} heads")
+    check_array("g", g, shape=(num_tokens, hv), dtypes=[jnp.float32])
+    check_float("beta", beta, shape=(num_tokens, hv))
+    check_int32("cu_seqlens", cu_seqlens, rank=1)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if isinstance(cu_seqlens, np.ndarray):  # host values: checking them costs no device sync
+        if np.any(np.diff(cu_seqlens) < 0) or cu_seqlens[0] < 0 or cu_seqlens[-1] > num_tokens:
+            raise ValueError(f"cu_seqlens must be non-decreasing within [0, T={num_tokens}], got {cu_seqlens}")
+    if initial_state is not None:
+        num_seqs = cu_seqlens.shape[0] - 1
+        check_array("initial_state", initial_state, shape=(num_seqs, hv, kd, v.shape[2]), dtypes=[jnp.float32])
+    if not isinstance(use_qk_l2norm, (bool, np.bool_)):
+        raise ValueError(f"use_qk_l2norm must be a Python bool, got {use_qk_l2norm!r}")
+    if not isinstance(impl, str):
+        raise ValueError(f"impl must be a string, got {impl!r}")
+    if scale is None:
+        return float(kd) ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not np.isfinite(scale):
+        raise ValueError(f"scale must be a finite Python number or None, got {scale!r}")
+    return float(scale)
+
+
+def _dispatch(op, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl):
+    scale = _validate(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+    fn = dispatch.resolve(op, impl)
+    return fn(
+        q, k, v, g, beta,
+        cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+    )
+
+
+def chunk_gated_delta_rule(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay (<= 0)
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Gated delta rule over a ragged batch, chunked form (prefill).
+
+    Returns ``(o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])``; see the module docstring for the
+    semantics and the kernel contract. ``scale`` defaults to ``K ** -0.5``. Raises ``ValueError`` naming the
+    offending argument (ranks, dtypes, head counts, ``cu_seqlens`` int32) and ``UnknownImplError`` for an
+    ``impl`` that is not available here.
+    """
+    return _dispatch(CHUNK_OP, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+
+
+def recurrent_gated_delta_rule(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay (<= 0)
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Gated delta rule over a ragged batch, stepwise form (decode, verification).
+
+    Same arguments, results and errors as :func:`chunk_gated_delta_rule`.
+    """
+    return _dispatch(RECURRENT_OP, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+
+
+dispatch.register_reference(CHUNK_OP, chunk_gated_delta_rule_reference)
+dispatch.register_reference(RECURRENT_OP, recurrent_gated_delta_rule_reference)
