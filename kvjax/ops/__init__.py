@@ -7,3 +7,4 @@ Each op validates its arguments on the host (trace time), then dispatches on ``i
 from kvjax.ops import dispatch
 from kvjax.ops.dispatch import available, resolve
 from kvjax.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kvjax.ops.attention import dense_attention_reference, paged_attention

@@ -1,0 +1,243 @@
+"""Paged attention over head-wise block tables: the public op and its float32 reference.
+
+Semantics (DESIGN.md, "Pages and head-wise block tables", "Masks", "Ragged batches"):
+
+- ``q: [T, Hq, D]`` holds the new tokens of every sequence, token-major; row ``b`` owns tokens
+  ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (padding rows have length 0; tokens past ``cu_seqlens[-1]`` are
+  padding and get output 0).
+- ``seq_lens[b]`` is the context length *including* this step's tokens, so the ``n = cu[b+1] - cu[b]`` new
+  tokens of row ``b`` sit at positions ``seq_lens[b] - n .. seq_lens[b] - 1`` and are causal among themselves
+  (prefill, chunked prefill, decode and speculative verification are the same case).
+- Key position ``p`` of KV head ``h`` of row ``b`` lives in page ``block_tables[b, h, p // page_size]`` at
+  offset ``p % page_size``. A ``-1`` entry is a hole: its positions are treated as **not attendable** and the
+  hole is never dereferenced as a real page (the reference gathers a safe page index and masks it).
+- Query head ``i`` uses KV head ``i // (Hq // Hkv)``. Query position ``i`` attends key ``j`` iff ``j <= i`` and
+  (``i - j < window[h]`` or ``j < sinks[h]``), ``window[h] == 0`` meaning full attention.
+- A query with no visible key (impossible for a valid plan) gets output 0, never NaN.
+
+Kernel contract. :func:`paged_attention` validates on the host and normalises its arguments, then calls
+``dispatch.resolve("paged_attention", impl)`` with exactly::
+
+    fn(q,             # [T, Hq, D]  (bf16 / f16 / f32)
+       k_pages,       # [P, page_size, D]
+       v_pages,       # [P, page_size, D]
+       block_tables,  # i32[B, Hkv, max_blocks], -1 = hole
+       seq_lens,      # i32[B]
+       cu_seqlens=...,  # i32[B+1]
+       scale=...,       # Python float (default D**-0.5 already applied)
+       window=...,      # i32[Hkv] (0 = full attention)
+       sinks=...,       # i32[Hkv]
+       [interpret=...]) # bool, kernels only (added by dispatch)
+    -> o: [T, Hq, D] in q's dtype
+
+Every implementation (reference or Pallas) takes that normalised call; kernels receive ``interpret`` too.
+Page ids outside ``[0, P)`` other than ``-1`` are a caller bug (the scheduler's debug path validates plans);
+device code cannot raise, so the reference clamps them like any XLA gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.ops import dispatch
+from kvjax.ops._checks import check_float, check_int32
+
+_TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
+
+
+def _visible(q_pos, key_pos, window, sinks):
+    """bool[Hkv, L]: key position ``key_pos[l]`` visible to a query at ``q_pos`` for each KV head."""
+    w, s = window[:, None], sinks[:, None]
+    in_window = (w == 0) | (q_pos - key_pos[None, :] < w)
+    return (key_pos[None, :] <= q_pos) & (in_window | (key_pos[None, :] < s))
+
+
+def _attend_one(q_tok, k, v, mask, scale):
+    """One query token over its KV heads: q_tok [Hq, D], k/v [Hkv, L, D], mask bool[Hkv, L] -> f32[Hq, D].
+
+    Masked logits are replaced (not multiplied) and masked values zeroed, so garbage (even NaN) at masked
+    positions cannot leak into the output.
+    """
+    hq, hkv = q_tok.shape[0], k.shape[0]
+    group = hq // hkv
+    v = jnp.where(mask[..., None], v.astype(jnp.float32), 0.0)
+    qg = q_tok.astype(jnp.float32).reshape(hkv, group, -1)  # [Hkv, G, D]
+    s = jnp.einsum("hgd,hld->hgl", qg, k.astype(jnp.float32)) * scale
+    s = jnp.where(mask[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask[:, None, :], jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("hgl,hld->hgd", p, v) / jnp.where(denom > 0, denom, 1.0)
+    return o.reshape(hq, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1]
+    scale: float,
+    window: jax.Array,  # i32[Hkv]
+    sinks: jax.Array,  # i32[Hkv]
+) -> jax.Array:  # [T, Hq, D]
+    """Float32 pure-jnp oracle of :func:`paged_attention` (normalised kernel-contract arguments).
+
+    For each query token: find its row, gather that row's pages per KV head (holes read page 0 and are
+    masked out), apply the causal / window / sink mask and a masked softmax in float32.
+    """
+    t_total = q.shape[0]
+    num_rows, hkv, max_blocks = block_tables.shape
+    page_size = k_pages.shape[1]
+    key_pos = jnp.arange(max_blocks * page_size, dtype=jnp.int32)  # [L]
+
+    present = block_tables >= 0  # bool[B, Hkv, max_blocks]
+    safe_tables = jnp.where(present, block_tables, 0)
+
+    tok = jnp.arange(t_total, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1, 0, num_rows - 1)
+    n_new = cu_seqlens[row + 1] - cu_seqlens[row]
+    q_pos = seq_lens[row] - n_new + (tok - cu_seqlens[row])  # absolute position of each query token
+    is_real = (tok >= cu_seqlens[0]) & (tok < cu_seqlens[num_rows])
+
+    def one_token(args):
+        q_tok, b, pos, real = args
+        pages = safe_tables[b]  # i32[Hkv, max_blocks]
+        k = k_pages[pages].reshape(hkv, max_blocks * page_size, -1)  # [Hkv, L, D]
+        v = v_pages[pages].reshape(hkv, max_blocks * page_size, -1)
+        block_ok = jnp.repeat(present[b], page_size, axis=-1)  # bool[Hkv, L]
+        mask = _visible(pos, key_pos, window, sinks) & block_ok & real
+        return _attend_one(q_tok, k, v, mask, scale)
+
+    out = jax.lax.map(one_token, (q, row, q_pos, is_real), batch_size=max(1, min(t_total, _TOKENS_PER_MAP_STEP)))
+    return out.astype(q.dtype)
+
+
+def dense_attention_reference(
+    q: jax.Array,  # [Tq, Hq, D]: the last Tq positions of the sequence
+    k: jax.Array,  # [Tk, Hkv, D]: keys of positions 0 .. Tk-1 (Tk >= Tq)
+    v: jax.Array,  # [Tk, Hkv, D]
+    *,
+    scale: float | None = None,
+    window: int | jax.Array = 0,  # int | i32[Hkv]
+    sinks: int | jax.Array = 0,  # int | i32[Hkv]
+) -> jax.Array:  # [Tq, Hq, D]
+    """Masked attention of one sequence on contiguous K/V (same mask semantics as :func:`paged_attention`).
+
+    Float32 inside, output in q's dtype. Handy for model prefill references and for checking the paged op.
+    """
+    check_float("q", q, rank=3)
+    check_float("k", k, rank=3)
+    check_float("v", v, shape=k.shape)
+    tq, hq, d = q.shape
+    tk, hkv, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k head_dim {dk} != q head_dim {d}")
+    if hq % hkv:
+        raise ValueError(f"q heads {hq} must be a multiple of k heads {hkv}")
+    if tq > tk:
+        raise ValueError(f"q has {tq} tokens but k only {tk} positions")
+    window_arr = _per_kv_head("window", window, hkv)
+    sinks_arr = _per_kv_head("sinks", sinks, hkv)
+    scale = _normalise_scale(scale, d)
+    return _dense_core(q, k, v, window_arr, sinks_arr, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _dense_core(q, k, v, window, sinks, *, scale):
+    tq, tk = q.shape[0], k.shape[0]
+    key_pos = jnp.arange(tk, dtype=jnp.int32)
+    kh, vh = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)  # [Hkv, Tk, D]
+
+    def one_token(q_tok, pos):
+        return _attend_one(q_tok, kh, vh, _visible(pos, key_pos, window, sinks), scale)
+
+    positions = jnp.arange(tk - tq, tk, dtype=jnp.int32)
+    return jax.vmap(one_token)(q, positions).astype(q.dtype)
+
+
+def _per_kv_head(name: str, value, num_kv_heads: int) -> jax.Array:
+    """Normalise ``window``/``sinks`` (int, sequence or i32[Hkv] array) to i32[Hkv]; reject bad values."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an int or an integer array of shape ({num_kv_heads},), got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        return jnp.full((num_kv_heads,), value, jnp.int32)
+    if isinstance(value, (list, tuple)):
+        value = np.asarray(value)
+    if not hasattr(value, "shape") or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an int or an integer array of shape ({num_kv_heads},), got {value!r}")
+    if tuple(value.shape) != (num_kv_heads,):
+        raise ValueError(f"{name} must have shape ({num_kv_heads},) (one entry per KV head), got {value.shape}")
+    try:
+        concrete = np.asarray(value)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        concrete = None  # traced under jit: values cannot be checked here
+    if concrete is not None and (concrete < 0).any():
+        raise ValueError(f"{name} entries must be >= 0, got {concrete.tolist()}")
+    return jnp.asarray(value, jnp.int32)
+
+
+def _normalise_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return float(head_dim) ** -0.5
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as err:
+        raise ValueError(f"scale must be a Python float (static), got {scale!r}") from err
+
+
+def paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks], -1 = hole
+    seq_lens: jax.Array,  # i32[B], context length including this step's tokens
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1], query start offsets
+    scale: float | None = None,
+    window: int | jax.Array = 0,  # int | i32[Hkv]
+    sinks: int | jax.Array = 0,  # int | i32[Hkv]
+    impl: str = "auto",
+) -> jax.Array:  # [T, Hq, D]
+    """Ragged causal attention of new tokens over head-wise paged K/V (see the module docstring).
+
+    Validates shapes and dtypes on the host (``ValueError`` naming the argument), normalises ``scale`` to a
+    float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then dispatches on ``impl``
+    (``"auto" | "reference" | "pallas" | "interpret"``). Reads only; changes nothing. Jittable.
+    """
+    check_float("q", q, rank=3)
+    check_float("k_pages", k_pages, rank=3)
+    check_float("v_pages", v_pages, shape=k_pages.shape)
+    check_int32("block_tables", block_tables, rank=3)
+    num_rows, hkv, _ = block_tables.shape
+    check_int32("seq_lens", seq_lens, shape=(num_rows,))
+    check_int32("cu_seqlens", cu_seqlens, shape=(num_rows + 1,))
+    _, hq, d = q.shape
+    if k_pages.shape[2] != d:
+        raise ValueError(f"k_pages head_dim {k_pages.shape[2]} != q head_dim {d} (q shape {tuple(q.shape)})")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(
+            f"q heads Hq={hq} must be a multiple of block_tables KV heads Hkv={hkv} "
+            f"(block_tables shape {tuple(block_tables.shape)})"
+        )
+    fn = dispatch.resolve("paged_attention", impl)
+    return fn(
+        q, k_pages, v_pages, block_tables, seq_lens,
+        cu_seqlens=cu_seqlens,
+        scale=_normalise_scale(scale, d),
+        window=_per_kv_head("window", window, hkv),
+        sinks=_per_kv_head("sinks", sinks, hkv),
+    )
+
+
+dispatch.register_reference("paged_attention", paged_attention_reference)
