@@ -27,7 +27,7 @@ _MASK_INIT = -1e30  # finite running-max start: a fully masked page keeps exp(..
 
 
 def _stage1_kernel(
-    tables_ref,  # i32[B, 1, max_blocks] (whole array)
+    tables_ref,  # i32[B, max_blocks] (whole array)
     lens_ref,  # i32[B] (whole array)
     q_ref,  # [block_h, R]
     qr_ref,  # [block_h, r]
@@ -53,28 +53,30 @@ def _stage1_kernel(
     qr = qr_ref[...]
     offs = jnp.arange(page_size, dtype=jnp.int32)
 
-    def body(j, carry):
-        acc, m, l = carry
-        page = tables_ref[b, 0, j]
-        valid = (j * page_size + offs < seq_len) & (page >= 0)  # bool[page_size]
-        page = jnp.maximum(page, 0)
-        kv = plgpu.load(latent_ref.at[page, :, pl.ds(0, rank)], mask=valid[:, None], other=0.0)
-        kr = plgpu.load(latent_ref.at[page, :, pl.ds(rank, rope)], mask=valid[:, None], other=0.0)
-        s = pl.dot(q, kv, trans_b=True) + pl.dot(qr, kr, trans_b=True)  # f32[block_h, page_size]
+    def step(acc, m, l, kv, kr, valid):
+        s = plgpu.dot(q, kv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)  # f32[block_h, tokens]
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pl.dot(p.astype(kv.dtype), kv)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(kv.dtype), kv)
         return acc, m_new, l
+
+    def body_one_page(j, carry):
+        page = tables_ref[b, j]
+        valid = (j * page_size + offs < seq_len) & (page >= 0)  # bool[page_size]
+        page = jnp.maximum(page, 0)
+        kv = plgpu.load(latent_ref.at[page, :, pl.ds(0, rank)], mask=valid[:, None], other=0.0)
+        kr = plgpu.load(latent_ref.at[page, :, pl.ds(rank, rope)], mask=valid[:, None], other=0.0)
+        return step(*carry, kv, kr, valid)
 
     init = (
         jnp.zeros((block_h, rank), jnp.float32),
         jnp.full((block_h,), _MASK_INIT, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
-    acc, m, l = jax.lax.fori_loop(start, end, body, init)
+    acc, m, l = jax.lax.fori_loop(start, end, body_one_page, init)
     has = l > 0.0
     safe_l = jnp.where(has, l, 1.0)
     o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
@@ -171,7 +173,8 @@ def mla_decode_pallas(
         num_kv_splits = choose_num_kv_splits(b, groups, block_tables.shape[-1], _num_sms())
     if num_warps is None:
         num_warps = 4 if block_h <= 16 else 8
-    o, lse = _stage1_call(q, qr, latent_pages, block_tables, seq_lens, scale=scale, num_splits=num_kv_splits,
+    tables = block_tables[:, 0, :]
+    o, lse = _stage1_call(q, qr, latent_pages, tables, seq_lens, scale=scale, num_splits=num_kv_splits,
                           block_h=block_h, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if num_kv_splits == 1:
         out = o[:, 0].astype(q_latent.dtype)
