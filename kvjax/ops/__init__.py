@@ -8,3 +8,4 @@ from kvjax.ops import dispatch
 from kvjax.ops.dispatch import available, resolve
 from kvjax.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kvjax.ops.attention import dense_attention_reference, paged_attention
+from kvjax.ops.conv import causal_conv1d, causal_conv1d_update
