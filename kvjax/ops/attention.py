@@ -241,3 +241,4 @@ def paged_attention(
 
 
 dispatch.register_reference("paged_attention", paged_attention_reference)
+dispatch.register_kernel("paged_attention", "pallas", "kvjax.pallas.paged_attention:paged_attention")

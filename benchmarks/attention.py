@@ -1,0 +1,310 @@
+"""Head-wise paged attention on a GPU: correctness + timing, side by side with the anchors, in one run.
+
+Sections (all jit-compiled, bf16, medians of timed batches after warm-up; KV pools are 1 GiB, far over L2):
+
+1. copy ceiling: torch device-to-device copy (separate process) and a jnp elementwise copy; bytes = read+write.
+2. decode, B=64, L=4096, Hq=32, Hkv=8, D=128, page 16: JAX's ``pallas.ops.gpu.paged_attention`` (its layout
+   ``[Hkv, P, page, D]`` + one table per sequence, built as the same data as ours) vs kvjax configs.
+3. head-wise SWA decode, B=32, L=8192, heads 0-3 full, 4-7 window 512 + 4 sinks: time vs the bytes-needed
+   prediction at the all-full bandwidth, and vs every head walking the whole row.
+4. prefill, one causal sequence T=4096, H=32, D=128: kvjax paged prefill vs ``jax.nn.dot_product_attention``.
+
+Each kvjax result is checked against the float32 reference (relative error ≤ 2e-2) before it is timed.
+Usage: ``python benchmarks/attention.py [--out DIR] [--quick]``; prints a table, writes ``attention.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kvjax.ops.attention import paged_attention_reference  # noqa: E402
+from kvjax.pallas import paged_attention as pa  # noqa: E402
+from kvjax.pallas import paged_common  # noqa: E402
+
+SIZES = dict(decode=(64, 4096, 32, 8, 128, 16), swa=(32, 8192, 32, 8, 128, 16), window=512, prefill=(4096, 32, 128),
+             interpret=False, copy_elems=1 << 29)
+SMALL = dict(decode=(4, 64, 4, 2, 32, 16), swa=(2, 128, 4, 2, 32, 16), window=32, prefill=(64, 2, 32), interpret=True,
+             copy_elems=1 << 16)
+
+_TORCH_COPY = r"""
+import json, torch
+n = 1 << 29  # 1 GiB of bf16
+x = torch.randn(n, device="cuda", dtype=torch.bfloat16); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize(); ts = []
+for _ in range(20):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b) / 1e3)
+ts.sort(); print(json.dumps({"torch_copy_gbs": 2 * x.numel() * 2 / ts[len(ts) // 2] / 1e9, "name": torch.cuda.get_device_name()}))
+"""
+
+
+def timeit(fn, *args, reps: int = 7, inner: int = 10) -> float:
+    """Median seconds per call of a jitted fn (calls enqueued back to back, synchronised per batch)."""
+    jax.block_until_ready(fn(*args))
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def rel_err(out, ref) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    if not bool(jnp.isfinite(out).all()):
+        return float("nan")
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def copy_ceiling() -> dict:
+    res = {}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _TORCH_COPY], capture_output=True, text=True, timeout=120)
+        res.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except Exception as err:  # torch missing or failed: keep the jnp figure only
+        res["torch_error"] = repr(err)[:200]
+    x = jax.random.normal(jax.random.key(0), (SIZES["copy_elems"],), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t = timeit(f, x)
+    res["jnp_copy_gbs"] = 2 * x.size * 2 / t / 1e9
+    res["copy_gbs"] = max(res.get("torch_copy_gbs", 0.0), res["jnp_copy_gbs"])
+    return res
+
+
+def kvjax_fn(scale, window, sinks, **cfg):
+    def f(q, k, v, bt, sl, cu):
+        return pa.paged_attention(q, k, v, bt, sl, cu_seqlens=cu, scale=scale, window=window, sinks=sinks,
+                                  interpret=SIZES["interpret"], **cfg)
+
+    return jax.jit(f)
+
+
+def decode_section(k_pages, v_pages, copy_gbs, quick, results):
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+
+    b, l, hq, hkv, d, ps = SIZES["decode"]
+    per_head = b * l // ps
+    keys = jax.random.split(jax.random.key(1), 2)
+    anchor_bt = jax.random.permutation(keys[0], per_head).astype(jnp.int32).reshape(b, l // ps)
+    bt = (jnp.arange(hkv, dtype=jnp.int32)[None, :, None] * per_head + anchor_bt[:, None, :]).astype(jnp.int32)
+    q = jax.random.normal(keys[1], (b, hq, d), jnp.bfloat16)
+    sl = jnp.full((b,), l, jnp.int32)
+    cu = jnp.arange(b + 1, dtype=jnp.int32)
+    scale = d**-0.5
+    zeros = jnp.zeros((hkv,), jnp.int32)
+    kv_bytes = b * hkv * l * d * 2 * 2
+    ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=zeros, sinks=zeros))(
+        q, k_pages, v_pages, bt, sl
+    )
+
+    anchor = jax.jit(lambda q_, k_, v_, bt_, sl_: jax_pa.paged_attention(
+        q_ * scale, k_.reshape(hkv, per_head, ps, d), v_.reshape(hkv, per_head, ps, d), bt_, sl_, interpret=SIZES["interpret"],
+        k_splits=min(16, l // ps)))
+    a_out = anchor(q, k_pages, v_pages, anchor_bt, sl)
+    t_anchor = timeit(anchor, q, k_pages, v_pages, anchor_bt, sl)
+    rows = [dict(name="jax.pallas.ops.gpu.paged_attention (defaults)", ms=t_anchor * 1e3,
+                 gbs=kv_bytes / t_anchor / 1e9, rel_err=rel_err(a_out, ref))]
+    configs = [dict(block_k=128, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=3),
+               dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=256, num_warps=4, num_stages=2),
+               dict(block_k=128, num_warps=8, num_stages=2), dict(block_k=64, num_warps=4, num_stages=4),
+               dict(block_k=128, num_warps=4, num_stages=2, num_splits=1),
+               dict(block_k=128, num_warps=4, num_stages=2, num_splits=4),
+               dict(block_k=256, num_warps=8, num_stages=3)]
+    if quick:
+        configs = configs[:2]
+    for cfg in configs:
+        f = kvjax_fn(scale, zeros, zeros, mode="decode", **cfg)
+        try:
+            err = rel_err(f(q, k_pages, v_pages, bt, sl, cu), ref)
+            t = timeit(f, q, k_pages, v_pages, bt, sl, cu)
+        except Exception as e:  # a config that fails to compile is reported, not fatal
+            rows.append(dict(name=f"kvjax decode {cfg}", error=repr(e)[:300]))
+            continue
+        rows.append(dict(name=f"kvjax decode {cfg}", cfg=cfg, ms=t * 1e3, gbs=kv_bytes / t / 1e9, rel_err=err,
+                         speedup_vs_anchor=t_anchor / t, pct_copy=100 * kv_bytes / t / 1e9 / copy_gbs))
+    results["decode"] = dict(shape=dict(B=b, L=l, Hq=hq, Hkv=hkv, D=d, page=ps, dtype="bf16"), kv_bytes=kv_bytes,
+                             rows=rows)
+    good = [r for r in rows[1:] if "ms" in r and r["rel_err"] <= 2e-2]
+    return min(good, key=lambda r: r["ms"])["cfg"] if good else dict(block_k=128, num_warps=4, num_stages=2)
+
+
+def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
+    b, l, hq, hkv, d, ps = SIZES["swa"]
+    max_blocks = l // ps
+    keys = jax.random.split(jax.random.key(2), 2)
+    bt = jax.random.permutation(keys[0], k_pages.shape[0]).astype(jnp.int32).reshape(b, hkv, max_blocks)
+    window = jnp.array([0] * (hkv // 2) + [SIZES["window"]] * (hkv - hkv // 2), jnp.int32)
+    sinks = jnp.array([0] * (hkv // 2) + [4] * (hkv - hkv // 2), jnp.int32)
+    zeros = jnp.zeros((hkv,), jnp.int32)
+    # recycle what SWA heads can no longer attend (as the scheduler would): pages fully below the window
+    pos = l - 1
+    col = jnp.arange(max_blocks)[None, None, :]
+    dead = (window[None, :, None] > 0) & ((col + 1) * ps <= pos - window[None, :, None] + 1) & (
+        col * ps >= sinks[None, :, None])
+    bt_swa = jnp.where(dead, -1, bt)
+    q = jax.random.normal(keys[1], (b, hq, d), jnp.bfloat16)
+    sl = jnp.full((b,), l, jnp.int32)
+    cu = jnp.arange(b + 1, dtype=jnp.int32)
+    scale = d**-0.5
+    lo, n_sink, n_pages = paged_common.page_ranges(sl - 1, sl - 1, sl > 0, window, sinks, page_size=ps,
+                                                   max_blocks=max_blocks)
+    bytes_needed = int(n_pages.sum()) * ps * d * 2 * 2
+    bytes_full = b * hkv * l * d * 2 * 2
+    rows = []
+    cfgs = [best_cfg] + [c for c in (dict(block_k=128, num_warps=4, num_stages=2),) if c != best_cfg]
+    for cfg in cfgs:
+        f_swa = kvjax_fn(scale, window, sinks, mode="decode", **cfg)
+        f_full = kvjax_fn(scale, zeros, zeros, mode="decode", **cfg)
+        ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=window,
+                                                           sinks=sinks))(q, k_pages, v_pages, bt_swa, sl)
+        err = rel_err(f_swa(q, k_pages, v_pages, bt_swa, sl, cu), ref)
+        t_swa = timeit(f_swa, q, k_pages, v_pages, bt_swa, sl, cu)
+        t_full = timeit(f_full, q, k_pages, v_pages, bt, sl, cu)
+        bw_full = bytes_full / t_full
+        predicted = bytes_needed / bw_full
+        rows.append(dict(cfg=cfg, rel_err=err, ms_swa=t_swa * 1e3, ms_all_full=t_full * 1e3,
+                         gbs_all_full=bw_full / 1e9, gbs_swa=bytes_needed / t_swa / 1e9,
+                         predicted_ms=predicted * 1e3, ratio_to_prediction=t_swa / predicted,
+                         speedup_vs_whole_row=t_full / t_swa))
+    results["swa"] = dict(shape=dict(B=b, L=l, Hq=hq, Hkv=hkv, D=d, page=ps, window=SIZES["window"], sinks=4, swa_heads=hkv - hkv // 2),
+                          bytes_needed=bytes_needed, bytes_whole_row=bytes_full, rows=rows)
+
+
+def prefill_section(quick, results):
+    t_len, h, d = SIZES["prefill"]
+    keys = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(keys[0], (t_len, h, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (t_len, h, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (t_len, h, d), jnp.bfloat16)
+    scale = d**-0.5
+    flops = 4 * (t_len * (t_len + 1) // 2) * d * h
+    rows = []
+    dpa_out = None
+    for impl in ("cudnn", None):
+        f = jax.jit(lambda a, b_, c, impl=impl: jax.nn.dot_product_attention(
+            a[None], b_[None], c[None], scale=scale, is_causal=True, implementation=impl)[0])
+        try:
+            out = f(q, k, v)
+            t = timeit(f, q, k, v)
+        except Exception as e:
+            rows.append(dict(name=f"jax.nn.dot_product_attention({impl})", error=repr(e)[:300]))
+            continue
+        dpa_out = out if dpa_out is None else dpa_out
+        rows.append(dict(name=f"jax.nn.dot_product_attention({impl})", ms=t * 1e3, tflops=flops / t / 1e12))
+    t_dpa = min(r["ms"] for r in rows if "ms" in r)
+    zeros = jnp.zeros((h,), jnp.int32)
+    cu = jnp.array([0, t_len], jnp.int32)
+    sl = jnp.array([t_len], jnp.int32)
+    ref = None
+    for ps in ((16,) if quick else (16, 64)):
+        n_blocks = t_len // ps
+        perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * n_blocks).astype(jnp.int32)
+        bt = perm.reshape(1, h, n_blocks)
+        # scatter the contiguous K/V into the permuted pages: page bt[0, hh, j] holds k[j*ps:(j+1)*ps, hh]
+        kp = jnp.zeros((h * n_blocks, ps, d), jnp.bfloat16).at[perm].set(
+            jnp.swapaxes(k, 0, 1).reshape(h * n_blocks, ps, d))
+        vp = jnp.zeros((h * n_blocks, ps, d), jnp.bfloat16).at[perm].set(
+            jnp.swapaxes(v, 0, 1).reshape(h * n_blocks, ps, d))
+        if ref is None:
+            ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=zeros,
+                                                               sinks=zeros))(q, kp, vp, bt, sl)
+            rows.append(dict(name="dot_product_attention vs f32 reference", rel_err=rel_err(dpa_out, ref)))
+        configs = [dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
+                   dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+                   dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+                   dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+                   dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
+                   dict(block_q=64, block_k=128, num_warps=4, num_stages=2)]
+        if quick:
+            configs = configs[:2]
+        for cfg in configs:
+            f = kvjax_fn(scale, zeros, zeros, mode="prefill", **cfg)
+            try:
+                err = rel_err(f(q, kp, vp, bt, sl, cu), ref)
+                t = timeit(f, q, kp, vp, bt, sl, cu)
+            except Exception as e:
+                rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", error=repr(e)[:300]))
+                continue
+            rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", ms=t * 1e3, tflops=flops / t / 1e12,
+                             rel_err=err, speed_vs_dpa=t_dpa / (t * 1e3)))
+    results["prefill"] = dict(shape=dict(T=t_len, H=h, D=d, causal=True, dtype="bf16"), flops=flops, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--sections", default="decode,swa,prefill")
+    parser.add_argument("--small", action="store_true", help="tiny shapes in interpret mode (CPU smoke test)")
+    args = parser.parse_args()
+    if args.small:
+        SIZES.update(SMALL)
+    results = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+    results["copy"] = copy_ceiling()
+    copy_gbs = results["copy"]["copy_gbs"]
+    sections = args.sections.split(",")
+    b, l, _, hkv, d, ps = SIZES["decode"]
+    n_pages = b * hkv * l // ps  # 1 GiB of K+V pages, shared by the decode and SWA sections
+    kk, kv = jax.random.split(jax.random.key(0))
+    k_pages = jax.random.normal(kk, (n_pages, ps, d), jnp.bfloat16)
+    v_pages = jax.random.normal(kv, (n_pages, ps, d), jnp.bfloat16)
+    best = dict(block_k=128, num_warps=4, num_stages=2)
+    for name, fn in (("decode", lambda: decode_section(k_pages, v_pages, copy_gbs, args.quick, results)),
+                     ("swa", lambda: swa_section(k_pages, v_pages, best, copy_gbs, results)),
+                     ("prefill", lambda: prefill_section(args.quick, results))):
+        if name not in sections:
+            continue
+        t0 = time.perf_counter()
+        try:
+            ret = fn()
+            if name == "decode":
+                best = ret
+        except Exception as e:
+            results[name + "_error"] = repr(e)[:1000]
+        print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
+        with open(os.path.join(args.out, "attention.json"), "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+    print_table(results)
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['date']}  {res['device']}  jax {res['jax']}")
+    c = res["copy"]
+    print(f"copy ceiling: torch {c.get('torch_copy_gbs', float('nan')):.0f} GB/s, jnp {c['jnp_copy_gbs']:.0f} GB/s")
+    for sec in ("decode", "prefill"):
+        if sec not in res:
+            print(sec, "ERROR", res.get(sec + "_error", "")[:500])
+            continue
+        print(f"-- {sec} {res[sec]['shape']}")
+        for r in res[sec]["rows"]:
+            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                                   if k != "cfg"))
+    if "swa" in res:
+        s = res["swa"]
+        print(f"-- swa {s['shape']} bytes_needed={s['bytes_needed']} whole_row={s['bytes_whole_row']}")
+        for r in s["rows"]:
+            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    else:
+        print("swa ERROR", res.get("swa_error", "")[:500])
+
+
+if __name__ == "__main__":
+    main()

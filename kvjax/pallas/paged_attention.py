@@ -1,0 +1,234 @@
+"""Head-wise paged attention, decode path: split-KV flash-decoding over single-head pages (Pallas Triton).
+
+One program per (query token, KV head, split). It holds the whole GQA group of query heads of that KV head
+(padded to >= 16 rows for the tensor cores), so each K/V page is read once per token. It walks only the
+virtual page list of :mod:`kvjax.pallas.paged_common` (sink pages + window pages of *its* KV head), split
+evenly over ``num_splits`` programs; a ``-1`` table entry is masked at the load, so a hole is never read.
+Every split writes an f32 partial output and its log-sum-exp; the merge is f32 and an empty split (or a
+padding token) contributes weight 0, never NaN.
+
+:func:`paged_attention` is the kernel entry of ``kvjax.ops.paged_attention`` (``impl="pallas"``): it routes
+statically on shapes — ``T <= B`` (decode-sized batch) to this per-token kernel, otherwise to the prefill
+kernel of :mod:`kvjax.pallas.paged_prefill`. Both kernels are exact for *any* ragged batch (the per-token
+kernel just re-reads a row's pages once per query token), so the routing only chooses speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.pallas import paged_common
+from kvjax.pallas import paged_prefill
+
+_NEG_INF = float("-inf")
+_TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on an H100)
+
+
+def _decode_kernel(
+    q_ref,  # [T*Hq, D]
+    k_ref,  # [P*page_size, D]
+    v_ref,  # [P*page_size, D]
+    bt_ref,  # i32[B*Hkv*max_blocks]
+    row_ref,  # i32[T]
+    pos_ref,  # i32[T]
+    lo_ref,  # i32[T*Hkv]
+    nsink_ref,  # i32[T*Hkv]
+    npages_ref,  # i32[T*Hkv]
+    win_ref,  # i32[Hkv]
+    sink_ref,  # i32[Hkv]
+    o_ref,  # num_splits == 1: [T*Hq, D] (q dtype); else f32[T*Hkv*S*Gp, D]
+    *lse_refs,  # num_splits > 1: f32[T*Hkv*S*Gp]
+    scale: float,
+    group: int,
+    rows: int,
+    page_size: int,
+    block_k: int,
+    max_blocks: int,
+    num_kv_heads: int,
+    num_splits: int,
+):
+    t = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    th = t * num_kv_heads + h
+    b = row_ref[t]
+    i = pos_ref[t]
+    lo = lo_ref[th]
+    n_sink = nsink_ref[th]
+    n_pages = npages_ref[th]
+    w = win_ref[h]
+    sk = sink_ref[h]
+    pages_per_block = block_k // page_size
+
+    per_split = pl.cdiv(n_pages, num_splits)
+    start = s * per_split
+    end = jnp.minimum(n_pages, start + per_split)
+    n_iter = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
+
+    cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)
+    g = jnp.arange(rows, dtype=jnp.int32)
+    q_rows = (t * num_kv_heads + h) * group + g
+    q_ok = g < group
+    q = plgpu.load(q_ref.at[jnp.where(q_ok, q_rows, 0)[:, None], cols[None, :]], mask=q_ok[:, None], other=0.0)
+
+    j = jnp.arange(block_k, dtype=jnp.int32)
+    j_page = j // page_size
+    j_off = j % page_size
+    bt_base = (b * num_kv_heads + h) * max_blocks
+
+    def body(c, carry):
+        acc, m, l = carry
+        vp = start + c * pages_per_block + j_page
+        in_range = vp < end
+        col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
+        page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
+        kpos = col * page_size + j_off
+        visible = (kpos <= i) & ((w == 0) | (i - kpos < w) | (kpos < sk))
+        ok = in_range & (page >= 0) & visible
+        kv_rows = jnp.where(ok, page, 0) * page_size + j_off
+        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+        sc = plgpu.dot(q, k, trans_b=True) * scale  # f32[rows, block_k]
+        sc = jnp.where(ok[None, :], sc, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(sc - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    head_dim = q.shape[-1]
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), _NEG_INF, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    if num_splits == 1:
+        plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
+    else:
+        (lse_ref,) = lse_refs
+        part_rows = ((t * num_kv_heads + h) * num_splits + s) * rows + g
+        o_ref[part_rows[:, None], cols[None, :]] = out
+        lse_ref[part_rows] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
+
+
+def _decode_call(
+    q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks, *,
+    scale, num_splits, block_k, num_warps, num_stages, interpret,
+):
+    t_total, hq, d = q.shape
+    num_pages, page_size, _ = k_pages.shape
+    num_rows, hkv, max_blocks = block_tables.shape
+    group = hq // hkv
+    rows = max(16, paged_common.next_pow2(group))
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
+    )
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
+    else:
+        n_part = t_total * hkv * num_splits * rows
+        out_shape = (jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32))
+    res = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(t_total, hkv, num_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"kvjax_paged_decode_s{num_splits}_bk{block_k}",
+    )(
+        q.reshape(t_total * hq, d),
+        k_pages.reshape(num_pages * page_size, d),
+        v_pages.reshape(num_pages * page_size, d),
+        block_tables.reshape(-1),
+        row, pos, lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
+    )
+    if num_splits == 1:
+        return res.reshape(t_total, hq, d)
+    o_part, lse = res
+    o_part = o_part.reshape(t_total, hkv, num_splits, rows, d)[:, :, :, :group]
+    lse = lse.reshape(t_total, hkv, num_splits, rows)[:, :, :, :group]
+    lse_max = jnp.max(lse, axis=2, keepdims=True)
+    wts = jnp.exp(lse - jnp.where(lse_max == _NEG_INF, 0.0, lse_max))  # -inf -> weight 0
+    den = jnp.sum(wts, axis=2)
+    o = jnp.sum(wts[..., None] * o_part, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.reshape(t_total, hq, d).astype(q.dtype)
+
+
+def _check_kernel_shapes(q, k_pages, block_k):
+    d = q.shape[-1]
+    page_size = k_pages.shape[1]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"pallas paged_attention needs a power-of-two head_dim >= 16, got {d}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"pallas paged_attention needs a power-of-two page_size, got {page_size}")
+    if block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two, got {block_k}")
+
+
+def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, pages_per_block: int) -> int:
+    """Static split count: enough programs to fill the GPU, never more splits than KV blocks."""
+    splits = paged_common.next_pow2(pl.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * num_kv_heads)))
+    return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode"),
+)
+def paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks], -1 = hole
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1]
+    scale: float,
+    window: jax.Array,  # i32[Hkv]
+    sinks: jax.Array,  # i32[Hkv]
+    interpret: bool = False,
+    mode: str = "auto",
+    num_splits: int | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """Kernel entry of ``kvjax.ops.paged_attention`` (normalised kernel-contract arguments).
+
+    ``mode="auto"`` routes on static shapes: ``T <= B`` to the split-KV decode kernel, else to the prefill
+    kernel; ``"decode"`` / ``"prefill"`` force one (both are exact for any batch). The tuning knobs
+    (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``) default to values measured on an H100.
+    Reads only. Tokens that belong to no row get output 0.
+    """
+    t_total = q.shape[0]
+    num_rows, hkv, max_blocks = block_tables.shape
+    page_size = k_pages.shape[1]
+    if mode not in ("auto", "decode", "prefill"):
+        raise ValueError(f"mode must be 'auto', 'decode' or 'prefill', got {mode!r}")
+    if mode == "prefill" or (mode == "auto" and t_total > num_rows):
+        return paged_prefill.paged_prefill(
+            q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
+            sinks=sinks, interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+        )
+    block_k = max(block_k or 128, page_size)
+    _check_kernel_shapes(q, k_pages, block_k)
+    if num_splits is None:
+        num_splits = default_num_splits(t_total, hkv, max_blocks, block_k // page_size)
+    row, pos, real = paged_common.token_positions(cu_seqlens, seq_lens, t_total)
+    lo, n_sink, n_pages = paged_common.page_ranges(
+        pos, pos, real, window, sinks, page_size=page_size, max_blocks=max_blocks
+    )
+    return _decode_call(
+        q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
+        scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
+        num_stages=num_stages or 2, interpret=interpret,
+    )

@@ -1,0 +1,65 @@
+"""Launch metadata shared by the paged-attention kernels, computed on device in jnp (static shapes).
+
+Head-wise page walk. For a query span ``[i0, i1]`` (absolute positions) and KV head ``h`` the pages that can
+hold a visible key are the *sink pages* ``[0, n_sink)`` and the *window pages* ``[lo, hi)``, with
+
+- ``hi = i1 // page_size + 1`` (clamped to ``max_blocks``),
+- ``lo = max(0, i0 - window + 1) // page_size`` for a SWA head, ``0`` for a full head (``window == 0``),
+- ``n_sink = min(ceil(sinks / page_size), lo)`` for a SWA head (sinks below ``lo`` only), else ``0``.
+
+Kernels walk the *virtual page list* ``v = 0 .. n_sink + hi - lo - 1`` mapped to table column
+``v if v < n_sink else lo + v - n_sink``, so every page they touch can hold an attendable key, and each
+page is visited once. Nothing here reads the block table: holes are masked by the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def token_positions(
+    cu_seqlens: jnp.ndarray,  # i32[B+1]
+    seq_lens: jnp.ndarray,  # i32[B]
+    num_tokens: int,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Row, absolute position and realness of every query token.
+
+    Returns ``row: i32[T]`` (clipped to ``[0, B)``), ``pos: i32[T]`` (``seq_lens[row] - n_new + offset``) and
+    ``real: bool[T]`` (the token belongs to a row and has a non-negative position).
+    """
+    num_rows = seq_lens.shape[0]
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1
+    row = jnp.clip(row, 0, num_rows - 1)
+    n_new = cu_seqlens[row + 1] - cu_seqlens[row]
+    pos = seq_lens[row] - n_new + (tok - cu_seqlens[row])
+    real = (tok >= cu_seqlens[0]) & (tok < cu_seqlens[num_rows]) & (pos >= 0)
+    return row, pos, real
+
+
+def page_ranges(
+    first_pos: jnp.ndarray,  # i32[N]: first query position of the span
+    last_pos: jnp.ndarray,  # i32[N]: last query position of the span
+    live: jnp.ndarray,  # bool[N]: spans that attend at all
+    window: jnp.ndarray,  # i32[Hkv]
+    sinks: jnp.ndarray,  # i32[Hkv]
+    *,
+    page_size: int,
+    max_blocks: int,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """Virtual page list of every (span, KV head): ``lo, n_sink, n_pages: i32[N, Hkv]`` (see module doc)."""
+    w = window[None, :]
+    sk = sinks[None, :]
+    i0 = first_pos[:, None]
+    i1 = last_pos[:, None]
+    swa = w > 0
+    hi = jnp.minimum(i1 // page_size + 1, max_blocks)
+    lo = jnp.where(swa, jnp.maximum(i0 - w + 1, 0) // page_size, 0)
+    lo = jnp.minimum(lo, hi)
+    n_sink = jnp.where(swa, jnp.minimum((sk + page_size - 1) // page_size, lo), 0)
+    n_pages = jnp.where(live[:, None], n_sink + hi - lo, 0)
+    return lo.astype(jnp.int32), n_sink.astype(jnp.int32), n_pages.astype(jnp.int32)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,190 @@
+"""Pallas head-wise paged attention (decode split-KV + ragged prefill) against the float32 reference.
+
+Inputs are built so that a kernel that reads anything it must not read fails: pages a SWA head can no longer
+attend are either holes (-1) or still in the table but filled with NaN, the unwritten tail of every last page
+and every unused page are NaN. CPU runs use interpret mode on small shapes; the ``gpu`` grid covers random
+page permutations, holes, windows straddling page edges, sinks, GQA 1/4/8, page sizes 16/64, lengths 1..8k.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.ops import attention
+from kvjax.ops.attention import paged_attention_reference
+from kvjax.pallas import paged_attention as pa
+
+
+def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.float32, extra_tokens=2):
+    """Random ragged batch over a permuted page pool with holes and NaN poison where nothing may read."""
+    ctx = np.asarray(ctx, np.int32)
+    new = np.asarray(new, np.int32)
+    window = np.asarray(window, np.int32)
+    sinks = np.asarray(sinks, np.int32)
+    num_rows = len(ctx)
+    max_blocks = int(max(1, (ctx.max() + page_size - 1) // page_size)) + 1
+    num_pages = num_rows * hkv * max_blocks + 3
+    perm = rng.permutation(num_pages)
+    k = rng.standard_normal((num_pages, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((num_pages, page_size, d)).astype(np.float32)
+    used = np.zeros(num_pages, bool)
+    table = np.full((num_rows, hkv, max_blocks), -1, np.int32)
+    nxt = 0
+    for b in range(num_rows):
+        n_blocks = (int(ctx[b]) + page_size - 1) // page_size
+        first_q = int(ctx[b]) - int(new[b])
+        for h in range(hkv):
+            for p in range(n_blocks):
+                page = perm[nxt]
+                nxt += 1
+                table[b, h, p] = page
+                used[page] = True
+                tail = int(ctx[b]) - p * page_size
+                if tail < page_size:
+                    k[page, tail:] = np.nan
+                    v[page, tail:] = np.nan
+                dead = window[h] > 0 and (p + 1) * page_size <= first_q - window[h] + 1 and p * page_size >= sinks[h]
+                if dead:
+                    if rng.random() < 0.5:
+                        table[b, h, p] = -1  # recycled
+                        used[page] = False
+                    else:
+                        k[page] = np.nan  # still listed, but a kernel must not visit it
+                        v[page] = np.nan
+    k[~used] = np.nan
+    v[~used] = np.nan
+    total = int(new.sum()) + extra_tokens
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q = rng.standard_normal((total, hq, d)).astype(np.float32)
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), jnp.asarray(ctx))
+    kwargs = dict(cu_seqlens=jnp.asarray(cu), scale=float(d) ** -0.5, window=jnp.asarray(window),
+                  sinks=jnp.asarray(sinks))
+    return args, kwargs
+
+
+def _ref(args, kwargs):
+    q, k, v, table, ctx = args
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return paged_attention_reference(f32(q), f32(k), f32(v), table, ctx, **kwargs)
+
+
+def _rel_err(out, ref):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), "kernel output has NaN/inf"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# ---------------------------------------------------------------- CPU (interpret mode)
+
+def test_decode_interpret_matches_reference(rng):
+    args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[1, 1, 1, 1],
+                      window=[0, 20], sinks=[0, 4])
+    ref = _ref(args, kw)
+    for splits in (1, 3):
+        out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=splits, block_k=32)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
+
+
+def test_prefill_interpret_mixed_batch(rng):
+    # chunked prefill with a cached prefix, pure prefill, decode rows, an empty padding row, GQA 2.
+    args, kw = _build(rng, hq=4, hkv=2, d=32, page_size=8, ctx=[45, 13, 30, 9, 0], new=[19, 13, 1, 1, 0],
+                      window=[11, 0], sinks=[3, 0])
+    ref = _ref(args, kw)
+    out = pa.paged_attention(*args, **kw, interpret=True, block_q=32, block_k=16)  # T > B: prefill kernel
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    # the per-token decode kernel is exact on any batch too
+    out_d = pa.paged_attention(*args, **kw, interpret=True, mode="decode", block_k=16, num_splits=2)
+    np.testing.assert_allclose(np.asarray(out_d), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_empty_splits_and_single_token_never_nan(rng):
+    # far more splits than pages: most splits are empty; a 1-token sequence; GQA 8 (>16 padded rows not needed)
+    args, kw = _build(rng, hq=8, hkv=1, d=16, page_size=16, ctx=[1, 3], new=[1, 1], window=[2], sinks=[1])
+    ref = _ref(args, kw)
+    out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=8)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_routing_is_static_on_shapes(rng):
+    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[1, 1], window=[0], sinks=[0],
+                      extra_tokens=0)
+    text = str(jax.make_jaxpr(lambda *a: pa.paged_attention(*a, **kw, interpret=True))(*args))
+    assert "kvjax_paged_decode" in text and "kvjax_paged_prefill" not in text
+    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[3, 1], window=[0], sinks=[0])
+    text = str(jax.make_jaxpr(lambda *a: pa.paged_attention(*a, **kw, interpret=True))(*args))
+    assert "kvjax_paged_prefill" in text and "kvjax_paged_decode" not in text
+
+
+def test_public_op_dispatches_to_kernel(rng):
+    args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=16, ctx=[37, 20], new=[1, 1], window=[0, 0], sinks=[0, 0])
+    ref = _ref(args, kw)
+    out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=0, impl="interpret")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_rejects_unsupported_shapes(rng):
+    args, kw = _build(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
+    with pytest.raises(ValueError, match="head_dim"):
+        pa.paged_attention(*args, **kw, interpret=True)
+    with pytest.raises(ValueError, match="mode"):
+        pa.paged_attention(*args, **kw, interpret=True, mode="fast")
+
+
+# ---------------------------------------------------------------- GPU grid
+
+_GPU_CTX = [1, 15, 16, 17, 300, 1000, 4099, 8192]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_decode_grid(rng, group, page_size):
+    hkv = 2
+    # head 0 full, head 1 SWA whose window (100 / 64+1) straddles page edges, with sinks
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=_GPU_CTX,
+                      new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
+                      dtype=jnp.bfloat16)
+    ref = _ref(args, kw)
+    for splits in (None, 1, 7):
+        out = pa.paged_attention(*args, **kw, num_splits=splits)
+        assert _rel_err(out, ref) <= 2e-2
+    assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_prefill_mixed_grid(rng, group, page_size):
+    hkv = 2
+    ctx = [8192, 300, 700, 17, 5000, 0, 64]
+    new = [1, 300, 129, 1, 1, 0, 64]  # decode, prefill, chunked prefill, decode, decode, padding, prefill
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                      window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
+    ref = _ref(args, kw)
+    out = pa.paged_attention(*args, **kw)
+    assert _rel_err(out, ref) <= 2e-2
+    # every real token of every row is right (none dropped or zero-filled)
+    cu = np.asarray(kw["cu_seqlens"])
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    for b in range(len(ctx)):
+        if new[b]:
+            seg = slice(cu[b], cu[b + 1])
+            assert np.linalg.norm(o[seg] - r[seg]) <= 2e-2 * np.linalg.norm(r[seg])
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_auto_is_the_kernel(rng):
+    args, kw = _build(rng, hq=8, hkv=2, d=128, page_size=16, ctx=[3000, 1], new=[1, 1], window=[0, 256],
+                      sinks=[0, 4], dtype=jnp.bfloat16)
+    ref = _ref(args, kw)
+    text = str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a, cu_seqlens=kw["cu_seqlens"],
+                                                                   window=kw["window"], sinks=kw["sinks"]))(*args))
+    assert "kvjax_paged_decode" in text
+    out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"],
+                                    impl="pallas")
+    assert _rel_err(out, ref) <= 2e-2
