@@ -2,3 +2,4 @@
 
 Pools are updated only by vectorised scatter/gather and returned by value.
 """
+from kvjax.state.gdn_pool import GDNStatePool
