@@ -23,16 +23,17 @@ def token_at(rid: int, pos: int) -> int:
 
 
 @st.composite
-def setups(draw):
+def setups(draw, busy: bool = False):
+    """Random layouts and workloads; ``busy`` draws tight memory and many requests (preemption + recycling)."""
     h_kv = draw(st.integers(1, 3))
     window = [draw(st.sampled_from([0, 0, 1, 2, 3, 5, 8, 13, 24])) for _ in range(h_kv)]
     sinks = [draw(st.integers(0, min(w, 6))) if w else 0 for w in window]
     ps = draw(st.sampled_from([1, 2, 4, 8]))
-    per_head = draw(st.integers(1, 80 // ps) | st.integers(16 // ps, 80 // ps))
-    cache = CacheConfig(page_size=ps, num_pages=per_head * h_kv, max_seqs=draw(st.integers(1, 5)),
-                        max_blocks_per_seq=draw(st.integers(1, 64 // ps) | st.integers(24 // ps, 64 // ps)))
+    per_head = draw(st.integers(16 // ps, 40 // ps) if busy else st.integers(1, 80 // ps) | st.integers(16 // ps, 80 // ps))
+    cache = CacheConfig(page_size=ps, num_pages=per_head * h_kv, max_seqs=draw(st.integers(2 if busy else 1, 5)),
+                        max_blocks_per_seq=64 // ps if busy else draw(st.integers(1, 64 // ps) | st.integers(24 // ps, 64 // ps)))
     att = AttentionConfig(h_kv * draw(st.integers(1, 2)), h_kv, 8, window=tuple(window), sinks=tuple(sinks))
-    reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.booleans()), min_size=1, max_size=7))
+    reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.booleans()), min_size=4 if busy else 1, max_size=7))
     return dict(cache=cache, att=att, budget=draw(st.integers(1, 40)), pool=draw(st.sampled_from(["shared", "partitioned"])),
                 recycle=draw(st.sampled_from(["none", "timely"])), reqs=reqs,
                 abort_at=draw(st.lists(st.integers(0, 60), max_size=2)), seed=draw(st.integers(0, 2**16)))
@@ -82,6 +83,15 @@ def check_plan(sched: Scheduler, plan, shadow: np.ndarray, expected_tokens: dict
 
 @given(setups())
 def test_scheduler_invariants_hold_every_step(s):
+    drive(s)
+
+
+@given(setups(busy=True))
+def test_scheduler_invariants_under_memory_pressure(s):
+    drive(s)
+
+
+def drive(s: dict) -> None:
     sched = Scheduler(s["cache"], s["att"], max_num_batched_tokens=s["budget"], pool=s["pool"], recycle=s["recycle"])
     expected, limits = {}, {}
     for i, (p, o, eos) in enumerate(s["reqs"]):
