@@ -1,0 +1,237 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): lightning-indexer scores, causal top-k, sparse MLA decode.
+
+Semantics follow Hugging Face's ``deepseek_v32`` modeling code (``DeepseekV32Indexer``):
+
+- index score of query token ``t`` for key position ``j``: ``Σ_h w[t, h] · relu(q[t, h] · k[j]) · scale``
+  (HF: ``weights = weights_proj(x) · n_heads**-0.5`` and ``scale = index_head_dim**-0.5``; ``relu(x·s) =
+  relu(x)·s`` for ``s > 0``). The caller passes ``w`` with the ``n_heads**-0.5`` already applied.
+- RoPE in the indexer is the **non-interleaved** (half-split, ``rotate_half``) form applied to the **first**
+  ``rope_dim`` values of each indexer q/k (``[rot ‖ pass]``), unlike the main MLA attention, which uses the
+  interleaved form on the **last** 64 values (``[nope ‖ rope]``). :func:`indexer_rope` implements it.
+- top-k per query over the causally visible positions (``j <= pos(t)``), best first; where fewer than
+  ``topk`` positions are visible the tail is ``-1`` (HF returns arbitrary masked indices there instead).
+- sparse MLA decode attends only the selected positions (absorbed form, like :func:`kvjax.ops.mla.mla_decode`).
+
+Cache layout (``kvjax.state.dsa_cache``): indexer keys ``f8e4m3[P, page_size, Di]`` with
+``f32[P, page_size, Di // 128]`` scales; the latent key ``f8e4m3[P, page_size, R]`` + ``f32[P, page_size, R // 128]``
+scales + ``bf16[P, page_size, r]`` rope key. Positions map to pages through ``block_tables i32[B, 1, max_blocks]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.ops import dispatch
+from kvjax.ops._checks import check_array, check_float, check_int32
+
+
+def _dequant(values, scales):
+    """f32 values: ``values [..., N] * scales [..., N // block]`` broadcast over each block."""
+    n, nb = values.shape[-1], scales.shape[-1]
+    v = values.astype(jnp.float32).reshape(*values.shape[:-1], nb, n // nb)
+    return (v * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+
+
+def _page_of(block_tables, positions, page_size):
+    """``block_tables i32[B, 1, mb]``, ``positions i32[B, K]`` -> page i32[B, K] (-1 where none), offset."""
+    mb = block_tables.shape[-1]
+    blk = positions // page_size
+    ok = (positions >= 0) & (blk < mb)
+    page = jnp.take_along_axis(block_tables[:, 0, :], jnp.clip(blk, 0, mb - 1), axis=1)
+    return jnp.where(ok, page, -1), positions % page_size
+
+
+def indexer_rope(
+    x: jax.Array,  # [..., H, Di] indexer q (or [..., Di] key)
+    cos: jax.Array,  # [..., rope_dim] = cat(freqs, freqs).cos() per token (HF's rotary embedding output)
+    sin: jax.Array,  # [..., rope_dim]
+    *,
+    heads_axis: bool = True,
+) -> jax.Array:
+    """Non-interleaved RoPE on the first ``rope_dim`` values (HF ``apply_rotary_pos_emb`` on ``[rot ‖ pass]``)."""
+    r = cos.shape[-1]
+    if heads_axis:
+        cos, sin = cos[..., None, :], sin[..., None, :]
+    rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
+    half = jnp.concatenate([-rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
+    rot = rot * cos.astype(jnp.float32) + half * sin.astype(jnp.float32)
+    return jnp.concatenate([rot.astype(x.dtype), rest], axis=-1)
+
+
+def _token_rows(cu_seqlens, seq_lens, t):
+    """Row id i32[T], absolute position i32[T] and validity bool[T] of each of ``t`` token-major queries."""
+    tok = jnp.arange(t)
+    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right") - 1, 0, seq_lens.shape[0] - 1)
+    valid = tok < cu_seqlens[-1]
+    pos = seq_lens[row] - (cu_seqlens[row + 1] - tok)
+    return row, pos, valid
+
+
+def indexer_scores(
+    q: jax.Array,  # [T, Hi, Di] roped indexer queries
+    weights: jax.Array,  # f32[T, Hi] per-head weights (n_heads**-0.5 applied)
+    index_k: jax.Array,  # [P, page_size, Di] indexer keys (f8e4m3 with scales, or any float)
+    index_scale: jax.Array | None,  # f32[P, page_size, Di // block] | None (no scaling)
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B], context length including this step's tokens
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1]
+    scale: float,
+) -> jax.Array:
+    """Float32 index scores ``f32[T, max_blocks * page_size]``; ``-inf`` where not causally visible.
+
+    Token ``t`` of row ``b`` sits at position ``seq_lens[b] - n_b + i`` and sees positions ``<=`` its own.
+    Padding tokens (past ``cu_seqlens[-1]``) get all ``-inf``. Reads nothing it changes.
+    """
+    check_float("q", q, rank=3)
+    t, hi, di = q.shape
+    check_array("weights", weights, rank=2, shape=(t, hi))
+    check_array("index_k", index_k, rank=3, shape=(None, None, di))
+    if index_scale is not None:
+        check_array("index_scale", index_scale, rank=3, shape=tuple(index_k.shape[:2]) + (None,))
+        if di % index_scale.shape[-1]:
+            raise ValueError(f"index_scale has {index_scale.shape[-1]} scales per token; {di} is not a multiple")
+    check_int32("block_tables", block_tables, rank=3)
+    b = block_tables.shape[0]
+    check_int32("seq_lens", seq_lens, shape=(b,))
+    check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
+
+    page_size = index_k.shape[1]
+    length = block_tables.shape[-1] * page_size
+    pos_all = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    page, off = _page_of(block_tables, pos_all, page_size)
+    keys = index_k[jnp.maximum(page, 0), off].astype(jnp.float32)  # [B, L, Di]
+    if index_scale is not None:
+        keys = _dequant(keys, index_scale[jnp.maximum(page, 0), off])
+    present = page >= 0
+    keys = jnp.where(present[..., None], keys, 0.0)
+    row, pos, valid = _token_rows(cu_seqlens, seq_lens, t)
+
+    def one(qt, wt, r, p, ok):
+        s = jnp.maximum(jnp.einsum("hd,ld->hl", qt.astype(jnp.float32), keys[r]), 0.0)
+        score = jnp.einsum("h,hl->l", wt.astype(jnp.float32), s) * scale
+        visible = present[r] & (jnp.arange(length) <= p) & ok
+        return jnp.where(visible, score, -jnp.inf)
+
+    return jax.lax.map(lambda a: one(*a), (q, weights, row, pos, valid))
+
+
+def index_topk(scores: jax.Array, topk: int) -> jax.Array:
+    """Top-``topk`` positions per query, best first: ``f32[T, L] -> i32[T, topk]``, ``-1`` where ``-inf``.
+
+    If ``topk > L`` the result is padded with ``-1``. Ties resolve to the lower position (``lax.top_k``).
+    """
+    check_array("scores", scores, rank=2)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be an int >= 1, got {topk!r}")
+    t, length = scores.shape
+    k = min(topk, length)
+    vals, idx = jax.lax.top_k(scores.astype(jnp.float32), k)
+    idx = jnp.where(jnp.isneginf(vals), -1, idx).astype(jnp.int32)
+    if k < topk:
+        idx = jnp.concatenate([idx, jnp.full((t, topk - k), -1, jnp.int32)], axis=1)
+    return idx
+
+
+def _sparse_attend(q, rows, valid, rank, scale):
+    """q f32[B, H, R+r], rows f32[B, K, R+r], valid bool[B, K] -> f32[B, H, R]; no visible key -> 0."""
+    rows = jnp.where(valid[..., None], rows, 0.0)
+    s = jnp.einsum("bhd,bkd->bhk", q, rows) * scale
+    mask = valid[:, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return jnp.einsum("bhk,bkr->bhr", p / jnp.where(denom > 0, denom, 1.0), rows[..., :rank])
+
+
+def _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices):
+    check_float("q_latent", q_latent, rank=3)
+    b, h, _ = q_latent.shape
+    check_float("q_rope", q_rope, rank=3)
+    if q_rope.shape[:2] != (b, h):
+        raise ValueError(f"q_rope must have shape ({b}, {h}, rope_dim), got {tuple(q_rope.shape)}")
+    check_int32("block_tables", block_tables, rank=3)
+    if block_tables.shape[:2] != (b, 1):
+        raise ValueError(f"block_tables must have shape ({b}, 1, max_blocks), got {tuple(block_tables.shape)}")
+    check_int32("seq_lens", seq_lens, shape=(b,))
+    check_int32("topk_indices", topk_indices, rank=2)
+    if topk_indices.shape[0] != b:
+        raise ValueError(f"topk_indices must have shape ({b}, topk), got {tuple(topk_indices.shape)}")
+
+
+def sparse_mla_decode_reference(
+    q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, *, scale: float
+):
+    """Float32 oracle of :func:`sparse_mla_decode`."""
+    rank = q_latent.shape[-1]
+    page, off = _page_of(block_tables, topk_indices, latent_pages.shape[1])
+    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
+    rows = latent_pages[jnp.maximum(page, 0), off].astype(jnp.float32)  # [B, K, R+r]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
+    return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
+
+
+def sparse_mla_decode(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    topk_indices: jax.Array,  # i32[B, K] positions to attend; -1 = none
+    *,
+    scale: float,
+    impl: str = "auto",
+) -> jax.Array:
+    """Absorbed MLA decode restricted to ``topk_indices`` (positions ``>= seq_lens`` or ``-1`` are ignored).
+
+    Returns ``o: [B, H, R]`` in ``q_latent``'s dtype; a row with no selected position gives 0.
+    Duplicate indices would count twice (top-k never produces them).
+    """
+    _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
+    check_float("latent_pages", latent_pages, rank=3,
+                shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
+    fn = dispatch.resolve("sparse_mla_decode", impl)
+    return fn(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=float(scale))
+
+
+def sparse_mla_decode_fp8(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    key: jax.Array,  # f8e4m3[P, page_size, R]
+    key_scale: jax.Array,  # f32[P, page_size, R // block]
+    key_rope: jax.Array,  # bf16[P, page_size, r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    topk_indices: jax.Array,  # i32[B, K]; -1 = none
+    *,
+    scale: float,
+) -> jax.Array:
+    """Sparse MLA decode over the DSA ``key`` cache roles: gathers and dequantises only the selected rows.
+
+    Reference (jnp) path; same semantics as :func:`sparse_mla_decode` on the dequantised latent.
+    """
+    _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
+    check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))
+    check_array("key_scale", key_scale, rank=3, shape=tuple(key.shape[:2]) + (None,))
+    check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
+    rank = q_latent.shape[-1]
+    page, off = _page_of(block_tables, topk_indices, key.shape[1])
+    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
+    pg = jnp.maximum(page, 0)
+    rows = jnp.concatenate([_dequant(key[pg, off], key_scale[pg, off]),
+                            key_rope[pg, off].astype(jnp.float32)], axis=-1)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
+    return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
+
+
+def sparse_impls() -> list[str]:
+    """Implementations of ``sparse_mla_decode`` usable on the current backend."""
+    return dispatch.available("sparse_mla_decode")
+
+
+dispatch.register_reference("sparse_mla_decode", sparse_mla_decode_reference)

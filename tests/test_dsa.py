@@ -1,0 +1,189 @@
+"""DSA: indexer scores (fp8 keys) and causal top-k vs numpy and vs HF's DeepseekV32Indexer; sparse MLA decode."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from kvjax.ops import dsa, mla
+
+FP8_MAX = 448.0
+
+
+def _quant_np(x, block=128):
+    """Independent blockwise e4m3 quantisation (numpy + ml_dtypes): returns (f8 values, f32 scales)."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block).astype(np.float32)
+    scale = np.abs(xb).max(-1) / FP8_MAX
+    safe = np.where(scale > 0, scale, 1.0)
+    q = np.clip(xb / safe[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(x.shape), scale.astype(np.float32)
+
+
+def _pages(rng, lens, page_size, max_blocks, width, extra=2):
+    """Token rows f32[B, L, width] scattered into randomly permuted pages; holes after each sequence."""
+    b, length = len(lens), page_size * max_blocks
+    rows = rng.standard_normal((b, length, width)).astype(np.float32)
+    needed = [-(-int(n) // page_size) for n in lens]
+    num_pages = sum(needed) + extra
+    pages = rng.standard_normal((num_pages, page_size, width)).astype(np.float32) * 50
+    perm = rng.permutation(num_pages)
+    tables = np.full((b, 1, max_blocks), -1, np.int32)
+    k = 0
+    for i, n in enumerate(needed):
+        for j in range(n):
+            tables[i, 0, j] = perm[k]
+            pages[perm[k]] = rows[i, j * page_size : (j + 1) * page_size]
+            k += 1
+    return rows, pages, tables
+
+
+def test_indexer_scores_fp8_and_topk(rng):
+    hi, di, page_size, max_blocks, topk = 4, 128, 16, 4, 12
+    lens = np.array([30, 7, 50], np.int32)
+    new = np.array([3, 7, 1], np.int32)  # chunked prefill, prefill, decode
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    t = int(cu[-1]) + 1  # one padding token
+    rows, pages, tables = _pages(rng, lens, page_size, max_blocks, di)
+    kq, ks = _quant_np(pages)
+    q = rng.standard_normal((t, hi, di)).astype(np.float32)
+    w = rng.standard_normal((t, hi)).astype(np.float32)
+    scale = di ** -0.5
+
+    scores = np.asarray(dsa.indexer_scores(
+        jnp.asarray(q), jnp.asarray(w), jnp.asarray(kq), jnp.asarray(ks), jnp.asarray(tables), jnp.asarray(lens),
+        cu_seqlens=jnp.asarray(cu), scale=scale))
+    idx = np.asarray(dsa.index_topk(jnp.asarray(scores), topk))
+    assert scores.shape == (t, max_blocks * page_size) and idx.shape == (t, topk) and idx.dtype == np.int32
+
+    deq = kq.astype(np.float64).reshape(*kq.shape[:-1], 1, di) * ks[..., None]
+    deq = deq.reshape(kq.shape)
+    assert np.abs(deq - pages).max() <= 0.07 * np.abs(pages).max()  # e4m3 keeps ~3 mantissa bits
+    for b in range(len(lens)):
+        keys = np.concatenate([deq[tables[b, 0, j]] for j in range(-(-lens[b] // page_size))])
+        for i in range(new[b]):
+            tok, pos = cu[b] + i, lens[b] - new[b] + i
+            want = (w[tok] @ np.maximum(q[tok] @ keys[: pos + 1].T, 0.0)) * scale
+            np.testing.assert_allclose(scores[tok, : pos + 1], want, rtol=1e-4, atol=1e-4)
+            assert np.isneginf(scores[tok, pos + 1 :]).all()
+            n_valid = min(pos + 1, topk)
+            order = np.argsort(-want, kind="stable")[:n_valid]
+            assert set(idx[tok, :n_valid].tolist()) == set(order.tolist())
+            assert (np.diff(scores[tok, idx[tok, :n_valid]]) <= 0).all()  # best first
+            assert (idx[tok, n_valid:] == -1).all()
+    assert (idx[-1] == -1).all() and np.isneginf(scores[-1]).all()  # padding token
+
+
+def test_index_topk_pads_when_topk_exceeds_length(rng):
+    s = rng.standard_normal((2, 5)).astype(np.float32)
+    s[1, 3:] = -np.inf
+    idx = np.asarray(dsa.index_topk(jnp.asarray(s), 8))
+    assert idx.shape == (2, 8)
+    np.testing.assert_array_equal(idx[0, :5], np.argsort(-s[0]))
+    assert (idx[0, 5:] == -1).all() and (idx[1, 3:] == -1).all()
+    assert set(idx[1, :3].tolist()) == {0, 1, 2}
+    with pytest.raises(ValueError, match="topk must be an int >= 1"):
+        dsa.index_topk(jnp.asarray(s), 0)
+
+
+def test_indexer_matches_hf_deepseek_v32():
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+
+    torch.manual_seed(1234)
+    cfg = DeepseekV32Config(hidden_size=64, index_n_heads=4, index_head_dim=32, qk_rope_head_dim=8,
+                            q_lora_rank=24, index_topk=6, num_attention_heads=4)
+    ind = DeepseekV32Indexer(cfg, 0).eval()
+    for p in ind.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    s_len, r = 13, cfg.qk_rope_head_dim
+    x = torch.randn(1, s_len, cfg.hidden_size)
+    q_resid = torch.randn(1, s_len, cfg.q_lora_rank)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    freqs = torch.arange(s_len, dtype=torch.float32)[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], -1)[None]
+    cos, sin = emb.cos(), emb.sin()
+    causal = torch.ones(s_len, s_len, dtype=torch.bool).tril()[None]
+    with torch.no_grad():
+        want = ind(x, q_resid, (cos, sin), causal, None).numpy()  # [1, S, topk]
+        q = ind.wq_b(q_resid).view(s_len, cfg.index_n_heads, cfg.index_head_dim).numpy()
+        k = ind.k_norm(ind.wk(x))[0].numpy()
+        w = (ind.weights_proj(x)[0] * cfg.index_n_heads ** -0.5).numpy()
+
+    q = dsa.indexer_rope(jnp.asarray(q), jnp.asarray(cos[0].numpy()), jnp.asarray(sin[0].numpy()))
+    k = dsa.indexer_rope(jnp.asarray(k), jnp.asarray(cos[0].numpy()), jnp.asarray(sin[0].numpy()),
+                         heads_axis=False)
+    page_size = 4
+    tables = np.array([[[2, 0, 3, 1]]], np.int32)
+    pages = np.zeros((4, page_size, cfg.index_head_dim), np.float32)
+    for j in range(4):
+        pages[tables[0, 0, j], : len(k[j * 4 : (j + 1) * 4])] = np.asarray(k[j * 4 : (j + 1) * 4])
+    scores = dsa.indexer_scores(q, jnp.asarray(w), jnp.asarray(pages), None, jnp.asarray(tables),
+                                jnp.asarray([s_len], jnp.int32), cu_seqlens=jnp.asarray([0, s_len], jnp.int32),
+                                scale=cfg.index_head_dim ** -0.5)
+    got = np.asarray(dsa.index_topk(scores, cfg.index_topk))
+    for t in range(s_len):
+        n_valid = min(t + 1, cfg.index_topk)
+        assert set(got[t, :n_valid].tolist()) == set(want[0, t, :n_valid].tolist()), t
+        assert (got[t, n_valid:] == -1).all()
+
+
+def test_sparse_decode_matches_masked_dense(rng):
+    h, page_size, max_blocks, k = 4, 16, 5, 24
+    lens = np.array([70, 9, 33], np.int32)
+    rows, pages, tables = _pages(rng, lens, page_size, max_blocks, 576)
+    q = rng.standard_normal((3, h, 512)).astype(np.float32)
+    qr = rng.standard_normal((3, h, 64)).astype(np.float32)
+    idx = np.full((3, k), -1, np.int32)
+    for b, n in enumerate(lens):
+        pick = rng.permutation(n)[: min(k - 2, n)]
+        idx[b, : len(pick)] = pick
+    idx[0, -1] = 75  # past seq_len: ignored
+    scale = 0.05
+    got = np.asarray(dsa.sparse_mla_decode(jnp.asarray(q), jnp.asarray(qr), jnp.asarray(pages),
+                                           jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(idx), scale=scale,
+                                           impl="reference"))
+    for b, n in enumerate(lens):
+        sel = sorted(i for i in idx[b] if 0 <= i < n)
+        kk = rows[b, sel].astype(np.float64)
+        s = np.concatenate([q[b], qr[b]], -1) @ kk.T * scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(got[b], p @ kk[:, :512], rtol=2e-4, atol=2e-4)
+
+    # selecting every position == dense decode
+    full = np.where(np.arange(max_blocks * page_size)[None] < lens[:, None],
+                    np.arange(max_blocks * page_size)[None], -1).astype(np.int32)
+    dense = mla.mla_decode(jnp.asarray(q), jnp.asarray(qr), jnp.asarray(pages), jnp.asarray(tables),
+                           jnp.asarray(lens), scale=scale, impl="reference")
+    sparse_all = dsa.sparse_mla_decode(jnp.asarray(q), jnp.asarray(qr), jnp.asarray(pages), jnp.asarray(tables),
+                                       jnp.asarray(lens), jnp.asarray(full), scale=scale, impl="reference")
+    np.testing.assert_allclose(np.asarray(sparse_all), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+    # the fp8 DSA key cache path == sparse decode on the dequantised latent
+    kq, ks = _quant_np(pages[..., :512])
+    deq = (kq.astype(np.float32).reshape(*kq.shape[:-1], 4, 128) * ks[..., None]).reshape(kq.shape)
+    rope = pages[..., 512:].astype(jnp.bfloat16)
+    got8 = dsa.sparse_mla_decode_fp8(jnp.asarray(q), jnp.asarray(qr), jnp.asarray(kq), jnp.asarray(ks),
+                                     jnp.asarray(rope), jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(idx),
+                                     scale=scale)
+    deq_pages = np.concatenate([deq, np.asarray(rope, np.float32)], -1)
+    want8 = dsa.sparse_mla_decode(jnp.asarray(q), jnp.asarray(qr), jnp.asarray(deq_pages), jnp.asarray(tables),
+                                  jnp.asarray(lens), jnp.asarray(idx), scale=scale, impl="reference")
+    np.testing.assert_allclose(np.asarray(got8), np.asarray(want8), rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_decode_validation():
+    q = jnp.zeros((2, 4, 512), jnp.bfloat16)
+    qr = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    pages = jnp.zeros((3, 8, 576), jnp.bfloat16)
+    tables = jnp.zeros((2, 1, 2), jnp.int32)
+    lens = jnp.array([3, 4], jnp.int32)
+    with pytest.raises(ValueError, match="topk_indices must have dtype"):
+        dsa.sparse_mla_decode(q, qr, pages, tables, lens, jnp.zeros((2, 4), jnp.float32),
+                              scale=0.1)
+    with pytest.raises(ValueError, match=r"topk_indices must have shape \(2, topk\)"):
+        dsa.sparse_mla_decode(q, qr, pages, tables, lens, jnp.zeros((3, 4), jnp.int32), scale=0.1)
+    with pytest.raises(ValueError, match="latent_pages must have shape"):
+        dsa.sparse_mla_decode(q, qr, pages[..., :512], tables, lens, jnp.zeros((2, 4), jnp.int32), scale=0.1)
