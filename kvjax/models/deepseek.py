@@ -428,8 +428,11 @@ class DeepseekV32(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], precision=_HI).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
+    @nnx.jit(static_argnames=("indexer_fp8",))
     def logits(self, input_ids: jax.Array, *, indexer_fp8: bool = False) -> jax.Array:
         """Full-sequence forward, no cache: ``input_ids i32[B, T]`` -> ``f32[B, T, vocab]`` (positions 0..T-1).
+
+        Jit-compiled (once per shape and ``indexer_fp8``).
 
         ``indexer_fp8=True`` rounds the indexer keys through the fp8 cache quantisation (the oracle of a step
         over an fp8 indexer cache); the default is HF's f32 indexer.
