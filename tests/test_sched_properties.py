@@ -34,7 +34,7 @@ def setups(draw, busy: bool = False):
                         max_blocks_per_seq=64 // ps if busy else draw(st.integers(1, 64 // ps) | st.integers(24 // ps, 64 // ps)))
     att = AttentionConfig(h_kv * draw(st.integers(1, 2)), h_kv, 8, window=tuple(window), sinks=tuple(sinks))
     reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.booleans()), min_size=4 if busy else 1, max_size=7))
-    return dict(cache=cache, att=att, budget=draw(st.integers(1, 40)), pool=draw(st.sampled_from(["shared", "partitioned"])),
+    return dict(cache=cache, att=att, budget=draw(st.integers(cache.max_seqs, 40)), pool=draw(st.sampled_from(["shared", "partitioned"])),
                 recycle=draw(st.sampled_from(["none", "timely"])), reqs=reqs,
                 abort_at=draw(st.lists(st.integers(0, 60), max_size=2)), seed=draw(st.integers(0, 2**16)))
 

@@ -151,6 +151,18 @@ def test_preemption_frees_slot_and_requeues_at_front():
     np.testing.assert_array_equal(plan.token_ids[:4], [1, 2, 3, (3 * 5 + 1) % 41])
 
 
+def test_watermark_holds_back_admission_only_while_others_run():
+    att = AttentionConfig(2, 2, 8)
+    for watermark, admitted in ((0.0, 2), (0.2, 1)):
+        sched = sched_with(num_pages=8, page_size=2, budget=8, max_seqs=3, att=att, watermark=watermark)
+        sched.add_request(np.arange(1, 5), 1)  # 4 pages
+        sched.add_request(np.arange(1, 5), 1)  # 4 more would leave 0 < 20% of 8 free
+        assert sched.schedule().num_seqs == admitted
+    sched = sched_with(num_pages=8, page_size=2, budget=8, max_seqs=3, att=att, watermark=0.5)
+    sched.add_request(np.arange(1, 9), 1)  # alone it may take every page
+    assert sched.schedule().num_seqs == 1 and sched.blocks.available() == 0.0
+
+
 def test_every_path_into_running_takes_a_slot_and_every_way_out_frees_it(rng):
     sched = sched_with(max_seqs=2)
     direct = sched.add_request(rng.integers(1, 40, 5), 3, running=True)
@@ -192,6 +204,8 @@ def test_bad_configs_raise():
         Scheduler(cache, ATT, max_num_batched_tokens=8, pool="partitioned")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(cache, ATT, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="must be >= max_seqs=2"):
+        Scheduler(cache, ATT, max_num_batched_tokens=1)
     with pytest.raises(ValueError, match="watermark"):
         Scheduler(cache, ATT, max_num_batched_tokens=8, watermark=1.0)
     with pytest.raises(ValueError, match="recycle policy must be one of"):
@@ -214,6 +228,8 @@ def test_bad_requests_raise_and_change_nothing(rng):
         sched.add_request(rng.integers(1, 40, 5), 0)
     with pytest.raises(ValueError, match="already known"):
         sched.add_request(rng.integers(1, 40, 5), 2, request_id=next(iter(sched.requests)))
+    with pytest.raises(ValueError, match="request_id must be an int"):
+        sched.add_request(rng.integers(1, 40, 5), 2, request_id="a")
     assert state(sched) == before
 
 

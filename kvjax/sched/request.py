@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import enum
-import itertools
 
 import numpy as np
-
-_ids = itertools.count()
 
 
 class Status(enum.Enum):
@@ -25,14 +22,14 @@ class Request:
     ``slot`` is the GDN slot (and block-table row) while running, 0 otherwise.
     """
 
-    def __init__(self, prompt: np.ndarray, max_new_tokens: int, eos_token_id: int | None = None,
-                 request_id: int | None = None) -> None:
+    def __init__(self, request_id: int, prompt: np.ndarray, max_new_tokens: int,
+                 eos_token_id: int | None = None) -> None:
         prompt = np.asarray(prompt)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError(f"prompt must be a non-empty 1-d integer array, got shape {prompt.shape} {prompt.dtype}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        self.request_id = next(_ids) if request_id is None else request_id
+        self.request_id = request_id
         self.prompt_len = int(prompt.size)
         self.max_new_tokens = int(max_new_tokens)
         self.eos_token_id = eos_token_id

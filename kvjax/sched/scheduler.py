@@ -53,6 +53,9 @@ class Scheduler:
         if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
                 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        if max_num_batched_tokens < cache.max_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_seqs={cache.max_seqs} "
+                             "so that every running request can advance in one step")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.cache, self.attention = cache, attention
@@ -69,6 +72,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
         self.step = 0
+        self._next_id = 0
         self.num_preemptions = 0
         self._last_plan: StepPlan | None = None
 
@@ -78,15 +82,20 @@ class Scheduler:
         """Queue a request (or, with ``running=True``, start it at once: it takes a slot now and computes from
         the next step). Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
         ``running`` and no slot is free; on error nothing changes."""
-        req = Request(prompt, max_new_tokens, eos_token_id, request_id)
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id} is already known")
+        if request_id is None:
+            request_id = self._next_id
+        if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+            raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id} is already known")
+        req = Request(request_id, prompt, max_new_tokens, eos_token_id)
         self._check_fits(req)
         if running:
             self._start(req)
         else:
             self.waiting.append(req)
         self.requests[req.request_id] = req
+        self._next_id = max(self._next_id, request_id + 1)
         return req
 
     def abort(self, request_id: int) -> None:
