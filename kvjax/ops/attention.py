@@ -47,6 +47,7 @@ from kvjax.ops import dispatch
 from kvjax.ops._checks import check_float, check_int32
 
 _TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
+_HIGHEST = jax.lax.Precision.HIGHEST  # true f32 matmuls (no TF32 on GPU): the reference is the oracle
 
 
 def _visible(q_pos, key_pos, window, sinks):
@@ -66,13 +67,13 @@ def _attend_one(q_tok, k, v, mask, scale):
     group = hq // hkv
     v = jnp.where(mask[..., None], v.astype(jnp.float32), 0.0)
     qg = q_tok.astype(jnp.float32).reshape(hkv, group, -1)  # [Hkv, G, D]
-    s = jnp.einsum("hgd,hld->hgl", qg, k.astype(jnp.float32)) * scale
+    s = jnp.einsum("hgd,hld->hgl", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
     s = jnp.where(mask[:, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask[:, None, :], jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("hgl,hld->hgd", p, v) / jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("hgl,hld->hgd", p, v, precision=_HIGHEST) / jnp.where(denom > 0, denom, 1.0)
     return o.reshape(hq, -1)
 
 
@@ -117,7 +118,8 @@ def paged_attention_reference(
         mask = _visible(pos, key_pos, window, sinks) & block_ok & real
         return _attend_one(q_tok, k, v, mask, scale)
 
-    out = jax.lax.map(one_token, (q, row, q_pos, is_real), batch_size=max(1, min(t_total, _TOKENS_PER_MAP_STEP)))
+    batch = max(1, min(t_total, _TOKENS_PER_MAP_STEP))
+    out = jax.lax.map(one_token, (q, row, q_pos, is_real), batch_size=batch)
     return out.astype(q.dtype)
 
 

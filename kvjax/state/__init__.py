@@ -3,4 +3,4 @@
 Pools are updated only by vectorised scatter/gather and returned by value.
 """
 from kvjax.state.gdn_pool import GDNStatePool
-from kvjax.state.registry import create_caches, create_host_caches, create_kv_cache, DSACacheSpec, GQACacheSpec, MLACacheSpec
+from kvjax.state.registry import DSACacheSpec, GQACacheSpec, MLACacheSpec, create_caches, create_kv_cache
