@@ -5,11 +5,13 @@ Each attention kind owns its cache layout (DESIGN.md, "DSA"): a spec declares ``
 :func:`create_caches` only names and orders: caches are ordered by ``(layer, role priority)`` whatever order
 the specs come in, and named ``<role>_caches_<layer>``.
 
-| kind | roles (priority order) | shapes |
-|------|------------------------|--------|
-| :class:`GQACacheSpec` | ``key``, ``value`` | ``[P, page_size, head_dim]`` single-head pages shared by the layer's KV heads |
-| :class:`MLACacheSpec` | ``key`` | ``[P, page_size, kv_lora_rank + rope_dim]`` |
-| :class:`DSACacheSpec` | ``key``, ``key_scale``, ``key_rope``, ``indexer``, ``indexer_scale`` | see :mod:`kvjax.state.dsa_cache` |
+- :class:`GQACacheSpec`: roles ``key``, ``value``, each ``[P, page_size, head_dim]`` single-head pages shared
+  by the layer's KV heads;
+- :class:`MLACacheSpec`: role ``key`` ``[P, page_size, kv_lora_rank + rope_dim]``;
+- :class:`DSACacheSpec`: roles ``key``, ``key_scale``, ``key_rope``, ``indexer``, ``indexer_scale`` (see
+  :mod:`kvjax.state.dsa_cache`).
+
+Role priority (the order within a layer) is :data:`ROLE_PRIORITY`.
 
 Host copies (:func:`create_host_caches`, :func:`copy_caches`) live in the device's ``pinned_host`` memory
 where the platform exposes it (jax 0.10.2 CPU and CUDA do) and raise ``ValueError`` naming the platform and
