@@ -86,7 +86,7 @@ def test_host_caches_on_this_platform(rng):
     specs = _specs()[:2]
     device = jax.devices()[0]
     kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" in kinds:  # jax 0.10.2 CPU and CUDA expose pinned host memory
+    if "pinned_host" in kinds:  # jax 0.10.2 CPU exposes pinned host memory
         host = create_host_caches(specs, 2)
         assert list(host) == cache_names(specs)
         assert all(a.sharding.memory_kind == "pinned_host" for a in host.values())

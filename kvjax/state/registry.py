@@ -14,8 +14,8 @@ the specs come in, and named ``<role>_caches_<layer>``.
 Role priority (the order within a layer) is :data:`ROLE_PRIORITY`.
 
 Host copies (:func:`create_host_caches`, :func:`copy_caches`) live in the device's ``pinned_host`` memory
-where the platform exposes it (jax 0.10.2 CPU and CUDA do) and raise ``ValueError`` naming the platform and
-its memory kinds where it does not.
+where the platform exposes it (checked here: jax 0.10.2 CPU; CUDA backends normally expose it too) and raise
+``ValueError`` naming the platform and its memory kinds where it does not.
 """
 
 from __future__ import annotations
