@@ -172,12 +172,13 @@ def main() -> None:
         latent_bytes = b * length * 576 * 2
         configs = [dict()]
         if args.sweep:
-            shapes = [(16, 4), (16, 8)] if h == 16 else [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
-            splits = (2, 4, 8) if h == 16 else (None,)
-            configs = [dict(block_h=bh, num_warps=nw, num_stages=ns, num_kv_splits=sp)
-                       for bh, nw in shapes for ns in (2, 3) for sp in splits]
-            if h == 128:
-                configs.append(dict(block_h=64, num_warps=8, num_stages=2, num_kv_splits=2))
+            if h == 16:
+                configs = [dict(block_h=16, num_warps=nw, num_stages=ns, num_kv_splits=sp, block_n=bn)
+                           for nw in (4, 8) for ns in (2, 3) for sp in (2, 4) for bn in (64, 128)]
+            else:
+                configs = [dict(block_h=bh, num_warps=nw, num_stages=2, num_kv_splits=sp, block_n=bn)
+                           for bh, nw in ((32, 4), (64, 8), (64, 4), (128, 8)) for sp in (None, 2)
+                           for bn in (64, 128)]
         for name, fn in impls.items():
             best = None
             for cfg in configs:
@@ -225,13 +226,15 @@ def main() -> None:
 
 
 def _bench_dsa(results, bench, rng, quick=False):
+    """Decode at top-k 2048 (sparse kernel over the selected rows) vs dense decode over all L rows."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.ops import dsa, mla
+    from kvjax.ops import dsa
+    from kvjax.pallas import mla_decode as pk
 
-    b, h, topk = (8, 16, 2048) if quick else (32, 16, 2048)
+    b, topk = (8, 2048) if quick else (32, 2048)
     scale = 192 ** -0.5
     for length in (8192, 32768):
         page = 64
@@ -240,29 +243,45 @@ def _bench_dsa(results, bench, rng, quick=False):
         perm = rng.permutation(num_pages).astype(np.int32)
         tables = jnp.asarray(perm.reshape(b, 1, max_blocks))
         lens = jnp.full((b,), length, jnp.int32)
-        k = jax.random.split(jax.random.key(length), 4)
+        k = jax.random.split(jax.random.key(length), 8)
         pages = jax.random.normal(k[0], (num_pages, page, 576), jnp.bfloat16)
-        q = jax.random.normal(k[1], (b, h, 512), jnp.bfloat16)
-        qr = jax.random.normal(k[2], (b, h, 64), jnp.bfloat16)
-        idx = jnp.sort(jax.random.randint(k[3], (b, topk), 0, length, jnp.int32), axis=-1)
-        dense = jax.jit(lambda *x: mla.mla_decode(*x, scale=scale, impl="pallas"))
-        t_dense = bench(dense, q, qr, pages, tables, lens)
-        row = {"B": b, "H": h, "L": length, "topk": topk, "dense_pallas_ms": t_dense * 1e3}
-        for impl in dsa.sparse_impls():
-            sparse = jax.jit(lambda *x, _i=impl: dsa.sparse_mla_decode(*x, scale=scale, impl=_i))
-            try:
-                want = dsa.sparse_mla_decode(q.astype(jnp.float32), qr.astype(jnp.float32),
-                                             pages.astype(jnp.float32), tables, lens, idx, scale=scale,
-                                             impl="reference")
-                got = sparse(q, qr, pages, tables, lens, idx)
-                e = float(jnp.linalg.norm((got.astype(jnp.float32) - want)) / jnp.linalg.norm(want))
-                results["checks"].append({"op": "sparse_mla_decode", "impl": impl, "L": length, "rel_err": e,
-                                          "ok": e <= 2e-2})
-                row[f"sparse_{impl}_ms"] = bench(sparse, q, qr, pages, tables, lens, idx) * 1e3
-            except Exception as ex:  # noqa: BLE001
-                row[f"sparse_{impl}_error"] = repr(ex)[:300]
-        results["dsa"].append(row)
-        print("dsa", row, flush=True)
+        idx = jax.vmap(lambda kk: jax.random.permutation(kk, length)[:topk])(jax.random.split(k[3], b))
+        idx = idx.astype(jnp.int32)
+        # indexer over the fp8 indexer cache (jnp reference) for the same step
+        ik = jax.random.normal(k[4], (num_pages, page, 128), jnp.float32)
+        amax = jnp.max(jnp.abs(ik), axis=-1, keepdims=True) / 448.0
+        ikq = (ik / amax).astype(jnp.float8_e4m3fn)
+        iq = jax.random.normal(k[5], (b, 64, 128), jnp.bfloat16)
+        iw = jax.random.normal(k[6], (b, 64), jnp.float32) * 64 ** -0.5
+        cu = jnp.arange(b + 1, dtype=jnp.int32)
+        indexer = jax.jit(lambda q_, w_, kq_, ks_, t_, l_: dsa.index_topk(
+            dsa.indexer_scores(q_, w_, kq_, ks_, t_, l_, cu_seqlens=cu, scale=128 ** -0.5), topk))
+        t_index = bench(indexer, iq, iw, ikq, amax, tables, lens, reps=10, inner=2)
+        for h in (16, 128):
+            q = jax.random.normal(k[1], (b, h, 512), jnp.bfloat16)
+            qr = jax.random.normal(k[2], (b, h, 64), jnp.bfloat16)
+            bh = 16 if h == 16 else 64
+            dense = jax.jit(lambda *x, _bh=bh: pk.mla_decode_pallas(*x, scale=scale, block_h=_bh))
+            row = {"B": b, "H": h, "L": length, "topk": topk, "page": 64,
+                   "dense_pallas_ms": bench(dense, q, qr, pages, tables, lens) * 1e3,
+                   "indexer_topk_jnp_ms": t_index * 1e3}
+            want = dsa.sparse_mla_decode(q.astype(jnp.float32), qr.astype(jnp.float32), pages.astype(jnp.float32),
+                                         tables, lens, idx, scale=scale, impl="reference")
+            for name, fn in (
+                ("pallas", lambda *x, _bh=bh: pk.sparse_mla_decode_pallas(*x, scale=scale, block_h=_bh)),
+                ("xla_reference", lambda *x: dsa.sparse_mla_decode(*x, scale=scale, impl="reference")),
+            ):
+                f = jax.jit(fn)
+                try:
+                    got = f(q, qr, pages, tables, lens, idx)
+                    e = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+                    results["checks"].append({"op": "sparse_mla_decode", "impl": name, "H": h, "L": length,
+                                              "rel_err": e, "ok": e <= 2e-2})
+                    row[f"sparse_{name}_ms"] = bench(f, q, qr, pages, tables, lens, idx) * 1e3
+                except Exception as ex:  # noqa: BLE001
+                    row[f"sparse_{name}_error"] = repr(ex)[:300]
+            results["dsa"].append(row)
+            print("dsa", row, flush=True)
 
 
 if __name__ == "__main__":

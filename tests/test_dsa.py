@@ -187,3 +187,47 @@ def test_sparse_decode_validation():
         dsa.sparse_mla_decode(q, qr, pages, tables, lens, jnp.zeros((3, 4), jnp.int32), scale=0.1)
     with pytest.raises(ValueError, match="latent_pages must have shape"):
         dsa.sparse_mla_decode(q, qr, pages[..., :512], tables, lens, jnp.zeros((2, 4), jnp.int32), scale=0.1)
+
+
+def _sparse_case(rng, lens, h, page_size, max_blocks, k, dtype):
+    rows, pages, tables = _pages(rng, lens, page_size, max_blocks, 576)
+    q = rng.standard_normal((len(lens), h, 512)).astype(np.float32)
+    qr = rng.standard_normal((len(lens), h, 64)).astype(np.float32)
+    idx = np.full((len(lens), k), -1, np.int32)
+    for b, n in enumerate(lens):
+        pick = rng.permutation(max(n, 1))[: min(k - 3, n)]
+        idx[b, : len(pick)] = pick
+        idx[b, -1] = n + 2  # past seq_len: ignored
+    cast = lambda x: jnp.asarray(x).astype(dtype)
+    return cast(q), cast(qr), cast(pages), jnp.asarray(tables), jnp.asarray(np.asarray(lens, np.int32)), \
+        jnp.asarray(idx)
+
+
+@pytest.mark.parametrize("splits, block_n", [(1, 16), (3, 32)])
+def test_sparse_pallas_interpret_matches_reference(rng, splits, block_n):
+    from kvjax.pallas.mla_decode import sparse_mla_decode_pallas
+
+    args = _sparse_case(rng, [70, 9, 33, 0], h=3, page_size=16, max_blocks=5, k=40, dtype=jnp.bfloat16)
+    want = dsa.sparse_mla_decode(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args],
+                                 scale=0.05, impl="reference")
+    got = sparse_mla_decode_pallas(*args, scale=0.05, num_kv_splits=splits, block_n=block_n, interpret=True)
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[-1], 0.0)  # nothing selected
+    err = np.linalg.norm(got[:-1] - np.asarray(want)[:-1]) / np.linalg.norm(np.asarray(want)[:-1])
+    assert err <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 128])
+def test_sparse_pallas_gpu(rng, h):
+    args = _sparse_case(rng, [8192, 1, 3000, 2048, 64, 5000], h=h, page_size=64, max_blocks=128, k=2048,
+                        dtype=jnp.bfloat16)
+    want = dsa.sparse_mla_decode(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args],
+                                 scale=0.05, impl="reference")
+    for splits in (None, 1, 4):
+        from kvjax.pallas.mla_decode import sparse_mla_decode_pallas
+
+        got = np.asarray(sparse_mla_decode_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
+        assert np.isfinite(got).all()
+        assert np.linalg.norm(got - np.asarray(want)) / np.linalg.norm(np.asarray(want)) <= 2e-2

@@ -177,13 +177,19 @@ def _oracle(q, qr, pages, tables, lens, scale):
     return mla.mla_decode_reference(f32(q), f32(qr), f32(pages), tables, lens, scale=scale)
 
 
-@pytest.mark.parametrize("splits", [1, 8])
-def test_pallas_interpret_matches_reference(rng, splits):
-    """Mixed lengths (1, page edges, empty splits), random page permutation, holes after each sequence."""
+@pytest.mark.parametrize("splits, block_n", [(1, None), (8, 128)])
+def test_pallas_interpret_matches_reference(rng, splits, block_n):
+    """Mixed lengths (1, page edges, empty splits), random page permutation, holes after each sequence;
+    one page per step, or 128 rows gathered across two pages per step."""
+    from kvjax.pallas.mla_decode import mla_decode_pallas
+
     lens = [1, 63, 64, 65, 190, 0]
     args = _random_decode(rng, lens, h=5, page_size=64, max_blocks=4, dtype=jnp.bfloat16)
     scale = 0.06
-    got = mla.mla_decode(*args, scale=scale, num_kv_splits=splits, impl="interpret")
+    if block_n is None:
+        got = mla.mla_decode(*args, scale=scale, num_kv_splits=splits, impl="interpret")
+    else:
+        got = mla_decode_pallas(*args, scale=scale, num_kv_splits=splits, block_n=block_n, interpret=True)
     assert got.dtype == jnp.bfloat16 and got.shape == (6, 5, RANK)
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -234,7 +240,7 @@ def test_num_kv_splits_choice_is_static():
 
     assert choose_num_kv_splits(128, 1, 64, 132) == 3
     assert choose_num_kv_splits(128, 4, 64, 132) == 1
-    assert choose_num_kv_splits(1, 1, 2, 132) == 1  # never more splits than pages allow
+    assert choose_num_kv_splits(1, 1, 2, 132) == 1  # never more splits than token blocks allow
     assert choose_num_kv_splits(2, 1, 512, 132) == 64  # capped
 
 
@@ -249,3 +255,9 @@ def test_kernels_gpu_long_mixed(rng, impl, h):
         got = mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
         assert np.isfinite(np.asarray(got, np.float32)).all()
         assert _rel_err(got, want) <= 2e-2, (impl, h, splits)
+    if impl == "pallas":
+        from kvjax.pallas.mla_decode import mla_decode_pallas as fn
+    else:
+        from kvjax.triton.mla_decode import mla_decode_triton as fn
+    got = fn(*args, scale=0.07, num_kv_splits=3, block_n=128)
+    assert _rel_err(got, want) <= 2e-2, (impl, h, "block_n=128")

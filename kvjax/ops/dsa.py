@@ -235,3 +235,5 @@ def sparse_impls() -> list[str]:
 
 
 dispatch.register_reference("sparse_mla_decode", sparse_mla_decode_reference)
+dispatch.register_kernel("sparse_mla_decode", "pallas", "kvjax.pallas.mla_decode:sparse_mla_decode_pallas",
+                         platforms=("gpu",))

@@ -1,7 +1,8 @@
-"""Split-KV MLA decode over a paged latent cache (Pallas, Triton lowering).
+"""Split-KV MLA decode over a paged latent cache (Pallas, Triton lowering), dense and DSA-sparse.
 
 Stage 1: one program per (head group, KV split, sequence). It walks the latent pages of its split of the
-sequence, one page per step: the page is read once as two tiles, ``kv_c [page_size, R]`` and
+sequence, one page per step (or ``block_n`` rows gathered through the block table; for DSA, the listed
+top-k positions): the page is read once as two tiles, ``kv_c [page_size, R]`` and
 ``k_pe [page_size, r]``; logits are ``q_latent · kv_c + q_rope · k_pe`` and the same ``kv_c`` tile is the
 value. It writes the split's normalised f32 output and its log-sum-exp. A sequence is cut into
 ``num_kv_splits`` contiguous page ranges of its own length, so every split of a long sequence has work and
@@ -29,32 +30,38 @@ _MASK_INIT = -1e30  # finite running-max start: a fully masked page keeps exp(..
 def _stage1_kernel(
     tables_ref,  # i32[B, max_blocks] (whole array)
     lens_ref,  # i32[B] (whole array)
-    q_ref,  # [block_h, R]
-    qr_ref,  # [block_h, r]
-    latent_ref,  # [P, page_size, R + r] (whole array)
-    o_ref,  # [block_h, R] (f32 partial, or final dtype when there is one split)
-    lse_ref,  # f32[block_h]
-    *,
+    *refs,  # [topk_ref i32[B, K] (whole array; sparse only)], q_ref, qr_ref, latent_ref, o_ref, lse_ref
     scale: float,
     num_splits: int,
+    block_n: int,
+    sparse: bool,
 ):
+    if sparse:
+        topk_ref, q_ref, qr_ref, latent_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, qr_ref, latent_ref, o_ref, lse_ref = refs
+    # q_ref [block_h, R], qr_ref [block_h, r], latent_ref [P, page_size, R + r] (whole array),
+    # o_ref [block_h, R] (f32 split output, or the final dtype with one split), lse_ref f32[block_h]
     split, b = pl.program_id(1), pl.program_id(2)
     page_size = latent_ref.shape[1]
+    max_blocks = tables_ref.shape[1]
     block_h, rank = q_ref.shape
     rope = qr_ref.shape[1]
 
     seq_len = lens_ref[b]
-    n_pages = pl.cdiv(seq_len, page_size)
-    per_split = pl.cdiv(n_pages, num_splits)
+    n_steps = topk_ref.shape[1] // block_n if sparse else pl.cdiv(seq_len, block_n)
+    per_split = pl.cdiv(n_steps, num_splits)
     start = split * per_split
-    end = jnp.minimum(start + per_split, n_pages)
+    end = jnp.minimum(start + per_split, n_steps)
 
     q = q_ref[...]
     qr = qr_ref[...]
-    offs = jnp.arange(page_size, dtype=jnp.int32)
+    offs = jnp.arange(block_n, dtype=jnp.int32)
+    cols = jnp.arange(rank, dtype=jnp.int32)
+    rcols = rank + jnp.arange(rope, dtype=jnp.int32)
 
     def step(acc, m, l, kv, kr, valid):
-        s = plgpu.dot(q, kv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)  # f32[block_h, tokens]
+        s = plgpu.dot(q, kv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)  # f32[block_h, block_n]
         s = jnp.where(valid[None, :], s * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -63,7 +70,7 @@ def _stage1_kernel(
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kv.dtype), kv)
         return acc, m_new, l
 
-    def body_one_page(j, carry):
+    def body_one_page(j, carry):  # dense, block_n == page_size: one contiguous page per step
         page = tables_ref[b, j]
         valid = (j * page_size + offs < seq_len) & (page >= 0)  # bool[page_size]
         page = jnp.maximum(page, 0)
@@ -71,36 +78,56 @@ def _stage1_kernel(
         kr = plgpu.load(latent_ref.at[page, :, pl.ds(rank, rope)], mask=valid[:, None], other=0.0)
         return step(*carry, kv, kr, valid)
 
+    def body_gather(j, carry):  # block_n token rows gathered through the block table
+        if sparse:
+            pos = topk_ref[b, pl.ds(j * block_n, block_n)]
+        else:
+            pos = j * block_n + offs
+        pos_ok = (pos >= 0) & (pos < seq_len)
+        pos = jnp.where(pos_ok, pos, 0)
+        page = tables_ref[b, jnp.minimum(pos // page_size, max_blocks - 1)]
+        valid = pos_ok & (page >= 0)  # bool[block_n]
+        page, off = jnp.maximum(page, 0)[:, None], (pos % page_size)[:, None]
+        kv = plgpu.load(latent_ref.at[page, off, cols[None, :]],
+                        mask=jnp.broadcast_to(valid[:, None], (block_n, rank)), other=0.0)
+        kr = plgpu.load(latent_ref.at[page, off, rcols[None, :]],
+                        mask=jnp.broadcast_to(valid[:, None], (block_n, rope)), other=0.0)
+        return step(*carry, kv, kr, valid)
+
     init = (
         jnp.zeros((block_h, rank), jnp.float32),
         jnp.full((block_h,), _MASK_INIT, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
-    acc, m, l = jax.lax.fori_loop(start, end, body_one_page, init)
+    body = body_one_page if (block_n == page_size and not sparse) else body_gather
+    acc, m, l = jax.lax.fori_loop(start, end, body, init)
     has = l > 0.0
     safe_l = jnp.where(has, l, 1.0)
     o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(has, m + jnp.log(safe_l), -jnp.inf)
 
 
-def _stage1_call(q, qr, latent, tables, lens, *, scale, num_splits, block_h, num_warps, num_stages,
-                 interpret):
+def _stage1_call(q, qr, latent, tables, lens, topk=None, *, scale, num_splits, block_h, num_warps, num_stages,
+                 interpret, block_n=None):
     b, h, rank = q.shape
     rope = qr.shape[-1]
     groups = h // block_h
+    block_n = block_n or latent.shape[1]
+    sparse = topk is not None
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
-    kernel = functools.partial(_stage1_kernel, scale=scale, num_splits=num_splits)
+    kernel = functools.partial(_stage1_kernel, scale=scale, num_splits=num_splits, block_n=block_n,
+                               sparse=sparse)
     whole = pl.no_block_spec  # the kernel indexes these itself
+    in_specs = [whole, whole] + ([whole] if sparse else []) + [
+        pl.BlockSpec((None, block_h, rank), lambda g, s, i: (i, g, 0)),
+        pl.BlockSpec((None, block_h, rope), lambda g, s, i: (i, g, 0)),
+        whole,
+    ]
+    args = (tables, lens) + ((topk,) if sparse else ()) + (q, qr, latent)
     return pl.pallas_call(
         kernel,
         grid=(groups, num_splits, b),  # head groups vary fastest: they share each page through L2
-        in_specs=[
-            whole,
-            whole,
-            pl.BlockSpec((None, block_h, rank), lambda g, s, i: (i, g, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda g, s, i: (i, g, 0)),
-            whole,
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, block_h, rank), lambda g, s, i: (i, s, g, 0)),
             pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)),
@@ -111,8 +138,8 @@ def _stage1_call(q, qr, latent, tables, lens, *, scale, num_splits, block_h, num
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="mla_decode_stage1",
-    )(tables, lens, q, qr, latent)
+        name="mla_sparse_decode_stage1" if sparse else "mla_decode_stage1",
+    )(*args)
 
 
 def merge_splits(o_parts: jax.Array, lse_parts: jax.Array) -> jax.Array:
@@ -129,11 +156,11 @@ def merge_splits(o_parts: jax.Array, lse_parts: jax.Array) -> jax.Array:
     return o / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def choose_num_kv_splits(batch: int, head_groups: int, max_blocks: int, num_sms: int) -> int:
-    """Static split factor: enough programs for about two per SM, at least 4 pages per split, at most 64."""
+def choose_num_kv_splits(batch: int, head_groups: int, max_steps: int, num_sms: int) -> int:
+    """Static split factor: about two programs per SM, at least 4 token blocks per split, at most 64."""
     programs = batch * head_groups
     want = max(1, math.ceil(2 * num_sms / programs))
-    return max(1, min(want, max_blocks // 4, _MAX_SPLITS))
+    return max(1, min(want, max_steps // 4, _MAX_SPLITS))
 
 
 def _num_sms() -> int:
@@ -141,10 +168,41 @@ def _num_sms() -> int:
     return int(getattr(dev, "core_count", 0) or 132)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "num_kv_splits", "block_h", "num_warps", "num_stages", "interpret"),
-)
+def _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk, *, scale, num_kv_splits, block_h,
+            block_n, num_warps, num_stages, interpret):
+    b, h, _ = q_latent.shape
+    page_size = latent_pages.shape[1]
+    if block_h is None:
+        block_h = 16 if h <= 16 else 32
+    if block_n is None:
+        block_n = page_size if topk is None else 64
+    pad = -h % block_h
+    q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
+        qr = jnp.pad(qr, ((0, 0), (0, pad), (0, 0)))
+    if topk is not None and topk.shape[1] % block_n:
+        topk = jnp.pad(topk, ((0, 0), (0, -topk.shape[1] % block_n)), constant_values=-1)
+    groups = (h + pad) // block_h
+    if num_kv_splits is None:
+        steps = (topk.shape[1] if topk is not None else block_tables.shape[-1] * page_size) // block_n
+        num_kv_splits = choose_num_kv_splits(b, groups, steps, _num_sms())
+    if num_warps is None:
+        num_warps = 4 if block_h <= 16 else 8
+    o, lse = _stage1_call(q, qr, latent_pages, block_tables[:, 0, :], seq_lens, topk, scale=scale,
+                          num_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
+    if num_kv_splits == 1:
+        out = o[:, 0].astype(q_latent.dtype)
+    else:
+        out = merge_splits(o, lse).astype(q_latent.dtype)
+    return out[:, :h]
+
+
+_STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mla_decode_pallas(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
@@ -155,29 +213,42 @@ def mla_decode_pallas(
     scale: float,
     num_kv_splits: int | None = None,
     block_h: int | None = None,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
-    """Split-KV MLA decode (see module doc). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype."""
-    b, h, _ = q_latent.shape
-    if block_h is None:
-        block_h = 16 if h <= 16 else 32
-    pad = -h % block_h
-    q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
-    if pad:
-        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
-        qr = jnp.pad(qr, ((0, 0), (0, pad), (0, 0)))
-    groups = (h + pad) // block_h
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(b, groups, block_tables.shape[-1], _num_sms())
-    if num_warps is None:
-        num_warps = 4 if block_h <= 16 else 8
-    tables = block_tables[:, 0, :]
-    o, lse = _stage1_call(q, qr, latent_pages, tables, seq_lens, scale=scale, num_splits=num_kv_splits,
-                          block_h=block_h, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    if num_kv_splits == 1:
-        out = o[:, 0].astype(q_latent.dtype)
-    else:
-        out = merge_splits(o, lse).astype(q_latent.dtype)
-    return out[:, :h]
+    """Split-KV MLA decode (see module doc). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype.
+
+    Tuning (static): ``block_h`` query heads per program (16, or 32 above 16 heads), ``block_n`` tokens per
+    step (default one page; larger values gather rows through the block table), warps, pipeline stages.
+    """
+    return _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, None, scale=scale,
+                   num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
+                   num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def sparse_mla_decode_pallas(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    topk_indices: jax.Array,  # i32[B, K]; -1 = none
+    *,
+    scale: float,
+    num_kv_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """DSA sparse MLA decode: the same split-KV kernel over the ``K`` listed positions (``block_n`` per step).
+
+    Positions ``< 0`` or ``>= seq_lens`` and holes are masked (never loaded). Returns ``o: [B, H, R]``.
+    """
+    return _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=scale,
+                   num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
+                   num_stages=num_stages, interpret=interpret)

@@ -1,7 +1,7 @@
 """Split-KV MLA decode as a hand-written Triton kernel, called from JAX through jax-triton.
 
 The same algorithm as :mod:`kvjax.pallas.mla_decode` (one program per head group, KV split and sequence;
-one latent page per step, read once; f32 split outputs + lse merged by the shared stage 2), written directly
+``block_n`` latent rows per step gathered through the block table, each read once; f32 split outputs + lse merged by the shared stage 2), written directly
 in Triton so the benchmark can compare the Pallas lowering against it on one GPU.
 """
 
@@ -35,6 +35,7 @@ def _mla_stage1_kernel(
     MAX_BLOCKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     g = tl.program_id(0)
     split = tl.program_id(1)
@@ -42,23 +43,25 @@ def _mla_stage1_kernel(
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, R)
     offs_e = tl.arange(0, ROPE)
-    offs_t = tl.arange(0, PS)
+    offs_n = tl.arange(0, BLOCK_N)
 
     q = tl.load(q_ptr + (b * HP + offs_h)[:, None] * R + offs_r[None, :])
     qr = tl.load(qr_ptr + (b * HP + offs_h)[:, None] * ROPE + offs_e[None, :])
     seq_len = tl.load(lens_ptr + b)
-    n_pages = tl.cdiv(seq_len, PS)
-    per_split = tl.cdiv(n_pages, NUM_SPLITS)
+    n_steps = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_steps, NUM_SPLITS)
     start = split * per_split
-    end = tl.minimum(start + per_split, n_pages)
+    end = tl.minimum(start + per_split, n_steps)
 
     acc = tl.zeros((BLOCK_H, R), dtype=tl.float32)
     m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in range(start, end):
-        page = tl.load(bt_ptr + b * MAX_BLOCKS + j)
-        valid = (j * PS + offs_t < seq_len) & (page >= 0)
-        row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + offs_t[:, None] * (R + ROPE)
+        pos = j * BLOCK_N + offs_n
+        in_seq = pos < seq_len
+        page = tl.load(bt_ptr + b * MAX_BLOCKS + tl.minimum(pos // PS, MAX_BLOCKS - 1), mask=in_seq, other=-1)
+        valid = in_seq & (page >= 0)
+        row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + (pos % PS)[:, None] * (R + ROPE)
         kv = tl.load(row + offs_r[None, :], mask=valid[:, None], other=0.0)
         kr = tl.load(row + R + offs_e[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))
@@ -78,7 +81,8 @@ def _mla_stage1_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "num_kv_splits", "block_h", "num_warps", "num_stages", "interpret")
+    jax.jit,
+    static_argnames=("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret"),
 )
 def mla_decode_triton(
     q_latent: jax.Array,  # [B, H, R]
@@ -90,6 +94,7 @@ def mla_decode_triton(
     scale: float,
     num_kv_splits: int | None = None,
     block_h: int | None = None,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
@@ -110,8 +115,9 @@ def mla_decode_triton(
     hp = h + pad
     groups = hp // block_h
     max_blocks = block_tables.shape[-1]
+    block_n = block_n or page_size
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(b, groups, max_blocks, _num_sms())
+        num_kv_splits = choose_num_kv_splits(b, groups, max_blocks * page_size // block_n, _num_sms())
     if num_warps is None:
         num_warps = 4 if block_h <= 16 else 8
     out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
@@ -126,7 +132,7 @@ def mla_decode_triton(
         num_warps=num_warps,
         num_stages=num_stages,
         SCALE=float(scale), HP=hp, R=rank, ROPE=rope, PS=page_size, MAX_BLOCKS=max_blocks,
-        NUM_SPLITS=num_kv_splits, BLOCK_H=block_h,
+        NUM_SPLITS=num_kv_splits, BLOCK_H=block_h, BLOCK_N=block_n,
     )
     if num_kv_splits == 1:
         out = o[:, 0].astype(q_latent.dtype)
