@@ -27,11 +27,14 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def make_inputs(rng, lens, hk, hv, kd, vd, dtype, *, pad_tokens=0):
+def make_inputs(rng, lens, hk, hv, kd, vd, dtype, *, pad_tokens=0, unit_qk=False):
+    """Random ragged batch. ``unit_qk``: q/k of norm ~1 (without in-kernel l2norm, ``beta |k|^2`` must stay
+    below 2 or the delta rule diverges over long sequences, in the reference too)."""
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t = int(cu[-1]) + pad_tokens
-    q = jnp.asarray(rng.standard_normal((t, hk, kd)), dtype)
-    k = jnp.asarray(rng.standard_normal((t, hk, kd)), dtype)
+    std = kd ** -0.5 if unit_qk else 1.0
+    q = jnp.asarray(rng.standard_normal((t, hk, kd)) * std, dtype)
+    k = jnp.asarray(rng.standard_normal((t, hk, kd)) * std, dtype)
     v = jnp.asarray(rng.standard_normal((t, hv, vd)), dtype)
     g = jnp.asarray(np.log(rng.uniform(0.6, 1.0, (t, hv))), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.05, 1.0, (t, hv)), dtype)
@@ -43,7 +46,8 @@ KERNELS = {"chunk": chunk_gated_delta_rule_pallas, "recurrent": recurrent_gated_
 
 
 def check_public_kernel(rng, kind, lens, hk, hv, kd, vd, dtype, *, l2, init, interpret, pad_tokens=3):
-    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=pad_tokens)
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=pad_tokens,
+                                           unit_qk=not l2)
     kw = dict(cu_seqlens=cu, initial_state=s0 if init else None, scale=kd ** -0.5, use_qk_l2norm=l2)
     o, f = KERNELS[kind](q, k, v, g, beta, interpret=interpret, **kw)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, **kw)
@@ -83,12 +87,14 @@ def test_kernels_match_hugging_face(rng):
         assert rel_err(f, hf_state.numpy()) <= 1e-4
 
 
-def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl, num_slots, layers=2):
-    q, k, v, g, beta, cu, _ = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=2)
+def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl, num_slots, layers=2,
+                  one_token=False):
+    q, k, v, g, beta, cu, _ = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=0 if one_token else 2)
     ssm = rng.standard_normal((layers, num_slots + 1, hv, kd, vd)).astype(np.float32)
     ssm[:, 0] = 0.0
     kw = dict(layer=layers - 1, slot_ids=np.asarray(slots, np.int32),
-              has_initial_state=np.asarray(has_init, np.bool_), cu_seqlens=np.asarray(cu), use_qk_l2norm=True)
+              has_initial_state=np.asarray(has_init, np.bool_), cu_seqlens=None if one_token else np.asarray(cu),
+              use_qk_l2norm=True)
     o, pool = op(q, k, v, g, beta, jnp.asarray(ssm), impl=impl, **kw)
     ro, rpool = op(q, k, v, g, beta, jnp.asarray(ssm), impl="reference", **kw)
     pool, rpool = np.asarray(pool), np.asarray(rpool)
@@ -108,9 +114,11 @@ def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl
     assert len(seq_of) == int(cu[-1])
 
 
-def test_decode_pool_interpret(rng):
-    check_pool_op(rng, gdn_state.gdn_decode, [1, 1, 1, 1, 1], [4, 0, 2, 6, 1], [True, True, False, True, True],
-                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=7)
+@pytest.mark.parametrize("one_token", [True, False])
+def test_decode_pool_interpret(rng, one_token):
+    lens = [1, 1, 1, 1, 1] if one_token else [2, 1, 0, 3, 1]
+    check_pool_op(rng, gdn_state.gdn_decode, lens, [4, 0, 2, 6, 1], [True, True, False, True, True],
+                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=7, one_token=one_token)
 
 
 def test_prefill_pool_interpret(rng):
@@ -151,15 +159,17 @@ def test_kernels_gpu_varlen(rng, kind, dtype, l2):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,lens", [(gdn_state.gdn_decode, [1] * 16), (gdn_state.gdn_prefill, GPU_LENS)])
+@pytest.mark.parametrize("op,lens,one_token", [(gdn_state.gdn_decode, [1] * 16, True),
+                                              (gdn_state.gdn_decode, [1, 3, 0, 2] * 4, False),
+                                              (gdn_state.gdn_prefill, GPU_LENS, False)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pool_ops_gpu(rng, op, lens, dtype):
+def test_pool_ops_gpu(rng, op, lens, one_token, dtype):
     n = len(lens)
     slots = rng.permutation(np.arange(1, n + 4))[:n].astype(np.int32)
     slots[::4] = 0  # padding rows
     has_init = rng.uniform(size=n) < 0.7
     check_pool_op(rng, op, lens, slots, has_init, hk=2, hv=4, kd=128, vd=128, dtype=dtype, impl="pallas",
-                  num_slots=n + 3)
+                  num_slots=n + 3, one_token=one_token)
 
 
 @pytest.mark.gpu

@@ -65,6 +65,8 @@ def gdn_prefill_pool_reference(q, k, v, g, beta, ssm, **kw):
 
 def gdn_decode_pool_reference(q, k, v, g, beta, ssm, **kw):
     """Oracle: gather the initial states, run ``recurrent_gated_delta_rule_reference``, scatter the final ones."""
+    if kw["cu_seqlens"] is None:
+        kw["cu_seqlens"] = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     return _pool_reference(gdn.recurrent_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
 
 
@@ -87,9 +89,14 @@ def gdn_prefill_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, *
 
 
 def gdn_decode_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, **kw):
-    """Recurrent Pallas kernel on the pool (see :mod:`kvjax.pallas.gdn_recurrent`)."""
+    """Recurrent Pallas kernel on the pool (see :mod:`kvjax.pallas.gdn_recurrent`).
+
+    ``cu_seqlens=None`` (one token per row) selects the kernel's decode fast path.
+    """
     from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool
 
+    if kw["cu_seqlens"] is None:
+        kw = dict(kw, cu_seqlens=jnp.arange(q.shape[0] + 1, dtype=jnp.int32), one_token_per_row=True)
     return _pool_kernel(recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, interpret=interpret, **kw)
 
 
@@ -126,11 +133,13 @@ def _run(op, impl, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu
 
 def _public(op, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,
             impl):
-    scale = _validate(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
+    one_token = cu_seqlens is None  # decode: one token per row
+    check_cu = np.arange(slot_ids.shape[0] + 1, dtype=np.int32) if one_token else cu_seqlens
+    scale = _validate(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, check_cu, scale,
                       use_qk_l2norm, impl)
     dispatch.resolve(op, impl)  # unknown impl -> UnknownImplError before tracing
     return _run(op, impl, q, k, v, g, beta, ssm, jnp.asarray(layer, jnp.int32), jnp.asarray(slot_ids),
-                jnp.asarray(has_initial_state), jnp.asarray(cu_seqlens), scale=scale,
+                jnp.asarray(has_initial_state), None if one_token else jnp.asarray(cu_seqlens), scale=scale,
                 use_qk_l2norm=bool(use_qk_l2norm))
 
 
@@ -170,7 +179,7 @@ def gdn_decode(
     layer: int | jax.Array,
     slot_ids: jax.Array,  # i32[B]  0 = padding row
     has_initial_state: jax.Array | None = None,  # bool[B]; None = all true (decode continues a sequence)
-    cu_seqlens: jax.Array | None = None,  # i32[B+1]; None = one token per row
+    cu_seqlens: jax.Array | None = None,  # i32[B+1]; None = one token per row (fast path)
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     impl: str = "auto",
@@ -184,7 +193,6 @@ def gdn_decode(
         if q.shape[0] != num_rows:
             raise ValueError(f"without cu_seqlens decode takes one token per row: q has {q.shape[0]} tokens, "
                              f"slot_ids {num_rows} rows")
-        cu_seqlens = np.arange(num_rows + 1, dtype=np.int32)
     if has_initial_state is None:
         has_initial_state = np.ones((num_rows,), np.bool_)
     return _public(DECODE_OP, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,

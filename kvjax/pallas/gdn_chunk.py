@@ -38,6 +38,12 @@ from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, 
 CHUNK = 64
 
 
+def _dot(a, b, *, precision, contract_a: int = 1):
+    """``a @ b`` (or ``a.T @ b`` with ``contract_a=0``) with float32 accumulation (``pl.dot`` left jax 0.11)."""
+    dims = (((contract_a,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _chunk_kernel(
     cu_ref,  # i32[N+1]
     rows_ref,  # i32[N]
@@ -74,7 +80,7 @@ def _chunk_kernel(
         pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), read), other=0.0
     )
     dt = w_ref.dtype
-    dot = functools.partial(pl.dot, precision=precision)
+    dot = functools.partial(_dot, precision=precision)
     idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
     def body(c, s):  # s: f32[K, block_v]
@@ -97,7 +103,7 @@ def _chunk_kernel(
         d_last = jnp.where(any_in, jnp.exp(g_last), 1.0)
         kdec = jnp.exp(jnp.where(in_seq, gl - gc, -jnp.inf))
         kg = (k_ref[rs, hk, :].astype(jnp.float32) * kdec[:, None]).astype(dt)
-        return s * d_last + dot(kg, vb_, trans_a=True)
+        return s * d_last + dot(kg, vb_, contract_a=0)
 
     s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, body, s0)
 

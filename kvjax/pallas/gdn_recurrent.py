@@ -58,20 +58,25 @@ def _recurrent_kernel(
     use_qk_l2norm: bool,
     block_v: int,
     num_tokens: int,
+    one_token_per_row: bool,
 ):
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     hk = h // group
     vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
-    start, end = cu_ref[n], cu_ref[n + 1]
+    if one_token_per_row:  # decode: token n belongs to row n (cu_seqlens == arange(N + 1))
+        start, end = n, n + 1
+    else:
+        start, end = cu_ref[n], cu_ref[n + 1]
     row, flags = rows_ref[n], flags_ref[n]
     live = (flags & FLAG_LIVE) != 0
     has_init = (flags & FLAG_HAS_INITIAL) != 0
+    kd = pool_in_ref.shape[2]
 
     @pl.when(live)
     def _():
-        s0 = pool_in_ref[row, h, :, vs]
-        s0 = jnp.where(has_init, s0, jnp.zeros_like(s0))
+        s0 = plt.load(pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), has_init), other=0.0,
+                      eviction_policy="evict_first")
 
         def step(t, s):  # s: f32[K, block_v]
             q = q_ref[t, hk, :].astype(jnp.float32)
@@ -88,24 +93,27 @@ def _recurrent_kernel(
             o_ref[t, h, vs] = o.astype(o_ref.dtype)
             return s
 
-        s = lax.fori_loop(start, end, step, s0)
-        pool_ref[row, h, :, vs] = s
+        s = step(start, s0) if one_token_per_row else lax.fori_loop(start, end, step, s0)
+        plt.store(pool_ref.at[row, h, :, vs], s, eviction_policy="evict_first")
 
     @pl.when(jnp.logical_not(live))
     def _():
         _zero_tokens(o_ref, h, vs, start, end, block_v)
 
-    @pl.when(n == 0)
-    def _():
-        _zero_tokens(o_ref, h, vs, 0, start, block_v)
+    if not one_token_per_row:
 
-    @pl.when(n == num_seqs - 1)
-    def _():
-        _zero_tokens(o_ref, h, vs, end, num_tokens, block_v)
+        @pl.when(n == 0)
+        def _():
+            _zero_tokens(o_ref, h, vs, 0, start, block_v)
+
+        @pl.when(n == num_seqs - 1)
+        def _():
+            _zero_tokens(o_ref, h, vs, end, num_tokens, block_v)
 
 
 def _recurrent_call(
-    q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_qk_l2norm, block_v, num_warps, interpret
+    q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_qk_l2norm, block_v, num_warps,
+    one_token_per_row, interpret
 ):
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
@@ -117,6 +125,7 @@ def _recurrent_call(
         use_qk_l2norm=use_qk_l2norm,
         block_v=block_v,
         num_tokens=num_tokens,
+        one_token_per_row=one_token_per_row,
     )
     return pl.pallas_call(
         kernel,
@@ -138,7 +147,7 @@ def _check_pow2(name: str, value: int) -> None:
 
 
 def _pick_block_v(vd: int, block_v: int | None) -> int:
-    bv = min(vd, block_v or 32)
+    bv = min(vd, block_v or 64)
     _check_pow2("block_v", bv)
     if vd % bv:
         raise ValueError(f"block_v={bv} must divide V={vd}")
@@ -147,7 +156,7 @@ def _pick_block_v(vd: int, block_v: int | None) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "one_token_per_row", "interpret"),
     donate_argnames=("pool",),
 )
 def recurrent_gated_delta_rule_pool(
@@ -165,19 +174,24 @@ def recurrent_gated_delta_rule_pool(
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
+    one_token_per_row: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Stepwise gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
     Non-live rows (``flags & FLAG_LIVE == 0``) are neither read nor written and their tokens get ``o = 0``.
+    ``one_token_per_row=True`` is the decode fast path: it requires ``T == N`` and ignores ``cu_seqlens``
+    (row ``n`` owns token ``n``).
     """
+    if one_token_per_row and q.shape[0] != rows.shape[0]:
+        raise ValueError(f"one_token_per_row needs one token per row: T={q.shape[0]}, N={rows.shape[0]}")
     kd, vd = q.shape[2], v.shape[2]
     _check_pow2("K", kd)
     _check_pow2("V", vd)
     return _recurrent_call(
         q, k, v, g, beta, pool, cu_seqlens, rows, flags,
         scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=_pick_block_v(vd, block_v), num_warps=num_warps,
-        interpret=interpret,
+        one_token_per_row=one_token_per_row, interpret=interpret,
     )
 
 
