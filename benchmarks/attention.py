@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from kvjax.ops.attention import paged_attention_reference  # noqa: E402
 from kvjax.pallas import paged_attention as pa  # noqa: E402
 from kvjax.pallas import paged_common  # noqa: E402
+from kvjax.pallas import paged_prefill  # noqa: E402
 
 SIZES = dict(decode=(64, 4096, 32, 8, 128, 16), swa=(32, 8192, 32, 8, 128, 16), window=512, prefill=(4096, 32, 128),
              interpret=False, copy_elems=1 << 29)
@@ -122,12 +123,13 @@ def decode_section(k_pages, v_pages, copy_gbs, quick, results):
     t_anchor = timeit(anchor, q, k_pages, v_pages, anchor_bt, sl)
     rows = [dict(name="jax.pallas.ops.gpu.paged_attention (defaults)", ms=t_anchor * 1e3,
                  gbs=kv_bytes / t_anchor / 1e9, rel_err=rel_err(a_out, ref))]
-    configs = [dict(block_k=128, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=3),
-               dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=256, num_warps=4, num_stages=2),
-               dict(block_k=128, num_warps=8, num_stages=2), dict(block_k=64, num_warps=4, num_stages=4),
-               dict(block_k=128, num_warps=4, num_stages=2, num_splits=1),
-               dict(block_k=128, num_warps=4, num_stages=2, num_splits=4),
-               dict(block_k=256, num_warps=8, num_stages=3)]
+    configs = [dict(block_k=bk, num_warps=nw, num_stages=st, prefetch=pf)
+               for bk, nw, st, pf in ((128, 4, 3, False), (128, 4, 2, True), (128, 4, 1, True), (64, 4, 3, False),
+                                      (64, 4, 2, True), (64, 4, 1, True), (64, 2, 2, False), (64, 2, 2, True),
+                                      (32, 4, 3, False), (32, 4, 4, False), (32, 2, 3, False), (32, 2, 2, True),
+                                      (128, 8, 1, True), (64, 8, 2, True), (256, 8, 1, True), (64, 4, 5, False))]
+    configs += [dict(block_k=64, num_warps=4, num_stages=3, num_splits=sp) for sp in (1, 4, 8)]
+    configs += [dict(block_k=64, num_warps=4, num_stages=2, prefetch=True, num_splits=sp) for sp in (1, 4)]
     if quick:
         configs = configs[:2]
     for cfg in configs:
@@ -140,9 +142,12 @@ def decode_section(k_pages, v_pages, copy_gbs, quick, results):
             continue
         rows.append(dict(name=f"kvjax decode {cfg}", cfg=cfg, ms=t * 1e3, gbs=kv_bytes / t / 1e9, rel_err=err,
                          speedup_vs_anchor=t_anchor / t, pct_copy=100 * kv_bytes / t / 1e9 / copy_gbs))
+    meta = jax.jit(lambda cu_, sl_: paged_common.page_ranges(
+        *paged_common.token_positions(cu_, sl_, b)[1:2] * 2, sl_ > 0, zeros, zeros, page_size=ps, max_blocks=l // ps))
+    rows.append(dict(name="launch metadata alone (token_positions + page_ranges)", ms=timeit(meta, cu, sl) * 1e3))
     results["decode"] = dict(shape=dict(B=b, L=l, Hq=hq, Hkv=hkv, D=d, page=ps, dtype="bf16"), kv_bytes=kv_bytes,
                              rows=rows)
-    good = [r for r in rows[1:] if "ms" in r and r["rel_err"] <= 2e-2]
+    good = [r for r in rows[1:] if "cfg" in r and r["rel_err"] <= 2e-2]
     return min(good, key=lambda r: r["ms"])["cfg"] if good else dict(block_k=128, num_warps=4, num_stages=2)
 
 
@@ -214,6 +219,7 @@ def prefill_section(quick, results):
     cu = jnp.array([0, t_len], jnp.int32)
     sl = jnp.array([t_len], jnp.int32)
     ref = None
+    best_prefill = []
     for ps in ((16,) if quick else (16, 64)):
         n_blocks = t_len // ps
         perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * n_blocks).astype(jnp.int32)
@@ -227,12 +233,11 @@ def prefill_section(quick, results):
             ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=zeros,
                                                                sinks=zeros))(q, kp, vp, bt, sl)
             rows.append(dict(name="dot_product_attention vs f32 reference", rel_err=rel_err(dpa_out, ref)))
-        configs = [dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
-                   dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
-                   dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
-                   dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
-                   dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
-                   dict(block_q=64, block_k=128, num_warps=4, num_stages=2)]
+        if ps == 16:
+            configs = [dict(block_q=bq, block_k=bk, num_warps=nw, num_stages=st)
+                       for bq in (64, 128) for bk in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
+        else:
+            configs = best_prefill[:3]
         if quick:
             configs = configs[:2]
         for cfg in configs:
@@ -243,8 +248,18 @@ def prefill_section(quick, results):
             except Exception as e:
                 rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", error=repr(e)[:300]))
                 continue
-            rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", ms=t * 1e3, tflops=flops / t / 1e12,
+            rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", cfg=cfg, ms=t * 1e3, tflops=flops / t / 1e12,
                              rel_err=err, speed_vs_dpa=t_dpa / (t * 1e3)))
+        if ps == 16:
+            ok = sorted((r for r in rows if "cfg" in r and r["rel_err"] <= 2e-2), key=lambda r: r["ms"])
+            best_prefill = [r["cfg"] for r in ok]
+            if ok:  # the same best config with every block masked: what the unmasked middle blocks save
+                f = jax.jit(lambda q_, k_, v_, bt_, sl_, cu_: paged_prefill.paged_prefill(
+                    q_, k_, v_, bt_, sl_, cu_seqlens=cu_, scale=scale, window=zeros, sinks=zeros,
+                    fast_path=False, interpret=SIZES["interpret"], **ok[0]["cfg"]))
+                t = timeit(f, q, kp, vp, bt, sl, cu)
+                rows.append(dict(name=f"kvjax prefill page=16 {ok[0]['cfg']} all blocks masked", ms=t * 1e3,
+                                 tflops=flops / t / 1e12, speed_vs_dpa=t_dpa / (t * 1e3)))
     results["prefill"] = dict(shape=dict(T=t_len, H=h, D=d, causal=True, dtype="bf16"), flops=flops, rows=rows)
 
 

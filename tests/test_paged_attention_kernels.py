@@ -16,6 +16,7 @@ import pytest
 from kvjax.ops import attention
 from kvjax.ops.attention import paged_attention_reference
 from kvjax.pallas import paged_attention as pa
+from kvjax.pallas import paged_prefill
 
 
 def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.float32, extra_tokens=2):
@@ -84,8 +85,9 @@ def test_decode_interpret_matches_reference(rng):
     args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[1, 1, 1, 1],
                       window=[0, 20], sinks=[0, 4])
     ref = _ref(args, kw)
-    for splits in (1, 3):
-        out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=splits, block_k=32)
+    for splits, prefetch in ((1, False), (3, True)):
+        out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=splits, block_k=32,
+                                 prefetch=prefetch)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
 
@@ -150,8 +152,8 @@ def test_gpu_decode_grid(rng, group, page_size):
                       new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
                       dtype=jnp.bfloat16)
     ref = _ref(args, kw)
-    for splits in (None, 1, 7):
-        out = pa.paged_attention(*args, **kw, num_splits=splits)
+    for splits, prefetch in ((None, False), (1, True), (7, False)):
+        out = pa.paged_attention(*args, **kw, num_splits=splits, prefetch=prefetch)
         assert _rel_err(out, ref) <= 2e-2
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
@@ -168,6 +170,8 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
     ref = _ref(args, kw)
     out = pa.paged_attention(*args, **kw)
     assert _rel_err(out, ref) <= 2e-2
+    out_masked = paged_prefill.paged_prefill(*args, **kw, fast_path=False)
+    assert _rel_err(out_masked, ref) <= 2e-2
     # every real token of every row is right (none dropped or zero-filled)
     cu = np.asarray(kw["cu_seqlens"])
     o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -180,7 +184,7 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
 @pytest.mark.gpu
 def test_gpu_public_op_auto_is_the_kernel(rng):
     args, kw = _build(rng, hq=8, hkv=2, d=128, page_size=16, ctx=[3000, 1], new=[1, 1], window=[0, 256],
-                      sinks=[0, 4], dtype=jnp.bfloat16)
+                      sinks=[0, 4], dtype=jnp.bfloat16, extra_tokens=0)
     ref = _ref(args, kw)
     text = str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a, cu_seqlens=kw["cu_seqlens"],
                                                                    window=kw["window"], sinks=kw["sinks"]))(*args))

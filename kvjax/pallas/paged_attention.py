@@ -51,6 +51,7 @@ def _decode_kernel(
     max_blocks: int,
     num_kv_heads: int,
     num_splits: int,
+    prefetch: bool,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
@@ -81,8 +82,7 @@ def _decode_kernel(
     j_off = j % page_size
     bt_base = (b * num_kv_heads + h) * max_blocks
 
-    def body(c, carry):
-        acc, m, l = carry
+    def load_block(c):
         vp = start + c * pages_per_block + j_page
         in_range = vp < end
         col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
@@ -93,6 +93,9 @@ def _decode_kernel(
         kv_rows = jnp.where(ok, page, 0) * page_size + j_off
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+        return k, v, ok
+
+    def update(k, v, ok, acc, m, l):
         sc = plgpu.dot(q, k, trans_b=True) * scale  # f32[rows, block_k]
         sc = jnp.where(ok[None, :], sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -103,11 +106,22 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
+    def body(c, carry):
+        return update(*load_block(c), *carry)
+
+    def body_prefetch(c, carry):  # block c+1 is in flight while block c is consumed
+        k, v, ok, acc, m, l = carry
+        nxt = load_block(c + 1)
+        return (*nxt, *update(k, v, ok, acc, m, l))
+
     head_dim = q.shape[-1]
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _NEG_INF, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
+    if prefetch:
+        _, _, _, acc, m, l = jax.lax.fori_loop(0, n_iter, body_prefetch, (*load_block(0), acc, m, l))
+    else:
+        acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if num_splits == 1:
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
@@ -120,7 +134,7 @@ def _decode_kernel(
 
 def _decode_call(
     q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks, *,
-    scale, num_splits, block_k, num_warps, num_stages, interpret,
+    scale, num_splits, block_k, num_warps, num_stages, prefetch, interpret,
 ):
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -129,7 +143,7 @@ def _decode_call(
     rows = max(16, paged_common.next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, prefetch=prefetch,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -142,7 +156,7 @@ def _decode_call(
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode_s{num_splits}_bk{block_k}",
+        name=f"kvjax_paged_decode_s{num_splits}_bk{block_k}{'_pf' if prefetch else ''}",
     )(
         q.reshape(t_total * hq, d),
         k_pages.reshape(num_pages * page_size, d),
@@ -181,7 +195,8 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode"),
+    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode",
+                     "prefetch"),
 )
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -201,12 +216,14 @@ def paged_attention(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Kernel entry of ``kvjax.ops.paged_attention`` (normalised kernel-contract arguments).
 
     ``mode="auto"`` routes on static shapes: ``T <= B`` to the split-KV decode kernel, else to the prefill
     kernel; ``"decode"`` / ``"prefill"`` force one (both are exact for any batch). The tuning knobs
-    (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``) default to values measured on an H100.
+    (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``; decode
+    ``prefetch``: load block c+1 before consuming block c) default to values measured on an H100.
     Reads only. Tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
@@ -230,5 +247,5 @@ def paged_attention(
     return _decode_call(
         q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
         scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or 2, interpret=interpret,
+        num_stages=num_stages or 2, prefetch=prefetch, interpret=interpret,
     )

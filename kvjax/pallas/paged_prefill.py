@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.pallas import paged_common
 
 _NEG_INF = float("-inf")
+_LOG2E = 1.4426950408889634
 
 
 def _prefill_kernel(
@@ -47,6 +48,7 @@ def _prefill_kernel(
     block_k: int,
     max_blocks: int,
     num_kv_heads: int,
+    unmasked_fast_path: bool,
 ):
     tile = pl.program_id(0)
     h = pl.program_id(1)
@@ -77,34 +79,54 @@ def _prefill_kernel(
     j_off = j % page_size
     bt_base = (b * num_kv_heads + h) * max_blocks
 
-    def body(c, carry):
+    qk_scale = scale * _LOG2E  # softmax in base 2
+
+    def step(c, carry, masked: bool):
         acc, m, l = carry
         vp = c * pages_per_block + j_page
         in_range = vp < n_pages
         col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
         page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
         kpos = col * page_size + j_off
-        k_ok = in_range & (page >= 0) & (kpos <= i_last) & ((w == 0) | (kpos > i0 - w) | (kpos < sk))
+        k_ok = in_range & (page >= 0)
+        if masked:
+            k_ok = k_ok & (kpos <= i_last) & ((w == 0) | (kpos > i0 - w) | (kpos < sk))
         kv_rows = jnp.where(k_ok, page, 0) * page_size + j_off
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-        diff = qpos[:, None] - kpos[None, :]
-        ok = k_ok[None, :] & (diff >= 0) & ((w == 0) | (diff < w) | (kpos[None, :] < sk))
-        sc = plgpu.dot(q, k, trans_b=True) * scale  # f32[rows, block_k]
-        sc = jnp.where(ok, sc, _NEG_INF)
+        sc = plgpu.dot(q, k, trans_b=True) * qk_scale  # f32[rows, block_k], log2 units
+        if masked:
+            diff = qpos[:, None] - kpos[None, :]
+            ok = k_ok[None, :] & (diff >= 0) & ((w == 0) | (diff < w) | (kpos[None, :] < sk))
+            sc = jnp.where(ok, sc, _NEG_INF)
+        else:  # every key of the block is visible to every row; only holes are masked
+            sc = sc + jnp.where(k_ok, 0.0, _NEG_INF)[None, :]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(sc - m_safe[:, None])
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(sc - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
+    # Blocks [a, b) hold only window pages whose keys every row of the tile sees (all <= i0, all inside the
+    # window of the last row): no per-element mask there. Sink pages and the window's edges are masked.
+    n_blocks = pl.cdiv(n_pages, pages_per_block)
+    col_a = jnp.where(w > 0, pl.cdiv(jnp.maximum(i_last - w + 1, 0), page_size), 0)
+    col_b = (i0 + 1) // page_size - 1
+    blk_a = jnp.minimum(pl.cdiv(n_sink + jnp.maximum(col_a - lo, 0), pages_per_block), n_blocks)
+    blk_b = jnp.minimum(jnp.maximum((n_sink + col_b + 1 - lo) // pages_per_block, blk_a), n_blocks)
+
     head_dim = q.shape[-1]
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m = jnp.full((rows,), _NEG_INF, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, pl.cdiv(n_pages, pages_per_block), body, (acc, m, l))
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    if unmasked_fast_path:
+        carry = jax.lax.fori_loop(0, blk_a, functools.partial(step, masked=True), carry)
+        carry = jax.lax.fori_loop(blk_a, blk_b, functools.partial(step, masked=False), carry)
+        carry = jax.lax.fori_loop(blk_b, n_blocks, functools.partial(step, masked=True), carry)
+    else:
+        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(step, masked=True), carry)
+    acc, m, l = carry
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=r_ok[:, None])
 
@@ -127,7 +149,7 @@ def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
     return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path"))
 def paged_prefill(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, page_size, D]
@@ -144,11 +166,13 @@ def paged_prefill(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fast_path: bool = True,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
     Same contract as :func:`kvjax.pallas.paged_attention.paged_attention`; tokens of no row get output 0.
-    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128.
+    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``fast_path=False`` masks
+    every key block (kept to measure what the unmasked middle blocks save).
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -166,7 +190,7 @@ def paged_prefill(
     )
     kernel = functools.partial(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv,
+        max_blocks=max_blocks, num_kv_heads=hkv, unmasked_fast_path=fast_path,
     )
     o = pl.pallas_call(
         kernel,
