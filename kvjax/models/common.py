@@ -327,12 +327,20 @@ def assign_params(model: nnx.Module, values: Mapping[tuple, np.ndarray]) -> nnx.
     if missing or extra:
         raise CheckpointError(f"parameter tree mismatch: no value for {missing[:5]}, no parameter for {extra[:5]}")
     for path, var in flat.items():
-        if tuple(var[...].shape) != tuple(values[path].shape):
+        have = tuple(var.get_value().shape)
+        if have != tuple(values[path].shape):
             raise CheckpointError(
-                f"parameter {'.'.join(map(str, path))} has shape {tuple(var[...].shape)}, "
-                f"value has {tuple(values[path].shape)}"
+                f"parameter {'.'.join(map(str, path))} has shape {have}, value has {tuple(values[path].shape)}"
             )
     for path, var in flat.items():
-        var[...] = jnp.asarray(values[path], var[...].dtype)
+        var.set_value(jnp.asarray(values[path], var.get_value().dtype))
     nnx.update(model, state)
     return model
+
+
+def abstract_model(build) -> nnx.Module:
+    """``build()`` traced with ``nnx.eval_shape``: a model skeleton with no real parameters (no init cost).
+
+    Fill it with :func:`assign_params` (loaders) before use.
+    """
+    return nnx.eval_shape(build)

@@ -1,0 +1,546 @@
+"""Toy Qwen3.5 text model (flax NNX): Gated DeltaNet layers and gated full-attention layers.
+
+Computes exactly what Hugging Face ``Qwen3_5ForCausalLM`` computes (transformers >= 5):
+
+- ``linear_attention`` layers (:class:`GatedDeltaNet`): ``in_proj_qkv`` -> causal depthwise conv1d + SiLU over
+  the concatenated ``[q | k | v]`` -> gated delta rule with q/k l2-norm, ``g = -exp(A_log) * softplus(a +
+  dt_bias)``, ``beta = sigmoid(b)`` -> per-head gated RMSNorm with ``z`` -> ``out_proj``;
+- ``full_attention`` layers (:class:`GatedAttention`): ``q_proj`` gives per head ``[q | gate]``; zero-centred
+  RMSNorm on q and k per head; partial NeoX RoPE; GQA softmax attention; output ``* sigmoid(gate)``; ``o_proj``;
+- every layer: pre-norm residual token mixer and SwiGLU MLP; zero-centred RMSNorms (``1 + weight``).
+
+Two forward paths share the same parameters:
+
+- :meth:`Qwen3_5ForCausalLM.logits` — full sequences ``i32[B, T]``, no cache: the oracle for everything cached;
+- :meth:`Qwen3_5ForCausalLM.forward_step` — one ragged step (:class:`kvjax.engine.inputs.StepInputs`) on the
+  caches (:class:`Qwen3_5Caches`): GDN states by slot id, K/V in head-wise paged pools.
+
+Research option (off by default): ``Qwen3_5Config.attention.window/sinks`` make some KV heads of every
+full-attention layer sliding-window heads (mask: ``j <= i`` and (``i - j < window`` or ``j < sinks``)); both
+paths apply the same mask. HF has no such heads, so parity with HF holds only with the option off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.config import AttentionConfig, GDNConfig
+from kvjax.errors import CheckpointError
+from kvjax.models.common import (
+    GatedRMSNorm, Linear, RMSNorm, TensorSource, abstract_model, apply_rope, assign_params, config_get, load_safetensors,
+    rope_cos_sin, rope_inv_freq,
+)
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Config:
+    """Static shape config of the text model (hashable: it is part of the jit-static graph)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention", one per layer
+    attention: AttentionConfig  # full-attention layers (window/sinks: SWA heads, research option)
+    gdn: GDNConfig  # linear-attention layers
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Qwen3_5Config.{name} must be an int >= 1, got {v!r}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if not self.layer_types:
+            raise ValueError("Qwen3_5Config.layer_types is empty")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"Qwen3_5Config.layer_types has unknown entries {bad}; allowed {LAYER_TYPES}")
+        rotary = int(self.attention.head_dim * self.partial_rotary_factor)
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"rotary dim int(head_dim={self.attention.head_dim} * partial_rotary_factor="
+                f"{self.partial_rotary_factor}) = {rotary} must be even and >= 2"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    def with_swa(self, window: tuple[int, ...], sinks: tuple[int, ...] = ()) -> "Qwen3_5Config":
+        """Same model with per-KV-head ``window``/``sinks`` in every full-attention layer (research option)."""
+        a = self.attention
+        return dataclasses.replace(
+            self, attention=AttentionConfig(a.num_q_heads, a.num_kv_heads, a.head_dim, window=window, sinks=sinks)
+        )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Qwen3_5Config":
+        """From an HF ``config.json`` dict (``qwen3_5_text``, or ``qwen3_5`` whose ``text_config`` is used).
+
+        Raises :class:`CheckpointError` naming the missing or invalid key.
+        """
+        if cfg.get("model_type") == "qwen3_5" or "text_config" in cfg:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise CheckpointError(f"qwen3_5 config needs a 'text_config' object, got {text!r}")
+            cfg = text
+        try:
+            act = config_get(cfg, "hidden_act", "silu", kind=str)
+            if act != "silu":
+                raise CheckpointError(f"config hidden_act={act!r} is not supported (only 'silu')")
+            n_layers = config_get(cfg, "num_hidden_layers", kind=int)
+            layer_types = cfg.get("layer_types")
+            if layer_types is None:
+                interval = config_get(cfg, "full_attention_interval", 4, kind=int)
+                layer_types = [
+                    "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
+                ]
+            if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+                raise CheckpointError(
+                    f"config layer_types must be a list of num_hidden_layers={n_layers} entries, got {layer_types!r}"
+                )
+            hidden = config_get(cfg, "hidden_size", kind=int)
+            n_heads = config_get(cfg, "num_attention_heads", kind=int)
+            rope = dict(cfg.get("rope_parameters") or {})
+            rope_type = rope.get("rope_type", "default")
+            if rope_type != "default":
+                raise CheckpointError(f"config rope_parameters.rope_type={rope_type!r} is not supported")
+            theta = rope.get("rope_theta", cfg.get("rope_theta"))
+            if theta is None:
+                raise CheckpointError("config has no rope_theta (rope_parameters.rope_theta)")
+            prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+            return cls(
+                vocab_size=config_get(cfg, "vocab_size", kind=int),
+                hidden_size=hidden,
+                intermediate_size=config_get(cfg, "intermediate_size", kind=int),
+                layer_types=tuple(layer_types),
+                attention=AttentionConfig(
+                    n_heads,
+                    config_get(cfg, "num_key_value_heads", kind=int),
+                    config_get(cfg, "head_dim", hidden // n_heads, kind=int),
+                ),
+                gdn=GDNConfig(
+                    config_get(cfg, "linear_num_key_heads", kind=int),
+                    config_get(cfg, "linear_num_value_heads", kind=int),
+                    config_get(cfg, "linear_key_head_dim", kind=int),
+                    config_get(cfg, "linear_value_head_dim", kind=int),
+                    config_get(cfg, "linear_conv_kernel_dim", 4, kind=int),
+                ),
+                rms_norm_eps=float(config_get(cfg, "rms_norm_eps", 1e-6, kind=(int, float))),
+                rope_theta=float(theta),
+                partial_rotary_factor=float(prf),
+                attention_bias=bool(config_get(cfg, "attention_bias", False, kind=bool)),
+                tie_word_embeddings=bool(config_get(cfg, "tie_word_embeddings", False, kind=bool)),
+            )
+        except CheckpointError:
+            raise
+        except ValueError as err:  # a kvjax config rejected a value
+            raise CheckpointError(f"invalid Qwen3.5 config: {err}") from err
+
+
+# ---------------------------------------------------------------------------------------------- caches
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Caches:
+    """Device state of a Qwen3.5 model (donated to and returned by the step).
+
+    GDN pools follow the slot convention (slot 0 = PAD, never written); K/V pools hold single-head pages.
+    """
+
+    conv: jax.Array  # [L_gdn, S+1, conv_dim, W-1]: last W-1 conv inputs of each slot
+    ssm: jax.Array  # f32[L_gdn, S+1, Hv, K, V]: recurrent state of each slot
+    k_pages: jax.Array  # [L_attn, P, page_size, D]
+    v_pages: jax.Array  # [L_attn, P, page_size, D]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(inter, hidden, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., H] -> [..., H]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3.5 linear-attention token mixer over a ragged token-major batch."""
+
+    def __init__(self, hidden: int, cfg: GDNConfig, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        hk, hv, kd, vd = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+        self.in_proj_qkv = Linear(hidden, cfg.conv_dim, rngs=rngs, dtype=dtype)
+        self.in_proj_z = Linear(hidden, hv * vd, rngs=rngs, dtype=dtype)
+        self.in_proj_b = Linear(hidden, hv, rngs=rngs, dtype=dtype)
+        self.in_proj_a = Linear(hidden, hv, rngs=rngs, dtype=dtype)
+        w = cfg.conv_kernel_size
+        self.conv_weight = nnx.Param(
+            jax.random.normal(rngs.params(), (cfg.conv_dim, w), dtype) / np.sqrt(w)
+        )  # [conv_dim, W]
+        self.dt_bias = nnx.Param(jnp.ones((hv,), dtype))  # [Hv]
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), dtype, 0.01, 16.0)))  # [Hv]
+        self.norm = GatedRMSNorm(vd, eps, dtype=dtype)
+        self.out_proj = Linear(hv * vd, hidden, rngs=rngs, dtype=dtype)
+        del hk, kd
+
+    def _mix_inputs(self, x: jax.Array, cu_seqlens: jax.Array, conv_state: jax.Array | None):
+        """Projections, conv and gates: x [T, H] -> q, k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta, z, conv final."""
+        from kvjax.ops.conv import causal_conv1d
+
+        c = self.cfg
+        t = x.shape[0]
+        mixed, conv_final = causal_conv1d(
+            self.in_proj_qkv(x), self.conv_weight[...], None,
+            cu_seqlens=cu_seqlens, initial_state=conv_state, activation="silu",
+        )
+        kdim = c.num_k_heads * c.head_k_dim
+        q = mixed[:, :kdim].reshape(t, c.num_k_heads, c.head_k_dim)
+        k = mixed[:, kdim: 2 * kdim].reshape(t, c.num_k_heads, c.head_k_dim)
+        v = mixed[:, 2 * kdim:].reshape(t, c.num_v_heads, c.head_v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(v.dtype)
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
+        z = self.in_proj_z(x).reshape(t, c.num_v_heads, c.head_v_dim)
+        return q, k, v, g.astype(jnp.float32), beta, z, conv_final
+
+    def _out(self, o: jax.Array, z: jax.Array) -> jax.Array:  # [T, Hv, V], [T, Hv, V] -> [T, H]
+        c = self.cfg
+        return self.out_proj(self.norm(o, z).reshape(o.shape[0], c.num_v_heads * c.head_v_dim))
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array) -> jax.Array:  # [T, H], i32[N+1] -> [T, H]
+        """Whole sequences from zero state (no cache)."""
+        from kvjax.ops.gdn import chunk_gated_delta_rule
+
+        q, k, v, g, beta, z, _ = self._mix_inputs(x, cu_seqlens, None)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        return self._out(o, z)
+
+    def step(
+        self,
+        x: jax.Array,  # [T, H]
+        inputs,  # StepInputs
+        conv: jax.Array,  # [L_gdn, S+1, conv_dim, W-1] pool
+        ssm: jax.Array,  # f32[L_gdn, S+1, Hv, K, V] pool
+        layer: int,  # index of this layer in the GDN pools
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # y [T, H], conv, ssm (updated at the live rows' slots)
+        """Ragged step on the slot-addressed pools (slot 0 = PAD: never read as state, never written)."""
+        from kvjax.ops.gdn_state import gdn_prefill
+
+        slots, has_init = inputs.gdn_slots, inputs.has_initial_state
+        read = (has_init & (slots > 0))[:, None, None]
+        conv0 = jnp.where(read, conv[layer][slots], jnp.zeros((), conv.dtype))
+        q, k, v, g, beta, z, conv1 = self._mix_inputs(x, inputs.cu_seqlens, conv0)
+        dest = jnp.where(slots > 0, slots, conv.shape[1])  # PAD rows -> out of range -> dropped
+        conv = conv.at[layer, dest].set(conv1.astype(conv.dtype), mode="drop")
+        o, ssm = gdn_prefill(
+            q, k, v, g, beta, ssm, layer=layer, slot_ids=slots, has_initial_state=has_init,
+            cu_seqlens=inputs.cu_seqlens, use_qk_l2norm=True,
+        )
+        return self._out(o, z), conv, ssm
+
+
+def dense_masked_attention(
+    q: jax.Array,  # [B, T, Hq, D]
+    k: jax.Array,  # [B, T, Hkv, D]
+    v: jax.Array,  # [B, T, Hkv, D]
+    window: jax.Array,  # i32[Hkv], 0 = full
+    sinks: jax.Array,  # i32[Hkv]
+    scale: float,
+) -> jax.Array:  # [B, T, Hq, D]
+    """Softmax attention of whole sequences (positions ``0..T-1``) with the per-KV-head window/sink mask."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("bihgd,bjhd->bhgij", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * scale
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(t)[None, :]
+    w = window[:, None, None]
+    mask = (j <= i)[None] & ((w == 0) | (i - j < w) | (j < sinks[:, None, None]))  # [Hkv, T, T]
+    s = jnp.where(mask[None, :, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgij,bjhd->bihgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+class GatedAttention(nnx.Module):
+    """Qwen3.5 full attention: output-gated q, q/k RMSNorm, partial RoPE, GQA, optional SWA heads."""
+
+    def __init__(self, hidden: int, cfg: AttentionConfig, eps: float, *, bias: bool, rngs: nnx.Rngs,
+                 dtype=jnp.float32):
+        self.cfg = cfg
+        hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(hidden, hq * d * 2, bias=bias, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(hidden, hkv * d, bias=bias, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(hidden, hkv * d, bias=bias, rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(hq * d, hidden, bias=bias, rngs=rngs, dtype=dtype)
+        self.q_norm = RMSNorm(d, eps, zero_centered=True, dtype=dtype)
+        self.k_norm = RMSNorm(d, eps, zero_centered=True, dtype=dtype)
+
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [..., H] -> q [..., Hq, D], gate [..., Hq*D], k, v [..., Hkv, D] (q, k normed and rotated)."""
+        c = self.cfg
+        lead = x.shape[:-1]
+        qg = self.q_proj(x).reshape(*lead, c.num_q_heads, 2 * c.head_dim)
+        q, gate = qg[..., : c.head_dim], qg[..., c.head_dim:]
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(*lead, c.num_kv_heads, c.head_dim)), cos, sin)
+        v = self.v_proj(x).reshape(*lead, c.num_kv_heads, c.head_dim)
+        return q, gate.reshape(*lead, c.num_q_heads * c.head_dim), k, v
+
+    def finish(self, o: jax.Array, gate: jax.Array) -> jax.Array:  # [..., Hq, D], [..., Hq*D] -> [..., H]
+        o = o.reshape(*o.shape[:-2], -1)
+        return self.o_proj(o * jax.nn.sigmoid(gate))
+
+    def full(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
+        q, gate, k, v = self.project(x, cos, sin)
+        window = jnp.asarray(self.cfg.window, jnp.int32)
+        sinks = jnp.asarray(self.cfg.sinks, jnp.int32)
+        o = dense_masked_attention(q, k, v, window, sinks, self.cfg.head_dim ** -0.5)
+        return self.finish(o, gate)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: Qwen3_5Config, layer_type: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.layer_type = layer_type
+        h, eps = config.hidden_size, config.rms_norm_eps
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(h, config.gdn, eps, rngs=rngs, dtype=dtype)
+        else:
+            self.self_attn = GatedAttention(h, config.attention, eps, bias=config.attention_bias, rngs=rngs,
+                                            dtype=dtype)
+        self.mlp = MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype)
+        self.input_layernorm = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
+
+    def mlp_block(self, x: jax.Array) -> jax.Array:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nnx.Module):
+    def __init__(self, config: Qwen3_5Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.embed_tokens = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size), dtype)
+        )  # [vocab, H]
+        self.layers = nnx.List([DecoderLayer(config, t, rngs=rngs, dtype=dtype) for t in config.layer_types])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+class Qwen3_5ForCausalLM(nnx.Module):
+    """Toy Qwen3.5 text model. Parameter paths mirror HF names (``kernel`` = transposed ``weight``)."""
+
+    def __init__(self, config: Qwen3_5Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        self.model = TextModel(config, rngs=rngs, dtype=dtype)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+        )
+        inv_freq, _ = rope_inv_freq(
+            config.attention.head_dim,
+            {"rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
+        )
+        self._inv_freq = tuple(float(f) for f in inv_freq)  # static, f32-exact
+
+    def _head(self, h: jax.Array) -> jax.Array:  # [..., H] -> f32[..., vocab]
+        h = self.model.norm(h)
+        if self.lm_head is None:
+            out = jnp.matmul(h, self.model.embed_tokens[...].T, precision=jax.lax.Precision.HIGHEST)
+        else:
+            out = self.lm_head(h)
+        return out.astype(jnp.float32)
+
+    def _cos_sin(self, positions: jax.Array):
+        return rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32))
+
+    def logits(self, input_ids: jax.Array) -> jax.Array:  # i32[B, T] -> f32[B, T, vocab]
+        """Full-sequence forward without a cache (positions ``0..T-1``): the oracle for the cached step."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be i32[B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        x = self.model.embed_tokens[...][input_ids]  # [B, T, H]
+        cos, sin = self._cos_sin(jnp.arange(t, dtype=jnp.int32))
+        cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+        for layer in self.model.layers:
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "linear_attention":
+                y = layer.linear_attn(h.reshape(b * t, -1), cu)
+                y = y.reshape(b, t, -1)
+            else:
+                y = layer.self_attn.full(h, cos, sin)
+            x = layer.mlp_block(x + y)
+        return self._head(x)
+
+    # ------------------------------------------------------------------------------------------ cached
+
+    def init_caches(self, *, num_pages: int, page_size: int, max_seqs: int, dtype=jnp.float32) -> Qwen3_5Caches:
+        """Zeroed caches: GDN pools with ``max_seqs + 1`` slots (slot 0 = PAD) and ``num_pages`` K/V pages."""
+        c = self.config
+        g, a = c.gdn, c.attention
+        n_g, n_a = len(c.gdn_layers), len(c.attention_layers)
+        return Qwen3_5Caches(
+            conv=jnp.zeros((n_g, max_seqs + 1, g.conv_dim, g.conv_kernel_size - 1), dtype),
+            ssm=jnp.zeros((n_g, max_seqs + 1, g.num_v_heads, g.head_k_dim, g.head_v_dim), jnp.float32),
+            k_pages=jnp.zeros((n_a, num_pages, page_size, a.head_dim), dtype),
+            v_pages=jnp.zeros((n_a, num_pages, page_size, a.head_dim), dtype),
+        )
+
+    def forward_step(self, caches: Qwen3_5Caches, inputs) -> tuple[jax.Array, Qwen3_5Caches]:
+        """One ragged step (prefill chunks and decode tokens mixed); returns ``(f32[B, vocab], new caches)``.
+
+        Reads and writes GDN states at ``inputs.gdn_slots`` (zeros where ``has_initial_state`` is false;
+        writes to slot 0 dropped), writes new K/V by ``inputs.slot_mapping`` and attends through
+        ``inputs.block_tables`` with the layer's per-KV-head window/sinks.
+        """
+        from kvjax.ops.attention import paged_attention
+        from kvjax.state.kv_cache import write_kv
+
+        c = self.config
+        x = self.model.embed_tokens[...][inputs.token_ids]  # [T, H]
+        cos, sin = self._cos_sin(inputs.positions)
+        window = jnp.asarray(c.attention.window, jnp.int32)
+        sinks = jnp.asarray(c.attention.sinks, jnp.int32)
+        conv, ssm, k_pages, v_pages = caches.conv, caches.ssm, caches.k_pages, caches.v_pages
+        gi = ai = 0
+        for layer in self.model.layers:
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "linear_attention":
+                y, conv, ssm = layer.linear_attn.step(h, inputs, conv, ssm, gi)
+                gi += 1
+            else:
+                attn = layer.self_attn
+                q, gate, k, v = attn.project(h, cos, sin)
+                kp, vp = write_kv(k_pages[ai], v_pages[ai], k, v, inputs.slot_mapping)
+                k_pages = k_pages.at[ai].set(kp)
+                v_pages = v_pages.at[ai].set(vp)
+                o = paged_attention(
+                    q, kp, vp, inputs.block_tables, inputs.seq_lens, cu_seqlens=inputs.cu_seqlens,
+                    scale=c.attention.head_dim ** -0.5, window=window, sinks=sinks,
+                )
+                y = attn.finish(o, gate)
+                ai += 1
+            x = layer.mlp_block(x + y)
+        logits = self._head(x[inputs.logits_indices])
+        return logits, Qwen3_5Caches(conv=conv, ssm=ssm, k_pages=k_pages, v_pages=v_pages)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+    """A randomly initialised model, drawn on the host with numpy (fast: no per-shape device compiles).
+
+    Same distributions as the module constructors / HF init: projections ``N(0, 1/fan_in)``, embeddings
+    ``N(0, 0.02^2)``, ``A_log = log U(0.01, 16)``, ``dt_bias = 1``, zero-centred norms 0, gated norm 1.
+    """
+    model = abstract_model(lambda: Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    rng = np.random.default_rng(seed)
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape, last = tuple(var.get_value().shape), str(path[-1])
+        if last == "kernel":
+            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[0]), shape)
+        elif last == "conv_weight":
+            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
+        elif last == "embed_tokens":
+            values[path] = rng.normal(0.0, 0.02, shape)
+        elif last == "A_log":
+            values[path] = np.log(rng.uniform(0.01, 16.0, shape))
+        elif last == "dt_bias" or path[-3:] == ("linear_attn", "norm", "weight"):
+            values[path] = np.ones(shape)
+        else:  # biases and zero-centred RMSNorm scales
+            values[path] = np.zeros(shape)
+    return assign_params(model, values)
+
+
+def from_hf_config(cfg: dict[str, Any], *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+    """A randomly initialised model of the shape an HF config dict describes."""
+    return init_random(Qwen3_5Config.from_hf(cfg), seed=seed, dtype=dtype)
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """HF tensor name of an nnx parameter path and whether the value is transposed (``kernel``)."""
+    parts = [str(p) for p in path]
+    if parts[-1] == "kernel":
+        return ".".join(parts[:-1] + ["weight"]), True
+    if parts[-1] == "conv_weight":
+        return ".".join(parts[:-1] + ["conv1d", "weight"]), False
+    if parts == ["model", "embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    return ".".join(parts), False
+
+
+def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+    """Load an HF Qwen3.5 checkpoint directory (``Qwen3_5ForCausalLM`` or the text tower of the multimodal
+    ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped or
+    unexpected tensor; the model is returned only when every parameter is loaded."""
+    cfg = Qwen3_5Config.from_hf(config)
+    tensors = load_safetensors(path)
+    model = abstract_model(lambda: Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    renamed = {}
+    for name, value in tensors.items():
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        renamed[name] = value
+    src = TensorSource(renamed)
+    values = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transposed = _hf_name(p)
+        shape = tuple(var.get_value().shape)
+        if name.endswith("conv1d.weight"):
+            values[p] = src.take(name, (shape[0], 1, shape[1])).reshape(shape)
+        elif transposed:
+            values[p] = src.take(name, shape[::-1]).T
+        else:
+            values[p] = src.take(name, shape)
+    extra = src.unused(ignore_prefixes=("mtp.", "model.visual.", "model.mtp."))
+    if model.config.tie_word_embeddings:
+        extra = [e for e in extra if e != "lm_head.weight"]
+    if extra:
+        raise CheckpointError(f"checkpoint has tensors the config does not describe: {extra[:8]}")
+    return assign_params(model, values)
