@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -34,21 +35,23 @@ def build(num_requests: int, prompt_len: int, recycle: str, pool: str, swa_fract
     return sched
 
 
-def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[float], int]:
+def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[float], list[float], int]:
+    """Wall and CPU (thread) time of ``schedule()``, wall time of ``update()``, max rows."""
     rng = np.random.default_rng(1)
-    t_sched, t_update, rows = [], [], 0
+    t_sched, c_sched, t_update, rows = [], [], [], 0
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         plan = sched.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         sampled = rng.integers(1, 32000, plan.gdn_slots.shape[0])
         t2 = time.perf_counter()
         sched.update(plan, sampled)
         t3 = time.perf_counter()
         t_sched.append(t1 - t0)
+        c_sched.append(c1 - c0)
         t_update.append(t3 - t2)
         rows = max(rows, plan.num_seqs)
-    return t_sched, t_update, rows
+    return t_sched, c_sched, t_update, rows
 
 
 def main() -> None:
@@ -62,17 +65,21 @@ def main() -> None:
     for recycle, pool, swa in (("none", "shared", 0.5), ("timely", "shared", 0.5), ("timely", "partitioned", 0.5)):
         sched = build(args.requests, args.prompt_len, recycle, pool, swa)
         time_steps(sched, 20)  # warm-up
-        ts, tu, rows = time_steps(sched, args.steps)
+        ts, cs, tu, rows = time_steps(sched, args.steps)
         results.append(dict(recycle=recycle, pool=pool, swa_fraction=swa, rows=rows, steps=args.steps,
                             schedule_ms_median=1e3 * float(np.median(ts)), schedule_ms_p90=1e3 * float(np.percentile(ts, 90)),
-                            update_ms_median=1e3 * float(np.median(tu))))
+                            schedule_cpu_ms_median=1e3 * float(np.median(cs)), update_ms_median=1e3 * float(np.median(tu))))
+    load = os.getloadavg()[0]
     if args.json:
-        print(json.dumps(dict(host=platform.processor() or platform.machine(), results=results), indent=2))
+        print(json.dumps(dict(host=platform.machine(), cpus=os.cpu_count(), load_avg_1min=load, results=results),
+                         indent=2))
         return
-    print(f"{'recycle':8} {'pool':12} {'rows':>5} {'schedule ms (median)':>21} {'p90':>7} {'update ms':>10}")
+    print(f"# {os.cpu_count()} CPUs, 1-min load average {load:.1f} (wall-clock p90 suffers when the host is shared)")
+    print(f"{'recycle':8} {'pool':12} {'rows':>5} {'schedule ms median':>19} {'p90':>7} {'cpu ms median':>14} "
+          f"{'update ms':>10}")
     for r in results:
-        print(f"{r['recycle']:8} {r['pool']:12} {r['rows']:5d} {r['schedule_ms_median']:21.3f} "
-              f"{r['schedule_ms_p90']:7.3f} {r['update_ms_median']:10.3f}")
+        print(f"{r['recycle']:8} {r['pool']:12} {r['rows']:5d} {r['schedule_ms_median']:19.3f} "
+              f"{r['schedule_ms_p90']:7.3f} {r['schedule_cpu_ms_median']:14.3f} {r['update_ms_median']:10.3f}")
 
 
 if __name__ == "__main__":

@@ -29,14 +29,19 @@ def setups(draw, busy: bool = False):
     window = [draw(st.sampled_from([0, 0, 1, 2, 3, 5, 8, 13, 24])) for _ in range(h_kv)]
     sinks = [draw(st.integers(0, min(w, 6))) if w else 0 for w in window]
     ps = draw(st.sampled_from([1, 2, 4, 8]))
-    per_head = draw(st.integers(16 // ps, 40 // ps) if busy else st.integers(1, 80 // ps) | st.integers(16 // ps, 80 // ps))
+    if busy:
+        per_head, max_blocks, min_reqs = draw(st.integers(16 // ps, 40 // ps)), 64 // ps, 4
+    else:
+        per_head = draw(st.integers(1, 80 // ps) | st.integers(16 // ps, 80 // ps))
+        max_blocks, min_reqs = draw(st.integers(1, 64 // ps) | st.integers(24 // ps, 64 // ps)), 1
     cache = CacheConfig(page_size=ps, num_pages=per_head * h_kv, max_seqs=draw(st.integers(2 if busy else 1, 5)),
-                        max_blocks_per_seq=64 // ps if busy else draw(st.integers(1, 64 // ps) | st.integers(24 // ps, 64 // ps)))
+                        max_blocks_per_seq=max_blocks)
     att = AttentionConfig(h_kv * draw(st.integers(1, 2)), h_kv, 8, window=tuple(window), sinks=tuple(sinks))
-    reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.booleans()), min_size=4 if busy else 1, max_size=7))
-    return dict(cache=cache, att=att, budget=draw(st.integers(cache.max_seqs, 40)), pool=draw(st.sampled_from(["shared", "partitioned"])),
-                recycle=draw(st.sampled_from(["none", "timely"])), reqs=reqs,
-                abort_at=draw(st.lists(st.integers(0, 60), max_size=2)), seed=draw(st.integers(0, 2**16)))
+    reqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 14), st.booleans()),
+                         min_size=min_reqs, max_size=7))
+    return dict(cache=cache, att=att, budget=draw(st.integers(cache.max_seqs, 40)),
+                pool=draw(st.sampled_from(["shared", "partitioned"])), recycle=draw(st.sampled_from(["none", "timely"])),
+                reqs=reqs, abort_at=draw(st.lists(st.integers(0, 60), max_size=2)), seed=draw(st.integers(0, 2**16)))
 
 
 def check_plan(sched: Scheduler, plan, shadow: np.ndarray, expected_tokens: dict) -> None:
@@ -78,7 +83,8 @@ def check_plan(sched: Scheduler, plan, shadow: np.ndarray, expected_tokens: dict
                 j = j[(j >= L - window[h] + 1) | (j < sinks[h])]
             pages = plan.block_tables[b, h, j // ps]
             assert (pages >= 0).all(), f"row {b} head {h}: an attended key lies in a hole"
-            np.testing.assert_array_equal(shadow[pages, j % ps], np.stack([np.full(len(j), rid), j, np.full(len(j), h)], 1))
+            want = np.stack([np.full(len(j), rid), j, np.full(len(j), h)], 1)
+            np.testing.assert_array_equal(shadow[pages, j % ps], want)
 
 
 @given(setups())

@@ -28,7 +28,7 @@ def test_bound_is_exact_for_a_lone_request():
     cache = CacheConfig(page_size=1, num_pages=64, max_seqs=1, max_blocks_per_seq=16)
     att = AttentionConfig(1, 1, 8)
     r = simulate(w, cache, att, max_num_batched_tokens=8, pool="shared", recycle="none")
-    assert (r.steps, r.generated) == (3, 3)
+    assert (r.steps, r.generated, r.bound_by) == (3, 3, "rows")
     assert throughput_bound(w, cache, att, max_num_batched_tokens=8, pool="shared", recycle=False) == 1.0
 
 

@@ -49,6 +49,7 @@ class SimResult:
     generated: int
     tokens_per_step: float
     bound_tokens_per_step: float
+    bound_by: str  # which resource gives the bound: "tokens" | "rows" | "pages"
     peak_concurrency: int
     preemptions: int
     page_util_mean: float
@@ -58,6 +59,14 @@ class SimResult:
 def throughput_bound(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
                      max_num_batched_tokens: int, pool: str, recycle: bool) -> float:
     """Upper bound on generated tokens per step (see the module docstring for the derivation)."""
+    steps = step_lower_bounds(workload, cache, attention, max_num_batched_tokens=max_num_batched_tokens, pool=pool,
+                              recycle=recycle)
+    return sum(w.max_new_tokens for w in workload) / max(steps.values())
+
+
+def step_lower_bounds(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
+                      max_num_batched_tokens: int, pool: str, recycle: bool) -> dict[str, float]:
+    """The three lower bounds on the number of steps: ``{"tokens": ..., "rows": ..., "pages": ...}``."""
     bt, window, sinks = max_num_batched_tokens, np.asarray(attention.window), np.asarray(attention.sinks)
     tokens = rows = 0
     page_steps = np.zeros(attention.num_kv_heads)
@@ -72,8 +81,7 @@ def throughput_bound(workload: list[RequestSpec], cache: CacheConfig, attention:
         page_lb = page_steps.max() / (cache.num_pages // attention.num_kv_heads)
     else:
         page_lb = page_steps.sum() / cache.num_pages
-    steps_lb = max(tokens / bt, rows / cache.max_seqs, page_lb)
-    return sum(w.max_new_tokens for w in workload) / steps_lb
+    return {"tokens": tokens / bt, "rows": rows / cache.max_seqs, "pages": float(page_lb)}
 
 
 def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
@@ -98,25 +106,26 @@ def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: Attenti
         steps += 1
         if check_every and steps % check_every == 0:
             sched.check_integrity()
-    bound = throughput_bound(workload, cache, attention, max_num_batched_tokens=max_num_batched_tokens,
-                             pool=pool, recycle=make_recycle_policy(recycle).frees_swa_blocks)
+    lbs = step_lower_bounds(workload, cache, attention, max_num_batched_tokens=max_num_batched_tokens,
+                            pool=pool, recycle=make_recycle_policy(recycle).frees_swa_blocks)
+    by = max(lbs, key=lbs.get)
     n_swa = len(attention.swa_heads)
-    return SimResult(n_swa / attention.num_kv_heads, pool, recycle, steps, generated, generated / steps, bound,
-                     peak, sched.num_preemptions, float(np.mean(util)), float(np.max(util)))
+    return SimResult(n_swa / attention.num_kv_heads, pool, recycle, steps, generated, generated / steps,
+                     generated / lbs[by], by, peak, sched.num_preemptions, float(np.mean(util)), float(np.max(util)))
 
 
 def format_table(results: list[SimResult]) -> str:
     """Fixed-width table; ``gain`` and ``bound gain`` are relative to ``none`` with the same SWA fraction and pool."""
     base = {(r.swa_fraction, r.pool): r for r in results if r.recycle == "none"}
     head = (f"{'swa':>5} {'pool':11} {'recycle':7} {'steps':>7} {'generated':>9} {'tok/step':>8} {'bound':>8} "
-            f"{'gain':>6} {'bound gain':>10} {'peak conc':>9} {'preempt':>7} {'util mean':>9} {'util peak':>9}")
+            f"{'by':6} {'gain':>6} {'bound gain':>10} {'peak conc':>9} {'preempt':>7} {'util mean':>9} {'util peak':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
         b = base.get((r.swa_fraction, r.pool))
         gain = f"{r.tokens_per_step / b.tokens_per_step:5.2f}x" if b else "     -"
         bgain = f"{r.bound_tokens_per_step / b.bound_tokens_per_step:9.2f}x" if b else "         -"
         lines.append(f"{r.swa_fraction:5.2f} {r.pool:11} {r.recycle:7} {r.steps:7d} {r.generated:9d} "
-                     f"{r.tokens_per_step:8.2f} {r.bound_tokens_per_step:8.2f} {gain} {bgain} {r.peak_concurrency:9d} "
+                     f"{r.tokens_per_step:8.2f} {r.bound_tokens_per_step:8.2f} {r.bound_by:6} {gain} {bgain} {r.peak_concurrency:9d} "
                      f"{r.preemptions:7d} {r.page_util_mean:9.3f} {r.page_util_peak:9.3f}")
     return "\n".join(lines)
 
