@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from kvjax.engine.inputs import StepInputs
+from kvjax.engine.step import make_step
 from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
 
 PAGE, MAX_BLOCKS, NUM_PAGES, T_BUCKET, B_BUCKET = 4, 5, 24, 16, 4
@@ -89,7 +90,7 @@ def _inputs(rows, tokens, tables, n_logits: int) -> StepInputs:
     )
 
 
-def _run_steps(model: DeepseekV32, rng: np.random.Generator, *, indexer_fp8: bool):
+def _run_steps(model: DeepseekV32, rng: np.random.Generator, *, kind: str, indexer_fp8: bool):
     """Drive every step; returns (tokens [3, max_len], dict (seq, pos) -> step logits f32[vocab])."""
     vocab = model.config.vocab_size
     tokens = [rng.integers(0, vocab, size=n).astype(np.int32) for n in LENGTHS]
@@ -101,16 +102,10 @@ def _run_steps(model: DeepseekV32, rng: np.random.Generator, *, indexer_fp8: boo
         row[:nb] = perm[k:k + nb]
         tables.append(row)
         k += nb
-    caches = model.init_caches(NUM_PAGES, PAGE, indexer_fp8=indexer_fp8)
+    caches = model.init_caches(NUM_PAGES, PAGE, kind=kind, indexer_fp8=indexer_fp8)
     graphdef, state = nnx.split(model)
-
     chex.clear_trace_counter()
-
-    @chex.assert_max_traces(n=1)
-    def step_fn(state, caches, inputs):
-        return nnx.merge(graphdef, state).step(caches, inputs)
-
-    step = jax.jit(step_fn, donate_argnums=1)
+    step = make_step(graphdef, max_traces=1)  # every step has the same bucketed shapes: one compile
     got = {}
     for rows in _schedule(rng):
         inputs = _inputs(rows, tokens, tables, T_BUCKET)
@@ -128,33 +123,40 @@ def _run_steps(model: DeepseekV32, rng: np.random.Generator, *, indexer_fp8: boo
     return padded, got, caches
 
 
-def _check(model, padded, got, *, indexer_fp8: bool):
+def _check(model, padded, got, *, indexer_fp8: bool, latent_fp8: bool = False):
     # Causal: the logits of a sequence's prefix do not depend on the (padding) tokens after it.
-    ref = np.asarray(model.logits(jnp.asarray(padded), indexer_fp8=indexer_fp8))
+    ref = np.asarray(model.logits(jnp.asarray(padded), indexer_fp8=indexer_fp8, latent_fp8=latent_fp8))
     assert len(got) == sum(LENGTHS)
     worst = max(float(np.abs(v - ref[b, p]).max()) for (b, p), v in got.items())
     assert worst <= 1e-4, worst
     return ref
 
 
-@pytest.mark.parametrize("indexer_fp8", [True, False], ids=["fp8-indexer", "f32-indexer"])
-def test_step_matches_logits_sparse_topk(rng, indexer_fp8):
-    """index_topk (4) < most context lengths: the indexer's selection decides the output."""
+@pytest.mark.parametrize(
+    "kind, indexer_fp8",
+    [("mla", True), ("mla", False), ("dsa", True)],
+    ids=["f32-latent+fp8-indexer", "f32-latent+f32-indexer", "dsa-fp8-latent+fp8-indexer"],
+)
+def test_step_matches_logits_sparse_topk(rng, kind, indexer_fp8):
+    """index_topk (4) < most context lengths: the indexer's selection decides the output. The oracle rounds
+    exactly what the cache rounds (fp8 indexer keys; for the DSA layout also the fp8 latent / bf16 rope key)."""
     model = _model(topk=4, seed=3)
-    padded, got, caches = _run_steps(model, rng, indexer_fp8=indexer_fp8)
-    ref = _check(model, padded, got, indexer_fp8=indexer_fp8)
-    if indexer_fp8:
-        assert caches[0]["index_k"].dtype == jnp.float8_e4m3fn
+    padded, got, caches = _run_steps(model, rng, kind=kind, indexer_fp8=indexer_fp8)
+    latent_fp8 = kind == "dsa"
+    ref = _check(model, padded, got, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
+    want = jnp.float8_e4m3fn if indexer_fp8 else jnp.float32
+    assert caches[0]["indexer"].dtype == want
+    assert caches[0]["key"].dtype == (jnp.float8_e4m3fn if latent_fp8 else jnp.float32)
     # The selection matters: the same weights with a top-k covering everything give different logits.
     dense = _model(topk=64, seed=3)
-    ref_dense = np.asarray(dense.logits(jnp.asarray(padded), indexer_fp8=indexer_fp8))
+    ref_dense = np.asarray(dense.logits(jnp.asarray(padded), indexer_fp8=indexer_fp8, latent_fp8=latent_fp8))
     assert np.abs(ref_dense - ref).max() > 1e-2
 
 
 def test_step_matches_logits_dense_topk(rng):
     """index_topk >= every length: sparse attention is dense MLA; fp8 keys cannot change the selection."""
     model = _model(topk=64, seed=5)
-    padded, got, _ = _run_steps(model, rng, indexer_fp8=True)
+    padded, got, _ = _run_steps(model, rng, kind="mla", indexer_fp8=True)
     ref = _check(model, padded, got, indexer_fp8=True)
     ref_f32 = np.asarray(model.logits(jnp.asarray(padded)))
     np.testing.assert_allclose(ref, ref_f32, atol=1e-5, rtol=0)
@@ -163,13 +165,13 @@ def test_step_matches_logits_dense_topk(rng):
 def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
     """Pages no sequence owns keep their (poisoned) contents; only mapped slots are written."""
     model = _model(topk=4, seed=7)
-    caches = model.init_caches(NUM_PAGES, PAGE, indexer_fp8=True)
+    caches = model.init_caches(NUM_PAGES, PAGE, kind="dsa")
     poison = tuple({k: jnp.full_like(v, 7) for k, v in c.items()} for c in caches)
     tokens = [rng.integers(0, 61, size=n).astype(np.int32) for n in LENGTHS]
     tables = [np.array([2 * b, 2 * b + 1, -1, -1, -1], np.int32) for b in range(3)]
     rows = [(0, 0, 5), (2, 0, 3), (1, 0, 6)]
     graphdef, state = nnx.split(model)
-    step = jax.jit(lambda s, c, i: nnx.merge(graphdef, s).step(c, i))
+    step = make_step(graphdef, donate=False)
     _, new = step(state, poison, _inputs(rows, tokens, tables, B_BUCKET))
     touched = np.zeros((NUM_PAGES, PAGE), bool)
     for b, _, n in rows:

@@ -53,10 +53,19 @@ from kvjax.models.common import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_mla_decode_fp8
 from kvjax.ops.mla import absorb_output, absorb_query, split_kv_b_proj
+from kvjax.state.dsa_cache import (
+    dequantize_fp8_blockwise,
+    quantize_fp8_blockwise,
+    write_dsa_indexer,
+    write_dsa_key,
+)
+from kvjax.state.kv_cache import scatter_tokens
+from kvjax.state.latent_cache import write_latent_cache
+from kvjax.state.registry import DSACacheSpec, MLACacheSpec, cache_layout, create_kv_cache
 
 ARCHITECTURES = ("DeepseekV32ForCausalLM",)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -120,7 +129,12 @@ class DeepseekConfig:
     @property
     def indexer(self) -> DSAIndexerConfig:
         return DSAIndexerConfig(self.index_n_heads, self.index_head_dim, self.index_topk,
-                                quant_block=math.gcd(self.index_head_dim, 128))
+                                quant_block=self.quant_block)
+
+    @property
+    def quant_block(self) -> int:
+        """Values per fp8 scale in the DSA cache: 128 for DeepSeek, smaller for toy widths."""
+        return math.gcd(self.index_head_dim, self.kv_lora_rank, 128)
 
     @property
     def softmax_scale(self) -> float:
@@ -182,28 +196,9 @@ class DeepseekConfig:
 # ----------------------------------------------------------------------------------- fp8 indexer keys
 
 
-def quantize_index_key(
-    k: jax.Array,  # f32[..., Di]
-    block: int,
-) -> tuple[jax.Array, jax.Array]:  # (f8e4m3[..., Di], f32[..., Di // block])
-    """fp8 e4m3 quantisation with one f32 scale ``amax / 448`` per ``block`` consecutive values."""
-    d = k.shape[-1]
-    kb = k.astype(jnp.float32).reshape(*k.shape[:-1], d // block, block)
-    scale = jnp.maximum(jnp.max(jnp.abs(kb), axis=-1), 1e-12) / FP8_MAX
-    q = jnp.clip(kb / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q.reshape(k.shape), scale
-
-
-def dequantize_index_key(
-    q: jax.Array,  # f8e4m3[..., Di] (or f32: returned as is)
-    scale: jax.Array,  # f32[..., Di // block]
-) -> jax.Array:  # f32[..., Di]
-    """Inverse of :func:`quantize_index_key` (an f32 cache passes through unchanged)."""
-    if q.dtype == jnp.float32:
-        return q
-    d, nb = q.shape[-1], scale.shape[-1]
-    qb = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, d // nb)
-    return (qb * scale[..., None]).reshape(q.shape)
+def fp8_roundtrip(x: jax.Array, block: int) -> jax.Array:  # f32[..., N] -> f32[..., N]
+    """``x`` as the DSA cache stores and reads it back: blockwise fp8 e4m3 (one f32 scale per ``block``)."""
+    return dequantize_fp8_blockwise(*quantize_fp8_blockwise(x, block))
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -301,11 +296,14 @@ class Attention(nnx.Module):
         k_rope = apply_rope(ckv[..., None, c.kv_lora_rank:], cos, sin, interleaved=True)[..., 0, :]
         return q_resid, q_nope, q_rope, kv_c, k_rope
 
-    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False):
+    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False, latent_fp8: bool = False):
         """Full causal sequence ``x: [B, T, D]`` (cos/sin ``f32[B, T, r/2]``) -> ``[B, T, D]``."""
         c = self.c
         b, t, _ = x.shape
         q_resid, q_nope, q_rope, kv_c, k_rope = self._project(x, cos, sin)
+        if latent_fp8:
+            kv_c = fp8_roundtrip(kv_c, c.quant_block).astype(x.dtype)
+            k_rope = k_rope.astype(jnp.bfloat16).astype(x.dtype)
         kv = self.kv_b_proj(kv_c).reshape(b, t, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
         s = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, precision=_HI)
@@ -313,7 +311,7 @@ class Attention(nnx.Module):
 
         iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
         if indexer_fp8:
-            ik = dequantize_index_key(*quantize_index_key(ik, c.indexer.quant_block))
+            ik = fp8_roundtrip(ik, c.quant_block)
         causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
         iscores = self.indexer.scores(iq, ik[:, None], iw)  # [B, T, S]
         mask = topk_mask(iscores, causal, c.index_topk)  # [B, T, S]
@@ -324,49 +322,39 @@ class Attention(nnx.Module):
     def step(self, x, cos, sin, cache, meta):
         """Cached step over ``x: [T, D]``: writes this step's latents / indexer keys, attends over the cache.
 
-        Returns ``([T, D], new cache)``; see :meth:`DeepseekV32.step` for ``cache`` and ``meta``.
+        Returns ``([T, D], new cache)``; see :meth:`DeepseekV32.forward_step` for ``cache`` and ``meta``.
         """
         c = self.c
         q_resid, q_nope, q_rope, kv_c, k_rope = self._project(x, cos, sin)
         iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
-        latent_pages = cache["latent"]
-        new_rows = jnp.concatenate([kv_c, k_rope], axis=-1).astype(latent_pages.dtype)  # [T, R + r]
-        if cache["index_k"].dtype == jnp.float32:
-            ik_q, ik_s = ik, jnp.ones((*ik.shape[:-1], cache["index_scale"].shape[-1]), jnp.float32)
+        slots = meta["slots"]  # i32[T]; -1 for padding tokens
+        fp8_latent = "key_scale" in cache
+        cache = write_dsa_key(cache, kv_c, k_rope, slots) if fp8_latent else write_latent_cache(
+            cache, kv_c, k_rope, slots)
+        if cache["indexer"].dtype == jnp.float32:  # unquantised indexer keys (HF's selection)
+            cache = {**cache, "indexer": scatter_tokens(cache["indexer"], ik, slots)}
+            index_scale = None
         else:
-            ik_q, ik_s = quantize_index_key(ik, c.indexer.quant_block)
-        slots = meta["slots"]
-        cache = {
-            "latent": _write_rows(latent_pages, slots, new_rows),
-            "index_k": _write_rows(cache["index_k"], slots, ik_q.astype(cache["index_k"].dtype)),
-            "index_scale": _write_rows(cache["index_scale"], slots, ik_s),
-        }
-        pages = meta["pages"]  # i32[T, L]: page of every context position of each token's row
-        offs = meta["offsets"]  # i32[L]
-        ctx = cache["latent"][pages, offs[None]].astype(jnp.float32)  # [T, L, R + r]
-        ctx_k = dequantize_index_key(cache["index_k"][pages, offs[None]], cache["index_scale"][pages, offs[None]])
-        allowed = meta["allowed"]  # bool[T, L]: causal, page present, real token
-        iscores = self.indexer.scores(iq, ctx_k, iw)  # [T, L]
-        mask = topk_mask(iscores, allowed, c.index_topk)
+            cache = write_dsa_indexer(cache, ik, slots)
+            index_scale = cache["indexer_scale"]
+        scores = indexer_scores(iq, iw, cache["indexer"], index_scale, meta["block_tables"], meta["seq_lens"],
+                                cu_seqlens=meta["cu_seqlens"], scale=c.index_head_dim ** -0.5)  # f32[T, L]
+        topk = index_topk(scores, c.index_topk)  # i32[T, index_topk]; -1 = none
 
+        # Every token is one absorbed sparse-decode query over its own row's pages, causal through its length.
         w_uk, w_uv = split_kv_b_proj(self.kv_b_proj.kernel[...].T, c.num_attention_heads,
                                      c.qk_nope_head_dim, c.v_head_dim)
-        q_lat = absorb_query(q_nope.astype(jnp.float32), w_uk)  # [T, H, R]
-        kv_ctx, kr_ctx = ctx[..., : c.kv_lora_rank], ctx[..., c.kv_lora_rank:]
-        s = (jnp.einsum("thr,tlr->thl", q_lat, kv_ctx, precision=_HI)
-             + jnp.einsum("thr,tlr->thl", q_rope.astype(jnp.float32), kr_ctx, precision=_HI)) * c.softmax_scale
-        p = _masked_softmax(s, mask[:, None])
-        o_lat = jnp.einsum("thl,tlr->thr", p, kv_ctx, precision=_HI)  # [T, H, R]
+        q_lat = absorb_query(q_nope.astype(jnp.float32), w_uk)  # f32[T, H, R]
+        q_rope = q_rope.astype(jnp.float32)
+        tables, lens = meta["token_tables"], meta["token_lens"]  # i32[T, 1, max_blocks], i32[T]
+        if fp8_latent:
+            o_lat = sparse_mla_decode_fp8(q_lat, q_rope, cache["key"], cache["key_scale"], cache["key_rope"],
+                                          tables, lens, topk, scale=c.softmax_scale)
+        else:
+            o_lat = sparse_mla_decode(q_lat, q_rope, cache["key"], tables, lens, topk, scale=c.softmax_scale,
+                                      impl=meta["impl"])
         o = absorb_output(o_lat, w_uv).astype(x.dtype).reshape(x.shape[0], -1)
         return self.o_proj(o), cache
-
-
-def _write_rows(pages: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
-    """Scatter ``rows [T, W]`` into ``pages [P, page_size, W]`` at flat ``slots i32[T]``; ``-1`` is dropped."""
-    p, ps = pages.shape[:2]
-    flat = pages.reshape(p * ps, *pages.shape[2:])
-    idx = jnp.where(slots >= 0, slots, p * ps)  # out of range -> dropped
-    return flat.at[idx].set(rows, mode="drop").reshape(pages.shape)
 
 
 class MLP(nnx.Module):
@@ -388,8 +376,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, indexer_fp8=indexer_fp8)
+    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False, latent_fp8: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def step(self, x, cos, sin, cache, meta):
@@ -428,60 +416,76 @@ class DeepseekV32(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], precision=_HI).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    @nnx.jit(static_argnames=("indexer_fp8",))
-    def logits(self, input_ids: jax.Array, *, indexer_fp8: bool = False) -> jax.Array:
+    @nnx.jit(static_argnames=("indexer_fp8", "latent_fp8"))
+    def logits(self, input_ids: jax.Array, *, indexer_fp8: bool = False, latent_fp8: bool = False) -> jax.Array:
         """Full-sequence forward, no cache: ``input_ids i32[B, T]`` -> ``f32[B, T, vocab]`` (positions 0..T-1).
 
-        Jit-compiled (once per shape and ``indexer_fp8``).
-
-        ``indexer_fp8=True`` rounds the indexer keys through the fp8 cache quantisation (the oracle of a step
-        over an fp8 indexer cache); the default is HF's f32 indexer.
+        Jit-compiled (once per shape and flags). The defaults compute exactly what HF computes.
+        ``indexer_fp8=True`` rounds the indexer keys through the DSA cache's fp8 quantisation and
+        ``latent_fp8=True`` rounds ``kv_c`` through fp8 and ``k_rope`` through bf16 (the DSA ``key`` roles):
+        the oracles of :meth:`forward_step` over caches made with the same options.
         """
         b, t = input_ids.shape
         x = self.embed_tokens[...][input_ids]
         cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
         for layer in self.layers:
-            x = layer(x, cos, sin, indexer_fp8=indexer_fp8)
+            x = layer(x, cos, sin, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
         return self._head(x)
 
-    def init_caches(self, num_pages: int, page_size: int, *, dtype=jnp.float32,
+    def init_caches(self, num_pages: int, page_size: int, *, kind: str = "mla", dtype=jnp.float32,
                     indexer_fp8: bool = True) -> tuple[dict[str, jax.Array], ...]:
-        """Empty per-layer caches: ``latent [P, page_size, R + r]`` (``dtype``), indexer keys
-        ``index_k [P, page_size, Di]`` (fp8 e4m3, or f32 when ``indexer_fp8=False``) and ``index_scale
-        f32[P, page_size, Di // quant_block]``."""
-        c = self.config
-        nb = c.index_head_dim // c.indexer.quant_block
-        kdt = jnp.float8_e4m3fn if indexer_fp8 else jnp.float32
-        return tuple(
-            {"latent": jnp.zeros((num_pages, page_size, c.latent_dim), dtype),
-             "index_k": jnp.zeros((num_pages, page_size, c.index_head_dim), kdt),
-             "index_scale": jnp.ones((num_pages, page_size, nb), jnp.float32)}
-            for _ in range(c.num_hidden_layers)
-        )
+        """Empty per-layer caches (``dict[role, array]``, :mod:`kvjax.state.registry` layouts).
 
-    def step(self, caches, inputs) -> tuple[jax.Array, tuple]:
+        ``kind="mla"``: MLA latent cache ``key [P, page_size, R + r]`` in ``dtype`` plus the DSA indexer roles
+        ``indexer f8e4m3[P, page_size, Di]`` + ``indexer_scale f32[P, page_size, Di // quant_block]``
+        (``indexer_fp8=False``: ``indexer`` f32, unquantised). ``kind="dsa"``: the full DSA layout (fp8 latent
+        ``key`` + ``key_scale`` + bf16 ``key_rope`` + fp8 indexer), as the seed allocates it.
+        """
+        c = self.config
+        out = []
+        for layer in range(c.num_hidden_layers):
+            dsa = DSACacheSpec(layer, page_size, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim,
+                               c.quant_block)
+            if kind == "dsa":
+                if not indexer_fp8:
+                    raise ValueError("kind='dsa' caches always hold fp8 indexer keys; got indexer_fp8=False")
+                out.append(create_kv_cache(dsa, num_pages))
+            elif kind == "mla":
+                cache = create_kv_cache(MLACacheSpec(layer, page_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype),
+                                        num_pages)
+                for role in ("indexer", "indexer_scale"):
+                    sds = cache_layout(dsa, num_pages)[role]
+                    fp32 = not indexer_fp8 and role == "indexer"
+                    cache[role] = jnp.zeros(sds.shape, jnp.float32 if fp32 else sds.dtype)
+                out.append(cache)
+            else:
+                raise ValueError(f"init_caches kind must be 'mla' or 'dsa', got {kind!r}")
+        return tuple(out)
+
+    def forward_step(self, caches, inputs, *, impl: str = "auto") -> tuple[jax.Array, tuple]:
         """One ragged step over the paged caches (pure: returns new caches; jit with caches donated).
 
         ``caches``: from :meth:`init_caches`. ``inputs``: a :class:`kvjax.engine.inputs.StepInputs` (reads
         ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``, ``block_tables i32[B, 1, max_blocks]``,
-        ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]``; GDN fields are unused). Token ``t`` of row ``b``
-        attends to positions ``0..positions[t]`` of row ``b`` that its indexer selects; this step's tokens are
-        written first. Returns ``(logits f32[N, vocab] at logits_indices, new caches)``.
+        ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]`` (``N = B`` in the StepInputs contract; any ``N``
+        works); GDN fields are unused). This step's latents and indexer keys are written first; token ``t`` of
+        row ``b`` then attends to the positions ``<= positions[t]`` of row ``b`` that its indexer selects
+        (:func:`kvjax.ops.dsa.indexer_scores`, :func:`~kvjax.ops.dsa.index_topk`, absorbed
+        :func:`~kvjax.ops.dsa.sparse_mla_decode` with ``impl``). Returns ``(logits f32[N, vocab], caches)``.
         """
         t = inputs.token_ids.shape[0]
-        page_size = caches[0]["latent"].shape[1]
-        tables = inputs.block_tables[:, 0, :]  # i32[B, max_blocks]
-        n_ctx = tables.shape[1] * page_size
         tok = jnp.arange(t)
-        row = jnp.clip(jnp.searchsorted(inputs.cu_seqlens, tok, side="right") - 1, 0, tables.shape[0] - 1)
+        rows = inputs.block_tables.shape[0]
+        row = jnp.clip(jnp.searchsorted(inputs.cu_seqlens, tok, side="right") - 1, 0, rows - 1)
         valid = tok < inputs.cu_seqlens[-1]
-        key_pos = jnp.arange(n_ctx)
-        page = tables[row][:, key_pos // page_size]  # i32[T, L]
         meta = {
             "slots": jnp.where(valid, inputs.slot_mapping[:, 0], -1),
-            "pages": jnp.maximum(page, 0),
-            "offsets": key_pos % page_size,
-            "allowed": (page >= 0) & (key_pos[None] <= inputs.positions[:, None]) & valid[:, None],
+            "block_tables": inputs.block_tables,
+            "seq_lens": inputs.seq_lens,
+            "cu_seqlens": inputs.cu_seqlens,
+            "token_tables": inputs.block_tables[row],  # i32[T, 1, max_blocks]
+            "token_lens": jnp.where(valid, inputs.positions + 1, 0).astype(jnp.int32),  # i32[T]
+            "impl": impl,
         }
         x = self.embed_tokens[...][inputs.token_ids]
         cos, sin = self._cos_sin(inputs.positions)
@@ -490,6 +494,8 @@ class DeepseekV32(nnx.Module):
             x, cache = layer.step(x, cos, sin, cache, meta)
             new.append(cache)
         return self._head(x[inputs.logits_indices]), tuple(new)
+
+    step = forward_step
 
 
 # ---------------------------------------------------------------------------------------------- loading
