@@ -123,13 +123,10 @@ def decode_section(k_pages, v_pages, copy_gbs, quick, results):
     t_anchor = timeit(anchor, q, k_pages, v_pages, anchor_bt, sl)
     rows = [dict(name="jax.pallas.ops.gpu.paged_attention (defaults)", ms=t_anchor * 1e3,
                  gbs=kv_bytes / t_anchor / 1e9, rel_err=rel_err(a_out, ref))]
-    configs = [dict(block_k=bk, num_warps=nw, num_stages=st, prefetch=pf)
-               for bk, nw, st, pf in ((128, 4, 3, False), (128, 4, 2, True), (128, 4, 1, True), (64, 4, 3, False),
-                                      (64, 4, 2, True), (64, 4, 1, True), (64, 2, 2, False), (64, 2, 2, True),
-                                      (32, 4, 3, False), (32, 4, 4, False), (32, 2, 3, False), (32, 2, 2, True),
-                                      (128, 8, 1, True), (64, 8, 2, True), (256, 8, 1, True), (64, 4, 5, False))]
-    configs += [dict(block_k=64, num_warps=4, num_stages=3, num_splits=sp) for sp in (1, 4, 8)]
-    configs += [dict(block_k=64, num_warps=4, num_stages=2, prefetch=True, num_splits=sp) for sp in (1, 4)]
+    configs = [dict(block_k=bk, num_warps=nw, num_stages=st)
+               for bk, nw, st in ((64, 4, 3), (64, 4, 2), (64, 2, 2), (64, 2, 3), (128, 4, 3), (128, 4, 2),
+                                  (64, 4, 4), (32, 4, 3), (64, 8, 3))]
+    configs += [dict(block_k=64, num_warps=4, num_stages=3, num_splits=sp) for sp in (1, 4)]
     if quick:
         configs = configs[:2]
     for cfg in configs:
@@ -145,6 +142,11 @@ def decode_section(k_pages, v_pages, copy_gbs, quick, results):
     meta = jax.jit(lambda cu_, sl_: paged_common.page_ranges(
         *paged_common.token_positions(cu_, sl_, b)[1:2] * 2, sl_ > 0, zeros, zeros, page_size=ps, max_blocks=l // ps))
     rows.append(dict(name="launch metadata alone (token_positions + page_ranges)", ms=timeit(meta, cu, sl) * 1e3))
+    tok = jnp.arange(b, dtype=jnp.int32)
+    ss = jax.jit(lambda cu_: jnp.searchsorted(cu_, tok, side="right"))
+    rows.append(dict(name="jnp.searchsorted(cu_seqlens, tokens) alone (default method)", ms=timeit(ss, cu) * 1e3))
+    cnt = jax.jit(lambda cu_: paged_common.count_le(cu_, tok))
+    rows.append(dict(name="paged_common.count_le(cu_seqlens, tokens) alone", ms=timeit(cnt, cu) * 1e3))
     results["decode"] = dict(shape=dict(B=b, L=l, Hq=hq, Hkv=hkv, D=d, page=ps, dtype="bf16"), kv_bytes=kv_bytes,
                              rows=rows)
     good = [r for r in rows[1:] if "cfg" in r and r["rel_err"] <= 2e-2]
@@ -174,7 +176,8 @@ def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
     bytes_needed = int(n_pages.sum()) * ps * d * 2 * 2
     bytes_full = b * hkv * l * d * 2 * 2
     rows = []
-    cfgs = [best_cfg] + [c for c in (dict(block_k=128, num_warps=4, num_stages=2),) if c != best_cfg]
+    cfgs = [best_cfg] + [dict(best_cfg, num_splits=sp) for sp in (2, 8)] + [
+        c for c in (dict(block_k=128, num_warps=4, num_stages=3),) if c != best_cfg]
     for cfg in cfgs:
         f_swa = kvjax_fn(scale, window, sinks, mode="decode", **cfg)
         f_full = kvjax_fn(scale, zeros, zeros, mode="decode", **cfg)

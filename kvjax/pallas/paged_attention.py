@@ -51,7 +51,6 @@ def _decode_kernel(
     max_blocks: int,
     num_kv_heads: int,
     num_splits: int,
-    prefetch: bool,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
@@ -109,19 +108,11 @@ def _decode_kernel(
     def body(c, carry):
         return update(*load_block(c), *carry)
 
-    def body_prefetch(c, carry):  # block c+1 is in flight while block c is consumed
-        k, v, ok, acc, m, l = carry
-        nxt = load_block(c + 1)
-        return (*nxt, *update(k, v, ok, acc, m, l))
-
     head_dim = q.shape[-1]
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _NEG_INF, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    if prefetch:
-        _, _, _, acc, m, l = jax.lax.fori_loop(0, n_iter, body_prefetch, (*load_block(0), acc, m, l))
-    else:
-        acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
+    acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if num_splits == 1:
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
@@ -134,7 +125,7 @@ def _decode_kernel(
 
 def _decode_call(
     q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks, *,
-    scale, num_splits, block_k, num_warps, num_stages, prefetch, interpret,
+    scale, num_splits, block_k, num_warps, num_stages, interpret,
 ):
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -143,7 +134,7 @@ def _decode_call(
     rows = max(16, paged_common.next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, prefetch=prefetch,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -156,7 +147,7 @@ def _decode_call(
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode_s{num_splits}_bk{block_k}{'_pf' if prefetch else ''}",
+        name=f"kvjax_paged_decode_s{num_splits}_bk{block_k}",
     )(
         q.reshape(t_total * hq, d),
         k_pages.reshape(num_pages * page_size, d),
@@ -195,8 +186,7 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode",
-                     "prefetch"),
+    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode"),
 )
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -216,14 +206,13 @@ def paged_attention(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    prefetch: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Kernel entry of ``kvjax.ops.paged_attention`` (normalised kernel-contract arguments).
 
     ``mode="auto"`` routes on static shapes: ``T <= B`` to the split-KV decode kernel, else to the prefill
     kernel; ``"decode"`` / ``"prefill"`` force one (both are exact for any batch). The tuning knobs
-    (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``; decode
-    ``prefetch``: load block c+1 before consuming block c) default to values measured on an H100.
+    (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``) default to the
+    fastest values measured on an H200 (benchmarks/RESULTS.md).
     Reads only. Tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
@@ -236,7 +225,7 @@ def paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
             sinks=sinks, interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
         )
-    block_k = max(block_k or 128, page_size)
+    block_k = max(block_k or 64, page_size)
     _check_kernel_shapes(q, k_pages, block_k)
     if num_splits is None:
         num_splits = default_num_splits(t_total, hkv, max_blocks, block_k // page_size)
@@ -247,5 +236,5 @@ def paged_attention(
     return _decode_call(
         q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
         scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or 2, prefetch=prefetch, interpret=interpret,
+        num_stages=num_stages or 3, interpret=interpret,
     )

@@ -29,7 +29,7 @@ def token_positions(
     """
     num_rows = seq_lens.shape[0]
     tok = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1
+    row = count_le(cu_seqlens, tok) - 1
     row = jnp.clip(row, 0, num_rows - 1)
     n_new = cu_seqlens[row + 1] - cu_seqlens[row]
     pos = seq_lens[row] - n_new + (tok - cu_seqlens[row])
@@ -59,6 +59,15 @@ def page_ranges(
     n_sink = jnp.where(swa, jnp.minimum((sk + page_size - 1) // page_size, lo), 0)
     n_pages = jnp.where(live[:, None], n_sink + hi - lo, 0)
     return lo.astype(jnp.int32), n_sink.astype(jnp.int32), n_pages.astype(jnp.int32)
+
+
+def count_le(sorted_values: jnp.ndarray, x: jnp.ndarray) -> jnp.ndarray:
+    """i32: how many of ``sorted_values`` are <= each ``x`` (``searchsorted(side="right")``).
+
+    One broadcast compare + sum, a single fused kernel; ``jnp.searchsorted``'s default scan is a device
+    while-loop whose trip checks cost host round trips on GPU (measured: 0.23 ms for a 64-row batch).
+    """
+    return jnp.sum(sorted_values[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
 
 
 def next_pow2(n: int) -> int:

@@ -139,7 +139,7 @@ def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
     tiles = (n_new + block_q - 1) // block_q
     ends = jnp.cumsum(tiles)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    row = jnp.searchsorted(ends, tile, side="right").astype(jnp.int32)
+    row = paged_common.count_le(ends, tile)  # first row whose tiles end after `tile`
     live = row < num_rows
     row = jnp.minimum(row, num_rows - 1)
     local = tile - (ends[row] - tiles[row])
@@ -171,7 +171,7 @@ def paged_prefill(
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
     Same contract as :func:`kvjax.pallas.paged_attention.paged_attention`; tokens of no row get output 0.
-    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``fast_path=False`` masks
+    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 64. ``fast_path=False`` masks
     every key block (kept to measure what the unmasked middle blocks save).
     """
     t_total, hq, d = q.shape
@@ -179,7 +179,7 @@ def paged_prefill(
     num_rows, hkv, max_blocks = block_tables.shape
     group = hq // hkv
     block_k = max(block_k or 64, page_size)
-    rows = max(block_q or 128, 16, paged_common.next_pow2(group))
+    rows = max(block_q or 64, 16, paged_common.next_pow2(group))
     for name, val in (("head_dim", d), ("page_size", page_size), ("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
@@ -196,7 +196,7 @@ def paged_prefill(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
         grid=(t_row.shape[0], hkv),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages or 2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3),
         interpret=interpret,
         name=f"kvjax_paged_prefill_bq{rows}_bk{block_k}",
     )(
