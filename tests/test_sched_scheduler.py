@@ -71,6 +71,7 @@ def test_plan_layout_and_padding(rng):
     assert plan.num_tokens == 3 and plan.token_ids.shape == (16,) and plan.has_initial_state[:3].all()
     np.testing.assert_array_equal(plan.positions[:3], [9, 5, 3])
     np.testing.assert_array_equal(plan.token_ids[:3], [(9 * 5 + 1) % 41, (5 * 5 + 1) % 41, (3 * 5 + 1) % 41])
+    assert all(a.dtype == (bool if k == "has_initial_state" else np.int32) for k, a in plan.device_arrays().items())
     assert set(plan.device_arrays()) == {"token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots",
                                          "has_initial_state", "block_tables", "slot_mapping", "logits_indices"}
 

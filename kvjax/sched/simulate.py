@@ -5,7 +5,7 @@ else (chunked prefill under the token budget, page allocation, SWA recycling, pr
 real scheduler. Reported per (SWA fraction, pool, recycle) run: steps, generated tokens per step, peak
 concurrency (running requests), preemptions, page utilisation (mean and peak fraction of pages in use).
 
-Theoretical bound. Over a run of ``S`` steps that generates ``G = sum_r O_r`` tokens, three resources give
+Theoretical bound. Over a run of ``S`` steps that generates ``G = sum_r O_r`` tokens, these give
 lower bounds on ``S`` (request ``r``: prompt ``P_r``, output ``O_r``; budget ``Bt`` tokens/step, ``max_seqs``
 rows, ``N`` pages):
 
@@ -13,13 +13,15 @@ rows, ``N`` pages):
   (the last output is sampled, never fed), so ``S >= sum_r (P_r + O_r - 1) / Bt``;
 - rows: request ``r`` runs for at least ``ceil(P_r / Bt) + O_r - 1`` steps in one of ``max_seqs`` rows, so
   ``S >= sum_r (ceil(P_r / Bt) + O_r - 1) / max_seqs``;
+- longest: the same count for one request alone, ``S >= max_r (ceil(P_r / Bt) + O_r - 1)`` (a finite workload
+  cannot finish before its longest request);
 - pages: in its decode step at context ``L`` (``L = P_r .. P_r + O_r - 2``) request ``r`` holds at least
   ``live_h(L)`` pages on head ``h`` — ``ceil((L + 1) / ps)`` without recycling, minus its recyclable blocks
   with timely recycling — and a step has ``N`` pages (``N / H_kv`` per head when partitioned), so
   ``S >= sum_{r, L, h} live_h(L) / N`` (shared) or ``max_h sum_{r, L} live_h(L) / (N / H_kv)`` (partitioned).
   Prefill steps also hold pages; leaving them out keeps this a lower bound.
 
-``bound = G / max(the three)`` is an upper bound on generated tokens per step. With memory for a few
+``bound = G / max(the four)`` is an upper bound on generated tokens per step. With memory for a few
 full-length requests the page term dominates for ``none``, so the bound on the gain ``timely / none`` is the
 ratio of time-averaged per-request page footprints, capped where the timely run hits the row or token term.
 Preemption (recompute), admission granularity and ramp-up/drain make measured figures fall below the bound.
@@ -49,7 +51,7 @@ class SimResult:
     generated: int
     tokens_per_step: float
     bound_tokens_per_step: float
-    bound_by: str  # which resource gives the bound: "tokens" | "rows" | "pages"
+    bound_by: str  # which term gives the bound: "tokens" | "rows" | "longest" | "pages"
     peak_concurrency: int
     preemptions: int
     page_util_mean: float
@@ -66,14 +68,15 @@ def throughput_bound(workload: list[RequestSpec], cache: CacheConfig, attention:
 
 def step_lower_bounds(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
                       max_num_batched_tokens: int, pool: str, recycle: bool) -> dict[str, float]:
-    """The three lower bounds on the number of steps: ``{"tokens": ..., "rows": ..., "pages": ...}``."""
+    """The lower bounds on the number of steps: ``{"tokens", "rows", "longest", "pages"}`` -> steps."""
     bt, window, sinks = max_num_batched_tokens, np.asarray(attention.window), np.asarray(attention.sinks)
-    tokens = rows = 0
+    tokens = rows = longest = 0
     page_steps = np.zeros(attention.num_kv_heads)
     for w in workload:
         p, o = int(w.prompt.size), w.max_new_tokens
         tokens += p + o - 1
         rows += -(-p // bt) + o - 1
+        longest = max(longest, -(-p // bt) + o - 1)
         if o > 1:
             L = np.arange(p, p + o - 1)
             page_steps += live_blocks(L, np.ones_like(L), window, sinks, cache.page_size, recycle).sum(axis=0)
@@ -81,7 +84,7 @@ def step_lower_bounds(workload: list[RequestSpec], cache: CacheConfig, attention
         page_lb = page_steps.max() / (cache.num_pages // attention.num_kv_heads)
     else:
         page_lb = page_steps.sum() / cache.num_pages
-    return {"tokens": tokens / bt, "rows": rows / cache.max_seqs, "pages": float(page_lb)}
+    return {"tokens": tokens / bt, "rows": rows / cache.max_seqs, "longest": float(longest), "pages": float(page_lb)}
 
 
 def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
@@ -118,14 +121,14 @@ def format_table(results: list[SimResult]) -> str:
     """Fixed-width table; ``gain`` and ``bound gain`` are relative to ``none`` with the same SWA fraction and pool."""
     base = {(r.swa_fraction, r.pool): r for r in results if r.recycle == "none"}
     head = (f"{'swa':>5} {'pool':11} {'recycle':7} {'steps':>7} {'generated':>9} {'tok/step':>8} {'bound':>8} "
-            f"{'by':6} {'gain':>6} {'bound gain':>10} {'peak conc':>9} {'preempt':>7} {'util mean':>9} {'util peak':>9}")
+            f"{'by':7} {'gain':>6} {'bound gain':>10} {'peak conc':>9} {'preempt':>7} {'util mean':>9} {'util peak':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
         b = base.get((r.swa_fraction, r.pool))
         gain = f"{r.tokens_per_step / b.tokens_per_step:5.2f}x" if b else "     -"
         bgain = f"{r.bound_tokens_per_step / b.bound_tokens_per_step:9.2f}x" if b else "         -"
         lines.append(f"{r.swa_fraction:5.2f} {r.pool:11} {r.recycle:7} {r.steps:7d} {r.generated:9d} "
-                     f"{r.tokens_per_step:8.2f} {r.bound_tokens_per_step:8.2f} {r.bound_by:6} {gain} {bgain} {r.peak_concurrency:9d} "
+                     f"{r.tokens_per_step:8.2f} {r.bound_tokens_per_step:8.2f} {r.bound_by:7} {gain} {bgain} {r.peak_concurrency:9d} "
                      f"{r.preemptions:7d} {r.page_util_mean:9.3f} {r.page_util_peak:9.3f}")
     return "\n".join(lines)
 
