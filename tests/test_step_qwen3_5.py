@@ -4,7 +4,7 @@ The test drives its own tiny host-side planner (independent of ``kvjax.sched``):
 share each step (prefill chunks of different sizes mixed with decode tokens), rows are shuffled every step,
 GDN slots are random (never the row index), pages come from a shuffled shared free list, and with SWA heads
 blocks that leave the window are recycled (table entry -1, page returned and reused by other heads/rows).
-Every row's last-token logits must equal the full-sequence oracle ``model.logits`` at that position.
+Steps where every row decodes take the decode kernels (``decode_only``). Every row's last-token logits must equal the full-sequence oracle ``model.logits`` at that position.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ ROWS = 4  # batch bucket (one row is padding at least part of the time)
 T_BUCKETS = (8, 32)  # token buckets: decode-ish steps and prefill steps
 
 
-def tiny_config(window=(), sinks=()) -> Qwen3_5Config:
+FOUR_LAYERS = ("linear_attention", "full_attention", "linear_attention", "full_attention")
+
+
+def tiny_config(window=(), sinks=(), layer_types=FOUR_LAYERS) -> Qwen3_5Config:
     return Qwen3_5Config(
-        vocab_size=61, hidden_size=32, intermediate_size=48,
-        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        vocab_size=61, hidden_size=32, intermediate_size=48, layer_types=layer_types,
         attention=AttentionConfig(4, 2, 16, window=window, sinks=sinks),
         gdn=GDNConfig(2, 4, 8, 8, 4), rope_theta=10000.0, partial_rotary_factor=0.5,
     )
@@ -61,6 +63,7 @@ class Planner:
         self.free_slots = list(rng.permutation(np.arange(1, MAX_SEQS + 1)))
         self.done: dict[int, int] = {}  # tokens already computed
         self.recycled = 0
+        self.signatures = set()  # (token bucket, decode_only) of every plan: one trace each
 
     def add(self, sid: int):
         self.tables[sid] = np.full((self.hkv, MAX_BLOCKS), -1, np.int32)
@@ -113,10 +116,11 @@ class Planner:
             t += n
         cu[ROWS] = t
         inputs = StepInputs.from_numpy(
-            token_ids=tok, positions=pos, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=slots,
+            decode_only=all(len(t) == 1 for _, t in work), token_ids=tok, positions=pos, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=slots,
             has_initial_state=has_init, block_tables=tables, slot_mapping=smap, logits_indices=logits_idx,
         )
         inputs.validate(num_pages=NUM_PAGES, page_size=PAGE, max_slots=MAX_SEQS + 1)
+        self.signatures.add((t_pad, inputs.decode_only))
         for sid, new in work:
             self.done[sid] += len(new)
         return inputs, expect
@@ -172,7 +176,7 @@ def run_schedule(model, rng, seqs, chunks, *, window=(), sinks=(), step_fn=None,
                 planner.finish(sid)
         planner.recycle()
     # the PAD slot was never written
-    assert np.all(np.asarray(caches.conv[:, 0]) == 1e4) and np.all(np.asarray(caches.ssm[:, 0]) == 1e4)
+    assert np.all(np.asarray(caches.gdn.conv[:, 0]) == 1e4) and np.all(np.asarray(caches.gdn.ssm[:, 0]) == 1e4)
     return got, planner
 
 
@@ -191,10 +195,10 @@ CHUNKS = ([5, 8], [2, 3, 1], [11, 4])  # then decode one token at a time
 
 @pytest.fixture(scope="module")
 def base():
-    """A random model and its step, jitted once with at most one trace per token bucket."""
+    """A random model and its step, jitted with at most one trace per token bucket plus the decode-only trace."""
     model = random_model(tiny_config(), seed=11)
     graphdef, params = nnx.split(model)
-    return model, params, make_step(graphdef, max_traces=len(T_BUCKETS))
+    return model, params, make_step(graphdef, max_traces=len(T_BUCKETS) + 1)
 
 
 def test_step_chunked_prefill_and_decode_match_full_logits(rng, base):
@@ -207,13 +211,14 @@ def test_step_chunked_prefill_and_decode_match_full_logits(rng, base):
 
 def test_step_swa_heads_over_recycled_tables_match_masked_logits(rng):
     window, sinks = (6, 0), (2, 0)  # KV head 0: SWA with 2 sinks; KV head 1: full attention
-    model = random_model(tiny_config(window, sinks), seed=int(rng.integers(1 << 30)))
+    layers = ("linear_attention", "full_attention")  # two layers keep the compile short
+    model = random_model(tiny_config(window, sinks, layers), seed=int(rng.integers(1 << 30)))
     seqs = [rng.integers(0, 61, n).astype(np.int32) for n in SEQ_LENS]
     got, planner = run_schedule(model, rng, seqs, CHUNKS, window=window, sinks=sinks)
     assert planner.recycled >= 6  # holes really appeared and their pages were reused
     check_against_oracle(model, seqs, got)
     # the masks matter: the same model without SWA heads gives different logits
-    full = random_model(tiny_config(), seed=0)
+    full = random_model(tiny_config(layer_types=layers), seed=0)
     nnx.update(full, nnx.state(model))
     ref_full = np.asarray(full.logits(jnp.asarray(seqs[2][None], jnp.int32)))[0]
     assert np.abs(ref_full[-1] - got[(2, len(seqs[2]) - 1)]).max() > 1e-3
@@ -223,8 +228,9 @@ def test_step_bucketed_shapes_do_not_recompile(rng, base):
     """New lengths, chunkings and batch compositions reuse the bucketed traces (max_traces raises otherwise)."""
     model, params, step_fn = base
     seqs = [rng.integers(0, 61, n).astype(np.int32) for n in (23, 30, 12)]
-    got, _ = run_schedule(model, rng, seqs, ([9, 7], [17, 2], [3]), step_fn=step_fn, params=params)
-    assert len(got) > 30  # dozens of steps ran on at most len(T_BUCKETS) traces
+    got, planner = run_schedule(model, rng, seqs, ([9, 2], [17, 2], [3]), step_fn=step_fn, params=params)
+    assert len(got) > 30  # dozens of steps ran on at most len(T_BUCKETS) + 1 traces
+    assert planner.signatures == {(32, False), (8, False), (8, True)}  # every allowed trace was used
     # a plan outside the buckets (another token count) would retrace, and the guard catches it
     planner = Planner(rng, 2, (), ())
     planner.add(0)

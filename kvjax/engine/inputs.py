@@ -20,7 +20,7 @@ from kvjax.errors import InvalidPlanError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """Device inputs of one step (a pytree of arrays; all leaves are data, nothing static)."""
+    """Device inputs of one step: a pytree of arrays plus one static flag (``decode_only``)."""
 
     token_ids: jax.Array  # i32[T]: input token of each step token (padding tokens: any valid id, e.g. 0)
     positions: jax.Array  # i32[T]: absolute position of each token in its sequence (RoPE)
@@ -31,6 +31,9 @@ class StepInputs:
     block_tables: jax.Array  # i32[B, Hkv, max_blocks]: page of each (row, KV head, block); -1 = hole
     slot_mapping: jax.Array  # i32[T, Hkv]: page * page_size + offset where each new K/V goes; -1 = skip
     logits_indices: jax.Array  # i32[B]: token index (into T) whose logits each row returns
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # static (part of the treedef, so it selects a trace): every live row has exactly one token; models then
+    # use their decode kernels (GDN recurrent + conv update). False is always correct, True only for decode.
 
     @property
     def num_tokens(self) -> int:
@@ -45,7 +48,7 @@ class StepInputs:
 
         ``max_slots`` is the GDN pool size including slot 0 (``max_seqs + 1``).
         """
-        a = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        a = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "decode_only"}
         t, b = a["token_ids"].shape[0], a["seq_lens"].shape[0]
         expect = {
             "token_ids": (t,), "positions": (t,), "cu_seqlens": (b + 1,), "seq_lens": (b,), "gdn_slots": (b,),
@@ -84,18 +87,28 @@ class StepInputs:
         live = slots[active]
         if len(np.unique(live)) != len(live):
             raise InvalidPlanError(f"StepInputs.gdn_slots: two rows share a slot: {slots}")
+        if self.decode_only and not np.isin(n_new, (0, 1)).all():
+            raise InvalidPlanError(f"StepInputs.decode_only but rows have {n_new} tokens (must be 0 or 1)")
         li = a["logits_indices"]
         if ((li < 0) | (li >= max(t, 1))).any():
             raise InvalidPlanError(f"StepInputs.logits_indices {li} outside [0, {t})")
 
     @classmethod
-    def from_numpy(cls, **arrays) -> "StepInputs":
+    def from_numpy(cls, *, decode_only: bool = False, **arrays) -> "StepInputs":
         """Build from host arrays (ints cast to int32, ``has_initial_state`` to bool); no validation."""
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"decode_only"}
         if set(arrays) != fields:
             raise InvalidPlanError(f"StepInputs needs exactly {sorted(fields)}, got {sorted(arrays)}")
         out = {}
         for name, value in arrays.items():
             dtype = jnp.bool_ if name == "has_initial_state" else jnp.int32
             out[name] = jnp.asarray(np.asarray(value), dtype)
-        return cls(**out)
+        return cls(**out, decode_only=bool(decode_only))
+
+    @classmethod
+    def from_plan(cls, plan, *, use_decode_path: bool = True) -> "StepInputs":
+        """From a :class:`kvjax.sched.plan.StepPlan` (host numpy). ``decode_only`` is set when every real row has
+        exactly one token and ``use_decode_path``; a plan adds at most two traces per bucket (mixed, decode)."""
+        q = np.asarray(plan.query_lens)[: plan.num_seqs]
+        decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
+        return cls.from_numpy(**plan.device_arrays(), decode_only=decode_only)

@@ -33,6 +33,9 @@ from flax import nnx
 
 from kvjax.config import AttentionConfig, GDNConfig
 from kvjax.errors import CheckpointError
+from kvjax.state import gdn_pool
+from kvjax.state.gdn_pool import GDNStatePool
+from kvjax.state.registry import GQACacheSpec, cache_name, create_caches
 from kvjax.models.common import (
     GatedRMSNorm, Linear, RMSNorm, TensorSource, abstract_model, apply_rope, assign_params, config_get, load_safetensors,
     rope_cos_sin, rope_inv_freq,
@@ -170,25 +173,13 @@ class Qwen3_5Config:
 class Qwen3_5Caches:
     """Device state of a Qwen3.5 model (donated to and returned by the step).
 
-    GDN pools follow the slot convention (slot 0 = PAD, never written); K/V pools hold single-head pages.
+    ``gdn``: the GDN state pool of the linear-attention layers (pool layer ``i`` = ``i``-th GDN layer; slot 0 =
+    PAD, never written). ``kv``: the cache registry's ``{key_caches_<layer>, value_caches_<layer>}`` single-head
+    page pools ``[P, page_size, D]`` of each full-attention layer (``<layer>`` = model layer index).
     """
 
-    conv: jax.Array  # [L_gdn, S+1, conv_dim, W-1]: last W-1 conv inputs of each slot
-    ssm: jax.Array  # f32[L_gdn, S+1, Hv, K, V]: recurrent state of each slot
-    k_pages: jax.Array  # [L_attn, P, page_size, D]
-    v_pages: jax.Array  # [L_attn, P, page_size, D]
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pages.shape[2]
-
-    @property
-    def num_pages(self) -> int:
-        return self.k_pages.shape[1]
-
-    @property
-    def num_slots(self) -> int:
-        return self.conv.shape[1]
+    gdn: GDNStatePool  # conv [L_gdn, S+1, conv_dim, W-1], ssm f32[L_gdn, S+1, Hv, K, V]
+    kv: dict  # {"key_caches_<l>" / "value_caches_<l>": [P, page_size, D]}
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -226,16 +217,19 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(hv * vd, hidden, rngs=rngs, dtype=dtype)
         del hk, kd
 
-    def _mix_inputs(self, x: jax.Array, cu_seqlens: jax.Array, conv_state: jax.Array | None):
-        """Projections, conv and gates: x [T, H] -> q, k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta, z, conv final."""
+    def _conv(self, x: jax.Array, cu_seqlens: jax.Array, conv_state: jax.Array | None):
+        """x [T, H] -> conv(in_proj_qkv(x)) [T, conv_dim] (SiLU) and the final conv states [N, conv_dim, W-1]."""
         from kvjax.ops.conv import causal_conv1d
 
-        c = self.cfg
-        t = x.shape[0]
-        mixed, conv_final = causal_conv1d(
+        return causal_conv1d(
             self.in_proj_qkv(x), self.conv_weight[...], None,
             cu_seqlens=cu_seqlens, initial_state=conv_state, activation="silu",
         )
+
+    def _split(self, x: jax.Array, mixed: jax.Array):
+        """x [T, H], conv output [T, conv_dim] -> q, k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta [T, Hv], z."""
+        c = self.cfg
+        t = x.shape[0]
         kdim = c.num_k_heads * c.head_k_dim
         q = mixed[:, :kdim].reshape(t, c.num_k_heads, c.head_k_dim)
         k = mixed[:, kdim: 2 * kdim].reshape(t, c.num_k_heads, c.head_k_dim)
@@ -244,7 +238,7 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
         z = self.in_proj_z(x).reshape(t, c.num_v_heads, c.head_v_dim)
-        return q, k, v, g.astype(jnp.float32), beta, z, conv_final
+        return q, k, v, g.astype(jnp.float32), beta, z
 
     def _out(self, o: jax.Array, z: jax.Array) -> jax.Array:  # [T, Hv, V], [T, Hv, V] -> [T, H]
         c = self.cfg
@@ -254,7 +248,8 @@ class GatedDeltaNet(nnx.Module):
         """Whole sequences from zero state (no cache)."""
         from kvjax.ops.gdn import chunk_gated_delta_rule
 
-        q, k, v, g, beta, z, _ = self._mix_inputs(x, cu_seqlens, None)
+        qkv, _ = self._conv(x, cu_seqlens, None)
+        q, k, v, g, beta, z = self._split(x, qkv)
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
         return self._out(o, z)
 
@@ -262,24 +257,36 @@ class GatedDeltaNet(nnx.Module):
         self,
         x: jax.Array,  # [T, H]
         inputs,  # StepInputs
-        conv: jax.Array,  # [L_gdn, S+1, conv_dim, W-1] pool
-        ssm: jax.Array,  # f32[L_gdn, S+1, Hv, K, V] pool
-        layer: int,  # index of this layer in the GDN pools
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # y [T, H], conv, ssm (updated at the live rows' slots)
-        """Ragged step on the slot-addressed pools (slot 0 = PAD: never read as state, never written)."""
-        from kvjax.ops.gdn_state import gdn_prefill
+        pool: GDNStatePool,  # conv [L_gdn, S+1, conv_dim, W-1], ssm f32[L_gdn, S+1, Hv, K, V]
+        layer: int,  # index of this layer in the pool
+        decode_only: bool,  # static: every live row has exactly one token (recurrent + conv-update path)
+    ) -> tuple[jax.Array, GDNStatePool]:  # y [T, H], pool updated at the live rows' slots
+        """Ragged step on the slot-addressed pool (slot 0 = PAD: never read as state, never written)."""
+        from kvjax.ops.conv import causal_conv1d_update
+        from kvjax.ops.gdn_state import gdn_decode, gdn_prefill
 
-        slots, has_init = inputs.gdn_slots, inputs.has_initial_state
-        read = (has_init & (slots > 0))[:, None, None]
-        conv0 = jnp.where(read, conv[layer][slots], jnp.zeros((), conv.dtype))
-        q, k, v, g, beta, z, conv1 = self._mix_inputs(x, inputs.cu_seqlens, conv0)
-        dest = jnp.where(slots > 0, slots, conv.shape[1])  # PAD rows -> out of range -> dropped
-        conv = conv.at[layer, dest].set(conv1.astype(conv.dtype), mode="drop")
-        o, ssm = gdn_prefill(
-            q, k, v, g, beta, ssm, layer=layer, slot_ids=slots, has_initial_state=has_init,
-            cu_seqlens=inputs.cu_seqlens, use_qk_l2norm=True,
+        slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
+        conv0, _ = gdn_pool.gather(pool, layer, slots, has_init)  # [B, conv_dim, W-1] (unused ssm: DCE'd)
+        if decode_only:
+            t = x.shape[0]
+            row_tok = jnp.clip(cu[:-1], 0, t - 1)  # each row's single token
+            xr = x[row_tok]  # [B, H]
+            mixed, conv1 = causal_conv1d_update(self.in_proj_qkv(xr), conv0, self.conv_weight[...], None)
+            tok_row = jnp.clip(jnp.searchsorted(cu, jnp.arange(t), side="right") - 1, 0, slots.shape[0] - 1)
+            q, k, v, g, beta, z = self._split(x, mixed[tok_row])
+            gdn_op = gdn_decode
+        else:
+            qkv, conv1 = self._conv(x, cu, conv0)
+            q, k, v, g, beta, z = self._split(x, qkv)
+            gdn_op = gdn_prefill
+        live = (slots > 0) & (cu[1:] > cu[:-1])
+        dest = jnp.where(live, slots, pool.conv.shape[1])  # PAD / empty rows -> out of range -> dropped
+        conv = pool.conv.at[layer, dest].set(conv1.astype(pool.conv.dtype), mode="drop")
+        o, ssm = gdn_op(
+            q, k, v, g, beta, pool.ssm, layer=layer, slot_ids=slots, has_initial_state=has_init,
+            cu_seqlens=cu, use_qk_l2norm=True,
         )
-        return self._out(o, z), conv, ssm
+        return self._out(o, z), GDNStatePool(conv=conv, ssm=ssm)
 
 
 def dense_masked_attention(
@@ -419,23 +426,24 @@ class Qwen3_5ForCausalLM(nnx.Module):
     # ------------------------------------------------------------------------------------------ cached
 
     def init_caches(self, *, num_pages: int, page_size: int, max_seqs: int, dtype=jnp.float32) -> Qwen3_5Caches:
-        """Zeroed caches: GDN pools with ``max_seqs + 1`` slots (slot 0 = PAD) and ``num_pages`` K/V pages."""
+        """Zeroed caches: a GDN pool with ``max_seqs + 1`` slots (slot 0 = PAD), ``num_pages`` K/V pages per
+        attention layer (page/conv dtype ``dtype``; SSM state always f32)."""
         c = self.config
-        g, a = c.gdn, c.attention
-        n_g, n_a = len(c.gdn_layers), len(c.attention_layers)
+        a = c.attention
+        specs = [GQACacheSpec(layer=i, num_kv_heads=a.num_kv_heads, page_size=page_size, head_dim=a.head_dim,
+                              dtype=dtype) for i in c.attention_layers]
         return Qwen3_5Caches(
-            conv=jnp.zeros((n_g, max_seqs + 1, g.conv_dim, g.conv_kernel_size - 1), dtype),
-            ssm=jnp.zeros((n_g, max_seqs + 1, g.num_v_heads, g.head_k_dim, g.head_v_dim), jnp.float32),
-            k_pages=jnp.zeros((n_a, num_pages, page_size, a.head_dim), dtype),
-            v_pages=jnp.zeros((n_a, num_pages, page_size, a.head_dim), dtype),
+            gdn=gdn_pool.create(c.gdn, len(c.gdn_layers), max_seqs, conv_dtype=dtype),
+            kv=create_caches(specs, num_pages),
         )
 
     def forward_step(self, caches: Qwen3_5Caches, inputs) -> tuple[jax.Array, Qwen3_5Caches]:
         """One ragged step (prefill chunks and decode tokens mixed); returns ``(f32[B, vocab], new caches)``.
 
-        Reads and writes GDN states at ``inputs.gdn_slots`` (zeros where ``has_initial_state`` is false;
-        writes to slot 0 dropped), writes new K/V by ``inputs.slot_mapping`` and attends through
-        ``inputs.block_tables`` with the layer's per-KV-head window/sinks.
+        Reads and writes GDN states at ``inputs.gdn_slots`` (zeros where ``has_initial_state`` is false; slot 0
+        never written), writes new K/V by ``inputs.slot_mapping`` and attends through ``inputs.block_tables``
+        with the per-KV-head window/sinks. ``inputs.decode_only`` (static) selects the recurrent GDN kernel and
+        the conv update; otherwise the chunked kernel serves every row (prefill chunks and decode tokens).
         """
         from kvjax.ops.attention import paged_attention
         from kvjax.state.kv_cache import write_kv
@@ -445,28 +453,26 @@ class Qwen3_5ForCausalLM(nnx.Module):
         cos, sin = self._cos_sin(inputs.positions)
         window = jnp.asarray(c.attention.window, jnp.int32)
         sinks = jnp.asarray(c.attention.sinks, jnp.int32)
-        conv, ssm, k_pages, v_pages = caches.conv, caches.ssm, caches.k_pages, caches.v_pages
-        gi = ai = 0
-        for layer in self.model.layers:
+        pool, kv = caches.gdn, dict(caches.kv)
+        gi = 0
+        for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.layer_type == "linear_attention":
-                y, conv, ssm = layer.linear_attn.step(h, inputs, conv, ssm, gi)
+                y, pool = layer.linear_attn.step(h, inputs, pool, gi, inputs.decode_only)
                 gi += 1
             else:
                 attn = layer.self_attn
                 q, gate, k, v = attn.project(h, cos, sin)
-                kp, vp = write_kv(k_pages[ai], v_pages[ai], k, v, inputs.slot_mapping)
-                k_pages = k_pages.at[ai].set(kp)
-                v_pages = v_pages.at[ai].set(vp)
+                kname, vname = cache_name("key", li), cache_name("value", li)
+                kv[kname], kv[vname] = write_kv(kv[kname], kv[vname], k, v, inputs.slot_mapping)
                 o = paged_attention(
-                    q, kp, vp, inputs.block_tables, inputs.seq_lens, cu_seqlens=inputs.cu_seqlens,
+                    q, kv[kname], kv[vname], inputs.block_tables, inputs.seq_lens, cu_seqlens=inputs.cu_seqlens,
                     scale=c.attention.head_dim ** -0.5, window=window, sinks=sinks,
                 )
                 y = attn.finish(o, gate)
-                ai += 1
             x = layer.mlp_block(x + y)
         logits = self._head(x[inputs.logits_indices])
-        return logits, Qwen3_5Caches(conv=conv, ssm=ssm, k_pages=k_pages, v_pages=v_pages)
+        return logits, Qwen3_5Caches(gdn=pool, kv=kv)
 
 
 # ---------------------------------------------------------------------------------------------- loading
