@@ -173,12 +173,17 @@ def main() -> None:
         configs = [dict()]
         if args.sweep:
             if h == 16:
-                configs = [dict(block_h=16, num_warps=nw, num_stages=ns, num_kv_splits=sp, block_n=bn)
-                           for nw in (4, 8) for ns in (2, 3) for sp in (2, 4) for bn in (64, 128)]
+                configs = [dict(block_h=16, num_warps=4, num_stages=ns, num_kv_splits=sp, block_n=64)
+                           for ns in (2, 3, 4) for sp in (2, 3, 4)]
+                configs.append(dict(block_h=16, num_warps=8, num_stages=3, num_kv_splits=2, block_n=64))
+                configs += [dict(block_h=16, num_warps=4, num_stages=ns, num_kv_splits=2, block_n=32) for ns in (3, 4)]
             else:
-                configs = [dict(block_h=bh, num_warps=nw, num_stages=2, num_kv_splits=sp, block_n=bn)
-                           for bh, nw in ((32, 4), (64, 8), (64, 4), (128, 8)) for sp in (None, 2)
-                           for bn in (64, 128)]
+                configs = [dict(block_h=64, num_warps=8, num_stages=2, num_kv_splits=sp, block_n=bn)
+                           for sp in (None, 2) for bn in (64, 128)]
+                configs += [dict(block_h=32, num_warps=nw, num_stages=2, num_kv_splits=None, block_n=64)
+                            for nw in (4, 8)]
+                configs += [dict(block_h=bh, num_warps=nw, num_stages=ns, num_kv_splits=None, block_n=32)
+                            for bh, nw in ((64, 8), (32, 4)) for ns in (2, 3)]
         for name, fn in impls.items():
             best = None
             for cfg in configs:

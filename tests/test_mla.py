@@ -177,10 +177,10 @@ def _oracle(q, qr, pages, tables, lens, scale):
     return mla.mla_decode_reference(f32(q), f32(qr), f32(pages), tables, lens, scale=scale)
 
 
-@pytest.mark.parametrize("splits, block_n", [(1, None), (8, 128)])
+@pytest.mark.parametrize("splits, block_n", [(1, None), (8, 128), (3, 32)])
 def test_pallas_interpret_matches_reference(rng, splits, block_n):
     """Mixed lengths (1, page edges, empty splits), random page permutation, holes after each sequence;
-    one page per step, or 128 rows gathered across two pages per step."""
+    one page per step, 128 rows gathered across two pages per step, or half a page per step."""
     from kvjax.pallas.mla_decode import mla_decode_pallas
 
     lens = [1, 63, 64, 65, 190, 0]
@@ -259,5 +259,6 @@ def test_kernels_gpu_long_mixed(rng, impl, h):
         from kvjax.pallas.mla_decode import mla_decode_pallas as fn
     else:
         from kvjax.triton.mla_decode import mla_decode_triton as fn
-    got = fn(*args, scale=0.07, num_kv_splits=3, block_n=128)
-    assert _rel_err(got, want) <= 2e-2, (impl, h, "block_n=128")
+    for block_n in (32, 128):
+        got = fn(*args, scale=0.07, num_kv_splits=3, block_n=block_n)
+        assert _rel_err(got, want) <= 2e-2, (impl, h, block_n)

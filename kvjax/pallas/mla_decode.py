@@ -24,6 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _MAX_SPLITS = 64  # bounds the f32 split buffers
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 _MASK_INIT = -1e30  # finite running-max start: a fully masked page keeps exp(...) at 0, never NaN
 
 
@@ -61,21 +63,25 @@ def _stage1_kernel(
     rcols = rank + jnp.arange(rope, dtype=jnp.int32)
 
     def step(acc, m, l, kv, kr, valid):
+        # base-2 online softmax: logits pre-scaled by log2(e) so exp2 (a single ex2 instruction) does the work
         s = plgpu.dot(q, kv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)  # f32[block_h, block_n]
-        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        s = jnp.where(valid[None, :], s * (scale * _LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kv.dtype), kv)
         return acc, m_new, l
 
-    def body_one_page(j, carry):  # dense, block_n == page_size: one contiguous page per step
-        page = tables_ref[b, j]
-        valid = (j * page_size + offs < seq_len) & (page >= 0)  # bool[page_size]
+    def body_contiguous(j, carry):  # dense, block_n divides page_size: contiguous rows of one page per step
+        first = j * block_n
+        page = tables_ref[b, first // page_size]
+        row0 = first % page_size
+        valid = (first + offs < seq_len) & (page >= 0)  # bool[block_n]
         page = jnp.maximum(page, 0)
-        kv = plgpu.load(latent_ref.at[page, :, pl.ds(0, rank)], mask=valid[:, None], other=0.0)
-        kr = plgpu.load(latent_ref.at[page, :, pl.ds(rank, rope)], mask=valid[:, None], other=0.0)
+        rows = pl.ds(row0, block_n) if block_n < page_size else slice(None)
+        kv = plgpu.load(latent_ref.at[page, rows, pl.ds(0, rank)], mask=valid[:, None], other=0.0)
+        kr = plgpu.load(latent_ref.at[page, rows, pl.ds(rank, rope)], mask=valid[:, None], other=0.0)
         return step(*carry, kv, kr, valid)
 
     def body_gather(j, carry):  # block_n token rows gathered through the block table
@@ -99,12 +105,12 @@ def _stage1_kernel(
         jnp.full((block_h,), _MASK_INIT, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
-    body = body_one_page if (block_n == page_size and not sparse) else body_gather
+    body = body_contiguous if (page_size % block_n == 0 and not sparse) else body_gather
     acc, m, l = jax.lax.fori_loop(start, end, body, init)
     has = l > 0.0
     safe_l = jnp.where(has, l, 1.0)
     o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has, m + jnp.log(safe_l), -jnp.inf)
+    lse_ref[...] = jnp.where(has, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)  # natural-log lse
 
 
 def _stage1_call(q, qr, latent, tables, lens, topk=None, *, scale, num_splits, block_h, num_warps, num_stages,

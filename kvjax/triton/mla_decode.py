@@ -61,14 +61,14 @@ def _mla_stage1_kernel(
         in_seq = pos < seq_len
         page = tl.load(bt_ptr + b * MAX_BLOCKS + tl.minimum(pos // PS, MAX_BLOCKS - 1), mask=in_seq, other=-1)
         valid = in_seq & (page >= 0)
-        row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + (pos % PS)[:, None] * (R + ROPE)
-        kv = tl.load(row + offs_r[None, :], mask=valid[:, None], other=0.0)
-        kr = tl.load(row + R + offs_e[None, :], mask=valid[:, None], other=0.0)
+        row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + (pos % PS) * (R + ROPE)
+        kv = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+        kr = tl.load(row[:, None] + R + offs_e[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))
-        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
+        s = tl.where(valid[None, :], s * (SCALE * 1.4426950408889634), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m = m_new
@@ -77,7 +77,7 @@ def _mla_stage1_kernel(
     safe_l = tl.where(has, l, 1.0)
     out_row = (b * NUM_SPLITS + split) * HP + offs_h
     tl.store(o_ptr + out_row[:, None] * R + offs_r[None, :], (acc / safe_l[:, None]).to(o_ptr.dtype.element_ty))
-    tl.store(lse_ptr + out_row, tl.where(has, m + tl.log(safe_l), float("-inf")))
+    tl.store(lse_ptr + out_row, tl.where(has, (m + tl.log2(safe_l)) * 0.6931471805599453, float("-inf")))
 
 
 @functools.partial(
