@@ -38,6 +38,11 @@ CONFIGS = {
         index_topk=64, attention_bias=True, tie_word_embeddings=True, max_position_embeddings=128,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     ),
+    "moe": dict(
+        index_topk=7, first_k_dense_replace=1, moe_intermediate_size=24, n_routed_experts=8, n_group=4,
+        topk_group=2, num_experts_per_tok=3, n_shared_experts=2, routed_scaling_factor=1.7,
+        max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
 
 
@@ -45,7 +50,7 @@ def _hf_model(name: str, seed: int):
     cfg = transformers.DeepseekV32Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
-        qk_nope_head_dim=20, index_head_dim=32, index_n_heads=8, first_k_dense_replace=2, **CONFIGS[name],
+        qk_nope_head_dim=20, index_head_dim=32, index_n_heads=8, **{"first_k_dense_replace": 2, **CONFIGS[name]},
     )
     torch.manual_seed(seed)
     model = transformers.DeepseekV32ForCausalLM(cfg).eval()
@@ -57,6 +62,9 @@ def _hf_model(name: str, seed: int):
                 p.copy_(0.2 * noise + (1.0 if pname.endswith("weight") else 0.0))
             else:
                 p.copy_(noise / p.shape[-1] ** 0.5)
+        for bname, buf in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # routing bias: changes which experts are chosen
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
     return model
 
 
@@ -167,7 +175,8 @@ def test_integer_tensor_is_named(saved, tmp_path):
 @pytest.mark.parametrize(
     "edit, pattern",
     [
-        (lambda c: c.update(mlp_layer_types=["dense", "sparse"]), r"MoE.*mlp_layer_types\[1\]"),
+        (lambda c: c.update(mlp_layer_types=["dense", "sparse"]), r"model\.layers\.1\.mlp\.gate\.weight"),
+        (lambda c: c.update(mlp_layer_types=["dense", "sparse"], n_group=3), r"n_routed_experts.*n_group"),
         (lambda c: c.pop("kv_lora_rank"), r"kv_lora_rank"),
         (lambda c: c.update(q_lora_rank=None), r"q_lora_rank"),
         (lambda c: c.update(hidden_act="gelu"), r"hidden_act"),
@@ -175,7 +184,7 @@ def test_integer_tensor_is_named(saved, tmp_path):
         (lambda c: c.update(architectures=["DeepseekV99ForCausalLM"], model_type="deepseek_v99"),
          r"unknown architecture.*DeepseekV99ForCausalLM"),
     ],
-    ids=["moe", "missing-key", "no-q-lora", "act", "odd-rope", "unknown-arch"],
+    ids=["moe-tensors-missing", "moe-groups", "missing-key", "no-q-lora", "act", "odd-rope", "unknown-arch"],
 )
 def test_bad_config_is_named(saved, tmp_path, edit, pattern):
     path = _copy(saved, tmp_path)

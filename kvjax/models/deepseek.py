@@ -1,7 +1,7 @@
 """Toy DeepSeek-V3.2 (MLA + DSA lightning indexer) in flax NNX, with Hugging Face parity.
 
-Computes exactly what ``transformers``' ``DeepseekV32ForCausalLM`` computes (dense MLP layers; MoE layers are
-refused with a clear error):
+Computes exactly what ``transformers``' ``DeepseekV32ForCausalLM`` computes (dense MLP and MoE layers, the
+MoE in a dense every-expert reference formulation):
 
 - **MLA**: ``q = q_b_proj(rmsnorm(q_a_proj(x)))`` split ``[nope | rope]``; ``kv_a_proj_with_mqa(x)`` split into
   the latent ``kv_c = rmsnorm(.)`` (``kv_lora_rank``) and one shared ``k_rope``; DeepSeek's *interleaved* RoPE
@@ -94,6 +94,16 @@ class DeepseekConfig:
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    mlp_layer_types: tuple[str, ...] = ()  # "dense" | "sparse" per layer; () -> all dense
+    # MoE ("sparse" layers; HF DeepseekV32MoE): routed experts + shared experts, sigmoid group-limited routing
+    moe_intermediate_size: int = 1
+    n_routed_experts: int = 1  # E
+    num_experts_per_tok: int = 1  # experts per token
+    n_group: int = 1  # expert groups (E % n_group == 0)
+    topk_group: int = 1  # groups kept per token
+    n_shared_experts: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -104,6 +114,30 @@ class DeepseekConfig:
                 raise CheckpointError(f"DeepseekConfig.{name} must be an int >= 1, got {value!r}")
         if self.qk_rope_head_dim % 2:
             raise CheckpointError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        types = tuple(self.mlp_layer_types) or ("dense",) * self.num_hidden_layers
+        if len(types) != self.num_hidden_layers or set(types) - {"dense", "sparse"}:
+            raise CheckpointError(
+                f"mlp_layer_types must hold num_hidden_layers={self.num_hidden_layers} entries 'dense' / 'sparse', "
+                f"got {list(self.mlp_layer_types)!r}"
+            )
+        object.__setattr__(self, "mlp_layer_types", types)
+        if "sparse" in types:
+            for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+                         "topk_group", "n_shared_experts"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise CheckpointError(f"DeepseekConfig.{name} must be an int >= 1, got {value!r}")
+            per_group = self.n_routed_experts // self.n_group
+            if self.n_routed_experts % self.n_group or per_group < 2:
+                raise CheckpointError(
+                    f"n_routed_experts={self.n_routed_experts} must be a multiple of n_group={self.n_group} with "
+                    ">= 2 experts per group (groups are ranked by their top-2 scores)"
+                )
+            if self.topk_group > self.n_group or self.num_experts_per_tok > self.topk_group * per_group:
+                raise CheckpointError(
+                    f"topk_group={self.topk_group} / num_experts_per_tok={self.num_experts_per_tok} exceed "
+                    f"n_group={self.n_group} / the {self.topk_group * per_group} experts of the kept groups"
+                )
         if self.index_head_dim < self.qk_rope_head_dim:
             raise CheckpointError(
                 f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"
@@ -159,11 +193,16 @@ class DeepseekConfig:
         if mlp_types is None:
             n_dense = min(g("first_k_dense_replace", 3), n_layers)
             mlp_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
-        sparse = [i for i, t in enumerate(mlp_types) if t != "dense"]
-        if sparse:
-            raise CheckpointError(
-                f"MoE layers are not supported by the toy DeepSeek: mlp_layer_types{sparse} = "
-                f"{[mlp_types[i] for i in sparse]} (set first_k_dense_replace >= num_hidden_layers)"
+        if not isinstance(mlp_types, list):
+            raise CheckpointError(f"config key 'mlp_layer_types' must be a list, got {mlp_types!r}")
+        moe = {}
+        if "sparse" in mlp_types:
+            moe = dict(
+                moe_intermediate_size=g("moe_intermediate_size"), n_routed_experts=g("n_routed_experts"),
+                num_experts_per_tok=g("num_experts_per_tok"), n_group=g("n_group", 1),
+                topk_group=g("topk_group", 1), n_shared_experts=g("n_shared_experts", 1),
+                norm_topk_prob=bool(g("norm_topk_prob", True, bool)),
+                routed_scaling_factor=float(g("routed_scaling_factor", 1.0, (int, float))),
             )
         layer_types = cfg.get("layer_types") or ["indexed_attention"] * n_layers
         if any(t != "indexed_attention" for t in layer_types):
@@ -190,6 +229,7 @@ class DeepseekConfig:
             rms_norm_eps=float(g("rms_norm_eps", 1e-6, (int, float))),
             attention_bias=bool(g("attention_bias", False, bool)),
             tie_word_embeddings=bool(g("tie_word_embeddings", False, bool)),
+            mlp_layer_types=tuple(mlp_types), **moe,
         )
 
 
@@ -360,19 +400,80 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, rngs=rngs, dtype=dtype)
+    def __init__(self, d: int, inter: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = Linear(d, inter, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(d, inter, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(inter, d, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nnx.Module):
+class Router(nnx.Module):
+    """HF ``DeepseekV32TopkRouter``: sigmoid scores, group-limited top-k (groups ranked by their best two
+    ``score + e_score_correction_bias``), weights = unbiased scores, renormalised, times the scaling factor."""
+
     def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.c = c
+        e = c.n_routed_experts
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (e, c.hidden_size), dtype) * c.hidden_size ** -0.5)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))  # f32[E] (a buffer in HF)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:  # [N, D] -> (i32[N, K], f32[N, K])
+        c = self.c
+        n, e, g = x.shape[0], c.n_routed_experts, c.n_group
+        logits = jnp.matmul(x.astype(jnp.float32), self.weight[...].astype(jnp.float32).T, precision=_HI)
+        scores = jax.nn.sigmoid(logits)  # f32[N, E]
+        choice = scores + self.e_score_correction_bias[...]
+        group_scores = jnp.sum(jax.lax.top_k(choice.reshape(n, g, e // g), 2)[0], axis=-1)  # [N, G]
+        _, groups = jax.lax.top_k(group_scores, c.topk_group)
+        keep = jnp.any(jax.nn.one_hot(groups, g, dtype=jnp.bool_), axis=-2)  # bool[N, G]
+        choice = jnp.where(jnp.repeat(keep, e // g, axis=-1), choice, -jnp.inf)
+        _, idx = jax.lax.top_k(choice, c.num_experts_per_tok)  # i32[N, K]
+        w = jnp.take_along_axis(scores, idx, axis=-1)
+        if c.norm_topk_prob:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return idx, w * c.routed_scaling_factor
+
+
+class Experts(nnx.Module):
+    """Routed expert weights in HF layout: ``gate_up_proj [E, 2I, D]`` (gate rows first), ``down_proj [E, D, I]``."""
+
+    def __init__(self, e: int, d: int, i: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_up_proj = nnx.Param(jax.random.normal(rngs.params(), (e, 2 * i, d), dtype) * d ** -0.5)
+        self.down_proj = nnx.Param(jax.random.normal(rngs.params(), (e, d, i), dtype) * i ** -0.5)
+
+
+class MoE(nnx.Module):
+    """HF ``DeepseekV32MoE``: routed experts (``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``) weighted by
+    the router, plus shared experts (an MLP of width ``moe_intermediate_size * n_shared_experts``).
+
+    Reference formulation: every expert runs on every token, unselected experts get weight 0.
+    """
+
+    def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        e, d, i = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        self.gate = Router(c, rngs=rngs, dtype=dtype)
+        self.experts = Experts(e, d, i, rngs=rngs, dtype=dtype)
+        self.shared_experts = MLP(d, i * c.n_shared_experts, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
+        flat = x.reshape(-1, x.shape[-1])
+        idx, w = self.gate(flat)
+        combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(idx, self.experts.down_proj.shape[0], dtype=w.dtype), w)
+        gate_up = jnp.einsum("nd,efd->nef", flat, self.experts.gate_up_proj[...], precision=_HI)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        y = jnp.einsum("nei,edi->ned", jax.nn.silu(gate) * up, self.experts.down_proj[...], precision=_HI)
+        routed = jnp.einsum("ne,ned->nd", combine.astype(y.dtype), y, precision=_HI).reshape(x.shape)
+        return routed + self.shared_experts(x)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: DeepseekConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.self_attn = Attention(c, rngs=rngs, dtype=dtype)
-        self.mlp = MLP(c, rngs=rngs, dtype=dtype)
+        sparse = c.mlp_layer_types[layer] == "sparse"
+        self.mlp = MoE(c, rngs=rngs, dtype=dtype) if sparse else MLP(
+            c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
@@ -396,13 +497,13 @@ def _rope_table(c: DeepseekConfig) -> tuple[np.ndarray, float]:
 
 
 class DeepseekV32(nnx.Module):
-    """DeepSeek-V3.2 causal LM (dense MLP). Parameter paths mirror HF names without the ``model.`` prefix."""
+    """DeepSeek-V3.2 causal LM. Parameter paths mirror HF names without the ``model.`` prefix."""
 
     def __init__(self, config: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         c = config
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(c, rngs=rngs, dtype=dtype) for _ in range(c.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs, dtype=dtype) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, rngs=rngs, dtype=dtype)
 
@@ -534,10 +635,28 @@ def _param_values(config: DeepseekConfig, src: TensorSource) -> dict[tuple, np.n
         vector((*ix, "k_norm", "weight"), f"{ixn}.k_norm.weight", c.index_head_dim)
         vector((*ix, "k_norm", "bias"), f"{ixn}.k_norm.bias", c.index_head_dim)
         linear((*ix, "weights_proj"), f"{ixn}.weights_proj", c.hidden_size, c.index_n_heads)
-        for proj, d_in, d_out in (("gate_proj", c.hidden_size, c.intermediate_size),
-                                  ("up_proj", c.hidden_size, c.intermediate_size),
-                                  ("down_proj", c.intermediate_size, c.hidden_size)):
-            linear((*p, "mlp", proj), f"{n}.mlp.{proj}", d_in, d_out)
+        if c.mlp_layer_types[i] == "sparse":
+            e, inter = c.n_routed_experts, c.moe_intermediate_size
+            vals[(*p, "mlp", "gate", "weight")] = src.take(f"{n}.mlp.gate.weight", (e, c.hidden_size))
+            vector((*p, "mlp", "gate", "e_score_correction_bias"), f"{n}.mlp.gate.e_score_correction_bias", e)
+            ex = f"{n}.mlp.experts"
+            if src.has(f"{ex}.gate_up_proj"):  # fused in-memory layout
+                gate_up = src.take(f"{ex}.gate_up_proj", (e, 2 * inter, c.hidden_size))
+                down = src.take(f"{ex}.down_proj", (e, c.hidden_size, inter))
+            else:  # per-expert layout, as save_pretrained writes it
+                gate_up = np.stack([np.concatenate(
+                    [src.take(f"{ex}.{j}.gate_proj.weight", (inter, c.hidden_size)),
+                     src.take(f"{ex}.{j}.up_proj.weight", (inter, c.hidden_size))]) for j in range(e)])
+                down = np.stack([src.take(f"{ex}.{j}.down_proj.weight", (c.hidden_size, inter)) for j in range(e)])
+            vals[(*p, "mlp", "experts", "gate_up_proj")] = gate_up
+            vals[(*p, "mlp", "experts", "down_proj")] = down
+            mlp_path, mlp_name, width = (*p, "mlp", "shared_experts"), f"{n}.mlp.shared_experts", \
+                inter * c.n_shared_experts
+        else:
+            mlp_path, mlp_name, width = (*p, "mlp"), f"{n}.mlp", c.intermediate_size
+        for proj, d_in, d_out in (("gate_proj", c.hidden_size, width), ("up_proj", c.hidden_size, width),
+                                  ("down_proj", width, c.hidden_size)):
+            linear((*mlp_path, proj), f"{mlp_name}.{proj}", d_in, d_out)
         vector((*p, "input_layernorm", "weight"), f"{n}.input_layernorm.weight", c.hidden_size)
         vector((*p, "post_attention_layernorm", "weight"), f"{n}.post_attention_layernorm.weight", c.hidden_size)
     vector(("norm", "weight"), "model.norm.weight", c.hidden_size)
@@ -550,7 +669,8 @@ def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dty
     """Build a :class:`DeepseekV32` from a HF config dict and its named tensors; all checks happen first.
 
     Raises :class:`CheckpointError` naming a bad config key, a missing / mis-shaped / non-float tensor or an
-    unexpected tensor (e.g. MoE weights, or layers beyond ``num_hidden_layers``).
+    unexpected tensor (e.g. layers beyond ``num_hidden_layers``, or MoE weights for a layer the config makes
+    dense).
     """
     cfg = DeepseekConfig.from_hf(config)
     for name, value in tensors.items():
