@@ -1,0 +1,356 @@
+"""The engine: continuous batching over the jitted model step.
+
+One step::
+
+    plan = scheduler.schedule()                 # host: recycle, admit/preempt, allocate pages, padded arrays
+    inputs = plan_to_inputs(plan)               # host -> device StepInputs (one batched device_put)
+    tokens, caches = device_step(params, caches, inputs, sampling rows)   # jitted: model step + sampling
+    scheduler.update(plan, tokens)              # host: advance requests, append tokens, finish
+
+The engine owns nothing the scheduler owns: GDN slots, pages and block tables come only from
+:class:`kvjax.sched.Scheduler`. The device caches are created once (``model.init_caches``) and donated to every
+step. The device function is one ``jax.jit`` of ``model.forward_step(caches, inputs)`` (the contract of
+:mod:`kvjax.engine.step`) followed by :func:`kvjax.engine.sampling.sample`, so a step is one dispatch and
+only ``i32[B]`` tokens come back to the host. It compiles once per ``(T, B, max_blocks)`` bucket of the plan
+(and per greedy / sampling mode).
+
+Use from a script or notebook::
+
+    engine = Engine(model, CacheConfig(page_size=16, num_pages=512, max_seqs=8, max_blocks_per_seq=64),
+                    recycle="timely")
+    outs = engine.generate(prompts, max_new_tokens=64)          # list[list[int]]
+    for ev in engine.stream(prompts, max_new_tokens=64):        # TokenEvent per generated token
+        if ev.index == 3 and ev.position > 10: engine.abort(ev.request_id)
+    engine.metrics.summary()                                    # per-step records -> aggregates
+
+Supported models: :class:`kvjax.models.qwen3_5.Qwen3_5ForCausalLM` (GDN slots + head-wise K/V pages; SWA heads
+recycle) and :class:`kvjax.models.deepseek.DeepseekV32` (MLA latent + DSA indexer caches, one latent head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.engine.inputs import StepInputs
+from kvjax.engine.metrics import EngineMetrics, StepRecord
+from kvjax.engine.sampling import sample, row_keys
+from kvjax.errors import RequestTooLongError
+from kvjax.sched.plan import DEVICE_FIELDS, StepPlan
+from kvjax.sched.request import Status
+from kvjax.sched.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, as :meth:`Engine.stream` yields it."""
+
+    index: int  # position of the request's prompt in the ``prompts`` list of the call
+    request_id: int  # scheduler request id (for :meth:`Engine.abort`)
+    token: int
+    position: int  # 0-based index of this token among the request's generated tokens
+    finished: bool  # the request is done (max_new_tokens or eos)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    index: int
+    temperature: float
+    seed: int
+    tokens: list
+
+
+# ---------------------------------------------------------------------------------------------- model adapters
+
+
+def model_attention_layout(model: nnx.Module) -> AttentionConfig:
+    """The block-table layout the scheduler manages for ``model``: its KV heads with their window/sinks
+    (Qwen3.5), or one latent head (DeepSeek MLA)."""
+    from kvjax.models.deepseek import DeepseekV32
+    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    if isinstance(model, Qwen3_5ForCausalLM):
+        return model.config.attention
+    if isinstance(model, DeepseekV32):
+        return AttentionConfig(1, 1, model.config.latent_dim)
+    raise ValueError(f"Engine supports Qwen3_5ForCausalLM and DeepseekV32 models, got {type(model).__name__}")
+
+
+def init_model_caches(model: nnx.Module, cache: CacheConfig, dtype: Any, options: dict) -> Any:
+    """Zeroed device caches of ``model`` for ``cache`` (``options`` go to ``model.init_caches``)."""
+    from kvjax.models.deepseek import DeepseekV32
+
+    if isinstance(model, DeepseekV32):
+        return model.init_caches(cache.num_pages, cache.page_size, dtype=dtype, **options)
+    return model.init_caches(num_pages=cache.num_pages, page_size=cache.page_size, max_seqs=cache.max_seqs,
+                             dtype=dtype, **options)
+
+
+def plan_to_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
+    """Device :class:`StepInputs` of a scheduler plan (int fields as int32, ``has_initial_state`` bool), moved
+    with one batched ``jax.device_put``. The plan's field names are ``StepInputs``' field names.
+
+    ``use_decode_path``: set the static ``StepInputs.decode_only`` flag when every real row has exactly one
+    token (models then use their decode kernels; one more trace per bucket). Ignored by a ``StepInputs``
+    without that field.
+    """
+    host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
+            for name in DEVICE_FIELDS}
+    extra = {}
+    if _HAS_DECODE_FLAG:
+        q = plan.query_lens[: plan.num_seqs]
+        extra["decode_only"] = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
+    return StepInputs(**jax.device_put(host), **extra)
+
+
+_HAS_DECODE_FLAG = "decode_only" in {f.name for f in dataclasses.fields(StepInputs)}
+_DEVICE_STEPS: dict = {}  # (graphdef, max_traces) -> (jitted fn, trace counter): engines of one graph share it
+
+
+def make_device_step(graphdef: nnx.GraphDef, *, max_traces: int | None = None) -> tuple[Callable, list]:
+    """Jitted ``(params, caches, inputs, seeds, streams, counters, temperature, greedy_only) -> (tokens i32[B],
+    caches)`` with the caches donated, and a one-element list counting its traces (= compilations).
+
+    The result is cached per ``(graphdef, max_traces)``: engines over the same model graph (e.g. the same model
+    under two recycle policies) share one compiled step. ``max_traces``: wrap in ``chex.assert_max_traces``.
+    """
+    key = (graphdef, max_traces)
+    if key in _DEVICE_STEPS:
+        return _DEVICE_STEPS[key]
+    traces = [0]
+
+    def fn(params, caches, inputs, seeds, streams, counters, temperature, greedy_only):
+        traces[0] += 1
+        logits, caches = nnx.merge(graphdef, params).forward_step(caches, inputs)
+        if greedy_only:
+            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            tokens = sample(logits, row_keys(seeds, streams, counters), temperature)
+        return tokens, caches
+
+    if max_traces is not None:
+        fn = chex.assert_max_traces(fn, n=max_traces)
+    _DEVICE_STEPS[key] = out = (jax.jit(fn, donate_argnums=(1,), static_argnums=(7,)), traces)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """Continuous-batching generation for one model over fixed page memory.
+
+    Args:
+      model: a Qwen3.5 or DeepSeek-V3.2 kvjax model.
+      cache_config: pages, page size, ``max_seqs`` (GDN slots and batch rows), block-table width.
+      recycle: ``"none"`` | ``"timely"`` (or a policy object; see :mod:`kvjax.sched.recycle`).
+      pool: ``"shared"`` | ``"partitioned"``.
+      max_num_batched_tokens: token budget of one step (default ``max(256, max_seqs)``).
+      watermark: fraction of each pool kept free when admitting while others run.
+      cache_dtype: dtype of the K/V (or latent) pages and conv state (default: the model's parameter dtype).
+      cache_options: extra keyword arguments of ``model.init_caches`` (e.g. ``{"indexer_fp8": False}``).
+      eos_token_id: stop a request when it samples this token (``None``: run to ``max_new_tokens``).
+      debug: validate every step's inputs on the host before running it (slow).
+      max_traces: fail (``AssertionError``) if the device step compiles more than this many times.
+      use_decode_path: mark all-decode steps ``decode_only`` (decode kernels; one more trace per bucket).
+    """
+
+    def __init__(self, model: nnx.Module, cache_config: CacheConfig, *, recycle: Any = "none", pool: str = "shared",
+                 max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
+                 cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
+                 max_traces: int | None = None, use_decode_path: bool = True) -> None:
+        if not isinstance(cache_config, CacheConfig):
+            raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+        self.model = model
+        self.cache_config = cache_config
+        self.attention = model_attention_layout(model)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(256, cache_config.max_seqs)
+        self.scheduler = Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
+                                   pool=pool, recycle=recycle, watermark=watermark)
+        self.recycle = recycle if isinstance(recycle, str) else type(recycle).__name__
+        self.pool = pool
+        self.eos_token_id = eos_token_id
+        self.debug = debug
+        self.use_decode_path = use_decode_path
+        graphdef, self.params = nnx.split(model)
+        if cache_dtype is None:
+            cache_dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
+        self.caches = init_model_caches(model, cache_config, cache_dtype, dict(cache_options or {}))
+        self._device_step, self._traces = make_device_step(graphdef, max_traces=max_traces)
+        self._tracked: dict[int, _Tracked] = {}
+        self.metrics = EngineMetrics()
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    @property
+    def num_traces(self) -> int:
+        """How many times the device step has been traced (= compiled) so far."""
+        return self._traces[0]
+
+    def add_request(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, *, temperature: float = 0.0,
+                    seed: int = 0, index: int = 0) -> int:
+        """Queue one request; returns its request id. ``index`` names the request in events and selects its
+        sampling stream (with ``seed``). Raises :class:`RequestTooLongError` if the cache can never hold it, and
+        ``ValueError`` on a bad prompt or temperature; on error nothing is queued."""
+        temperature = float(temperature)
+        if not np.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+        vocab = self._vocab_size()
+        arr = np.asarray(prompt)
+        if arr.ndim == 1 and arr.size and np.issubdtype(arr.dtype, np.integer) and (
+                arr.min() < 0 or arr.max() >= vocab):
+            raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): min {arr.min()}, max {arr.max()}")
+        req = self.scheduler.add_request(arr, max_new_tokens, eos_token_id=self.eos_token_id)
+        self._tracked[req.request_id] = _Tracked(index, temperature, int(seed), [])
+        return req.request_id
+
+    def abort(self, request_id: int) -> list[int]:
+        """Abort a queued or running request (its slot and pages go back at once); returns its tokens so far."""
+        self.scheduler.abort(request_id)
+        return self._tracked.pop(request_id).tokens
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    # ---- one step --------------------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """Run one scheduler step on the device; returns the tokens it generated."""
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        preempt0 = sched.num_preemptions
+        plan = sched.schedule()
+        if plan.num_seqs == 0:
+            raise RuntimeError(f"engine stalled at step {plan.step}: nothing schedulable; running={sched.running}, "
+                               f"waiting={len(sched.waiting)}, preempted={len(sched.preempted)}")
+        t1 = time.perf_counter()
+        inputs = plan_to_inputs(plan, use_decode_path=self.use_decode_path)
+        if self.debug:
+            inputs.validate(num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
+                            max_slots=self.cache_config.max_seqs + 1)
+        B = plan.seq_lens.shape[0]
+        seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
+        temperature = np.zeros(B, np.float32)
+        for b, rid in enumerate(plan.request_ids):
+            tr, req = self._tracked[rid], sched.requests[rid]
+            seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, req.num_tokens, tr.temperature
+        greedy_only = not bool((temperature > 0).any())
+        t2 = time.perf_counter()
+        traces0 = self._traces[0]
+        tokens, self.caches = self._device_step(self.params, self.caches, inputs, seeds, streams, counters,
+                                                temperature, greedy_only)
+        tokens = np.asarray(tokens)
+        t3 = time.perf_counter()
+        events = []
+        running_before = {rid for rid in plan.request_ids if rid in self._tracked}
+        sched.update(plan, tokens)
+        mask = plan.sample_mask.tolist()
+        for b, rid in enumerate(plan.request_ids):
+            if not mask[b] or rid not in running_before:
+                continue
+            tr = self._tracked[rid]
+            tok = int(tokens[b])
+            tr.tokens.append(tok)
+            done = rid not in sched.requests
+            if done:
+                del self._tracked[rid]
+            events.append(TokenEvent(tr.index, rid, tok, len(tr.tokens) - 1, done))
+        t4 = time.perf_counter()
+        used = sched.blocks.used_pages()
+        self.metrics.append(StepRecord(
+            step=plan.step, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs,
+            bucket_tokens=int(plan.token_ids.shape[0]), bucket_rows=B, bucket_blocks=int(plan.block_tables.shape[2]),
+            decode_only=bool(getattr(inputs, "decode_only", False)),
+            generated=len(events), running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
+            preemptions=sched.num_preemptions - preempt0, pages_used=used,
+            pages_free=self.cache_config.num_pages - used, compiled=self._traces[0] > traces0,
+            t_schedule=t1 - t0, t_inputs=t2 - t1, t_device=t3 - t2, t_update=t4 - t3, t_step=t4 - t0))
+        return events
+
+    # ---- whole workloads -------------------------------------------------------------------------------------
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+               temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
+        """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
+
+        The caller may :meth:`abort` any request (by ``event.request_id``) between events. All prompts are
+        checked before any is queued: a prompt that can never fit raises :class:`RequestTooLongError` naming
+        its index, and nothing is queued. ``progress``: tqdm bar over generated tokens (``None``: on when the
+        run generates >= 4096 tokens).
+        """
+        n = len(prompts)
+        max_new = [max_new_tokens] * n if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
+        if len(max_new) != n:
+            raise ValueError(f"max_new_tokens has {len(max_new)} entries for {n} prompts")
+        ids = []
+        try:
+            for i, (p, m) in enumerate(zip(prompts, max_new)):
+                try:
+                    ids.append(self.add_request(p, m, temperature=temperature, seed=seed, index=i))
+                except RequestTooLongError as err:
+                    raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        total = int(sum(max_new))
+        bar = self._progress_bar(total, progress)
+        mine = set(ids)
+        try:
+            while any(rid in self._tracked for rid in ids):
+                for ev in self.step():
+                    if ev.request_id not in mine:  # a request queued outside this call
+                        continue
+                    if bar is not None:
+                        bar.update(1)
+                    yield ev
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # generator closed early: abort what is left
+                if rid in self._tracked:
+                    self.abort(rid)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+                 temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> list[list[int]]:
+        """Generate for every prompt; returns the generated token ids per prompt (prompt order).
+
+        ``temperature == 0`` is greedy. Sampling keys derive from ``(seed, prompt index, tokens so far)``, so the
+        result does not depend on batching, preemption or the recycle policy. Raises
+        :class:`RequestTooLongError` (nothing queued) if a prompt can never fit in the cache.
+        """
+        out: list[list[int]] = [[] for _ in prompts]
+        for ev in self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress):
+            out[ev.index].append(ev.token)
+        return out
+
+    @staticmethod
+    def _progress_bar(total: int, progress: bool | None):
+        if progress is False or (progress is None and total < 4096):
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            warnings.warn("progress bar requested but tqdm is not installed", stacklevel=3)
+            return None
+        return tqdm(total=total, unit="tok", desc="generate")
+
+    def check_integrity(self) -> None:
+        """The scheduler's allocator and queue invariants (``AssertionError`` if broken)."""
+        self.scheduler.check_integrity()
+
+    def is_idle(self) -> bool:
+        """No request queued or running, every slot and page free."""
+        s = self.scheduler
+        return (not s.has_unfinished() and s.slots.num_used == 0
+                and s.blocks.used_pages() == 0 and not self._tracked)

@@ -1,0 +1,124 @@
+"""Per-step engine metrics: what each step computed, how full the caches were, and where the time went.
+
+``EngineMetrics`` is a plain list of :class:`StepRecord` with a summary; ``to_dict()`` gives columns
+(``{field: list}``) ready for ``pandas.DataFrame`` or JSON, ``to_json(path)`` writes them.
+
+Times are wall-clock seconds measured on the host: ``t_schedule`` (scheduler plan incl. recycling and page
+allocation), ``t_inputs`` (numpy plan -> device ``StepInputs``), ``t_device`` (jitted step + sampling until the
+sampled tokens are back on the host), ``t_update`` (scheduler update, stream bookkeeping), ``t_step`` (all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    step: int  # scheduler step
+    num_tokens: int  # real tokens computed this step (prefill chunks + decodes)
+    num_seqs: int  # rows scheduled this step
+    bucket_tokens: int  # T (padded)
+    bucket_rows: int  # B (padded)
+    bucket_blocks: int  # block-table width (padded)
+    decode_only: bool  # the step ran the models' decode path (every row one token)
+    generated: int  # tokens appended to requests this step
+    running: int  # running requests after scheduling
+    waiting: int  # waiting + preempted requests after scheduling
+    preemptions: int  # preemptions that happened while planning this step
+    pages_used: int  # pages in use after allocation (all pools)
+    pages_free: int
+    compiled: bool  # the device step was traced and compiled during this step (a new bucket shape)
+    t_schedule: float
+    t_inputs: float
+    t_device: float
+    t_update: float
+    t_step: float
+
+    @property
+    def t_host(self) -> float:
+        return self.t_schedule + self.t_inputs + self.t_update
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+
+
+class EngineMetrics:
+    """Step records of one or more runs (append-only)."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def append(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def column(self, name: str) -> np.ndarray:
+        if name == "t_host":
+            return np.array([r.t_host for r in self.records], np.float64)
+        if name not in FIELDS:
+            raise ValueError(f"unknown metric {name!r}; known: {FIELDS + ('t_host',)}")
+        return np.array([getattr(r, name) for r in self.records])
+
+    def to_dict(self) -> dict[str, list]:
+        """Columns ``{field: [value per step]}`` (plus ``t_host``)."""
+        out = {name: [getattr(r, name) for r in self.records] for name in FIELDS}
+        out["t_host"] = [r.t_host for r in self.records]
+        return out
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump({"steps": self.to_dict(), "summary": self.summary()}, f, indent=1)
+
+    def summary(self, *, skip: int = 0, num_pages: int | None = None) -> dict[str, Any]:
+        """Aggregates over the records after the first ``skip`` (e.g. warm-up steps).
+
+        Counts (tokens, steps, running, preemptions, pages) cover every step. Times cover only the steps that
+        did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
+        ``compile_steps`` / ``compile_time_s``. ``generated_tokens_per_s`` = tokens generated in those steps /
+        their summed ``t_step`` (the steady-state rate); ``host_share`` = host time / step time over them.
+        ``page_util_*`` need ``num_pages`` (else taken as used + free of the first record).
+        """
+        recs = self.records[skip:]
+        if not recs:
+            return {"steps": 0}
+        col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in FIELDS}
+        warm = col["compiled"] == 0
+        host = (col["t_schedule"] + col["t_inputs"] + col["t_update"])[warm]
+        step_t = col["t_step"][warm]
+        total = float(step_t.sum())
+        gen_warm = float(col["generated"][warm].sum())
+        pages = num_pages or int(recs[0].pages_used + recs[0].pages_free)
+        util = col["pages_used"] / pages
+        nan = float("nan")
+        return {
+            "steps": len(recs),
+            "generated_tokens": int(col["generated"].sum()),
+            "computed_tokens": int(col["num_tokens"].sum()),
+            "compile_steps": int((~warm).sum()),
+            "compile_time_s": float(col["t_step"][~warm].sum()),
+            "time_s": total,
+            "generated_tokens_per_s": gen_warm / total if total > 0 else nan,
+            "generated_tokens_per_step": float(col["generated"].mean()),
+            "step_time_median_s": float(np.median(step_t)) if warm.any() else nan,
+            "host_time_median_s": float(np.median(host)) if warm.any() else nan,
+            "host_share": float(host.sum() / total) if total > 0 else nan,
+            "schedule_share": float(col["t_schedule"][warm].sum() / total) if total > 0 else nan,
+            "inputs_share": float(col["t_inputs"][warm].sum() / total) if total > 0 else nan,
+            "running_mean": float(col["running"].mean()),
+            "running_peak": int(col["running"].max()),
+            "preemptions": int(col["preemptions"].sum()),
+            "page_util_mean": float(util.mean()),
+            "page_util_peak": float(util.max()),
+            "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only) for r in recs}),
+        }
