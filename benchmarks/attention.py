@@ -124,9 +124,10 @@ def decode_section(k_pages, v_pages, copy_gbs, quick, results):
     rows = [dict(name="jax.pallas.ops.gpu.paged_attention (defaults)", ms=t_anchor * 1e3,
                  gbs=kv_bytes / t_anchor / 1e9, rel_err=rel_err(a_out, ref))]
     configs = [dict(block_k=bk, num_warps=nw, num_stages=st)
-               for bk, nw, st in ((64, 4, 3), (64, 4, 2), (64, 2, 2), (64, 2, 3), (128, 4, 3), (128, 4, 2),
-                                  (64, 4, 4), (32, 4, 3), (64, 8, 3))]
-    configs += [dict(block_k=64, num_warps=4, num_stages=3, num_splits=sp) for sp in (1, 4)]
+               for bk, nw, st in ((64, 4, 4), (64, 4, 3), (64, 2, 2), (64, 2, 3), (64, 2, 4), (128, 4, 2),
+                                  (64, 4, 5), (64, 8, 4))]
+    configs += [dict(block_k=64, num_warps=4, num_stages=4, num_splits=sp) for sp in (1, 4)]
+    configs += [dict(block_k=64, num_warps=4, num_stages=4, balanced=False)]
     if quick:
         configs = configs[:2]
     for cfg in configs:
@@ -176,13 +177,14 @@ def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
     bytes_needed = int(n_pages.sum()) * ps * d * 2 * 2
     bytes_full = b * hkv * l * d * 2 * 2
     rows = []
-    cfgs = [best_cfg] + [dict(best_cfg, num_splits=sp) for sp in (2, 8)] + [
-        c for c in (dict(block_k=128, num_warps=4, num_stages=3),) if c != best_cfg]
+    cfgs = [best_cfg] + [dict(best_cfg, num_splits=sp) for sp in (2, 8, 16)] + [
+        dict(best_cfg, balanced=False), dict(best_cfg, balanced=False, num_splits=8),
+        dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=128, num_warps=4, num_stages=3, num_splits=8)]
+    ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=window,
+                                                       sinks=sinks))(q, k_pages, v_pages, bt_swa, sl)
     for cfg in cfgs:
         f_swa = kvjax_fn(scale, window, sinks, mode="decode", **cfg)
         f_full = kvjax_fn(scale, zeros, zeros, mode="decode", **cfg)
-        ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=window,
-                                                           sinks=sinks))(q, k_pages, v_pages, bt_swa, sl)
         err = rel_err(f_swa(q, k_pages, v_pages, bt_swa, sl, cu), ref)
         t_swa = timeit(f_swa, q, k_pages, v_pages, bt_swa, sl, cu)
         t_full = timeit(f_full, q, k_pages, v_pages, bt, sl, cu)
@@ -192,8 +194,15 @@ def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
                          gbs_all_full=bw_full / 1e9, gbs_swa=bytes_needed / t_swa / 1e9,
                          predicted_ms=predicted * 1e3, ratio_to_prediction=t_swa / predicted,
                          speedup_vs_whole_row=t_full / t_swa))
-    results["swa"] = dict(shape=dict(B=b, L=l, Hq=hq, Hkv=hkv, D=d, page=ps, window=SIZES["window"], sinks=4, swa_heads=hkv - hkv // 2),
-                          bytes_needed=bytes_needed, bytes_whole_row=bytes_full, rows=rows)
+    ok = [r for r in rows if r["rel_err"] <= 2e-2]
+    best_full = min(r["ms_all_full"] for r in ok)
+    best_swa = min(r["ms_swa"] for r in ok)
+    predicted = bytes_needed / (bytes_full / best_full)
+    summary = dict(best_all_full_ms=best_full, best_swa_ms=best_swa, predicted_ms=predicted,
+                   ratio_to_prediction=best_swa / predicted, speedup_vs_whole_row=best_full / best_swa)
+    shape = dict(B=b, L=l, Hq=hq, Hkv=hkv, D=d, page=ps, window=SIZES["window"], sinks=4, swa_heads=hkv - hkv // 2)
+    results["swa"] = dict(shape=shape, bytes_needed=bytes_needed, bytes_whole_row=bytes_full, rows=rows,
+                          best_vs_best=summary)
 
 
 def prefill_section(quick, results):
@@ -318,7 +327,7 @@ def print_table(res: dict) -> None:
     if "swa" in res:
         s = res["swa"]
         print(f"-- swa {s['shape']} bytes_needed={s['bytes_needed']} whole_row={s['bytes_whole_row']}")
-        for r in s["rows"]:
+        for r in s["rows"] + [dict(best_vs_best="", **s["best_vs_best"])]:
             print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     else:
         print("swa ERROR", res.get("swa_error", "")[:500])

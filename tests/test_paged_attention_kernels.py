@@ -85,8 +85,9 @@ def test_decode_interpret_matches_reference(rng):
     args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[1, 1, 1, 1],
                       window=[0, 20], sinks=[0, 4])
     ref = _ref(args, kw)
-    for splits, block_k in ((1, 32), (3, 16)):
-        out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=splits, block_k=block_k)
+    for splits, block_k, balanced in ((1, 32, True), (3, 16, True), (3, 16, False)):
+        out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=splits, block_k=block_k,
+                                 balanced=balanced)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
 
@@ -151,8 +152,8 @@ def test_gpu_decode_grid(rng, group, page_size):
                       new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
                       dtype=jnp.bfloat16)
     ref = _ref(args, kw)
-    for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = pa.paged_attention(*args, **kw, num_splits=splits, block_k=block_k)
+    for splits, block_k, balanced in ((None, None, True), (1, 128, True), (7, 64, False), (7, 64, True)):
+        out = pa.paged_attention(*args, **kw, num_splits=splits, block_k=block_k, balanced=balanced)
         assert _rel_err(out, ref) <= 2e-2
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 

@@ -51,6 +51,7 @@ def _decode_kernel(
     max_blocks: int,
     num_kv_heads: int,
     num_splits: int,
+    balanced: bool,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
@@ -65,7 +66,10 @@ def _decode_kernel(
     sk = sink_ref[h]
     pages_per_block = block_k // page_size
 
-    per_split = pl.cdiv(n_pages, num_splits)
+    if balanced:  # fixed-size splits: a short (SWA) walk takes few programs, a long one all of them
+        per_split = pl.cdiv(pl.cdiv(max_blocks, num_splits), pages_per_block) * pages_per_block
+    else:  # every walk cut into num_splits equal parts
+        per_split = pl.cdiv(n_pages, num_splits)
     start = s * per_split
     end = jnp.minimum(n_pages, start + per_split)
     n_iter = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
@@ -118,14 +122,15 @@ def _decode_kernel(
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
     else:
         (lse_ref,) = lse_refs
-        part_rows = ((t * num_kv_heads + h) * num_splits + s) * rows + g
-        o_ref[part_rows[:, None], cols[None, :]] = out
-        lse_ref[part_rows] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
+        part_rows = ((t * num_kv_heads + h) * num_splits + s) * group + g  # the G real rows only
+        plgpu.store(o_ref.at[part_rows[:, None], cols[None, :]], out, mask=q_ok[:, None])
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
+        plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
 
 
 def _decode_call(
     q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks, *,
-    scale, num_splits, block_k, num_warps, num_stages, interpret,
+    scale, num_splits, balanced, block_k, num_warps, num_stages, interpret,
 ):
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -134,12 +139,12 @@ def _decode_call(
     rows = max(16, paged_common.next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, balanced=balanced,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
     else:
-        n_part = t_total * hkv * num_splits * rows
+        n_part = t_total * hkv * num_splits * group
         out_shape = (jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32))
     res = pl.pallas_call(
         kernel,
@@ -158,8 +163,8 @@ def _decode_call(
     if num_splits == 1:
         return res.reshape(t_total, hq, d)
     o_part, lse = res
-    o_part = o_part.reshape(t_total, hkv, num_splits, rows, d)[:, :, :, :group]
-    lse = lse.reshape(t_total, hkv, num_splits, rows)[:, :, :, :group]
+    o_part = o_part.reshape(t_total, hkv, num_splits, group, d)
+    lse = lse.reshape(t_total, hkv, num_splits, group)
     lse_max = jnp.max(lse, axis=2, keepdims=True)
     wts = jnp.exp(lse - jnp.where(lse_max == _NEG_INF, 0.0, lse_max))  # -inf -> weight 0
     den = jnp.sum(wts, axis=2)
@@ -186,7 +191,8 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode"),
+    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode",
+                     "balanced"),
 )
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -206,13 +212,15 @@ def paged_attention(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    balanced: bool = True,
 ) -> jax.Array:  # [T, Hq, D]
     """Kernel entry of ``kvjax.ops.paged_attention`` (normalised kernel-contract arguments).
 
     ``mode="auto"`` routes on static shapes: ``T <= B`` to the split-KV decode kernel, else to the prefill
     kernel; ``"decode"`` / ``"prefill"`` force one (both are exact for any batch). The tuning knobs
     (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``) default to the
-    fastest values measured on an H200 (benchmarks/RESULTS.md).
+    fastest values measured on an H200 (benchmarks/RESULTS.md). ``balanced`` (decode): fixed-size KV splits
+    (a SWA head's short walk uses few programs) instead of cutting every walk into ``num_splits`` parts.
     Reads only. Tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
@@ -235,6 +243,6 @@ def paged_attention(
     )
     return _decode_call(
         q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
-        scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or 3, interpret=interpret,
+        scale=scale, num_splits=num_splits, balanced=balanced, block_k=block_k, num_warps=num_warps or 4,
+        num_stages=num_stages or 4, interpret=interpret,
     )

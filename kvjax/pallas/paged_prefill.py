@@ -50,8 +50,8 @@ def _prefill_kernel(
     num_kv_heads: int,
     unmasked_fast_path: bool,
 ):
-    tile = pl.program_id(0)
-    h = pl.program_id(1)
+    h = pl.program_id(0)
+    tile = pl.num_programs(1) - 1 - pl.program_id(1)  # last (longest-walk) tiles of every head launch first
     th = tile * num_kv_heads + h
     b = tile_row_ref[tile]
     tok0 = tile_tok_ref[tile]
@@ -171,15 +171,15 @@ def paged_prefill(
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
     Same contract as :func:`kvjax.pallas.paged_attention.paged_attention`; tokens of no row get output 0.
-    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 64. ``fast_path=False`` masks
+    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``fast_path=False`` masks
     every key block (kept to measure what the unmasked middle blocks save).
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
     num_rows, hkv, max_blocks = block_tables.shape
     group = hq // hkv
-    block_k = max(block_k or 64, page_size)
-    rows = max(block_q or 64, 16, paged_common.next_pow2(group))
+    block_k = max(block_k or 128, page_size)
+    rows = max(block_q or 128, 16, paged_common.next_pow2(group))
     for name, val in (("head_dim", d), ("page_size", page_size), ("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
@@ -195,8 +195,8 @@ def paged_prefill(
     o = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
-        grid=(t_row.shape[0], hkv),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3),
+        grid=(hkv, t_row.shape[0]),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages or 3),
         interpret=interpret,
         name=f"kvjax_paged_prefill_bq{rows}_bk{block_k}",
     )(
