@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "info": ("kvjax.cli_info", "JAX version, devices, available op implementations"),
     "simulate": ("kvjax.sched.simulate", "host-only capacity simulation of recycle and pool policies"),
+    "run": ("kvjax.cli_run", "main job: toy Qwen3.5 with SWA heads served with recycle none vs timely"),
 }
 
 

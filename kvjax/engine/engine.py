@@ -143,6 +143,14 @@ def make_device_step(graphdef: nnx.GraphDef, *, max_traces: int | None = None) -
     return out
 
 
+def _check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -> tuple[int, ...]:
+    out = tuple(values)
+    if (not out or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in out)
+            or list(out) != sorted(set(out)) or out[-1] != last):
+        raise ValueError(f"{name} must be ascending ints >= 1 ending at {last_name}={last}, got {out}")
+    return tuple(int(v) for v in out)
+
+
 # ---------------------------------------------------------------------------------------------- engine
 
 
@@ -162,12 +170,16 @@ class Engine:
       debug: validate every step's inputs on the host before running it (slow).
       max_traces: fail (``AssertionError``) if the device step compiles more than this many times.
       use_decode_path: mark all-decode steps ``decode_only`` (decode kernels; one more trace per bucket).
+      token_buckets, block_buckets: replace the scheduler's default bucket sets (powers of two) for ``T`` and
+        the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_blocks_per_seq``. Fewer
+        buckets = fewer compilations, more padding (worth it where compiling is slow, e.g. on CPU).
     """
 
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, *, recycle: Any = "none", pool: str = "shared",
                  max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
                  cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
-                 max_traces: int | None = None, use_decode_path: bool = True) -> None:
+                 max_traces: int | None = None, use_decode_path: bool = True,
+                 token_buckets: Sequence[int] | None = None, block_buckets: Sequence[int] | None = None) -> None:
         if not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
         self.model = model
@@ -177,6 +189,12 @@ class Engine:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
         self.scheduler = Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
                                    pool=pool, recycle=recycle, watermark=watermark)
+        if token_buckets is not None:
+            self.scheduler.t_buckets = _check_buckets("token_buckets", token_buckets, max_num_batched_tokens,
+                                                      "max_num_batched_tokens")
+        if block_buckets is not None:
+            self.scheduler.blk_buckets = _check_buckets("block_buckets", block_buckets,
+                                                        cache_config.max_blocks_per_seq, "max_blocks_per_seq")
         self.recycle = recycle if isinstance(recycle, str) else type(recycle).__name__
         self.pool = pool
         self.eos_token_id = eos_token_id
