@@ -102,7 +102,7 @@ def _run_steps(model: DeepseekV32, rng: np.random.Generator, *, kind: str, index
         row[:nb] = perm[k:k + nb]
         tables.append(row)
         k += nb
-    caches = model.init_caches(NUM_PAGES, PAGE, kind=kind, indexer_fp8=indexer_fp8)
+    caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, kind=kind, indexer_fp8=indexer_fp8)
     graphdef, state = nnx.split(model)
     chex.clear_trace_counter()
     step = make_step(graphdef, max_traces=1)  # every step has the same bucketed shapes: one compile
@@ -145,8 +145,12 @@ def test_step_matches_logits_sparse_topk(rng, kind, indexer_fp8):
     latent_fp8 = kind == "dsa"
     ref = _check(model, padded, got, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
     want = jnp.float8_e4m3fn if indexer_fp8 else jnp.float32
-    assert caches[0]["indexer"].dtype == want
-    assert caches[0]["key"].dtype == (jnp.float8_e4m3fn if latent_fp8 else jnp.float32)
+    roles = (("key", "key_scale", "key_rope") if latent_fp8 else ("key",)) + ("indexer", "indexer_scale")
+    names = [f"{role}_caches_{layer}" for layer in range(2) for role in roles]  # (layer, role priority)
+    assert list(model.init_caches(num_pages=2, page_size=PAGE, kind=kind, indexer_fp8=indexer_fp8)) == names
+    assert sorted(caches) == sorted(names)  # (jit returns dicts in sorted-key order)
+    assert caches["indexer_caches_1"].dtype == want
+    assert caches["key_caches_1"].dtype == (jnp.float8_e4m3fn if latent_fp8 else jnp.float32)
     # The selection matters: the same weights with a top-k covering everything give different logits.
     dense = _model(topk=64, seed=3)
     ref_dense = np.asarray(dense.logits(jnp.asarray(padded), indexer_fp8=indexer_fp8, latent_fp8=latent_fp8))
@@ -165,8 +169,8 @@ def test_step_matches_logits_dense_topk(rng):
 def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
     """Pages no sequence owns keep their (poisoned) contents; only mapped slots are written."""
     model = _model(topk=4, seed=7)
-    caches = model.init_caches(NUM_PAGES, PAGE, kind="dsa")
-    poison = tuple({k: jnp.full_like(v, 7) for k, v in c.items()} for c in caches)
+    caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, kind="dsa")
+    poison = {name: jnp.full_like(v, 7) for name, v in caches.items()}
     tokens = [rng.integers(0, 61, size=n).astype(np.int32) for n in LENGTHS]
     tables = [np.array([2 * b, 2 * b + 1, -1, -1, -1], np.int32) for b in range(3)]
     rows = [(0, 0, 5), (2, 0, 3), (1, 0, 6)]
@@ -177,8 +181,8 @@ def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
     for b, _, n in rows:
         p = np.arange(n)
         touched[tables[b][p // PAGE], p % PAGE] = True
-    for old, cur in zip(poison, new):
-        for role in old:
-            o, c = np.asarray(old[role].astype(jnp.float32)), np.asarray(cur[role].astype(jnp.float32))
-            assert (c[~touched] == o[~touched]).all(), role
-            assert (c[touched] != o[touched]).any(), role
+    assert sorted(new) == sorted(poison)
+    for name in poison:
+        o, c = np.asarray(poison[name].astype(jnp.float32)), np.asarray(new[name].astype(jnp.float32))
+        assert (c[~touched] == o[~touched]).all(), name
+        assert (c[touched] != o[touched]).any(axis=-1).all(), name  # every written token row changed

@@ -63,7 +63,14 @@ from kvjax.state.dsa_cache import (
 )
 from kvjax.state.kv_cache import scatter_tokens
 from kvjax.state.latent_cache import write_latent_cache
-from kvjax.state.registry import DSACacheSpec, MLACacheSpec, cache_layout, create_kv_cache
+from kvjax.state.registry import (
+    ROLE_PRIORITY,
+    DSACacheSpec,
+    MLACacheSpec,
+    cache_layout,
+    cache_name,
+    create_kv_cache,
+)
 
 ARCHITECTURES = ("DeepseekV32ForCausalLM",)
 _HI = jax.lax.Precision.HIGHEST
@@ -533,40 +540,44 @@ class DeepseekV32(nnx.Module):
             x = layer(x, cos, sin, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
         return self._head(x)
 
-    def init_caches(self, num_pages: int, page_size: int, *, kind: str = "mla", dtype=jnp.float32,
-                    indexer_fp8: bool = True) -> tuple[dict[str, jax.Array], ...]:
-        """Empty per-layer caches (``dict[role, array]``, :mod:`kvjax.state.registry` layouts).
+    def init_caches(self, *, num_pages: int, page_size: int, kind: str = "mla", dtype=jnp.float32,
+                    indexer_fp8: bool = True, max_seqs: int | None = None) -> dict[str, jax.Array]:
+        """Zeroed caches ``{<role>_caches_<layer>: array}`` ordered by (layer, role priority), as
+        :func:`kvjax.state.registry.create_caches` names them.
 
-        ``kind="mla"``: MLA latent cache ``key [P, page_size, R + r]`` in ``dtype`` plus the DSA indexer roles
+        ``kind="mla"``: the MLA latent cache ``key [P, page_size, R + r]`` in ``dtype`` plus the DSA indexer roles
         ``indexer f8e4m3[P, page_size, Di]`` + ``indexer_scale f32[P, page_size, Di // quant_block]``
-        (``indexer_fp8=False``: ``indexer`` f32, unquantised). ``kind="dsa"``: the full DSA layout (fp8 latent
+        (``indexer_fp8=False``: ``indexer`` in f32, unquantised). ``kind="dsa"``: the full DSA layout (fp8 latent
         ``key`` + ``key_scale`` + bf16 ``key_rope`` + fp8 indexer), as the seed allocates it.
+        ``max_seqs`` is accepted for a uniform model interface and unused (no per-sequence state).
         """
+        del max_seqs
         c = self.config
-        out = []
+        if kind not in ("mla", "dsa"):
+            raise ValueError(f"init_caches kind must be 'mla' or 'dsa', got {kind!r}")
+        if kind == "dsa" and not indexer_fp8:
+            raise ValueError("kind='dsa' caches always hold fp8 indexer keys; got indexer_fp8=False")
+        out: dict[str, jax.Array] = {}
         for layer in range(c.num_hidden_layers):
             dsa = DSACacheSpec(layer, page_size, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim,
                                c.quant_block)
             if kind == "dsa":
-                if not indexer_fp8:
-                    raise ValueError("kind='dsa' caches always hold fp8 indexer keys; got indexer_fp8=False")
-                out.append(create_kv_cache(dsa, num_pages))
-            elif kind == "mla":
+                cache = create_kv_cache(dsa, num_pages)
+            else:
                 cache = create_kv_cache(MLACacheSpec(layer, page_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype),
                                         num_pages)
                 for role in ("indexer", "indexer_scale"):
                     sds = cache_layout(dsa, num_pages)[role]
                     fp32 = not indexer_fp8 and role == "indexer"
                     cache[role] = jnp.zeros(sds.shape, jnp.float32 if fp32 else sds.dtype)
-                out.append(cache)
-            else:
-                raise ValueError(f"init_caches kind must be 'mla' or 'dsa', got {kind!r}")
-        return tuple(out)
+            out.update({cache_name(role, layer): cache[role] for role in ROLE_PRIORITY if role in cache})
+        return out
 
-    def forward_step(self, caches, inputs, *, impl: str = "auto") -> tuple[jax.Array, tuple]:
+    def forward_step(self, caches: dict[str, jax.Array], inputs, *,
+                     impl: str = "auto") -> tuple[jax.Array, dict[str, jax.Array]]:
         """One ragged step over the paged caches (pure: returns new caches; jit with caches donated).
 
-        ``caches``: from :meth:`init_caches`. ``inputs``: a :class:`kvjax.engine.inputs.StepInputs` (reads
+        ``caches``: from :meth:`init_caches` (``<role>_caches_<layer>``). ``inputs``: a :class:`kvjax.engine.inputs.StepInputs` (reads
         ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``, ``block_tables i32[B, 1, max_blocks]``,
         ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]`` (``N = B`` in the StepInputs contract; any ``N``
         works); GDN fields are unused). This step's latents and indexer keys are written first; token ``t`` of
@@ -590,11 +601,12 @@ class DeepseekV32(nnx.Module):
         }
         x = self.embed_tokens[...][inputs.token_ids]
         cos, sin = self._cos_sin(inputs.positions)
-        new = []
-        for layer, cache in zip(self.layers, caches):
-            x, cache = layer.step(x, cos, sin, cache, meta)
-            new.append(cache)
-        return self._head(x[inputs.logits_indices]), tuple(new)
+        new = dict(caches)
+        for li, layer in enumerate(self.layers):
+            names = {role: cache_name(role, li) for role in ROLE_PRIORITY if cache_name(role, li) in caches}
+            x, cache = layer.step(x, cos, sin, {role: caches[name] for role, name in names.items()}, meta)
+            new.update({name: cache[role] for role, name in names.items()})
+        return self._head(x[inputs.logits_indices]), new
 
     step = forward_step
 
