@@ -174,14 +174,30 @@ def _num_sms() -> int:
     return int(getattr(dev, "core_count", 0) or 132)
 
 
+def default_tiles(num_heads: int, page_size: int, sparse: bool = False) -> dict:
+    """Tile defaults picked by measurement on an H200 (benchmarks/RESULTS.md, "MLA decode and DSA").
+
+    Few heads (memory-bound): 16 heads x half a page per step, 4 warps, 3 stages. Many heads (the QK/PV
+    products dominate): 64 heads x one page, 8 warps, 2 stages (3 stages exceed shared memory).
+    """
+    if num_heads <= 16:
+        tiles = dict(block_h=16, block_n=32 if page_size % 32 == 0 else page_size, num_warps=4, num_stages=3)
+    else:
+        tiles = dict(block_h=64 if num_heads >= 64 else 32, block_n=page_size, num_warps=8, num_stages=2)
+    if sparse:
+        tiles["block_n"] = 64
+    return tiles
+
+
 def _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk, *, scale, num_kv_splits, block_h,
             block_n, num_warps, num_stages, interpret):
     b, h, _ = q_latent.shape
     page_size = latent_pages.shape[1]
-    if block_h is None:
-        block_h = 16 if h <= 16 else 32
-    if block_n is None:
-        block_n = page_size if topk is None else 64
+    tiles = default_tiles(h, page_size, sparse=topk is not None)
+    block_h = block_h or tiles["block_h"]
+    block_n = block_n or tiles["block_n"]
+    num_warps = num_warps or tiles["num_warps"]
+    num_stages = num_stages or tiles["num_stages"]
     pad = -h % block_h
     q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
     if pad:
@@ -193,8 +209,6 @@ def _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk, *, sca
     if num_kv_splits is None:
         steps = (topk.shape[1] if topk is not None else block_tables.shape[-1] * page_size) // block_n
         num_kv_splits = choose_num_kv_splits(b, groups, steps, _num_sms())
-    if num_warps is None:
-        num_warps = 4 if block_h <= 16 else 8
     o, lse = _stage1_call(q, qr, latent_pages, block_tables[:, 0, :], seq_lens, topk, scale=scale,
                           num_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
                           num_stages=num_stages, interpret=interpret)
@@ -221,13 +235,14 @@ def mla_decode_pallas(
     block_h: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Split-KV MLA decode (see module doc). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype.
 
-    Tuning (static): ``block_h`` query heads per program (16, or 32 above 16 heads), ``block_n`` tokens per
-    step (default one page; larger values gather rows through the block table), warps, pipeline stages.
+    Tuning (static, defaults from :func:`default_tiles`): ``block_h`` query heads per program, ``block_n``
+    tokens per step (a divisor of the page size reads contiguous rows; larger values gather rows through the
+    block table), warps, pipeline stages.
     """
     return _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, None, scale=scale,
                    num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
@@ -248,7 +263,7 @@ def sparse_mla_decode_pallas(
     block_h: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """DSA sparse MLA decode: the same split-KV kernel over the ``K`` listed positions (``block_n`` per step).

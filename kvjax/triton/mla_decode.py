@@ -1,8 +1,9 @@
 """Split-KV MLA decode as a hand-written Triton kernel, called from JAX through jax-triton.
 
 The same algorithm as :mod:`kvjax.pallas.mla_decode` (one program per head group, KV split and sequence;
-``block_n`` latent rows per step gathered through the block table, each read once; f32 split outputs + lse merged by the shared stage 2), written directly
-in Triton so the benchmark can compare the Pallas lowering against it on one GPU.
+``block_n`` latent rows per step, contiguous within a page or gathered through the block table, each read
+once; f32 split outputs + lse merged by the shared stage 2), written directly in Triton so the benchmark
+can compare the Pallas lowering against it on one GPU, with the same tile defaults.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from kvjax.pallas.mla_decode import _num_sms, choose_num_kv_splits, merge_splits
+from kvjax.pallas.mla_decode import _num_sms, choose_num_kv_splits, default_tiles, merge_splits
 
 
 @triton.jit
@@ -59,9 +60,15 @@ def _mla_stage1_kernel(
     for j in range(start, end):
         pos = j * BLOCK_N + offs_n
         in_seq = pos < seq_len
-        page = tl.load(bt_ptr + b * MAX_BLOCKS + tl.minimum(pos // PS, MAX_BLOCKS - 1), mask=in_seq, other=-1)
-        valid = in_seq & (page >= 0)
-        row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + (pos % PS) * (R + ROPE)
+        if PS % BLOCK_N == 0:  # one page per step: a scalar page id, contiguous rows
+            page = tl.load(bt_ptr + b * MAX_BLOCKS + (j * BLOCK_N) // PS)
+            valid = in_seq & (page >= 0)
+            row0 = (j * BLOCK_N) % PS
+            row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + (row0 + offs_n) * (R + ROPE)
+        else:  # rows gathered across pages
+            page = tl.load(bt_ptr + b * MAX_BLOCKS + tl.minimum(pos // PS, MAX_BLOCKS - 1), mask=in_seq, other=-1)
+            valid = in_seq & (page >= 0)
+            row = lat_ptr + tl.maximum(page, 0).to(tl.int64) * (PS * (R + ROPE)) + (pos % PS) * (R + ROPE)
         kv = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
         kr = tl.load(row[:, None] + R + offs_e[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))
@@ -96,7 +103,7 @@ def mla_decode_triton(
     block_h: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Split-KV MLA decode in Triton (GPU only). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype."""
@@ -105,8 +112,11 @@ def mla_decode_triton(
     b, h, rank = q_latent.shape
     rope = q_rope.shape[-1]
     _, page_size, _ = latent_pages.shape
-    if block_h is None:
-        block_h = 16 if h <= 16 else 32
+    tiles = default_tiles(h, page_size)
+    block_h = block_h or tiles["block_h"]
+    block_n = block_n or tiles["block_n"]
+    num_warps = num_warps or tiles["num_warps"]
+    num_stages = num_stages or tiles["num_stages"]
     pad = -h % block_h
     q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
     if pad:
@@ -115,11 +125,8 @@ def mla_decode_triton(
     hp = h + pad
     groups = hp // block_h
     max_blocks = block_tables.shape[-1]
-    block_n = block_n or page_size
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(b, groups, max_blocks * page_size // block_n, _num_sms())
-    if num_warps is None:
-        num_warps = 4 if block_h <= 16 else 8
     out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
     o, lse = jt.triton_call(
         q, qr, latent_pages, block_tables, seq_lens,
