@@ -46,10 +46,10 @@ class BlockAllocator:
                     "(each head gets num_pages // num_kv_heads pages)"
                 )
             per = cache.num_pages // h_kv
-            self.pool_of_head = np.arange(h_kv)  # i32[H_kv]
+            self.pool_of_head = np.arange(h_kv)  # i64[H_kv]: free list serving each head
             ranges = [range(h * per, (h + 1) * per) for h in range(h_kv)]
         else:
-            self.pool_of_head = np.zeros(h_kv, np.int64)  # i32[H_kv]
+            self.pool_of_head = np.zeros(h_kv, np.int64)  # i64[H_kv]
             ranges = [range(cache.num_pages)]
         self.heads_in_pool = np.bincount(self.pool_of_head, minlength=len(ranges)).tolist()  # heads of each pool
         self.pool_pages = [len(r) for r in ranges]
