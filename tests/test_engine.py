@@ -232,7 +232,7 @@ def test_greedy_engine_matches_uncached_oracle_deepseek():
         index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
         rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
     )
-    model = DeepseekV32(config, rngs=nnx.Rngs(5))
+    model = nnx.jit(lambda: DeepseekV32(config, rngs=nnx.Rngs(5)))()
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, (21, 4, 13, 26, 8))
     expect = greedy_oracle(model, prompts, 6)
@@ -276,7 +276,7 @@ def test_greedy_engine_matches_hf_generate(tmp_path):
                               eos_token_id=None, pad_token_id=0)
             expect.append(out[0, len(p):].tolist())
     cache = CacheConfig(page_size=4, num_pages=16, max_seqs=2, max_blocks_per_seq=8)
-    engine = Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET)
+    engine = Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET, use_decode_path=False)
     assert engine.generate(prompts, new) == expect
     assert engine.metrics.summary()["preemptions"] > 0
     assert_idle(engine)

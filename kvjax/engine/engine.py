@@ -30,6 +30,7 @@ recycle) and :class:`kvjax.models.deepseek.DeepseekV32` (MLA latent + DSA indexe
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
 from typing import Any, Callable, Iterator, Sequence
@@ -86,10 +87,12 @@ def model_attention_layout(model: nnx.Module) -> AttentionConfig:
 
 
 def init_model_caches(model: nnx.Module, cache: CacheConfig, dtype: Any, options: dict) -> Any:
-    """Zeroed device caches of ``model`` for ``cache`` (``options`` go to ``model.init_caches``)."""
-    from kvjax.models.deepseek import DeepseekV32
+    """Zeroed device caches of ``model`` for ``cache`` (``options`` go to ``model.init_caches``).
 
-    if isinstance(model, DeepseekV32):
+    Models take ``init_caches(*, num_pages, page_size, max_seqs, dtype, ...)``; an older DeepSeek signature
+    ``init_caches(num_pages, page_size, *, dtype, ...)`` (no ``max_seqs``) is also accepted.
+    """
+    if "max_seqs" not in inspect.signature(model.init_caches).parameters:
         return model.init_caches(cache.num_pages, cache.page_size, dtype=dtype, **options)
     return model.init_caches(num_pages=cache.num_pages, page_size=cache.page_size, max_seqs=cache.max_seqs,
                              dtype=dtype, **options)
