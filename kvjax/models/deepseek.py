@@ -15,17 +15,25 @@ MoE in a dense every-expert reference formulation):
   keys the MLA attends to. HF skips the reference implementation's Hadamard rotation and fp8 scoring (it
   scores in f32), and so does :meth:`DeepseekV32.logits` by default.
 
-**fp8 indexer keys.** The step path stores indexer keys in the DSA cache as fp8 e4m3 with one f32 scale per
-``quant_block`` values (:func:`quantize_index_key`), as the DSA cache layout prescribes. Quantisation can
-change which keys win the top-k, so the cached path does *not* in general select what HF's f32 forward
-selects. ``logits(..., indexer_fp8=True)`` applies the same quantise/dequantise round trip to the indexer keys
-of the full-sequence forward: that is the oracle of a step over an fp8 indexer cache. ``init_caches(...,
-indexer_fp8=False)`` keeps f32 indexer keys: then the step reproduces HF's selection.
+- **MoE** (``mlp_layer_types == "sparse"``, HF ``DeepseekV32MoE``): sigmoid router, groups ranked by their
+  best two ``score + e_score_correction_bias``, top ``num_experts_per_tok`` experts of the kept groups weighted
+  by their unbiased scores (renormalised, times ``routed_scaling_factor``), plus shared experts.
 
-**Step** (:meth:`DeepseekV32.step`): a ragged token-major batch (:class:`kvjax.engine.inputs.StepInputs`) writes
-each new token's latent row ``[kv_c | k_rope]`` into the paged MLA latent cache and its indexer key into the
-indexer cache by ``slot_mapping``, scores the cached indexer keys, and attends with weight absorption
-(``W_UK`` folded into q, ``W_UV`` applied to the latent output) over the selected cached latents.
+**Quantised caches and the top-k.** The DSA cache stores indexer keys as fp8 e4m3 with one f32 scale per
+``quant_block`` values (:mod:`kvjax.state.dsa_cache`), and in its full layout (``init_caches(kind="dsa")``) also
+the latent ``kv_c`` as fp8 and ``k_rope`` as bf16. HF scores the indexer in f32 (it skips the reference
+implementation's Hadamard rotation and fp8 scoring), so where ``index_topk`` < context length an fp8 indexer
+cache can select other keys than HF does. Choice: ``logits()`` is exactly HF by default, and
+``logits(indexer_fp8=True, latent_fp8=True)`` applies the cache's quantise/dequantise round trips to the same
+tensors of the full-sequence forward: the exact oracle of a step over such caches (tested). A step over
+``init_caches(kind="mla", indexer_fp8=False)`` (f32 indexer keys) reproduces HF's own selection.
+
+**Step** (:meth:`DeepseekV32.forward_step`, driven by :func:`kvjax.engine.step.make_step`): a ragged token-major
+batch (:class:`kvjax.engine.inputs.StepInputs`) writes each new token's latent row ``[kv_c | k_rope]`` and
+indexer key by ``slot_mapping``, scores the cached indexer keys (:func:`kvjax.ops.dsa.indexer_scores`), takes
+the causal top-k (:func:`kvjax.ops.dsa.index_topk`) and runs every token (prefill chunk or decode) as one
+absorbed sparse-MLA decode query over its row's pages (:func:`kvjax.ops.dsa.sparse_mla_decode`: ``W_UK``
+folded into q, ``W_UV`` applied to the latent output), causal through its own position.
 """
 
 from __future__ import annotations
@@ -271,7 +279,7 @@ class Indexer(nnx.Module):
     """DSA lightning indexer: per-token query heads ``[Hi, Di]``, one key ``[Di]`` and head weights ``[Hi]``."""
 
     def __init__(self, c: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.n_heads, self.head_dim, self.rope_dim = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        self.n_heads, self.head_dim = c.index_n_heads, c.index_head_dim
         self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, rngs=rngs, dtype=dtype)
         self.wk = Linear(c.hidden_size, c.index_head_dim, rngs=rngs, dtype=dtype)
         self.k_norm = LayerNorm(c.index_head_dim, 1e-6, dtype=dtype)
