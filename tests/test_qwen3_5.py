@@ -81,8 +81,17 @@ def test_tied_embeddings_load_and_match(tmp_path, rng):
         ref = hf(torch.tensor(ids)).logits.numpy()
     from flax import nnx
 
-    out = nnx.jit(lambda m, x: m.logits(x))(model, jnp.asarray(ids, jnp.int32))
-    np.testing.assert_allclose(np.asarray(out), ref, atol=TOL, rtol=0)
+    logits = nnx.jit(lambda m, x: m.logits(x))
+    np.testing.assert_allclose(np.asarray(logits(model, jnp.asarray(ids, jnp.int32))), ref, atol=TOL, rtol=0)
+    # SWA heads (research option) on the same weights: identical to HF while every key is inside the window
+    # (positions < 4), different once the window of KV head 0 excludes keys
+    swa = load_pretrained(path, window=(4, 0), sinks=(1, 0))
+    assert swa.config.attention.window == (4, 0) and model.config.attention.window == (0, 0)
+    out = np.asarray(logits(swa, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(out[:, :4], ref[:, :4], atol=TOL, rtol=0)
+    assert np.abs(out[:, 6:] - ref[:, 6:]).max() > 1e-3
+    with pytest.raises(CheckpointError, match="window"):
+        load_pretrained(path, window=(4,))
 
 
 # ------------------------------------------------------------------------------------------ bad checkpoints

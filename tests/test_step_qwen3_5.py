@@ -26,7 +26,7 @@ TOL = 1e-4  # f32: max abs logit difference
 PAGE = 4
 NUM_PAGES = 48
 MAX_SEQS = 6
-MAX_BLOCKS = 8
+MAX_BLOCKS = 12
 ROWS = 4  # batch bucket (one row is padding at least part of the time)
 T_BUCKETS = (8, 32)  # token buckets: decode-ish steps and prefill steps
 
@@ -63,6 +63,8 @@ class Planner:
         self.free_slots = list(rng.permutation(np.arange(1, MAX_SEQS + 1)))
         self.done: dict[int, int] = {}  # tokens already computed
         self.recycled = 0
+        self.reused = 0  # recycled pages handed out again (to any head / row)
+        self.was_recycled: set[int] = set()
         self.signatures = set()  # (token bucket, decode_only) of every plan: one trace each
 
     def add(self, sid: int):
@@ -106,6 +108,7 @@ class Planner:
                     blk = p // PAGE
                     if table[h, blk] < 0:
                         table[h, blk] = self.free.pop()
+                        self.reused += int(table[h, blk]) in self.was_recycled
                     smap[t + p - start, h] = table[h, blk] * PAGE + p % PAGE
             tok[t:t + n] = new
             pos[t:t + n] = np.arange(start, start + n)
@@ -126,7 +129,11 @@ class Planner:
         return inputs, expect
 
     def recycle(self):
-        """Free SWA blocks no future query can see (outside window, no sink, not the block being written)."""
+        """Free SWA blocks no future query can see (outside window, no sink, not the block being written).
+
+        Freed pages go to the end of the (otherwise shuffled) free list, so they are handed out next.
+        """
+        freed = []
         for sid, table in self.tables.items():
             n = self.done[sid]
             for h in range(self.hkv):
@@ -136,10 +143,12 @@ class Planner:
                 for blk in range(MAX_BLOCKS):
                     first, last = blk * PAGE, blk * PAGE + PAGE - 1
                     if table[h, blk] >= 0 and last <= n - w and first >= s and blk != (n - 1) // PAGE:
-                        self.free.append(int(table[h, blk]))
+                        freed.append(int(table[h, blk]))
                         table[h, blk] = -1
                         self.recycled += 1
+        self.was_recycled.update(freed)
         self.rng.shuffle(self.free)
+        self.free.extend(self.rng.permutation(freed).tolist())
 
 
 def run_schedule(model, rng, seqs, chunks, *, window=(), sinks=(), step_fn=None, params=None):
@@ -210,18 +219,18 @@ def test_step_chunked_prefill_and_decode_match_full_logits(rng, base):
 
 
 def test_step_swa_heads_over_recycled_tables_match_masked_logits(rng):
-    window, sinks = (6, 0), (2, 0)  # KV head 0: SWA with 2 sinks; KV head 1: full attention
+    window, sinks = (5, 0), (1, 0)  # KV head 0: SWA with 1 sink; KV head 1: full attention
     layers = ("linear_attention", "full_attention")  # two layers keep the compile short
-    model = random_model(tiny_config(window, sinks, layers), seed=int(rng.integers(1 << 30)))
-    seqs = [rng.integers(0, 61, n).astype(np.int32) for n in SEQ_LENS]
+    base = random_model(tiny_config(layer_types=layers), seed=int(rng.integers(1 << 30)))
+    model = base.with_swa(window, sinks)  # same parameters, SWA masks
+    assert model.config.attention.window == window
+    seqs = [rng.integers(0, 61, n).astype(np.int32) for n in (21, 9, 38)]  # long enough to recycle and reuse
     got, planner = run_schedule(model, rng, seqs, CHUNKS, window=window, sinks=sinks)
-    assert planner.recycled >= 6  # holes really appeared and their pages were reused
+    assert planner.recycled >= 6 and planner.reused >= 3  # holes appeared and their pages were written again
     check_against_oracle(model, seqs, got)
-    # the masks matter: the same model without SWA heads gives different logits
-    full = random_model(tiny_config(layer_types=layers), seed=0)
-    nnx.update(full, nnx.state(model))
-    ref_full = np.asarray(full.logits(jnp.asarray(seqs[2][None], jnp.int32)))[0]
-    assert np.abs(ref_full[-1] - got[(2, len(seqs[2]) - 1)]).max() > 1e-3
+    # that the oracle's SWA masks really differ from full attention is checked in test_qwen3_5.py
+    # (test_tied_embeddings_load_and_match); here base and SWA model share parameters but not masks
+    assert base.config.attention.window == (0, 0)
 
 
 def test_step_bucketed_shapes_do_not_recompile(rng, base):

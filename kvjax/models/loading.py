@@ -2,7 +2,7 @@
 
 Dispatch is on ``config.json``: first ``architectures[0]``, then ``model_type``, looked up in
 :data:`LOADERS` (``name -> "module:function"``, imported lazily). A loader is called as
-``fn(path: str, config: dict) -> model`` and must build and check the whole model before returning
+``fn(path: str, config: dict, **options) -> model`` and must build and check the whole model before returning
 (nothing partially loaded escapes). To add a model family, add one line to :data:`LOADERS`.
 """
 
@@ -40,8 +40,10 @@ def resolve_loader(config: dict) -> tuple[str, str]:
     )
 
 
-def load_pretrained(path: str | os.PathLike) -> Any:
+def load_pretrained(path: str | os.PathLike, **options: Any) -> Any:
     """Load the model saved at ``path`` (``config.json`` + safetensors) with the loader its config names.
+
+    ``options`` go to the family's loader (all accept ``dtype``; Qwen3.5 also ``window``/``sinks`` for SWA heads).
 
     Raises :class:`kvjax.errors.CheckpointError` for a missing directory, an unknown architecture, a bad
     config, or a missing / mis-shaped tensor (the message names it).
@@ -53,4 +55,4 @@ def load_pretrained(path: str | os.PathLike) -> Any:
     _, target = resolve_loader(config)
     module, _, attr = target.partition(":")
     fn = getattr(importlib.import_module(module), attr)
-    return fn(path, config)
+    return fn(path, config, **options)

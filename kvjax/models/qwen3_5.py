@@ -394,6 +394,13 @@ class Qwen3_5ForCausalLM(nnx.Module):
         )
         self._inv_freq = tuple(float(f) for f in inv_freq)  # static, f32-exact
 
+    def with_swa(self, window: tuple[int, ...], sinks: tuple[int, ...] = ()) -> "Qwen3_5ForCausalLM":
+        """A model with the same parameters whose full-attention layers have per-KV-head ``window``/``sinks``
+        (research option: SWA heads). Both :meth:`logits` and :meth:`forward_step` apply the new masks."""
+        config = self.config.with_swa(tuple(window), tuple(sinks))
+        graphdef, _ = nnx.split(abstract_model(lambda: Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0))))
+        return nnx.merge(graphdef, nnx.state(self))
+
     def _head(self, h: jax.Array) -> jax.Array:  # [..., H] -> f32[..., vocab]
         h = self.model.norm(h)
         if self.lm_head is None:
@@ -521,11 +528,18 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join(parts), False
 
 
-def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, window: tuple[int, ...] = (),
+         sinks: tuple[int, ...] = ()) -> Qwen3_5ForCausalLM:
     """Load an HF Qwen3.5 checkpoint directory (``Qwen3_5ForCausalLM`` or the text tower of the multimodal
     ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped or
-    unexpected tensor; the model is returned only when every parameter is loaded."""
+    unexpected tensor; the model is returned only when every parameter is loaded. ``window``/``sinks``
+    (per KV head) turn on SWA heads in the full-attention layers (research option; HF parity needs them off)."""
     cfg = Qwen3_5Config.from_hf(config)
+    if window or sinks:
+        try:
+            cfg = cfg.with_swa(tuple(window), tuple(sinks))
+        except ValueError as err:
+            raise CheckpointError(f"invalid SWA option: {err}") from err
     tensors = load_safetensors(path)
     model = abstract_model(lambda: Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     renamed = {}
