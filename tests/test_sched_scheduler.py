@@ -211,7 +211,7 @@ def test_bad_configs_raise():
         Scheduler(cache, ATT, max_num_batched_tokens=8, watermark=1.0)
     with pytest.raises(ValueError, match="recycle policy must be one of"):
         Scheduler(cache, ATT, max_num_batched_tokens=8, recycle="eager")
-    with pytest.raises(ValueError, match="no recycle"):
+    with pytest.raises(ValueError, match="needs a recycle"):
         Scheduler(cache, ATT, max_num_batched_tokens=8, recycle=object())
 
 

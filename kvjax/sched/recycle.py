@@ -16,7 +16,7 @@ A policy is an object with one method, ``recycle(blocks, rows, num_computed) -> 
 calls at the start of every step with its running requests. A new policy is a few lines, e.g.::
 
     class LazyRecycle:
-        frees_swa_blocks = True
+        name, frees_swa_blocks = "lazy", True
         def __init__(self, threshold): self.threshold = threshold
         def recycle(self, blocks, rows, num_computed):
             return recycle_out_of_window(blocks, rows, num_computed) if blocks.available() < self.threshold else 0
@@ -103,8 +103,9 @@ def make_recycle_policy(policy: "str | RecyclePolicy") -> RecyclePolicy:
         if policy not in RECYCLE_POLICIES:
             raise ValueError(f"recycle policy must be one of {sorted(RECYCLE_POLICIES)}, got {policy!r}")
         return RECYCLE_POLICIES[policy]()
-    if not callable(getattr(policy, "recycle", None)):
-        raise ValueError(f"recycle policy {policy!r} has no recycle(blocks, rows, num_computed) method")
+    if not callable(getattr(policy, "recycle", None)) or not hasattr(policy, "frees_swa_blocks"):
+        raise ValueError(f"recycle policy {policy!r} needs a recycle(blocks, rows, num_computed) method and a "
+                         "frees_swa_blocks attribute")
     return policy
 
 
