@@ -3,8 +3,8 @@
 Buckets. ``T`` (tokens) is the smallest entry of ``token_buckets(max_num_batched_tokens)`` = powers of two from
 16 below the budget, then the budget itself (budget 2048: 16, 32, …, 1024, 2048). ``B`` (rows) is the smallest
 entry of ``seq_buckets(max_seqs)`` = powers of two from 8 below ``max_seqs``, then ``max_seqs``. The block
-axis is the smallest entry of ``seq_buckets``-style powers of two from 8 below ``max_blocks_per_seq``, then
-``max_blocks_per_seq``, that covers every row's context. A long run therefore compiles
+axis is the smallest entry of ``pow2_buckets(max_blocks_per_seq, 8)`` (powers of two from 8, then
+``max_blocks_per_seq``) that covers every row's context. A long run therefore compiles
 ``len(T set) * len(B set) * len(block set)`` shapes at most.
 
 Padding. Tokens past ``cu_seqlens[num_seqs]``: token id 0, position 0, slot mapping ``-1`` on every head.
