@@ -174,8 +174,7 @@ def bench_decode(quick: bool):
     out = []
     rng = np.random.default_rng(0)
     # (block_v, num_warps, one_token_per_row): the decode fast path, plus the general ragged path at 64/4
-    configs = [(32, 2, True), (32, 4, True), (64, 1, True), (64, 2, True), (64, 4, True), (128, 4, True),
-               (64, 4, False)] if not quick else [(64, 4, True)]
+    configs = [(64, 2, True), (64, 4, True), (128, 4, True), (64, 4, False)] if not quick else [(64, 4, True)]
     for b, h in DECODE_SHAPES:
         num_slots = b + 8
         q, k, v, g, beta = _gdn_inputs(jax.random.key(b), b, h, h, jnp.bfloat16)
@@ -251,7 +250,9 @@ def bench_prefill(quick: bool):
     from kvjax.pallas import gdn_chunk
 
     out = []
-    sweep = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (32, 4, 1)] if not quick else [(32, 4, 2)]
+    # (block_v, num_warps, num_stages, split)
+    sweep = [(16, 4, 2, False), (64, 4, 2, False), (16, 4, 2, True), (32, 4, 2, True), (64, 4, 2, True),
+             (16, 4, 3, True), (32, 4, 3, True)] if not quick else [(32, 4, 2, True)]
     for b, t, h in PREFILL_SHAPES:
         tt = b * t
         q, k, v, g, beta = _gdn_inputs(jax.random.key(t + h), tt, h, h, jnp.bfloat16)
@@ -261,33 +262,41 @@ def bench_prefill(quick: bool):
         flags = jnp.full((b,), 3, jnp.int32)
         ro, rf = gdn.chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
                                                       scale=KD ** -0.5, use_qk_l2norm=True)
-        res = {"B": b, "T": t, "H": h, "inverse": {}, "sweep": []}
-        for inv in ("solve", "doubling"):
+        res = {"B": b, "T": t, "H": h, "prep": {}, "sweep": []}
+        preps = {"pallas-w4": ("pallas", 4), "pallas-w8": ("pallas", 8), "xla-solve": ("solve", 4)}
+        for name, (mode, nw) in preps.items():
             prep = jax.jit(functools.partial(gdn_chunk._prepare, scale=KD ** -0.5, use_qk_l2norm=True,
-                                             chunk=gdn_chunk.CHUNK, inverse=inv))
-            res["inverse"][inv] = _time(lambda: prep(q, k, v, g, beta, cu)[3])
-        best_inv = min(res["inverse"], key=res["inverse"].get)
+                                             chunk=gdn_chunk.CHUNK, prep=mode, prep_num_warps=nw))
+            res["prep"][name] = _time(lambda: prep(q, k, v, g, beta, cu)[3])
+            print("prep", b, t, h, name, res["prep"][name], flush=True)
+        best_prep = min(res["prep"], key=res["prep"].get)
+        mode, pnw = preps[best_prep]
         prep = jax.jit(functools.partial(gdn_chunk._prepare, scale=KD ** -0.5, use_qk_l2norm=True,
-                                         chunk=gdn_chunk.CHUNK, inverse=best_inv))
+                                         chunk=gdn_chunk.CHUNK, prep=mode, prep_num_warps=pnw))
         parts = prep(q, k, v, g, beta, cu)
-        for bv, nw, ns in sweep:
-            call = jax.jit(functools.partial(gdn_chunk._chunk_call, out_dtype=v.dtype, num_tokens=tt, block_v=bv,
-                                             num_warps=nw, num_stages=ns, interpret=False))
+        for bv, nw, ns, split in sweep:
+            if split:
+                call = jax.jit(functools.partial(gdn_chunk._chunk_call_split, out_dtype=v.dtype, block_v=bv,
+                                                 out_block_v=64, num_warps=nw, num_stages=ns, interpret=False))
+            else:
+                call = jax.jit(functools.partial(gdn_chunk._chunk_call, out_dtype=v.dtype, block_v=bv,
+                                                 num_warps=nw, num_stages=ns, interpret=False))
             try:
                 ms = _time(lambda: call(*parts, s0, cu, rows_, flags)[0])
             except Exception as e:  # noqa: BLE001 (report, keep sweeping)
-                print("prefill kernel config failed", bv, nw, ns, repr(e)[:300], flush=True)
+                print("prefill kernel config failed", bv, nw, ns, split, repr(e)[:300], flush=True)
                 continue
-            res["sweep"].append(dict(block_v=bv, num_warps=nw, num_stages=ns, kernel_ms=ms))
+            res["sweep"].append(dict(block_v=bv, num_warps=nw, num_stages=ns, split=split, kernel_ms=ms))
             print("prefill", b, t, h, res["sweep"][-1], flush=True)
         kb = min(res["sweep"], key=lambda r: r["kernel_ms"])
         full = jax.jit(functools.partial(gdn_chunk.chunk_gated_delta_rule_pool, cu_seqlens=cu, rows=rows_,
                                          flags=flags, scale=KD ** -0.5, use_qk_l2norm=True,
                                          block_v=kb["block_v"], num_warps=kb["num_warps"],
-                                         num_stages=kb["num_stages"], inverse=best_inv))
+                                         num_stages=kb["num_stages"], split=kb["split"], prep=mode,
+                                         prep_num_warps=pnw))
         o, f = full(q, k, v, g, beta, jnp.array(s0, copy=True))
-        res.update(err_o=_rel(o, ro), err_state=_rel(f, rf), best_kernel=kb, best_inverse=best_inv,
-                   prep_ms=res["inverse"][best_inv])
+        res.update(err_o=_rel(o, ro), err_state=_rel(f, rf), best_kernel=kb, best_prep=best_prep,
+                   prep_ms=res["prep"][best_prep])
         res["total_ms"] = _time(lambda: full(q, k, v, g, beta, s0)[0])  # pool not donated here: includes a copy
         out.append(res)
         print("prefill result", {k_: v_ for k_, v_ in res.items() if k_ != "sweep"}, flush=True)

@@ -57,9 +57,9 @@ def check_public_kernel(rng, kind, lens, hk, hv, kd, vd, dtype, *, l2, init, int
     assert np.all(np.asarray(o[int(cu[-1]):], np.float32) == 0), "tokens outside every sequence must be zero"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_recurrent_kernel_interpret(rng, dtype):
-    check_public_kernel(rng, "recurrent", [3, 0, 5, 1], 1, 2, 16, 32, dtype, l2=True, init=True, interpret=True)
+def test_recurrent_kernel_interpret(rng):
+    check_public_kernel(rng, "recurrent", [3, 0, 5, 1], 1, 2, 16, 32, jnp.float32, l2=True, init=True,
+                        interpret=True)
 
 
 def test_chunk_kernel_interpret_varlen(rng):
@@ -68,17 +68,36 @@ def test_chunk_kernel_interpret_varlen(rng):
                         interpret=True)
 
 
-def test_chunk_kernel_interpret_bf16_no_initial_state(rng):
-    check_public_kernel(rng, "chunk", [65, 3], 2, 2, 16, 16, jnp.bfloat16, l2=False, init=False, interpret=True)
+def test_chunk_split_kernels_xla_prep_interpret(rng, prep="solve"):
+    """The split form (state pass + parallel output pass) with the XLA preparation stages, bf16, leading
+    padding tokens (cu_seqlens[0] > 0), a padding row and no initial state for one row."""
+    from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
+
+    lens = [66, 0, 3, 60]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 2, 16, 16, jnp.bfloat16, pad_tokens=5)
+    cu = cu + 4  # 4 leading tokens outside every sequence (t = 4 + sum(lens) + 1 <= T)
+    flags = jnp.asarray([3, 3, 2, 0], jnp.int32)  # row 2: no initial state; row 3: padding (not live)
+    o, pool = chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
+        flags=flags, scale=0.25, use_qk_l2norm=True, prep=prep, split=True, block_v=16, out_block_v=16,
+        interpret=True)
+    init = s0.at[2].set(0.0)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
+                                                      scale=0.25, use_qk_l2norm=True)
+    live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[3]))
+    ro = jnp.where(live_tok[:, None, None], ro, 0)  # padding row 3's tokens and outside tokens: zero
+    assert rel_err(o, ro) <= TOL[jnp.bfloat16]
+    assert rel_err(pool[:3], rf[:3]) <= TOL[jnp.bfloat16]
+    np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
 def test_kernels_match_hugging_face(rng):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [37], 2, 2, 16, 16, jnp.float32, pad_tokens=0)
-    t = lambda x: torch.from_numpy(np.asarray(x, np.float32).copy())[None]  # noqa: E731  [1, T, H, D]
+    t = lambda x: torch.from_numpy(np.array(x, np.float32))[None]  # noqa: E731  [1, T, H, D]
     ho, hf_state = hf.torch_recurrent_gated_delta_rule(
-        t(q), t(k), t(v), t(g), t(beta), initial_state=torch.from_numpy(np.asarray(s0)),
+        t(q), t(k), t(v), t(g), t(beta), initial_state=torch.from_numpy(np.array(s0)),
         output_final_state=True, use_qk_l2norm_in_kernel=True)
     for kind in ("chunk", "recurrent"):
         o, f = KERNELS[kind](q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=16 ** -0.5,
@@ -156,6 +175,25 @@ GPU_LENS = [1, 4096, 0, 63, 64, 65, 777, 2, 130]
 def test_kernels_gpu_varlen(rng, kind, dtype, l2):
     check_public_kernel(rng, kind, GPU_LENS, 2, 4, 128, 128, dtype, l2=l2, init=True, interpret=False,
                         pad_tokens=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_split_gpu(rng, split, dtype):
+    from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, dtype, pad_tokens=70)
+    cu = cu + 7
+    n = len(GPU_LENS)
+    flags = jnp.asarray(np.where(np.arange(n) % 3 == 1, 2, 3), jnp.int32)  # every third row: zeros
+    o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
+                                       rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
+                                       use_qk_l2norm=True, split=split)
+    init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
+                                                      scale=0.1, use_qk_l2norm=True)
+    assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype]
 
 
 @pytest.mark.gpu

@@ -320,3 +320,7 @@ def recurrent_gated_delta_rule(
 
 dispatch.register_reference(CHUNK_OP, chunk_gated_delta_rule_reference)
 dispatch.register_reference(RECURRENT_OP, recurrent_gated_delta_rule_reference)
+dispatch.register_kernel(CHUNK_OP, "pallas", "kvjax.pallas.gdn_chunk:chunk_gated_delta_rule_pallas", platforms=("gpu",))
+dispatch.register_kernel(
+    RECURRENT_OP, "pallas", "kvjax.pallas.gdn_recurrent:recurrent_gated_delta_rule_pallas", platforms=("gpu",)
+)

@@ -44,6 +44,108 @@ def _dot(a, b, *, precision, contract_a: int = 1):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _dot_t(a, b, *, precision):
+    """``a @ b.T`` with float32 accumulation."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+SUB = 16  # diagonal block size of the in-kernel inverse
+
+
+def _prep_kernel(
+    seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
+    q_ref,  # [Tp, Hk, K]  (l2-normed, scaled)
+    k_ref,  # [Tp, Hk, K]  (l2-normed)
+    v_ref,  # [Tp, Hv, V]
+    gc_ref,  # f32[NC, Hv, C]
+    b_ref,  # f32[NC, Hv, C]  beta (0 outside every sequence)
+    w_ref,  # [NC, Hv, C, K]
+    u_ref,  # [NC, Hv, C, V]
+    a_ref,  # [NC, Hv, C, C]
+    *,
+    group: int,
+    chunk: int,
+    precision,
+    inv_precision,
+):
+    """One (chunk, value head): ``L``, ``T = (I + L)^-1``, ``w``, ``u`` and ``A`` with whole-chunk matmuls.
+
+    The inverse needs no row loop and no slicing: with ``D`` the 16x16 block diagonal of ``L`` and ``E`` the
+    rest, ``I + L = (I + D)(I + F)`` with ``F = (I + D)^-1 E``; ``D`` is nilpotent of order 16 and ``F`` of
+    order ``C / 16``, so both inverses are finite products ``(I - X)(I + X^2)(I + X^4)...`` (10 matmuls).
+    """
+    c, h = pl.program_id(0), pl.program_id(1)
+    hk = h // group
+    dt = w_ref.dtype
+    dot = functools.partial(_dot, precision=precision)
+    mm = functools.partial(_dot, precision=inv_precision)
+    full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    seg = seg_ref[full]
+    gc = gc_ref[c, h, :]
+    beta = b_ref[c, h, :]
+    k = k_ref[full, hk, :]
+    ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    keep = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0) & (ri >= ci)
+    decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
+    a_ref[c, h, :, :] = (_dot_t(q_ref[full, hk, :], k, precision=precision) * decay).astype(dt)
+    lmat = jnp.where(ri > ci, _dot_t(k, k, precision=precision) * decay, 0.0) * beta[:, None]
+    eye = (ri == ci).astype(jnp.float32)
+    diag = (ri // SUB) == (ci // SUB)
+    power = -jnp.where(diag, lmat, 0.0)
+    inv_d = eye + power
+    for _ in range(int(np.log2(SUB)) - 1):
+        power = mm(power, power)
+        inv_d = inv_d + mm(inv_d, power)
+    power = -mm(inv_d, jnp.where(diag, 0.0, lmat))  # -F
+    inv_f = eye + power
+    for _ in range(int(np.log2(chunk // SUB)) - 1):
+        power = mm(power, power)
+        inv_f = inv_f + mm(inv_f, power)
+    tinv = mm(inv_f, inv_d).astype(dt)
+    kb = (k.astype(jnp.float32) * (beta * jnp.exp(gc))[:, None]).astype(dt)
+    w_ref[c, h, :, :] = dot(tinv, kb).astype(dt)
+    vb = (v_ref[full, h, :].astype(jnp.float32) * beta[:, None]).astype(dt)
+    u_ref[c, h, :, :] = dot(tinv, vb).astype(dt)
+
+
+def _prep_call(seg, qn, kn, v, gc, bch, *, num_warps, interpret):
+    tp, hk, kd = qn.shape
+    nc, hv, chunk = gc.shape
+    vd = v.shape[2]
+    dt = qn.dtype
+    precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
+    # f32 products of the inverse: full f32 for f32 inputs (and in interpret mode), one TF32 pass for bf16
+    # inputs (T is rounded to bf16 right after, as in fla)
+    fast = dt != jnp.float32 and not interpret
+    inv_precision = lax.DotAlgorithmPreset.TF32_TF32_F32 if fast else lax.Precision.HIGHEST
+    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, precision=precision,
+                               inv_precision=inv_precision)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((nc, hv, chunk, kd), dt),
+            jax.ShapeDtypeStruct((nc, hv, chunk, vd), dt),
+            jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dt),
+        ),
+        grid=(nc, hv),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_chunk_prep",
+    )(seg, qn, kn, v, gc, bch)
+
+
+def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
+    """Row n's tokens [start, end), the rows it writes [lo, hi) (the first/last rows also own the tokens
+    outside every sequence, up to the padded length), whether it is live and whether it reads a state."""
+    start, end = cu_ref[n], cu_ref[n + 1]
+    flags = flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    read = live & ((flags & FLAG_HAS_INITIAL) != 0)
+    lo = jnp.where(n == 0, 0, start)
+    hi = jnp.where(n == num_seqs - 1, num_rows, end)
+    return start, end, lo, hi, live, read
+
+
 def _chunk_kernel(
     cu_ref,  # i32[N+1]
     rows_ref,  # i32[N]
@@ -62,19 +164,14 @@ def _chunk_kernel(
     group: int,
     chunk: int,
     block_v: int,
-    num_tokens: int,
     precision,
 ):
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     hk = h // group
     vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
-    start, end = cu_ref[n], cu_ref[n + 1]
-    row, flags = rows_ref[n], flags_ref[n]
-    live = (flags & FLAG_LIVE) != 0
-    read = live & ((flags & FLAG_HAS_INITIAL) != 0)
-    lo = jnp.where(n == 0, 0, start)
-    hi = jnp.where(n == num_seqs - 1, num_tokens, end)
+    start, end, lo, hi, live, read = _row_range(cu_ref, flags_ref, n, num_seqs, o_ref.shape[0])
+    row = rows_ref[n]
     kd = pool_in_ref.shape[2]
     s0 = plt.load(
         pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), read), other=0.0
@@ -112,13 +209,13 @@ def _chunk_kernel(
         pool_ref[row, h, :, vs] = s
 
 
-def _chunk_call(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_dtype, num_tokens, block_v,
+def _chunk_call(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
                 num_warps, num_stages, interpret):
     tp, hk, kd = qn.shape
     nc, hv, chunk, vd = u.shape
     precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, num_tokens=num_tokens, precision=precision
+        _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, precision=precision
     )
     return pl.pallas_call(
         kernel,
@@ -132,6 +229,148 @@ def _chunk_call(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_d
         interpret=interpret,
         name="gdn_chunk",
     )(cu_seqlens, rows, flags, qn, kn, w, u, a, gc, gl, pool)
+
+
+def _chunk_state_kernel(
+    cu_ref,  # i32[N+1]
+    rows_ref,  # i32[N]
+    flags_ref,  # i32[N]
+    k_ref,  # [Tp, Hk, K]  (l2-normed)
+    w_ref,  # [NC, Hv, C, K]
+    u_ref,  # [NC, Hv, C, V]
+    gc_ref,  # f32[NC, Hv, C]
+    gl_ref,  # f32[NC, Hv, C]
+    pool_in_ref,  # f32[R, Hv, K, V]  (aliased with pool_ref)
+    h_ref,  # [NC+N, Hv, K, V]  state before chunk c of sequence n, at pair index c + n
+    vn_ref,  # [Tp, Hv, V]  v_new per token
+    pool_ref,  # f32[R, Hv, K, V]
+    *,
+    group: int,
+    chunk: int,
+    block_v: int,
+    precision,
+):
+    """Split form, pass 1 (sequential): the state recurrence only; outputs come from :func:`_chunk_out_kernel`."""
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    start, end, lo, hi, live, read = _row_range(cu_ref, flags_ref, n, pl.num_programs(0), vn_ref.shape[0])
+    row = rows_ref[n]
+    kd = pool_in_ref.shape[2]
+    s0 = plt.load(pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), read), other=0.0)
+    dt = w_ref.dtype
+    dot = functools.partial(_dot, precision=precision)
+    idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    def body(c, s):  # s: f32[K, block_v]
+        r = c * chunk + idx
+        in_seq = (r >= start) & (r < end) & live
+        own = (r >= lo) & (r < hi)
+        rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        sb = s.astype(dt)
+        h_ref[c + n, h, :, vs] = sb
+        v_new = u_ref[c, h, :, vs].astype(jnp.float32) - dot(w_ref[c, h, :, :], sb)
+        vb_ = jnp.where(in_seq[:, None], v_new, 0.0).astype(dt)
+        plt.store(vn_ref.at[rs, h, vs], vb_, mask=own[:, None])
+        gc = gc_ref[c, h, :]
+        gl = gl_ref[c, h, :]
+        any_in = jnp.sum(in_seq.astype(jnp.int32)) > 0
+        d_last = jnp.where(any_in, jnp.exp(jnp.max(jnp.where(in_seq, gl, -jnp.inf))), 1.0)
+        kdec = jnp.exp(jnp.where(in_seq, gl - gc, -jnp.inf))
+        kg = (k_ref[rs, hk, :].astype(jnp.float32) * kdec[:, None]).astype(dt)
+        return s * d_last + dot(kg, vb_, contract_a=0)
+
+    s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, body, s0)
+
+    @pl.when(live)
+    def _():
+        pool_ref[row, h, :, vs] = s
+
+
+def _chunk_out_kernel(
+    cu_ref,  # i32[N+1]
+    flags_ref,  # i32[N]
+    pair_ref,  # i32[NC+N]  sequence of each (sequence, chunk) pair, -1 = unused
+    q_ref,  # [Tp, Hk, K]  (l2-normed, scaled)
+    a_ref,  # [NC, Hv, C, C]
+    gc_ref,  # f32[NC, Hv, C]
+    h_ref,  # [NC+N, Hv, K, V]
+    vn_ref,  # [Tp, Hv, V]
+    o_ref,  # [Tp, Hv, V]
+    *,
+    group: int,
+    chunk: int,
+    block_v: int,
+    precision,
+):
+    """Split form, pass 2 (parallel over pairs): ``o = (q * exp(gc)) h + A v_new`` for the pair's own rows."""
+    p, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n = pair_ref[p]
+    num_seqs = flags_ref.shape[0]
+
+    @pl.when(n >= 0)
+    def _():
+        c = p - n
+        hk = h // group
+        vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+        start, end, lo, hi, live, _ = _row_range(cu_ref, flags_ref, n, num_seqs, o_ref.shape[0])
+        r = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+        in_seq = (r >= start) & (r < end) & live
+        own = (r >= lo) & (r < hi)
+        rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        dt = a_ref.dtype
+        qg = (q_ref[rs, hk, :].astype(jnp.float32) * jnp.exp(gc_ref[c, h, :])[:, None]).astype(dt)
+        o = _dot(qg, h_ref[p, h, :, vs], precision=precision)
+        o = o + _dot(a_ref[c, h, :, :], vn_ref[rs, h, vs], precision=precision)
+        o = jnp.where(in_seq[:, None], o, 0.0)
+        plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=own[:, None])
+
+
+def _pair_table(cu_seqlens, num_chunks: int, chunk: int):
+    """i32[NC+N]: the sequence of (sequence n, chunk c) pair ``c + n`` (unique, see _chunk_state_kernel), -1 unused."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    tp = num_chunks * chunk
+    lo = cu_seqlens[:-1].at[0].set(0)
+    hi = cu_seqlens[1:].at[-1].set(tp)
+    seq = jnp.arange(num_seqs, dtype=jnp.int32)
+    first, stop = lo // chunk + seq, (hi + chunk - 1) // chunk + seq
+    pair = jnp.arange(num_chunks + num_seqs, dtype=jnp.int32)
+    n = jnp.searchsorted(first, pair, side="right").astype(jnp.int32) - 1
+    ok = (n >= 0) & (pair < stop[jnp.clip(n, 0, num_seqs - 1)])
+    return jnp.where(ok, n, -1)
+
+
+def _chunk_call_split(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
+                      out_block_v, num_warps, num_stages, interpret):
+    tp, hk, kd = qn.shape
+    nc, hv, chunk, vd = u.shape
+    num_seqs = rows.shape[0]
+    dt = w.dtype
+    precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    h, vn, pool = pl.pallas_call(
+        functools.partial(_chunk_state_kernel, group=hv // hk, chunk=chunk, block_v=block_v, precision=precision),
+        out_shape=(
+            jax.ShapeDtypeStruct((nc + num_seqs, hv, kd, vd), dt),
+            jax.ShapeDtypeStruct((tp, hv, vd), dt),
+            jax.ShapeDtypeStruct(pool.shape, jnp.float32),
+        ),
+        grid=(num_seqs, hv, vd // block_v),
+        input_output_aliases={8: 2},
+        compiler_params=params,
+        interpret=interpret,
+        name="gdn_chunk_state",
+    )(cu_seqlens, rows, flags, kn, w, u, gc, gl, pool)
+    o = pl.pallas_call(
+        functools.partial(_chunk_out_kernel, group=hv // hk, chunk=chunk, block_v=out_block_v,
+                          precision=precision),
+        out_shape=jax.ShapeDtypeStruct((tp, hv, vd), out_dtype),
+        grid=(nc + num_seqs, hv, vd // out_block_v),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="gdn_chunk_out",
+    )(cu_seqlens, flags, _pair_table(cu_seqlens, nc, chunk), qn, a, gc, h, vn)
+    return o, pool
 
 
 def _l2norm(x):
@@ -157,8 +396,13 @@ def _unit_lower_inverse(lmat, method: str):
     return inv
 
 
-def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, inverse):
-    """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel."""
+def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep, prep_num_warps=4,
+             interpret=False):
+    """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
+
+    ``prep="pallas"``: ``w``, ``u``, ``A`` by :func:`_prep_kernel` (16x16 block inverse in registers);
+    ``"solve"`` / ``"doubling"``: pure XLA (batched triangular solve / nilpotent doubling), kept as cross-checks.
+    """
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     group = hv // hk
@@ -187,8 +431,6 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, inver
 
     gch = heads_first(jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0), hv)  # f32[NC, Hv, C]
     bch = heads_first(jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0), hv)  # f32[NC, Hv, C]
-    qc, kc = heads_first(qn, hk), heads_first(kn, hk)  # [NC, Hk, C, K]
-    vc = heads_first(pad(v).astype(jnp.float32), hv)  # f32[NC, Hv, C, V]
 
     pos = jnp.arange(chunk, dtype=jnp.int32)
     prev = jnp.concatenate([jnp.full((num_chunks, 1), -2, jnp.int32), seg[:, :-1]], axis=1)
@@ -198,11 +440,18 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, inver
     cs = jnp.cumsum(gch, axis=-1)
     gc = cs - jnp.take_along_axis(cs - gch, first[:, None, :], axis=-1)  # f32[NC, Hv, C]
     gl = jnp.take_along_axis(gc, last[:, None, :], axis=-1)
+    if prep == "pallas":
+        w, u, a = _prep_call(seg.reshape(tp), qn, kn, pad(v), gc, bch, num_warps=prep_num_warps,
+                             interpret=interpret)
+        return qn, kn, w, u, a, gc, gl
 
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
     incl = (same & (pos[:, None] >= pos[None, :]))[:, None]  # [NC, 1, C, C]
     strict = (same & (pos[:, None] > pos[None, :]))[:, None]
     decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # f32[NC, Hv, C, C]
+
+    qc, kc = heads_first(qn, hk), heads_first(kn, hk)  # [NC, Hk, C, K]
+    vc = heads_first(pad(v).astype(jnp.float32), hv)  # f32[NC, Hv, C, V]
 
     def expand(x):  # [NC, Hk, ...] -> [NC, Hv, ...]
         return jnp.repeat(x, group, axis=1) if group > 1 else x
@@ -210,7 +459,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, inver
     ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=jnp.float32)
     kk = expand(ein("nhik,nhjk->nhij", kc, kc))
     lmat = jnp.where(strict, kk * decay * bch[..., :, None], 0.0)
-    tinv = _unit_lower_inverse(lmat, inverse)  # f32[NC, Hv, C, C]
+    tinv = _unit_lower_inverse(lmat, prep)  # f32[NC, Hv, C, C]
     kb = expand(kc.astype(jnp.float32)) * (bch * jnp.exp(gc))[..., None]
     hi = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST if dt == jnp.float32 else None,
                            preferred_element_type=jnp.float32)
@@ -222,7 +471,8 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, inver
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "inverse", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "prep_num_warps",
+                     "split", "out_block_v", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -238,28 +488,47 @@ def chunk_gated_delta_rule_pool(
     flags: jax.Array,  # i32[N]  FLAG_HAS_INITIAL | FLAG_LIVE
     scale: float,
     use_qk_l2norm: bool = False,
-    block_v: int = 32,
+    block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    inverse: str = "solve",
+    prep: str = "pallas",
+    prep_num_warps: int = 4,
+    split: bool = False,
+    out_block_v: int = 64,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``."""
+    """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
+
+    ``split=True``: the sequential kernel only carries the state (storing it per chunk, bf16 for bf16 inputs,
+    and ``v_new``); a second, fully parallel kernel computes the outputs (fla's structure).
+
+    ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
+    sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
+    """
     num_tokens, _, kd = q.shape
-    vd = v.shape[2]
+    hv, vd = v.shape[1], v.shape[2]
     _check_pow2("K", kd)
     _check_pow2("V", vd)
+    if block_v is None:
+        block_v = next((b for b in (64, 32) if rows.shape[0] * hv * (vd // b) >= 256), 16)
     block_v = min(block_v, vd)
     _check_pow2("block_v", block_v)
-    if inverse not in ("solve", "doubling"):
-        raise ValueError(f"inverse must be 'solve' or 'doubling', got {inverse!r}")
+    if prep not in ("pallas", "solve", "doubling"):
+        raise ValueError(f"prep must be 'pallas', 'solve' or 'doubling', got {prep!r}")
     qn, kn, w, u, a, gc, gl = _prepare(
-        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK, inverse=inverse
+        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK, prep=prep,
+        prep_num_warps=prep_num_warps, interpret=interpret,
     )
-    o, pool = _chunk_call(
-        qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, num_tokens=num_tokens,
-        block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-    )
+    if split:
+        o, pool = _chunk_call_split(
+            qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
+            out_block_v=min(out_block_v, vd), num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        )
+    else:
+        o, pool = _chunk_call(
+            qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        )
     return o[:num_tokens], pool
 
 
