@@ -186,3 +186,19 @@ def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
         o, c = np.asarray(poison[name].astype(jnp.float32)), np.asarray(new[name].astype(jnp.float32))
         assert (c[~touched] == o[~touched]).all(), name
         assert (c[touched] != o[touched]).any(axis=-1).all(), name  # every written token row changed
+
+
+def test_step_with_pallas_sparse_kernel_interpret(rng):
+    """The step's sparse MLA attention through the Pallas kernel (interpret mode on CPU) equals the reference."""
+    model = _model(topk=4, seed=9)
+    tokens = [rng.integers(0, 61, size=n).astype(np.int32) for n in LENGTHS]
+    perm = rng.permutation(NUM_PAGES)
+    tables = [np.concatenate([perm[5 * b:5 * b + 3], [-1, -1]]).astype(np.int32) for b in range(3)]
+    rows = [(1, 0, 6), (0, 0, 5), (2, 0, 4)]
+    graphdef, state = nnx.split(model)
+    out = {}
+    for impl in ("reference", "interpret"):
+        step = jax.jit(lambda s, c, i, impl=impl: nnx.merge(graphdef, s).forward_step(c, i, impl=impl))
+        caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE)
+        out[impl], _ = step(state, caches, _inputs(rows, tokens, tables, 15))
+    np.testing.assert_allclose(np.asarray(out["interpret"]), np.asarray(out["reference"]), atol=1e-4, rtol=0)
