@@ -173,8 +173,9 @@ class Engine:
       debug: validate every step's inputs on the host before running it (slow).
       max_traces: fail (``AssertionError``) if the device step compiles more than this many times.
       use_decode_path: mark all-decode steps ``decode_only`` (decode kernels; one more trace per bucket).
-      token_buckets, block_buckets: replace the scheduler's default bucket sets (powers of two) for ``T`` and
-        the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_blocks_per_seq``. Fewer
+      token_buckets, row_buckets, block_buckets: replace the scheduler's default bucket sets (powers of two) for
+        ``T``, ``B`` and the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_seqs`` /
+        ``max_blocks_per_seq``. Fewer
         buckets = fewer compilations, more padding (worth it where compiling is slow, e.g. on CPU).
     """
 
@@ -182,7 +183,8 @@ class Engine:
                  max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
                  cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
                  max_traces: int | None = None, use_decode_path: bool = True,
-                 token_buckets: Sequence[int] | None = None, block_buckets: Sequence[int] | None = None) -> None:
+                 token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
+                 block_buckets: Sequence[int] | None = None) -> None:
         if not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
         self.model = model
@@ -195,6 +197,8 @@ class Engine:
         if token_buckets is not None:
             self.scheduler.t_buckets = _check_buckets("token_buckets", token_buckets, max_num_batched_tokens,
                                                       "max_num_batched_tokens")
+        if row_buckets is not None:
+            self.scheduler.b_buckets = _check_buckets("row_buckets", row_buckets, cache_config.max_seqs, "max_seqs")
         if block_buckets is not None:
             self.scheduler.blk_buckets = _check_buckets("block_buckets", block_buckets,
                                                         cache_config.max_blocks_per_seq, "max_blocks_per_seq")
@@ -204,8 +208,9 @@ class Engine:
         self.debug = debug
         self.use_decode_path = use_decode_path
         graphdef, self.params = nnx.split(model)
-        if cache_dtype is None:
-            cache_dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
+        if cache_dtype is None:  # the parameters' float dtype
+            cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
+                               if jnp.issubdtype(x.dtype, jnp.floating))
         self.caches = init_model_caches(model, cache_config, cache_dtype, dict(cache_options or {}))
         self._device_step, self._traces = make_device_step(graphdef, max_traces=max_traces)
         self._tracked: dict[int, _Tracked] = {}
