@@ -94,6 +94,23 @@ def test_tied_embeddings_load_and_match(tmp_path, rng):
         load_pretrained(path, window=(4,))
 
 
+def test_multimodal_checkpoint_loads_text_tower(tmp_path):
+    """``Qwen3_5ForConditionalGeneration`` checkpoints: the text tower loads, the vision tower is skipped."""
+    torch.manual_seed(1)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
+                  num_position_embeddings=16)
+    hf = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=hf_config().to_dict(), vision_config=vision))
+    hf.save_pretrained(tmp_path / "mm")
+    model = load_pretrained(tmp_path / "mm")
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    np.testing.assert_array_equal(np.asarray(model.model.embed_tokens[...]),
+                                  sd["model.language_model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(model.model.layers[2].linear_attn.in_proj_qkv.kernel[...]),
+                                  sd["model.language_model.layers.2.linear_attn.in_proj_qkv.weight"].T)
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), sd["lm_head.weight"].T)
+
+
 # ------------------------------------------------------------------------------------------ bad checkpoints
 
 

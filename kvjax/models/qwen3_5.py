@@ -110,7 +110,8 @@ class Qwen3_5Config:
             text = cfg.get("text_config")
             if not isinstance(text, dict):
                 raise CheckpointError(f"qwen3_5 config needs a 'text_config' object, got {text!r}")
-            cfg = text
+            outer_tie = cfg.get("tie_word_embeddings")  # the wrapper's flag governs its lm_head
+            cfg = text if outer_tie is None else {**text, "tie_word_embeddings": outer_tie}
         try:
             act = config_get(cfg, "hidden_act", "silu", kind=str)
             if act != "silu":
