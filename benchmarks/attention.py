@@ -48,7 +48,8 @@ torch.cuda.synchronize(); ts = []
 for _ in range(20):
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record(); y.copy_(x); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b) / 1e3)
-ts.sort(); print(json.dumps({"torch_copy_gbs": 2 * x.numel() * 2 / ts[len(ts) // 2] / 1e9, "name": torch.cuda.get_device_name()}))
+ts.sort()
+print(json.dumps({"torch_copy_gbs": 2 * x.numel() * 2 / ts[len(ts) // 2] / 1e9, "name": torch.cuda.get_device_name()}))
 """
 
 
@@ -117,7 +118,8 @@ def decode_section(k_pages, v_pages, copy_gbs, quick, results):
     )
 
     anchor = jax.jit(lambda q_, k_, v_, bt_, sl_: jax_pa.paged_attention(
-        q_ * scale, k_.reshape(hkv, per_head, ps, d), v_.reshape(hkv, per_head, ps, d), bt_, sl_, interpret=SIZES["interpret"],
+        q_ * scale, k_.reshape(hkv, per_head, ps, d), v_.reshape(hkv, per_head, ps, d), bt_, sl_,
+        interpret=SIZES["interpret"],
         k_splits=min(16, l // ps)))
     a_out = anchor(q, k_pages, v_pages, anchor_bt, sl)
     t_anchor = timeit(anchor, q, k_pages, v_pages, anchor_bt, sl)
@@ -177,9 +179,10 @@ def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
     bytes_needed = int(n_pages.sum()) * ps * d * 2 * 2
     bytes_full = b * hkv * l * d * 2 * 2
     rows = []
-    cfgs = [best_cfg] + [dict(best_cfg, num_splits=sp) for sp in (2, 8, 16)] + [
-        dict(best_cfg, balanced=False), dict(best_cfg, balanced=False, num_splits=8),
+    flip = dict(best_cfg, balanced=not best_cfg.get("balanced", True))
+    cfgs = [best_cfg] + [dict(best_cfg, num_splits=sp) for sp in (2, 8, 16)] + [flip, dict(flip, num_splits=8)] + [
         dict(block_k=128, num_warps=4, num_stages=3), dict(block_k=128, num_warps=4, num_stages=3, num_splits=8)]
+    cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
     ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=window,
                                                        sinks=sinks))(q, k_pages, v_pages, bt_swa, sl)
     for cfg in cfgs:
@@ -293,7 +296,7 @@ def main() -> None:
     kk, kv = jax.random.split(jax.random.key(0))
     k_pages = jax.random.normal(kk, (n_pages, ps, d), jnp.bfloat16)
     v_pages = jax.random.normal(kv, (n_pages, ps, d), jnp.bfloat16)
-    best = dict(block_k=128, num_warps=4, num_stages=2)
+    best = dict(block_k=64, num_warps=4, num_stages=4)  # the kernel defaults
     for name, fn in (("decode", lambda: decode_section(k_pages, v_pages, copy_gbs, args.quick, results)),
                      ("swa", lambda: swa_section(k_pages, v_pages, best, copy_gbs, results)),
                      ("prefill", lambda: prefill_section(args.quick, results))):

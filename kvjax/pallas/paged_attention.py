@@ -231,7 +231,8 @@ def paged_attention(
     if mode == "prefill" or (mode == "auto" and t_total > num_rows):
         return paged_prefill.paged_prefill(
             q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
-            sinks=sinks, interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+            sinks=sinks, interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps,
+            num_stages=num_stages,
         )
     block_k = max(block_k or 64, page_size)
     _check_kernel_shapes(q, k_pages, block_k)

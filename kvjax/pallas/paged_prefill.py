@@ -149,7 +149,9 @@ def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
     return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path")
+)
 def paged_prefill(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, page_size, D]
@@ -178,7 +180,7 @@ def paged_prefill(
     num_pages, page_size, _ = k_pages.shape
     num_rows, hkv, max_blocks = block_tables.shape
     group = hq // hkv
-    block_k = max(block_k or 128, page_size)
+    block_k = max(block_k or 64, page_size)
     rows = max(block_q or 128, 16, paged_common.next_pow2(group))
     for name, val in (("head_dim", d), ("page_size", page_size), ("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
@@ -196,7 +198,7 @@ def paged_prefill(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
         grid=(hkv, t_row.shape[0]),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages or 3),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3),
         interpret=interpret,
         name=f"kvjax_paged_prefill_bq{rows}_bk{block_k}",
     )(
