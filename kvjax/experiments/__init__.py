@@ -1,0 +1,17 @@
+"""Reusable pieces of the notebooks in ``notebooks/``: sweeps, engine runs, the synthetic task, plots.
+
+Modules, one concept each:
+
+- ``size``: the notebooks' size parameter (``KVJAX_NB_SIZE=small|gpu``) and the presets it selects;
+- ``sweeps``: capacity-simulator sweeps (SWA fraction, window, sinks, pool) and per-step traces;
+- ``engine_runs``: the same comparison on a real (toy) model through :class:`kvjax.engine.engine.Engine`;
+- ``tasks``: a synthetic key-value retrieval task, a short optax training loop, accuracy under recycle
+  policies, and a deliberately lossy policy (:class:`~kvjax.experiments.tasks.EvictEarly`);
+- ``plots``: matplotlib figures used by the notebooks.
+
+Nothing here is imported by the library itself; ``matplotlib`` is needed only by ``plots``.
+"""
+
+from kvjax.experiments.size import Size, notebook_size
+
+__all__ = ["Size", "notebook_size"]

@@ -1,0 +1,381 @@
+"""Writes the notebooks of this folder from the cell sources below (outputs stripped): ``python notebooks/build.py``.
+
+Edit the cells here, not the ``.ipynb`` files, then rerun this script. Each notebook reads ``KVJAX_NB_SIZE``
+(``small``, the default, runs on 2 CPU cores in CI; ``gpu`` runs bigger sweeps) in its first code cell;
+``tests/test_notebooks.py`` executes them all top to bottom.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+SETUP = '''\
+import numpy as np
+from IPython.display import Markdown, display
+from kvjax.experiments import notebook_size
+
+SIZE = notebook_size()  # KVJAX_NB_SIZE=small (default, CI on CPU) | gpu
+print("size:", SIZE)'''
+
+RECYCLE = [
+    new_markdown_cell("""\
+# Head-wise SWA recycling: how much throughput at fixed page memory, and where it comes from
+
+When some KV heads are sliding-window (SWA) heads, their pages that fall out of every future query's window
+(and hold no sink) can go back to the pool while the request is still running (`recycle="timely"`). With the
+same page memory, more requests then fit at once. This notebook measures the gain against keeping every page
+(`recycle="none"`) as the fraction of SWA heads, the window, the sink count and the pool policy (`shared`: one
+free list; `partitioned`: the seed's per-head free lists) vary, first with the capacity simulator on a
+workload shaped like the seed's benchmark, then with the toy Qwen3.5 model through the engine.
+
+Every number below is computed by this notebook; the prose under each plot is formatted from them.
+Set `KVJAX_NB_SIZE=gpu` for the full-size run (the default `small` runs in CI on two CPU cores)."""),
+    new_code_cell(SETUP + '''
+from kvjax.experiments import plots, sweeps'''),
+    new_markdown_cell("""\
+## 1. Capacity simulator, seed-shaped workload
+
+The simulator drives the real scheduler (chunked prefill, admission, page allocation, recycling, preemption
+by recompute) without a model: every decoding request generates one token per step. Lengths follow the seed's
+benchmark (≈10.6k prompt / ≈4.05k output tokens, multiplied by `scale`); page memory holds 8 mean-length
+requests on every head without recycling. The bound is the simulator's upper bound on generated tokens per
+step (token budget, batch rows, the longest request, and page-steps: see `kvjax.sched.simulate`)."""),
+    new_code_cell('''\
+setup = sweeps.seed_setup(SIZE.pick(small=24, gpu=128), scale=SIZE.pick(small=0.25, gpu=1.0), kv_heads=4,
+                          page_size=64, memory_requests=8.0, max_seqs=64, max_tokens=2048)
+sim = sweeps.SimSweep(setup)
+BASE = dict(swa_fraction=1.0, window=1024, sinks=4, pool="shared")
+print(f"{len(setup.workload)} requests, mean prompt {setup.mean_prompt:.0f} / output {setup.mean_output:.0f} tokens; "
+      f"{setup.cache.num_pages} pages of {setup.cache.page_size} tokens; base config {BASE}")
+head = sim.compare(**BASE)
+print(sweeps.format_rows([dict(r, value="base") for r in head.values()]))'''),
+    new_code_cell('''\
+n, t = head["none"], head["timely"]
+SEED_GAIN = 1.758  # the seed's measured output-throughput gain (+75.8%, 1024 prompts); the scheduler issue's target
+assert t["gain"] >= 1.75, f"timely/none = {t['gain']:.2f}x < 1.75x"
+display(Markdown(
+    f"All KV heads SWA (window {BASE['window']}, {BASE['sinks']} sinks), shared pool: `timely` generates "
+    f"**{t['gain']:.2f}×** the tokens per step of `none` ({t['tokens_per_step']:.1f} vs {n['tokens_per_step']:.1f}; "
+    f"the seed measured {SEED_GAIN:.3f}× on a GPU server). Upper bounds on tokens per step: none ≤ "
+    f"{n['bound_tokens_per_step']:.1f} (limited by `{n.get('bound_by', '?')}`), timely ≤ "
+    f"{t['bound_tokens_per_step']:.1f} (`{t.get('bound_by', '?')}`); the runs reach "
+    f"{n['tokens_per_step'] / n['bound_tokens_per_step']:.0%} and {t['tokens_per_step'] / t['bound_tokens_per_step']:.0%} "
+    f"of their bounds. Peak running requests go from {n['peak_concurrency']} to "
+    f"{t['peak_concurrency']}, and preemptions from {n['preemptions']} to {t['preemptions']}."))'''),
+    new_markdown_cell("### Pages in use over time, none vs timely (base configuration)"),
+    new_code_cell('''\
+traces = {r: sweeps.trace_simulation(setup, **BASE, recycle=r) for r in ("none", "timely")}
+fig = plots.pages_figure(traces, title="simulator: pages in use and running requests per step")
+tn, tt = traces["none"], traces["timely"]
+display(Markdown(
+    f"Without recycling the pool is {np.mean(tn['pages_used']) / tn['num_pages']:.0%} full on average "
+    f"(peak {np.max(tn['pages_used']) / tn['num_pages']:.0%}) with {np.mean(tn['running']):.1f} requests running; "
+    f"with timely recycling it is {np.mean(tt['pages_used']) / tt['num_pages']:.0%} full on average while "
+    f"{np.mean(tt['running']):.1f} requests run, and the run takes {len(tt['running'])} steps instead of "
+    f"{len(tn['running'])}. The throughput gain is the concurrency gain: more requests share each step."))'''),
+    new_markdown_cell("### Sweep: fraction of SWA heads, both pool policies"),
+    new_code_cell('''\
+fracs = SIZE.pick(small=[0.25, 0.5, 1.0], gpu=[0.0, 0.25, 0.5, 0.75, 1.0])
+pools = ("shared", "partitioned")
+rows_f = [r for pool in pools for r in sim.sweep("swa_fraction", fracs, dict(BASE, pool=pool))]
+fig = plots.sweep_figure(rows_f, vary="swa_fraction", xlabel="fraction of KV heads that are SWA", pools=pools)
+print(sweeps.format_rows(sweeps.select(rows_f, recycle="timely")))'''),
+    new_code_cell('''\
+g = {p: sweeps.column(sweeps.select(rows_f, recycle="timely", pool=p), "gain") for p in pools}
+mono = all(np.all(np.diff(g[p]) >= -0.02) for p in pools)
+best = max(pools, key=lambda p: g[p][-1])
+display(Markdown(
+    f"With {fracs[0]:.0%} SWA heads timely recycling gives {g['shared'][0]:.2f}× (shared) / "
+    f"{g['partitioned'][0]:.2f}× (partitioned); with {fracs[-1]:.0%} it gives {g['shared'][-1]:.2f}× / "
+    f"{g['partitioned'][-1]:.2f}×. The gain {'grows' if mono else 'does not grow monotonically'} with the SWA "
+    f"fraction, and at {fracs[-1]:.0%} the `{best}` pool is ahead. "
+    + ("A partitioned pool can reuse a recycled page only on the head that freed it, so with few SWA heads the "
+       "full heads' partitions fill up while the SWA partitions sit partly empty."
+       if g['shared'][0] > g['partitioned'][0] + 0.02 else
+       "At the lowest SWA fraction the two pools are within 0.02× of each other.")))'''),
+    new_markdown_cell("### Sweep: window (all heads SWA, shared pool)"),
+    new_code_cell('''\
+windows = SIZE.pick(small=[256, 1024, 2048], gpu=[128, 256, 512, 1024, 2048, 4096])
+rows_w = sim.sweep("window", windows, BASE)
+fig = plots.sweep_figure(rows_w, vary="window", xlabel="window (tokens)", logx=True)
+gw = sweeps.column(sweeps.select(rows_w, recycle="timely"), "gain")
+display(Markdown(
+    f"A window of {windows[0]} tokens gives {gw[0]:.2f}×, {windows[-1]} tokens {gw[-1]:.2f}×: the smaller the "
+    f"window relative to the requests' length (≈{setup.mean_prompt + setup.mean_output:.0f} tokens here), the "
+    f"more pages each request gives back."))'''),
+    new_markdown_cell("### Sweep: sinks (all heads SWA, window 1024, shared pool)"),
+    new_code_cell('''\
+sink_values = SIZE.pick(small=[0, 4, 512], gpu=[0, 4, 64, 512, 2048])
+rows_s = sim.sweep("sinks", sink_values, BASE)
+fig = plots.sweep_figure(rows_s, vary="sinks", xlabel="sink tokens per SWA head")
+gs = sweeps.column(sweeps.select(rows_s, recycle="timely"), "gain")
+display(Markdown(
+    f"Sinks are never recycled and round up to whole pages ({setup.cache.page_size} tokens): {sink_values[0]} "
+    f"sinks give {gs[0]:.2f}×, {sink_values[1]} give {gs[1]:.2f}×, {sink_values[-1]} give {gs[-1]:.2f}×."))'''),
+    new_markdown_cell("""\
+## 2. The toy Qwen3.5 through the engine
+
+Same comparison with a model in the loop: a toy Qwen3.5 (one GDN layer, one attention layer with 4 KV heads,
+random weights) generates greedily for a long-prompt workload through `kvjax.engine.Engine`, with the same page
+memory for both policies. Both runs must generate the same tokens (checked). Shapes are chosen so the engine
+compiles its step once; tokens/s excludes compile steps. On CPU the step time is noisy (shared cores), so
+tokens per step is the steadier figure; on a GPU (`KVJAX_NB_SIZE=gpu`) both are meaningful."""),
+    new_code_cell('''\
+from kvjax.config import CacheConfig
+from kvjax.experiments import engine_runs
+
+ENG = SIZE.pick(
+    small=dict(requests=12, prompt=(120, 180), output=(48, 72), page=32, pages=64, window=32, pools=("shared",)),
+    gpu=dict(requests=96, prompt=(160, 200), output=(40, 56), page=32, pages=192, window=32,
+             pools=("shared", "partitioned")))
+model = engine_runs.toy_qwen(swa_fraction=1.0, window=ENG["window"], sinks=4)
+workload = engine_runs.long_prompt_workload(ENG["requests"], prompt=ENG["prompt"], output=ENG["output"],
+                                            vocab=model.config.vocab_size)
+cache = CacheConfig(page_size=ENG["page"], num_pages=ENG["pages"], max_seqs=8, max_blocks_per_seq=8)
+runs = engine_runs.compare_policies(model, cache, workload, pools=ENG["pools"], max_num_batched_tokens=16)
+for r in runs:
+    s = r["summary"]
+    print(f"{r['recycle']:7} {r['pool']:11} {s['generated_tokens_per_s']:8.1f} tok/s {s['generated_tokens_per_step']:5.2f} "
+          f"tok/step (bound {r['bound']:.2f})  peak running {s['running_peak']}  preemptions {s['preemptions']}  "
+          f"compile {s['compile_time_s']:.1f}s")'''),
+    new_code_cell('''\
+fig = plots.engine_figure(runs)
+fig2 = plots.pages_figure({f"{r['recycle']} ({r['pool']})": dict(r["trace"], num_pages=r["num_pages"]) for r in runs},
+                          title="engine: pages in use and running requests per step")
+rn, rt = runs[0], runs[1]
+display(Markdown(
+    f"Through the engine (shared pool) `timely` reaches **{rt['step_gain']:.2f}×** the generated tokens per step of "
+    f"`none` ({rt['summary']['generated_tokens_per_step']:.2f} vs {rn['summary']['generated_tokens_per_step']:.2f}; "
+    f"upper bounds {rt['bound']:.2f} and {rn['bound']:.2f}) and {rt['gain']:.2f}× the tokens per second "
+    f"({rt['summary']['generated_tokens_per_s']:.0f} vs {rn['summary']['generated_tokens_per_s']:.0f}), with the "
+    f"same generated tokens. Peak running requests go from {rn['summary']['running_peak']} to "
+    f"{rt['summary']['running_peak']} (mean {rn['summary']['running_mean']:.1f} → {rt['summary']['running_mean']:.1f}) "
+    f"and preemptions from {rn['summary']['preemptions']} to {rt['summary']['preemptions']}: the gain comes "
+    f"from concurrency."))'''),
+    new_code_cell('''\
+if SIZE == "gpu":  # engine sweep over the SWA fraction (one compile per layout)
+    rows_e = []
+    for frac in (0.25, 0.5, 1.0):
+        m = engine_runs.toy_qwen(swa_fraction=frac, window=ENG["window"], sinks=4)
+        for r in engine_runs.compare_policies(m, cache, workload, max_num_batched_tokens=16):
+            rows_e.append(dict(value=frac, pool=r["pool"], recycle=r["recycle"],
+                               tokens_per_step=r["summary"]["generated_tokens_per_step"],
+                               bound_tokens_per_step=r["bound"], peak_concurrency=r["summary"]["running_peak"],
+                               tokens_per_s=r["summary"]["generated_tokens_per_s"]))
+    fig = plots.sweep_figure(rows_e, vary="swa_fraction (engine)", xlabel="fraction of KV heads that are SWA")
+    print(sweeps.format_rows(rows_e, ("value", "recycle", "tokens_per_step", "bound_tokens_per_step",
+                                      "tokens_per_s", "peak_concurrency")))
+else:
+    print("engine sweep over the SWA fraction: KVJAX_NB_SIZE=gpu")'''),
+    new_markdown_cell("## Summary"),
+    new_code_cell('''\
+display(Markdown(
+    f"- Simulator, seed-shaped workload, all heads SWA (window {BASE['window']}, {BASE['sinks']} sinks): "
+    f"**{head['timely']['gain']:.2f}×** generated tokens per step (ratio of the bounds {head['timely']['bound_gain']:.2f}×), "
+    f"peak concurrency {head['none']['peak_concurrency']} → {head['timely']['peak_concurrency']}.\\n"
+    f"- SWA fraction {fracs[0]:.0%} → {fracs[-1]:.0%}: {g['shared'][0]:.2f}× → {g['shared'][-1]:.2f}× (shared), "
+    f"{g['partitioned'][0]:.2f}× → {g['partitioned'][-1]:.2f}× (partitioned).\\n"
+    f"- Window {windows[0]} → {windows[-1]}: {gw[0]:.2f}× → {gw[-1]:.2f}×; sinks {sink_values[0]} → "
+    f"{sink_values[-1]}: {gs[0]:.2f}× → {gs[-1]:.2f}×.\\n"
+    f"- Engine (toy Qwen3.5): {rt['step_gain']:.2f}× tokens/step, {rt['gain']:.2f}× tokens/s, identical tokens."))'''),
+]
+
+QUALITY = [
+    new_markdown_cell("""\
+# Quality under recycling: honouring the window costs nothing, evicting inside it does
+
+Recycling a SWA head's pages once they are out of every future query's window must not change a single output;
+a policy that evicts pages queries still attend to must show what it costs. A toy Qwen3.5 is trained briefly
+(optax) on a synthetic key–value retrieval task whose answer lies anywhere up to the whole context back, with
+one SWA head and one full head per layer. It is then evaluated through the engine (chunked prefill, so pages
+are recycled between chunks) under: no recycling, timely recycling, and deliberately lossy policies that
+evict blocks older than `keep` tokens. `KVJAX_NB_SIZE=gpu` runs longer sequences."""),
+    new_code_cell(SETUP + '''
+from kvjax.config import CacheConfig
+from kvjax.experiments import plots, tasks'''),
+    new_markdown_cell("""\
+## Task and model
+
+Each sequence: `BOS`, noise tokens with a few *store* tokens (key, value) at random positions, then
+(query key, answer value) pairs. The loss is on the answers only. The model is attention-only while it
+trains (a GDN layer would carry the answer past any window and hide the cost of eviction); KV head 0 is a SWA
+head (window and sinks below), KV head 1 a full head."""),
+    new_code_cell('''\
+CFG = SIZE.pick(
+    small=dict(task=dict(length=48, num_pairs=4, num_queries=4), window=(8, 0), sinks=(2, 0), steps=150,
+               eval=64, page=8, keeps=(8, 16, 32)),
+    gpu=dict(task=dict(length=256, num_pairs=6, num_queries=6), window=(32, 0), sinks=(4, 0), steps=1500,
+             eval=512, page=16, keeps=(16, 32, 64, 128)))
+task = tasks.RetrievalTask(**CFG["task"])
+model0 = tasks.task_model(task, window=CFG["window"], sinks=CFG["sinks"])
+print(task, "vocab", task.vocab_size, "| KV heads window", CFG["window"], "sinks", CFG["sinks"])'''),
+    new_code_cell('''\
+model, hist = tasks.train(model0, task, steps=CFG["steps"], batch=32, lr=1e-2)
+fig = plots.training_figure(hist)
+print(f"last 20 steps: loss {hist['loss'][-20:].mean():.4f}, answer accuracy {hist['accuracy'][-20:].mean():.3f}")'''),
+    new_markdown_cell("""\
+## Accuracy without a cache, and with every head full
+
+`model.logits` (no cache, the trained masks) is the oracle. The same weights with every head full attention
+(no SWA head at all, the most memory) show what the SWA head's window changes."""),
+    new_code_cell('''\
+prompts, answers, dist = task.eval_set(np.random.default_rng(1), CFG["eval"])
+oracle = tasks.greedy_answers(model, prompts)
+acc_oracle = float((oracle == answers).mean())
+full = tasks.with_layout(model, window=(0, 0), sinks=(0, 0))
+acc_full = float((tasks.greedy_answers(full, prompts) == answers).mean())
+chance = 1 / task.num_values
+assert acc_oracle >= 0.8, f"the trained model answers only {acc_oracle:.0%} (chance {chance:.0%})"
+print(f"{len(prompts)} prompts of {prompts.shape[1]} tokens; distance to the store token {dist.min()}..{dist.max()}")
+print(f"accuracy, no cache (trained masks): {acc_oracle:.3f}; every head full: {acc_full:.3f}; chance {chance:.3f}")'''),
+    new_markdown_cell("""\
+## Through the engine under recycle policies
+
+The cached step needs a GDN state pool, so the trained attention layers move behind a GDN layer whose output
+projections are zero (an exact identity, checked below). The engine prefills in chunks of 16 tokens, so
+pages leave the pool between chunks. `evict>k (heads [0])` evicts only the SWA head's blocks, earlier than its
+window; `evict>k (all heads)` also evicts the full head's blocks older than `k` tokens."""),
+    new_code_cell('''\
+engine_model = tasks.with_identity_gdn(model)
+assert np.array_equal(tasks.greedy_answers(engine_model, prompts), oracle), "identity GDN layer changed outputs"
+blocks = -(-task.length // CFG["page"])
+cache = CacheConfig(page_size=CFG["page"], num_pages=8 * 2 * blocks, max_seqs=8, max_blocks_per_seq=blocks)
+policies = {"none": "none", "timely": "timely", "evict>1 (heads [0])": tasks.EvictEarly(1, heads=(0,))}
+policies.update({f"evict>{k} (all heads)": tasks.EvictEarly(k) for k in CFG["keeps"]})
+res = tasks.policy_accuracies(engine_model, prompts, answers, cache=cache, policies=policies)  # asserts timely == none
+assert np.array_equal(res["none"]["pred"], oracle), "engine without recycling differs from model.logits"
+for name, r in res.items():
+    print(f"{name:22} accuracy {r['accuracy']:.3f}  mean page use {r['summary']['page_util_mean']:.3f}")'''),
+    new_code_cell('''\
+edges = np.linspace(0, task.context + 2, 7).round()
+accs = {"no cache": acc_oracle, "full heads": acc_full, **{k: v["accuracy"] for k, v in res.items()}}
+by_dist = {k: tasks.accuracy_by_distance(v["correct"], dist, edges) for k, v in res.items() if k != "none"}
+fig = plots.accuracy_figure(accs, by_dist, edges, chance=chance)
+lossy = [k for k in res if k.endswith("(all heads)")]
+worst = min(lossy, key=lambda k: res[k]["accuracy"])
+pages_saved = 1 - res["timely"]["summary"]["page_util_mean"] / res["none"]["summary"]["page_util_mean"]
+display(Markdown(
+    f"The trained model answers **{acc_oracle:.1%}** of {len(prompts)} held-out queries without a cache "
+    f"(chance {chance:.1%}); with every head full, {acc_full:.1%}. Through the engine, timely recycling generates "
+    f"exactly the tokens of no recycling ({int((res['timely']['pred'] != res['none']['pred']).sum())} of "
+    f"{len(prompts)} differ; accuracy {res['timely']['accuracy']:.1%}) while holding {pages_saved:.1%} fewer pages "
+    f"on average (pages in use over the run: {res['none']['summary']['page_util_mean']:.3f} → {res['timely']['summary']['page_util_mean']:.3f} of the pool). Evicting the SWA head's pages early costs {res['none']['accuracy'] - res['evict>1 (heads [0])']['accuracy']:+.1%} "
+    f"(that head is not what answers); evicting every head's pages older than {CFG['keeps'][0]} tokens drops accuracy "
+    f"to **{res[worst]['accuracy']:.1%}**, and the right panel shows where: queries whose store token is further back "
+    f"than the kept span fall to chance."))'''),
+]
+
+TOUR = [
+    new_markdown_cell("""\
+# Kernels tour: every op, reference vs Pallas, and the head-wise block tables
+
+Each public op on small random inputs, under each implementation available here: the float32 pure-jnp
+reference and the Pallas kernel (`impl="interpret"` on CPU, compiled `impl="pallas"` on a GPU). Then the
+picture a head-wise SWA batch leaves in its block tables, and how to run the benchmarks."""),
+    new_code_cell(SETUP + '''
+import jax
+from kvjax.experiments import plots, tour
+print("backend:", jax.default_backend())'''),
+    new_markdown_cell("## Reference vs kernel on small inputs"),
+    new_code_cell('''\
+rows = []
+for case in tour.op_cases(np.random.default_rng(0)):
+    print(f"{case.op}: {case.shapes}")
+    rows += tour.compare_impls(case)
+print()
+print(f"{'op':28} {'impl':10} {'max |diff| vs reference':>24} {'1st call s':>11} {'2nd call s':>11}")
+for r in rows:
+    print(f"{r['op']:28} {r['impl']:10} {r['max_abs_diff']:24.2e} {r['first_s']:11.3f} {r['second_s']:11.4f}")
+kernel_rows = [r for r in rows if r["impl"] != "reference"]
+assert all(r["max_abs_diff"] < 1e-4 for r in kernel_rows), "a kernel disagrees with its reference"
+display(Markdown(f"{len(kernel_rows)} kernel runs over {len({r['op'] for r in kernel_rows})} ops match their "
+                 f"references to {max(r['max_abs_diff'] for r in kernel_rows):.1e} (float32). Ops without a kernel "
+                 f"here: {sorted({r['op'] for r in rows} - {r['op'] for r in kernel_rows}) or 'none'}."))'''),
+    new_markdown_cell("""\
+## Which pages each head holds: a head-wise SWA batch
+
+A real scheduler with timely recycling runs three requests for a few steps on a layer whose KV heads 0–1 are
+full and 2–3 are SWA (window 16, 4 sinks). Each panel is one sequence of the next step's plan: rows are KV
+heads, columns logical blocks, the number is the page id; white cells are holes (`-1`, recycled), which the
+kernels never read. Full heads hold every block; SWA heads hold their sink block and the window."""),
+    new_code_cell('''\
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.sched import Scheduler
+
+att = AttentionConfig(8, 4, 16, window=(0, 0, 16, 16), sinks=(0, 0, 4, 4))
+sched = Scheduler(CacheConfig(page_size=4, num_pages=160, max_seqs=4, max_blocks_per_seq=24), att,
+                  max_num_batched_tokens=16, recycle="timely")
+rng = np.random.default_rng(0)
+for n in (60, 44, 72):
+    sched.add_request(rng.integers(1, 100, n), 16)
+for _ in range(8):
+    plan = sched.schedule()
+    sched.update(plan, rng.integers(1, 100, plan.seq_lens.shape[0]))
+plan = sched.schedule()
+tables, lens = plan.block_tables[: plan.num_seqs], plan.seq_lens[: plan.num_seqs]
+fig = plots.block_table_figure(tables, lens, page_size=4, window=att.window, sinks=att.sinks)
+held = (tables >= 0).sum(axis=(0, 2))
+display(Markdown(f"Pages held per KV head over the batch: {held.tolist()} (full heads {held[:2].sum()}, SWA heads "
+                 f"{held[2:].sum()}); the pool has {sched.blocks.used_pages()} of 160 pages in use."))'''),
+    new_markdown_cell("""\
+The same batch through paged attention: the kernel walks only the blocks a head holds, and gives the
+reference's result."""),
+    new_code_cell('''\
+import jax.numpy as jnp
+import kvjax.ops as ops
+
+kp = jnp.asarray(rng.standard_normal((160, 4, 16)), jnp.float32)
+vp = jnp.asarray(rng.standard_normal((160, 4, 16)), jnp.float32)
+q = jnp.asarray(rng.standard_normal((plan.token_ids.shape[0], 8, 16)), jnp.float32)
+args = (q, kp, vp, jnp.asarray(plan.block_tables), jnp.asarray(plan.seq_lens))
+kw = dict(cu_seqlens=jnp.asarray(plan.cu_seqlens), window=jnp.asarray(att.window, jnp.int32),
+          sinks=jnp.asarray(att.sinks, jnp.int32))
+kernel = "interpret" if jax.default_backend() == "cpu" else "pallas"
+o_ref = ops.paged_attention(*args, **kw, impl="reference")
+o_ker = ops.paged_attention(*args, **kw, impl=kernel)
+err = float(jnp.abs(o_ref - o_ker)[: plan.num_tokens].max())
+assert err < 1e-4
+print(f"paged_attention {kernel} vs reference on the scheduler's plan: max |diff| {err:.2e}")'''),
+    new_markdown_cell("""\
+## Benchmarks
+
+The benchmark scripts are jit-compiled, check correctness before timing, and are meant for a GPU; each
+prints a table and writes JSON. Measured figures live in `benchmarks/RESULTS.md`. Run them from the
+repository root, e.g. `python benchmarks/attention.py --quick`, or on the device machine with
+`PYTHONPATH=$PWD python benchmarks/<script>.py`. The capacity simulator is `python -m kvjax simulate --help`."""),
+    new_code_cell('''\
+import pathlib
+root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "benchmarks").is_dir())
+for b in tour.benchmark_scripts(root):
+    print(f"python {b['script']:30} # {b['what']}")'''),
+]
+
+
+def _notebook(cells) -> nbformat.NotebookNode:
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+NOTEBOOKS = {"recycle_policies.ipynb": RECYCLE, "quality_under_recycling.ipynb": QUALITY,
+             "kernels_tour.ipynb": TOUR}
+
+
+def main() -> None:
+    for name, cells in NOTEBOOKS.items():
+        nb = _notebook(cells)
+        for i, cell in enumerate(nb.cells):
+            cell["id"] = f"{pathlib.Path(name).stem[:12]}-{i:02d}"
+        nbformat.validate(nb)
+        nbformat.write(nb, HERE / name)
+        print(f"wrote notebooks/{name} ({len(cells)} cells)")
+
+
+if __name__ == "__main__":
+    main()
