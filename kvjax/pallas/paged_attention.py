@@ -2,8 +2,9 @@
 
 One program per (query token, KV head, split). It holds the whole GQA group of query heads of that KV head
 (padded to >= 16 rows for the tensor cores), so each K/V page is read once per token. It walks only the
-virtual page list of :mod:`kvjax.pallas.paged_common` (sink pages + window pages of *its* KV head), split
-evenly over ``num_splits`` programs; a ``-1`` table entry is masked at the load, so a hole is never read.
+virtual page list of :mod:`kvjax.pallas.paged_common` (sink pages + window pages of *its* KV head), cut
+into fixed-size splits (``balanced``, default: a SWA head's short walk takes one or two programs) or into
+``num_splits`` equal parts; a ``-1`` table entry is masked at the load, so a hole is never read.
 Every split writes an f32 partial output and its log-sum-exp; the merge is f32 and an empty split (or a
 padding token) contributes weight 0, never NaN.
 
@@ -26,7 +27,7 @@ from kvjax.pallas import paged_common
 from kvjax.pallas import paged_prefill
 
 _NEG_INF = float("-inf")
-_TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on an H100)
+_TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on H100/H200)
 
 
 def _decode_kernel(

@@ -185,6 +185,8 @@ def paged_prefill(
     for name, val in (("head_dim", d), ("page_size", page_size), ("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
+    if d < 16:
+        raise ValueError(f"pallas paged_prefill needs head_dim >= 16, got {d}")
     tokens_per_tile = rows // group
     t_row, t_tok, t_len, t_pos = _tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
     lo, n_sink, n_pages = paged_common.page_ranges(
