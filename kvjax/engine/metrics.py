@@ -112,6 +112,7 @@ class EngineMetrics:
             "generated_tokens_per_step": float(col["generated"].mean()),
             "step_time_median_s": float(np.median(step_t)) if warm.any() else nan,
             "host_time_median_s": float(np.median(host)) if warm.any() else nan,
+            "device_time_median_s": float(np.median(col["t_device"][warm])) if warm.any() else nan,
             "host_share": float(host.sum() / total) if total > 0 else nan,
             "schedule_share": float(col["t_schedule"][warm].sum() / total) if total > 0 else nan,
             "inputs_share": float(col["t_inputs"][warm].sum() / total) if total > 0 else nan,
