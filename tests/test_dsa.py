@@ -231,3 +231,35 @@ def test_sparse_pallas_gpu(rng, h):
         got = np.asarray(sparse_mla_decode_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
         assert np.isfinite(got).all()
         assert np.linalg.norm(got - np.asarray(want)) / np.linalg.norm(np.asarray(want)) <= 2e-2
+
+
+def test_indexer_reads_the_dsa_cache_writer(rng):
+    """Keys written by kvjax.state.dsa_cache (fp8 + per-128 scales) score like the dequantised keys."""
+    from kvjax.state.dsa_cache import dequantize_fp8_blockwise, write_dsa_indexer
+
+    page_size, max_blocks, di, hi = 8, 3, 128, 2
+    lens = np.array([17, 6], np.int32)
+    num_pages = 7
+    perm = rng.permutation(num_pages).astype(np.int32)
+    tables = np.array([[perm[:3]], [[perm[3], -1, -1]]], np.int32).reshape(2, 1, max_blocks)
+    cache = {"indexer": jnp.zeros((num_pages, page_size, di), jnp.float8_e4m3fn),
+             "indexer_scale": jnp.zeros((num_pages, page_size, 1), jnp.float32)}
+    keys = rng.standard_normal((int(lens.sum()), di)).astype(np.float32) * 3
+    pos = np.concatenate([np.arange(17), np.arange(6)])
+    row = np.repeat([0, 1], lens)
+    mapping = (tables[row, 0, pos // page_size] * page_size + pos % page_size).astype(np.int32)
+    cache = write_dsa_indexer(cache, jnp.asarray(keys), jnp.asarray(mapping))
+
+    q = rng.standard_normal((2, hi, di)).astype(np.float32)
+    w = rng.standard_normal((2, hi)).astype(np.float32)
+    cu = np.array([0, 1, 2], np.int32)
+    scores = np.asarray(dsa.indexer_scores(jnp.asarray(q), jnp.asarray(w), cache["indexer"], cache["indexer_scale"],
+                                           jnp.asarray(tables), jnp.asarray(lens), cu_seqlens=jnp.asarray(cu),
+                                           scale=di ** -0.5))
+    deq = np.asarray(dequantize_fp8_blockwise(cache["indexer"], cache["indexer_scale"]))
+    for b in range(2):
+        k = deq[tables[b, 0, pos[row == b] // page_size], pos[row == b] % page_size]
+        want = (w[b] @ np.maximum(q[b] @ k.T, 0.0)) * di ** -0.5
+        np.testing.assert_allclose(scores[b, : lens[b]], want, rtol=1e-4, atol=1e-4)
+        assert np.isneginf(scores[b, lens[b]:]).all()
+        np.testing.assert_allclose(k, keys[row == b], rtol=0.07, atol=0.07 * 3 * 4)  # e4m3 rounding

@@ -266,3 +266,46 @@ def test_kernels_gpu_long_mixed(rng, impl, h):
     got = fn(*args, scale=0.07, num_kv_splits=3, block_n=128, block_h=16 if h == 16 else 32,
              num_warps=4 if h == 16 else 8, num_stages=2)
     assert _rel_err(got, want) <= 2e-2, (impl, h, 128)
+
+
+def test_decode_after_latent_cache_writes(rng):
+    """Two steps through kvjax.state: prefill rows written by slot mapping, then one decode token each;
+    the kernel (interpret) and the reference read what the writer put, against dense attention in float64."""
+    from kvjax.state.latent_cache import write_latent
+
+    page_size, max_blocks, h, scale = 16, 4, 3, 0.07
+    prompt = np.array([20, 5], np.int32)
+    num_pages = 9
+    perm = rng.permutation(num_pages).astype(np.int32)
+    tables = np.full((2, 1, max_blocks), -1, np.int32)
+    tables[0, 0, :2], tables[1, 0, :1] = perm[:2], perm[2:3]
+    pages = jnp.asarray(rng.standard_normal((num_pages, page_size, RANK + ROPE)), jnp.float32)
+
+    def slots(b, positions):
+        return tables[b, 0, positions // page_size] * page_size + positions % page_size
+
+    kv_c = rng.standard_normal((int(prompt.sum()) + 2, RANK)).astype(np.float32)
+    k_pe = rng.standard_normal((int(prompt.sum()) + 2, ROPE)).astype(np.float32)
+    mapping = np.concatenate([slots(0, np.arange(20)), slots(1, np.arange(5)), [-1, -1]]).astype(np.int32)
+    pages = write_latent(pages, jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(mapping))
+    new_c = rng.standard_normal((2, RANK)).astype(np.float32)
+    new_pe = rng.standard_normal((2, ROPE)).astype(np.float32)
+    step_map = np.array([slots(0, np.array(20)), slots(1, np.array(5))], np.int32)
+    pages = write_latent(pages, jnp.asarray(new_c), jnp.asarray(new_pe), jnp.asarray(step_map))
+
+    lens = prompt + 1
+    q = rng.standard_normal((2, h, RANK)).astype(np.float32)
+    qr = rng.standard_normal((2, h, ROPE)).astype(np.float32)
+    args = (jnp.asarray(q), jnp.asarray(qr), pages, jnp.asarray(tables), jnp.asarray(lens))
+    got_ref = np.asarray(mla.mla_decode(*args, scale=scale, impl="reference"))
+    got_ker = np.asarray(mla.mla_decode(*args, scale=scale, num_kv_splits=2, impl="interpret"))
+    starts = [0, 20]
+    for b in range(2):
+        rows = np.concatenate([
+            np.concatenate([kv_c[starts[b]:starts[b] + prompt[b]], new_c[b:b + 1]]),
+            np.concatenate([k_pe[starts[b]:starts[b] + prompt[b]], new_pe[b:b + 1]]),
+        ], -1).astype(np.float64)
+        k = np.broadcast_to(rows, (h,) + rows.shape)
+        want = _dense_mha(np.concatenate([q[b], qr[b]], -1).astype(np.float64), k, k[..., :RANK], scale)
+        np.testing.assert_allclose(got_ref[b], want, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(got_ker[b], want, rtol=2e-3, atol=2e-3)
