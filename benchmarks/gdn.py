@@ -169,73 +169,97 @@ def bench_decode(quick: bool):
     import numpy as np
 
     from kvjax.ops import gdn_state
-    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool
+    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool, recurrent_gated_delta_rule_slots
+    from kvjax.state.gdn_pool import GDNStatePool
 
     out = []
     rng = np.random.default_rng(0)
-    # (block_v, num_warps, one_token_per_row): the decode fast path, plus the general ragged path at 64/4
-    configs = [(64, 2, True), (64, 4, True), (128, 4, True), (64, 4, False)] if not quick else [(64, 4, True)]
+    configs = [(64, 4), (64, 2), (128, 4), (32, 4)] if not quick else [(64, 4)]
+    scale = KD ** -0.5
     for b, h in DECODE_SHAPES:
         num_slots = b + 8
         q, k, v, g, beta = _gdn_inputs(jax.random.key(b), b, h, h, jnp.bfloat16)
         slots = jnp.asarray(rng.permutation(np.arange(1, num_slots + 1))[:b].astype(np.int32))
-        has = jnp.ones((b,), bool)
-        cu = jnp.arange(b + 1, dtype=jnp.int32)
-        pool0 = jax.random.normal(jax.random.key(1), (1, num_slots + 1, h, KD, VD), jnp.float32).at[:, 0].set(0)
-        kw = dict(layer=0, slot_ids=slots, has_initial_state=has, cu_seqlens=cu, scale=KD ** -0.5,
-                  use_qk_l2norm=True)
-        ro, rp = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool0, **kw)
-        rows = {}
+        ssm0 = jax.random.normal(jax.random.key(1), (1, num_slots + 1, h, KD, VD), jnp.float32).at[:, 0].set(0)
+        conv_dim = 3 * h * KD  # 2 * Hk * K + Hv * V with Hk = Hv = H
+        conv0 = jax.random.normal(jax.random.key(3), (1, num_slots + 1, conv_dim, 3), jnp.bfloat16).at[:, 0].set(0)
+
+        def fresh():
+            return GDNStatePool(conv=jnp.array(conv0, copy=True), ssm=jnp.array(ssm0, copy=True))
+
+        ro, rpool = gdn_state.gdn_decode(q, k, v, g, beta, fresh(), layer=0, slot_ids=slots, use_qk_l2norm=True,
+                                         impl="reference")
         state_bytes = 2 * b * h * KD * VD * 4
         io_bytes = (2 * b * h * KD + 2 * b * h * VD) * 2 + b * h * 6
-        for bv, nw, one in configs:
-            step = jax.jit(functools.partial(gdn_state._pool_kernel, recurrent_gated_delta_rule_pool,
-                                             interpret=False, block_v=bv, num_warps=nw, one_token_per_row=one,
-                                             **kw),
-                           donate_argnums=(5,))
-            o, p = step(q, k, v, g, beta, jnp.array(pool0, copy=True))
-            err_o, err_p = _rel(o, ro), _rel(p, rp)
-            pad_ok = bool(jnp.all(p[:, 0] == 0))
-            pool = [jnp.array(pool0, copy=True)]
+        rows = {}
+
+        def timed(step, name, **extra):
+            o, p = step(fresh().ssm)
+            r = dict(B=b, H=h, variant=name, err_o=_rel(o, ro), err_state=_rel(p, rpool.ssm),
+                     pad_slot_untouched=bool(jnp.all(p[:, 0] == 0)), **extra)
+            pool = [fresh().ssm]
 
             def run():
-                o, pool[0] = step(q, k, v, g, beta, pool[0])
+                _, pool[0] = step(pool[0])
                 return pool[0]
 
-            ms = _time(run, n=50)
-            hlo = step.lower(q, k, v, g, beta, pool[0]).compile().as_text()
-            rows[(bv, nw, one)] = dict(B=b, H=h, block_v=bv, num_warps=nw, one_token_per_row=one, ms=ms, err_o=err_o, err_state=err_p,
-                                  pad_slot_untouched=pad_ok, state_gbps=state_bytes / ms / 1e6,
-                                  total_gbps=(state_bytes + io_bytes) / ms / 1e6,
-                                  hlo_copies=hlo.count(" copy("))
-            print("decode", rows[(bv, nw, one)], flush=True)
+            r["ms"] = _time(run, n=50)
+            r["state_gbps"] = state_bytes / r["ms"] / 1e6
+            r["total_gbps"] = (state_bytes + io_bytes) / r["ms"] / 1e6
+            hlo = step.lower(pool[0]).compile().as_text()
+            r["hlo_pool_copies"] = sum(1 for ln in hlo.splitlines() if " copy(" in ln and
+                                       f"f32[1,{num_slots + 1},{h},{KD},{VD}]" in ln)
+            print("decode", r, flush=True)
+            return r
+
+        for bv, nw in configs:
+            step = jax.jit(lambda ssm, bv=bv, nw=nw: recurrent_gated_delta_rule_slots(
+                q, k, v, g, beta, ssm, slot_ids=slots, layer=0, scale=scale, use_qk_l2norm=True, block_v=bv,
+                num_warps=nw), donate_argnums=0)
+            rows[f"slots-{bv}-{nw}"] = timed(step, f"slots-{bv}-{nw}", block_v=bv, num_warps=nw)
         best = min(rows.values(), key=lambda r: r["ms"])
+        general = jax.jit(lambda ssm: gdn_state._pool_kernel(
+            recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=0, slot_ids=slots, has_initial_state=None,
+            cu_seqlens=None, scale=scale, use_qk_l2norm=True, interpret=False, one_token_per_row=True,
+            block_v=best["block_v"], num_warps=best["num_warps"]), donate_argnums=0)
+        rows["rows-flags"] = timed(general, "rows-flags (XLA row/flag prologue)")
         # half the rows are padding (slot 0): their state traffic must vanish
         half = jnp.where(jnp.arange(b) % 2 == 0, slots, 0).astype(jnp.int32)
-        kw2 = dict(kw, slot_ids=half)
-        step = jax.jit(functools.partial(gdn_state._pool_kernel, recurrent_gated_delta_rule_pool, interpret=False,
-                                         block_v=best["block_v"], num_warps=best["num_warps"],
-                                         one_token_per_row=best["one_token_per_row"], **kw2),
-                       donate_argnums=(5,))
-        ro2, rp2 = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool0, **kw2)
-        o2, p2 = step(q, k, v, g, beta, jnp.array(pool0, copy=True))
-        pool = [jnp.array(pool0, copy=True)]
+        ro2, rp2 = gdn_state.gdn_decode(q, k, v, g, beta, fresh(), layer=0, slot_ids=half, use_qk_l2norm=True,
+                                        impl="reference")
+        step = jax.jit(lambda ssm: recurrent_gated_delta_rule_slots(
+            q, k, v, g, beta, ssm, slot_ids=half, layer=0, scale=scale, use_qk_l2norm=True,
+            block_v=best["block_v"], num_warps=best["num_warps"]), donate_argnums=0)
+        o2, p2 = step(fresh().ssm)
+        pool = [fresh().ssm]
 
         def run2():
-            o, pool[0] = step(q, k, v, g, beta, pool[0])
+            _, pool[0] = step(pool[0])
             return pool[0]
 
         best = dict(best, half_padding_ms=_time(run2, n=50), half_padding_err_o=_rel(o2, ro2),
-                    half_padding_err_state=_rel(p2, rp2))
-        # the public op (dispatch, validation) on the same pool
-        pool = [jnp.array(pool0, copy=True)]
+                    half_padding_err_state=_rel(p2, rp2.ssm))
+        # the public op (validation, dispatch, GDNStatePool) chained with the pool donated
+        pools = [fresh()]
 
         def run3():
-            o, pool[0] = gdn_state.gdn_decode(q, k, v, g, beta, pool[0], layer=0, slot_ids=slots,
-                                              use_qk_l2norm=True, impl="pallas")
-            return pool[0]
+            _, pools[0] = gdn_state.gdn_decode(q, k, v, g, beta, pools[0], layer=0, slot_ids=slots,
+                                               use_qk_l2norm=True, impl="pallas")
+            return pools[0].ssm
 
         best["public_op_ms"] = _time(run3, n=50)
+        # conv decode on the pool (fused XLA): x [B, conv_dim], state [B, conv_dim, 3] bf16
+        x = jax.random.normal(jax.random.key(4), (b, conv_dim), jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(5), (conv_dim, 4), jnp.float32)
+        cpools = [fresh()]
+
+        def run4():
+            _, cpools[0] = gdn_state.conv_decode(x, w, None, cpools[0], layer=0, slot_ids=slots)
+            return cpools[0].conv
+
+        conv_ms = _time(run4, n=50)
+        conv_bytes = 2 * b * conv_dim * 3 * 2 + 2 * b * conv_dim * 2
+        best.update(conv_decode_ms=conv_ms, conv_decode_gbps=conv_bytes / conv_ms / 1e6)
         out.append({"best": best, "sweep": list(rows.values())})
     return out
 
@@ -309,8 +333,14 @@ def run_jax(out_path: str, fla_path: str | None, quick: bool) -> None:
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     res["copy"] = _copy_ceiling()
     print("copy", res["copy"], flush=True)
-    res["decode"] = bench_decode(quick)
-    res["prefill"] = bench_prefill(quick)
+    for name, fn in (("decode", bench_decode), ("prefill", bench_prefill)):
+        try:
+            res[name] = fn(quick)
+        except Exception:  # noqa: BLE001 (keep the other section's numbers)
+            import traceback
+
+            traceback.print_exc()
+            res[name] = []
     fla = None
     if fla_path and os.path.exists(fla_path):
         with open(fla_path) as f:
@@ -327,13 +357,14 @@ def _table(res, fla) -> None:
     print(f"\nGDN kernels on {res['device']} (jax {res['jax']}); copy ceiling {ceil:.0f} GB/s "
           f"(xla {res['copy']['xla_add_gbps']:.0f}, pallas {res['copy']['pallas_copy_gbps']:.0f}, "
           f"torch {(fla or {}).get('copy', {}).get('gbps', float('nan')):.0f})")
-    print("decode  B   H   kvjax_ms  GB/s(state) %copy  fla_ms  fla_GB/s  ratio  err_o    half_pad_ms")
+    print("decode  B   H   kvjax_ms  GB/s(state) %copy  fla_ms  fla_GB/s  ratio  err_o    half_pad_ms public_ms "
+          "conv_ms")
     for i, d in enumerate(res["decode"]):
         r = d["best"]
         f = fla["decode"][i] if fla else {"ms": float("nan"), "state_gbps": float("nan")}
         print(f"       {r['B']:4d} {r['H']:3d} {r['ms']:8.4f} {r['state_gbps']:9.0f} {100 * r['state_gbps'] / ceil:6.1f}"
               f" {f['ms']:7.4f} {f['state_gbps']:8.0f} {f['ms'] / r['ms']:6.2f} {r['err_o']:.1e} "
-              f"{r['half_padding_ms']:.4f}")
+              f"{r['half_padding_ms']:.4f}      {r['public_op_ms']:.4f}    {r['conv_decode_ms']:.4f}")
     print("prefill B   T     H   kvjax_ms  prep_ms  kernel_ms  fla_ms  speedup  err_o    err_state")
     for i, p in enumerate(res["prefill"]):
         f = fla["prefill"][i] if fla else {"ms": float("nan")}

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvjax.ops import gdn, gdn_state
+from kvjax.errors import InvalidPlanError
+from kvjax.ops import conv, gdn, gdn_state
 from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pallas
 from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pallas
+from kvjax.state.gdn_pool import GDNStatePool
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 ON_GPU = jax.default_backend() == "gpu"
@@ -106,59 +108,101 @@ def test_kernels_match_hugging_face(rng):
         assert rel_err(f, hf_state.numpy()) <= 1e-4
 
 
-def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl, num_slots, layers=2,
-                  one_token=False):
-    q, k, v, g, beta, cu, _ = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=0 if one_token else 2)
+def make_pool(rng, layers, num_slots, hv, kd, vd, conv_dim=24, width=4):
     ssm = rng.standard_normal((layers, num_slots + 1, hv, kd, vd)).astype(np.float32)
-    ssm[:, 0] = 0.0
-    kw = dict(layer=layers - 1, slot_ids=np.asarray(slots, np.int32),
-              has_initial_state=np.asarray(has_init, np.bool_), cu_seqlens=None if one_token else np.asarray(cu),
-              use_qk_l2norm=True)
-    o, pool = op(q, k, v, g, beta, jnp.asarray(ssm), impl=impl, **kw)
-    ro, rpool = op(q, k, v, g, beta, jnp.asarray(ssm), impl="reference", **kw)
-    pool, rpool = np.asarray(pool), np.asarray(rpool)
+    convs = rng.standard_normal((layers, num_slots + 1, conv_dim, width - 1)).astype(np.float32)
+    ssm[:, 0], convs[:, 0] = 0.0, 0.0
+    return GDNStatePool(conv=jnp.asarray(convs, jnp.bfloat16), ssm=jnp.asarray(ssm))
+
+
+def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl, num_slots, layers=2,
+                  one_token=False, static_layer=True):
+    """Kernel vs the gather -> reference -> scatter oracle; PAD slot, other slots, other layer, conv untouched."""
+    q, k, v, g, beta, cu, _ = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=0 if one_token else 2)
+    pool = make_pool(rng, layers, num_slots, hv, kd, vd)
+    ssm0 = np.asarray(pool.ssm)
+    layer = layers - 1 if static_layer else jnp.int32(layers - 1)
+    kw = dict(layer=layer, slot_ids=np.asarray(slots, np.int32),
+              has_initial_state=None if has_init is None else np.asarray(has_init, np.bool_),
+              cu_seqlens=None if one_token else np.asarray(cu), use_qk_l2norm=True)
+    o, out = op(q, k, v, g, beta, pool, impl=impl, **kw)
+    ro, rout = op(q, k, v, g, beta, GDNStatePool(conv=pool.conv, ssm=jnp.asarray(ssm0)), impl="reference", **kw)
+    new, ref = np.asarray(out.ssm), np.asarray(rout.ssm)
     assert rel_err(o, ro) <= TOL[dtype]
-    assert rel_err(pool, rpool) <= TOL[dtype]
-    assert np.all(pool[:, 0] == 0), "PAD slot 0 was written"
+    assert rel_err(new, ref) <= TOL[dtype]
+    assert np.all(new[:, 0] == 0), "PAD slot 0 was written"
     touched = {int(s) for s in slots if s > 0}
     for s in range(1, num_slots + 1):
         if s not in touched:
-            np.testing.assert_array_equal(pool[:, s], ssm[:, s], err_msg=f"slot {s} is not in the batch")
-    np.testing.assert_array_equal(pool[0], ssm[0], err_msg="another layer was written")
-    # a row without an initial state starts from zeros: its final state differs from one that reads the pool
-    seq_of = np.repeat(np.arange(len(lens)), lens)
+            np.testing.assert_array_equal(new[:, s], ssm0[:, s], err_msg=f"slot {s} is not in the batch")
+    np.testing.assert_array_equal(new[0], ssm0[0], err_msg="another layer was written")
+    assert out.conv is pool.conv or np.array_equal(np.asarray(out.conv, np.float32),
+                                                   np.asarray(pool.conv, np.float32))
     for n, s in enumerate(slots):
         if s == 0:
-            assert np.all(np.asarray(o[np.asarray(cu[n]):np.asarray(cu[n + 1])], np.float32) == 0)
-    assert len(seq_of) == int(cu[-1])
+            assert np.all(np.asarray(o[int(cu[n]):int(cu[n + 1])], np.float32) == 0), "padding row output"
 
 
 @pytest.mark.parametrize("one_token", [True, False])
 def test_decode_pool_interpret(rng, one_token):
     lens = [1, 1, 1, 1, 1] if one_token else [2, 1, 0, 3, 1]
-    check_pool_op(rng, gdn_state.gdn_decode, lens, [4, 0, 2, 6, 1], [True, True, False, True, True],
+    has_init = None if one_token else [True, True, False, True, True]  # None: the slot-indexed fast path
+    check_pool_op(rng, gdn_state.gdn_decode, lens, [4, 0, 2, 6, 1], has_init,
                   hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=7, one_token=one_token)
 
 
 def test_prefill_pool_interpret(rng):
     check_pool_op(rng, gdn_state.gdn_prefill, [5, 0, 66, 3], [2, 0, 3, 1], [True, False, False, True],
-                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.float32, impl="interpret", num_slots=4)
+                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.float32, impl="interpret", num_slots=4, static_layer=False)
+
+
+def test_conv_pool_ops(rng):
+    """conv_prefill then conv_decode on the pool == the ops on gathered states; PAD slot and others untouched."""
+    pool = make_pool(rng, 2, 5, 1, 16, 16, conv_dim=24, width=4)
+    conv0 = np.asarray(pool.conv, np.float32)
+    weight = jnp.asarray(rng.standard_normal((24, 4)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(24), jnp.float32)
+    lens, slots, has_init = [3, 0, 6, 1], np.array([2, 0, 5, 1], np.int32), np.array([True, True, False, True])
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((int(cu[-1]) + 2, 24)), jnp.bfloat16)
+    init = np.where((has_init & (slots > 0))[:, None, None], conv0[1, slots], 0.0)
+    ry, rfinal = conv.causal_conv1d(x, weight, bias, cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init),
+                                    impl="reference")
+    y, pool = gdn_state.conv_prefill(x, weight, bias, pool, layer=1, slot_ids=slots, has_initial_state=has_init,
+                                     cu_seqlens=cu)
+    new = np.asarray(pool.conv, np.float32)
+    assert rel_err(y, ry) <= 1e-2
+    for n, s in enumerate(slots):
+        if s > 0:
+            assert rel_err(new[1, s], rfinal[n]) <= 1e-2
+    assert np.all(new[:, 0] == 0) and np.array_equal(new[0], conv0[0]) and np.array_equal(new[1, 3], conv0[1, 3])
+    xd = jnp.asarray(rng.standard_normal((4, 24)), jnp.bfloat16)
+    ry2, rstate2 = conv.causal_conv1d_update(xd, jnp.asarray(new[1, np.maximum(slots, 0)]), weight, bias,
+                                             impl="reference")
+    y2, pool = gdn_state.conv_decode(xd, weight, bias, pool, layer=1, slot_ids=slots)
+    new2 = np.asarray(pool.conv, np.float32)
+    live = slots > 0
+    assert rel_err(np.asarray(y2, np.float32)[live], np.asarray(ry2, np.float32)[live]) <= 1e-2
+    assert rel_err(new2[1, slots[live]], np.asarray(rstate2, np.float32)[live]) <= 1e-2
+    assert np.all(new2[:, 0] == 0)
 
 
 def test_pool_op_validation():
     q = k = jnp.zeros((2, 1, 16), jnp.float32)
     v = jnp.zeros((2, 1, 16), jnp.float32)
     g = beta = jnp.zeros((2, 1), jnp.float32)
-    ssm = jnp.zeros((1, 4, 1, 16, 16), jnp.float32)
-    with pytest.raises(ValueError, match="slot_ids"):
-        gdn_state.gdn_decode(q, k, v, g, beta, ssm, layer=0, slot_ids=np.array([1, 4], np.int32))
-    with pytest.raises(ValueError, match="share a live GDN slot"):
-        gdn_state.gdn_decode(q, k, v, g, beta, ssm, layer=0, slot_ids=np.array([2, 2], np.int32))
+    pool = GDNStatePool(conv=jnp.zeros((1, 4, 8, 3), jnp.bfloat16), ssm=jnp.zeros((1, 4, 1, 16, 16), jnp.float32))
+    with pytest.raises(InvalidPlanError, match="out of range"):
+        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=np.array([1, 4], np.int32))
+    with pytest.raises(InvalidPlanError, match="more than one row"):
+        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=np.array([2, 2], np.int32))
     with pytest.raises(ValueError, match="layer=1"):
-        gdn_state.gdn_decode(q, k, v, g, beta, ssm, layer=1, slot_ids=np.array([1, 2], np.int32))
-    with pytest.raises(ValueError, match="ssm"):
-        gdn_state.gdn_decode(q, k, v, g, beta, ssm.astype(jnp.bfloat16), layer=0,
-                             slot_ids=np.array([1, 2], np.int32))
+        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match="pool.ssm"):
+        gdn_state.gdn_decode(q, k, v, g, beta, GDNStatePool(conv=pool.conv, ssm=pool.ssm.astype(jnp.bfloat16)),
+                             layer=0, slot_ids=np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match="GDNStatePool"):
+        gdn_state.gdn_decode(q, k, v, g, beta, [pool.ssm], layer=0, slot_ids=np.array([1, 2], np.int32))
     with pytest.raises(ValueError, match="power-of-two"):
         chunk_gated_delta_rule_pallas(q[:, :, :12], k[:, :, :12], v, g, beta, cu_seqlens=jnp.array([0, 2]),
                                       initial_state=None, scale=1.0, use_qk_l2norm=False, interpret=True)
@@ -205,7 +249,7 @@ def test_pool_ops_gpu(rng, op, lens, one_token, dtype):
     n = len(lens)
     slots = rng.permutation(np.arange(1, n + 4))[:n].astype(np.int32)
     slots[::4] = 0  # padding rows
-    has_init = rng.uniform(size=n) < 0.7
+    has_init = None if one_token else rng.uniform(size=n) < 0.7  # None: decode fast path (slot-indexed)
     check_pool_op(rng, op, lens, slots, has_init, hk=2, hv=4, kd=128, vd=128, dtype=dtype, impl="pallas",
                   num_slots=n + 3, one_token=one_token)
 
@@ -215,10 +259,10 @@ def test_decode_pool_in_place_gpu(rng):
     """Under jit with the pool donated, the decode step aliases the pool (no copy of the whole pool)."""
     hv, n = 4, 8
     q, k, v, g, beta, _, _ = make_inputs(rng, [1] * n, 2, hv, 128, 128, jnp.bfloat16, pad_tokens=0)
-    ssm = jnp.asarray(rng.standard_normal((2, 64, hv, 128, 128)), jnp.float32).at[:, 0].set(0)
+    pool = make_pool(rng, 2, 63, hv, 128, 128)
     slots = jnp.asarray(np.arange(1, n + 1, dtype=np.int32))
-    step = jax.jit(lambda ssm: gdn_state.gdn_decode(q, k, v, g, beta, ssm, layer=1, slot_ids=slots,
-                                                    impl="pallas"), donate_argnums=0)
-    hlo = step.lower(ssm).compile().as_text()
+    step = jax.jit(lambda pool: gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=slots,
+                                                     impl="pallas"), donate_argnums=0)
+    hlo = step.lower(pool).compile().as_text()
     pool_copies = [ln for ln in hlo.splitlines() if " copy(" in ln and "f32[2,64,4,128,128]" in ln]
     assert not pool_copies, f"the pool is copied instead of updated in place: {pool_copies}"

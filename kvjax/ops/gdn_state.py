@@ -1,61 +1,68 @@
-"""GDN ops on the slot-addressed state pool: prefill/extend and decode read and write SSM states by slot id.
+"""GDN ops on the slot-addressed state pool (:class:`kvjax.state.gdn_pool.GDNStatePool`).
 
-The SSM pool is ``ssm: f32[L, S+1, Hv, K, V]`` (``kvjax.state`` GDN pool layout; slot 0 is the PAD sentinel,
-never written). Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot
-``slot_ids[n]`` (0 = padding row). For every live row (slot > 0) the op starts from
-``ssm[layer, slot]`` when ``has_initial_state[n]`` is true and from zeros otherwise, runs the gated delta
-rule (:mod:`kvjax.ops.gdn`) over the row's tokens and stores the final state back at ``ssm[layer, slot]``.
-Padding rows (slot 0) are neither read nor written and their tokens' outputs are zero.
+Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot ``slot_ids[n]``; rows whose
+slot is not in ``1..S`` (slot 0 = PAD) are padding rows: nothing is read or written for them and their
+tokens' outputs are zero. A live row starts from the pool's state at ``[layer, slot]`` when
+``has_initial_state[n]`` (else from zeros) and its final state is written back there. Slot 0 is never written.
 
-The Pallas paths update the pool in place (``input_output_aliases``); the public functions are jitted with
-the pool donated, so calling them eagerly, or from a jitted step that donates its caches, moves only the
-live rows' states. The reference path is the composition ``gather -> reference op -> scatter`` (the oracle).
+- :func:`gdn_prefill` / :func:`gdn_decode`: the gated delta rule (chunked / stepwise) on ``pool.ssm``. The
+  Pallas paths update the pool in place (``input_output_aliases``); the functions are jitted with the pool
+  donated. ``gdn_decode`` with ``cu_seqlens=None``, ``has_initial_state=None`` and a Python-int ``layer``
+  runs the decode kernel straight on the pool by slot id, with no XLA work around it.
+- :func:`conv_prefill` / :func:`conv_decode`: the causal conv1d on ``pool.conv`` as fused XLA (gather,
+  :mod:`kvjax.ops.conv`, scatter): the conv state is ``W-1`` columns per channel, a few percent of the SSM
+  state's bytes, so its cost is launch latency, not bandwidth (see ``benchmarks/RESULTS.md``).
 
-Op names in the dispatch registry: ``"gdn_prefill_pool"`` (chunked kernel) and ``"gdn_decode_pool"``
-(recurrent kernel). Implementations take ``(q, k, v, g, beta, ssm, *, layer, slot_ids, has_initial_state,
-cu_seqlens, scale, use_qk_l2norm)`` (kernels also ``interpret=``) and return ``(o, ssm)``.
+The oracle of every SSM path is the composition ``gather -> reference op -> scatter`` (registered as the
+``"reference"`` implementation of the dispatch ops ``"gdn_prefill_pool"`` and ``"gdn_decode_pool"``, which
+work on the SSM array ``f32[L, S+1, Hv, K, V]`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
+has_initial_state, cu_seqlens, scale, use_qk_l2norm)``, kernels also ``interpret=``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.ops import dispatch, gdn
+from kvjax.ops import conv, dispatch, gdn
 from kvjax.ops._checks import check_array, check_int32
+from kvjax.state.gdn_pool import GDNStatePool, check_slot_ids
 
 PREFILL_OP = "gdn_prefill_pool"
 DECODE_OP = "gdn_decode_pool"
 
 
-def _rows_and_flags(ssm, layer, slot_ids, has_initial_state):
-    """Flattened pool row per batch row and the kernel flags (bit0 read initial state, bit1 live)."""
-    from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE
+# ---------------------------------------------------------------------------------------------- SSM array level
+def _live(slot_ids, num_slots: int):
+    return (slot_ids >= 1) & (slot_ids < num_slots)
 
-    live = slot_ids > 0
-    rows = jnp.asarray(layer, jnp.int32) * ssm.shape[1] + slot_ids
-    flags = jnp.where(live, FLAG_LIVE, 0) | jnp.where(live & has_initial_state, FLAG_HAS_INITIAL, 0)
-    return rows.astype(jnp.int32), flags.astype(jnp.int32)
+
+def _init_flags(slot_ids, has_initial_state):
+    return jnp.ones(slot_ids.shape, jnp.bool_) if has_initial_state is None else has_initial_state
 
 
 def _pool_reference(op_reference, q, k, v, g, beta, ssm, *, layer, slot_ids, has_initial_state, cu_seqlens,
                     scale, use_qk_l2norm):
     num_slots = ssm.shape[1]
-    live = slot_ids > 0
-    init = jnp.where((live & has_initial_state)[:, None, None, None], ssm[layer, slot_ids], 0.0)
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    live = _live(slot_ids, num_slots)
+    idx = jnp.where(live, slot_ids, num_slots)  # out of range: read as zeros, writes dropped
+    read = live & _init_flags(slot_ids, has_initial_state)
+    init = jnp.where(read[:, None, None, None], ssm.at[layer, idx].get(mode="fill", fill_value=0.0), 0.0)
     o, final = op_reference(
         q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=init, scale=scale, use_qk_l2norm=use_qk_l2norm
     )
     t = jnp.arange(q.shape[0], dtype=jnp.int32)
     row = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
-    row_live = jnp.where((row >= 0) & (row < slot_ids.shape[0]), live[jnp.clip(row, 0, slot_ids.shape[0] - 1)],
-                         False)
+    in_batch = (row >= 0) & (row < slot_ids.shape[0])
+    row_live = in_batch & live[jnp.clip(row, 0, slot_ids.shape[0] - 1)]
     o = jnp.where(row_live[:, None, None], o, jnp.zeros_like(o))
-    dest = jnp.where(live, slot_ids, num_slots)  # padding rows -> out of range -> dropped
-    return o, ssm.at[layer, dest].set(final, mode="drop")
+    return o, ssm.at[layer, idx].set(final, mode="drop")
 
 
 def gdn_prefill_pool_reference(q, k, v, g, beta, ssm, **kw):
@@ -65,13 +72,24 @@ def gdn_prefill_pool_reference(q, k, v, g, beta, ssm, **kw):
 
 def gdn_decode_pool_reference(q, k, v, g, beta, ssm, **kw):
     """Oracle: gather the initial states, run ``recurrent_gated_delta_rule_reference``, scatter the final ones."""
-    if kw["cu_seqlens"] is None:
-        kw["cu_seqlens"] = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     return _pool_reference(gdn.recurrent_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
+
+
+def _rows_and_flags(ssm, layer, slot_ids, has_initial_state):
+    """Flattened pool row per batch row and the kernel flags (bit0 read initial state, bit1 live)."""
+    from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE
+
+    live = _live(slot_ids, ssm.shape[1])
+    rows = jnp.asarray(layer, jnp.int32) * ssm.shape[1] + jnp.where(live, slot_ids, 0)
+    read = live & _init_flags(slot_ids, has_initial_state)
+    flags = jnp.where(live, FLAG_LIVE, 0) | jnp.where(read, FLAG_HAS_INITIAL, 0)
+    return rows.astype(jnp.int32), flags.astype(jnp.int32)
 
 
 def _pool_kernel(kernel, q, k, v, g, beta, ssm, *, layer, slot_ids, has_initial_state, cu_seqlens, scale,
                  use_qk_l2norm, interpret, **tuning):
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     rows, flags = _rows_and_flags(ssm, layer, slot_ids, has_initial_state)
     flat = ssm.reshape(ssm.shape[0] * ssm.shape[1], *ssm.shape[2:])
     o, flat = kernel(
@@ -82,7 +100,7 @@ def _pool_kernel(kernel, q, k, v, g, beta, ssm, *, layer, slot_ids, has_initial_
 
 
 def gdn_prefill_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, **kw):
-    """Chunked Pallas kernel on the pool (see :mod:`kvjax.pallas.gdn_chunk`)."""
+    """Chunked Pallas kernels on the pool (see :mod:`kvjax.pallas.gdn_chunk`)."""
     from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
 
     return _pool_kernel(chunk_gated_delta_rule_pool, q, k, v, g, beta, ssm, interpret=interpret, **kw)
@@ -91,56 +109,72 @@ def gdn_prefill_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, *
 def gdn_decode_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, **kw):
     """Recurrent Pallas kernel on the pool (see :mod:`kvjax.pallas.gdn_recurrent`).
 
-    ``cu_seqlens=None`` (one token per row) selects the kernel's decode fast path.
+    One token per row, every row continuing its state and a static layer: the slot-indexed fast path.
     """
-    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool
+    from kvjax.pallas import gdn_recurrent as rec
 
-    if kw["cu_seqlens"] is None:
-        kw = dict(kw, cu_seqlens=jnp.arange(q.shape[0] + 1, dtype=jnp.int32), one_token_per_row=True)
-    return _pool_kernel(recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, interpret=interpret, **kw)
+    one_token = kw["cu_seqlens"] is None
+    if one_token and kw["has_initial_state"] is None and isinstance(kw["layer"], int):
+        tuning = {key: kw[key] for key in ("block_v", "num_warps") if key in kw}
+        return rec.recurrent_gated_delta_rule_slots(
+            q, k, v, g, beta, ssm, slot_ids=kw["slot_ids"], layer=kw["layer"], scale=kw["scale"],
+            use_qk_l2norm=kw["use_qk_l2norm"], interpret=interpret, **tuning,
+        )
+    return _pool_kernel(rec.recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, interpret=interpret,
+                        one_token_per_row=one_token, **kw)
 
 
+# ---------------------------------------------------------------------------------------------- public (pool)
 def _validate(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm, impl):
     scale = gdn._validate(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, impl)
     hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
-    check_array("ssm", ssm, rank=5, dtypes=[jnp.float32], shape=(None, None, hv, kd, vd))
+    check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32], shape=(None, None, hv, kd, vd))
     num_seqs = cu_seqlens.shape[0] - 1
     check_int32("slot_ids", slot_ids, shape=(num_seqs,))
-    check_array("has_initial_state", has_initial_state, shape=(num_seqs,), dtypes=[jnp.bool_])
+    if has_initial_state is not None:
+        check_array("has_initial_state", has_initial_state, shape=(num_seqs,), dtypes=[jnp.bool_])
     num_layers, num_slots = ssm.shape[:2]
     if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
         if not 0 <= layer < num_layers:
-            raise ValueError(f"layer={layer} out of range for an SSM pool of {num_layers} layers")
+            raise ValueError(f"layer={layer} out of range for a GDN pool of {num_layers} layers")
     else:
         check_int32("layer", layer, rank=0)
-    if isinstance(slot_ids, np.ndarray):  # host values: free to check
-        if np.any(slot_ids < 0) or np.any(slot_ids >= num_slots):
-            raise ValueError(f"slot_ids must lie in [0, {num_slots - 1}] (0 = padding row), got {slot_ids}")
-        live = slot_ids[slot_ids > 0]
-        if len(np.unique(live)) != len(live):
-            raise ValueError(f"two batch rows share a live GDN slot: slot_ids={slot_ids}")
+    if isinstance(slot_ids, np.ndarray):  # host values: free to check (device code cannot raise)
+        check_slot_ids(slot_ids, num_slots - 1)
     return scale
 
 
-@functools.partial(jax.jit, static_argnames=("op", "impl", "scale", "use_qk_l2norm"), donate_argnames=("ssm",))
-def _run(op, impl, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, *, scale, use_qk_l2norm):
+@functools.partial(jax.jit, static_argnames=("op", "impl", "static_layer", "scale", "use_qk_l2norm"),
+                   donate_argnames=("ssm",))
+def _run(op, impl, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, *, static_layer, scale,
+         use_qk_l2norm):
     fn = dispatch.resolve(op, impl)
     return fn(
-        q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids, has_initial_state=has_initial_state,
-        cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        q, k, v, g, beta, ssm, layer=layer if static_layer is None else static_layer, slot_ids=slot_ids,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
     )
 
 
-def _public(op, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,
+def _public(op, q, k, v, g, beta, pool, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,
             impl):
-    one_token = cu_seqlens is None  # decode: one token per row
-    check_cu = np.arange(slot_ids.shape[0] + 1, dtype=np.int32) if one_token else cu_seqlens
+    if isinstance(pool, GDNStatePool):
+        ssm, wrap = pool.ssm, functools.partial(dataclasses.replace, pool)
+    elif hasattr(pool, "shape") and hasattr(pool, "dtype"):  # the bare SSM array (returned as an array)
+        ssm, wrap = pool, None
+    else:
+        raise ValueError(f"pool must be a GDNStatePool or its ssm array, got {type(pool).__name__}")
+    check_cu = np.arange(slot_ids.shape[0] + 1, dtype=np.int32) if cu_seqlens is None else cu_seqlens
     scale = _validate(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, check_cu, scale,
                       use_qk_l2norm, impl)
     dispatch.resolve(op, impl)  # unknown impl -> UnknownImplError before tracing
-    return _run(op, impl, q, k, v, g, beta, ssm, jnp.asarray(layer, jnp.int32), jnp.asarray(slot_ids),
-                jnp.asarray(has_initial_state), None if one_token else jnp.asarray(cu_seqlens), scale=scale,
-                use_qk_l2norm=bool(use_qk_l2norm))
+    static = isinstance(layer, (int, np.integer)) and not isinstance(layer, bool)
+    o, ssm = _run(
+        op, impl, q, k, v, g, beta, ssm, None if static else layer, jnp.asarray(slot_ids),
+        None if has_initial_state is None else jnp.asarray(has_initial_state),
+        None if cu_seqlens is None else jnp.asarray(cu_seqlens),
+        static_layer=int(layer) if static else None, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+    )
+    return o, (ssm if wrap is None else wrap(ssm=ssm))
 
 
 def gdn_prefill(
@@ -149,54 +183,131 @@ def gdn_prefill(
     v: jax.Array,  # [T, Hv, V]
     g: jax.Array,  # f32[T, Hv] log-decay
     beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  donated
+    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated); or the bare ssm array
     *,
-    layer: int | jax.Array,  # which GDN layer of the pool (int or i32[])
+    layer: int | jax.Array,  # GDN layer index (int, or traced i32[])
     slot_ids: jax.Array,  # i32[N]  0 = padding row
     has_initial_state: jax.Array,  # bool[N]
     cu_seqlens: jax.Array,  # i32[N+1]
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """Chunked gated delta rule (prefill / extend) on the pool; returns ``(o: [T, Hv, V], ssm)``.
+) -> tuple[jax.Array, GDNStatePool | jax.Array]:
+    """Chunked gated delta rule (prefill / extend) on the pool; returns ``(o: [T, Hv, V], pool)``.
 
-    Reads ``ssm[layer, slot_ids[n]]`` for rows with ``has_initial_state``, writes every live row's final state
-    there (one in-place update, slot 0 never touched). ``ssm`` is donated: use the returned pool.
+    ``pool`` may be the :class:`GDNStatePool` (returned with its ``ssm`` replaced, ``conv`` untouched) or
+    its bare ``ssm`` array (returned as the updated array).
+
+    Reads ``pool.ssm[layer, slot_ids[n]]`` for rows with ``has_initial_state``, writes every live row's final
+    state there in one in-place update (slot 0 never touched). ``pool.ssm`` is donated: use the returned pool.
     """
-    return _public(PREFILL_OP, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
+    return _public(PREFILL_OP, q, k, v, g, beta, pool, layer, slot_ids, has_initial_state, cu_seqlens, scale,
                    use_qk_l2norm, impl)
 
 
 def gdn_decode(
-    q: jax.Array,  # [T, Hk, K]  (T = B for one token per row)
+    q: jax.Array,  # [T, Hk, K]  (T = B: one token per row, unless cu_seqlens is given)
     k: jax.Array,  # [T, Hk, K]
     v: jax.Array,  # [T, Hv, V]
     g: jax.Array,  # f32[T, Hv]
     beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  donated
+    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated); or the bare ssm array
     *,
     layer: int | jax.Array,
     slot_ids: jax.Array,  # i32[B]  0 = padding row
-    has_initial_state: jax.Array | None = None,  # bool[B]; None = all true (decode continues a sequence)
-    cu_seqlens: jax.Array | None = None,  # i32[B+1]; None = one token per row (fast path)
+    has_initial_state: jax.Array | None = None,  # bool[B]; None = every live row continues its state
+    cu_seqlens: jax.Array | None = None,  # i32[B+1] (a few tokens per row, verification); None = one each
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """Stepwise gated delta rule (decode, or a few tokens per row for verification) on the pool.
+) -> tuple[jax.Array, GDNStatePool | jax.Array]:
+    """Stepwise gated delta rule (decode) on the pool; same contract as :func:`gdn_prefill`.
 
-    Same contract as :func:`gdn_prefill`; padding rows cost no state traffic.
+    Padding rows cost no state traffic. With ``cu_seqlens=None``, ``has_initial_state=None`` and an int
+    ``layer`` the kernel indexes the pool by slot id directly (no XLA op before or after it).
     """
-    num_rows = slot_ids.shape[0]
-    if cu_seqlens is None:
-        if q.shape[0] != num_rows:
-            raise ValueError(f"without cu_seqlens decode takes one token per row: q has {q.shape[0]} tokens, "
-                             f"slot_ids {num_rows} rows")
-    if has_initial_state is None:
-        has_initial_state = np.ones((num_rows,), np.bool_)
-    return _public(DECODE_OP, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
+    if cu_seqlens is None and q.shape[0] != slot_ids.shape[0]:
+        raise ValueError(f"without cu_seqlens decode takes one token per row: q has {q.shape[0]} tokens, "
+                         f"slot_ids {slot_ids.shape[0]} rows")
+    return _public(DECODE_OP, q, k, v, g, beta, pool, layer, slot_ids, has_initial_state, cu_seqlens, scale,
                    use_qk_l2norm, impl)
+
+
+# ---------------------------------------------------------------------------------------------- conv (XLA)
+def _conv_rows(pool, layer, slot_ids, has_initial_state):
+    num_slots = pool.conv.shape[1]
+    live = _live(slot_ids, num_slots)
+    idx = jnp.where(live, slot_ids, num_slots)
+    read = live & _init_flags(slot_ids, has_initial_state)
+    state = pool.conv.at[layer, idx].get(mode="fill", fill_value=0)
+    return idx, jnp.where(read[:, None, None], state, jnp.zeros((), state.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames=("pool",))
+def _conv_prefill(x, weight, bias, pool, layer, slot_ids, has_initial_state, cu_seqlens, *, activation):
+    idx, init = _conv_rows(pool, layer, slot_ids, has_initial_state)
+    y, final = conv.causal_conv1d_reference(x, weight, bias, cu_seqlens=cu_seqlens, initial_state=init,
+                                            activation=activation)
+    return y, dataclasses.replace(pool, conv=pool.conv.at[layer, idx].set(final, mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames=("pool",))
+def _conv_decode(x, weight, bias, pool, layer, slot_ids, *, activation):
+    idx, state = _conv_rows(pool, layer, slot_ids, None)
+    y, new = conv.causal_conv1d_update_reference(x, state, weight, bias, activation=activation)
+    return y, dataclasses.replace(pool, conv=pool.conv.at[layer, idx].set(new, mode="drop"))
+
+
+def _check_conv(x, weight, pool, layer, slot_ids, rows: int):
+    if not isinstance(pool, GDNStatePool):
+        raise ValueError(f"pool must be a kvjax.state.gdn_pool.GDNStatePool, got {type(pool).__name__}")
+    check_array("x", x, rank=2)
+    if pool.conv.shape[2:] != (x.shape[1], weight.shape[1] - 1):
+        raise ValueError(f"pool.conv has per-slot shape {pool.conv.shape[2:]}, expected "
+                         f"(D={x.shape[1]}, W-1={weight.shape[1] - 1}) from x {x.shape} and weight {weight.shape}")
+    check_int32("slot_ids", slot_ids, shape=(rows,))
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < pool.conv.shape[0]:
+        raise ValueError(f"layer={layer} out of range for a GDN pool of {pool.conv.shape[0]} layers")
+    if isinstance(slot_ids, np.ndarray):
+        check_slot_ids(slot_ids, pool.conv.shape[1] - 1)
+
+
+def conv_prefill(
+    x: jax.Array,  # [T, D]  (D = conv_dim)
+    weight: jax.Array,  # [D, W]
+    bias: jax.Array | None,  # [D]
+    pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated)
+    *,
+    layer: int | jax.Array,
+    slot_ids: jax.Array,  # i32[N]
+    has_initial_state: jax.Array,  # bool[N]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    activation: str | None = "silu",
+) -> tuple[jax.Array, GDNStatePool]:
+    """Varlen causal conv1d starting from each live row's conv state in the pool; writes the final states
+    back (slot 0 never written). Returns ``(y: [T, D], pool)``. Fused XLA (see the module docstring)."""
+    _check_conv(x, weight, pool, layer, slot_ids, cu_seqlens.shape[0] - 1)
+    check_array("has_initial_state", has_initial_state, shape=(slot_ids.shape[0],), dtypes=[jnp.bool_])
+    conv._check_weights(weight, bias, x.shape[1], activation)
+    return _conv_prefill(x, weight, bias, pool, jnp.asarray(layer, jnp.int32), jnp.asarray(slot_ids),
+                         jnp.asarray(has_initial_state), jnp.asarray(cu_seqlens), activation=activation)
+
+
+def conv_decode(
+    x: jax.Array,  # [B, D]
+    weight: jax.Array,  # [D, W]
+    bias: jax.Array | None,  # [D]
+    pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated)
+    *,
+    layer: int | jax.Array,
+    slot_ids: jax.Array,  # i32[B]  0 = padding row
+    activation: str | None = "silu",
+) -> tuple[jax.Array, GDNStatePool]:
+    """One token per row: conv with the row's state from the pool, shifted state written back in place."""
+    _check_conv(x, weight, pool, layer, slot_ids, x.shape[0])
+    conv._check_weights(weight, bias, x.shape[1], activation)
+    return _conv_decode(x, weight, bias, pool, jnp.asarray(layer, jnp.int32), jnp.asarray(slot_ids),
+                        activation=activation)
 
 
 dispatch.register_reference(PREFILL_OP, gdn_prefill_pool_reference)

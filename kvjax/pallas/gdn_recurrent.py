@@ -41,25 +41,23 @@ def _zero_tokens(o_ref, h, vs, lo, hi, block_v):
 
 
 def _recurrent_kernel(
-    cu_ref,  # i32[N+1]
-    rows_ref,  # i32[N]  pool row of each sequence
-    flags_ref,  # i32[N]  bit0 has_initial_state, bit1 live
-    q_ref,  # [T, Hk, K]
-    k_ref,  # [T, Hk, K]
-    v_ref,  # [T, Hv, V]
-    g_ref,  # f32[T, Hv]
-    beta_ref,  # [T, Hv]
-    pool_in_ref,  # f32[R, Hv, K, V]  (aliased with pool_ref)
-    o_ref,  # [T, Hv, V]
-    pool_ref,  # f32[R, Hv, K, V]
-    *,
+    *refs,
     group: int,
     scale: float,
     use_qk_l2norm: bool,
     block_v: int,
     num_tokens: int,
     one_token_per_row: bool,
+    slot_layer: int | None,
 ):
+    """Refs: ``cu i32[N+1], rows i32[N], flags i32[N], q, k, v, g, beta, pool_in, o, pool`` with a pool
+    ``f32[R, Hv, K, V]`` indexed by ``rows``; or, in slot mode (``slot_layer`` set: one token per row, every
+    live row reads its state), ``slots i32[N], q, k, v, g, beta, pool_in, o, pool`` with the GDN pool
+    ``f32[L, S+1, Hv, K, V]`` indexed by ``(slot_layer, slots[n])``, live iff ``1 <= slots[n] <= S``."""
+    if slot_layer is None:
+        cu_ref, rows_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_ref = refs
+    else:
+        rows_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_ref = refs
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     hk = h // group
@@ -68,15 +66,26 @@ def _recurrent_kernel(
         start, end = n, n + 1
     else:
         start, end = cu_ref[n], cu_ref[n + 1]
-    row, flags = rows_ref[n], flags_ref[n]
-    live = (flags & FLAG_LIVE) != 0
-    has_init = (flags & FLAG_HAS_INITIAL) != 0
-    kd = pool_in_ref.shape[2]
+    row = rows_ref[n]
+    if slot_layer is None:
+        flags = flags_ref[n]
+        live = (flags & FLAG_LIVE) != 0
+        has_init = (flags & FLAG_HAS_INITIAL) != 0
+        state_in, state_out = pool_in_ref.at[row, h, :, vs], pool_ref.at[row, h, :, vs]
+    else:
+        live = (row >= 1) & (row < pool_in_ref.shape[1])
+        has_init = True
+        state_in = pool_in_ref.at[slot_layer, row, h, :, vs]
+        state_out = pool_ref.at[slot_layer, row, h, :, vs]
+    kd = pool_in_ref.shape[-2]
 
     @pl.when(live)
     def _():
-        s0 = plt.load(pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), has_init), other=0.0,
-                      eviction_policy="evict_first")
+        if has_init is True:
+            s0 = plt.load(state_in, eviction_policy="evict_first")
+        else:
+            s0 = plt.load(state_in, mask=jnp.full((kd, block_v), has_init), other=0.0,
+                          eviction_policy="evict_first")
 
         def step(t, s):  # s: f32[K, block_v]
             q = q_ref[t, hk, :].astype(jnp.float32)
@@ -94,7 +103,7 @@ def _recurrent_kernel(
             return s
 
         s = step(start, s0) if one_token_per_row else lax.fori_loop(start, end, step, s0)
-        plt.store(pool_ref.at[row, h, :, vs], s, eviction_policy="evict_first")
+        plt.store(state_out, s, eviction_policy="evict_first")
 
     @pl.when(jnp.logical_not(live))
     def _():
@@ -126,6 +135,7 @@ def _recurrent_call(
         block_v=block_v,
         num_tokens=num_tokens,
         one_token_per_row=one_token_per_row,
+        slot_layer=None,
     )
     return pl.pallas_call(
         kernel,
@@ -139,6 +149,27 @@ def _recurrent_call(
         interpret=interpret,
         name="gdn_recurrent",
     )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
+
+
+def _slots_call(q, k, v, g, beta, ssm, slots, *, layer, scale, use_qk_l2norm, block_v, num_warps, interpret):
+    num_tokens, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    kernel = functools.partial(
+        _recurrent_kernel, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+        num_tokens=num_tokens, one_token_per_row=True, slot_layer=layer,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
+            jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
+        ),
+        grid=(num_tokens, hv, vd // block_v),
+        input_output_aliases={6: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_decode_slots",
+    )(slots, q, k, v, g, beta, ssm)
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -192,6 +223,43 @@ def recurrent_gated_delta_rule_pool(
         q, k, v, g, beta, pool, cu_seqlens, rows, flags,
         scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=_pick_block_v(vd, block_v), num_warps=num_warps,
         one_token_per_row=one_token_per_row, interpret=interpret,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    donate_argnames=("ssm",),
+)
+def recurrent_gated_delta_rule_slots(
+    q: jax.Array,  # [B, Hk, K]  one token per batch row
+    k: jax.Array,  # [B, Hk, K]
+    v: jax.Array,  # [B, Hv, V]
+    g: jax.Array,  # f32[B, Hv]
+    beta: jax.Array,  # [B, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  GDN pool, donated, updated in place
+    *,
+    slot_ids: jax.Array,  # i32[B]  0 (or out of range) = padding row
+    layer: int,
+    scale: float,
+    use_qk_l2norm: bool = False,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Decode step straight on the GDN pool: row ``b`` continues the state at ``ssm[layer, slot_ids[b]]``.
+
+    No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
+    Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``.
+    """
+    kd, vd = q.shape[2], v.shape[2]
+    _check_pow2("K", kd)
+    _check_pow2("V", vd)
+    if q.shape[0] != slot_ids.shape[0]:
+        raise ValueError(f"one token per row: q has {q.shape[0]} tokens, slot_ids {slot_ids.shape[0]} rows")
+    return _slots_call(
+        q, k, v, g, beta, ssm, slot_ids, layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        block_v=_pick_block_v(vd, block_v), num_warps=num_warps, interpret=interpret,
     )
 
 
