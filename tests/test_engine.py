@@ -280,3 +280,22 @@ def test_greedy_engine_matches_hf_generate(tmp_path):
     assert engine.generate(prompts, new) == expect
     assert engine.metrics.summary()["preemptions"] > 0
     assert_idle(engine)
+
+
+def test_run_command_small_workload(tmp_path, capsys):
+    """``python -m kvjax run`` end to end on a shrunken workload: table, JSON and PNG written, same tokens."""
+    from kvjax.__main__ import main
+
+    js, png = tmp_path / "run.json", tmp_path / "run.png"
+    rc = main(["run", "--requests", "4", "--scale", "0.004", "--memory-requests", "1.5", "--json", str(js),
+               "--plot", str(png), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "identical tokens in both runs: yes" in out
+    data = json.loads(js.read_text())
+    assert data["identical_tokens"] is True
+    for name in ("none", "timely"):
+        r = data["results"][name]
+        assert r["generated_tokens"] == sum(data["steps"][name]["generated"]) > 0
+        assert 0 < r["page_util_peak"] <= 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["run", "--requests", "0"]) == 2  # bad workload: clear error, exit status 2
