@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

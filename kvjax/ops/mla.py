@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_array, check_float, check_int32
+from kvjax.ops._checks import check_float, check_int32
 
 
 def _gather_latent(latent_pages, block_tables, length):
