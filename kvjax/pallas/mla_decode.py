@@ -1,11 +1,12 @@
 """Split-KV MLA decode over a paged latent cache (Pallas, Triton lowering), dense and DSA-sparse.
 
-Stage 1: one program per (head group, KV split, sequence). It walks the latent pages of its split of the
-sequence, one page per step (or ``block_n`` rows gathered through the block table; for DSA, the listed
-top-k positions): the page is read once as two tiles, ``kv_c [page_size, R]`` and
-``k_pe [page_size, r]``; logits are ``q_latent · kv_c + q_rope · k_pe`` and the same ``kv_c`` tile is the
-value. It writes the split's normalised f32 output and its log-sum-exp. A sequence is cut into
-``num_kv_splits`` contiguous page ranges of its own length, so every split of a long sequence has work and
+Stage 1: one program per (head group, KV split, sequence). It walks its split of the sequence in steps of
+``block_n`` latent rows: contiguous rows of one page when ``block_n`` divides the page size (defaults: 32
+rows at <= 16 heads, one 64-row page above), otherwise rows gathered through the block table; for DSA, the
+listed top-k positions. Each row is read once as two tiles, ``kv_c [block_n, R]`` and ``k_pe [block_n, r]``;
+logits are ``q_latent · kv_c + q_rope · k_pe`` and the same ``kv_c`` tile is the value (base-2 online
+softmax). It writes the split's normalised f32 output and its log-sum-exp. A sequence is cut into
+``num_kv_splits`` contiguous ranges of token blocks of its own length, so every split of a long sequence has work and
 the splits of a short one may be empty (output 0, lse ``-inf``, no NaN). Holes (``-1``) and positions past
 ``seq_lens`` are masked: their bytes are never loaded.
 
