@@ -279,11 +279,10 @@ class Engine:
         tokens = np.asarray(tokens)
         t3 = time.perf_counter()
         events = []
-        running_before = {rid for rid in plan.request_ids if rid in self._tracked}
         sched.update(plan, tokens)
         mask = plan.sample_mask.tolist()
         for b, rid in enumerate(plan.request_ids):
-            if not mask[b] or rid not in running_before:
+            if not mask[b] or rid not in self._tracked:
                 continue
             tr = self._tracked[rid]
             tok = int(tokens[b])
@@ -309,9 +308,9 @@ class Engine:
                temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
         """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
 
-        The caller may :meth:`abort` any request (by ``event.request_id``) between events. All prompts are
-        checked before any is queued: a prompt that can never fit raises :class:`RequestTooLongError` naming
-        its index, and nothing is queued. ``progress``: tqdm bar over generated tokens (``None``: on when the
+        The caller may :meth:`abort` any request (by ``event.request_id``) between events; closing the generator
+        early aborts what is left. A prompt that can never fit raises :class:`RequestTooLongError` naming its
+        index before any step runs, and none of this call's requests stays queued. ``progress``: tqdm bar over generated tokens (``None``: on when the
         run generates >= 4096 tokens).
         """
         n = len(prompts)
