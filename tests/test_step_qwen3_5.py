@@ -190,11 +190,16 @@ def run_schedule(model, rng, seqs, chunks, *, window=(), sinks=(), step_fn=None,
     return got, planner
 
 
+ORACLE_ROWS, ORACLE_LEN = 3, 40  # one oracle shape: one compile per model graph
+_oracle = nnx.jit(lambda m, ids: m.logits(ids))
+
+
 def check_against_oracle(model, seqs, got):
     """One jitted full-sequence call for all sequences (right-padded: causal, so padding changes nothing)."""
-    length = max(len(x) for x in seqs)
-    batch = np.stack([np.pad(x, (0, length - len(x)), constant_values=7) for x in seqs]).astype(np.int32)
-    ref = np.asarray(nnx.jit(lambda m, ids: m.logits(ids))(model, jnp.asarray(batch)))
+    batch = np.full((ORACLE_ROWS, ORACLE_LEN), 7, np.int32)
+    for i, x in enumerate(seqs):
+        batch[i, : len(x)] = x
+    ref = np.asarray(_oracle(model, jnp.asarray(batch)))
     for (sid, p), row in got.items():
         np.testing.assert_allclose(row, ref[sid, p], atol=TOL, rtol=0, err_msg=f"seq {sid} pos {p}")
 
@@ -241,6 +246,12 @@ def test_step_bucketed_shapes_do_not_recompile(rng, base):
     got, planner = run_schedule(model, rng, seqs, ([9, 2], [17, 2], [3]), step_fn=step_fn, params=params)
     assert len(got) > 30  # dozens of steps ran on at most len(T_BUCKETS) + 1 traces
     assert planner.signatures == {(32, False), (8, False), (8, True)}  # every allowed trace was used
+    check_against_oracle(model, seqs, got)
+    # one-token prompts: decode-only steps whose rows start fresh in poisoned slots (no initial state)
+    seqs = [rng.integers(0, 61, n).astype(np.int32) for n in (6, 4)]
+    got, planner = run_schedule(model, rng, seqs, ([1], [1]), step_fn=step_fn, params=params)
+    assert planner.signatures == {(8, True)}
+    check_against_oracle(model, seqs, got)
     # a plan outside the buckets (another token count) would retrace, and the guard catches it
     planner = Planner(rng, 2, (), ())
     planner.add(0)

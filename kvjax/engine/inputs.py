@@ -87,8 +87,11 @@ class StepInputs:
         live = slots[active]
         if len(np.unique(live)) != len(live):
             raise InvalidPlanError(f"StepInputs.gdn_slots: two rows share a slot: {slots}")
-        if self.decode_only and not np.isin(n_new, (0, 1)).all():
-            raise InvalidPlanError(f"StepInputs.decode_only but rows have {n_new} tokens (must be 0 or 1)")
+        if self.decode_only and ((n_new > 1) | ((n_new == 0) & (a["gdn_slots"] > 0))).any():
+            raise InvalidPlanError(
+                f"StepInputs.decode_only but rows have {n_new} tokens (slots {a['gdn_slots']}): every row with "
+                "a slot must have exactly one token, padding rows (slot 0) none"
+            )
         li = a["logits_indices"]
         if ((li < 0) | (li >= max(t, 1))).any():
             raise InvalidPlanError(f"StepInputs.logits_indices {li} outside [0, {t})")

@@ -33,13 +33,13 @@ from flax import nnx
 
 from kvjax.config import AttentionConfig, GDNConfig
 from kvjax.errors import CheckpointError
+from kvjax.models.common import (
+    Linear, TensorSource, abstract_model, assign_params, config_get, load_safetensors, rope_cos_sin, rope_inv_freq,
+)
+from kvjax.models.qwen3_5_layers import TextModel
 from kvjax.state import gdn_pool
 from kvjax.state.gdn_pool import GDNStatePool
 from kvjax.state.registry import GQACacheSpec, cache_name, create_caches
-from kvjax.models.common import (
-    GatedRMSNorm, Linear, RMSNorm, TensorSource, abstract_model, apply_rope, assign_params, config_get, load_safetensors,
-    rope_cos_sin, rope_inv_freq,
-)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -183,199 +183,6 @@ class Qwen3_5Caches:
     kv: dict  # {"key_caches_<l>" / "value_caches_<l>": [P, page_size, D]}
 
 
-# ---------------------------------------------------------------------------------------------- layers
-
-
-class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, inter: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
-        self.up_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(inter, hidden, rngs=rngs, dtype=dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., H] -> [..., H]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class GatedDeltaNet(nnx.Module):
-    """Qwen3.5 linear-attention token mixer over a ragged token-major batch."""
-
-    def __init__(self, hidden: int, cfg: GDNConfig, eps: float, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.cfg = cfg
-        hk, hv, kd, vd = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-        self.in_proj_qkv = Linear(hidden, cfg.conv_dim, rngs=rngs, dtype=dtype)
-        self.in_proj_z = Linear(hidden, hv * vd, rngs=rngs, dtype=dtype)
-        self.in_proj_b = Linear(hidden, hv, rngs=rngs, dtype=dtype)
-        self.in_proj_a = Linear(hidden, hv, rngs=rngs, dtype=dtype)
-        w = cfg.conv_kernel_size
-        self.conv_weight = nnx.Param(
-            jax.random.normal(rngs.params(), (cfg.conv_dim, w), dtype) / np.sqrt(w)
-        )  # [conv_dim, W]
-        self.dt_bias = nnx.Param(jnp.ones((hv,), dtype))  # [Hv]
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), dtype, 0.01, 16.0)))  # [Hv]
-        self.norm = GatedRMSNorm(vd, eps, dtype=dtype)
-        self.out_proj = Linear(hv * vd, hidden, rngs=rngs, dtype=dtype)
-        del hk, kd
-
-    def _conv(self, x: jax.Array, cu_seqlens: jax.Array, conv_state: jax.Array | None):
-        """x [T, H] -> conv(in_proj_qkv(x)) [T, conv_dim] (SiLU) and the final conv states [N, conv_dim, W-1]."""
-        from kvjax.ops.conv import causal_conv1d
-
-        return causal_conv1d(
-            self.in_proj_qkv(x), self.conv_weight[...], None,
-            cu_seqlens=cu_seqlens, initial_state=conv_state, activation="silu",
-        )
-
-    def _split(self, x: jax.Array, mixed: jax.Array):
-        """x [T, H], conv output [T, conv_dim] -> q, k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta [T, Hv], z."""
-        c = self.cfg
-        t = x.shape[0]
-        kdim = c.num_k_heads * c.head_k_dim
-        q = mixed[:, :kdim].reshape(t, c.num_k_heads, c.head_k_dim)
-        k = mixed[:, kdim: 2 * kdim].reshape(t, c.num_k_heads, c.head_k_dim)
-        v = mixed[:, 2 * kdim:].reshape(t, c.num_v_heads, c.head_v_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(v.dtype)
-        a = self.in_proj_a(x).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
-        z = self.in_proj_z(x).reshape(t, c.num_v_heads, c.head_v_dim)
-        return q, k, v, g.astype(jnp.float32), beta, z
-
-    def _out(self, o: jax.Array, z: jax.Array) -> jax.Array:  # [T, Hv, V], [T, Hv, V] -> [T, H]
-        c = self.cfg
-        return self.out_proj(self.norm(o, z).reshape(o.shape[0], c.num_v_heads * c.head_v_dim))
-
-    def __call__(self, x: jax.Array, cu_seqlens: jax.Array) -> jax.Array:  # [T, H], i32[N+1] -> [T, H]
-        """Whole sequences from zero state (no cache)."""
-        from kvjax.ops.gdn import chunk_gated_delta_rule
-
-        qkv, _ = self._conv(x, cu_seqlens, None)
-        q, k, v, g, beta, z = self._split(x, qkv)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
-        return self._out(o, z)
-
-    def step(
-        self,
-        x: jax.Array,  # [T, H]
-        inputs,  # StepInputs
-        pool: GDNStatePool,  # conv [L_gdn, S+1, conv_dim, W-1], ssm f32[L_gdn, S+1, Hv, K, V]
-        layer: int,  # index of this layer in the pool
-        decode_only: bool,  # static: every live row has exactly one token (recurrent + conv-update path)
-    ) -> tuple[jax.Array, GDNStatePool]:  # y [T, H], pool updated at the live rows' slots
-        """Ragged step on the slot-addressed pool (slot 0 = PAD: never read as state, never written)."""
-        from kvjax.ops.conv import causal_conv1d_update
-        from kvjax.ops.gdn_state import gdn_decode, gdn_prefill
-
-        slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
-        conv0, _ = gdn_pool.gather(pool, layer, slots, has_init)  # [B, conv_dim, W-1] (unused ssm: DCE'd)
-        if decode_only:
-            t = x.shape[0]
-            row_tok = jnp.clip(cu[:-1], 0, t - 1)  # each row's single token
-            xr = x[row_tok]  # [B, H]
-            mixed, conv1 = causal_conv1d_update(self.in_proj_qkv(xr), conv0, self.conv_weight[...], None)
-            tok_row = jnp.clip(jnp.searchsorted(cu, jnp.arange(t), side="right") - 1, 0, slots.shape[0] - 1)
-            q, k, v, g, beta, z = self._split(x, mixed[tok_row])
-            gdn_op = gdn_decode
-        else:
-            qkv, conv1 = self._conv(x, cu, conv0)
-            q, k, v, g, beta, z = self._split(x, qkv)
-            gdn_op = gdn_prefill
-        live = (slots > 0) & (cu[1:] > cu[:-1])
-        dest = jnp.where(live, slots, pool.conv.shape[1])  # PAD / empty rows -> out of range -> dropped
-        conv = pool.conv.at[layer, dest].set(conv1.astype(pool.conv.dtype), mode="drop")
-        o, ssm = gdn_op(
-            q, k, v, g, beta, pool.ssm, layer=layer, slot_ids=slots, has_initial_state=has_init,
-            cu_seqlens=cu, use_qk_l2norm=True,
-        )
-        return self._out(o, z), GDNStatePool(conv=conv, ssm=ssm)
-
-
-def dense_masked_attention(
-    q: jax.Array,  # [B, T, Hq, D]
-    k: jax.Array,  # [B, T, Hkv, D]
-    v: jax.Array,  # [B, T, Hkv, D]
-    window: jax.Array,  # i32[Hkv], 0 = full
-    sinks: jax.Array,  # i32[Hkv]
-    scale: float,
-) -> jax.Array:  # [B, T, Hq, D]
-    """Softmax attention of whole sequences (positions ``0..T-1``) with the per-KV-head window/sink mask."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
-    s = jnp.einsum("bihgd,bjhd->bhgij", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * scale
-    i = jnp.arange(t)[:, None]
-    j = jnp.arange(t)[None, :]
-    w = window[:, None, None]
-    mask = (j <= i)[None] & ((w == 0) | (i - j < w) | (j < sinks[:, None, None]))  # [Hkv, T, T]
-    s = jnp.where(mask[None, :, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgij,bjhd->bihgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return o.reshape(b, t, hq, d).astype(q.dtype)
-
-
-class GatedAttention(nnx.Module):
-    """Qwen3.5 full attention: output-gated q, q/k RMSNorm, partial RoPE, GQA, optional SWA heads."""
-
-    def __init__(self, hidden: int, cfg: AttentionConfig, eps: float, *, bias: bool, rngs: nnx.Rngs,
-                 dtype=jnp.float32):
-        self.cfg = cfg
-        hq, hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear(hidden, hq * d * 2, bias=bias, rngs=rngs, dtype=dtype)
-        self.k_proj = Linear(hidden, hkv * d, bias=bias, rngs=rngs, dtype=dtype)
-        self.v_proj = Linear(hidden, hkv * d, bias=bias, rngs=rngs, dtype=dtype)
-        self.o_proj = Linear(hq * d, hidden, bias=bias, rngs=rngs, dtype=dtype)
-        self.q_norm = RMSNorm(d, eps, zero_centered=True, dtype=dtype)
-        self.k_norm = RMSNorm(d, eps, zero_centered=True, dtype=dtype)
-
-    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
-        """x [..., H] -> q [..., Hq, D], gate [..., Hq*D], k, v [..., Hkv, D] (q, k normed and rotated)."""
-        c = self.cfg
-        lead = x.shape[:-1]
-        qg = self.q_proj(x).reshape(*lead, c.num_q_heads, 2 * c.head_dim)
-        q, gate = qg[..., : c.head_dim], qg[..., c.head_dim:]
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).reshape(*lead, c.num_kv_heads, c.head_dim)), cos, sin)
-        v = self.v_proj(x).reshape(*lead, c.num_kv_heads, c.head_dim)
-        return q, gate.reshape(*lead, c.num_q_heads * c.head_dim), k, v
-
-    def finish(self, o: jax.Array, gate: jax.Array) -> jax.Array:  # [..., Hq, D], [..., Hq*D] -> [..., H]
-        o = o.reshape(*o.shape[:-2], -1)
-        return self.o_proj(o * jax.nn.sigmoid(gate))
-
-    def full(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:  # [B, T, H] -> [B, T, H]
-        q, gate, k, v = self.project(x, cos, sin)
-        window = jnp.asarray(self.cfg.window, jnp.int32)
-        sinks = jnp.asarray(self.cfg.sinks, jnp.int32)
-        o = dense_masked_attention(q, k, v, window, sinks, self.cfg.head_dim ** -0.5)
-        return self.finish(o, gate)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, config: Qwen3_5Config, layer_type: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.layer_type = layer_type
-        h, eps = config.hidden_size, config.rms_norm_eps
-        if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(h, config.gdn, eps, rngs=rngs, dtype=dtype)
-        else:
-            self.self_attn = GatedAttention(h, config.attention, eps, bias=config.attention_bias, rngs=rngs,
-                                            dtype=dtype)
-        self.mlp = MLP(h, config.intermediate_size, rngs=rngs, dtype=dtype)
-        self.input_layernorm = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
-
-    def mlp_block(self, x: jax.Array) -> jax.Array:
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class TextModel(nnx.Module):
-    def __init__(self, config: Qwen3_5Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.embed_tokens = nnx.Param(
-            0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size), dtype)
-        )  # [vocab, H]
-        self.layers = nnx.List([DecoderLayer(config, t, rngs=rngs, dtype=dtype) for t in config.layer_types])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True, dtype=dtype)
-
-
 # ---------------------------------------------------------------------------------------------- model
 
 
@@ -462,6 +269,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
         window = jnp.asarray(c.attention.window, jnp.int32)
         sinks = jnp.asarray(c.attention.sinks, jnp.int32)
         pool, kv = caches.gdn, dict(caches.kv)
+        if inputs.decode_only:  # decode kernels continue every live row: zero fresh rows' slots (1-token prompts)
+            pool = gdn_pool.reset(pool, jnp.where(inputs.has_initial_state, 0, inputs.gdn_slots))
         gi = 0
         for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
