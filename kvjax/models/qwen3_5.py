@@ -2,6 +2,8 @@
 
 Computes exactly what Hugging Face ``Qwen3_5ForCausalLM`` computes (transformers >= 5):
 
+Layers live in :mod:`kvjax.models.qwen3_5_layers`; this module holds the config, caches, model and loader.
+
 - ``linear_attention`` layers (:class:`GatedDeltaNet`): ``in_proj_qkv`` -> causal depthwise conv1d + SiLU over
   the concatenated ``[q | k | v]`` -> gated delta rule with q/k l2-norm, ``g = -exp(A_log) * softplus(a +
   dt_bias)``, ``beta = sigmoid(b)`` -> per-head gated RMSNorm with ``z`` -> ``out_proj``;
@@ -13,7 +15,11 @@ Two forward paths share the same parameters:
 
 - :meth:`Qwen3_5ForCausalLM.logits` — full sequences ``i32[B, T]``, no cache: the oracle for everything cached;
 - :meth:`Qwen3_5ForCausalLM.forward_step` — one ragged step (:class:`kvjax.engine.inputs.StepInputs`) on the
-  caches (:class:`Qwen3_5Caches`): GDN states by slot id, K/V in head-wise paged pools.
+  caches (:class:`Qwen3_5Caches`): GDN states by slot id, K/V in head-wise paged pools (jitted by
+  :mod:`kvjax.engine.step`).
+
+Build: :func:`kvjax.models.load_pretrained` (HF checkpoint), :func:`init_random` (toy weights), and
+:meth:`Qwen3_5ForCausalLM.with_swa` (same weights, SWA heads).
 
 Research option (off by default): ``Qwen3_5Config.attention.window/sinks`` make some KV heads of every
 full-attention layer sliding-window heads (mask: ``j <= i`` and (``i - j < window`` or ``j < sinks``)); both
