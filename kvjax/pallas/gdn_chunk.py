@@ -77,7 +77,11 @@ def _prep_kernel(
     hk = h // group
     dt = w_ref.dtype
     dot = functools.partial(_dot, precision=precision)
-    mm = functools.partial(_dot, precision=inv_precision)
+    if inv_precision == "bf16":  # one bf16 pass per product of the inverse (bf16 operands, f32 accumulation)
+        def mm(a, b):
+            return _dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), precision=None)
+    else:
+        mm = functools.partial(_dot, precision=inv_precision)
     full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     seg = seg_ref[full]
     gc = gc_ref[c, h, :]
@@ -108,16 +112,20 @@ def _prep_kernel(
     u_ref[c, h, :, :] = dot(tinv, vb).astype(dt)
 
 
-def _prep_call(seg, qn, kn, v, gc, bch, *, num_warps, interpret):
+def _prep_call(seg, qn, kn, v, gc, bch, *, num_warps, inverse_dtype, interpret):
     tp, hk, kd = qn.shape
     nc, hv, chunk = gc.shape
     vd = v.shape[2]
     dt = qn.dtype
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
-    # f32 products of the inverse: full f32 for f32 inputs (and in interpret mode), one TF32 pass for bf16
-    # inputs (T is rounded to bf16 right after, as in fla)
-    fast = dt != jnp.float32 and not interpret
-    inv_precision = lax.DotAlgorithmPreset.TF32_TF32_F32 if fast else lax.Precision.HIGHEST
+    # products of the inverse: full f32 for f32 inputs; for bf16 inputs one TF32 pass (full f32 in interpret
+    # mode, where TF32 does not exist) or one bf16 pass (T is rounded to bf16 right after, as in fla)
+    if dt == jnp.float32:
+        inv_precision = lax.Precision.HIGHEST
+    elif inverse_dtype == "bf16":
+        inv_precision = "bf16"
+    else:
+        inv_precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32
     kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, precision=precision,
                                inv_precision=inv_precision)
     return pl.pallas_call(
@@ -397,7 +405,7 @@ def _unit_lower_inverse(lmat, method: str):
 
 
 def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep, prep_num_warps=4,
-             interpret=False):
+             inverse_dtype="tf32", interpret=False):
     """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
 
     ``prep="pallas"``: ``w``, ``u``, ``A`` by :func:`_prep_kernel` (16x16 block inverse in registers);
@@ -442,6 +450,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep,
     gl = jnp.take_along_axis(gc, last[:, None, :], axis=-1)
     if prep == "pallas":
         w, u, a = _prep_call(seg.reshape(tp), qn, kn, pad(v), gc, bch, num_warps=prep_num_warps,
+                             inverse_dtype=inverse_dtype,
                              interpret=interpret)
         return qn, kn, w, u, a, gc, gl
 
@@ -472,6 +481,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep,
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "prep_num_warps",
+                     "inverse_dtype",
                      "split", "out_block_v", "interpret"),
     donate_argnames=("pool",),
 )
@@ -493,6 +503,7 @@ def chunk_gated_delta_rule_pool(
     num_stages: int = 2,
     prep: str = "pallas",
     prep_num_warps: int = 4,
+    inverse_dtype: str = "tf32",
     split: bool = False,
     out_block_v: int = 64,
     interpret: bool = False,
@@ -513,11 +524,13 @@ def chunk_gated_delta_rule_pool(
         block_v = next((b for b in (64, 32) if rows.shape[0] * hv * (vd // b) >= 256), 16)
     block_v = min(block_v, vd)
     _check_pow2("block_v", block_v)
+    if inverse_dtype not in ("tf32", "bf16"):
+        raise ValueError(f"inverse_dtype must be 'tf32' or 'bf16', got {inverse_dtype!r}")
     if prep not in ("pallas", "solve", "doubling"):
         raise ValueError(f"prep must be 'pallas', 'solve' or 'doubling', got {prep!r}")
     qn, kn, w, u, a, gc, gl = _prepare(
         q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK, prep=prep,
-        prep_num_warps=prep_num_warps, interpret=interpret,
+        prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret,
     )
     if split:
         o, pool = _chunk_call_split(
