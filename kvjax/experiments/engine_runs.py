@@ -5,9 +5,9 @@ tokens per second and per step, running requests and pages in use over time for 
 ``"timely"`` (and both pool policies). Every engine run of one model shares one compiled step (the engine caches
 it per model graph), and :func:`engine_run` checks that the engine is idle (all slots and pages free) afterwards.
 
-Shapes are chosen so that a run compiles few times: the engine pads every step to buckets of tokens
-(``max_num_batched_tokens``), rows (``max_seqs``) and blocks (``max_blocks_per_seq``); keeping
-``max_num_batched_tokens <= 16``, ``max_seqs <= 8`` and ``max_blocks_per_seq <= 8`` gives one bucket each.
+Runs pad every step to one bucket each of tokens (``max_num_batched_tokens``), rows (``max_seqs``) and blocks
+(``max_blocks_per_seq``) (the engine's ``token_buckets`` / ``row_buckets`` / ``block_buckets``), so a model
+compiles its step once and every step costs about the same: tokens per second then follows tokens per step.
 """
 
 from __future__ import annotations
@@ -45,16 +45,23 @@ def long_prompt_workload(num_requests: int, *, prompt: tuple[int, int], output: 
                         int(rng.integers(output[0], output[1] + 1))) for _ in range(num_requests)]
 
 
+def single_bucket_engine(model, cache: CacheConfig, *, recycle, pool: str = "shared", max_num_batched_tokens: int):
+    """An :class:`~kvjax.engine.engine.Engine` whose steps all have one shape (``T = max_num_batched_tokens``,
+    ``B = max_seqs``, all blocks) and no separate decode path: one compilation per model."""
+    from kvjax.engine.engine import Engine
+
+    return Engine(model, cache, recycle=recycle, pool=pool, max_num_batched_tokens=max_num_batched_tokens,
+                  use_decode_path=False, token_buckets=(max_num_batched_tokens,), row_buckets=(cache.max_seqs,),
+                  block_buckets=(cache.max_blocks_per_seq,))
+
+
 def engine_run(model, cache: CacheConfig, workload: list[RequestSpec], *, recycle, pool: str = "shared",
                max_num_batched_tokens: int = 16) -> dict:
     """Generate ``workload`` greedily through one :class:`Engine`; returns ``outputs`` (token lists), ``summary``
     (:meth:`EngineMetrics.summary`), ``trace`` (per-step ``pages_used``, ``running``, ``generated``, ``t_step``
     as arrays), ``num_pages`` and ``bound`` (the simulator's upper bound on tokens per step for this
     workload, layout and memory). Raises ``AssertionError`` if the engine is not idle afterwards."""
-    from kvjax.engine.engine import Engine
-
-    eng = Engine(model, cache, recycle=recycle, pool=pool, max_num_batched_tokens=max_num_batched_tokens,
-                 use_decode_path=False)
+    eng = single_bucket_engine(model, cache, recycle=recycle, pool=pool, max_num_batched_tokens=max_num_batched_tokens)
     outputs = eng.generate([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=False)
     if not eng.is_idle():
         raise AssertionError("engine not idle after generate(): slots or pages leaked")

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.sched.scheduler import Scheduler
-from kvjax.sched.simulate import simulate, throughput_bound
+from kvjax.sched.simulate import simulate, step_lower_bounds, throughput_bound
 from kvjax.sched.workload import RequestSpec, cache_for, seed_workload, swa_layout
 
 SWEEP_KEYS = ("swa_fraction", "window", "sinks", "pool")
@@ -81,6 +81,14 @@ class SimSweep:
         return dict(self._memo[key], swa_fraction=swa_fraction, window=window, sinks=sinks, pool=pool,
                     recycle=recycle)
 
+    def trace(self, *, swa_fraction: float, window: int, sinks: int, pool: str, recycle: str) -> dict:
+        """:func:`trace_simulation` of one configuration; its summary row is memoised for :meth:`run`."""
+        tr = trace_simulation(self.setup, swa_fraction=swa_fraction, window=window, sinks=sinks, pool=pool,
+                              recycle=recycle, seed=self.seed)
+        key = (pool, recycle) if recycle == "none" else (swa_fraction, window, sinks, pool, recycle)
+        self._memo.setdefault(key, dict(tr["row"]))
+        return tr
+
     def compare(self, **config) -> dict:
         """``none`` and ``timely`` for one configuration: ``{"none": row, "timely": row}``, each with ``gain`` and
         ``bound_gain`` relative to ``none``."""
@@ -131,9 +139,10 @@ def format_rows(rows: list[dict], cols: tuple[str, ...] = ("value", "pool", "rec
 
 
 def trace_simulation(setup: SimSetup, *, swa_fraction: float, window: int, sinks: int, pool: str, recycle: str,
-                     seed: int = 0) -> dict[str, np.ndarray]:
+                     seed: int = 0) -> dict:
     """Per-step trace of one simulator run: ``pages_used``, ``running``, ``generated``, ``preemptions``
-    (cumulative), each ``int64[steps]``, plus scalars ``num_pages``, ``tokens_per_step`` and ``bound``.
+    (cumulative), each ``int64[steps]``, plus ``num_pages`` and ``row``: the run's summary with the fields of
+    :class:`kvjax.sched.simulate.SimResult` (same numbers as :func:`~kvjax.sched.simulate.simulate`).
 
     Same loop as :func:`kvjax.sched.simulate.simulate` (every sampling row generates one random token)."""
     att = setup.attention(swa_fraction, window, sinks)
@@ -152,13 +161,19 @@ def trace_simulation(setup: SimSetup, *, swa_fraction: float, window: int, sinks
         generated.append(int(plan.sample_mask.sum()))
         preempt.append(sched.num_preemptions)
         sched.update(plan, rng.integers(1, 32_000, plan.num_seqs))
+    lbs = step_lower_bounds(list(setup.workload), setup.cache, att,
+                            max_num_batched_tokens=setup.max_num_batched_tokens, pool=pool,
+                            recycle=sched.recycle_policy.frees_swa_blocks)
+    by = max(lbs, key=lbs.get)
     gen = np.asarray(generated, np.int64)
-    bound = throughput_bound(list(setup.workload), setup.cache, att,
-                             max_num_batched_tokens=setup.max_num_batched_tokens, pool=pool,
-                             recycle=recycle != "none")
-    return {"pages_used": np.asarray(pages, np.int64), "running": np.asarray(running, np.int64),
-            "generated": gen, "preemptions": np.asarray(preempt, np.int64), "num_pages": setup.cache.num_pages,
-            "tokens_per_step": float(gen.sum() / len(gen)), "bound": float(bound)}
+    util = np.asarray(pages, np.float64) / setup.cache.num_pages
+    row = {"swa_fraction": len(att.swa_heads) / att.num_kv_heads, "pool": pool, "recycle": recycle,
+           "steps": len(gen), "generated": int(gen.sum()), "tokens_per_step": float(gen.sum() / len(gen)),
+           "bound_tokens_per_step": float(gen.sum() / lbs[by]), "bound_by": by, "peak_concurrency": int(max(running)),
+           "preemptions": int(sched.num_preemptions), "page_util_mean": float(util.mean()),
+           "page_util_peak": float(util.max())}
+    return {"pages_used": np.asarray(pages, np.int64), "running": np.asarray(running, np.int64), "generated": gen,
+            "preemptions": np.asarray(preempt, np.int64), "num_pages": setup.cache.num_pages, "row": row}
 
 
 def workload_bound(workload: list[RequestSpec], cache: CacheConfig, attention, *, max_num_batched_tokens: int,

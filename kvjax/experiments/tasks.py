@@ -241,10 +241,9 @@ def engine_answers(model, prompts: np.ndarray, *, cache, recycle, max_num_batche
                    pool: str = "shared") -> tuple[np.ndarray, dict]:
     """Greedy next token of every prompt through the engine (chunked prefill under ``recycle``): ``i32[n]`` and
     the metrics summary. Asserts the engine is idle afterwards."""
-    from kvjax.engine.engine import Engine
+    from kvjax.experiments.engine_runs import single_bucket_engine
 
-    eng = Engine(model, cache, recycle=recycle, pool=pool, max_num_batched_tokens=max_num_batched_tokens,
-                 use_decode_path=False)
+    eng = single_bucket_engine(model, cache, recycle=recycle, pool=pool, max_num_batched_tokens=max_num_batched_tokens)
     out = eng.generate([p for p in np.asarray(prompts)], 1, progress=False)
     if not eng.is_idle():
         raise AssertionError("engine not idle after generate(): slots or pages leaked")
