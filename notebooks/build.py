@@ -180,21 +180,30 @@ display(Markdown(
     f"{rt['summary']['running_peak']} (mean {rn['summary']['running_mean']:.1f} → {rt['summary']['running_mean']:.1f}) "
     f"and preemptions from {rn['summary']['preemptions']} to {rt['summary']['preemptions']}: the gain comes "
     f"from concurrency."))'''),
+    new_markdown_cell("### Engine sweep: fraction of SWA heads (shared pool; one compile per layout)"),
     new_code_cell('''\
-if SIZE == "gpu":  # engine sweep over the SWA fraction (one compile per layout)
-    rows_e = []
-    for frac in (0.25, 0.5, 1.0):
+def engine_row(frac, r):
+    s = r["summary"]
+    return dict(value=frac, pool=r["pool"], recycle=r["recycle"], tokens_per_step=s["generated_tokens_per_step"],
+                bound_tokens_per_step=r["bound"], tokens_per_s=s["generated_tokens_per_s"],
+                peak_concurrency=s["running_peak"], gain=r["gain"], step_gain=r["step_gain"])
+
+eng_fracs = SIZE.pick(small=[0.5, 1.0], gpu=[0.25, 0.5, 0.75, 1.0])
+rows_e = []
+for frac in eng_fracs:
+    if frac == 1.0:
+        done = [r for r in runs if r["pool"] == "shared"]
+    else:
         m = engine_runs.toy_qwen(swa_fraction=frac, window=ENG["window"], sinks=4)
-        for r in engine_runs.compare_policies(m, cache, workload, max_num_batched_tokens=ENG["budget"]):
-            rows_e.append(dict(value=frac, pool=r["pool"], recycle=r["recycle"],
-                               tokens_per_step=r["summary"]["generated_tokens_per_step"],
-                               bound_tokens_per_step=r["bound"], peak_concurrency=r["summary"]["running_peak"],
-                               tokens_per_s=r["summary"]["generated_tokens_per_s"]))
-    fig = plots.sweep_figure(rows_e, vary="swa_fraction (engine)", xlabel="fraction of KV heads that are SWA")
-    print(sweeps.format_rows(rows_e, ("value", "recycle", "tokens_per_step", "bound_tokens_per_step",
-                                      "tokens_per_s", "peak_concurrency")))
-else:
-    print("engine sweep over the SWA fraction: KVJAX_NB_SIZE=gpu")'''),
+        done = engine_runs.compare_policies(m, cache, workload, max_num_batched_tokens=ENG["budget"])
+    rows_e += [engine_row(frac, r) for r in done]
+fig = plots.sweep_figure(rows_e, vary="swa_fraction (engine)", xlabel="fraction of KV heads that are SWA",
+                         metrics=("tokens_per_s", "tokens_per_step", "peak_concurrency"))
+print(sweeps.format_rows(rows_e, ("value", "recycle", "tokens_per_s", "gain", "tokens_per_step", "step_gain",
+                                  "bound_tokens_per_step", "peak_concurrency")))
+ge = sweeps.select(rows_e, recycle="timely")
+display(Markdown("Engine, timely vs none: " + "; ".join(
+    f"{r['value']:.0%} SWA heads {r['step_gain']:.2f}× tokens/step, {r['gain']:.2f}× tokens/s" for r in ge) + "."))'''),
     new_markdown_cell("## Summary"),
     new_code_cell('''\
 display(Markdown(

@@ -17,32 +17,35 @@ def _plt():
     return plt
 
 
-def sweep_figure(rows: list[dict], *, vary: str, xlabel: str, pools=("shared",), logx: bool = False):
-    """Two panels against the varied value: generated tokens per step (with each policy's theoretical bound,
-    dotted) and peak concurrency; one line per (recycle, pool)."""
+_LABELS = {"tokens_per_step": "generated tokens / step", "tokens_per_s": "generated tokens / s",
+           "peak_concurrency": "peak running requests"}
+
+
+def sweep_figure(rows: list[dict], *, vary: str, xlabel: str, pools=("shared",), logx: bool = False,
+                 metrics=("tokens_per_step", "peak_concurrency")):
+    """One panel per metric against the varied value (``row["value"]``), one line per (recycle, pool); the
+    ``tokens_per_step`` panel also draws each policy's theoretical bound (``bound_tokens_per_step``, dotted)."""
     plt = _plt()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for pool in pools:
-        for rec in ("none", "timely"):
-            rs = select(rows, pool=pool, recycle=rec)
-            if not rs:
-                continue
-            x = column(rs, "value")
-            st = dict(_STYLE[rec], linestyle=_POOL_LS.get(pool, "-"))
-            label = f"{rec} ({pool})" if len(pools) > 1 else rec
-            a.plot(x, column(rs, "tokens_per_step"), label=label, **st)
-            a.plot(x, column(rs, "bound_tokens_per_step"), color=st["color"], linestyle=":", alpha=0.8,
-                   label=f"bound {label}")
-            b.plot(x, column(rs, "peak_concurrency"), label=label, **st)
-    a.set_ylabel("generated tokens / step")
-    b.set_ylabel("peak running requests")
-    for ax in (a, b):
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for pool in pools:
+            for rec in ("none", "timely"):
+                rs = select(rows, pool=pool, recycle=rec)
+                if not rs:
+                    continue
+                x = column(rs, "value")
+                st = dict(_STYLE[rec], linestyle=_POOL_LS.get(pool, "-"))
+                label = f"{rec} ({pool})" if len(pools) > 1 else rec
+                ax.plot(x, column(rs, metric), label=label, **st)
+                if metric == "tokens_per_step":
+                    ax.plot(x, column(rs, "bound_tokens_per_step"), color=st["color"], linestyle=":", alpha=0.8,
+                            label=f"bound {label}")
+        ax.set_ylabel(_LABELS.get(metric, metric))
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
         if logx:
             ax.set_xscale("log", base=2)
-    a.legend(fontsize=7)
-    b.legend(fontsize=7)
     fig.suptitle(f"fixed page memory, sweep over {vary}")
     fig.tight_layout()
     return fig

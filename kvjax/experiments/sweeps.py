@@ -128,9 +128,9 @@ def format_rows(rows: list[dict], cols: tuple[str, ...] = ("value", "pool", "rec
                                                             "bound_tokens_per_step", "gain", "bound_gain",
                                                             "peak_concurrency", "preemptions",
                                                             "page_util_mean")) -> str:
-    """A fixed-width text table of ``rows`` (floats with 3 significant decimals)."""
+    """A fixed-width text table of ``rows`` (floats to 4 significant digits)."""
     def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
 
     cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(cols)]
