@@ -224,7 +224,22 @@ def test_compare_impls_paged_attention(rng):
     rows = tour.compare_impls(case)
     assert [r["impl"] for r in rows][0] == "reference"
     assert "interpret" in [r["impl"] for r in rows]
-    assert all(r["max_abs_diff"] < 1e-4 for r in rows)
+    assert all(r["max_abs_diff"] < 1e-4 and r["error"] == "" for r in rows)
+
+
+def test_compare_impls_reports_missing_backend(rng):
+    import jax.numpy as jnp
+
+    value = jnp.asarray(rng.standard_normal(5), jnp.float32)
+
+    def run(impl):
+        if impl == "reference":
+            return value
+        raise ImportError("no module named jax_triton")
+
+    rows = tour.compare_impls(tour.OpCase("paged_attention", "-", run))
+    assert rows[0]["impl"] == "reference" and rows[0]["max_abs_diff"] == 0.0
+    assert all(np.isnan(r["max_abs_diff"]) and "jax_triton" in r["error"] for r in rows[1:]) and len(rows) > 1
 
 
 def test_benchmark_scripts_lists_files(tmp_path):

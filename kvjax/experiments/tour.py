@@ -117,7 +117,8 @@ def _max_abs_diff(a, b) -> float:
 def compare_impls(case: OpCase, *, platform: str | None = None) -> list[dict]:
     """Run ``case`` under every implementation usable on ``platform`` (default: the current backend; on CPU the
     Pallas kernels run in ``interpret`` mode, compiled kernels are skipped). Rows: ``op``, ``impl``,
-    ``max_abs_diff`` (vs the reference), ``first_s`` (incl. compile), ``second_s``."""
+    ``max_abs_diff`` (vs the reference), ``first_s`` (incl. compile), ``second_s``, ``error`` (non-empty, and the
+    numbers NaN, where an optional kernel backend is not installed)."""
     import jax
 
     from kvjax.ops import dispatch
@@ -127,13 +128,20 @@ def compare_impls(case: OpCase, *, platform: str | None = None) -> list[dict]:
     rows, ref = [], None
     for impl in impls:
         t0 = time.perf_counter()
-        out = jax.block_until_ready(case.run(impl))
+        try:
+            out = jax.block_until_ready(case.run(impl))
+        except ImportError as err:  # an optional backend (e.g. jax-triton) that is not installed
+            if impl == "reference":
+                raise
+            rows.append({"op": case.op, "impl": impl, "max_abs_diff": float("nan"), "first_s": float("nan"),
+                         "second_s": float("nan"), "error": f"{type(err).__name__}: {err}"})
+            continue
         t1 = time.perf_counter()
         jax.block_until_ready(case.run(impl))
         t2 = time.perf_counter()
         ref = out if ref is None else ref
         rows.append({"op": case.op, "impl": impl, "max_abs_diff": _max_abs_diff(out, ref),
-                     "first_s": t1 - t0, "second_s": t2 - t1})
+                     "first_s": t1 - t0, "second_s": t2 - t1, "error": ""})
     return rows
 
 
