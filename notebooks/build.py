@@ -145,8 +145,9 @@ display(Markdown(
 Same comparison with a model in the loop: a toy Qwen3.5 (one GDN layer, one attention layer with 4 KV heads,
 random weights) generates greedily for a long-prompt workload through `kvjax.engine.Engine`, with the same page
 memory for both policies. Both runs must generate the same tokens (checked). Every step is padded to one shape,
-so the engine compiles its step once and each step costs about the same; tokens/s excludes the compile step. On CPU the step time is noisy (shared cores), so
-tokens per step is the steadier figure; on a GPU (`KVJAX_NB_SIZE=gpu`) both are meaningful."""),
+so the engine compiles its step once and each step costs about the same; tokens/s excludes the compile step.
+On CPU the step time is noisy (shared cores), so tokens per step is the steadier figure; on a GPU
+(`KVJAX_NB_SIZE=gpu`) both are meaningful."""),
     new_code_cell('''\
 from kvjax.config import CacheConfig
 from kvjax.experiments import engine_runs
@@ -270,8 +271,9 @@ print(f"accuracy, no cache (trained masks): {acc_oracle:.3f}; every head full: {
 
 The cached step needs a GDN state pool, so the trained attention layers move behind a GDN layer whose output
 projections are zero (an exact identity, checked below). The engine prefills under a small token budget per
-step, so prompts run in chunks and pages leave the pool between chunks. `evict>k (heads [0])` evicts only the SWA head's blocks, earlier than its
-window; `evict>k (all heads)` also evicts the full head's blocks older than `k` tokens."""),
+step, so prompts run in chunks and pages leave the pool between chunks. `evict>k (heads [0])` evicts only the
+SWA head's blocks, earlier than its window; `evict>k (all heads)` also evicts the full head's blocks older than
+`k` tokens."""),
     new_code_cell('''\
 engine_model = tasks.with_identity_gdn(model)
 assert np.array_equal(tasks.greedy_answers(engine_model, prompts), oracle), "identity GDN layer changed outputs"

@@ -141,7 +141,8 @@ def test_accuracy_by_distance(rng):
 
 def _allocated(rng, *, heads=3, page=4, rows=4, max_blocks=12):
     att = AttentionConfig(heads, heads, 8, window=(0, 6, 6)[:heads], sinks=(0, 2, 2)[:heads])
-    cache = CacheConfig(page_size=page, num_pages=heads * rows * max_blocks, max_seqs=rows, max_blocks_per_seq=max_blocks)
+    cache = CacheConfig(page_size=page, num_pages=heads * rows * max_blocks, max_seqs=rows,
+                        max_blocks_per_seq=max_blocks)
     blocks = BlockAllocator(cache, att, "shared")
     lens = rng.integers(1, page * max_blocks, rows)
     for r in range(rows):
