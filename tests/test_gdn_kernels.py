@@ -152,8 +152,9 @@ def test_decode_pool_interpret(rng, one_token):
 
 
 def test_prefill_pool_interpret(rng):
+    # bf16 inputs: the Pallas preparation kernel's bf16 inverse products (the default) are covered here
     check_pool_op(rng, gdn_state.gdn_prefill, [5, 0, 66, 3], [2, 0, 3, 1], [True, False, False, True],
-                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.float32, impl="interpret", num_slots=4, static_layer=False)
+                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=4, static_layer=False)
 
 
 def test_conv_pool_ops(rng):

@@ -204,7 +204,7 @@ def recurrent_gated_delta_rule_pool(
     scale: float,
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
     one_token_per_row: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -244,7 +244,7 @@ def recurrent_gated_delta_rule_slots(
     scale: float,
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode step straight on the GDN pool: row ``b`` continues the state at ``ssm[layer, slot_ids[b]]``.
