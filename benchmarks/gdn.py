@@ -162,8 +162,6 @@ def _gdn_inputs(key, t, hk, hv, dtype):
 
 
 def bench_decode(quick: bool):
-    import functools
-
     import jax
     import jax.numpy as jnp
     import numpy as np
