@@ -373,7 +373,8 @@ def _table(res, fla) -> None:
     for i, d in enumerate(res["decode"]):
         r = d["best"]
         f = fla["decode"][i] if fla else {"ms": float("nan"), "state_gbps": float("nan")}
-        print(f"       {r['B']:4d} {r['H']:3d} {r['ms']:8.4f} {r['state_gbps']:9.0f} {100 * r['state_gbps'] / ceil:6.1f}"
+        pct = 100 * r["state_gbps"] / ceil
+        print(f"       {r['B']:4d} {r['H']:3d} {r['ms']:8.4f} {r['state_gbps']:9.0f} {pct:6.1f}"
               f" {f['ms']:7.4f} {f['state_gbps']:8.0f} {f['ms'] / r['ms']:6.2f} {r['err_o']:.1e} "
               f"{r['half_padding_ms']:.4f}      {r['public_op_ms']:.4f}    {r['conv_decode_ms']:.4f}")
     print("prefill B   T     H   kvjax_ms  prep_ms  kernel_ms  fla_ms  speedup  err_o    err_state")

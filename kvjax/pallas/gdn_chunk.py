@@ -312,8 +312,9 @@ def chunk_gated_delta_rule_pool(
 
     ``inverse_dtype``: operands of the 10 matmuls of the in-kernel inverse for bf16 inputs, ``"bf16"`` (default:
     measured faster than ``"tf32"`` on an H200 with the same output error, see benchmarks/RESULTS.md); float32
-    inputs always use full f32. ``split=True``: the sequential kernel only carries the state (storing it per chunk, bf16 for bf16 inputs,
-    and ``v_new``); a second, fully parallel kernel computes the outputs (fla's structure).
+    inputs always use full f32. ``split=True``: the sequential kernel only carries the state (storing it per
+    chunk, bf16 for bf16 inputs, and ``v_new``); a second, fully parallel kernel computes the outputs (fla's
+    structure).
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
