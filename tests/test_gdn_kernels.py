@@ -157,6 +157,18 @@ def test_prefill_pool_interpret(rng):
                   hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=4, static_layer=False)
 
 
+def test_pool_ops_accept_the_bare_ssm_array(rng):
+    """``pool`` may be the ssm array itself (the model layers pass ``pool.ssm``); an array comes back."""
+    q, k, v, g, beta, cu, _ = make_inputs(rng, [1, 1, 1], 1, 2, 16, 16, jnp.float32)
+    pool = make_pool(rng, 1, 4, 2, 16, 16)
+    slots = np.array([3, 0, 1], np.int32)
+    o, ssm = gdn_state.gdn_decode(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), layer=0, slot_ids=slots,
+                                  impl="interpret")
+    ro, rpool = gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=slots, impl="reference")
+    assert isinstance(ssm, jax.Array) and ssm.shape == rpool.ssm.shape
+    assert rel_err(o, ro) <= 1e-4 and rel_err(ssm, rpool.ssm) <= 1e-4
+
+
 def test_conv_pool_ops(rng):
     """conv_prefill then conv_decode on the pool == the ops on gathered states; PAD slot and others untouched."""
     pool = make_pool(rng, 2, 5, 1, 16, 16, conv_dim=24, width=4)
