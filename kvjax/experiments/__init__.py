@@ -7,6 +7,7 @@ Modules, one concept each:
 - ``engine_runs``: the same comparison on a real (toy) model through :class:`kvjax.engine.engine.Engine`;
 - ``tasks``: a synthetic key-value retrieval task, a short optax training loop, accuracy under recycle
   policies, and a deliberately lossy policy (:class:`~kvjax.experiments.tasks.EvictEarly`);
+- ``tour``: one small random case per public op, run under every implementation usable here; the benchmark list;
 - ``plots``: matplotlib figures used by the notebooks.
 
 Nothing here is imported by the library itself; ``matplotlib`` is needed only by ``plots``.
