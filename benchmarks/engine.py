@@ -49,17 +49,29 @@ def run(model, workload, cache, p, recycle: str, deadline: float) -> tuple[list,
     return outs, s
 
 
+def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How two runs' outputs differ: identical requests, and where the first differing token sits."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), None) for ra, rb in zip(a, b)]
+    diverged = [f for f in firsts if f is not None]
+    return dict(requests=len(a), identical_requests=len(a) - len(diverged),
+                first_divergence_min=min(diverged, default=None),
+                first_divergence_median=float(np.median(diverged)) if diverged else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--preset", default="gpu")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--budget-s", type=float, default=270.0)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="override the preset's parameter/cache dtype")
     args = ap.parse_args()
     t_start = time.perf_counter()
     p = PRESETS[args.preset]
     if args.requests:
         p = dataclasses.replace(p, requests=args.requests)
+    if args.dtype:
+        p = dataclasses.replace(p, dtype=args.dtype)
     workload = seed_workload(p.requests, scale=p.scale, vocab=p.vocab, seed=0)
     cache = cache_for(workload, num_kv_heads=p.kv_heads, page_size=p.page_size, full_requests=p.memory_requests,
                       max_seqs=p.max_seqs)
@@ -91,6 +103,7 @@ def main() -> None:
     r = report["runs"]
     both_full = not (r["none"]["truncated"] or r["timely"]["truncated"])
     report["identical_tokens"] = (outs["none"] == outs["timely"]) if both_full else None
+    report["divergence"] = divergence(outs["none"], outs["timely"]) if both_full else None
     report["gain_tokens_per_s"] = r["timely"]["generated_tokens_per_s"] / r["none"]["generated_tokens_per_s"]
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
@@ -101,6 +114,7 @@ def main() -> None:
               f"{1e3 * s['step_time_median_s']:8.2f} {1e3 * s['host_time_median_s']:8.2f} "
               f"{1e3 * s['device_time_median_s']:8.2f} {100 * s['host_share']:6.1f} {100 * s['schedule_share']:7.1f} "
               f"{100 * s['inputs_share']:8.1f} {s['preemptions']:7d} {s['compile_time_s']:9.1f} {s['truncated']}")
+    print(f"divergence: {report['divergence']}")
     print(f"gain {report['gain_tokens_per_s']:.2f}x tokens/s; identical tokens: {report['identical_tokens']}; "
           f"ops: {report['ops']}; total {time.perf_counter() - t_start:.0f} s")
 

@@ -246,6 +246,8 @@ def test_num_kv_splits_choice_is_static():
 @pytest.mark.parametrize("impl", ["pallas", "triton"])
 @pytest.mark.parametrize("h", [16, 128])
 def test_kernels_gpu_long_mixed(rng, impl, h):
+    if impl == "triton":
+        pytest.importorskip("jax_triton", reason="optional dependency: the 'triton' extra")
     lens = [1, 8192, 64, 4097, 777, 8000, 65, 3]
     args = _random_decode(rng, lens, h=h, page_size=64, max_blocks=128, dtype=jnp.bfloat16)
     want = _oracle(*args, 0.07)

@@ -9,3 +9,5 @@ from kvjax.ops.dispatch import available, resolve
 from kvjax.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kvjax.ops.attention import dense_attention_reference, paged_attention
 from kvjax.ops.conv import causal_conv1d, causal_conv1d_update
+from kvjax.ops.mla import absorb_output, absorb_query, mla_decode, mla_prefill_reference, split_kv_b_proj
+from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_mla_decode_fp8
