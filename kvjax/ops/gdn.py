@@ -233,7 +233,25 @@ def chunk_gated_delta_rule_reference(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _validate(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl) -> float:
+def validate_gdn_args(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
+    scale: float | None,
+    use_qk_l2norm: bool,
+    impl: str,
+) -> float:
+    """Host-side (trace-time) check of the gated-delta-rule op arguments; returns the resolved ``scale``.
+
+    Checks ranks, dtypes and shapes against the kernel contract (module docstring), ``cu_seqlens`` values
+    when they are a host ``np.ndarray``, and that ``use_qk_l2norm`` is a bool and ``impl`` a string. Raises
+    ``ValueError`` naming the offending argument. ``scale=None`` resolves to ``K ** -0.5``. Shared by the
+    pool ops in :mod:`kvjax.ops.gdn_state`.
+    """
     check_float("q", q, rank=3)
     check_array("k", k, shape=tuple(q.shape), dtypes=[q.dtype])
     check_float("v", v, rank=3)
@@ -267,7 +285,7 @@ def _validate(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
 
 
 def _dispatch(op, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl):
-    scale = _validate(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+    scale = validate_gdn_args(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
     fn = dispatch.resolve(op, impl)
     return fn(
         q, k, v, g, beta,

@@ -126,7 +126,7 @@ def gdn_decode_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, **
 
 # ---------------------------------------------------------------------------------------------- public (pool)
 def _validate(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm, impl):
-    scale = gdn._validate(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, impl)
+    scale = gdn.validate_gdn_args(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, impl)
     hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
     check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32], shape=(None, None, hv, kd, vd))
     num_seqs = cu_seqlens.shape[0] - 1
