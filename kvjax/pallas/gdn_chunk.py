@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvjax.pallas.gdn_chunk_prep import _dot, _prepare
-from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE, _check_pow2
+from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE, _check_pow2, state_as_pool
 
 CHUNK = 64
 
@@ -362,15 +362,7 @@ def chunk_gated_delta_rule_pallas(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel for ``kvjax.ops.chunk_gated_delta_rule``: ``(o: [T, Hv, V], final: f32[N, Hv, K, V])``."""
-    num_seqs = cu_seqlens.shape[0] - 1
-    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
-    if initial_state is None:
-        pool = jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
-        flags = jnp.full((num_seqs,), FLAG_LIVE, jnp.int32)
-    else:
-        pool = jnp.array(initial_state, jnp.float32, copy=True)
-        flags = jnp.full((num_seqs,), FLAG_LIVE | FLAG_HAS_INITIAL, jnp.int32)
-    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
     return chunk_gated_delta_rule_pool(
         q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret,

@@ -28,6 +28,28 @@ FLAG_HAS_INITIAL = 1
 FLAG_LIVE = 2
 
 
+def state_as_pool(
+    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
+    num_seqs: int,
+    hv: int,
+    kd: int,
+    vd: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Adapt the public ops' ``initial_state`` (or ``None`` = zeros) to the pool kernels' arguments.
+
+    Returns ``(pool: f32[N, Hv, K, V], rows: i32[N] = arange(N), flags: i32[N])``: a fresh copy of
+    ``initial_state`` (the pool kernels alias it to their output) or zeros, every row live, reading its
+    initial state only when one was given.
+    """
+    if initial_state is None:
+        pool = jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
+        flags = jnp.full((num_seqs,), FLAG_LIVE, jnp.int32)
+    else:
+        pool = jnp.array(initial_state, jnp.float32, copy=True)
+        flags = jnp.full((num_seqs,), FLAG_LIVE | FLAG_HAS_INITIAL, jnp.int32)
+    return pool, jnp.arange(num_seqs, dtype=jnp.int32), flags
+
+
 def _l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
 
@@ -277,15 +299,7 @@ def recurrent_gated_delta_rule_pallas(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel for ``kvjax.ops.recurrent_gated_delta_rule``: ``(o: [T, Hv, V], final: f32[N, Hv, K, V])``."""
-    num_seqs = cu_seqlens.shape[0] - 1
-    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
-    if initial_state is None:
-        pool = jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
-        flags = jnp.full((num_seqs,), FLAG_LIVE, jnp.int32)
-    else:
-        pool = jnp.array(initial_state, jnp.float32, copy=True)
-        flags = jnp.full((num_seqs,), FLAG_LIVE | FLAG_HAS_INITIAL, jnp.int32)
-    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
     return recurrent_gated_delta_rule_pool(
         q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret,
