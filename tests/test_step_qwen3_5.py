@@ -239,6 +239,17 @@ def test_step_swa_heads_over_recycled_tables_match_masked_logits(rng):
     assert base.config.attention.window == (0, 0)
 
 
+def test_step_attention_only_model_has_an_empty_gdn_pool_and_matches_full_logits(rng):
+    """No GDN layer: ``init_caches`` gives a [0, S+1, ...] GDN pool and the step still matches ``logits``."""
+    model = random_model(tiny_config(layer_types=("full_attention",)), seed=int(rng.integers(1 << 30)))
+    caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, max_seqs=MAX_SEQS)
+    assert caches.gdn.conv.shape[:2] == (0, MAX_SEQS + 1) and caches.gdn.ssm.shape[:2] == (0, MAX_SEQS + 1)
+    seqs = [rng.integers(0, 61, n).astype(np.int32) for n in (7, 4, 10)]
+    got, _ = run_schedule(model, rng, seqs, ([3, 2], [4], [6]))
+    assert len(got) > 8
+    check_against_oracle(model, seqs, got)
+
+
 def test_step_bucketed_shapes_do_not_recompile(rng, base):
     """New lengths, chunkings and batch compositions reuse the bucketed traces (max_traces raises otherwise)."""
     model, params, step_fn = base

@@ -51,10 +51,14 @@ class GDNStatePool:
 def create(
     cfg: GDNConfig, num_layers: int, max_seqs: int, conv_dtype=jnp.bfloat16
 ) -> GDNStatePool:
-    """An all-zero pool for ``num_layers`` GDN layers of shape ``cfg`` and slots ``0..max_seqs``."""
-    for name, value in (("num_layers", num_layers), ("max_seqs", max_seqs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    """An all-zero pool for ``num_layers`` GDN layers of shape ``cfg`` and slots ``0..max_seqs``.
+
+    ``num_layers=0`` (an attention-only model) gives a valid empty pool (arrays of shape ``[0, S+1, ...]``):
+    :func:`reset` is then a no-op and no layer index is valid.
+    """
+    for name, value, low in (("num_layers", num_layers, 0), ("max_seqs", max_seqs, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not jnp.issubdtype(conv_dtype, jnp.floating):
         raise ValueError(f"conv_dtype must be a floating dtype, got {conv_dtype!r}")
     slots = max_seqs + 1
