@@ -39,3 +39,14 @@ def check_int32(name: str, x, *, rank: int | None = None, shape: tuple[int | Non
 def check_float(name: str, x, *, rank: int | None = None, shape: tuple[int | None, ...] | None = None) -> None:
     """Activations: float16, bfloat16, float32 (float64 allowed for oracles)."""
     check_array(name, x, rank=rank, dtypes=[jnp.float16, jnp.bfloat16, jnp.float32, np.float64], shape=shape)
+
+
+def check_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
+    """Ragged-batch offsets ``i32[N+1]`` with ``N >= 1``; host (``np.ndarray``) values must also be
+    non-decreasing within ``[0, num_tokens]`` (device values are not checked: that would cost a sync)."""
+    check_int32("cu_seqlens", cu_seqlens, rank=1)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if isinstance(cu_seqlens, np.ndarray):
+        if np.any(np.diff(cu_seqlens) < 0) or cu_seqlens[0] < 0 or cu_seqlens[-1] > num_tokens:
+            raise ValueError(f"cu_seqlens must be non-decreasing within [0, T={num_tokens}], got {cu_seqlens}")

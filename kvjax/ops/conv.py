@@ -29,10 +29,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_float, check_int32
+from kvjax.ops._checks import check_cu_seqlens, check_float
 
 CONV_OP = "causal_conv1d"
 UPDATE_OP = "causal_conv1d_update"
@@ -129,12 +128,7 @@ def causal_conv1d(
     check_float("x", x, rank=2)
     num_tokens, dim = x.shape
     width = _check_weights(weight, bias, dim, activation)
-    check_int32("cu_seqlens", cu_seqlens, rank=1)
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if isinstance(cu_seqlens, np.ndarray):  # host values: checking them costs no device sync
-        if np.any(np.diff(cu_seqlens) < 0) or cu_seqlens[0] < 0 or cu_seqlens[-1] > num_tokens:
-            raise ValueError(f"cu_seqlens must be non-decreasing within [0, T={num_tokens}], got {cu_seqlens}")
+    check_cu_seqlens(cu_seqlens, num_tokens)
     if initial_state is not None:
         check_float("initial_state", initial_state, shape=(cu_seqlens.shape[0] - 1, dim, width - 1))
     fn = dispatch.resolve(CONV_OP, impl)

@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_array, check_float, check_int32
+from kvjax.ops._checks import check_array, check_cu_seqlens, check_float
 
 CHUNK_OP = "chunk_gated_delta_rule"
 RECURRENT_OP = "recurrent_gated_delta_rule"
@@ -264,12 +264,7 @@ def validate_gdn_args(
         raise ValueError(f"v has Hv={hv} value heads, not a multiple of q/k's Hk={hk} heads")
     check_array("g", g, shape=(num_tokens, hv), dtypes=[jnp.float32])
     check_float("beta", beta, shape=(num_tokens, hv))
-    check_int32("cu_seqlens", cu_seqlens, rank=1)
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if isinstance(cu_seqlens, np.ndarray):  # host values: checking them costs no device sync
-        if np.any(np.diff(cu_seqlens) < 0) or cu_seqlens[0] < 0 or cu_seqlens[-1] > num_tokens:
-            raise ValueError(f"cu_seqlens must be non-decreasing within [0, T={num_tokens}], got {cu_seqlens}")
+    check_cu_seqlens(cu_seqlens, num_tokens)
     if initial_state is not None:
         num_seqs = cu_seqlens.shape[0] - 1
         check_array("initial_state", initial_state, shape=(num_seqs, hv, kd, v.shape[2]), dtypes=[jnp.float32])
