@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.sched.recycle import first_recyclable_block, recycle_stop
+from kvjax.sched.recycle import free_blocks_before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,17 +224,7 @@ class EvictEarly:
         heads = np.arange(blocks.num_heads) if self.heads is None else np.asarray(self.heads, np.int64)
         if len(rows) == 0 or len(heads) == 0:
             return 0
-        rows = np.asarray(rows, np.int64)
-        stop = recycle_stop(np.asarray(num_computed, np.int64)[:, None], np.full((1, len(heads)), self.keep),
-                            blocks.page_size)
-        cursor = blocks.recycled_upto[rows[:, None], heads[None, :]]
-        start = np.maximum(cursor, first_recyclable_block(self.sinks, blocks.page_size))
-        r, k = np.nonzero(stop > start)
-        if len(r) == 0:
-            return 0
-        freed = blocks.free_ranges(rows[r], heads[k], start[r, k], stop[r, k])
-        blocks.recycled_upto[rows[r], heads[k]] = stop[r, k]
-        return freed
+        return free_blocks_before(blocks, rows, heads, num_computed, self.keep, self.sinks)
 
 
 def engine_answers(model, prompts: np.ndarray, *, cache, recycle, max_num_batched_tokens: int = 16,

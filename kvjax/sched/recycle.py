@@ -53,15 +53,30 @@ def recycle_out_of_window(blocks: BlockAllocator, rows: np.ndarray, num_computed
     swa = blocks.swa_heads
     if len(swa) == 0 or len(rows) == 0:
         return 0
-    rows = np.asarray(rows, np.int64)
-    stop = recycle_stop(np.asarray(num_computed, np.int64)[:, None], blocks.window[swa][None, :], blocks.page_size)
-    cursor = blocks.recycled_upto[rows[:, None], swa[None, :]]
-    start = np.maximum(cursor, first_recyclable_block(blocks.sinks[swa], blocks.page_size)[None, :])
+    return free_blocks_before(blocks, rows, swa, num_computed, blocks.window[swa], blocks.sinks[swa])
+
+
+def free_blocks_before(
+    blocks: BlockAllocator,
+    rows: np.ndarray,  # i64[R]
+    heads: np.ndarray,  # i64[H]
+    num_computed: np.ndarray,  # i64[R]
+    window: np.ndarray | int,  # i64[H] (or one value): keep the last ``window`` positions of each head
+    sinks: np.ndarray | int,  # i64[H] (or one value): never free a block holding a position < sinks
+) -> int:
+    """Free, for every (row, head), the blocks ``[max(cursor, first sink-free block), recycle_stop)`` and
+    advance the per-(row, head) cursor to the stop; returns pages freed. The building block of the policies."""
+    rows, heads = np.asarray(rows, np.int64), np.asarray(heads, np.int64)
+    window = np.broadcast_to(np.asarray(window, np.int64), heads.shape)
+    sinks = np.broadcast_to(np.asarray(sinks, np.int64), heads.shape)
+    stop = recycle_stop(np.asarray(num_computed, np.int64)[:, None], window[None, :], blocks.page_size)
+    cursor = blocks.recycled_upto[rows[:, None], heads[None, :]]
+    start = np.maximum(cursor, first_recyclable_block(sinks, blocks.page_size)[None, :])
     r, k = np.nonzero(stop > start)
     if len(r) == 0:
         return 0
-    freed = blocks.free_ranges(rows[r], swa[k], start[r, k], stop[r, k])
-    blocks.recycled_upto[rows[r], swa[k]] = stop[r, k]
+    freed = blocks.free_ranges(rows[r], heads[k], start[r, k], stop[r, k])
+    blocks.recycled_upto[rows[r], heads[k]] = stop[r, k]
     return freed
 
 
