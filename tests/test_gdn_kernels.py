@@ -169,6 +169,43 @@ def test_pool_ops_accept_the_bare_ssm_array(rng):
     assert rel_err(o, ro) <= 1e-4 and rel_err(ssm, rpool.ssm) <= 1e-4
 
 
+def assert_only_slot_written(new, old, layer: int, slot: int, what: str) -> None:
+    keep = np.ones(new.shape[:2], bool)
+    keep[layer, slot] = False
+    np.testing.assert_array_equal(new[keep], old[keep], err_msg=f"{what}: a slot outside the batch changed")
+    assert not np.array_equal(new[layer, slot], old[layer, slot]), f"{what}: the live row's slot was not written"
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_pool_ops_device_ids_out_of_range_never_write_or_wrap(rng, impl):
+    """Device slot ids (not host-checked) -1, S+1 and 0 read zeros and write nothing: -1 must not wrap to slot S."""
+    num_slots, layer = 5, 1
+    slots = jnp.asarray([-1, 2, num_slots + 1, 0], jnp.int32)  # only row 1 (slot 2) is live
+    bad = np.array([True, False, True, True])
+    cu, has_init = jnp.arange(5, dtype=jnp.int32), jnp.ones(4, jnp.bool_)
+    q, k, v, g, beta, _, _ = make_inputs(rng, [1, 1, 1, 1], 1, 2, 16, 16, jnp.float32)
+    ops = {"gdn_decode": lambda pool: gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=layer, slot_ids=slots,
+                                                           impl=impl)}
+    if impl == "reference":  # the chunked Pallas kernels in interpret mode are slow; decode covers the kernel side
+        ops["gdn_prefill"] = lambda pool: gdn_state.gdn_prefill(q, k, v, g, beta, pool, layer=layer, slot_ids=slots,
+                                                                has_initial_state=has_init, cu_seqlens=cu)
+    for name, op in ops.items():
+        pool = make_pool(rng, 2, num_slots, 2, 16, 16)
+        ssm0 = np.asarray(pool.ssm)
+        o, out = op(pool)
+        assert np.all(np.asarray(o, np.float32)[bad] == 0), f"{name}: output of a non-live row"
+        assert_only_slot_written(np.asarray(out.ssm), ssm0, layer, 2, name)
+    if impl == "reference":
+        pool = make_pool(rng, 2, num_slots, 2, 16, 16)
+        conv0 = np.asarray(pool.conv, np.float32)
+        weight = jnp.asarray(rng.standard_normal((24, 4)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((4, 24)), jnp.bfloat16)
+        _, pool = gdn_state.conv_prefill(x, weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,
+                                         cu_seqlens=cu)
+        _, pool = gdn_state.conv_decode(x, weight, None, pool, layer=layer, slot_ids=slots)
+        assert_only_slot_written(np.asarray(pool.conv, np.float32), conv0, layer, 2, "conv")
+
+
 def test_conv_pool_ops(rng):
     """conv_prefill then conv_decode on the pool == the ops on gathered states; PAD slot and others untouched."""
     pool = make_pool(rng, 2, 5, 1, 16, 16, conv_dim=24, width=4)

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvjax.ops import conv, dispatch, gdn
 from kvjax.ops._checks import check_array, check_int32
-from kvjax.state.gdn_pool import GDNStatePool, check_slot_ids
+from kvjax.state.gdn_pool import GDNStatePool, check_slot_ids, slot_index
 
 PREFILL_OP = "gdn_prefill_pool"
 DECODE_OP = "gdn_decode_pool"
@@ -51,7 +51,7 @@ def _pool_reference(op_reference, q, k, v, g, beta, ssm, *, layer, slot_ids, has
     if cu_seqlens is None:
         cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     live = _live(slot_ids, num_slots)
-    idx = jnp.where(live, slot_ids, num_slots)  # out of range: read as zeros, writes dropped
+    idx = slot_index(slot_ids, num_slots)  # out of range: read as zeros, writes dropped
     read = live & _init_flags(slot_ids, has_initial_state)
     init = jnp.where(read[:, None, None, None], ssm.at[layer, idx].get(mode="fill", fill_value=0.0), 0.0)
     o, final = op_reference(
@@ -237,7 +237,7 @@ def gdn_decode(
 def _conv_rows(pool, layer, slot_ids, has_initial_state):
     num_slots = pool.conv.shape[1]
     live = _live(slot_ids, num_slots)
-    idx = jnp.where(live, slot_ids, num_slots)
+    idx = slot_index(slot_ids, num_slots)
     read = live & _init_flags(slot_ids, has_initial_state)
     state = pool.conv.at[layer, idx].get(mode="fill", fill_value=0)
     return idx, jnp.where(read[:, None, None], state, jnp.zeros((), state.dtype))

@@ -68,8 +68,9 @@ def create(
     )
 
 
-def _slot_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:
-    """Valid ids ``1..S`` unchanged; PAD and anything out of range -> ``S + 1`` (dropped / read as zeros)."""
+def slot_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:  # i32[B] -> i32[B]
+    """Pool index of each slot id: valid ids ``1..S`` unchanged; PAD and anything out of range (negative
+    included) -> ``S + 1 = num_slots``, which ``mode="fill"`` reads as zeros and ``mode="drop"`` never writes."""
     return jnp.where((slot_ids >= 1) & (slot_ids < num_slots), slot_ids, num_slots)
 
 
@@ -104,7 +105,7 @@ def gather(
     """
     batch = _check_slots(pool, layer, slot_ids)
     check_array("has_initial_state", has_initial_state, shape=(batch,), dtypes=[jnp.bool_])
-    idx = _slot_index(slot_ids, pool.conv.shape[1])
+    idx = slot_index(slot_ids, pool.conv.shape[1])
     conv = pool.conv.at[layer, idx].get(mode="fill", fill_value=0)
     ssm = pool.ssm.at[layer, idx].get(mode="fill", fill_value=0)
     conv = jnp.where(has_initial_state[:, None, None], conv, jnp.zeros((), conv.dtype))
@@ -126,7 +127,7 @@ def scatter(
     batch = _check_slots(pool, layer, slot_ids)
     check_float("conv", conv, shape=(batch, *pool.conv.shape[2:]))
     check_array("ssm", ssm, shape=(batch, *pool.ssm.shape[2:]), dtypes=[jnp.float32])
-    idx = _slot_index(slot_ids, pool.conv.shape[1])
+    idx = slot_index(slot_ids, pool.conv.shape[1])
     return GDNStatePool(
         conv=pool.conv.at[layer, idx].set(conv.astype(pool.conv.dtype), mode="drop"),
         ssm=pool.ssm.at[layer, idx].set(ssm, mode="drop"),
@@ -136,7 +137,7 @@ def scatter(
 def reset(pool: GDNStatePool, slot_ids: jax.Array) -> GDNStatePool:  # slot_ids: i32[F]
     """Zero the given (freed) slots in every layer; slot 0 and out-of-range ids are ignored."""
     check_int32("slot_ids", slot_ids, rank=1)
-    idx = _slot_index(slot_ids, pool.conv.shape[1])
+    idx = slot_index(slot_ids, pool.conv.shape[1])
     return GDNStatePool(
         conv=pool.conv.at[:, idx].set(jnp.zeros((), pool.conv.dtype), mode="drop"),
         ssm=pool.ssm.at[:, idx].set(0.0, mode="drop"),
