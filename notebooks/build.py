@@ -270,20 +270,17 @@ print(f"accuracy, no cache (trained masks): {acc_oracle:.3f}; every head full: {
     new_markdown_cell("""\
 ## Through the engine under recycle policies
 
-The cached step needs a GDN state pool, so the trained attention layers move behind a GDN layer whose output
-projections are zero (an exact identity, checked below). The engine prefills under a small token budget per
-step, so prompts run in chunks and pages leave the pool between chunks. `evict>k (heads [0])` evicts only the
+The trained attention-only model runs through the engine as it is (its GDN state pool is empty). The engine
+prefills under a small token budget per step, so prompts run in chunks and pages leave the pool between chunks. `evict>k (heads [0])` evicts only the
 SWA head's blocks, earlier than its window; `evict>k (all heads)` also evicts the full head's blocks older than
 `k` tokens."""),
     new_code_cell('''\
-engine_model = tasks.with_identity_gdn(model)
-assert np.array_equal(tasks.greedy_answers(engine_model, prompts), oracle), "identity GDN layer changed outputs"
 blocks = -(-task.length // CFG["page"])
 cache = CacheConfig(page_size=CFG["page"], num_pages=CFG["rows"] * 2 * blocks, max_seqs=CFG["rows"],
                     max_blocks_per_seq=blocks)
 policies = {"none": "none", "timely": "timely", "evict>1 (heads [0])": tasks.EvictEarly(1, heads=(0,))}
 policies.update({f"evict>{k} (all heads)": tasks.EvictEarly(k) for k in CFG["keeps"]})
-res = tasks.policy_accuracies(engine_model, prompts, answers, cache=cache, policies=policies,
+res = tasks.policy_accuracies(model, prompts, answers, cache=cache, policies=policies,
                               max_num_batched_tokens=CFG["budget"])  # asserts timely == none
 assert np.array_equal(res["none"]["pred"], oracle), "engine without recycling differs from model.logits"
 for name, r in res.items():

@@ -10,9 +10,8 @@ longer holds that position's page cannot answer, so the task measures exactly wh
 
 Model. A toy Qwen3.5 whose attention layers mix head-wise SWA heads (``window``, ``sinks``) and full heads, as
 trained. :func:`train` fits it with optax (AdamW, warmup-cosine) on freshly drawn batches through
-``model.logits``. The toy is attention-only while training (no GDN layer: a GDN state would carry the answer past
-any window and hide the cost of eviction); :func:`with_identity_gdn` then prepends a GDN layer whose output
-projections are zero, an exact identity, because the cached step needs a GDN pool.
+``model.logits``. The toy is attention-only (no GDN layer: a GDN state would carry the answer past any window and
+hide the cost of eviction); the engine serves it with an empty GDN state pool.
 
 Policies. ``none`` and ``timely`` honour every head's window, so they must generate the same tokens (asserted
 by :func:`policy_accuracies`). :class:`EvictEarly` is deliberately lossy: it frees blocks of the chosen heads
@@ -173,35 +172,6 @@ def with_layout(model, *, window: Sequence[int], sinks: Sequence[int]):
     other = init_random(model.config.with_swa(tuple(window), tuple(sinks)))
     return assign_params(other, {p: np.asarray(v.get_value())
                                  for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))})
-
-
-def with_identity_gdn(model):
-    """The same function as an attention-only ``model``, with one GDN layer prepended whose output projection and
-    MLP down projection are zero (so the layer adds exactly 0 to the residual stream). The cached step needs a
-    GDN state pool; the trained attention layers move up by one."""
-    from flax import nnx
-
-    from kvjax.models.common import assign_params
-    from kvjax.models.qwen3_5 import init_random
-
-    cfg = model.config
-    if cfg.gdn_layers:
-        raise ValueError(f"model already has GDN layers {cfg.gdn_layers}")
-    hybrid = init_random(dataclasses.replace(cfg, layer_types=("linear_attention",) + cfg.layer_types))
-    trained = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    values = {}
-    for path, var in nnx.to_flat_state(nnx.state(hybrid, nnx.Param)):
-        if path[:2] == ("model", "layers"):
-            i = int(path[2])
-            if i > 0:
-                values[path] = trained[path[:2] + (i - 1,) + path[3:]]
-                continue
-            value = np.asarray(var.get_value())
-            zero = path[3:] in (("linear_attn", "out_proj", "kernel"), ("mlp", "down_proj", "kernel"))
-            values[path] = np.zeros_like(value) if zero else value
-        else:
-            values[path] = trained[path]
-    return assign_params(hybrid, values)
 
 
 class EvictEarly:
