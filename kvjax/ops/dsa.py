@@ -24,13 +24,7 @@ import jax.numpy as jnp
 
 from kvjax.ops import dispatch
 from kvjax.ops._checks import check_array, check_float, check_int32
-
-
-def _dequant(values, scales):
-    """f32 values: ``values [..., N] * scales [..., N // block]`` broadcast over each block."""
-    n, nb = values.shape[-1], scales.shape[-1]
-    v = values.astype(jnp.float32).reshape(*values.shape[:-1], nb, n // nb)
-    return (v * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+from kvjax.ops.fp8 import dequantize_fp8_blockwise
 
 
 def _page_of(block_tables, positions, page_size):
@@ -103,7 +97,7 @@ def indexer_scores(
     page, off = _page_of(block_tables, pos_all, page_size)
     keys = index_k[jnp.maximum(page, 0), off].astype(jnp.float32)  # [B, L, Di]
     if index_scale is not None:
-        keys = _dequant(keys, index_scale[jnp.maximum(page, 0), off])
+        keys = dequantize_fp8_blockwise(keys, index_scale[jnp.maximum(page, 0), off])
     present = page >= 0
     keys = jnp.where(present[..., None], keys, 0.0)
     row, pos, valid = _token_rows(cu_seqlens, seq_lens, t)
@@ -223,7 +217,7 @@ def sparse_mla_decode_fp8(
     page, off = _page_of(block_tables, topk_indices, key.shape[1])
     valid = (page >= 0) & (topk_indices < seq_lens[:, None])
     pg = jnp.maximum(page, 0)
-    rows = jnp.concatenate([_dequant(key[pg, off], key_scale[pg, off]),
+    rows = jnp.concatenate([dequantize_fp8_blockwise(key[pg, off], key_scale[pg, off]),
                             key_rope[pg, off].astype(jnp.float32)], axis=-1)
     q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
     return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)

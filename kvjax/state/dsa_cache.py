@@ -23,41 +23,17 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.ops._checks import check_array, check_float
+from kvjax.ops.fp8 import (  # noqa: F401 (FP8_* and the quantisers are re-exported for cache users)
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8_blockwise,
+    quantize_fp8_blockwise,
+)
 from kvjax.state.kv_cache import gather_tokens, scatter_tokens
 from kvjax.state.latent_cache import _token_slots
 
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
 KEY_ROLES = ("key", "key_scale", "key_rope")
 INDEXER_ROLES = ("indexer", "indexer_scale")
-
-
-def quantize_fp8_blockwise(
-    x: jax.Array,  # f32 / bf16 / f16 [..., N]
-    block: int = 128,
-) -> tuple[jax.Array, jax.Array]:  # (f8e4m3[..., N], f32[..., N // block])
-    """Blockwise fp8 e4m3 quantisation: one f32 scale ``amax / 448`` per ``block`` consecutive values."""
-    check_float("x", x)
-    n = x.shape[-1]
-    if block < 1 or n % block:
-        raise ValueError(f"last dim of x ({n}) must be a multiple of block={block}")
-    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], n // block, block)
-    scale = jnp.max(jnp.abs(xb), axis=-1) / FP8_MAX  # f32[..., N // block]
-    safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(xb / safe[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return q.reshape(x.shape), scale
-
-
-def dequantize_fp8_blockwise(
-    q: jax.Array,  # f8e4m3[..., N]
-    scale: jax.Array,  # f32[..., N // block]
-) -> jax.Array:  # f32[..., N]
-    """Inverse of :func:`quantize_fp8_blockwise` (up to e4m3 rounding)."""
-    n, nb = q.shape[-1], scale.shape[-1]
-    if nb < 1 or n % nb or tuple(scale.shape[:-1]) != tuple(q.shape[:-1]):
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match q shape {tuple(q.shape)}")
-    qb = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, n // nb)
-    return (qb * scale[..., None].astype(jnp.float32)).reshape(q.shape)
 
 
 def _require(cache: dict, roles: tuple[str, ...]) -> None:
