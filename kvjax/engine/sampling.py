@@ -8,8 +8,6 @@ not depend on which other requests share the step, on preemption, or on the recy
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -39,15 +37,3 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array) -> jax.Ar
     safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     drawn = jax.vmap(jax.random.categorical)(keys, logits.astype(jnp.float32) / safe_t[:, None])
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
-
-
-@functools.partial(jax.jit, static_argnames=("greedy_only",))
-def sample_rows(logits: jax.Array, seeds: jax.Array, streams: jax.Array, counters: jax.Array,
-                temperature: jax.Array, *, greedy_only: bool = False) -> jax.Array:
-    """Jitted :func:`sample` with per-row keys from :func:`row_keys` (all inputs ``[B]``; logits f32[B, vocab]).
-
-    ``greedy_only=True`` skips key derivation and the categorical draw (argmax only).
-    """
-    if greedy_only:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return sample(logits, row_keys(seeds, streams, counters), temperature)
