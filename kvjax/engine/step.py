@@ -9,13 +9,10 @@ Typical use::
     graphdef, params = nnx.split(model)
     step = make_step(graphdef)               # jitted; caches (argument 1) donated
     logits, caches = step(params, caches, inputs)
-
-or simply ``logits, caches = run_step(model, caches, inputs)`` (splits the model on every call).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import chex
@@ -44,16 +41,3 @@ def make_step(graphdef: nnx.GraphDef, *, max_traces: int | None = None, donate: 
         fn = chex.assert_max_traces(fn, n=max_traces)
     return jax.jit(fn, donate_argnums=(1,) if donate else ())
 
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _jitted_step(graphdef, params, caches, inputs):
-    return _step_impl(graphdef, params, caches, inputs)
-
-
-def run_step(model: nnx.Module, caches: Any, inputs: StepInputs) -> tuple[jax.Array, Any]:
-    """Convenience: split ``model`` and run the shared jitted step (caches donated)."""
-    graphdef, params = nnx.split(model)
-    return _jitted_step(graphdef, params, caches, inputs)
-
-
-step = run_step
