@@ -30,7 +30,6 @@ recycle) and :class:`kvjax.models.deepseek.DeepseekV32` (MLA latent + DSA indexe
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 import warnings
 from typing import Any, Callable, Iterator, Sequence
@@ -89,11 +88,8 @@ def model_attention_layout(model: nnx.Module) -> AttentionConfig:
 def init_model_caches(model: nnx.Module, cache: CacheConfig, dtype: Any, options: dict) -> Any:
     """Zeroed device caches of ``model`` for ``cache`` (``options`` go to ``model.init_caches``).
 
-    Models take ``init_caches(*, num_pages, page_size, max_seqs, dtype, ...)``; an older DeepSeek signature
-    ``init_caches(num_pages, page_size, *, dtype, ...)`` (no ``max_seqs``) is also accepted.
+    Models take ``init_caches(*, num_pages, page_size, max_seqs, dtype, ...)``.
     """
-    if "max_seqs" not in inspect.signature(model.init_caches).parameters:
-        return model.init_caches(cache.num_pages, cache.page_size, dtype=dtype, **options)
     return model.init_caches(num_pages=cache.num_pages, page_size=cache.page_size, max_seqs=cache.max_seqs,
                              dtype=dtype, **options)
 
@@ -103,19 +99,15 @@ def plan_to_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInput
     with one batched ``jax.device_put``. The plan's field names are ``StepInputs``' field names.
 
     ``use_decode_path``: set the static ``StepInputs.decode_only`` flag when every real row has exactly one
-    token (models then use their decode kernels; one more trace per bucket). Ignored by a ``StepInputs``
-    without that field.
+    token (models then use their decode kernels; one more trace per bucket).
     """
     host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
             for name in DEVICE_FIELDS}
-    extra = {}
-    if _HAS_DECODE_FLAG:
-        q = plan.query_lens[: plan.num_seqs]
-        extra["decode_only"] = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
-    return StepInputs(**jax.device_put(host), **extra)
+    q = plan.query_lens[: plan.num_seqs]
+    decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
+    return StepInputs(**jax.device_put(host), decode_only=decode_only)
 
 
-_HAS_DECODE_FLAG = "decode_only" in {f.name for f in dataclasses.fields(StepInputs)}
 _DEVICE_STEPS: dict = {}  # (graphdef, max_traces) -> (jitted fn, trace counter): engines of one graph share it
 
 
@@ -296,7 +288,7 @@ class Engine:
         self.metrics.append(StepRecord(
             step=plan.step, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs,
             bucket_tokens=int(plan.token_ids.shape[0]), bucket_rows=B, bucket_blocks=int(plan.block_tables.shape[2]),
-            decode_only=bool(getattr(inputs, "decode_only", False)),
+            decode_only=inputs.decode_only,
             generated=len(events), running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
             preemptions=sched.num_preemptions - preempt0, pages_used=used,
             pages_free=self.cache_config.num_pages - used, compiled=self._traces[0] > traces0,

@@ -108,10 +108,3 @@ class StepInputs:
             out[name] = jnp.asarray(np.asarray(value), dtype)
         return cls(**out, decode_only=bool(decode_only))
 
-    @classmethod
-    def from_plan(cls, plan, *, use_decode_path: bool = True) -> "StepInputs":
-        """From a :class:`kvjax.sched.plan.StepPlan` (host numpy). ``decode_only`` is set when every real row has
-        exactly one token and ``use_decode_path``; a plan adds at most two traces per bucket (mixed, decode)."""
-        q = np.asarray(plan.query_lens)[: plan.num_seqs]
-        decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
-        return cls.from_numpy(**plan.device_arrays(), decode_only=decode_only)
