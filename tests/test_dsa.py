@@ -189,6 +189,24 @@ def test_sparse_decode_validation():
         dsa.sparse_mla_decode(q, qr, pages[..., :512], tables, lens, jnp.zeros((2, 4), jnp.int32), scale=0.1)
 
 
+def test_every_dsa_op_rejects_a_non_positive_scale(rng):
+    """indexer_scores and sparse_mla_decode_fp8 validate ``scale`` like sparse_mla_decode (nothing silently used)."""
+    b, h, t, di, page_size = 2, 4, 3, 128, 8
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    tables = jnp.asarray(rng.permutation(4)[:4].reshape(b, 1, 2), jnp.int32)
+    lens = jnp.asarray([2, 1], jnp.int32)
+    cu = jnp.asarray([0, 2, 3], jnp.int32)
+    idx = jnp.asarray(rng.integers(0, 2, (b, 4)), jnp.int32)
+    key = f(4, page_size, 512).astype(jnp.float8_e4m3fn)
+    for bad in (0.0, -0.5, True, "0.1"):
+        with pytest.raises(ValueError, match="scale must be a positive Python float"):
+            dsa.indexer_scores(f(t, h, di), f(t, h), f(4, page_size, di), None, tables, lens, cu_seqlens=cu,
+                               scale=bad)
+        with pytest.raises(ValueError, match="scale must be a positive Python float"):
+            dsa.sparse_mla_decode_fp8(f(b, h, 512), f(b, h, 64), key, jnp.abs(f(4, page_size, 4)),
+                                      f(4, page_size, 64).astype(jnp.bfloat16), tables, lens, idx, scale=bad)
+
+
 def _sparse_case(rng, lens, h, page_size, max_blocks, k, dtype):
     rows, pages, tables = _pages(rng, lens, page_size, max_blocks, 576)
     q = rng.standard_normal((len(lens), h, 512)).astype(np.float32)

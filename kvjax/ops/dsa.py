@@ -90,6 +90,7 @@ def indexer_scores(
     b = block_tables.shape[0]
     check_int32("seq_lens", seq_lens, shape=(b,))
     check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
+    _check_scale(scale)
 
     page_size = index_k.shape[1]
     length = block_tables.shape[-1] * page_size
@@ -141,6 +142,11 @@ def _sparse_attend(q, rows, valid, rank, scale):
     return jnp.einsum("bhk,bkr->bhr", p / jnp.where(denom > 0, denom, 1.0), rows[..., :rank])
 
 
+def _check_scale(scale) -> None:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
+
+
 def _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices):
     check_float("q_latent", q_latent, rank=3)
     b, h, _ = q_latent.shape
@@ -187,8 +193,7 @@ def sparse_mla_decode(
     _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
     check_float("latent_pages", latent_pages, rank=3,
                 shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
+    _check_scale(scale)
     fn = dispatch.resolve("sparse_mla_decode", impl)
     return fn(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=float(scale))
 
@@ -213,6 +218,7 @@ def sparse_mla_decode_fp8(
     check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))
     check_array("key_scale", key_scale, rank=3, shape=tuple(key.shape[:2]) + (None,))
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
+    _check_scale(scale)
     rank = q_latent.shape[-1]
     page, off = _page_of(block_tables, topk_indices, key.shape[1])
     valid = (page >= 0) & (topk_indices < seq_lens[:, None])
