@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 
 def _require_int(obj: object, name: str, *, minimum: int) -> None:
     value = getattr(obj, name)
@@ -177,7 +179,11 @@ def as_tuple(values: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
     """Broadcast an int or check a length-``n`` sequence of ints; raises ``ValueError`` naming ``name``."""
     if isinstance(values, int) and not isinstance(values, bool):
         return (values,) * n
-    out = tuple(int(v) for v in values)
+    out = tuple(values)
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name}[{i}] must be an int, got {v!r}")
+    out = tuple(int(v) for v in out)
     if len(out) != n:
         raise ValueError(f"{name} has {len(out)} entries, expected {n}: {out!r}")
     return out

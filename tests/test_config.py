@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from kvjax.config import AttentionConfig, CacheConfig, DSAIndexerConfig, GDNConfig, MLAConfig, as_tuple
@@ -63,3 +64,12 @@ def test_as_tuple():
     assert as_tuple([1, 2], 2, "w") == (1, 2)
     with pytest.raises(ValueError, match="w has 1 entries, expected 2"):
         as_tuple([1], 2, "w")
+
+
+def test_as_tuple_rejects_non_int_entries():
+    """A float or bool entry raises naming it instead of being truncated by ``int()``."""
+    with pytest.raises(ValueError, match=r"w\[1\] must be an int, got 2\.5"):
+        as_tuple([1, 2.5], 2, "w")
+    with pytest.raises(ValueError, match=r"w\[0\] must be an int, got True"):
+        as_tuple([True, 2], 2, "w")
+    assert as_tuple(np.array([4, 5], np.int32), 2, "w") == (4, 5)
