@@ -82,10 +82,6 @@ class BlockAllocator:
         new_blocks = max(0, self.blocks_for(num_tokens) - self.num_blocks[row])
         return np.asarray(self.heads_in_pool, np.int64) * new_blocks
 
-    def can_allocate(self, row: int, num_tokens: int, reserve: float = 0.0) -> bool:
-        """Whether ``allocate(row, num_tokens)`` would succeed leaving ``reserve`` (fraction) of each pool free."""
-        return self.can_fit(max(0, self.blocks_for(num_tokens) - self.num_blocks[row]), reserve)
-
     def can_fit(self, new_blocks: int, reserve: float = 0.0) -> bool:
         """Whether ``new_blocks`` more blocks on every head fit, leaving ``reserve`` of each pool free."""
         if new_blocks <= 0:
