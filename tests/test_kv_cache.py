@@ -75,6 +75,16 @@ def test_gather_tokens_reads_back_and_zeros_negative(rng):
     np.testing.assert_array_equal(got[0, 1], 0.0)
 
 
+def test_gather_tokens_zeros_slots_past_the_pool(rng):
+    """A slot >= P * page_size reads zeros (like a negative one), not the clamped last row."""
+    p, ps, d = 3, 4, 5
+    pages = jnp.asarray(rng.standard_normal((p, ps, d)), jnp.float32)
+    slots = jnp.asarray([p * ps - 1, p * ps, p * ps + 7], jnp.int32)
+    got = np.asarray(gather_tokens(pages, slots))
+    np.testing.assert_array_equal(got[0], np.asarray(pages)[-1, -1])
+    np.testing.assert_array_equal(got[1:], 0.0)
+
+
 @pytest.mark.parametrize("mapping_rank", [1, 2])
 def test_write_latent(rng, mapping_rank):
     p, ps, r, rope, t = 7, 4, 16, 8, 6

@@ -24,9 +24,10 @@ def scatter_tokens(
     values: jax.Array,  # [T, H, *F] (or [T, *F] with slot_mapping i32[T])
     slot_mapping: jax.Array,  # i32[T, H] (or i32[T]); page * page_size + offset, negative = skip
 ) -> jax.Array:  # [P, page_size, *F]: a new array
-    """Write ``values[t, h]`` to ``pages[slot // page_size, slot % page_size]`` for every non-negative slot.
+    """Write ``values[t, h]`` to ``pages[slot // page_size, slot % page_size]`` for every slot in range.
 
-    Values are cast to the pool's dtype. One scatter; returns the new pool (the input is not modified).
+    Slots outside ``[0, P * page_size)`` are skipped. Values are cast to the pool's dtype. One scatter; returns
+    the new pool (the input is not modified).
     """
     check_int32("slot_mapping", slot_mapping)
     check_array("pages", pages)
@@ -48,14 +49,18 @@ def scatter_tokens(
 
 def gather_tokens(
     pages: jax.Array,  # [P, page_size, *F]
-    slots: jax.Array,  # i32[...]; negative = none
-) -> jax.Array:  # [..., *F]: zeros where the slot is negative
-    """Read the token rows at ``slots`` (``page * page_size + offset``); negative slots read as zeros."""
+    slots: jax.Array,  # i32[...]; negative (or past the pool) = none
+) -> jax.Array:  # [..., *F]: zeros where the slot is negative or >= P * page_size
+    """Read the token rows at ``slots`` (``page * page_size + offset``).
+
+    Slots outside ``[0, P * page_size)`` read as zeros (never another token's row), mirroring
+    :func:`scatter_tokens`, which drops them.
+    """
     check_int32("slots", slots)
     num_slots = pages.shape[0] * pages.shape[1]
     flat = pages.reshape(num_slots, *pages.shape[2:])
     rows = flat[jnp.clip(slots, 0, num_slots - 1)]
-    keep = (slots >= 0).reshape(*slots.shape, *([1] * (pages.ndim - 2)))
+    keep = ((slots >= 0) & (slots < num_slots)).reshape(*slots.shape, *([1] * (pages.ndim - 2)))
     return jnp.where(keep, rows, jnp.zeros((), pages.dtype))
 
 
