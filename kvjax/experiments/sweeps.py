@@ -19,7 +19,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.sched.scheduler import Scheduler
-from kvjax.sched.simulate import simulate, step_lower_bounds, throughput_bound
+from kvjax.sched.simulate import sim_result, simulate, simulation_steps, throughput_bound
 from kvjax.sched.workload import RequestSpec, cache_for, seed_workload, swa_layout
 
 SWEEP_KEYS = ("swa_fraction", "window", "sinks", "pool")
@@ -150,28 +150,16 @@ def trace_simulation(setup: SimSetup, *, swa_fraction: float, window: int, sinks
                       recycle=recycle)
     for w in setup.workload:
         sched.add_request(w.prompt, w.max_new_tokens)
-    rng = np.random.default_rng(seed)
     pages, running, generated, preempt = [], [], [], []
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        if plan.num_seqs == 0:
-            raise RuntimeError(f"simulation stalled at step {len(pages)}")
+    for plan in simulation_steps(sched, seed=seed):
         pages.append(sched.blocks.used_pages())
         running.append(len(sched.running))
         generated.append(int(plan.sample_mask.sum()))
         preempt.append(sched.num_preemptions)
-        sched.update(plan, rng.integers(1, 32_000, plan.num_seqs))
-    lbs = step_lower_bounds(list(setup.workload), setup.cache, att,
-                            max_num_batched_tokens=setup.max_num_batched_tokens, pool=pool,
-                            recycle=sched.recycle_policy.frees_swa_blocks)
-    by = max(lbs, key=lbs.get)
     gen = np.asarray(generated, np.int64)
     util = np.asarray(pages, np.float64) / setup.cache.num_pages
-    row = {"swa_fraction": len(att.swa_heads) / att.num_kv_heads, "pool": pool, "recycle": recycle,
-           "steps": len(gen), "generated": int(gen.sum()), "tokens_per_step": float(gen.sum() / len(gen)),
-           "bound_tokens_per_step": float(gen.sum() / lbs[by]), "bound_by": by, "peak_concurrency": int(max(running)),
-           "preemptions": int(sched.num_preemptions), "page_util_mean": float(util.mean()),
-           "page_util_peak": float(util.max())}
+    row = dataclasses.asdict(sim_result(list(setup.workload), sched, pool=pool, recycle=recycle,
+                                        generated=int(gen.sum()), peak=int(max(running)), util=util))
     return {"pages_used": np.asarray(pages, np.int64), "running": np.asarray(running, np.int64), "generated": gen,
             "preemptions": np.asarray(preempt, np.int64), "num_pages": setup.cache.num_pages, "row": row}
 

@@ -33,11 +33,13 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Iterator
 
 import numpy as np
 
 from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.sched.recycle import live_blocks, make_recycle_policy
+from kvjax.sched.plan import StepPlan
+from kvjax.sched.recycle import live_blocks
 from kvjax.sched.scheduler import Scheduler
 from kvjax.sched.workload import RequestSpec, cache_for, seed_workload, swa_layout
 
@@ -87,6 +89,37 @@ def step_lower_bounds(workload: list[RequestSpec], cache: CacheConfig, attention
     return {"tokens": tokens / bt, "rows": rows / cache.max_seqs, "longest": float(longest), "pages": float(page_lb)}
 
 
+def simulation_steps(sched: Scheduler, *, seed: int = 0, check_every: int = 0) -> Iterator[StepPlan]:
+    """Drive ``sched`` until every request is done, yielding each step's plan after ``schedule()`` and before
+    ``update()``; every sampling row gets a random token in ``[1, 32000)`` drawn from ``seed``. Raises
+    ``RuntimeError`` if a step schedules nothing; ``check_every > 0`` runs the integrity checks every that many
+    steps."""
+    rng = np.random.default_rng(seed)
+    steps = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        if plan.num_seqs == 0:
+            raise RuntimeError(f"simulation stalled at step {steps}: nothing schedulable ({sched.running!r})")
+        yield plan
+        sched.update(plan, rng.integers(1, 32_000, plan.num_seqs))
+        steps += 1
+        if check_every and steps % check_every == 0:
+            sched.check_integrity()
+
+
+def sim_result(workload: list[RequestSpec], sched: Scheduler, *, pool: str, recycle: str, generated: int,
+               peak: int, util: np.ndarray) -> SimResult:
+    """The :class:`SimResult` of a finished run of ``sched`` over ``workload``: ``generated`` tokens, ``peak``
+    running requests, ``util`` = f64[steps] fraction of pages in use after each step's scheduling."""
+    att = sched.attention
+    lbs = step_lower_bounds(workload, sched.cache, att, max_num_batched_tokens=sched.max_num_batched_tokens,
+                            pool=pool, recycle=sched.recycle_policy.frees_swa_blocks)
+    by = max(lbs, key=lbs.get)
+    steps = len(util)
+    return SimResult(len(att.swa_heads) / att.num_kv_heads, pool, recycle, steps, generated, generated / steps,
+                     generated / lbs[by], by, peak, sched.num_preemptions, float(np.mean(util)), float(np.max(util)))
+
+
 def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
              max_num_batched_tokens: int, pool: str, recycle: str, seed: int = 0,
              check_every: int = 0) -> SimResult:
@@ -95,26 +128,14 @@ def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: Attenti
     sched = Scheduler(cache, attention, max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle)
     for w in workload:
         sched.add_request(w.prompt, w.max_new_tokens)
-    rng = np.random.default_rng(seed)
-    steps = generated = peak = 0
+    generated = peak = 0
     util = []
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        if plan.num_seqs == 0:
-            raise RuntimeError(f"simulation stalled at step {steps}: nothing schedulable ({sched.running!r})")
+    for plan in simulation_steps(sched, seed=seed, check_every=check_every):
         peak = max(peak, len(sched.running))
         util.append(sched.blocks.used_pages() / cache.num_pages)
         generated += int(plan.sample_mask.sum())
-        sched.update(plan, rng.integers(1, 32_000, plan.num_seqs))
-        steps += 1
-        if check_every and steps % check_every == 0:
-            sched.check_integrity()
-    lbs = step_lower_bounds(workload, cache, attention, max_num_batched_tokens=max_num_batched_tokens,
-                            pool=pool, recycle=make_recycle_policy(recycle).frees_swa_blocks)
-    by = max(lbs, key=lbs.get)
-    n_swa = len(attention.swa_heads)
-    return SimResult(n_swa / attention.num_kv_heads, pool, recycle, steps, generated, generated / steps,
-                     generated / lbs[by], by, peak, sched.num_preemptions, float(np.mean(util)), float(np.max(util)))
+    return sim_result(workload, sched, pool=pool, recycle=recycle, generated=generated, peak=peak,
+                      util=np.asarray(util))
 
 
 def format_table(results: list[SimResult]) -> str:
