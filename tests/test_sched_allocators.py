@@ -127,6 +127,18 @@ def test_freeing_foreign_pages_raises():
         b.free_ranges(np.array([2]), np.array([0]), np.array([0]), np.array([1]))
 
 
+def test_overlapping_free_ranges_raise_and_change_nothing(rng):
+    """Two ranges covering the same (row, head, block), e.g. a policy listing a head twice, must not put the
+    page on the free list twice (two rows would later share it)."""
+    b = make("shared", num_pages=12)
+    b.allocate(1, int(rng.integers(5, 13)))  # 2..3 blocks per head
+    before = snapshot(b)
+    with pytest.raises(DoubleFreeError, match="freed twice"):
+        b.free_ranges(np.array([1, 1]), np.array([0, 0]), np.array([0, 1]), np.array([2, 2]))
+    assert same(before, snapshot(b))
+    b.check_integrity()
+
+
 def test_check_integrity_catches_leaks_and_pad_row_writes():
     b = make("shared")
     b.allocate(1, 4)

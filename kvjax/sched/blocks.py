@@ -118,7 +118,9 @@ class BlockAllocator:
 
     def free_ranges(self, rows: np.ndarray, heads: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> int:
         """Return the pages of blocks ``[starts[k], stops[k])`` of ``(rows[k], heads[k])`` for every ``k``
-        (``i64[K]`` each; holes are skipped) and set those entries to -1. Vectorised; returns pages freed."""
+        (``i64[K]`` each; holes are skipped) and set those entries to -1. Vectorised; returns pages freed.
+        Raises :class:`DoubleFreeError` (nothing changes) for a page its (row, head) does not own or that two
+        ranges cover."""
         counts = np.maximum(np.asarray(stops, np.int64) - starts, 0)
         total = int(counts.sum())
         if total == 0:
@@ -131,6 +133,8 @@ class BlockAllocator:
         rr, hh, bb, pages = rr[held], hh[held], bb[held], pages[held]
         if ((self.owner_row[pages] != rr) | (self.owner_head[pages] != hh)).any():
             raise DoubleFreeError(f"pages {pages.tolist()} are not owned by the (row, head) freeing them")
+        if len(np.unique(pages)) != len(pages):
+            raise DoubleFreeError(f"pages {pages.tolist()} are freed twice in one call (overlapping ranges)")
         self.tables[rr, hh, bb] = -1
         self.owner_row[pages] = -1
         self.owner_head[pages] = -1
