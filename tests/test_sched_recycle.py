@@ -9,7 +9,8 @@ import pytest
 
 from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.sched import Scheduler, recycle_out_of_window
-from kvjax.sched.recycle import first_recyclable_block, live_blocks, recycle_stop
+from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.recycle import first_recyclable_block, free_blocks_before, live_blocks, recycle_stop
 
 
 def attends(i: int, j: int, window: int, sinks: int) -> bool:
@@ -73,6 +74,18 @@ def test_sinks_never_recycled_in_a_long_run():
         seen_holes |= holes
         sched.update(plan, np.full(plan.gdn_slots.shape[0], 5))
     assert len(seen_holes) > 10
+
+
+def test_free_blocks_before_rejects_heads_out_of_range():
+    """A negative head must not wrap to the last head (numpy indexing); nothing is freed."""
+    cache = CacheConfig(page_size=4, num_pages=12, max_seqs=2, max_blocks_per_seq=3)
+    b = BlockAllocator(cache, AttentionConfig(4, 2, 8))
+    b.allocate(1, 12)
+    for bad in ([-1], [0, 2]):
+        with pytest.raises(ValueError, match=r"heads .* must lie in 0\.\.1"):
+            free_blocks_before(b, np.array([1]), np.array(bad), np.array([12]), 1, 0)
+    assert (b.tables[1] >= 0).all()
+    b.check_integrity()
 
 
 def test_live_blocks_counts_what_the_allocator_holds():
