@@ -56,17 +56,17 @@ class TokenEvent:
 
     index: int  # position of the request's prompt in the ``prompts`` list of the call
     request_id: int  # scheduler request id (for :meth:`Engine.abort`)
-    token: int
+    token: int  # the sampled token id
     position: int  # 0-based index of this token among the request's generated tokens
     finished: bool  # the request is done (max_new_tokens or eos)
 
 
 @dataclasses.dataclass
 class _Tracked:
-    index: int
-    temperature: float
-    seed: int
-    tokens: list
+    index: int  # prompt index in its call (events, sampling stream)
+    temperature: float  # 0 = greedy
+    seed: int  # sampling seed
+    tokens: list  # list[int]: generated so far
 
 
 # ---------------------------------------------------------------------------------------------- model adapters

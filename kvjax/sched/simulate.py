@@ -46,18 +46,20 @@ from kvjax.sched.workload import RequestSpec, cache_for, seed_workload, swa_layo
 
 @dataclasses.dataclass(frozen=True)
 class SimResult:
-    swa_fraction: float
-    pool: str
-    recycle: str
-    steps: int
-    generated: int
-    tokens_per_step: float
-    bound_tokens_per_step: float
+    """Aggregates of one simulated run (all plain Python scalars)."""
+
+    swa_fraction: float  # SWA KV heads / all KV heads
+    pool: str  # "shared" | "partitioned"
+    recycle: str  # policy name
+    steps: int  # scheduler steps to finish the workload
+    generated: int  # tokens sampled (appended) in all
+    tokens_per_step: float  # generated / steps
+    bound_tokens_per_step: float  # generated / the largest step lower bound (upper bound on tokens_per_step)
     bound_by: str  # which term gives the bound: "tokens" | "rows" | "longest" | "pages"
-    peak_concurrency: int
-    preemptions: int
-    page_util_mean: float
-    page_util_peak: float
+    peak_concurrency: int  # most running requests in one step
+    preemptions: int  # preemptions (recompute) in all
+    page_util_mean: float  # mean over steps of used / num_pages after scheduling
+    page_util_peak: float  # max over steps of the same
 
 
 def throughput_bound(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,

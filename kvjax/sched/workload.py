@@ -21,7 +21,7 @@ SEED_OUTPUT_MEAN = 4_054  # 518,946 output tokens / 128 prompts
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
     prompt: np.ndarray  # i32[prompt_len]
-    max_new_tokens: int
+    max_new_tokens: int  # output length (the seed runs with --ignore-eos)
 
     @property
     def total_len(self) -> int:
