@@ -1,4 +1,4 @@
-"""Blockwise fp8 e4m3 quantisation shared by the DSA cache writes (``kvjax.state.dsa_cache``) and reads (``kvjax.ops.dsa``).
+"""Blockwise fp8 e4m3 quantisation: DSA cache writes (``kvjax.state.dsa_cache``) and reads (``kvjax.ops.dsa``).
 
 ``scale = amax(|x|) / 448`` over each ``block`` consecutive values, ``q = x / scale`` rounded to e4m3 (a block of
 zeros gets scale 0 and quantises to 0, never NaN); dequantise ``q * scale``. Lives in ``kvjax.ops`` so that the
