@@ -12,17 +12,24 @@ compiles its step once and every step costs about the same: tokens per second th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import numpy as np
 
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.experiments.sweeps import workload_bound
 from kvjax.sched.workload import RequestSpec
 
+if TYPE_CHECKING:
+    from kvjax.engine.engine import Engine
+    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
+    from kvjax.sched.recycle import RecyclePolicy
+
 
 def toy_qwen(*, vocab: int = 128, hidden: int = 32, kv_heads: int = 4, head_dim: int = 16,
-             swa_fraction: float = 1.0, window: int = 32, sinks: int = 4, layer_types=("linear_attention",
-                                                                                      "full_attention"),
-             seed: int = 0):
+             swa_fraction: float = 1.0, window: int = 32, sinks: int = 4,
+             layer_types: Sequence[str] = ("linear_attention", "full_attention"),
+             seed: int = 0) -> Qwen3_5ForCausalLM:
     """A randomly initialised toy Qwen3.5 whose first ``round(swa_fraction * kv_heads)`` KV heads (in every
     attention layer) are SWA heads with ``window`` / ``sinks``."""
     from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
@@ -45,7 +52,8 @@ def long_prompt_workload(num_requests: int, *, prompt: tuple[int, int], output: 
                         int(rng.integers(output[0], output[1] + 1))) for _ in range(num_requests)]
 
 
-def single_bucket_engine(model, cache: CacheConfig, *, recycle, pool: str = "shared", max_num_batched_tokens: int):
+def single_bucket_engine(model: Qwen3_5ForCausalLM, cache: CacheConfig, *, recycle: str | RecyclePolicy,
+                         pool: str = "shared", max_num_batched_tokens: int) -> Engine:
     """An :class:`~kvjax.engine.engine.Engine` whose steps all have one shape (``T = max_num_batched_tokens``,
     ``B = max_seqs``, all blocks) and no separate decode path: one compilation per model."""
     from kvjax.engine.engine import Engine
@@ -55,7 +63,8 @@ def single_bucket_engine(model, cache: CacheConfig, *, recycle, pool: str = "sha
                   block_buckets=(cache.max_blocks_per_seq,))
 
 
-def engine_run(model, cache: CacheConfig, workload: list[RequestSpec], *, recycle, pool: str = "shared",
+def engine_run(model: Qwen3_5ForCausalLM, cache: CacheConfig, workload: list[RequestSpec], *,
+               recycle: str | RecyclePolicy, pool: str = "shared",
                max_num_batched_tokens: int = 16) -> dict:
     """Generate ``workload`` greedily through one :class:`Engine`; returns ``outputs`` (token lists), ``summary``
     (:meth:`EngineMetrics.summary`), ``trace`` (per-step ``pages_used``, ``running``, ``generated``, ``t_step``
@@ -74,7 +83,8 @@ def engine_run(model, cache: CacheConfig, workload: list[RequestSpec], *, recycl
             "trace": trace, "num_pages": cache.num_pages, "bound": bound}
 
 
-def compare_policies(model, cache: CacheConfig, workload: list[RequestSpec], *, pools=("shared",),
+def compare_policies(model: Qwen3_5ForCausalLM, cache: CacheConfig, workload: list[RequestSpec], *,
+                     pools: Sequence[str] = ("shared",),
                      max_num_batched_tokens: int = 16) -> list[dict]:
     """``engine_run`` for ``none`` and ``timely`` under each pool; every run must produce the same tokens
     (recycling honours the window), else ``AssertionError``. ``gain`` = tokens/s relative to ``none`` (same

@@ -21,11 +21,17 @@ by :func:`policy_accuracies`). :class:`EvictEarly` is deliberately lossy: it fre
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from kvjax.sched.recycle import free_blocks_before
+
+if TYPE_CHECKING:
+    from kvjax.config import CacheConfig
+    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
+    from kvjax.sched.blocks import BlockAllocator
+    from kvjax.sched.recycle import RecyclePolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +75,7 @@ class RetrievalTask:
     def vocab_size(self) -> int:
         return self.answer0 + self.num_values
 
-    def sample(self, rng: np.random.Generator, n: int):
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``n`` sequences: tokens ``i32[n, length]``, next-token targets ``i32[n, length]``, loss mask
         ``bool[n, length]`` (True where the next token is an answer) and, per query, the distance from the query
         to its store token ``i64[n, num_queries]``."""
@@ -90,7 +96,7 @@ class RetrievalTask:
         distance = qpos[None, :] - np.take_along_axis(pos, pick, 1)
         return x, targets, mask, distance
 
-    def eval_set(self, rng: np.random.Generator, n: int):
+    def eval_set(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``n`` prompts ending at the first query (``i32[n, context + 2]``), the answer token ``i32[n]`` and the
         query-to-store distance ``i64[n]``."""
         x, targets, _, distance = self.sample(rng, n)
@@ -99,7 +105,7 @@ class RetrievalTask:
 
 
 def task_model(task: RetrievalTask, *, window: Sequence[int], sinks: Sequence[int], hidden: int = 64,
-               num_layers: int = 1, head_dim: int = 16, q_per_kv: int = 2, seed: int = 0):
+               num_layers: int = 1, head_dim: int = 16, q_per_kv: int = 2, seed: int = 0) -> Qwen3_5ForCausalLM:
     """An attention-only toy Qwen3.5 for ``task`` with per-KV-head ``window`` / ``sinks`` (0 = full head)."""
     from kvjax.config import AttentionConfig, GDNConfig
     from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
@@ -112,8 +118,8 @@ def task_model(task: RetrievalTask, *, window: Sequence[int], sinks: Sequence[in
     return init_random(cfg, seed=seed)
 
 
-def train(model, task: RetrievalTask, *, steps: int, batch: int = 32, lr: float = 1e-2, warmup: int = 30,
-          seed: int = 0):
+def train(model: Qwen3_5ForCausalLM, task: RetrievalTask, *, steps: int, batch: int = 32, lr: float = 1e-2,
+          warmup: int = 30, seed: int = 0) -> tuple[Qwen3_5ForCausalLM, dict[str, np.ndarray]]:
     """Train ``model`` on fresh batches of ``task`` (AdamW, warmup-cosine, loss on answer tokens only).
 
     Returns ``(trained model, history)`` with ``history = {"loss": f32[steps], "accuracy": f32[steps]}``
@@ -151,7 +157,7 @@ def train(model, task: RetrievalTask, *, steps: int, batch: int = 32, lr: float 
     return nnx.merge(graphdef, params), {"loss": losses, "accuracy": accs}
 
 
-def greedy_answers(model, prompts: np.ndarray) -> np.ndarray:
+def greedy_answers(model: Qwen3_5ForCausalLM, prompts: np.ndarray) -> np.ndarray:
     """i32[n]: argmax of the last position's logits of each prompt (``i32[n, L]``), no cache (the oracle)."""
     import jax
     import jax.numpy as jnp
@@ -162,7 +168,7 @@ def greedy_answers(model, prompts: np.ndarray) -> np.ndarray:
     return np.asarray(fn(params, jnp.asarray(prompts, jnp.int32)))
 
 
-def with_layout(model, *, window: Sequence[int], sinks: Sequence[int]):
+def with_layout(model: Qwen3_5ForCausalLM, *, window: Sequence[int], sinks: Sequence[int]) -> Qwen3_5ForCausalLM:
     """The same weights under another per-KV-head ``window`` / ``sinks`` layout (e.g. every head full)."""
     from flax import nnx
 
@@ -190,15 +196,15 @@ class EvictEarly:
         scope = "all heads" if heads is None else f"heads {list(heads)}"
         self.name = f"evict>{keep} ({scope})"
 
-    def recycle(self, blocks, rows: np.ndarray, num_computed: np.ndarray) -> int:
+    def recycle(self, blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
         heads = np.arange(blocks.num_heads) if self.heads is None else np.asarray(self.heads, np.int64)
         if len(rows) == 0 or len(heads) == 0:
             return 0
         return free_blocks_before(blocks, rows, heads, num_computed, self.keep, self.sinks)
 
 
-def engine_answers(model, prompts: np.ndarray, *, cache, recycle, max_num_batched_tokens: int = 16,
-                   pool: str = "shared") -> tuple[np.ndarray, dict]:
+def engine_answers(model: Qwen3_5ForCausalLM, prompts: np.ndarray, *, cache: CacheConfig,
+                   recycle: str | RecyclePolicy, max_num_batched_tokens: int = 16, pool: str = "shared") -> tuple[np.ndarray, dict]:
     """Greedy next token of every prompt through the engine (chunked prefill under ``recycle``): ``i32[n]`` and
     the metrics summary. Asserts the engine is idle afterwards."""
     from kvjax.experiments.engine_runs import single_bucket_engine
@@ -210,7 +216,8 @@ def engine_answers(model, prompts: np.ndarray, *, cache, recycle, max_num_batche
     return np.array([o[0] for o in out], np.int32), eng.metrics.summary(num_pages=cache.num_pages)
 
 
-def policy_accuracies(model, prompts: np.ndarray, answers: np.ndarray, *, cache, policies: dict,
+def policy_accuracies(model: Qwen3_5ForCausalLM, prompts: np.ndarray, answers: np.ndarray, *, cache: CacheConfig,
+                      policies: dict,
                       max_num_batched_tokens: int = 16) -> dict:
     """Accuracy of ``model`` on ``(prompts, answers)`` under each named recycle policy (``{name: policy}``,
     ``"none"`` required). Returns ``{name: {"pred": i32[n], "correct": bool[n], "accuracy": float,
