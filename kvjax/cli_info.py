@@ -25,6 +25,7 @@ def collect() -> dict:
 
 
 def main(argv: list[str]) -> int:
+    """CLI entry of ``python -m kvjax info``: prints :func:`collect` as a table (or JSON); returns 0."""
     parser = argparse.ArgumentParser(prog="python -m kvjax info")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)

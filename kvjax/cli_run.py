@@ -101,6 +101,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
 
 
 def format_table(results: dict[str, dict]) -> str:
+    """Fixed-width table, one line per policy, of ``{policy: EngineMetrics.summary() + wall_s}``."""
     head = (f"{'recycle':8} {'tok/s':>9} {'tok/step':>8} {'steps':>6} {'run mean':>8} {'run peak':>8} "
             f"{'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}")
     lines = [head, "-" * len(head)]
@@ -113,6 +114,8 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def save_plot(path: str, columns: dict[str, dict], num_pages: int) -> None:
+    """Write a PNG of pages in use and running requests per step, one line per policy (``columns`` as
+    returned by :func:`run_policy`)."""
     import matplotlib
 
     matplotlib.use("Agg")
