@@ -32,13 +32,13 @@ class StepRecord:
     waiting: int  # waiting + preempted requests after scheduling
     preemptions: int  # preemptions that happened while planning this step
     pages_used: int  # pages in use after allocation (all pools)
-    pages_free: int
+    pages_free: int  # pages free after allocation (all pools)
     compiled: bool  # the device step was traced and compiled during this step (a new bucket shape)
-    t_schedule: float
-    t_inputs: float
-    t_device: float
-    t_update: float
-    t_step: float
+    t_schedule: float  # seconds (host wall clock; see the module docstring for each phase)
+    t_inputs: float  # seconds
+    t_device: float  # seconds
+    t_update: float  # seconds
+    t_step: float  # seconds, all phases
 
     @property
     def t_host(self) -> float:
