@@ -51,7 +51,15 @@ def _conv_out(window, weight, bias, activation):
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
-def causal_conv1d_reference(x, weight, bias=None, *, cu_seqlens, initial_state=None, activation="silu"):
+def causal_conv1d_reference(
+    x: jax.Array,  # [T, D]
+    weight: jax.Array,  # [D, W]
+    bias: jax.Array | None = None,  # [D]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None = None,  # [N, D, W-1]; None = zeros
+    activation: str | None = "silu",
+) -> tuple[jax.Array, jax.Array]:  # (y [T, D] in x's dtype, final state [N, D, W-1])
     """Varlen causal conv1d with initial/final state (see the module docstring for the contract)."""
     num_tokens, dim = x.shape
     width = weight.shape[1]
@@ -88,7 +96,14 @@ def causal_conv1d_reference(x, weight, bias=None, *, cu_seqlens, initial_state=N
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
-def causal_conv1d_update_reference(x, conv_state, weight, bias=None, *, activation="silu"):
+def causal_conv1d_update_reference(
+    x: jax.Array,  # [B, D]
+    conv_state: jax.Array,  # [B, D, W-1], oldest column first
+    weight: jax.Array,  # [D, W]
+    bias: jax.Array | None = None,  # [D]
+    *,
+    activation: str | None = "silu",
+) -> tuple[jax.Array, jax.Array]:  # (y [B, D] in x's dtype, new state [B, D, W-1] in conv_state's dtype)
     """One new token per row (decode); see the module docstring for the contract."""
     window = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)[:, :, None]], axis=-1)
     y = _conv_out(window, weight, bias, activation)  # f32[B, D]

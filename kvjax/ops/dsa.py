@@ -163,8 +163,15 @@ def _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices):
 
 
 def sparse_mla_decode_reference(
-    q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, *, scale: float
-):
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    topk_indices: jax.Array,  # i32[B, K]; -1 = none
+    *,
+    scale: float,
+) -> jax.Array:  # [B, H, R] in q_latent's dtype
     """Float32 oracle of :func:`sparse_mla_decode`."""
     rank = q_latent.shape[-1]
     page, off = _page_of(block_tables, topk_indices, latent_pages.shape[1])

@@ -99,8 +99,17 @@ def _initial_or_zeros(initial_state, num_seqs: int, hv: int, kd: int, vd: int):
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
 def recurrent_gated_delta_rule_reference(
-    q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale: float, use_qk_l2norm: bool = False
-):
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]; None = zeros
+    scale: float,
+    use_qk_l2norm: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, final state f32[N, Hv, K, V])
     """Stepwise gated delta rule over a ragged batch (see the module docstring for the contract)."""
     num_tokens, hv, vd = v.shape
     kd = k.shape[-1]
@@ -173,8 +182,17 @@ def _solve_unit_lower(lower, rhs):
 
 @functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
 def chunk_gated_delta_rule_reference(
-    q, k, v, g, beta, *, cu_seqlens, initial_state=None, scale: float, use_qk_l2norm: bool = False
-):
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]; None = zeros
+    scale: float,
+    use_qk_l2norm: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, final state f32[N, Hv, K, V])
     """Chunked (WY/UT-form) gated delta rule over a ragged batch (see the module docstring for the contract).
 
     Phase 1, all chunks at once: within a chunk (positions ``i, j``; ``G = cumsum(g)``), with

@@ -65,12 +65,28 @@ def _pool_reference(op_reference, q, k, v, g, beta, ssm, *, layer, slot_ids, has
     return o, ssm.at[layer, idx].set(final, mode="drop")
 
 
-def gdn_prefill_pool_reference(q, k, v, g, beta, ssm, **kw):
+def gdn_prefill_pool_reference(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    **kw,  # layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm (the normalised call)
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
     """Oracle: gather the initial states, run ``chunk_gated_delta_rule_reference``, scatter the final ones."""
     return _pool_reference(gdn.chunk_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
 
 
-def gdn_decode_pool_reference(q, k, v, g, beta, ssm, **kw):
+def gdn_decode_pool_reference(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    **kw,  # layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm (the normalised call)
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
     """Oracle: gather the initial states, run ``recurrent_gated_delta_rule_reference``, scatter the final ones."""
     return _pool_reference(gdn.recurrent_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
 
