@@ -60,6 +60,7 @@ from kvjax.models.common import (
 from kvjax.models.deepseek_config import DeepseekConfig
 from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_mla_decode_fp8
 from kvjax.ops.mla import absorb_output, absorb_query, split_kv_b_proj
+from kvjax.ops.softmax import masked_softmax
 from kvjax.state.dsa_cache import (
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,
@@ -146,15 +147,6 @@ def topk_mask(scores: jax.Array, allowed: jax.Array, topk: int) -> jax.Array:
     return jnp.any(jax.nn.one_hot(idx, s, dtype=jnp.bool_), axis=-2) & allowed
 
 
-def _masked_softmax(s, mask):
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom > 0, denom, 1.0)
-
-
 class Attention(nnx.Module):
     """MLA with the DSA indexer (HF ``DeepseekV32Attention``)."""
 
@@ -203,7 +195,7 @@ class Attention(nnx.Module):
         causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
         iscores = self.indexer.scores(iq, ik[:, None], iw)  # [B, T, S]
         mask = topk_mask(iscores, causal, c.index_topk)  # [B, T, S]
-        p = _masked_softmax(s, mask[:, None]).astype(v.dtype)
+        p = masked_softmax(s, mask[:, None])[0].astype(v.dtype)
         o = jnp.einsum("bhts,bshv->bthv", p, v, precision=_HI).reshape(b, t, -1)
         return self.o_proj(o)
 

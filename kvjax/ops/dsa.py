@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from kvjax.ops import dispatch
 from kvjax.ops._checks import check_array, check_float, check_int32
 from kvjax.ops.fp8 import dequantize_fp8_blockwise
+from kvjax.ops.softmax import masked_softmax
 
 
 def _page_of(block_tables, positions, page_size):
@@ -133,13 +134,8 @@ def _sparse_attend(q, rows, valid, rank, scale):
     """q f32[B, H, R+r], rows f32[B, K, R+r], valid bool[B, K] -> f32[B, H, R]; no visible key -> 0."""
     rows = jnp.where(valid[..., None], rows, 0.0)
     s = jnp.einsum("bhd,bkd->bhk", q, rows) * scale
-    mask = valid[:, None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return jnp.einsum("bhk,bkr->bhr", p / jnp.where(denom > 0, denom, 1.0), rows[..., :rank])
+    p, _ = masked_softmax(s, valid[:, None, :])
+    return jnp.einsum("bhk,bkr->bhr", p, rows[..., :rank])
 
 
 def _check_scale(scale) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvjax.ops import dispatch
 from kvjax.ops._checks import check_float, check_int32
+from kvjax.ops.softmax import masked_softmax
 
 
 def _gather_latent(latent_pages, block_tables, length):
@@ -44,21 +45,6 @@ def _gather_latent(latent_pages, block_tables, length):
     present = page >= 0
     rows = latent_pages[jnp.maximum(page, 0), pos % page_size]  # [B, length, R+r]
     return rows.astype(jnp.float32), present
-
-
-def _softmax_weights(s, mask):
-    """Normalised attention weights f32[..., L] and lse f32[...] of logits ``s`` where ``mask`` (broadcast).
-
-    Rows without any visible key get all-zero weights and lse ``-inf`` (never NaN).
-    """
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), -jnp.inf)
-    return p / safe, lse
 
 
 def mla_decode_reference(
@@ -85,7 +71,7 @@ def mla_decode_reference(
     rows = jnp.where(visible[..., None], rows, 0.0)  # garbage past the length cannot leak
     s = jnp.einsum("bhd,bld->bhl", q, rows) * scale
     mask = visible[:, None, :]  # [B, 1, L]
-    p, lse = _softmax_weights(s, mask)
+    p, lse = masked_softmax(s, mask)
     o = jnp.einsum("bhl,bld->bhd", p, rows[..., :rank]).astype(q_latent.dtype)
     return (o, lse) if return_lse else o
 
@@ -234,7 +220,7 @@ def mla_prefill_reference(
              + jnp.einsum("hr,lr->hl", qp.astype(jnp.float32), k_pe[b])) * scale
         key = jnp.arange(length)
         mask = (present[b] & (key <= p) & ok)[None, :]
-        p, _ = _softmax_weights(s, mask)
+        p, _ = masked_softmax(s, mask)
         return jnp.einsum("hl,hlv->hv", p, v[b])
 
     o = jax.lax.map(lambda a: one(*a), (q_nope, q_pe, row, pos, valid))
