@@ -174,6 +174,13 @@ def test_evict_early_frees_exactly_the_old_blocks(rng, keep, heads, sinks):
         tasks.EvictEarly(0)
 
 
+def test_evict_early_rejects_non_int_sinks():
+    """A float sink count would be truncated by the int64 cast in free_blocks_before; it must raise instead."""
+    for bad in (2.5, -1, True):
+        with pytest.raises(ValueError, match="sinks must be an int >= 0"):
+            tasks.EvictEarly(4, sinks=bad)
+
+
 # ---------------------------------------------------------------------------------------------- model surgery
 
 

@@ -190,8 +190,8 @@ class EvictEarly:
     def __init__(self, keep: int, *, heads: Sequence[int] | None = None, sinks: int = 0) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-        if sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
         self.keep, self.heads, self.sinks = keep, None if heads is None else tuple(heads), sinks
         scope = "all heads" if heads is None else f"heads {list(heads)}"
         self.name = f"evict>{keep} ({scope})"
