@@ -57,7 +57,7 @@ def indexer_rope(
 def _token_rows(cu_seqlens, seq_lens, t):
     """Row id i32[T], absolute position i32[T] and validity bool[T] of each of ``t`` token-major queries."""
     tok = jnp.arange(t)
-    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right") - 1, 0, seq_lens.shape[0] - 1)
+    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right", method="compare_all") - 1, 0, seq_lens.shape[0] - 1)
     valid = tok < cu_seqlens[-1]
     pos = seq_lens[row] - (cu_seqlens[row + 1] - tok)
     return row, pos, valid
