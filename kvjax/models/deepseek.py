@@ -119,7 +119,13 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(c.index_head_dim, 1e-6, dtype=dtype)
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, rngs=rngs, dtype=dtype)
 
-    def project(self, x, q_resid, cos, sin):
+    def project(
+        self,
+        x: jax.Array,  # [..., D] hidden
+        q_resid: jax.Array,  # [..., q_lora_rank] q_a_layernorm(q_a_proj(x))
+        cos: jax.Array,  # f32[..., r/2]
+        sin: jax.Array,  # f32[..., r/2]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(q f32[..., Hi, Di], k f32[..., Di], w f32[..., Hi])`` for hidden ``x`` and ``q_resid`` ``[..., *]``."""
         q = self.wq_b(q_resid).reshape(*q_resid.shape[:-1], self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin, interleaved=False)
@@ -127,7 +133,12 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x).astype(jnp.float32) * (self.n_heads ** -0.5)
         return q.astype(jnp.float32), k.astype(jnp.float32), w
 
-    def scores(self, q, k, w):
+    def scores(
+        self,
+        q: jax.Array,  # f32[..., Hi, Di]
+        k: jax.Array,  # f32[..., S, Di]
+        w: jax.Array,  # f32[..., Hi]
+    ) -> jax.Array:  # f32[..., S]
         """Index scores ``f32[..., S]`` of queries ``q [..., Hi, Di]`` (weights ``w [..., Hi]``) over keys
         ``k [..., S, Di]``: ``sum_h w_h * relu(q_h . k / sqrt(Di))``."""
         s = jnp.einsum("...hd,...sd->...hs", q, k, precision=_HI) * (self.head_dim ** -0.5)
@@ -176,7 +187,15 @@ class Attention(nnx.Module):
         k_rope = apply_rope(ckv[..., None, c.kv_lora_rank:], cos, sin, interleaved=True)[..., 0, :]
         return q_resid, q_nope, q_rope, kv_c, k_rope
 
-    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False, latent_fp8: bool = False):
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        cos: jax.Array,  # f32[B, T, r/2]
+        sin: jax.Array,  # f32[B, T, r/2]
+        *,
+        indexer_fp8: bool = False,
+        latent_fp8: bool = False,
+    ) -> jax.Array:  # [B, T, D]
         """Full causal sequence ``x: [B, T, D]`` (cos/sin ``f32[B, T, r/2]``) -> ``[B, T, D]``."""
         c = self.c
         b, t, _ = x.shape
@@ -199,7 +218,14 @@ class Attention(nnx.Module):
         o = jnp.einsum("bhts,bshv->bthv", p, v, precision=_HI).reshape(b, t, -1)
         return self.o_proj(o)
 
-    def step(self, x, cos, sin, cache, meta):
+    def step(
+        self,
+        x: jax.Array,  # [T, D]
+        cos: jax.Array,  # f32[T, r/2]
+        sin: jax.Array,  # f32[T, r/2]
+        cache: dict[str, jax.Array],  # this layer's roles (see DeepseekV32.forward_step)
+        meta: dict[str, Any],  # step metadata built by DeepseekV32.forward_step
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:  # ([T, D], new cache)
         """Cached step over ``x: [T, D]``: writes this step's latents / indexer keys, attends over the cache.
 
         Returns ``([T, D], new cache)``; see :meth:`DeepseekV32.forward_step` for ``cache`` and ``meta``.
@@ -317,11 +343,28 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, *, indexer_fp8: bool = False, latent_fp8: bool = False):
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        cos: jax.Array,  # f32[B, T, r/2]
+        sin: jax.Array,  # f32[B, T, r/2]
+        *,
+        indexer_fp8: bool = False,
+        latent_fp8: bool = False,
+    ) -> jax.Array:  # [B, T, D]
+        """Pre-norm residual block over a full causal sequence (HF ``DeepseekV32DecoderLayer``)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def step(self, x, cos, sin, cache, meta):
+    def step(
+        self,
+        x: jax.Array,  # [T, D]
+        cos: jax.Array,  # f32[T, r/2]
+        sin: jax.Array,  # f32[T, r/2]
+        cache: dict[str, jax.Array],  # this layer's roles (see DeepseekV32.forward_step)
+        meta: dict[str, Any],  # step metadata built by DeepseekV32.forward_step
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:  # ([T, D], new cache)
+        """Cached step of the block (see :meth:`Attention.step`)."""
         a, cache = self.self_attn.step(self.input_layernorm(x), cos, sin, cache, meta)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), cache
