@@ -189,6 +189,17 @@ def test_sparse_decode_validation():
         dsa.sparse_mla_decode(q, qr, pages[..., :512], tables, lens, jnp.zeros((2, 4), jnp.int32), scale=0.1)
 
 
+def test_indexer_rope_rejects_bad_rope_dims(rng):
+    x = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+    for r in (5, 18):  # odd (the half split would be silently wrong); wider than x
+        cs = jnp.asarray(rng.standard_normal((3, r)), jnp.float32)
+        with pytest.raises(ValueError, match="rope_dim"):
+            dsa.indexer_rope(x, cs, cs)
+    cs = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    with pytest.raises(ValueError, match="sin must have shape"):
+        dsa.indexer_rope(x, cs, cs[:, :6])
+
+
 def test_every_dsa_op_rejects_a_non_positive_scale(rng):
     """indexer_scores and sparse_mla_decode_fp8 validate ``scale`` like sparse_mla_decode (nothing silently used)."""
     b, h, t, di, page_size = 2, 4, 3, 128, 8

@@ -44,8 +44,17 @@ def indexer_rope(
     *,
     heads_axis: bool = True,
 ) -> jax.Array:
-    """Non-interleaved RoPE on the first ``rope_dim`` values (HF ``apply_rotary_pos_emb`` on ``[rot ‖ pass]``)."""
+    """Non-interleaved RoPE on the first ``rope_dim`` values (HF ``apply_rotary_pos_emb`` on ``[rot ‖ pass]``).
+
+    Returns an array of ``x``'s shape and dtype; raises ``ValueError`` for an odd ``rope_dim``, one wider than
+    ``x``, or ``cos``/``sin`` of different shapes.
+    """
+    check_float("x", x)
+    check_float("cos", cos)
+    check_array("sin", sin, shape=tuple(cos.shape))
     r = cos.shape[-1]
+    if r < 2 or r % 2 or r > x.shape[-1]:
+        raise ValueError(f"rope_dim (cos.shape[-1] = {r}) must be even, >= 2 and <= x.shape[-1] = {x.shape[-1]}")
     if heads_axis:
         cos, sin = cos[..., None, :], sin[..., None, :]
     rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
