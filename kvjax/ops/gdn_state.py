@@ -29,11 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.ops import conv, dispatch, gdn
-from kvjax.ops._checks import check_array, check_int32
+from kvjax.ops._checks import check_array, check_cu_seqlens, check_int32
 from kvjax.state.gdn_pool import GDNStatePool, check_slot_ids, slot_index
 
 PREFILL_OP = "gdn_prefill_pool"
 DECODE_OP = "gdn_decode_pool"
+CONV_PREFILL_OP = "conv_prefill_pool"
+CONV_DECODE_OP = "conv_decode_pool"
+_CONV_AUTO_XLA: frozenset[str] = frozenset()  # conv ops whose fused-XLA path measured faster on the GPU
 
 
 # ---------------------------------------------------------------------------------------------- SSM array level
@@ -249,35 +252,92 @@ def gdn_decode(
                    use_qk_l2norm, impl)
 
 
-# ---------------------------------------------------------------------------------------------- conv (XLA)
-def _conv_rows(pool, layer, slot_ids, has_initial_state):
-    num_slots = pool.conv.shape[1]
+# ---------------------------------------------------------------------------------------------- conv
+def _conv_rows(conv_pool, layer, slot_ids, has_initial_state):
+    num_slots = conv_pool.shape[1]
     live = _live(slot_ids, num_slots)
     idx = slot_index(slot_ids, num_slots)
     read = live & _init_flags(slot_ids, has_initial_state)
-    state = pool.conv.at[layer, idx].get(mode="fill", fill_value=0)
-    return idx, jnp.where(read[:, None, None], state, jnp.zeros((), state.dtype))
+    state = conv_pool.at[layer, idx].get(mode="fill", fill_value=0)
+    return live, idx, jnp.where(read[:, None, None], state, jnp.zeros((), state.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames=("pool",))
-def _conv_prefill(x, weight, bias, pool, layer, slot_ids, has_initial_state, cu_seqlens, *, activation):
-    idx, init = _conv_rows(pool, layer, slot_ids, has_initial_state)
+def conv_prefill_pool_reference(
+    x: jax.Array,  # [T, D]
+    weight: jax.Array,  # [D, W]
+    bias: jax.Array | None,  # [D]
+    conv_pool: jax.Array,  # [L, S+1, D, W-1]
+    *,
+    layer: int | jax.Array,  # i32[]
+    slot_ids: jax.Array,  # i32[N]
+    has_initial_state: jax.Array,  # bool[N]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    activation: str | None,
+) -> tuple[jax.Array, jax.Array]:  # (y [T, D], new conv pool)
+    """Oracle (and the fused-XLA path): gather the initial states, ``causal_conv1d_reference``, zero the
+    padding rows' outputs, scatter the final states (slot 0 and out-of-range ids dropped)."""
+    from kvjax.pallas.paged_common import count_le
+
+    live, idx, init = _conv_rows(conv_pool, layer, slot_ids, has_initial_state)
     y, final = conv.causal_conv1d_reference(x, weight, bias, cu_seqlens=cu_seqlens, initial_state=init,
                                             activation=activation)
-    return y, dataclasses.replace(pool, conv=pool.conv.at[layer, idx].set(final, mode="drop"))
+    row = jnp.clip(count_le(cu_seqlens, jnp.arange(x.shape[0], dtype=jnp.int32)) - 1, 0, slot_ids.shape[0] - 1)
+    y = jnp.where(live[row][:, None], y, jnp.zeros((), y.dtype))
+    return y, conv_pool.at[layer, idx].set(final.astype(conv_pool.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("activation",), donate_argnames=("pool",))
-def _conv_decode(x, weight, bias, pool, layer, slot_ids, *, activation):
-    idx, state = _conv_rows(pool, layer, slot_ids, None)
+def conv_decode_pool_reference(
+    x: jax.Array,  # [B, D]
+    weight: jax.Array,  # [D, W]
+    bias: jax.Array | None,  # [D]
+    conv_pool: jax.Array,  # [L, S+1, D, W-1]
+    *,
+    layer: int | jax.Array,  # i32[]
+    slot_ids: jax.Array,  # i32[B]
+    activation: str | None,
+) -> tuple[jax.Array, jax.Array]:  # (y [B, D], new conv pool)
+    """Oracle (and the fused-XLA path): gather by slot, ``causal_conv1d_update_reference``, scatter back."""
+    live, idx, state = _conv_rows(conv_pool, layer, slot_ids, None)
     y, new = conv.causal_conv1d_update_reference(x, state, weight, bias, activation=activation)
-    return y, dataclasses.replace(pool, conv=pool.conv.at[layer, idx].set(new, mode="drop"))
+    y = jnp.where(live[:, None], y, jnp.zeros((), y.dtype))
+    return y, conv_pool.at[layer, idx].set(new, mode="drop")
 
 
-def _check_conv(x, weight, pool, layer, slot_ids, rows: int):
+def conv_prefill_pool_pallas(x, weight, bias, conv_pool, *, interpret: bool = False, **kw):
+    """Pallas token-block ``y`` kernel + final-state kernel on the pool (:mod:`kvjax.pallas.conv`)."""
+    from kvjax.pallas.conv import conv_prefill_slots
+
+    return conv_prefill_slots(x, weight, bias, conv_pool, interpret=interpret, **kw)
+
+
+def conv_decode_pool_pallas(x, weight, bias, conv_pool, *, interpret: bool = False, **kw):
+    """Pallas conv update straight on the pool by slot id (:mod:`kvjax.pallas.conv`)."""
+    from kvjax.pallas.conv import conv_update_slots
+
+    return conv_update_slots(x, weight, bias, conv_pool, interpret=interpret, **kw)
+
+
+def _conv_impl(op: str, impl: str) -> str:
+    if not isinstance(impl, str):
+        raise ValueError(f"impl must be a string, got {impl!r}")
+    if impl == "auto" and op in _CONV_AUTO_XLA:
+        impl = "reference"
+    dispatch.resolve(op, impl)  # unknown impl -> UnknownImplError before tracing
+    return impl
+
+
+@functools.partial(jax.jit, static_argnames=("op", "impl", "activation"), donate_argnames=("pool",))
+def _conv_run(op, impl, x, weight, bias, pool, layer, slot_ids, meta, *, activation):
+    fn = dispatch.resolve(op, impl)
+    y, new = fn(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids, activation=activation, **meta)
+    return y, dataclasses.replace(pool, conv=new)
+
+
+def _check_conv(x, weight, bias, pool, layer, slot_ids, rows: int, activation):
     if not isinstance(pool, GDNStatePool):
         raise ValueError(f"pool must be a kvjax.state.gdn_pool.GDNStatePool, got {type(pool).__name__}")
     check_array("x", x, rank=2)
+    conv._check_weights(weight, bias, x.shape[1], activation)
     if pool.conv.shape[2:] != (x.shape[1], weight.shape[1] - 1):
         raise ValueError(f"pool.conv has per-slot shape {pool.conv.shape[2:]}, expected "
                          f"(D={x.shape[1]}, W-1={weight.shape[1] - 1}) from x {x.shape} and weight {weight.shape}")
@@ -295,18 +355,27 @@ def conv_prefill(
     pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated)
     *,
     layer: int | jax.Array,
-    slot_ids: jax.Array,  # i32[N]
+    slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
     has_initial_state: jax.Array,  # bool[N]
     cu_seqlens: jax.Array,  # i32[N+1]
     activation: str | None = "silu",
+    impl: str = "auto",
 ) -> tuple[jax.Array, GDNStatePool]:
-    """Varlen causal conv1d starting from each live row's conv state in the pool; writes the final states
-    back (slot 0 never written). Returns ``(y: [T, D], pool)``. Fused XLA (see the module docstring)."""
-    _check_conv(x, weight, pool, layer, slot_ids, cu_seqlens.shape[0] - 1)
+    """Varlen causal conv1d starting from each live row's conv state in the pool (zeros where not
+    ``has_initial_state``); writes the final states back in place (slot 0 never written). Padding rows read
+    and write nothing and their tokens get ``y = 0``. Returns ``(y: [T, D], pool)``; ``pool`` is donated.
+
+    ``impl``: ``"reference"`` = fused XLA (gather, :func:`kvjax.ops.conv.causal_conv1d_reference`,
+    scatter); ``"pallas"`` / ``"interpret"`` = :func:`kvjax.pallas.conv.conv_prefill_slots`; ``"auto"`` =
+    the one measured faster on the GPU (see the module docstring), the reference elsewhere.
+    """
+    _check_conv(x, weight, bias, pool, layer, slot_ids, cu_seqlens.shape[0] - 1, activation)
+    check_cu_seqlens(cu_seqlens, x.shape[0])
     check_array("has_initial_state", has_initial_state, shape=(slot_ids.shape[0],), dtypes=[jnp.bool_])
-    conv._check_weights(weight, bias, x.shape[1], activation)
-    return _conv_prefill(x, weight, bias, pool, jnp.asarray(layer, jnp.int32), jnp.asarray(slot_ids),
-                         jnp.asarray(has_initial_state), jnp.asarray(cu_seqlens), activation=activation)
+    impl = _conv_impl(CONV_PREFILL_OP, impl)
+    meta = {"has_initial_state": jnp.asarray(has_initial_state), "cu_seqlens": jnp.asarray(cu_seqlens)}
+    return _conv_run(CONV_PREFILL_OP, impl, x, weight, bias, pool, jnp.asarray(layer, jnp.int32),
+                     jnp.asarray(slot_ids), meta, activation=activation)
 
 
 def conv_decode(
@@ -316,17 +385,26 @@ def conv_decode(
     pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated)
     *,
     layer: int | jax.Array,
-    slot_ids: jax.Array,  # i32[B]  0 = padding row
+    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
     activation: str | None = "silu",
+    impl: str = "auto",
 ) -> tuple[jax.Array, GDNStatePool]:
-    """One token per row: conv with the row's state from the pool, shifted state written back in place."""
-    _check_conv(x, weight, pool, layer, slot_ids, x.shape[0])
-    conv._check_weights(weight, bias, x.shape[1], activation)
-    return _conv_decode(x, weight, bias, pool, jnp.asarray(layer, jnp.int32), jnp.asarray(slot_ids),
-                        activation=activation)
+    """One token per row: conv with the row's state from the pool, shifted state written back in place.
+    Padding rows read and write nothing and get ``y = 0``. Returns ``(y: [B, D], pool)``; ``pool`` is donated.
+    ``impl`` as in :func:`conv_prefill` (``"pallas"``: :func:`kvjax.pallas.conv.conv_update_slots`)."""
+    _check_conv(x, weight, bias, pool, layer, slot_ids, x.shape[0], activation)
+    impl = _conv_impl(CONV_DECODE_OP, impl)
+    return _conv_run(CONV_DECODE_OP, impl, x, weight, bias, pool, jnp.asarray(layer, jnp.int32),
+                     jnp.asarray(slot_ids), {}, activation=activation)
 
 
 dispatch.register_reference(PREFILL_OP, gdn_prefill_pool_reference)
 dispatch.register_reference(DECODE_OP, gdn_decode_pool_reference)
 dispatch.register_kernel(PREFILL_OP, "pallas", "kvjax.ops.gdn_state:gdn_prefill_pool_pallas", platforms=("gpu",))
 dispatch.register_kernel(DECODE_OP, "pallas", "kvjax.ops.gdn_state:gdn_decode_pool_pallas", platforms=("gpu",))
+dispatch.register_reference(CONV_PREFILL_OP, conv_prefill_pool_reference)
+dispatch.register_reference(CONV_DECODE_OP, conv_decode_pool_reference)
+dispatch.register_kernel(CONV_PREFILL_OP, "pallas", "kvjax.ops.gdn_state:conv_prefill_pool_pallas",
+                         platforms=("gpu",))
+dispatch.register_kernel(CONV_DECODE_OP, "pallas", "kvjax.ops.gdn_state:conv_decode_pool_pallas",
+                         platforms=("gpu",))
