@@ -172,7 +172,9 @@ def bench_decode(quick: bool):
 
     out = []
     rng = np.random.default_rng(0)
-    configs = [(64, 4), (64, 2)] if not quick else [(64, 4)]
+    # (block_v, num_warps, one_pass)
+    configs = [(64, 2, True), (64, 2, False), (64, 4, True), (128, 4, True), (32, 2, True)] if not quick else [
+        (64, 2, True)]
     scale = KD ** -0.5
     for b, h in DECODE_SHAPES:
         num_slots = b + 8
@@ -210,16 +212,17 @@ def bench_decode(quick: bool):
             print("decode", r, flush=True)
             return r
 
-        for bv, nw in configs:
-            step = jax.jit(lambda ssm, bv=bv, nw=nw: recurrent_gated_delta_rule_slots(
+        for bv, nw, op in configs:
+            step = jax.jit(lambda ssm, bv=bv, nw=nw, op=op: recurrent_gated_delta_rule_slots(
                 q, k, v, g, beta, ssm, slot_ids=slots, layer=0, scale=scale, use_qk_l2norm=True, block_v=bv,
-                num_warps=nw), donate_argnums=0)
-            rows[f"slots-{bv}-{nw}"] = timed(step, f"slots-{bv}-{nw}", block_v=bv, num_warps=nw)
+                num_warps=nw, one_pass=op), donate_argnums=0)
+            name = f"slots-{bv}-{nw}-{'one' if op else 'two'}pass"
+            rows[name] = timed(step, name, block_v=bv, num_warps=nw, one_pass=op)
         best = min(rows.values(), key=lambda r: r["ms"])
         general = jax.jit(lambda ssm: gdn_state._pool_kernel(
             recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=0, slot_ids=slots, has_initial_state=None,
             cu_seqlens=None, scale=scale, use_qk_l2norm=True, interpret=False, one_token_per_row=True,
-            block_v=best["block_v"], num_warps=best["num_warps"]), donate_argnums=0)
+            block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"]), donate_argnums=0)
         rows["rows-flags"] = timed(general, "rows-flags (XLA row/flag prologue)")
         # half the rows are padding (slot 0): their state traffic must vanish
         half = jnp.where(jnp.arange(b) % 2 == 0, slots, 0).astype(jnp.int32)
@@ -227,7 +230,7 @@ def bench_decode(quick: bool):
                                         impl="reference")
         step = jax.jit(lambda ssm: recurrent_gated_delta_rule_slots(
             q, k, v, g, beta, ssm, slot_ids=half, layer=0, scale=scale, use_qk_l2norm=True,
-            block_v=best["block_v"], num_warps=best["num_warps"]), donate_argnums=0)
+            block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"]), donate_argnums=0)
         o2, p2 = step(fresh().ssm)
         pool = [fresh().ssm]
 
@@ -284,9 +287,10 @@ def bench_prefill(quick: bool):
 
     out = []
     scale = KD ** -0.5
-    # (name, prep_num_warps, inverse_dtype, split); block_v: the op's default (widest giving >= 256 programs)
-    variants = [("w4-tf32", 4, "tf32", False), ("w2-tf32", 2, "tf32", False), ("w4-bf16", 4, "bf16", False),
-                ("w2-bf16", 2, "bf16", False)] if not quick else [("w4-tf32", 4, "tf32", False)]
+    # (name, prep_num_warps, split, block_v (None: the op's default), num_warps of the sequential kernel)
+    variants = [("fused", 4, False, None, 4), ("split", 4, True, None, 4), ("fused-w2", 4, False, None, 2),
+                ("split-w2", 4, True, None, 2), ("split-bv32", 4, True, 32, 4), ("fused-prep8", 8, False, None, 4),
+                ] if not quick else [("fused", 4, False, None, 4)]
     for b, t, h in PREFILL_SHAPES:
         tt = b * t
         q, k, v, g, beta = _gdn_inputs(jax.random.key(t + h), tt, h, h, jnp.bfloat16)
@@ -298,37 +302,32 @@ def bench_prefill(quick: bool):
                                                       scale=scale, use_qk_l2norm=True)
         res = {"B": b, "T": t, "H": h, "variants": []}
 
-        def full_op(pnw, inv, split):
-            return jax.jit(functools.partial(gdn_chunk.chunk_gated_delta_rule_pool, cu_seqlens=cu, rows=rows_,
-                                             flags=flags, scale=scale, use_qk_l2norm=True, prep_num_warps=pnw,
-                                             inverse_dtype=inv, split=split))
+        default_bv = next((x for x in (64, 32) if b * h * (VD // x) >= 256), 16)
 
-        def measure(name, pnw, inv, split):
-            f = full_op(pnw, inv, split)
+        def measure(name, pnw, split, bv, nw):
+            f = jax.jit(functools.partial(gdn_chunk.chunk_gated_delta_rule_pool, cu_seqlens=cu, rows=rows_,
+                                          flags=flags, scale=scale, use_qk_l2norm=True, prep_num_warps=pnw,
+                                          split=split, block_v=bv, num_warps=nw))
             o, fin = f(q, k, v, g, beta, jnp.array(s0, copy=True))
-            r = dict(name=name, prep_num_warps=pnw, inverse_dtype=inv, split=split, err_o=_rel(o, ro),
-                     err_state=_rel(fin, rf), ms=_time(lambda: f(q, k, v, g, beta, s0)[0]))
+            r = dict(name=name, prep_num_warps=pnw, split=split, block_v=bv or default_bv, num_warps=nw,
+                     err_o=_rel(o, ro), err_state=_rel(fin, rf), ms=_time(lambda: f(q, k, v, g, beta, s0)[0]))
             print("prefill", b, t, h, r, flush=True)
             res["variants"].append(r)
             return r
 
-        for name, pnw, inv, split in variants:
-            measure(name, pnw, inv, split)
-        ok = [r for r in res["variants"] if r["err_o"] <= 2e-2 and r["err_state"] <= 2e-2]
-        best = min(ok, key=lambda r: r["ms"])
-        measure(best["name"] + "-split", best["prep_num_warps"], best["inverse_dtype"], True)
+        for variant in variants:
+            measure(*variant)
         ok = [r for r in res["variants"] if r["err_o"] <= 2e-2 and r["err_state"] <= 2e-2]
         best = min(ok, key=lambda r: r["ms"])
         prep = jax.jit(functools.partial(gdn_chunk._prepare, scale=scale, use_qk_l2norm=True, chunk=gdn_chunk.CHUNK,
-                                         prep="pallas", prep_num_warps=best["prep_num_warps"],
-                                         inverse_dtype=best["inverse_dtype"]))
+                                         prep="pallas", prep_num_warps=best["prep_num_warps"]))
         parts = prep(q, k, v, g, beta, cu)
-        bv = next((x for x in (64, 32) if b * h * (VD // x) >= 256), 16)
+        bv, nw = best["block_v"], best["num_warps"]
         if best["split"]:
             call = jax.jit(functools.partial(gdn_chunk._chunk_call_split, out_dtype=v.dtype, block_v=bv,
-                                             out_block_v=64, num_warps=4, num_stages=2, interpret=False))
+                                             out_block_v=64, num_warps=nw, num_stages=2, interpret=False))
         else:
-            call = jax.jit(functools.partial(gdn_chunk._chunk_call, out_dtype=v.dtype, block_v=bv, num_warps=4,
+            call = jax.jit(functools.partial(gdn_chunk._chunk_call, out_dtype=v.dtype, block_v=bv, num_warps=nw,
                                              num_stages=2, interpret=False))
         res.update(best=best, total_ms=best["ms"], err_o=best["err_o"], err_state=best["err_state"],
                    prep_ms=_time(lambda: prep(q, k, v, g, beta, cu)[3]),

@@ -93,6 +93,45 @@ def test_chunk_split_kernels_xla_prep_interpret(rng, prep="solve"):
     np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_recurrent_update_orders_interpret(rng, one_pass):
+    """Both update orders of the recurrent kernel (both reductions on the loaded state, or the second on the
+    updated one) equal the reference in f32, several tokens per row (the order is applied at every token)."""
+    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool, state_as_pool
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [4, 1, 6], 1, 2, 16, 32, jnp.float32, pad_tokens=2)
+    pool, rows, flags = state_as_pool(s0, 3, 2, 16, 32)
+    o, f = recurrent_gated_delta_rule_pool(q, k, v, g, beta, pool, cu_seqlens=cu, rows=rows, flags=flags,
+                                           scale=0.25, use_qk_l2norm=True, one_pass=one_pass, interpret=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
+                                                      scale=0.25, use_qk_l2norm=True)
+    assert rel_err(o, ro) <= 1e-5 and rel_err(f, rf) <= 1e-5
+
+
+@pytest.mark.parametrize("heads_per_program,v_major,one_pass", [(2, True, True), (4, False, False)])
+def test_decode_slots_tuning_interpret(rng, heads_per_program, v_major, one_pass):
+    """The slot decode kernel's tuning options (several heads per program with prefetch, grid order) against
+    the pool oracle: padding rows (slot 0, out of range) untouched and zero, every other slot unchanged."""
+    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_slots
+
+    q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 5, 2, 4, 16, 32, jnp.bfloat16)
+    pool = make_pool(rng, 2, 7, 4, 16, 32)
+    ssm0 = np.asarray(pool.ssm)
+    slots = np.asarray([5, 0, 2, 9, 7], np.int32)
+    o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True),
+                                              slot_ids=jnp.asarray(slots), layer=1, scale=0.3, use_qk_l2norm=True,
+                                              block_v=16, heads_per_program=heads_per_program, v_major=v_major,
+                                              one_pass=one_pass, interpret=True)
+    ro, rssm = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, layer=1, slot_ids=jnp.asarray(slots),
+                                                   has_initial_state=None, cu_seqlens=None, scale=0.3,
+                                                   use_qk_l2norm=True)
+    assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(ssm, rssm) <= 1e-5
+    assert np.all(np.asarray(o[1], np.float32) == 0) and np.all(np.asarray(o[3], np.float32) == 0)
+    untouched = [s for s in range(8) if s not in (5, 2, 7)]
+    np.testing.assert_array_equal(np.asarray(ssm)[:, untouched], ssm0[:, untouched])
+    np.testing.assert_array_equal(np.asarray(ssm)[0], ssm0[0])
+
+
 def test_kernels_match_hugging_face(rng):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 

@@ -5,12 +5,14 @@ a chunk may hold the tail of one sequence and the head of the next, and every in
 to pairs of tokens of the same sequence ("segments"). Two stages:
 
 1. :func:`kvjax.pallas.gdn_chunk_prep._prepare` (parallel over all chunks and heads; the state-independent
-   part, fla's "WY" form): per segment cumulative log-decay ``gc``, ``T = (I + tril(beta k k^T decay, -1))^-1``,
-   ``w = T (beta exp(gc) k)``, ``u = T (beta v)`` and the causal intra-chunk scores ``A = (q k^T) * decay``.
+   part, fla's "WY" form, from the raw q / k): per segment cumulative log-decay ``gc``,
+   ``T = (I + tril(beta k k^T decay, -1))^-1``, ``w = T (beta exp(gc) k)``, ``u = T (beta v)``, the causal
+   intra-chunk scores ``A = (q k^T) * decay`` and per-token row factors ``qf = |q|^-1 scale exp(gc)``,
+   ``kf = |k|^-1 exp(g_last - gc)`` (the l2norm folded in: no normalised copy of q / k exists).
 2. ``_chunk_kernel`` (one program per (sequence row, value head, block of value columns)): walks the row's
    chunks in order with the state slice ``S: f32[K, block_v]`` in registers::
 
-       v_new = u - w S;   o = (q * exp(gc)) S + A v_new;   S = exp(g_last) S + (k * exp(g_last - gc))^T v_new
+       v_new = u - w S;   o = (qf * q) S + A v_new;   S = exp(g_last) S + (kf * k)^T v_new
 
    reading the initial state from, and writing the final state to, a pool ``f32[R, Hv, K, V]`` at the row's
    index (aliased input -> output: in place under jit with a donated pool), exactly like
@@ -35,6 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.pallas.gdn_chunk_prep import _dot, _prepare
 from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE, _check_pow2, state_as_pool
+from kvjax.pallas.paged_common import count_le
 
 CHUNK = 64
 
@@ -51,16 +54,26 @@ def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
     return start, end, lo, hi, live, read
 
 
+def _chunk_decay(gl_ref, c, h, start, end, live, chunk: int):
+    """Scalar state decay of chunk ``c`` for the row owning tokens ``[start, end)``: ``exp(gl)`` at any of
+    its tokens in the chunk (one value per segment), or 1 when the row has no token there."""
+    c0 = c * chunk
+    any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
+    first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
+    return jnp.where(any_in, jnp.exp(gl_ref[c, h, first]), 1.0)
+
+
 def _chunk_kernel(
     cu_ref,  # i32[N+1]
     rows_ref,  # i32[N]
     flags_ref,  # i32[N]
-    q_ref,  # [Tp, Hk, K]  (l2-normed, scaled)
-    k_ref,  # [Tp, Hk, K]  (l2-normed)
+    q_ref,  # [Tp, Hk, K]  raw q
+    k_ref,  # [Tp, Hk, K]  raw k
     w_ref,  # [NC, Hv, C, K]
     u_ref,  # [NC, Hv, C, V]
     a_ref,  # [NC, Hv, C, C]
-    gc_ref,  # f32[NC, Hv, C]  per-segment cumulative log-decay
+    qf_ref,  # f32[NC, Hv, C]  q row factor |q|^-1 scale exp(gc)
+    kf_ref,  # f32[NC, Hv, C]  k row factor |k|^-1 exp(gl - gc)
     gl_ref,  # f32[NC, Hv, C]  gc at the segment's last token in the chunk
     pool_in_ref,  # f32[R, Hv, K, V]  (aliased with pool_ref)
     o_ref,  # [Tp, Hv, V]
@@ -90,22 +103,16 @@ def _chunk_kernel(
         in_seq = (r >= start) & (r < end) & live
         own = (r >= lo) & (r < hi)
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        gc = gc_ref[c, h, :]
-        gl = gl_ref[c, h, :]
         sb = s.astype(dt)
         v_new = u_ref[c, h, :, vs].astype(jnp.float32) - dot(w_ref[c, h, :, :], sb)
         v_new = jnp.where(in_seq[:, None], v_new, 0.0)
         vb_ = v_new.astype(dt)
-        qg = (q_ref[rs, hk, :].astype(jnp.float32) * jnp.exp(gc)[:, None]).astype(dt)
+        qg = (q_ref[rs, hk, :].astype(jnp.float32) * qf_ref[c, h, :][:, None]).astype(dt)
         o = dot(qg, sb) + dot(a_ref[c, h, :, :], vb_)
         o = jnp.where(in_seq[:, None], o, 0.0)
         plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=own[:, None])
-        any_in = jnp.sum(in_seq.astype(jnp.int32)) > 0
-        g_last = jnp.max(jnp.where(in_seq, gl, -jnp.inf))
-        d_last = jnp.where(any_in, jnp.exp(g_last), 1.0)
-        kdec = jnp.exp(jnp.where(in_seq, gl - gc, -jnp.inf))
-        kg = (k_ref[rs, hk, :].astype(jnp.float32) * kdec[:, None]).astype(dt)
-        return s * d_last + dot(kg, vb_, contract_a=0)
+        kg = (k_ref[rs, hk, :].astype(jnp.float32) * jnp.where(in_seq, kf_ref[c, h, :], 0.0)[:, None]).astype(dt)
+        return s * _chunk_decay(gl_ref, c, h, start, end, live, chunk) + dot(kg, vb_, contract_a=0)
 
     s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, body, s0)
 
@@ -114,9 +121,9 @@ def _chunk_kernel(
         pool_ref[row, h, :, vs] = s
 
 
-def _chunk_call(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
+def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
                 num_warps, num_stages, interpret):
-    tp, hk, kd = qn.shape
+    tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     kernel = functools.partial(
@@ -129,21 +136,21 @@ def _chunk_call(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_d
             jax.ShapeDtypeStruct(pool.shape, jnp.float32),
         ),
         grid=(rows.shape[0], hv, vd // block_v),
-        input_output_aliases={10: 1},
+        input_output_aliases={11: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_chunk",
-    )(cu_seqlens, rows, flags, qn, kn, w, u, a, gc, gl, pool)
+    )(cu_seqlens, rows, flags, q, k, w, u, a, qf, kf, gl, pool)
 
 
 def _chunk_state_kernel(
     cu_ref,  # i32[N+1]
     rows_ref,  # i32[N]
     flags_ref,  # i32[N]
-    k_ref,  # [Tp, Hk, K]  (l2-normed)
+    k_ref,  # [Tp, Hk, K]  raw k
     w_ref,  # [NC, Hv, C, K]
     u_ref,  # [NC, Hv, C, V]
-    gc_ref,  # f32[NC, Hv, C]
+    kf_ref,  # f32[NC, Hv, C]  k row factor
     gl_ref,  # f32[NC, Hv, C]
     pool_in_ref,  # f32[R, Hv, K, V]  (aliased with pool_ref)
     h_ref,  # [NC+N, Hv, K, V]  state before chunk c of sequence n, at pair index c + n
@@ -177,13 +184,8 @@ def _chunk_state_kernel(
         v_new = u_ref[c, h, :, vs].astype(jnp.float32) - dot(w_ref[c, h, :, :], sb)
         vb_ = jnp.where(in_seq[:, None], v_new, 0.0).astype(dt)
         plt.store(vn_ref.at[rs, h, vs], vb_, mask=own[:, None])
-        gc = gc_ref[c, h, :]
-        gl = gl_ref[c, h, :]
-        any_in = jnp.sum(in_seq.astype(jnp.int32)) > 0
-        d_last = jnp.where(any_in, jnp.exp(jnp.max(jnp.where(in_seq, gl, -jnp.inf))), 1.0)
-        kdec = jnp.exp(jnp.where(in_seq, gl - gc, -jnp.inf))
-        kg = (k_ref[rs, hk, :].astype(jnp.float32) * kdec[:, None]).astype(dt)
-        return s * d_last + dot(kg, vb_, contract_a=0)
+        kg = (k_ref[rs, hk, :].astype(jnp.float32) * jnp.where(in_seq, kf_ref[c, h, :], 0.0)[:, None]).astype(dt)
+        return s * _chunk_decay(gl_ref, c, h, start, end, live, chunk) + dot(kg, vb_, contract_a=0)
 
     s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, body, s0)
 
@@ -196,9 +198,9 @@ def _chunk_out_kernel(
     cu_ref,  # i32[N+1]
     flags_ref,  # i32[N]
     pair_ref,  # i32[NC+N]  sequence of each (sequence, chunk) pair, -1 = unused
-    q_ref,  # [Tp, Hk, K]  (l2-normed, scaled)
+    q_ref,  # [Tp, Hk, K]  raw q
     a_ref,  # [NC, Hv, C, C]
-    gc_ref,  # f32[NC, Hv, C]
+    qf_ref,  # f32[NC, Hv, C]  q row factor
     h_ref,  # [NC+N, Hv, K, V]
     vn_ref,  # [Tp, Hv, V]
     o_ref,  # [Tp, Hv, V]
@@ -224,7 +226,7 @@ def _chunk_out_kernel(
         own = (r >= lo) & (r < hi)
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         dt = a_ref.dtype
-        qg = (q_ref[rs, hk, :].astype(jnp.float32) * jnp.exp(gc_ref[c, h, :])[:, None]).astype(dt)
+        qg = (q_ref[rs, hk, :].astype(jnp.float32) * qf_ref[c, h, :][:, None]).astype(dt)
         o = _dot(qg, h_ref[p, h, :, vs], precision=precision)
         o = o + _dot(a_ref[c, h, :, :], vn_ref[rs, h, vs], precision=precision)
         o = jnp.where(in_seq[:, None], o, 0.0)
@@ -240,14 +242,14 @@ def _pair_table(cu_seqlens, num_chunks: int, chunk: int):
     seq = jnp.arange(num_seqs, dtype=jnp.int32)
     first, stop = lo // chunk + seq, (hi + chunk - 1) // chunk + seq
     pair = jnp.arange(num_chunks + num_seqs, dtype=jnp.int32)
-    n = jnp.searchsorted(first, pair, side="right").astype(jnp.int32) - 1
+    n = count_le(first, pair) - 1
     ok = (n >= 0) & (pair < stop[jnp.clip(n, 0, num_seqs - 1)])
     return jnp.where(ok, n, -1)
 
 
-def _chunk_call_split(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
+def _chunk_call_split(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
                       out_block_v, num_warps, num_stages, interpret):
-    tp, hk, kd = qn.shape
+    tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     num_seqs = rows.shape[0]
     dt = w.dtype
@@ -265,7 +267,7 @@ def _chunk_call_split(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *,
         compiler_params=params,
         interpret=interpret,
         name="gdn_chunk_state",
-    )(cu_seqlens, rows, flags, kn, w, u, gc, gl, pool)
+    )(cu_seqlens, rows, flags, k, w, u, kf, gl, pool)
     o = pl.pallas_call(
         functools.partial(_chunk_out_kernel, group=hv // hk, chunk=chunk, block_v=out_block_v,
                           precision=precision),
@@ -274,7 +276,7 @@ def _chunk_call_split(qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, *,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_chunk_out",
-    )(cu_seqlens, flags, _pair_table(cu_seqlens, nc, chunk), qn, a, gc, h, vn)
+    )(cu_seqlens, flags, _pair_table(cu_seqlens, nc, chunk), q, a, qf, h, vn)
     return o, pool
 
 
@@ -331,18 +333,18 @@ def chunk_gated_delta_rule_pool(
         raise ValueError(f"inverse_dtype must be 'tf32' or 'bf16', got {inverse_dtype!r}")
     if prep not in ("pallas", "solve", "doubling"):
         raise ValueError(f"prep must be 'pallas', 'solve' or 'doubling', got {prep!r}")
-    qn, kn, w, u, a, gc, gl = _prepare(
+    qp, kp, w, u, a, qf, kf, gl = _prepare(
         q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK, prep=prep,
         prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret,
     )
     if split:
         o, pool = _chunk_call_split(
-            qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
+            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
             out_block_v=min(out_block_v, vd), num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     else:
         o, pool = _chunk_call(
-            qn, kn, w, u, a, gc, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
+            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
             num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     return o[:num_tokens], pool

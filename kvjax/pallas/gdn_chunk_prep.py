@@ -3,11 +3,13 @@
 For every global chunk of ``C = 64`` tokens and value head (all in parallel; see :mod:`kvjax.pallas.gdn_chunk`
 for how chunks are shared by sequences): the per-sequence cumulative log-decay ``gc``, its value ``gl`` at
 the sequence's last token in the chunk, ``T = (I + tril(beta k k^T * decay, -1))^-1``, ``w = T (beta exp(gc) k)``,
-``u = T (beta v)`` and the causal intra-chunk scores ``A = (q k^T) * decay`` (fla's "WY" form).
+``u = T (beta v)``, the causal intra-chunk scores ``A = (q k^T) * decay`` (fla's "WY" form, q and k l2-normed
+when asked and q scaled) and the per-token row factors ``qf``, ``kf`` with which the sequential kernels scale
+the raw q and k rows.
 
-``_prep_kernel`` (Pallas, Triton lowering) computes ``w``, ``u``, ``A`` with whole-chunk matmuls;
-``_prepare`` adds the cheap XLA parts (l2norm, cumulative decay) and keeps two pure-XLA variants of the
-inverse (batched triangular solve, nilpotent doubling) as cross-checks.
+``_prep_kernel`` (Pallas, Triton lowering) computes all of it in one kernel from the raw inputs (the l2norm,
+the segment cumulative decay and the inverse included); ``_prepare`` only adds the segment ids and padding,
+and keeps two pure-XLA variants (batched triangular solve, nilpotent doubling) as cross-checks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvjax.pallas.gdn_recurrent import L2NORM_EPS
+from kvjax.pallas.paged_common import count_le
 
 def _dot(a, b, *, precision, contract_a: int = 1):
     """``a @ b`` (or ``a.T @ b`` with ``contract_a=0``) with float32 accumulation (``pl.dot`` left jax 0.11)."""
@@ -38,21 +41,32 @@ SUB = 16  # diagonal block size of the in-kernel inverse
 
 def _prep_kernel(
     seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
-    q_ref,  # [Tp, Hk, K]  (l2-normed, scaled)
-    k_ref,  # [Tp, Hk, K]  (l2-normed)
+    q_ref,  # [Tp, Hk, K]  raw q
+    k_ref,  # [Tp, Hk, K]  raw k
     v_ref,  # [Tp, Hv, V]
-    gc_ref,  # f32[NC, Hv, C]
-    b_ref,  # f32[NC, Hv, C]  beta (0 outside every sequence)
+    g_ref,  # f32[Tp, Hv]  log-decay (0 outside every sequence)
+    b_ref,  # f32[Tp, Hv]  beta (0 outside every sequence)
     w_ref,  # [NC, Hv, C, K]
     u_ref,  # [NC, Hv, C, V]
     a_ref,  # [NC, Hv, C, C]
+    qf_ref,  # f32[NC, Hv, C]  q row factor of the sequential kernels
+    kf_ref,  # f32[NC, Hv, C]  k row factor of the sequential kernels
+    gl_ref,  # f32[NC, Hv, C]  gc at the segment's last token in the chunk
     *,
     group: int,
     chunk: int,
+    scale: float,
+    use_qk_l2norm: bool,
     precision,
     inv_precision,
 ):
-    """One (chunk, value head): ``L``, ``T = (I + L)^-1``, ``w``, ``u`` and ``A`` with whole-chunk matmuls.
+    """One (chunk, value head): the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row
+    factors, with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row factors applied
+    to the f32 products, so no normalised copy of q / k is ever written).
+
+    Segment cumulative decay without a scan: ``gc_i = sum_{j <= i, seg_j = seg_i} g_j`` (a masked row sum of
+    the ``[C, C]`` same-segment mask) and ``gl_i = sum_{seg_j = seg_i} g_j``. Row factors: ``qf = |q|^-1
+    scale exp(gc)`` and ``kf = |k|^-1 exp(gl - gc)`` (0 outside every sequence).
 
     The inverse needs no row loop and no slicing: with ``D`` the 16x16 block diagonal of ``L`` and ``E`` the
     rest, ``I + L = (I + D)(I + F)`` with ``F = (I + D)^-1 E``; ``D`` is nilpotent of order 16 and ``F`` of
@@ -69,15 +83,31 @@ def _prep_kernel(
         mm = functools.partial(_dot, precision=inv_precision)
     full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     seg = seg_ref[full]
-    gc = gc_ref[c, h, :]
-    beta = b_ref[c, h, :]
+    g = g_ref[full, h]
+    beta = b_ref[full, h]
+    q = q_ref[full, hk, :]
     k = k_ref[full, hk, :]
     ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    keep = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0) & (ri >= ci)
+    same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
+    keep = same & (ri >= ci)
+    gc = jnp.sum(jnp.where(keep, g[None, :], 0.0), axis=1)  # f32[C]
+    gl = jnp.sum(jnp.where(same, g[None, :], 0.0), axis=1)
+    if use_qk_l2norm:
+        qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
+        rq = lax.rsqrt(jnp.sum(qf32 * qf32, axis=1) + L2NORM_EPS)
+        rk = lax.rsqrt(jnp.sum(kf32 * kf32, axis=1) + L2NORM_EPS)
+    else:
+        rq = rk = jnp.ones((chunk,), jnp.float32)
+    in_seq = seg >= 0
+    qf_ref[c, h, :] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
+    kf_ref[c, h, :] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
+    gl_ref[c, h, :] = gl
     decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
-    a_ref[c, h, :, :] = (_dot_t(q_ref[full, hk, :], k, precision=precision) * decay).astype(dt)
-    lmat = jnp.where(ri > ci, _dot_t(k, k, precision=precision) * decay, 0.0) * beta[:, None]
+    qk = _dot_t(q, k, precision=precision) * (rq * scale)[:, None] * rk[None, :]
+    a_ref[c, h, :, :] = (qk * decay).astype(dt)
+    kk = _dot_t(k, k, precision=precision) * rk[:, None] * rk[None, :]
+    lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
     eye = (ri == ci).astype(jnp.float32)
     diag = (ri // SUB) == (ci // SUB)
     power = -jnp.where(diag, lmat, 0.0)
@@ -91,17 +121,17 @@ def _prep_kernel(
         power = mm(power, power)
         inv_f = inv_f + mm(inv_f, power)
     tinv = mm(inv_f, inv_d).astype(dt)
-    kb = (k.astype(jnp.float32) * (beta * jnp.exp(gc))[:, None]).astype(dt)
+    kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
     w_ref[c, h, :, :] = dot(tinv, kb).astype(dt)
     vb = (v_ref[full, h, :].astype(jnp.float32) * beta[:, None]).astype(dt)
     u_ref[c, h, :, :] = dot(tinv, vb).astype(dt)
 
 
-def _prep_call(seg, qn, kn, v, gc, bch, *, num_warps, inverse_dtype, interpret):
-    tp, hk, kd = qn.shape
-    nc, hv, chunk = gc.shape
-    vd = v.shape[2]
-    dt = qn.dtype
+def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps, inverse_dtype, interpret):
+    tp, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    nc = tp // chunk
+    dt = q.dtype
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
     # products of the inverse: full f32 for f32 inputs; for bf16 inputs one TF32 pass (full f32 in interpret
     # mode, where TF32 does not exist) or one bf16 pass (T is rounded to bf16 right after, as in fla)
@@ -111,24 +141,27 @@ def _prep_call(seg, qn, kn, v, gc, bch, *, num_warps, inverse_dtype, interpret):
         inv_precision = "bf16"
     else:
         inv_precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32
-    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, precision=precision,
-                               inv_precision=inv_precision)
+    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, precision=precision, inv_precision=inv_precision)
+    rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
     return pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((nc, hv, chunk, kd), dt),
             jax.ShapeDtypeStruct((nc, hv, chunk, vd), dt),
             jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dt),
+            rowf, rowf, rowf,
         ),
         grid=(nc, hv),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_chunk_prep",
-    )(seg, qn, kn, v, gc, bch)
+    )(seg, q, k, v, g, beta)
 
 
-def _l2norm(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+def _inv_norm(x):
+    """``|x|^-1`` over the last axis (with the l2norm's epsilon)."""
+    return lax.rsqrt(jnp.sum(x * x, axis=-1) + L2NORM_EPS)
 
 
 def _unit_lower_inverse(lmat, method: str):
@@ -154,71 +187,74 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep,
              inverse_dtype="bf16", interpret=False):
     """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
 
-    ``prep="pallas"``: ``w``, ``u``, ``A`` by :func:`_prep_kernel` (block-nilpotent inverse, whole-chunk matmuls);
+    Returns ``(q, k, w, u, a, qf, kf, gl)``: q / k padded to ``Tp = NC * C`` tokens but otherwise *raw* (the
+    sequential kernels scale their rows by ``qf`` / ``kf``), ``w: [NC, Hv, C, K]``, ``u: [NC, Hv, C, V]``,
+    ``a: [NC, Hv, C, C]`` in the input dtype and ``qf, kf, gl: f32[NC, Hv, C]``.
+
+    ``prep="pallas"``: everything by :func:`_prep_kernel` (only the segment ids and the padding are XLA);
     ``"solve"`` / ``"doubling"``: pure XLA (batched triangular solve / nilpotent doubling), kept as cross-checks.
     """
     num_tokens, hk, _ = q.shape
     hv = v.shape[1]
-    group = hv // hk
-    dt = q.dtype
-    prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
     num_chunks = -(-num_tokens // chunk)
     tp = num_chunks * chunk
     num_seqs = cu_seqlens.shape[0] - 1
 
     def pad(x):
-        return jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
+        return x if tp == num_tokens else jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
 
     t = jnp.arange(tp, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+    seq = count_le(cu_seqlens, t) - 1
     valid = (seq >= 0) & (seq < num_seqs) & (t < num_tokens)
-    seg = jnp.where(valid, seq, -1).reshape(num_chunks, chunk)  # i32[NC, C]
+    seg = jnp.where(valid, seq, -1)  # i32[Tp]
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
+    bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
+    if prep == "pallas":
+        w, u, a, qf, kf, gl = _prep_call(
+            seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm,
+            num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret)
+        return qp, kp, w, u, a, qf, kf, gl
+    return (qp, kp, *_prepare_xla(qp, kp, vp, gp, bp, seg.reshape(num_chunks, chunk), scale=scale,
+                                  use_qk_l2norm=use_qk_l2norm, method=prep))
 
-    qf, kf = pad(q).astype(jnp.float32), pad(k).astype(jnp.float32)
-    if use_qk_l2norm:
-        qf, kf = _l2norm(qf), _l2norm(kf)
-    qn, kn = (qf * scale).astype(dt), kf.astype(dt)  # [Tp, Hk, K]
+
+def _prepare_xla(q, k, v, g, beta, seg, *, scale, use_qk_l2norm, method):
+    """The XLA cross-check of :func:`_prep_kernel` (same outputs ``w, u, a, qf, kf, gl``), inverse by ``method``."""
+    num_chunks, chunk = seg.shape
+    hk, hv = q.shape[1], v.shape[1]
+    group = hv // hk
+    dt = q.dtype
+    prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
 
     def heads_first(x, h):  # [Tp, h, ...] -> [NC, h, C, ...]
-        x = x.reshape(num_chunks, chunk, h, *x.shape[2:])
-        return jnp.moveaxis(x, 2, 1)
-
-    gch = heads_first(jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0), hv)  # f32[NC, Hv, C]
-    bch = heads_first(jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0), hv)  # f32[NC, Hv, C]
-
-    pos = jnp.arange(chunk, dtype=jnp.int32)
-    prev = jnp.concatenate([jnp.full((num_chunks, 1), -2, jnp.int32), seg[:, :-1]], axis=1)
-    nxt = jnp.concatenate([seg[:, 1:], jnp.full((num_chunks, 1), -2, jnp.int32)], axis=1)
-    first = lax.cummax(jnp.where(seg != prev, pos, 0), axis=1)  # i32[NC, C] segment start
-    last = lax.cummin(jnp.where(seg != nxt, pos, chunk - 1), axis=1, reverse=True)  # segment end
-    cs = jnp.cumsum(gch, axis=-1)
-    gc = cs - jnp.take_along_axis(cs - gch, first[:, None, :], axis=-1)  # f32[NC, Hv, C]
-    gl = jnp.take_along_axis(gc, last[:, None, :], axis=-1)
-    if prep == "pallas":
-        w, u, a = _prep_call(seg.reshape(tp), qn, kn, pad(v), gc, bch, num_warps=prep_num_warps,
-                             inverse_dtype=inverse_dtype,
-                             interpret=interpret)
-        return qn, kn, w, u, a, gc, gl
-
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
-    incl = (same & (pos[:, None] >= pos[None, :]))[:, None]  # [NC, 1, C, C]
-    strict = (same & (pos[:, None] > pos[None, :]))[:, None]
-    decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # f32[NC, Hv, C, C]
-
-    qc, kc = heads_first(qn, hk), heads_first(kn, hk)  # [NC, Hk, C, K]
-    vc = heads_first(pad(v).astype(jnp.float32), hv)  # f32[NC, Hv, C, V]
+        return jnp.moveaxis(x.reshape(num_chunks, chunk, h, *x.shape[2:]), 2, 1)
 
     def expand(x):  # [NC, Hk, ...] -> [NC, Hv, ...]
         return jnp.repeat(x, group, axis=1) if group > 1 else x
 
+    qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
+    rq, rk = (_inv_norm(qf32), _inv_norm(kf32)) if use_qk_l2norm else (jnp.ones(q.shape[:2]),) * 2  # f32[Tp, Hk]
+    qn, kn = (qf32 * (rq * scale)[..., None]).astype(dt), (kf32 * rk[..., None]).astype(dt)  # [Tp, Hk, K]
+    gch, bch = heads_first(g, hv), heads_first(beta, hv)  # f32[NC, Hv, C]
+    pos = jnp.arange(chunk, dtype=jnp.int32)
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    incl = (same & (pos[:, None] >= pos[None, :]))[:, None]  # [NC, 1, C, C]
+    strict = (same & (pos[:, None] > pos[None, :]))[:, None]
+    gc = jnp.sum(jnp.where(incl, gch[..., None, :], 0.0), axis=-1)  # f32[NC, Hv, C]
+    gl = jnp.sum(jnp.where(same[:, None], gch[..., None, :], 0.0), axis=-1)
+    decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # f32[NC, Hv, C, C]
+    qc, kc = heads_first(qn, hk), heads_first(kn, hk)  # [NC, Hk, C, K]
+    vc = heads_first(v.astype(jnp.float32), hv)  # f32[NC, Hv, C, V]
     ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=jnp.float32)
     kk = expand(ein("nhik,nhjk->nhij", kc, kc))
     lmat = jnp.where(strict, kk * decay * bch[..., :, None], 0.0)
-    tinv = _unit_lower_inverse(lmat, prep)  # f32[NC, Hv, C, C]
-    kb = expand(kc.astype(jnp.float32)) * (bch * jnp.exp(gc))[..., None]
-    hi = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST if dt == jnp.float32 else None,
-                           preferred_element_type=jnp.float32)
-    w = hi("nhij,nhjk->nhik", tinv.astype(dt), kb.astype(dt)).astype(dt)
-    u = hi("nhij,nhjv->nhiv", tinv.astype(dt), (vc * bch[..., None]).astype(dt)).astype(dt)
+    tinv = _unit_lower_inverse(lmat, method).astype(dt)  # [NC, Hv, C, C]
+    kb = (expand(kc.astype(jnp.float32)) * (bch * jnp.exp(gc))[..., None]).astype(dt)
+    w = ein("nhij,nhjk->nhik", tinv, kb).astype(dt)
+    u = ein("nhij,nhjv->nhiv", tinv, (vc * bch[..., None]).astype(dt)).astype(dt)
     a = (expand(ein("nhik,nhjk->nhij", qc, kc)) * decay).astype(dt)
-    return qn, kn, w, u, a, gc, gl
+    in_seq = (seg >= 0)[:, None, :]
+    qf = jnp.where(in_seq, expand(heads_first(rq, hk)) * scale * jnp.exp(gc), 0.0)
+    kf = jnp.where(in_seq, expand(heads_first(rk, hk)) * jnp.exp(gl - gc), 0.0)
+    return w, u, a, qf, kf, gl

@@ -11,6 +11,10 @@ flattened ``[L * (S + 1)]`` slots. The pool is aliased input -> output (``input_
 jit with a donated pool the update happens in place. Per row ``flags[n]``: bit 0 = read the initial state
 (else start from zeros), bit 1 = the row is live (else it is padding: nothing read, computed or written,
 and its tokens' outputs are zero). Tokens outside every sequence get zero outputs.
+
+The decode step on the GDN pool has its own kernel, ``_slots_kernel`` (one token per row, the slot ids index
+``f32[L, S+1, Hv, K, V]`` directly, no XLA op around it), which can also take several heads per program with
+the next head's state tile loaded while the current one is updated.
 """
 
 from __future__ import annotations
@@ -62,6 +66,84 @@ def _zero_tokens(o_ref, h, vs, lo, hi, block_v):
     lax.fori_loop(lo, hi, body, 0)
 
 
+def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, *, scale, use_qk_l2norm, one_pass):
+    """One delta-rule token on the state slice ``s: f32[K, block_v]``; returns ``(new s, o: f32[block_v])``.
+
+    ``one_pass``: ``k^T S`` and ``q^T S`` both on the state as loaded, ``o = decay q^T S + (q . k) delta``
+    (equal in exact arithmetic), so the new state's store does not wait for a reduction of the updated state.
+    """
+    q = q_ref[t, hk, :].astype(jnp.float32)
+    k = k_ref[t, hk, :].astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    v = v_ref[t, h, vs].astype(jnp.float32)
+    decay = jnp.exp(g_ref[t, h].astype(jnp.float32))
+    beta = beta_ref[t, h].astype(jnp.float32)
+    if one_pass:
+        ks = jnp.sum(s * k[:, None], axis=0)
+        qs = jnp.sum(s * q[:, None], axis=0)
+        delta = (v - decay * ks) * beta
+        return s * decay + k[:, None] * delta[None, :], (decay * qs + jnp.sum(q * k) * delta) * scale
+    s = s * decay
+    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    return s, jnp.sum(s * q[:, None], axis=0) * scale
+
+
+def _slots_kernel(
+    slots_ref,  # i32[B]
+    q_ref,  # [B, Hk, K]
+    k_ref,  # [B, Hk, K]
+    v_ref,  # [B, Hv, V]
+    g_ref,  # f32[B, Hv]
+    beta_ref,  # [B, Hv]
+    pool_in_ref,  # f32[L, S+1, Hv, K, V]  (aliased with pool_ref)
+    o_ref,  # [B, Hv, V]
+    pool_ref,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int,
+    group: int,
+    scale: float,
+    use_qk_l2norm: bool,
+    block_v: int,
+    heads_per_program: int,
+    one_pass: bool,
+    v_major: bool,
+):
+    """Decode on the GDN pool by slot: one program per (row, ``heads_per_program`` heads, value block); the
+    state tile of the next head is loaded before the current one is updated and stored (register prefetch).
+    Rows whose slot is not in ``1..S`` read and write nothing and output zeros."""
+    if v_major:
+        vb, hb, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        n, hb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    slot = slots_ref[n]
+    live = (slot >= 1) & (slot < pool_in_ref.shape[1])
+    heads = [hb * heads_per_program + i for i in range(heads_per_program)]
+    lay = jnp.asarray(layer, jnp.int32)  # an array index: a Python int inside pl.when breaks interpret mode
+
+    def load(h):
+        return plt.load(pool_in_ref.at[lay, slot, h, :, vs], eviction_policy="evict_first")
+
+    @pl.when(live)
+    def _():
+        nxt = load(heads[0])
+        for i, h in enumerate(heads):
+            s = nxt
+            if i + 1 < len(heads):
+                nxt = load(heads[i + 1])
+            s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, vs, scale=scale,
+                                 use_qk_l2norm=use_qk_l2norm, one_pass=one_pass)
+            o_ref[n, h, vs] = o.astype(o_ref.dtype)
+            plt.store(pool_ref.at[lay, slot, h, :, vs], s, eviction_policy="evict_first")
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        for h in heads:
+            o_ref[n, h, vs] = jnp.zeros((block_v,), o_ref.dtype)
+
+
 def _recurrent_kernel(
     *refs,
     group: int,
@@ -70,16 +152,11 @@ def _recurrent_kernel(
     block_v: int,
     num_tokens: int,
     one_token_per_row: bool,
-    slot_layer: int | None,
+    one_pass: bool,
 ):
     """Refs: ``cu i32[N+1], rows i32[N], flags i32[N], q, k, v, g, beta, pool_in, o, pool`` with a pool
-    ``f32[R, Hv, K, V]`` indexed by ``rows``; or, in slot mode (``slot_layer`` set: one token per row, every
-    live row reads its state), ``slots i32[N], q, k, v, g, beta, pool_in, o, pool`` with the GDN pool
-    ``f32[L, S+1, Hv, K, V]`` indexed by ``(slot_layer, slots[n])``, live iff ``1 <= slots[n] <= S``."""
-    if slot_layer is None:
-        cu_ref, rows_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_ref = refs
-    else:
-        rows_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_ref = refs
+    ``f32[R, Hv, K, V]`` indexed by ``rows``."""
+    cu_ref, rows_ref, flags_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref, o_ref, pool_ref = refs
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     hk = h // group
@@ -89,38 +166,19 @@ def _recurrent_kernel(
     else:
         start, end = cu_ref[n], cu_ref[n + 1]
     row = rows_ref[n]
-    if slot_layer is None:
-        flags = flags_ref[n]
-        live = (flags & FLAG_LIVE) != 0
-        has_init = (flags & FLAG_HAS_INITIAL) != 0
-        state_in, state_out = pool_in_ref.at[row, h, :, vs], pool_ref.at[row, h, :, vs]
-    else:
-        live = (row >= 1) & (row < pool_in_ref.shape[1])
-        has_init = True
-        state_in = pool_in_ref.at[slot_layer, row, h, :, vs]
-        state_out = pool_ref.at[slot_layer, row, h, :, vs]
+    flags = flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    has_init = (flags & FLAG_HAS_INITIAL) != 0
+    state_in, state_out = pool_in_ref.at[row, h, :, vs], pool_ref.at[row, h, :, vs]
     kd = pool_in_ref.shape[-2]
 
     @pl.when(live)
     def _():
-        if has_init is True:
-            s0 = plt.load(state_in, eviction_policy="evict_first")
-        else:
-            s0 = plt.load(state_in, mask=jnp.full((kd, block_v), has_init), other=0.0,
-                          eviction_policy="evict_first")
+        s0 = plt.load(state_in, mask=jnp.full((kd, block_v), has_init), other=0.0, eviction_policy="evict_first")
 
         def step(t, s):  # s: f32[K, block_v]
-            q = q_ref[t, hk, :].astype(jnp.float32)
-            k = k_ref[t, hk, :].astype(jnp.float32)
-            if use_qk_l2norm:
-                q, k = _l2norm(q), _l2norm(k)
-            v = v_ref[t, h, vs].astype(jnp.float32)
-            decay = jnp.exp(g_ref[t, h].astype(jnp.float32))
-            beta = beta_ref[t, h].astype(jnp.float32)
-            s = s * decay
-            delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
-            s = s + k[:, None] * delta[None, :]
-            o = jnp.sum(s * q[:, None], axis=0) * scale
+            s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, scale=scale,
+                                 use_qk_l2norm=use_qk_l2norm, one_pass=one_pass)
             o_ref[t, h, vs] = o.astype(o_ref.dtype)
             return s
 
@@ -144,7 +202,7 @@ def _recurrent_kernel(
 
 def _recurrent_call(
     q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_qk_l2norm, block_v, num_warps,
-    one_token_per_row, interpret
+    one_token_per_row, one_pass, interpret
 ):
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
@@ -157,7 +215,7 @@ def _recurrent_call(
         block_v=block_v,
         num_tokens=num_tokens,
         one_token_per_row=one_token_per_row,
-        slot_layer=None,
+        one_pass=one_pass,
     )
     return pl.pallas_call(
         kernel,
@@ -173,20 +231,22 @@ def _recurrent_call(
     )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
 
 
-def _slots_call(q, k, v, g, beta, ssm, slots, *, layer, scale, use_qk_l2norm, block_v, num_warps, interpret):
+def _slots_call(q, k, v, g, beta, ssm, slots, *, layer, scale, use_qk_l2norm, block_v, num_warps, one_pass,
+                heads_per_program, v_major, interpret):
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     kernel = functools.partial(
-        _recurrent_kernel, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
-        num_tokens=num_tokens, one_token_per_row=True, slot_layer=layer,
+        _slots_kernel, layer=layer, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+        heads_per_program=heads_per_program, one_pass=one_pass, v_major=v_major,
     )
+    grid = (num_tokens, hv // heads_per_program, vd // block_v)
     return pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
             jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
         ),
-        grid=(num_tokens, hv, vd // block_v),
+        grid=grid[::-1] if v_major else grid,
         input_output_aliases={6: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -209,7 +269,8 @@ def _pick_block_v(vd: int, block_v: int | None) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "one_token_per_row", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "one_token_per_row", "one_pass",
+                     "interpret"),
     donate_argnames=("pool",),
 )
 def recurrent_gated_delta_rule_pool(
@@ -228,9 +289,14 @@ def recurrent_gated_delta_rule_pool(
     block_v: int | None = None,
     num_warps: int = 2,
     one_token_per_row: bool = False,
+    one_pass: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Stepwise gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
+
+    ``one_pass=True`` computes ``k^T S`` and ``q^T S`` together on the state as loaded and forms the output
+    as ``decay q^T S + (q . k) delta`` (equal in exact arithmetic), so the store of the new state does not
+    wait for a second reduction; ``False`` reduces the updated state for the output (the textbook order).
 
     Non-live rows (``flags & FLAG_LIVE == 0``) are neither read nor written and their tokens get ``o = 0``.
     ``one_token_per_row=True`` is the decode fast path: it requires ``T == N`` and ignores ``cu_seqlens``
@@ -244,13 +310,14 @@ def recurrent_gated_delta_rule_pool(
     return _recurrent_call(
         q, k, v, g, beta, pool, cu_seqlens, rows, flags,
         scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=_pick_block_v(vd, block_v), num_warps=num_warps,
-        one_token_per_row=one_token_per_row, interpret=interpret,
+        one_token_per_row=one_token_per_row, one_pass=one_pass, interpret=interpret,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "one_pass", "heads_per_program",
+                     "v_major", "interpret"),
     donate_argnames=("ssm",),
 )
 def recurrent_gated_delta_rule_slots(
@@ -267,13 +334,20 @@ def recurrent_gated_delta_rule_slots(
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
     num_warps: int = 2,
+    one_pass: bool = True,
+    heads_per_program: int = 1,
+    v_major: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode step straight on the GDN pool: row ``b`` continues the state at ``ssm[layer, slot_ids[b]]``.
 
     No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
-    Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``.
+    Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Tuning:
+    ``heads_per_program`` heads per program, the next head's state tile loaded before the current one is
+    updated; ``v_major`` launches the value blocks of a head next to each other (grid order).
     """
+    if heads_per_program < 1 or v.shape[1] % heads_per_program:
+        raise ValueError(f"heads_per_program={heads_per_program} must divide Hv={v.shape[1]}")
     kd, vd = q.shape[2], v.shape[2]
     _check_pow2("K", kd)
     _check_pow2("V", vd)
@@ -281,7 +355,8 @@ def recurrent_gated_delta_rule_slots(
         raise ValueError(f"one token per row: q has {q.shape[0]} tokens, slot_ids {slot_ids.shape[0]} rows")
     return _slots_call(
         q, k, v, g, beta, ssm, slot_ids, layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        block_v=_pick_block_v(vd, block_v), num_warps=num_warps, interpret=interpret,
+        block_v=_pick_block_v(vd, block_v), num_warps=num_warps, one_pass=one_pass,
+        heads_per_program=heads_per_program, v_major=v_major, interpret=interpret,
     )
 
 
