@@ -31,6 +31,8 @@ from kvjax.state.gdn_pool import GDNStatePool
 
 W = 4
 ROTATE = 8
+STEPS = 16
+PREFILL_STEPS = 4
 
 
 def _time(fn, *, n=20, rounds=7):
@@ -111,6 +113,7 @@ def bench_decode(batch, dim, ceiling, quick):
     w = jax.random.normal(jax.random.key(2), (dim, W), jnp.float32) * 0.5
     xs = [jax.random.normal(jax.random.key(10 + i), (batch, dim), jnp.bfloat16) for i in range(ROTATE)]
     slots = jnp.asarray(rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32))
+    layers = [jnp.asarray(i, jnp.int32) for i in range(ROTATE)]
     nbytes = 2 * batch * dim * (W - 1) * 2 + 2 * batch * dim * 2
     ry, rpool = gdn_state.conv_decode(xs[0], w, None, GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0)),
                                       layer=3, slot_ids=slots, impl="reference")
@@ -129,7 +132,7 @@ def bench_decode(batch, dim, ceiling, quick):
             return y, GDNStatePool(conv=c, ssm=pool.ssm)
 
         fn = jax.jit(step, donate_argnums=1)
-        y, p = fn(xs[0], GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0)), jnp.int32(3))
+        y, p = fn(xs[0], GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0)), layers[3])
         r = dict(kind="decode", B=batch, D=dim, impl=impl, **tuning,
                  **_check(impl, y, p.conv, ry, rconv, 3, live))
         del p
@@ -137,14 +140,28 @@ def bench_decode(batch, dim, ceiling, quick):
 
         def run():
             i = state[1] = (state[1] + 1) % ROTATE
-            y, state[0] = fn(xs[i], state[0], jnp.int32(i))
+            y, state[0] = fn(xs[i], state[0], layers[i])
             return y
 
-        r["ms"] = _time(run, n=50)
+        r["per_call_ms"] = _time(run, n=50)  # includes host dispatch of one jitted call
+
+        def multi(x, pool):  # STEPS unrolled steps, y feeds the next x, layers rotate: device time only
+            for i in range(STEPS):
+                x, pool = step(x, pool, i % ROTATE)
+            return x, pool
+
+        mfn = jax.jit(multi, donate_argnums=1)
+        state = [GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0))]
+
+        def run_multi():
+            y, state[0] = mfn(xs[0], state[0])
+            return y
+
+        r["ms"] = _time(run_multi, n=5) / STEPS
         r["gbps"] = nbytes / r["ms"] / 1e6
         r["pct_copy"] = 100 * r["gbps"] / ceiling
         r["bytes"] = nbytes
-        print("decode", r, flush=True)
+        print(_row(r), flush=True)
         rows.append(r)
         del state
     return rows
@@ -171,35 +188,60 @@ def bench_prefill(lens, dim, ceiling, quick):
     del rpool
     configs = [("reference", {})]
     tunings = [(32, 128, 4), (16, 256, 4)] if quick else [
-        (32, 128, 4), (16, 256, 4), (64, 64, 2), (64, 128, 4), (32, 256, 8), (128, 64, 4)]
+        (32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 4), (64, 128, 4)]
     configs += [("pallas", {"block_t": bt, "block_d": bd, "num_warps": nw}) for bt, bd, nw in tunings]
     rows = []
     for impl, tuning in configs:
-        def step(pool, impl=impl, tuning=tuning):
+        def step(x, pool, impl=impl, tuning=tuning):
             if not tuning:
                 return gdn_state.conv_prefill(x, w, None, pool, impl=impl, **kw)
             y, c = gdn_state.conv_prefill_pool_pallas(x, w, None, pool.conv, activation="silu", **kw, **tuning)
             return y, GDNStatePool(conv=c, ssm=pool.ssm)
 
-        fn = jax.jit(step, donate_argnums=0)
-        y, p = fn(GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0)))
+        fn = jax.jit(step, donate_argnums=1)
+        y, p = fn(x, GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0)))
         r = dict(kind="prefill", N=n, T=t, D=dim, impl=impl, **tuning,
                  **_check(impl, y, p.conv, ry, rconv, 1, np.asarray(slots)))
         del p, y
         state = [GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0))]
 
         def run():
-            y, state[0] = fn(state[0])
+            y, state[0] = fn(x, state[0])
             return y
 
-        r["ms"] = _time(run, n=10 if quick else 20)
+        r["per_call_ms"] = _time(run, n=10 if quick else 20)
+
+        def multi(x, pool):  # STEPS unrolled steps, y feeds the next x: device time only
+            for _ in range(PREFILL_STEPS):
+                x, pool = step(x, pool)
+            return x, pool
+
+        mfn = jax.jit(multi, donate_argnums=1)
+        state = [GDNStatePool(conv=jnp.array(conv0), ssm=jnp.array(ssm0))]
+
+        def run_multi():
+            y, state[0] = mfn(x, state[0])
+            return y
+
+        r["ms"] = _time(run_multi, n=3) / PREFILL_STEPS
         r["gbps"] = nbytes / r["ms"] / 1e6
         r["pct_copy"] = 100 * r["gbps"] / ceiling
         r["bytes"] = nbytes
-        print("prefill", r, flush=True)
+        print(_row(r), flush=True)
         rows.append(r)
         del state
     return rows
+
+
+HEADER = (f"{'kind':8} {'shape':22} {'impl':9} {'tuning':12} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'call ms':>8} "
+          f"{'err_y':>8} state")
+
+
+def _row(r):
+    shape = f"B={r['B']} D={r['D']}" if r["kind"] == "decode" else f"N={r['N']} T={r['T']} D={r['D']}"
+    tun = "/".join(str(r[k]) for k in ("block_t", "block_d", "num_warps") if k in r)
+    return (f"{r['kind']:8} {shape:22} {r['impl']:9} {tun:12} {r['ms']:8.4f} {r['gbps']:7.0f} {r['pct_copy']:6.1f} "
+            f"{r['per_call_ms']:8.4f} {r['err_y']:8.1e} {'exact' if r['state_exact'] else 'DIFF'}")
 
 
 def main():
@@ -211,18 +253,17 @@ def main():
     res["copy"] = copy_ceiling()
     ceiling = res["copy"]["best_gbps"]
     print("copy", res["copy"], flush=True)
-    res["decode"] = bench_decode(128, 12288, ceiling, args.quick) + bench_decode(256, 6144, ceiling, args.quick)
-    res["prefill"] = (bench_prefill([8192], 6144, ceiling, args.quick)
-                      + bench_prefill([4096] * 4, 12288, ceiling, args.quick))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    print(HEADER, flush=True)
+    res["decode"], res["prefill"] = [], []
+    for kind, fn, shape in (("decode", bench_decode, (128, 12288)), ("decode", bench_decode, (256, 6144)),
+                            ("prefill", bench_prefill, ([8192], 6144)), ("prefill", bench_prefill, ([4096] * 4, 12288))):
+        res[kind] += fn(*shape, ceiling, args.quick)
+        with open(args.out, "w") as f:  # after every shape: a timeout still leaves the finished ones
+            json.dump(res, f, indent=1)
     print(f"\n{res['device']}  copy ceiling {ceiling:.0f} GB/s")
-    print(f"{'kind':8} {'shape':22} {'impl':9} {'tuning':16} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'err_y':>8} state")
+    print(HEADER)
     for r in res["decode"] + res["prefill"]:
-        shape = f"B={r['B']} D={r['D']}" if r["kind"] == "decode" else f"N={r['N']} T={r['T']} D={r['D']}"
-        tun = "/".join(str(r[k]) for k in ("block_t", "block_d", "num_warps") if k in r)
-        print(f"{r['kind']:8} {shape:22} {r['impl']:9} {tun:16} {r['ms']:8.4f} {r['gbps']:7.0f} {r['pct_copy']:6.1f} "
-              f"{r['err_y']:8.1e} {'exact' if r['state_exact'] else 'DIFF'}")
+        print(_row(r))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,24 @@ def _act(y, activation):
     return y * jax.nn.sigmoid(y) if activation == "silu" else y
 
 
+def _and(a, b):
+    """Combine optional masks (``None`` = all true: lets Triton vectorise unmasked channel blocks)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a & b
+
+
+def _load(ref, mask, other=0.0):
+    return plt.load(ref) if mask is None else plt.load(ref, mask=mask, other=other)
+
+
+def _channel_mask(d0, block_d: int, dim: int):
+    return None if dim % block_d == 0 else d0 + jnp.arange(block_d) < dim
+
+
 def _weights(w_ref, b_ref, ds, dmask, width):
-    w = [plt.load(w_ref.at[ds, jnp.int32(j)], mask=dmask, other=0.0).astype(jnp.float32) for j in range(width)]
-    b = None if b_ref is None else plt.load(b_ref.at[ds], mask=dmask, other=0.0).astype(jnp.float32)
+    w = [_load(w_ref.at[ds, jnp.int32(j)], dmask, 0.0).astype(jnp.float32) for j in range(width)]
+    b = None if b_ref is None else _load(b_ref.at[ds], dmask, 0.0).astype(jnp.float32)
     return w, b
 
 
@@ -61,16 +76,16 @@ def _update_kernel(*refs, width: int, block_d: int, has_bias: bool, activation):
     dim = x_ref.shape[1]
     d0 = pl.multiple_of(db * block_d, block_d)
     ds = pl.ds(d0, block_d)
-    dmask = d0 + jnp.arange(block_d) < dim
+    dmask = _channel_mask(d0, block_d, dim)
     slot = slots_ref[b]
     layer = layer_ref[0]
     live = (slot >= 1) & (slot < pool_in_ref.shape[1])
 
     @pl.when(live)
     def _():
-        cols = [plt.load(pool_in_ref.at[layer, slot, ds, jnp.int32(j)], mask=dmask, other=0.0).astype(jnp.float32)
+        cols = [_load(pool_in_ref.at[layer, slot, ds, jnp.int32(j)], dmask, 0.0).astype(jnp.float32)
                 for j in range(width - 1)]
-        cols.append(plt.load(x_ref.at[b, ds], mask=dmask, other=0.0).astype(jnp.float32))
+        cols.append(_load(x_ref.at[b, ds], dmask, 0.0).astype(jnp.float32))
         w, bias = _weights(w_ref, b_ref, ds, dmask, width)
         plt.store(y_ref.at[b, ds], _conv(cols, w, bias, activation).astype(y_ref.dtype), mask=dmask)
         for j in range(width - 1):
@@ -114,30 +129,33 @@ def _prefill_y_kernel(*refs, width: int, block_t: int, block_d: int, has_bias: b
     t0 = pl.multiple_of(tb * block_t, block_t)
     d0 = pl.multiple_of(db * block_d, block_d)
     t = t0 + jnp.arange(block_t)
-    d = d0 + jnp.arange(block_d)
-    tmask, dmask = t < num_tokens, d < dim
-    dl = jnp.minimum(d, dim - 1)[None, :]
-    pos = plt.load(pos_ref.at[pl.ds(t0, block_t)], mask=tmask, other=-1)
-    slot = plt.load(slot_ref.at[pl.ds(t0, block_t)], mask=tmask, other=0)
+    d = (d0 + jnp.arange(block_d))[None, :]  # gather form: contiguous along channels, no clamp
+    tmask = None if num_tokens % block_t == 0 else t < num_tokens
+    dmask = _channel_mask(d0, block_d, dim)
+    dmask2 = None if dmask is None else dmask[None, :]
+    pos = _load(pos_ref.at[pl.ds(t0, block_t)], tmask, -1)
+    slot = _load(slot_ref.at[pl.ds(t0, block_t)], tmask, 0)
     slot = jnp.where(pos >= 0, slot, 0)
     layer = layer_ref[0]
     w, bias = _weights(w_ref, b_ref, pl.ds(d0, block_d), dmask, width)
     window = []
     for j in range(width):
         s = width - 1 - j  # this column holds the input s steps before the token
-        from_x = (pos >= s)[:, None] & dmask[None, :]
-        xv = plt.load(x_ref.at[jnp.clip(t - s, 0, num_tokens - 1)[:, None], dl], mask=from_x, other=0.0)
         if s == 0:
+            xv = _load(x_ref.at[pl.ds(t0, block_t), pl.ds(d0, block_d)],
+                       _and(None if tmask is None else tmask[:, None], dmask2))
             window.append(xv.astype(jnp.float32))
             continue
-        from_state = ((pos >= 0) & (pos < s) & (slot > 0))[:, None] & dmask[None, :]
-        col = jnp.clip(pos + width - 1 - s, 0, width - 2)
-        sv = plt.load(pool_ref.at[layer, slot[:, None], dl, col[:, None]], mask=from_state, other=0.0)
+        rows = jnp.clip(t - s, 0, num_tokens - 1)[:, None]
+        xv = _load(x_ref.at[rows, d], _and((pos >= s)[:, None], dmask2), 0.0)
+        from_state = ((pos >= 0) & (pos < s) & (slot > 0))[:, None]
+        col = jnp.clip(pos + width - 1 - s, 0, width - 2)[:, None]
+        sv = _load(pool_ref.at[layer, slot[:, None], d, col], _and(from_state, dmask2), 0.0)
         window.append(xv.astype(jnp.float32) + sv.astype(jnp.float32))
     y = _conv(window, [wj[None, :] for wj in w], None if bias is None else bias[None, :], activation)
     y = jnp.where((pos >= 0)[:, None], y, 0.0)
     plt.store(y_ref.at[pl.ds(t0, block_t), pl.ds(d0, block_d)], y.astype(y_ref.dtype),
-              mask=tmask[:, None] & dmask[None, :])
+              mask=_and(None if tmask is None else tmask[:, None], dmask2))
 
 
 def _final_state_kernel(layer_ref, cu_ref, slots_ref, read_ref, x_ref, y_ref, pool_in_ref, pool_ref, *,
@@ -150,7 +168,7 @@ def _final_state_kernel(layer_ref, cu_ref, slots_ref, read_ref, x_ref, y_ref, po
     dim = x_ref.shape[1]
     d0 = pl.multiple_of(db * block_d, block_d)
     ds = pl.ds(d0, block_d)
-    dmask = d0 + jnp.arange(block_d) < dim
+    dmask = _channel_mask(d0, block_d, dim)
     slot = slots_ref[n]
     layer = layer_ref[0]
     live = (slot >= 1) & (slot < pool_in_ref.shape[1])
@@ -163,9 +181,10 @@ def _final_state_kernel(layer_ref, cu_ref, slots_ref, read_ref, x_ref, y_ref, po
         cols = []
         for c in range(width - 1):
             rel = length - (width - 1) + c  # >= 0: input at position rel of the sequence; else state column
-            xv = plt.load(x_ref.at[jnp.minimum(start + jnp.maximum(rel, 0), x_ref.shape[0] - 1), ds], mask=dmask & (rel >= 0), other=0.0)
+            xv = plt.load(x_ref.at[jnp.minimum(start + jnp.maximum(rel, 0), x_ref.shape[0] - 1), ds],
+                          mask=_and(dmask, jnp.full((block_d,), rel >= 0)), other=0.0)
             sv = plt.load(pool_in_ref.at[layer, slot, ds, jnp.clip(rel + width - 1, 0, width - 2)],
-                          mask=dmask & (rel < 0) & read, other=0.0)
+                          mask=_and(dmask, jnp.full((block_d,), (rel < 0) & read)), other=0.0)
             cols.append(jnp.where(rel >= 0, xv.astype(pool_ref.dtype), sv.astype(pool_ref.dtype)))
         for c in range(width - 1):
             plt.store(pool_ref.at[layer, slot, ds, jnp.int32(c)], cols[c], mask=dmask)
