@@ -208,7 +208,76 @@ def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
                           best_vs_best=summary)
 
 
-def prefill_section(quick, results):
+_COMPILED: list[dict] = []  # Pallas Triton kernels compiled in this process: name, smem bytes, ptxas report
+
+
+def _hook_triton_compile() -> None:
+    """Record shared memory and ptxas registers/spills of each Pallas Triton kernel (diagnostic; jax >= 0.11)."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as reg
+    except ImportError:
+        return
+    lib = getattr(reg, "triton", None)
+    if lib is None or not hasattr(lib, "compile") or getattr(lib, "_kvjax_hooked", False):
+        _COMPILED.append(dict(hook="not installed"))
+        return
+    ptxas = next((p for p in ("/usr/local/cuda/bin/ptxas", os.popen("command -v ptxas").read().strip()) if p and
+                  os.path.exists(p)), None)
+
+    class Proxy:  # stands in for jax._src.lib.triton inside the registration module
+        _kvjax_hooked = True
+
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def compile(self, *args, **kwargs):
+            res = lib.compile(*args, **kwargs)
+            info = dict(smem=getattr(res, "smem_bytes", None), num_warps=kwargs.get("num_warps"))
+            asm = getattr(res, "asm", None)
+            if ptxas and isinstance(asm, (str, bytes)):
+                path = f"/tmp/kvjax_kernel_{len(_COMPILED)}.ptx"
+                with open(path, "wb") as fh:
+                    fh.write(asm.encode() if isinstance(asm, str) else asm)
+                proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", "/dev/null"], capture_output=True,
+                                      text=True, timeout=60)
+                info["ptxas"] = " | ".join(ln.split("info    : ")[-1] for ln in proc.stderr.splitlines()
+                                           if "registers" in ln or "spill" in ln)[:300]
+            _COMPILED.append(info)
+            return res
+
+    reg.triton = Proxy()
+
+
+def prefill_fn(scale, zeros, **cfg):
+    """The prefill kernel itself (its own knobs, e.g. ``kv_load``), jitted over (q, pages, table, lens, cu)."""
+    def f(q, k, v, bt, sl, cu):
+        return paged_prefill.paged_prefill(q, k, v, bt, sl, cu_seqlens=cu, scale=scale, window=zeros, sinks=zeros,
+                                           interpret=SIZES["interpret"], **cfg)
+
+    return jax.jit(f)
+
+
+def _prefill_configs(ps: int, quick: bool) -> list[dict]:
+    """kvjax prefill variants timed at one page size (kv_load, block_q, block_k, warps, stages)."""
+    def cfg(kv_load, bq, bk, nw, st, fused=False, ids=None):
+        return dict(kv_load=kv_load, block_q=bq, block_k=bk, num_warps=nw, num_stages=st,
+                    **(dict(fused_loop=True) if fused else {}), **(dict(page_ids=ids) if ids else {}))
+
+    if ps == 64:
+        configs = [cfg("page", 128, 64, 4, 3, fused=True), cfg("page", 128, 64, 4, 3, ids="chunk"),
+                   cfg("page", 128, 128, 8, 3, ids="chunk"), cfg("page", 128, 64, 4, 3, ids="carry"),
+                   cfg("page", 128, 64, 4, 2, ids="chunk"), cfg("page", 128, 128, 8, 2, ids="chunk"),
+                   cfg("page", 128, 64, 8, 3, ids="chunk"), cfg("gather", 128, 64, 4, 3, fused=True),
+                   cfg("gather", 128, 128, 8, 3, fused=True), cfg("page", 128, 128, 8, 3, ids="carry"),
+                   cfg("page", 128, 64, 4, 4, ids="chunk"), cfg("page", 64, 64, 4, 3, ids="chunk")]
+    else:
+        configs = [cfg("gather", 128, 128, 8, 3), cfg("gather", 128, 128, 8, 3, fused=True),
+                   cfg("gather", 128, 64, 4, 3, fused=True), cfg("page", 128, 64, 8, 3, ids="chunk")]
+    return configs[:2] if quick else configs
+
+
+def prefill_section(quick, results, budget_s: float = 1e9):
+    t_start = time.perf_counter()
     t_len, h, d = SIZES["prefill"]
     keys = jax.random.split(jax.random.key(3), 4)
     q = jax.random.normal(keys[0], (t_len, h, d), jnp.bfloat16)
@@ -217,6 +286,7 @@ def prefill_section(quick, results):
     scale = d**-0.5
     flops = 4 * (t_len * (t_len + 1) // 2) * d * h
     rows = []
+    results["prefill"] = dict(shape=dict(T=t_len, H=h, D=d, causal=True, dtype="bf16"), flops=flops, rows=rows)
     dpa_out = None
     for impl in ("cudnn", None):
         f = jax.jit(lambda a, b_, c, impl=impl: jax.nn.dot_product_attention(
@@ -234,8 +304,29 @@ def prefill_section(quick, results):
     cu = jnp.array([0, t_len], jnp.int32)
     sl = jnp.array([t_len], jnp.int32)
     ref = None
-    best_prefill = []
-    for ps in ((16,) if quick else (16, 64)):
+
+    _hook_triton_compile()
+
+    def timed(name, f, args, cfg=None):
+        if time.perf_counter() - t_start > budget_s:
+            rows.append(dict(name=name, skipped="time budget"))
+            return
+        n_compiled = len(_COMPILED)
+        try:
+            err = rel_err(f(*args), ref)
+            t = timeit(f, *args) if err <= 2e-2 else float("nan")
+        except Exception as e:  # a config that fails to compile is reported, not fatal
+            rows.append(dict(name=name, error=repr(e)[:300]))
+            return
+        row = dict(name=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err, vs_cudnn=t_dpa / (t * 1e3))
+        if len(_COMPILED) > n_compiled:
+            row["kernel"] = _COMPILED[-1]
+        rows.append(row if cfg is None else dict(row, cfg=cfg))
+        print(f"  {name}: {t * 1e3:.4f} ms, {flops / t / 1e12:.1f} TFLOP/s, x{t_dpa / (t * 1e3):.3f} cuDNN, "
+              f"err {err:.2e} {row.get('kernel', '')}", flush=True)
+
+    best = None
+    for ps in ((16,) if quick else (64, 16)):
         n_blocks = t_len // ps
         perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * n_blocks).astype(jnp.int32)
         bt = perm.reshape(1, h, n_blocks)
@@ -244,38 +335,61 @@ def prefill_section(quick, results):
             jnp.swapaxes(k, 0, 1).reshape(h * n_blocks, ps, d))
         vp = jnp.zeros((h * n_blocks, ps, d), jnp.bfloat16).at[perm].set(
             jnp.swapaxes(v, 0, 1).reshape(h * n_blocks, ps, d))
+        args = (q, kp, vp, bt, sl, cu)
         if ref is None:
             ref = jax.jit(lambda *a: paged_attention_reference(*a, cu_seqlens=cu, scale=scale, window=zeros,
                                                                sinks=zeros))(q, kp, vp, bt, sl)
             rows.append(dict(name="dot_product_attention vs f32 reference", rel_err=rel_err(dpa_out, ref)))
-        if ps == 16:
-            configs = [dict(block_q=bq, block_k=bk, num_warps=nw, num_stages=st)
-                       for bq in (64, 128) for bk in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
-        else:
-            configs = best_prefill[:3]
-        if quick:
-            configs = configs[:2]
-        for cfg in configs:
-            f = kvjax_fn(scale, zeros, zeros, mode="prefill", **cfg)
-            try:
-                err = rel_err(f(q, kp, vp, bt, sl, cu), ref)
-                t = timeit(f, q, kp, vp, bt, sl, cu)
-            except Exception as e:
-                rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", error=repr(e)[:300]))
-                continue
-            rows.append(dict(name=f"kvjax prefill page={ps} {cfg}", cfg=cfg, ms=t * 1e3, tflops=flops / t / 1e12,
-                             rel_err=err, speed_vs_dpa=t_dpa / (t * 1e3)))
-        if ps == 16:
-            ok = sorted((r for r in rows if "cfg" in r and r["rel_err"] <= 2e-2), key=lambda r: r["ms"])
-            best_prefill = [r["cfg"] for r in ok]
-            if ok:  # the same best config with every block masked: what the unmasked middle blocks save
-                f = jax.jit(lambda q_, k_, v_, bt_, sl_, cu_: paged_prefill.paged_prefill(
-                    q_, k_, v_, bt_, sl_, cu_seqlens=cu_, scale=scale, window=zeros, sinks=zeros,
-                    fast_path=False, interpret=SIZES["interpret"], **ok[0]["cfg"]))
-                t = timeit(f, q, kp, vp, bt, sl, cu)
-                rows.append(dict(name=f"kvjax prefill page=16 {ok[0]['cfg']} all blocks masked", ms=t * 1e3,
-                                 tflops=flops / t / 1e12, speed_vs_dpa=t_dpa / (t * 1e3)))
-    results["prefill"] = dict(shape=dict(T=t_len, H=h, D=d, causal=True, dtype="bf16"), flops=flops, rows=rows)
+            _prefill_anchors(q, k, v, scale, args, zeros, timed)
+        for cfg in _prefill_configs(ps, quick):
+            timed(f"kvjax prefill page={ps} {cfg}", prefill_fn(scale, zeros, **cfg), args, cfg)
+        ok = sorted((r for r in rows if r.get("cfg") and f"page={ps} " in r["name"] and r["ms"] == r["ms"]),
+                    key=lambda r: r["ms"])
+        if ok and best is None:  # the best config with every key block masked: what the unmasked blocks save
+            best = ok[0]["cfg"]
+            timed(f"kvjax prefill page={ps} {best} all blocks masked", prefill_fn(scale, zeros, fast_path=False,
+                                                                                   **best), args)
+        if ps == 64:  # what the op spends outside the kernel: launch metadata and the padding-token select
+            def outside(q_, sl_, cu_):
+                t_row, t_tok, t_len, t_pos = paged_prefill._tile_map(cu_, sl_, t_len_, 128)
+                meta = paged_common.page_ranges(t_pos, t_pos + t_len - 1, t_len > 0, zeros, zeros, page_size=ps,
+                                                 max_blocks=n_blocks)
+                real = paged_common.token_positions(cu_, sl_, t_len_)[2]
+                return jnp.where(real[:, None, None], q_, 0), t_row, t_tok, meta
+
+            t_len_ = t_len
+            t = timeit(jax.jit(outside), q, sl, cu)
+            rows.append(dict(name="outside the kernel: tile map + page ranges + output select", ms=t * 1e3))
+            print(f"  outside the kernel: {t * 1e3:.4f} ms", flush=True)
+    results["prefill"]["best_cfg"] = best
+
+
+def _prefill_anchors(q, k, v, scale, paged_args, zeros, timed):
+    """Same-run anchors: the previous kvjax prefill kernel (if its copy is present) and JAX's Pallas Triton
+    ``mha`` on the contiguous problem (what the Triton lowering reaches without paging)."""
+    base = None
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_prefill_baseline.py")
+    if os.path.exists(path):  # an untracked copy of the previous kernel, when one is placed there
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_prefill_baseline", path)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+    if base is not None:
+        f = jax.jit(lambda q_, k_, v_, bt_, sl_, cu_: base.paged_prefill(
+            q_, k_, v_, bt_, sl_, cu_seqlens=cu_, scale=scale, window=zeros, sinks=zeros,
+            interpret=SIZES["interpret"], block_q=128, block_k=64, num_warps=4, num_stages=3))
+        timed(f"previous kvjax prefill (gathered K/V) page={paged_args[1].shape[1]} bq128 bk64 4w 3s", f, paged_args)
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as jattn
+    except ImportError:
+        return
+    for bq, bk, nw, st in ((128, 128, 8, 3),):
+        blocks = jattn.BlockSizes(block_q=bq, block_k=bk)
+        f = jax.jit(lambda a, b_, c, blocks=blocks, nw=nw, st=st: jattn.mha(
+            a[None], b_[None], c[None], None, sm_scale=scale, causal=True, block_sizes=blocks, num_warps=nw,
+            num_stages=st, interpret=SIZES["interpret"])[0])
+        timed(f"jax pallas.ops.gpu.attention.mha contiguous bq{bq} bk{bk} {nw}w {st}s", f, (q, k, v))
 
 
 def main() -> None:
@@ -284,7 +398,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
     parser.add_argument("--sections", default="decode,swa,prefill")
     parser.add_argument("--small", action="store_true", help="tiny shapes in interpret mode (CPU smoke test)")
+    parser.add_argument("--prefill-only", action="store_true", help="copy ceiling + prefill section only")
+    parser.add_argument("--prefill-budget", type=float, default=1e9, help="seconds after which prefill configs skip")
     args = parser.parse_args()
+    if args.prefill_only:
+        args.sections = "prefill"
     if args.small:
         SIZES.update(SMALL)
     results = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__)
@@ -293,13 +411,14 @@ def main() -> None:
     sections = args.sections.split(",")
     b, l, _, hkv, d, ps = SIZES["decode"]
     n_pages = b * hkv * l // ps  # 1 GiB of K+V pages, shared by the decode and SWA sections
-    kk, kv = jax.random.split(jax.random.key(0))
-    k_pages = jax.random.normal(kk, (n_pages, ps, d), jnp.bfloat16)
-    v_pages = jax.random.normal(kv, (n_pages, ps, d), jnp.bfloat16)
+    if "decode" in sections or "swa" in sections:
+        kk, kv = jax.random.split(jax.random.key(0))
+        k_pages = jax.random.normal(kk, (n_pages, ps, d), jnp.bfloat16)
+        v_pages = jax.random.normal(kv, (n_pages, ps, d), jnp.bfloat16)
     best = dict(block_k=64, num_warps=4, num_stages=4)  # the kernel defaults
     for name, fn in (("decode", lambda: decode_section(k_pages, v_pages, copy_gbs, args.quick, results)),
                      ("swa", lambda: swa_section(k_pages, v_pages, best, copy_gbs, results)),
-                     ("prefill", lambda: prefill_section(args.quick, results))):
+                     ("prefill", lambda: prefill_section(args.quick, results, args.prefill_budget))):
         if name not in sections:
             continue
         t0 = time.perf_counter()
@@ -312,14 +431,16 @@ def main() -> None:
         print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
         with open(os.path.join(args.out, "attention.json"), "w") as fh:
             json.dump(results, fh, indent=1, default=str)
-    print_table(results)
+    print_table(results, sections)
 
 
-def print_table(res: dict) -> None:
+def print_table(res: dict, sections: list[str]) -> None:
     print(f"\n{res['date']}  {res['device']}  jax {res['jax']}")
     c = res["copy"]
     print(f"copy ceiling: torch {c.get('torch_copy_gbs', float('nan')):.0f} GB/s, jnp {c['jnp_copy_gbs']:.0f} GB/s")
     for sec in ("decode", "prefill"):
+        if sec not in sections:
+            continue
         if sec not in res:
             print(sec, "ERROR", res.get(sec + "_error", "")[:500])
             continue
@@ -327,6 +448,8 @@ def print_table(res: dict) -> None:
         for r in res[sec]["rows"]:
             print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                                    if k != "cfg"))
+    if "swa" not in sections:
+        return
     if "swa" in res:
         s = res["swa"]
         print(f"-- swa {s['shape']} bytes_needed={s['bytes_needed']} whole_row={s['bytes_whole_row']}")

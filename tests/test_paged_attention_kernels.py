@@ -104,6 +104,36 @@ def test_prefill_interpret_mixed_batch(rng):
     np.testing.assert_allclose(np.asarray(out_d), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_load", ["page", "gather"])
+def test_prefill_interpret_kv_load_modes(rng, kv_load):
+    # both K/V load paths, 2 pages per key block (2 sub-products per block in "page" mode), windows and sinks,
+    # GQA 2, with and without the unmasked middle blocks (split or fused loop); holes inside the walk of a full head (poisoned with
+    # NaN, in an unmasked middle block) and recycled pages below a window.
+    args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=8, ctx=[61, 24, 90, 9, 0], new=[21, 24, 3, 1, 0],
+                      window=[0, 13], sinks=[0, 5])
+    q, k, v, table, ctx = args
+    table = np.asarray(table).copy()
+    for b, col in ((0, 2), (2, 5)):  # full head 0: tile positions 40.. see columns 0..3 unmasked
+        k = k.at[table[b, 0, col]].set(jnp.nan)
+        v = v.at[table[b, 0, col]].set(jnp.nan)
+        table[b, 0, col] = -1
+    assert (table[:3, 1, 1:9] == -1).any()  # some dead window pages were recycled
+    args = (q, k, v, jnp.asarray(table), ctx)
+    ref = _ref(args, kw)
+    assert np.isfinite(np.asarray(ref)).all()
+    for fast_path, fused_loop in ((True, False), (True, True), (False, False)):
+        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
+                                          fast_path=fast_path, fused_loop=fused_loop)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    if kv_load == "page":  # page ids one step ahead / from a register chunk (2 pages per chunk: many chunks)
+        for page_ids, chunk in (("carry", None), ("chunk", 2), ("chunk", None)):
+            out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
+                                              page_ids=page_ids, page_chunk=chunk)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="kv_load"):
+        paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="tma")
+
+
 def test_empty_splits_and_single_token_never_nan(rng):
     # far more splits than pages: most splits are empty; a 1-token sequence; GQA 8 (>16 padded rows not needed)
     args, kw = _build(rng, hq=8, hkv=1, d=16, page_size=16, ctx=[1, 3], new=[1, 1], window=[2], sinks=[1])
@@ -192,3 +222,30 @@ def test_gpu_public_op_auto_is_the_kernel(rng):
     out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"],
                                     impl="pallas")
     assert _rel_err(out, ref) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("kv_load", ["page", "gather"])
+def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
+    # both K/V load paths at one and several pages per key block, GQA 4, holes inside a full head's walk
+    hkv, group = 2, 4
+    ctx, new = [4099, 300, 700, 17, 64], [1, 300, 129, 1, 64]
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16)
+    q, k, v, table, seq_lens = args
+    table = np.asarray(table).copy()
+    for b, col in ((1, 1), (2, 3)):  # poisoned holes in the unmasked middle of full head 0
+        k = k.at[table[b, 0, col]].set(jnp.nan)
+        v = v.at[table[b, 0, col]].set(jnp.nan)
+        table[b, 0, col] = -1
+    args = (q, k, v, jnp.asarray(table), seq_lens)
+    ref = _ref(args, kw)
+    variants = [dict(block_k=64, fused_loop=False), dict(block_k=128, fused_loop=True)]
+    if kv_load == "page":  # page ids one step ahead / from registers; one or two pages per key block
+        variants = variants[:1] + [dict(block_k=64, page_ids="chunk"), dict(block_k=64, page_ids="carry")]
+        if page_size == 64:
+            variants += [dict(block_k=128, page_ids="chunk", num_warps=8), dict(block_k=64, fused_loop=True)]
+    for cfg in variants:
+        out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
+        assert _rel_err(out, ref) <= 2e-2, cfg

@@ -25,6 +25,32 @@ _NEG_INF = float("-inf")
 _LOG2E = 1.4426950408889634
 
 
+def _online_update(carry, scores, values, biases, qk_scale: float):
+    """One online-softmax step over key sub-blocks (same rows, one running max for all of them).
+
+    ``scores``: raw ``q . k`` f32[rows, n_i] with masked keys at -inf; ``biases``: f32[rows] 0 / -inf per
+    sub-block (-inf: a hole page) or None. The scale is applied after the row max (one FMA per score), softmax in base 2.
+    """
+    acc, m, l = carry
+    blk = None
+    for s, bias in zip(scores, biases):
+        mx = jnp.max(s, axis=1) * qk_scale
+        if bias is not None:
+            mx = mx + bias
+        blk = mx if blk is None else jnp.maximum(blk, mx)
+    m_new = jnp.maximum(m, blk)
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    acc = acc * alpha[:, None]
+    l = l * alpha
+    for s, v, bias in zip(scores, values, biases):
+        shift = m_safe if bias is None else m_safe - bias  # +inf for a hole: every p is 0
+        p = jnp.exp2(s * qk_scale - shift[:, None])
+        l = l + jnp.sum(p, axis=1)
+        acc = acc + plgpu.dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+
 def _prefill_kernel(
     q_ref,  # [T*Hq, D]
     k_ref,  # [P*page_size, D]
@@ -48,7 +74,10 @@ def _prefill_kernel(
     block_k: int,
     max_blocks: int,
     num_kv_heads: int,
-    unmasked_fast_path: bool,
+    loop: str,
+    kv_load: str,
+    page_ids: str,
+    chunk: int,
 ):
     h = pl.program_id(0)
     tile = pl.num_programs(1) - 1 - pl.program_id(1)  # last (longest-walk) tiles of every head launch first
@@ -73,41 +102,15 @@ def _prefill_kernel(
     q_rows = (tok0 + r_tok) * hq + h * group + r % group  # unique per r; masked rows are never touched
     qpos = i0 + r_tok
     q = plgpu.load(q_ref.at[jnp.where(r_ok, q_rows, 0)[:, None], cols[None, :]], mask=r_ok[:, None], other=0.0)
-
-    j = jnp.arange(block_k, dtype=jnp.int32)
-    j_page = j // page_size
-    j_off = j % page_size
     bt_base = (b * num_kv_heads + h) * max_blocks
-
     qk_scale = scale * _LOG2E  # softmax in base 2
 
-    def step(c, carry, masked: bool):
-        acc, m, l = carry
-        vp = c * pages_per_block + j_page
-        in_range = vp < n_pages
-        col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
-        page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
-        kpos = col * page_size + j_off
-        k_ok = in_range & (page >= 0)
-        if masked:
-            k_ok = k_ok & (kpos <= i_last) & ((w == 0) | (kpos > i0 - w) | (kpos < sk))
-        kv_rows = jnp.where(k_ok, page, 0) * page_size + j_off
-        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-        sc = plgpu.dot(q, k, trans_b=True) * qk_scale  # f32[rows, block_k], log2 units
-        if masked:
-            diff = qpos[:, None] - kpos[None, :]
-            ok = k_ok[None, :] & (diff >= 0) & ((w == 0) | (diff < w) | (kpos[None, :] < sk))
-            sc = jnp.where(ok, sc, _NEG_INF)
-        else:  # every key of the block is visible to every row; only holes are masked
-            sc = sc + jnp.where(k_ok, 0.0, _NEG_INF)[None, :]
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(sc - m_safe[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+    def visible(kpos):  # bool[rows, n]: causal + window/sink mask of absolute key positions kpos: i32[n]
+        diff = qpos[:, None] - kpos[None, :]
+        return (diff >= 0) & ((w == 0) | (diff < w) | (kpos[None, :] < sk))
+
+    def column(vp):  # table column of virtual page vp (sink pages first, then the window pages)
+        return jnp.where(vp < n_sink, vp, lo + vp - n_sink)
 
     # Blocks [a, b) hold only window pages whose keys every row of the tile sees (all <= i0, all inside the
     # window of the last row): no per-element mask there. Sink pages and the window's edges are masked.
@@ -117,18 +120,128 @@ def _prefill_kernel(
     blk_a = jnp.minimum(pl.cdiv(n_sink + jnp.maximum(col_a - lo, 0), pages_per_block), n_blocks)
     blk_b = jnp.minimum(jnp.maximum((n_sink + col_b + 1 - lo) // pages_per_block, blk_a), n_blocks)
 
+    def mask_scores(c, s, kpos, k_ok, mode: str, key_bias: bool):
+        # "masked": causal/window/sink/hole mask per element; "unmasked": every key of the block is visible to
+        # every row, only holes are masked (per key if key_bias, else by the caller); "fused": one of the two,
+        # chosen per block at run time.
+        def full(s_):
+            return jnp.where(visible(kpos) & k_ok[None, :], s_, _NEG_INF)
+
+        def light(s_):
+            return s_ + jnp.where(k_ok, 0.0, _NEG_INF)[None, :] if key_bias else s_
+
+        if mode == "masked":
+            return full(s)
+        if mode == "unmasked":
+            return light(s)
+        return jax.lax.cond((c < blk_a) | (c >= blk_b), full, light, s)
+
+    def load_page_id(vp, mode: str):  # physical page of virtual page vp (scalar load), -1 past the walk
+        col = column(vp)
+        if mode == "unmasked":  # inside the walk
+            return bt_ref[bt_base + col]
+        in_range = vp < n_pages
+        return jnp.where(in_range, bt_ref[bt_base + jnp.where(in_range, col, 0)], -1)
+
+    def page_block(c, carry, mode: str, pages):
+        # one contiguous [page_size, D] load per page at a scalar page id: no per-key address math
+        scores, values, biases = [], [], []
+        for i, page in enumerate(pages):
+            col = column(c * pages_per_block + i)
+            ok = page >= 0  # a hole is never read: uniform mask on the load
+            start = jnp.where(ok, page, 0) * page_size
+            if mode != "unmasked":  # keys past the tile's last position (a page's unwritten tail) are not read
+                kpos = col * page_size + jnp.arange(page_size, dtype=jnp.int32)
+                k_ok = ok & (kpos <= i_last)
+                k = plgpu.load(k_ref.at[pl.ds(start, page_size), :], mask=k_ok[:, None], other=0.0)
+                v = plgpu.load(v_ref.at[pl.ds(start, page_size), :], mask=k_ok[:, None], other=0.0)
+            else:
+                k = plgpu.load(k_ref.at[pl.ds(start, page_size), :], mask=ok, other=0.0)
+                v = plgpu.load(v_ref.at[pl.ds(start, page_size), :], mask=ok, other=0.0)
+            s = plgpu.dot(q, k, trans_b=True)  # f32[rows, page_size]
+            if mode != "unmasked":
+                s = mask_scores(c, s, kpos, k_ok, mode, key_bias=False)
+            # a hole page: p = 0 (a per-row vector: the Triton lowering rejects a scalar select of -inf)
+            biases.append(None if mode == "masked" else jnp.where(jnp.broadcast_to(ok, (rows,)), 0.0, _NEG_INF))
+            scores.append(s)
+            values.append(v)
+        return _online_update(carry, scores, values, biases, qk_scale)
+
+    def page_step(c, carry, mode: str):  # page ids loaded in the step that uses them
+        pages = [load_page_id(c * pages_per_block + i, mode) for i in range(pages_per_block)]
+        return page_block(c, carry, mode, pages)
+
+    def page_step_carry(c, carry, mode: str):  # page ids loaded one step ahead, passed in the loop carry
+        *carry, pages = carry
+        nxt = tuple(load_page_id((c + 1) * pages_per_block + i, "masked") for i in range(pages_per_block))
+        return (*page_block(c, tuple(carry), mode, pages), nxt)
+
+    j = jnp.arange(block_k, dtype=jnp.int32)
+    j_page = j // page_size
+    j_off = j % page_size
+
+    def gather_step(c, carry, mode: str):
+        # per-key row offsets from a vector load of the block table (one load of block_k keys)
+        vp = c * pages_per_block + j_page
+        col = column(vp)
+        kpos = col * page_size + j_off
+        if mode != "unmasked":
+            in_range = vp < n_pages
+            page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
+            k_ok = (page >= 0) & (kpos <= i_last)
+        else:
+            page = plgpu.load(bt_ref.at[bt_base + col])
+            k_ok = page >= 0
+        kv_rows = jnp.where(k_ok, page, 0) * page_size + j_off
+        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
+        s = mask_scores(c, plgpu.dot(q, k, trans_b=True), kpos, k_ok, mode, key_bias=True)
+        return _online_update(carry, [s], [v], [None], qk_scale)
+
+    step = page_step if kv_load == "page" else gather_step
     head_dim = q.shape[-1]
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    if unmasked_fast_path:
-        carry = jax.lax.fori_loop(0, blk_a, functools.partial(step, masked=True), carry)
-        carry = jax.lax.fori_loop(blk_a, blk_b, functools.partial(step, masked=False), carry)
-        carry = jax.lax.fori_loop(blk_b, n_blocks, functools.partial(step, masked=True), carry)
-    else:
-        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(step, masked=True), carry)
+    if page_ids == "carry":
+        first = tuple(load_page_id(i, "masked") for i in range(pages_per_block))
+        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(page_step_carry, mode=loop), (*carry, first))[:3]
+    elif page_ids == "chunk":
+        # the walk's page ids, `chunk` pages at a time, read once into registers; each step picks its ids with
+        # a masked sum, so no K/V address in the pipelined inner loop depends on a load of the same loop
+        lane = jnp.arange(chunk, dtype=jnp.int32)
+        blocks_per_chunk = chunk // pages_per_block
+
+        def chunk_body(ci, carry):
+            vp = ci * chunk + lane
+            in_range = vp < n_pages
+            ids = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + column(vp), 0)], mask=in_range, other=-1)
+
+            def inner(c, carry):
+                pages = [jnp.sum(jnp.where(lane == (c - ci * blocks_per_chunk) * pages_per_block + i, ids, 0))
+                         for i in range(pages_per_block)]
+                return page_block(c, carry, loop, pages)
+
+            c0 = ci * blocks_per_chunk
+            return jax.lax.fori_loop(c0, jnp.minimum(c0 + blocks_per_chunk, n_blocks), inner, carry)
+
+        carry = jax.lax.fori_loop(0, pl.cdiv(n_blocks, blocks_per_chunk), chunk_body, carry)
+    elif loop == "split":  # three loops: masked head, unmasked middle, masked tail (the causal diagonal)
+        carry = jax.lax.fori_loop(0, blk_a, functools.partial(step, mode="masked"), carry)
+        carry = jax.lax.fori_loop(blk_a, blk_b, functools.partial(step, mode="unmasked"), carry)
+        carry = jax.lax.fori_loop(blk_b, n_blocks, functools.partial(step, mode="masked"), carry)
+    else:  # one loop: "fused" masks a block only outside [a, b); "masked" masks every block
+        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(step, mode=loop), carry)
     acc, m, l = carry
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=r_ok[:, None])
+
+
+# Defaults per K/V load path, the fastest measured on an H200 at T=4096, H=32, D=128 (benchmarks/RESULTS.md).
+_PAGE_MODE_MIN_PAGE = 64  # "page" loads were slower than "gather" at page 16 (16-key sub-products)
+_DEFAULTS = {
+    "page": dict(block_k=64, num_warps=4, num_stages=3, fused_loop=True),
+    "gather": dict(block_k=128, num_warps=8, num_stages=3, fused_loop=False),
+}
 
 
 def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
@@ -150,7 +263,9 @@ def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path")
+    jax.jit,
+    static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path", "kv_load",
+                     "fused_loop", "page_ids", "page_chunk"),
 )
 def paged_prefill(
     q: jax.Array,  # [T, Hq, D]
@@ -169,24 +284,51 @@ def paged_prefill(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fast_path: bool = True,
+    kv_load: str = "auto",
+    fused_loop: bool | None = None,
+    page_ids: str = "load",
+    page_chunk: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
     Same contract as :func:`kvjax.pallas.paged_attention.paged_attention`; tokens of no row get output 0.
     ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``fast_path=False`` masks
-    every key block (kept to measure what the unmasked middle blocks save).
+    every key block (kept to measure what the unmasked middle blocks save). ``kv_load``: ``"page"`` loads
+    each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
+    a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
+    Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``). ``fused_loop``: one key loop that picks the mask per block at run time instead of separate loops for the
+    masked and unmasked blocks. ``page_ids`` (``kv_load="page"``; implies one loop): ``"load"`` reads each
+    page id in the step that uses it, ``"carry"`` one step ahead, ``"chunk"`` a chunk of the walk's ids at once
+    into registers (``page_chunk`` pages, a power of two; default ``min(256, max_blocks)`` rounded up).
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
     num_rows, hkv, max_blocks = block_tables.shape
     group = hq // hkv
-    block_k = max(block_k or 64, page_size)
+    if kv_load == "auto":
+        kv_load = "page" if page_size >= _PAGE_MODE_MIN_PAGE else "gather"
+    if kv_load not in _DEFAULTS:
+        raise ValueError(f"kv_load must be 'auto', 'page' or 'gather', got {kv_load!r}")
+    tuned = _DEFAULTS[kv_load]
+    block_k = max(block_k or tuned["block_k"], page_size)
+    num_warps = num_warps or tuned["num_warps"]
+    num_stages = num_stages or tuned["num_stages"]
+    fused_loop = tuned["fused_loop"] if fused_loop is None else fused_loop
     rows = max(block_q or 128, 16, paged_common.next_pow2(group))
     for name, val in (("head_dim", d), ("page_size", page_size), ("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
     if d < 16:
         raise ValueError(f"pallas paged_prefill needs head_dim >= 16, got {d}")
+    if page_ids not in ("load", "carry", "chunk"):
+        raise ValueError(f"page_ids must be 'load', 'carry' or 'chunk', got {page_ids!r}")
+    if page_ids != "load" and kv_load != "page":
+        raise ValueError(f"page_ids={page_ids!r} needs kv_load='page', got {kv_load!r}")
+    if page_ids != "load":
+        fused_loop = True
+    chunk = max(block_k // page_size, page_chunk or min(256, max(16, paged_common.next_pow2(max_blocks))))
+    if chunk & (chunk - 1):
+        raise ValueError(f"page_chunk must be a power of two, got {page_chunk}")
     tokens_per_tile = rows // group
     t_row, t_tok, t_len, t_pos = _tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
     lo, n_sink, n_pages = paged_common.page_ranges(
@@ -194,15 +336,17 @@ def paged_prefill(
     )
     kernel = functools.partial(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, unmasked_fast_path=fast_path,
+        max_blocks=max_blocks, num_kv_heads=hkv, kv_load=kv_load,
+        loop="masked" if not fast_path else ("fused" if fused_loop else "split"), page_ids=page_ids,
+        chunk=chunk,
     )
     o = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
         grid=(hkv, t_row.shape[0]),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_prefill_bq{rows}_bk{block_k}",
+        name=f"kvjax_paged_prefill_{kv_load}_bq{rows}_bk{block_k}",
     )(
         q.reshape(t_total * hq, d),
         k_pages.reshape(num_pages * page_size, d),
