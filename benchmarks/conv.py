@@ -255,8 +255,9 @@ def main():
     print("copy", res["copy"], flush=True)
     print(HEADER, flush=True)
     res["decode"], res["prefill"] = [], []
-    for kind, fn, shape in (("decode", bench_decode, (128, 12288)), ("decode", bench_decode, (256, 6144)),
-                            ("prefill", bench_prefill, ([8192], 6144)), ("prefill", bench_prefill, ([4096] * 4, 12288))):
+    shapes = (("decode", bench_decode, (128, 12288)), ("decode", bench_decode, (256, 6144)),
+              ("prefill", bench_prefill, ([8192], 6144)), ("prefill", bench_prefill, ([4096] * 4, 12288)))
+    for kind, fn, shape in shapes:
         res[kind] += fn(*shape, ceiling, args.quick)
         with open(args.out, "w") as f:  # after every shape: a timeout still leaves the finished ones
             json.dump(res, f, indent=1)
