@@ -107,8 +107,8 @@ def test_prefill_interpret_mixed_batch(rng):
 @pytest.mark.parametrize("kv_load", ["page", "gather"])
 def test_prefill_interpret_kv_load_modes(rng, kv_load):
     # both K/V load paths, 2 pages per key block (2 sub-products per block in "page" mode), windows and sinks,
-    # GQA 2, with and without the unmasked middle blocks (split or fused loop); holes inside the walk of a full head (poisoned with
-    # NaN, in an unmasked middle block) and recycled pages below a window.
+    # GQA 2, with and without the unmasked middle blocks (split or fused loop), both grid orders; holes inside
+    # the walk of a full head (poisoned with NaN, in an unmasked middle block), recycled pages below a window.
     args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=8, ctx=[61, 24, 90, 9, 0], new=[21, 24, 3, 1, 0],
                       window=[0, 13], sinks=[0, 5])
     q, k, v, table, ctx = args
@@ -121,9 +121,9 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
     args = (q, k, v, jnp.asarray(table), ctx)
     ref = _ref(args, kw)
     assert np.isfinite(np.asarray(ref)).all()
-    for fast_path, fused_loop in ((True, False), (True, True), (False, False)):
+    for fast_path, fused_loop, heads_outer in ((True, False, False), (True, True, True), (False, False, False)):
         out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
-                                          fast_path=fast_path, fused_loop=fused_loop)
+                                          fast_path=fast_path, fused_loop=fused_loop, heads_outer=heads_outer)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     if kv_load == "page":  # page ids one step ahead / from a register chunk (2 pages per chunk: many chunks)
         for page_ids, chunk in (("carry", None), ("chunk", 2), ("chunk", None)):
@@ -132,6 +132,23 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
             np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="kv_load"):
         paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="tma")
+
+
+def test_prefill_interpret_padding_tokens_written_as_zero(rng):
+    # tokens before cu_seqlens[0] and after cu_seqlens[-1] belong to no row: the prefill kernel itself writes
+    # their zeros (no select afterwards), even when their queries are NaN
+    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=8, ctx=[29, 12], new=[11, 12], window=[0], sinks=[0],
+                      extra_tokens=0)
+    q, k, v, table, ctx = args
+    pad_front, pad_back = 3, 21
+    nan = jnp.full((pad_front, 2, 16), jnp.nan, q.dtype)
+    q = jnp.concatenate([nan, q, jnp.full((pad_back, 2, 16), jnp.nan, q.dtype)])
+    kw = dict(kw, cu_seqlens=kw["cu_seqlens"] + pad_front)
+    args = (q, k, v, table, ctx)
+    out = np.asarray(paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16))
+    ref = np.asarray(_ref(args, kw))
+    assert np.all(out[:pad_front] == 0) and np.all(out[-pad_back:] == 0)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_empty_splits_and_single_token_never_nan(rng):
@@ -245,7 +262,8 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
     if kv_load == "page":  # page ids one step ahead / from registers; one or two pages per key block
         variants = variants[:1] + [dict(block_k=64, page_ids="chunk"), dict(block_k=64, page_ids="carry")]
         if page_size == 64:
-            variants += [dict(block_k=128, page_ids="chunk", num_warps=8), dict(block_k=64, fused_loop=True)]
+            variants += [dict(block_k=128, page_ids="chunk", num_warps=8), dict(block_k=64, fused_loop=True),
+                         dict(block_k=128, page_ids="carry", num_warps=8, heads_outer=True)]
     for cfg in variants:
         out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
         assert _rel_err(out, ref) <= 2e-2, cfg

@@ -1,13 +1,19 @@
 """Head-wise paged attention, prefill / extend path: ragged flash attention over single-head pages (Pallas Triton).
 
 The query tokens of a step are cut into *tiles*: consecutive tokens of one row, ``block_q`` tokens at most
-(the tile map is built on device, with a static upper bound ``ceil(T / block_q) + B`` on the tile count, so
-nothing is synchronised with the host). One program per (tile, KV head) holds the tile's tokens for every
+(the tile map is built on device, with a static upper bound ``ceil(T / block_q) + B + 2`` on the tile count, so
+nothing is synchronised with the host; tiles of the padding before and after the rows attend to nothing and
+write zeros). One program per (tile, KV head) holds the tile's tokens for every
 query head of the GQA group (``block_q * G`` rows), and walks the virtual page list of
 :mod:`kvjax.pallas.paged_common` for the tile's position span and *its* KV head — sink pages plus the window
 pages — with the causal / window / sink mask per (row, key). Cached prefix and new tokens are the same pages
 (the new K/V are written to the cache before the call). ``-1`` entries are masked at the load, never read.
 Rows with one token (decode rows of a mixed batch) are tiles of one token.
+
+K/V come either one page at a time (``kv_load="page"``: a contiguous ``[page_size, D]`` load at a scalar page
+id, one QK^T sub-product per page) or as a gathered key block (``"gather"``: per-key row offsets). The key
+loop skips the per-element mask on blocks every row of the tile sees fully (split loops, or one loop that picks
+the mask per block); the softmax scale is applied after the row max, so each score costs one FMA before exp2.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ def _online_update(carry, scores, values, biases, qk_scale: float):
     """One online-softmax step over key sub-blocks (same rows, one running max for all of them).
 
     ``scores``: raw ``q . k`` f32[rows, n_i] with masked keys at -inf; ``biases``: f32[rows] 0 / -inf per
-    sub-block (-inf: a hole page) or None. The scale is applied after the row max (one FMA per score), softmax in base 2.
+    sub-block (-inf: a hole page) or None. The scale is applied after the row max (one FMA per score), softmax
+    in base 2.
     """
     acc, m, l = carry
     blk = None
@@ -78,9 +85,11 @@ def _prefill_kernel(
     kv_load: str,
     page_ids: str,
     chunk: int,
+    heads_outer: bool,
 ):
-    h = pl.program_id(0)
-    tile = pl.num_programs(1) - 1 - pl.program_id(1)  # last (longest-walk) tiles of every head launch first
+    ax_h, ax_t = (1, 0) if heads_outer else (0, 1)
+    h = pl.program_id(ax_h)
+    tile = pl.num_programs(ax_t) - 1 - pl.program_id(ax_t)  # the last (longest-walk) tiles launch first
     th = tile * num_kv_heads + h
     b = tile_row_ref[tile]
     tok0 = tile_tok_ref[tile]
@@ -245,27 +254,36 @@ _DEFAULTS = {
 
 
 def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
-    """Tiles of <= block_q consecutive tokens of one row: (row, first token, length, first position)[NT]."""
+    """Tiles of <= block_q consecutive tokens of one span, covering all ``num_tokens`` tokens.
+
+    The spans are ``[0, cu[0])``, the rows ``[cu[b], cu[b+1])`` and ``[cu[B], T)``: tiles of the two padding spans
+    attend to nothing, so the kernel writes their tokens' zeros itself (no select over the output afterwards).
+    Returns (row, first token, length, first position, attends)[NT].
+    """
     num_rows = seq_lens.shape[0]
-    num_tiles = pl.cdiv(num_tokens, block_q) + num_rows
-    n_new = jnp.clip(cu_seqlens[1:] - cu_seqlens[:-1], 0, None)  # i32[B]
-    tiles = (n_new + block_q - 1) // block_q
+    bounds = jnp.clip(jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_seqlens.astype(jnp.int32),
+                                       jnp.full((1,), num_tokens, jnp.int32)]), 0, num_tokens)  # i32[B+3]
+    n_span = jnp.maximum(bounds[1:] - bounds[:-1], 0)  # i32[B+2]
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_rows + 2
+    tiles = (n_span + block_q - 1) // block_q
     ends = jnp.cumsum(tiles)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    row = paged_common.count_le(ends, tile)  # first row whose tiles end after `tile`
-    live = row < num_rows
-    row = jnp.minimum(row, num_rows - 1)
-    local = tile - (ends[row] - tiles[row])
-    tok0 = cu_seqlens[row] + local * block_q
-    length = jnp.where(live, jnp.clip(n_new[row] - local * block_q, 0, block_q), 0)
-    pos0 = seq_lens[row] - n_new[row] + local * block_q
-    return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32)
+    span = paged_common.count_le(ends, tile)  # first span whose tiles end after `tile`
+    live = span < num_rows + 2
+    span = jnp.minimum(span, num_rows + 1)
+    attends = live & (span >= 1) & (span <= num_rows)
+    row = jnp.clip(span - 1, 0, num_rows - 1)
+    local = tile - (ends[span] - tiles[span])
+    tok0 = bounds[span] + local * block_q
+    length = jnp.where(live, jnp.clip(n_span[span] - local * block_q, 0, block_q), 0)
+    pos0 = seq_lens[row] - n_span[span] + local * block_q
+    return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32), attends
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path", "kv_load",
-                     "fused_loop", "page_ids", "page_chunk"),
+                     "fused_loop", "page_ids", "page_chunk", "heads_outer"),
 )
 def paged_prefill(
     q: jax.Array,  # [T, Hq, D]
@@ -288,6 +306,7 @@ def paged_prefill(
     fused_loop: bool | None = None,
     page_ids: str = "load",
     page_chunk: int | None = None,
+    heads_outer: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
@@ -296,10 +315,13 @@ def paged_prefill(
     every key block (kept to measure what the unmasked middle blocks save). ``kv_load``: ``"page"`` loads
     each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
     a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
-    Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``). ``fused_loop``: one key loop that picks the mask per block at run time instead of separate loops for the
-    masked and unmasked blocks. ``page_ids`` (``kv_load="page"``; implies one loop): ``"load"`` reads each
-    page id in the step that uses it, ``"carry"`` one step ahead, ``"chunk"`` a chunk of the walk's ids at once
-    into registers (``page_chunk`` pages, a power of two; default ``min(256, max_blocks)`` rounded up).
+    Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``). ``fused_loop``: one key loop
+    that picks the mask per block at run time instead of separate loops for the masked and unmasked blocks.
+    ``page_ids`` (``kv_load="page"``; implies one loop): ``"load"`` reads each page id in the step that uses
+    it, ``"carry"`` one step ahead, ``"chunk"`` a chunk of the walk's ids at once into registers
+    (``page_chunk`` pages, a power of two; default ``min(256, max_blocks)`` rounded up).
+    ``heads_outer``: launch all tiles of a KV head together (grid ``(tiles, Hkv)``, fewer heads' K/V live in L2
+    at once) instead of every head of a tile together (grid ``(Hkv, tiles)``, the default).
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -330,20 +352,20 @@ def paged_prefill(
     if chunk & (chunk - 1):
         raise ValueError(f"page_chunk must be a power of two, got {page_chunk}")
     tokens_per_tile = rows // group
-    t_row, t_tok, t_len, t_pos = _tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
+    t_row, t_tok, t_len, t_pos, t_attends = _tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
     lo, n_sink, n_pages = paged_common.page_ranges(
-        t_pos, t_pos + t_len - 1, t_len > 0, window, sinks, page_size=page_size, max_blocks=max_blocks
+        t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), window, sinks, page_size=page_size, max_blocks=max_blocks
     )
     kernel = functools.partial(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, kv_load=kv_load,
         loop="masked" if not fast_path else ("fused" if fused_loop else "split"), page_ids=page_ids,
-        chunk=chunk,
+        chunk=chunk, heads_outer=heads_outer,
     )
     o = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
-        grid=(hkv, t_row.shape[0]),
+        grid=(t_row.shape[0], hkv) if heads_outer else (hkv, t_row.shape[0]),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_prefill_{kv_load}_bq{rows}_bk{block_k}",
@@ -355,5 +377,4 @@ def paged_prefill(
         t_row, t_tok, t_len, t_pos,
         lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
     )
-    _, _, real = paged_common.token_positions(cu_seqlens, seq_lens, t_total)
-    return jnp.where(real[:, None, None], o.reshape(t_total, hq, d), 0).astype(q.dtype)
+    return o.reshape(t_total, hq, d)  # every token is written: padding tokens and negative positions as 0
