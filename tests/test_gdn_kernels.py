@@ -70,8 +70,27 @@ def test_chunk_kernel_interpret_varlen(rng):
                         interpret=True)
 
 
-def test_chunk_split_kernels_xla_prep_interpret(rng, prep="solve"):
-    """The split form (state pass + parallel output pass) with the XLA preparation stages, bf16, leading
+@pytest.mark.parametrize("form", ["fused", "split"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_chunk_forms_pallas_prep_interpret(rng, form, prefetch):
+    """Every form of the chunked kernels with the Pallas preparation kernel, with and without the register
+    prefetch of the next chunk, f32 (tight tolerance), chunks shared by sequences, a row without initial state."""
+    from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
+
+    lens = [70, 1, 0, 60]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 2, 16, 16, jnp.float32, pad_tokens=3)
+    flags = jnp.asarray([3, 2, 3, 3], jnp.int32)
+    o, pool = chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
+        flags=flags, scale=0.25, use_qk_l2norm=True, form=form, block_v=16, out_block_v=16, prefetch=prefetch,
+        interpret=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0.at[1].set(0),
+                                                      scale=0.25, use_qk_l2norm=True)
+    assert rel_err(o, ro) <= TOL[jnp.float32] and rel_err(pool, rf) <= TOL[jnp.float32]
+
+
+def test_chunk_split_kernels_xla_prep_interpret(rng, form="split", prep="solve"):
+    """The two-pass forms (state pass + parallel output pass) with the XLA preparation stages, bf16, leading
     padding tokens (cu_seqlens[0] > 0), a padding row and no initial state for one row."""
     from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
 
@@ -81,7 +100,7 @@ def test_chunk_split_kernels_xla_prep_interpret(rng, prep="solve"):
     flags = jnp.asarray([3, 3, 2, 0], jnp.int32)  # row 2: no initial state; row 3: padding (not live)
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
-        flags=flags, scale=0.25, use_qk_l2norm=True, prep=prep, split=True, block_v=16, out_block_v=16,
+        flags=flags, scale=0.25, use_qk_l2norm=True, prep=prep, form=form, block_v=16, out_block_v=16,
         interpret=True)
     init = s0.at[2].set(0.0)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
@@ -311,9 +330,9 @@ def test_kernels_gpu_varlen(rng, kind, dtype, l2):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("form", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_chunk_split_gpu(rng, split, dtype):
+def test_chunk_split_gpu(rng, form, dtype):
     from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, dtype, pad_tokens=70)
@@ -322,7 +341,7 @@ def test_chunk_split_gpu(rng, split, dtype):
     flags = jnp.asarray(np.where(np.arange(n) % 3 == 1, 2, 3), jnp.int32)  # every third row: zeros
     o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
-                                       use_qk_l2norm=True, split=split)
+                                       use_qk_l2norm=True, form=form)
     init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
                                                       scale=0.1, use_qk_l2norm=True)
