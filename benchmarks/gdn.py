@@ -337,10 +337,10 @@ def bench_prefill(quick: bool):
     out = []
     scale = KD ** -0.5
     # (name, prep_num_warps, form, block_v (None: the op's default), num_warps of the sequential kernel, prefetch)
-    variants = [("auto", 4, "auto", None, 4, None), ("fused", 4, "fused", None, 4, False),
+    variants = [("default", 4, "fused", None, 4, None),
                 ("split", 4, "split", None, 4, True), ("split-noprefetch", 4, "split", None, 4, False),
                 ("fused-prefetch", 4, "fused", None, 4, True), ("split-bv32", 4, "split", 32, 4, True),
-                ] if not quick else [("auto", 4, "auto", None, 4, None)]
+                ] if not quick else [("default", 4, "fused", None, 4, None)]
     for b, t, h in PREFILL_SHAPES:
         tt = b * t
         q, k, v, g, beta = _gdn_inputs(jax.random.key(t + h), tt, h, h, jnp.bfloat16)
@@ -359,8 +359,6 @@ def bench_prefill(quick: bool):
                                           flags=flags, scale=scale, use_qk_l2norm=True, prep_num_warps=pnw,
                                           form=form, block_v=bv, num_warps=nw, prefetch=pf))
             o, fin = f(q, k, v, g, beta, jnp.array(s0, copy=True))
-            if form == "auto":
-                form = "fused" if b * h * (VD // default_bv) >= gdn_chunk.MANY_PROGRAMS else gdn_chunk.FEW_PROGRAMS_FORM
             r = dict(name=name, prep_num_warps=pnw, form=form, block_v=bv or default_bv, num_warps=nw,
                      prefetch=(form == "split") if pf is None else pf, err_o=_rel(o, ro), err_state=_rel(fin, rf),
                      ms_rounds=[])

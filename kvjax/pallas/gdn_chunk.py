@@ -40,8 +40,7 @@ from kvjax.pallas.gdn_chunk_split import _chunk_call_split, _chunk_decay, _row_r
 from kvjax.pallas.gdn_recurrent import _check_pow2, state_as_pool
 
 CHUNK = 64
-MANY_PROGRAMS = 256  # programs of the sequential kernel from which the fused form is used
-FEW_PROGRAMS_FORM = "split"
+MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
 
 
 def _chunk_kernel(
@@ -156,7 +155,7 @@ def chunk_gated_delta_rule_pool(
     prep: str = "pallas",
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
-    form: str = "auto",
+    form: str = "fused",
     out_block_v: int = 64,
     prefetch: bool | None = None,
     interpret: bool = False,
@@ -167,9 +166,9 @@ def chunk_gated_delta_rule_pool(
     measured faster than ``"tf32"`` on an H200 with the same output error, see benchmarks/RESULTS.md); float32
     inputs always use full f32.
 
-    ``form``: ``"fused"`` (one sequential kernel computing states and outputs), ``"split"`` (the two-pass form
-    of :mod:`kvjax.pallas.gdn_chunk_split`), or ``"auto"``: ``"fused"`` when the sequential kernel has at
-    least ``MANY_PROGRAMS`` programs, else ``FEW_PROGRAMS_FORM`` (measured on an H200, benchmarks/RESULTS.md).
+    ``form``: ``"fused"`` (one sequential kernel computing states and outputs; the default, fastest or tied
+    at both benchmark shapes on an H200, benchmarks/RESULTS.md) or ``"split"`` (the two-pass form of
+    :mod:`kvjax.pallas.gdn_chunk_split`, fla's structure).
 
     ``prefetch``: the sequential kernel loads chunk ``c + 1``'s operands before updating the state with chunk
     ``c`` (carried in registers) instead of at the start of each step; ``None`` = on for the split form (its
@@ -186,10 +185,8 @@ def chunk_gated_delta_rule_pool(
         block_v = next((b for b in (64, 32) if rows.shape[0] * hv * (vd // b) >= MANY_PROGRAMS), 16)
     block_v = min(block_v, vd)
     _check_pow2("block_v", block_v)
-    if form == "auto":
-        form = "fused" if rows.shape[0] * hv * (vd // block_v) >= MANY_PROGRAMS else FEW_PROGRAMS_FORM
     if form not in ("fused", "split"):
-        raise ValueError(f"form must be 'auto', 'fused' or 'split', got {form!r}")
+        raise ValueError(f"form must be 'fused' or 'split', got {form!r}")
     if prefetch is None:
         prefetch = form == "split"
     if inverse_dtype not in ("tf32", "bf16"):

@@ -333,10 +333,10 @@ def recurrent_gated_delta_rule_slots(
     scale: float,
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
-    num_warps: int = 2,
+    num_warps: int = 4,
     one_pass: bool = True,
     heads_per_program: int = 1,
-    v_major: bool = False,
+    v_major: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode step straight on the GDN pool: row ``b`` continues the state at ``ssm[layer, slot_ids[b]]``.
@@ -344,7 +344,9 @@ def recurrent_gated_delta_rule_slots(
     No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
     Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Tuning:
     ``heads_per_program`` heads per program, the next head's state tile loaded before the current one is
-    updated; ``v_major`` launches the value blocks of a head next to each other (grid order).
+    updated (slower on an H200); ``v_major`` launches the value blocks of a head next to each other (grid
+    order; 3-5% faster on an H200 than rows first). Defaults: the fastest configuration measured
+    (benchmarks/RESULTS.md).
     """
     if heads_per_program < 1 or v.shape[1] % heads_per_program:
         raise ValueError(f"heads_per_program={heads_per_program} must divide Hv={v.shape[1]}")
