@@ -7,7 +7,7 @@ Sections (all jit-compiled, bf16, medians of timed batches after warm-up; KV poo
    ``[Hkv, P, page, D]`` + one table per sequence, built as the same data as ours) vs kvjax configs.
 3. head-wise SWA decode, B=32, L=8192, heads 0-3 full, 4-7 window 512 + 4 sinks: time vs the bytes-needed
    prediction at the all-full bandwidth, and vs every head walking the whole row.
-4. prefill, one causal sequence T=4096, H=32, D=128: kvjax paged prefill variants (pages 64 and 16) vs
+4. prefill, one causal sequence T=4096, H=32, D=128: kvjax paged prefill variants (pages 64, 128, 16) vs
    ``jax.nn.dot_product_attention`` (cuDNN, XLA), JAX's Pallas Triton ``mha`` on the contiguous problem and,
    when an untracked copy of it is placed at ``benchmarks/_prefill_baseline.py``, a previous kvjax kernel.
 
@@ -39,7 +39,7 @@ from kvjax.pallas import paged_prefill  # noqa: E402
 
 SIZES = dict(decode=(64, 4096, 32, 8, 128, 16), swa=(32, 8192, 32, 8, 128, 16), window=512, prefill=(4096, 32, 128),
              interpret=False, copy_elems=1 << 29)
-SMALL = dict(decode=(4, 64, 4, 2, 32, 16), swa=(2, 128, 4, 2, 32, 16), window=32, prefill=(64, 2, 32), interpret=True,
+SMALL = dict(decode=(4, 64, 4, 2, 32, 16), swa=(2, 128, 4, 2, 32, 16), window=32, prefill=(128, 2, 32), interpret=True,
              copy_elems=1 << 16)
 
 _TORCH_COPY = r"""
@@ -272,20 +272,24 @@ def prefill_fn(scale, zeros, **cfg):
 
 
 def _prefill_configs(ps: int, quick: bool) -> list[dict]:
-    """kvjax prefill variants timed at one page size (kv_load, block_q, block_k, warps, stages)."""
-    def cfg(kv_load, bq, bk, nw, st, fused=False, ids=None):
+    """kvjax prefill variants timed at one page size (kv_load, block_q, block_k, warps, stages, page_join)."""
+    def cfg(kv_load, bq, bk, nw, st, fused=False, ids=None, join=None, **extra):
         return dict(kv_load=kv_load, block_q=bq, block_k=bk, num_warps=nw, num_stages=st,
-                    **(dict(fused_loop=True) if fused else {}), **(dict(page_ids=ids) if ids else {}))
+                    **(dict(fused_loop=True) if fused else {}), **(dict(page_ids=ids) if ids else {}),
+                    **(dict(page_join=join) if join else {}), **extra)
 
-    if ps == 64:  # defaults first (kv_load="page", fused loop, block_k 64, 4 warps, 3 stages)
-        carry8 = cfg("page", 128, 128, 8, 3, ids="carry")
-        configs = [dict(), dict(heads_outer=True), carry8, dict(carry8, heads_outer=True),
-                   cfg("page", 64, 64, 4, 3, ids="chunk"), cfg("page", 128, 64, 8, 3, ids="chunk"),
-                   cfg("gather", 128, 64, 4, 3, fused=True),
-                   cfg("page", 128, 128, 8, 2, ids="chunk"), cfg("page", 128, 64, 4, 2, ids="chunk")]
-    else:  # defaults first (kv_load="gather", split loops, block_k 128, 8 warps, 3 stages)
-        configs = [dict(), dict(heads_outer=True), cfg("gather", 128, 64, 4, 3, fused=True),
-                   cfg("gather", 128, 64, 4, 3), cfg("page", 128, 64, 8, 3, ids="chunk")]
+    if ps == 64:  # defaults first; then 128-key blocks as one operand (2 pages joined / per-key rows)
+        configs = [dict(), dict(heads_outer=True),
+                   cfg("page", 128, 128, 8, 3, fused=True, join="stack"),
+                   cfg("page", 128, 128, 8, 2, fused=True, join="stack"),
+                   cfg("page", 128, 128, 8, 3, fused=True, join="rows"),
+                   cfg("page", 128, 128, 8, 3, ids="carry")]
+    elif ps == 128:  # one contiguous [128, D] page load per step, block_k = page_size (defaults: 4 warps, 3 stages)
+        configs = [dict(), cfg("page", 128, 128, 8, 3, fused=True), cfg("page", 128, 128, 8, 2, fused=True),
+                   cfg("page", 128, 128, 4, 2, fused=True),
+                   cfg("page", 128, 128, 8, 3, fused=True, heads_outer=True), cfg("page", 128, 128, 8, 3, ids="carry")]
+    else:  # defaults (kv_load="gather", split loops, block_k 128, 8 warps, 3 stages)
+        configs = [dict()]
     return configs[:2] if quick else configs
 
 
@@ -339,7 +343,9 @@ def prefill_section(quick, results, budget_s: float = 1e9, ptxas_diag: bool = Fa
               f"err {err:.2e} {row.get('kernel', '')}", flush=True)
 
     best = None
-    for ps in ((16,) if quick else (64, 16)):
+    for ps in ((16,) if quick else (64, 128, 16)):
+        if t_len % ps:  # (--small shapes)
+            continue
         n_blocks = t_len // ps
         perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * n_blocks).astype(jnp.int32)
         bt = perm.reshape(1, h, n_blocks)

@@ -3,7 +3,8 @@
 Inputs are built so that a kernel that reads anything it must not read fails: pages a SWA head can no longer
 attend are either holes (-1) or still in the table but filled with NaN, the unwritten tail of every last page
 and every unused page are NaN. CPU runs use interpret mode on small shapes; the ``gpu`` grid covers random
-page permutations, holes, windows straddling page edges, sinks, GQA 1/4/8, page sizes 16/64, lengths 1..8k.
+page permutations, holes, windows straddling page edges, sinks, GQA 1/4/8, page sizes 16/64 (and 128 for the
+prefill load paths), lengths 1..8k.
 """
 
 from __future__ import annotations
@@ -130,8 +131,26 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
             out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
                                               page_ids=page_ids, page_chunk=chunk)
             np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+        # a block's 2 / 4 pages as one operand: joined page loads or one load at per-key rows
+        for page_join, block_k, fused_loop in (("stack", 16, False), ("stack", 32, True), ("rows", 16, True)):
+            out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=block_k,
+                                              kv_load=kv_load, page_join=page_join, fused_loop=fused_loop)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="kv_load"):
         paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="tma")
+    with pytest.raises(ValueError, match="page_join"):
+        paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="gather", page_join="stack")
+
+
+def test_prefill_interpret_page_128(rng):
+    # 128-token pages, block_k = page_size (one contiguous [128, D] load per step), a window straddling pages
+    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=128, ctx=[300, 140], new=[45, 140], window=[150],
+                      sinks=[4])
+    ref = _ref(args, kw)
+    for fused_loop in (False, True):
+        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=64, fused_loop=fused_loop)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    assert float(jnp.abs(out[-2:]).max()) == 0.0
 
 
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):
@@ -242,7 +261,7 @@ def test_gpu_public_op_auto_is_the_kernel(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("kv_load", ["page", "gather"])
 def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
     # both K/V load paths at one and several pages per key block, GQA 4, holes inside a full head's walk
@@ -263,7 +282,11 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
         variants = variants[:1] + [dict(block_k=64, page_ids="chunk"), dict(block_k=64, page_ids="carry")]
         if page_size == 64:
             variants += [dict(block_k=128, page_ids="chunk", num_warps=8), dict(block_k=64, fused_loop=True),
-                         dict(block_k=128, page_ids="carry", num_warps=8, heads_outer=True)]
+                         dict(block_k=128, page_ids="carry", num_warps=8, heads_outer=True),
+                         dict(block_k=128, page_join="stack", num_warps=8, fused_loop=True),
+                         dict(block_k=128, page_join="rows", num_warps=8, num_stages=2)]
+        if page_size == 128:  # block_k = page_size: one contiguous [128, D] load per step
+            variants += [dict(num_warps=8, fused_loop=True), dict(num_warps=8, num_stages=2, heads_outer=True)]
     for cfg in variants:
         out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
         assert _rel_err(out, ref) <= 2e-2, cfg
