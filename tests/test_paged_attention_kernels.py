@@ -127,7 +127,7 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
                                           fast_path=fast_path, fused_loop=fused_loop, heads_outer=heads_outer)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     if kv_load == "page":  # page ids one step ahead / from a register chunk (2 pages per chunk: many chunks)
-        for page_ids, chunk in (("carry", None), ("chunk", 2), ("chunk", None)):
+        for page_ids, chunk in (("carry", None), ("carry2", None), ("chunk", 2), ("chunk", None)):
             out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
                                               page_ids=page_ids, page_chunk=chunk)
             np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
@@ -147,8 +147,8 @@ def test_prefill_interpret_page_128(rng):
     args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=128, ctx=[300, 140], new=[45, 140], window=[150],
                       sinks=[4])
     ref = _ref(args, kw)
-    for fused_loop in (False, True):
-        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=64, fused_loop=fused_loop)
+    for cfg in (dict(), dict(page_ids="load", fused_loop=False), dict(page_ids="carry2")):  # default: ids ahead
+        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=64, **cfg)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0
 
@@ -284,9 +284,11 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
             variants += [dict(block_k=128, page_ids="chunk", num_warps=8), dict(block_k=64, fused_loop=True),
                          dict(block_k=128, page_ids="carry", num_warps=8, heads_outer=True),
                          dict(block_k=128, page_join="stack", num_warps=8, fused_loop=True),
-                         dict(block_k=128, page_join="rows", num_warps=8, num_stages=2)]
+                         dict(block_k=128, page_join="rows", num_warps=8, num_stages=2),
+                         dict(block_k=128, page_ids="carry2", num_warps=8)]
         if page_size == 128:  # block_k = page_size: one contiguous [128, D] load per step
-            variants += [dict(num_warps=8, fused_loop=True), dict(num_warps=8, num_stages=2, heads_outer=True)]
+            variants += [dict(), dict(page_ids="load", num_warps=8, fused_loop=False),
+                         dict(page_ids="carry2", num_stages=2, heads_outer=True)]
     for cfg in variants:
         out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
         assert _rel_err(out, ref) <= 2e-2, cfg

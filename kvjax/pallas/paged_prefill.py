@@ -225,10 +225,12 @@ def _prefill_kernel(
         pages = [load_page_id(c * pages_per_block + i, mode) for i in range(pages_per_block)]
         return block(c, carry, mode, pages)
 
-    def page_step_carry(c, carry, mode: str):  # page ids loaded one step ahead, passed in the loop carry
-        *carry, pages = carry
-        nxt = tuple(load_page_id((c + 1) * pages_per_block + i, "masked") for i in range(pages_per_block))
-        return (*block(c, tuple(carry), mode, pages), nxt)
+    ahead = 2 if page_ids == "carry2" else 1
+
+    def page_step_carry(c, carry, mode: str):  # page ids loaded `ahead` steps early, passed in the loop carry
+        pages, queue = carry[3], carry[4:]  # ids of step c; of steps c+1 .. c+ahead-1
+        nxt = tuple(load_page_id((c + ahead) * pages_per_block + i, "masked") for i in range(pages_per_block))
+        return (*block(c, carry[:3], mode, pages), *queue, nxt)
 
     def gather_step(c, carry, mode: str):
         # per-key row offsets from a vector load of the block table (one load of block_k keys)
@@ -252,9 +254,10 @@ def _prefill_kernel(
     head_dim = q.shape[-1]
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    if page_ids == "carry":
-        first = tuple(load_page_id(i, "masked") for i in range(pages_per_block))
-        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(page_step_carry, mode=loop), (*carry, first))[:3]
+    if page_ids in ("carry", "carry2"):  # carry: (acc, m, l, ids of step c, ..., ids of step c + ahead - 1)
+        first = [tuple(load_page_id(a * pages_per_block + i, "masked") for i in range(pages_per_block))
+                 for a in range(ahead)]
+        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(page_step_carry, mode=loop), (*carry, *first))[:3]
     elif page_ids == "chunk":
         # the walk's page ids, `chunk` pages at a time, read once into registers; each step picks its ids with
         # a masked sum, so no K/V address in the pipelined inner loop depends on a load of the same loop
@@ -289,9 +292,13 @@ def _prefill_kernel(
 # Defaults per K/V load path, the fastest measured on an H200 at T=4096, H=32, D=128 (benchmarks/RESULTS.md).
 _PAGE_MODE_MIN_PAGE = 64  # "page" loads were slower than "gather" at page 16 (16-key sub-products)
 _DEFAULTS = {
-    "page": dict(block_k=64, num_warps=4, num_stages=3, fused_loop=True),
-    "gather": dict(block_k=128, num_warps=8, num_stages=3, fused_loop=False),
+    "page": dict(block_k=64, num_warps=4, num_stages=3, fused_loop=True, page_ids="load"),
+    "gather": dict(block_k=128, num_warps=8, num_stages=3, fused_loop=False, page_ids="load"),
 }
+# pages of >= 128 tokens (measured at 128; block_k = page_size): 8 warps, page ids one step ahead. With 4 warps or
+# ids loaded in the step that uses them a [128, D] page per step was 2.3x / 1.17x slower.
+_LARGE_PAGE = 128
+_DEFAULTS_LARGE_PAGE = dict(block_k=128, num_warps=8, num_stages=3, fused_loop=True, page_ids="carry")
 
 
 def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
@@ -345,7 +352,7 @@ def paged_prefill(
     fast_path: bool = True,
     kv_load: str = "auto",
     fused_loop: bool | None = None,
-    page_ids: str = "load",
+    page_ids: str | None = None,
     page_chunk: int | None = None,
     page_join: str = "none",
     heads_outer: bool = False,
@@ -357,11 +364,13 @@ def paged_prefill(
     every key block (kept to measure what the unmasked middle blocks save). ``kv_load``: ``"page"`` loads
     each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
     a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
-    Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``). ``fused_loop``: one key loop
-    that picks the mask per block at run time instead of separate loops for the masked and unmasked blocks.
-    ``page_ids`` (``kv_load="page"``; implies one loop): ``"load"`` reads each page id in the step that uses
-    it, ``"carry"`` one step ahead, ``"chunk"`` a chunk of the walk's ids at once into registers
-    (``page_chunk`` pages, a power of two; default ``min(256, max_blocks)`` rounded up).
+    Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``; ``"page"`` with pages of
+    >= 128 tokens: ``_DEFAULTS_LARGE_PAGE``). ``fused_loop``: one key loop that picks the mask per block at
+    run time instead of separate loops for the masked and unmasked blocks. ``page_ids`` (``kv_load="page"``;
+    any but ``"load"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in
+    the step that uses it, ``"carry"`` one step ahead (``"carry2"``: two steps), ``"chunk"`` a chunk of the
+    walk's ids at once into registers (``page_chunk`` pages, a power of two; default ``min(256, max_blocks)``
+    rounded up).
     ``page_join`` (``kv_load="page"``, block_k > page_size): ``"none"`` runs one QK^T / PV sub-product per page,
     ``"stack"`` joins the block's page loads into one ``[block_k, D]`` operand, ``"rows"`` loads the block at once
     at per-key rows of the pages' scalar ids; both run one product per step.
@@ -376,7 +385,8 @@ def paged_prefill(
         kv_load = "page" if page_size >= _PAGE_MODE_MIN_PAGE else "gather"
     if kv_load not in _DEFAULTS:
         raise ValueError(f"kv_load must be 'auto', 'page' or 'gather', got {kv_load!r}")
-    tuned = _DEFAULTS[kv_load]
+    tuned = _DEFAULTS_LARGE_PAGE if kv_load == "page" and page_size >= _LARGE_PAGE else _DEFAULTS[kv_load]
+    page_ids = page_ids or tuned["page_ids"]
     block_k = max(block_k or tuned["block_k"], page_size)
     num_warps = num_warps or tuned["num_warps"]
     num_stages = num_stages or tuned["num_stages"]
@@ -387,8 +397,8 @@ def paged_prefill(
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
     if d < 16:
         raise ValueError(f"pallas paged_prefill needs head_dim >= 16, got {d}")
-    if page_ids not in ("load", "carry", "chunk"):
-        raise ValueError(f"page_ids must be 'load', 'carry' or 'chunk', got {page_ids!r}")
+    if page_ids not in ("load", "carry", "carry2", "chunk"):
+        raise ValueError(f"page_ids must be 'load', 'carry', 'carry2' or 'chunk', got {page_ids!r}")
     if page_ids != "load" and kv_load != "page":
         raise ValueError(f"page_ids={page_ids!r} needs kv_load='page', got {kv_load!r}")
     if page_ids != "load":
