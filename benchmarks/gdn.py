@@ -204,10 +204,9 @@ def bench_decode(quick: bool):
 
     out = []
     rng = np.random.default_rng(0)
-    # (block_v, num_warps, num_stages, persistent programs per SM (0: one program per tile), v_major)
-    configs = [(64, 4, 1, 0, True), (64, 4, 1, 0, False), (64, 4, 2, 4, True), (64, 4, 3, 4, True),
-               (64, 4, 2, 8, True), (64, 8, 2, 2, True)] if not quick else [(64, 4, 1, 0, True)]
-    num_sms = getattr(jax.devices()[0], "core_count", 132)
+    # (block_v, num_warps, one_pass, v_major)
+    configs = [(64, 4, True, True), (64, 8, True, True), (64, 4, False, True), (64, 4, True, False)] if not quick \
+        else [(64, 4, True, True)]
     scale = KD ** -0.5
     for b, h in DECODE_SHAPES:
         num_slots = b + 8
@@ -242,13 +241,12 @@ def bench_decode(quick: bool):
 
             rows[name], runners[name] = r, run
 
-        for bv, nw, ns, per_sm, vmaj in configs:
-            progs = per_sm * num_sms
-            step = jax.jit(lambda ssm, bv=bv, nw=nw, ns=ns, progs=progs, vmaj=vmaj: recurrent_gated_delta_rule_slots(
+        for bv, nw, op, vmaj in configs:
+            step = jax.jit(lambda ssm, bv=bv, nw=nw, op=op, vmaj=vmaj: recurrent_gated_delta_rule_slots(
                 q, k, v, g, beta, ssm, slot_ids=slots, layer=0, scale=scale, use_qk_l2norm=True, block_v=bv,
-                num_warps=nw, num_stages=ns, programs=progs, v_major=vmaj), donate_argnums=0)
-            name = f"slots-bv{bv}-w{nw}-s{ns}-{f'persistent{progs}' if progs else 'tiles'}{'-vmajor' if vmaj else ''}"
-            prepare(step, name, block_v=bv, num_warps=nw, num_stages=ns, programs=progs, v_major=vmaj)
+                num_warps=nw, one_pass=op, v_major=vmaj), donate_argnums=0)
+            name = f"slots-bv{bv}-w{nw}-{'one' if op else 'two'}pass{'-vmajor' if vmaj else ''}"
+            prepare(step, name, block_v=bv, num_warps=nw, one_pass=op, v_major=vmaj)
         # interleaved rounds: configurations timed round-robin so that drifts hit all of them alike
         samples = {name: [] for name in runners}
         for _ in range(9):
@@ -269,7 +267,7 @@ def bench_decode(quick: bool):
         general = jax.jit(lambda ssm: gdn_state._pool_kernel(
             recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=0, slot_ids=slots, has_initial_state=None,
             cu_seqlens=None, scale=scale, use_qk_l2norm=True, interpret=False, one_token_per_row=True,
-            block_v=best["block_v"], num_warps=best["num_warps"]), donate_argnums=0)
+            block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"]), donate_argnums=0)
         prepare(general, "rows-flags (XLA row/flag prologue)")
         rflags = rows["rows-flags (XLA row/flag prologue)"]
         rflags["ms"] = _time(runners["rows-flags (XLA row/flag prologue)"], n=50)
@@ -280,8 +278,8 @@ def bench_decode(quick: bool):
                                         impl="reference")
         step = jax.jit(lambda ssm: recurrent_gated_delta_rule_slots(
             q, k, v, g, beta, ssm, slot_ids=half, layer=0, scale=scale, use_qk_l2norm=True,
-            block_v=best["block_v"], num_warps=best["num_warps"], num_stages=best["num_stages"],
-            programs=best["programs"], v_major=best["v_major"]), donate_argnums=0)
+            block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"],
+            v_major=best["v_major"]), donate_argnums=0)
         o2, p2 = step(fresh().ssm)
         pool = [fresh().ssm]
 

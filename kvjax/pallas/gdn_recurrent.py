@@ -13,8 +13,7 @@ jit with a donated pool the update happens in place. Per row ``flags[n]``: bit 0
 and its tokens' outputs are zero). Tokens outside every sequence get zero outputs.
 
 The decode step on the GDN pool has its own kernel, ``_slots_kernel`` (one token per row, the slot ids index
-``f32[L, S+1, Hv, K, V]`` directly, no XLA op around it), launched one program per state tile or as a few
-persistent programs looping over the tiles.
+``f32[L, S+1, Hv, K, V]`` directly, no XLA op around it), one program per state tile.
 """
 
 from __future__ import annotations
@@ -108,14 +107,9 @@ def _slots_kernel(
     block_v: int,
     one_pass: bool,
     v_major: bool,
-    persistent: bool,
 ):
-    """Decode on the GDN pool by slot, one state tile ``[K, block_v]`` of one (row, head) at a time. Without
-    ``persistent`` one program per tile; with it, each program walks the tiles ``pid, pid + P, ...`` (value
-    blocks fastest) in a loop the compiler may software-pipeline. Rows whose slot is not in ``1..S`` read and
-    write nothing and output zeros."""
-    num_rows, hv, vd = o_ref.shape
-    nvb = vd // block_v
+    """Decode on the GDN pool by slot: one program per state tile ``[K, block_v]`` of one (row, head). Rows
+    whose slot is not in ``1..S`` read and write nothing (uniform masks) and output zeros."""
     lay = jnp.asarray(layer, jnp.int32)  # an array index: a Python int inside pl.when breaks interpret mode
 
     def tile(n, h, vb, ok):
@@ -130,17 +124,7 @@ def _slots_kernel(
         plt.store(o_ref.at[n, h, vs], jnp.where(live, o, 0.0).astype(o_ref.dtype), mask=jnp.full((block_v,), ok))
         plt.store(pool_ref.at[lay, slot, h, :, vs], s, mask=mask, eviction_policy="evict_first")
 
-    if persistent:
-        pid, num_programs = pl.program_id(0), pl.num_programs(0)
-        num_tiles = num_rows * hv * nvb
-
-        def body(i, carry):
-            t = pid + i * num_programs
-            tile(t // (nvb * hv), (t // nvb) % hv, t % nvb, t < num_tiles)
-            return carry
-
-        lax.fori_loop(0, pl.cdiv(num_tiles - pid, num_programs), body, 0)
-    elif v_major:
+    if v_major:
         tile(pl.program_id(2), pl.program_id(1), pl.program_id(0), True)
     else:
         tile(pl.program_id(0), pl.program_id(1), pl.program_id(2), True)
@@ -233,28 +217,24 @@ def _recurrent_call(
     )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
 
 
-def _slots_call(q, k, v, g, beta, ssm, slots, *, layer, scale, use_qk_l2norm, block_v, num_warps, num_stages,
-                one_pass, v_major, programs, interpret):
+def _slots_call(q, k, v, g, beta, ssm, slots, *, layer, scale, use_qk_l2norm, block_v, num_warps, one_pass,
+                v_major, interpret):
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     kernel = functools.partial(
         _slots_kernel, layer=layer, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
-        one_pass=one_pass, v_major=v_major, persistent=programs > 0,
+        one_pass=one_pass, v_major=v_major,
     )
-    if programs > 0:
-        grid = (programs,)
-    else:
-        grid = (num_tokens, hv, vd // block_v)
-        grid = grid[::-1] if v_major else grid
+    grid = (num_tokens, hv, vd // block_v)
     return pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
             jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
         ),
-        grid=grid,
+        grid=grid[::-1] if v_major else grid,
         input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_decode_slots",
     )(slots, q, k, v, g, beta, ssm)
@@ -322,8 +302,8 @@ def recurrent_gated_delta_rule_pool(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "one_pass",
-                     "v_major", "programs", "interpret"),
+    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "one_pass", "v_major",
+                     "interpret"),
     donate_argnames=("ssm",),
 )
 def recurrent_gated_delta_rule_slots(
@@ -340,10 +320,8 @@ def recurrent_gated_delta_rule_slots(
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 1,
     one_pass: bool = True,
     v_major: bool = True,
-    programs: int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode step straight on the GDN pool: row ``b`` continues the state at ``ssm[layer, slot_ids[b]]``.
@@ -351,12 +329,8 @@ def recurrent_gated_delta_rule_slots(
     No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
     Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Tuning:
     ``v_major`` launches the value blocks of a head next to each other (grid order; 3-5% faster on an H200
-    than rows first); ``programs > 0`` launches that many persistent programs that loop over the tiles
-    (``num_stages`` then lets the compiler pipeline the loop). Defaults: the fastest configuration measured
-    (benchmarks/RESULTS.md).
+    than rows first). Defaults: the fastest configuration measured (benchmarks/RESULTS.md).
     """
-    if programs < 0:
-        raise ValueError(f"programs must be >= 0, got {programs}")
     kd, vd = q.shape[2], v.shape[2]
     _check_pow2("K", kd)
     _check_pow2("V", vd)
@@ -364,8 +338,8 @@ def recurrent_gated_delta_rule_slots(
         raise ValueError(f"one token per row: q has {q.shape[0]} tokens, slot_ids {slot_ids.shape[0]} rows")
     return _slots_call(
         q, k, v, g, beta, ssm, slot_ids, layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        block_v=_pick_block_v(vd, block_v), num_warps=num_warps, num_stages=num_stages, one_pass=one_pass,
-        v_major=v_major, programs=programs, interpret=interpret,
+        block_v=_pick_block_v(vd, block_v), num_warps=num_warps, one_pass=one_pass, v_major=v_major,
+        interpret=interpret,
     )
 
 
