@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -29,28 +28,12 @@ from jax.experimental.pallas import triton as plt
 from kvjax.ops import gdn_state
 from kvjax.state.gdn_pool import GDNStatePool
 
+from bench_util import rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ is on sys.path)
+
 W = 4
 ROTATE = 8
 STEPS = 16
 PREFILL_STEPS = 4
-
-
-def _time(fn, *, n=20, rounds=7):
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n * 1e3)
-    return statistics.median(times)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 TORCH_COPY = """

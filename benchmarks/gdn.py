@@ -18,6 +18,8 @@ import statistics
 import sys
 import time
 
+from bench_util import rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ is on sys.path)
+
 DECODE_SHAPES = [(128, 32), (256, 16)]  # (B, H), K = V = 128, one token per row
 PREFILL_SHAPES = [(1, 8192, 16), (4, 4096, 32)]  # (B, T, H), K = V = 128
 KD = VD = 128
@@ -98,29 +100,6 @@ class _deferred_bench:
 
 
 # ------------------------------------------------------------------------------------------------ jax / kvjax
-def _time(fn, *, n=20, rounds=7):
-    """Median over ``rounds`` of the mean time of ``n`` back-to-back async calls (``fn()`` returns an array)."""
-    import jax
-
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n * 1e3)
-    return statistics.median(times)
-
-
-def _rel(a, b):
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def _copy_ceiling():
     import jax
     import jax.numpy as jnp

@@ -194,8 +194,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep,
     ``prep="pallas"``: everything by :func:`_prep_kernel` (only the segment ids and the padding are XLA);
     ``"solve"`` / ``"doubling"``: pure XLA (batched triangular solve / nilpotent doubling), kept as cross-checks.
     """
-    num_tokens, hk, _ = q.shape
-    hv = v.shape[1]
+    num_tokens = q.shape[0]
     num_chunks = -(-num_tokens // chunk)
     tp = num_chunks * chunk
     num_seqs = cu_seqlens.shape[0] - 1
