@@ -213,7 +213,8 @@ def swa_section(k_pages, v_pages, best_cfg, copy_gbs, results):
 
 def ptxas_report(seen: set) -> str:
     """Registers / spills (``ptxas -v``, sm_90a) of the Pallas kernels in the PTX that XLA dumped since the last
-    call: needs ``XLA_FLAGS=--xla_dump_to=DIR`` (the lowered module holds Triton IR, not PTX). Diagnostic only."""
+    call: needs ``XLA_FLAGS=--xla_dump_to=DIR`` (the lowered module holds Triton IR, not PTX). Diagnostic only; on
+    jax 0.11.2 (2026-11-21) that dump held no ``.ptx`` file, so it reported nothing there."""
     import glob
     import re
 
@@ -263,10 +264,12 @@ def _prefill_configs(ps: int, quick: bool) -> list[dict]:
                    cfg("page", 128, 128, 8, 3, ids="carry2"), cfg("page", 128, 128, 8, 3, fused=True, join="rows"),
                    cfg("page", 128, 128, 8, 3, fused=True, join="stack"), dict(heads_outer=True)]
     elif ps == 128:  # one contiguous [128, D] page per step (block_k = page_size); defaults: ids one step ahead, 8w 3s
-        configs = [dict(), cfg("page", 128, 128, 8, 2, ids="carry"), cfg("page", 128, 128, 8, 4, ids="carry"),
-                   cfg("page", 128, 128, 8, 3, ids="carry2"), cfg("page", 128, 128, 8, 3, ids="chunk"),
+        configs = [dict(), cfg("page", 128, 128, 8, 2, ids="carry"), cfg("page", 128, 128, 8, 3, ids="carry2"),
+                   cfg("page", 128, 128, 8, 3, ids="chunk"),
                    cfg("page", 128, 128, 8, 3, fused=True, ids="load"), cfg("page", 128, 128, 4, 3, ids="load"),
                    cfg("page", 64, 128, 4, 3, ids="carry"), dict(heads_outer=True)]
+    else:  # defaults (kv_load="gather", split loops, block_k 128, 8 warps, 3 stages)
+        configs = [dict()]
     return configs[:2] if quick else configs
 
 

@@ -295,8 +295,8 @@ _DEFAULTS = {
     "page": dict(block_k=64, num_warps=4, num_stages=3, fused_loop=True, page_ids="load"),
     "gather": dict(block_k=128, num_warps=8, num_stages=3, fused_loop=False, page_ids="load"),
 }
-# pages of >= 128 tokens (measured at 128; block_k = page_size): 8 warps, page ids one step ahead. With 4 warps or
-# ids loaded in the step that uses them a [128, D] page per step was 2.3x / 1.17x slower.
+# pages of >= 128 tokens (measured at 128 only; block_k = page_size): 8 warps, page ids one step ahead. With 4 warps
+# / ids loaded in the step that uses them a [128, D] page per step was 2.2-2.3x / 1.03-1.17x slower (two runs).
 _LARGE_PAGE = 128
 _DEFAULTS_LARGE_PAGE = dict(block_k=128, num_warps=8, num_stages=3, fused_loop=True, page_ids="carry")
 
