@@ -253,21 +253,17 @@ def prefill_fn(scale, zeros, **cfg):
 
 
 def _prefill_configs(ps: int, quick: bool) -> list[dict]:
-    """kvjax prefill variants timed at one page size (kv_load, block_q, block_k, warps, stages, page_join)."""
-    def cfg(kv_load, bq, bk, nw, st, fused=False, ids=None, join=None, **extra):
+    """kvjax prefill variants timed at one page size (kv_load, block_q, block_k, warps, stages, page ids)."""
+    def cfg(kv_load, bq, bk, nw, st, fused=False, ids=None, **extra):
         return dict(kv_load=kv_load, block_q=bq, block_k=bk, num_warps=nw, num_stages=st,
-                    **(dict(fused_loop=True) if fused else {}), **(dict(page_ids=ids) if ids else {}),
-                    **(dict(page_join=join) if join else {}), **extra)
+                    **(dict(fused_loop=True) if fused else {}), **(dict(page_ids=ids) if ids else {}), **extra)
 
-    if ps == 64:  # defaults first; then 128-key blocks: 2 sub-products / 2 pages as one operand
-        configs = [dict(), cfg("page", 128, 128, 8, 3, ids="carry"), cfg("page", 128, 128, 8, 2, ids="carry"),
-                   cfg("page", 128, 128, 8, 3, ids="carry2"), cfg("page", 128, 128, 8, 3, fused=True, join="rows"),
-                   cfg("page", 128, 128, 8, 3, fused=True, join="stack"), dict(heads_outer=True)]
+    if ps == 64:  # defaults first; then 128-key blocks (2 sub-products per step)
+        configs = [dict(), cfg("page", 128, 128, 8, 3, ids="carry"), cfg("page", 128, 128, 8, 2, ids="carry")]
     elif ps == 128:  # one contiguous [128, D] page per step (block_k = page_size); defaults: ids one step ahead, 8w 3s
-        configs = [dict(), cfg("page", 128, 128, 8, 2, ids="carry"), cfg("page", 128, 128, 8, 3, ids="carry2"),
-                   cfg("page", 128, 128, 8, 3, ids="chunk"),
+        configs = [dict(), cfg("page", 128, 128, 8, 2, ids="carry"),
                    cfg("page", 128, 128, 8, 3, fused=True, ids="load"), cfg("page", 128, 128, 4, 3, ids="load"),
-                   cfg("page", 64, 128, 4, 3, ids="carry"), dict(heads_outer=True)]
+                   cfg("page", 64, 128, 4, 3, ids="carry")]
     else:  # defaults (kv_load="gather", split loops, block_k 128, 8 warps, 3 stages)
         configs = [dict()]
     return configs[:2] if quick else configs

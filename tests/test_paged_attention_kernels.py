@@ -108,7 +108,7 @@ def test_prefill_interpret_mixed_batch(rng):
 @pytest.mark.parametrize("kv_load", ["page", "gather"])
 def test_prefill_interpret_kv_load_modes(rng, kv_load):
     # both K/V load paths, 2 pages per key block (2 sub-products per block in "page" mode), windows and sinks,
-    # GQA 2, with and without the unmasked middle blocks (split or fused loop), both grid orders; holes inside
+    # GQA 2, with and without the unmasked middle blocks (split or fused loop); holes inside
     # the walk of a full head (poisoned with NaN, in an unmasked middle block), recycled pages below a window.
     args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=8, ctx=[61, 24, 90, 9, 0], new=[21, 24, 3, 1, 0],
                       window=[0, 13], sinks=[0, 5])
@@ -122,24 +122,18 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
     args = (q, k, v, jnp.asarray(table), ctx)
     ref = _ref(args, kw)
     assert np.isfinite(np.asarray(ref)).all()
-    for fast_path, fused_loop, heads_outer in ((True, False, False), (True, True, True), (False, False, False)):
+    for fast_path, fused_loop in ((True, False), (True, True), (False, False)):
         out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
-                                          fast_path=fast_path, fused_loop=fused_loop, heads_outer=heads_outer)
+                                          fast_path=fast_path, fused_loop=fused_loop)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
-    if kv_load == "page":  # page ids one step ahead / from a register chunk (2 pages per chunk: many chunks)
-        for page_ids, chunk in (("carry", None), ("carry2", None), ("chunk", 2), ("chunk", None)):
-            out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
-                                              page_ids=page_ids, page_chunk=chunk)
-            np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
-        # a block's 2 / 4 pages as one operand: joined page loads or one load at per-key rows
-        for page_join, block_k, fused_loop in (("stack", 16, False), ("stack", 32, True), ("rows", 16, True)):
-            out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=block_k,
-                                              kv_load=kv_load, page_join=page_join, fused_loop=fused_loop)
-            np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    if kv_load == "page":  # page ids one step ahead, 2 pages per key block
+        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
+                                          page_ids="carry")
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="kv_load"):
         paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="tma")
-    with pytest.raises(ValueError, match="page_join"):
-        paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="gather", page_join="stack")
+    with pytest.raises(ValueError, match="page_ids"):
+        paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="gather", page_ids="carry")
 
 
 def test_prefill_interpret_page_128(rng):
@@ -147,7 +141,7 @@ def test_prefill_interpret_page_128(rng):
     args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=128, ctx=[300, 140], new=[45, 140], window=[150],
                       sinks=[4])
     ref = _ref(args, kw)
-    for cfg in (dict(), dict(page_ids="load", fused_loop=False), dict(page_ids="carry2")):  # default: ids ahead
+    for cfg in (dict(), dict(page_ids="load", fused_loop=False)):  # default: ids one step ahead
         out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=64, **cfg)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0
@@ -278,17 +272,12 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
     args = (q, k, v, jnp.asarray(table), seq_lens)
     ref = _ref(args, kw)
     variants = [dict(block_k=64, fused_loop=False), dict(block_k=128, fused_loop=True)]
-    if kv_load == "page":  # page ids one step ahead / from registers; one or two pages per key block
-        variants = variants[:1] + [dict(block_k=64, page_ids="chunk"), dict(block_k=64, page_ids="carry")]
+    if kv_load == "page":  # page ids one step ahead; one or two pages per key block
+        variants = variants[:1] + [dict(block_k=64, page_ids="carry")]
         if page_size == 64:
-            variants += [dict(block_k=128, page_ids="chunk", num_warps=8), dict(block_k=64, fused_loop=True),
-                         dict(block_k=128, page_ids="carry", num_warps=8, heads_outer=True),
-                         dict(block_k=128, page_join="stack", num_warps=8, fused_loop=True),
-                         dict(block_k=128, page_join="rows", num_warps=8, num_stages=2),
-                         dict(block_k=128, page_ids="carry2", num_warps=8)]
+            variants += [dict(block_k=64, fused_loop=True), dict(block_k=128, page_ids="carry", num_warps=8)]
         if page_size == 128:  # block_k = page_size: one contiguous [128, D] load per step
-            variants += [dict(), dict(page_ids="load", num_warps=8, fused_loop=False),
-                         dict(page_ids="carry2", num_stages=2, heads_outer=True)]
+            variants += [dict(), dict(page_ids="load", num_warps=8, fused_loop=False)]
     for cfg in variants:
         out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
         assert _rel_err(out, ref) <= 2e-2, cfg

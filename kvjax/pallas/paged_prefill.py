@@ -11,8 +11,7 @@ pages — with the causal / window / sink mask per (row, key). Cached prefix and
 Rows with one token (decode rows of a mixed batch) are tiles of one token.
 
 K/V come either one page at a time (``kv_load="page"``: a contiguous ``[page_size, D]`` load at a scalar page
-id, one QK^T sub-product per page, or with ``page_join`` the block's pages as one ``[block_k, D]`` operand) or as
-a gathered key block (``"gather"``: per-key row offsets). The key
+id, one QK^T sub-product per page) or as a gathered key block (``"gather"``: per-key row offsets). The key
 loop skips the per-element mask on blocks every row of the tile sees fully (split loops, or one loop that picks
 the mask per block); the softmax scale is applied after the row max, so each score costs one FMA before exp2.
 """
@@ -59,15 +58,6 @@ def _online_update(carry, scores, values, biases, qk_scale: float):
     return acc, m_new, l
 
 
-def _join_rows(parts):
-    """Row-wise concatenation of equal ``[n, D]`` blocks (a power-of-two count): pairs joined on a new last axis
-    (``tt.join``, the only concatenation the Triton lowering has), moved to the front, folded into the rows."""
-    while len(parts) > 1:
-        parts = [jnp.transpose(jnp.stack([a, b], axis=-1), (2, 0, 1)).reshape(2 * a.shape[0], a.shape[1])
-                 for a, b in zip(parts[::2], parts[1::2])]
-    return parts[0]
-
-
 def _prefill_kernel(
     q_ref,  # [T*Hq, D]
     k_ref,  # [P*page_size, D]
@@ -94,13 +84,9 @@ def _prefill_kernel(
     loop: str,
     kv_load: str,
     page_ids: str,
-    page_join: str,
-    chunk: int,
-    heads_outer: bool,
 ):
-    ax_h, ax_t = (1, 0) if heads_outer else (0, 1)
-    h = pl.program_id(ax_h)
-    tile = pl.num_programs(ax_t) - 1 - pl.program_id(ax_t)  # the last (longest-walk) tiles launch first
+    h = pl.program_id(0)
+    tile = pl.num_programs(1) - 1 - pl.program_id(1)  # the last (longest-walk) tiles of every head launch first
     th = tile * num_kv_heads + h
     b = tile_row_ref[tile]
     tok0 = tile_tok_ref[tile]
@@ -187,50 +173,17 @@ def _prefill_kernel(
             values.append(v)
         return _online_update(carry, scores, values, biases, qk_scale)
 
+    def page_step(c, carry, mode: str):  # page ids loaded in the step that uses them
+        pages = [load_page_id(c * pages_per_block + i, mode) for i in range(pages_per_block)]
+        return page_block(c, carry, mode, pages)
+
+    def page_step_carry(c, carry, mode: str):  # page ids loaded one step early, passed in the loop carry
+        nxt = tuple(load_page_id((c + 1) * pages_per_block + i, "masked") for i in range(pages_per_block))
+        return (*page_block(c, carry[:3], mode, carry[3]), nxt)
+
     j = jnp.arange(block_k, dtype=jnp.int32)
     j_page = j // page_size
     j_off = j % page_size
-
-    def joined_block(c, carry, mode: str, pages):
-        # the block's pages as ONE [block_k, D] operand (one QK^T and one PV product per step): page loads joined
-        # ("stack": contiguous page loads, joined in registers) or one load at per-key rows of the pages' ids
-        page_k = jnp.full((block_k,), pages[0], jnp.int32)
-        for i in range(1, pages_per_block):
-            page_k = jnp.where(j_page == i, pages[i], page_k)
-        kpos = column(c * pages_per_block + j_page) * page_size + j_off
-        k_ok = page_k >= 0
-        if mode != "unmasked":
-            k_ok = k_ok & (kpos <= i_last)
-        if page_join == "rows":
-            kv_rows = jnp.where(k_ok, page_k, 0) * page_size + j_off
-            k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-            v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-        else:
-            ks, vs = [], []
-            off = jnp.arange(page_size, dtype=jnp.int32)
-            for i, page in enumerate(pages):
-                ok = page >= 0
-                start = jnp.where(ok, page, 0) * page_size
-                if mode != "unmasked":
-                    ok = ok & (column(c * pages_per_block + i) * page_size + off <= i_last)[:, None]
-                ks.append(plgpu.load(k_ref.at[pl.ds(start, page_size), :], mask=ok, other=0.0))
-                vs.append(plgpu.load(v_ref.at[pl.ds(start, page_size), :], mask=ok, other=0.0))
-            k, v = _join_rows(ks), _join_rows(vs)
-        s = mask_scores(c, plgpu.dot(q, k, trans_b=True), kpos, k_ok, mode, key_bias=True)
-        return _online_update(carry, [s], [v], [None], qk_scale)
-
-    block = page_block if page_join == "none" or pages_per_block == 1 else joined_block
-
-    def page_step(c, carry, mode: str):  # page ids loaded in the step that uses them
-        pages = [load_page_id(c * pages_per_block + i, mode) for i in range(pages_per_block)]
-        return block(c, carry, mode, pages)
-
-    ahead = 2 if page_ids == "carry2" else 1
-
-    def page_step_carry(c, carry, mode: str):  # page ids loaded `ahead` steps early, passed in the loop carry
-        pages, queue = carry[3], carry[4:]  # ids of step c; of steps c+1 .. c+ahead-1
-        nxt = tuple(load_page_id((c + ahead) * pages_per_block + i, "masked") for i in range(pages_per_block))
-        return (*block(c, carry[:3], mode, pages), *queue, nxt)
 
     def gather_step(c, carry, mode: str):
         # per-key row offsets from a vector load of the block table (one load of block_k keys)
@@ -254,30 +207,9 @@ def _prefill_kernel(
     head_dim = q.shape[-1]
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    if page_ids in ("carry", "carry2"):  # carry: (acc, m, l, ids of step c, ..., ids of step c + ahead - 1)
-        first = [tuple(load_page_id(a * pages_per_block + i, "masked") for i in range(pages_per_block))
-                 for a in range(ahead)]
-        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(page_step_carry, mode=loop), (*carry, *first))[:3]
-    elif page_ids == "chunk":
-        # the walk's page ids, `chunk` pages at a time, read once into registers; each step picks its ids with
-        # a masked sum, so no K/V address in the pipelined inner loop depends on a load of the same loop
-        lane = jnp.arange(chunk, dtype=jnp.int32)
-        blocks_per_chunk = chunk // pages_per_block
-
-        def chunk_body(ci, carry):
-            vp = ci * chunk + lane
-            in_range = vp < n_pages
-            ids = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + column(vp), 0)], mask=in_range, other=-1)
-
-            def inner(c, carry):
-                pages = [jnp.sum(jnp.where(lane == (c - ci * blocks_per_chunk) * pages_per_block + i, ids, 0))
-                         for i in range(pages_per_block)]
-                return block(c, carry, loop, pages)
-
-            c0 = ci * blocks_per_chunk
-            return jax.lax.fori_loop(c0, jnp.minimum(c0 + blocks_per_chunk, n_blocks), inner, carry)
-
-        carry = jax.lax.fori_loop(0, pl.cdiv(n_blocks, blocks_per_chunk), chunk_body, carry)
+    if page_ids == "carry":  # carry: (acc, m, l, page ids of step c)
+        first = tuple(load_page_id(i, "masked") for i in range(pages_per_block))
+        carry = jax.lax.fori_loop(0, n_blocks, functools.partial(page_step_carry, mode=loop), (*carry, first))[:3]
     elif loop == "split":  # three loops: masked head, unmasked middle, masked tail (the causal diagonal)
         carry = jax.lax.fori_loop(0, blk_a, functools.partial(step, mode="masked"), carry)
         carry = jax.lax.fori_loop(blk_a, blk_b, functools.partial(step, mode="unmasked"), carry)
@@ -331,7 +263,7 @@ def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path", "kv_load",
-                     "fused_loop", "page_ids", "page_chunk", "page_join", "heads_outer"),
+                     "fused_loop", "page_ids"),
 )
 def paged_prefill(
     q: jax.Array,  # [T, Hq, D]
@@ -353,9 +285,6 @@ def paged_prefill(
     kv_load: str = "auto",
     fused_loop: bool | None = None,
     page_ids: str | None = None,
-    page_chunk: int | None = None,
-    page_join: str = "none",
-    heads_outer: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
@@ -367,15 +296,10 @@ def paged_prefill(
     Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``; ``"page"`` with pages of
     >= 128 tokens: ``_DEFAULTS_LARGE_PAGE``). ``fused_loop``: one key loop that picks the mask per block at
     run time instead of separate loops for the masked and unmasked blocks. ``page_ids`` (``kv_load="page"``;
-    any but ``"load"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in
-    the step that uses it, ``"carry"`` one step ahead (``"carry2"``: two steps), ``"chunk"`` a chunk of the
-    walk's ids at once into registers (``page_chunk`` pages, a power of two; default ``min(256, max_blocks)``
-    rounded up).
-    ``page_join`` (``kv_load="page"``, block_k > page_size): ``"none"`` runs one QK^T / PV sub-product per page,
-    ``"stack"`` joins the block's page loads into one ``[block_k, D]`` operand, ``"rows"`` loads the block at once
-    at per-key rows of the pages' scalar ids; both run one product per step.
-    ``heads_outer``: launch all tiles of a KV head together (grid ``(tiles, Hkv)``, fewer heads' K/V live in L2
-    at once) instead of every head of a tile together (grid ``(Hkv, tiles)``, the default).
+    ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in the step
+    that uses it, ``"carry"`` one step ahead, passed in the loop carry.
+    Measured and removed (slower on an H200, benchmarks/RESULTS.md): page ids two steps ahead or from a register
+    chunk of the table, a key block's pages joined into one operand, all tiles of one KV head launched together.
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -397,19 +321,12 @@ def paged_prefill(
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
     if d < 16:
         raise ValueError(f"pallas paged_prefill needs head_dim >= 16, got {d}")
-    if page_ids not in ("load", "carry", "carry2", "chunk"):
-        raise ValueError(f"page_ids must be 'load', 'carry', 'carry2' or 'chunk', got {page_ids!r}")
+    if page_ids not in ("load", "carry"):
+        raise ValueError(f"page_ids must be 'load' or 'carry', got {page_ids!r}")
     if page_ids != "load" and kv_load != "page":
         raise ValueError(f"page_ids={page_ids!r} needs kv_load='page', got {kv_load!r}")
     if page_ids != "load":
         fused_loop = True
-    if page_join not in ("none", "stack", "rows"):
-        raise ValueError(f"page_join must be 'none', 'stack' or 'rows', got {page_join!r}")
-    if page_join != "none" and kv_load != "page":
-        raise ValueError(f"page_join={page_join!r} needs kv_load='page', got {kv_load!r}")
-    chunk = max(block_k // page_size, page_chunk or min(256, max(16, paged_common.next_pow2(max_blocks))))
-    if chunk & (chunk - 1):
-        raise ValueError(f"page_chunk must be a power of two, got {page_chunk}")
     tokens_per_tile = rows // group
     t_row, t_tok, t_len, t_pos, t_attends = _tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
     lo, n_sink, n_pages = paged_common.page_ranges(
@@ -419,12 +336,11 @@ def paged_prefill(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, kv_load=kv_load,
         loop="masked" if not fast_path else ("fused" if fused_loop else "split"), page_ids=page_ids,
-        page_join=page_join, chunk=chunk, heads_outer=heads_outer,
     )
     o = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
-        grid=(t_row.shape[0], hkv) if heads_outer else (hkv, t_row.shape[0]),
+        grid=(hkv, t_row.shape[0]),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_prefill_{kv_load}_bq{rows}_bk{block_k}",
