@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-triton", action="store_true")
     ap.add_argument("--skip-dsa", action="store_true")
+    ap.add_argument("--dsa-only", action="store_true", help="copy ceilings, then only the DSA part")
     ap.add_argument("--sweep", action="store_true", help="sweep kernel configs (block_h, warps, stages, splits)")
     args = ap.parse_args()
     if args.torch_copy:
@@ -120,6 +121,15 @@ def main() -> None:
           f"torch {results.get('torch_copy', {}).get('torch_copy_GBps', float('nan')):.0f} GB/s", flush=True)
 
     rng = np.random.default_rng(0)
+    if args.dsa_only:
+        _bench_dsa(results, bench, rng, quick=args.quick)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        for row in results["dsa"] + results.get("dsa_indexer", []):
+            print("dsa", row)
+        bad = [c for c in results["checks"] if not c["ok"]]
+        print("checks:", len(results["checks"]) - len(bad), "ok,", len(bad), "failed", bad if bad else "")
+        return
 
     def make(b, h, length, page_size=64, lens=None, extra=0):
         lens = np.full(b, length, np.int32) if lens is None else np.asarray(lens, np.int32)
@@ -236,7 +246,7 @@ def main() -> None:
             gbps = b * length * 576 * 2 / (v["median_ms"] / 1e3) / 1e9
             print(f"{label:7s} {key:12s} {v['median_ms']:.3f} ms  {gbps:.0f} GB/s  {100*gbps/copy_bw:.1f}% of copy  "
                   f"{v.get('cfg', '')}")
-    for row in results["dsa"]:
+    for row in results["dsa"] + results.get("dsa_indexer", []):
         print("dsa", row)
     bad = [c for c in results["checks"] if not c["ok"]]
     print("checks:", len(results["checks"]) - len(bad), "ok,", len(bad), "failed", bad if bad else "")
@@ -272,8 +282,13 @@ def _bench_dsa(results, bench, rng, quick=False):
         iw = jax.random.normal(k[6], (b, 64), jnp.float32) * 64 ** -0.5
         cu = jnp.arange(b + 1, dtype=jnp.int32)
         indexer = jax.jit(lambda q_, w_, kq_, ks_, t_, l_: dsa.index_topk(
-            dsa.indexer_scores(q_, w_, kq_, ks_, t_, l_, cu_seqlens=cu, scale=128 ** -0.5), topk))
+            dsa.indexer_scores(q_, w_, kq_, ks_, t_, l_, cu_seqlens=cu, scale=128 ** -0.5, impl="reference"),
+            topk))
         t_index = bench(indexer, iq, iw, ikq, amax, tables, lens, reps=10, inner=2)
+        irow = _bench_indexer_kernel(results, bench, (iq, iw, ikq, amax, tables, lens), cu, topk, length)
+        irow["indexer_topk_jnp_ms"] = t_index * 1e3
+        results.setdefault("dsa_indexer", []).append(irow)
+        print("dsa indexer", irow, flush=True)
         for h in (16, 128):
             q = jax.random.normal(k[1], (b, h, 512), jnp.bfloat16)
             qr = jax.random.normal(k[2], (b, h, 64), jnp.bfloat16)
@@ -298,6 +313,52 @@ def _bench_dsa(results, bench, rng, quick=False):
                     row[f"sparse_{name}_error"] = repr(ex)[:300]
             results["dsa"].append(row)
             print("dsa", row, flush=True)
+
+
+
+def _bench_indexer_kernel(results, bench, args, cu, topk, length):
+    """Pallas indexer scores (both fp8 decodes) alone and + ``index_topk``, checked against the f32 reference.
+
+    Counted per call: key bytes ``B·L·(128 + 4)`` (fp8 keys + f32 scale) and ``2·B·L·Hi·Di`` FLOPs.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.ops import dsa
+    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+
+    b, hi, di = args[0].shape  # iq bf16[B, Hi, Di]
+    scale = di ** -0.5
+    row = {"B": b, "Hi": hi, "Di": di, "L": length, "topk": topk, "page": 64,
+           "key_MB": b * length * (di + 4) / 1e6, "GFLOP": 2 * b * length * hi * di / 1e9}
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda *a: dsa.indexer_scores(*a, cu_seqlens=cu, scale=scale, impl="reference"))(*args)
+    want_idx = np.asarray(dsa.index_topk(want, topk))
+    want = np.asarray(want)
+    fin = np.isfinite(want)
+    for mode in ("bits", "cast"):
+        scores = jax.jit(lambda *a, _m=mode: indexer_scores_pallas(*a, cu_seqlens=cu, scale=scale, fp8_decode=_m))
+        both = jax.jit(lambda *a, _m=mode: dsa.index_topk(
+            indexer_scores_pallas(*a, cu_seqlens=cu, scale=scale, fp8_decode=_m), topk))
+        try:
+            got = np.asarray(scores(*args))
+            mask_ok = bool((np.isneginf(got) == np.isneginf(want)).all())
+            e = float(np.linalg.norm(got[fin] - want[fin]) / np.linalg.norm(want[fin]))
+            idx = np.asarray(both(*args))
+            overlap = float(np.mean([len(set(idx[t]) & set(want_idx[t])) / topk for t in range(b)]))
+            ok = mask_ok and e <= 1e-2 and overlap >= 0.99
+            results["checks"].append({"op": "indexer_scores", "impl": f"pallas_{mode}", "L": length, "rel_err": e,
+                                      "mask_ok": mask_ok, "topk_overlap": overlap, "ok": ok})
+            t = bench(scores, *args)
+            row[f"pallas_{mode}_ms"] = t * 1e3
+            row[f"pallas_{mode}_GBps"] = row["key_MB"] / 1e3 / t
+            row[f"pallas_{mode}_TFLOPs"] = row["GFLOP"] / 1e3 / t
+            row[f"pallas_{mode}_topk_ms"] = bench(both, *args) * 1e3
+        except Exception as ex:  # noqa: BLE001
+            row[f"pallas_{mode}_error"] = repr(ex)[:300]
+    row["topk_only_ms"] = bench(jax.jit(lambda s_: dsa.index_topk(s_, topk)), jnp.asarray(want)) * 1e3
+    return row
 
 
 if __name__ == "__main__":

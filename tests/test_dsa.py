@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -292,3 +293,123 @@ def test_indexer_reads_the_dsa_cache_writer(rng):
         np.testing.assert_allclose(scores[b, : lens[b]], want, rtol=1e-4, atol=1e-4)
         assert np.isneginf(scores[b, lens[b]:]).all()
         np.testing.assert_allclose(k, keys[row == b], rtol=0.07, atol=0.07 * 3 * 4)  # e4m3 rounding
+
+
+# ---- Pallas indexer kernel (kvjax.pallas.dsa_indexer) ----
+
+def _indexer_case(rng, lens, new, *, hi, di, page_size, max_blocks, block=128, pad_tokens=1, q_dtype=np.float32):
+    """Ragged step (chunked prefill / decode rows, padding tokens), fp8 keys in permuted pages with holes."""
+    lens, new = np.asarray(lens, np.int32), np.asarray(new, np.int32)
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    t = int(cu[-1]) + pad_tokens
+    _, pages, tables = _pages(rng, lens, page_size, max_blocks, di)
+    tables[0, 0, 0] = -1  # a hole inside a live sequence (recycled page): never read, scores -inf
+    kq, ks = _quant_np(pages, block)
+    q = rng.standard_normal((t, hi, di)).astype(q_dtype)
+    w = (rng.standard_normal((t, hi)) * hi ** -0.5).astype(np.float32)
+    return [jnp.asarray(x) for x in (q, w, kq, ks, tables, lens)], jnp.asarray(cu)
+
+
+def _bf16_bound(args, cu, scale):
+    """Worst-case |kernel - reference| per score from rounding q to bf16 (rel. 2**-9 per element):
+    ``2**-9 · scale · Σ_h |w_h| Σ_d |q_hd · k_jd|`` (the fp8 keys convert to bf16 exactly) plus f32 slack."""
+    q, w, kq, ks, tables, lens = (np.asarray(a) for a in args)
+    deq = kq.astype(np.float64).reshape(*kq.shape[:-1], ks.shape[-1], -1) * ks[..., None]
+    deq = np.abs(deq.reshape(kq.shape)).astype(np.float32)
+    page_size, length = kq.shape[1], tables.shape[-1] * kq.shape[1]
+    cu = np.asarray(cu)
+    bound = np.zeros((q.shape[0], length))
+    for b in range(len(lens)):
+        pg = np.maximum(tables[b, 0, np.arange(length) // page_size], 0)
+        keys = deq[pg, np.arange(length) % page_size]  # [L, Di]
+        for tok in range(cu[b], cu[b + 1]):
+            bound[tok] = np.abs(w[tok]) @ (np.abs(q[tok].astype(np.float32)) @ keys.T)
+    return 2.0 ** -9 * scale * bound * 1.01 + 1e-5
+
+
+def _check_indexer(got, want, bound, topk):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))  # same causal / hole / padding mask
+    fin = np.isfinite(want)
+    assert np.isfinite(got[fin]).all()
+    err = np.abs(got[fin] - want[fin])
+    assert (err <= bound[fin]).all(), f"max excess {np.max(err - bound[fin])}"
+    # top-k: every kernel pick scores (in the reference) within 2 bounds of the reference's k-th best
+    gi, wi = np.asarray(dsa.index_topk(jnp.asarray(got), topk)), np.asarray(dsa.index_topk(jnp.asarray(want), topk))
+    np.testing.assert_array_equal(gi == -1, wi == -1)
+    overlap = []
+    for t in range(want.shape[0]):
+        n = int((wi[t] >= 0).sum())
+        if n == 0:
+            continue
+        kth = want[t, wi[t, n - 1]]
+        picked = gi[t, :n]
+        assert (want[t, picked] >= kth - 2 * bound[t, picked].max()).all()
+        overlap.append(len(set(picked.tolist()) & set(wi[t, :n].tolist())) / n)
+    return float(np.mean(overlap))
+
+
+def test_fp8_bit_decoder_is_exact():
+    from kvjax.pallas.dsa_indexer import _decode_e4m3_bits
+
+    codes = np.arange(256, dtype=np.uint8)
+    vals = codes.view(jnp.float8_e4m3fn).astype(np.float32)
+    finite = np.isfinite(vals)
+    got = np.asarray(_decode_e4m3_bits(jnp.asarray(codes)))
+    assert finite.sum() == 254  # 0x7f and 0xff are NaN
+    np.testing.assert_array_equal(got[finite], vals[finite])  # subnormals and signed zero included
+
+
+@pytest.mark.parametrize("fp8_decode, block, ppp, q_dtype", [
+    ("bits", 128, 2, np.float32),  # 5 blocks over chunks of 2 pages: a ragged last chunk
+    ("cast", 64, 4, jnp.bfloat16),  # two scale groups per token; bf16 q (then exact up to f32 sums)
+])
+def test_indexer_pallas_interpret_matches_reference(rng, fp8_decode, block, ppp, q_dtype):
+    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+
+    scale = 128 ** -0.5
+    args, cu = _indexer_case(rng, [70, 9, 33, 1, 80], [3, 9, 1, 1, 2], hi=6, di=128, page_size=16,
+                             max_blocks=5, block=block, pad_tokens=2, q_dtype=q_dtype)
+    want = dsa.indexer_scores(*args, cu_seqlens=cu, scale=scale, impl="reference")
+    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale, pages_per_program=ppp,
+                                fp8_decode=fp8_decode, interpret=True)
+    assert np.isneginf(np.asarray(got)[-2:]).all()  # padding tokens
+    assert np.isneginf(np.asarray(got)[0, :16]).all()  # the hole in row 0
+    overlap = _check_indexer(got, want, _bf16_bound(args, cu, scale), topk=12)
+    assert overlap >= 0.9
+
+
+def test_indexer_dispatch_and_kernel_validation(rng):
+    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+
+    args, cu = _indexer_case(rng, [20, 5], [2, 1], hi=2, di=128, page_size=16, max_blocks=2)
+    want = np.asarray(dsa.indexer_scores(*args, cu_seqlens=cu, scale=0.1, impl="reference"))
+    got = np.asarray(dsa.indexer_scores(*args, cu_seqlens=cu, scale=0.1, impl="interpret"))
+    _check_indexer(got, want, _bf16_bound(args, cu, 0.1), topk=4)
+    assert "reference" in dsa.dispatch.available("indexer_scores")
+    q, w, kq, ks, tables, lens = args
+    with pytest.raises(ValueError, match="page_size"):  # Triton tiles need powers of two >= 16
+        indexer_scores_pallas(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="fp8_decode"):
+        indexer_scores_pallas(*args, cu_seqlens=cu, scale=0.1, fp8_decode="nope", interpret=True)
+    assert dsa._indexer_kernel_fits(kq, ks) and not dsa._indexer_kernel_fits(kq.astype(jnp.float32), ks)
+    assert not dsa._indexer_kernel_fits(kq[:, :8], ks[:, :8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_decode", ["bits", "cast"])
+def test_indexer_pallas_gpu(rng, fp8_decode):
+    """Realistic shapes: 64 heads of 128, pages of 64, decode rows up to 8k plus a prefill chunk."""
+    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+
+    scale = 128 ** -0.5
+    lens = [8192, 1, 3000, 2048, 64, 5000, 7777, 130]
+    new = [1, 1, 1, 1, 64, 1, 1, 100]
+    args, cu = _indexer_case(rng, lens, new, hi=64, di=128, page_size=64, max_blocks=128, pad_tokens=3,
+                             q_dtype=jnp.bfloat16)
+    with jax.default_matmul_precision("highest"):  # no TF32 in the f32 reference
+        want = dsa.indexer_scores(*args, cu_seqlens=cu, scale=scale, impl="reference")
+    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale, fp8_decode=fp8_decode)
+    overlap = _check_indexer(got, want, _bf16_bound(args, cu, scale), topk=2048)
+    assert overlap >= 0.99

@@ -72,7 +72,7 @@ def _token_rows(cu_seqlens, seq_lens, t):
     return row, pos, valid
 
 
-def indexer_scores(
+def indexer_scores_reference(
     q: jax.Array,  # [T, Hi, Di] roped indexer queries
     weights: jax.Array,  # f32[T, Hi] per-head weights (n_heads**-0.5 applied)
     index_k: jax.Array,  # [P, page_size, Di] indexer keys (f8e4m3 with scales, or any float)
@@ -82,26 +82,10 @@ def indexer_scores(
     *,
     cu_seqlens: jax.Array,  # i32[B+1]
     scale: float,
-) -> jax.Array:
-    """Float32 index scores ``f32[T, max_blocks * page_size]``; ``-inf`` where not causally visible.
-
-    Token ``t`` of row ``b`` sits at position ``seq_lens[b] - n_b + i`` and sees positions ``<=`` its own.
-    Padding tokens (past ``cu_seqlens[-1]``) get all ``-inf``. Reads nothing it changes.
-    """
-    check_float("q", q, rank=3)
-    t, hi, di = q.shape
-    check_array("weights", weights, rank=2, shape=(t, hi))
-    check_array("index_k", index_k, rank=3, shape=(None, None, di))
-    if index_scale is not None:
-        check_array("index_scale", index_scale, rank=3, shape=tuple(index_k.shape[:2]) + (None,))
-        if di % index_scale.shape[-1]:
-            raise ValueError(f"index_scale has {index_scale.shape[-1]} scales per token; {di} is not a multiple")
-    check_int32("block_tables", block_tables, rank=3)
+) -> jax.Array:  # f32[T, max_blocks * page_size]
+    """Float32 oracle of :func:`indexer_scores` (arguments already validated)."""
+    t = q.shape[0]
     b = block_tables.shape[0]
-    check_int32("seq_lens", seq_lens, shape=(b,))
-    check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
-    _check_scale(scale)
-
     page_size = index_k.shape[1]
     length = block_tables.shape[-1] * page_size
     pos_all = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
@@ -120,6 +104,53 @@ def indexer_scores(
         return jnp.where(visible, score, -jnp.inf)
 
     return jax.lax.map(lambda a: one(*a), (q, weights, row, pos, valid))
+
+
+def _indexer_kernel_fits(index_k, index_scale) -> bool:
+    """Whether the Pallas indexer kernel takes these keys under ``impl="auto"`` (fp8, power-of-two tiles)."""
+    groups = 1 if index_scale is None else index_scale.shape[-1]
+    tiles = (index_k.shape[1], index_k.shape[-1] // groups)  # page size, scale-group width
+    return index_k.dtype == jnp.float8_e4m3fn and all(n >= 16 and n & (n - 1) == 0 for n in tiles)
+
+
+def indexer_scores(
+    q: jax.Array,  # [T, Hi, Di] roped indexer queries
+    weights: jax.Array,  # f32[T, Hi] per-head weights (n_heads**-0.5 applied)
+    index_k: jax.Array,  # [P, page_size, Di] indexer keys (f8e4m3 with scales, or any float)
+    index_scale: jax.Array | None,  # f32[P, page_size, Di // block] | None (no scaling)
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B], context length including this step's tokens
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1]
+    scale: float,
+    impl: str = "auto",
+) -> jax.Array:
+    """Float32 index scores ``f32[T, max_blocks * page_size]``; ``-inf`` where not causally visible.
+
+    Token ``t`` of row ``b`` sits at position ``seq_lens[b] - n_b + i`` and sees positions ``<=`` its own.
+    Padding tokens (past ``cu_seqlens[-1]``) get all ``-inf``. Reads nothing it changes. The Pallas kernel
+    (``kvjax.pallas.dsa_indexer``) multiplies bf16 queries by the exactly decoded fp8 keys with f32
+    accumulation; the reference is f32 throughout. ``impl="auto"`` uses the kernel only for fp8 keys whose
+    page size and scale-group width are powers of two >= 16 (the kernel would round other float keys to bf16);
+    otherwise the reference.
+    """
+    check_float("q", q, rank=3)
+    t, hi, di = q.shape
+    check_array("weights", weights, rank=2, shape=(t, hi))
+    check_array("index_k", index_k, rank=3, shape=(None, None, di))
+    if index_scale is not None:
+        check_array("index_scale", index_scale, rank=3, shape=tuple(index_k.shape[:2]) + (None,))
+        if di % index_scale.shape[-1]:
+            raise ValueError(f"index_scale has {index_scale.shape[-1]} scales per token; {di} is not a multiple")
+    check_int32("block_tables", block_tables, rank=3)
+    b = block_tables.shape[0]
+    check_int32("seq_lens", seq_lens, shape=(b,))
+    check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
+    _check_scale(scale)
+    if impl == "auto" and not _indexer_kernel_fits(index_k, index_scale):
+        impl = "reference"
+    fn = dispatch.resolve("indexer_scores", impl)
+    return fn(q, weights, index_k, index_scale, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=float(scale))
 
 
 def index_topk(scores: jax.Array, topk: int) -> jax.Array:
@@ -248,4 +279,7 @@ def sparse_impls() -> list[str]:
 
 dispatch.register_reference("sparse_mla_decode", sparse_mla_decode_reference)
 dispatch.register_kernel("sparse_mla_decode", "pallas", "kvjax.pallas.mla_decode:sparse_mla_decode_pallas",
+                         platforms=("gpu",))
+dispatch.register_reference("indexer_scores", indexer_scores_reference)
+dispatch.register_kernel("indexer_scores", "pallas", "kvjax.pallas.dsa_indexer:indexer_scores_pallas",
                          platforms=("gpu",))
