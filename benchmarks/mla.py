@@ -289,6 +289,7 @@ def _bench_dsa(results, bench, rng, quick=False):
         irow["indexer_topk_jnp_ms"] = t_index * 1e3
         results.setdefault("dsa_indexer", []).append(irow)
         print("dsa indexer", irow, flush=True)
+        fp8_roles = _fp8_key_roles(pages)  # DSA key cache roles holding the same latent
         for h in (16, 128):
             q = jax.random.normal(k[1], (b, h, 512), jnp.bfloat16)
             qr = jax.random.normal(k[2], (b, h, 64), jnp.bfloat16)
@@ -311,9 +312,45 @@ def _bench_dsa(results, bench, rng, quick=False):
                     row[f"sparse_{name}_ms"] = bench(f, q, qr, pages, tables, lens, idx) * 1e3
                 except Exception as ex:  # noqa: BLE001
                     row[f"sparse_{name}_error"] = repr(ex)[:300]
+            _bench_sparse_fp8(results, bench, row, (q, qr) + fp8_roles + (tables, lens, idx), scale)
             results["dsa"].append(row)
             print("dsa", row, flush=True)
 
+
+
+def _fp8_key_roles(pages):
+    """bf16 latent pages [P, ps, 576] -> DSA roles (key f8e4m3[P, ps, 512], key_scale f32[P, ps, 4], key_rope)."""
+    from kvjax.ops.fp8 import quantize_fp8_blockwise
+
+    key, key_scale = quantize_fp8_blockwise(pages[..., :512], 128)
+    return key, key_scale, pages[..., 512:]
+
+
+def _bench_sparse_fp8(results, bench, row, args, scale):
+    """Sparse decode over the fp8 key roles: Pallas kernel (both fp8 decodes) and the jnp reference path,
+    each checked against the f32 reference first. Bytes read per call: ``B·K·(512 + 16 + 128)``."""
+    import jax
+
+    from kvjax.ops import dsa
+    from kvjax.pallas.dsa_sparse import sparse_mla_decode_fp8_pallas
+
+    q = args[0]
+    with jax.default_matmul_precision("highest"):
+        want = dsa.sparse_mla_decode_fp8(*args, scale=scale, impl="reference").astype("float32")
+    for name, fn in (
+        ("pallas_bits", lambda *x: sparse_mla_decode_fp8_pallas(*x, scale=scale, fp8_decode="bits")),
+        ("pallas_cast", lambda *x: sparse_mla_decode_fp8_pallas(*x, scale=scale, fp8_decode="cast")),
+        ("xla_reference", lambda *x: dsa.sparse_mla_decode_fp8(*x, scale=scale, impl="reference")),
+    ):
+        f = jax.jit(fn)
+        try:
+            got = f(*args).astype("float32")
+            e = float(jax.numpy.linalg.norm(got - want) / jax.numpy.linalg.norm(want))
+            results["checks"].append({"op": "sparse_mla_decode_fp8", "impl": name, "H": q.shape[1],
+                                      "L": row["L"], "rel_err": e, "ok": e <= 2e-2})
+            row[f"sparse_fp8_{name}_ms"] = bench(f, *args) * 1e3
+        except Exception as ex:  # noqa: BLE001
+            row[f"sparse_fp8_{name}_error"] = repr(ex)[:300]
 
 
 def _bench_indexer_kernel(results, bench, args, cu, topk, length):

@@ -241,6 +241,35 @@ def sparse_mla_decode(
     return fn(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=float(scale))
 
 
+def sparse_mla_decode_fp8_reference(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    key: jax.Array,  # f8e4m3[P, page_size, R]
+    key_scale: jax.Array,  # f32[P, page_size, R // block]
+    key_rope: jax.Array,  # bf16[P, page_size, r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    topk_indices: jax.Array,  # i32[B, K]; -1 = none
+    *,
+    scale: float,
+) -> jax.Array:  # [B, H, R] in q_latent's dtype
+    """Float32 oracle of :func:`sparse_mla_decode_fp8` (arguments already validated)."""
+    rank = q_latent.shape[-1]
+    page, off = _page_of(block_tables, topk_indices, key.shape[1])
+    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
+    pg = jnp.maximum(page, 0)
+    rows = jnp.concatenate([dequantize_fp8_blockwise(key[pg, off], key_scale[pg, off]),
+                            key_rope[pg, off].astype(jnp.float32)], axis=-1)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
+    return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
+
+
+def _sparse_fp8_kernel_fits(key, key_scale, q_rope) -> bool:
+    """Whether the Pallas fp8 sparse kernel takes these roles under ``impl="auto"`` (power-of-two tiles)."""
+    tiles = (key.shape[-1] // key_scale.shape[-1], q_rope.shape[-1])  # scale-group width, rope width
+    return key.dtype == jnp.float8_e4m3fn and all(n >= 16 and n & (n - 1) == 0 for n in tiles)
+
+
 def sparse_mla_decode_fp8(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
@@ -252,24 +281,26 @@ def sparse_mla_decode_fp8(
     topk_indices: jax.Array,  # i32[B, K]; -1 = none
     *,
     scale: float,
+    impl: str = "auto",
 ) -> jax.Array:
     """Sparse MLA decode over the DSA ``key`` cache roles: gathers and dequantises only the selected rows.
 
-    Reference (jnp) path; same semantics as :func:`sparse_mla_decode` on the dequantised latent.
+    Same semantics as :func:`sparse_mla_decode` on the dequantised latent; returns ``o: [B, H, R]`` in
+    ``q_latent``'s dtype. The Pallas kernel (``kvjax.pallas.dsa_sparse``) decodes the fp8 bytes exactly and
+    applies the scales outside its bf16 products (f32 accumulation); ``impl="auto"`` uses it for fp8 keys whose
+    scale-group and rope widths are powers of two >= 16, otherwise the reference.
     """
     _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
     check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))
     check_array("key_scale", key_scale, rank=3, shape=tuple(key.shape[:2]) + (None,))
+    if key.shape[-1] % key_scale.shape[-1]:
+        raise ValueError(f"key_scale has {key_scale.shape[-1]} scales per token; {key.shape[-1]} is not a multiple")
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
     _check_scale(scale)
-    rank = q_latent.shape[-1]
-    page, off = _page_of(block_tables, topk_indices, key.shape[1])
-    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
-    pg = jnp.maximum(page, 0)
-    rows = jnp.concatenate([dequantize_fp8_blockwise(key[pg, off], key_scale[pg, off]),
-                            key_rope[pg, off].astype(jnp.float32)], axis=-1)
-    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
-    return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
+    if impl == "auto" and not _sparse_fp8_kernel_fits(key, key_scale, q_rope):
+        impl = "reference"
+    fn = dispatch.resolve("sparse_mla_decode_fp8", impl)
+    return fn(q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices, scale=float(scale))
 
 
 def sparse_impls() -> list[str]:
@@ -282,4 +313,7 @@ dispatch.register_kernel("sparse_mla_decode", "pallas", "kvjax.pallas.mla_decode
                          platforms=("gpu",))
 dispatch.register_reference("indexer_scores", indexer_scores_reference)
 dispatch.register_kernel("indexer_scores", "pallas", "kvjax.pallas.dsa_indexer:indexer_scores_pallas",
+                         platforms=("gpu",))
+dispatch.register_reference("sparse_mla_decode_fp8", sparse_mla_decode_fp8_reference)
+dispatch.register_kernel("sparse_mla_decode_fp8", "pallas", "kvjax.pallas.dsa_sparse:sparse_mla_decode_fp8_pallas",
                          platforms=("gpu",))

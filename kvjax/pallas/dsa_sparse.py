@@ -1,0 +1,209 @@
+"""DSA sparse MLA decode over the fp8 ``key`` cache roles (Pallas, Triton lowering).
+
+The split-KV sparse path of :mod:`kvjax.pallas.mla_decode`, reading the DSA roles directly instead of a bf16
+latent: ``key f8e4m3[P, page_size, R]``, ``key_scale f32[P, page_size, R // w]`` (one scale per ``w``
+consecutive values, ``w = 128``) and ``key_rope bf16[P, page_size, r]``. One program per (head group, KV
+split, sequence) walks its share of the ``K`` listed positions ``block_n`` at a time, gathering those rows
+through the block table. The fp8 bytes are decoded to bf16 exactly (see :mod:`kvjax.pallas.dsa_indexer`) and
+the scales are applied outside the products, so the dequantisation adds no rounding:
+
+- logits ``= Σ_g s_g · (q_g · k_gᵀ) + q_rope · k_ropeᵀ`` (bf16 operands, f32 accumulation);
+- output group ``g`` accumulates ``(p · s_g) · k_g`` with ``p`` the base-2 online-softmax weights rounded to
+  bf16 (as the bf16 kernel does), one ``[block_h, w]`` f32 accumulator per group.
+
+Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). Stage 2 is
+:func:`kvjax.pallas.mla_decode.merge_splits`; with one split stage 1 writes the output directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.pallas.dsa_indexer import _decode_e4m3_bits
+from kvjax.pallas.mla_decode import _num_sms, choose_num_kv_splits, default_tiles, merge_splits
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_MASK_INIT = -1e30  # finite running-max start: a fully masked block keeps exp(...) at 0, never NaN
+
+
+def _sparse_fp8_kernel(
+    tables_ref,  # i32[B, max_blocks] (whole array)
+    lens_ref,  # i32[B] (whole array)
+    topk_ref,  # i32[B, K] (whole array)
+    q_ref,  # bf16[block_h, R]
+    qr_ref,  # bf16[block_h, r]
+    key_ref,  # u8 / f8e4m3 [P, page_size, R] (whole array)
+    kscale_ref,  # f32[P, page_size, G] (whole array)
+    rope_ref,  # bf16[P, page_size, r] (whole array)
+    o_ref,  # [block_h, R] split output (f32, or the final dtype with one split)
+    lse_ref,  # f32[block_h]
+    *,
+    scale: float,
+    num_splits: int,
+    block_n: int,
+    fp8_bits: bool,
+):
+    split, b = pl.program_id(1), pl.program_id(2)
+    page_size, rank = key_ref.shape[1], key_ref.shape[2]
+    groups = kscale_ref.shape[2]
+    width = rank // groups
+    max_blocks = tables_ref.shape[1]
+    block_h, rope = qr_ref.shape
+
+    seq_len = lens_ref[b]
+    n_steps = topk_ref.shape[1] // block_n
+    per_split = pl.cdiv(n_steps, num_splits)
+    start = split * per_split
+    end = jnp.minimum(start + per_split, n_steps)
+
+    qs = [q_ref[:, pl.ds(g * width, width)] for g in range(groups)]
+    qr = qr_ref[...]
+    cols = jnp.arange(width, dtype=jnp.int32)
+    rcols = jnp.arange(rope, dtype=jnp.int32)
+    gcols = jnp.arange(groups, dtype=jnp.int32)
+
+    def body(j, carry):
+        accs, m, l = carry[:groups], carry[groups], carry[groups + 1]
+        pos = topk_ref[b, pl.ds(j * block_n, block_n)]
+        pos_ok = (pos >= 0) & (pos < seq_len)
+        pos = jnp.where(pos_ok, pos, 0)
+        page = tables_ref[b, jnp.minimum(pos // page_size, max_blocks - 1)]
+        valid = pos_ok & (page >= 0)  # bool[block_n]
+        page, off = jnp.maximum(page, 0)[:, None], (pos % page_size)[:, None]
+        kr = plgpu.load(rope_ref.at[page, off, rcols[None, :]],
+                        mask=jnp.broadcast_to(valid[:, None], (block_n, rope)), other=0.0)
+        sc = plgpu.load(kscale_ref.at[page, off, gcols[None, :]],
+                        mask=jnp.broadcast_to(valid[:, None], (block_n, groups)), other=0.0)  # f32[block_n, G]
+        s = plgpu.dot(qr, kr.astype(jnp.bfloat16), trans_b=True)  # f32[block_h, block_n]
+        kmask = jnp.broadcast_to(valid[:, None], (block_n, width))
+        tiles = []
+        for g in range(groups):
+            kg = plgpu.load(key_ref.at[page, off, (g * width + cols)[None, :]], mask=kmask, other=0)
+            kg = (_decode_e4m3_bits(kg) if fp8_bits else kg).astype(jnp.bfloat16)  # exact
+            sg = jnp.sum(jnp.where(gcols[None, :] == g, sc, 0.0), axis=1)  # f32[block_n]
+            s += plgpu.dot(qs[g], kg, trans_b=True) * sg[None, :]
+            tiles.append((kg, sg))
+        s = jnp.where(valid[None, :], s * (scale * _LOG2E), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        accs = tuple(acc * alpha[:, None] + plgpu.dot((p * sg[None, :]).astype(jnp.bfloat16), kg)
+                     for acc, (kg, sg) in zip(accs, tiles))
+        return (*accs, m_new, l)
+
+    init = tuple(jnp.zeros((block_h, width), jnp.float32) for _ in range(groups)) + (
+        jnp.full((block_h,), _MASK_INIT, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    out = jax.lax.fori_loop(start, end, body, init)
+    m, l = out[groups], out[groups + 1]
+    has = l > 0.0
+    safe_l = jnp.where(has, l, 1.0)
+    for g in range(groups):
+        o_ref[:, pl.ds(g * width, width)] = (out[g] / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)  # natural-log lse
+
+
+def _sparse_fp8_call(q, qr, key, kscale, krope, tables, lens, topk, *, scale, num_splits, block_h, block_n,
+                     fp8_bits, num_warps, num_stages, out_dtype, interpret):
+    b, h, rank = q.shape
+    rope = qr.shape[-1]
+    out_dtype = out_dtype if num_splits == 1 else jnp.float32
+    kernel = functools.partial(_sparse_fp8_kernel, scale=scale, num_splits=num_splits, block_n=block_n,
+                               fp8_bits=fp8_bits)
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel,
+        grid=(h // block_h, num_splits, b),
+        in_specs=[
+            whole, whole, whole,
+            pl.BlockSpec((None, block_h, rank), lambda g, s, i: (i, g, 0)),
+            pl.BlockSpec((None, block_h, rope), lambda g, s, i: (i, g, 0)),
+            whole, whole, whole,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, rank), lambda g, s, i: (i, s, g, 0)),
+            pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, num_splits, h, rank), out_dtype),
+            jax.ShapeDtypeStruct((b, num_splits, h), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="dsa_sparse_fp8_decode_stage1",
+    )(tables, lens, topk, q, qr, key, kscale, krope)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+_STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "fp8_decode", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def sparse_mla_decode_fp8_pallas(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    key: jax.Array,  # f8e4m3[P, page_size, R]
+    key_scale: jax.Array,  # f32[P, page_size, R // w]
+    key_rope: jax.Array,  # bf16[P, page_size, r]
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    topk_indices: jax.Array,  # i32[B, K]; -1 = none
+    *,
+    scale: float,
+    num_kv_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_decode: str = "bits",
+    interpret: bool = False,
+) -> jax.Array:
+    """Sparse MLA decode over the DSA fp8 key roles (see module doc). Returns ``o: [B, H, R]`` in
+    ``q_latent``'s dtype; a row with no selected position gives 0.
+
+    Tiles default to :func:`kvjax.pallas.mla_decode.default_tiles` (sparse). Needs fp8 ``key``, a scale-group
+    width ``R // G`` and a rope width that are powers of two >= 16; raises ``ValueError`` otherwise.
+    """
+    b, h, rank = q_latent.shape
+    rope = q_rope.shape[-1]
+    groups = key_scale.shape[-1]
+    if key.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"key must be float8_e4m3fn, got {key.dtype}")
+    if not _pow2(rank // groups) or not _pow2(rope):
+        raise ValueError(f"kernel needs R // scales = {rank} // {groups} and rope width {rope} to be powers of "
+                         f"two >= 16")
+    if fp8_decode not in ("bits", "cast"):
+        raise ValueError(f"fp8_decode must be 'bits' or 'cast', got {fp8_decode!r}")
+    tiles = default_tiles(h, key.shape[1], sparse=True)
+    block_h = block_h or tiles["block_h"]
+    block_n = block_n or tiles["block_n"]
+    num_warps = num_warps or tiles["num_warps"]
+    num_stages = num_stages or tiles["num_stages"]
+    pad = -h % block_h
+    q = jnp.pad(q_latent.astype(jnp.bfloat16), ((0, 0), (0, pad), (0, 0)))
+    qr = jnp.pad(q_rope.astype(jnp.bfloat16), ((0, 0), (0, pad), (0, 0)))
+    topk = topk_indices
+    if topk.shape[1] % block_n:
+        topk = jnp.pad(topk, ((0, 0), (0, -topk.shape[1] % block_n)), constant_values=-1)
+    groups_h = (h + pad) // block_h
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(b, groups_h, topk.shape[1] // block_n, _num_sms())
+    fp8_bits = fp8_decode == "bits"
+    keys = jax.lax.bitcast_convert_type(key, jnp.uint8) if fp8_bits else key
+    o, lse = _sparse_fp8_call(q, qr, keys, key_scale.astype(jnp.float32), key_rope, block_tables[:, 0, :],
+                              seq_lens, topk, scale=scale, num_splits=num_kv_splits, block_h=block_h,
+                              block_n=block_n, fp8_bits=fp8_bits, num_warps=num_warps, num_stages=num_stages,
+                              out_dtype=q_latent.dtype, interpret=interpret)
+    out = o[:, 0] if num_kv_splits == 1 else merge_splits(o, lse)
+    return out.astype(q_latent.dtype)[:, :h]
