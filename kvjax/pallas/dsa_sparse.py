@@ -25,7 +25,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.pallas.dsa_indexer import _decode_e4m3_bits
-from kvjax.pallas.mla_decode import _num_sms, choose_num_kv_splits, default_tiles, merge_splits
+from kvjax.pallas.mla_decode import (
+    _num_sms,
+    choose_num_kv_splits,
+    default_tiles,
+    merge_splits,
+)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
