@@ -46,7 +46,6 @@ from kvjax.engine.metrics import EngineMetrics, StepRecord
 from kvjax.engine.sampling import sample, row_keys
 from kvjax.errors import RequestTooLongError
 from kvjax.sched.plan import DEVICE_FIELDS, StepPlan
-from kvjax.sched.request import Status
 from kvjax.sched.scheduler import Scheduler
 
 

@@ -60,6 +60,7 @@ from kvjax.models.common import (
 from kvjax.models.deepseek_config import DeepseekConfig
 from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_mla_decode_fp8
 from kvjax.ops.mla import absorb_output, absorb_query, split_kv_b_proj
+from kvjax.ops.ragged import token_rows
 from kvjax.ops.softmax import masked_softmax
 from kvjax.state.dsa_cache import (
     dequantize_fp8_blockwise,
@@ -463,8 +464,7 @@ class DeepseekV32(nnx.Module):
         """
         t = inputs.token_ids.shape[0]
         tok = jnp.arange(t)
-        rows = inputs.block_tables.shape[0]
-        row = jnp.clip(jnp.searchsorted(inputs.cu_seqlens, tok, side="right") - 1, 0, rows - 1)
+        row = token_rows(inputs.cu_seqlens, t)
         valid = tok < inputs.cu_seqlens[-1]
         meta = {
             "slots": jnp.where(valid, inputs.slot_mapping[:, 0], -1),

@@ -19,6 +19,7 @@ from flax import nnx
 
 from kvjax.config import AttentionConfig, GDNConfig
 from kvjax.models.common import GatedRMSNorm, Linear, RMSNorm, apply_rope
+from kvjax.ops.ragged import token_rows
 from kvjax.state.gdn_pool import GDNStatePool
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class GatedDeltaNet(nnx.Module):
             mixed, pool = conv_decode(self.in_proj_qkv(xr), weight, None, pool, layer=layer, slot_ids=slots)
             q, k, v, g, beta, z = self._split(xr, mixed)
             o, pool = gdn_decode(q, k, v, g, beta, pool, layer=layer, slot_ids=slots, use_qk_l2norm=True)
-            row = jnp.clip(jnp.searchsorted(cu, jnp.arange(t), side="right") - 1, 0, slots.shape[0] - 1)
+            row = token_rows(cu, t)
             return self._out(o, z)[row], pool
         mixed, pool = conv_prefill(
             self.in_proj_qkv(x), weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,

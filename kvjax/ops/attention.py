@@ -45,6 +45,7 @@ import numpy as np
 
 from kvjax.ops import dispatch
 from kvjax.ops._checks import check_float, check_int32
+from kvjax.ops.ragged import token_rows
 
 _TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
 _HIGHEST = jax.lax.Precision.HIGHEST  # true f32 matmuls (no TF32 on GPU): the reference is the oracle
@@ -104,7 +105,7 @@ def paged_attention_reference(
     safe_tables = jnp.where(present, block_tables, 0)
 
     tok = jnp.arange(t_total, dtype=jnp.int32)
-    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right").astype(jnp.int32) - 1, 0, num_rows - 1)
+    row = token_rows(cu_seqlens, t_total)
     n_new = cu_seqlens[row + 1] - cu_seqlens[row]
     q_pos = seq_lens[row] - n_new + (tok - cu_seqlens[row])  # absolute position of each query token
     is_real = (tok >= cu_seqlens[0]) & (tok < cu_seqlens[num_rows])

@@ -35,6 +35,7 @@ import numpy as np
 
 from kvjax.ops import conv, dispatch, gdn
 from kvjax.ops._checks import check_array, check_cu_seqlens, check_int32
+from kvjax.ops.ragged import count_le
 from kvjax.state.gdn_pool import GDNStatePool, check_slot_ids, slot_index
 
 PREFILL_OP = "gdn_prefill_pool"
@@ -67,7 +68,7 @@ def _pool_reference(op_reference, q, k, v, g, beta, ssm, *, layer, slot_ids, has
         q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=init, scale=scale, use_qk_l2norm=use_qk_l2norm
     )
     t = jnp.arange(q.shape[0], dtype=jnp.int32)
-    row = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1
+    row = count_le(cu_seqlens, t) - 1
     in_batch = (row >= 0) & (row < slot_ids.shape[0])
     row_live = in_batch & live[jnp.clip(row, 0, slot_ids.shape[0] - 1)]
     o = jnp.where(row_live[:, None, None], o, jnp.zeros_like(o))
@@ -282,8 +283,6 @@ def conv_prefill_pool_reference(
 ) -> tuple[jax.Array, jax.Array]:  # (y [T, D], new conv pool)
     """Oracle (and the fused-XLA path): gather the initial states, ``causal_conv1d_reference``, zero the
     padding rows' outputs, scatter the final states (slot 0 and out-of-range ids dropped)."""
-    from kvjax.pallas.paged_common import count_le
-
     live, idx, init = _conv_rows(conv_pool, layer, slot_ids, has_initial_state)
     y, final = conv.causal_conv1d_reference(x, weight, bias, cu_seqlens=cu_seqlens, initial_state=init,
                                             activation=activation)

@@ -34,6 +34,7 @@ import numpy as np
 
 from kvjax.ops import dispatch
 from kvjax.ops._checks import check_float, check_int32
+from kvjax.ops.ragged import token_rows
 from kvjax.ops.softmax import masked_softmax
 
 
@@ -211,7 +212,7 @@ def mla_prefill_reference(
     v = jnp.einsum("hvr,blr->bhlv", w_uv.astype(jnp.float32), kv_c)  # [B, H, L, v]
 
     tok = jnp.arange(t)
-    row = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right") - 1, 0, block_tables.shape[0] - 1)
+    row = token_rows(cu_seqlens, t)
     valid = tok < cu_seqlens[-1]
     pos = seq_lens[row] - (cu_seqlens[row + 1] - tok)  # absolute position of each new token
 

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.pallas.paged_common import count_le, next_pow2
+from kvjax.ops.ragged import count_le
+from kvjax.pallas.paged_common import next_pow2
 
 
 def _act(y, activation):

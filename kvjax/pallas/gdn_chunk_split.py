@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.pallas.gdn_chunk_prep import _dot
 from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE
-from kvjax.pallas.paged_common import count_le
+from kvjax.ops.ragged import count_le
 
 
 def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
