@@ -327,7 +327,7 @@ def _fp8_key_roles(pages):
 
 
 def _bench_sparse_fp8(results, bench, row, args, scale):
-    """Sparse decode over the fp8 key roles: Pallas kernel (both fp8 decodes) and the jnp reference path,
+    """Sparse decode over the fp8 key roles: Pallas kernel and the jnp reference path,
     each checked against the f32 reference first. Bytes read per call: ``B·K·(512 + 16 + 128)``."""
     import jax
 
@@ -338,8 +338,7 @@ def _bench_sparse_fp8(results, bench, row, args, scale):
     with jax.default_matmul_precision("highest"):
         want = dsa.sparse_mla_decode_fp8(*args, scale=scale, impl="reference").astype("float32")
     for name, fn in (
-        ("pallas_bits", lambda *x: sparse_mla_decode_fp8_pallas(*x, scale=scale, fp8_decode="bits")),
-        ("pallas_cast", lambda *x: sparse_mla_decode_fp8_pallas(*x, scale=scale, fp8_decode="cast")),
+        ("pallas_bits", lambda *x: sparse_mla_decode_fp8_pallas(*x, scale=scale)),
         ("xla_reference", lambda *x: dsa.sparse_mla_decode_fp8(*x, scale=scale, impl="reference")),
     ):
         f = jax.jit(fn)
@@ -354,7 +353,7 @@ def _bench_sparse_fp8(results, bench, row, args, scale):
 
 
 def _bench_indexer_kernel(results, bench, args, cu, topk, length):
-    """Pallas indexer scores (both fp8 decodes) alone and + ``index_topk``, checked against the f32 reference.
+    """Pallas indexer scores alone and + ``index_topk``, checked against the f32 reference.
 
     Counted per call: key bytes ``B·L·(128 + 4)`` (fp8 keys + f32 scale) and ``2·B·L·Hi·Di`` FLOPs.
     """
@@ -374,10 +373,9 @@ def _bench_indexer_kernel(results, bench, args, cu, topk, length):
     want_idx = np.asarray(dsa.index_topk(want, topk))
     want = np.asarray(want)
     fin = np.isfinite(want)
-    for mode in ("bits", "cast"):
-        scores = jax.jit(lambda *a, _m=mode: indexer_scores_pallas(*a, cu_seqlens=cu, scale=scale, fp8_decode=_m))
-        both = jax.jit(lambda *a, _m=mode: dsa.index_topk(
-            indexer_scores_pallas(*a, cu_seqlens=cu, scale=scale, fp8_decode=_m), topk))
+    for mode in ("bits",):  # fp8 decoded from its bit pattern (native fp8 loads fail to lower, jax 0.11.2)
+        scores = jax.jit(lambda *a: indexer_scores_pallas(*a, cu_seqlens=cu, scale=scale))
+        both = jax.jit(lambda *a: dsa.index_topk(indexer_scores_pallas(*a, cu_seqlens=cu, scale=scale), topk))
         try:
             got = np.asarray(scores(*args))
             mask_ok = bool((np.isneginf(got) == np.isneginf(want)).all())

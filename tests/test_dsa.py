@@ -361,19 +361,18 @@ def test_fp8_bit_decoder_is_exact():
     np.testing.assert_array_equal(got[finite], vals[finite])  # subnormals and signed zero included
 
 
-@pytest.mark.parametrize("fp8_decode, block, ppp, q_dtype", [
-    ("bits", 128, 2, np.float32),  # 5 blocks over chunks of 2 pages: a ragged last chunk
-    ("cast", 64, 4, jnp.bfloat16),  # two scale groups per token; bf16 q (then exact up to f32 sums)
+@pytest.mark.parametrize("block, ppp, q_dtype", [
+    (128, 2, np.float32),  # 5 blocks over chunks of 2 pages: a ragged last chunk
+    (64, 4, jnp.bfloat16),  # two scale groups per token; bf16 q (then exact up to f32 sums)
 ])
-def test_indexer_pallas_interpret_matches_reference(rng, fp8_decode, block, ppp, q_dtype):
+def test_indexer_pallas_interpret_matches_reference(rng, block, ppp, q_dtype):
     from kvjax.pallas.dsa_indexer import indexer_scores_pallas
 
     scale = 128 ** -0.5
     args, cu = _indexer_case(rng, [70, 9, 33, 1, 80], [3, 9, 1, 1, 2], hi=6, di=128, page_size=16,
                              max_blocks=5, block=block, pad_tokens=2, q_dtype=q_dtype)
     want = dsa.indexer_scores(*args, cu_seqlens=cu, scale=scale, impl="reference")
-    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale, pages_per_program=ppp,
-                                fp8_decode=fp8_decode, interpret=True)
+    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale, pages_per_program=ppp, interpret=True)
     assert np.isneginf(np.asarray(got)[-2:]).all()  # padding tokens
     assert np.isneginf(np.asarray(got)[0, :16]).all()  # the hole in row 0
     overlap = _check_indexer(got, want, _bf16_bound(args, cu, scale), topk=12)
@@ -391,15 +390,12 @@ def test_indexer_dispatch_and_kernel_validation(rng):
     q, w, kq, ks, tables, lens = args
     with pytest.raises(ValueError, match="page_size"):  # Triton tiles need powers of two >= 16
         indexer_scores_pallas(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1, interpret=True)
-    with pytest.raises(ValueError, match="fp8_decode"):
-        indexer_scores_pallas(*args, cu_seqlens=cu, scale=0.1, fp8_decode="nope", interpret=True)
     assert dsa._indexer_kernel_fits(kq, ks) and not dsa._indexer_kernel_fits(kq.astype(jnp.float32), ks)
     assert not dsa._indexer_kernel_fits(kq[:, :8], ks[:, :8])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_decode", ["bits", "cast"])
-def test_indexer_pallas_gpu(rng, fp8_decode):
+def test_indexer_pallas_gpu(rng):
     """Realistic shapes: 64 heads of 128, pages of 64, decode rows up to 8k plus a prefill chunk."""
     from kvjax.pallas.dsa_indexer import indexer_scores_pallas
 
@@ -410,7 +406,7 @@ def test_indexer_pallas_gpu(rng, fp8_decode):
                              q_dtype=jnp.bfloat16)
     with jax.default_matmul_precision("highest"):  # no TF32 in the f32 reference
         want = dsa.indexer_scores(*args, cu_seqlens=cu, scale=scale, impl="reference")
-    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale, fp8_decode=fp8_decode)
+    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale)
     overlap = _check_indexer(got, want, _bf16_bound(args, cu, scale), topk=2048)
     assert overlap >= 0.99
 
@@ -424,8 +420,8 @@ def _fp8_roles(args):
     return jnp.asarray(kq), jnp.asarray(ks), jnp.asarray(pages[..., 512:]).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("splits, block_n, fp8_decode", [(1, 16, "bits"), (3, 32, "cast")])
-def test_sparse_fp8_pallas_interpret_matches_reference(rng, splits, block_n, fp8_decode):
+@pytest.mark.parametrize("splits, block_n", [(1, 16), (3, 32)])
+def test_sparse_fp8_pallas_interpret_matches_reference(rng, splits, block_n):
     """Kernel vs the f32 reference on the same fp8 roles. The fp8 keys reach the tensor cores exactly; the
     rounding is of q (bf16, rel. 2**-9) and of the softmax weights (bf16), so rel. error <= 1e-2 (measured
     ~3e-3)."""
@@ -436,8 +432,7 @@ def test_sparse_fp8_pallas_interpret_matches_reference(rng, splits, block_n, fp8
     key, ks, rope = _fp8_roles((q, qr, pages))
     args = (q, qr, key, ks, rope, tables, lens, idx)
     want = np.asarray(dsa.sparse_mla_decode_fp8(*args, scale=0.05, impl="reference"))
-    got = sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits, block_n=block_n,
-                                       fp8_decode=fp8_decode, interpret=True)
+    got = sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits, block_n=block_n, interpret=True)
     assert got.dtype == q.dtype
     got = np.asarray(got)
     assert np.isfinite(got).all()
@@ -462,13 +457,16 @@ def test_sparse_fp8_kernel_validation(rng):
                                      scale=0.1, interpret=True)
     with pytest.raises(ValueError, match="not a multiple"):
         dsa.sparse_mla_decode_fp8(q, qr, key, jnp.ones((*key.shape[:2], 3)), rope, tables, lens, idx, scale=0.1)
+    with pytest.raises(ValueError, match="powers of two"):  # the op names the kernel's limits too
+        dsa.sparse_mla_decode_fp8(q, qr, key, jnp.ones((*key.shape[:2], 64)), rope, tables, lens, idx, scale=0.1,
+                                  impl="interpret")
     assert dsa._sparse_fp8_kernel_fits(key, ks, qr)
     assert not dsa._sparse_fp8_kernel_fits(key, jnp.ones((*key.shape[:2], 64)), qr)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h, fp8_decode", [(16, "bits"), (128, "bits"), (128, "cast")])
-def test_sparse_fp8_pallas_gpu(rng, h, fp8_decode):
+@pytest.mark.parametrize("h", [16, 128])
+def test_sparse_fp8_pallas_gpu(rng, h):
     from kvjax.pallas.dsa_sparse import sparse_mla_decode_fp8_pallas
 
     q, qr, pages, tables, lens, idx = _sparse_case(rng, [8192, 1, 3000, 2048, 64, 5000], h=h, page_size=64,
@@ -479,7 +477,6 @@ def test_sparse_fp8_pallas_gpu(rng, h, fp8_decode):
         want = np.asarray(dsa.sparse_mla_decode_fp8(q.astype(jnp.float32), qr.astype(jnp.float32), *args[2:],
                                                     scale=0.05, impl="reference"))
     for splits in (None, 1, 4):
-        got = np.asarray(sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits,
-                                                      fp8_decode=fp8_decode), np.float32)
+        got = np.asarray(sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
         assert np.isfinite(got).all()
         assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 2e-2  # bf16 output on top of 1e-2

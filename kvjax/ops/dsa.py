@@ -265,7 +265,7 @@ def sparse_mla_decode_fp8_reference(
 
 
 def _sparse_fp8_kernel_fits(key, key_scale, q_rope) -> bool:
-    """Whether the Pallas fp8 sparse kernel takes these roles under ``impl="auto"`` (power-of-two tiles)."""
+    """Whether the Pallas fp8 sparse kernel takes these roles (fp8, power-of-two tiles)."""
     tiles = (key.shape[-1] // key_scale.shape[-1], q_rope.shape[-1])  # scale-group width, rope width
     return key.dtype == jnp.float8_e4m3fn and all(n >= 16 and n & (n - 1) == 0 for n in tiles)
 
@@ -286,9 +286,10 @@ def sparse_mla_decode_fp8(
     """Sparse MLA decode over the DSA ``key`` cache roles: gathers and dequantises only the selected rows.
 
     Same semantics as :func:`sparse_mla_decode` on the dequantised latent; returns ``o: [B, H, R]`` in
-    ``q_latent``'s dtype. The Pallas kernel (``kvjax.pallas.dsa_sparse``) decodes the fp8 bytes exactly and
-    applies the scales outside its bf16 products (f32 accumulation); ``impl="auto"`` uses it for fp8 keys whose
-    scale-group and rope widths are powers of two >= 16, otherwise the reference.
+    ``q_latent``'s dtype. ``impl="pallas"`` runs the kernel of ``kvjax.pallas.dsa_sparse`` (decodes the fp8
+    bytes exactly, applies the scales outside its bf16 products, f32 accumulation; needs scale-group and rope
+    widths that are powers of two >= 16). ``impl="auto"`` is the reference on every backend: the kernel
+    measured slower than it on an H200 (benchmarks/RESULTS.md).
     """
     _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
     check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))
@@ -297,8 +298,12 @@ def sparse_mla_decode_fp8(
         raise ValueError(f"key_scale has {key_scale.shape[-1]} scales per token; {key.shape[-1]} is not a multiple")
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
     _check_scale(scale)
-    if impl == "auto" and not _sparse_fp8_kernel_fits(key, key_scale, q_rope):
+    if impl == "auto":  # measured: the jnp path is faster than the kernel (see the docstring)
         impl = "reference"
+    elif impl in ("pallas", "interpret") and not _sparse_fp8_kernel_fits(key, key_scale, q_rope):
+        raise ValueError(f"sparse_mla_decode_fp8 impl={impl!r} needs fp8 keys and scale-group / rope widths that "
+                         f"are powers of two >= 16; got key {key.dtype} {tuple(key.shape)}, "
+                         f"{key_scale.shape[-1]} scales, rope {q_rope.shape[-1]}")
     fn = dispatch.resolve("sparse_mla_decode_fp8", impl)
     return fn(q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices, scale=float(scale))
 

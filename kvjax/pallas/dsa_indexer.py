@@ -16,11 +16,11 @@ never loaded (the program writes ``-inf``).
 Bytes: ``T · L · (Di + 4 · Di/128)`` key bytes (a decode batch reads each key once; several tokens of one
 sequence re-read its pages, mostly from L2). FLOPs: ``2 · T · L · Hi · Di``.
 
-fp8 decoding (static ``fp8_decode``): ``"bits"`` loads the keys as uint8 (a free bitcast view outside the
-kernel) and rebuilds each value as ``f16(((x & 0x7f) << 7) | ((x & 0x80) << 8)) · 256`` (exact for every
-finite e4m3fn value, subnormals included); ``"cast"`` loads float8_e4m3fn and converts natively (Triton
-``fp_to_fp``; the Pallas Triton lowering allows it from compute capability 8.9). Non-fp8 float keys are cast
-to bf16 (f32 keys then lose precision).
+fp8 decoding: the keys are loaded as uint8 (a free bitcast view outside the kernel) and each value is rebuilt
+as ``f16(((x & 0x7f) << 7) | ((x & 0x80) << 8)) · 256`` (exact for every finite e4m3fn value, subnormals
+included). Loading float8_e4m3fn directly and casting in-kernel fails to lower with jax 0.11.2 (Pallas
+Triton casts the masked load's integer fill value to fp8: ``cannot cast ... i32 to f8E4M3FN``). Non-fp8 float
+keys are cast to bf16 (f32 keys then lose precision).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _indexer_kernel(
     *,
     scale: float,
     pages_per_program: int,
-    fp8_bits: bool,
+    fp8_bits: bool,  # k_ref holds e4m3fn bit patterns as uint8
 ):
     c, t = pl.program_id(0), pl.program_id(1)
     page_size, di = k_ref.shape[1], k_ref.shape[2]
@@ -132,7 +132,7 @@ def _num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-_STATIC = ("scale", "pages_per_program", "num_warps", "num_stages", "fp8_decode", "interpret")
+_STATIC = ("scale", "pages_per_program", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -149,13 +149,12 @@ def indexer_scores_pallas(
     pages_per_program: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    fp8_decode: str = "bits",
     interpret: bool = False,
 ) -> jax.Array:
     """Indexer scores ``f32[T, max_blocks * page_size]`` (see module doc); ``-inf`` where not visible.
 
     Needs ``page_size`` and ``Di // G`` (``G`` scales per token) to be powers of two >= 16; raises
-    ``ValueError`` otherwise, or for an unknown ``fp8_decode``.
+    ``ValueError`` otherwise. ``pages_per_program`` defaults to :func:`default_pages_per_program`.
     """
     t, hi, di = q.shape
     _, page_size, _ = index_k.shape
@@ -166,8 +165,6 @@ def indexer_scores_pallas(
     groups = index_scale.shape[-1]
     if not _pow2(di // groups) or di // groups < 16:
         raise ValueError(f"indexer kernel needs Di // scales = {di} // {groups} to be a power of two >= 16")
-    if fp8_decode not in ("bits", "cast"):
-        raise ValueError(f"fp8_decode must be 'bits' or 'cast', got {fp8_decode!r}")
     tables = block_tables[:, 0, :]
     b, max_blocks = tables.shape
     ppp = pages_per_program or default_pages_per_program(t, max_blocks, _num_sms())
@@ -180,7 +177,7 @@ def indexer_scores_pallas(
     hp = max(16, 1 << (hi - 1).bit_length())
     qb = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - hi), (0, 0)))
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, hp - hi)))
-    fp8_bits = index_k.dtype == jnp.float8_e4m3fn and fp8_decode == "bits"
+    fp8_bits = index_k.dtype == jnp.float8_e4m3fn
     keys = jax.lax.bitcast_convert_type(index_k, jnp.uint8) if fp8_bits else index_k
     out = _indexer_call(rows.astype(jnp.int32), pos, tables, qb, w, keys, index_scale.astype(jnp.float32),
                         scale=scale, pages_per_program=ppp, fp8_bits=fp8_bits, num_warps=num_warps,

@@ -13,6 +13,10 @@ the scales are applied outside the products, so the dequantisation adds no round
 
 Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). Stage 2 is
 :func:`kvjax.pallas.mla_decode.merge_splits`; with one split stage 1 writes the output directly.
+
+Measured on an H200 (benchmarks/RESULTS.md, "MLA decode and DSA"): slower than the jnp reference path at
+B=32, top-k 2048 (0.25-0.38 ms vs 0.22-0.28 ms), so ``sparse_mla_decode_fp8(impl="auto")`` keeps the
+reference; select this kernel with ``impl="pallas"``.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def _sparse_fp8_kernel(
     topk_ref,  # i32[B, K] (whole array)
     q_ref,  # bf16[block_h, R]
     qr_ref,  # bf16[block_h, r]
-    key_ref,  # u8 / f8e4m3 [P, page_size, R] (whole array)
+    key_ref,  # u8[P, page_size, R] e4m3fn bit patterns (whole array)
     kscale_ref,  # f32[P, page_size, G] (whole array)
     rope_ref,  # bf16[P, page_size, r] (whole array)
     o_ref,  # [block_h, R] split output (f32, or the final dtype with one split)
@@ -52,7 +56,6 @@ def _sparse_fp8_kernel(
     scale: float,
     num_splits: int,
     block_n: int,
-    fp8_bits: bool,
 ):
     split, b = pl.program_id(1), pl.program_id(2)
     page_size, rank = key_ref.shape[1], key_ref.shape[2]
@@ -90,7 +93,7 @@ def _sparse_fp8_kernel(
         tiles = []
         for g in range(groups):
             kg = plgpu.load(key_ref.at[page, off, (g * width + cols)[None, :]], mask=kmask, other=0)
-            kg = (_decode_e4m3_bits(kg) if fp8_bits else kg).astype(jnp.bfloat16)  # exact
+            kg = _decode_e4m3_bits(kg).astype(jnp.bfloat16)  # exact
             sg = jnp.sum(jnp.where(gcols[None, :] == g, sc, 0.0), axis=1)  # f32[block_n]
             s += plgpu.dot(qs[g], kg, trans_b=True) * sg[None, :]
             tiles.append((kg, sg))
@@ -117,12 +120,11 @@ def _sparse_fp8_kernel(
 
 
 def _sparse_fp8_call(q, qr, key, kscale, krope, tables, lens, topk, *, scale, num_splits, block_h, block_n,
-                     fp8_bits, num_warps, num_stages, out_dtype, interpret):
+                     num_warps, num_stages, out_dtype, interpret):
     b, h, rank = q.shape
     rope = qr.shape[-1]
     out_dtype = out_dtype if num_splits == 1 else jnp.float32
-    kernel = functools.partial(_sparse_fp8_kernel, scale=scale, num_splits=num_splits, block_n=block_n,
-                               fp8_bits=fp8_bits)
+    kernel = functools.partial(_sparse_fp8_kernel, scale=scale, num_splits=num_splits, block_n=block_n)
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
@@ -143,7 +145,7 @@ def _sparse_fp8_call(q, qr, key, kscale, krope, tables, lens, topk, *, scale, nu
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="dsa_sparse_fp8_decode_stage1",
+        name="dsa_sparse_decode_fp8_stage1",
     )(tables, lens, topk, q, qr, key, kscale, krope)
 
 
@@ -151,7 +153,7 @@ def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-_STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "fp8_decode", "interpret")
+_STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -171,7 +173,6 @@ def sparse_mla_decode_fp8_pallas(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_decode: str = "bits",
     interpret: bool = False,
 ) -> jax.Array:
     """Sparse MLA decode over the DSA fp8 key roles (see module doc). Returns ``o: [B, H, R]`` in
@@ -188,8 +189,6 @@ def sparse_mla_decode_fp8_pallas(
     if not _pow2(rank // groups) or not _pow2(rope):
         raise ValueError(f"kernel needs R // scales = {rank} // {groups} and rope width {rope} to be powers of "
                          f"two >= 16")
-    if fp8_decode not in ("bits", "cast"):
-        raise ValueError(f"fp8_decode must be 'bits' or 'cast', got {fp8_decode!r}")
     tiles = default_tiles(h, key.shape[1], sparse=True)
     block_h = block_h or tiles["block_h"]
     block_n = block_n or tiles["block_n"]
@@ -204,11 +203,10 @@ def sparse_mla_decode_fp8_pallas(
     groups_h = (h + pad) // block_h
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(b, groups_h, topk.shape[1] // block_n, _num_sms())
-    fp8_bits = fp8_decode == "bits"
-    keys = jax.lax.bitcast_convert_type(key, jnp.uint8) if fp8_bits else key
+    keys = jax.lax.bitcast_convert_type(key, jnp.uint8)  # decoded in-kernel (see dsa_indexer)
     o, lse = _sparse_fp8_call(q, qr, keys, key_scale.astype(jnp.float32), key_rope, block_tables[:, 0, :],
                               seq_lens, topk, scale=scale, num_splits=num_kv_splits, block_h=block_h,
-                              block_n=block_n, fp8_bits=fp8_bits, num_warps=num_warps, num_stages=num_stages,
+                              block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                               out_dtype=q_latent.dtype, interpret=interpret)
     out = o[:, 0] if num_kv_splits == 1 else merge_splits(o, lse)
     return out.astype(q_latent.dtype)[:, :h]
