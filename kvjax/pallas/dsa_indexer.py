@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.ops.ragged import token_rows
+
 
 def _decode_e4m3_bits(x):
     """uint8 e4m3fn bit patterns -> f32 values (exact; NaN patterns are never written by the quantiser)."""
@@ -166,11 +168,11 @@ def indexer_scores_pallas(
     if not _pow2(di // groups) or di // groups < 16:
         raise ValueError(f"indexer kernel needs Di // scales = {di} // {groups} to be a power of two >= 16")
     tables = block_tables[:, 0, :]
-    b, max_blocks = tables.shape
+    max_blocks = tables.shape[1]
     ppp = pages_per_program or default_pages_per_program(t, max_blocks, _num_sms())
 
     tok = jnp.arange(t, dtype=jnp.int32)
-    rows = jnp.clip(jnp.searchsorted(cu_seqlens, tok, side="right", method="compare_all") - 1, 0, b - 1)
+    rows = token_rows(cu_seqlens, t)
     pos = seq_lens[rows] - (cu_seqlens[rows + 1] - tok)
     pos = jnp.where(tok < cu_seqlens[-1], pos, -1).astype(jnp.int32)
 
