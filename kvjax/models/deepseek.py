@@ -244,8 +244,12 @@ class Attention(nnx.Module):
         else:
             cache = write_dsa_indexer(cache, ik, slots)
             index_scale = cache["indexer_scale"]
+        # the DSA kernels take fewer shapes than the attention kernels (fp8 keys, power-of-two tiles): they follow
+        # ``impl`` only as far as "reference" (a pure-reference step) vs "auto" (kernel where it applies)
+        dsa_impl = "reference" if meta["impl"] == "reference" else "auto"
         scores = indexer_scores(iq, iw, cache["indexer"], index_scale, meta["block_tables"], meta["seq_lens"],
-                                cu_seqlens=meta["cu_seqlens"], scale=c.index_head_dim ** -0.5)  # f32[T, L]
+                                cu_seqlens=meta["cu_seqlens"], scale=c.index_head_dim ** -0.5,
+                                impl=dsa_impl)  # f32[T, L]
         topk = index_topk(scores, c.index_topk)  # i32[T, index_topk]; -1 = none
 
         # Every token is one absorbed sparse-decode query over its own row's pages, causal through its length.
@@ -256,7 +260,7 @@ class Attention(nnx.Module):
         tables, lens = meta["token_tables"], meta["token_lens"]  # i32[T, 1, max_blocks], i32[T]
         if fp8_latent:
             o_lat = sparse_mla_decode_fp8(q_lat, q_rope, cache["key"], cache["key_scale"], cache["key_rope"],
-                                          tables, lens, topk, scale=c.softmax_scale)
+                                          tables, lens, topk, scale=c.softmax_scale, impl=dsa_impl)
         else:
             o_lat = sparse_mla_decode(q_lat, q_rope, cache["key"], tables, lens, topk, scale=c.softmax_scale,
                                       impl=meta["impl"])
@@ -460,7 +464,8 @@ class DeepseekV32(nnx.Module):
         works); GDN fields are unused). This step's latents and indexer keys are written first; token ``t`` of
         row ``b`` then attends to the positions ``<= positions[t]`` of row ``b`` that its indexer selects
         (:func:`kvjax.ops.dsa.indexer_scores`, :func:`~kvjax.ops.dsa.index_topk`, absorbed
-        :func:`~kvjax.ops.dsa.sparse_mla_decode` with ``impl``). Returns ``(logits f32[N, vocab], caches)``.
+        :func:`~kvjax.ops.dsa.sparse_mla_decode` with ``impl``; the indexer and ``sparse_mla_decode_fp8`` with
+        ``"reference"`` when ``impl="reference"``, else ``"auto"``). Returns ``(logits f32[N, vocab], caches)``.
         """
         t = inputs.token_ids.shape[0]
         tok = jnp.arange(t)
