@@ -112,22 +112,22 @@ def _slots_kernel(
     whose slot is not in ``1..S`` read and write nothing (uniform masks) and output zeros."""
     lay = jnp.asarray(layer, jnp.int32)  # an array index: a Python int inside pl.when breaks interpret mode
 
-    def tile(n, h, vb, ok):
+    def tile(n, h, vb):
         vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
         slot = slots_ref[n]
-        live = ok & (slot >= 1) & (slot < pool_in_ref.shape[1])
+        live = (slot >= 1) & (slot < pool_in_ref.shape[1])
         slot = jnp.where(live, slot, 0)
         mask = jnp.full((pool_in_ref.shape[3], block_v), live)
         s = plt.load(pool_in_ref.at[lay, slot, h, :, vs], mask=mask, other=0.0, eviction_policy="evict_first")
         s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, vs, scale=scale,
                              use_qk_l2norm=use_qk_l2norm, one_pass=one_pass)
-        plt.store(o_ref.at[n, h, vs], jnp.where(live, o, 0.0).astype(o_ref.dtype), mask=jnp.full((block_v,), ok))
+        o_ref[n, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
         plt.store(pool_ref.at[lay, slot, h, :, vs], s, mask=mask, eviction_policy="evict_first")
 
     if v_major:
-        tile(pl.program_id(2), pl.program_id(1), pl.program_id(0), True)
+        tile(pl.program_id(2), pl.program_id(1), pl.program_id(0))
     else:
-        tile(pl.program_id(0), pl.program_id(1), pl.program_id(2), True)
+        tile(pl.program_id(0), pl.program_id(1), pl.program_id(2))
 
 
 def _recurrent_kernel(
