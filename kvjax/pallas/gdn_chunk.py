@@ -18,8 +18,8 @@ to pairs of tokens of the same sequence ("segments"). Two stages:
    index (aliased input -> output: in place under jit with a donated pool), exactly like
    :mod:`kvjax.pallas.gdn_recurrent` (same ``rows`` / ``flags`` convention). Each program writes the outputs
    of its own sequence's tokens (masked stores); the first and last rows also zero the tokens outside every
-   sequence. The two-pass forms of :mod:`kvjax.pallas.gdn_chunk_split` (fla's structure: a sequential state
-   pass, then a fully parallel output pass) serve batches with too few programs to hide the per-chunk latency.
+   sequence. ``form="split"`` runs the two-pass form of :mod:`kvjax.pallas.gdn_chunk_split` instead (fla's
+   structure: a sequential state pass, then a fully parallel output pass).
 
 Matmul operands are in the input dtype (bf16 in serving: like fla, states are rounded to bf16 for the
 tensor-core products and accumulate in f32); for float32 inputs every product runs at full f32 precision.

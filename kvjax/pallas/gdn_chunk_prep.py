@@ -23,8 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.pallas.gdn_recurrent import L2NORM_EPS
 from kvjax.ops.ragged import count_le
+from kvjax.pallas.gdn_recurrent import L2NORM_EPS
 
 def _dot(a, b, *, precision, contract_a: int = 1):
     """``a @ b`` (or ``a.T @ b`` with ``contract_a=0``) with float32 accumulation (``pl.dot`` left jax 0.11)."""

@@ -1,6 +1,7 @@
 """Two-pass ("split") form of the chunked gated delta rule (fla's structure): a sequential state pass, then a
-fully parallel output pass over every (sequence, chunk) pair. Used where the single fused kernel of
-:mod:`kvjax.pallas.gdn_chunk` has too few programs to hide its per-chunk latency (long prompts, few rows).
+fully parallel output pass over every (sequence, chunk) pair. ``chunk_gated_delta_rule_pool(form="split")``;
+on an H200 it tied with the fused kernel of :mod:`kvjax.pallas.gdn_chunk` at one long prompt and was slower at
+four (benchmarks/RESULTS.md), so the fused form is the default. The shared helpers of both forms live here.
 
 Pair ``p = c + n`` is chunk ``c`` of sequence row ``n`` (unique: a row's chunks are consecutive, and row
 ``n + 1`` starts at most at row ``n``'s last chunk); ``_pair_table`` gives the row of each pair (-1 unused).
@@ -23,9 +24,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kvjax.ops.ragged import count_le
 from kvjax.pallas.gdn_chunk_prep import _dot
 from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE
-from kvjax.ops.ragged import count_le
 
 
 def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
