@@ -273,3 +273,15 @@ def test_plots_draw_given_numbers(rng):
     fig = plots.accuracy_figure({"none": 1.0, "evict": 0.5}, {"evict": np.array([1.0, 0.2])}, np.array([0, 5, 10]),
                                 chance=0.1)
     assert [round(p.get_height(), 3) for p in fig.axes[0].patches] == [1.0, 0.5]
+
+
+def test_max_abs_diff_handles_masked_infinities():
+    """Scores masked with -inf on both sides agree (0); an inf on one side only, or a NaN, is a difference."""
+    a = np.array([[1.0, -np.inf], [0.5, 2.0]])
+    assert tour._max_abs_diff(a, a.copy()) == 0.0
+    assert tour._max_abs_diff(a, a + 0.25 * np.isfinite(a)) == 0.25
+    b = a.copy()
+    b[0, 1] = 3.0
+    assert tour._max_abs_diff(a, b) == np.inf
+    b[0, 1] = np.nan
+    assert tour._max_abs_diff(a, b) == np.inf

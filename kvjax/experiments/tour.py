@@ -60,7 +60,8 @@ def paged_swa_batch(rng: np.random.Generator, *, seq_lens=(37, 22), window=(0, 0
 def op_cases(rng: np.random.Generator) -> list[OpCase]:
     """One small random case per op: paged attention (head-wise SWA, decode + chunked prefill rows), the
     chunked and recurrent gated delta rule (two ragged sequences, initial states), causal conv1d, MLA decode
-    and its DSA top-k sparse form."""
+    and its DSA top-k sparse form, the GDN pool ops (decode step, conv update and prefill by slot id) and the
+    DSA indexer scores over fp8 keys."""
     import jax.numpy as jnp
 
     import kvjax.ops as ops
@@ -104,14 +105,73 @@ def op_cases(rng: np.random.Generator) -> list[OpCase]:
     topk = jnp.asarray([[0, 3, 7, 20, 11, -1], [1, 8, 2, -1, -1, -1]], jnp.int32)
     cases.append(OpCase("sparse_mla_decode", "as mla_decode, top-6 positions per row (-1 = none)",
                         lambda impl: sparse_mla_decode(ql, qr, lat, mtab, mlens, topk, scale=0.1, impl=impl)))
+    cases += _pool_cases(rng) + [_indexer_case(rng)]
     return cases
+
+
+def _pool_cases(rng: np.random.Generator) -> list[OpCase]:
+    """The GDN ops on the slot-addressed pool (decode step, conv update, conv prefill): a fresh pool per call
+    (the ops donate it); outputs compared together with the whole returned pool, so a write to a slot outside
+    the batch (or to PAD slot 0) would show up as a difference."""
+    import jax.numpy as jnp
+
+    from kvjax.ops import gdn_state
+    from kvjax.state.gdn_pool import GDNStatePool
+
+    b, hk, hv, kd, vd, dim, width = 3, 1, 2, 16, 16, 24, 4
+    ssm0 = _f32(rng, 2, 6, hv, kd, vd, scale=0.1).at[:, 0].set(0.0)
+    conv0 = _f32(rng, 2, 6, dim, width - 1).at[:, 0].set(0.0)
+    slots = jnp.asarray([4, 0, 2], jnp.int32)  # row 1 is padding
+
+    def pool():
+        return GDNStatePool(conv=jnp.array(conv0, copy=True), ssm=jnp.array(ssm0, copy=True))
+
+    q, k, v = _f32(rng, b, hk, kd), _f32(rng, b, hk, kd), _f32(rng, b, hv, vd)
+    g, beta = -jnp.abs(_f32(rng, b, hv, scale=0.3)), jnp.asarray(rng.uniform(0.1, 0.9, (b, hv)), jnp.float32)
+    x1, w, xs = _f32(rng, b, dim), _f32(rng, dim, width, scale=0.5), _f32(rng, 9, dim)
+    cu = jnp.asarray([0, 5, 5, 9], jnp.int32)
+    init = jnp.asarray([True, False, False])
+    return [
+        OpCase("gdn_decode_pool", "q,k[3, 1, 16], v[3, 2, 16], pool ssm[2, 6, 2, 16, 16], slots [4, PAD, 2]",
+               lambda impl: gdn_state.gdn_decode(q, k, v, g, beta, pool(), layer=1, slot_ids=slots,
+                                                 use_qk_l2norm=True, impl=impl)),
+        OpCase("conv_decode_pool", "x[3, 24], weight[24, 4], pool conv[2, 6, 24, 3], slots [4, PAD, 2]",
+               lambda impl: gdn_state.conv_decode(x1, w, None, pool(), layer=1, slot_ids=slots, impl=impl)),
+        OpCase("conv_prefill_pool", "x[9, 24], 3 rows (5, 0, 4 tokens), initial state for row 0 only",
+               lambda impl: gdn_state.conv_prefill(xs, w, None, pool(), layer=0, slot_ids=slots,
+                                                   has_initial_state=init, cu_seqlens=cu, impl=impl)),
+    ]
+
+
+def _indexer_case(rng: np.random.Generator) -> OpCase:
+    """DSA indexer scores over fp8 keys with one f32 scale per 128 values (pages of 16, a hole, a padding
+    token); the kernel rounds q to bf16 (the reference is f32): small queries keep that rounding (about 2^-9 of
+    each score) under the tour's 1e-4 absolute tolerance."""
+    import jax.numpy as jnp
+
+    from kvjax.ops.dsa import indexer_scores
+    from kvjax.ops.fp8 import quantize_fp8_blockwise
+
+    keys, scales = quantize_fp8_blockwise(_f32(rng, 8, 16, 128))
+    tables = jnp.asarray([[[3, 0, -1, 5]], [[1, 6, 2, 7]]], jnp.int32)
+    q, w = _f32(rng, 4, 16, 128, scale=0.005), _f32(rng, 4, 16, scale=0.25)
+    cu, lens = jnp.asarray([0, 1, 3], jnp.int32), jnp.asarray([50, 40], jnp.int32)
+    return OpCase("indexer_scores", "q[4, 16, 128], fp8 keys[8, 16, 128] + scales, tables[2, 1, 4] (a hole)",
+                  lambda impl: indexer_scores(q, w, keys, scales, tables, lens, cu_seqlens=cu, scale=128 ** -0.5,
+                                              impl=impl))
 
 
 def _max_abs_diff(a, b) -> float:
     import jax
 
+    def diff(x, y):  # equal entries (matching infinities included) differ by 0; a mismatched inf by inf
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        with np.errstate(invalid="ignore"):
+            d = np.where(x == y, 0.0, np.abs(x - y))
+        return float(np.max(np.where(np.isnan(d), np.inf, d))) if d.size else 0.0
+
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(la, lb))
+    return max(diff(x, y) for x, y in zip(la, lb))
 
 
 def compare_impls(case: OpCase, *, platform: str | None = None) -> list[dict]:
