@@ -42,8 +42,6 @@ PREFILL_OP = "gdn_prefill_pool"
 DECODE_OP = "gdn_decode_pool"
 CONV_PREFILL_OP = "conv_prefill_pool"
 CONV_DECODE_OP = "conv_decode_pool"
-# conv ops whose fused-XLA path measured faster on the GPU ("auto" -> "reference"): none (see the module doc)
-_CONV_AUTO_XLA: frozenset[str] = frozenset()
 
 
 # ---------------------------------------------------------------------------------------------- SSM array level
@@ -325,8 +323,6 @@ def conv_decode_pool_pallas(x, weight, bias, conv_pool, *, interpret: bool = Fal
 def _conv_impl(op: str, impl: str) -> str:
     if not isinstance(impl, str):
         raise ValueError(f"impl must be a string, got {impl!r}")
-    if impl == "auto" and op in _CONV_AUTO_XLA:
-        impl = "reference"
     dispatch.resolve(op, impl)  # unknown impl -> UnknownImplError before tracing
     return impl
 
