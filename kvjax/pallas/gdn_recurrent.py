@@ -110,7 +110,7 @@ def _slots_kernel(
 ):
     """Decode on the GDN pool by slot: one program per state tile ``[K, block_v]`` of one (row, head). Rows
     whose slot is not in ``1..S`` read and write nothing (uniform masks) and output zeros."""
-    lay = jnp.asarray(layer, jnp.int32)  # an array index: a Python int inside pl.when breaks interpret mode
+    lay = jnp.asarray(layer, jnp.int32)  # an array index: interpret mode rejects a Python int under pl.when
 
     def tile(n, h, vb):
         vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
