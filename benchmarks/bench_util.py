@@ -31,3 +31,33 @@ def rel_err(a, b) -> float:
 
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def jax_copy_ceiling() -> dict:
+    """Copy-bandwidth ceiling as JAX sees it on 1 GiB of f32 (bytes = read + written): XLA elementwise ``x + 1``
+    and a Pallas (Triton) block copy kernel, both timed with :func:`time_ms`. Keys: ``bytes``,
+    ``xla_add_ms`` / ``_gbps``, ``pallas_copy_ms`` / ``_gbps``, ``pallas_copy_ok`` (the copy equals its input)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    n = 256 * 1024 * 1024
+    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
+    add = jax.jit(lambda a: a + 1.0)
+    ms_xla = time_ms(lambda: add(x))
+
+    def copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    rows = 8
+    pcopy = jax.jit(lambda a: pl.pallas_call(
+        copy_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(a.shape[0] // rows,),
+        in_specs=[pl.BlockSpec((rows, 4096), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((rows, 4096), lambda i: (i, 0)),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1))(a))
+    ms_pl = time_ms(lambda: pcopy(x))
+    ok = bool(jnp.array_equal(pcopy(x), x))
+    nbytes = 2 * n * 4
+    return {"bytes": nbytes, "xla_add_ms": ms_xla, "xla_add_gbps": nbytes / ms_xla / 1e6,
+            "pallas_copy_ms": ms_pl, "pallas_copy_gbps": nbytes / ms_pl / 1e6, "pallas_copy_ok": ok}

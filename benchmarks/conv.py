@@ -22,13 +22,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from kvjax.ops import gdn_state
 from kvjax.state.gdn_pool import GDNStatePool
 
-from bench_util import rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ is on sys.path)
+from bench_util import jax_copy_ceiling, rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ on sys.path)
 
 W = 4
 ROTATE = 8
@@ -51,24 +49,8 @@ ts.sort(); print(json.dumps({"ms": ts[3], "bytes": 2 * x.numel() * 4}))
 
 
 def copy_ceiling():
-    n = 256 * 1024 * 1024
-    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
-    nbytes = 2 * n * 4
-    add = jax.jit(lambda a: a + 1.0)
-    res = {"bytes": nbytes, "xla_add_ms": _time(lambda: add(x))}
-
-    def copy_kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
-    rows = 8
-    pcopy = jax.jit(lambda a: pl.pallas_call(
-        copy_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(a.shape[0] // rows,),
-        in_specs=[pl.BlockSpec((rows, 4096), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((rows, 4096), lambda i: (i, 0)),
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1))(a))
-    res["pallas_copy_ms"] = _time(lambda: pcopy(x))
-    res["pallas_copy_ok"] = bool(jnp.array_equal(pcopy(x), x))
-    del x
+    res = jax_copy_ceiling()
+    nbytes = res["bytes"]
     try:
         out = subprocess.run([sys.executable, "-c", TORCH_COPY], capture_output=True, text=True, timeout=120)
         res["torch_copy_ms"] = json.loads(out.stdout.strip().splitlines()[-1])["ms"]

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from bench_util import rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ is on sys.path)
+from bench_util import jax_copy_ceiling, rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ on sys.path)
 
 DECODE_SHAPES = [(128, 32), (256, 16)]  # (B, H), K = V = 128, one token per row
 PREFILL_SHAPES = [(1, 8192, 16), (4, 4096, 32)]  # (B, T, H), K = V = 128
@@ -100,33 +100,6 @@ class _deferred_bench:
 
 
 # ------------------------------------------------------------------------------------------------ jax / kvjax
-def _copy_ceiling():
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
-
-    n = 256 * 1024 * 1024
-    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
-    add = jax.jit(lambda a: a + 1.0)
-    ms_xla = _time(lambda: add(x))
-
-    def copy_kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
-    rows = 8
-    pcopy = jax.jit(lambda a: pl.pallas_call(
-        copy_kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(a.shape[0] // rows,),
-        in_specs=[pl.BlockSpec((rows, 4096), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((rows, 4096), lambda i: (i, 0)),
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1))(a))
-    ms_pl = _time(lambda: pcopy(x))
-    ok = bool(jnp.array_equal(pcopy(x), x))
-    nbytes = 2 * n * 4
-    return {"bytes": nbytes, "xla_add_ms": ms_xla, "xla_add_gbps": nbytes / ms_xla / 1e6,
-            "pallas_copy_ms": ms_pl, "pallas_copy_gbps": nbytes / ms_pl / 1e6, "pallas_copy_ok": ok}
-
-
 def _gdn_inputs(key, t, hk, hv, dtype):
     import jax
     import jax.numpy as jnp
@@ -376,7 +349,7 @@ def run_jax(out_path: str, fla_path: str | None, quick: bool) -> None:
     import jax
 
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
-    res["copy"] = _copy_ceiling()
+    res["copy"] = jax_copy_ceiling()
     print("copy", res["copy"], flush=True)
     for name, fn in (("decode", bench_decode), ("prefill", bench_prefill)):
         try:
