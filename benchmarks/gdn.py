@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 from bench_util import jax_copy_ceiling, rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ on sys.path)
 
@@ -26,7 +25,9 @@ KD = VD = 128
 
 
 # ------------------------------------------------------------------------------------------------ torch / fla
-def run_fla(out_path: str, quick: bool, go_file: str | None = None) -> None:
+def run_fla(out_path: str, quick: bool) -> None:
+    """fla's kernels and a torch copy, autotuned and timed alone on the GPU (an autotune that shares the GPU with
+    other work can pick slow configurations)."""
     import torch
     import triton
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -34,12 +35,10 @@ def run_fla(out_path: str, quick: bool, go_file: str | None = None) -> None:
     dev = "cuda"
     res = {"device": torch.cuda.get_device_name(), "decode": [], "prefill": [], "copy": {}}
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
-    if go_file:  # compile + autotune every shape first (CPU-heavy), then wait for the GPU to be ours alone
-        bench = _deferred_bench(bench, go_file)
     x = torch.randn(256 * 1024 * 1024, device=dev)  # 1 GiB f32
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x))
-    res["copy"] = {"bytes": 2 * x.numel() * 4, "ms": ms, "gbps": 0.0 if go_file else 2 * x.numel() * 4 / ms / 1e6}
+    res["copy"] = {"bytes": 2 * x.numel() * 4, "ms": ms, "gbps": 2 * x.numel() * 4 / ms / 1e6}
     for b, h in DECODE_SHAPES:
         q = torch.randn(b, 1, h, KD, device=dev, dtype=torch.bfloat16)
         k = torch.randn(b, 1, h, KD, device=dev, dtype=torch.bfloat16)
@@ -51,7 +50,7 @@ def run_fla(out_path: str, quick: bool, go_file: str | None = None) -> None:
                                output_final_state=True, use_qk_l2norm_in_kernel=True)
         ms = bench(fn)
         state_bytes = 2 * b * h * KD * VD * 4
-        res["decode"].append({"B": b, "H": h, "ms": ms, "state_gbps": 0.0 if go_file else state_bytes / ms / 1e6})
+        res["decode"].append({"B": b, "H": h, "ms": ms, "state_gbps": state_bytes / ms / 1e6})
     for b, t, h in PREFILL_SHAPES:
         q = torch.randn(b, t, h, KD, device=dev, dtype=torch.bfloat16)
         k = torch.randn(b, t, h, KD, device=dev, dtype=torch.bfloat16)
@@ -62,41 +61,9 @@ def run_fla(out_path: str, quick: bool, go_file: str | None = None) -> None:
         fn = functools.partial(chunk_gated_delta_rule, q, k, v, g=g, beta=beta, initial_state=s0,
                                output_final_state=True, use_qk_l2norm_in_kernel=True)
         res["prefill"].append({"B": b, "T": t, "H": h, "ms": bench(fn)})
-    if go_file:
-        res = bench.finish(res)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
-
-
-class _deferred_bench:
-    """Calls each fn once now (autotune/compile) and times them all later, once ``go_file`` exists."""
-
-    def __init__(self, bench, go_file):
-        self.bench, self.go_file, self.pending = bench, go_file, []
-
-    def __call__(self, fn):
-        import torch
-
-        fn()
-        torch.cuda.synchronize()
-        self.pending.append(fn)
-        return len(self.pending) - 1  # placeholder: replaced in finish()
-
-    def finish(self, res):
-        print("fla: compiled, waiting for", self.go_file, flush=True)
-        t0 = time.time()
-        while not os.path.exists(self.go_file) and time.time() - t0 < 400:
-            time.sleep(0.5)
-        times = [self.bench(fn) for fn in self.pending]
-        res["copy"]["ms"] = times[res["copy"]["ms"]]
-        res["copy"]["gbps"] = res["copy"]["bytes"] / res["copy"]["ms"] / 1e6
-        for d in res["decode"]:
-            d["ms"] = times[d["ms"]]
-            d["state_gbps"] = 2 * d["B"] * d["H"] * KD * VD * 4 / d["ms"] / 1e6
-        for p in res["prefill"]:
-            p["ms"] = times[p["ms"]]
-        return res
 
 
 # ------------------------------------------------------------------------------------------------ jax / kvjax
@@ -399,7 +366,6 @@ def main() -> None:
     ap.add_argument("--out", default="gdn.json")
     ap.add_argument("--fla-json", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--go-file", default=None, help="fla: compile first, time once this file exists")
     ap.add_argument("--table", default=None, help="print the table of a saved kvjax json (with --fla-json)")
     a = ap.parse_args()
     if a.table:
@@ -411,7 +377,7 @@ def main() -> None:
                 fla = json.load(f)
         _table(res, fla)
     elif a.fla:
-        run_fla(a.out, a.quick, a.go_file)
+        run_fla(a.out, a.quick)
     else:
         sys.path.insert(0, os.getcwd())
         run_jax(a.out, a.fla_json, a.quick)
