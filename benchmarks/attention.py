@@ -36,6 +36,7 @@ from kvjax.ops.attention import paged_attention_reference  # noqa: E402
 from kvjax.pallas import paged_attention as pa  # noqa: E402
 from kvjax.pallas import paged_common  # noqa: E402
 from kvjax.pallas import paged_prefill  # noqa: E402
+from kvjax.pallas import paged_prefill_mgpu  # noqa: E402
 
 SIZES = dict(decode=(64, 4096, 32, 8, 128, 16), swa=(32, 8192, 32, 8, 128, 16), window=512, prefill=(4096, 32, 128),
              interpret=False, copy_elems=1 << 29)
@@ -252,6 +253,15 @@ def prefill_fn(scale, zeros, **cfg):
     return jax.jit(f)
 
 
+def mgpu_prefill_fn(scale, zeros, **cfg):
+    """The Mosaic GPU prefill kernel, jitted over (q, pages, table, lens, cu)."""
+    def f(q, k, v, bt, sl, cu):
+        return paged_prefill_mgpu.paged_prefill_mgpu(q, k, v, bt, sl, cu_seqlens=cu, scale=scale, window=zeros,
+                                                     sinks=zeros, **cfg)
+
+    return jax.jit(f)
+
+
 def _prefill_configs(ps: int, quick: bool) -> list[dict]:
     """kvjax prefill variants timed at one page size (kv_load, block_q, block_k, warps, stages, page ids)."""
     def cfg(kv_load, bq, bk, nw, st, fused=False, ids=None, **extra):
@@ -337,6 +347,9 @@ def prefill_section(quick, results, budget_s: float = 1e9, ptxas_diag: bool = Fa
                                                                sinks=zeros))(q, kp, vp, bt, sl)
             rows.append(dict(name="dot_product_attention vs f32 reference", rel_err=rel_err(dpa_out, ref)))
             _prefill_anchors(q, k, v, scale, args, zeros, timed)
+        if ps in paged_prefill_mgpu.SUPPORTED_PAGE_SIZES and not SIZES["interpret"]:
+            for st in ((2,) if ps >= 128 else (3, 2, 4)):
+                timed(f"kvjax Mosaic GPU prefill page={ps} stages={st}", mgpu_prefill_fn(scale, zeros, stages=st), args)
         for cfg in _prefill_configs(ps, quick):
             timed(f"kvjax prefill page={ps} {cfg or 'defaults'}", prefill_fn(scale, zeros, **cfg), args, cfg)
         ok = sorted((r for r in rows if "cfg" in r and f"page={ps} " in r["name"] and r["ms"] == r["ms"]),
@@ -347,7 +360,7 @@ def prefill_section(quick, results, budget_s: float = 1e9, ptxas_diag: bool = Fa
                   prefill_fn(scale, zeros, fast_path=False, **best), args)
         if ps == 64:  # what the op spends outside the kernel: launch metadata (tile map + page ranges)
             def outside(sl_, cu_):
-                t_row, t_tok, t_len, t_pos, live = paged_prefill._tile_map(cu_, sl_, t_len_, 128)
+                t_row, t_tok, t_len, t_pos, live = paged_common.tile_map(cu_, sl_, t_len_, 128)
                 return t_row, t_tok, paged_common.page_ranges(t_pos, t_pos + t_len - 1, live, zeros, zeros,
                                                               page_size=ps, max_blocks=n_blocks)
 

@@ -20,8 +20,13 @@ from kvjax.pallas import paged_attention as pa
 from kvjax.pallas import paged_prefill
 
 
-def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.float32, extra_tokens=2):
-    """Random ragged batch over a permuted page pool with holes and NaN poison where nothing may read."""
+def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.float32, extra_tokens=2,
+           tail_fill=np.nan):
+    """Random ragged batch over a permuted page pool with holes and NaN poison where nothing may read.
+
+    ``tail_fill``: the unwritten tail of every row's last page (NaN, or a large finite value for a kernel that
+    may read the tail but must give its keys zero weight).
+    """
     ctx = np.asarray(ctx, np.int32)
     new = np.asarray(new, np.int32)
     window = np.asarray(window, np.int32)
@@ -46,8 +51,8 @@ def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.flo
                 used[page] = True
                 tail = int(ctx[b]) - p * page_size
                 if tail < page_size:
-                    k[page, tail:] = np.nan
-                    v[page, tail:] = np.nan
+                    k[page, tail:] = tail_fill
+                    v[page, tail:] = tail_fill
                 dead = window[h] > 0 and (p + 1) * page_size <= first_q - window[h] + 1 and p * page_size >= sinks[h]
                 if dead:
                     if rng.random() < 0.5:
@@ -145,6 +150,29 @@ def test_prefill_interpret_page_128(rng):
         out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=64, **cfg)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0
+
+
+def test_prefill_mosaic_interpret(rng):
+    # the Mosaic GPU kernel under the Mosaic GPU interpreter (its products in jnp, everything else as compiled:
+    # TMA page copies, barriers, per-page skip/full/masked paths, whole-tile and per-token output copies).
+    # Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head with a
+    # poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
+    from kvjax.pallas import paged_prefill_mgpu
+
+    args, kw = _build(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
+                      window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    q, k, v, table, ctx = args
+    table = np.asarray(table).copy()
+    k = k.at[table[0, 0, 1]].set(jnp.nan)
+    v = v.at[table[0, 0, 1]].set(jnp.nan)
+    table[0, 0, 1] = -1
+    args = (q, k, v, jnp.asarray(table), ctx)
+    ref = _ref(args, kw)
+    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, interpret=True), np.float32)
+    assert _rel_err(out, ref) <= 1e-2
+    assert np.all(out[-2:] == 0)  # tokens of no row
+    with pytest.raises(ValueError, match="page_size"):
+        paged_prefill_mgpu.paged_prefill_mgpu(*args[:1], k[:, :32], v[:, :32], *args[3:], **kw, interpret=True)
 
 
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):
@@ -281,3 +309,37 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
     for cfg in variants:
         out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
         assert _rel_err(out, ref) <= 2e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_gpu_prefill_mosaic_grid(rng, group, page_size):
+    # the Mosaic GPU kernel (TMA page copies): mixed batch (decode rows, prefill, chunked prefill with a cached
+    # prefix, a padding row), a SWA head with sinks next to a full head, poisoned holes inside the full head's
+    # walk, pages below the window recycled or NaN, tails of last pages finite but large (read, weight 0)
+    from kvjax.pallas import paged_prefill_mgpu
+
+    hkv = 2
+    ctx = [8192, 300, 700, 17, 5000, 0, 64, 129]
+    new = [1, 300, 129, 1, 1, 0, 64, 129]
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    q, k, v, table, seq_lens = args
+    table = np.asarray(table).copy()
+    for b, col in ((1, 1), (2, 3)):
+        k = k.at[table[b, 0, col]].set(jnp.nan)
+        v = v.at[table[b, 0, col]].set(jnp.nan)
+        table[b, 0, col] = -1
+    args = (q, k, v, jnp.asarray(table), seq_lens)
+    ref = _ref(args, kw)
+    cu = np.asarray(kw["cu_seqlens"])
+    for stages in (None, 2) if page_size == 64 else (None,):
+        out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, stages=stages)
+        assert _rel_err(out, ref) <= 2e-2, stages
+        o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+        for b in range(len(ctx)):  # every real token of every row is right
+            if new[b]:
+                seg = slice(cu[b], cu[b + 1])
+                assert np.linalg.norm(o[seg] - r[seg]) <= 2e-2 * np.linalg.norm(r[seg]), (b, stages)
+        assert float(np.abs(o[cu[-1]:]).max()) == 0.0  # padding tokens after the last row

@@ -1,4 +1,5 @@
-"""Launch metadata shared by the paged-attention kernels, computed on device in jnp (static shapes).
+"""Launch metadata shared by the paged-attention kernels, computed on device in jnp (static shapes): token
+positions, the query tile map of the prefill kernels, and the head-wise page walk.
 
 Head-wise page walk. For a query span ``[i0, i1]`` (absolute positions) and KV head ``h`` the pages that can
 hold a visible key are the *sink pages* ``[0, n_sink)`` and the *window pages* ``[lo, hi)``, with
@@ -61,6 +62,33 @@ def page_ranges(
     n_sink = jnp.where(swa, jnp.minimum((sk + page_size - 1) // page_size, lo), 0)
     n_pages = jnp.where(live[:, None], n_sink + hi - lo, 0)
     return lo.astype(jnp.int32), n_sink.astype(jnp.int32), n_pages.astype(jnp.int32)
+
+
+def tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
+    """Tiles of <= block_q consecutive tokens of one span, covering all ``num_tokens`` tokens.
+
+    The spans are ``[0, cu[0])``, the rows ``[cu[b], cu[b+1])`` and ``[cu[B], T)``: tiles of the two padding spans
+    attend to nothing, so the kernel writes their tokens' zeros itself (no select over the output afterwards).
+    Returns (row, first token, length, first position, attends)[NT].
+    """
+    num_rows = seq_lens.shape[0]
+    bounds = jnp.clip(jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_seqlens.astype(jnp.int32),
+                                       jnp.full((1,), num_tokens, jnp.int32)]), 0, num_tokens)  # i32[B+3]
+    n_span = jnp.maximum(bounds[1:] - bounds[:-1], 0)  # i32[B+2]
+    num_tiles = -(-num_tokens // block_q) + num_rows + 2
+    tiles = (n_span + block_q - 1) // block_q
+    ends = jnp.cumsum(tiles)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    span = count_le(ends, tile)  # first span whose tiles end after `tile`
+    live = span < num_rows + 2
+    span = jnp.minimum(span, num_rows + 1)
+    attends = live & (span >= 1) & (span <= num_rows)
+    row = jnp.clip(span - 1, 0, num_rows - 1)
+    local = tile - (ends[span] - tiles[span])
+    tok0 = bounds[span] + local * block_q
+    length = jnp.where(live, jnp.clip(n_span[span] - local * block_q, 0, block_q), 0)
+    pos0 = seq_lens[row] - n_span[span] + local * block_q
+    return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32), attends
 
 
 def next_pow2(n: int) -> int:

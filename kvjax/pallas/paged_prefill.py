@@ -233,33 +233,6 @@ _LARGE_PAGE = 128
 _DEFAULTS_LARGE_PAGE = dict(block_k=128, num_warps=8, num_stages=3, fused_loop=True, page_ids="carry")
 
 
-def _tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
-    """Tiles of <= block_q consecutive tokens of one span, covering all ``num_tokens`` tokens.
-
-    The spans are ``[0, cu[0])``, the rows ``[cu[b], cu[b+1])`` and ``[cu[B], T)``: tiles of the two padding spans
-    attend to nothing, so the kernel writes their tokens' zeros itself (no select over the output afterwards).
-    Returns (row, first token, length, first position, attends)[NT].
-    """
-    num_rows = seq_lens.shape[0]
-    bounds = jnp.clip(jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_seqlens.astype(jnp.int32),
-                                       jnp.full((1,), num_tokens, jnp.int32)]), 0, num_tokens)  # i32[B+3]
-    n_span = jnp.maximum(bounds[1:] - bounds[:-1], 0)  # i32[B+2]
-    num_tiles = pl.cdiv(num_tokens, block_q) + num_rows + 2
-    tiles = (n_span + block_q - 1) // block_q
-    ends = jnp.cumsum(tiles)
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    span = paged_common.count_le(ends, tile)  # first span whose tiles end after `tile`
-    live = span < num_rows + 2
-    span = jnp.minimum(span, num_rows + 1)
-    attends = live & (span >= 1) & (span <= num_rows)
-    row = jnp.clip(span - 1, 0, num_rows - 1)
-    local = tile - (ends[span] - tiles[span])
-    tok0 = bounds[span] + local * block_q
-    length = jnp.where(live, jnp.clip(n_span[span] - local * block_q, 0, block_q), 0)
-    pos0 = seq_lens[row] - n_span[span] + local * block_q
-    return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32), attends
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path", "kv_load",
@@ -328,7 +301,7 @@ def paged_prefill(
     if page_ids != "load":
         fused_loop = True
     tokens_per_tile = rows // group
-    t_row, t_tok, t_len, t_pos, t_attends = _tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
+    t_row, t_tok, t_len, t_pos, t_attends = paged_common.tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
     lo, n_sink, n_pages = paged_common.page_ranges(
         t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), window, sinks, page_size=page_size, max_blocks=max_blocks
     )
