@@ -217,6 +217,8 @@ def paged_attention(
     Validates shapes and dtypes on the host (``ValueError`` naming the argument), normalises ``scale`` to a
     float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then dispatches on ``impl``
     (``"auto" | "reference" | "pallas" | "interpret"``). Reads only; changes nothing. Jittable.
+    On a Hopper GPU a prefill-shaped batch may run the Mosaic GPU kernel, which reads whole pages of a row's walk:
+    the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
     check_float("q", q, rank=3)
     check_float("k_pages", k_pages, rank=3)

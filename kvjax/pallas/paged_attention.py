@@ -9,9 +9,11 @@ Every split writes an f32 partial output and its log-sum-exp; the merge is f32 a
 padding token) contributes weight 0, never NaN.
 
 :func:`paged_attention` is the kernel entry of ``kvjax.ops.paged_attention`` (``impl="pallas"``): it routes
-statically on shapes — ``T <= B`` (decode-sized batch) to this per-token kernel, otherwise to the prefill
-kernel of :mod:`kvjax.pallas.paged_prefill`. Both kernels are exact for *any* ragged batch (the per-token
-kernel just re-reads a row's pages once per query token), so the routing only chooses speed.
+statically on shapes — ``T <= B`` (decode-sized batch) to this per-token kernel, otherwise to a prefill
+kernel: the Mosaic GPU kernel of :mod:`kvjax.pallas.paged_prefill_mgpu` on a Hopper GPU when the shapes suit
+it (pages of 64 / 128 tokens, head_dim 64 / 128, bf16 / f16, ``T >= 64 B``), else the Pallas Triton kernel of
+:mod:`kvjax.pallas.paged_prefill`. All are exact for *any* ragged batch (the per-token kernel just re-reads a
+row's pages once per query token), so the routing only chooses speed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.pallas import paged_common
 from kvjax.pallas import paged_prefill
+from kvjax.pallas import paged_prefill_mgpu
 
 _NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on H100/H200)
@@ -190,10 +193,24 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
     return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
 
 
+def _mosaic_prefill_fits(q, k_pages, v_pages, num_rows: int) -> bool:
+    """Whether ``"auto"`` takes the Mosaic GPU prefill kernel: a Hopper GPU, shapes it supports, and on average
+    at least one 64-token box of queries per row (rows of a few tokens waste most of a 64-row tile)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    hopper = dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+    return (hopper and k_pages.shape[1] in paged_prefill_mgpu.SUPPORTED_PAGE_SIZES
+            and q.shape[-1] in paged_prefill_mgpu.SUPPORTED_HEAD_DIMS
+            and q.dtype in (jnp.bfloat16, jnp.float16) and k_pages.dtype == q.dtype and v_pages.dtype == q.dtype
+            and q.shape[0] >= paged_prefill_mgpu.BLOCK_Q * num_rows)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode",
-                     "balanced"),
+                     "balanced", "prefill_kernel"),
 )
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -214,6 +231,7 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     balanced: bool = True,
+    prefill_kernel: str = "auto",
 ) -> jax.Array:  # [T, Hq, D]
     """Kernel entry of ``kvjax.ops.paged_attention`` (normalised kernel-contract arguments).
 
@@ -222,6 +240,9 @@ def paged_attention(
     (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``) default to the
     fastest values measured on an H200 (benchmarks/RESULTS.md). ``balanced`` (decode): fixed-size KV splits
     (a SWA head's short walk uses few programs) instead of cutting every walk into ``num_splits`` parts.
+    ``prefill_kernel``: ``"mosaic"`` (Hopper only; reads whole pages, so a page's unwritten tail must be
+    finite, as in every kvjax pool), ``"triton"``, or ``"auto"`` (Mosaic where it applies, see the module doc;
+    the Triton tuning knobs then do not apply).
     Reads only. Tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
@@ -229,7 +250,15 @@ def paged_attention(
     page_size = k_pages.shape[1]
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"mode must be 'auto', 'decode' or 'prefill', got {mode!r}")
+    if prefill_kernel not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"prefill_kernel must be 'auto', 'mosaic' or 'triton', got {prefill_kernel!r}")
     if mode == "prefill" or (mode == "auto" and t_total > num_rows):
+        if prefill_kernel == "mosaic" or (prefill_kernel == "auto" and not interpret and _mosaic_prefill_fits(
+                q, k_pages, v_pages, num_rows)):
+            return paged_prefill_mgpu.paged_prefill_mgpu(
+                q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
+                sinks=sinks, interpret=interpret,
+            )
         return paged_prefill.paged_prefill(
             q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
             sinks=sinks, interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps,
