@@ -258,7 +258,9 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
     args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
                       window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
     ref = _ref(args, kw)
-    out = pa.paged_attention(*args, **kw)
+    # the Triton prefill kernel never reads past a row's last position: NaN tails must not matter (the Mosaic
+    # kernel reads whole pages and is tested with finite tails in test_gpu_prefill_mosaic_grid)
+    out = pa.paged_attention(*args, **kw, prefill_kernel="triton")
     assert _rel_err(out, ref) <= 2e-2
     out_masked = paged_prefill.paged_prefill(*args, **kw, fast_path=False)
     assert _rel_err(out_masked, ref) <= 2e-2
