@@ -13,6 +13,9 @@ warpgroup's tokens: a hole, the causal future, a page only the other warpgroup's
 key is visible to every token: no mask), or *masked* (causal / window / sink mask per element). Every
 consumer still waits on and releases every slot, so the barrier phases stay in step.
 
+Ragged query tiles are laid out in 128-token boxes (an XLA gather before the kernel, one after): a TMA copy into
+swizzled shared memory needs 8-row aligned offsets, and a box never spills into another tile's output rows.
+
 Unlike the Triton kernel, the copy engine moves whole pages: the unwritten tail of a row's last page is read
 (every such key is masked, its probability is exactly 0), so it must hold finite values. kvjax's pools start
 zeroed and only ever hold written K/V, so they satisfy this; NaN there would propagate (``0 * NaN``).
