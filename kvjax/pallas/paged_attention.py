@@ -201,9 +201,7 @@ def _mosaic_prefill_fits(q, k_pages, v_pages, num_rows: int) -> bool:
     except RuntimeError:
         return False
     hopper = dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-    return (hopper and k_pages.shape[1] in paged_prefill_mgpu.SUPPORTED_PAGE_SIZES
-            and q.shape[-1] in paged_prefill_mgpu.SUPPORTED_HEAD_DIMS
-            and q.dtype in (jnp.bfloat16, jnp.float16) and k_pages.dtype == q.dtype and v_pages.dtype == q.dtype
+    return (hopper and paged_prefill_mgpu.unsupported(q, k_pages, v_pages) is None
             and q.shape[0] >= paged_prefill_mgpu.BLOCK_Q * num_rows)
 
 

@@ -91,5 +91,26 @@ def tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
     return row, tok0.astype(jnp.int32), length.astype(jnp.int32), pos0.astype(jnp.int32), attends
 
 
+def tile_walks(
+    cu_seqlens: jnp.ndarray,  # i32[B+1]
+    seq_lens: jnp.ndarray,  # i32[B]
+    window: jnp.ndarray,  # i32[Hkv]
+    sinks: jnp.ndarray,  # i32[Hkv]
+    *,
+    num_tokens: int,
+    tokens_per_tile: int,
+    page_size: int,
+    max_blocks: int,
+) -> tuple[jnp.ndarray, ...]:
+    """Launch metadata of the prefill kernels: the :func:`tile_map` and each (tile, KV head)'s page walk.
+
+    Returns ``(row, first token, length, first position): i32[NT]`` and ``(lo, n_sink, n_pages): i32[NT, Hkv]``.
+    """
+    t_row, t_tok, t_len, t_pos, t_attends = tile_map(cu_seqlens, seq_lens, num_tokens, tokens_per_tile)
+    lo, n_sink, n_pages = page_ranges(t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), window, sinks,
+                                      page_size=page_size, max_blocks=max_blocks)
+    return t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

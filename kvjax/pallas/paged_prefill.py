@@ -301,9 +301,9 @@ def paged_prefill(
     if page_ids != "load":
         fused_loop = True
     tokens_per_tile = rows // group
-    t_row, t_tok, t_len, t_pos, t_attends = paged_common.tile_map(cu_seqlens, seq_lens, t_total, tokens_per_tile)
-    lo, n_sink, n_pages = paged_common.page_ranges(
-        t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), window, sinks, page_size=page_size, max_blocks=max_blocks
+    t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = paged_common.tile_walks(
+        cu_seqlens, seq_lens, window, sinks, num_tokens=t_total, tokens_per_tile=tokens_per_tile,
+        page_size=page_size, max_blocks=max_blocks,
     )
     kernel = functools.partial(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,

@@ -245,6 +245,22 @@ def _kernel(
             plgpu.barrier_wait(v_free.at[slot])
 
 
+def unsupported(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+) -> str | None:
+    """What this kernel cannot take in these shapes / dtypes (``"page_size in ..., got ..."``), or None."""
+    page_size, d = k_pages.shape[1], q.shape[-1]
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page_size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
+    if d not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim in {SUPPORTED_HEAD_DIMS}, got {d}"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        return f"bf16 or f16 q/K/V of one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    return None
+
+
 def _to_boxes(
     q: jax.Array,  # [T, Hq, D]
     t_tok: jax.Array,  # i32[NT]: first token of each tile
@@ -284,21 +300,17 @@ def paged_prefill_mgpu(
     3 for 64). ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0.
     """
     t_total, hq, d = q.shape
-    num_pages, page_size, _ = k_pages.shape
-    num_rows, hkv, max_blocks = block_tables.shape
-    if page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"paged_prefill_mgpu needs page_size in {SUPPORTED_PAGE_SIZES}, got {page_size}")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"paged_prefill_mgpu needs head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"paged_prefill_mgpu needs bf16 or f16 q/K/V of one dtype, got {q.dtype}, "
-                         f"{k_pages.dtype}, {v_pages.dtype}")
+    page_size = k_pages.shape[1]
+    hkv, max_blocks = block_tables.shape[1:]
+    reason = unsupported(q, k_pages, v_pages)
+    if reason:
+        raise ValueError(f"paged_prefill_mgpu needs {reason}")
     stages = stages or (2 if page_size >= 128 else 3)
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
-    t_row, t_tok, t_len, t_pos, t_attends = paged_common.tile_map(cu_seqlens, seq_lens, t_total, TILE_TOKENS)
-    lo, n_sink, n_pages = paged_common.page_ranges(
-        t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), window, sinks, page_size=page_size, max_blocks=max_blocks
+    t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = paged_common.tile_walks(
+        cu_seqlens, seq_lens, window, sinks, num_tokens=t_total, tokens_per_tile=TILE_TOKENS,
+        page_size=page_size, max_blocks=max_blocks,
     )
     num_tiles = t_row.shape[0]
     swizzle = 128
