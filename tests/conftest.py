@@ -1,11 +1,16 @@
-"""Shared pytest setup: the ``gpu`` marker, hypothesis profiles, random keys."""
+"""Shared pytest setup: XLA CPU threads, the ``gpu`` marker, hypothesis profiles, random keys."""
 
 from __future__ import annotations
 
 import os
 import zlib
 
-import jax
+# The Mosaic GPU interpreter (test_prefill_mosaic_interpret) runs each warpgroup as a computation on XLA's CPU
+# thread pool and blocks those threads in barrier waits: with the pool sized to 2 cores it can deadlock. NPROC
+# sizes that pool; it must be set before JAX creates its CPU client.
+os.environ.setdefault("NPROC", "8")
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import settings

@@ -175,6 +175,17 @@ def test_prefill_mosaic_interpret(rng):
         paged_prefill_mgpu.paged_prefill_mgpu(*args[:1], k[:, :32], v[:, :32], *args[3:], **kw, interpret=True)
 
 
+def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
+    # with fewer XLA CPU threads than warpgroups + 1 the interpreter can deadlock: a clear error instead
+    from kvjax.pallas import paged_prefill_mgpu
+
+    args, kw = _build(rng, hq=2, hkv=1, d=64, page_size=64, ctx=[3], new=[3], window=[0], sinks=[0],
+                      dtype=jnp.bfloat16)
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.raises(RuntimeError, match="NPROC=8"):
+        paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, interpret=True)
+
+
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):
     # tokens before cu_seqlens[0] and after cu_seqlens[-1] belong to no row: the prefill kernel itself writes
     # their zeros (no select afterwards), even when their queries are NaN

@@ -21,13 +21,17 @@ Unlike the Triton kernel, the copy engine moves whole pages: the unwritten tail 
 zeroed and only ever hold written K/V, so they satisfy this; NaN there would propagate (``0 * NaN``).
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``head_dim`` 64 or 128, pages of 64 or 128 tokens, bf16
-or f16 q/K/V.
+or f16 q/K/V. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
+threads in barrier waits, so it needs a pool of at least ``INTERPRET_MIN_THREADS`` threads (the pool is sized
+by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
+deadlock).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +47,23 @@ TILE_TOKENS = BLOCK_Q * _CONSUMERS
 _LOG2E = math.log2(math.e)
 SUPPORTED_PAGE_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
+INTERPRET_MIN_THREADS = _CONSUMERS + 2  # every warpgroup's computation + the grid loop's blocked callback
+
+
+def _check_interpreter_threads() -> None:
+    nproc = os.environ.get("NPROC")
+    if nproc and nproc.isdigit():
+        threads = int(nproc)
+    elif hasattr(os, "sched_getaffinity"):
+        threads = len(os.sched_getaffinity(0))
+    else:
+        threads = os.cpu_count() or 1
+    if threads < INTERPRET_MIN_THREADS:
+        raise RuntimeError(
+            f"the Mosaic GPU interpreter needs an XLA CPU thread pool of >= {INTERPRET_MIN_THREADS} threads "
+            f"(it blocks one per warpgroup), this process has {threads}: set NPROC={2 * INTERPRET_MIN_THREADS} "
+            "in the environment before JAX starts"
+        )
 
 
 def _cast(x, layout, interpret: bool):  # register layouts exist only when compiled (the interpreter has none)
@@ -335,6 +356,7 @@ def paged_prefill_mgpu(
     )
     interpret_params = None
     if interpret:
+        _check_interpreter_threads()
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # CPU interpreter only
 
         interpret_params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
