@@ -118,6 +118,7 @@ def bench_decode(quick: bool):
     import numpy as np
 
     from kvjax.ops import gdn_state
+    from kvjax.pallas import gdn_decode_mgpu
     from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool, recurrent_gated_delta_rule_slots
     from kvjax.state.gdn_pool import GDNStatePool
 
@@ -126,6 +127,8 @@ def bench_decode(quick: bool):
     # (block_v, num_warps, one_pass, v_major)
     configs = [(64, 4, True, True), (64, 8, True, True), (64, 4, False, True), (64, 4, True, False)] if not quick \
         else [(64, 4, True, True)]
+    # Mosaic GPU kernel: (block_v, tiles_per_cta, stages)
+    mgpu_configs = [(64, 2, 2), (64, 4, 3), (128, 4, 2)] if not quick else [(64, 2, 2)]
     scale = KD ** -0.5
     for b, h in DECODE_SHAPES:
         num_slots = b + 8
@@ -165,7 +168,16 @@ def bench_decode(quick: bool):
                 q, k, v, g, beta, ssm, slot_ids=slots, layer=0, scale=scale, use_qk_l2norm=True, block_v=bv,
                 num_warps=nw, one_pass=op, v_major=vmaj), donate_argnums=0)
             name = f"slots-bv{bv}-w{nw}-{'one' if op else 'two'}pass{'-vmajor' if vmaj else ''}"
-            prepare(step, name, block_v=bv, num_warps=nw, one_pass=op, v_major=vmaj)
+            prepare(step, name, kernel="triton", block_v=bv, num_warps=nw, one_pass=op, v_major=vmaj)
+
+        def mgpu_step(slot_ids, bv, tpc, st, copy_only=False):
+            return jax.jit(lambda ssm: gdn_decode_mgpu.gdn_decode_mgpu(
+                q, k, v, g, beta, ssm, slot_ids=slot_ids, layer=0, scale=scale, use_qk_l2norm=True, block_v=bv,
+                tiles_per_cta=tpc, stages=st, _copy_only=copy_only), donate_argnums=0)
+
+        for bv, tpc, st in mgpu_configs:
+            prepare(mgpu_step(slots, bv, tpc, st), f"mosaic-bv{bv}-t{tpc}-s{st}", kernel="mosaic", block_v=bv,
+                    tiles_per_cta=tpc, stages=st)
         # interleaved rounds: configurations timed round-robin so that drifts hit all of them alike
         samples = {name: [] for name in runners}
         for _ in range(9):
@@ -181,12 +193,27 @@ def bench_decode(quick: bool):
         for pattern in patterns:
             pattern["state_gbps"] = state_bytes / pattern["ms"] / 1e6
             print("decode pattern copy", pattern, flush=True)
+        for bv, tpc, st in mgpu_configs:  # the Mosaic kernel's loop with TMA copies only
+            cstep, cpool = mgpu_step(slots, bv, tpc, st, copy_only=True), [jnp.array(ssm0, copy=True)]
+            ok = bool(jnp.array_equal(cstep(jnp.array(ssm0, copy=True))[1], ssm0))
+
+            def crun(cstep=cstep, cpool=cpool):
+                _, cpool[0] = cstep(cpool[0])
+                return cpool[0]
+
+            ms = _time(crun, n=50, rounds=9)
+            pattern = {"ms": ms, "unchanged": ok, "kernel": "mosaic", "block_v": bv, "tiles_per_cta": tpc,
+                       "stages": st, "state_gbps": state_bytes / ms / 1e6}
+            patterns.append(pattern)
+            print("decode pattern copy", pattern, flush=True)
         pattern = max(patterns, key=lambda x: x["state_gbps"])
         best = dict(min(rows.values(), key=lambda r: r["ms"]), pattern_copy=pattern)
+        best_triton = min((r for r in rows.values() if r["kernel"] == "triton"), key=lambda r: r["ms"])
         general = jax.jit(lambda ssm: gdn_state._pool_kernel(
             recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=0, slot_ids=slots, has_initial_state=None,
             cu_seqlens=None, scale=scale, use_qk_l2norm=True, interpret=False, one_token_per_row=True,
-            block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"]), donate_argnums=0)
+            block_v=best_triton["block_v"], num_warps=best_triton["num_warps"], one_pass=best_triton["one_pass"]),
+            donate_argnums=0)
         prepare(general, "rows-flags (XLA row/flag prologue)")
         rflags = rows["rows-flags (XLA row/flag prologue)"]
         rflags["ms"] = _time(runners["rows-flags (XLA row/flag prologue)"], n=50)
@@ -195,10 +222,13 @@ def bench_decode(quick: bool):
         half = jnp.where(jnp.arange(b) % 2 == 0, slots, 0).astype(jnp.int32)
         ro2, rp2 = gdn_state.gdn_decode(q, k, v, g, beta, fresh(), layer=0, slot_ids=half, use_qk_l2norm=True,
                                         impl="reference")
-        step = jax.jit(lambda ssm: recurrent_gated_delta_rule_slots(
-            q, k, v, g, beta, ssm, slot_ids=half, layer=0, scale=scale, use_qk_l2norm=True,
-            block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"],
-            v_major=best["v_major"]), donate_argnums=0)
+        if best["kernel"] == "mosaic":
+            step = mgpu_step(half, best["block_v"], best["tiles_per_cta"], best["stages"])
+        else:
+            step = jax.jit(lambda ssm: recurrent_gated_delta_rule_slots(
+                q, k, v, g, beta, ssm, slot_ids=half, layer=0, scale=scale, use_qk_l2norm=True,
+                block_v=best["block_v"], num_warps=best["num_warps"], one_pass=best["one_pass"],
+                v_major=best["v_major"]), donate_argnums=0)
         o2, p2 = step(fresh().ssm)
         pool = [fresh().ssm]
 

@@ -374,3 +374,62 @@ def test_decode_pool_in_place_gpu(rng):
     hlo = step.lower(pool).compile().as_text()
     pool_copies = [ln for ln in hlo.splitlines() if " copy(" in ln and "f32[2,64,4,128,128]" in ln]
     assert not pool_copies, f"the pool is copied instead of updated in place: {pool_copies}"
+
+
+def test_decode_mgpu_rejects_unsupported_shapes(rng):
+    """The Mosaic GPU decode kernel names what it cannot take (checked before any lowering, so on the CPU too)."""
+    from kvjax.pallas import gdn_decode_mgpu as mg
+
+    q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 3, 1, 2, 32, 64, jnp.bfloat16)
+    ssm = jnp.zeros((1, 4, 2, 32, 64), jnp.float32)
+    kw = dict(slot_ids=jnp.asarray([1, 2, 3], jnp.int32), layer=0, scale=0.2)
+    with pytest.raises(ValueError, match="K in"):
+        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **kw)
+    q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 3, 1, 2, 64, 64, jnp.bfloat16)
+    ssm = jnp.zeros((1, 4, 2, 64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="block_v"):
+        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **kw, block_v=32)
+    with pytest.raises(ValueError, match="stages"):
+        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **kw, stages=1)
+    with pytest.raises(ValueError, match="layer"):
+        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **{**kw, "layer": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic-bv128-t3-s3", "mosaic-bv64-t5-s3"])
+@pytest.mark.parametrize("dtype,l2,hk,kd", [(jnp.bfloat16, True, 2, 128), (jnp.float32, False, 4, 128),
+                                             (jnp.bfloat16, False, 1, 64)])
+def test_decode_slot_kernels_gpu(rng, kernel, dtype, l2, hk, kd):
+    """Both slot decode kernels (Triton, Mosaic GPU with its tuning options; tiles_per_cta 3 and 5 leave a
+    partial last CTA) against the pool oracle: GQA, padding rows (slot 0, out of range) output zero and write
+    nothing, every other slot and the other layer unchanged."""
+    from kvjax.pallas import gdn_decode_mgpu as mg
+    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_slots
+
+    n, hv, vd, num_slots = 37, 4, 128, 45
+    q, k, v, g, beta, _, _ = make_inputs(rng, [1] * n, hk, hv, kd, vd, dtype, unit_qk=not l2)
+    pool = make_pool(rng, 2, num_slots, hv, kd, vd)
+    ssm0 = np.asarray(pool.ssm)
+    slots = rng.permutation(np.arange(1, num_slots + 1))[:n].astype(np.int32)
+    slots[::5] = 0
+    slots[3] = num_slots + 1  # out of range: padding too
+    kw = dict(slot_ids=jnp.asarray(slots), layer=1, scale=kd ** -0.5, use_qk_l2norm=l2)
+    if kernel == "triton":
+        o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw)
+    else:
+        tune = {}
+        if kernel != "mosaic":
+            bv, t, s = (int(x[1:].lstrip("v")) for x in kernel.split("-")[1:])
+            tune = dict(block_v=bv, tiles_per_cta=t, stages=s)
+        o, ssm = mg.gdn_decode_mgpu(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw, **tune)
+    ro, rssm = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, has_initial_state=None,
+                                                   cu_seqlens=None, **kw)
+    assert o.dtype == v.dtype and ssm.dtype == jnp.float32
+    assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)
+    assert rel_err(ssm, rssm) <= 1e-5, rel_err(ssm, rssm)
+    pad = (slots == 0) | (slots > num_slots)
+    assert np.all(np.asarray(o, np.float32)[pad] == 0)
+    live = set(slots[~pad].tolist())
+    untouched = [s for s in range(num_slots + 1) if s not in live]
+    np.testing.assert_array_equal(np.asarray(ssm)[:, untouched], ssm0[:, untouched])
+    np.testing.assert_array_equal(np.asarray(ssm)[0], ssm0[0])

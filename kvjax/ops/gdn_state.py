@@ -133,12 +133,19 @@ def gdn_prefill_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, *
 def gdn_decode_pool_pallas(q, k, v, g, beta, ssm, *, interpret: bool = False, **kw):
     """Recurrent Pallas kernel on the pool (see :mod:`kvjax.pallas.gdn_recurrent`).
 
-    One token per row, every row continuing its state and a static layer: the slot-indexed fast path.
+    One token per row, every row continuing its state and a static layer: the slot-indexed fast path, on a
+    Hopper GPU the Mosaic GPU kernel (:mod:`kvjax.pallas.gdn_decode_mgpu`, TMA state tiles), elsewhere the
+    Triton one.
     """
-    from kvjax.pallas import gdn_recurrent as rec
+    from kvjax.pallas import gdn_decode_mgpu, gdn_recurrent as rec, hopper_gpu
 
     one_token = kw["cu_seqlens"] is None
     if one_token and kw["has_initial_state"] is None and isinstance(kw["layer"], int):
+        if not interpret and hopper_gpu() and gdn_decode_mgpu.unsupported(q, v, gdn_decode_mgpu.BLOCK_V) is None:
+            return gdn_decode_mgpu.gdn_decode_mgpu(
+                q, k, v, g, beta, ssm, slot_ids=kw["slot_ids"], layer=kw["layer"], scale=kw["scale"],
+                use_qk_l2norm=kw["use_qk_l2norm"],
+            )
         tuning = {key: kw[key] for key in ("block_v", "num_warps") if key in kw}
         return rec.recurrent_gated_delta_rule_slots(
             q, k, v, g, beta, ssm, slot_ids=kw["slot_ids"], layer=kw["layer"], scale=kw["scale"],

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas import paged_common
+from kvjax.pallas import hopper_gpu, paged_common
 from kvjax.pallas import paged_prefill
 from kvjax.pallas import paged_prefill_mgpu
 
@@ -196,12 +196,7 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
 def _mosaic_prefill_fits(q, k_pages, v_pages, num_rows: int) -> bool:
     """Whether ``"auto"`` takes the Mosaic GPU prefill kernel: a Hopper GPU, shapes it supports, and on average
     at least one 64-token box of queries per row (rows of a few tokens waste most of a 64-row tile)."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    hopper = dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-    return (hopper and paged_prefill_mgpu.unsupported(q, k_pages, v_pages) is None
+    return (hopper_gpu() and paged_prefill_mgpu.unsupported(q, k_pages, v_pages) is None
             and q.shape[0] >= paged_prefill_mgpu.BLOCK_Q * num_rows)
 
 
