@@ -151,6 +151,8 @@ def unsupported(
     block_v: int,
 ) -> str | None:
     """What this kernel cannot take (``"K in (64, 128), got 96"``), or None."""
+    if jax.__version_info__ < (0, 11):  # jax 0.10 rejects Ref operands (the in-place pool) of Mosaic GPU kernels
+        return f"jax >= 0.11 (Ref operands of Mosaic GPU kernels), got {jax.__version__}"
     kd, vd = q.shape[2], v.shape[2]
     if kd not in SUPPORTED_K:
         return f"K in {SUPPORTED_K}, got {kd}"
