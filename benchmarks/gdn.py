@@ -85,7 +85,6 @@ def _pattern_copy(ssm0, slots, *, block_v, num_warps):
     state tile ``[K, block_v]`` by slot and storing it back in place, no arithmetic. The ceiling of any kernel
     with this access pattern on this GPU."""
     import jax
-    import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -101,15 +100,22 @@ def _pattern_copy(ssm0, slots, *, block_v, num_warps):
         kernel, out_shape=jax.ShapeDtypeStruct(ssm.shape, ssm.dtype), grid=(vd // block_v, h, slots.shape[0]),
         input_output_aliases={1: 0}, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
     )(slots, ssm), donate_argnums=0)
+    return _time_pattern(step, ssm0, kernel="triton", block_v=block_v, num_warps=num_warps)
+
+
+def _time_pattern(step, ssm0, **meta):
+    """Time an access-pattern copy ``step(pool) -> pool`` (pool donated, chained) after checking that it leaves
+    the pool unchanged; returns ``{"ms", "unchanged", **meta}``."""
+    import jax.numpy as jnp
+
+    ok = bool(jnp.array_equal(step(jnp.array(ssm0, copy=True)), ssm0))
     pool = [jnp.array(ssm0, copy=True)]
-    out = step(jnp.array(ssm0, copy=True))
-    ok = bool(jnp.array_equal(out, ssm0))
 
     def run():
         pool[0] = step(pool[0])
         return pool[0]
 
-    return {"ms": _time(run, n=50, rounds=9), "unchanged": ok, "block_v": block_v, "num_warps": num_warps}
+    return {"ms": _time(run, n=50, rounds=9), "unchanged": ok, **meta}
 
 
 def bench_decode(quick: bool):
@@ -194,16 +200,10 @@ def bench_decode(quick: bool):
             pattern["state_gbps"] = state_bytes / pattern["ms"] / 1e6
             print("decode pattern copy", pattern, flush=True)
         for bv, tpc, st in mgpu_configs:  # the Mosaic kernel's loop with TMA copies only
-            cstep, cpool = mgpu_step(slots, bv, tpc, st, copy_only=True), [jnp.array(ssm0, copy=True)]
-            ok = bool(jnp.array_equal(cstep(jnp.array(ssm0, copy=True))[1], ssm0))
-
-            def crun(cstep=cstep, cpool=cpool):
-                _, cpool[0] = cstep(cpool[0])
-                return cpool[0]
-
-            ms = _time(crun, n=50, rounds=9)
-            pattern = {"ms": ms, "unchanged": ok, "kernel": "mosaic", "block_v": bv, "tiles_per_cta": tpc,
-                       "stages": st, "state_gbps": state_bytes / ms / 1e6}
+            cstep = mgpu_step(slots, bv, tpc, st, copy_only=True)
+            pattern = _time_pattern(lambda ssm, cstep=cstep: cstep(ssm)[1], ssm0, kernel="mosaic", block_v=bv,
+                                    tiles_per_cta=tpc, stages=st)
+            pattern["state_gbps"] = state_bytes / pattern["ms"] / 1e6
             patterns.append(pattern)
             print("decode pattern copy", pattern, flush=True)
         pattern = max(patterns, key=lambda x: x["state_gbps"])
