@@ -63,6 +63,7 @@ def main() -> None:
     import numpy as np
 
     from kvjax.ops import mla
+    from kvjax.pallas import hopper_gpu
     from kvjax.pallas import mla_decode as pk
 
     dev = jax.devices()[0]
@@ -148,6 +149,10 @@ def main() -> None:
         return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
     impls = {"pallas": pk.mla_decode_pallas}
+    if hopper_gpu():
+        from kvjax.pallas.mla_decode_mgpu import mla_decode_mgpu
+
+        impls["mosaic"] = mla_decode_mgpu
     if not args.skip_triton:
         try:
             from kvjax.triton.mla_decode import mla_decode_triton
@@ -192,24 +197,30 @@ def main() -> None:
                             for sp in (2, 3)]
                 configs += [dict(block_h=32, num_warps=4, num_stages=2, num_kv_splits=None, block_n=64),
                             dict(block_h=64, num_warps=8, num_stages=3, num_kv_splits=None, block_n=32)]
-        fns = {}
-        for ci, cfg in enumerate(configs):
+        entries = []  # (impl, config, jitted call)
+        for cfg in configs:
             for name, fn in impls.items():
+                if name == "mosaic":
+                    continue
                 kw = {k: v for k, v in cfg.items() if k != "num_kv_splits"}
-                fns[(ci, name)] = jax.jit(lambda *x, _fn=fn, _kw=kw, _sp=cfg.get("num_kv_splits"): _fn(
-                    *x, scale=scale, num_kv_splits=_sp, **_kw))
+                entries.append((name, cfg, jax.jit(lambda *x, _fn=fn, _kw=kw, _sp=cfg.get("num_kv_splits"): _fn(
+                    *x, scale=scale, num_kv_splits=_sp, **_kw))))
+        if "mosaic" in impls:  # one tile shape; the split factor is its only knob
+            for cfg in [dict()] + [dict(num_kv_splits=sp) for sp in ((1, 2, 3) if args.sweep else (1, 2))]:
+                entries.append(("mosaic", cfg, jax.jit(lambda *x, _sp=cfg.get("num_kv_splits"): impls["mosaic"](
+                    *x, scale=scale, num_kv_splits=_sp))))
         times: dict = {}
         for _ in range(rounds):
-            for key, f in fns.items():
-                if key in times and times[key] is None:
+            for i, (name, cfg, f) in enumerate(entries):
+                if i in times and times[i] is None:
                     continue
                 try:
-                    times.setdefault(key, []).append(bench(f, *a))
+                    times.setdefault(i, []).append(bench(f, *a))
                 except Exception as ex:  # noqa: BLE001
-                    print("fail", key, configs[key[0]], repr(ex)[:200], flush=True)
-                    times[key] = None
-        for (ci, name), ts in times.items():
-            cfg = configs[ci]
+                    print("fail", name, cfg, repr(ex)[:200], flush=True)
+                    times[i] = None
+        for i, ts in times.items():
+            name, cfg, _ = entries[i]
             if ts is None:
                 results["mla"].append({"impl": name, "H": h, **cfg, "error": True})
                 continue
@@ -259,6 +270,7 @@ def _bench_dsa(results, bench, rng, quick=False):
     import numpy as np
 
     from kvjax.ops import dsa
+    from kvjax.pallas import hopper_gpu
     from kvjax.pallas import mla_decode as pk
 
     b, topk = (8, 2048) if quick else (32, 2048)

@@ -242,12 +242,49 @@ def test_num_kv_splits_choice_is_static():
     assert choose_num_kv_splits(2, 1, 512, 132) == 64  # capped
 
 
+def test_mosaic_interpret_matches_reference(rng):
+    """The Mosaic GPU kernel in the Mosaic GPU interpreter (slow: ~1 min): mixed lengths (0, 1, a tile edge,
+    empty splits), a hole inside a sequence, 70 heads (two head groups, the second padded), one split (final
+    dtype written by the kernel) and three (f32 split outputs merged)."""
+    from kvjax.pallas.mla_decode_mgpu import mla_decode_mgpu
+
+    lens, h = [1, 65, 190, 0], 70
+    q, qr, pages, tables, lens_a = _random_decode(rng, lens, h=h, page_size=64, max_blocks=3, dtype=jnp.bfloat16)
+    tables = tables.at[2, 0, 1].set(-1)  # tokens 64..127 of row 2 are not attendable
+    want = np.asarray(_oracle(q, qr, pages, tables, lens_a, 0.06))
+    for splits in (1, 3):
+        got = mla_decode_mgpu(q, qr, pages, tables, lens_a, scale=0.06, num_kv_splits=splits, interpret=True)
+        assert got.dtype == jnp.bfloat16 and got.shape == (4, h, RANK)
+        got = np.asarray(got, np.float32)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got[-1], 0.0)
+        assert _rel_err(got[:-1], want[:-1]) <= 2e-2, splits
+
+
+def test_mosaic_rejects_unsupported_shapes(rng):
+    from kvjax.pallas.mla_decode_mgpu import mla_decode_mgpu, unsupported
+
+    q, qr, pages, tables, lens = _random_decode(rng, [5], h=4, page_size=32, max_blocks=2, dtype=jnp.bfloat16)
+    assert unsupported(q, qr, pages) == "page_size a multiple of 64, got 32"
+    assert "R = 512 and r = 64" in unsupported(q[..., :256], qr, pages)
+    pages64 = pages.reshape(-1, 64, RANK + ROPE)
+    assert unsupported(q, qr, pages64) is None
+    assert unsupported(q, qr, pages64.astype(jnp.float32)) == "a bf16 or f16 latent cache, got float32"
+    with pytest.raises(ValueError, match="page_size a multiple of 64, got 32"):
+        mla_decode_mgpu(q, qr, pages, tables, lens, scale=0.1)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "triton"])
+@pytest.mark.parametrize("impl", ["pallas", "triton", "mosaic"])
 @pytest.mark.parametrize("h", [16, 128])
 def test_kernels_gpu_long_mixed(rng, impl, h):
     if impl == "triton":
         pytest.importorskip("jax_triton", reason="optional dependency: the 'triton' extra")
+    if impl == "mosaic":
+        from kvjax.pallas import hopper_gpu
+
+        if not hopper_gpu():
+            pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     lens = [1, 8192, 64, 4097, 777, 8000, 65, 3]
     args = _random_decode(rng, lens, h=h, page_size=64, max_blocks=128, dtype=jnp.bfloat16)
     want = _oracle(*args, 0.07)
@@ -255,6 +292,8 @@ def test_kernels_gpu_long_mixed(rng, impl, h):
         got = mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
         assert np.isfinite(np.asarray(got, np.float32)).all()
         assert _rel_err(got, want) <= 2e-2, (impl, h, splits)
+    if impl == "mosaic":
+        return
     if impl == "pallas":
         from kvjax.pallas.mla_decode import mla_decode_pallas as fn
     else:

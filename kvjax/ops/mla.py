@@ -231,3 +231,4 @@ def mla_prefill_reference(
 dispatch.register_reference("mla_decode", mla_decode_reference)
 dispatch.register_kernel("mla_decode", "pallas", "kvjax.pallas.mla_decode:mla_decode_pallas", platforms=("gpu",))
 dispatch.register_kernel("mla_decode", "triton", "kvjax.triton.mla_decode:mla_decode_triton", platforms=("gpu",))
+dispatch.register_kernel("mla_decode", "mosaic", "kvjax.pallas.mla_decode_mgpu:mla_decode_mgpu", platforms=("gpu",))
