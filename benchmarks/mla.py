@@ -13,6 +13,7 @@ bytes written; "% of copy BW" compares the kernel's latent-bytes rate against th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--skip-dsa", action="store_true")
     ap.add_argument("--dsa-only", action="store_true", help="copy ceilings, then only the DSA part")
     ap.add_argument("--sweep", action="store_true", help="sweep kernel configs (block_h, warps, stages, splits)")
+    ap.add_argument("--heads", type=lambda v: [int(x) for x in v.split(",")], default=[16, 128],
+                    help="head counts timed, comma-separated (default 16,128)")
     args = ap.parse_args()
     if args.torch_copy:
         torch_copy(args.torch_copy)
@@ -148,7 +151,7 @@ def main() -> None:
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
-    impls = {"pallas": pk.mla_decode_pallas}
+    impls = {"pallas": functools.partial(pk.mla_decode_pallas, kernel="triton")}  # the Triton-lowered kernel
     if hopper_gpu():
         from kvjax.pallas.mla_decode_mgpu import mla_decode_mgpu
 
@@ -168,22 +171,22 @@ def main() -> None:
         a = make(8, h, 0, lens=[1, 8192, 64, 4097, 777, 8000, 65, 3], extra=7)
         f32 = lambda v: v.astype(jnp.float32)
         want = mla.mla_decode_reference(f32(a[0]), f32(a[1]), f32(a[2]), a[3], a[4], scale=scale)
-        for name, fn in impls.items():
-            for splits in (None, 1, 5):
-                try:
-                    got = fn(*a, scale=scale, num_kv_splits=splits)
-                    e = rel(got, want)
-                    ok = e <= 2e-2 and bool(np.isfinite(np.asarray(got, np.float32)).all())
-                except Exception as ex:  # noqa: BLE001
-                    e, ok = repr(ex)[:300], False
-                results["checks"].append({"op": "mla_decode", "impl": name, "H": h, "splits": splits,
-                                          "rel_err": e, "ok": ok})
-                print("check", name, h, splits, e, ok, flush=True)
+        variants = [(name, fn, splits) for name, fn in impls.items() for splits in (None, 1, 5)]
+        for name, fn, splits in variants:
+            try:
+                got = fn(*a, scale=scale, num_kv_splits=splits)
+                e = rel(got, want)
+                ok = e <= 2e-2 and bool(np.isfinite(np.asarray(got, np.float32)).all())
+            except Exception as ex:  # noqa: BLE001
+                e, ok = repr(ex)[:300], False
+            results["checks"].append({"op": "mla_decode", "impl": name, "H": h, "splits": splits,
+                                      "rel_err": e, "ok": ok})
+            print("check", name, h, splits, e, ok, flush=True)
 
     # ---- timing: B=128, L=4096, page 64; identical configs for both kernels, interleaved over rounds ----
     b, length = (32, 4096) if args.quick else (128, 4096)
     rounds = 3
-    for h in (16, 128):
+    for h in args.heads:
         a = make(b, h, length)
         latent_bytes = b * length * 576 * 2
         configs = [dict()]  # the defaults (kvjax.pallas.mla_decode.default_tiles, automatic splits)
@@ -205,10 +208,12 @@ def main() -> None:
                 kw = {k: v for k, v in cfg.items() if k != "num_kv_splits"}
                 entries.append((name, cfg, jax.jit(lambda *x, _fn=fn, _kw=kw, _sp=cfg.get("num_kv_splits"): _fn(
                     *x, scale=scale, num_kv_splits=_sp, **_kw))))
-        if "mosaic" in impls:  # one tile shape; the split factor is its only knob
-            for cfg in [dict()] + [dict(num_kv_splits=sp) for sp in ((1, 2, 3) if args.sweep else (1, 2))]:
-                entries.append(("mosaic", cfg, jax.jit(lambda *x, _sp=cfg.get("num_kv_splits"): impls["mosaic"](
-                    *x, scale=scale, num_kv_splits=_sp))))
+        if "mosaic" in impls:  # one tile shape, the split factor its knob; probes: copies or products alone
+            mcfgs = [dict(), dict(num_kv_splits=2), dict(_probe="copy"), dict(_probe="compute")]
+            if args.sweep:
+                mcfgs += [dict(num_kv_splits=1), dict(num_kv_splits=3)]
+            for cfg in mcfgs:
+                entries.append(("mosaic", cfg, jax.jit(lambda *x, _kw=cfg: impls["mosaic"](*x, scale=scale, **_kw))))
         times: dict = {}
         for _ in range(rounds):
             for i, (name, cfg, f) in enumerate(entries):
@@ -270,7 +275,6 @@ def _bench_dsa(results, bench, rng, quick=False):
     import numpy as np
 
     from kvjax.ops import dsa
-    from kvjax.pallas import hopper_gpu
     from kvjax.pallas import mla_decode as pk
 
     b, topk = (8, 2048) if quick else (32, 2048)

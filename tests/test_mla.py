@@ -274,6 +274,20 @@ def test_mosaic_rejects_unsupported_shapes(rng):
         mla_decode_mgpu(q, qr, pages, tables, lens, scale=0.1)
 
 
+def test_kernel_choice(rng):
+    """``kernel=`` is validated; off a Hopper GPU (and in interpret mode) ``"auto"`` keeps the Triton kernel, and
+    ``"mosaic"`` with ``interpret=True`` runs the Mosaic GPU kernel in its interpreter (same contract)."""
+    from kvjax.pallas.mla_decode import _use_mosaic, mla_decode_pallas
+
+    q, qr, pages, tables, lens = _random_decode(rng, [3], h=64, page_size=64, max_blocks=1, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'mosaic' or 'triton', got 'cuda'"):
+        mla_decode_pallas(q, qr, pages, tables, lens, scale=0.1, kernel="cuda")
+    assert not _use_mosaic(q, qr, pages, "auto", (None,) * 4, interpret=True)
+    assert not _use_mosaic(q, qr, pages, "triton", (None,) * 4, interpret=False)
+    assert _use_mosaic(q, qr, pages, "mosaic", (None,) * 4, interpret=True)
+    assert not _use_mosaic(q, qr, pages, "auto", (16, None, None, None), interpret=False)  # a Triton tile knob
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["pallas", "triton", "mosaic"])
 @pytest.mark.parametrize("h", [16, 128])

@@ -22,7 +22,7 @@ latent caches start zeroed and hold only written rows, so they satisfy this.
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``R = 512``, ``r = 64``, pages a multiple of 64 tokens,
 a bf16 or f16 latent cache. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
-blocks those threads in barrier waits: it needs ``NPROC >= INTERPRET_MIN_THREADS``.
+blocks those threads in barrier waits: it needs ``NPROC >= 4`` (as :mod:`kvjax.pallas.paged_prefill_mgpu`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas import mla_decode
-from kvjax.pallas.paged_prefill_mgpu import INTERPRET_MIN_THREADS, _check_interpreter_threads
+from kvjax.pallas.paged_prefill_mgpu import _check_interpreter_threads
 
 BLOCK_H = 64  # query heads per CTA (one wgmma M tile)
 BLOCK_N = 64  # latent rows per tile
@@ -69,19 +69,20 @@ def _kernel(
     q_smem,  # (q[:, :256], q[:, 256:], q_rope): [64, 256], [64, 256], [64, 64]
     ring,  # RefUnion: (k_lo, k_hi, k_pe) [stages, 64, 256 | 256 | 64] during the walk, then
     #        (out [2, 64, 256] in o_ref's dtype, f32[2, 64]: row sums, lse)
-    p_smem,  # [64, 64]: consumer 0's probabilities of the current tile
-    alpha_smem,  # f32[64]: their rescale factors
+    alpha_smem,  # f32[stages, 64]: consumer 0's rescale factors of the tile in each slot
     q_full,  # barrier: the three q copies landed
     k_full,  # barriers [stages]: a tile's three copies landed (or the hole was signalled)
     k_free,  # barriers [stages]: both consumers are done with the slot
-    p_full,  # barrier: consumer 0 wrote P and alpha (or, after the walk, the row sums)
-    p_free,  # barrier: consumer 1 is done reading them
+    p_full,  # barriers [stages]: consumer 0 wrote the slot's P (over its k_pe, read by then) and alpha
+    walked,  # barrier: consumer 1 finished its walk (the ring may be reused)
+    fin_full,  # barrier: consumer 0 wrote the row sums
     *,
     scale: float,
     num_splits: int,
     page_size: int,
     max_blocks: int,
     stages: int,
+    probe: str,
     interpret: bool,
 ):
     (k_lo, k_hi, k_pe), (out_smem, fin_smem) = ring
@@ -99,10 +100,13 @@ def _kernel(
     heads = pl.ds(pl.multiple_of(g * BLOCK_H, BLOCK_H), BLOCK_H)
     row = plgpu.Layout.WGMMA.reduce(1)
 
-    def tile_page(j):  # page id and first row of tile j of this sequence
-        first = j * BLOCK_N
+    def tile_page(i):  # page id and first row of step i's tile
+        first = (start + i) * BLOCK_N
         page = bt_ref[b * max_blocks + lax.div(first, jnp.int32(page_size))]
         return page, lax.rem(first, jnp.int32(page_size))
+
+    def computes(page):  # whether the consumers work on this tile (holes and the copy probe: no)
+        return jnp.logical_and(page >= 0, probe != "copy")
 
     def pv(acc, p, v_ref):  # acc + p @ v (p: registers or a shared-memory ref), accumulated in place
         if interpret:  # the interpreter's wgmma takes no register operand: the same product in jnp
@@ -129,83 +133,99 @@ def _kernel(
         plgpu.barrier_wait(q_full)
         col = _iota((BLOCK_H, BLOCK_N), 1, interpret)
         qk_scale = scale * _LOG2E
+        pairs = ((q_lo, k_lo), (q_hi, k_hi), (q_pe, k_pe))
 
-        def step(i, carry):
+        def qk(slot):  # logits of the tile in `slot`
+            if interpret:  # no transposed wgmma operand in the interpreter: the same product in jnp
+                return sum(jnp.dot(a[...], kt.at[slot][...].T, preferred_element_type=jnp.float32)
+                           for a, kt in pairs)
+
+            def body(acc_ref):
+                for a, kt in pairs:
+                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(kt.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(body, plgpu.ACC((BLOCK_H, BLOCK_N), jnp.float32))
+
+        def finish(i, carry, s):  # softmax of step i's logits s, P handed over, P @ kv_c[:, :256]; frees the slot
+            acc, m_i, l_i = carry
             slot = lax.rem(i, jnp.int32(stages))
-            j = start + i
-            page, _ = tile_page(j)
-            plgpu.barrier_wait(k_full.at[slot])
+            page, _ = tile_page(i)
+            ok = jnp.logical_and((start + i) * BLOCK_N + col < seq_len, page >= 0)
+            s = jnp.where(ok, s * qk_scale, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no visible key yet
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
 
-            def compute(carry):
-                acc, m_i, l_i = carry
-                if interpret:  # no transposed wgmma operand in the interpreter: the same product in jnp
-                    s = sum(jnp.dot(a[...], kt.at[slot][...].T, preferred_element_type=jnp.float32)
-                            for a, kt in ((q_lo, k_lo), (q_hi, k_hi), (q_pe, k_pe)))
-                else:
-                    def qk(acc_ref):
-                        for a, kt in ((q_lo, k_lo), (q_hi, k_hi), (q_pe, k_pe)):
-                            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(kt.at[slot], (1, 0)))
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_N), jnp.float32))
-                s = jnp.where(j * BLOCK_N + col < seq_len, s * qk_scale, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no visible key yet
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
-                plgpu.barrier_wait(p_free)  # consumer 1 is done with the previous tile's P
-                p_smem[...] = p16
-                alpha_smem[...] = alpha
+            def publish(acc):
+                k_pe.at[slot][...] = p16  # the slot's k_pe was last read by this tile's logits
+                alpha_smem.at[slot][...] = alpha
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(p_full)
-                acc = pv(acc, p16, k_lo.at[slot])
-                return acc, m_new, l_i
+                plgpu.barrier_arrive(p_full.at[slot])
+                return pv(acc, p16, k_lo.at[slot])
 
-            carry = lax.cond(page >= 0, compute, lambda c: c, carry)
+            acc = lax.cond(computes(page), publish, lambda a: a, acc)
             plgpu.barrier_arrive(k_free.at[slot])
-            return carry
+            return acc, m_new, l_i
+
+        def wait_tile(i):
+            plgpu.barrier_wait(k_full.at[lax.rem(i, jnp.int32(stages))])
 
         m_i = _cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row, interpret)
         l_i = _cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row, interpret)
         acc = _cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-        plgpu.barrier_wait(p_free)  # consumer 1 finished its last product: the ring is free
+        if probe == "copy":
+            def step(i, carry):
+                wait_tile(i)
+                plgpu.barrier_arrive(k_free.at[lax.rem(i, jnp.int32(stages))])
+                return carry
+
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        else:
+            def step(i, carry):
+                wait_tile(i)
+                return finish(i, carry, qk(lax.rem(i, jnp.int32(stages))))
+
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        plgpu.barrier_wait(walked)  # consumer 1 finished its last product: the ring is free
         fin_smem.at[0][...] = l_i
         l_safe = jnp.where(l_i > 0, l_i, 1.0)
         fin_smem.at[1][...] = jnp.where(l_i > 0, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.barrier_arrive(p_full)
+        plgpu.barrier_arrive(fin_full)
         plgpu.copy_smem_to_gmem(fin_smem.at[1], lse_ref.at[b, split, heads])
         store_out(acc, l_i, o_ref.at[b, split, heads, pl.ds(0, _HALF)], 0)
 
     @pl.when(wg == 1)
     def _consumer1():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.barrier_arrive(p_free)  # P's buffer starts free
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(stages))
-            page, _ = tile_page(start + i)
+            page, _ = tile_page(i)
             plgpu.barrier_wait(k_full.at[slot])
 
             def compute(acc):
-                plgpu.barrier_wait(p_full)
-                alpha = alpha_smem[...] if interpret else plgpu.load(alpha_smem, (), layout=row)
+                plgpu.barrier_wait(p_full.at[slot])
+                if interpret:
+                    alpha, p = alpha_smem[slot], k_pe.at[slot][...]
+                else:
+                    alpha, p = plgpu.load(alpha_smem.at[slot], (), layout=row), k_pe.at[slot]
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = pv(acc, p_smem[...] if interpret else p_smem, k_hi.at[slot])
-                plgpu.barrier_arrive(p_free)
-                return acc
+                return pv(acc, p, k_hi.at[slot])
 
-            acc = lax.cond(page >= 0, compute, lambda a: a, acc)
+            acc = lax.cond(computes(page), compute, lambda a: a, acc)
             plgpu.barrier_arrive(k_free.at[slot])
             return acc
 
         acc = _cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
         acc = lax.fori_loop(0, n_steps, step, acc)
-        plgpu.barrier_wait(p_full)  # consumer 0 is done: row sums written, the ring is free
+        plgpu.barrier_arrive(walked)
+        plgpu.barrier_wait(fin_full)  # consumer 0 is done: row sums written
         l_i = fin_smem[0] if interpret else plgpu.load(fin_smem.at[0], (), layout=row)
         store_out(acc, l_i, o_ref.at[b, split, heads, pl.ds(_HALF, _HALF)], 1)
 
@@ -214,10 +234,10 @@ def _kernel(
         plgpu.set_max_registers(40, action="decrease")
 
         def issue(i, slot):
-            page, row0 = tile_page(start + i)
+            page, row0 = tile_page(i)
             rows = pl.ds(row0, BLOCK_N)
 
-            @pl.when(page >= 0)
+            @pl.when(jnp.logical_and(page >= 0, probe != "compute"))
             def _():
                 plgpu.copy_gmem_to_smem(lat_ref.at[page, rows, pl.ds(0, _HALF)], k_lo.at[slot], k_full.at[slot])
                 plgpu.copy_gmem_to_smem(lat_ref.at[page, rows, pl.ds(_HALF, _HALF)], k_hi.at[slot],
@@ -225,8 +245,8 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(lat_ref.at[page, rows, pl.ds(RANK, ROPE)], k_pe.at[slot],
                                         k_full.at[slot])
 
-            @pl.when(page < 0)
-            def _():  # a hole: the slot is signalled, nothing is read
+            @pl.when(jnp.logical_or(page < 0, probe == "compute"))
+            def _():  # a hole (or the compute probe): the slot is signalled, nothing is read
                 for _ in range(3):
                     plgpu.barrier_arrive(k_full.at[slot])
 
@@ -260,13 +280,15 @@ def unsupported(
 
 
 def choose_num_kv_splits(batch: int, head_groups: int, max_tiles: int, num_sms: int) -> int:
-    """Static split factor: enough CTAs (one per SM fits in shared memory) to fill the SMs about once, at
-    least 4 tiles per split, at most ``mla_decode._MAX_SPLITS``."""
-    want = math.ceil(num_sms / (batch * head_groups))
+    """Static split factor: as many splits as keep the CTAs (one per SM fits in shared memory) within one wave,
+    at least 4 tiles per split, at most ``mla_decode._MAX_SPLITS``. One split whenever the CTAs already fill
+    the SMs: a second split then only adds the f32 partial outputs and their merge (measured on an H200,
+    B=128 H=16: 0.197 ms with one split, 0.229-0.234 ms with two)."""
+    want = num_sms // (batch * head_groups)
     return max(1, min(want, max_tiles // 4, mla_decode._MAX_SPLITS))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_kv_splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_kv_splits", "stages", "interpret", "_probe"))
 def mla_decode_mgpu(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
@@ -278,11 +300,16 @@ def mla_decode_mgpu(
     num_kv_splits: int | None = None,
     stages: int = 2,
     interpret: bool = False,
+    _probe: str = "",
 ) -> jax.Array:  # [B, H, R]
     """Split-KV MLA decode (Mosaic GPU, see the module doc); same contract as
     :func:`kvjax.pallas.mla_decode.mla_decode_pallas` except that rows of a page past ``seq_lens`` are read
     (they must be finite). ``stages``: shared-memory tile slots (2 fit beside q in 227 KB). Reads only.
+    ``_probe`` (benchmarks; the output is meaningless): ``"copy"`` walks and copies the tiles without the
+    products, ``"compute"`` runs the products on whatever the ring holds without copying.
     """
+    if _probe not in ("", "copy", "compute"):
+        raise ValueError(f"_probe must be '', 'copy' or 'compute', got {_probe!r}")
     b, h, _ = q_latent.shape
     page_size = latent_pages.shape[1]
     max_blocks = block_tables.shape[-1]
@@ -314,16 +341,17 @@ def mla_decode_mgpu(
             (plgpu.SMEM((2, BLOCK_H, _HALF), out_dtype, transforms=tiled(out_dtype)),
              plgpu.SMEM((2, BLOCK_H), jnp.float32)),
         ),
-        plgpu.SMEM((BLOCK_H, BLOCK_N), dtype, transforms=tiled(dtype)),
-        plgpu.SMEM((BLOCK_H,), jnp.float32),
+        plgpu.SMEM((stages, BLOCK_H), jnp.float32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(),
         plgpu.Barrier(),
     )
     kernel = functools.partial(_kernel, scale=scale, num_splits=splits, page_size=page_size,
-                               max_blocks=max_blocks, stages=stages, interpret=interpret)
+                               max_blocks=max_blocks, stages=stages, probe=_probe,
+                               interpret=interpret)
     interpret_params = None
     if interpret:
         _check_interpreter_threads()
