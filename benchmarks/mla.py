@@ -1,4 +1,5 @@
-"""MLA decode (Pallas vs Triton vs copy bandwidth) and DSA sparse-vs-dense decode benchmark.
+"""MLA decode (Pallas: Triton lowering and Mosaic GPU, vs Triton, vs copy bandwidth) and DSA sparse-vs-dense
+decode benchmark. ``bash benchmarks/mla_run.sh`` runs the gpu tests, the torch copy and this script in one go.
 
 Run on a GPU (jit-compiled; prints a table last, writes JSON):
 

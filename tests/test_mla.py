@@ -274,6 +274,16 @@ def test_mosaic_rejects_unsupported_shapes(rng):
         mla_decode_mgpu(q, qr, pages, tables, lens, scale=0.1)
 
 
+def test_mosaic_num_kv_splits_choice():
+    from kvjax.pallas.mla_decode_mgpu import choose_num_kv_splits
+
+    assert choose_num_kv_splits(128, 2, 64, 132) == 1  # 256 CTAs already fill the SMs
+    assert choose_num_kv_splits(128, 1, 64, 132) == 1
+    assert choose_num_kv_splits(8, 1, 64, 132) == 16
+    assert choose_num_kv_splits(1, 1, 2, 132) == 1  # never more splits than 4-tile chunks allow
+    assert choose_num_kv_splits(2, 1, 512, 132) == 64  # capped
+
+
 def test_kernel_choice(rng):
     """``kernel=`` is validated; off a Hopper GPU (and in interpret mode) ``"auto"`` keeps the Triton kernel, and
     ``"mosaic"`` with ``interpret=True`` runs the Mosaic GPU kernel in its interpreter (same contract)."""
