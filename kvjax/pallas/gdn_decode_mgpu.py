@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kvjax.pallas.mgpu_common import swizzled
+
 L2NORM_EPS = 1e-6
 SUPPORTED_K = (64, 128)
 BLOCK_V = 64  # defaults: the fastest configuration measured (benchmarks/RESULTS.md)
@@ -202,8 +204,7 @@ def gdn_decode_mgpu(
         raise ValueError(f"stages must be >= 2 (the tile updated + the next in flight), got {stages}")
     if not 0 <= layer < ssm.shape[0]:
         raise ValueError(f"layer must be in [0, {ssm.shape[0]}), got {layer}")
-    swizzle = 128
-    tiled = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+    tiled = swizzled(jnp.float32)
     kernel = functools.partial(
         _kernel, layer=layer, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
         tiles_per_cta=tiles_per_cta, stages=stages, copy_only=_copy_only,

@@ -23,7 +23,7 @@ latent caches start zeroed and hold only written rows, so they satisfy this.
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``R = 512``, ``r = 64``, pages a multiple of 64 tokens,
 a bf16 or f16 latent cache. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
-blocks those threads in barrier waits: it needs ``NPROC >= 4`` (as :mod:`kvjax.pallas.paged_prefill_mgpu`).
+blocks those threads in barrier waits: it needs ``NPROC >= 4`` (:func:`kvjax.pallas.mgpu_common.interpret_params`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas import mla_decode
-from kvjax.pallas.paged_prefill_mgpu import _check_interpreter_threads
+from kvjax.pallas.mgpu_common import cast, interpret_params, iota, produce_ring, swizzled
 
 BLOCK_H = 64  # query heads per CTA (one wgmma M tile)
 BLOCK_N = 64  # latent rows per tile
@@ -47,16 +47,6 @@ ROPE = 64
 _HALF = RANK // 2  # value columns per consumer
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-
-
-def _cast(x, layout, interpret: bool):  # register layouts exist only when compiled (the interpreter has none)
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _iota(shape, dim: int, interpret: bool):
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _kernel(
@@ -132,7 +122,7 @@ def _kernel(
         plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(_HALF, _HALF)], q_hi, q_full)
         plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], q_pe, q_full)
         plgpu.barrier_wait(q_full)
-        col = _iota((BLOCK_H, BLOCK_N), 1, interpret)
+        col = iota((BLOCK_H, BLOCK_N), 1, interpret)
         qk_scale = scale * _LOG2E
         pairs = ((q_lo, k_lo), (q_hi, k_hi), (q_pe, k_pe))
 
@@ -176,9 +166,9 @@ def _kernel(
         def wait_tile(i):
             plgpu.barrier_wait(k_full.at[lax.rem(i, jnp.int32(stages))])
 
-        m_i = _cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row, interpret)
-        l_i = _cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row, interpret)
-        acc = _cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
+        m_i = cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row, interpret)
+        l_i = cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row, interpret)
+        acc = cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
         if probe == "copy":
             def step(i, carry):
                 wait_tile(i)
@@ -223,7 +213,7 @@ def _kernel(
             plgpu.barrier_arrive(k_free.at[slot])
             return acc
 
-        acc = _cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
+        acc = cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
         acc = lax.fori_loop(0, n_steps, step, acc)
         plgpu.barrier_arrive(walked)
         plgpu.barrier_wait(fin_full)  # consumer 0 is done: row sums written
@@ -251,18 +241,7 @@ def _kernel(
                 for _ in range(3):
                     plgpu.barrier_arrive(k_full.at[slot])
 
-        for i in range(stages):
-            pl.when(i < n_steps)(functools.partial(issue, jnp.int32(i), i))
-
-        @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-        def _(i):
-            slot = lax.rem(i, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            issue(i + stages, slot)
-
-        @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
-        def _(i):  # the last releases: every phase of the free barriers is observed before exit
-            plgpu.barrier_wait(k_free.at[lax.rem(i, jnp.int32(stages))])
+        produce_ring(n_steps, stages, issue, (k_free,))
 
 
 def unsupported(
@@ -330,16 +309,11 @@ def mla_decode_mgpu(
     splits = num_kv_splits or choose_num_kv_splits(b, groups, max_blocks * page_size // BLOCK_N,
                                                    mla_decode._num_sms())
     out_dtype = dtype if splits == 1 else jnp.float32
-    swizzle = 128
-
-    def tiled(dt):
-        return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dt).itemsize)), plgpu.SwizzleTransform(swizzle))
-
     scratch = (
-        tuple(plgpu.SMEM((BLOCK_H, w), dtype, transforms=tiled(dtype)) for w in (_HALF, _HALF, ROPE)),
+        tuple(plgpu.SMEM((BLOCK_H, w), dtype, transforms=swizzled(dtype)) for w in (_HALF, _HALF, ROPE)),
         (plgpu.RefUnion if not interpret else lambda *groups: groups)(  # the interpreter has no RefUnion
-            tuple(plgpu.SMEM((stages, BLOCK_N, w), dtype, transforms=tiled(dtype)) for w in (_HALF, _HALF, ROPE)),
-            (plgpu.SMEM((2, BLOCK_H, _HALF), out_dtype, transforms=tiled(out_dtype)),
+            tuple(plgpu.SMEM((stages, BLOCK_N, w), dtype, transforms=swizzled(dtype)) for w in (_HALF, _HALF, ROPE)),
+            (plgpu.SMEM((2, BLOCK_H, _HALF), out_dtype, transforms=swizzled(out_dtype)),
              plgpu.SMEM((2, BLOCK_H), jnp.float32)),
         ),
         plgpu.SMEM((stages, BLOCK_H), jnp.float32),
@@ -353,12 +327,6 @@ def mla_decode_mgpu(
     kernel = functools.partial(_kernel, scale=scale, num_splits=splits, page_size=page_size,
                                max_blocks=max_blocks, stages=stages, probe=_probe,
                                interpret=interpret)
-    interpret_params = None
-    if interpret:
-        _check_interpreter_threads()
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # CPU interpreter only
-
-        interpret_params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     o, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((b, splits, hp, RANK), out_dtype),
@@ -370,7 +338,7 @@ def mla_decode_mgpu(
         thread_name="wg",
         # row reductions stay inside a warp: the 2 KB cross-warp reduction scratch would not fit beside the ring
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret_params,
+        interpret=interpret_params() if interpret else None,
     )(ql, qr, latent_pages, block_tables.reshape(-1), seq_lens)
     out = o[:, 0] if splits == 1 else mla_decode.merge_splits(o, lse)
     return out[:, :h].astype(q_latent.dtype)

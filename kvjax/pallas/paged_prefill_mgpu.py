@@ -22,8 +22,8 @@ zeroed and only ever hold written K/V, so they satisfy this; NaN there would pro
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``head_dim`` 64 or 128, pages of 64 or 128 tokens, bf16
 or f16 q/K/V. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
-threads in barrier waits, so it needs a pool of at least ``INTERPRET_MIN_THREADS`` threads (the pool is sized
-by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
+threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
+is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
 deadlock).
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas import paged_common
+from kvjax.pallas.mgpu_common import cast, interpret_params, iota, produce_ring, swizzled
 
 BLOCK_Q = 64  # query tokens per consumer warpgroup (one wgmma M tile)
 _CONSUMERS = 2
@@ -47,33 +47,6 @@ TILE_TOKENS = BLOCK_Q * _CONSUMERS
 _LOG2E = math.log2(math.e)
 SUPPORTED_PAGE_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
-INTERPRET_MIN_THREADS = _CONSUMERS + 2  # every warpgroup's computation + the grid loop's blocked callback
-
-
-def _check_interpreter_threads() -> None:
-    nproc = os.environ.get("NPROC")
-    if nproc and nproc.isdigit():
-        threads = int(nproc)
-    elif hasattr(os, "sched_getaffinity"):
-        threads = len(os.sched_getaffinity(0))
-    else:
-        threads = os.cpu_count() or 1
-    if threads < INTERPRET_MIN_THREADS:
-        raise RuntimeError(
-            f"the Mosaic GPU interpreter needs an XLA CPU thread pool of >= {INTERPRET_MIN_THREADS} threads "
-            f"(it blocks one per warpgroup), this process has {threads}: set NPROC={2 * INTERPRET_MIN_THREADS} "
-            "in the environment before JAX starts"
-        )
-
-
-def _cast(x, layout, interpret: bool):  # register layouts exist only when compiled (the interpreter has none)
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _iota(shape, dim: int, interpret: bool):  # i32 iota along `dim` in the wgmma accumulator layout
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _kernel(
@@ -146,8 +119,8 @@ def _kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[box, head], q_smem.at[wg], q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
 
-        qpos = pa + _iota((BLOCK_Q, page_size), 0, interpret)
-        kcol = _iota((BLOCK_Q, page_size), 1, interpret)
+        qpos = pa + iota((BLOCK_Q, page_size), 0, interpret)
+        kcol = iota((BLOCK_Q, page_size), 1, interpret)
         qk_scale = scale * _LOG2E
 
         def step(s, carry):
@@ -216,9 +189,9 @@ def _kernel(
             return lax.cond(needed, compute, skip, carry)
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m_i = _cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout, interpret)
-        l_i = _cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row_layout, interpret)
-        acc = _cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
+        m_i = cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout, interpret)
+        l_i = cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row_layout, interpret)
+        acc = cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
         acc, m_i, l_i = lax.fori_loop(0, n_pages, step, (acc, m_i, l_i))
         pl.when(wg == 0)(sync_schedule)
@@ -249,21 +222,7 @@ def _kernel(
                 plgpu.barrier_arrive(k_full.at[slot])
                 plgpu.barrier_arrive(v_full.at[slot])
 
-        for i in range(stages):
-            pl.when(i < n_pages)(functools.partial(issue, jnp.int32(i), i))
-
-        @pl.loop(0, jnp.maximum(n_pages - stages, 0))
-        def _(s):
-            slot = lax.rem(s, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            issue(s + stages, slot)
-
-        @pl.loop(jnp.maximum(n_pages - stages, 0), n_pages)
-        def _(s):  # the last releases: every phase of the free barriers is observed before exit
-            slot = lax.rem(s, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        produce_ring(n_pages, stages, issue, (k_free, v_free))
 
 
 def unsupported(
@@ -334,8 +293,7 @@ def paged_prefill_mgpu(
         page_size=page_size, max_blocks=max_blocks,
     )
     num_tiles = t_row.shape[0]
-    swizzle = 128
-    tiled = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    tiled = swizzled(q.dtype)
     scratch = (
         (
             plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), q.dtype, transforms=tiled),
@@ -354,12 +312,6 @@ def paged_prefill_mgpu(
         _kernel, scale=scale, group=hq // hkv, page_size=page_size, max_blocks=max_blocks, num_kv_heads=hkv,
         stages=stages, interpret=interpret,
     )
-    interpret_params = None
-    if interpret:
-        _check_interpreter_threads()
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # CPU interpreter only
-
-        interpret_params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     q_box, token_box = _to_boxes(q, t_tok, t_len)
     o_box = plgpu.kernel(
         kernel,
@@ -370,7 +322,7 @@ def paged_prefill_mgpu(
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params,
+        interpret=interpret_params() if interpret else None,
     )(
         q_box, k_pages, v_pages, block_tables.reshape(-1), t_row, t_len, t_pos,
         lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
