@@ -332,8 +332,10 @@ def mla_decode_mgpu(
         out_type=(jax.ShapeDtypeStruct((b, splits, hp, RANK), out_dtype),
                   jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)),
         scratch_types=scratch,
-        grid=(groups, splits, b),  # head groups vary fastest: they share each tile through L2
-        grid_names=("g", "s", "b"),
+        # Mosaic GPU launches the last grid axis fastest: the head groups of a (sequence, split) run side by
+        # side and share each tile through L2 (groups first made the second group re-read it from HBM)
+        grid=(b, splits, groups),
+        grid_names=("b", "s", "g"),
         num_threads=3,
         thread_name="wg",
         # row reductions stay inside a warp: the 2 KB cross-warp reduction scratch would not fit beside the ring
