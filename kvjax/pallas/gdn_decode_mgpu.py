@@ -141,7 +141,8 @@ def _kernel(
         plgpu.barrier_wait(loaded.at[st])
         update(first + i, st)
 
-    plgpu.wait_smem_to_gmem(0)
+    # the CTA may leave once its stores have read shared memory; the writes complete on their own
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def unsupported(
