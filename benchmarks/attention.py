@@ -30,7 +30,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from kvjax.ops.attention import paged_attention_reference  # noqa: E402
 from kvjax.pallas import paged_attention as pa  # noqa: E402

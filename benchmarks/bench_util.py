@@ -61,3 +61,42 @@ def jax_copy_ceiling() -> dict:
     nbytes = 2 * n * 4
     return {"bytes": nbytes, "xla_add_ms": ms_xla, "xla_add_gbps": nbytes / ms_xla / 1e6,
             "pallas_copy_ms": ms_pl, "pallas_copy_gbps": nbytes / ms_pl / 1e6, "pallas_copy_ok": ok}
+
+
+def device_ms(fn, *, n: int = 20) -> dict:
+    """Device time per call of ``fn`` from the profiler's (CUPTI) kernel records, the way a CUDA-event or
+    ``do_bench`` timing of a single kernel sees it, without the launch gaps between back-to-back calls.
+
+    Two warm-up calls, then ``n`` calls under ``jax.profiler``. Returns ``kernel_ms`` (sum of the durations of
+    every kernel and device copy the calls ran, / n), ``span_ms`` (first start to last end, / n: kernels plus
+    the gaps between them) and ``kernels`` (name -> count)."""
+    import glob
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(n):
+            out = fn()
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    total, starts, ends, names = 0, [], [], {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):  # per-stream activity; "XLA Ops"/"XLA Modules" restate it
+                continue
+            for ev in line.events:
+                total += ev.duration_ns
+                starts.append(ev.start_ns)
+                ends.append(ev.start_ns + ev.duration_ns)
+                names[ev.name] = names.get(ev.name, 0) + 1
+    if not names:
+        raise RuntimeError("no GPU kernel records in the profile (is this a GPU backend?)")
+    return {"kernel_ms": total / n / 1e6, "span_ms": (max(ends) - min(starts)) / n / 1e6, "kernels": names}
