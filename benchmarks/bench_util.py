@@ -100,3 +100,19 @@ def device_ms(fn, *, n: int = 20) -> dict:
     if not names:
         raise RuntimeError("no GPU kernel records in the profile (is this a GPU backend?)")
     return {"kernel_ms": total / n / 1e6, "span_ms": (max(ends) - min(starts)) / n / 1e6, "kernels": names}
+
+
+def torch_device_ms(fn, *, n: int = 20) -> dict:
+    """The torch side of :func:`device_ms`: ``fn()`` (torch CUDA work) called ``n`` times under
+    ``torch.profiler``; ``kernel_ms`` = sum of the CUDA records' durations (kernels and device copies) / n,
+    ``kernels`` = their names. The caller warms up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    recs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernel_ms": sum(e.time_range.elapsed_us() for e in recs) / n / 1e3,
+            "kernels": sorted({e.name for e in recs})}

@@ -17,7 +17,9 @@ import os
 import statistics
 import sys
 
-from bench_util import device_ms, jax_copy_ceiling, rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ on sys.path)
+from bench_util import (  # noqa: E402  (benchmarks/ on sys.path)
+    device_ms, jax_copy_ceiling, rel_err as _rel, time_ms as _time, torch_device_ms,
+)
 
 DECODE_SHAPES = [(128, 32), (256, 16)]  # (B, H), K = V = 128, one token per row
 PREFILL_SHAPES = [(1, 8192, 16), (4, 4096, 32)]  # (B, T, H), K = V = 128
@@ -75,8 +77,6 @@ def _torch_state_copy(torch, bench) -> dict:
     wall clock over back-to-back calls (``wall_ms``: how ``time_ms`` times the jax side)."""
     import time
 
-    from torch.profiler import ProfilerActivity, profile
-
     b, h = DECODE_SHAPES[0]
     x = torch.randn(b * h * KD * VD, device="cuda")
     y = torch.empty_like(x)
@@ -84,13 +84,8 @@ def _torch_state_copy(torch, bench) -> dict:
     res = {"bytes": nbytes, "do_bench_ms": bench(lambda: y.copy_(x))}
     for _ in range(3):
         y.copy_(x)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(50):
-            y.copy_(x)
-        torch.cuda.synchronize()
-    recs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    res["device_ms"] = sum(e.time_range.elapsed_us() for e in recs) / 50 / 1e3
-    res["device_records"] = sorted({e.name for e in recs})
+    dev = torch_device_ms(lambda: y.copy_(x), n=50)
+    res["device_ms"], res["device_records"] = dev["kernel_ms"], dev["kernels"]
     walls = []
     for _ in range(9):
         torch.cuda.synchronize()

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from bench_util import device_ms  # noqa: E402  (benchmarks/ on sys.path)
+from bench_util import device_ms, torch_device_ms  # noqa: E402  (benchmarks/ on sys.path)
 
 
 def torch_copy(path: str) -> None:
@@ -43,14 +43,7 @@ def torch_copy(path: str) -> None:
     t = statistics.median(times)
     res = {"torch_copy_GBps": 2 * n / t / 1e9, "bytes": n, "median_s": t, "device": torch.cuda.get_device_name()}
     # the same copy timed from the profiler's records, as benchmarks/bench_util.device_ms times the kernels
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            y.copy_(x)
-        torch.cuda.synchronize()
-    recs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    res["device_s"] = sum(e.time_range.elapsed_us() for e in recs) / 20 / 1e6
+    res["device_s"] = torch_device_ms(lambda: y.copy_(x), n=20)["kernel_ms"] / 1e3
     res["torch_copy_device_GBps"] = 2 * n / res["device_s"] / 1e9
     print(res)
     with open(path, "w") as f:
