@@ -4,7 +4,7 @@
 
 Every variant is first checked against the reference path (``impl="reference"``: gather, ``kvjax.ops.conv``
 reference, scatter) on the same inputs: output relative L2 error and exact equality of the written states.
-Timing: jit-compiled public op (``kvjax.ops.gdn_state.conv_decode`` / ``conv_prefill``) with the pool donated
+Timing: jit-compiled public op (``kvjax.state.gdn_ops.conv_decode`` / ``conv_prefill``) with the pool donated
 and chained call to call; median over rounds of the mean of back-to-back calls. Decode rotates over 8 layers
 of the pool and 8 input buffers so the working set (about 200 MB) exceeds L2. Bytes: state read + write, x
 read, y written (weights ignored: < 0.2 MB). The copy ceiling is measured in the same run (Pallas copy
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.ops import gdn_state
+from kvjax.state import gdn_ops as gdn_state
 from kvjax.state.gdn_pool import GDNStatePool
 
 from bench_util import jax_copy_ceiling, rel_err as _rel, time_ms as _time  # noqa: E402  (benchmarks/ on sys.path)

@@ -159,7 +159,7 @@ def bench_decode(quick: bool):
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.ops import gdn_state
+    from kvjax.state import gdn_ops as gdn_state
     from kvjax.pallas import gdn_decode_mgpu
     from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool, recurrent_gated_delta_rule_slots
     from kvjax.state.gdn_pool import GDNStatePool

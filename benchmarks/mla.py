@@ -357,7 +357,7 @@ def _bench_dsa(results, bench, rng, quick=False):
 
 def _fp8_key_roles(pages):
     """bf16 latent pages [P, ps, 576] -> DSA roles (key f8e4m3[P, ps, 512], key_scale f32[P, ps, 4], key_rope)."""
-    from kvjax.ops.fp8 import quantize_fp8_blockwise
+    from kvjax.base.fp8 import quantize_fp8_blockwise
 
     key, key_scale = quantize_fp8_blockwise(pages[..., :512], 128)
     return key, key_scale, pages[..., 512:]

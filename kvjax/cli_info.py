@@ -9,7 +9,7 @@ import jax
 
 import kvjax
 from kvjax import ops
-from kvjax.ops import gdn_state  # noqa: F401  (registers the pool-integrated GDN ops)
+from kvjax.state import gdn_ops as gdn_state  # noqa: F401  (registers the pool-integrated GDN ops)
 
 
 def collect() -> dict:

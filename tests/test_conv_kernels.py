@@ -1,6 +1,6 @@
 """Pallas causal conv1d kernels on the GDN conv pool (``kvjax.pallas.conv``) against the fused-XLA oracle.
 
-The oracle is ``kvjax.ops.gdn_state``'s reference path (gather by slot, ``kvjax.ops.conv`` reference,
+The oracle is ``kvjax.state.gdn_ops``'s reference path (gather by slot, ``kvjax.ops.conv`` reference,
 scatter). CPU: interpret mode on small ragged batches; GPU (``gpu`` marker): the compiled kernels at larger
 shapes and the in-place check. Pool rows that must not be read (slot 0, slots of no row, rows starting from
 zeros) and inputs that must not be read (bucket padding, padding rows' tokens) hold NaN: a single read of
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from kvjax.errors import UnknownImplError
-from kvjax.ops import conv, gdn_state
+from kvjax.ops import conv
+from kvjax.state import gdn_ops as gdn_state
 from kvjax.pallas.conv import conv_prefill_slots, conv_update_slots
 from kvjax.state.gdn_pool import GDNStatePool
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvjax.errors import InvalidPlanError
-from kvjax.ops import conv, gdn, gdn_state
+from kvjax.ops import conv, gdn
+from kvjax.state import gdn_ops as gdn_state
 from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pallas
 from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pallas
 from kvjax.state.gdn_pool import GDNStatePool

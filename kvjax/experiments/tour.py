@@ -115,7 +115,7 @@ def _pool_cases(rng: np.random.Generator) -> list[OpCase]:
     the batch (or to PAD slot 0) would show up as a difference."""
     import jax.numpy as jnp
 
-    from kvjax.ops import gdn_state
+    from kvjax.state import gdn_ops as gdn_state
     from kvjax.state.gdn_pool import GDNStatePool
 
     b, hk, hv, kd, vd, dim, width = 3, 1, 2, 16, 16, 24, 4
@@ -150,7 +150,7 @@ def _indexer_case(rng: np.random.Generator) -> OpCase:
     import jax.numpy as jnp
 
     from kvjax.ops.dsa import indexer_scores
-    from kvjax.ops.fp8 import quantize_fp8_blockwise
+    from kvjax.base.fp8 import quantize_fp8_blockwise
 
     keys, scales = quantize_fp8_blockwise(_f32(rng, 8, 16, 128))
     tables = jnp.asarray([[[3, 0, -1, 5]], [[1, 6, 2, 7]]], jnp.int32)

@@ -60,8 +60,8 @@ from kvjax.models.common import (
 from kvjax.models.deepseek_config import DeepseekConfig
 from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_mla_decode_fp8
 from kvjax.ops.mla import absorb_output, absorb_query, split_kv_b_proj
-from kvjax.ops.ragged import token_rows
-from kvjax.ops.softmax import masked_softmax
+from kvjax.base.ragged import token_rows
+from kvjax.base.softmax import masked_softmax
 from kvjax.state.dsa_cache import (
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,

@@ -19,7 +19,7 @@ from flax import nnx
 
 from kvjax.config import AttentionConfig, GDNConfig
 from kvjax.models.common import GatedRMSNorm, Linear, RMSNorm, apply_rope
-from kvjax.ops.ragged import token_rows
+from kvjax.base.ragged import token_rows
 from kvjax.state.gdn_pool import GDNStatePool
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class GatedDeltaNet(nnx.Module):
         kernels run by slot id (every live row continues its state: the caller zeroes fresh rows' slots first,
         see :meth:`Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token order.
         """
-        from kvjax.ops.gdn_state import conv_decode, conv_prefill, gdn_decode, gdn_prefill
+        from kvjax.state.gdn_ops import conv_decode, conv_prefill, gdn_decode, gdn_prefill
 
         slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
         weight = self.conv_weight[...]

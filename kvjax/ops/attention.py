@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_float, check_int32
-from kvjax.ops.ragged import token_rows
+from kvjax.base.checks import check_float, check_int32
+from kvjax.base.ragged import token_rows
 
 _TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
 _HIGHEST = jax.lax.Precision.HIGHEST  # true f32 matmuls (no TF32 on GPU): the reference is the oracle

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_cu_seqlens, check_float
+from kvjax.base.checks import check_cu_seqlens, check_float
 
 CONV_OP = "causal_conv1d"
 UPDATE_OP = "causal_conv1d_update"

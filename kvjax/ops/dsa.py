@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_array, check_float, check_int32
-from kvjax.ops.fp8 import dequantize_fp8_blockwise
-from kvjax.ops.softmax import masked_softmax
+from kvjax.base.checks import check_array, check_float, check_int32
+from kvjax.base.fp8 import dequantize_fp8_blockwise
+from kvjax.base.softmax import masked_softmax
 
 
 def _page_of(block_tables, positions, page_size):

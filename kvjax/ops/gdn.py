@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_array, check_cu_seqlens, check_float
+from kvjax.base.checks import check_array, check_cu_seqlens, check_float
 
 CHUNK_OP = "chunk_gated_delta_rule"
 RECURRENT_OP = "recurrent_gated_delta_rule"
@@ -268,7 +268,7 @@ def validate_gdn_args(
     Checks ranks, dtypes and shapes against the kernel contract (module docstring), ``cu_seqlens`` values
     when they are a host ``np.ndarray``, and that ``use_qk_l2norm`` is a bool and ``impl`` a string. Raises
     ``ValueError`` naming the offending argument. ``scale=None`` resolves to ``K ** -0.5``. Shared by the
-    pool ops in :mod:`kvjax.ops.gdn_state`.
+    pool ops in :mod:`kvjax.state.gdn_ops`.
     """
     check_float("q", q, rank=3)
     check_array("k", k, shape=tuple(q.shape), dtypes=[q.dtype])

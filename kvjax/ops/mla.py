@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.ops import dispatch
-from kvjax.ops._checks import check_float, check_int32
-from kvjax.ops.ragged import token_rows
-from kvjax.ops.softmax import masked_softmax
+from kvjax.base.checks import check_float, check_int32
+from kvjax.base.ragged import token_rows
+from kvjax.base.softmax import masked_softmax
 
 
 def _gather_latent(latent_pages, block_tables, length):

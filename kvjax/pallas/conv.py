@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.ops.ragged import count_le
+from kvjax.base.ragged import count_le
 from kvjax.pallas.paged_common import next_pow2
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.ops.ragged import token_rows
+from kvjax.base.ragged import token_rows
 
 
 def _decode_e4m3_bits(x):

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.ops.ragged import count_le
+from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn_recurrent import L2NORM_EPS
 
 def _dot(a, b, *, precision, contract_a: int = 1):

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.ops.ragged import count_le
+from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn_chunk_prep import _dot
 from kvjax.pallas.gdn_recurrent import FLAG_HAS_INITIAL, FLAG_LIVE
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvjax.ops.ragged import count_le
+from kvjax.base.ragged import count_le
 
 
 def token_positions(

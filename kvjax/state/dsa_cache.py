@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.ops._checks import check_array, check_float
-from kvjax.ops.fp8 import (  # noqa: F401 (FP8_* and the quantisers are re-exported for cache users)
+from kvjax.base.checks import check_array, check_float
+from kvjax.base.fp8 import (  # noqa: F401 (FP8_* and the quantisers are re-exported for cache users)
     FP8_DTYPE,
     FP8_MAX,
     dequantize_fp8_blockwise,

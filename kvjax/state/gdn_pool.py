@@ -22,7 +22,7 @@ import numpy as np
 
 from kvjax.config import GDNConfig
 from kvjax.errors import InvalidPlanError
-from kvjax.ops._checks import check_array, check_float, check_int32
+from kvjax.base.checks import check_array, check_float, check_int32
 
 PAD_SLOT = 0
 

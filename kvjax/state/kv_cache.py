@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.ops._checks import check_array, check_int32
+from kvjax.base.checks import check_array, check_int32
 
 
 def scatter_tokens(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.ops._checks import check_array, check_float, check_int32
+from kvjax.base.checks import check_array, check_float, check_int32
 from kvjax.state.kv_cache import gather_tokens, scatter_tokens
 
 

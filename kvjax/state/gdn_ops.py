@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.ops import conv, dispatch, gdn
-from kvjax.ops._checks import check_array, check_cu_seqlens, check_int32
-from kvjax.ops.ragged import count_le
+from kvjax.base.checks import check_array, check_cu_seqlens, check_int32
+from kvjax.base.ragged import count_le
 from kvjax.state.gdn_pool import GDNStatePool, check_slot_ids, slot_index
 
 PREFILL_OP = "gdn_prefill_pool"
@@ -408,11 +408,11 @@ def conv_decode(
 
 dispatch.register_reference(PREFILL_OP, gdn_prefill_pool_reference)
 dispatch.register_reference(DECODE_OP, gdn_decode_pool_reference)
-dispatch.register_kernel(PREFILL_OP, "pallas", "kvjax.ops.gdn_state:gdn_prefill_pool_pallas", platforms=("gpu",))
-dispatch.register_kernel(DECODE_OP, "pallas", "kvjax.ops.gdn_state:gdn_decode_pool_pallas", platforms=("gpu",))
+dispatch.register_kernel(PREFILL_OP, "pallas", "kvjax.state.gdn_ops:gdn_prefill_pool_pallas", platforms=("gpu",))
+dispatch.register_kernel(DECODE_OP, "pallas", "kvjax.state.gdn_ops:gdn_decode_pool_pallas", platforms=("gpu",))
 dispatch.register_reference(CONV_PREFILL_OP, conv_prefill_pool_reference)
 dispatch.register_reference(CONV_DECODE_OP, conv_decode_pool_reference)
-dispatch.register_kernel(CONV_PREFILL_OP, "pallas", "kvjax.ops.gdn_state:conv_prefill_pool_pallas",
+dispatch.register_kernel(CONV_PREFILL_OP, "pallas", "kvjax.state.gdn_ops:conv_prefill_pool_pallas",
                          platforms=("gpu",))
-dispatch.register_kernel(CONV_DECODE_OP, "pallas", "kvjax.ops.gdn_state:conv_decode_pool_pallas",
+dispatch.register_kernel(CONV_DECODE_OP, "pallas", "kvjax.state.gdn_ops:conv_decode_pool_pallas",
                          platforms=("gpu",))

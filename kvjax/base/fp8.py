@@ -1,8 +1,7 @@
 """Blockwise fp8 e4m3 quantisation: DSA cache writes (``kvjax.state.dsa_cache``) and reads (``kvjax.ops.dsa``).
 
 ``scale = amax(|x|) / 448`` over each ``block`` consecutive values, ``q = x / scale`` rounded to e4m3 (a block of
-zeros gets scale 0 and quantises to 0, never NaN); dequantise ``q * scale``. Lives in ``kvjax.ops`` so that the
-ops never import ``kvjax.state``.
+zeros gets scale 0 and quantises to 0, never NaN); dequantise ``q * scale``. Lives in :mod:`kvjax.base`, below both.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.ops._checks import check_float
+from kvjax.base.checks import check_float
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
