@@ -12,12 +12,23 @@ from typing import Sequence
 import numpy as np
 
 
-def _require_int(obj: object, name: str, *, minimum: int) -> None:
+INT32_MAX = 2**31 - 1  # device indices (positions, slot mapping, windows) are int32
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (Python or numpy), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _require_int(obj: object, name: str, *, minimum: int, maximum: int = INT32_MAX) -> None:
+    """Check field ``name`` is an int in ``[minimum, maximum]`` and store it as a Python ``int``."""
     value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        bound = f">= {minimum}" if value < minimum else f"<= {maximum}"
+        raise ValueError(f"{type(obj).__name__}.{name} must be {bound}, got {value}")
+    object.__setattr__(obj, name, int(value))
 
 
 def _require_multiple(obj: object, name: str, of_name: str) -> None:
@@ -71,16 +82,22 @@ class AttentionConfig:
             _require_int(self, name, minimum=1)
         _require_multiple(self, "num_q_heads", "num_kv_heads")
         for name in ("window", "sinks"):
-            value = tuple(getattr(self, name)) or (0,) * self.num_kv_heads
+            try:
+                value = tuple(getattr(self, name)) or (0,) * self.num_kv_heads
+            except TypeError:
+                raise ValueError(f"AttentionConfig.{name} must be a sequence of num_kv_heads ints, got "
+                                 f"{getattr(self, name)!r}") from None
             if len(value) != self.num_kv_heads:
                 raise ValueError(
                     f"AttentionConfig.{name} has {len(value)} entries, expected num_kv_heads="
                     f"{self.num_kv_heads}: {value!r}"
                 )
             for h, v in enumerate(value):
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                if not is_int(v) or v < 0:
                     raise ValueError(f"AttentionConfig.{name}[{h}] must be an int >= 0, got {v!r}")
-            object.__setattr__(self, name, value)
+                if v > INT32_MAX:  # the kernels take window / sinks as int32
+                    raise ValueError(f"AttentionConfig.{name}[{h}] must be an int in [0, {INT32_MAX}], got {v!r}")
+            object.__setattr__(self, name, tuple(int(v) for v in value))
         for h, (w, s) in enumerate(zip(self.window, self.sinks)):
             if w == 0 and s > 0:
                 raise ValueError(
@@ -102,8 +119,11 @@ class AttentionConfig:
         sinks: int = 0,
     ) -> "AttentionConfig":
         """The first ``round(swa_fraction * Hkv)`` KV heads are SWA (``window``, ``sinks``); the rest full."""
-        if not 0.0 <= swa_fraction <= 1.0:
-            raise ValueError(f"swa_fraction must be in [0, 1], got {swa_fraction}")
+        if isinstance(swa_fraction, bool) or not isinstance(swa_fraction, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= swa_fraction <= 1.0:
+            raise ValueError(f"swa_fraction must be a number in [0, 1], got {swa_fraction!r}")
+        if not is_int(window) or not is_int(sinks):
+            raise ValueError(f"window and sinks must be ints, got window={window!r}, sinks={sinks!r}")
         if swa_fraction > 0 and window < 1:
             raise ValueError(f"window must be >= 1 when swa_fraction > 0, got {window}")
         n_swa = round(swa_fraction * num_kv_heads)
@@ -169,6 +189,12 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_seqs", "max_blocks_per_seq"):
             _require_int(self, name, minimum=1)
+        if self.num_pages * self.page_size > INT32_MAX:
+            raise ValueError(f"CacheConfig: num_pages * page_size = {self.num_pages} * {self.page_size} must be <= "
+                             f"{INT32_MAX}: the int32 slot mapping addresses page * page_size + offset")
+        if self.max_seq_len > INT32_MAX:
+            raise ValueError(f"CacheConfig: max_seq_len = page_size * max_blocks_per_seq = {self.page_size} * "
+                             f"{self.max_blocks_per_seq} must be <= {INT32_MAX} (int32 positions)")
 
     @property
     def max_seq_len(self) -> int:
@@ -177,11 +203,14 @@ class CacheConfig:
 
 def as_tuple(values: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
     """Broadcast an int or check a length-``n`` sequence of ints; raises ``ValueError`` naming ``name``."""
-    if isinstance(values, int) and not isinstance(values, bool):
-        return (values,) * n
-    out = tuple(values)
+    if is_int(values):
+        return (int(values),) * n
+    try:
+        out = tuple(values)
+    except TypeError:
+        raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {values!r}") from None
     for i, v in enumerate(out):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not is_int(v):
             raise ValueError(f"{name}[{i}] must be an int, got {v!r}")
     out = tuple(int(v) for v in out)
     if len(out) != n:

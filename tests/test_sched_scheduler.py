@@ -220,7 +220,7 @@ def test_bad_requests_raise_and_change_nothing(rng):
     sched.add_request(rng.integers(1, 40, 5), 3)
     before = state(sched)
     with pytest.raises(RequestTooLongError, match="max_seq_len=64"):
-        sched.add_request(rng.integers(1, 40, 60), 5)
+        sched.add_request(rng.integers(1, 40, 61), 5)  # caches 61 + 5 - 1 = 65 positions (the last is never fed)
     with pytest.raises(RequestTooLongError, match="pages"):
         sched.add_request(rng.integers(1, 40, 40), 5)  # fits a table row, not the pool (full head 1 needs 11)
     with pytest.raises(ValueError, match="non-empty"):

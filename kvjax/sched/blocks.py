@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.config import AttentionConfig, CacheConfig, is_int
 from kvjax.errors import DoubleFreeError, OutOfPagesError, RequestTooLongError
 
 POOLS = ("shared", "partitioned")
@@ -96,8 +96,10 @@ class BlockAllocator:
         Raises :class:`RequestTooLongError` past ``max_blocks_per_seq`` and :class:`OutOfPagesError` when a pool
         is short; in both cases nothing changes.
         """
-        self._check_row(row)
-        start, stop = self.num_blocks[row], self.blocks_for(num_tokens)
+        row = self._check_row(row)
+        if not is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        start, stop = self.num_blocks[row], self.blocks_for(int(num_tokens))
         if stop > self.cache.max_blocks_per_seq:
             raise RequestTooLongError(
                 f"{num_tokens} tokens need {stop} blocks > max_blocks_per_seq={self.cache.max_blocks_per_seq}"
@@ -118,16 +120,19 @@ class BlockAllocator:
 
     def free_ranges(self, rows: np.ndarray, heads: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> int:
         """Return the pages of blocks ``[starts[k], stops[k])`` of ``(rows[k], heads[k])`` for every ``k``
-        (``i64[K]`` each; holes are skipped) and set those entries to -1. Vectorised; returns pages freed.
-        Raises :class:`DoubleFreeError` (nothing changes) for a page its (row, head) does not own or that two
-        ranges cover."""
-        counts = np.maximum(np.asarray(stops, np.int64) - starts, 0)
+        (``i64[K]`` each; holes are skipped; ``starts[k] >= stops[k]`` is an empty range) and set those entries
+        to -1. Vectorised; returns pages freed. Raises :class:`DoubleFreeError` for a page its (row, head) does
+        not own or that two ranges cover, and ``ValueError`` for a row outside ``1..max_seqs``, a head outside
+        ``0..H_kv-1``, a block outside ``0..max_blocks_per_seq`` or arrays of different lengths (numpy would
+        wrap a negative index); in every case nothing changes."""
+        rows, heads, starts, stops = self._check_ranges(rows, heads, starts, stops)
+        counts = np.maximum(stops - starts, 0)
         total = int(counts.sum())
         if total == 0:
             return 0
         offsets = np.cumsum(counts) - counts
         rr, hh = np.repeat(rows, counts), np.repeat(heads, counts)
-        bb = np.arange(total) - np.repeat(offsets - np.asarray(starts, np.int64), counts)
+        bb = np.arange(total) - np.repeat(offsets - starts, counts)
         pages = self.tables[rr, hh, bb]
         held = pages >= 0
         rr, hh, bb, pages = rr[held], hh[held], bb[held], pages[held]
@@ -148,16 +153,36 @@ class BlockAllocator:
 
     def free_row(self, row: int) -> int:
         """Return every page of ``row`` (all heads) and reset it to holes; returns the number of pages freed."""
-        self._check_row(row)
+        row = self._check_row(row)
         n, h = self.num_blocks[row], self.num_heads
         freed = self.free_ranges(np.full(h, row), np.arange(h), np.zeros(h, np.int64), np.full(h, n))
         self.num_blocks[row] = 0
         self.recycled_upto[row] = 0
         return freed
 
-    def _check_row(self, row: int) -> None:
-        if not 1 <= row <= self.cache.max_seqs:
-            raise ValueError(f"block-table row must be a GDN slot in 1..{self.cache.max_seqs}, got {row}")
+    def _check_row(self, row: int) -> int:
+        if not is_int(row) or not 1 <= row <= self.cache.max_seqs:
+            raise ValueError(f"block-table row must be a GDN slot in 1..{self.cache.max_seqs}, got {row!r}")
+        return int(row)
+
+    def _check_ranges(self, rows, heads, starts, stops) -> tuple[np.ndarray, ...]:
+        """The four ``free_ranges`` arguments as ``i64[K]`` arrays, or ``ValueError`` naming the bad entries."""
+        names = ("rows", "heads", "starts", "stops")
+        out = [np.asarray(a) for a in (rows, heads, starts, stops)]
+        for name, a in zip(names, out):
+            if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
+                raise ValueError(f"free_ranges: {name} must be a 1-d integer array, got {a.dtype}{list(a.shape)}")
+        if len({a.size for a in out}) != 1:
+            raise ValueError(f"free_ranges: rows, heads, starts, stops must have the same length, got "
+                             f"{[a.size for a in out]}")
+        rows, heads, starts, stops = (a.astype(np.int64) for a in out)
+        limits = ((rows, 1, self.cache.max_seqs), (heads, 0, self.num_heads - 1),
+                  (starts, 0, self.cache.max_blocks_per_seq), (stops, 0, self.cache.max_blocks_per_seq))
+        for name, (a, lo, hi) in zip(names, limits):
+            bad = (a < lo) | (a > hi)
+            if bad.any():
+                raise ValueError(f"free_ranges: {name} must lie in {lo}..{hi}, got {a[bad].tolist()}")
+        return rows, heads, starts, stops
 
     # ---- invariants ----------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -6,6 +6,8 @@ import enum
 
 import numpy as np
 
+from kvjax.config import INT32_MAX, is_int
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -13,6 +15,22 @@ class Status(enum.Enum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
     ABORTED = "aborted"
+
+
+def check_request(prompt: np.ndarray, max_new_tokens: int, eos_token_id: int | None) -> np.ndarray:
+    """``prompt`` as an array after checking it is a non-empty 1-d array of token ids in ``[0, 2**31)``,
+    ``max_new_tokens`` an int >= 1 and ``eos_token_id`` None or a token id; raises ``ValueError`` naming the bad
+    value. Allocates nothing the size of ``max_new_tokens``."""
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"prompt must be a non-empty 1-d integer array, got shape {prompt.shape} {prompt.dtype}")
+    if prompt.min() < 0 or prompt.max() > INT32_MAX:
+        raise ValueError(f"prompt token ids must lie in [0, {INT32_MAX}], got min {prompt.min()}, max {prompt.max()}")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if eos_token_id is not None and (not is_int(eos_token_id) or not 0 <= eos_token_id <= INT32_MAX):
+        raise ValueError(f"eos_token_id must be None or an int in [0, {INT32_MAX}], got {eos_token_id!r}")
+    return prompt
 
 
 class Request:
@@ -24,15 +42,11 @@ class Request:
 
     def __init__(self, request_id: int, prompt: np.ndarray, max_new_tokens: int,
                  eos_token_id: int | None = None) -> None:
-        prompt = np.asarray(prompt)
-        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"prompt must be a non-empty 1-d integer array, got shape {prompt.shape} {prompt.dtype}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        prompt = check_request(prompt, max_new_tokens, eos_token_id)
         self.request_id = request_id
         self.prompt_len = int(prompt.size)
         self.max_new_tokens = int(max_new_tokens)
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
         self.token_ids = np.zeros(self.prompt_len + self.max_new_tokens, np.int32)  # i32[prompt + max_new]
         self.token_ids[: self.prompt_len] = prompt
         self.num_tokens = self.prompt_len

@@ -24,12 +24,12 @@ import collections
 
 import numpy as np
 
-from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.errors import RequestTooLongError
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.recycle import RecyclePolicy, make_recycle_policy, peak_live_blocks, peak_total_blocks
-from kvjax.sched.request import Request, Status
+from kvjax.sched.request import Request, Status, check_request
 from kvjax.sched.slots import SlotAllocator
 
 
@@ -50,14 +50,16 @@ class Scheduler:
         if not isinstance(cache, CacheConfig) or not isinstance(attention, AttentionConfig):
             raise ValueError(f"need a CacheConfig and an AttentionConfig, got {type(cache).__name__}, "
                              f"{type(attention).__name__}")
-        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        if not is_int(max_num_batched_tokens) or not 1 <= max_num_batched_tokens <= INT32_MAX:
+            raise ValueError(f"max_num_batched_tokens must be an int in [1, {INT32_MAX}], got "
+                             f"{max_num_batched_tokens!r}")
+        max_num_batched_tokens = int(max_num_batched_tokens)
         if max_num_batched_tokens < cache.max_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_seqs={cache.max_seqs} "
                              "so that every running request can advance in one step")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if isinstance(watermark, (bool, np.bool_)) or not isinstance(watermark, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
         self.cache, self.attention = cache, attention
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = float(watermark)
@@ -81,15 +83,18 @@ class Scheduler:
                     request_id: int | None = None, running: bool = False) -> Request:
         """Queue a request (or, with ``running=True``, start it at once: it takes a slot now and computes from
         the next step). Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
-        ``running`` and no slot is free; on error nothing changes."""
+        ``running`` and no slot is free, ``ValueError`` for a bad prompt, token id or request id; on error
+        nothing changes."""
         if request_id is None:
             request_id = self._next_id
-        if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+        if not is_int(request_id) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
+        request_id = int(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already known")
+        prompt = check_request(prompt, max_new_tokens, eos_token_id)
+        self._check_fits(int(prompt.size), int(max_new_tokens))  # before Request allocates max_new_tokens
         req = Request(request_id, prompt, max_new_tokens, eos_token_id)
-        self._check_fits(req)
         if running:
             self._start(req)
         else:
@@ -162,13 +167,21 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
         """Apply a step's result: ``sampled: int[B]`` = the token sampled for each plan row (read only where
-        ``plan.sample_mask``). Returns the requests that finished."""
+        ``plan.sample_mask``). Returns the requests that finished. Raises ``ValueError`` before changing anything
+        for a stale plan or a ``sampled`` that is not a 1-d integer array of token ids in ``[0, 2**31)`` (checked
+        where the plan samples) with an entry per row; the plan can then still be applied."""
         if plan is not self._last_plan:
             raise ValueError(f"update() needs the plan of the latest schedule() (step {self.step - 1}), "
-                             f"got the plan of step {plan.step}")
+                             f"got the plan of step {getattr(plan, 'step', plan)!r}")
         sampled = np.asarray(sampled)
+        if sampled.ndim != 1 or not np.issubdtype(sampled.dtype, np.integer):
+            raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
+                             f"{sampled.dtype}{list(sampled.shape)}")
         if sampled.shape[0] < plan.num_seqs:
             raise ValueError(f"sampled has {sampled.shape[0]} entries, the plan has {plan.num_seqs} rows")
+        kept = sampled[: plan.num_seqs][plan.sample_mask[: plan.num_seqs]]
+        if kept.size and (kept.min() < 0 or kept.max() > INT32_MAX):
+            raise ValueError(f"sampled token ids must lie in [0, {INT32_MAX}], got min {kept.min()}, max {kept.max()}")
         self._last_plan = None
         finished = []
         lens, mask, tokens = plan.query_lens.tolist(), plan.sample_mask.tolist(), sampled.tolist()
@@ -205,12 +218,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.preempted.appendleft(req)
 
-    def _check_fits(self, req: Request) -> None:
-        total = req.prompt_len + req.max_new_tokens
-        if total > self.cache.max_seq_len:
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        # The last output token is sampled, never fed: positions [0, total - 1) are cached.
+        total = prompt_len + max_new_tokens
+        if total - 1 > self.cache.max_seq_len:
             raise RequestTooLongError(
-                f"request of {req.prompt_len} prompt + {req.max_new_tokens} new tokens = {total} > max_seq_len="
-                f"{self.cache.max_seq_len} (page_size * max_blocks_per_seq)")
+                f"request of {prompt_len} prompt + {max_new_tokens} new tokens caches {total - 1} positions > "
+                f"max_seq_len={self.cache.max_seq_len} (page_size * max_blocks_per_seq)")
         args = (np.asarray(self.attention.window), np.asarray(self.attention.sinks), self.cache.page_size,
                 self.max_num_batched_tokens, self.recycle_policy.frees_swa_blocks)
         if self.blocks.pool == "partitioned":
@@ -230,6 +244,11 @@ class Scheduler:
         slots = [r.slot for r in self.running]
         if any(r.status is not Status.RUNNING for r in self.running) or 0 in slots or len(set(slots)) != len(slots):
             raise AssertionError(f"running requests without a unique slot: {self.running}")
+        if any(not 0 <= r.num_computed < r.num_tokens for r in self.running):
+            raise AssertionError(f"a running request has nothing to compute (its next plan row would be empty): "
+                                 f"{[r for r in self.running if not 0 <= r.num_computed < r.num_tokens]}")
+        if any(self.blocks.num_blocks[r.slot] < self.blocks.blocks_for(r.num_computed) for r in self.running):
+            raise AssertionError(f"a running request's computed tokens lie past its blocks: {self.running}")
         if set(slots) != self.slots.allocated:
             raise AssertionError(f"allocated slots {sorted(self.slots.allocated)} != running slots {sorted(slots)}")
         idle = np.setdiff1d(np.arange(1, self.cache.max_seqs + 1), slots)

@@ -6,6 +6,7 @@ The same id is the request's row in the head-wise block tables (:mod:`kvjax.sche
 
 from __future__ import annotations
 
+from kvjax.config import is_int
 from kvjax.errors import DoubleFreeError, SlotExhaustedError
 
 PAD_SLOT = 0
@@ -15,9 +16,9 @@ class SlotAllocator:
     """Free list of GDN slots ``1..max_seqs``. ``allocate`` returns the lowest free slot."""
 
     def __init__(self, max_seqs: int) -> None:
-        if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
+        if not is_int(max_seqs) or max_seqs < 1:
             raise ValueError(f"SlotAllocator: max_seqs must be an int >= 1, got {max_seqs!r}")
-        self.max_seqs = max_seqs
+        self.max_seqs = max_seqs = int(max_seqs)
         self._free: list[int] = list(range(max_seqs, 0, -1))  # pop() -> lowest slot
         self._used: set[int] = set()
 
@@ -42,7 +43,11 @@ class SlotAllocator:
         return slot
 
     def free(self, slot: int) -> None:
-        """Return ``slot``; raises :class:`DoubleFreeError` for slot 0 (PAD) or a slot that is not allocated."""
+        """Return ``slot``; raises :class:`DoubleFreeError` for slot 0 (PAD) or a slot that is not allocated, and
+        ``ValueError`` for a non-integer (``True`` and ``1.0`` would otherwise pass for slot 1); nothing changes."""
+        if not is_int(slot):
+            raise ValueError(f"GDN slot must be an int, got {slot!r}")
+        slot = int(slot)
         if slot == PAD_SLOT:
             raise DoubleFreeError("cannot free GDN slot 0: it is the PAD sentinel, never allocated")
         if slot not in self._used:
