@@ -1,4 +1,5 @@
-"""Pallas head-wise paged attention (decode split-KV + ragged prefill) against the float32 reference.
+"""Pallas head-wise paged attention (decode split-KV + ragged prefill) against the float32 reference, and the
+backend table that chooses between them.
 
 Inputs are built so that a kernel that reads anything it must not read fails: pages a SWA head can no longer
 attend are either holes (-1) or still in the table but filled with NaN, the unwritten tail of every last page
@@ -14,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.base.device import NAMED
+from kvjax.errors import UnknownImplError
 from kvjax.ops import attention
 from kvjax.ops.attention import paged_attention_reference
-from kvjax.pallas import paged_attention as pa
-from kvjax.pallas import paged_prefill
+from kvjax.pallas.paged import decode
+from kvjax.pallas.paged import prefill as paged_prefill
 
 
 def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.float32, extra_tokens=2,
@@ -91,9 +94,8 @@ def test_decode_interpret_matches_reference(rng):
     args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[1, 1, 1, 1],
                       window=[0, 20], sinks=[0, 4])
     ref = _ref(args, kw)
-    for splits, block_k, balanced in ((1, 32, True), (3, 16, True), (3, 16, False)):
-        out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=splits, block_k=block_k,
-                                 balanced=balanced)
+    for splits, block_k in ((1, 32), (3, 16)):
+        out = decode.paged_decode(*args, **kw, interpret=True, num_splits=splits, block_k=block_k)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
 
@@ -103,17 +105,17 @@ def test_prefill_interpret_mixed_batch(rng):
     args, kw = _build(rng, hq=4, hkv=2, d=32, page_size=8, ctx=[45, 13, 30, 9, 0], new=[19, 13, 1, 1, 0],
                       window=[11, 0], sinks=[3, 0])
     ref = _ref(args, kw)
-    out = pa.paged_attention(*args, **kw, interpret=True, block_q=32, block_k=16)  # T > B: prefill kernel
+    out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=32, block_k=16)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     # the per-token decode kernel is exact on any batch too
-    out_d = pa.paged_attention(*args, **kw, interpret=True, mode="decode", block_k=16, num_splits=2)
+    out_d = decode.paged_decode(*args, **kw, interpret=True, block_k=16, num_splits=2)
     np.testing.assert_allclose(np.asarray(out_d), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("kv_load", ["page", "gather"])
 def test_prefill_interpret_kv_load_modes(rng, kv_load):
     # both K/V load paths, 2 pages per key block (2 sub-products per block in "page" mode), windows and sinks,
-    # GQA 2, with and without the unmasked middle blocks (split or fused loop); holes inside
+    # GQA 2, split or fused loop over the masked / unmasked key blocks; holes inside
     # the walk of a full head (poisoned with NaN, in an unmasked middle block), recycled pages below a window.
     args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=8, ctx=[61, 24, 90, 9, 0], new=[21, 24, 3, 1, 0],
                       window=[0, 13], sinks=[0, 5])
@@ -127,9 +129,9 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
     args = (q, k, v, jnp.asarray(table), ctx)
     ref = _ref(args, kw)
     assert np.isfinite(np.asarray(ref)).all()
-    for fast_path, fused_loop in ((True, False), (True, True), (False, False)):
+    for fused_loop in (False, True):
         out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
-                                          fast_path=fast_path, fused_loop=fused_loop)
+                                          fused_loop=fused_loop)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     if kv_load == "page":  # page ids one step ahead, 2 pages per key block
         out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
@@ -157,7 +159,7 @@ def test_prefill_mosaic_interpret(rng):
     # TMA page copies, barriers, per-page skip/full/masked paths, the 128-token box layout of ragged tiles).
     # Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head with a
     # poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
-    from kvjax.pallas import paged_prefill_mgpu
+    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
     args, kw = _build(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
                       window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
@@ -177,7 +179,7 @@ def test_prefill_mosaic_interpret(rng):
 
 def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
     # with fewer XLA CPU threads than warpgroups + 1 the interpreter can deadlock: a clear error instead
-    from kvjax.pallas import paged_prefill_mgpu
+    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
     args, kw = _build(rng, hq=2, hkv=1, d=64, page_size=64, ctx=[3], new=[3], window=[0], sinks=[0],
                       dtype=jnp.bfloat16)
@@ -207,18 +209,92 @@ def test_empty_splits_and_single_token_never_nan(rng):
     # far more splits than pages: most splits are empty; a 1-token sequence; GQA 8 (>16 padded rows not needed)
     args, kw = _build(rng, hq=8, hkv=1, d=16, page_size=16, ctx=[1, 3], new=[1, 1], window=[2], sinks=[1])
     ref = _ref(args, kw)
-    out = pa.paged_attention(*args, **kw, interpret=True, mode="decode", num_splits=8)
+    out = decode.paged_decode(*args, **kw, interpret=True, num_splits=8)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
+def _auto_kernel_jaxpr(args, kw, device):
+    """The table's ``auto`` choice on ``device`` for this call, and the jaxpr of that backend interpreted."""
+    name, _ = attention.TABLE.choose("auto", args, kw, device)
+    _, fn = attention.TABLE.choose(f"{name}:interpret", args, kw, device)
+    return name, str(jax.make_jaxpr(lambda *a: fn(*a, **kw))(*args))
+
+
 def test_routing_is_static_on_shapes(rng):
+    # on a non-Hopper GPU the table sends T <= B to the decode kernel and T > B to the Triton prefill kernel
     args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[1, 1], window=[0], sinks=[0],
                       extra_tokens=0)
-    text = str(jax.make_jaxpr(lambda *a: pa.paged_attention(*a, **kw, interpret=True))(*args))
+    name, text = _auto_kernel_jaxpr(args, kw, NAMED["a100"])
+    assert name == "pallas"
     assert "kvjax_paged_decode" in text and "kvjax_paged_prefill" not in text
     args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[3, 1], window=[0], sinks=[0])
-    text = str(jax.make_jaxpr(lambda *a: pa.paged_attention(*a, **kw, interpret=True))(*args))
+    name, text = _auto_kernel_jaxpr(args, kw, NAMED["a100"])
+    assert name == "prefill"
     assert "kvjax_paged_prefill" in text and "kvjax_paged_decode" not in text
+
+
+def _shapes(t, b, *, page_size, d=128, hq=32, hkv=8, max_blocks=64, dtype=jnp.bfloat16):
+    """A normalised call as ``jax.ShapeDtypeStruct`` s (what the table's checks read)."""
+    sds = jax.ShapeDtypeStruct
+    pages = sds((b * hkv * max_blocks, page_size, d), dtype)
+    args = (sds((t, hq, d), dtype), pages, pages, sds((b, hkv, max_blocks), jnp.int32), sds((b,), jnp.int32))
+    return args, dict(cu_seqlens=sds((b + 1,), jnp.int32), scale=d ** -0.5, window=sds((hkv,), jnp.int32),
+                      sinks=sds((hkv,), jnp.int32))
+
+
+def test_table_chooses_as_documented():
+    decode_call = _shapes(64, 64, page_size=64)  # T <= B
+    prefill_call = _shapes(4096, 2, page_size=64)  # T >= 64 B, pages and head_dim the Mosaic kernel takes
+    mixed_call = _shapes(300, 16, page_size=64)  # T > B but T < 64 B
+    page16_call = _shapes(4096, 2, page_size=16)
+
+    def choice(call, device):
+        reasons = attention.TABLE.explain(*call, NAMED[device])
+        return next(name for name, why in reasons if why is None), dict(reasons)
+
+    name, why = choice(decode_call, "h100")
+    assert name == "pallas"
+    assert "T >= 64 B" in why["mosaic"] and "decode-shaped" in why["prefill"]
+    assert choice(prefill_call, "h100") == ("mosaic", {"mosaic": None, "prefill": None, "pallas": None,
+                                                        "reference": None})
+    name, why = choice(mixed_call, "h100")
+    assert name == "prefill" and "T >= 64 B" in why["mosaic"]
+    name, why = choice(page16_call, "h100")
+    assert name == "prefill" and "page_size in (64, 128), got 16" in why["mosaic"]
+    assert choice(decode_call, "a100")[0] == "pallas"
+    name, why = choice(prefill_call, "a100")
+    assert name == "prefill" and "needs a Hopper GPU" in why["mosaic"]
+    for call in (decode_call, prefill_call):
+        name, why = choice(call, "cpu")
+        assert name == "reference"
+        assert "needs a GPU" in why["prefill"] and "needs a GPU" in why["pallas"]
+    # f32 pages: no Mosaic kernel; head_dim 24: no Triton kernel either, auto falls back to the reference
+    assert choice(_shapes(4096, 2, page_size=64, dtype=jnp.float32), "h100")[0] == "prefill"
+    name, why = choice(_shapes(4096, 2, page_size=64, d=24), "h100")
+    assert name == "reference" and "power-of-two head_dim" in why["pallas"]
+    assert attention.TABLE.available(NAMED["cpu"]) == [
+        "reference", "mosaic:interpret", "prefill:interpret", "pallas:interpret"]
+    assert attention.TABLE.available(NAMED["a100"])[:3] == ["reference", "prefill", "pallas"]
+
+
+def test_explicit_impl_that_cannot_take_the_call_raises(rng):
+    # a decode-shaped batch (T <= B): the prefill kernels decline it by name, with their reason
+    args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=16, ctx=[37, 20], new=[1, 1], window=[0, 0], sinks=[0, 0],
+                      extra_tokens=0)
+    call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"])
+    with pytest.raises(UnknownImplError, match=r"impl='prefill:interpret' cannot take.*decode-shaped"):
+        attention.paged_attention(*args, **call, impl="prefill:interpret")
+    with pytest.raises(UnknownImplError, match=r"mosaic:interpret.*needs T >= 64 B tokens"):
+        attention.paged_attention(*args, **call, impl="mosaic:interpret")
+    with pytest.raises(UnknownImplError, match="no implementation 'triton'"):
+        attention.paged_attention(*args, **call, impl="triton")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(UnknownImplError, match="needs a GPU"):
+            attention.paged_attention(*args, **call, impl="pallas")
+    # head_dim 24: no kernel takes it, so even the decode kernel declines by name
+    args24, kw24 = _build(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
+    with pytest.raises(UnknownImplError, match="power-of-two head_dim >= 16, got 24"):
+        attention.paged_attention(*args24, cu_seqlens=kw24["cu_seqlens"], impl="interpret")
 
 
 def test_public_op_dispatches_to_kernel(rng):
@@ -231,11 +307,9 @@ def test_public_op_dispatches_to_kernel(rng):
 def test_rejects_unsupported_shapes(rng):
     args, kw = _build(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
     with pytest.raises(ValueError, match="head_dim"):
-        pa.paged_attention(*args, **kw, interpret=True)
-    with pytest.raises(ValueError, match="mode"):
-        pa.paged_attention(*args, **kw, interpret=True, mode="fast")
-    with pytest.raises(ValueError, match="prefill_kernel"):
-        pa.paged_attention(*args, **kw, interpret=True, prefill_kernel="cuda")
+        decode.paged_decode(*args, **kw, interpret=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_prefill.paged_prefill(*args, **kw, interpret=True)
 
 
 # ---------------------------------------------------------------- GPU grid
@@ -253,8 +327,8 @@ def test_gpu_decode_grid(rng, group, page_size):
                       new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
                       dtype=jnp.bfloat16)
     ref = _ref(args, kw)
-    for splits, block_k, balanced in ((None, None, True), (1, 128, True), (7, 64, False), (7, 64, True)):
-        out = pa.paged_attention(*args, **kw, num_splits=splits, block_k=block_k, balanced=balanced)
+    for splits, block_k in ((None, None), (1, 128), (7, 64)):
+        out = decode.paged_decode(*args, **kw, num_splits=splits, block_k=block_k)
         assert _rel_err(out, ref) <= 2e-2
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
@@ -271,10 +345,8 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
     ref = _ref(args, kw)
     # the Triton prefill kernel never reads past a row's last position: NaN tails must not matter (the Mosaic
     # kernel reads whole pages and is tested with finite tails in test_gpu_prefill_mosaic_grid)
-    out = pa.paged_attention(*args, **kw, prefill_kernel="triton")
+    out = paged_prefill.paged_prefill(*args, **kw)
     assert _rel_err(out, ref) <= 2e-2
-    out_masked = paged_prefill.paged_prefill(*args, **kw, fast_path=False)
-    assert _rel_err(out_masked, ref) <= 2e-2
     # every real token of every row is right (none dropped or zero-filled)
     cu = np.asarray(kw["cu_seqlens"])
     o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -333,7 +405,7 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     # the Mosaic GPU kernel (TMA page copies): mixed batch (decode rows, prefill, chunked prefill with a cached
     # prefix, a padding row), a SWA head with sinks next to a full head, poisoned holes inside the full head's
     # walk, pages below the window recycled or NaN, tails of last pages finite but large (read, weight 0)
-    from kvjax.pallas import paged_prefill_mgpu
+    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
     hkv = 2
     ctx = [8192, 300, 700, 17, 5000, 0, 64, 129]
@@ -358,5 +430,6 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
                 seg = slice(cu[b], cu[b + 1])
                 assert np.linalg.norm(o[seg] - r[seg]) <= 2e-2 * np.linalg.norm(r[seg]), (b, stages)
         assert float(np.abs(o[cu[-1]:]).max()) == 0.0  # padding tokens after the last row
-    assert len(q) >= 64 * len(ctx)  # the kernel entry's "auto" takes the Mosaic kernel for this batch on Hopper
-    assert _rel_err(pa.paged_attention(*args, **kw), ref) <= 2e-2
+    assert len(q) >= 64 * len(ctx)  # the table's "auto" takes the Mosaic kernel for this batch on Hopper
+    assert attention.TABLE.choose("auto", args, kw)[0] == "mosaic"
+    assert _rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2

@@ -16,6 +16,7 @@ import pytest
 
 from kvjax.ops import attention as attn_mod
 from kvjax.ops.attention import dense_attention_reference, paged_attention
+from kvjax.ops.backends import Backend, BackendTable
 
 WINDOW = np.array([0, 5, 16, 7], np.int32)  # mixed full / SWA KV heads; 5 and 7 straddle page edges
 SINKS = np.array([0, 0, 4, 3], np.int32)
@@ -101,11 +102,11 @@ def _make_batch(rng, *, group, page_size, head_dim=32, hkv=4, window=WINDOW, sin
                  [k.astype(np.float64) for k in k_dense], [v.astype(np.float64) for v in v_dense], holes)
 
 
-def _run(batch: Batch, **kw):
+def _run(batch: Batch, impl: str = "reference", **kw):
     return paged_attention(
         jnp.asarray(batch.q), jnp.asarray(batch.k_pages), jnp.asarray(batch.v_pages),
         jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens), cu_seqlens=jnp.asarray(batch.cu_seqlens),
-        impl="reference", **kw,
+        impl=impl, **kw,
     )
 
 
@@ -206,20 +207,41 @@ def test_dense_attention_reference_matches_oracle(rng):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+_SEEN: dict = {}  # what the spy backend and its unsupported() check received (reset by the test)
+
+
+def _spy_kernel(q, k_pages, v_pages, block_tables, seq_lens, *, cu_seqlens, scale, window, sinks, interpret):
+    _SEEN["kernel"] = dict(args=(q, k_pages, v_pages, block_tables, seq_lens), cu_seqlens=cu_seqlens, scale=scale,
+                           window=window, sinks=sinks, interpret=interpret)
+    return q
+
+
+def _spy_unsupported(q, k_pages, v_pages, block_tables, seq_lens, *, cu_seqlens, scale, window, sinks):
+    _SEEN["unsupported"] = dict(scale=scale, window=window, sinks=sinks)
+    return None
+
+
 def test_normalised_kernel_contract(rng, monkeypatch):
-    """The dispatched callable receives a float scale and i32[Hkv] window/sinks arrays."""
+    """The chosen kernel (and its unsupported() check) receives a float scale and i32[Hkv] window/sinks arrays."""
     batch = _make_batch(rng, group=1, page_size=4)
-    seen = {}
-
-    def spy(q, k_pages, v_pages, block_tables, seq_lens, *, cu_seqlens, scale, window, sinks):
-        seen.update(scale=scale, window=window, sinks=sinks)
-        return q
-
-    monkeypatch.setattr(attn_mod.dispatch, "resolve", lambda op, impl: spy)
-    _run(batch, window=3)
+    spy = Backend("spy", f"{__name__}:_spy_kernel", priority=1, device=lambda device: None,
+                  unsupported=f"{__name__}:_spy_unsupported")
+    monkeypatch.setattr(attn_mod, "TABLE", BackendTable("paged_attention", attn_mod.paged_attention_reference, (spy,)))
+    _SEEN.clear()
+    _run(batch, window=3, impl="spy")
+    seen = _SEEN["kernel"]
+    assert seen["interpret"] is False
     assert type(seen["scale"]) is float and seen["scale"] == pytest.approx(32 ** -0.5)
     for name, want in (("window", [3, 3, 3, 3]), ("sinks", [0, 0, 0, 0])):
         assert seen[name].dtype == jnp.int32 and seen[name].tolist() == want
+        assert _SEEN["unsupported"][name].tolist() == want
+    assert _SEEN["unsupported"]["scale"] == seen["scale"]
+    for got, want in zip(seen["args"], (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(seen["cu_seqlens"]), batch.cu_seqlens)
+    _SEEN.clear()
+    _run(batch, window=3, impl="spy:interpret")
+    assert _SEEN["kernel"]["interpret"] is True
 
 
 def _args(rng, t=5, hq=4, hkv=2, d=8, p=6, ps=4, b=2, mb=3):

@@ -15,8 +15,8 @@ Semantics (DESIGN.md, "Pages and head-wise block tables", "Masks", "Ragged batch
   (``i - j < window[h]`` or ``j < sinks[h]``), ``window[h] == 0`` meaning full attention.
 - A query with no visible key (impossible for a valid plan) gets output 0, never NaN.
 
-Kernel contract. :func:`paged_attention` validates on the host and normalises its arguments, then calls
-``dispatch.resolve("paged_attention", impl)`` with exactly::
+Kernel contract. :func:`paged_attention` validates on the host and normalises its arguments, then runs the
+implementation that :data:`TABLE` (its backend table) chooses for ``impl``, with exactly::
 
     fn(q,             # [T, Hq, D]  (bf16 / f16 / f32)
        k_pages,       # [P, page_size, D]
@@ -27,10 +27,22 @@ Kernel contract. :func:`paged_attention` validates on the host and normalises it
        scale=...,       # Python float (default D**-0.5 already applied)
        window=...,      # i32[Hkv] (0 = full attention)
        sinks=...,       # i32[Hkv]
-       [interpret=...]) # bool, kernels only (added by dispatch)
+       [interpret=...]) # bool, kernels only (added by the table)
     -> o: [T, Hq, D] in q's dtype
 
-Every implementation (reference or Pallas) takes that normalised call; kernels receive ``interpret`` too.
+Every implementation (reference or kernel) takes that normalised call, and so does every backend's
+``unsupported()`` check. Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
+the order only chooses speed, benchmarks/RESULTS.md):
+
+- ``"mosaic"``: the Mosaic GPU prefill kernel (:mod:`kvjax.pallas.paged.prefill_mgpu`), Hopper only; pages of
+  64 / 128 tokens, head_dim 64 / 128, bf16 / f16, and ``T >= 64 B``. It reads whole pages, so the unwritten
+  tail of a row's last page must hold finite values (kvjax pools start zeroed), never NaN;
+- ``"prefill"``: the ragged prefill kernel in the Pallas Triton lowering (:mod:`kvjax.pallas.paged.prefill`),
+  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``);
+- ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those
+  power-of-two shapes; what ``impl="interpret"`` runs;
+- ``"reference"``: :func:`paged_attention_reference`, always.
+
 Page ids outside ``[0, P)`` other than ``-1`` are a caller bug (the scheduler's debug path validates plans);
 device code cannot raise, so the reference clamps them like any XLA gather.
 """
@@ -43,9 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.ops import dispatch
 from kvjax.base.checks import check_float, check_int32
 from kvjax.base.ragged import token_rows
+from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
 
 _TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
 _HIGHEST = jax.lax.Precision.HIGHEST  # true f32 matmuls (no TF32 on GPU): the reference is the oracle
@@ -215,8 +227,11 @@ def paged_attention(
     """Ragged causal attention of new tokens over head-wise paged K/V (see the module docstring).
 
     Validates shapes and dtypes on the host (``ValueError`` naming the argument), normalises ``scale`` to a
-    float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then dispatches on ``impl``
-    (``"auto" | "reference" | "pallas" | "interpret"``). Reads only; changes nothing. Jittable.
+    float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then runs what :data:`TABLE` chooses for
+    ``impl``: ``"auto"`` (the first backend that runs here and accepts the shapes, else the reference),
+    ``"reference"``, a backend name (``"mosaic" | "prefill" | "pallas"``; :class:`UnknownImplError` naming the
+    reason if it cannot take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode)
+    or ``"NAME:interpret"``. Reads only; changes nothing. Jittable.
     On a Hopper GPU a prefill-shaped batch may run the Mosaic GPU kernel, which reads whole pages of a row's walk:
     the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
@@ -235,9 +250,8 @@ def paged_attention(
             f"q heads Hq={hq} must be a multiple of block_tables KV heads Hkv={hkv} "
             f"(block_tables shape {tuple(block_tables.shape)})"
         )
-    fn = dispatch.resolve("paged_attention", impl)
-    return fn(
-        q, k_pages, v_pages, block_tables, seq_lens,
+    return TABLE(
+        impl, q, k_pages, v_pages, block_tables, seq_lens,
         cu_seqlens=cu_seqlens,
         scale=_normalise_scale(scale, d),
         window=_per_kv_head("window", window, hkv),
@@ -245,5 +259,40 @@ def paged_attention(
     )
 
 
-dispatch.register_reference("paged_attention", paged_attention_reference)
-dispatch.register_kernel("paged_attention", "pallas", "kvjax.pallas.paged_attention:paged_attention")
+
+def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 32, hkv: int = 8, d: int = 128,
+             dtype=jnp.bfloat16) -> tuple[tuple, dict]:
+    """A normalised call of ``rows`` rows of ``context`` positions (``tokens`` new tokens in all) as
+    ``jax.ShapeDtypeStruct`` s: what the backend table's ``unsupported()`` checks read."""
+    max_blocks = -(-context // page_size)
+    sds = jax.ShapeDtypeStruct
+    pages = sds((rows * hkv * max_blocks, page_size, d), dtype)
+    args = (sds((tokens, hq, d), dtype), pages, pages, sds((rows, hkv, max_blocks), jnp.int32),
+            sds((rows,), jnp.int32))
+    kwargs = dict(cu_seqlens=sds((rows + 1,), jnp.int32), scale=d ** -0.5, window=sds((hkv,), jnp.int32),
+                  sinks=sds((hkv,), jnp.int32))
+    return args, kwargs
+
+
+_PALLAS = "kvjax.pallas.paged"
+TABLE = BackendTable(
+    "paged_attention",
+    paged_attention_reference,
+    (
+        Backend("mosaic", f"{_PALLAS}.prefill_mgpu:paged_prefill_mgpu", priority=30, device=on_hopper,
+                unsupported=f"{_PALLAS}.prefill_mgpu:unsupported",
+                note="prefill 1.25-1.43x the Triton prefill kernel at T=4096, pages 64/128 (H200)"),
+        Backend("prefill", f"{_PALLAS}.prefill:paged_prefill", priority=20, device=on_gpu,
+                unsupported=f"{_PALLAS}.prefill:unsupported",
+                note="one program per (query tile, KV head): each page read once per tile, not once per token"),
+        Backend("pallas", f"{_PALLAS}.decode:paged_decode", priority=10, device=on_gpu,
+                unsupported=f"{_PALLAS}.decode:unsupported",
+                note="split-KV decode, exact on any batch: the GPU fallback; 81-90% of copy bandwidth (H200)"),
+    ),
+    examples={
+        "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 bf16": lambda: _example(64, 64, 16, context=4096),
+        "prefill T=4096 H=32 D=128 page 64 bf16": lambda: _example(4096, 1, 64, context=4096, hkv=32),
+        "prefill T=4096 H=32 D=128 page 16 bf16": lambda: _example(4096, 1, 16, context=4096, hkv=32),
+        "mixed T=512 B=64 Hq=32 Hkv=8 D=128 page 64 bf16": lambda: _example(512, 64, 64, context=4096),
+    },
+)

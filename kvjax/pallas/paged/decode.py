@@ -1,19 +1,18 @@
-"""Head-wise paged attention, decode path: split-KV flash-decoding over single-head pages (Pallas Triton).
+"""Head-wise paged attention, split-KV flash-decoding over single-head pages (Pallas, Triton lowering).
 
 One program per (query token, KV head, split). It holds the whole GQA group of query heads of that KV head
 (padded to >= 16 rows for the tensor cores), so each K/V page is read once per token. It walks only the
-virtual page list of :mod:`kvjax.pallas.paged_common` (sink pages + window pages of *its* KV head), cut
-into fixed-size splits (``balanced``, default: a SWA head's short walk takes one or two programs) or into
-``num_splits`` equal parts; a ``-1`` table entry is masked at the load, so a hole is never read.
-Every split writes an f32 partial output and its log-sum-exp; the merge is f32 and an empty split (or a
-padding token) contributes weight 0, never NaN.
+virtual page list of :mod:`kvjax.pallas.paged.common` (sink pages + window pages of *its* KV head), cut into
+``num_splits`` equal parts; a ``-1`` table entry is masked at the load, so a hole is never read. Every split
+writes an f32 partial output and its log-sum-exp, merged by :func:`kvjax.pallas.split_kv.merge_splits` (an
+empty split, or a padding token, weighs 0, never NaN).
 
-:func:`paged_attention` is the kernel entry of ``kvjax.ops.paged_attention`` (``impl="pallas"``): it routes
-statically on shapes — ``T <= B`` (decode-sized batch) to this per-token kernel, otherwise to a prefill
-kernel: the Mosaic GPU kernel of :mod:`kvjax.pallas.paged_prefill_mgpu` on a Hopper GPU when the shapes suit
-it (pages of 64 / 128 tokens, head_dim 64 / 128, bf16 / f16, ``T >= 64 B``), else the Pallas Triton kernel of
-:mod:`kvjax.pallas.paged_prefill`. All are exact for *any* ragged batch (the per-token kernel just re-reads a
-row's pages once per query token), so the routing only chooses speed.
+The kernel is exact for *any* ragged batch (it re-reads a row's pages once per query token), so it is the
+``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
+runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
+:mod:`kvjax.pallas.paged.prefill_mgpu`).
+Measured and removed (benchmarks/RESULTS.md): fixed-size splits (``balanced``), tied on full heads and never
+ahead on SWA heads; a manual register prefetch of the next block, block_k 32, 8 warps.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas import hopper_gpu, paged_common
-from kvjax.pallas import paged_prefill
-from kvjax.pallas import paged_prefill_mgpu
+from kvjax.base.device import next_pow2
+from kvjax.pallas.paged import common
+from kvjax.pallas.split_kv import merge_splits
 
 _NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on H100/H200)
@@ -55,7 +54,6 @@ def _decode_kernel(
     max_blocks: int,
     num_kv_heads: int,
     num_splits: int,
-    balanced: bool,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
@@ -70,10 +68,7 @@ def _decode_kernel(
     sk = sink_ref[h]
     pages_per_block = block_k // page_size
 
-    if balanced:  # fixed-size splits: a short (SWA) walk takes few programs, a long one all of them
-        per_split = pl.cdiv(pl.cdiv(max_blocks, num_splits), pages_per_block) * pages_per_block
-    else:  # every walk cut into num_splits equal parts
-        per_split = pl.cdiv(n_pages, num_splits)
+    per_split = pl.cdiv(n_pages, num_splits)  # every walk cut into num_splits equal parts
     start = s * per_split
     end = jnp.minimum(n_pages, start + per_split)
     n_iter = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
@@ -134,16 +129,16 @@ def _decode_kernel(
 
 def _decode_call(
     q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks, *,
-    scale, num_splits, balanced, block_k, num_warps, num_stages, interpret,
+    scale, num_splits, block_k, num_warps, num_stages, interpret,
 ):
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
     num_rows, hkv, max_blocks = block_tables.shape
     group = hq // hkv
-    rows = max(16, paged_common.next_pow2(group))
+    rows = max(16, next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, balanced=balanced,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -169,43 +164,32 @@ def _decode_call(
     o_part, lse = res
     o_part = o_part.reshape(t_total, hkv, num_splits, group, d)
     lse = lse.reshape(t_total, hkv, num_splits, group)
-    lse_max = jnp.max(lse, axis=2, keepdims=True)
-    wts = jnp.exp(lse - jnp.where(lse_max == _NEG_INF, 0.0, lse_max))  # -inf -> weight 0
-    den = jnp.sum(wts, axis=2)
-    o = jnp.sum(wts[..., None] * o_part, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
-    return o.reshape(t_total, hq, d).astype(q.dtype)
+    return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
 
 
-def _check_kernel_shapes(q, k_pages, block_k):
-    d = q.shape[-1]
-    page_size = k_pages.shape[1]
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"pallas paged_attention needs a power-of-two head_dim >= 16, got {d}")
-    if page_size & (page_size - 1):
-        raise ValueError(f"pallas paged_attention needs a power-of-two page_size, got {page_size}")
-    if block_k & (block_k - 1):
-        raise ValueError(f"block_k must be a power of two, got {block_k}")
+def unsupported(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    **static,  # cu_seqlens, scale, window, sinks: any value is fine
+) -> str | None:
+    """Why :func:`paged_decode` cannot take this normalised call (shapes only), or None: it takes any batch
+    with a power-of-two ``head_dim >= 16`` and a power-of-two ``page_size``."""
+    return common.triton_shape_reason(q, k_pages)
 
 
 def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, pages_per_block: int) -> int:
     """Static split count: enough programs to fill the GPU, never more splits than KV blocks."""
-    splits = paged_common.next_pow2(pl.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * num_kv_heads)))
+    splits = next_pow2(pl.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * num_kv_heads)))
     return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
 
 
-def _mosaic_prefill_fits(q, k_pages, v_pages, num_rows: int) -> bool:
-    """Whether ``"auto"`` takes the Mosaic GPU prefill kernel: a Hopper GPU, shapes it supports, and on average
-    at least one 64-token box of queries per row (rows of a few tokens waste most of a 64-row tile)."""
-    return (hopper_gpu() and paged_prefill_mgpu.unsupported(q, k_pages, v_pages) is None
-            and q.shape[0] >= paged_prefill_mgpu.BLOCK_Q * num_rows)
-
-
 @functools.partial(
-    jax.jit,
-    static_argnames=("scale", "interpret", "num_splits", "block_q", "block_k", "num_warps", "num_stages", "mode",
-                     "balanced", "prefill_kernel"),
+    jax.jit, static_argnames=("scale", "interpret", "num_splits", "block_k", "num_warps", "num_stages"),
 )
-def paged_attention(
+def paged_decode(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, page_size, D]
     v_pages: jax.Array,  # [P, page_size, D]
@@ -217,56 +201,34 @@ def paged_attention(
     window: jax.Array,  # i32[Hkv]
     sinks: jax.Array,  # i32[Hkv]
     interpret: bool = False,
-    mode: str = "auto",
     num_splits: int | None = None,
-    block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    balanced: bool = True,
-    prefill_kernel: str = "auto",
 ) -> jax.Array:  # [T, Hq, D]
-    """Kernel entry of ``kvjax.ops.paged_attention`` (normalised kernel-contract arguments).
+    """Split-KV paged attention of every query token (normalised ``kvjax.ops.paged_attention`` call).
 
-    ``mode="auto"`` routes on static shapes: ``T <= B`` to the split-KV decode kernel, else to the prefill
-    kernel; ``"decode"`` / ``"prefill"`` force one (both are exact for any batch). The tuning knobs
-    (``num_splits``; ``block_q`` for prefill; ``block_k``, ``num_warps``, ``num_stages``) default to the
-    fastest values measured on an H200 (benchmarks/RESULTS.md). ``balanced`` (decode): fixed-size KV splits
-    (a SWA head's short walk uses few programs) instead of cutting every walk into ``num_splits`` parts.
-    ``prefill_kernel``: ``"mosaic"`` (Hopper only; reads whole pages, so a page's unwritten tail must be
-    finite, as in every kvjax pool), ``"triton"``, or ``"auto"`` (Mosaic where it applies, see the module doc;
-    the Triton tuning knobs then do not apply).
-    Reads only. Tokens that belong to no row get output 0.
+    Tuning knobs, defaults the fastest measured on an H200 (benchmarks/RESULTS.md): ``num_splits`` (default:
+    :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
+    ``num_stages`` 4. ``ValueError`` for shapes :func:`unsupported` rejects. Reads only; tokens that belong to
+    no row get output 0.
     """
     t_total = q.shape[0]
-    num_rows, hkv, max_blocks = block_tables.shape
+    hkv, max_blocks = block_tables.shape[1:]
     page_size = k_pages.shape[1]
-    if mode not in ("auto", "decode", "prefill"):
-        raise ValueError(f"mode must be 'auto', 'decode' or 'prefill', got {mode!r}")
-    if prefill_kernel not in ("auto", "mosaic", "triton"):
-        raise ValueError(f"prefill_kernel must be 'auto', 'mosaic' or 'triton', got {prefill_kernel!r}")
-    if mode == "prefill" or (mode == "auto" and t_total > num_rows):
-        if prefill_kernel == "mosaic" or (prefill_kernel == "auto" and not interpret and _mosaic_prefill_fits(
-                q, k_pages, v_pages, num_rows)):
-            return paged_prefill_mgpu.paged_prefill_mgpu(
-                q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
-                sinks=sinks, interpret=interpret,
-            )
-        return paged_prefill.paged_prefill(
-            q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=scale, window=window,
-            sinks=sinks, interpret=interpret, block_q=block_q, block_k=block_k, num_warps=num_warps,
-            num_stages=num_stages,
-        )
     block_k = max(block_k or 64, page_size)
-    _check_kernel_shapes(q, k_pages, block_k)
+    reason = unsupported(q, k_pages, v_pages, block_tables, seq_lens)
+    if reason:
+        raise ValueError(f"pallas paged_decode {reason}")
+    if block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two, got {block_k}")
     if num_splits is None:
         num_splits = default_num_splits(t_total, hkv, max_blocks, block_k // page_size)
-    row, pos, real = paged_common.token_positions(cu_seqlens, seq_lens, t_total)
-    lo, n_sink, n_pages = paged_common.page_ranges(
-        pos, pos, real, window, sinks, page_size=page_size, max_blocks=max_blocks
-    )
+    row, pos, real = common.token_positions(cu_seqlens, seq_lens, t_total)
+    lo, n_sink, n_pages = common.page_ranges(pos, pos, real, window, sinks, page_size=page_size,
+                                             max_blocks=max_blocks)
     return _decode_call(
         q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
-        scale=scale, num_splits=num_splits, balanced=balanced, block_k=block_k, num_warps=num_warps or 4,
+        scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
         num_stages=num_stages or 4, interpret=interpret,
     )

@@ -1,11 +1,12 @@
-"""Head-wise paged attention, prefill / extend path: ragged flash attention over single-head pages (Pallas Triton).
+"""Head-wise paged attention, prefill / extend path: ragged flash attention over single-head pages (Pallas, Triton
+lowering).
 
 The query tokens of a step are cut into *tiles*: consecutive tokens of one row, ``block_q`` tokens at most
 (the tile map is built on device, with a static upper bound ``ceil(T / block_q) + B + 2`` on the tile count, so
 nothing is synchronised with the host; tiles of the padding before and after the rows attend to nothing and
 write zeros). One program per (tile, KV head) holds the tile's tokens for every
 query head of the GQA group (``block_q * G`` rows), and walks the virtual page list of
-:mod:`kvjax.pallas.paged_common` for the tile's position span and *its* KV head — sink pages plus the window
+:mod:`kvjax.pallas.paged.common` for the tile's position span and *its* KV head — sink pages plus the window
 pages — with the causal / window / sink mask per (row, key). Cached prefix and new tokens are the same pages
 (the new K/V are written to the cache before the call). ``-1`` entries are masked at the load, never read.
 Rows with one token (decode rows of a mixed batch) are tiles of one token.
@@ -14,6 +15,10 @@ K/V come either one page at a time (``kv_load="page"``: a contiguous ``[page_siz
 id, one QK^T sub-product per page) or as a gathered key block (``"gather"``: per-key row offsets). The key
 loop skips the per-element mask on blocks every row of the tile sees fully (split loops, or one loop that picks
 the mask per block); the softmax scale is applied after the row max, so each score costs one FMA before exp2.
+
+It is the ``"prefill"`` backend of ``kvjax.ops.paged_attention``: any GPU, batches with more tokens than rows
+(:func:`unsupported`); on Hopper the table prefers the Mosaic GPU kernel of :mod:`kvjax.pallas.paged.prefill_mgpu`
+where that one fits. The kernel itself is exact for any batch.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas import paged_common
+from kvjax.base.device import next_pow2
+from kvjax.pallas.paged import common
 
 _NEG_INF = float("-inf")
 _LOG2E = 1.4426950408889634
@@ -214,11 +220,28 @@ def _prefill_kernel(
         carry = jax.lax.fori_loop(0, blk_a, functools.partial(step, mode="masked"), carry)
         carry = jax.lax.fori_loop(blk_a, blk_b, functools.partial(step, mode="unmasked"), carry)
         carry = jax.lax.fori_loop(blk_b, n_blocks, functools.partial(step, mode="masked"), carry)
-    else:  # one loop: "fused" masks a block only outside [a, b); "masked" masks every block
+    else:  # one loop: "fused" masks a block only outside [a, b)
         carry = jax.lax.fori_loop(0, n_blocks, functools.partial(step, mode=loop), carry)
     acc, m, l = carry
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=r_ok[:, None])
+
+
+def unsupported(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
+    seq_lens: jax.Array,  # i32[B]
+    **static,  # cu_seqlens, scale, window, sinks: any value is fine
+) -> str | None:
+    """Why the ``"prefill"`` backend declines this normalised call, or None: the shapes of
+    :func:`kvjax.pallas.paged.common.triton_shape_reason`, and more tokens than rows (``T <= B`` is a
+    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`)."""
+    t_total, num_rows = q.shape[0], block_tables.shape[0]
+    if t_total <= num_rows:
+        return f"needs more tokens than rows, got a decode-shaped batch (T={t_total} <= B={num_rows})"
+    return common.triton_shape_reason(q, k_pages)
 
 
 # Defaults per K/V load path, the fastest measured on an H200 at T=4096, H=32, D=128 (benchmarks/RESULTS.md).
@@ -235,8 +258,8 @@ _DEFAULTS_LARGE_PAGE = dict(block_k=128, num_warps=8, num_stages=3, fused_loop=T
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "fast_path", "kv_load",
-                     "fused_loop", "page_ids"),
+    static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "kv_load", "fused_loop",
+                     "page_ids"),
 )
 def paged_prefill(
     q: jax.Array,  # [T, Hq, D]
@@ -254,16 +277,16 @@ def paged_prefill(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fast_path: bool = True,
     kv_load: str = "auto",
     fused_loop: bool | None = None,
     page_ids: str | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
-    Same contract as :func:`kvjax.pallas.paged_attention.paged_attention`; tokens of no row get output 0.
-    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``fast_path=False`` masks
-    every key block (kept to measure what the unmasked middle blocks save). ``kv_load``: ``"page"`` loads
+    Normalised ``kvjax.ops.paged_attention`` call; tokens of no row get output 0. ``ValueError`` for shapes
+    :func:`kvjax.pallas.paged.common.triton_shape_reason` rejects (the kernel takes decode-shaped batches too;
+    only the backend table sends them elsewhere). Tuning knobs:
+    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``kv_load``: ``"page"`` loads
     each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
     a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
     Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``; ``"page"`` with pages of
@@ -272,7 +295,8 @@ def paged_prefill(
     ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in the step
     that uses it, ``"carry"`` one step ahead, passed in the loop carry.
     Measured and removed (slower on an H200, benchmarks/RESULTS.md): page ids two steps ahead or from a register
-    chunk of the table, a key block's pages joined into one operand, all tiles of one KV head launched together.
+    chunk of the table, a key block's pages joined into one operand, all tiles of one KV head launched together,
+    masking every key block (``fast_path=False``, 1.33x slower).
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
@@ -288,12 +312,13 @@ def paged_prefill(
     num_warps = num_warps or tuned["num_warps"]
     num_stages = num_stages or tuned["num_stages"]
     fused_loop = tuned["fused_loop"] if fused_loop is None else fused_loop
-    rows = max(block_q or 128, 16, paged_common.next_pow2(group))
-    for name, val in (("head_dim", d), ("page_size", page_size), ("block_k", block_k), ("block_q", rows)):
+    rows = max(block_q or 128, 16, next_pow2(group))
+    reason = common.triton_shape_reason(q, k_pages)
+    if reason:
+        raise ValueError(f"pallas paged_prefill {reason}")
+    for name, val in (("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
-    if d < 16:
-        raise ValueError(f"pallas paged_prefill needs head_dim >= 16, got {d}")
     if page_ids not in ("load", "carry"):
         raise ValueError(f"page_ids must be 'load' or 'carry', got {page_ids!r}")
     if page_ids != "load" and kv_load != "page":
@@ -301,14 +326,14 @@ def paged_prefill(
     if page_ids != "load":
         fused_loop = True
     tokens_per_tile = rows // group
-    t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = paged_common.tile_walks(
+    t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = common.tile_walks(
         cu_seqlens, seq_lens, window, sinks, num_tokens=t_total, tokens_per_tile=tokens_per_tile,
         page_size=page_size, max_blocks=max_blocks,
     )
     kernel = functools.partial(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, kv_load=kv_load,
-        loop="masked" if not fast_path else ("fused" if fused_loop else "split"), page_ids=page_ids,
+        loop="fused" if fused_loop else "split", page_ids=page_ids,
     )
     o = pl.pallas_call(
         kernel,

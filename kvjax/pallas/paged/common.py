@@ -1,5 +1,6 @@
 """Launch metadata shared by the paged-attention kernels, computed on device in jnp (static shapes): token
-positions, the query tile map of the prefill kernels, and the head-wise page walk.
+positions, the query tile map of the prefill kernels, and the head-wise page walk; and the shape check of the
+two Pallas Triton kernels.
 
 Head-wise page walk. For a query span ``[i0, i1]`` (absolute positions) and KV head ``h`` the pages that can
 hold a visible key are the *sink pages* ``[0, n_sink)`` and the *window pages* ``[lo, hi)``, with
@@ -15,8 +16,10 @@ page is visited once. Nothing here reads the block table: holes are masked by th
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from kvjax.base.device import is_pow2
 from kvjax.base.ragged import count_le
 
 
@@ -112,5 +115,15 @@ def tile_walks(
     return t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+def triton_shape_reason(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+) -> str | None:
+    """What the Pallas Triton paged kernels (decode and prefill) cannot take: they need a power-of-two
+    ``head_dim >= 16`` and a power-of-two ``page_size`` (``"needs ..., got ..."``), else None."""
+    d, page_size = q.shape[-1], k_pages.shape[1]
+    if d < 16 or not is_pow2(d):
+        return f"needs a power-of-two head_dim >= 16, got {d}"
+    if not is_pow2(page_size):
+        return f"needs a power-of-two page_size, got {page_size}"
+    return None
