@@ -11,7 +11,7 @@ The kernel is exact for *any* ragged batch (it re-reads a row's pages once per q
 ``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
 runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
 :mod:`kvjax.pallas.paged.prefill_mgpu`).
-Measured and removed (benchmarks/RESULTS.md): fixed-size splits (``balanced``), tied on full heads and never
+Measured and not kept (benchmarks/RESULTS.md): fixed-size splits (``balanced``), tied on full heads and never
 ahead on SWA heads; a manual register prefetch of the next block, block_k 32, 8 warps.
 """
 
