@@ -128,12 +128,28 @@ def _decode_kernel(
 
 
 def _decode_call(
-    q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks, *,
-    scale, num_splits, block_k, num_warps, num_stages, interpret,
-):
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [P, page_size, D]
+    v_pages: jax.Array,  # [P, page_size, D]
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
+    row: jax.Array,  # i32[T]
+    pos: jax.Array,  # i32[T]
+    lo: jax.Array,  # i32[T, Hkv]
+    n_sink: jax.Array,  # i32[T, Hkv]
+    n_pages: jax.Array,  # i32[T, Hkv]
+    window: jax.Array,  # i32[Hkv]
+    sinks: jax.Array,  # i32[Hkv]
+    *,
+    scale: float,
+    num_splits: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:  # [T, Hq, D]
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
-    num_rows, hkv, max_blocks = block_tables.shape
+    hkv, max_blocks = block_tables.shape[1:]
     group = hq // hkv
     rows = max(16, next_pow2(group))
     kernel = functools.partial(
