@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+import os
 import time
 
 import jax
@@ -29,7 +29,9 @@ import numpy as np
 
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
-from kvjax.sched.workload import cache_for, seed_workload
+from kvjax.errors import UsageError
+from kvjax.sched.cli_args import ArgumentParser, check_memory, fail, int_at_least, number_in, writable_file
+from kvjax.sched.workload import cache_for, check_servable, seed_footprint, seed_workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +73,49 @@ PRESETS = {
 }
 
 
+RECYCLES = ("none", "timely")
+
+
+def attention_layout(p: Preset) -> AttentionConfig:
+    """The attention layers' KV heads: the first ``round(swa_fraction * kv_heads)`` SWA, the rest full."""
+    return AttentionConfig.with_swa_fraction(p.q_heads, p.kv_heads, p.head_dim, swa_fraction=p.swa_fraction,
+                                             window=p.window, sinks=p.sinks)
+
+
+def check_sizes(p: Preset) -> None:
+    """Raise :class:`UsageError` before any work if the workload, the scheduler and the K/V pages of preset ``p``
+    would not fit this machine (host memory, and device memory where JAX reports a limit)."""
+    host, pages = seed_footprint(p.requests, scale=p.scale, num_kv_heads=p.kv_heads, page_size=p.page_size,
+                                 full_requests=p.memory_requests, max_seqs=p.max_seqs)
+    kv = p.layer_types.count(_A) * 2 * pages * p.page_size * p.head_dim * jnp.dtype(p.dtype).itemsize
+    what = f"--requests {p.requests} --scale {p.scale:g} --memory-requests {p.memory_requests:g}"
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    limit = (stats or {}).get("bytes_limit")
+    if limit is None:  # device memory is host memory
+        check_memory(host + kv, what)
+    else:
+        check_memory(host, what)
+        check_memory(kv, f"{what} ({pages} K/V pages per layer)", limit, "device memory")
+
+
+def check_plot_path(path: str) -> None:
+    """Raise :class:`UsageError` if matplotlib is missing or cannot write ``path``'s format (by its suffix)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    suffix = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise UsageError(f"--plot {path!r}: matplotlib cannot write .{suffix} files (use one of "
+                         f"{', '.join(sorted(formats))})")
+
+
 def build_model(p: Preset, *, seed: int = 0):
     """Random-weight toy Qwen3.5 with ``swa_fraction`` of the KV heads sliding-window (window, sinks)."""
     from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
 
-    attention = AttentionConfig.with_swa_fraction(p.q_heads, p.kv_heads, p.head_dim, swa_fraction=p.swa_fraction,
-                                                  window=p.window, sinks=p.sinks)
+    attention = attention_layout(p)
     config = Qwen3_5Config(vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
                            layer_types=p.layer_types, attention=attention, gdn=GDNConfig(*p.gdn, 4),
                            rope_theta=10000.0)
@@ -138,30 +177,39 @@ def save_plot(path: str, columns: dict[str, dict], num_pages: int) -> None:
 
 def main(argv: list[str]) -> int:
     """CLI entry of ``python -m kvjax run``; returns the exit status (1 if the two runs' tokens differ)."""
-    ap = argparse.ArgumentParser(prog="python -m kvjax run", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m kvjax run", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--requests", type=int, help="override the preset's number of requests")
-    ap.add_argument("--scale", type=float, help="override the preset's length scale (x seed mean lengths)")
-    ap.add_argument("--swa-fraction", type=float, help="override the fraction of SWA KV heads")
-    ap.add_argument("--memory-requests", type=float, help="override the page memory (in full-length requests)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="FILE", help="write config, summaries and per-step columns as JSON")
-    ap.add_argument("--plot", metavar="FILE", help="save pages in use over time for both runs (PNG)")
+    ap.add_argument("--requests", type=int_at_least(1), help="override the preset's number of requests")
+    ap.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"),
+                    help="override the preset's length scale (x seed mean lengths)")
+    ap.add_argument("--swa-fraction", type=number_in(0, 1), help="override the fraction of SWA KV heads")
+    ap.add_argument("--memory-requests", type=number_in(0, low_open=True),
+                    help="override the page memory (in full-length requests)")
+    ap.add_argument("--seed", type=int_at_least(0, 2**31 - 1), default=0)
+    ap.add_argument("--json", metavar="FILE", type=writable_file,
+                    help="write config, summaries and per-step columns as JSON")
+    ap.add_argument("--plot", metavar="FILE", type=writable_file,
+                    help="save pages in use over time for both runs (PNG)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="tqdm progress bar (default: on for long runs)")
-    args = ap.parse_args(argv)
-    overrides = {k: v for k, v in (("requests", args.requests), ("scale", args.scale),
-                                   ("swa_fraction", args.swa_fraction),
-                                   ("memory_requests", args.memory_requests)) if v is not None}
-    try:
+    try:  # every check before any work: a bad value exits 2 with one line
+        args = ap.parse_args(argv)
+        if args.plot:
+            check_plot_path(args.plot)
+        overrides = {k: v for k, v in (("requests", args.requests), ("scale", args.scale),
+                                       ("swa_fraction", args.swa_fraction),
+                                       ("memory_requests", args.memory_requests)) if v is not None}
         p = dataclasses.replace(PRESETS[args.preset], **overrides)
+        check_sizes(p)
         workload = seed_workload(p.requests, scale=p.scale, vocab=p.vocab, seed=args.seed)
         cache = cache_for(workload, num_kv_heads=p.kv_heads, page_size=p.page_size,
                           full_requests=p.memory_requests, max_seqs=p.max_seqs)
+        for recycle in RECYCLES:  # the engine's scheduler: shared pool, the preset's token budget
+            check_servable(workload, cache, attention_layout(p), max_num_batched_tokens=p.max_tokens,
+                           pool="shared", recycle=recycle)
         model = build_model(p, seed=args.seed)
     except ValueError as e:
-        print(f"run: {e}", file=sys.stderr)
-        return 2
+        return fail("run", e)
     prompt_lens = [int(w.prompt.size) for w in workload]
     out_lens = [w.max_new_tokens for w in workload]
     print(f"# kvjax run --preset {args.preset} on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
@@ -172,7 +220,7 @@ def main(argv: list[str]) -> int:
           f"on average; {cache.num_pages} pages of {p.page_size} tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step")
     outputs, results, columns = {}, {}, {}
-    for recycle in ("none", "timely"):
+    for recycle in RECYCLES:
         outputs[recycle], results[recycle], columns[recycle] = run_policy(model, workload, cache, p, recycle,
                                                                           progress=args.progress)
     same = outputs["none"] == outputs["timely"]

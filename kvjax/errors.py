@@ -33,3 +33,7 @@ class CheckpointError(KvjaxError):
 
 class InvalidPlanError(KvjaxError):
     """A step plan (block tables, slot ids, slot mapping) fails validation before a step."""
+
+
+class UsageError(KvjaxError):
+    """A command-line argument is malformed, out of range, or asks for more than this machine holds."""

@@ -29,19 +29,20 @@ Preemption (recompute), admission granularity and ramp-up/drain make measured fi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from typing import Iterator
 
 import numpy as np
 
 from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.sched.blocks import POOLS
+from kvjax.sched.cli_args import ArgumentParser, check_memory, comma_list, fail, int_at_least, number_in
 from kvjax.sched.plan import StepPlan
-from kvjax.sched.recycle import live_blocks
+from kvjax.sched.recycle import RECYCLE_POLICIES, live_blocks
 from kvjax.sched.scheduler import Scheduler
-from kvjax.sched.workload import RequestSpec, cache_for, seed_workload, swa_layout
+from kvjax.sched.workload import (RequestSpec, cache_for, check_servable, seed_footprint, seed_workload,
+                                  swa_layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,47 +157,53 @@ def format_table(results: list[SimResult]) -> str:
     return "\n".join(lines)
 
 
-def _csv(kind):
-    return lambda s: [kind(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str]) -> int:
-    """CLI entry of ``python -m kvjax simulate``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m kvjax simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=64, help="requests, all arriving at step 0 (default 64)")
-    p.add_argument("--scale", type=float, default=1.0,
+    """CLI entry of ``python -m kvjax simulate``; returns the exit status (2, with one line on stderr, for a bad
+    argument, a size this machine cannot hold, or a request some configuration can never serve; all checked
+    before the first simulation)."""
+    p = ArgumentParser(prog="python -m kvjax simulate", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int_at_least(1), default=64, help="requests, all arriving at step 0 (default 64)")
+    p.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"), default=1.0,
                    help="multiplies the seed-shaped lengths (10,599 prompt / 4,054 output tokens on average)")
-    p.add_argument("--spread", type=float, default=0.25, help="lengths uniform in mean*[1-spread, 1+spread]")
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--swa-fraction", type=_csv(float), default=[1.0], help="comma list, e.g. 0.25,0.5,1.0")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--memory-requests", type=float, default=8.0,
+    p.add_argument("--spread", type=number_in(0, 1, high_open=True), default=0.25,
+                   help="lengths uniform in mean*[1-spread, 1+spread]")
+    p.add_argument("--kv-heads", type=int_at_least(1), default=4)
+    p.add_argument("--swa-fraction", type=comma_list(number_in(0, 1)), default=[1.0],
+                   help="comma list, e.g. 0.25,0.5,1.0")
+    p.add_argument("--window", type=int_at_least(0), default=1024)
+    p.add_argument("--sinks", type=int_at_least(0), default=4)
+    p.add_argument("--page-size", type=int_at_least(1), default=64)
+    p.add_argument("--memory-requests", type=number_in(0, low_open=True), default=8.0,
                    help="page memory = this many mean-length requests on every head without recycling")
-    p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--recycle", type=_csv(str), default=["none", "timely"], help="comma list of none,timely")
-    p.add_argument("--pool", type=_csv(str), default=["shared", "partitioned"], help="comma list")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check-every", type=int, default=0, help="run integrity checks every N steps (slow)")
+    p.add_argument("--max-seqs", type=int_at_least(1), default=64)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=2048, help="token budget per step")
+    p.add_argument("--recycle", type=comma_list(sorted(RECYCLE_POLICIES)), default=["none", "timely"],
+                   help="comma list of none,timely")
+    p.add_argument("--pool", type=comma_list(POOLS), default=list(POOLS), help="comma list of shared,partitioned")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--check-every", type=int_at_least(0), default=0,
+                   help="run integrity checks every N steps (slow; 0: never)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
+        host, _ = seed_footprint(args.requests, scale=args.scale, spread=args.spread, num_kv_heads=args.kv_heads,
+                                 page_size=args.page_size, full_requests=args.memory_requests,
+                                 max_seqs=args.max_seqs)
+        check_memory(host, f"--requests {args.requests} --scale {args.scale:g} --max-seqs {args.max_seqs} "
+                           f"--memory-requests {args.memory_requests:g}")
         workload = seed_workload(args.requests, scale=args.scale, spread=args.spread, seed=args.seed)
         cache = cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
                           full_requests=args.memory_requests, max_seqs=args.max_seqs)
-        results = []
-        for frac in args.swa_fraction:
-            attention = swa_layout(args.kv_heads, frac, args.window, args.sinks)
-            for pool in args.pool:
-                for recycle in args.recycle:
-                    results.append(simulate(workload, cache, attention, max_num_batched_tokens=args.max_tokens,
-                                            pool=pool, recycle=recycle, seed=args.seed,
-                                            check_every=args.check_every))
+        runs = [(swa_layout(args.kv_heads, frac, args.window, args.sinks), pool, recycle)
+                for frac in args.swa_fraction for pool in args.pool for recycle in args.recycle]
+        for attention, pool, recycle in runs:  # every run can serve every request, before the first one starts
+            check_servable(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
+                           recycle=recycle)
+        results = [simulate(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
+                            recycle=recycle, seed=args.seed, check_every=args.check_every)
+                   for attention, pool, recycle in runs]
     except ValueError as e:
-        print(f"simulate: {e}", file=sys.stderr)
-        return 2
+        return fail("simulate", e)
     config = dict(vars(args), num_pages=cache.num_pages, max_blocks_per_seq=cache.max_blocks_per_seq,
                   mean_prompt=float(np.mean([w.prompt.size for w in workload])),
                   mean_output=float(np.mean([w.max_new_tokens for w in workload])))

@@ -4,18 +4,25 @@ The seed-shaped workload copies the seed's benchmark (random fixed-IO dataset): 
 and 518,946 output tokens in all, i.e. means of 10,599 prompt and 4,054 output tokens per request. Lengths are
 drawn uniformly in ``mean * [1 - spread, 1 + spread]`` and multiplied by ``scale`` (to shrink the run); every
 output runs to ``max_new_tokens`` (the seed benchmarks with ``--ignore-eos``).
+
+Before drawing a workload, :func:`seed_footprint` estimates the host memory it and a scheduler serving it take
+(the command lines refuse sizes this machine cannot hold); after, :func:`check_servable` checks that a scheduler
+configuration can serve every request (so a run fails before it starts, not midway).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.sched.scheduler import Scheduler
 
 SEED_PROMPT_MEAN = 10_599  # 1,356,656 input tokens / 128 prompts
 SEED_OUTPUT_MEAN = 4_054  # 518,946 output tokens / 128 prompts
+SEED_SPREAD = 0.25  # lengths uniform in mean * [1 - spread, 1 + spread]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +35,10 @@ class RequestSpec:
         return int(self.prompt.size) + self.max_new_tokens
 
 
-def seed_workload(num_requests: int, *, scale: float = 1.0, spread: float = 0.25, vocab: int = 32_000,
+def seed_workload(num_requests: int, *, scale: float = 1.0, spread: float = SEED_SPREAD, vocab: int = 32_000,
                   seed: int = 0) -> list[RequestSpec]:
     """``num_requests`` requests shaped like the seed's benchmark, lengths scaled by ``scale`` (>= 1 token)."""
-    if num_requests < 1 or scale <= 0 or not 0 <= spread < 1 or vocab < 2:
+    if num_requests < 1 or not 0 < scale < math.inf or not 0 <= spread < 1 or vocab < 2:
         raise ValueError(f"seed_workload: need num_requests >= 1, scale > 0, 0 <= spread < 1, vocab >= 2; got "
                          f"{num_requests}, {scale}, {spread}, {vocab}")
     rng = np.random.default_rng(seed)
@@ -55,7 +62,39 @@ def cache_for(workload: list[RequestSpec], *, num_kv_heads: int, page_size: int,
     """Page memory that holds ``full_requests`` mean-length requests on every head without recycling; block
     tables wide enough for the longest request."""
     mean_len = float(np.mean([w.total_len for w in workload]))
-    pages = int(np.ceil(full_requests * -(-mean_len // page_size))) * num_kv_heads
+    pages = _pages_for(mean_len, num_kv_heads=num_kv_heads, page_size=page_size, full_requests=full_requests)
     longest = max(w.total_len for w in workload)
     return CacheConfig(page_size=page_size, num_pages=pages, max_seqs=max_seqs,
                        max_blocks_per_seq=-(-longest // page_size))
+
+
+def _pages_for(mean_len: float, *, num_kv_heads: int, page_size: int, full_requests: float) -> int:
+    return int(np.ceil(full_requests * -(-mean_len // page_size))) * num_kv_heads
+
+
+def seed_footprint(num_requests: int, *, scale: float, spread: float = SEED_SPREAD, num_kv_heads: int,
+                   page_size: int, full_requests: float, max_seqs: int) -> tuple[int, int]:
+    """Estimate, without drawing it, what ``seed_workload`` + ``cache_for`` + a :class:`Scheduler` serving the
+    workload take: ``(host bytes, pages per layer)``. Host bytes count the token arrays, the block tables, the
+    page and slot lists and the too-long check's per-position arrays (the terms that grow with the arguments)."""
+    mean = scale * (SEED_PROMPT_MEAN + SEED_OUTPUT_MEAN) + 2  # + rounding of both lengths
+    longest = math.ceil(scale * (SEED_PROMPT_MEAN + SEED_OUTPUT_MEAN) * (1 + spread)) + 2
+    pages = _pages_for(mean, num_kv_heads=num_kv_heads, page_size=page_size, full_requests=full_requests)
+    host = (num_requests * (8 * mean + 1024)  # prompt + request buffer (int32), Python objects
+            + pages * 48  # owner arrays (int32 x 2) and free-list entries
+            + (max_seqs + 1) * num_kv_heads * (4 * -(-longest // page_size) + 8) + 64 * max_seqs  # tables, slots
+            + 64 * num_kv_heads * longest)  # _check_fits: a few i64[longest, H_kv] arrays
+    return int(host), pages
+
+
+def check_servable(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
+                   max_num_batched_tokens: int, pool: str, recycle: str) -> None:
+    """Raise ``ValueError`` (a :class:`~kvjax.errors.RequestTooLongError` naming the request) unless a scheduler
+    with this configuration accepts every request of ``workload``."""
+    sched = Scheduler(cache, attention, max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle)
+    for i, w in enumerate(workload):
+        try:
+            sched.add_request(w.prompt, w.max_new_tokens)
+        except ValueError as err:
+            raise type(err)(f"request {i} (prompt {w.prompt.size}, output {w.max_new_tokens}) cannot be served "
+                            f"with recycle={recycle}, pool={pool}: {err}") from None

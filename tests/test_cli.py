@@ -1,0 +1,169 @@
+"""Command lines (issue #17 item 10): every bad value fails fast, before any work, with one line on stderr and exit
+status 2. Each case replaces the heavy steps (drawing the workload, building the model, simulating, serving) with
+a function that fails the test if it is reached."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import kvjax.cli_run as cli_run
+import kvjax.sched.simulate as simulate
+from kvjax.__main__ import main as kvjax_main
+from kvjax.sched.cli_args import check_memory, comma_list, int_at_least, number_in, writable_file
+
+
+def exit_status(main, argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own exit (the contract allows either)
+        return e.code
+
+
+def one_line_error(capsys, main, argv: list[str]) -> str:
+    status = exit_status(main, argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert status == 2, (status, captured.err)
+    assert len(lines) == 1, captured.err
+    assert not captured.out
+    return lines[0]
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("work started before the arguments were checked")
+
+
+@pytest.fixture
+def no_sim_work(monkeypatch):
+    monkeypatch.setattr(simulate, "simulate", _no_work)
+
+
+@pytest.fixture
+def no_run_work(monkeypatch):
+    for name in ("build_model", "run_policy", "save_plot"):
+        monkeypatch.setattr(cli_run, name, _no_work)
+
+
+SMALL_SIM = ["--requests", "2", "--scale", "0.01", "--max-seqs", "8", "--max-tokens", "64", "--page-size", "4"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--page-size", "0"], "--page-size: must be an int >= 1, got '0'"),
+    (["--recycle", ","], "--recycle"),
+    (["--recycle", ""], "--recycle"),
+    (["--recycle", "none,eager"], "'eager' is not one of none, timely"),
+    (["--recycle", "none,none"], "repeated"),
+    (["--pool", "shared,"], "--pool"),
+    (["--pool", "private"], "'private' is not one of shared, partitioned"),
+    (["--swa-fraction", ","], "--swa-fraction"),
+    (["--swa-fraction", "0.5,1.5"], "'1.5'"),
+    (["--swa-fraction", "nan"], "'nan'"),
+    (["--check-every", "-1"], "--check-every: must be an int >= 0, got '-1'"),
+    (["--scale", "nan"], "--scale: must be a finite scale > 0, got 'nan'"),
+    (["--scale", "inf"], "'inf'"),
+    (["--scale", "-1"], "'-1'"),
+    (["--spread", "1"], "--spread"),
+    (["--memory-requests", "0"], "--memory-requests"),
+    (["--kv-heads", "0"], "--kv-heads"),
+    (["--max-seqs", "0"], "--max-seqs"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--requests", "0"], "--requests"),
+    (["--requests", "2.5"], "'2.5'"),
+    (["--window", "-1"], "--window"),
+    (["--sinks", "-1"], "--sinks"),
+    (["--seed", "-1"], "--seed"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--window", str(2**31)], "window[0] must be an int in [0, 2147483647]"),
+    (["--max-tokens", "4"], "max_num_batched_tokens=4 must be >= max_seqs=8"),
+    (["--memory-requests", "0.01"], "cannot be served"),  # a request never fits: used to run the earlier configs
+    (["--swa-fraction", "0,0.5", "--window", "0"], "window must be >= 1"),  # the 2nd layout is bad
+])
+def test_simulate_bad_values_fail_before_any_simulation(argv, needle, capsys, no_sim_work):
+    line = one_line_error(capsys, simulate.main, SMALL_SIM + argv)
+    assert line.startswith("simulate: ") and needle in line
+
+
+@pytest.mark.parametrize("argv", [["--max-seqs", str(10**12)], ["--scale", "1e7"], ["--requests", str(10**12)],
+                                  ["--memory-requests", "1e13"], ["--kv-heads", str(10**9)]])
+def test_simulate_refuses_sizes_this_machine_cannot_hold(argv, capsys, monkeypatch, no_sim_work):
+    monkeypatch.setattr(simulate, "seed_workload", _no_work)  # refused from the arguments alone
+    line = one_line_error(capsys, simulate.main, argv)
+    assert "needs about" in line and "TiB of host memory" in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--scale", "nan"], "--scale: must be a finite scale > 0, got 'nan'"),
+    (["--scale", "0"], "--scale"),
+    (["--requests", "0"], "--requests: must be an int >= 1, got '0'"),
+    (["--swa-fraction", "1.5"], "--swa-fraction"),
+    (["--memory-requests", "-2"], "--memory-requests"),
+    (["--memory-requests", "0.01"], "cannot be served"),  # used to raise a traceback after building the model
+    (["--seed", "-1"], "--seed"),
+    (["--preset", "tpu"], "--preset"),
+    (["--json", "/nonexistent-dir/run.json"], "--json: cannot write '/nonexistent-dir/run.json'"),
+    (["--plot", "/nonexistent-dir/run.png"], "--plot"),
+    (["--plot", "run.notaformat"], "cannot write .notaformat files"),
+])
+def test_run_bad_values_fail_before_any_work(argv, needle, capsys, no_run_work):
+    line = one_line_error(capsys, cli_run.main, argv)
+    assert line.startswith("run: ") and needle in line
+
+
+def test_run_output_paths_that_are_directories_fail_before_any_work(tmp_path, capsys, no_run_work):
+    for flag in ("--json", "--plot"):
+        line = one_line_error(capsys, cli_run.main, [flag, str(tmp_path)])
+        assert f"{flag}: '{tmp_path}' is a directory" in line
+
+
+@pytest.mark.parametrize("argv", [["--scale", "1e6"], ["--requests", str(10**12)], ["--memory-requests", "1e9"]])
+def test_run_refuses_sizes_this_machine_cannot_hold(argv, capsys, monkeypatch, no_run_work):
+    monkeypatch.setattr(cli_run, "seed_workload", _no_work)
+    line = one_line_error(capsys, cli_run.main, argv)
+    assert "needs about" in line and "TiB of" in line
+
+
+def test_dispatcher_unknown_command_and_bad_values(capsys):
+    line = one_line_error(capsys, kvjax_main, ["serve"])
+    assert line.startswith("python -m kvjax: ") and "'serve'" in line
+    line = one_line_error(capsys, kvjax_main, ["simulate", "--page-size", "0"])
+    assert line.startswith("simulate: ") and "--page-size" in line
+
+
+# ---- the argument types themselves ------------------------------------------------------------------------------
+def test_argument_types_accept_good_values_and_name_bad_ones():
+    import argparse
+
+    assert int_at_least(1)("3") == 3 and int_at_least(0, 5)("5") == 5
+    assert number_in(0, 1)("0") == 0.0 and number_in(0, 1, high_open=True)("0.99") == 0.99
+    assert comma_list(number_in(0, 1))("0.25, 1") == [0.25, 1.0]
+    assert comma_list(("none", "timely"))("timely") == ["timely"]
+    for parse, text in ((int_at_least(0, 5), "6"), (number_in(0, 1, high_open=True), "1"), (number_in(0), "-inf"),
+                        (number_in(0, low_open=True), "0"), (comma_list(("a",)), "a,,a"), (int_at_least(1), "1e3")):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(text).replace("+", r"\+")):
+            parse(text)
+
+
+def test_writable_file(tmp_path):
+    import argparse
+
+    assert writable_file(str(tmp_path / "new.json")) == str(tmp_path / "new.json")
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    assert writable_file(str(existing)) == str(existing)
+    assert existing.read_text() == "{}"  # checking touches nothing
+    assert not (tmp_path / "new.json").exists()
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        writable_file(str(tmp_path / "missing" / "x.json"))
+    if os.geteuid() != 0:  # root may write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(argparse.ArgumentTypeError, match="not writable"):
+            writable_file(str(ro / "x.json"))
+
+
+def test_check_memory_names_the_size():
+    check_memory(2**20, "a small run", available=2**30)
+    with pytest.raises(ValueError, match=r"a big run needs about 2\.0 TiB of host memory, this machine has 1\.0 GiB"):
+        check_memory(2 * 2**40, "a big run", available=2**30)
