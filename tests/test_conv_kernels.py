@@ -1,6 +1,6 @@
-"""Pallas causal conv1d kernels on the GDN conv pool (``kvjax.pallas.conv``) against the fused-XLA oracle.
+"""Pallas causal conv1d kernels on the GDN conv pool (``kvjax.pallas.gdn.conv``) against the fused-XLA oracle.
 
-The oracle is ``kvjax.state.gdn_ops``'s reference path (gather by slot, ``kvjax.ops.conv`` reference,
+The oracle is the pool ops' reference path in ``kvjax.ops.conv`` (gather by slot, ``causal_conv1d`` reference,
 scatter). CPU: interpret mode on small ragged batches; GPU (``gpu`` marker): the compiled kernels at larger
 shapes and the in-place check. Pool rows that must not be read (slot 0, slots of no row, rows starting from
 zeros) and inputs that must not be read (bucket padding, padding rows' tokens) hold NaN: a single read of
@@ -18,8 +18,8 @@ import pytest
 
 from kvjax.errors import UnknownImplError
 from kvjax.ops import conv
+from kvjax.pallas.gdn.conv import conv_prefill_slots, conv_update_slots
 from kvjax.state import gdn_ops as gdn_state
-from kvjax.pallas.conv import conv_prefill_slots, conv_update_slots
 from kvjax.state.gdn_pool import GDNStatePool
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
@@ -93,7 +93,7 @@ def run_prefill(rng, lens, *, dim, width, dtype, state_dtype, activation, with_b
     args = dict(layer=layer, slot_ids=jnp.asarray(slots), has_initial_state=jnp.asarray(has_init),
                 cu_seqlens=jnp.asarray(cu), activation=activation)
     old = np.asarray(pool.conv, np.float32)
-    ry, rconv = gdn_state.conv_prefill_pool_reference(x, w, b, pool.conv, **args)
+    ry, rconv = conv.conv_prefill_pool_reference(x, w, b, pool.conv, **args)
     if tuning:
         y, new = conv_prefill_slots(x, w, b, jnp.array(pool.conv), interpret=impl == "interpret", **args, **tuning)
     else:
@@ -119,7 +119,7 @@ def run_decode(rng, batch, *, dim, width, dtype, state_dtype, activation, with_b
     x = jnp.asarray(x, dtype)
     w, b = weights(rng, dim, width, with_bias)
     old = np.asarray(pool.conv, np.float32)
-    ry, rconv = gdn_state.conv_decode_pool_reference(x, w, b, pool.conv, layer=layer, slot_ids=jnp.asarray(slots),
+    ry, rconv = conv.conv_decode_pool_reference(x, w, b, pool.conv, layer=layer, slot_ids=jnp.asarray(slots),
                                                      activation=activation)
     if tuning:
         y, new = conv_update_slots(x, w, b, jnp.array(pool.conv), layer=layer, slot_ids=jnp.asarray(slots),
@@ -149,7 +149,7 @@ def test_reference_path_matches_the_conv_op(rng):
     init = np.where((live & has_init)[:, None, None], c[1, np.where(live, slots, 1)], 0.0)
     ry, rfinal = conv.causal_conv1d(jnp.nan_to_num(x), w, b, cu_seqlens=jnp.asarray(cu),
                                     initial_state=jnp.asarray(init), impl="reference")
-    y, new = gdn_state.conv_prefill_pool_reference(x, w, b, pool.conv, layer=1, slot_ids=jnp.asarray(slots),
+    y, new = conv.conv_prefill_pool_reference(x, w, b, pool.conv, layer=1, slot_ids=jnp.asarray(slots),
                                                    has_initial_state=jnp.asarray(has_init),
                                                    cu_seqlens=jnp.asarray(cu), activation="silu")
     tok_live = np.repeat(live, np.diff(cu))

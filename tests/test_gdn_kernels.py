@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvjax.errors import InvalidPlanError
-from kvjax.ops import conv, gdn
+from kvjax.base.device import NAMED
+from kvjax.errors import InvalidPlanError, UnknownImplError
+from kvjax.ops import conv, gdn, gdn_slots
+from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pallas
+from kvjax.pallas.gdn.recurrent import recurrent_gated_delta_rule_pallas
 from kvjax.state import gdn_ops as gdn_state
-from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pallas
-from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pallas
 from kvjax.state.gdn_pool import GDNStatePool
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -71,29 +72,26 @@ def test_chunk_kernel_interpret_varlen(rng):
                         interpret=True)
 
 
-@pytest.mark.parametrize("form", ["fused", "split"])
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_chunk_forms_pallas_prep_interpret(rng, form, prefetch):
-    """Every form of the chunked kernels with the Pallas preparation kernel, with and without the register
-    prefetch of the next chunk, f32 (tight tolerance), chunks shared by sequences, a row without initial state."""
-    from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
+def test_chunk_pool_kernel_interpret(rng):
+    """The chunked kernels (Pallas preparation kernel + fused sequential kernel) on a pool, f32 (tight
+    tolerance), chunks shared by sequences, a row without initial state."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
 
     lens = [70, 1, 0, 60]
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 2, 16, 16, jnp.float32, pad_tokens=3)
     flags = jnp.asarray([3, 2, 3, 3], jnp.int32)
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
-        flags=flags, scale=0.25, use_qk_l2norm=True, form=form, block_v=16, out_block_v=16, prefetch=prefetch,
-        interpret=True)
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0.at[1].set(0),
                                                       scale=0.25, use_qk_l2norm=True)
     assert rel_err(o, ro) <= TOL[jnp.float32] and rel_err(pool, rf) <= TOL[jnp.float32]
 
 
-def test_chunk_split_kernels_xla_prep_interpret(rng, form="split", prep="solve"):
-    """The two-pass forms (state pass + parallel output pass) with the XLA preparation stages, bf16, leading
-    padding tokens (cu_seqlens[0] > 0), a padding row and no initial state for one row."""
-    from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
+def test_chunk_pool_kernel_padding_rows_interpret(rng):
+    """The chunked kernels on a pool, bf16, leading padding tokens (cu_seqlens[0] > 0), a padding row and no
+    initial state for one row (this test ran the deleted two-pass form with an XLA preparation before)."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
 
     lens = [66, 0, 3, 60]
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 2, 16, 16, jnp.bfloat16, pad_tokens=5)
@@ -101,8 +99,7 @@ def test_chunk_split_kernels_xla_prep_interpret(rng, form="split", prep="solve")
     flags = jnp.asarray([3, 3, 2, 0], jnp.int32)  # row 2: no initial state; row 3: padding (not live)
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
-        flags=flags, scale=0.25, use_qk_l2norm=True, prep=prep, form=form, block_v=16, out_block_v=16,
-        interpret=True)
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True)
     init = s0.at[2].set(0.0)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
                                                       scale=0.25, use_qk_l2norm=True)
@@ -113,26 +110,25 @@ def test_chunk_split_kernels_xla_prep_interpret(rng, form="split", prep="solve")
     np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_recurrent_update_orders_interpret(rng, one_pass):
-    """Both update orders of the recurrent kernel (both reductions on the loaded state, or the second on the
-    updated one) equal the reference in f32, several tokens per row (the order is applied at every token)."""
-    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_pool, state_as_pool
+def test_recurrent_update_order_interpret(rng):
+    """The recurrent kernel's one-pass update order (both reductions on the loaded state) equals the reference
+    in f32, several tokens per row (the order is applied at every token)."""
+    from kvjax.pallas.gdn.common import state_as_pool
+    from kvjax.pallas.gdn.recurrent import recurrent_gated_delta_rule_pool
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [4, 1, 6], 1, 2, 16, 32, jnp.float32, pad_tokens=2)
     pool, rows, flags = state_as_pool(s0, 3, 2, 16, 32)
     o, f = recurrent_gated_delta_rule_pool(q, k, v, g, beta, pool, cu_seqlens=cu, rows=rows, flags=flags,
-                                           scale=0.25, use_qk_l2norm=True, one_pass=one_pass, interpret=True)
+                                           scale=0.25, use_qk_l2norm=True, interpret=True)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
                                                       scale=0.25, use_qk_l2norm=True)
     assert rel_err(o, ro) <= 1e-5 and rel_err(f, rf) <= 1e-5
 
 
-@pytest.mark.parametrize("v_major,one_pass", [(True, True), (False, False)])
-def test_decode_slots_tuning_interpret(rng, v_major, one_pass):
-    """The slot decode kernel's tuning options (grid order, update order) against the pool oracle: padding rows
-    (slot 0, out of range) untouched and zero, every other slot unchanged."""
-    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_slots
+def test_decode_slots_kernel_interpret(rng):
+    """The slot decode kernel (value-block-major grid, one-pass update) with a value block narrower than V
+    against the pool oracle: padding rows (slot 0, out of range) untouched and zero, every other slot unchanged."""
+    from kvjax.pallas.gdn.recurrent import recurrent_gated_delta_rule_slots
 
     q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 5, 2, 4, 16, 32, jnp.bfloat16)
     pool = make_pool(rng, 2, 7, 4, 16, 32)
@@ -140,9 +136,8 @@ def test_decode_slots_tuning_interpret(rng, v_major, one_pass):
     slots = np.asarray([5, 0, 2, 9, 7], np.int32)
     o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True),
                                               slot_ids=jnp.asarray(slots), layer=1, scale=0.3, use_qk_l2norm=True,
-                                              block_v=16, v_major=v_major,
-                                              one_pass=one_pass, interpret=True)
-    ro, rssm = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, layer=1, slot_ids=jnp.asarray(slots),
+                                              block_v=16, interpret=True)
+    ro, rssm = gdn_slots.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, layer=1, slot_ids=jnp.asarray(slots),
                                                    has_initial_state=None, cu_seqlens=None, scale=0.3,
                                                    use_qk_l2norm=True)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(ssm, rssm) <= 1e-5
@@ -202,12 +197,12 @@ def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl
             assert np.all(np.asarray(o[int(cu[n]):int(cu[n + 1])], np.float32) == 0), "padding row output"
 
 
-@pytest.mark.parametrize("one_token", [True, False])
-def test_decode_pool_interpret(rng, one_token):
+@pytest.mark.parametrize("one_token,impl", [(True, "slots:interpret"), (True, "interpret"), (False, "interpret")])
+def test_decode_pool_interpret(rng, one_token, impl):
     lens = [1, 1, 1, 1, 1] if one_token else [2, 1, 0, 3, 1]
-    has_init = None if one_token else [True, True, False, True, True]  # None: the slot-indexed fast path
+    has_init = None if one_token else [True, True, False, True, True]  # None: the slot kernel can take it
     check_pool_op(rng, gdn_state.gdn_decode, lens, [4, 0, 2, 6, 1], has_init,
-                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=7, one_token=one_token)
+                  hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl=impl, num_slots=7, one_token=one_token)
 
 
 def test_prefill_pool_interpret(rng):
@@ -312,9 +307,93 @@ def test_pool_op_validation():
                              layer=0, slot_ids=np.array([1, 2], np.int32))
     with pytest.raises(ValueError, match="GDNStatePool"):
         gdn_state.gdn_decode(q, k, v, g, beta, [pool.ssm], layer=0, slot_ids=np.array([1, 2], np.int32))
-    with pytest.raises(ValueError, match="power-of-two"):
-        chunk_gated_delta_rule_pallas(q[:, :, :12], k[:, :, :12], v, g, beta, cu_seqlens=jnp.array([0, 2]),
-                                      initial_state=None, scale=1.0, use_qk_l2norm=False, interpret=True)
+    with pytest.raises(ValueError, match="power-of-two"):  # UnknownImplError naming the kernel's reason
+        gdn.chunk_gated_delta_rule(q[:, :, :12], k[:, :, :12], v, g, beta, cu_seqlens=jnp.array([0, 2]),
+                                   impl="interpret")
+
+
+def _auto(table, args, kwargs, device):
+    """What ``impl="auto"`` takes on ``device`` and every backend's reason to decline (``None``: it accepts)."""
+    reasons = table.explain(args, kwargs, device)
+    name = next(n for n, why in reasons if why is None)
+    assert table.choose("auto", args, kwargs, device)[0] == name
+    return name, dict(reasons)
+
+
+def test_tables_choose_as_documented(rng):
+    """The GDN / conv backend tables on an H100, an A100 and the CPU: the slot decode kernel for one token per
+    row with every live row continuing and a static layer, the rows/flags kernel otherwise, the reference for
+    non-power-of-two head dims and off the GPU; every table's examples resolve."""
+    h100, a100, cpu = NAMED["h100"], NAMED["a100"], NAMED["cpu"]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [1, 1, 1], 1, 2, 16, 16, jnp.bfloat16)
+    ssm = jnp.zeros((2, 5, 2, 16, 16), jnp.float32)
+    args = (q, k, v, g, beta, ssm)
+    call = dict(layer=1, slot_ids=jnp.asarray([1, 0, 3], jnp.int32), has_initial_state=None, cu_seqlens=None,
+                scale=0.25, use_qk_l2norm=True)
+    table = gdn_slots.DECODE_TABLE
+    assert _auto(table, args, call, h100) == ("slots", {"slots": None, "pallas": None, "reference": None})
+    assert _auto(table, args, call, a100)[0] == "slots"
+    name, why = _auto(table, args, {**call, "cu_seqlens": cu}, h100)
+    assert name == "pallas" and "one token per row" in why["slots"]
+    name, why = _auto(table, args, {**call, "has_initial_state": jnp.ones(3, jnp.bool_)}, h100)
+    assert name == "pallas" and "has_initial_state=None" in why["slots"]
+    name, why = _auto(table, args, {**call, "layer": jnp.int32(1)}, h100)
+    assert name == "pallas" and "static Python-int layer" in why["slots"]
+    odd = (q[..., :12], k[..., :12], v, g, beta, ssm)
+    name, why = _auto(table, odd, call, h100)
+    assert name == "reference" and "power-of-two" in why["slots"] and "power-of-two" in why["pallas"]
+    name, why = _auto(table, args, call, cpu)
+    assert name == "reference" and all("needs a GPU" in why[b] for b in ("slots", "pallas"))
+
+    public = dict(cu_seqlens=cu, initial_state=s0, scale=0.25, use_qk_l2norm=True)
+    for t in (gdn.CHUNK_TABLE, gdn.RECURRENT_TABLE):
+        assert _auto(t, (q, k, v, g, beta), public, h100)[0] == "pallas"
+        assert _auto(t, (q[..., :12], k[..., :12], v, g, beta), public, h100)[0] == "reference"
+        assert _auto(t, (q, k, v, g, beta), public, cpu)[0] == "reference"
+    prefill = {**call, "has_initial_state": jnp.ones(3, jnp.bool_), "cu_seqlens": cu, "layer": jnp.int32(1)}
+    assert _auto(gdn_slots.PREFILL_TABLE, args, prefill, h100)[0] == "pallas"
+    assert _auto(gdn_slots.PREFILL_TABLE, args, prefill, cpu)[0] == "reference"
+
+    expected_gpu = {"gdn_decode_pool": {"decode B=128 H=32, int layer": "slots"},
+                    "causal_conv1d": "reference", "causal_conv1d_update": "reference"}
+    for t in (gdn.CHUNK_TABLE, gdn.RECURRENT_TABLE, gdn_slots.PREFILL_TABLE, gdn_slots.DECODE_TABLE, conv.CONV_TABLE,
+              conv.UPDATE_TABLE, conv.CONV_PREFILL_TABLE, conv.CONV_DECODE_TABLE):
+        assert t.examples, f"{t.op}: no examples for kvjax info"
+        for name, make in t.examples.items():
+            ex_args, ex_kwargs = make()
+            assert _auto(t, ex_args, ex_kwargs, cpu)[0] == "reference"
+            on_gpu, why = _auto(t, ex_args, ex_kwargs, h100)
+            want = expected_gpu.get(t.op, {})
+            want = want if isinstance(want, str) else want.get(name)
+            if want is not None:
+                assert on_gpu == want, (t.op, name, on_gpu)
+            if "K=96" in name or "K=V=96" in name:
+                assert on_gpu == "reference" and "power-of-two" in why["pallas"]
+            elif t.backends:
+                assert on_gpu != "reference", (t.op, name, why)
+
+
+def test_explicit_impl_that_cannot_take_the_call_raises(rng):
+    """An explicit ``impl`` that cannot take a call raises ``UnknownImplError`` naming the reason."""
+    q, k, v, g, beta, cu, _ = make_inputs(rng, [1, 2, 1], 1, 2, 16, 16, jnp.float32)
+    pool = make_pool(rng, 1, 4, 2, 16, 16)
+    slots = np.array([3, 0, 1], np.int32)
+    with pytest.raises(UnknownImplError, match="one token per row"):
+        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=slots, cu_seqlens=np.asarray(cu),
+                             impl="slots:interpret")
+    q1, k1, v1, g1, b1 = q[:3], k[:3], v[:3], g[:3], beta[:3]
+    with pytest.raises(UnknownImplError, match="has_initial_state=None"):
+        gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, has_initial_state=np.ones(3, bool),
+                             impl="slots:interpret")
+    with pytest.raises(UnknownImplError, match="static Python-int layer"):
+        gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=jnp.int32(0), slot_ids=slots, impl="slots:interpret")
+    with pytest.raises(UnknownImplError, match="power-of-two"):
+        gdn.recurrent_gated_delta_rule(q[..., :12], k[..., :12], v, g, beta, cu_seqlens=cu, impl="interpret")
+    with pytest.raises(UnknownImplError, match="no implementation 'mosaic'"):
+        gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, impl="mosaic")
+    if not ON_GPU:
+        with pytest.raises(UnknownImplError, match="needs a GPU"):
+            gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, impl="slots")
 
 
 # ------------------------------------------------------------------------------------------------ GPU grids
@@ -331,10 +410,9 @@ def test_kernels_gpu_varlen(rng, kind, dtype, l2):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_chunk_split_gpu(rng, form, dtype):
-    from kvjax.pallas.gdn_chunk import chunk_gated_delta_rule_pool
+def test_chunk_pool_kernel_gpu(rng, dtype):
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, dtype, pad_tokens=70)
     cu = cu + 7
@@ -342,7 +420,7 @@ def test_chunk_split_gpu(rng, form, dtype):
     flags = jnp.asarray(np.where(np.arange(n) % 3 == 1, 2, 3), jnp.int32)  # every third row: zeros
     o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
-                                       use_qk_l2norm=True, form=form)
+                                       use_qk_l2norm=True)
     init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
                                                       scale=0.1, use_qk_l2norm=True)
@@ -350,66 +428,41 @@ def test_chunk_split_gpu(rng, form, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,lens,one_token", [(gdn_state.gdn_decode, [1] * 16, True),
-                                              (gdn_state.gdn_decode, [1, 3, 0, 2] * 4, False),
-                                              (gdn_state.gdn_prefill, GPU_LENS, False)])
+@pytest.mark.parametrize("op,lens,one_token,impl", [(gdn_state.gdn_decode, [1] * 16, True, "slots"),
+                                                   (gdn_state.gdn_decode, [1] * 16, True, "pallas"),
+                                                   (gdn_state.gdn_decode, [1, 3, 0, 2] * 4, False, "pallas"),
+                                                   (gdn_state.gdn_prefill, GPU_LENS, False, "pallas")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pool_ops_gpu(rng, op, lens, one_token, dtype):
+def test_pool_ops_gpu(rng, op, lens, one_token, impl, dtype):
     n = len(lens)
     slots = rng.permutation(np.arange(1, n + 4))[:n].astype(np.int32)
     slots[::4] = 0  # padding rows
-    has_init = None if one_token else rng.uniform(size=n) < 0.7  # None: decode fast path (slot-indexed)
-    check_pool_op(rng, op, lens, slots, has_init, hk=2, hv=4, kd=128, vd=128, dtype=dtype, impl="pallas",
+    has_init = None if one_token else rng.uniform(size=n) < 0.7  # None: the slot kernel can take it
+    check_pool_op(rng, op, lens, slots, has_init, hk=2, hv=4, kd=128, vd=128, dtype=dtype, impl=impl,
                   num_slots=n + 3, one_token=one_token)
 
 
 @pytest.mark.gpu
 def test_decode_pool_in_place_gpu(rng):
-    """Under jit with the pool donated, the decode step aliases the pool (no copy of the whole pool)."""
+    """Under jit with the pool donated, the slot decode step aliases the pool (no copy of the whole pool)."""
     hv, n = 4, 8
     q, k, v, g, beta, _, _ = make_inputs(rng, [1] * n, 2, hv, 128, 128, jnp.bfloat16, pad_tokens=0)
     pool = make_pool(rng, 2, 63, hv, 128, 128)
     slots = jnp.asarray(np.arange(1, n + 1, dtype=np.int32))
     step = jax.jit(lambda pool: gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=slots,
-                                                     impl="pallas"), donate_argnums=0)
+                                                     impl="slots"), donate_argnums=0)
     hlo = step.lower(pool).compile().as_text()
     pool_copies = [ln for ln in hlo.splitlines() if " copy(" in ln and "f32[2,64,4,128,128]" in ln]
     assert not pool_copies, f"the pool is copied instead of updated in place: {pool_copies}"
 
 
-def test_decode_mgpu_rejects_unsupported_shapes(rng):
-    """The Mosaic GPU decode kernel names what it cannot take (checked before any lowering, so on the CPU too)."""
-    from kvjax.pallas import gdn_decode_mgpu as mg
-
-    if jax.__version_info__ < (0, 11):
-        q, k, v, _, _, _, _ = make_inputs(rng, [1] * 3, 1, 2, 64, 64, jnp.bfloat16)
-        assert "jax >= 0.11" in mg.unsupported(q, v, 64)  # the pool ops route to the Triton kernel instead
-        return
-    q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 3, 1, 2, 32, 64, jnp.bfloat16)
-    ssm = jnp.zeros((1, 4, 2, 32, 64), jnp.float32)
-    kw = dict(slot_ids=jnp.asarray([1, 2, 3], jnp.int32), layer=0, scale=0.2)
-    with pytest.raises(ValueError, match="K in"):
-        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **kw)
-    q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 3, 1, 2, 64, 64, jnp.bfloat16)
-    ssm = jnp.zeros((1, 4, 2, 64, 64), jnp.float32)
-    with pytest.raises(ValueError, match="block_v"):
-        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **kw, block_v=32)
-    with pytest.raises(ValueError, match="stages"):
-        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **kw, stages=1)
-    with pytest.raises(ValueError, match="layer"):
-        mg.gdn_decode_mgpu(q, k, v, g, beta, ssm, **{**kw, "layer": 1})
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["triton", "mosaic", "mosaic-bv128-t3-s3", "mosaic-bv64-t5-s3"])
 @pytest.mark.parametrize("dtype,l2,hk,kd", [(jnp.bfloat16, True, 2, 128), (jnp.float32, False, 4, 128),
                                              (jnp.bfloat16, False, 1, 64)])
-def test_decode_slot_kernels_gpu(rng, kernel, dtype, l2, hk, kd):
-    """Both slot decode kernels (Triton, Mosaic GPU with its tuning options; tiles_per_cta 3 and 5 leave a
-    partial last CTA) against the pool oracle: GQA, padding rows (slot 0, out of range) output zero and write
-    nothing, every other slot and the other layer unchanged."""
-    from kvjax.pallas import gdn_decode_mgpu as mg
-    from kvjax.pallas.gdn_recurrent import recurrent_gated_delta_rule_slots
+def test_decode_slot_kernel_gpu(rng, dtype, l2, hk, kd):
+    """The slot decode kernel against the pool oracle: GQA, padding rows (slot 0, out of range) output zero and
+    write nothing, every other slot and the other layer unchanged."""
+    from kvjax.pallas.gdn.recurrent import recurrent_gated_delta_rule_slots
 
     n, hv, vd, num_slots = 37, 4, 128, 45
     q, k, v, g, beta, _, _ = make_inputs(rng, [1] * n, hk, hv, kd, vd, dtype, unit_qk=not l2)
@@ -419,15 +472,8 @@ def test_decode_slot_kernels_gpu(rng, kernel, dtype, l2, hk, kd):
     slots[::5] = 0
     slots[3] = num_slots + 1  # out of range: padding too
     kw = dict(slot_ids=jnp.asarray(slots), layer=1, scale=kd ** -0.5, use_qk_l2norm=l2)
-    if kernel == "triton":
-        o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw)
-    else:
-        tune = {}
-        if kernel != "mosaic":
-            bv, t, s = (int(x[1:].lstrip("v")) for x in kernel.split("-")[1:])
-            tune = dict(block_v=bv, tiles_per_cta=t, stages=s)
-        o, ssm = mg.gdn_decode_mgpu(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw, **tune)
-    ro, rssm = gdn_state.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, has_initial_state=None,
+    o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw)
+    ro, rssm = gdn_slots.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, has_initial_state=None,
                                                    cu_seqlens=None, **kw)
     assert o.dtype == v.dtype and ssm.dtype == jnp.float32
     assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)

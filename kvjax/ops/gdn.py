@@ -16,7 +16,8 @@ token bucket) get ``o_t = 0``. An empty sequence writes no outputs and returns i
 Kernel contract
 ---------------
 The public ops validate their arguments on the host (at trace time), resolve ``scale`` to a Python float and
-then call the implementation chosen by :func:`kvjax.ops.dispatch.resolve` with exactly::
+then call the implementation their backend table (:data:`CHUNK_TABLE`, :data:`RECURRENT_TABLE`) chooses for
+``impl`` with exactly::
 
     fn(q, k, v, g, beta, *, cu_seqlens, initial_state, scale, use_qk_l2norm)   # kernels also get interpret=
 
@@ -30,10 +31,11 @@ then call the implementation chosen by :func:`kvjax.ops.dispatch.resolve` with e
     use_qk_l2norm: Python bool (static)
     returns (o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])
 
-Op names in the dispatch registry: ``"chunk_gated_delta_rule"`` and ``"recurrent_gated_delta_rule"``.
-The references (``*_reference`` below) follow the same contract, compute in float32 with
-``Precision.HIGHEST`` matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is
-traced, so a new scale does not recompile).
+Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.recurrent`: any CUDA GPU,
+power-of-two K and V); ``impl="auto"`` takes it where it accepts the call, else the reference. The references
+(``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST`` matmuls (no
+TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does not
+recompile).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax.ops import dispatch
 from kvjax.base.checks import check_array, check_cu_seqlens, check_float
+from kvjax.ops.backends import Backend, BackendTable
 
 CHUNK_OP = "chunk_gated_delta_rule"
 RECURRENT_OP = "recurrent_gated_delta_rule"
@@ -247,7 +249,7 @@ def chunk_gated_delta_rule_reference(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Public ops: host validation, then dispatch.
+# Public ops: host validation, then the backend table.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -268,7 +270,7 @@ def validate_gdn_args(
     Checks ranks, dtypes and shapes against the kernel contract (module docstring), ``cu_seqlens`` values
     when they are a host ``np.ndarray``, and that ``use_qk_l2norm`` is a bool and ``impl`` a string. Raises
     ``ValueError`` naming the offending argument. ``scale=None`` resolves to ``K ** -0.5``. Shared by the
-    pool ops in :mod:`kvjax.state.gdn_ops`.
+    slot-pool ops in :mod:`kvjax.ops.gdn_slots`.
     """
     check_float("q", q, rank=3)
     check_array("k", k, shape=tuple(q.shape), dtypes=[q.dtype])
@@ -297,11 +299,10 @@ def validate_gdn_args(
     return float(scale)
 
 
-def _dispatch(op, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl):
+def _run(table: BackendTable, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl):
     scale = validate_gdn_args(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
-    fn = dispatch.resolve(op, impl)
-    return fn(
-        q, k, v, g, beta,
+    return table(
+        impl, q, k, v, g, beta,
         cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
     )
 
@@ -326,7 +327,7 @@ def chunk_gated_delta_rule(
     offending argument (ranks, dtypes, head counts, ``cu_seqlens`` int32) and ``UnknownImplError`` for an
     ``impl`` that is not available here.
     """
-    return _dispatch(CHUNK_OP, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+    return _run(CHUNK_TABLE, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
 
 
 def recurrent_gated_delta_rule(
@@ -346,12 +347,51 @@ def recurrent_gated_delta_rule(
 
     Same arguments, results and errors as :func:`chunk_gated_delta_rule`.
     """
-    return _dispatch(RECURRENT_OP, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+    return _run(RECURRENT_TABLE, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
 
 
-dispatch.register_reference(CHUNK_OP, chunk_gated_delta_rule_reference)
-dispatch.register_reference(RECURRENT_OP, recurrent_gated_delta_rule_reference)
-dispatch.register_kernel(CHUNK_OP, "pallas", "kvjax.pallas.gdn_chunk:chunk_gated_delta_rule_pallas", platforms=("gpu",))
-dispatch.register_kernel(
-    RECURRENT_OP, "pallas", "kvjax.pallas.gdn_recurrent:recurrent_gated_delta_rule_pallas", platforms=("gpu",)
+# ----------------------------------------------------------------------------------------------------------
+# Backend tables.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def example_call(num_tokens: int, num_seqs: int, heads: int, kd: int = 128, vd: int = 128):
+    """A representative normalised call (bf16 q/k/v/beta, f32 g and state, l2norm in the kernel)."""
+    sds = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    args = (sds((num_tokens, heads, kd), bf16), sds((num_tokens, heads, kd), bf16), sds((num_tokens, heads, vd), bf16),
+            sds((num_tokens, heads), jnp.float32), sds((num_tokens, heads), bf16))
+    kwargs = dict(cu_seqlens=sds((num_seqs + 1,), jnp.int32), initial_state=sds((num_seqs, heads, kd, vd), jnp.float32),
+                  scale=kd ** -0.5, use_qk_l2norm=True)
+    return args, kwargs
+
+
+_GDN_UNSUPPORTED = "kvjax.pallas.gdn.common:unsupported"
+
+CHUNK_TABLE = BackendTable(
+    CHUNK_OP,
+    chunk_gated_delta_rule_reference,
+    (
+        Backend("pallas", "kvjax.pallas.gdn.chunk:chunk_gated_delta_rule_pallas", priority=10,
+                unsupported=_GDN_UNSUPPORTED,
+                note="fused sequential kernel + Pallas prep; 1.13-1.29x fla on an H200 (benchmarks/RESULTS.md)"),
+    ),
+    examples={
+        "prefill N=1 T=8192 H=16 K=V=128": lambda: example_call(8192, 1, 16),
+        "prefill N=4 T=16384 H=32 K=V=128": lambda: example_call(16384, 4, 32),
+        "prefill N=2 T=512 H=8 K=96 V=128": lambda: example_call(512, 2, 8, kd=96),
+    },
+)
+
+RECURRENT_TABLE = BackendTable(
+    RECURRENT_OP,
+    recurrent_gated_delta_rule_reference,
+    (
+        Backend("pallas", "kvjax.pallas.gdn.recurrent:recurrent_gated_delta_rule_pallas", priority=10,
+                unsupported=_GDN_UNSUPPORTED, note="one program per (row, head, value block)"),
+    ),
+    examples={
+        "verify N=32 x 4 tokens H=32 K=V=128": lambda: example_call(128, 32, 32),
+        "decode N=8 H=8 K=V=96": lambda: example_call(8, 8, 8, kd=96, vd=96),
+    },
 )

@@ -7,7 +7,9 @@ request carries slot 0. The slot id is the array index: there is no ``+1`` offse
 Device code cannot raise, so on device an id outside ``1..max_seqs`` (0, negative, too large) reads as zeros
 and is never written: it is mapped to the out-of-range index ``max_seqs + 1`` (negative ids would otherwise
 wrap around to the last slot), then ``mode="fill"`` / ``mode="drop"``. Validate plans on the host with
-:func:`check_slot_ids` (the ``debug`` path) to catch such ids, and duplicates, before a step.
+:func:`check_slot_ids` (the ``debug`` path) to catch such ids, and duplicates, before a step. Both slot-id
+helpers, :func:`slot_index` and :func:`check_slot_ids`, live in :mod:`kvjax.ops.gdn_slots` (the array-level
+pool ops use them too) and are re-exported here.
 
 Every update is one vectorised scatter per array and returns a new pool (donate it under jit).
 """
@@ -20,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import GDNConfig
-from kvjax.errors import InvalidPlanError
 from kvjax.base.checks import check_array, check_float, check_int32
+from kvjax.config import GDNConfig
+from kvjax.ops.gdn_slots import PAD_SLOT, check_slot_ids, slot_index
 
-PAD_SLOT = 0
+__all__ = ["PAD_SLOT", "GDNStatePool", "check_slot_ids", "create", "gather", "reset", "scatter", "slot_index"]
 
 
 @jax.tree_util.register_dataclass
@@ -66,12 +68,6 @@ def create(
         conv=jnp.zeros((num_layers, slots, cfg.conv_dim, cfg.conv_kernel_size - 1), conv_dtype),
         ssm=jnp.zeros((num_layers, slots, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32),
     )
-
-
-def slot_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:  # i32[B] -> i32[B]
-    """Pool index of each slot id: valid ids ``1..S`` unchanged; PAD and anything out of range (negative
-    included) -> ``S + 1 = num_slots``, which ``mode="fill"`` reads as zeros and ``mode="drop"`` never writes."""
-    return jnp.where((slot_ids >= 1) & (slot_ids < num_slots), slot_ids, num_slots)
 
 
 def _check_layer(pool: GDNStatePool, layer) -> None:
@@ -142,20 +138,3 @@ def reset(pool: GDNStatePool, slot_ids: jax.Array) -> GDNStatePool:  # slot_ids:
         conv=pool.conv.at[:, idx].set(jnp.zeros((), pool.conv.dtype), mode="drop"),
         ssm=pool.ssm.at[:, idx].set(0.0, mode="drop"),
     )
-
-
-def check_slot_ids(slot_ids, max_seqs: int) -> None:
-    """Host (``debug``) validation of a batch's slot ids; raises :class:`InvalidPlanError` naming bad ids.
-
-    Valid: int32, rank 1, every id in ``0..max_seqs`` (0 = PAD row), no non-zero id twice. Copies device
-    arrays to the host, so call it on the plan (numpy) or only in debug runs.
-    """
-    ids = np.asarray(slot_ids)
-    if ids.ndim != 1 or ids.dtype != np.int32:
-        raise InvalidPlanError(f"slot_ids must be int32 of rank 1, got {ids.dtype} with shape {ids.shape}")
-    bad = ids[(ids < 0) | (ids > max_seqs)]
-    if bad.size:
-        raise InvalidPlanError(f"slot_ids out of range 0..{max_seqs} (0 = PAD): {sorted(set(bad.tolist()))}")
-    live, counts = np.unique(ids[ids != PAD_SLOT], return_counts=True)
-    if np.any(counts > 1):
-        raise InvalidPlanError(f"slot_ids used by more than one row: {live[counts > 1].tolist()}")

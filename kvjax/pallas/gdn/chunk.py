@@ -4,7 +4,7 @@ The token stream is cut into global chunks of ``C`` tokens (``C = 64``) *without
 a chunk may hold the tail of one sequence and the head of the next, and every intra-chunk quantity is masked
 to pairs of tokens of the same sequence ("segments"). Two stages:
 
-1. :func:`kvjax.pallas.gdn_chunk_prep._prepare` (parallel over all chunks and heads; the state-independent
+1. :func:`kvjax.pallas.gdn.prep.prepare` (parallel over all chunks and heads; the state-independent
    part, fla's "WY" form, from the raw q / k): per segment cumulative log-decay ``gc``,
    ``T = (I + tril(beta k k^T decay, -1))^-1``, ``w = T (beta exp(gc) k)``, ``u = T (beta v)``, the causal
    intra-chunk scores ``A = (q k^T) * decay`` and per-token row factors ``qf = |q|^-1 scale exp(gc)``,
@@ -15,11 +15,15 @@ to pairs of tokens of the same sequence ("segments"). Two stages:
        v_new = u - w S;   o = (qf * q) S + A v_new;   S = exp(g_last) S + (kf * k)^T v_new
 
    reading the initial state from, and writing the final state to, a pool ``f32[R, Hv, K, V]`` at the row's
-   index (aliased input -> output: in place under jit with a donated pool), exactly like
-   :mod:`kvjax.pallas.gdn_recurrent` (same ``rows`` / ``flags`` convention). Each program writes the outputs
-   of its own sequence's tokens (masked stores); the first and last rows also zero the tokens outside every
-   sequence. ``form="split"`` runs the two-pass form of :mod:`kvjax.pallas.gdn_chunk_split` instead (fla's
-   structure: a sequential state pass, then a fully parallel output pass).
+   index (aliased input -> output: in place under jit with a donated pool), with the ``rows`` / ``flags``
+   convention of :mod:`kvjax.pallas.gdn.common`. Each program writes the outputs of its own sequence's
+   tokens (masked stores); the first and last rows also zero the tokens outside every sequence.
+
+This fused sequential kernel replaced a two-pass form (fla's structure: a sequential state pass, then a fully
+parallel output pass), which tied at B=1 T=8192 H=16 (0.415-0.425 vs 0.408-0.417 ms) and lost at B=4 T=4096
+H=32 (1.22 vs 0.763-0.778 ms) on an H200 (benchmarks/RESULTS.md). Loading chunk ``c + 1``'s operands before
+chunk ``c``'s update (a register prefetch) runs this kernel out of registers (0.59 ms at B=1), so it loads at
+the start of each step.
 
 Matmul operands are in the input dtype (bf16 in serving: like fla, states are rounded to bf16 for the
 tensor-core products and accumulate in f32); for float32 inputs every product runs at full f32 precision.
@@ -35,12 +39,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.pallas.gdn_chunk_prep import _dot, _prepare
-from kvjax.pallas.gdn_chunk_split import _chunk_call_split, _chunk_decay, _row_range, _walk_chunks
-from kvjax.pallas.gdn_recurrent import _check_pow2, state_as_pool
+from kvjax.base.device import is_pow2
+from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE, dot, run_on_slot_pool, state_as_pool
+from kvjax.pallas.gdn.prep import prepare
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
+
+
+def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
+    """Row n's tokens [start, end), the rows it writes [lo, hi) (the first/last rows also own the tokens
+    outside every sequence, up to the padded length), whether it is live and whether it reads a state."""
+    start, end = cu_ref[n], cu_ref[n + 1]
+    flags = flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    read = live & ((flags & FLAG_HAS_INITIAL) != 0)
+    lo = jnp.where(n == 0, 0, start)
+    hi = jnp.where(n == num_seqs - 1, num_rows, end)
+    return start, end, lo, hi, live, read
+
+
+def _chunk_decay(gl_ref, c, h, start, end, live, chunk: int):
+    """Scalar state decay of chunk ``c`` for the row owning tokens ``[start, end)``: ``exp(gl)`` at any of
+    its tokens in the chunk (one value per segment), or 1 when the row has no token there."""
+    c0 = c * chunk
+    any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
+    first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
+    return jnp.where(any_in, jnp.exp(gl_ref[c, h, first]), 1.0)
 
 
 def _chunk_kernel(
@@ -63,7 +88,6 @@ def _chunk_kernel(
     chunk: int,
     block_v: int,
     precision,
-    prefetch: bool,
 ):
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
@@ -76,32 +100,28 @@ def _chunk_kernel(
         pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), read), other=0.0
     )
     dt = w_ref.dtype
-    dot = functools.partial(_dot, precision=precision)
+    mm = functools.partial(dot, precision=precision)
     idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
-    def load(c):
+    def step(c, s):  # s: f32[K, block_v]
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        return (u_ref[c, h, :, vs], w_ref[c, h, :, :], q_ref[rs, hk, :], qf_ref[c, h, :], a_ref[c, h, :, :],
-                k_ref[rs, hk, :], kf_ref[c, h, :], _chunk_decay(gl_ref, c, h, start, end, live, chunk))
-
-    def step(c, s, loaded):  # s: f32[K, block_v]
-        u, w, q, qf, a, k, kf, decay = loaded
+        u, w, q, qf, a = u_ref[c, h, :, vs], w_ref[c, h, :, :], q_ref[rs, hk, :], qf_ref[c, h, :], a_ref[c, h, :, :]
+        k, kf, decay = k_ref[rs, hk, :], kf_ref[c, h, :], _chunk_decay(gl_ref, c, h, start, end, live, chunk)
         r = c * chunk + idx
         in_seq = (r >= start) & (r < end) & live
         own = (r >= lo) & (r < hi)
-        rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         sb = s.astype(dt)
-        v_new = u.astype(jnp.float32) - dot(w, sb)
+        v_new = u.astype(jnp.float32) - mm(w, sb)
         v_new = jnp.where(in_seq[:, None], v_new, 0.0)
         vb_ = v_new.astype(dt)
         qg = (q.astype(jnp.float32) * qf[:, None]).astype(dt)
-        o = dot(qg, sb) + dot(a, vb_)
+        o = mm(qg, sb) + mm(a, vb_)
         o = jnp.where(in_seq[:, None], o, 0.0)
         plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=own[:, None])
         kg = (k.astype(jnp.float32) * jnp.where(in_seq, kf, 0.0)[:, None]).astype(dt)
-        return s * decay + dot(kg, vb_, contract_a=0)
+        return s * decay + mm(kg, vb_, contract_a=0)
 
-    s = _walk_chunks(lo // chunk, (hi + chunk - 1) // chunk, u_ref.shape[0], load, step, s0, prefetch)
+    s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, step, s0)
 
     @pl.when(live)
     def _():
@@ -109,12 +129,12 @@ def _chunk_kernel(
 
 
 def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
-                num_warps, num_stages, prefetch, interpret):
+                num_warps, num_stages, interpret):
     tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, precision=precision, prefetch=prefetch
+        _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, precision=precision
     )
     return pl.pallas_call(
         kernel,
@@ -132,8 +152,8 @@ def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "prep_num_warps",
-                     "inverse_dtype", "form", "out_block_v", "prefetch", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep_num_warps",
+                     "inverse_dtype", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -152,62 +172,37 @@ def chunk_gated_delta_rule_pool(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    prep: str = "pallas",
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
-    form: str = "fused",
-    out_block_v: int = 64,
-    prefetch: bool | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
     ``inverse_dtype``: operands of the 10 matmuls of the in-kernel inverse for bf16 inputs, ``"bf16"`` (default:
     measured faster than ``"tf32"`` on an H200 with the same output error, see benchmarks/RESULTS.md); float32
     inputs always use full f32.
 
-    ``form``: ``"fused"`` (one sequential kernel computing states and outputs; the default, fastest or tied
-    at both benchmark shapes on an H200, benchmarks/RESULTS.md) or ``"split"`` (the two-pass form of
-    :mod:`kvjax.pallas.gdn_chunk_split`, fla's structure).
-
-    ``prefetch``: the sequential kernel loads chunk ``c + 1``'s operands before updating the state with chunk
-    ``c`` (carried in registers) instead of at the start of each step; ``None`` = on for the split form (its
-    measured gain), off for the fused form (which then runs out of registers and slows down).
-
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
+    K and V powers of two (see :func:`kvjax.pallas.gdn.common.unsupported`).
     """
     num_tokens, _, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
-    _check_pow2("K", kd)
-    _check_pow2("V", vd)
     if block_v is None:
         block_v = next((b for b in (64, 32) if rows.shape[0] * hv * (vd // b) >= MANY_PROGRAMS), 16)
     block_v = min(block_v, vd)
-    _check_pow2("block_v", block_v)
-    if form not in ("fused", "split"):
-        raise ValueError(f"form must be 'fused' or 'split', got {form!r}")
-    if prefetch is None:
-        prefetch = form == "split"
+    if not is_pow2(block_v):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
     if inverse_dtype not in ("tf32", "bf16"):
         raise ValueError(f"inverse_dtype must be 'tf32' or 'bf16', got {inverse_dtype!r}")
-    if prep not in ("pallas", "solve", "doubling"):
-        raise ValueError(f"prep must be 'pallas', 'solve' or 'doubling', got {prep!r}")
-    qp, kp, w, u, a, qf, kf, gl = _prepare(
-        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK, prep=prep,
+    qp, kp, w, u, a, qf, kf, gl = prepare(
+        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK,
         prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret,
     )
-    if form != "fused":
-        o, pool = _chunk_call_split(
-            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype,
-            block_v=block_v, out_block_v=min(out_block_v, vd), num_warps=num_warps, num_stages=num_stages,
-            prefetch=prefetch, interpret=interpret,
-        )
-    else:
-        o, pool = _chunk_call(
-            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
-            num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, interpret=interpret,
-        )
+    o, pool = _chunk_call(
+        qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
     return o[:num_tokens], pool
 
 
@@ -224,9 +219,34 @@ def chunk_gated_delta_rule_pallas(
     use_qk_l2norm: bool,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Kernel for ``kvjax.ops.chunk_gated_delta_rule``: ``(o: [T, Hv, V], final: f32[N, Hv, K, V])``."""
+    """Kernel of ``kvjax.ops.chunk_gated_delta_rule`` (backend ``"pallas"``): ``(o: [T, Hv, V], final: f32[N,
+    Hv, K, V])``."""
     pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
     return chunk_gated_delta_rule_pool(
         q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+    )
+
+
+def gdn_prefill_pool_pallas(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int | jax.Array,  # i32[]
+    slot_ids: jax.Array,  # i32[N]
+    has_initial_state: jax.Array,  # bool[N]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+    """Backend ``"pallas"`` of ``gdn_prefill_pool``: the chunked kernels on the flattened slot pool."""
+    return run_on_slot_pool(
+        chunk_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        interpret=interpret,
     )

@@ -16,6 +16,9 @@ neither read nor written and its outputs are zero. Everything is computed in flo
   so XLA orders it after the ``y`` kernel that reads the initial states: no pool copy, no read-after-write
   race. The per-token metadata (position in its sequence, slot to read) is one small fused XLA op with static
   shapes (``count_le`` broadcast compare, no ``searchsorted`` scan).
+
+Both wrappers take the normalised call of the pool ops ``conv_prefill_pool`` / ``conv_decode_pool``
+(:mod:`kvjax.ops.conv`, backend ``"pallas"``) plus launch tuning.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kvjax.base.device import is_pow2, next_pow2
 from kvjax.base.ragged import count_le
-from kvjax.pallas.paged_common import next_pow2
 
 
 def _act(y, activation):
@@ -243,7 +246,7 @@ def prefill_metadata(
 
 # ------------------------------------------------------------------------------------------------ wrappers
 def _block(dim: int, block: int) -> int:
-    if block < 1 or block & (block - 1):
+    if not is_pow2(block):
         raise ValueError(f"the Pallas conv kernels need a power-of-two block size, got {block}")
     return min(block, next_pow2(dim))
 

@@ -1,6 +1,6 @@
 """Preparation stage of the chunked gated delta rule: the state-independent per-chunk quantities.
 
-For every global chunk of ``C = 64`` tokens and value head (all in parallel; see :mod:`kvjax.pallas.gdn_chunk`
+For every global chunk of ``C = 64`` tokens and value head (all in parallel; see :mod:`kvjax.pallas.gdn.chunk`
 for how chunks are shared by sequences): the per-sequence cumulative log-decay ``gc``, its value ``gl`` at
 the sequence's last token in the chunk, ``T = (I + tril(beta k k^T * decay, -1))^-1``, ``w = T (beta exp(gc) k)``,
 ``u = T (beta v)``, the causal intra-chunk scores ``A = (q k^T) * decay`` (fla's "WY" form, q and k l2-normed
@@ -8,8 +8,7 @@ when asked and q scaled) and the per-token row factors ``qf``, ``kf`` with which
 the raw q and k rows.
 
 ``_prep_kernel`` (Pallas, Triton lowering) computes all of it in one kernel from the raw inputs (the l2norm,
-the segment cumulative decay and the inverse included); ``_prepare`` only adds the segment ids and padding,
-and keeps two pure-XLA variants (batched triangular solve, nilpotent doubling) as cross-checks.
+the segment cumulative decay and the inverse included); :func:`prepare` only adds the segment ids and padding.
 """
 
 from __future__ import annotations
@@ -24,17 +23,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvjax.base.ragged import count_le
-from kvjax.pallas.gdn_recurrent import L2NORM_EPS
-
-def _dot(a, b, *, precision, contract_a: int = 1):
-    """``a @ b`` (or ``a.T @ b`` with ``contract_a=0``) with float32 accumulation (``pl.dot`` left jax 0.11)."""
-    dims = (((contract_a,), (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+from kvjax.pallas.gdn.common import L2NORM_EPS, dot as _dot
 
 
 def _dot_t(a, b, *, precision):
     """``a @ b.T`` with float32 accumulation."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
 
 SUB = 16  # diagonal block size of the in-kernel inverse
 
@@ -159,40 +154,27 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
     )(seg, q, k, v, g, beta)
 
 
-def _inv_norm(x):
-    """``|x|^-1`` over the last axis (with the l2norm's epsilon)."""
-    return lax.rsqrt(jnp.sum(x * x, axis=-1) + L2NORM_EPS)
-
-
-def _unit_lower_inverse(lmat, method: str):
-    """``(I + L)^-1`` for strictly lower-triangular ``L: f32[..., C, C]``."""
-    c = lmat.shape[-1]
-    eye = jnp.eye(c, dtype=lmat.dtype)
-    if method == "solve":
-        eye_b = jnp.broadcast_to(eye, lmat.shape)
-        return lax.linalg.triangular_solve(
-            lmat + eye, eye_b, left_side=True, lower=True, unit_diagonal=True
-        )
-    # (I + L)^-1 = sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)...: L is nilpotent (L^C = 0).
-    mm = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
-    power = -lmat
-    inv = eye + power
-    for _ in range(int(np.log2(c)) - 1):
-        power = mm(power, power)
-        inv = inv + mm(inv, power)
-    return inv
-
-
-def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep, prep_num_warps=4,
-             inverse_dtype="bf16", interpret=False):
+def prepare(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    *,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk: int,
+    prep_num_warps: int = 4,
+    inverse_dtype: str = "bf16",
+    interpret: bool = False,
+):
     """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
 
     Returns ``(q, k, w, u, a, qf, kf, gl)``: q / k padded to ``Tp = NC * C`` tokens but otherwise *raw* (the
     sequential kernels scale their rows by ``qf`` / ``kf``), ``w: [NC, Hv, C, K]``, ``u: [NC, Hv, C, V]``,
-    ``a: [NC, Hv, C, C]`` in the input dtype and ``qf, kf, gl: f32[NC, Hv, C]``.
-
-    ``prep="pallas"``: everything by :func:`_prep_kernel` (only the segment ids and the padding are XLA);
-    ``"solve"`` / ``"doubling"``: pure XLA (batched triangular solve / nilpotent doubling), kept as cross-checks.
+    ``a: [NC, Hv, C, C]`` in the input dtype and ``qf, kf, gl: f32[NC, Hv, C]``. Everything is computed by
+    :func:`_prep_kernel`; only the segment ids and the padding are XLA.
     """
     num_tokens = q.shape[0]
     num_chunks = -(-num_tokens // chunk)
@@ -209,51 +191,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, *, scale, use_qk_l2norm, chunk, prep,
     qp, kp, vp = pad(q), pad(k), pad(v)
     gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
     bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
-    if prep == "pallas":
-        w, u, a, qf, kf, gl = _prep_call(
-            seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm,
-            num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret)
-        return qp, kp, w, u, a, qf, kf, gl
-    return (qp, kp, *_prepare_xla(qp, kp, vp, gp, bp, seg.reshape(num_chunks, chunk), scale=scale,
-                                  use_qk_l2norm=use_qk_l2norm, method=prep))
-
-
-def _prepare_xla(q, k, v, g, beta, seg, *, scale, use_qk_l2norm, method):
-    """The XLA cross-check of :func:`_prep_kernel` (same outputs ``w, u, a, qf, kf, gl``), inverse by ``method``."""
-    num_chunks, chunk = seg.shape
-    hk, hv = q.shape[1], v.shape[1]
-    group = hv // hk
-    dt = q.dtype
-    prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
-
-    def heads_first(x, h):  # [Tp, h, ...] -> [NC, h, C, ...]
-        return jnp.moveaxis(x.reshape(num_chunks, chunk, h, *x.shape[2:]), 2, 1)
-
-    def expand(x):  # [NC, Hk, ...] -> [NC, Hv, ...]
-        return jnp.repeat(x, group, axis=1) if group > 1 else x
-
-    qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
-    rq, rk = (_inv_norm(qf32), _inv_norm(kf32)) if use_qk_l2norm else (jnp.ones(q.shape[:2]),) * 2  # f32[Tp, Hk]
-    qn, kn = (qf32 * (rq * scale)[..., None]).astype(dt), (kf32 * rk[..., None]).astype(dt)  # [Tp, Hk, K]
-    gch, bch = heads_first(g, hv), heads_first(beta, hv)  # f32[NC, Hv, C]
-    pos = jnp.arange(chunk, dtype=jnp.int32)
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
-    incl = (same & (pos[:, None] >= pos[None, :]))[:, None]  # [NC, 1, C, C]
-    strict = (same & (pos[:, None] > pos[None, :]))[:, None]
-    gc = jnp.sum(jnp.where(incl, gch[..., None, :], 0.0), axis=-1)  # f32[NC, Hv, C]
-    gl = jnp.sum(jnp.where(same[:, None], gch[..., None, :], 0.0), axis=-1)
-    decay = jnp.exp(jnp.where(incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # f32[NC, Hv, C, C]
-    qc, kc = heads_first(qn, hk), heads_first(kn, hk)  # [NC, Hk, C, K]
-    vc = heads_first(v.astype(jnp.float32), hv)  # f32[NC, Hv, C, V]
-    ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=jnp.float32)
-    kk = expand(ein("nhik,nhjk->nhij", kc, kc))
-    lmat = jnp.where(strict, kk * decay * bch[..., :, None], 0.0)
-    tinv = _unit_lower_inverse(lmat, method).astype(dt)  # [NC, Hv, C, C]
-    kb = (expand(kc.astype(jnp.float32)) * (bch * jnp.exp(gc))[..., None]).astype(dt)
-    w = ein("nhij,nhjk->nhik", tinv, kb).astype(dt)
-    u = ein("nhij,nhjv->nhiv", tinv, (vc * bch[..., None]).astype(dt)).astype(dt)
-    a = (expand(ein("nhik,nhjk->nhij", qc, kc)) * decay).astype(dt)
-    in_seq = (seg >= 0)[:, None, :]
-    qf = jnp.where(in_seq, expand(heads_first(rq, hk)) * scale * jnp.exp(gc), 0.0)
-    kf = jnp.where(in_seq, expand(heads_first(rk, hk)) * jnp.exp(gl - gc), 0.0)
-    return w, u, a, qf, kf, gl
+    w, u, a, qf, kf, gl = _prep_call(
+        seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret)
+    return qp, kp, w, u, a, qf, kf, gl

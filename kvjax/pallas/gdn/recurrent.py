@@ -1,19 +1,21 @@
-"""Recurrent (stepwise) gated delta rule as a Pallas kernel (Triton lowering): decode and verification.
+"""Recurrent (stepwise) gated delta rule as Pallas kernels (Triton lowering): decode and verification.
 
-One program per (sequence row ``n``, value head ``h``, block of ``block_v`` value columns). It holds the state
-slice ``S: f32[K, block_v]`` in registers, walks the row's tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and
-updates ``S`` with the delta rule. Value columns of the state are independent, so splitting ``V`` costs no
-extra state traffic: each program reads and writes its ``K * block_v * 4`` bytes exactly once.
+``_recurrent_kernel``: one program per (sequence row ``n``, value head ``h``, block of ``block_v`` value
+columns). It holds the state slice ``S: f32[K, block_v]`` in registers, walks the row's tokens
+``cu_seqlens[n]:cu_seqlens[n+1]`` and updates ``S`` with the delta rule. Value columns of the state are
+independent, so splitting ``V`` costs no extra state traffic: each program reads and writes its
+``K * block_v * 4`` bytes exactly once. States live in a pool at ``rows[n]`` with ``flags[n]`` (the convention
+of :mod:`kvjax.pallas.gdn.common`); the pool is aliased input -> output (``input_output_aliases``), so under jit
+with a donated pool the update happens in place. Tokens outside every sequence get zero outputs.
 
-The state lives in a *pool* ``f32[R, Hv, K, V]`` addressed by a per-row index ``rows[n]``: for the public op
-the pool is ``initial_state`` (``rows = arange(N)``), for the slot-addressed GDN pool it is the layer's
-flattened ``[L * (S + 1)]`` slots. The pool is aliased input -> output (``input_output_aliases``), so under
-jit with a donated pool the update happens in place. Per row ``flags[n]``: bit 0 = read the initial state
-(else start from zeros), bit 1 = the row is live (else it is padding: nothing read, computed or written,
-and its tokens' outputs are zero). Tokens outside every sequence get zero outputs.
+``_slots_kernel``: the decode step on the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` (one token per
+row, the slot ids index the pool inside the kernel, no XLA op around it), one program per state tile, the
+value blocks of a head launched next to each other (3-5% faster on an H200 than rows first,
+benchmarks/RESULTS.md). Its backend-table check :func:`decode_slots_unsupported` names the calls it cannot take.
 
-The decode step on the GDN pool has its own kernel, ``_slots_kernel`` (one token per row, the slot ids index
-``f32[L, S+1, Hv, K, V]`` directly, no XLA op around it), one program per state tile.
+Both update a token in one pass: ``k^T S`` and ``q^T S`` on the state as loaded,
+``o = decay q^T S + (q . k) delta`` (equal in exact arithmetic to the textbook order; measured 0.1538 vs
+0.1577 ms on an H200), so the new state's store does not wait for a reduction of the updated state.
 """
 
 from __future__ import annotations
@@ -26,31 +28,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-L2NORM_EPS = 1e-6
-FLAG_HAS_INITIAL = 1
-FLAG_LIVE = 2
+from kvjax.base.device import is_pow2
+from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, run_on_slot_pool, state_as_pool,
+                                     unsupported)
 
-
-def state_as_pool(
-    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
-    num_seqs: int,
-    hv: int,
-    kd: int,
-    vd: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Adapt the public ops' ``initial_state`` (or ``None`` = zeros) to the pool kernels' arguments.
-
-    Returns ``(pool: f32[N, Hv, K, V], rows: i32[N] = arange(N), flags: i32[N])``: a fresh copy of
-    ``initial_state`` (the pool kernels alias it to their output) or zeros, every row live, reading its
-    initial state only when one was given.
-    """
-    if initial_state is None:
-        pool = jnp.zeros((num_seqs, hv, kd, vd), jnp.float32)
-        flags = jnp.full((num_seqs,), FLAG_LIVE, jnp.int32)
-    else:
-        pool = jnp.array(initial_state, jnp.float32, copy=True)
-        flags = jnp.full((num_seqs,), FLAG_LIVE | FLAG_HAS_INITIAL, jnp.int32)
-    return pool, jnp.arange(num_seqs, dtype=jnp.int32), flags
+BLOCK_V = 64  # value columns per program (the fastest measured, benchmarks/RESULTS.md)
 
 
 def _l2norm(x):
@@ -65,12 +47,8 @@ def _zero_tokens(o_ref, h, vs, lo, hi, block_v):
     lax.fori_loop(lo, hi, body, 0)
 
 
-def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, *, scale, use_qk_l2norm, one_pass):
-    """One delta-rule token on the state slice ``s: f32[K, block_v]``; returns ``(new s, o: f32[block_v])``.
-
-    ``one_pass``: ``k^T S`` and ``q^T S`` both on the state as loaded, ``o = decay q^T S + (q . k) delta``
-    (equal in exact arithmetic), so the new state's store does not wait for a reduction of the updated state.
-    """
+def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, *, scale, use_qk_l2norm):
+    """One delta-rule token on the state slice ``s: f32[K, block_v]``; returns ``(new s, o: f32[block_v])``."""
     q = q_ref[t, hk, :].astype(jnp.float32)
     k = k_ref[t, hk, :].astype(jnp.float32)
     if use_qk_l2norm:
@@ -78,15 +56,10 @@ def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, *, scal
     v = v_ref[t, h, vs].astype(jnp.float32)
     decay = jnp.exp(g_ref[t, h].astype(jnp.float32))
     beta = beta_ref[t, h].astype(jnp.float32)
-    if one_pass:
-        ks = jnp.sum(s * k[:, None], axis=0)
-        qs = jnp.sum(s * q[:, None], axis=0)
-        delta = (v - decay * ks) * beta
-        return s * decay + k[:, None] * delta[None, :], (decay * qs + jnp.sum(q * k) * delta) * scale
-    s = s * decay
-    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    return s, jnp.sum(s * q[:, None], axis=0) * scale
+    ks = jnp.sum(s * k[:, None], axis=0)
+    qs = jnp.sum(s * q[:, None], axis=0)
+    delta = (v - decay * ks) * beta
+    return s * decay + k[:, None] * delta[None, :], (decay * qs + jnp.sum(q * k) * delta) * scale
 
 
 def _slots_kernel(
@@ -105,29 +78,22 @@ def _slots_kernel(
     scale: float,
     use_qk_l2norm: bool,
     block_v: int,
-    one_pass: bool,
-    v_major: bool,
 ):
-    """Decode on the GDN pool by slot: one program per state tile ``[K, block_v]`` of one (row, head). Rows
-    whose slot is not in ``1..S`` read and write nothing (uniform masks) and output zeros."""
+    """Decode on the GDN pool by slot: one program per state tile ``[K, block_v]`` of one (row, head); grid
+    ``(value block, head, row)``. Rows whose slot is not in ``1..S`` read and write nothing (uniform masks)
+    and output zeros."""
     lay = jnp.asarray(layer, jnp.int32)  # an array index: interpret mode rejects a Python int under pl.when
-
-    def tile(n, h, vb):
-        vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
-        slot = slots_ref[n]
-        live = (slot >= 1) & (slot < pool_in_ref.shape[1])
-        slot = jnp.where(live, slot, 0)
-        mask = jnp.full((pool_in_ref.shape[3], block_v), live)
-        s = plt.load(pool_in_ref.at[lay, slot, h, :, vs], mask=mask, other=0.0, eviction_policy="evict_first")
-        s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, vs, scale=scale,
-                             use_qk_l2norm=use_qk_l2norm, one_pass=one_pass)
-        o_ref[n, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-        plt.store(pool_ref.at[lay, slot, h, :, vs], s, mask=mask, eviction_policy="evict_first")
-
-    if v_major:
-        tile(pl.program_id(2), pl.program_id(1), pl.program_id(0))
-    else:
-        tile(pl.program_id(0), pl.program_id(1), pl.program_id(2))
+    vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    slot = slots_ref[n]
+    live = (slot >= 1) & (slot < pool_in_ref.shape[1])
+    slot = jnp.where(live, slot, 0)
+    mask = jnp.full((pool_in_ref.shape[3], block_v), live)
+    s = plt.load(pool_in_ref.at[lay, slot, h, :, vs], mask=mask, other=0.0, eviction_policy="evict_first")
+    s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, vs, scale=scale,
+                         use_qk_l2norm=use_qk_l2norm)
+    o_ref[n, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+    plt.store(pool_ref.at[lay, slot, h, :, vs], s, mask=mask, eviction_policy="evict_first")
 
 
 def _recurrent_kernel(
@@ -138,7 +104,6 @@ def _recurrent_kernel(
     block_v: int,
     num_tokens: int,
     one_token_per_row: bool,
-    one_pass: bool,
 ):
     """Refs: ``cu i32[N+1], rows i32[N], flags i32[N], q, k, v, g, beta, pool_in, o, pool`` with a pool
     ``f32[R, Hv, K, V]`` indexed by ``rows``."""
@@ -164,7 +129,7 @@ def _recurrent_kernel(
 
         def step(t, s):  # s: f32[K, block_v]
             s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, scale=scale,
-                                 use_qk_l2norm=use_qk_l2norm, one_pass=one_pass)
+                                 use_qk_l2norm=use_qk_l2norm)
             o_ref[t, h, vs] = o.astype(o_ref.dtype)
             return s
 
@@ -186,77 +151,16 @@ def _recurrent_kernel(
             _zero_tokens(o_ref, h, vs, end, num_tokens, block_v)
 
 
-def _recurrent_call(
-    q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_qk_l2norm, block_v, num_warps,
-    one_token_per_row, one_pass, interpret
-):
-    num_tokens, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
-    num_seqs = rows.shape[0]
-    kernel = functools.partial(
-        _recurrent_kernel,
-        group=hv // hk,
-        scale=scale,
-        use_qk_l2norm=use_qk_l2norm,
-        block_v=block_v,
-        num_tokens=num_tokens,
-        one_token_per_row=one_token_per_row,
-        one_pass=one_pass,
-    )
-    return pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
-            jax.ShapeDtypeStruct(pool.shape, jnp.float32),
-        ),
-        grid=(num_seqs, hv, vd // block_v),
-        input_output_aliases={8: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_recurrent",
-    )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
-
-
-def _slots_call(q, k, v, g, beta, ssm, slots, *, layer, scale, use_qk_l2norm, block_v, num_warps, one_pass,
-                v_major, interpret):
-    num_tokens, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
-    kernel = functools.partial(
-        _slots_kernel, layer=layer, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
-        one_pass=one_pass, v_major=v_major,
-    )
-    grid = (num_tokens, hv, vd // block_v)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
-            jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
-        ),
-        grid=grid[::-1] if v_major else grid,
-        input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_decode_slots",
-    )(slots, q, k, v, g, beta, ssm)
-
-
-def _check_pow2(name: str, value: int) -> None:
-    if value < 1 or value & (value - 1):
-        raise ValueError(f"the Pallas GDN kernels need power-of-two {name}, got {value}")
-
-
-def _pick_block_v(vd: int, block_v: int | None) -> int:
-    bv = min(vd, block_v or 64)
-    _check_pow2("block_v", bv)
-    if vd % bv:
-        raise ValueError(f"block_v={bv} must divide V={vd}")
+def _block_v(vd: int, block_v: int | None) -> int:
+    bv = min(vd, block_v or BLOCK_V)
+    if not is_pow2(bv) or vd % bv:
+        raise ValueError(f"block_v must be a power of two dividing V={vd}, got {block_v}")
     return bv
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "one_token_per_row", "one_pass",
-                     "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "one_token_per_row", "interpret"),
     donate_argnames=("pool",),
 )
 def recurrent_gated_delta_rule_pool(
@@ -275,35 +179,38 @@ def recurrent_gated_delta_rule_pool(
     block_v: int | None = None,
     num_warps: int = 2,
     one_token_per_row: bool = False,
-    one_pass: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
     """Stepwise gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
-    ``one_pass=True`` computes ``k^T S`` and ``q^T S`` together on the state as loaded and forms the output
-    as ``decay q^T S + (q . k) delta`` (equal in exact arithmetic), so the store of the new state does not
-    wait for a second reduction; ``False`` reduces the updated state for the output (the textbook order).
-
     Non-live rows (``flags & FLAG_LIVE == 0``) are neither read nor written and their tokens get ``o = 0``.
-    ``one_token_per_row=True`` is the decode fast path: it requires ``T == N`` and ignores ``cu_seqlens``
-    (row ``n`` owns token ``n``).
+    ``one_token_per_row=True`` is the decode form: it needs ``T == N`` and ignores ``cu_seqlens`` (row ``n``
+    owns token ``n``). K, V and ``block_v`` powers of two (see :func:`kvjax.pallas.gdn.common.unsupported`).
     """
-    if one_token_per_row and q.shape[0] != rows.shape[0]:
-        raise ValueError(f"one_token_per_row needs one token per row: T={q.shape[0]}, N={rows.shape[0]}")
-    kd, vd = q.shape[2], v.shape[2]
-    _check_pow2("K", kd)
-    _check_pow2("V", vd)
-    return _recurrent_call(
-        q, k, v, g, beta, pool, cu_seqlens, rows, flags,
-        scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=_pick_block_v(vd, block_v), num_warps=num_warps,
-        one_token_per_row=one_token_per_row, one_pass=one_pass, interpret=interpret,
-    )
+    num_tokens, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    if one_token_per_row and num_tokens != rows.shape[0]:
+        raise ValueError(f"one_token_per_row needs one token per row: T={num_tokens}, N={rows.shape[0]}")
+    bv = _block_v(vd, block_v)
+    kernel = functools.partial(_recurrent_kernel, group=hv // hk, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               block_v=bv, num_tokens=num_tokens, one_token_per_row=one_token_per_row)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
+            jax.ShapeDtypeStruct(pool.shape, jnp.float32),
+        ),
+        grid=(rows.shape[0], hv, vd // bv),
+        input_output_aliases={8: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_recurrent",
+    )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "one_pass", "v_major",
-                     "interpret"),
+    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
     donate_argnames=("ssm",),
 )
 def recurrent_gated_delta_rule_slots(
@@ -320,29 +227,36 @@ def recurrent_gated_delta_rule_slots(
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
-    one_pass: bool = True,
-    v_major: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V] in v's dtype, ssm f32[L, S+1, Hv, K, V])
     """Decode step straight on the GDN pool: row ``b`` continues the state at ``ssm[layer, slot_ids[b]]``.
 
     No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
-    Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Tuning:
-    ``v_major`` launches the value blocks of a head next to each other (grid order; 3-5% faster on an H200
-    than rows first). Defaults: the fastest configuration measured (benchmarks/RESULTS.md).
+    Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Defaults: the fastest
+    configuration measured (block_v 64, 4 warps; benchmarks/RESULTS.md).
     """
-    kd, vd = q.shape[2], v.shape[2]
-    _check_pow2("K", kd)
-    _check_pow2("V", vd)
-    if q.shape[0] != slot_ids.shape[0]:
-        raise ValueError(f"one token per row: q has {q.shape[0]} tokens, slot_ids {slot_ids.shape[0]} rows")
-    return _slots_call(
-        q, k, v, g, beta, ssm, slot_ids, layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        block_v=_pick_block_v(vd, block_v), num_warps=num_warps, one_pass=one_pass, v_major=v_major,
+    num_tokens, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    if num_tokens != slot_ids.shape[0]:
+        raise ValueError(f"one token per row: q has {num_tokens} tokens, slot_ids {slot_ids.shape[0]} rows")
+    bv = _block_v(vd, block_v)
+    kernel = functools.partial(_slots_kernel, layer=layer, group=hv // hk, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, block_v=bv)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
+            jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
+        ),
+        grid=(vd // bv, hv, num_tokens),
+        input_output_aliases={6: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )
+        name="gdn_decode_slots",
+    )(slot_ids, q, k, v, g, beta, ssm)
 
 
+# ---------------------------------------------------------------------------------------- backend-table entries
 def recurrent_gated_delta_rule_pallas(
     q: jax.Array,  # [T, Hk, K]
     k: jax.Array,  # [T, Hk, K]
@@ -355,10 +269,84 @@ def recurrent_gated_delta_rule_pallas(
     scale: float,
     use_qk_l2norm: bool,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Kernel for ``kvjax.ops.recurrent_gated_delta_rule``: ``(o: [T, Hv, V], final: f32[N, Hv, K, V])``."""
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
+    """Kernel of ``kvjax.ops.recurrent_gated_delta_rule`` (backend ``"pallas"``)."""
     pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
     return recurrent_gated_delta_rule_pool(
         q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret,
     )
+
+
+def gdn_decode_pool_pallas(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int | jax.Array,  # i32[]
+    slot_ids: jax.Array,  # i32[N]
+    has_initial_state: jax.Array | None,  # bool[N]
+    cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm)
+    """Backend ``"pallas"`` of ``gdn_decode_pool``: the rows/flags kernel on the flattened pool (any call)."""
+    return run_on_slot_pool(
+        recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        interpret=interpret, one_token_per_row=cu_seqlens is None,
+    )
+
+
+def gdn_decode_slots_pallas(
+    q: jax.Array,  # [B, Hk, K]
+    k: jax.Array,  # [B, Hk, K]
+    v: jax.Array,  # [B, Hv, V]
+    g: jax.Array,  # f32[B, Hv]
+    beta: jax.Array,  # [B, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int,
+    slot_ids: jax.Array,  # i32[B]
+    has_initial_state: None,
+    cu_seqlens: None,
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V], new ssm)
+    """Backend ``"slots"`` of ``gdn_decode_pool``: :func:`recurrent_gated_delta_rule_slots` (the calls
+    :func:`decode_slots_unsupported` accepts)."""
+    del has_initial_state, cu_seqlens
+    return recurrent_gated_delta_rule_slots(q, k, v, g, beta, ssm, slot_ids=slot_ids, layer=layer, scale=scale,
+                                            use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+
+
+def decode_slots_unsupported(
+    q,  # [B, Hk, K]
+    k,  # [B, Hk, K]
+    v,  # [B, Hv, V]
+    g,  # f32[B, Hv]
+    beta,  # [B, Hv]
+    ssm,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer,
+    slot_ids,  # i32[B]
+    has_initial_state,  # bool[B] | None
+    cu_seqlens,  # i32[B+1] | None
+    scale: float,
+    use_qk_l2norm: bool,
+) -> str | None:
+    """Why the slot decode kernel cannot take a ``gdn_decode_pool`` call, or ``None``: it needs one token per
+    row (``cu_seqlens=None``), every live row continuing its state (``has_initial_state=None``), a static
+    Python-int ``layer`` and power-of-two K, V."""
+    if cu_seqlens is not None:
+        return "the slot decode kernel takes one token per row (cu_seqlens=None)"
+    if has_initial_state is not None:
+        return "the slot decode kernel continues every live row's state (has_initial_state=None)"
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
+    return unsupported(q, k, v)

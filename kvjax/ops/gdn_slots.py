@@ -1,0 +1,275 @@
+"""The gated delta rule on the slot-addressed SSM state array ``f32[L, S+1, Hv, K, V]`` (the GDN pool's ``ssm``).
+
+Slot convention (DESIGN.md, "GDN slots"): slot 0 is the PAD sentinel, all zeros and never written; the host
+slot allocator hands out ``1..S``; a batch row without a request carries slot 0. The slot id is the array
+index (no ``+1`` offset). Device code cannot raise, so on device an id outside ``1..S`` (0, negative, too
+large) is a padding row: :func:`slot_index` maps it to the out-of-range index ``S + 1`` (a negative id would
+otherwise wrap around to the last slot), read with ``mode="fill"`` (zeros), written with ``mode="drop"``
+(never). :func:`check_slot_ids` is the host (``debug``) check that catches such ids, and duplicates, in a plan.
+
+Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot ``slot_ids[n]``. Padding rows
+read and write nothing and their tokens' outputs are zero. A live row starts from ``ssm[layer, slot]`` when
+``has_initial_state[n]`` (else from zeros) and its final state is written back there.
+
+- :func:`gdn_prefill_pool`: the chunked gated delta rule (:data:`PREFILL_TABLE`).
+- :func:`gdn_decode_pool`: the stepwise one (:data:`DECODE_TABLE`); ``cu_seqlens=None`` = one token per row,
+  ``has_initial_state=None`` = every live row continues its state.
+
+Both return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
+has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``).
+The oracle of each is the composition ``gather -> reference op of`` :mod:`kvjax.ops.gdn` ``-> scatter``.
+Backends (Pallas, Triton lowering, any CUDA GPU, power-of-two K and V): ``"pallas"`` runs the rows/flags
+kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and takes every call; decode also has
+``"slots"``, :func:`kvjax.pallas.gdn.recurrent.recurrent_gated_delta_rule_slots`, which indexes the array by
+slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
+continuing and a static int ``layer`` (H100: 0.191-0.192 ms device time at B=128 H=32 and B=256 H=16,
+92.7-93.1% of a same-bytes copy, benchmarks/RESULTS.md). The array is updated in place (aliased) under jit
+when donated: :mod:`kvjax.state.gdn_ops` wraps these ops with the pool donated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.base.checks import check_array, check_int32
+from kvjax.base.ragged import count_le
+from kvjax.errors import InvalidPlanError
+from kvjax.ops import gdn
+from kvjax.ops.backends import Backend, BackendTable
+
+PAD_SLOT = 0
+PREFILL_OP = "gdn_prefill_pool"
+DECODE_OP = "gdn_decode_pool"
+
+
+# ---------------------------------------------------------------------------------------------- slot ids
+def slot_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:  # i32[B] -> i32[B]
+    """Pool index of each slot id: valid ids ``1..S`` unchanged; PAD and anything out of range (negative
+    included) -> ``S + 1 = num_slots``, which ``mode="fill"`` reads as zeros and ``mode="drop"`` never writes."""
+    return jnp.where((slot_ids >= 1) & (slot_ids < num_slots), slot_ids, num_slots)
+
+
+def check_slot_ids(slot_ids, max_seqs: int) -> None:
+    """Host (``debug``) validation of a batch's slot ids; raises :class:`InvalidPlanError` naming bad ids.
+
+    Valid: int32, rank 1, every id in ``0..max_seqs`` (0 = PAD row), no non-zero id twice. Copies device
+    arrays to the host, so call it on the plan (numpy) or only in debug runs.
+    """
+    ids = np.asarray(slot_ids)
+    if ids.ndim != 1 or ids.dtype != np.int32:
+        raise InvalidPlanError(f"slot_ids must be int32 of rank 1, got {ids.dtype} with shape {ids.shape}")
+    bad = ids[(ids < 0) | (ids > max_seqs)]
+    if bad.size:
+        raise InvalidPlanError(f"slot_ids out of range 0..{max_seqs} (0 = PAD): {sorted(set(bad.tolist()))}")
+    live, counts = np.unique(ids[ids != PAD_SLOT], return_counts=True)
+    if np.any(counts > 1):
+        raise InvalidPlanError(f"slot_ids used by more than one row: {live[counts > 1].tolist()}")
+
+
+def live_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:  # i32[B] -> bool[B]
+    """Whether each row's slot id is a real slot (``1..S``), i.e. the row is not padding."""
+    return (slot_ids >= 1) & (slot_ids < num_slots)
+
+
+def static_layer(layer) -> int | None:
+    """``layer`` as a Python int when it is one (numpy integers included), else ``None`` (a traced index)."""
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        return int(layer)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- references
+def _pool_reference(op_reference, q, k, v, g, beta, ssm, *, layer, slot_ids, has_initial_state, cu_seqlens,
+                    scale, use_qk_l2norm):
+    num_slots = ssm.shape[1]
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    live = live_slots(slot_ids, num_slots)
+    idx = slot_index(slot_ids, num_slots)  # out of range: read as zeros, writes dropped
+    read = live if has_initial_state is None else live & has_initial_state
+    init = jnp.where(read[:, None, None, None], ssm.at[layer, idx].get(mode="fill", fill_value=0.0), 0.0)
+    o, final = op_reference(
+        q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=init, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+    t = jnp.arange(q.shape[0], dtype=jnp.int32)
+    row = count_le(cu_seqlens, t) - 1
+    in_batch = (row >= 0) & (row < slot_ids.shape[0])
+    row_live = in_batch & live[jnp.clip(row, 0, slot_ids.shape[0] - 1)]
+    o = jnp.where(row_live[:, None, None], o, jnp.zeros_like(o))
+    return o, ssm.at[layer, idx].set(final, mode="drop")
+
+
+def gdn_prefill_pool_reference(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    **kw,  # layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm (the normalised call)
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+    """Oracle: gather the initial states, run ``chunk_gated_delta_rule_reference``, scatter the final ones."""
+    return _pool_reference(gdn.chunk_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
+
+
+def gdn_decode_pool_reference(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    **kw,  # layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm (the normalised call)
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+    """Oracle: gather the initial states, run ``recurrent_gated_delta_rule_reference``, scatter the final ones."""
+    return _pool_reference(gdn.recurrent_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- public ops
+def validate_pool_args(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    layer: int | jax.Array,  # i32[]
+    slot_ids: jax.Array,  # i32[N]
+    has_initial_state: jax.Array | None,  # bool[N]
+    cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
+    scale: float | None,
+    use_qk_l2norm: bool,
+    impl: str,
+) -> float:
+    """Host-side (trace-time) check of a pool op's arguments; returns the resolved ``scale``.
+
+    The checks of :func:`kvjax.ops.gdn.validate_gdn_args`, the array's shape and dtype, ``layer`` (a Python int
+    in range, or an i32 scalar), ``slot_ids`` i32[N] (host values also by :func:`check_slot_ids`),
+    ``has_initial_state`` bool[N]. ``ValueError`` (``InvalidPlanError`` for slot ids) names the argument.
+    """
+    if cu_seqlens is None:
+        if q.shape[0] != slot_ids.shape[0]:
+            raise ValueError(f"without cu_seqlens decode takes one token per row: q has {q.shape[0]} tokens, "
+                             f"slot_ids {slot_ids.shape[0]} rows")
+        cu_seqlens = np.arange(slot_ids.shape[0] + 1, dtype=np.int32)
+    scale = gdn.validate_gdn_args(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, impl)
+    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
+    check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32], shape=(None, None, hv, kd, vd))
+    num_seqs = cu_seqlens.shape[0] - 1
+    check_int32("slot_ids", slot_ids, shape=(num_seqs,))
+    if has_initial_state is not None:
+        check_array("has_initial_state", has_initial_state, shape=(num_seqs,), dtypes=[jnp.bool_])
+    num_layers, num_slots = ssm.shape[:2]
+    if static_layer(layer) is not None:
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer={layer} out of range for a GDN pool of {num_layers} layers")
+    else:
+        check_int32("layer", layer, rank=0)
+    if isinstance(slot_ids, np.ndarray):  # host values: free to check (device code cannot raise)
+        check_slot_ids(slot_ids, num_slots - 1)
+    return scale
+
+
+def _run(table, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,
+         impl):
+    scale = validate_pool_args(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
+                               use_qk_l2norm, impl)
+    fixed = static_layer(layer)
+    return table(
+        impl, q, k, v, g, beta, ssm, layer=layer if fixed is None else fixed, slot_ids=slot_ids,
+        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+    )
+
+
+def gdn_prefill_pool(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv] log-decay
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int | jax.Array,  # GDN layer index (int, or i32[])
+    slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
+    has_initial_state: jax.Array,  # bool[N]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, new ssm f32[L, S+1, Hv, K, V])
+    """Chunked gated delta rule (prefill / extend) on the SSM array; returns ``(o, ssm)`` with every live row's
+    final state written at ``ssm[layer, slot_ids[n]]`` (slot 0 never). Errors: see :func:`validate_pool_args`;
+    ``UnknownImplError`` for an ``impl`` that cannot run here or take this call."""
+    return _run(PREFILL_TABLE, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
+                use_qk_l2norm, impl)
+
+
+def gdn_decode_pool(
+    q: jax.Array,  # [T, Hk, K]  (T = B: one token per row, unless cu_seqlens is given)
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int | jax.Array,
+    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
+    has_initial_state: jax.Array | None = None,  # bool[B]; None = every live row continues its state
+    cu_seqlens: jax.Array | None = None,  # i32[B+1] (a few tokens per row, verification); None = one each
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, new ssm f32[L, S+1, Hv, K, V])
+    """Stepwise gated delta rule (decode, verification) on the SSM array; same contract as
+    :func:`gdn_prefill_pool`. Padding rows cost no state traffic."""
+    return _run(DECODE_TABLE, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
+                use_qk_l2norm, impl)
+
+
+# ---------------------------------------------------------------------------------------------- backend tables
+def _example(num_tokens: int, rows: int, heads: int, *, ragged: bool, layer_traced: bool = False):
+    """A representative normalised call: bf16 q/k/v/beta, K = V = 128, a pool of ``rows + 9`` slots."""
+    sds = jax.ShapeDtypeStruct
+    args, kw = gdn.example_call(num_tokens, rows, heads)
+    ssm = sds((1, rows + 9, heads, 128, 128), jnp.float32)
+    kwargs = dict(
+        layer=sds((), jnp.int32) if layer_traced else 0, slot_ids=sds((rows,), jnp.int32),
+        has_initial_state=sds((rows,), jnp.bool_) if ragged else None, cu_seqlens=kw["cu_seqlens"] if ragged else None,
+        scale=kw["scale"], use_qk_l2norm=True,
+    )
+    return (*args, ssm), kwargs
+
+
+_PALLAS_NOTE = "rows/flags kernel on the flattened [L * (S+1)] slots: takes every call"
+
+PREFILL_TABLE = BackendTable(
+    PREFILL_OP,
+    gdn_prefill_pool_reference,
+    (
+        Backend("pallas", "kvjax.pallas.gdn.chunk:gdn_prefill_pool_pallas", priority=10,
+                unsupported="kvjax.pallas.gdn.common:unsupported", note=_PALLAS_NOTE),
+    ),
+    examples={
+        "prefill N=4 T=16384 H=32": lambda: _example(16384, 4, 32, ragged=True),
+        "prefill N=1 T=8192 H=16, traced layer": lambda: _example(8192, 1, 16, ragged=True, layer_traced=True),
+    },
+)
+
+DECODE_TABLE = BackendTable(
+    DECODE_OP,
+    gdn_decode_pool_reference,
+    (
+        Backend("slots", "kvjax.pallas.gdn.recurrent:gdn_decode_slots_pallas", priority=20,
+                unsupported="kvjax.pallas.gdn.recurrent:decode_slots_unsupported",
+                note="indexes the pool by slot id in the kernel; 92.7-93.1% of a same-bytes copy on the H100"),
+        Backend("pallas", "kvjax.pallas.gdn.recurrent:gdn_decode_pool_pallas", priority=10,
+                unsupported="kvjax.pallas.gdn.common:unsupported", note=_PALLAS_NOTE),
+    ),
+    examples={
+        "decode B=128 H=32, int layer": lambda: _example(128, 128, 32, ragged=False),
+        "decode B=128 H=32, traced layer": lambda: _example(128, 128, 32, ragged=False, layer_traced=True),
+        "verify B=32 x 4 tokens H=32": lambda: _example(128, 32, 32, ragged=True),
+    },
+)
