@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvjax.base.device import NAMED
+from kvjax.errors import UnknownImplError
 from kvjax.ops import dsa, mla
 
 FP8_MAX = 448.0
@@ -235,7 +237,7 @@ def _sparse_case(rng, lens, h, page_size, max_blocks, k, dtype):
 
 @pytest.mark.parametrize("splits, block_n", [(1, 16), (3, 32)])
 def test_sparse_pallas_interpret_matches_reference(rng, splits, block_n):
-    from kvjax.pallas.mla_decode import sparse_mla_decode_pallas
+    from kvjax.pallas.mla.decode import sparse_mla_decode_pallas
 
     args = _sparse_case(rng, [70, 9, 33, 0], h=3, page_size=16, max_blocks=5, k=40, dtype=jnp.bfloat16)
     want = dsa.sparse_mla_decode(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args],
@@ -256,7 +258,7 @@ def test_sparse_pallas_gpu(rng, h):
     want = dsa.sparse_mla_decode(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args],
                                  scale=0.05, impl="reference")
     for splits in (None, 1, 4):
-        from kvjax.pallas.mla_decode import sparse_mla_decode_pallas
+        from kvjax.pallas.mla.decode import sparse_mla_decode_pallas
 
         got = np.asarray(sparse_mla_decode_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
         assert np.isfinite(got).all()
@@ -295,7 +297,7 @@ def test_indexer_reads_the_dsa_cache_writer(rng):
         np.testing.assert_allclose(k, keys[row == b], rtol=0.07, atol=0.07 * 3 * 4)  # e4m3 rounding
 
 
-# ---- Pallas indexer kernel (kvjax.pallas.dsa_indexer) ----
+# ---- Pallas indexer kernel (kvjax.pallas.mla.dsa_indexer) ----
 
 def _indexer_case(rng, lens, new, *, hi, di, page_size, max_blocks, block=128, pad_tokens=1, q_dtype=np.float32):
     """Ragged step (chunked prefill / decode rows, padding tokens), fp8 keys in permuted pages with holes."""
@@ -351,12 +353,12 @@ def _check_indexer(got, want, bound, topk):
 
 
 def test_fp8_bit_decoder_is_exact():
-    from kvjax.pallas.dsa_indexer import _decode_e4m3_bits
+    from kvjax.pallas.mla.dsa_indexer import decode_e4m3_bits
 
     codes = np.arange(256, dtype=np.uint8)
     vals = codes.view(jnp.float8_e4m3fn).astype(np.float32)
     finite = np.isfinite(vals)
-    got = np.asarray(_decode_e4m3_bits(jnp.asarray(codes)))
+    got = np.asarray(decode_e4m3_bits(jnp.asarray(codes)))
     assert finite.sum() == 254  # 0x7f and 0xff are NaN
     np.testing.assert_array_equal(got[finite], vals[finite])  # subnormals and signed zero included
 
@@ -366,7 +368,7 @@ def test_fp8_bit_decoder_is_exact():
     (64, 4, jnp.bfloat16),  # two scale groups per token; bf16 q (then exact up to f32 sums)
 ])
 def test_indexer_pallas_interpret_matches_reference(rng, block, ppp, q_dtype):
-    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+    from kvjax.pallas.mla.dsa_indexer import indexer_scores_pallas
 
     scale = 128 ** -0.5
     args, cu = _indexer_case(rng, [70, 9, 33, 1, 80], [3, 9, 1, 1, 2], hi=6, di=128, page_size=16,
@@ -380,24 +382,26 @@ def test_indexer_pallas_interpret_matches_reference(rng, block, ppp, q_dtype):
 
 
 def test_indexer_dispatch_and_kernel_validation(rng):
-    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+    from kvjax.pallas.mla.dsa_indexer import indexer_scores_pallas, unsupported
 
     args, cu = _indexer_case(rng, [20, 5], [2, 1], hi=2, di=128, page_size=16, max_blocks=2)
     want = np.asarray(dsa.indexer_scores(*args, cu_seqlens=cu, scale=0.1, impl="reference"))
     got = np.asarray(dsa.indexer_scores(*args, cu_seqlens=cu, scale=0.1, impl="interpret"))
     _check_indexer(got, want, _bf16_bound(args, cu, 0.1), topk=4)
-    assert "reference" in dsa.dispatch.available("indexer_scores")
+    assert "reference" in dsa.INDEXER_TABLE.available()
     q, w, kq, ks, tables, lens = args
     with pytest.raises(ValueError, match="page_size"):  # Triton tiles need powers of two >= 16
         indexer_scores_pallas(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1, interpret=True)
-    assert dsa._indexer_kernel_fits(kq, ks) and not dsa._indexer_kernel_fits(kq.astype(jnp.float32), ks)
-    assert not dsa._indexer_kernel_fits(kq[:, :8], ks[:, :8])
+    assert unsupported(q, w, kq, ks) is None and "float8_e4m3fn" in unsupported(q, w, kq.astype(jnp.float32), ks)
+    assert "page_size" in unsupported(q, w, kq[:, :8], ks[:, :8])
+    with pytest.raises(UnknownImplError, match="page_size"):  # the op names the kernel's limits
+        dsa.indexer_scores(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1, impl="interpret")
 
 
 @pytest.mark.gpu
 def test_indexer_pallas_gpu(rng):
     """Realistic shapes: 64 heads of 128, pages of 64, decode rows up to 8k plus a prefill chunk."""
-    from kvjax.pallas.dsa_indexer import indexer_scores_pallas
+    from kvjax.pallas.mla.dsa_indexer import indexer_scores_pallas
 
     scale = 128 ** -0.5
     lens = [8192, 1, 3000, 2048, 64, 5000, 7777, 130]
@@ -411,7 +415,7 @@ def test_indexer_pallas_gpu(rng):
     assert overlap >= 0.99
 
 
-# ---- Pallas sparse MLA decode over the fp8 DSA key roles (kvjax.pallas.dsa_sparse) ----
+# ---- Pallas sparse MLA decode over the fp8 DSA key roles (kvjax.pallas.mla.dsa_sparse) ----
 
 def _fp8_roles(args):
     """bf16/f32 latent pages [P, ps, 576] -> (key f8e4m3[P, ps, 512], key_scale f32[P, ps, 4], key_rope bf16)."""
@@ -425,7 +429,7 @@ def test_sparse_fp8_pallas_interpret_matches_reference(rng, splits, block_n):
     """Kernel vs the f32 reference on the same fp8 roles. The fp8 keys reach the tensor cores exactly; the
     rounding is of q (bf16, rel. 2**-9) and of the softmax weights (bf16), so rel. error <= 1e-2 (measured
     ~3e-3)."""
-    from kvjax.pallas.dsa_sparse import sparse_mla_decode_fp8_pallas
+    from kvjax.pallas.mla.dsa_sparse import sparse_mla_decode_fp8_pallas
 
     q, qr, pages, tables, lens, idx = _sparse_case(rng, [70, 9, 33, 0], h=3, page_size=16, max_blocks=5, k=40,
                                                    dtype=jnp.float32)
@@ -444,7 +448,7 @@ def test_sparse_fp8_pallas_interpret_matches_reference(rng, splits, block_n):
 
 
 def test_sparse_fp8_kernel_validation(rng):
-    from kvjax.pallas.dsa_sparse import sparse_mla_decode_fp8_pallas
+    from kvjax.pallas.mla.dsa_sparse import sparse_mla_decode_fp8_pallas, unsupported
 
     q, qr, pages, tables, lens, idx = _sparse_case(rng, [20, 5], h=2, page_size=16, max_blocks=2, k=8,
                                                    dtype=jnp.float32)
@@ -460,14 +464,15 @@ def test_sparse_fp8_kernel_validation(rng):
     with pytest.raises(ValueError, match="powers of two"):  # the op names the kernel's limits too
         dsa.sparse_mla_decode_fp8(q, qr, key, jnp.ones((*key.shape[:2], 64)), rope, tables, lens, idx, scale=0.1,
                                   impl="interpret")
-    assert dsa._sparse_fp8_kernel_fits(key, ks, qr)
-    assert not dsa._sparse_fp8_kernel_fits(key, jnp.ones((*key.shape[:2], 64)), qr)
+    assert unsupported(q, qr, key, ks) is None
+    assert "powers of two" in unsupported(q, qr, key, jnp.ones((*key.shape[:2], 64)))
+    assert "float8_e4m3fn" in unsupported(q, qr, key.astype(jnp.float32), ks)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [16, 128])
 def test_sparse_fp8_pallas_gpu(rng, h):
-    from kvjax.pallas.dsa_sparse import sparse_mla_decode_fp8_pallas
+    from kvjax.pallas.mla.dsa_sparse import sparse_mla_decode_fp8_pallas
 
     q, qr, pages, tables, lens, idx = _sparse_case(rng, [8192, 1, 3000, 2048, 64, 5000], h=h, page_size=64,
                                                    max_blocks=128, k=2048, dtype=jnp.bfloat16)
@@ -480,3 +485,58 @@ def test_sparse_fp8_pallas_gpu(rng, h):
         got = np.asarray(sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
         assert np.isfinite(got).all()
         assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 2e-2  # bf16 output on top of 1e-2
+
+
+# ---- backend tables ----
+
+def _sparse_fp8_call(h, dtype=jnp.float8_e4m3fn, scales=4, b=32, context=8192, topk=2048):
+    sds = jax.ShapeDtypeStruct
+    pages = (b * context // 64, 64)
+    args = (sds((b, h, 512), jnp.bfloat16), sds((b, h, 64), jnp.bfloat16), sds(pages + (512,), dtype),
+            sds(pages + (scales,), jnp.float32), sds(pages + (64,), jnp.bfloat16),
+            sds((b, 1, context // 64), jnp.int32), sds((b,), jnp.int32), sds((b, topk), jnp.int32))
+    return args, dict(scale=0.07)
+
+
+def _auto(table, call, device):
+    reasons = table.explain(*call, NAMED[device])
+    return next(name for name, why in reasons if why is None), dict(reasons)
+
+
+def test_tables_choose_as_documented():
+    """fp8 sparse decode: the kernel on a GPU exactly at <= 16 heads (where it was measured 16-18% faster than the
+    jnp path), the reference at 128 heads and for keys it cannot take; the indexer kernel only for fp8 keys; the
+    bf16-latent sparse kernel on every GPU; the reference on a CPU."""
+    fp8 = dsa.SPARSE_FP8_TABLE
+    for device in ("h100", "a100"):
+        assert _auto(fp8, _sparse_fp8_call(16), device)[0] == "pallas"
+        choice, why = _auto(fp8, _sparse_fp8_call(128), device)
+        assert choice == "reference" and "H = 128 > 16 heads" in why["pallas"]
+    choice, why = _auto(fp8, _sparse_fp8_call(16, scales=64), "h100")
+    assert choice == "reference" and "powers of two" in why["pallas"]
+    choice, why = _auto(fp8, _sparse_fp8_call(16), "cpu")
+    assert choice == "reference" and "needs a GPU" in why["pallas"]
+
+    for table in (dsa.INDEXER_TABLE, dsa.SPARSE_TABLE, fp8):
+        assert table.names() == ["reference", "pallas"]
+        for ex in table.examples.values():
+            call = ex()
+            assert _auto(table, call, "cpu")[0] == "reference"
+            assert _auto(table, call, "h100")[0] in ("pallas", "reference")
+    indexer = {name: _auto(dsa.INDEXER_TABLE, ex(), "h100") for name, ex in dsa.INDEXER_TABLE.examples.items()}
+    assert sorted(choice for choice, _ in indexer.values()) == ["pallas", "reference"]
+    assert any("float8_e4m3fn" in (why["pallas"] or "") for _, why in indexer.values())
+    for ex in dsa.SPARSE_TABLE.examples.values():
+        assert _auto(dsa.SPARSE_TABLE, ex(), "a100")[0] == "pallas"
+
+
+def test_explicit_dsa_impl_that_cannot_take_the_call_raises(rng):
+    q, qr, pages, tables, lens, idx = _sparse_case(rng, [20, 5], h=17, page_size=16, max_blocks=2, k=8,
+                                                   dtype=jnp.float32)
+    key, ks, rope = _fp8_roles((q, qr, pages))
+    with pytest.raises(UnknownImplError, match="H = 17 > 16 heads"):
+        dsa.sparse_mla_decode_fp8(q, qr, key, ks, rope, tables, lens, idx, scale=0.1, impl="interpret")
+    with pytest.raises(UnknownImplError, match="no implementation 'mosaic'"):
+        dsa.sparse_mla_decode(q, qr, pages, tables, lens, idx, scale=0.1, impl="mosaic")
+    with pytest.raises(UnknownImplError, match="needs a GPU"):
+        dsa.SPARSE_TABLE.choose("pallas", (q, qr, pages, tables, lens, idx), dict(scale=0.1), NAMED["cpu"])

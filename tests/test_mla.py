@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.base.device import NAMED, current_device
+from kvjax.errors import UnknownImplError
 from kvjax.ops import mla
 
 RANK, ROPE = 512, 64
@@ -178,7 +181,7 @@ def _oracle(q, qr, pages, tables, lens, scale):
 def test_pallas_interpret_matches_reference(rng, splits, block_n):
     """Mixed lengths (1, page edges, empty splits), random page permutation, holes after each sequence;
     one page per step, 128 rows gathered across two pages per step, or half a page per step."""
-    from kvjax.pallas.mla_decode import mla_decode_pallas
+    from kvjax.pallas.mla.decode import mla_decode_pallas
 
     lens = [1, 63, 64, 65, 190, 0]
     args = _random_decode(rng, lens, h=5, page_size=64, max_blocks=4, dtype=jnp.bfloat16)
@@ -210,7 +213,8 @@ def _split_tables(tables, lens, page_size, splits):
 
 
 def test_lse_merge_is_exact_and_stage1_matches(rng):
-    from kvjax.pallas.mla_decode import _stage1_call, merge_splits
+    from kvjax.pallas.mla.decode import _stage1_call
+    from kvjax.pallas.split_kv import merge_splits
 
     lens, page_size, splits, scale = [7, 130, 64, 1], 32, 3, 0.05
     q, qr, pages, tables, lens_a = _random_decode(rng, lens, h=16, page_size=page_size, max_blocks=5,
@@ -221,19 +225,19 @@ def test_lse_merge_is_exact_and_stage1_matches(rng):
     o_parts = jnp.stack([p[0] for p in parts], 1)  # [B, S, H, R]
     lse_parts = jnp.stack([p[1] for p in parts], 1)  # [B, S, H]
     assert np.isneginf(np.asarray(lse_parts)[3, 1:]).all()  # length 1: two empty splits
-    merged = merge_splits(o_parts, lse_parts)
+    merged = merge_splits(o_parts, lse_parts, axis=1)
     np.testing.assert_allclose(np.asarray(merged), np.asarray(full_o), rtol=2e-6, atol=2e-6)
 
     o1, lse1 = _stage1_call(q, qr, pages, tables[:, 0], lens_a, scale=scale, num_splits=splits, block_h=16,
                             num_warps=4, num_stages=2, interpret=True)
     np.testing.assert_allclose(np.asarray(lse1), np.asarray(lse_parts), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o_parts), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(merge_splits(o1, lse1)), np.asarray(full_lse[..., None] * 0 + full_o),
+    np.testing.assert_allclose(np.asarray(merge_splits(o1, lse1, axis=1)), np.asarray(full_lse[..., None] * 0 + full_o),
                                rtol=1e-4, atol=1e-4)
 
 
 def test_num_kv_splits_choice_is_static():
-    from kvjax.pallas.mla_decode import choose_num_kv_splits
+    from kvjax.pallas.split_kv import choose_num_kv_splits
 
     assert choose_num_kv_splits(128, 1, 64, 132) == 2
     assert choose_num_kv_splits(128, 4, 64, 132) == 2
@@ -246,7 +250,7 @@ def test_mosaic_interpret_matches_reference(rng):
     """The Mosaic GPU kernel in the Mosaic GPU interpreter (slow: ~1 min): mixed lengths (0, 1, a tile edge,
     empty splits), a hole inside a sequence, 70 heads (two head groups, the second padded), one split (final
     dtype written by the kernel) and three (f32 split outputs merged)."""
-    from kvjax.pallas.mla_decode_mgpu import mla_decode_mgpu
+    from kvjax.pallas.mla.decode_mgpu import mla_decode_mgpu
 
     lens, h = [1, 65, 190, 0], 70
     q, qr, pages, tables, lens_a = _random_decode(rng, lens, h=h, page_size=64, max_blocks=3, dtype=jnp.bfloat16)
@@ -262,40 +266,93 @@ def test_mosaic_interpret_matches_reference(rng):
 
 
 def test_mosaic_rejects_unsupported_shapes(rng):
-    from kvjax.pallas.mla_decode_mgpu import mla_decode_mgpu, unsupported
+    from kvjax.pallas.mla.decode_mgpu import mla_decode_mgpu, shape_limits, unsupported
 
     q, qr, pages, tables, lens = _random_decode(rng, [5], h=4, page_size=32, max_blocks=2, dtype=jnp.bfloat16)
-    assert unsupported(q, qr, pages) == "page_size a multiple of 64, got 32"
-    assert "R = 512 and r = 64" in unsupported(q[..., :256], qr, pages)
+    assert shape_limits(q, qr, pages) == "page_size a multiple of 64, got 32"
+    assert "R = 512 and r = 64" in shape_limits(q[..., :256], qr, pages)
     pages64 = pages.reshape(-1, 64, RANK + ROPE)
-    assert unsupported(q, qr, pages64) is None
-    assert unsupported(q, qr, pages64.astype(jnp.float32)) == "a bf16 or f16 latent cache, got float32"
+    assert shape_limits(q, qr, pages64) is None
+    assert shape_limits(q, qr, pages64.astype(jnp.float32)) == "a bf16 or f16 latent cache, got float32"
     with pytest.raises(ValueError, match="page_size a multiple of 64, got 32"):
         mla_decode_mgpu(q, qr, pages, tables, lens, scale=0.1)
+    # the backend table's check: the same limits, and at most 16 heads declined (the Pallas kernel is faster)
+    assert unsupported(q, qr, pages, tables, lens, scale=0.1, num_kv_splits=None) == \
+        "needs page_size a multiple of 64, got 32"
+    assert "H = 4 <= 16 heads" in unsupported(q, qr, pages64, tables, lens, scale=0.1, num_kv_splits=None)
+    q17, qr17 = jnp.zeros((1, 17, RANK), jnp.bfloat16), jnp.zeros((1, 17, ROPE), jnp.bfloat16)
+    assert unsupported(q17, qr17, pages64, tables, lens, scale=0.1, num_kv_splits=None) is None
 
 
 def test_mosaic_num_kv_splits_choice():
-    from kvjax.pallas.mla_decode_mgpu import choose_num_kv_splits
+    from kvjax.pallas.split_kv import choose_num_kv_splits
 
-    assert choose_num_kv_splits(128, 2, 64, 132) == 1  # 256 CTAs already fill the SMs
-    assert choose_num_kv_splits(128, 1, 64, 132) == 1
-    assert choose_num_kv_splits(8, 1, 64, 132) == 16
-    assert choose_num_kv_splits(1, 1, 2, 132) == 1  # never more splits than 4-tile chunks allow
-    assert choose_num_kv_splits(2, 1, 512, 132) == 64  # capped
+    def choose(*a):
+        return choose_num_kv_splits(*a, one_cta_per_sm=True)
+
+    assert choose(128, 2, 64, 132) == 1  # 256 CTAs already fill the SMs
+    assert choose(128, 1, 64, 132) == 1
+    assert choose(8, 1, 64, 132) == 16
+    assert choose(1, 1, 2, 132) == 1  # never more splits than 4-tile chunks allow
+    assert choose(2, 1, 512, 132) == 64  # capped
 
 
-def test_kernel_choice(rng):
-    """``kernel=`` is validated; off a Hopper GPU (and in interpret mode) ``"auto"`` keeps the Triton kernel, and
-    ``"mosaic"`` with ``interpret=True`` runs the Mosaic GPU kernel in its interpreter (same contract)."""
-    from kvjax.pallas.mla_decode import _use_mosaic, mla_decode_pallas
+def _decode_call(h, page_size=64, dtype=jnp.bfloat16, b=128, context=4096):
+    sds = jax.ShapeDtypeStruct
+    blocks = context // page_size
+    args = (sds((b, h, RANK), dtype), sds((b, h, ROPE), dtype), sds((b * blocks, page_size, RANK + ROPE), dtype),
+            sds((b, 1, blocks), jnp.int32), sds((b,), jnp.int32))
+    return args, dict(scale=0.07, num_kv_splits=None)
 
-    q, qr, pages, tables, lens = _random_decode(rng, [3], h=64, page_size=64, max_blocks=1, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="kernel must be 'auto', 'mosaic' or 'triton', got 'cuda'"):
-        mla_decode_pallas(q, qr, pages, tables, lens, scale=0.1, kernel="cuda")
-    assert not _use_mosaic(q, qr, pages, "auto", (None,) * 4, interpret=True)
-    assert not _use_mosaic(q, qr, pages, "triton", (None,) * 4, interpret=False)
-    assert _use_mosaic(q, qr, pages, "mosaic", (None,) * 4, interpret=True)
-    assert not _use_mosaic(q, qr, pages, "auto", (16, None, None, None), interpret=False)  # a Triton tile knob
+
+def test_table_chooses_as_documented():
+    """``auto`` on a Hopper GPU: the Mosaic kernel above 16 heads (where it was measured 2.1x faster), the Pallas
+    Triton-lowered kernel at 16 (where Mosaic lost) and where Mosaic cannot take the shapes; the Pallas kernel on
+    any other GPU; the reference on a CPU. The jax-triton kernel is never ``auto``'s choice."""
+    table = mla.TABLE
+    assert table.names() == ["reference", "mosaic", "pallas", "triton"]
+
+    def auto(h, device, **kw):
+        reasons = table.explain(*_decode_call(h, **kw), NAMED[device])
+        return next(name for name, why in reasons if why is None), dict(reasons)
+
+    choice, why = auto(128, "h100")
+    assert choice == "mosaic"
+    choice, why = auto(16, "h100")
+    assert choice == "pallas" and "H = 16 <= 16 heads" in why["mosaic"]
+    assert auto(32, "h200")[0] == "mosaic"
+    choice, why = auto(128, "h100", page_size=16)
+    assert choice == "pallas" and "page_size a multiple of 64" in why["mosaic"]
+    assert auto(128, "h100", dtype=jnp.float32, page_size=64)[0] == "pallas"
+    for h in (16, 128):
+        choice, why = auto(h, "a100")
+        assert choice == "pallas" and "needs a Hopper GPU" in why["mosaic"]
+        choice, why = auto(h, "cpu")
+        assert choice == "reference" and "needs a GPU" in why["pallas"] and "needs a GPU" in why["triton"]
+        args, kwargs = _decode_call(h)
+        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] in ("mosaic", "pallas")
+    for ex in table.examples.values():  # the examples are valid normalised calls
+        args, kwargs = ex()
+        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] in ("mosaic", "pallas")
+
+
+def test_explicit_impl_that_cannot_take_the_call_raises(rng):
+    args = _random_decode(rng, [3, 70], h=4, page_size=64, max_blocks=2, dtype=jnp.bfloat16)
+    with pytest.raises(UnknownImplError, match="H = 4 <= 16 heads"):
+        mla.mla_decode(*args, scale=0.1, impl="mosaic:interpret")
+    with pytest.raises(UnknownImplError, match="no interpret mode"):
+        mla.mla_decode(*args, scale=0.1, impl="triton:interpret")
+    with pytest.raises(UnknownImplError, match="no implementation 'cuda'"):
+        mla.mla_decode(*args, scale=0.1, impl="cuda")
+    kw = dict(scale=0.1, num_kv_splits=None)
+    with pytest.raises(UnknownImplError, match="needs a Hopper GPU"):
+        mla.TABLE.choose("mosaic", args, kw, NAMED["a100"])
+    with pytest.raises(UnknownImplError, match="needs a GPU"):
+        mla.TABLE.choose("pallas", args, kw, NAMED["cpu"])
+    # 64 heads: the Mosaic kernel's interpreter may take the call (same contract as the Pallas kernel)
+    q64 = jnp.zeros((2, 64, RANK), jnp.bfloat16), jnp.zeros((2, 64, ROPE), jnp.bfloat16)
+    assert mla.TABLE.choose("mosaic:interpret", q64 + args[2:], kw)[0] == "mosaic:interpret"
+    assert mla.TABLE.choose("interpret", args, kw)[0] == "interpret"
 
 
 @pytest.mark.gpu
@@ -304,22 +361,26 @@ def test_kernel_choice(rng):
 def test_kernels_gpu_long_mixed(rng, impl, h):
     if impl == "triton":
         pytest.importorskip("jax_triton", reason="optional dependency: the 'triton' extra")
-    if impl == "mosaic":
-        from kvjax.pallas import hopper_gpu
-
-        if not hopper_gpu():
-            pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    if impl == "mosaic" and not current_device().hopper:
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     lens = [1, 8192, 64, 4097, 777, 8000, 65, 3]
     args = _random_decode(rng, lens, h=h, page_size=64, max_blocks=128, dtype=jnp.bfloat16)
     want = _oracle(*args, 0.07)
     for splits in (None, 1, 5):
-        got = mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
+        if impl == "mosaic" and h <= 16:  # the table declines it there (slower); the kernel itself takes it
+            from kvjax.pallas.mla.decode_mgpu import mla_decode_mgpu
+
+            with pytest.raises(UnknownImplError, match="heads"):
+                mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
+            got = mla_decode_mgpu(*args, scale=0.07, num_kv_splits=splits)
+        else:
+            got = mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
         assert np.isfinite(np.asarray(got, np.float32)).all()
         assert _rel_err(got, want) <= 2e-2, (impl, h, splits)
     if impl == "mosaic":
         return
     if impl == "pallas":
-        from kvjax.pallas.mla_decode import mla_decode_pallas as fn
+        from kvjax.pallas.mla.decode import mla_decode_pallas as fn
     else:
         from kvjax.triton.mla_decode import mla_decode_triton as fn
     got = fn(*args, scale=0.07, num_kv_splits=3, block_n=32)

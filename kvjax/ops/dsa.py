@@ -15,6 +15,11 @@ Semantics follow Hugging Face's ``deepseek_v32`` modeling code (``DeepseekV32Ind
 Cache layout (``kvjax.state.dsa_cache``): indexer keys ``f8e4m3[P, page_size, Di]`` with
 ``f32[P, page_size, Di // 128]`` scales; the latent key ``f8e4m3[P, page_size, R]`` + ``f32[P, page_size, R // 128]``
 scales + ``bf16[P, page_size, r]`` rope key. Positions map to pages through ``block_tables i32[B, 1, max_blocks]``.
+
+Each kernel op validates on the host and runs what its backend table chooses for ``impl``
+(:mod:`kvjax.ops.backends`): :data:`INDEXER_TABLE`, :data:`SPARSE_TABLE`, :data:`SPARSE_FP8_TABLE`, each a
+``"pallas"`` kernel of :mod:`kvjax.pallas.mla` (Triton lowering, any GPU) over the float32 reference. A named
+kernel that cannot take the call raises :class:`~kvjax.errors.UnknownImplError` with the reason.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.ops import dispatch
 from kvjax.base.checks import check_array, check_float, check_int32
 from kvjax.base.fp8 import dequantize_fp8_blockwise
 from kvjax.base.softmax import masked_softmax
+from kvjax.ops.backends import Backend, BackendTable, on_gpu
 
 
 def _page_of(block_tables, positions, page_size):
@@ -106,13 +111,6 @@ def indexer_scores_reference(
     return jax.lax.map(lambda a: one(*a), (q, weights, row, pos, valid))
 
 
-def _indexer_kernel_fits(index_k, index_scale) -> bool:
-    """Whether the Pallas indexer kernel takes these keys under ``impl="auto"`` (fp8, power-of-two tiles)."""
-    groups = 1 if index_scale is None else index_scale.shape[-1]
-    tiles = (index_k.shape[1], index_k.shape[-1] // groups)  # page size, scale-group width
-    return index_k.dtype == jnp.float8_e4m3fn and all(n >= 16 and n & (n - 1) == 0 for n in tiles)
-
-
 def indexer_scores(
     q: jax.Array,  # [T, Hi, Di] roped indexer queries
     weights: jax.Array,  # f32[T, Hi] per-head weights (n_heads**-0.5 applied)
@@ -129,10 +127,10 @@ def indexer_scores(
 
     Token ``t`` of row ``b`` sits at position ``seq_lens[b] - n_b + i`` and sees positions ``<=`` its own.
     Padding tokens (past ``cu_seqlens[-1]``) get all ``-inf``. Reads nothing it changes. The Pallas kernel
-    (``kvjax.pallas.dsa_indexer``) multiplies bf16 queries by the exactly decoded fp8 keys with f32
-    accumulation; the reference is f32 throughout. ``impl="auto"`` uses the kernel only for fp8 keys whose
-    page size and scale-group width are powers of two >= 16 (the kernel would round other float keys to bf16);
-    otherwise the reference.
+    (``kvjax.pallas.mla.dsa_indexer``) multiplies bf16 queries by the exactly decoded fp8 keys with f32
+    accumulation; the reference is f32 throughout. The kernel takes only fp8 keys whose page size and
+    scale-group width are powers of two >= 16 (it would round other float keys to bf16): ``impl="auto"`` runs
+    the reference for the others.
     """
     check_float("q", q, rank=3)
     t, hi, di = q.shape
@@ -147,10 +145,8 @@ def indexer_scores(
     check_int32("seq_lens", seq_lens, shape=(b,))
     check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
     _check_scale(scale)
-    if impl == "auto" and not _indexer_kernel_fits(index_k, index_scale):
-        impl = "reference"
-    fn = dispatch.resolve("indexer_scores", impl)
-    return fn(q, weights, index_k, index_scale, block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=float(scale))
+    return INDEXER_TABLE(impl, q, weights, index_k, index_scale, block_tables, seq_lens, cu_seqlens=cu_seqlens,
+                         scale=float(scale))
 
 
 def index_topk(scores: jax.Array, topk: int) -> jax.Array:
@@ -237,8 +233,8 @@ def sparse_mla_decode(
     check_float("latent_pages", latent_pages, rank=3,
                 shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
     _check_scale(scale)
-    fn = dispatch.resolve("sparse_mla_decode", impl)
-    return fn(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=float(scale))
+    return SPARSE_TABLE(impl, q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices,
+                        scale=float(scale))
 
 
 def sparse_mla_decode_fp8_reference(
@@ -264,12 +260,6 @@ def sparse_mla_decode_fp8_reference(
     return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
 
 
-def _sparse_fp8_kernel_fits(key, key_scale, q_rope) -> bool:
-    """Whether the Pallas fp8 sparse kernel takes these roles (fp8, power-of-two tiles)."""
-    tiles = (key.shape[-1] // key_scale.shape[-1], q_rope.shape[-1])  # scale-group width, rope width
-    return key.dtype == jnp.float8_e4m3fn and all(n >= 16 and n & (n - 1) == 0 for n in tiles)
-
-
 def sparse_mla_decode_fp8(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
@@ -286,10 +276,11 @@ def sparse_mla_decode_fp8(
     """Sparse MLA decode over the DSA ``key`` cache roles: gathers and dequantises only the selected rows.
 
     Same semantics as :func:`sparse_mla_decode` on the dequantised latent; returns ``o: [B, H, R]`` in
-    ``q_latent``'s dtype. ``impl="pallas"`` runs the kernel of ``kvjax.pallas.dsa_sparse`` (decodes the fp8
-    bytes exactly, applies the scales outside its bf16 products, f32 accumulation; needs scale-group and rope
-    widths that are powers of two >= 16). ``impl="auto"`` is the reference on every backend: the kernel
-    measured slower than it on an H200 (benchmarks/RESULTS.md).
+    ``q_latent``'s dtype. The ``"pallas"`` kernel (``kvjax.pallas.mla.dsa_sparse``: decodes the fp8 bytes
+    exactly, applies the scales outside its bf16 products, f32 accumulation) takes fp8 keys with scale-group and
+    rope widths that are powers of two >= 16, and at most 16 heads: it takes 16-18% less time than the
+    reference at 16 heads and 3% less at 128 (H100 run 13; on the H200, run 5, it trailed in 3 of 4 cases,
+    benchmarks/RESULTS.md), so ``impl="auto"`` runs it on a GPU exactly at <= 16 heads.
     """
     _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
     check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))
@@ -298,27 +289,74 @@ def sparse_mla_decode_fp8(
         raise ValueError(f"key_scale has {key_scale.shape[-1]} scales per token; {key.shape[-1]} is not a multiple")
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
     _check_scale(scale)
-    if impl == "auto":  # measured: the jnp path is faster than the kernel (see the docstring)
-        impl = "reference"
-    elif impl in ("pallas", "interpret") and not _sparse_fp8_kernel_fits(key, key_scale, q_rope):
-        raise ValueError(f"sparse_mla_decode_fp8 impl={impl!r} needs fp8 keys and scale-group / rope widths that "
-                         f"are powers of two >= 16; got key {key.dtype} {tuple(key.shape)}, "
-                         f"{key_scale.shape[-1]} scales, rope {q_rope.shape[-1]}")
-    fn = dispatch.resolve("sparse_mla_decode_fp8", impl)
-    return fn(q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices, scale=float(scale))
+    return SPARSE_FP8_TABLE(impl, q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices,
+                            scale=float(scale))
 
 
-def sparse_impls() -> list[str]:
-    """Implementations of ``sparse_mla_decode`` usable on the current backend."""
-    return dispatch.available("sparse_mla_decode")
+_MLA = "kvjax.pallas.mla"
+_SDS = jax.ShapeDtypeStruct
 
 
-dispatch.register_reference("sparse_mla_decode", sparse_mla_decode_reference)
-dispatch.register_kernel("sparse_mla_decode", "pallas", "kvjax.pallas.mla_decode:sparse_mla_decode_pallas",
-                         platforms=("gpu",))
-dispatch.register_reference("indexer_scores", indexer_scores_reference)
-dispatch.register_kernel("indexer_scores", "pallas", "kvjax.pallas.dsa_indexer:indexer_scores_pallas",
-                         platforms=("gpu",))
-dispatch.register_reference("sparse_mla_decode_fp8", sparse_mla_decode_fp8_reference)
-dispatch.register_kernel("sparse_mla_decode_fp8", "pallas", "kvjax.pallas.dsa_sparse:sparse_mla_decode_fp8_pallas",
-                         platforms=("gpu",))
+def _indexer_example(t: int, b: int, context: int, page_size: int = 64, key_dtype=jnp.float8_e4m3fn,
+                     heads: int = 64, dim: int = 128) -> tuple[tuple, dict]:
+    blocks = context // page_size
+    pages = (b * blocks, page_size)
+    scales = _SDS(pages + (dim // 128,), jnp.float32) if key_dtype == jnp.float8_e4m3fn else None
+    args = (_SDS((t, heads, dim), jnp.bfloat16), _SDS((t, heads), jnp.float32), _SDS(pages + (dim,), key_dtype),
+            scales, _SDS((b, 1, blocks), jnp.int32), _SDS((b,), jnp.int32))
+    return args, dict(cu_seqlens=_SDS((b + 1,), jnp.int32), scale=dim ** -0.5)
+
+
+def _sparse_example(b: int, h: int, context: int, topk: int = 2048, fp8: bool = False,
+                    page_size: int = 64) -> tuple[tuple, dict]:
+    blocks = context // page_size
+    pages = (b * blocks, page_size)
+    q = (_SDS((b, h, 512), jnp.bfloat16), _SDS((b, h, 64), jnp.bfloat16))
+    cache = ((_SDS(pages + (512,), jnp.float8_e4m3fn), _SDS(pages + (4,), jnp.float32),
+              _SDS(pages + (64,), jnp.bfloat16)) if fp8 else (_SDS(pages + (576,), jnp.bfloat16),))
+    rows = (_SDS((b, 1, blocks), jnp.int32), _SDS((b,), jnp.int32), _SDS((b, topk), jnp.int32))
+    return q + cache + rows, dict(scale=192 ** -0.5)
+
+
+INDEXER_TABLE = BackendTable(
+    "indexer_scores",
+    indexer_scores_reference,
+    (
+        Backend("pallas", f"{_MLA}.dsa_indexer:indexer_scores_pallas", priority=10, device=on_gpu,
+                unsupported=f"{_MLA}.dsa_indexer:unsupported",
+                note="scores + top-k 3.8-8.8x the jnp reference (B=32, L=8192-32768, H200 run 5, H100 run 13)"),
+    ),
+    examples={
+        "decode B=32 L=8192 64x128 fp8 keys page 64": lambda: _indexer_example(32, 32, 8192),
+        "prefill T=512 L=4096 64x128 f32 keys page 64": lambda: _indexer_example(512, 1, 4096,
+                                                                                 key_dtype=jnp.float32),
+    },
+)
+
+SPARSE_TABLE = BackendTable(
+    "sparse_mla_decode",
+    sparse_mla_decode_reference,
+    (
+        Backend("pallas", f"{_MLA}.decode:sparse_mla_decode_pallas", priority=10, device=on_gpu,
+                note="top-k 2048: 1.0-3.6x the jnp reference (B=32, L=8192-32768, H200)"),
+    ),
+    examples={
+        "decode B=32 L=32768 H=16 top-2048 page 64 bf16": lambda: _sparse_example(32, 16, 32768),
+        "decode B=32 L=32768 H=128 top-2048 page 64 bf16": lambda: _sparse_example(32, 128, 32768),
+    },
+)
+
+SPARSE_FP8_TABLE = BackendTable(
+    "sparse_mla_decode_fp8",
+    sparse_mla_decode_fp8_reference,
+    (
+        Backend("pallas", f"{_MLA}.dsa_sparse:sparse_mla_decode_fp8_pallas", priority=10, device=on_gpu,
+                unsupported=f"{_MLA}.dsa_sparse:unsupported",
+                note="H=16: 0.204 vs 0.248 ms (L=8192), 0.203 vs 0.241 ms (L=32768) against the jnp path "
+                     "(H100 run 13); H=128: 3% (H100) or slower (H200)"),
+    ),
+    examples={
+        "decode B=32 L=8192 H=16 top-2048 fp8 keys page 64": lambda: _sparse_example(32, 16, 8192, fp8=True),
+        "decode B=32 L=8192 H=128 top-2048 fp8 keys page 64": lambda: _sparse_example(32, 128, 8192, fp8=True),
+    },
+)

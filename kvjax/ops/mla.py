@@ -12,8 +12,8 @@ folds ``W_UK`` into the query (``q_latent = q_nope @ W_UK[h]``, :func:`absorb_qu
 head over the single latent head (an MQA with K = the whole 576-wide row and V = its first ``R`` values);
 ``W_UV`` is applied to the ``R``-wide output afterwards (:func:`absorb_output`).
 
-Kernel contract. :func:`mla_decode` validates on the host and calls ``dispatch.resolve("mla_decode", impl)``
-with exactly::
+Kernel contract. :func:`mla_decode` validates on the host and runs the implementation that :data:`TABLE` (its
+backend table) chooses for ``impl``, with exactly::
 
     fn(q_latent,       # [B, H, R]   (bf16 / f16 / f32)
        q_rope,         # [B, H, r]
@@ -22,8 +22,14 @@ with exactly::
        seq_lens,       # i32[B]; 0 = padding row (output 0)
        scale=...,          # Python float
        num_kv_splits=...,  # int | None (None: the implementation chooses)
-       [interpret=...])    # bool, kernels only (added by dispatch)
+       [interpret=...])    # bool, kernels only (added by the table)
     -> o: [B, H, R] in q_latent's dtype
+
+Backends (``impl="auto"`` takes the first that accepts, else the reference): ``"mosaic"``
+(:mod:`kvjax.pallas.mla.decode_mgpu`, Hopper, R = 512, r = 64, pages of 64k tokens, a 16-bit cache, more than
+16 heads: 2.1x the Triton kernels at 128 heads and slower at 16, benchmarks/RESULTS.md), ``"pallas"``
+(:mod:`kvjax.pallas.mla.decode`, the Pallas Triton lowering, any GPU and any shape) and ``"triton"``
+(:mod:`kvjax.triton.mla_decode`, a jax-triton baseline below ``"pallas"``: ``auto`` never takes it).
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.ops import dispatch
 from kvjax.base.checks import check_float, check_int32
 from kvjax.base.ragged import token_rows
 from kvjax.base.softmax import masked_softmax
+from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
 
 
 def _gather_latent(latent_pages, block_tables, length):
@@ -132,11 +138,13 @@ def mla_decode(
     ``seq_lens[b]`` positions (including the token written this step) are attended; rows with
     ``seq_lens == 0`` give 0. Returns ``o: [B, H, R]`` in ``q_latent``'s dtype; changes nothing.
     ``num_kv_splits`` (kernels) fixes the split-KV factor; ``None`` lets the kernel choose from static shapes.
+    ``impl``: ``"auto"``, ``"reference"``, ``"mosaic"``, ``"pallas"``, ``"triton"``, ``"interpret"`` or
+    ``"NAME:interpret"`` (:mod:`kvjax.ops.backends`); a named kernel that cannot take the call raises
+    :class:`~kvjax.errors.UnknownImplError` with the reason.
     """
     _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale, num_kv_splits)
-    fn = dispatch.resolve("mla_decode", impl)
-    return fn(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale=float(scale),
-              num_kv_splits=num_kv_splits)
+    return TABLE(impl, q_latent, q_rope, latent_pages, block_tables, seq_lens, scale=float(scale),
+                 num_kv_splits=num_kv_splits)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -228,7 +236,33 @@ def mla_prefill_reference(
     return o.astype(q_nope.dtype)
 
 
-dispatch.register_reference("mla_decode", mla_decode_reference)
-dispatch.register_kernel("mla_decode", "pallas", "kvjax.pallas.mla_decode:mla_decode_pallas", platforms=("gpu",))
-dispatch.register_kernel("mla_decode", "triton", "kvjax.triton.mla_decode:mla_decode_triton", platforms=("gpu",))
-dispatch.register_kernel("mla_decode", "mosaic", "kvjax.pallas.mla_decode_mgpu:mla_decode_mgpu", platforms=("gpu",))
+def _example(b: int, h: int, context: int, page_size: int = 64, dtype=jnp.bfloat16,
+             rank: int = 512, rope: int = 64) -> tuple[tuple, dict]:
+    sds = jax.ShapeDtypeStruct
+    blocks = context // page_size
+    args = (sds((b, h, rank), dtype), sds((b, h, rope), dtype), sds((b * blocks, page_size, rank + rope), dtype),
+            sds((b, 1, blocks), jnp.int32), sds((b,), jnp.int32))
+    return args, dict(scale=(128 + rope) ** -0.5, num_kv_splits=None)
+
+
+TABLE = BackendTable(
+    "mla_decode",
+    mla_decode_reference,
+    (
+        Backend("mosaic", "kvjax.pallas.mla.decode_mgpu:mla_decode_mgpu", priority=30, device=on_hopper,
+                unsupported="kvjax.pallas.mla.decode_mgpu:unsupported",
+                note="B=128 L=4096 H=128: 0.278 ms, 2.13x the Triton kernels (H100 run 13); at H=16 slower "
+                     "(0.226 vs 0.216 ms)"),
+        Backend("pallas", "kvjax.pallas.mla.decode:mla_decode_pallas", priority=20, device=on_gpu,
+                note="H=16: 0.216 ms, 92.7% of copy, ahead of the jax-triton kernel (0.217 ms, H100 run 13; "
+                     "0.151 vs 0.154 ms H200 run 12)"),
+        Backend("triton", "kvjax.triton.mla_decode:mla_decode_triton", priority=10, device=on_gpu,
+                unsupported="kvjax.triton:unsupported", interpretable=False,
+                note="jax-triton baseline: never ahead of the best Hopper kernel by 5% (RESULTS.md runs 11-13)"),
+    ),
+    examples={
+        "decode B=128 L=4096 H=16 page 64 bf16": lambda: _example(128, 16, 4096),
+        "decode B=128 L=4096 H=128 page 64 bf16": lambda: _example(128, 128, 4096),
+        "decode B=8 L=1024 H=128 page 16 f32": lambda: _example(8, 128, 1024, page_size=16, dtype=jnp.float32),
+    },
+)

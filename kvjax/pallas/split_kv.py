@@ -1,14 +1,31 @@
-"""Split-KV decoding shared by every split-KV kernel: stage 2 (the f32 log-sum-exp merge).
+"""Split-KV decoding, written once for every split-KV kernel: split choice, head padding, the host wrapper
+around a stage-1 kernel, and stage 2 (the f32 log-sum-exp merge).
 
 Stage 1 (a kernel) cuts each row's key walk into splits and writes, per split, an f32 partial output normalised
-over that split and its log-sum-exp (``-inf`` for a split that saw no key). Stage 2 weighs the parts by
-``exp(lse_s - lse)``: an empty split weighs 0, and a row where every split is empty gets 0, never NaN.
+over that split and its natural-log log-sum-exp (``-inf`` for a split that saw no key). Stage 2 weighs the parts
+by ``exp(lse_s - lse)``: an empty split weighs 0, and a row where every split is empty gets 0, never NaN. With
+one split, stage 1 writes the final output directly (in the dtype it is given) and stage 2 is skipped.
+
+:func:`split_kv_decode` is the host side shared by the MLA decode kernels (``kvjax.pallas.mla``: the
+Triton-lowered dense / DSA-sparse kernels, the fp8 DSA kernel, the Mosaic GPU kernel) and the jax-triton one
+(``kvjax.triton.mla_decode``): cast and pad the query heads to whole head groups, choose the split factor from
+static shapes, run stage 1, merge, drop the padded heads.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+
+from kvjax.base.device import num_sms
+
+MAX_SPLITS = 64  # bounds the f32 split buffers
+LOG2E = 1.4426950408889634  # the kernels' online softmax runs in base 2 (exp2 is one instruction)
+LN2 = 0.6931471805599453  # back to the natural-log lse stage 2 expects
+MASK_INIT = -1e30  # finite running-max start: a fully masked step keeps exp(...) at 0, never NaN
 
 
 def merge_splits(
@@ -22,3 +39,75 @@ def merge_splits(
     den = jnp.sum(w, axis=axis)
     o = jnp.sum(w[..., None] * o_parts, axis=axis)
     return o / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def choose_num_kv_splits(batch: int, head_groups: int, max_steps: int, num_sms: int, *,
+                         one_cta_per_sm: bool = False) -> int:
+    """Static split factor from shapes only (no host sync), at least 4 key steps per split and at most
+    ``MAX_SPLITS``.
+
+    Programs that share an SM (the Triton-lowered kernels): about one program per SM and at least two splits
+    (measured best at B=128 on an H200). ``one_cta_per_sm`` (the Mosaic GPU kernel, whose shared memory holds
+    one CTA per SM): as many splits as keep the CTAs within one wave, and one split once they fill the SMs: a
+    second split then only adds the f32 partial outputs and their merge (H200, B=128 H=16: 0.197-0.200 ms with
+    one split, 0.228-0.234 ms with two).
+    """
+    programs = batch * head_groups
+    if one_cta_per_sm:
+        want = num_sms // programs
+    else:
+        want = max(2, math.ceil(num_sms / programs))
+    return max(1, min(want, max_steps // 4, MAX_SPLITS))
+
+
+def default_tiles(num_heads: int, page_size: int, sparse: bool = False) -> dict:
+    """Tiles of the Triton-lowered MLA decode kernels (Pallas and jax-triton), picked by measurement on an H200
+    (benchmarks/RESULTS.md, "MLA decode and DSA").
+
+    Few heads (memory-bound): 16 heads x half a page per step, 4 warps, 3 stages. Many heads (the QK/PV
+    products dominate): 64 heads x one page, 8 warps, 2 stages (3 stages exceed shared memory). DSA-sparse
+    walks: 64 listed positions per step.
+    """
+    if num_heads <= 16:
+        tiles = dict(block_h=16, block_n=32 if page_size % 32 == 0 else page_size, num_warps=4, num_stages=3)
+    else:
+        tiles = dict(block_h=64 if num_heads >= 64 else 32, block_n=page_size, num_warps=8, num_stages=2)
+    if sparse:
+        tiles["block_n"] = 64
+    return tiles
+
+
+def pad_heads(x: jax.Array, block_h: int) -> jax.Array:
+    """``[B, H, D] -> [B, Hp, D]``, ``Hp`` the next multiple of ``block_h`` (zero heads appended)."""
+    pad = -x.shape[1] % block_h
+    return jnp.pad(x, ((0, 0), (0, pad), (0, 0))) if pad else x
+
+
+def pad_positions(positions: jax.Array, block_n: int) -> jax.Array:
+    """``i32[B, K] -> i32[B, Kp]``: listed positions padded with ``-1`` (none) to whole steps of ``block_n``."""
+    pad = -positions.shape[1] % block_n
+    return jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1) if pad else positions
+
+
+def split_kv_decode(
+    stage1: Callable,  # (q [B, Hp, R], q_rope [B, Hp, r], num_splits, out_dtype) -> (o [B, S, Hp, R], f32[B, S, Hp])
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    *,
+    dtype,  # operand dtype of stage 1: the queries are cast to it
+    block_h: int,
+    max_steps: int,  # key steps of the longest possible row (the split choice's bound)
+    num_kv_splits: int | None,
+    out_dtype=None,  # what stage 1 writes with one split (default ``dtype``); f32 with several
+    one_cta_per_sm: bool = False,
+) -> jax.Array:  # [B, H, R] in q_latent's dtype
+    """Host side of a split-KV decode: queries cast to ``dtype`` and padded to whole groups of ``block_h`` heads,
+    ``num_kv_splits`` (or :func:`choose_num_kv_splits`), stage 1, :func:`merge_splits` over its splits (skipped
+    with one), padded heads dropped. Reads only."""
+    b, h, _ = q_latent.shape
+    q, qr = pad_heads(q_latent.astype(dtype), block_h), pad_heads(q_rope.astype(dtype), block_h)
+    groups = q.shape[1] // block_h
+    splits = num_kv_splits or choose_num_kv_splits(b, groups, max_steps, num_sms(), one_cta_per_sm=one_cta_per_sm)
+    o, lse = stage1(q, qr, splits, (out_dtype or dtype) if splits == 1 else jnp.float32)
+    out = o[:, 0] if splits == 1 else merge_splits(o, lse, axis=1)
+    return out[:, :h].astype(q_latent.dtype)

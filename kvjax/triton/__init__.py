@@ -1,6 +1,23 @@
 """Optional Triton kernels called from JAX through jax-triton (GPU only).
 
-Used as comparison baselines for the Pallas kernels (``impl="triton"``). ``triton`` and ``jax_triton`` are
-optional dependencies and are imported only inside this package's modules, which the op registry loads
-lazily; importing :mod:`kvjax` or :mod:`kvjax.ops` never imports them.
+Comparison baselines for the Pallas kernels, registered in the ops' backend tables (``impl="triton"``) below the
+Pallas kernels, so ``impl="auto"`` does not take them. ``triton`` and ``jax_triton`` are optional dependencies
+(the ``triton`` extra), imported only by this package's kernel modules, which the backend tables load lazily;
+importing :mod:`kvjax`, :mod:`kvjax.ops` or this package never imports them. :func:`unsupported` is the check
+the tables run before loading a kernel of this package.
 """
+
+from __future__ import annotations
+
+import importlib.util
+
+OPTIONAL = ("triton", "jax_triton")
+
+
+def unsupported(*args, **kwargs) -> str | None:
+    """Why no kernel of this package can run here (its optional packages are missing), or None; any call."""
+    del args, kwargs
+    missing = [name for name in OPTIONAL if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"needs the optional package(s) {', '.join(missing)} (pip install 'kvjax[triton]')"
+    return None

@@ -1,9 +1,15 @@
 """Split-KV MLA decode as a hand-written Triton kernel, called from JAX through jax-triton.
 
-The same algorithm as :mod:`kvjax.pallas.mla_decode` (one program per head group, KV split and sequence;
+The same algorithm as :mod:`kvjax.pallas.mla.decode` (one program per head group, KV split and sequence;
 ``block_n`` latent rows per step, contiguous within a page or gathered through the block table, each read
-once; f32 split outputs + lse merged by the shared stage 2), written directly in Triton so the benchmark
-can compare the Pallas lowering against it on one GPU, with the same tile defaults.
+once; f32 split outputs + lse merged by the shared host side :func:`kvjax.pallas.split_kv.split_kv_decode`),
+written directly in Triton so the benchmark can compare the Pallas lowering against it on one GPU, with the same
+tile defaults. A registered backend of :func:`kvjax.ops.mla.mla_decode` (``impl="triton"``) that ``auto`` never
+takes: on Hopper the Mosaic GPU kernel beats it above 16 heads and the Pallas kernel ties or beats it at 16
+(benchmarks/RESULTS.md, runs 11-13); elsewhere it was not measured.
+
+``jax_triton`` and ``triton`` are optional dependencies (the ``triton`` extra): :func:`unsupported` names them
+when they are missing; this module imports them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from kvjax.pallas.mla_decode import _num_sms, choose_num_kv_splits, default_tiles, merge_splits
+from kvjax.pallas.split_kv import default_tiles, split_kv_decode
 
 
 @triton.jit
@@ -117,32 +123,23 @@ def mla_decode_triton(
     block_n = block_n or tiles["block_n"]
     num_warps = num_warps or tiles["num_warps"]
     num_stages = num_stages or tiles["num_stages"]
-    pad = -h % block_h
-    q, qr = q_latent.astype(latent_pages.dtype), q_rope.astype(latent_pages.dtype)
-    if pad:
-        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0)))
-        qr = jnp.pad(qr, ((0, 0), (0, pad), (0, 0)))
-    hp = h + pad
-    groups = hp // block_h
     max_blocks = block_tables.shape[-1]
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(b, groups, max_blocks * page_size // block_n, _num_sms())
-    out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
-    o, lse = jt.triton_call(
-        q, qr, latent_pages, block_tables, seq_lens,
-        kernel=_mla_stage1_kernel,
-        out_shape=[
-            jax.ShapeDtypeStruct((b, num_kv_splits, hp, rank), out_dtype),
-            jax.ShapeDtypeStruct((b, num_kv_splits, hp), jnp.float32),
-        ],
-        grid=(groups, num_kv_splits, b),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        SCALE=float(scale), HP=hp, R=rank, ROPE=rope, PS=page_size, MAX_BLOCKS=max_blocks,
-        NUM_SPLITS=num_kv_splits, BLOCK_H=block_h, BLOCK_N=block_n,
-    )
-    if num_kv_splits == 1:
-        out = o[:, 0].astype(q_latent.dtype)
-    else:
-        out = merge_splits(o, lse).astype(q_latent.dtype)
-    return out[:, :h]
+
+    def stage1(q, qr, num_splits, out_dtype):
+        hp = q.shape[1]
+        return jt.triton_call(
+            q, qr, latent_pages, block_tables, seq_lens,
+            kernel=_mla_stage1_kernel,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, num_splits, hp, rank), out_dtype),
+                jax.ShapeDtypeStruct((b, num_splits, hp), jnp.float32),
+            ],
+            grid=(hp // block_h, num_splits, b),
+            num_warps=num_warps,
+            num_stages=num_stages,
+            SCALE=float(scale), HP=hp, R=rank, ROPE=rope, PS=page_size, MAX_BLOCKS=max_blocks,
+            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n,
+        )
+
+    return split_kv_decode(stage1, q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h,
+                           max_steps=max_blocks * page_size // block_n, num_kv_splits=num_kv_splits)

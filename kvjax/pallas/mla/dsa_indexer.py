@@ -20,7 +20,8 @@ fp8 decoding: the keys are loaded as uint8 (a free bitcast view outside the kern
 as ``f16(((x & 0x7f) << 7) | ((x & 0x80) << 8)) · 256`` (exact for every finite e4m3fn value, subnormals
 included). Loading float8_e4m3fn directly and casting in-kernel fails to lower with jax 0.11.2 (Pallas
 Triton casts the masked load's integer fill value to fp8: ``cannot cast ... i32 to f8E4M3FN``). Non-fp8 float
-keys are cast to bf16 (f32 keys then lose precision).
+keys are cast to bf16 (f32 keys then lose precision): :func:`unsupported`, the backend table's check, declines
+them, so ``impl="auto"`` keeps the f32 reference for them.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.base.device import is_pow2, num_sms
 from kvjax.base.ragged import token_rows
 
 
-def _decode_e4m3_bits(x):
+def decode_e4m3_bits(x: jax.Array) -> jax.Array:  # u8[...] -> f32[...]
     """uint8 e4m3fn bit patterns -> f32 values (exact; NaN patterns are never written by the quantiser)."""
     x16 = x.astype(jnp.uint16)
     bits = ((x16 & 0x7F) << 7) | ((x16 & 0x80) << 8)
@@ -80,7 +82,7 @@ def _indexer_kernel(
             acc = jnp.zeros((hp, page_size), jnp.float32)
             for g in range(groups):
                 kg = plgpu.load(k_ref.at[page, :, pl.ds(g * width, width)], mask=kmask, other=0)
-                kg = (_decode_e4m3_bits(kg) if fp8_bits else kg).astype(jnp.bfloat16)
+                kg = (decode_e4m3_bits(kg) if fp8_bits else kg).astype(jnp.bfloat16)
                 sg = plgpu.load(s_ref.at[page, :, jnp.int32(g)], mask=visible, other=0.0)  # f32[page_size]
                 qg = q_ref[:, pl.ds(g * width, width)] if groups > 1 else q_ref[...]
                 acc += plgpu.dot(qg, kg, trans_b=True) * sg[None, :]
@@ -118,10 +120,6 @@ def _indexer_call(rows, pos, tables, q, w, keys, scales, *, scale, pages_per_pro
     )(rows, pos, tables, q, w, keys, scales)
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def default_pages_per_program(num_tokens: int, max_blocks: int, num_sms: int = 132) -> int:
     """Pages per program: up to 8 (queries loaded once per 8 pages) while keeping >= 2 programs per SM."""
     ppp = 8
@@ -130,8 +128,32 @@ def default_pages_per_program(num_tokens: int, max_blocks: int, num_sms: int = 1
     return ppp
 
 
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+def _tile_limits(index_k, index_scale) -> str | None:
+    """Why the Triton tiles cannot take these keys (page size and scale-group width powers of two >= 16)."""
+    page_size, di = index_k.shape[1], index_k.shape[-1]
+    groups = 1 if index_scale is None else index_scale.shape[-1]
+    if not is_pow2(page_size) or page_size < 16:
+        return f"a power-of-two page_size >= 16, got {page_size}"
+    if not is_pow2(di // groups) or di // groups < 16:
+        return f"Di // scales = {di} // {groups} to be a power of two >= 16"
+    return None
+
+
+def unsupported(
+    q: jax.Array,  # [T, Hi, Di]
+    weights: jax.Array,  # f32[T, Hi]
+    index_k: jax.Array,  # [P, page_size, Di]
+    index_scale: jax.Array | None,  # f32[P, page_size, G] | None
+    *rest,  # block_tables, seq_lens
+    **static,  # cu_seqlens, scale
+) -> str | None:
+    """The backend table's check of :func:`kvjax.ops.dsa.indexer_scores`'s normalised call: fp8 keys (other
+    float keys would be rounded to bf16; the reference keeps them in f32) and :func:`_tile_limits`."""
+    del q, weights, rest, static
+    if index_k.dtype != jnp.float8_e4m3fn:
+        return f"float8_e4m3fn keys (it rounds other keys to bf16), got {index_k.dtype}"
+    why = _tile_limits(index_k, index_scale)
+    return None if why is None else f"needs {why}"
 
 
 _STATIC = ("scale", "pages_per_program", "num_warps", "num_stages", "interpret")
@@ -159,17 +181,15 @@ def indexer_scores_pallas(
     ``ValueError`` otherwise. ``pages_per_program`` defaults to :func:`default_pages_per_program`.
     """
     t, hi, di = q.shape
-    _, page_size, _ = index_k.shape
-    if not _pow2(page_size) or page_size < 16:
-        raise ValueError(f"indexer kernel needs a power-of-two page_size >= 16, got {page_size}")
+    page_size = index_k.shape[1]
+    why = _tile_limits(index_k, index_scale)
+    if why:
+        raise ValueError(f"indexer kernel needs {why}")
     if index_scale is None:
         index_scale = jnp.ones(index_k.shape[:2] + (1,), jnp.float32)
-    groups = index_scale.shape[-1]
-    if not _pow2(di // groups) or di // groups < 16:
-        raise ValueError(f"indexer kernel needs Di // scales = {di} // {groups} to be a power of two >= 16")
     tables = block_tables[:, 0, :]
     max_blocks = tables.shape[1]
-    ppp = pages_per_program or default_pages_per_program(t, max_blocks, _num_sms())
+    ppp = pages_per_program or default_pages_per_program(t, max_blocks, num_sms())
 
     tok = jnp.arange(t, dtype=jnp.int32)
     rows = token_rows(cu_seqlens, t)

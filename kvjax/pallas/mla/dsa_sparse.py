@@ -1,22 +1,24 @@
 """DSA sparse MLA decode over the fp8 ``key`` cache roles (Pallas, Triton lowering).
 
-The split-KV sparse path of :mod:`kvjax.pallas.mla_decode`, reading the DSA roles directly instead of a bf16
+The split-KV sparse path of :mod:`kvjax.pallas.mla.decode`, reading the DSA roles directly instead of a bf16
 latent: ``key f8e4m3[P, page_size, R]``, ``key_scale f32[P, page_size, R // w]`` (one scale per ``w``
 consecutive values, ``w = 128``) and ``key_rope bf16[P, page_size, r]``. One program per (head group, KV
 split, sequence) walks its share of the ``K`` listed positions ``block_n`` at a time, gathering those rows
-through the block table. The fp8 bytes are decoded to bf16 exactly (see :mod:`kvjax.pallas.dsa_indexer`) and
+through the block table. The fp8 bytes are decoded to bf16 exactly (see :mod:`kvjax.pallas.mla.dsa_indexer`) and
 the scales are applied outside the products, so the dequantisation adds no rounding:
 
 - logits ``= Σ_g s_g · (q_g · k_gᵀ) + q_rope · k_ropeᵀ`` (bf16 operands, f32 accumulation);
 - output group ``g`` accumulates ``(p · s_g) · k_g`` with ``p`` the base-2 online-softmax weights rounded to
   bf16 (as the bf16 kernel does), one ``[block_h, w]`` f32 accumulator per group.
 
-Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). Stage 2 is
-:func:`kvjax.pallas.mla_decode.merge_splits`; with one split stage 1 writes the output directly.
+Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). The host side (head
+padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_decode`.
 
-Measured on an H200 (benchmarks/RESULTS.md, "MLA decode and DSA"): slower than the jnp reference path at
-B=32, top-k 2048 (0.25-0.38 ms vs 0.22-0.28 ms), so ``sparse_mla_decode_fp8(impl="auto")`` keeps the
-reference; select this kernel with ``impl="pallas"``.
+Measured against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` (benchmarks/RESULTS.md,
+"MLA decode and DSA"; B=32, top-k 2048, page 64): at 16 heads it is faster on the H100 (run 13: L=8192 0.204 vs
+0.248 ms, L=32768 0.203 vs 0.241 ms) and at L=32768 on the H200 (run 5: 0.247 vs 0.263 ms; at L=8192 it
+trailed, 0.279 vs 0.217 ms); at 128 heads it ties on the H100 (3%) and trails on the H200 (0.296-0.376 vs
+0.235-0.283 ms). :func:`unsupported`, the backend table's check, therefore declines more than 16 heads.
 """
 
 from __future__ import annotations
@@ -28,17 +30,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas.dsa_indexer import _decode_e4m3_bits
-from kvjax.pallas.mla_decode import (
-    _num_sms,
-    choose_num_kv_splits,
-    default_tiles,
-    merge_splits,
-)
+from kvjax.base.device import is_pow2
+from kvjax.pallas.mla.dsa_indexer import decode_e4m3_bits
+from kvjax.pallas.split_kv import LN2, LOG2E, MASK_INIT, default_tiles, pad_positions, split_kv_decode
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
-_MASK_INIT = -1e30  # finite running-max start: a fully masked block keeps exp(...) at 0, never NaN
+MAX_HEADS = 16  # more heads: not 5% faster than the jnp path (module doc)
 
 
 def _sparse_fp8_kernel(
@@ -93,11 +89,11 @@ def _sparse_fp8_kernel(
         tiles = []
         for g in range(groups):
             kg = plgpu.load(key_ref.at[page, off, (g * width + cols)[None, :]], mask=kmask, other=0)
-            kg = _decode_e4m3_bits(kg).astype(jnp.bfloat16)  # exact
+            kg = decode_e4m3_bits(kg).astype(jnp.bfloat16)  # exact
             sg = jnp.sum(jnp.where(gcols[None, :] == g, sc, 0.0), axis=1)  # f32[block_n]
             s += plgpu.dot(qs[g], kg, trans_b=True) * sg[None, :]
             tiles.append((kg, sg))
-        s = jnp.where(valid[None, :], s * (scale * _LOG2E), -jnp.inf)
+        s = jnp.where(valid[None, :], s * (scale * LOG2E), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -107,7 +103,7 @@ def _sparse_fp8_kernel(
         return (*accs, m_new, l)
 
     init = tuple(jnp.zeros((block_h, width), jnp.float32) for _ in range(groups)) + (
-        jnp.full((block_h,), _MASK_INIT, jnp.float32),
+        jnp.full((block_h,), MASK_INIT, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
     )
     out = jax.lax.fori_loop(start, end, body, init)
@@ -116,14 +112,13 @@ def _sparse_fp8_kernel(
     safe_l = jnp.where(has, l, 1.0)
     for g in range(groups):
         o_ref[:, pl.ds(g * width, width)] = (out[g] / safe_l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has, (m + jnp.log2(safe_l)) * _LN2, -jnp.inf)  # natural-log lse
+    lse_ref[...] = jnp.where(has, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)  # natural-log lse
 
 
 def _sparse_fp8_call(q, qr, key, kscale, krope, tables, lens, topk, *, scale, num_splits, block_h, block_n,
                      num_warps, num_stages, out_dtype, interpret):
     b, h, rank = q.shape
     rope = qr.shape[-1]
-    out_dtype = out_dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(_sparse_fp8_kernel, scale=scale, num_splits=num_splits, block_n=block_n)
     whole = pl.no_block_spec
     return pl.pallas_call(
@@ -149,8 +144,35 @@ def _sparse_fp8_call(q, qr, key, kscale, krope, tables, lens, topk, *, scale, nu
     )(tables, lens, topk, q, qr, key, kscale, krope)
 
 
-def _pow2(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
+def _tile_limits(key, key_scale, q_rope) -> str | None:
+    """Why the kernel cannot take these roles (fp8 keys, scale-group and rope widths powers of two >= 16)."""
+    if key.dtype != jnp.float8_e4m3fn:
+        return f"key must be float8_e4m3fn, got {key.dtype}"
+    width, rope = key.shape[-1] // key_scale.shape[-1], q_rope.shape[-1]
+    if not (is_pow2(width) and width >= 16 and is_pow2(rope) and rope >= 16):
+        return (f"R // scales = {key.shape[-1]} // {key_scale.shape[-1]} and rope width {rope} must be powers of "
+                f"two >= 16")
+    return None
+
+
+def unsupported(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    key: jax.Array,  # [P, page_size, R]
+    key_scale: jax.Array,  # f32[P, page_size, R // w]
+    *rest,  # key_rope, block_tables, seq_lens, topk_indices
+    **static,  # scale
+) -> str | None:
+    """The backend table's check of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8`'s normalised call:
+    :func:`_tile_limits`, and more than ``MAX_HEADS`` heads declined (not 5% faster than the jnp path there)."""
+    del rest, static
+    why = _tile_limits(key, key_scale, q_rope)
+    if why:
+        return why
+    if q_latent.shape[1] > MAX_HEADS:
+        return (f"H = {q_latent.shape[1]} > {MAX_HEADS} heads: not 5% faster than the jnp path there "
+                f"(H=128, H100 run 13: 0.302 vs 0.311 ms; H200 run 5: 0.296 vs 0.235 ms)")
+    return None
 
 
 _STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret")
@@ -178,35 +200,26 @@ def sparse_mla_decode_fp8_pallas(
     """Sparse MLA decode over the DSA fp8 key roles (see module doc). Returns ``o: [B, H, R]`` in
     ``q_latent``'s dtype; a row with no selected position gives 0.
 
-    Tiles default to :func:`kvjax.pallas.mla_decode.default_tiles` (sparse). Needs fp8 ``key``, a scale-group
+    Tiles default to :func:`kvjax.pallas.split_kv.default_tiles` (sparse). Needs fp8 ``key``, a scale-group
     width ``R // G`` and a rope width that are powers of two >= 16; raises ``ValueError`` otherwise.
     """
-    b, h, rank = q_latent.shape
-    rope = q_rope.shape[-1]
-    groups = key_scale.shape[-1]
-    if key.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"key must be float8_e4m3fn, got {key.dtype}")
-    if not _pow2(rank // groups) or not _pow2(rope):
-        raise ValueError(f"kernel needs R // scales = {rank} // {groups} and rope width {rope} to be powers of "
-                         f"two >= 16")
-    tiles = default_tiles(h, key.shape[1], sparse=True)
+    why = _tile_limits(key, key_scale, q_rope)
+    if why:
+        raise ValueError(f"sparse_mla_decode_fp8_pallas: {why}")
+    tiles = default_tiles(q_latent.shape[1], key.shape[1], sparse=True)
     block_h = block_h or tiles["block_h"]
     block_n = block_n or tiles["block_n"]
     num_warps = num_warps or tiles["num_warps"]
     num_stages = num_stages or tiles["num_stages"]
-    pad = -h % block_h
-    q = jnp.pad(q_latent.astype(jnp.bfloat16), ((0, 0), (0, pad), (0, 0)))
-    qr = jnp.pad(q_rope.astype(jnp.bfloat16), ((0, 0), (0, pad), (0, 0)))
-    topk = topk_indices
-    if topk.shape[1] % block_n:
-        topk = jnp.pad(topk, ((0, 0), (0, -topk.shape[1] % block_n)), constant_values=-1)
-    groups_h = (h + pad) // block_h
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(b, groups_h, topk.shape[1] // block_n, _num_sms())
+    topk = pad_positions(topk_indices, block_n)
     keys = jax.lax.bitcast_convert_type(key, jnp.uint8)  # decoded in-kernel (see dsa_indexer)
-    o, lse = _sparse_fp8_call(q, qr, keys, key_scale.astype(jnp.float32), key_rope, block_tables[:, 0, :],
-                              seq_lens, topk, scale=scale, num_splits=num_kv_splits, block_h=block_h,
-                              block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                              out_dtype=q_latent.dtype, interpret=interpret)
-    out = o[:, 0] if num_kv_splits == 1 else merge_splits(o, lse)
-    return out.astype(q_latent.dtype)[:, :h]
+
+    def stage1(q, qr, num_splits, out_dtype):
+        return _sparse_fp8_call(q, qr, keys, key_scale.astype(jnp.float32), key_rope, block_tables[:, 0, :],
+                                seq_lens, topk, scale=scale, num_splits=num_splits, block_h=block_h,
+                                block_n=block_n, num_warps=num_warps, num_stages=num_stages, out_dtype=out_dtype,
+                                interpret=interpret)
+
+    return split_kv_decode(stage1, q_latent, q_rope, dtype=jnp.bfloat16, block_h=block_h,
+                           max_steps=topk.shape[1] // block_n, num_kv_splits=num_kv_splits,
+                           out_dtype=q_latent.dtype)

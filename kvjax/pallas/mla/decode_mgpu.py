@@ -1,6 +1,6 @@
 """Split-KV MLA decode over a paged latent cache as a Mosaic GPU kernel (Hopper: TMA page copies, wgmma).
 
-Same contract as :mod:`kvjax.pallas.mla_decode` (the Pallas Triton kernel), built the FlashMLA way. One CTA per
+Same contract as :mod:`kvjax.pallas.mla.decode` (the Pallas Triton kernel), built the FlashMLA way. One CTA per
 (group of 64 query heads, KV split, sequence) runs three warpgroups over the split's 64-token tiles of the
 latent cache:
 
@@ -22,14 +22,17 @@ are read (their logits are masked, their probability is exactly 0), so they must
 latent caches start zeroed and hold only written rows, so they satisfy this.
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``R = 512``, ``r = 64``, pages a multiple of 64 tokens,
-a bf16 or f16 latent cache. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
+a bf16 or f16 latent cache (:func:`shape_limits`). :func:`unsupported`, the backend table's check, also declines
+16 heads or fewer, where 48 of the 64 rows of the head tile are padding and the Pallas Triton kernel is faster
+(H100, B=128 L=4096: 0.226 vs 0.216 ms device time; H200: 0.165 vs 0.151 ms; benchmarks/RESULTS.md). The
+host side (head padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_decode`, with one split
+once the CTAs fill the SMs. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
 blocks those threads in barrier waits: it needs ``NPROC >= 4`` (:func:`kvjax.pallas.mgpu_common.interpret_params`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +40,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kvjax.pallas import mla_decode
 from kvjax.pallas.mgpu_common import cast, interpret_params, iota, produce_ring, swizzled
+from kvjax.pallas.split_kv import LN2, LOG2E, split_kv_decode
 
 BLOCK_H = 64  # query heads per CTA (one wgmma M tile)
 BLOCK_N = 64  # latent rows per tile
 RANK = 512  # kv_lora_rank: the value width
 ROPE = 64
 _HALF = RANK // 2  # value columns per consumer
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+MIN_HEADS = 17  # fewer heads: the Pallas Triton kernel is faster (module doc)
 
 
 def _kernel(
@@ -73,7 +75,6 @@ def _kernel(
     page_size: int,
     max_blocks: int,
     stages: int,
-    probe: str,
     interpret: bool,
 ):
     (k_lo, k_hi, k_pe), (out_smem, fin_smem) = ring
@@ -96,8 +97,8 @@ def _kernel(
         page = bt_ref[b * max_blocks + lax.div(first, jnp.int32(page_size))]
         return page, lax.rem(first, jnp.int32(page_size))
 
-    def computes(page):  # whether the consumers work on this tile (holes and the copy probe: no)
-        return jnp.logical_and(page >= 0, probe != "copy")
+    def computes(page):  # whether the consumers work on this tile (holes: no)
+        return page >= 0
 
     def pv(acc, p, v_ref):  # acc + p @ v (p: registers or a shared-memory ref), accumulated in place
         if interpret:  # the interpreter's wgmma takes no register operand: the same product in jnp
@@ -123,7 +124,7 @@ def _kernel(
         plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], q_pe, q_full)
         plgpu.barrier_wait(q_full)
         col = iota((BLOCK_H, BLOCK_N), 1, interpret)
-        qk_scale = scale * _LOG2E
+        qk_scale = scale * LOG2E
         pairs = ((q_lo, k_lo), (q_hi, k_hi), (q_pe, k_pe))
 
         def qk(slot):  # logits of the tile in `slot`
@@ -169,23 +170,16 @@ def _kernel(
         m_i = cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row, interpret)
         l_i = cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row, interpret)
         acc = cast(jnp.full((BLOCK_H, _HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
-        if probe == "copy":
-            def step(i, carry):
-                wait_tile(i)
-                plgpu.barrier_arrive(k_free.at[lax.rem(i, jnp.int32(stages))])
-                return carry
 
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-        else:
-            def step(i, carry):
-                wait_tile(i)
-                return finish(i, carry, qk(lax.rem(i, jnp.int32(stages))))
+        def step(i, carry):
+            wait_tile(i)
+            return finish(i, carry, qk(lax.rem(i, jnp.int32(stages))))
 
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
         plgpu.barrier_wait(walked)  # consumer 1 finished its last product: the ring is free
         fin_smem.at[0][...] = l_i
         l_safe = jnp.where(l_i > 0, l_i, 1.0)
-        fin_smem.at[1][...] = jnp.where(l_i > 0, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+        fin_smem.at[1][...] = jnp.where(l_i > 0, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
         plgpu.commit_smem()
         plgpu.barrier_arrive(fin_full)
         plgpu.copy_smem_to_gmem(fin_smem.at[1], lse_ref.at[b, split, heads])
@@ -228,7 +222,7 @@ def _kernel(
             page, row0 = tile_page(i)
             rows = pl.ds(row0, BLOCK_N)
 
-            @pl.when(jnp.logical_and(page >= 0, probe != "compute"))
+            @pl.when(page >= 0)
             def _():
                 plgpu.copy_gmem_to_smem(lat_ref.at[page, rows, pl.ds(0, _HALF)], k_lo.at[slot], k_full.at[slot])
                 plgpu.copy_gmem_to_smem(lat_ref.at[page, rows, pl.ds(_HALF, _HALF)], k_hi.at[slot],
@@ -236,20 +230,20 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(lat_ref.at[page, rows, pl.ds(RANK, ROPE)], k_pe.at[slot],
                                         k_full.at[slot])
 
-            @pl.when(jnp.logical_or(page < 0, probe == "compute"))
-            def _():  # a hole (or the compute probe): the slot is signalled, nothing is read
+            @pl.when(page < 0)
+            def _():  # a hole: the slot is signalled, nothing is read
                 for _ in range(3):
                     plgpu.barrier_arrive(k_full.at[slot])
 
         produce_ring(n_steps, stages, issue, (k_free,))
 
 
-def unsupported(
+def shape_limits(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
     latent_pages: jax.Array,  # [P, page_size, R + r]
 ) -> str | None:
-    """What this kernel cannot take in these shapes / dtypes (``"R = 512, got 256"``), or None."""
+    """What this kernel cannot compute in these shapes / dtypes (``"R = 512 ..., got 256 ..."``), or None."""
     if q_latent.shape[-1] != RANK or q_rope.shape[-1] != ROPE:
         return f"R = {RANK} and r = {ROPE}, got {q_latent.shape[-1]} and {q_rope.shape[-1]}"
     if latent_pages.shape[1] % BLOCK_N:
@@ -259,16 +253,27 @@ def unsupported(
     return None
 
 
-def choose_num_kv_splits(batch: int, head_groups: int, max_tiles: int, num_sms: int) -> int:
-    """Static split factor: as many splits as keep the CTAs (one per SM fits in shared memory) within one wave,
-    at least 4 tiles per split, at most ``mla_decode._MAX_SPLITS``. One split whenever the CTAs already fill
-    the SMs: a second split then only adds the f32 partial outputs and their merge (measured on an H200,
-    B=128 H=16: 0.197-0.200 ms with one split, 0.228-0.234 ms with two)."""
-    want = num_sms // (batch * head_groups)
-    return max(1, min(want, max_tiles // 4, mla_decode._MAX_SPLITS))
+def unsupported(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    block_tables: jax.Array | None = None,  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array | None = None,  # i32[B]
+    **static,  # scale, num_kv_splits: any value
+) -> str | None:
+    """The backend table's check of :func:`kvjax.ops.mla.mla_decode`'s normalised call: :func:`shape_limits`,
+    and at most 16 heads declined (the Pallas Triton kernel is faster there, module doc)."""
+    del block_tables, seq_lens, static
+    why = shape_limits(q_latent, q_rope, latent_pages)
+    if why:
+        return f"needs {why}"
+    if q_latent.shape[1] < MIN_HEADS:
+        return (f"H = {q_latent.shape[1]} <= {MIN_HEADS - 1} heads: the Pallas Triton kernel is faster there "
+                f"(H100 run 13: 0.216 vs 0.226 ms)")
+    return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_kv_splits", "stages", "interpret", "_probe"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_kv_splits", "stages", "interpret"))
 def mla_decode_mgpu(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
@@ -280,67 +285,58 @@ def mla_decode_mgpu(
     num_kv_splits: int | None = None,
     stages: int = 2,
     interpret: bool = False,
-    _probe: str = "",
 ) -> jax.Array:  # [B, H, R]
     """Split-KV MLA decode (Mosaic GPU, see the module doc); same contract as
-    :func:`kvjax.pallas.mla_decode.mla_decode_pallas` except that rows of a page past ``seq_lens`` are read
-    (they must be finite). ``stages``: shared-memory tile slots (2 fit beside q in 227 KB). Reads only.
-    ``_probe`` (benchmarks; the output is meaningless): ``"copy"`` walks and copies the tiles without the
-    products, ``"compute"`` runs the products on whatever the ring holds without copying.
+    :func:`kvjax.pallas.mla.decode.mla_decode_pallas` except that rows of a page past ``seq_lens`` are read
+    (they must be finite). Any head count (padded to 64); ``ValueError`` outside :func:`shape_limits`.
+    ``stages``: shared-memory tile slots (2 fit beside q in 227 KB). Reads only.
     """
-    if _probe not in ("", "copy", "compute"):
-        raise ValueError(f"_probe must be '', 'copy' or 'compute', got {_probe!r}")
-    b, h, _ = q_latent.shape
+    b = q_latent.shape[0]
     page_size = latent_pages.shape[1]
     max_blocks = block_tables.shape[-1]
-    reason = unsupported(q_latent, q_rope, latent_pages)
+    reason = shape_limits(q_latent, q_rope, latent_pages)
     if reason:
         raise ValueError(f"mla_decode_mgpu needs {reason}")
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     dtype = latent_pages.dtype
-    pad = -h % BLOCK_H
-    ql, qr = q_latent.astype(dtype), q_rope.astype(dtype)
-    if pad:
-        ql = jnp.pad(ql, ((0, 0), (0, pad), (0, 0)))
-        qr = jnp.pad(qr, ((0, 0), (0, pad), (0, 0)))
-    hp = h + pad
-    groups = hp // BLOCK_H
-    splits = num_kv_splits or choose_num_kv_splits(b, groups, max_blocks * page_size // BLOCK_N,
-                                                   mla_decode._num_sms())
-    out_dtype = dtype if splits == 1 else jnp.float32
-    scratch = (
-        tuple(plgpu.SMEM((BLOCK_H, w), dtype, transforms=swizzled(dtype)) for w in (_HALF, _HALF, ROPE)),
-        (plgpu.RefUnion if not interpret else lambda *groups: groups)(  # the interpreter has no RefUnion
-            tuple(plgpu.SMEM((stages, BLOCK_N, w), dtype, transforms=swizzled(dtype)) for w in (_HALF, _HALF, ROPE)),
-            (plgpu.SMEM((2, BLOCK_H, _HALF), out_dtype, transforms=swizzled(out_dtype)),
-             plgpu.SMEM((2, BLOCK_H), jnp.float32)),
-        ),
-        plgpu.SMEM((stages, BLOCK_H), jnp.float32),
-        plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(),
-        plgpu.Barrier(),
-    )
-    kernel = functools.partial(_kernel, scale=scale, num_splits=splits, page_size=page_size,
-                               max_blocks=max_blocks, stages=stages, probe=_probe,
-                               interpret=interpret)
-    o, lse = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((b, splits, hp, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)),
-        scratch_types=scratch,
-        # Mosaic GPU launches the last grid axis fastest: the head groups of a (sequence, split) run side by
-        # side and share each tile through L2 (groups first made the second group re-read it from HBM)
-        grid=(b, splits, groups),
-        grid_names=("b", "s", "g"),
-        num_threads=3,
-        thread_name="wg",
-        # row reductions stay inside a warp: the 2 KB cross-warp reduction scratch would not fit beside the ring
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret_params() if interpret else None,
-    )(ql, qr, latent_pages, block_tables.reshape(-1), seq_lens)
-    out = o[:, 0] if splits == 1 else mla_decode.merge_splits(o, lse)
-    return out[:, :h].astype(q_latent.dtype)
+
+    def stage1(ql, qr, splits, out_dtype):
+        hp = ql.shape[1]
+        scratch = (
+            tuple(plgpu.SMEM((BLOCK_H, w), dtype, transforms=swizzled(dtype)) for w in (_HALF, _HALF, ROPE)),
+            (plgpu.RefUnion if not interpret else lambda *groups: groups)(  # the interpreter has no RefUnion
+                tuple(plgpu.SMEM((stages, BLOCK_N, w), dtype, transforms=swizzled(dtype))
+                      for w in (_HALF, _HALF, ROPE)),
+                (plgpu.SMEM((2, BLOCK_H, _HALF), out_dtype, transforms=swizzled(out_dtype)),
+                 plgpu.SMEM((2, BLOCK_H), jnp.float32)),
+            ),
+            plgpu.SMEM((stages, BLOCK_H), jnp.float32),
+            plgpu.Barrier(num_arrivals=3),
+            plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(),
+            plgpu.Barrier(),
+        )
+        kernel = functools.partial(_kernel, scale=scale, num_splits=splits, page_size=page_size,
+                                   max_blocks=max_blocks, stages=stages, interpret=interpret)
+        return plgpu.kernel(
+            kernel,
+            out_type=(jax.ShapeDtypeStruct((b, splits, hp, RANK), out_dtype),
+                      jax.ShapeDtypeStruct((b, splits, hp), jnp.float32)),
+            scratch_types=scratch,
+            # Mosaic GPU launches the last grid axis fastest: the head groups of a (sequence, split) run side by
+            # side and share each tile through L2 (groups first made the second group re-read it from HBM)
+            grid=(b, splits, hp // BLOCK_H),
+            grid_names=("b", "s", "g"),
+            num_threads=3,
+            thread_name="wg",
+            # row reductions stay inside a warp: the 2 KB cross-warp reduction scratch would not fit beside the ring
+            compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+            interpret=interpret_params() if interpret else None,
+        )(ql, qr, latent_pages, block_tables.reshape(-1), seq_lens)
+
+    return split_kv_decode(stage1, q_latent, q_rope, dtype=dtype, block_h=BLOCK_H,
+                           max_steps=max_blocks * page_size // BLOCK_N, num_kv_splits=num_kv_splits,
+                           one_cta_per_sm=True)

@@ -1,0 +1,7 @@
+"""MLA / DSA kernels: the split-KV MLA decode in the Pallas Triton lowering, dense and DSA-sparse
+(:mod:`.decode`), as a Mosaic GPU kernel for Hopper (:mod:`.decode_mgpu`), the sparse decode over the fp8 DSA
+key roles (:mod:`.dsa_sparse`) and the lightning-indexer scores (:mod:`.dsa_indexer`). The split-KV host side
+they share is :mod:`kvjax.pallas.split_kv`. Which one runs is decided by the backend tables of
+:mod:`kvjax.ops.mla` and :mod:`kvjax.ops.dsa`, never here: each kernel module exports its kernel and its
+``unsupported()`` check.
+"""
