@@ -1,25 +1,31 @@
-"""Host overhead of planning one step with 256 running (decoding) requests.
+"""Scheduler host overhead case: planning one step with 256 running (decoding) requests (numpy only, host CPU).
 
-Builds a scheduler whose 256 requests have all finished prefill, then times ``schedule()`` (recycle policy,
-page allocation, plan build) and, separately, ``update()``, over many steps; prints medians.
-Run: ``python benchmarks/sched_overhead.py [--json]``. Target: schedule() < 2 ms median on the 2-core CI host.
+Usage: ``python benchmarks/runner.py sched_overhead``. Target: ``schedule()`` < 2 ms median on the 2-core CI host.
+
+Builds a scheduler whose requests have all finished prefill (8 KV heads, 50% SWA with window 1024, pages of 64,
+~2.1k-token contexts), then times ``schedule()`` (recycle policy, page allocation, plan build) and, separately,
+``update()`` over many steps after 20 warm-up steps. One row per (recycle, pool) variant; ``median_ms`` = the
+wall-clock median of ``schedule()``, with its p90 and thread CPU time (the wall p90 suffers on a shared host);
+the anchor is ``recycle=none`` on the shared pool.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import time
 
-import numpy as np
+from case import RunCase
 
-from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.sched.scheduler import Scheduler
+VARIANTS = (("none", "shared"), ("timely", "shared"), ("timely", "partitioned"))
 
 
-def build(num_requests: int, prompt_len: int, recycle: str, pool: str, swa_fraction: float) -> Scheduler:
+def build(num_requests: int, prompt_len: int, recycle: str, pool: str, swa_fraction: float = 0.5):
+    """A scheduler whose ``num_requests`` requests of ``prompt_len`` tokens have all finished prefill."""
+    import numpy as np
+
+    from kvjax.config import AttentionConfig, CacheConfig
+    from kvjax.sched.scheduler import Scheduler
+
     attention = AttentionConfig.with_swa_fraction(32, 8, 128, swa_fraction=swa_fraction, window=1024, sinks=4)
     page_size, max_len = 64, prompt_len + 4096
     blocks = -(-max_len // page_size)
@@ -35,8 +41,10 @@ def build(num_requests: int, prompt_len: int, recycle: str, pool: str, swa_fract
     return sched
 
 
-def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[float], list[float], int]:
-    """Wall and CPU (thread) time of ``schedule()``, wall time of ``update()``, max rows."""
+def time_steps(sched, steps: int) -> dict:
+    """Wall and thread CPU time (ms) of ``schedule()`` and wall time of ``update()`` per step; max rows."""
+    import numpy as np
+
     rng = np.random.default_rng(1)
     t_sched, c_sched, t_update, rows = [], [], [], 0
     for _ in range(steps):
@@ -46,41 +54,32 @@ def time_steps(sched: Scheduler, steps: int) -> tuple[list[float], list[float], 
         sampled = rng.integers(1, 32000, plan.gdn_slots.shape[0])
         t2 = time.perf_counter()
         sched.update(plan, sampled)
-        t3 = time.perf_counter()
+        t_update.append(time.perf_counter() - t2)
         t_sched.append(t1 - t0)
         c_sched.append(c1 - c0)
-        t_update.append(t3 - t2)
         rows = max(rows, plan.num_seqs)
-    return t_sched, c_sched, t_update, rows
+    ms = lambda xs, q=50: 1e3 * float(np.percentile(xs, q))  # noqa: E731
+    return dict(rows=rows, steps=steps, median_ms=ms(t_sched), schedule_p90_ms=ms(t_sched, 90),
+                schedule_cpu_ms=ms(c_sched), update_ms=ms(t_update))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    results = []
-    for recycle, pool, swa in (("none", "shared", 0.5), ("timely", "shared", 0.5), ("timely", "partitioned", 0.5)):
-        sched = build(args.requests, args.prompt_len, recycle, pool, swa)
+def measure(requests: int, prompt_len: int, steps: int) -> list[dict]:
+    """One row per (recycle, pool) variant."""
+    out = []
+    for recycle, pool in VARIANTS:
+        sched = build(requests, prompt_len, recycle, pool)
         time_steps(sched, 20)  # warm-up
-        ts, cs, tu, rows = time_steps(sched, args.steps)
-        results.append(dict(recycle=recycle, pool=pool, swa_fraction=swa, rows=rows, steps=args.steps,
-                            schedule_ms_median=1e3 * float(np.median(ts)), schedule_ms_p90=1e3 * float(np.percentile(ts, 90)),
-                            schedule_cpu_ms_median=1e3 * float(np.median(cs)), update_ms_median=1e3 * float(np.median(tu))))
-    load = os.getloadavg()[0]
-    if args.json:
-        print(json.dumps(dict(host=platform.machine(), cpus=os.cpu_count(), load_avg_1min=load, results=results),
-                         indent=2))
-        return
-    print(f"# {os.cpu_count()} CPUs, 1-min load average {load:.1f} (wall-clock p90 suffers when the host is shared)")
-    print(f"{'recycle':8} {'pool':12} {'rows':>5} {'schedule ms median':>19} {'p90':>7} {'cpu ms median':>14} "
-          f"{'update ms':>10}")
-    for r in results:
-        print(f"{r['recycle']:8} {r['pool']:12} {r['rows']:5d} {r['schedule_ms_median']:19.3f} "
-              f"{r['schedule_ms_p90']:7.3f} {r['schedule_cpu_ms_median']:14.3f} {r['update_ms_median']:10.3f}")
+        row = dict(impl=f"recycle={recycle} pool={pool}", ok=True, load_avg_1min=os.getloadavg()[0],
+                   **time_steps(sched, steps))
+        print(row, flush=True)
+        out.append(row)
+    return out
 
 
-if __name__ == "__main__":
-    main()
+def cases(small: bool = False) -> list[RunCase]:
+    """256 requests of 2048 tokens over 300 steps (``small``: 8 requests of 64 tokens, 5 steps)."""
+    requests, prompt_len, steps = (8, 64, 5) if small else (256, 2048, 300)
+    return [RunCase(f"scheduler overhead {requests} requests", "kvjax.sched.scheduler.Scheduler.schedule",
+                    dict(requests=requests, prompt_len=prompt_len, kv_heads=8, swa_fraction=0.5, page=64,
+                         cpus=os.cpu_count()),
+                    lambda: measure(requests, prompt_len, steps), anchor="recycle=none pool=shared")]
