@@ -1,4 +1,9 @@
-"""``python -m kvjax info``: what this machine offers kvjax."""
+"""``python -m kvjax info``: what this machine offers kvjax, and which kernel each op takes.
+
+For every op's backend table it prints the implementations usable on the device and, for each of the table's
+example calls, what ``impl="auto"`` takes and why every higher-priority backend declines. ``--device h100``
+(or ``h200``, ``a100``, ``cpu``) asks the tables about a device that is not this one.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +14,53 @@ import jax
 
 import kvjax
 from kvjax import ops
-from kvjax.state import gdn_ops as gdn_state  # noqa: F401  (registers the pool-integrated GDN ops)
+from kvjax.base.device import NAMED, DeviceKind, current_device
 
 
-def collect() -> dict:
-    """JAX version, backend, devices and the implementations of every op usable here."""
-    backend = jax.default_backend()
+def collect(device: DeviceKind | None = None) -> dict:
+    """JAX version, devices and, per op: implementations usable on ``device`` and, per example call, the
+    ``auto`` choice with every backend's reason to decline (``None`` = it accepts)."""
+    device = device or current_device()
+    out_ops = {}
+    for table in ops.tables():
+        examples = {}
+        for name, make in table.examples.items():
+            args, kwargs = make()
+            reasons = table.explain(args, kwargs, device)
+            examples[name] = {"auto": next(n for n, why in reasons if why is None),
+                              "reasons": {n: why for n, why in reasons}}
+        out_ops[table.op] = {"implementations": table.available(device), "examples": examples}
     return {
         "kvjax": kvjax.__version__,
         "jax": jax.__version__,
-        "backend": backend,
+        "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
-        "ops": {op: ops.available(op, backend) for op in ops.dispatch.ops()},
+        "asked_for": str(device),
+        "ops": out_ops,
     }
 
 
 def main(argv: list[str]) -> int:
-    """CLI entry of ``python -m kvjax info``: prints :func:`collect` as a table (or JSON); returns 0."""
+    """CLI entry of ``python -m kvjax info``: prints :func:`collect` as text (or JSON); returns 0."""
     parser = argparse.ArgumentParser(prog="python -m kvjax info")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--device", choices=["current", *NAMED], default="current",
+                        help="ask the backend tables about this device (default: this machine's)")
     args = parser.parse_args(argv)
-    info = collect()
+    info = collect(None if args.device == "current" else NAMED[args.device])
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"kvjax {info['kvjax']}  jax {info['jax']}  backend {info['backend']}")
     for d in info["devices"]:
         print(f"  device: {d}")
-    width = max((len(op) for op in info["ops"]), default=10)
-    print(f"{'op':<{width}}  implementations")
-    for op, impls in info["ops"].items():
-        print(f"{op:<{width}}  {', '.join(impls)}")
+    print(f"kernel choice for: {info['asked_for']}")
+    for op, entry in info["ops"].items():
+        print(f"\n{op}: {', '.join(entry['implementations'])}")
+        for name, ex in entry["examples"].items():
+            print(f"  {name}: auto -> {ex['auto']}")
+            for impl, why in ex["reasons"].items():
+                if impl == ex["auto"]:
+                    break
+                print(f"      {impl} declines: {why}")
     return 0

@@ -226,7 +226,7 @@ def test_compare_impls_paged_attention(rng):
     case = next(c for c in tour.op_cases(rng) if c.op == "paged_attention")
     rows = tour.compare_impls(case)
     assert [r["impl"] for r in rows][0] == "reference"
-    assert "interpret" in [r["impl"] for r in rows]
+    assert "pallas:interpret" in [r["impl"] for r in rows]
     assert all(r["max_abs_diff"] < 1e-4 and r["error"] == "" for r in rows)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class OpCase:
-    op: str  # registered op name (kvjax.ops.dispatch)
+    op: str  # op name of a backend table (kvjax.ops.tables())
     shapes: str  # human-readable input shapes
     run: Callable  # run(impl: str) -> array (or tuple, compared elementwise)
 
@@ -175,21 +175,32 @@ def _max_abs_diff(a, b) -> float:
 
 
 def compare_impls(case: OpCase, *, platform: str | None = None) -> list[dict]:
-    """Run ``case`` under every implementation usable on ``platform`` (default: the current backend; on CPU the
-    Pallas kernels run in ``interpret`` mode, compiled kernels are skipped). Rows: ``op``, ``impl``,
-    ``max_abs_diff`` (vs the reference), ``first_s`` (incl. compile), ``second_s``, ``error`` (non-empty, and the
-    numbers NaN, where an optional kernel backend is not installed)."""
+    """Run ``case`` under every implementation of its op's backend table usable on ``platform`` (default: the
+    current backend; on CPU every kernel with an interpret mode runs as ``"NAME:interpret"``, except the Hopper-only
+    Mosaic GPU kernels, whose interpreter is slow; compiled kernels are skipped). A kernel that declines the case's
+    shapes is left out. Rows: ``op``, ``impl``, ``max_abs_diff`` (vs the reference), ``first_s`` (incl. compile),
+    ``second_s``, ``error`` (non-empty, and the numbers NaN, where an optional kernel backend is not installed)."""
     import jax
 
-    from kvjax.ops import dispatch
+    from kvjax import ops
+    from kvjax.base.device import NAMED, current_device
+    from kvjax.errors import UnknownImplError
+    from kvjax.ops.backends import on_hopper
 
     platform = platform or jax.default_backend()
-    impls = [i for i in dispatch.available(case.op, platform) if platform != "cpu" or i in ("reference", "interpret")]
+    table = next(t for t in ops.tables() if t.op == case.op)
+    device = current_device() if platform == jax.default_backend() else NAMED.get(platform, NAMED["cpu"])
+    impls = table.available(device)
+    if platform == "cpu":
+        impls = ["reference"] + [f"{b.name}:interpret" for b in table.backends
+                                 if b.interpretable and b.device is not on_hopper]
     rows, ref = [], None
     for impl in impls:
         t0 = time.perf_counter()
         try:
             out = jax.block_until_ready(case.run(impl))
+        except UnknownImplError:  # the kernel declines this call's shapes
+            continue
         except ImportError as err:  # an optional backend (e.g. jax-triton) that is not installed
             if impl == "reference":
                 raise

@@ -1,13 +1,27 @@
 """The public numerical API of kvjax.
 
-Each op validates its arguments on the host (trace time), then dispatches on ``impl`` (see
-:mod:`kvjax.ops.dispatch`) to its pure-jnp float32 reference or to a Pallas kernel.
+Each op validates its arguments on the host (trace time), normalises them, then runs the implementation its
+backend table (:mod:`kvjax.ops.backends`) chooses for ``impl``: the pure-jnp float32 reference or a kernel.
+:func:`tables` lists every table (``python -m kvjax info`` prints their choices).
 """
 
-from kvjax.ops import dispatch
-from kvjax.ops.dispatch import available, resolve
-from kvjax.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+import importlib
+import pkgutil
+
 from kvjax.ops.attention import dense_attention_reference, paged_attention
+from kvjax.ops.backends import Backend, BackendTable
 from kvjax.ops.conv import causal_conv1d, causal_conv1d_update
-from kvjax.ops.mla import absorb_output, absorb_query, mla_decode, mla_prefill_reference, split_kv_b_proj
 from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_mla_decode_fp8
+from kvjax.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kvjax.ops.mla import absorb_output, absorb_query, mla_decode, mla_prefill_reference, split_kv_b_proj
+
+
+def tables() -> list[BackendTable]:
+    """Every op's :class:`BackendTable`, sorted by op name (imports the op modules of this package, no kernel)."""
+    found: dict[str, BackendTable] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, BackendTable):
+                found[value.op] = value
+    return [found[op] for op in sorted(found)]

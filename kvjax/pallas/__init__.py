@@ -1,16 +1,9 @@
-"""Pallas kernels only. Each module: kernel body, ``pallas_call`` builder, jitted wrapper.
+"""Pallas kernels only, grouped by family: ``gdn/`` (chunked prefill, recurrent and slot decode, conv on the
+pool), ``paged/`` (paged attention decode and prefill, Triton lowering and Mosaic GPU), ``mla/`` (MLA and DSA
+decode, indexer); ``split_kv`` (stage 2 and the host side of every split-KV kernel) and ``mgpu_common`` (Mosaic
+GPU helpers) serve several families.
 
-Kernels are reached through :mod:`kvjax.ops` (``impl="pallas" | "interpret" | "auto"``), never imported by
-callers directly; no config or environment imports inside a kernel module.
+Each kernel module: kernel body, ``pallas_call`` builder, jitted wrapper, and an ``unsupported(...)`` check of
+the op's normalised call. Kernels are reached through the backend tables of :mod:`kvjax.ops`, which alone choose
+between them; a kernel module never routes to another kernel and imports no config.
 """
-
-import jax
-
-
-def hopper_gpu() -> bool:
-    """Whether JAX's default device is a Hopper (sm_90) GPU: where ``"auto"`` routes to Mosaic GPU kernels."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
