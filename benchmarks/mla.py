@@ -9,7 +9,8 @@ B=128, L=4096, H = 16 and 128, anchor: the Triton kernel (``impl="triton"``). By
 DSA decode at top-k 2048, B=32, L = 8192 and 32768: sparse decode (bytes: the selected rows) against dense
 decode over all L rows (``mla_decode(impl="auto")``, a different computation: timed, not compared); the
 indexer (64 heads x 128, fp8 e4m3 keys with one f32 scale per token) against its jnp reference (bytes: the
-keys and scales read; scores compared where finite, the ``-inf`` mask exactly).
+keys and scales read; scores compared where finite, the ``-inf`` mask exactly); sparse decode over the DSA fp8
+key roles against its jnp path (bytes: ``B K (512 + 16 + 128)``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,23 @@ def _dsa_setup(b: int, length: int, h: int, topk: int) -> Setup:
     return setup
 
 
+def _fp8_setup(b: int, length: int, h: int, topk: int) -> Setup:
+    """Sparse decode over the DSA key roles holding the same latent: fp8 ``key`` + f32 ``key_scale`` (one per
+    128 values) + bf16 ``key_rope``."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.base.fp8 import quantize_fp8_blockwise
+    from kvjax.ops import sparse_mla_decode_fp8
+
+    q, qr, pages, tables, lens = _latent(b, length, h, seed=length + h)
+    key, key_scale = quantize_fp8_blockwise(pages[..., :R], 128)  # f8e4m3[P, page, R], f32[P, page, R // 128]
+    keys = jax.random.split(jax.random.key(length), b)
+    idx = jax.vmap(lambda kk: jax.random.permutation(kk, length)[:topk])(keys).astype(jnp.int32)  # i32[B, K]
+    return _op_setup(sparse_mla_decode_fp8, (q, qr, key, key_scale, pages[..., R:], tables, lens, idx),
+                     scale=SCALE)
+
+
 def _indexer_setup(b: int, length: int, heads: int, dim: int) -> Setup:
     import jax
     import jax.numpy as jnp
@@ -119,6 +137,10 @@ def cases(small: bool = False) -> list[Case]:
                  dict(B=b, L=n, H=h, topk=topk, page=PAGE), ("pallas", "reference", "auto"),
                  functools.partial(_dsa_setup, b, n, h, topk), anchor="dense mla_decode auto",
                  bytes=b * topk * (R + RP) * 2, flops=b * topk * h * 2 * (R + RP + R)) for b, n, h in dsa]
+    out += [Case(f"dsa sparse fp8 decode B={b} L={n} H={h} topk={topk}", "kvjax.ops.sparse_mla_decode_fp8",
+                 dict(B=b, L=n, H=h, topk=topk, page=PAGE), ("pallas", "reference", "auto"),
+                 functools.partial(_fp8_setup, b, n, h, topk), anchor="reference",
+                 bytes=b * topk * (R + R // 128 * 4 + RP * 2)) for b, n, h in dsa]
     for b, n in dict.fromkeys((b, n) for b, n, _ in dsa):
         out.append(Case(f"dsa indexer B={b} L={n}", "kvjax.ops.indexer_scores", dict(B=b, L=n, Hi=heads, Di=dim),
                         ("pallas", "reference", "auto"), functools.partial(_indexer_setup, b, n, heads, dim),
