@@ -3,7 +3,11 @@
 Modules, one concept each: ``slots`` (GDN slot allocator), ``blocks`` (head-wise page allocator and block tables,
 pool policies ``shared`` / ``partitioned``), ``recycle`` (the SWA recycle rule and policies ``none`` / ``timely``),
 ``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler``, ``workload`` and ``simulate`` (the
-capacity simulator behind ``python -m kvjax simulate``).
+capacity simulator behind ``python -m kvjax simulate``), ``cli_args`` (the checked arguments of the command
+lines: a bad value fails before any work, in one line, exit status 2).
+
+Bad input raises a ``ValueError`` (most often a :class:`kvjax.errors.KvjaxError`) naming the value, before
+anything changes; integers may be Python or numpy ints.
 """
 
 from kvjax.sched.blocks import POOLS, BlockAllocator

@@ -125,7 +125,7 @@ class BlockAllocator:
         not own or that two ranges cover, and ``ValueError`` for a row outside ``1..max_seqs``, a head outside
         ``0..H_kv-1``, a block outside ``0..max_blocks_per_seq`` or arrays of different lengths (numpy would
         wrap a negative index); in every case nothing changes."""
-        rows, heads, starts, stops = self._check_ranges(rows, heads, starts, stops)
+        rows, heads, starts, stops = self._as_ranges(rows, heads, starts, stops)
         counts = np.maximum(stops - starts, 0)
         total = int(counts.sum())
         if total == 0:
@@ -133,7 +133,12 @@ class BlockAllocator:
         offsets = np.cumsum(counts) - counts
         rr, hh = np.repeat(rows, counts), np.repeat(heads, counts)
         bb = np.arange(total) - np.repeat(offsets - starts, counts)
-        pages = self.tables[rr, hh, bb]
+        if rr.min() < 1 or hh.min() < 0 or bb.min() < 0:  # numpy would wrap a negative index (or use PAD row 0)
+            raise ValueError(self._range_error(rows, heads, starts, stops, counts > 0))
+        try:
+            pages = self.tables[rr, hh, bb]
+        except IndexError:  # past max_seqs, H_kv - 1 or max_blocks_per_seq - 1
+            raise ValueError(self._range_error(rows, heads, starts, stops, counts > 0)) from None
         held = pages >= 0
         rr, hh, bb, pages = rr[held], hh[held], bb[held], pages[held]
         if ((self.owner_row[pages] != rr) | (self.owner_head[pages] != hh)).any():
@@ -165,24 +170,27 @@ class BlockAllocator:
             raise ValueError(f"block-table row must be a GDN slot in 1..{self.cache.max_seqs}, got {row!r}")
         return int(row)
 
-    def _check_ranges(self, rows, heads, starts, stops) -> tuple[np.ndarray, ...]:
-        """The four ``free_ranges`` arguments as ``i64[K]`` arrays, or ``ValueError`` naming the bad entries."""
-        names = ("rows", "heads", "starts", "stops")
-        out = [np.asarray(a) for a in (rows, heads, starts, stops)]
-        for name, a in zip(names, out):
-            if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
-                raise ValueError(f"free_ranges: {name} must be a 1-d integer array, got {a.dtype}{list(a.shape)}")
-        if len({a.size for a in out}) != 1:
-            raise ValueError(f"free_ranges: rows, heads, starts, stops must have the same length, got "
-                             f"{[a.size for a in out]}")
-        rows, heads, starts, stops = (a.astype(np.int64) for a in out)
-        limits = ((rows, 1, self.cache.max_seqs), (heads, 0, self.num_heads - 1),
-                  (starts, 0, self.cache.max_blocks_per_seq), (stops, 0, self.cache.max_blocks_per_seq))
-        for name, (a, lo, hi) in zip(names, limits):
-            bad = (a < lo) | (a > hi)
-            if bad.any():
-                raise ValueError(f"free_ranges: {name} must lie in {lo}..{hi}, got {a[bad].tolist()}")
-        return rows, heads, starts, stops
+    @staticmethod
+    def _as_ranges(*arrays) -> list[np.ndarray]:
+        """``free_ranges``' arguments as ``i64[K]`` arrays; ``ValueError`` unless 1-d integer arrays of one length."""
+        out = [np.asarray(a) for a in arrays]
+        for a in out:
+            if a.ndim != 1 or (a.dtype.kind not in "iu" and a.size):
+                raise ValueError(f"free_ranges: rows, heads, starts, stops must be 1-d integer arrays, got "
+                                 f"{[f'{a.dtype}{list(a.shape)}' for a in out]}")
+            if a.shape != out[0].shape:
+                raise ValueError(f"free_ranges: rows, heads, starts, stops must have the same length, got "
+                                 f"{[a.shape[0] for a in out]}")
+        return [a if a.dtype == np.int64 else a.astype(np.int64) for a in out]
+
+    def _range_error(self, rows, heads, starts, stops, nonempty: np.ndarray) -> str:
+        """The message naming the out-of-range entries among the non-empty ranges ``nonempty: bool[K]``."""
+        limits = (("rows", rows, 1, self.cache.max_seqs), ("heads", heads, 0, self.num_heads - 1),
+                  ("starts", starts, 0, self.cache.max_blocks_per_seq),
+                  ("stops", stops, 0, self.cache.max_blocks_per_seq))
+        bad = [f"{name} must lie in {lo}..{hi}, got {a[nonempty & ((a < lo) | (a > hi))].tolist()}"
+               for name, a, lo, hi in limits if (nonempty & ((a < lo) | (a > hi))).any()]
+        return "free_ranges: " + "; ".join(bad)
 
     # ---- invariants ----------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -12,8 +12,9 @@ One step: ``plan = sched.schedule()`` → run the model on ``plan`` → ``sched.
    pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow;
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
-``update`` advances every scheduled request by its tokens, appends the sampled token where the plan samples,
-and finishes requests on ``max_new_tokens`` or eos. Every way into RUNNING (admission, resume, ``add_request(...,
+``update`` checks the sampled tokens first (a bad array changes nothing, and the plan can still be applied),
+then advances every scheduled request by its tokens, appends the sampled token where the plan samples, and
+finishes requests on ``max_new_tokens`` or eos. Every way into RUNNING (admission, resume, ``add_request(...,
 running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort, preemption) goes
 through ``_release`` which frees the slot and all pages.
 """
@@ -82,7 +83,8 @@ class Scheduler:
     def add_request(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
                     request_id: int | None = None, running: bool = False) -> Request:
         """Queue a request (or, with ``running=True``, start it at once: it takes a slot now and computes from
-        the next step). Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
+        the next step). It fits a block-table row when ``prompt_len + max_new_tokens - 1 <= max_seq_len``: the
+        last sampled token is never fed, so never cached. Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
         ``running`` and no slot is free, ``ValueError`` for a bad prompt, token id or request id; on error
         nothing changes."""
         if request_id is None:
@@ -174,7 +176,7 @@ class Scheduler:
             raise ValueError(f"update() needs the plan of the latest schedule() (step {self.step - 1}), "
                              f"got the plan of step {getattr(plan, 'step', plan)!r}")
         sampled = np.asarray(sampled)
-        if sampled.ndim != 1 or not np.issubdtype(sampled.dtype, np.integer):
+        if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
             raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
                              f"{sampled.dtype}{list(sampled.shape)}")
         if sampled.shape[0] < plan.num_seqs:
