@@ -237,3 +237,31 @@ def test_bad_token_ids_are_rejected_and_change_nothing(prompt, eos, match, rng):
         sched.add_request(prompt, 2, eos_token_id=eos)
     assert requests_state(sched) == before
     finish(sched, rng)
+
+
+def test_check_integrity_catches_an_empty_row_in_the_pending_plan(rng):
+    import dataclasses
+
+    sched = sched_with()
+    sched.add_request(rng.integers(1, 40, 5), 4)
+    sched.schedule()
+    sched.check_integrity()
+    plan = sched._last_plan
+    sched._last_plan = dataclasses.replace(plan, query_lens=np.zeros_like(plan.query_lens),
+                                           logits_indices=plan.logits_indices - 1)
+    with pytest.raises(AssertionError, match="row without tokens"):
+        sched.check_integrity()
+
+
+@pytest.mark.parametrize("rows", [[3], [0], [-1]])
+def test_recycle_rows_out_of_range_raise_and_change_nothing(rows):
+    from kvjax.sched.recycle import free_blocks_before
+
+    blocks = allocated_blocks()
+    before = (blocks.tables.copy(), blocks.recycled_upto.copy())
+    with pytest.raises(ValueError, match="rows"):
+        free_blocks_before(blocks, np.array(rows), np.array([0]), np.array([16]), 4, 0)
+    np.testing.assert_array_equal(blocks.tables, before[0])
+    np.testing.assert_array_equal(blocks.recycled_upto, before[1])
+    with pytest.raises(ValueError, match="row"):
+        blocks.pages_needed(rows[0], 8)

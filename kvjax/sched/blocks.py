@@ -79,7 +79,7 @@ class BlockAllocator:
 
     def pages_needed(self, row: int, num_tokens: int) -> np.ndarray:
         """i64[num_pools]: pages each pool must give so ``row`` covers ``[0, num_tokens)`` on every head."""
-        new_blocks = max(0, self.blocks_for(num_tokens) - self.num_blocks[row])
+        new_blocks = max(0, self.blocks_for(num_tokens) - self.num_blocks[self._check_row(row)])
         return np.asarray(self.heads_in_pool, np.int64) * new_blocks
 
     def can_fit(self, new_blocks: int, reserve: float = 0.0) -> bool:

@@ -66,10 +66,13 @@ def free_blocks_before(
 ) -> int:
     """Free, for every (row, head), the blocks ``[max(cursor, first sink-free block), recycle_stop)`` and
     advance the per-(row, head) cursor to the stop; returns pages freed. The building block of the policies.
-    Raises ``ValueError`` for a head outside ``0..H_kv-1`` (numpy would wrap a negative one)."""
+    Raises ``ValueError`` for a head outside ``0..H_kv-1`` or a row outside ``1..max_seqs`` (numpy would wrap a
+    negative one); nothing changes then."""
     rows, heads = np.asarray(rows, np.int64), np.asarray(heads, np.int64)
     if ((heads < 0) | (heads >= blocks.num_heads)).any():
         raise ValueError(f"heads {heads.tolist()} must lie in 0..{blocks.num_heads - 1} (num_kv_heads)")
+    if rows.size and (rows.min() < 1 or rows.max() > blocks.cache.max_seqs):
+        raise ValueError(f"rows {rows.tolist()} must lie in 1..{blocks.cache.max_seqs} (GDN slots)")
     window = np.broadcast_to(np.asarray(window, np.int64), heads.shape)
     sinks = np.broadcast_to(np.asarray(sinks, np.int64), heads.shape)
     stop = recycle_stop(np.asarray(num_computed, np.int64)[:, None], window[None, :], blocks.page_size)

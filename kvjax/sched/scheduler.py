@@ -251,6 +251,12 @@ class Scheduler:
                                  f"{[r for r in self.running if not 0 <= r.num_computed < r.num_tokens]}")
         if any(self.blocks.num_blocks[r.slot] < self.blocks.blocks_for(r.num_computed) for r in self.running):
             raise AssertionError(f"a running request's computed tokens lie past its blocks: {self.running}")
+        plan = self._last_plan  # scheduled, not yet applied
+        if plan is not None:
+            q, li, T = plan.query_lens[: plan.num_seqs], plan.logits_indices, plan.token_ids.shape[0]
+            if (q < 1).any() or (li < 0).any() or (li >= T).any():
+                raise AssertionError(f"step {plan.step}'s plan has a row without tokens or a logits index outside "
+                                     f"[0, {T}): query_lens {q.tolist()}, logits_indices {li.tolist()}")
         if set(slots) != self.slots.allocated:
             raise AssertionError(f"allocated slots {sorted(self.slots.allocated)} != running slots {sorted(slots)}")
         idle = np.setdiff1d(np.arange(1, self.cache.max_seqs + 1), slots)
