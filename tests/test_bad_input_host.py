@@ -265,3 +265,17 @@ def test_recycle_rows_out_of_range_raise_and_change_nothing(rows):
     np.testing.assert_array_equal(blocks.recycled_upto, before[1])
     with pytest.raises(ValueError, match="row"):
         blocks.pages_needed(rows[0], 8)
+
+
+def test_as_tuple_and_swa_fraction_name_bad_values():
+    from kvjax.config import as_tuple
+
+    assert as_tuple(np.int64(3), 2, "w") == (3, 3) and type(as_tuple(np.int64(3), 2, "w")[0]) is int
+    with pytest.raises(ValueError, match=r"w must be an int or a sequence of 2 ints, got 2\.5"):
+        as_tuple(2.5, 2, "w")
+    with pytest.raises(ValueError, match="swa_fraction must be a number in"):
+        AttentionConfig.with_swa_fraction(4, 2, 8, swa_fraction="0.5", window=8)
+    with pytest.raises(ValueError, match="window and sinks must be ints"):
+        AttentionConfig.with_swa_fraction(4, 2, 8, swa_fraction=0.5, window=8.0)
+    with pytest.raises(ValueError, match="window must be a sequence"):
+        AttentionConfig(4, 2, 8, window=8)
