@@ -1,9 +1,9 @@
 """What a benchmark case is: the declarations the subject modules (``gdn.py``, ``conv.py``, ``attention.py``,
 ``mla.py``, ``engine.py``, ``sched_overhead.py``) give to ``benchmarks/runner.py``.
 
-Not a script (usage: ``from case import Case, Setup, RunCase`` with ``benchmarks/`` on ``sys.path``). Imports no
-jax: the torch anchor process builds the case list too (names and bytes), and a case's arrays are built only
-when the runner runs it (:attr:`Case.setup`).
+Usage: ``from case import Case, Setup, RunCase`` (``benchmarks/`` on ``sys.path``; a module, not a script).
+Imports no jax: the torch anchor process builds the case list too (names and bytes), and a case's arrays are
+built only when the runner runs it (:attr:`Case.setup`).
 """
 
 from __future__ import annotations

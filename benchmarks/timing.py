@@ -1,8 +1,8 @@
 """The one timing module of the benchmarks: device time, wall clock, interleaved rounds, copy ceilings, errors.
 
-Not a script: ``benchmarks/runner.py`` and the subject modules import it (usage: ``from timing import wall_ms``
-with ``benchmarks/`` on ``sys.path``). jax and torch are imported inside the functions, so the torch-only anchor
-process (``runner.py --anchors-only``) imports this module without jax work and the jax process without torch.
+Usage: ``from timing import wall_ms, device_ms`` (``benchmarks/`` on ``sys.path``; a module, not a script:
+``runner.py`` and the subject modules import it). jax and torch are imported inside the functions, so the
+torch-only anchor process (``runner.py --anchors-only``) imports it without jax and the jax process without torch.
 
 Timers (every one warms up with two calls first, except where said):
 
