@@ -7,7 +7,6 @@ example calls, what ``impl="auto"`` takes and why every higher-priority backend 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
@@ -15,6 +14,8 @@ import jax
 import kvjax
 from kvjax import ops
 from kvjax.base.device import NAMED, DeviceKind, current_device
+from kvjax.errors import UsageError
+from kvjax.sched.cli_args import ArgumentParser, fail
 
 
 def collect(device: DeviceKind | None = None) -> dict:
@@ -41,12 +42,16 @@ def collect(device: DeviceKind | None = None) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """CLI entry of ``python -m kvjax info``: prints :func:`collect` as text (or JSON); returns 0."""
-    parser = argparse.ArgumentParser(prog="python -m kvjax info")
+    """CLI entry of ``python -m kvjax info``: prints :func:`collect` as text (or JSON); returns 0 (2 with one line
+    on stderr for a bad argument)."""
+    parser = ArgumentParser(prog="python -m kvjax info")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--device", choices=["current", *NAMED], default="current",
                         help="ask the backend tables about this device (default: this machine's)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        return fail("info", e)
     info = collect(None if args.device == "current" else NAMED[args.device])
     if args.json:
         print(json.dumps(info, indent=2))
