@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,12 +42,52 @@ def check_float(name: str, x, *, rank: int | None = None, shape: tuple[int | Non
     check_array(name, x, rank=rank, dtypes=[jnp.float16, jnp.bfloat16, jnp.float32, np.float64], shape=shape)
 
 
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def host_values(x, *, device: bool = False) -> np.ndarray | None:
+    """The values of ``x`` where reading them costs nothing: a host ``np.ndarray`` (or Python list / tuple), or
+    with ``device=True`` also a concrete (non-traced) ``jax.Array`` (a device-to-host copy). ``None`` for traced
+    values (they cannot be checked) and, by default, device arrays (checking them would cost a sync)."""
+    if isinstance(x, (np.ndarray, list, tuple)):
+        return np.asarray(x)
+    if device and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return np.asarray(x)
+    return None
+
+
+def check_static_int(name: str, value, *, low: int = 0, high: int = INT32_MAX) -> int:
+    """A static Python / numpy integer in ``[low, high]`` (by default ``[0, 2**31 - 1]``: kernels and the
+    references index with int32, so a larger value would wrap to a negative one); returns it as an ``int``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
 def check_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
     """Ragged-batch offsets ``i32[N+1]`` with ``N >= 1``; host (``np.ndarray``) values must also be
     non-decreasing within ``[0, num_tokens]`` (device values are not checked: that would cost a sync)."""
     check_int32("cu_seqlens", cu_seqlens, rank=1)
     if cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if isinstance(cu_seqlens, np.ndarray):
-        if np.any(np.diff(cu_seqlens) < 0) or cu_seqlens[0] < 0 or cu_seqlens[-1] > num_tokens:
-            raise ValueError(f"cu_seqlens must be non-decreasing within [0, T={num_tokens}], got {cu_seqlens}")
+    cu = host_values(cu_seqlens)
+    if cu is not None:
+        if np.any(np.diff(cu) < 0) or cu[0] < 0 or cu[-1] > num_tokens:
+            raise ValueError(f"cu_seqlens must be non-decreasing within [0, T={num_tokens}], got {cu.tolist()}")
+
+
+def check_seq_lens(seq_lens, capacity: int, *, device: bool = False) -> None:
+    """Context lengths ``i32[B]`` against what the block table covers: host values (:func:`host_values`;
+    ``device=True`` also reads concrete device arrays) must be in ``[0, capacity]`` (``capacity = max_blocks *
+    page_size``: a longer row would attend positions no page holds). Raises ``ValueError`` naming the rows."""
+    lens = host_values(seq_lens, device=device)
+    if lens is None:
+        return
+    bad = np.flatnonzero((lens < 0) | (lens > capacity))
+    if bad.size:
+        raise ValueError(
+            f"seq_lens must be in [0, max_blocks * page_size = {capacity}]; rows {bad.tolist()} have "
+            f"{lens[bad].tolist()}"
+        )

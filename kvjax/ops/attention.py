@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.base.checks import check_float, check_int32
+from kvjax.base.checks import INT32_MAX, check_cu_seqlens, check_float, check_int32, check_seq_lens
 from kvjax.base.ragged import token_rows
 from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
 
@@ -186,6 +186,8 @@ def _per_kv_head(name: str, value, num_kv_heads: int) -> jax.Array:
     if isinstance(value, (int, np.integer)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+        if value > INT32_MAX:
+            raise ValueError(f"{name} must fit int32 (<= {INT32_MAX}), got {value}")
         return jnp.full((num_kv_heads,), value, jnp.int32)
     if isinstance(value, (list, tuple)):
         value = np.asarray(value)
@@ -199,6 +201,8 @@ def _per_kv_head(name: str, value, num_kv_heads: int) -> jax.Array:
         concrete = None  # traced under jit: values cannot be checked here
     if concrete is not None and (concrete < 0).any():
         raise ValueError(f"{name} entries must be >= 0, got {concrete.tolist()}")
+    if concrete is not None and (concrete > INT32_MAX).any():
+        raise ValueError(f"{name} entries must fit int32 (<= {INT32_MAX}), got {concrete.tolist()}")
     return jnp.asarray(value, jnp.int32)
 
 
@@ -226,8 +230,11 @@ def paged_attention(
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal attention of new tokens over head-wise paged K/V (see the module docstring).
 
-    Validates shapes and dtypes on the host (``ValueError`` naming the argument), normalises ``scale`` to a
-    float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then runs what :data:`TABLE` chooses for
+    Validates shapes and dtypes on the host (``ValueError`` naming the argument), and host (``np.ndarray``)
+    values: ``cu_seqlens`` non-decreasing within ``[0, T]``, ``seq_lens`` within ``[0, max_blocks *
+    page_size]``, ``window`` / ``sinks`` in ``[0, 2**31 - 1]`` (traced values cannot be checked). Normalises
+    ``scale`` to a float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then runs what :data:`TABLE`
+    chooses for
     ``impl``: ``"auto"`` (the first backend that runs here and accepts the shapes, else the reference),
     ``"reference"``, a backend name (``"mosaic" | "prefill" | "pallas"``; :class:`UnknownImplError` naming the
     reason if it cannot take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode)
@@ -242,7 +249,9 @@ def paged_attention(
     num_rows, hkv, _ = block_tables.shape
     check_int32("seq_lens", seq_lens, shape=(num_rows,))
     check_int32("cu_seqlens", cu_seqlens, shape=(num_rows + 1,))
-    _, hq, d = q.shape
+    t_total, hq, d = q.shape
+    check_cu_seqlens(cu_seqlens, t_total)
+    check_seq_lens(seq_lens, block_tables.shape[2] * k_pages.shape[1])
     if k_pages.shape[2] != d:
         raise ValueError(f"k_pages head_dim {k_pages.shape[2]} != q head_dim {d} (q shape {tuple(q.shape)})")
     if hkv < 1 or hq % hkv:

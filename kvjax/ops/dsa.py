@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.base.checks import check_array, check_float, check_int32
+from kvjax.base.checks import check_array, check_cu_seqlens, check_float, check_int32, check_seq_lens, check_static_int
 from kvjax.base.fp8 import dequantize_fp8_blockwise
 from kvjax.base.softmax import masked_softmax
 from kvjax.ops.backends import Backend, BackendTable, on_gpu
@@ -144,6 +144,8 @@ def indexer_scores(
     b = block_tables.shape[0]
     check_int32("seq_lens", seq_lens, shape=(b,))
     check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
+    check_cu_seqlens(cu_seqlens, t)
+    check_seq_lens(seq_lens, block_tables.shape[-1] * index_k.shape[1])
     _check_scale(scale)
     return INDEXER_TABLE(impl, q, weights, index_k, index_scale, block_tables, seq_lens, cu_seqlens=cu_seqlens,
                          scale=float(scale))
@@ -157,6 +159,7 @@ def index_topk(scores: jax.Array, topk: int) -> jax.Array:
     check_array("scores", scores, rank=2)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be an int >= 1, got {topk!r}")
+    check_static_int("topk", topk, low=1)
     t, length = scores.shape
     k = min(topk, length)
     vals, idx = jax.lax.top_k(scores.astype(jnp.float32), k)
@@ -232,6 +235,7 @@ def sparse_mla_decode(
     _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
     check_float("latent_pages", latent_pages, rank=3,
                 shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
+    check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1])
     _check_scale(scale)
     return SPARSE_TABLE(impl, q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices,
                         scale=float(scale))
@@ -288,6 +292,7 @@ def sparse_mla_decode_fp8(
     if key.shape[-1] % key_scale.shape[-1]:
         raise ValueError(f"key_scale has {key_scale.shape[-1]} scales per token; {key.shape[-1]} is not a multiple")
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
+    check_seq_lens(seq_lens, block_tables.shape[-1] * key.shape[1])
     _check_scale(scale)
     return SPARSE_FP8_TABLE(impl, q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices,
                             scale=float(scale))

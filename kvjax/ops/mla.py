@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.base.checks import check_float, check_int32
+from kvjax.base.checks import INT32_MAX, check_cu_seqlens, check_float, check_int32, check_seq_lens
 from kvjax.base.ragged import token_rows
 from kvjax.base.softmax import masked_softmax
 from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
@@ -107,18 +107,10 @@ def _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, sca
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"scale must be a positive Python float, got {scale!r}")
     if num_kv_splits is not None and (
-        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or num_kv_splits < 1
+        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= INT32_MAX
     ):
-        raise ValueError(f"num_kv_splits must be None or an int >= 1, got {num_kv_splits!r}")
-    if not isinstance(seq_lens, jax.core.Tracer):
-        lens = np.asarray(seq_lens)
-        capacity = block_tables.shape[-1] * latent_pages.shape[1]
-        bad = np.flatnonzero((lens < 0) | (lens > capacity))
-        if bad.size:
-            raise ValueError(
-                f"seq_lens must be in [0, max_blocks * page_size = {capacity}]; rows {bad.tolist()} have "
-                f"{lens[bad].tolist()}"
-            )
+        raise ValueError(f"num_kv_splits must be None or an int in [1, {INT32_MAX}], got {num_kv_splits!r}")
+    check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1], device=True)
 
 
 def mla_decode(
@@ -211,6 +203,8 @@ def mla_prefill_reference(
     check_float("q_pe", q_pe, rank=3)
     check_int32("cu_seqlens", cu_seqlens, shape=(block_tables.shape[0] + 1,))
     t = q_nope.shape[0]
+    check_cu_seqlens(cu_seqlens, t)
+    check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1])
     rank = w_uk.shape[-1]
     length = block_tables.shape[-1] * latent_pages.shape[1]
     rows, present = _gather_latent(latent_pages, block_tables, length)  # [B, L, R+r]
