@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from kvjax.errors import CheckpointError  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
-from kvjax.models.common import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from kvjax.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from kvjax.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM  # noqa: E402
 
 TOL = 1e-4  # f32 max abs logit difference (issue 7)

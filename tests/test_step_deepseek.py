@@ -18,6 +18,7 @@ from flax import nnx
 from kvjax.engine.inputs import StepInputs
 from kvjax.engine.step import make_step
 from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+from kvjax.models.interface import ModelCaches
 
 PAGE, MAX_BLOCKS, NUM_PAGES, T_BUCKET, B_BUCKET = 4, 5, 24, 16, 4
 LENGTHS = (11, 6, 17)  # total tokens per sequence
@@ -147,10 +148,10 @@ def test_step_matches_logits_sparse_topk(rng, kind, indexer_fp8):
     want = jnp.float8_e4m3fn if indexer_fp8 else jnp.float32
     roles = (("key", "key_scale", "key_rope") if latent_fp8 else ("key",)) + ("indexer", "indexer_scale")
     names = [f"{role}_caches_{layer}" for layer in range(2) for role in roles]  # (layer, role priority)
-    assert list(model.init_caches(num_pages=2, page_size=PAGE, kind=kind, indexer_fp8=indexer_fp8)) == names
-    assert sorted(caches) == sorted(names)  # (jit returns dicts in sorted-key order)
-    assert caches["indexer_caches_1"].dtype == want
-    assert caches["key_caches_1"].dtype == (jnp.float8_e4m3fn if latent_fp8 else jnp.float32)
+    assert list(model.init_caches(num_pages=2, page_size=PAGE, kind=kind, indexer_fp8=indexer_fp8).pages) == names
+    assert sorted(caches.pages) == sorted(names)  # (jit returns dicts in sorted-key order)
+    assert caches.pages["indexer_caches_1"].dtype == want
+    assert caches.pages["key_caches_1"].dtype == (jnp.float8_e4m3fn if latent_fp8 else jnp.float32)
     if kind == "mla" and indexer_fp8:
         return
     # The selection matters: the same weights with a top-k covering everything give different logits.
@@ -172,7 +173,7 @@ def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
     """Pages no sequence owns keep their (poisoned) contents; only mapped slots are written."""
     model = _model(topk=4, seed=7)
     caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, kind="dsa")
-    poison = {name: jnp.full_like(v, 7) for name, v in caches.items()}
+    poison = ModelCaches(pages={name: jnp.full_like(v, 7) for name, v in caches.pages.items()})
     tokens = [rng.integers(0, 61, size=n).astype(np.int32) for n in LENGTHS]
     tables = [np.array([2 * b, 2 * b + 1, -1, -1, -1], np.int32) for b in range(3)]
     rows = [(0, 0, 5), (2, 0, 3), (1, 0, 6)]
@@ -183,9 +184,9 @@ def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
     for b, _, n in rows:
         p = np.arange(n)
         touched[tables[b][p // PAGE], p % PAGE] = True
-    assert sorted(new) == sorted(poison)
-    for name in poison:
-        o, c = np.asarray(poison[name].astype(jnp.float32)), np.asarray(new[name].astype(jnp.float32))
+    assert sorted(new.pages) == sorted(poison.pages) and new.gdn is None
+    for name in poison.pages:
+        o, c = np.asarray(poison.pages[name].astype(jnp.float32)), np.asarray(new.pages[name].astype(jnp.float32))
         assert (c[~touched] == o[~touched]).all(), name
         assert (c[touched] != o[touched]).any(axis=-1).all(), name  # every written token row changed
 

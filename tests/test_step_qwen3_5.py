@@ -17,7 +17,7 @@ from flax import nnx
 
 from kvjax.engine.inputs import StepInputs
 from kvjax.engine.step import make_step
-from kvjax.models.common import assign_params
+from kvjax.models.common.checkpoint import assign_params
 from kvjax.errors import InvalidPlanError
 from kvjax.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, init_random
 from kvjax.config import AttentionConfig, GDNConfig

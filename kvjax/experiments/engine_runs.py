@@ -2,11 +2,12 @@
 
 Same question as the simulator sweeps, answered with a model in the loop: at fixed page memory, generated
 tokens per second and per step, running requests and pages in use over time for ``recycle="none"`` and
-``"timely"`` (and both pool policies). Every engine run of one model shares one compiled step (the engine caches
-it per model graph), and :func:`engine_run` checks that the engine is idle (all slots and pages free) afterwards.
+``"timely"`` (and both pool policies). Every engine run compiles its own step once (the engine owns it; the
+compiling step is left out of the rates), and :func:`engine_run` checks that the engine is idle (all slots and
+pages free) afterwards.
 
 Runs pad every step to one bucket each of tokens (``max_num_batched_tokens``), rows (``max_seqs``) and blocks
-(``max_blocks_per_seq``) (the engine's ``token_buckets`` / ``row_buckets`` / ``block_buckets``), so a model
+(``max_blocks_per_seq``) (the engine's ``token_buckets`` / ``row_buckets`` / ``block_buckets``), so an engine
 compiles its step once and every step costs about the same: tokens per second then follows tokens per step.
 """
 
@@ -55,7 +56,7 @@ def long_prompt_workload(num_requests: int, *, prompt: tuple[int, int], output: 
 def single_bucket_engine(model: Qwen3_5ForCausalLM, cache: CacheConfig, *, recycle: str | RecyclePolicy,
                          pool: str = "shared", max_num_batched_tokens: int) -> Engine:
     """An :class:`~kvjax.engine.engine.Engine` whose steps all have one shape (``T = max_num_batched_tokens``,
-    ``B = max_seqs``, all blocks) and no separate decode path: one compilation per model."""
+    ``B = max_seqs``, all blocks) and no separate decode path: one compilation per engine."""
     from kvjax.engine.engine import Engine
 
     return Engine(model, cache, recycle=recycle, pool=pool, max_num_batched_tokens=max_num_batched_tokens,
@@ -77,7 +78,7 @@ def engine_run(model: Qwen3_5ForCausalLM, cache: CacheConfig, workload: list[Req
     m = eng.metrics
     trace = {name: m.column(name) for name in ("pages_used", "running", "generated", "t_step", "compiled")}
     name = recycle if isinstance(recycle, str) else getattr(recycle, "name", type(recycle).__name__)
-    bound = workload_bound(workload, cache, model.config.attention, max_num_batched_tokens=max_num_batched_tokens,
+    bound = workload_bound(workload, cache, model.attention_layout(), max_num_batched_tokens=max_num_batched_tokens,
                            pool=pool, recycle=name)
     return {"recycle": name, "pool": pool, "outputs": outputs, "summary": m.summary(num_pages=cache.num_pages),
             "trace": trace, "num_pages": cache.num_pages, "bound": bound}

@@ -172,7 +172,7 @@ def with_layout(model: Qwen3_5ForCausalLM, *, window: Sequence[int], sinks: Sequ
     """The same weights under another per-KV-head ``window`` / ``sinks`` layout (e.g. every head full)."""
     from flax import nnx
 
-    from kvjax.models.common import assign_params
+    from kvjax.models.common.checkpoint import assign_params
     from kvjax.models.qwen3_5 import init_random
 
     other = init_random(model.config.with_swa(tuple(window), tuple(sinks)))

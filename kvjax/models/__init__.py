@@ -1,6 +1,11 @@
-"""Toy Qwen3.5 (GDN + gated attention) and DeepSeek (MLA + DSA) models.
+"""Toy Qwen3.5 (GDN + gated attention) and DeepSeek (MLA + DSA) models, one package per family.
 
-``load_pretrained(path)`` loads a Hugging Face ``save_pretrained`` directory (see :mod:`kvjax.models.loading`).
+Every model satisfies :class:`kvjax.models.interface.CausalLM` (what the engine uses) and keeps its device state in
+a :class:`kvjax.models.interface.ModelCaches`. ``load_pretrained(path)`` loads a Hugging Face ``save_pretrained``
+directory (see :mod:`kvjax.models.loading`); ``kvjax.models.qwen3_5.init_random`` builds toy weights.
 """
 
+from kvjax.models.interface import CausalLM, ModelCaches
 from kvjax.models.loading import load_pretrained
+
+__all__ = ["CausalLM", "ModelCaches", "load_pretrained"]

@@ -13,16 +13,17 @@ import os
 from typing import Any
 
 from kvjax.errors import CheckpointError
-from kvjax.models.common import read_config
+from kvjax.models.common.checkpoint import read_config
+from kvjax.models.interface import CausalLM
 
 LOADERS: dict[str, str] = {
     # architecture or model_type -> "module:function"
-    "Qwen3_5ForCausalLM": "kvjax.models.qwen3_5:load",
-    "Qwen3_5ForConditionalGeneration": "kvjax.models.qwen3_5:load",  # text tower only
-    "qwen3_5_text": "kvjax.models.qwen3_5:load",
-    "qwen3_5": "kvjax.models.qwen3_5:load",
-    "DeepseekV32ForCausalLM": "kvjax.models.deepseek:load",
-    "deepseek_v32": "kvjax.models.deepseek:load",
+    "Qwen3_5ForCausalLM": "kvjax.models.qwen3_5.loading:load",
+    "Qwen3_5ForConditionalGeneration": "kvjax.models.qwen3_5.loading:load",  # text tower only
+    "qwen3_5_text": "kvjax.models.qwen3_5.loading:load",
+    "qwen3_5": "kvjax.models.qwen3_5.loading:load",
+    "DeepseekV32ForCausalLM": "kvjax.models.deepseek.loading:load",
+    "deepseek_v32": "kvjax.models.deepseek.loading:load",
 }
 
 
@@ -40,7 +41,7 @@ def resolve_loader(config: dict) -> tuple[str, str]:
     )
 
 
-def load_pretrained(path: str | os.PathLike, **options: Any) -> Any:
+def load_pretrained(path: str | os.PathLike, **options: Any) -> CausalLM:
     """Load the model saved at ``path`` (``config.json`` + safetensors) with the loader its config names.
 
     ``options`` go to the family's loader (all accept ``dtype``; Qwen3.5 also ``window``/``sinks`` for SWA heads).

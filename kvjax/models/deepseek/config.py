@@ -1,6 +1,6 @@
 """Hyper-parameters of a DeepSeek-V3.2 decoder (HF ``DeepseekV32Config`` field names), read from a HF config dict.
 
-The model itself is :mod:`kvjax.models.deepseek` (which re-exports :class:`DeepseekConfig`).
+The model is :mod:`kvjax.models.deepseek.model` (the package re-exports :class:`DeepseekConfig`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from kvjax.config import DSAIndexerConfig, MLAConfig
 from kvjax.errors import CheckpointError
-from kvjax.models.common import config_get
+from kvjax.models.common.checkpoint import config_get
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,41 +1,27 @@
-"""Layers of the toy Qwen3.5 text model (flax NNX); see :mod:`kvjax.models.qwen3_5` for the model and semantics.
+"""Layers of the toy Qwen3.5 text model (flax NNX); see :mod:`kvjax.models.qwen3_5.model` for the semantics.
 
 - :class:`GatedDeltaNet`: ``in_proj_qkv`` -> causal depthwise conv1d + SiLU -> gated delta rule (q/k l2-norm,
   ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``) -> gated RMSNorm with ``z`` -> ``out_proj``;
   whole sequences (``__call__``) or one ragged step on the slot-addressed GDN pool (``step``).
 - :class:`GatedAttention`: output-gated q, zero-centred q/k RMSNorm, partial RoPE, GQA; whole sequences with
   :func:`dense_masked_attention` (per-KV-head window/sinks) — the paged path lives in the model's step.
-- :class:`MLP` (SwiGLU), :class:`DecoderLayer` (pre-norm residual), :class:`TextModel` (embeddings, layers, norm).
+- :class:`DecoderLayer` (pre-norm residual, shared SwiGLU :class:`~kvjax.models.common.layers.MLP`),
+  :class:`TextModel` (embeddings, layers, norm).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.config import AttentionConfig, GDNConfig
-from kvjax.models.common import GatedRMSNorm, Linear, RMSNorm, apply_rope
 from kvjax.base.ragged import token_rows
+from kvjax.config import AttentionConfig, GDNConfig
+from kvjax.models.common.layers import MLP, GatedRMSNorm, Linear, RMSNorm
+from kvjax.models.common.rope import apply_rope
+from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.state.gdn_pool import GDNStatePool
-
-if TYPE_CHECKING:
-    from kvjax.models.qwen3_5 import Qwen3_5Config
-
-
-class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, inter: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
-        self.up_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(inter, hidden, rngs=rngs, dtype=dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., H] -> [..., H]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -106,7 +92,7 @@ class GatedDeltaNet(nnx.Module):
 
         ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch and the decode
         kernels run by slot id (every live row continues its state: the caller zeroes fresh rows' slots first,
-        see :meth:`Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token order.
+        see :meth:`~kvjax.models.qwen3_5.model.Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token order.
         """
         from kvjax.state.gdn_ops import conv_decode, conv_prefill, gdn_decode, gdn_prefill
 

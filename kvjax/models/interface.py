@@ -1,0 +1,76 @@
+"""What the engine needs from a model: the :class:`CausalLM` protocol and the :class:`ModelCaches` pytree.
+
+Every model family (:mod:`kvjax.models.qwen3_5`, :mod:`kvjax.models.deepseek`) is an ``nnx.Module`` that
+satisfies :class:`CausalLM`; the engine talks to a model only through it (it never names a model class). Both
+families keep their device state in one :class:`ModelCaches` (paged roles by registry name, plus the per-slot
+GDN state pool where the model has recurrent layers), which a jitted step takes donated and returns updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from kvjax.config import AttentionConfig
+from kvjax.state.gdn_pool import GDNStatePool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCaches:
+    """Device state of one model (a pytree: donate it to the step, use only the returned one afterwards).
+
+    ``pages``: every paged role of every layer as :func:`kvjax.state.registry.create_caches` names them,
+    ``{<role>_caches_<layer>: [P, page_size, ...]}`` (Qwen3.5: ``key``/``value`` single-head K/V pools of each
+    full-attention layer; DeepSeek: the MLA latent ``key`` and the DSA indexer roles of each layer). A jitted
+    step returns the dict in sorted-key order: go by name. ``gdn``: the slot-addressed GDN state pool of the
+    linear-attention layers (pool layer ``i`` = ``i``-th GDN layer; slot 0 = PAD, never written), ``None`` for a
+    model without recurrent layers.
+    """
+
+    pages: dict[str, jax.Array]  # {"<role>_caches_<layer>": [P, page_size, ...]}
+    gdn: GDNStatePool | None = None  # conv [L_gdn, S+1, conv_dim, W-1], ssm f32[L_gdn, S+1, Hv, K, V] | None
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model the engine can serve (an ``nnx.Module``; ``nnx.split`` gives its parameters).
+
+    ``isinstance(model, CausalLM)`` checks that the members exist (not their signatures); the contract below
+    is what each must do.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids: inputs are ids in ``[0, vocab_size)``, logits are ``f32[..., vocab_size]``."""
+        ...
+
+    def attention_layout(self) -> AttentionConfig:
+        """The block-table layout the scheduler manages: one table per KV head (``num_kv_heads`` heads with
+        their per-head ``window``/``sinks``; a latent-cache model reports one head of the latent width). The
+        scheduler's ``StepInputs.block_tables i32[B, Hkv, max_blocks]`` and ``slot_mapping i32[T, Hkv]`` have
+        this many heads."""
+        ...
+
+    def init_caches(self, *, num_pages: int, page_size: int, max_seqs: int, dtype: Any, **options: Any
+                    ) -> ModelCaches:
+        """Zeroed caches: ``num_pages`` pages of ``page_size`` tokens per paged role (element dtype ``dtype``
+        where the role has no fixed dtype), per-sequence state for slots ``0..max_seqs`` (slot 0 = PAD).
+        ``options`` are family-specific (e.g. DeepSeek's ``kind``, ``indexer_fp8``); unknown ones raise
+        ``TypeError``."""
+        ...
+
+    def forward_step(self, caches: ModelCaches, inputs: Any) -> tuple[jax.Array, ModelCaches]:
+        """One ragged step over ``inputs`` (a :class:`kvjax.engine.inputs.StepInputs`: ``T`` tokens of ``B``
+        rows, prefill chunks and decode tokens mixed). Pure: writes this step's tokens into the caches at
+        ``slot_mapping`` (and GDN states at ``gdn_slots``; padding writes nothing), attends through
+        ``block_tables``, and returns ``(logits f32[B, vocab_size] at logits_indices, new caches)`` with the
+        same structure, shapes and dtypes as ``caches``. Traceable under ``jax.jit`` with ``caches`` donated."""
+        ...
+
+    def logits(self, input_ids: jax.Array) -> jax.Array:
+        """Full-sequence forward without a cache: ``i32[B, T]`` (positions ``0..T-1``) -> ``f32[B, T, vocab]``;
+        the oracle of :meth:`forward_step`."""
+        ...

@@ -1,0 +1,99 @@
+"""Qwen3.5 parameters: random toy weights (:func:`init_random`) or a Hugging Face checkpoint (:func:`load`,
+the loader :func:`kvjax.models.load_pretrained` dispatches to for ``Qwen3_5ForCausalLM`` /
+``Qwen3_5ForConditionalGeneration`` / ``qwen3_5_text`` / ``qwen3_5``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.errors import CheckpointError
+from kvjax.models.common.checkpoint import TensorSource, abstract_model, assign_params, load_safetensors
+from kvjax.models.qwen3_5.config import Qwen3_5Config
+from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
+
+
+def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+    """A randomly initialised model, drawn on the host with numpy (fast: no per-shape device compiles).
+
+    Same distributions as the module constructors / HF init: projections ``N(0, 1/fan_in)``, embeddings
+    ``N(0, 0.02^2)``, ``A_log = log U(0.01, 16)``, ``dt_bias = 1``, zero-centred norms 0, gated norm 1.
+    """
+    model = abstract_model(lambda: Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    rng = np.random.default_rng(seed)
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape, last = tuple(var.get_value().shape), str(path[-1])
+        if last == "kernel":
+            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[0]), shape)
+        elif last == "conv_weight":
+            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
+        elif last == "embed_tokens":
+            values[path] = rng.normal(0.0, 0.02, shape)
+        elif last == "A_log":
+            values[path] = np.log(rng.uniform(0.01, 16.0, shape))
+        elif last == "dt_bias" or path[-3:] == ("linear_attn", "norm", "weight"):
+            values[path] = np.ones(shape)
+        else:  # biases and zero-centred RMSNorm scales
+            values[path] = np.zeros(shape)
+    return assign_params(model, values)
+
+
+def from_hf_config(cfg: dict[str, Any], *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+    """A randomly initialised model of the shape an HF config dict describes."""
+    return init_random(Qwen3_5Config.from_hf(cfg), seed=seed, dtype=dtype)
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """HF tensor name of an nnx parameter path and whether the value is transposed (``kernel``)."""
+    parts = [str(p) for p in path]
+    if parts[-1] == "kernel":
+        return ".".join(parts[:-1] + ["weight"]), True
+    if parts[-1] == "conv_weight":
+        return ".".join(parts[:-1] + ["conv1d", "weight"]), False
+    if parts == ["model", "embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    return ".".join(parts), False
+
+
+def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, window: tuple[int, ...] = (),
+         sinks: tuple[int, ...] = ()) -> Qwen3_5ForCausalLM:
+    """Load an HF Qwen3.5 checkpoint directory (``Qwen3_5ForCausalLM`` or the text tower of the multimodal
+    ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped or
+    unexpected tensor; the model is returned only when every parameter is loaded. ``window``/``sinks``
+    (per KV head) turn on SWA heads in the full-attention layers (research option; HF parity needs them off)."""
+    cfg = Qwen3_5Config.from_hf(config)
+    if window or sinks:
+        try:
+            cfg = cfg.with_swa(tuple(window), tuple(sinks))
+        except ValueError as err:
+            raise CheckpointError(f"invalid SWA option: {err}") from err
+    tensors = load_safetensors(path)
+    model = abstract_model(lambda: Qwen3_5ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    renamed = {}
+    for name, value in tensors.items():
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        renamed[name] = value
+    src = TensorSource(renamed)
+    values = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transposed = _hf_name(p)
+        shape = tuple(var.get_value().shape)
+        if name.endswith("conv1d.weight"):
+            values[p] = src.take(name, (shape[0], 1, shape[1])).reshape(shape)
+        elif transposed:
+            values[p] = src.take(name, shape[::-1]).T
+        else:
+            values[p] = src.take(name, shape)
+    extra = src.unused(ignore_prefixes=("mtp.", "model.visual.", "model.mtp."))
+    if model.config.tie_word_embeddings:
+        extra = [e for e in extra if e != "lm_head.weight"]
+    if extra:
+        raise CheckpointError(f"checkpoint has tensors the config does not describe: {extra[:8]}")
+    return assign_params(model, values)
