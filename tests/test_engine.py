@@ -5,8 +5,7 @@ heads and for DeepSeek-V3.2 (MLA + DSA, top-k below the context length), and Hug
 (``do_sample=False``) on a tiny random ``Qwen3_5ForCausalLM`` checkpoint. Engine runs use a token budget below
 the longest prompt (chunked prefill), a page pool small enough to force preemption by recompute, both recycle
 policies and both pool policies. After every run every slot and page is free (``check_integrity``).
-Engines over one model graph share one compiled step (``make_device_step`` cache), which keeps this file's
-compile time to a few shapes.
+Each engine builds and compiles its own device step (``Engine.num_traces`` counts that engine's traces only).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from flax import nnx
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import RequestTooLongError
-from kvjax.models.common import assign_params
+from kvjax.models.common.checkpoint import assign_params
 from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
 
 VOCAB = 61

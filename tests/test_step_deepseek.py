@@ -8,7 +8,6 @@ Tolerance: 1e-4 max abs diff in float32 (absorbed vs un-absorbed MLA differ by f
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,7 +104,6 @@ def _run_steps(model: DeepseekV32, rng: np.random.Generator, *, kind: str, index
         k += nb
     caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, kind=kind, indexer_fp8=indexer_fp8)
     graphdef, state = nnx.split(model)
-    chex.clear_trace_counter()
     step = make_step(graphdef, max_traces=1)  # every step has the same bucketed shapes: one compile
     got = {}
     for rows in _schedule(rng):

@@ -8,11 +8,13 @@ One step::
     scheduler.update(plan, tokens)              # host: advance requests, append tokens, finish
 
 The engine owns nothing the scheduler owns: GDN slots, pages and block tables come only from
-:class:`kvjax.sched.Scheduler`. The device caches are created once (``model.init_caches``) and donated to every
-step. The device function is one ``jax.jit`` of ``model.forward_step(caches, inputs)`` (the contract of
-:mod:`kvjax.engine.step`) followed by :func:`kvjax.engine.sampling.sample`, so a step is one dispatch and
-only ``i32[B]`` tokens come back to the host. It compiles once per ``(T, B, max_blocks)`` bucket of the plan
-(and per greedy / sampling mode).
+:class:`kvjax.sched.Scheduler`. It talks to the model only through :class:`kvjax.models.interface.CausalLM`
+(``attention_layout()`` for the scheduler, ``init_caches``, ``forward_step``, ``vocab_size``). The device caches
+are created once (``model.init_caches``) and donated to every step. Each engine builds its own device step once
+(:func:`kvjax.engine.step.make_step` with ``sample=True``): one ``jax.jit`` of ``model.forward_step(caches,
+inputs)`` followed by :func:`kvjax.engine.sampling.sample`, so a step is one dispatch and only ``i32[B]`` tokens
+come back to the host. It compiles once per ``(T, B, max_blocks, decode_only)`` bucket of the plan (and per
+greedy / sampling mode); :attr:`Engine.num_traces` counts this engine's compilations.
 
 Use from a script or notebook::
 
@@ -23,8 +25,8 @@ Use from a script or notebook::
         if ev.index == 3 and ev.position > 10: engine.abort(ev.request_id)
     engine.metrics.summary()                                    # per-step records -> aggregates
 
-Supported models: :class:`kvjax.models.qwen3_5.Qwen3_5ForCausalLM` (GDN slots + head-wise K/V pages; SWA heads
-recycle) and :class:`kvjax.models.deepseek.DeepseekV32` (MLA latent + DSA indexer caches, one latent head).
+Models in the package: Qwen3.5 (:mod:`kvjax.models.qwen3_5`: GDN slots + head-wise K/V pages; SWA heads
+recycle) and DeepSeek-V3.2 (:mod:`kvjax.models.deepseek`: MLA latent + DSA indexer caches, one latent head).
 """
 
 from __future__ import annotations
@@ -32,19 +34,19 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.config import CacheConfig
 from kvjax.engine.inputs import StepInputs
 from kvjax.engine.metrics import EngineMetrics, StepRecord
-from kvjax.engine.sampling import sample, row_keys
+from kvjax.engine.step import make_step
 from kvjax.errors import RequestTooLongError
+from kvjax.models.interface import CausalLM
 from kvjax.sched.plan import DEVICE_FIELDS, StepPlan
 from kvjax.sched.scheduler import Scheduler
 
@@ -68,31 +70,6 @@ class _Tracked:
     tokens: list  # list[int]: generated so far
 
 
-# ---------------------------------------------------------------------------------------------- model adapters
-
-
-def model_attention_layout(model: nnx.Module) -> AttentionConfig:
-    """The block-table layout the scheduler manages for ``model``: its KV heads with their window/sinks
-    (Qwen3.5), or one latent head (DeepSeek MLA)."""
-    from kvjax.models.deepseek import DeepseekV32
-    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
-
-    if isinstance(model, Qwen3_5ForCausalLM):
-        return model.config.attention
-    if isinstance(model, DeepseekV32):
-        return AttentionConfig(1, 1, model.config.latent_dim)
-    raise ValueError(f"Engine supports Qwen3_5ForCausalLM and DeepseekV32 models, got {type(model).__name__}")
-
-
-def init_model_caches(model: nnx.Module, cache: CacheConfig, dtype: Any, options: dict) -> Any:
-    """Zeroed device caches of ``model`` for ``cache`` (``options`` go to ``model.init_caches``).
-
-    Models take ``init_caches(*, num_pages, page_size, max_seqs, dtype, ...)``.
-    """
-    return model.init_caches(num_pages=cache.num_pages, page_size=cache.page_size, max_seqs=cache.max_seqs,
-                             dtype=dtype, **options)
-
-
 def plan_to_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
     """Device :class:`StepInputs` of a scheduler plan (int fields as int32, ``has_initial_state`` bool), moved
     with one batched ``jax.device_put``. The plan's field names are ``StepInputs``' field names.
@@ -105,36 +82,6 @@ def plan_to_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInput
     q = plan.query_lens[: plan.num_seqs]
     decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
     return StepInputs(**jax.device_put(host), decode_only=decode_only)
-
-
-_DEVICE_STEPS: dict = {}  # (graphdef, max_traces) -> (jitted fn, trace counter): engines of one graph share it
-
-
-def make_device_step(graphdef: nnx.GraphDef, *, max_traces: int | None = None) -> tuple[Callable, list]:
-    """Jitted ``(params, caches, inputs, seeds, streams, counters, temperature, greedy_only) -> (tokens i32[B],
-    caches)`` with the caches donated, and a one-element list counting its traces (= compilations).
-
-    The result is cached per ``(graphdef, max_traces)``: engines over the same model graph (e.g. the same model
-    under two recycle policies) share one compiled step. ``max_traces``: wrap in ``chex.assert_max_traces``.
-    """
-    key = (graphdef, max_traces)
-    if key in _DEVICE_STEPS:
-        return _DEVICE_STEPS[key]
-    traces = [0]
-
-    def fn(params, caches, inputs, seeds, streams, counters, temperature, greedy_only):
-        traces[0] += 1
-        logits, caches = nnx.merge(graphdef, params).forward_step(caches, inputs)
-        if greedy_only:
-            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        else:
-            tokens = sample(logits, row_keys(seeds, streams, counters), temperature)
-        return tokens, caches
-
-    if max_traces is not None:
-        fn = chex.assert_max_traces(fn, n=max_traces)
-    _DEVICE_STEPS[key] = out = (jax.jit(fn, donate_argnums=(1,), static_argnums=(7,)), traces)
-    return out
 
 
 def _check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -> tuple[int, ...]:
@@ -152,7 +99,7 @@ class Engine:
     """Continuous-batching generation for one model over fixed page memory.
 
     Args:
-      model: a Qwen3.5 or DeepSeek-V3.2 kvjax model.
+      model: a :class:`kvjax.models.interface.CausalLM` (a Qwen3.5 or DeepSeek-V3.2 kvjax model).
       cache_config: pages, page size, ``max_seqs`` (GDN slots and batch rows), block-table width.
       recycle: ``"none"`` | ``"timely"`` (or a policy object; see :mod:`kvjax.sched.recycle`).
       pool: ``"shared"`` | ``"partitioned"``.
@@ -162,7 +109,7 @@ class Engine:
       cache_options: extra keyword arguments of ``model.init_caches`` (e.g. ``{"indexer_fp8": False}``).
       eos_token_id: stop a request when it samples this token (``None``: run to ``max_new_tokens``).
       debug: validate every step's inputs on the host before running it (slow).
-      max_traces: fail (``AssertionError``) if the device step compiles more than this many times.
+      max_traces: fail (``AssertionError``) if this engine's device step compiles more than this many times.
       use_decode_path: mark all-decode steps ``decode_only`` (decode kernels; one more trace per bucket).
       token_buckets, row_buckets, block_buckets: replace the scheduler's default bucket sets (powers of two) for
         ``T``, ``B`` and the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_seqs`` /
@@ -170,7 +117,7 @@ class Engine:
         buckets = fewer compilations, more padding (worth it where compiling is slow, e.g. on CPU).
     """
 
-    def __init__(self, model: nnx.Module, cache_config: CacheConfig, *, recycle: Any = "none", pool: str = "shared",
+    def __init__(self, model: CausalLM, cache_config: CacheConfig, *, recycle: Any = "none", pool: str = "shared",
                  max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
                  cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
                  max_traces: int | None = None, use_decode_path: bool = True,
@@ -178,9 +125,12 @@ class Engine:
                  block_buckets: Sequence[int] | None = None) -> None:
         if not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+        if not isinstance(model, CausalLM) or not isinstance(model, nnx.Module):
+            raise ValueError(f"model must be an nnx.Module implementing kvjax.models.interface.CausalLM, got "
+                             f"{type(model).__name__}")
         self.model = model
         self.cache_config = cache_config
-        self.attention = model_attention_layout(model)
+        self.attention = model.attention_layout()
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
         self.scheduler = Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
@@ -202,16 +152,17 @@ class Engine:
         if cache_dtype is None:  # the parameters' float dtype
             cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
                                if jnp.issubdtype(x.dtype, jnp.floating))
-        self.caches = init_model_caches(model, cache_config, cache_dtype, dict(cache_options or {}))
-        self._device_step, self._traces = make_device_step(graphdef, max_traces=max_traces)
+        self.caches = model.init_caches(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
+                                        max_seqs=cache_config.max_seqs, dtype=cache_dtype, **(cache_options or {}))
+        self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
         self._tracked: dict[int, _Tracked] = {}
         self.metrics = EngineMetrics()
 
     # ---- requests --------------------------------------------------------------------------------------------
     @property
     def num_traces(self) -> int:
-        """How many times the device step has been traced (= compiled) so far."""
-        return self._traces[0]
+        """How many times this engine's device step has been traced (= compiled) so far."""
+        return self._device_step.num_traces
 
     def add_request(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, *, temperature: float = 0.0,
                     seed: int = 0, index: int = 0) -> int:
@@ -239,7 +190,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def _vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self.model.vocab_size)
 
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -264,7 +215,7 @@ class Engine:
             seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, req.num_tokens, tr.temperature
         greedy_only = not bool((temperature > 0).any())
         t2 = time.perf_counter()
-        traces0 = self._traces[0]
+        traces0 = self.num_traces
         tokens, self.caches = self._device_step(self.params, self.caches, inputs, seeds, streams, counters,
                                                 temperature, greedy_only)
         tokens = np.asarray(tokens)
@@ -290,7 +241,7 @@ class Engine:
             decode_only=inputs.decode_only,
             generated=len(events), running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
             preemptions=sched.num_preemptions - preempt0, pages_used=used,
-            pages_free=self.cache_config.num_pages - used, compiled=self._traces[0] > traces0,
+            pages_free=self.cache_config.num_pages - used, compiled=self.num_traces > traces0,
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_device=t3 - t2, t_update=t4 - t3, t_step=t4 - t0))
         return events
 
