@@ -331,9 +331,10 @@ def test_table_chooses_as_documented():
         assert choice == "reference" and "needs a GPU" in why["pallas"] and "needs a GPU" in why["triton"]
         args, kwargs = _decode_call(h)
         assert table.choose("auto", args, kwargs, NAMED["h100"])[0] in ("mosaic", "pallas")
-    for ex in table.examples.values():  # the examples are valid normalised calls
+    for name, ex in table.examples.items():  # the examples are valid normalised calls
         args, kwargs = ex()
-        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] in ("mosaic", "pallas")
+        want = ("reference",) if "not a Triton tile" in name else ("mosaic", "pallas")
+        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] in want
 
 
 def test_explicit_impl_that_cannot_take_the_call_raises(rng):
@@ -432,3 +433,37 @@ def test_decode_after_latent_cache_writes(rng):
         want = _dense_mha(np.concatenate([q[b], qr[b]], -1).astype(np.float64), k, k[..., :RANK], scale)
         np.testing.assert_allclose(got_ref[b], want, rtol=2e-4, atol=2e-4)
         np.testing.assert_allclose(got_ker[b], want, rtol=2e-3, atol=2e-3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Head dims the Triton tiles cannot take (issue #17 item 8): auto falls back to the reference, with the reason.
+
+
+@pytest.mark.parametrize("rank,rope,page_size", [(96, 64, 16), (512, 48, 16), (512, 64, 24)])
+def test_triton_tiles_decline_other_head_dims(rng, rank, rope, page_size):
+    """R, r or a page (a step's rows) that is not a power of two >= 16: the Pallas kernel declines with the reason
+    (``kvjax info`` shows it), ``auto`` runs the reference on a GPU, and an explicit ``impl`` raises it."""
+    from kvjax.base.device import NAMED
+    from kvjax.errors import UnknownImplError
+
+    lens = np.asarray([5, 40], np.int32)
+    mb = -(-40 // page_size)
+    pages = jnp.asarray(rng.standard_normal((2 * mb, page_size, rank + rope)), jnp.float32)
+    tables = jnp.asarray(np.arange(2 * mb, dtype=np.int32).reshape(2, 1, mb))
+    q = jnp.asarray(rng.standard_normal((2, 4, rank)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((2, 4, rope)), jnp.float32)
+    args = (q, qr, pages, tables, jnp.asarray(lens))
+    why = dict(mla.TABLE.explain(args, dict(scale=0.1, num_kv_splits=None), NAMED["h100"]))
+    assert "power-of-two" in why["pallas"] and why["mosaic"] is not None and why["triton"] is not None
+    assert mla.TABLE.choose("auto", args, dict(scale=0.1, num_kv_splits=None), NAMED["h100"])[0] == "reference"
+    for impl in ("interpret", "pallas"):  # off a GPU "pallas" names the device first
+        with pytest.raises(UnknownImplError, match="power-of-two" if impl == "interpret" else "power-of-two|GPU"):
+            mla.mla_decode(*args, scale=0.1, impl=impl)
+    want = mla.mla_decode(*args, scale=0.1, impl="reference")
+    np.testing.assert_array_equal(np.asarray(mla.mla_decode(*args, scale=0.1)), np.asarray(want))
+    topk = jnp.asarray([[0, 3, -1, 4], [39, 1, 2, 7]], jnp.int32)
+    from kvjax.ops import dsa
+
+    for impl in ("interpret", "pallas") if (rank, rope) != (RANK, ROPE) else ():  # sparse steps gather 64 rows
+        with pytest.raises(UnknownImplError, match="power-of-two" if impl == "interpret" else "power-of-two|GPU"):
+            dsa.sparse_mla_decode(*args, topk, scale=0.1, impl=impl)

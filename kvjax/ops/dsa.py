@@ -343,6 +343,7 @@ SPARSE_TABLE = BackendTable(
     sparse_mla_decode_reference,
     (
         Backend("pallas", f"{_MLA}.decode:sparse_mla_decode_pallas", priority=10, device=on_gpu,
+                unsupported=f"{_MLA}.decode:sparse_unsupported",
                 note="top-k 2048: 1.0-3.6x the jnp reference (B=32, L=8192-32768, H200)"),
     ),
     examples={

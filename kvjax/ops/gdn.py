@@ -32,7 +32,8 @@ then call the implementation their backend table (:data:`CHUNK_TABLE`, :data:`RE
     returns (o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])
 
 Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.recurrent`: any CUDA GPU,
-power-of-two K and V); ``impl="auto"`` takes it where it accepts the call, else the reference. The references
+any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` takes it on a GPU, else the
+reference. The references
 (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST`` matmuls (no
 TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does not
 recompile).
@@ -366,14 +367,11 @@ def example_call(num_tokens: int, num_seqs: int, heads: int, kd: int = 128, vd: 
     return args, kwargs
 
 
-_GDN_UNSUPPORTED = "kvjax.pallas.gdn.common:unsupported"
-
 CHUNK_TABLE = BackendTable(
     CHUNK_OP,
     chunk_gated_delta_rule_reference,
     (
         Backend("pallas", "kvjax.pallas.gdn.chunk:chunk_gated_delta_rule_pallas", priority=10,
-                unsupported=_GDN_UNSUPPORTED,
                 note="fused sequential kernel + Pallas prep; 1.13-1.29x fla on an H200 (benchmarks/RESULTS.md)"),
     ),
     examples={
@@ -388,7 +386,7 @@ RECURRENT_TABLE = BackendTable(
     recurrent_gated_delta_rule_reference,
     (
         Backend("pallas", "kvjax.pallas.gdn.recurrent:recurrent_gated_delta_rule_pallas", priority=10,
-                unsupported=_GDN_UNSUPPORTED, note="one program per (row, head, value block)"),
+                note="one program per (row, head, value block)"),
     ),
     examples={
         "verify N=32 x 4 tokens H=32 K=V=128": lambda: example_call(128, 32, 32),

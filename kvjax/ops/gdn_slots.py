@@ -18,7 +18,7 @@ read and write nothing and their tokens' outputs are zero. A live row starts fro
 Both return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
 has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``).
 The oracle of each is the composition ``gather -> reference op of`` :mod:`kvjax.ops.gdn` ``-> scatter``.
-Backends (Pallas, Triton lowering, any CUDA GPU, power-of-two K and V): ``"pallas"`` runs the rows/flags
+Backends (Pallas, Triton lowering, any CUDA GPU, any K and V): ``"pallas"`` runs the rows/flags
 kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and takes every call; decode also has
 ``"slots"``, :func:`kvjax.pallas.gdn.recurrent.recurrent_gated_delta_rule_slots`, which indexes the array by
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
@@ -249,7 +249,7 @@ PREFILL_TABLE = BackendTable(
     gdn_prefill_pool_reference,
     (
         Backend("pallas", "kvjax.pallas.gdn.chunk:gdn_prefill_pool_pallas", priority=10,
-                unsupported="kvjax.pallas.gdn.common:unsupported", note=_PALLAS_NOTE),
+                note=_PALLAS_NOTE),
     ),
     examples={
         "prefill N=4 T=16384 H=32": lambda: _example(16384, 4, 32, ragged=True),
@@ -265,7 +265,7 @@ DECODE_TABLE = BackendTable(
                 unsupported="kvjax.pallas.gdn.recurrent:decode_slots_unsupported",
                 note="indexes the pool by slot id in the kernel; 92.7-93.1% of a same-bytes copy on the H100"),
         Backend("pallas", "kvjax.pallas.gdn.recurrent:gdn_decode_pool_pallas", priority=10,
-                unsupported="kvjax.pallas.gdn.common:unsupported", note=_PALLAS_NOTE),
+                note=_PALLAS_NOTE),
     ),
     examples={
         "decode B=128 H=32, int layer": lambda: _example(128, 128, 32, ragged=False),

@@ -28,7 +28,8 @@ backend table) chooses for ``impl``, with exactly::
 Backends (``impl="auto"`` takes the first that accepts, else the reference): ``"mosaic"``
 (:mod:`kvjax.pallas.mla.decode_mgpu`, Hopper, R = 512, r = 64, pages of 64k tokens, a 16-bit cache, more than
 16 heads: 2.1x the Triton kernels at 128 heads and slower at 16, benchmarks/RESULTS.md), ``"pallas"``
-(:mod:`kvjax.pallas.mla.decode`, the Pallas Triton lowering, any GPU and any shape) and ``"triton"``
+(:mod:`kvjax.pallas.mla.decode`, the Pallas Triton lowering, any GPU; ``R``, ``r`` and the page size powers of two
+>= 16, else ``auto`` runs the reference) and ``"triton"``
 (:mod:`kvjax.triton.mla_decode`, a jax-triton baseline below ``"pallas"``: ``auto`` never takes it).
 """
 
@@ -109,7 +110,7 @@ def _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, sca
     if num_kv_splits is not None and (
         isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= INT32_MAX
     ):
-        raise ValueError(f"num_kv_splits must be None or an int in [1, {INT32_MAX}], got {num_kv_splits!r}")
+        raise ValueError(f"num_kv_splits must be None or an int >= 1 and <= {INT32_MAX}, got {num_kv_splits!r}")
     check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1], device=True)
 
 
@@ -248,15 +249,18 @@ TABLE = BackendTable(
                 note="B=128 L=4096 H=128: 0.278 ms, 2.13x the Triton kernels (H100 run 13); at H=16 slower "
                      "(0.226 vs 0.216 ms)"),
         Backend("pallas", "kvjax.pallas.mla.decode:mla_decode_pallas", priority=20, device=on_gpu,
+                unsupported="kvjax.pallas.mla.decode:unsupported",
                 note="H=16: 0.216 ms, 92.7% of copy, ahead of the jax-triton kernel (0.217 ms, H100 run 13; "
                      "0.151 vs 0.154 ms H200 run 12)"),
         Backend("triton", "kvjax.triton.mla_decode:mla_decode_triton", priority=10, device=on_gpu,
-                unsupported="kvjax.triton:unsupported", interpretable=False,
+                unsupported="kvjax.triton:mla_decode_unsupported", interpretable=False,
                 note="jax-triton baseline: never ahead of the best Hopper kernel by 5% (RESULTS.md runs 11-13)"),
     ),
     examples={
         "decode B=128 L=4096 H=16 page 64 bf16": lambda: _example(128, 16, 4096),
         "decode B=128 L=4096 H=128 page 64 bf16": lambda: _example(128, 128, 4096),
         "decode B=8 L=1024 H=128 page 16 f32": lambda: _example(8, 128, 1024, page_size=16, dtype=jnp.float32),
+        "decode B=8 L=1024 H=16 R=96 page 16 bf16 (not a Triton tile)": lambda: _example(8, 16, 1024, page_size=16,
+                                                                                         rank=96),
     },
 )

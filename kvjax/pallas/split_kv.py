@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kvjax.base.device import num_sms
+from kvjax.base.device import is_pow2, num_sms
 
 MAX_SPLITS = 64  # bounds the f32 split buffers
 LOG2E = 1.4426950408889634  # the kernels' online softmax runs in base 2 (exp2 is one instruction)
@@ -75,6 +75,27 @@ def default_tiles(num_heads: int, page_size: int, sparse: bool = False) -> dict:
     if sparse:
         tiles["block_n"] = 64
     return tiles
+
+
+def tile_reason(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    *,
+    sparse: bool = False,
+) -> str | None:
+    """Why the Triton-lowered MLA decode kernels (Pallas and jax-triton) cannot take these shapes with their
+    :func:`default_tiles`, or ``None``: their tiles are Triton blocks, so ``R``, ``r`` and the rows of a step
+    (32 or a whole page; 64 gathered rows when ``sparse``) must be powers of two >= 16."""
+    for what, n in (("kv_lora_rank R", q_latent.shape[-1]), ("rope_dim r", q_rope.shape[-1])):
+        if n < 16 or not is_pow2(n):
+            return f"needs a power-of-two {what} >= 16 (a Triton tile), got {n}"
+    page_size = latent_pages.shape[1]
+    block_n = default_tiles(q_latent.shape[1], page_size, sparse=sparse)["block_n"]
+    if block_n < 16 or not is_pow2(block_n):
+        return (f"needs a power-of-two page_size >= 16 when a step reads {block_n} rows of one page (a Triton "
+                f"tile), got page_size {page_size}")
+    return None
 
 
 def pad_heads(x: jax.Array, block_h: int) -> jax.Array:

@@ -4,12 +4,15 @@ Comparison baselines for the Pallas kernels, registered in the ops' backend tabl
 Pallas kernels, so ``impl="auto"`` does not take them. ``triton`` and ``jax_triton`` are optional dependencies
 (the ``triton`` extra), imported only by this package's kernel modules, which the backend tables load lazily;
 importing :mod:`kvjax`, :mod:`kvjax.ops` or this package never imports them. :func:`unsupported` is the check
-the tables run before loading a kernel of this package.
+the tables run before loading a kernel of this package; :func:`mla_decode_unsupported` adds the MLA kernel's tile
+limits.
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+from kvjax.pallas.split_kv import tile_reason
 
 OPTIONAL = ("triton", "jax_triton")
 
@@ -21,3 +24,9 @@ def unsupported(*args, **kwargs) -> str | None:
     if missing:
         return f"needs the optional package(s) {', '.join(missing)} (pip install 'kvjax[triton]')"
     return None
+
+
+def mla_decode_unsupported(q_latent, q_rope, latent_pages, *args, **kwargs) -> str | None:
+    """Backend-table check of :func:`kvjax.triton.mla_decode.mla_decode_triton`: :func:`unsupported`, then the
+    Triton tile limits it shares with the Pallas kernel (:func:`kvjax.pallas.split_kv.tile_reason`)."""
+    return unsupported() or tile_reason(q_latent, q_rope, latent_pages)

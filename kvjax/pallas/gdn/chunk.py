@@ -25,6 +25,9 @@ H=32 (1.22 vs 0.763-0.778 ms) on an H200 (benchmarks/RESULTS.md). Loading chunk 
 chunk ``c``'s update (a register prefetch) runs this kernel out of registers (0.59 ms at B=1), so it loads at
 the start of each step.
 
+Any K and V: q / k / w rows are loaded as ``next_pow2(K)`` lanes, value blocks may overrun V, with masked loads
+and stores (:mod:`kvjax.pallas.gdn.common`); at powers of two the code has no mask.
+
 Matmul operands are in the input dtype (bf16 in serving: like fla, states are rounded to bf16 for the
 tensor-core products and accumulate in f32); for float32 inputs every product runs at full f32 precision.
 """
@@ -39,8 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.base.device import is_pow2
-from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE, dot, run_on_slot_pool, state_as_pool
+from kvjax.base.device import is_pow2, next_pow2
+from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, head_cols, load, run_on_slot_pool,
+                                     state_as_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import prepare
 
 CHUNK = 64
@@ -92,21 +96,30 @@ def _chunk_kernel(
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     hk = h // group
-    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    kd, vd = pool_in_ref.shape[2], pool_in_ref.shape[3]
+    kc, kmask = head_cols(kd)
+    vs, vmask = col_block(vb, block_v, vd)
+    kp = next_pow2(kd)
     start, end, lo, hi, live, read = _row_range(cu_ref, flags_ref, n, num_seqs, o_ref.shape[0])
     row = rows_ref[n]
-    kd = pool_in_ref.shape[2]
+    state_mask = tile_mask((kp, block_v), kmask, vmask)
     s0 = plt.load(
-        pool_in_ref.at[row, h, :, vs], mask=jnp.full((kd, block_v), read), other=0.0
+        pool_in_ref.at[row, h, kc, vs], mask=tile_mask((kp, block_v), kmask, vmask, jnp.full((kp, block_v), read)),
+        other=0.0,
     )
     dt = w_ref.dtype
     mm = functools.partial(dot, precision=precision)
     idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
-    def step(c, s):  # s: f32[K, block_v]
+    k_lanes = tile_mask((chunk, kp), None, kmask)  # bool[C, Kp] | None
+    v_lanes = tile_mask((chunk, block_v), None, vmask)  # bool[C, block_v] | None
+
+    def step(c, s):  # s: f32[Kp, block_v]
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        u, w, q, qf, a = u_ref[c, h, :, vs], w_ref[c, h, :, :], q_ref[rs, hk, :], qf_ref[c, h, :], a_ref[c, h, :, :]
-        k, kf, decay = k_ref[rs, hk, :], kf_ref[c, h, :], _chunk_decay(gl_ref, c, h, start, end, live, chunk)
+        u, w = load(u_ref, (c, h, slice(None), vs), v_lanes), load(w_ref, (c, h, slice(None), kc), k_lanes)
+        q, qf, a = load(q_ref, (rs, hk, kc), k_lanes), qf_ref[c, h, :], a_ref[c, h, :, :]
+        k, kf = load(k_ref, (rs, hk, kc), k_lanes), kf_ref[c, h, :]
+        decay = _chunk_decay(gl_ref, c, h, start, end, live, chunk)
         r = c * chunk + idx
         in_seq = (r >= start) & (r < end) & live
         own = (r >= lo) & (r < hi)
@@ -117,7 +130,8 @@ def _chunk_kernel(
         qg = (q.astype(jnp.float32) * qf[:, None]).astype(dt)
         o = mm(qg, sb) + mm(a, vb_)
         o = jnp.where(in_seq[:, None], o, 0.0)
-        plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=own[:, None])
+        plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=tile_mask((chunk, block_v), None, vmask,
+                                                                              own[:, None]))
         kg = (k.astype(jnp.float32) * jnp.where(in_seq, kf, 0.0)[:, None]).astype(dt)
         return s * decay + mm(kg, vb_, contract_a=0)
 
@@ -125,7 +139,7 @@ def _chunk_kernel(
 
     @pl.when(live)
     def _():
-        pool_ref[row, h, :, vs] = s
+        store(pool_ref, (row, h, kc, vs), s, state_mask)
 
 
 def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v,
@@ -142,7 +156,7 @@ def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out
             jax.ShapeDtypeStruct((tp, hv, vd), out_dtype),
             jax.ShapeDtypeStruct(pool.shape, jnp.float32),
         ),
-        grid=(rows.shape[0], hv, vd // block_v),
+        grid=(rows.shape[0], hv, pl.cdiv(vd, block_v)),
         input_output_aliases={11: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -184,13 +198,13 @@ def chunk_gated_delta_rule_pool(
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
-    K and V powers of two (see :func:`kvjax.pallas.gdn.common.unsupported`).
+    Any K and V: the kernels pad them to power-of-two blocks and mask (:mod:`kvjax.pallas.gdn.common`).
     """
     num_tokens, _, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     if block_v is None:
-        block_v = next((b for b in (64, 32) if rows.shape[0] * hv * (vd // b) >= MANY_PROGRAMS), 16)
-    block_v = min(block_v, vd)
+        block_v = next((b for b in (64, 32) if rows.shape[0] * hv * pl.cdiv(vd, b) >= MANY_PROGRAMS), 16)
+    block_v = min(block_v, next_pow2(vd))
     if not is_pow2(block_v):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
     if inverse_dtype not in ("tf32", "bf16"):

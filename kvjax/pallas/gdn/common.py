@@ -1,4 +1,4 @@
-"""What the GDN kernels share: the state-pool row convention, the shape check, the f32-accumulating dot.
+"""What the GDN kernels share: the state-pool row convention, padded head-dim blocks, the f32-accumulating dot.
 
 The chunked and recurrent kernels read and write states in a *pool* ``f32[R, Hv, K, V]`` at a per-row index
 ``rows[n]``, with per-row ``flags[n]``: bit 0 (:data:`FLAG_HAS_INITIAL`) = read the initial state (else start
@@ -6,17 +6,26 @@ from zeros), bit 1 (:data:`FLAG_LIVE`) = the row is live (else it is padding: no
 written, and its tokens' outputs are zero). For the public ops the pool is ``initial_state``
 (:func:`state_as_pool`); for the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` it is the flattened
 ``[L * (S + 1)]`` slots (:func:`run_on_slot_pool`).
+
+Head dims. Triton blocks are powers of two; a kernel takes any K and V (like fla's) by loading a head dim as a
+block of ``next_pow2(K)`` lanes (:func:`head_cols`) or value columns in blocks that may overrun V
+(:func:`col_block`), with masked loads (0 past the end) and stores. Zero lanes of q, k, v and of the state stay
+zero through the delta rule, so they never reach a stored value. Where the dim is a power of two (or the blocks
+divide it) the index is the plain one and there is no mask: the same code as without padding. Nothing is padded
+in HBM: the pool keeps its true K, V.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
-from kvjax.base.device import is_pow2
+from kvjax.base.device import next_pow2
 
 L2NORM_EPS = 1e-6  # Hugging Face / fla l2norm epsilon (added to the squared norm)
 FLAG_HAS_INITIAL = 1
@@ -29,20 +38,53 @@ def dot(a, b, *, precision, contract_a: int = 1):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def unsupported(
-    q,  # [T, Hk, K]
-    k,  # [T, Hk, K]
-    v,  # [T, Hv, V]
-    *args,
-    **kwargs,
-) -> str | None:
-    """Backend-table check shared by every Pallas GDN kernel (the public ops' and the pool ops' normalised
-    calls): why it cannot take these head dims (it needs powers of two), or ``None``."""
-    del k, args, kwargs
-    kd, vd = q.shape[-1], v.shape[-1]
-    if not (is_pow2(kd) and is_pow2(vd)):
-        return f"the Pallas GDN kernels need power-of-two K and V, got K={kd}, V={vd}"
-    return None
+def head_cols(dim: int) -> tuple[Any, jax.Array | None]:
+    """Index and lane mask of a whole head dim of size ``dim`` as a power-of-two block (call inside a kernel):
+    ``(slice(None), None)`` for a power of two, else ``(pl.ds(0, next_pow2(dim)), bool[next_pow2(dim)])``."""
+    padded = next_pow2(dim)
+    if padded == dim:
+        return slice(None), None
+    return pl.ds(0, padded), jnp.arange(padded, dtype=jnp.int32) < dim
+
+
+def col_block(index, block: int, dim: int) -> tuple[Any, jax.Array | None]:
+    """Index and lane mask of block ``index`` of ``block`` columns of a dim of size ``dim`` (call inside a
+    kernel); the mask is ``None`` when the blocks divide ``dim`` (no block overruns it)."""
+    cols = pl.ds(pl.multiple_of(index * block, block), block)
+    if dim % block == 0:
+        return cols, None
+    return cols, index * block + jnp.arange(block, dtype=jnp.int32) < dim
+
+
+def tile_mask(
+    shape: tuple[int, int],
+    rows: jax.Array | None,  # bool[shape[0]] | None
+    cols: jax.Array | None,  # bool[shape[1]] | None
+    base: jax.Array | None = None,  # bool[shape] | None
+) -> jax.Array | None:  # bool[shape] | None (None: every lane)
+    """``base & rows[:, None] & cols[None, :]`` broadcast to ``shape`` (``None`` entries are all-true); ``base``
+    unchanged (or ``None``) when both lane masks are ``None``."""
+    mask = base
+    for m in (None if rows is None else rows[:, None], None if cols is None else cols[None, :]):
+        if m is not None:
+            m = jnp.broadcast_to(m, shape)
+            mask = m if mask is None else mask & m
+    return mask
+
+
+def load(ref, idx: tuple, mask: jax.Array | None, **kwargs) -> jax.Array:
+    """``ref[idx]`` (no mask), else a masked load with 0 where ``mask`` is false."""
+    if mask is None:
+        return ref[idx] if not kwargs else plt.load(ref.at[idx], **kwargs)
+    return plt.load(ref.at[idx], mask=mask, other=0.0, **kwargs)
+
+
+def store(ref, idx: tuple, value: jax.Array, mask: jax.Array | None, **kwargs) -> None:
+    """``ref[idx] = value`` (no mask), else a store of the lanes where ``mask`` is true."""
+    if mask is None and not kwargs:
+        ref[idx] = value
+    else:
+        plt.store(ref.at[idx], value, mask=mask, **kwargs)
 
 
 def state_as_pool(

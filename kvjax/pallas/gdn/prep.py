@@ -9,6 +9,8 @@ the raw q and k rows.
 
 ``_prep_kernel`` (Pallas, Triton lowering) computes all of it in one kernel from the raw inputs (the l2norm,
 the segment cumulative decay and the inverse included); :func:`prepare` only adds the segment ids and padding.
+It reads q / k / v rows as power-of-two blocks of lanes and writes ``w`` / ``u`` at their true K / V (masked
+where K or V is not a power of two, :mod:`kvjax.pallas.gdn.common`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kvjax.base.device import next_pow2
 from kvjax.base.ragged import count_le
-from kvjax.pallas.gdn.common import L2NORM_EPS, dot as _dot
+from kvjax.pallas.gdn.common import L2NORM_EPS, head_cols, load, store, tile_mask
+from kvjax.pallas.gdn.common import dot as _dot
 
 
 def _dot_t(a, b, *, precision):
@@ -77,11 +81,15 @@ def _prep_kernel(
     else:
         mm = functools.partial(_dot, precision=inv_precision)
     full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    kd, vd = q_ref.shape[2], v_ref.shape[2]
+    (kc, kmask), (vc, vmask) = head_cols(kd), head_cols(vd)
+    k_lanes = tile_mask((chunk, next_pow2(kd)), None, kmask)  # bool[C, Kp] | None
+    v_lanes = tile_mask((chunk, next_pow2(vd)), None, vmask)  # bool[C, Vp] | None
     seg = seg_ref[full]
     g = g_ref[full, h]
     beta = b_ref[full, h]
-    q = q_ref[full, hk, :]
-    k = k_ref[full, hk, :]
+    q = load(q_ref, (full, hk, kc), k_lanes)
+    k = load(k_ref, (full, hk, kc), k_lanes)
     ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
@@ -117,9 +125,9 @@ def _prep_kernel(
         inv_f = inv_f + mm(inv_f, power)
     tinv = mm(inv_f, inv_d).astype(dt)
     kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
-    w_ref[c, h, :, :] = dot(tinv, kb).astype(dt)
-    vb = (v_ref[full, h, :].astype(jnp.float32) * beta[:, None]).astype(dt)
-    u_ref[c, h, :, :] = dot(tinv, vb).astype(dt)
+    store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
+    vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
+    store(u_ref, (c, h, slice(None), vc), dot(tinv, vb).astype(dt), v_lanes)
 
 
 def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps, inverse_dtype, interpret):

@@ -28,9 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kvjax.base.device import is_pow2
-from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, run_on_slot_pool, state_as_pool,
-                                     unsupported)
+from kvjax.base.device import is_pow2, next_pow2
+from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, col_block, head_cols, load,
+                                     run_on_slot_pool, state_as_pool, store, tile_mask)
 
 BLOCK_V = 64  # value columns per program (the fastest measured, benchmarks/RESULTS.md)
 
@@ -39,21 +39,23 @@ def _l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
 
 
-def _zero_tokens(o_ref, h, vs, lo, hi, block_v):
+def _zero_tokens(o_ref, h, vs, vmask, lo, hi, block_v):
     def body(t, carry):
-        o_ref[t, h, vs] = jnp.zeros((block_v,), o_ref.dtype)
+        store(o_ref, (t, h, vs), jnp.zeros((block_v,), o_ref.dtype), vmask)
         return carry
 
     lax.fori_loop(lo, hi, body, 0)
 
 
-def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, *, scale, use_qk_l2norm):
-    """One delta-rule token on the state slice ``s: f32[K, block_v]``; returns ``(new s, o: f32[block_v])``."""
-    q = q_ref[t, hk, :].astype(jnp.float32)
-    k = k_ref[t, hk, :].astype(jnp.float32)
+def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, cols, *, scale, use_qk_l2norm):
+    """One delta-rule token on the state slice ``s: f32[Kp, block_v]`` (``cols = (kc, kmask, vs, vmask)``: the
+    padded K lanes and the value block, :mod:`kvjax.pallas.gdn.common`); returns ``(new s, o: f32[block_v])``."""
+    kc, kmask, vs, vmask = cols
+    q = load(q_ref, (t, hk, kc), kmask).astype(jnp.float32)
+    k = load(k_ref, (t, hk, kc), kmask).astype(jnp.float32)
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
-    v = v_ref[t, h, vs].astype(jnp.float32)
+    v = load(v_ref, (t, h, vs), vmask).astype(jnp.float32)
     decay = jnp.exp(g_ref[t, h].astype(jnp.float32))
     beta = beta_ref[t, h].astype(jnp.float32)
     ks = jnp.sum(s * k[:, None], axis=0)
@@ -84,16 +86,19 @@ def _slots_kernel(
     and output zeros."""
     lay = jnp.asarray(layer, jnp.int32)  # an array index: interpret mode rejects a Python int under pl.when
     vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    kd, vd = pool_in_ref.shape[3], pool_in_ref.shape[4]
+    kc, kmask = head_cols(kd)
+    vs, vmask = col_block(vb, block_v, vd)
     slot = slots_ref[n]
     live = (slot >= 1) & (slot < pool_in_ref.shape[1])
     slot = jnp.where(live, slot, 0)
-    mask = jnp.full((pool_in_ref.shape[3], block_v), live)
-    s = plt.load(pool_in_ref.at[lay, slot, h, :, vs], mask=mask, other=0.0, eviction_policy="evict_first")
-    s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, vs, scale=scale,
-                         use_qk_l2norm=use_qk_l2norm)
-    o_ref[n, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-    plt.store(pool_ref.at[lay, slot, h, :, vs], s, mask=mask, eviction_policy="evict_first")
+    shape = (next_pow2(kd), block_v)
+    mask = tile_mask(shape, kmask, vmask, jnp.full(shape, live))
+    s = plt.load(pool_in_ref.at[lay, slot, h, kc, vs], mask=mask, other=0.0, eviction_policy="evict_first")
+    s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, (kc, kmask, vs, vmask),
+                         scale=scale, use_qk_l2norm=use_qk_l2norm)
+    store(o_ref, (n, h, vs), jnp.where(live, o, 0.0).astype(o_ref.dtype), vmask)
+    plt.store(pool_ref.at[lay, slot, h, kc, vs], s, mask=mask, eviction_policy="evict_first")
 
 
 def _recurrent_kernel(
@@ -111,7 +116,9 @@ def _recurrent_kernel(
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     hk = h // group
-    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    kd, vd = pool_in_ref.shape[-2], pool_in_ref.shape[-1]
+    kc, kmask = head_cols(kd)
+    vs, vmask = col_block(vb, block_v, vd)
     if one_token_per_row:  # decode: token n belongs to row n (cu_seqlens == arange(N + 1))
         start, end = n, n + 1
     else:
@@ -120,42 +127,44 @@ def _recurrent_kernel(
     flags = flags_ref[n]
     live = (flags & FLAG_LIVE) != 0
     has_init = (flags & FLAG_HAS_INITIAL) != 0
-    state_in, state_out = pool_in_ref.at[row, h, :, vs], pool_ref.at[row, h, :, vs]
-    kd = pool_in_ref.shape[-2]
+    state_in, state_out = pool_in_ref.at[row, h, kc, vs], pool_ref.at[row, h, kc, vs]
+    shape = (next_pow2(kd), block_v)
 
     @pl.when(live)
     def _():
-        s0 = plt.load(state_in, mask=jnp.full((kd, block_v), has_init), other=0.0, eviction_policy="evict_first")
+        s0 = plt.load(state_in, mask=tile_mask(shape, kmask, vmask, jnp.full(shape, has_init)), other=0.0,
+                      eviction_policy="evict_first")
 
-        def step(t, s):  # s: f32[K, block_v]
-            s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, vs, scale=scale,
-                                 use_qk_l2norm=use_qk_l2norm)
-            o_ref[t, h, vs] = o.astype(o_ref.dtype)
+        def step(t, s):  # s: f32[Kp, block_v]
+            s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, (kc, kmask, vs, vmask),
+                                 scale=scale, use_qk_l2norm=use_qk_l2norm)
+            store(o_ref, (t, h, vs), o.astype(o_ref.dtype), vmask)
             return s
 
         s = step(start, s0) if one_token_per_row else lax.fori_loop(start, end, step, s0)
-        plt.store(state_out, s, eviction_policy="evict_first")
+        plt.store(state_out, s, mask=tile_mask(shape, kmask, vmask), eviction_policy="evict_first")
 
     @pl.when(jnp.logical_not(live))
     def _():
-        _zero_tokens(o_ref, h, vs, start, end, block_v)
+        _zero_tokens(o_ref, h, vs, vmask, start, end, block_v)
 
     if not one_token_per_row:
 
         @pl.when(n == 0)
         def _():
-            _zero_tokens(o_ref, h, vs, 0, start, block_v)
+            _zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
 
         @pl.when(n == num_seqs - 1)
         def _():
-            _zero_tokens(o_ref, h, vs, end, num_tokens, block_v)
+            _zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
 
 
 def _block_v(vd: int, block_v: int | None) -> int:
-    bv = min(vd, block_v or BLOCK_V)
-    if not is_pow2(bv) or vd % bv:
-        raise ValueError(f"block_v must be a power of two dividing V={vd}, got {block_v}")
-    return bv
+    """Value columns per program: ``block_v`` (default :data:`BLOCK_V`, a power of two), at most V padded to a
+    power of two; blocks that overrun V are masked."""
+    if block_v is not None and not is_pow2(block_v):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    return min(next_pow2(vd), block_v or BLOCK_V)
 
 
 @functools.partial(
@@ -185,7 +194,7 @@ def recurrent_gated_delta_rule_pool(
 
     Non-live rows (``flags & FLAG_LIVE == 0``) are neither read nor written and their tokens get ``o = 0``.
     ``one_token_per_row=True`` is the decode form: it needs ``T == N`` and ignores ``cu_seqlens`` (row ``n``
-    owns token ``n``). K, V and ``block_v`` powers of two (see :func:`kvjax.pallas.gdn.common.unsupported`).
+    owns token ``n``). Any K and V (padded to power-of-two blocks in the kernel); ``block_v`` a power of two.
     """
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
@@ -200,7 +209,7 @@ def recurrent_gated_delta_rule_pool(
             jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
             jax.ShapeDtypeStruct(pool.shape, jnp.float32),
         ),
-        grid=(rows.shape[0], hv, vd // bv),
+        grid=(rows.shape[0], hv, pl.cdiv(vd, bv)),
         input_output_aliases={8: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -248,7 +257,7 @@ def recurrent_gated_delta_rule_slots(
             jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
             jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
         ),
-        grid=(vd // bv, hv, num_tokens),
+        grid=(pl.cdiv(vd, bv), hv, num_tokens),
         input_output_aliases={6: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -341,12 +350,13 @@ def decode_slots_unsupported(
     use_qk_l2norm: bool,
 ) -> str | None:
     """Why the slot decode kernel cannot take a ``gdn_decode_pool`` call, or ``None``: it needs one token per
-    row (``cu_seqlens=None``), every live row continuing its state (``has_initial_state=None``), a static
-    Python-int ``layer`` and power-of-two K, V."""
+    row (``cu_seqlens=None``), every live row continuing its state (``has_initial_state=None``) and a static
+    Python-int ``layer`` (any K, V)."""
+    del q, k, v, g, beta, ssm, slot_ids, scale, use_qk_l2norm
     if cu_seqlens is not None:
         return "the slot decode kernel takes one token per row (cu_seqlens=None)"
     if has_initial_state is not None:
         return "the slot decode kernel continues every live row's state (has_initial_state=None)"
     if isinstance(layer, bool) or not isinstance(layer, int):
         return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
-    return unsupported(q, k, v)
+    return None

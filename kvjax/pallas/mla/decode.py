@@ -11,8 +11,9 @@ the splits of a short one may be empty (output 0, lse ``-inf``, no NaN). Holes (
 ``seq_lens`` are masked: their bytes are never loaded.
 
 Stage 2 and the host side (head padding, split choice, merge) are :func:`kvjax.pallas.split_kv.split_kv_decode`;
-tile defaults are :func:`kvjax.pallas.split_kv.default_tiles`. This kernel takes every shape the op accepts
-(its tiles need powers of two >= 16 when compiled for a GPU). On a Hopper GPU above 16 heads the backend table
+tile defaults are :func:`kvjax.pallas.split_kv.default_tiles`. Its tiles are Triton blocks, powers of two >= 16:
+:func:`unsupported` / :func:`sparse_unsupported` decline other ``R``, ``r`` and page sizes (``impl="auto"`` then
+runs the reference; a named ``impl`` raises with the reason). On a Hopper GPU above 16 heads the backend table
 of :func:`kvjax.ops.mla.mla_decode` takes the Mosaic GPU kernel instead (:mod:`kvjax.pallas.mla.decode_mgpu`).
 """
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas.split_kv import LN2, LOG2E, MASK_INIT, default_tiles, pad_positions, split_kv_decode
+from kvjax.pallas.split_kv import LN2, LOG2E, MASK_INIT, default_tiles, pad_positions, split_kv_decode, tile_reason
 
 
 def _stage1_kernel(
@@ -224,3 +225,30 @@ def sparse_mla_decode_pallas(
     return _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=scale,
                    num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
                    num_stages=num_stages, interpret=interpret)
+
+
+def unsupported(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    *args,  # block_tables, seq_lens
+    **static,  # scale, num_kv_splits
+) -> str | None:
+    """Backend-table check of :func:`mla_decode_pallas` (``mla_decode``'s normalised call): ``R`` and ``r``
+    powers of two >= 16, and the default step (:func:`kvjax.pallas.split_kv.default_tiles`: 32 rows or a whole
+    page) a power of two >= 16; else the reason."""
+    del args, static
+    return tile_reason(q_latent, q_rope, latent_pages)
+
+
+def sparse_unsupported(
+    q_latent: jax.Array,  # [B, H, R]
+    q_rope: jax.Array,  # [B, H, r]
+    latent_pages: jax.Array,  # [P, page_size, R + r]
+    *args,  # block_tables, seq_lens, topk_indices
+    **static,  # scale
+) -> str | None:
+    """Backend-table check of :func:`sparse_mla_decode_pallas`: ``R`` and ``r`` powers of two >= 16 (its steps
+    gather 64 listed rows, whatever the page size); else the reason."""
+    del args, static
+    return tile_reason(q_latent, q_rope, latent_pages, sparse=True)
