@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.config import AttentionConfig
 from kvjax.errors import InvalidPlanError
 
 
@@ -43,8 +44,19 @@ class StepInputs:
     def num_rows(self) -> int:
         return self.seq_lens.shape[0]
 
-    def validate(self, *, num_pages: int, page_size: int, max_slots: int) -> None:
-        """Host-side (``debug=True``) check of shapes, dtypes and id ranges; raises :class:`InvalidPlanError`.
+    def validate(self, *, num_pages: int, page_size: int, max_slots: int, vocab_size: int | None = None,
+                 attention: AttentionConfig | None = None) -> None:
+        """Host-side (``debug=True``) check of one step's inputs; raises :class:`InvalidPlanError` naming the
+        row, head or token.
+
+        Checks shapes, dtypes and id ranges; that every live row's positions run ``seq_len - q .. seq_len - 1``
+        and ``has_initial_state == (seq_len > q)``; that its logits index lies in its own tokens; that its
+        context fits the table width; that no page appears twice in the tables; that every real token writes,
+        on every head, exactly its own position of a page of its own row's table (padding tokens write
+        nothing; a token whose block is a hole writes nothing either); with ``attention`` (the model's layout:
+        per-head ``window``/``sinks``), that no block a query of this step attends (its own block included) is
+        a ``-1`` hole (SWA heads may have holes outside their window and sinks); with
+        ``vocab_size``, that every token id lies in ``[0, vocab_size)``.
 
         ``max_slots`` is the GDN pool size including slot 0 (``max_seqs + 1``).
         """
@@ -95,6 +107,13 @@ class StepInputs:
         li = a["logits_indices"]
         if ((li < 0) | (li >= max(t, 1))).any():
             raise InvalidPlanError(f"StepInputs.logits_indices {li} outside [0, {t})")
+        if vocab_size is not None:
+            tok = a["token_ids"]
+            if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
+                bad = np.flatnonzero((tok < 0) | (tok >= vocab_size))
+                raise InvalidPlanError(f"StepInputs.token_ids outside [0, vocab_size={vocab_size}) at tokens "
+                                       f"{bad[:8].tolist()}: {tok[bad[:8]].tolist()}")
+        _check_rows(a, cu, page_size, attention)
 
     @classmethod
     def from_numpy(cls, *, decode_only: bool = False, **arrays) -> "StepInputs":
@@ -108,3 +127,60 @@ class StepInputs:
             out[name] = jnp.asarray(np.asarray(value), dtype)
         return cls(**out, decode_only=bool(decode_only))
 
+
+def _check_rows(a: dict[str, np.ndarray], cu: np.ndarray, page_size: int, attention: AttentionConfig | None) -> None:
+    """The per-row consistency checks of :meth:`StepInputs.validate` (``a``: its fields as numpy arrays)."""
+    bt, sm, seq, pos = a["block_tables"], a["slot_mapping"], a["seq_lens"], a["positions"]
+    ps, (b, hkv, nblk) = page_size, bt.shape
+    pages = bt[bt >= 0]
+    if len(np.unique(pages)) != len(pages):
+        uniq, counts = np.unique(pages, return_counts=True)
+        raise InvalidPlanError(f"StepInputs.block_tables: pages {uniq[counts > 1][:8].tolist()} appear in more than "
+                               "one (row, head, block) entry")
+    if attention is not None and attention.num_kv_heads != hkv:
+        raise InvalidPlanError(f"StepInputs.block_tables has {hkv} heads, the attention layout "
+                               f"{attention.num_kv_heads}")
+    window = np.asarray(attention.window if attention is not None else (), np.int64)
+    sinks = np.asarray(attention.sinks if attention is not None else (), np.int64)
+    sm_real = np.full(sm.shape, -1, np.int64)
+    for r in range(b):
+        lo, hi = int(cu[r]), int(cu[r + 1])
+        q, L = hi - lo, int(seq[r])
+        if q == 0:
+            if L or (bt[r] != -1).any():
+                raise InvalidPlanError(f"StepInputs row {r} has no tokens but seq_len {L} or block-table pages")
+            continue
+        start = L - q
+        if -(-L // ps) > nblk:
+            raise InvalidPlanError(f"StepInputs row {r}: seq_len {L} needs {-(-L // ps)} blocks of {ps}, the table "
+                                   f"covers {nblk}")
+        if (pos[lo:hi] != np.arange(start, L)).any():
+            raise InvalidPlanError(f"StepInputs row {r}: positions {pos[lo:hi].tolist()} are not {start}..{L - 1} "
+                                   f"(seq_len {L}, {q} new tokens)")
+        if bool(a["has_initial_state"][r]) != (start > 0):
+            raise InvalidPlanError(f"StepInputs row {r}: has_initial_state={bool(a['has_initial_state'][r])} but "
+                                   f"{start} tokens precede this step's {q}")
+        if not lo <= a["logits_indices"][r] < hi:
+            raise InvalidPlanError(f"StepInputs row {r}: logits index {a['logits_indices'][r]} outside its tokens "
+                                   f"[{lo}, {hi})")
+        for h in range(hkv if attention is not None else 0):
+            w, s = int(window[h]), int(sinks[h])
+            first = 0 if w == 0 else max(start - w + 1, 0) // ps  # first block the step's first query attends
+            need = set(range(first, -(-L // ps))) | (set(range(-(-min(s, L) // ps))) if w else set())
+            holes = sorted(k for k in need if bt[r, h, k] < 0)
+            if holes:
+                kind = "full" if w == 0 else f"SWA (window {w}, sinks {s})"
+                raise InvalidPlanError(f"StepInputs row {r}, {kind} head {h}: blocks {holes[:8]} it attends are "
+                                       f"-1 holes (seq_len {L}, {q} new tokens)")
+        p = pos[lo:hi].astype(np.int64)
+        page = bt[r][:, p // ps].T.astype(np.int64)  # i64[q, Hkv]; a hole (-1) writes nothing
+        sm_real[lo:hi] = np.where(page >= 0, page * ps + (p % ps)[:, None], -1)
+    live = np.zeros(sm.shape[0], bool)
+    live[: int(cu[-1])] = True
+    bad = np.argwhere(sm != np.where(live[:, None], sm_real, -1))
+    if len(bad):
+        t, h = bad[0]
+        want = sm_real[t, h] if live[t] else -1
+        raise InvalidPlanError(f"StepInputs.slot_mapping[{t}, {h}] = {sm[t, h]}, expected {want} (a real token writes "
+                               f"its position {pos[t]} into its own row's page, padding writes -1); {len(bad)} such "
+                               "entries")
