@@ -31,6 +31,7 @@ recycle) and DeepSeek-V3.2 (:mod:`kvjax.models.deepseek`: MLA latent + DSA index
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import warnings
@@ -42,12 +43,15 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import CacheConfig
+from kvjax.engine.args import (check_call, check_index, check_max_new_tokens, check_prompt, check_seed,
+                               check_temperature, check_token_id)
 from kvjax.engine.inputs import StepInputs
 from kvjax.engine.metrics import EngineMetrics, StepRecord
 from kvjax.engine.step import make_step
 from kvjax.errors import RequestTooLongError
 from kvjax.models.interface import CausalLM
 from kvjax.sched.plan import DEVICE_FIELDS, StepPlan
+from kvjax.sched.request import Request, Status
 from kvjax.sched.scheduler import Scheduler
 
 
@@ -67,7 +71,15 @@ class _Tracked:
     index: int  # prompt index in its call (events, sampling stream)
     temperature: float  # 0 = greedy
     seed: int  # sampling seed
-    tokens: list  # list[int]: generated so far
+    request: Request  # the scheduler's request: its token buffer is the record of what was generated
+    tokens: list  # list[int]: generated tokens already turned into events
+
+
+def _is_done(req: Request) -> bool:
+    """The request took its last token (``max_new_tokens`` reached or eos sampled)."""
+    return req.num_output >= req.max_new_tokens or (
+        req.eos_token_id is not None and req.num_output > 0 and int(req.token_ids[req.num_tokens - 1])
+        == req.eos_token_id)
 
 
 def plan_to_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
@@ -130,6 +142,7 @@ class Engine:
                              f"{type(model).__name__}")
         self.model = model
         self.cache_config = cache_config
+        self.eos_token_id = check_token_id(eos_token_id, int(model.vocab_size), "eos_token_id")
         self.attention = model.attention_layout()
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
@@ -145,17 +158,20 @@ class Engine:
                                                         cache_config.max_blocks_per_seq, "max_blocks_per_seq")
         self.recycle = recycle if isinstance(recycle, str) else type(recycle).__name__
         self.pool = pool
-        self.eos_token_id = eos_token_id
         self.debug = debug
         self.use_decode_path = use_decode_path
         graphdef, self.params = nnx.split(model)
         if cache_dtype is None:  # the parameters' float dtype
             cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
                                if jnp.issubdtype(x.dtype, jnp.floating))
-        self.caches = model.init_caches(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
-                                        max_seqs=cache_config.max_seqs, dtype=cache_dtype, **(cache_options or {}))
+        self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
+                                max_seqs=cache_config.max_seqs, dtype=cache_dtype, **(cache_options or {}))
+        self.caches = model.init_caches(**self._cache_args)
         self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
         self._tracked: dict[int, _Tracked] = {}
+        self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
+        self._held: list[TokenEvent] = []  # events of add_request requests from steps a stream ran
+        self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -164,75 +180,104 @@ class Engine:
         """How many times this engine's device step has been traced (= compiled) so far."""
         return self._device_step.num_traces
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
     def add_request(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, *, temperature: float = 0.0,
                     seed: int = 0, index: int = 0) -> int:
         """Queue one request; returns its request id. ``index`` names the request in events and selects its
-        sampling stream (with ``seed``). Raises :class:`RequestTooLongError` if the cache can never hold it, and
-        ``ValueError`` on a bad prompt or temperature; on error nothing is queued."""
-        temperature = float(temperature)
-        if not np.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
-        vocab = self._vocab_size()
-        arr = np.asarray(prompt)
-        if arr.ndim == 1 and arr.size and np.issubdtype(arr.dtype, np.integer) and (
-                arr.min() < 0 or arr.max() >= vocab):
-            raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): min {arr.min()}, max {arr.max()}")
-        req = self.scheduler.add_request(arr, max_new_tokens, eos_token_id=self.eos_token_id)
-        self._tracked[req.request_id] = _Tracked(index, temperature, int(seed), [])
+        sampling stream (with ``seed``). Its events come back from :meth:`step`.
+
+        Raises :class:`RequestTooLongError` if the cache can never hold it, and ``ValueError`` naming the value
+        for a prompt that is not a non-empty 1-d sequence of ints in ``[0, vocab_size)``, a ``max_new_tokens``
+        that is not an int >= 1, a temperature that is not a finite number >= 0, a seed outside int32 or an index
+        outside ``[0, 2**31)``; on error nothing is queued.
+        """
+        temperature, seed, index = check_temperature(temperature), check_seed(seed), check_index(index)
+        prompt = check_prompt(prompt, self.vocab_size)
+        return self._queue(prompt, check_max_new_tokens(max_new_tokens), temperature, seed, index)
+
+    def _queue(self, prompt: np.ndarray, max_new_tokens: int, temperature: float, seed: int, index: int) -> int:
+        req = self.scheduler.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id)
+        self._tracked[req.request_id] = _Tracked(index, temperature, seed, req, [])
         return req.request_id
 
     def abort(self, request_id: int) -> list[int]:
-        """Abort a queued or running request (its slot and pages go back at once); returns its tokens so far."""
+        """Abort a queued or running request (its slot and pages go back at once); returns its tokens so far.
+        Its events not yet delivered are dropped. ``ValueError`` for an unknown (or finished) request id."""
         self.scheduler.abort(request_id)
-        return self._tracked.pop(request_id).tokens
+        tr = self._tracked.pop(request_id)
+        box = self._inbox.pop(request_id, None)
+        if box:
+            kept = [ev for ev in box if ev.request_id != request_id]
+            box.clear()
+            box.extend(kept)
+        self._held = [ev for ev in self._held if ev.request_id != request_id]
+        return tr.request.output_ids.tolist()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _vocab_size(self) -> int:
-        return int(self.model.vocab_size)
-
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Run one scheduler step on the device; returns the tokens it generated."""
+        """Run one scheduler step on the device; returns the tokens it generated (every request's, including
+        those a :meth:`stream` consumer also receives), preceded by the tokens of :meth:`add_request` requests
+        that steps run by a :meth:`stream` / :meth:`generate` consumer (or a step that failed) generated since
+        (only those, without running a step, when nothing is left to run).
+
+        A fault anywhere in the step (a bad argument deep down, a kernel or out-of-memory error, a
+        ``KeyboardInterrupt``) is re-raised after the engine has recovered: every running request is preempted
+        (its progress dropped, recomputed later, as preemption by recompute does), and if the device call had
+        started the caches are rebuilt before the next step. Tokens sampled before the fault are kept, so the
+        run continues to the same outputs as an uninterrupted one.
+        """
+        events = self._step() if self.has_unfinished() or not self._held else []
+        held, self._held = self._held, []
+        return held + events
+
+    def _step(self) -> list[TokenEvent]:
         sched = self.scheduler
         t0 = time.perf_counter()
         preempt0 = sched.num_preemptions
-        plan = sched.schedule()
+        if self.caches is None:  # lost to a fault in the previous step
+            self.caches = self.model.init_caches(**self._cache_args)
+        try:
+            plan = sched.schedule()
+        except BaseException:
+            self._recover(None, False)
+            raise
         if plan.num_seqs == 0:
             raise RuntimeError(f"engine stalled at step {plan.step}: nothing schedulable; running={sched.running}, "
                                f"waiting={len(sched.waiting)}, preempted={len(sched.preempted)}")
-        t1 = time.perf_counter()
-        inputs = plan_to_inputs(plan, use_decode_path=self.use_decode_path)
-        if self.debug:
-            inputs.validate(num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
-                            max_slots=self.cache_config.max_seqs + 1)
-        B = plan.seq_lens.shape[0]
-        seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
-        temperature = np.zeros(B, np.float32)
-        for b, rid in enumerate(plan.request_ids):
-            tr, req = self._tracked[rid], sched.requests[rid]
-            seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, req.num_tokens, tr.temperature
-        greedy_only = not bool((temperature > 0).any())
-        t2 = time.perf_counter()
-        traces0 = self.num_traces
-        tokens, self.caches = self._device_step(self.params, self.caches, inputs, seeds, streams, counters,
-                                                temperature, greedy_only)
-        tokens = np.asarray(tokens)
-        t3 = time.perf_counter()
-        events = []
-        sched.update(plan, tokens)
-        mask = plan.sample_mask.tolist()
-        for b, rid in enumerate(plan.request_ids):
-            if not mask[b] or rid not in self._tracked:
-                continue
-            tr = self._tracked[rid]
-            tok = int(tokens[b])
-            tr.tokens.append(tok)
-            done = rid not in sched.requests
-            if done:
-                del self._tracked[rid]
-            events.append(TokenEvent(tr.index, rid, tok, len(tr.tokens) - 1, done))
+        device_called = False
+        try:
+            t1 = time.perf_counter()
+            inputs = plan_to_inputs(plan, use_decode_path=self.use_decode_path)
+            if self.debug:
+                inputs.validate(num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
+                                max_slots=self.cache_config.max_seqs + 1, vocab_size=self.vocab_size,
+                                attention=self.attention)
+            B = plan.seq_lens.shape[0]
+            seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
+            temperature = np.zeros(B, np.float32)
+            for b, rid in enumerate(plan.request_ids):
+                tr = self._tracked[rid]
+                seeds[b], streams[b], counters[b], temperature[b] = (tr.seed, tr.index, tr.request.num_tokens,
+                                                                     tr.temperature)
+            greedy_only = not bool((temperature > 0).any())
+            t2 = time.perf_counter()
+            traces0 = self.num_traces
+            device_called = True  # from here on the donated caches may be gone
+            tokens, self.caches = self._device_step(self.params, self.caches, inputs, seeds, streams, counters,
+                                                    temperature, greedy_only)
+            tokens = np.asarray(tokens)
+            t3 = time.perf_counter()
+            sched.update(plan, tokens)
+        except BaseException:
+            self._recover(plan, device_called)
+            raise
+        events = self._collect(plan.request_ids)
         t4 = time.perf_counter()
         used = sched.blocks.used_pages()
         self.metrics.append(StepRecord(
@@ -245,46 +290,100 @@ class Engine:
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_device=t3 - t2, t_update=t4 - t3, t_step=t4 - t0))
         return events
 
+    def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
+        """Events for the tokens these requests took since their last event (read from the scheduler's
+        requests, so a step cut short still delivers what it recorded); queued for their stream consumer too."""
+        events = []
+        for rid in request_ids:
+            tr = self._tracked.get(rid)
+            if tr is None:
+                continue
+            req = tr.request
+            new = req.output_ids[len(tr.tokens):].tolist()
+            done = req.status is Status.FINISHED or _is_done(req)
+            for k, tok in enumerate(new):
+                tr.tokens.append(tok)
+                events.append(TokenEvent(tr.index, rid, tok, len(tr.tokens) - 1, done and k == len(new) - 1))
+            if done:
+                del self._tracked[rid]
+        for ev in events:
+            box = self._inbox.get(ev.request_id)
+            if box is not None:
+                box.append(ev)
+        return events
+
+    def _recover(self, plan: StepPlan | None, device_called: bool) -> None:
+        """Bring the engine back to a state the next step can run from after a fault in a step: every running
+        request is preempted by recompute (a request that already took its last token is released), and the
+        caches, possibly donated, are rebuilt at the next step. Tokens already recorded become events."""
+        sched = self.scheduler
+        self.num_recoveries += 1
+        if plan is not None:
+            for rid in plan.request_ids:  # cut short between "took its last token" and "released"
+                req = sched.requests.get(rid)
+                if req is not None and req.status is Status.RUNNING and req not in sched.running:
+                    sched.running.append(req)
+        touched = dict.fromkeys([*(plan.request_ids if plan is not None else ()),
+                                 *(r.request_id for r in sched.running)])
+        for req in reversed(list(sched.running)):
+            if _is_done(req):
+                sched.abort(req.request_id)  # releases slot and pages; its tokens are complete
+            else:
+                sched._preempt(req)  # the scheduler's own preemption path (progress dropped, requeued first)
+        if device_called:
+            self.caches = None
+        self._held += [ev for ev in self._collect(list(touched)) if ev.request_id not in self._inbox]
+
     # ---- whole workloads -------------------------------------------------------------------------------------
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
                temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
         """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
 
-        The caller may :meth:`abort` any request (by ``event.request_id``) between events; closing the generator
-        early aborts what is left. A prompt that can never fit raises :class:`RequestTooLongError` naming its
-        index before any step runs, and none of this call's requests stays queued. ``progress``: tqdm bar over generated tokens (``None``: on when the
-        run generates >= 4096 tokens).
+        Arguments are checked when ``stream`` is called (``ValueError`` naming the value, as
+        :meth:`add_request`); the requests are queued at the first ``next()``. A prompt that can never fit raises
+        :class:`RequestTooLongError` naming its index before any step runs, and none of this call's requests
+        stays queued. The caller may :meth:`abort` any request (by ``event.request_id``) between events;
+        closing the generator early (or an error inside it) aborts what is left.
+
+        Several consumers may run at once (two streams consumed alternately, ``generate`` inside a ``stream``
+        loop): whichever consumer runs a step, every event goes to the stream whose request produced it, so
+        each consumer gets all of its tokens, in order. ``progress``: tqdm bar over generated tokens (``None``:
+        on when the run generates >= 4096 tokens).
         """
-        n = len(prompts)
-        max_new = [max_new_tokens] * n if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
-        if len(max_new) != n:
-            raise ValueError(f"max_new_tokens has {len(max_new)} entries for {n} prompts")
+        calls = check_call(prompts, max_new_tokens, self.vocab_size)
+        temperature, seed = check_temperature(temperature), check_seed(seed)
+        return self._stream(calls, temperature, seed, progress)
+
+    def _stream(self, calls: list, temperature: float, seed: int, progress: bool | None) -> Iterator[TokenEvent]:
         ids = []
         try:
-            for i, (p, m) in enumerate(zip(prompts, max_new)):
+            for i, (p, m) in enumerate(calls):
                 try:
-                    ids.append(self.add_request(p, m, temperature=temperature, seed=seed, index=i))
+                    ids.append(self._queue(p, m, temperature, seed, i))
                 except RequestTooLongError as err:
                     raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
-        except Exception:
+        except BaseException:
             for rid in ids:
                 self.abort(rid)
             raise
-        total = int(sum(max_new))
-        bar = self._progress_bar(total, progress)
-        mine = set(ids)
+        box: collections.deque[TokenEvent] = collections.deque()
+        for rid in ids:
+            self._inbox[rid] = box
+        bar = self._progress_bar(int(sum(m for _, m in calls)), progress)
         try:
-            while any(rid in self._tracked for rid in ids):
-                for ev in self.step():
-                    if ev.request_id not in mine:  # a request queued outside this call
-                        continue
-                    if bar is not None:
-                        bar.update(1)
-                    yield ev
+            while box or any(rid in self._tracked for rid in ids):
+                if not box:
+                    self._held += [ev for ev in self._step() if ev.request_id not in self._inbox]
+                    continue
+                ev = box.popleft()
+                if bar is not None:
+                    bar.update(1)
+                yield ev
         finally:
             if bar is not None:
                 bar.close()
             for rid in ids:  # generator closed early: abort what is left
+                self._inbox.pop(rid, None)
                 if rid in self._tracked:
                     self.abort(rid)
 
@@ -293,11 +392,13 @@ class Engine:
         """Generate for every prompt; returns the generated token ids per prompt (prompt order).
 
         ``temperature == 0`` is greedy. Sampling keys derive from ``(seed, prompt index, tokens so far)``, so the
-        result does not depend on batching, preemption or the recycle policy. Raises
-        :class:`RequestTooLongError` (nothing queued) if a prompt can never fit in the cache.
+        result does not depend on batching, preemption or the recycle policy. Raises ``ValueError`` (nothing
+        queued) for a bad argument (see :meth:`add_request`) and :class:`RequestTooLongError` (nothing queued)
+        if a prompt can never fit in the cache. May run inside another consumer's :meth:`stream` loop.
         """
-        out: list[list[int]] = [[] for _ in prompts]
-        for ev in self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress):
+        events = self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
+        out: list[list[int]] = [[] for _ in range(len(prompts))]
+        for ev in events:
             out[ev.index].append(ev.token)
         return out
 

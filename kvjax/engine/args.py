@@ -1,0 +1,94 @@
+"""Host checks of the engine's request arguments, run before anything is queued.
+
+Every function raises ``ValueError`` naming the argument and the bad value, and changes nothing. The engine
+calls them for every request of a ``generate`` / ``stream`` call before it queues the first one, so a bad
+argument never leaves a request behind.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvjax.config import INT32_MAX, is_int
+
+INT32_MIN = -(2**31)
+
+
+def check_temperature(temperature: Any) -> float:
+    """A finite real number >= 0 (0 = greedy) as a float."""
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer,
+                                                                                 np.floating)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    value = float(temperature)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return value
+
+
+def check_seed(seed: Any) -> int:
+    """An int in the int32 range (the device sampling keys take int32 seeds)."""
+    if not is_int(seed) or not INT32_MIN <= seed <= INT32_MAX:
+        raise ValueError(f"seed must be an int in [{INT32_MIN}, {INT32_MAX}], got {seed!r}")
+    return int(seed)
+
+
+def check_index(index: Any) -> int:
+    """A prompt index: an int in ``[0, 2**31)`` (it selects the request's int32 sampling stream)."""
+    if not is_int(index) or not 0 <= index <= INT32_MAX:
+        raise ValueError(f"index must be an int in [0, {INT32_MAX}], got {index!r}")
+    return int(index)
+
+
+def check_max_new_tokens(value: Any, name: str = "max_new_tokens") -> int:
+    """An int >= 1 (bools and floats such as ``2.5`` or ``8.0`` are refused)."""
+    if not is_int(value) or not 1 <= value <= INT32_MAX:
+        raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {value!r}")
+    return int(value)
+
+
+def check_token_id(value: Any, vocab_size: int, name: str) -> int | None:
+    """``None`` or a token id in ``[0, vocab_size)``."""
+    if value is None:
+        return None
+    if not is_int(value) or not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must be None or an int in [0, vocab_size={vocab_size}), got {value!r}")
+    return int(value)
+
+
+def check_prompt(prompt: Any, vocab_size: int, name: str = "prompt") -> np.ndarray:
+    """The prompt as ``i32[L]`` after checking it is a non-empty 1-d sequence of ints in ``[0, vocab_size)``."""
+    try:
+        arr = np.asarray(prompt)
+    except (TypeError, ValueError) as err:  # ragged nesting
+        raise ValueError(f"{name} must be a non-empty 1-d sequence of token ids, got {prompt!r:.80}: {err}") from None
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a non-empty 1-d sequence of int token ids, got shape {arr.shape} "
+                         f"dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name} has token ids outside [0, vocab_size={vocab_size}): min {lo}, max {hi}")
+    return arr.astype(np.int32)
+
+
+def check_call(prompts: Any, max_new_tokens: Any, vocab_size: int) -> list[tuple[np.ndarray, int]]:
+    """``[(prompt i32[L], max_new_tokens)]`` of a ``generate`` / ``stream`` call, every prompt checked.
+
+    ``max_new_tokens``: one int for all prompts or one per prompt.
+    """
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ValueError(f"prompts must be a sequence of prompts (each a sequence of token ids), got "
+                         f"{type(prompts).__name__}")
+    n = len(prompts)
+    if is_int(max_new_tokens):
+        max_new = [max_new_tokens] * n
+    elif isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(max_new_tokens, (str, bytes)):
+        max_new = list(max_new_tokens)
+        if len(max_new) != n:
+            raise ValueError(f"max_new_tokens has {len(max_new)} entries for {n} prompts")
+    else:
+        raise ValueError(f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}")
+    return [(check_prompt(p, vocab_size, f"prompt {i}"), check_max_new_tokens(m, f"max_new_tokens of prompt {i}"))
+            for i, (p, m) in enumerate(zip(prompts, max_new))]
