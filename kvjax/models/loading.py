@@ -44,10 +44,12 @@ def resolve_loader(config: dict) -> tuple[str, str]:
 def load_pretrained(path: str | os.PathLike, **options: Any) -> CausalLM:
     """Load the model saved at ``path`` (``config.json`` + safetensors) with the loader its config names.
 
-    ``options`` go to the family's loader (all accept ``dtype``; Qwen3.5 also ``window``/``sinks`` for SWA heads).
+    ``options`` go to the family's loader (all accept ``dtype``, a floating dtype, and ``check_finite``, default
+    True; Qwen3.5 also ``window``/``sinks`` for SWA heads).
 
     Raises :class:`kvjax.errors.CheckpointError` for a missing directory, an unknown architecture, a bad
-    config, or a missing / mis-shaped tensor (the message names it).
+    config, a non-float ``dtype``, or a missing / mis-shaped / integer-typed tensor or one holding NaN / inf
+    (unless ``check_finite=False``); the message names it.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):

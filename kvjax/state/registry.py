@@ -45,6 +45,17 @@ def _layer(spec: object) -> None:
         raise ValueError(f"{type(spec).__name__}.layer must be an int >= 0, got {value!r}")
 
 
+def _float_dtype(spec: object, name: str) -> None:
+    """Field ``name`` must name a floating dtype (fp8 included)."""
+    value = getattr(spec, name)
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{type(spec).__name__}.{name} must be a floating dtype (e.g. jnp.bfloat16), got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GQACacheSpec:
     """GQA/MHA layer: single-head K and V page pools (all KV heads of the layer draw from one pool)."""
@@ -61,6 +72,7 @@ class GQACacheSpec:
         _layer(self)
         for name in ("num_kv_heads", "page_size", "head_dim"):
             _positive_int(self, name)
+        _float_dtype(self, "dtype")
 
     def layout(self, num_pages: int) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (num_pages, self.page_size, self.head_dim)
@@ -83,6 +95,7 @@ class MLACacheSpec:
         _layer(self)
         for name in ("page_size", "kv_lora_rank", "rope_dim"):
             _positive_int(self, name)
+        _float_dtype(self, "dtype")
 
     def layout(self, num_pages: int) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (num_pages, self.page_size, self.kv_lora_rank + self.rope_dim)
@@ -107,6 +120,7 @@ class DSACacheSpec:
         _layer(self)
         for name in ("page_size", "kv_lora_rank", "rope_dim", "index_head_dim", "quant_block"):
             _positive_int(self, name)
+        _float_dtype(self, "rope_dtype")
         for name in ("kv_lora_rank", "index_head_dim"):
             if getattr(self, name) % self.quant_block:
                 raise ValueError(

@@ -2,7 +2,7 @@
 
 They read a ``save_pretrained`` directory (``config.json`` + ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``) into host numpy arrays, and :class:`TensorSource` hands tensors out by name
-with shape checks. Every problem raises :class:`kvjax.errors.CheckpointError` naming the file, key or tensor.
+with shape, float-dtype and finiteness checks; :func:`check_param_dtype` checks a loader's ``dtype`` option. Every problem raises :class:`kvjax.errors.CheckpointError` naming the file, key or tensor.
 Loaders build the whole parameter tree before returning (:func:`assign_params`: all or nothing), so nothing
 partially loaded ever escapes.
 """
@@ -95,16 +95,32 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
 
 
+def check_param_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as a numpy dtype if it is a floating dtype (float32, bfloat16, float16, ...); otherwise
+    :class:`CheckpointError` naming it (parameters, activations and caches of the models are floats)."""
+    try:
+        out = jnp.dtype(dtype)
+    except TypeError:
+        raise CheckpointError(f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, got {dtype!r}") \
+            from None
+    if not jnp.issubdtype(out, jnp.floating):
+        raise CheckpointError(f"dtype must be a floating dtype such as jnp.float32 or jnp.bfloat16, got {out}")
+    return out
+
+
 class TensorSource:
-    """Named checkpoint tensors handed out with shape checks; tracks which were used.
+    """Named checkpoint tensors handed out with shape, dtype and value checks; tracks which were used.
 
     ``prefixes`` are tried in order for every name (e.g. ``("model.language_model.", "model.")`` for a
-    multimodal wrapper), so a loader asks for ``"layers.0.mlp.up_proj.weight"`` once.
+    multimodal wrapper), so a loader asks for ``"layers.0.mlp.up_proj.weight"`` once. ``check_finite``: a tensor
+    holding NaN or inf (after the cast :meth:`take` makes) raises :class:`CheckpointError`.
     """
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], *, prefixes: Iterable[str] = ("",)):
+    def __init__(self, tensors: Mapping[str, np.ndarray], *, prefixes: Iterable[str] = ("",),
+                 check_finite: bool = True):
         self.tensors = dict(tensors)
         self.prefixes = tuple(prefixes)
+        self.check_finite = bool(check_finite)
         self.used: set[str] = set()
 
     def key(self, name: str) -> str | None:
@@ -117,7 +133,8 @@ class TensorSource:
         return self.key(name) is not None
 
     def take(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-        """The tensor ``name`` cast to ``dtype``; :class:`CheckpointError` if missing or of the wrong shape."""
+        """The tensor ``name`` cast to ``dtype``; :class:`CheckpointError` if missing, of the wrong shape, stored
+        with a non-float dtype (an integer tensor would be cast silently), or (``check_finite``) not finite."""
         key = self.key(name)
         if key is None:
             tried = [p + name for p in self.prefixes]
@@ -127,8 +144,15 @@ class TensorSource:
             raise CheckpointError(
                 f"tensor {key!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
             )
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise CheckpointError(f"tensor {key!r} has non-float dtype {value.dtype}; parameters are floats")
+        out = np.asarray(value).astype(dtype)
+        if self.check_finite and not np.isfinite(out).all():
+            bad = int(out.size - np.isfinite(out).sum())
+            raise CheckpointError(f"tensor {key!r} holds {bad} NaN / inf values (as {np.dtype(dtype)}); pass "
+                                  "check_finite=False to load it anyway")
         self.used.add(key)
-        return np.asarray(value).astype(dtype)
+        return out
 
     def unused(self, ignore_prefixes: Iterable[str] = ()) -> list[str]:
         """Tensor names never taken (minus ``ignore_prefixes``), sorted."""

@@ -54,6 +54,9 @@ class DeepseekConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"DeepseekConfig.{name} must be an int >= 1, got {value!r}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise CheckpointError(f"DeepseekConfig.rms_norm_eps must be a finite number >= 0, got {eps!r}")
         if self.qk_rope_head_dim % 2:
             raise CheckpointError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         types = tuple(self.mlp_layer_types) or ("dense",) * self.num_hidden_layers

@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 
 from kvjax.errors import CheckpointError
-from kvjax.models.common.checkpoint import TensorSource, assign_params, load_safetensors, read_config
+from kvjax.models.common.checkpoint import (TensorSource, assign_params, check_param_dtype, load_safetensors,
+                                            read_config)
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.model import DeepseekV32
 
@@ -80,18 +81,17 @@ def _param_values(config: DeepseekConfig, src: TensorSource) -> dict[tuple, np.n
     return vals
 
 
-def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dtype=jnp.float32) -> DeepseekV32:
+def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dtype=jnp.float32,
+            check_finite: bool = True) -> DeepseekV32:
     """Build a :class:`DeepseekV32` from a HF config dict and its named tensors; all checks happen first.
 
-    Raises :class:`CheckpointError` naming a bad config key, a missing / mis-shaped / non-float tensor or an
-    unexpected tensor (e.g. layers beyond ``num_hidden_layers``, or MoE weights for a layer the config makes
-    dense).
+    Raises :class:`CheckpointError` naming a bad config key, a non-float ``dtype``, a missing / mis-shaped /
+    non-float / non-finite (unless ``check_finite=False``) tensor or an unexpected tensor (e.g. layers beyond
+    ``num_hidden_layers``, or MoE weights for a layer the config makes dense).
     """
+    dtype = check_param_dtype(dtype)
     cfg = DeepseekConfig.from_hf(config)
-    for name, value in tensors.items():
-        if not np.issubdtype(np.asarray(value).dtype, np.floating) and str(value.dtype) != "bfloat16":
-            raise CheckpointError(f"tensor {name!r} has non-float dtype {value.dtype}")
-    src = TensorSource(tensors)
+    src = TensorSource(tensors, check_finite=check_finite)
     values = _param_values(cfg, src)
     ignore = ("lm_head.",) if cfg.tie_word_embeddings else ()
     extra = src.unused(ignore)
@@ -101,9 +101,11 @@ def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dty
     return assign_params(model, values)
 
 
-def load(path: str, config: Mapping[str, Any] | None = None, *, dtype=jnp.float32) -> DeepseekV32:
+def load(path: str, config: Mapping[str, Any] | None = None, *, dtype=jnp.float32,
+         check_finite: bool = True) -> DeepseekV32:
     """Loader for :func:`kvjax.models.load_pretrained`: ``config.json`` + safetensors at ``path``."""
     if config is None:
         config = read_config(path)
+    check_param_dtype(dtype)
     DeepseekConfig.from_hf(config)  # config errors before reading any tensor
-    return from_hf(config, load_safetensors(path), dtype=dtype)
+    return from_hf(config, load_safetensors(path), dtype=dtype, check_finite=check_finite)

@@ -6,6 +6,7 @@ The model is :mod:`kvjax.models.qwen3_5.model`, its layers :mod:`kvjax.models.qw
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from kvjax.config import AttentionConfig, GDNConfig
@@ -42,6 +43,11 @@ class Qwen3_5Config:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
             raise ValueError(f"Qwen3_5Config.layer_types has unknown entries {bad}; allowed {LAYER_TYPES}")
+        for name, ok, want in (("rms_norm_eps", lambda v: v >= 0, ">= 0"), ("rope_theta", lambda v: v > 0, "> 0"),
+                               ("partial_rotary_factor", lambda v: 0 < v <= 1, "in (0, 1]")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"Qwen3_5Config.{name} must be a finite number {want}, got {v!r}")
         rotary = int(self.attention.head_dim * self.partial_rotary_factor)
         if rotary < 2 or rotary % 2:
             raise ValueError(
@@ -88,6 +94,8 @@ class Qwen3_5Config:
             layer_types = cfg.get("layer_types")
             if layer_types is None:
                 interval = config_get(cfg, "full_attention_interval", 4, kind=int)
+                if interval < 1:
+                    raise CheckpointError(f"config full_attention_interval must be an int >= 1, got {interval!r}")
                 layer_types = [
                     "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
                 ]

@@ -13,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from kvjax.errors import CheckpointError
-from kvjax.models.common.checkpoint import TensorSource, abstract_model, assign_params, load_safetensors
+from kvjax.models.common.checkpoint import (TensorSource, abstract_model, assign_params, check_param_dtype,
+                                            load_safetensors)
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
 
@@ -24,6 +25,7 @@ def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Q
     Same distributions as the module constructors / HF init: projections ``N(0, 1/fan_in)``, embeddings
     ``N(0, 0.02^2)``, ``A_log = log U(0.01, 16)``, ``dt_bias = 1``, zero-centred norms 0, gated norm 1.
     """
+    dtype = check_param_dtype(dtype)
     model = abstract_model(lambda: Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
     rng = np.random.default_rng(seed)
     values = {}
@@ -62,11 +64,13 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
 
 
 def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, window: tuple[int, ...] = (),
-         sinks: tuple[int, ...] = ()) -> Qwen3_5ForCausalLM:
+         sinks: tuple[int, ...] = (), check_finite: bool = True) -> Qwen3_5ForCausalLM:
     """Load an HF Qwen3.5 checkpoint directory (``Qwen3_5ForCausalLM`` or the text tower of the multimodal
-    ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped or
-    unexpected tensor; the model is returned only when every parameter is loaded. ``window``/``sinks``
-    (per KV head) turn on SWA heads in the full-attention layers (research option; HF parity needs them off)."""
+    ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped,
+    non-float, non-finite (unless ``check_finite=False``) or unexpected tensor, or a non-float ``dtype``; the
+    model is returned only when every parameter is loaded. ``window``/``sinks`` (per KV head) turn on SWA heads
+    in the full-attention layers (research option; HF parity needs them off)."""
+    dtype = check_param_dtype(dtype)
     cfg = Qwen3_5Config.from_hf(config)
     if window or sinks:
         try:
@@ -80,7 +84,7 @@ def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, 
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
         renamed[name] = value
-    src = TensorSource(renamed)
+    src = TensorSource(renamed, check_finite=check_finite)
     values = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transposed = _hf_name(p)

@@ -1,0 +1,164 @@
+"""Loading and model / cache configs reject bad values with a named error before building anything
+(issue #17 items 9 and 11): integer-typed or non-finite checkpoint tensors, a non-float ``dtype``,
+``full_attention_interval: 0``, negative ``rms_norm_eps``, ``partial_rotary_factor > 1``, integer cache dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.numpy import load_file  # noqa: E402
+
+from kvjax.config import AttentionConfig, GDNConfig  # noqa: E402
+from kvjax.errors import CheckpointError  # noqa: E402
+from kvjax.models import load_pretrained  # noqa: E402
+from kvjax.models.deepseek import DeepseekConfig  # noqa: E402
+from kvjax.models.deepseek.loading import from_hf as deepseek_from_hf  # noqa: E402
+from kvjax.models.qwen3_5 import Qwen3_5Config, init_random  # noqa: E402
+from kvjax.state.registry import DSACacheSpec, GQACacheSpec, MLACacheSpec  # noqa: E402
+from test_qwen3_5 import saved_hf_model, write_ckpt  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen_saved(tmp_path_factory):
+    hf, path = saved_hf_model(tmp_path_factory.mktemp("q"), seed=3)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return config, load_file(os.path.join(path, "model.safetensors")), hf
+
+
+NORM = "model.norm.weight"
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_])
+def test_integer_tensor_in_float_parameter_is_named(tmp_path, qwen_saved, dtype):
+    config, tensors, _ = qwen_saved
+    bad = {**tensors, NORM: np.ones_like(tensors[NORM]).astype(dtype)}  # would be cast silently to 1.0
+    with pytest.raises(CheckpointError, match=rf"model\.norm\.weight.*{np.dtype(dtype).name}"):
+        load_pretrained(write_ckpt(tmp_path / "c", config, bad))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_tensor_is_named_unless_allowed(tmp_path, qwen_saved, value):
+    config, tensors, _ = qwen_saved
+    name = "model.layers.1.self_attn.q_proj.weight"
+    w = tensors[name].copy()
+    w[3, 5] = value
+    path = write_ckpt(tmp_path / "c", config, {**tensors, name: w})
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight.*1 NaN / inf.*check_finite=False"):
+        load_pretrained(path)
+    model = load_pretrained(path, check_finite=False)  # the opt-out loads it as stored
+    q = np.asarray(model.model.layers[1].self_attn.q_proj.kernel.get_value())
+    assert np.isnan(q).sum() + np.isinf(q).sum() == 1
+
+
+def test_finite_checkpoint_still_loads_and_matches(tmp_path, qwen_saved):
+    config, tensors, hf = qwen_saved
+    model = load_pretrained(write_ckpt(tmp_path / "c", config, tensors))
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (1, 9))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.logits(jnp.asarray(ids, jnp.int32))), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "int8", jnp.bool_, "no-such-dtype"])
+def test_non_float_dtype_is_rejected(tmp_path, qwen_saved, dtype):
+    config, tensors, _ = qwen_saved
+    path = write_ckpt(tmp_path / "c", config, tensors)
+    with pytest.raises(CheckpointError, match="dtype"):
+        load_pretrained(path, dtype=dtype)
+    cfg = Qwen3_5Config.from_hf(config)
+    with pytest.raises(CheckpointError, match="dtype"):
+        init_random(cfg, dtype=dtype)
+
+
+@pytest.mark.parametrize("interval", [0, -4])
+def test_full_attention_interval_below_one_is_rejected(tmp_path, qwen_saved, interval):
+    config, tensors, _ = qwen_saved
+    cfg = {k: v for k, v in config.items() if k != "layer_types"}
+    cfg["full_attention_interval"] = interval
+    with pytest.raises(CheckpointError, match="full_attention_interval"):
+        load_pretrained(write_ckpt(tmp_path / "c", cfg, tensors))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.5}},
+     "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": -0.5}},
+     "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0, "partial_rotary_factor": 0.5}}, "rope_theta"),
+])
+def test_bad_qwen_config_values_are_rejected(tmp_path, qwen_saved, change, match):
+    config, tensors, _ = qwen_saved
+    with pytest.raises(CheckpointError, match=match):
+        load_pretrained(write_ckpt(tmp_path / "c", {**config, **change}, tensors))
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", -1e-5), ("partial_rotary_factor", 2.0),
+                                          ("partial_rotary_factor", 0.0), ("rope_theta", -1.0)])
+def test_qwen_config_dataclass_rejects(field, value):
+    base = dict(vocab_size=11, hidden_size=32, intermediate_size=48, layer_types=("full_attention",),
+                attention=AttentionConfig(4, 2, 16), gdn=GDNConfig(2, 4, 8, 8, 4))
+    Qwen3_5Config(**base)
+    with pytest.raises(ValueError, match=field):
+        Qwen3_5Config(**base, **{field: value})
+
+
+DEEPSEEK = dict(
+    vocab_size=19, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2,
+    index_head_dim=16, index_topk=4, rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
+)
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("inf")])
+def test_deepseek_negative_eps_is_rejected(eps):
+    DeepseekConfig(**DEEPSEEK)
+    with pytest.raises(CheckpointError, match="rms_norm_eps"):
+        DeepseekConfig(**DEEPSEEK, rms_norm_eps=eps)
+
+
+def test_deepseek_non_finite_and_integer_tensors_are_named():
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=19, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, index_head_dim=16, index_n_heads=2, index_topk=4, first_k_dense_replace=1,
+    )
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV32ForCausalLM(cfg)
+    tensors = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    config = cfg.to_dict()
+    deepseek_from_hf(config, tensors)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    bad = tensors[name].copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(CheckpointError, match=r"kv_b_proj\.weight.*NaN"):
+        deepseek_from_hf(config, {**tensors, name: bad})
+    deepseek_from_hf(config, {**tensors, name: bad}, check_finite=False)
+    with pytest.raises(CheckpointError, match=r"kv_b_proj\.weight.*int32"):
+        deepseek_from_hf(config, {**tensors, name: tensors[name].astype(np.int32)})
+    with pytest.raises(CheckpointError, match="dtype"):
+        deepseek_from_hf(config, tensors, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: GQACacheSpec(0, 2, 4, 16, dtype=d),
+    lambda d: MLACacheSpec(0, 4, 16, 8, dtype=d),
+    lambda d: DSACacheSpec(0, 4, 16, 8, 16, 16, rope_dtype=d),
+], ids=["gqa", "mla", "dsa"])
+def test_cache_spec_rejects_integer_dtype(make):
+    for ok in (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn):
+        make(ok)
+    for bad in (jnp.int32, jnp.int8, jnp.bool_, "nope"):
+        with pytest.raises(ValueError, match="floating dtype"):
+            make(bad)
