@@ -24,10 +24,10 @@ LENGTHS = (11, 6, 17)  # total tokens per sequence
 CHUNKS = ((5, 4), (3,), (7, 6))  # prefill chunk sizes; the rest is decoded one token per step
 
 
-def _config(topk: int) -> DeepseekConfig:
+def _config(topk: int, rope_dim: int = 8) -> DeepseekConfig:
     return DeepseekConfig(
         vocab_size=61, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
-        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=rope_dim, v_head_dim=16,
         index_n_heads=8, index_head_dim=16, index_topk=topk,
         rope_parameters=(("beta_fast", 32), ("beta_slow", 1), ("factor", 2.0), ("mscale", 1.0),
                          ("mscale_all_dim", 0.7), ("original_max_position_embeddings", 16),
@@ -36,8 +36,8 @@ def _config(topk: int) -> DeepseekConfig:
     )
 
 
-def _model(topk: int, seed: int) -> DeepseekV32:
-    model = DeepseekV32(_config(topk), rngs=nnx.Rngs(seed))
+def _model(topk: int, seed: int, rope_dim: int = 8) -> DeepseekV32:
+    model = DeepseekV32(_config(topk, rope_dim), rngs=nnx.Rngs(seed))
     # Norm weights away from 1 and the indexer LayerNorm bias away from 0, so every parameter matters.
     key = jax.random.key(seed + 1)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -190,8 +190,9 @@ def test_step_leaves_unwritten_pages_and_pad_rows_alone(rng):
 
 
 def test_step_with_pallas_sparse_kernel_interpret(rng):
-    """The step's sparse MLA attention through the Pallas kernel (interpret mode on CPU) equals the reference."""
-    model = _model(topk=4, seed=9)
+    """The step's sparse MLA attention through the Pallas kernel (interpret mode on CPU) equals the reference.
+    The kernel's tiles need power-of-two ``R``, ``r`` >= 16 (it declines rope_dim 8), hence rope_dim 16 here."""
+    model = _model(topk=4, seed=9, rope_dim=16)
     tokens = [rng.integers(0, 61, size=n).astype(np.int32) for n in LENGTHS]
     perm = rng.permutation(NUM_PAGES)
     tables = [np.concatenate([perm[5 * b:5 * b + 3], [-1, -1]]).astype(np.int32) for b in range(3)]

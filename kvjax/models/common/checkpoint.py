@@ -2,7 +2,8 @@
 
 They read a ``save_pretrained`` directory (``config.json`` + ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``) into host numpy arrays, and :class:`TensorSource` hands tensors out by name
-with shape, float-dtype and finiteness checks; :func:`check_param_dtype` checks a loader's ``dtype`` option. Every problem raises :class:`kvjax.errors.CheckpointError` naming the file, key or tensor.
+with shape, float-dtype and finiteness checks; :func:`check_param_dtype` checks a loader's ``dtype`` option.
+Every problem raises :class:`kvjax.errors.CheckpointError` naming the file, key or tensor.
 Loaders build the whole parameter tree before returning (:func:`assign_params`: all or nothing), so nothing
 partially loaded ever escapes.
 """
