@@ -1,0 +1,213 @@
+"""Stateful property test of the engine (hypothesis ``RuleBasedStateMachine``) on a tiny f32 Qwen3.5 with an
+SWA head, a page pool small enough to preempt, and timely recycling.
+
+Rules add requests, abort them, step, inject a fault at each point of a step (before the device call, inside
+it after the caches were donated, after it, inside the scheduler update; an exception or a
+``KeyboardInterrupt``), and run two concurrent consumers (two streams consumed alternately, or ``generate``
+inside a ``stream`` loop) while the manually added requests keep running. After every rule the allocator and
+queue invariants hold (``Engine.check_integrity``). At the end every request that was not aborted has exactly
+the tokens of the same request run alone (greedy), every event had the right position / finished flag, and
+the engine is idle. One engine (one compile) serves every example.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvjax.config import CacheConfig
+from kvjax.engine.engine import Engine
+from test_engine import VOCAB, qwen_swa_model
+from test_engine_faults import POINTS, Injected, make_engine
+
+CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)
+SHARED: dict = {}  # the one engine and the alone-run outputs, reused by every example
+
+
+def shared_engine() -> Engine:
+    if "engine" not in SHARED:
+        SHARED["engine"] = make_engine(qwen_swa_model())
+        SHARED["alone"] = {}
+    return SHARED["engine"]
+
+
+ROWS, WIDTH = 32, 40  # oracle batch: fixed shape, one compile (prompts <= 30 tokens + 8 new <= 40)
+
+
+def run_alone(engine: Engine, keys: list[tuple[tuple, int]]) -> dict:
+    """``{(prompt, max_new): tokens}`` of greedy decoding by whole-sequence ``model.logits`` (no cache, no
+    batching effects: causal, each row alone), computed for the keys not known yet."""
+    todo = sorted({k for k in keys if k not in SHARED["alone"]})
+    if "logits" not in SHARED:
+        SHARED["logits"] = nnx.jit(lambda m, x: m.logits(x))
+    for i in range(0, len(todo), ROWS):
+        chunk = todo[i: i + ROWS]
+        ids = np.zeros((ROWS, WIDTH), np.int32)
+        lens = [len(p) for p, _ in chunk]
+        for r, (p, _) in enumerate(chunk):
+            ids[r, : len(p)] = p
+        out = [[] for _ in chunk]
+        for _ in range(max(n for _, n in chunk)):
+            logits = np.asarray(SHARED["logits"](engine.model, jnp.asarray(ids)))
+            for r, (_, n) in enumerate(chunk):
+                if len(out[r]) < n:
+                    tok = int(np.argmax(logits[r, lens[r] - 1]))
+                    out[r].append(tok)
+                    ids[r, lens[r]] = tok
+                    lens[r] += 1
+        SHARED["alone"].update(zip(chunk, out))
+    return SHARED["alone"]
+
+
+def arm(engine: Engine, point: str, exc: type[BaseException]):
+    """Make ``point`` of the next step raise ``exc`` once; returns (undo, fired list)."""
+    import kvjax.engine.engine as engine_mod
+    from kvjax.sched.request import Request
+
+    fired: list = []
+
+    def once():
+        if not fired:
+            fired.append(1)
+            raise exc("injected fault")
+
+    if point == "before device":
+        real = engine_mod.plan_to_inputs
+        engine_mod.plan_to_inputs = lambda *a, **k: (once(), real(*a, **k))[1]
+        return (lambda: setattr(engine_mod, "plan_to_inputs", real)), fired
+    if point == "inside device":
+        cls = type(engine._device_step)
+        real_call = cls.__call__
+        cls.__call__ = lambda self, *a: (real_call(self, *a), once())[0]
+        return (lambda: setattr(cls, "__call__", real_call)), fired
+    if point == "after device":
+        sched = engine.scheduler
+        real_update = sched.update
+        sched.update = lambda *a, **k: (once(), real_update(*a, **k))[1]
+        return (lambda: delattr(sched, "update")), fired
+    real_append = Request.append
+    calls: list = []
+
+    def append(self, token):
+        out = real_append(self, token)
+        calls.append(1)
+        if len(calls) == 2:
+            once()
+        return out
+
+    Request.append = append
+    return (lambda: setattr(Request, "append", real_append)), fired
+
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30).map(tuple)
+max_news = st.integers(1, 8)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.engine = shared_engine()
+        assert self.engine.is_idle()
+        self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+    def collect(self, events) -> None:
+        for ev in events:
+            r = self.reqs[ev.request_id]
+            assert not r["aborted"] and not r["finished"], ev
+            assert ev.position == len(r["tokens"]), ev
+            r["tokens"].append(ev.token)
+            r["finished"] = ev.finished
+            assert ev.finished == (len(r["tokens"]) == r["max_new"]), ev
+
+    def live(self) -> list[int]:
+        return sorted(rid for rid, r in self.reqs.items() if not r["aborted"] and not r["finished"])
+
+    # ---- rules -------------------------------------------------------------------------------------------
+    @rule(prompt=prompts, max_new=max_news)
+    def add(self, prompt, max_new):
+        rid = self.engine.add_request(list(prompt), max_new, index=len(self.reqs))
+        self.reqs[rid] = dict(prompt=prompt, max_new=max_new, tokens=[], finished=False, aborted=False)
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(self.live()))
+        try:
+            got = self.engine.abort(rid)
+        except ValueError:  # it finished in a step cut short by a fault; its last event comes with the next step
+            assert any(ev.request_id == rid and ev.finished for ev in self.engine._held)
+            return
+        r = self.reqs[rid]
+        assert got[: len(r["tokens"])] == r["tokens"]
+        r["aborted"] = True
+
+    @rule()
+    def step(self):
+        if self.engine.has_unfinished():
+            self.collect(self.engine.step())
+
+    @rule(point=st.sampled_from(POINTS), exc=st.sampled_from([Injected, KeyboardInterrupt]))
+    def fault(self, point, exc):
+        if not self.engine.has_unfinished():
+            return
+        undo, fired = arm(self.engine, point, exc)
+        try:
+            self.collect(self.engine.step())
+        except exc as err:
+            assert fired and "injected" in str(err)
+        finally:
+            undo()
+
+    @rule(a=st.lists(prompts, min_size=1, max_size=3), b=st.lists(prompts, min_size=1, max_size=3),
+          max_new=max_news, nested=st.booleans())
+    def two_consumers(self, a, b, max_new, nested):
+        eng = self.engine
+        out_a, out_b = [[] for _ in a], [[] for _ in b]
+        if nested:  # generate inside a stream loop
+            for ev in eng.stream([list(p) for p in a], max_new):
+                out_a[ev.index].append(ev.token)
+                if ev.index == 0 and ev.position == 0:
+                    out_b = eng.generate([list(p) for p in b], max_new)
+        else:  # two streams consumed alternately
+            live = {0: eng.stream([list(p) for p in a], max_new), 1: eng.stream([list(p) for p in b], max_new)}
+            while live:
+                for k in list(live):
+                    ev = next(live[k], None)
+                    if ev is None:
+                        del live[k]
+                    else:
+                        (out_a, out_b)[k][ev.index].append(ev.token)
+        for p, got in [*zip(a, out_a), *zip(b, out_b)]:
+            assert len(got) == max_new
+            SHARED.setdefault("consumer_runs", []).append((p, max_new, got))
+
+    @invariant()
+    def integrity(self):
+        self.engine.check_integrity()
+
+    def teardown(self):
+        eng = self.engine
+        while eng.has_unfinished():
+            self.collect(eng.step())
+        self.collect(eng.step() if eng._held else [])
+        assert eng.is_idle() and not eng._held
+        runs = [(r["prompt"], r["max_new"], r["tokens"]) for r in self.reqs.values() if not r["aborted"]]
+        assert all(r["finished"] for r in self.reqs.values() if not r["aborted"])
+        runs += SHARED.pop("consumer_runs", [])
+        alone = run_alone(eng, [(p, n) for p, n, _ in runs])
+        for p, n, got in runs:
+            assert got == alone[p, n], (p, n)
+
+
+def test_engine_state_machine():
+    run_state_machine_as_test(EngineMachine, settings=settings(
+        max_examples=25, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    eng = shared_engine()
+    assert eng.num_traces == 1  # one bucket set, greedy only: a single compile for every example
+    assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
