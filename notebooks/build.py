@@ -61,7 +61,7 @@ print(sweeps.format_rows([dict(r, value="base") for r in head.values()]))'''),
     new_code_cell('''\
 n, t = head["none"], head["timely"]
 SEED_GAIN = 1.758  # the seed's measured output-throughput gain (+75.8%, 1024 prompts, A800 server)
-SCHED_GAIN = 6.13  # benchmarks/RESULTS.md, scheduler issue, this same configuration (recorded figure)
+SCHED_GAIN = 6.13  # benchmarks/HISTORY.md, scheduler issue, this same configuration (recorded figure)
 assert t["gain"] >= 1.75, f"timely/none = {t['gain']:.2f}x < 1.75x"
 display(Markdown(
     f"All KV heads SWA (window {BASE['window']}, {BASE['sinks']} sinks), shared pool: `timely` generates "
@@ -383,10 +383,12 @@ print(f"paged_attention {kernel} vs reference on the scheduler's plan: max |diff
     new_markdown_cell("""\
 ## Benchmarks
 
-The benchmark scripts are jit-compiled, check correctness before timing, and are meant for a GPU; each
-prints a table and writes JSON. Measured figures live in `benchmarks/RESULTS.md`. Run them from the
-repository root, e.g. `python benchmarks/attention.py --quick`, or on the device machine with
-`PYTHONPATH=$PWD python benchmarks/<script>.py`. The capacity simulator is `python -m kvjax simulate --help`."""),
+The benchmarks are declarative cases (one module per subject) run by one runner: it checks each
+implementation against the float32 reference before timing it, prints the median, the ratio to the case's
+anchor and to a copy of the same bytes, and writes JSON; they are meant for a GPU. Current figures live in
+`benchmarks/RESULTS.md`, the run history in `benchmarks/HISTORY.md`. Run them from the repository root, e.g.
+`python benchmarks/runner.py attention --small` (tiny shapes, runs on a CPU), or on a GPU with
+`bash benchmarks/run_gpu.sh gdn attention`. The capacity simulator is `python -m kvjax simulate --help`."""),
     new_code_cell('''\
 import pathlib
 root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "benchmarks").is_dir())

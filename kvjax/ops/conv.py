@@ -33,7 +33,7 @@ slot ids outside ``1..S``, read and write nothing and get ``y = 0``; slot 0 is n
 
 Reference = the fused XLA path (gather by slot, reference above, scatter). Backend ``"pallas"`` =
 :mod:`kvjax.pallas.gdn.conv` (in place by slot id, any CUDA GPU); ``auto`` takes it there (H200, 2026-11-21,
-``benchmarks/RESULTS.md``): the decode update takes 0.029 ms vs 0.072 ms for XLA at B=128, conv_dim 12288
+``benchmarks/HISTORY.md``): the decode update takes 0.029 ms vs 0.072 ms for XLA at B=128, conv_dim 12288
 (25 MB moved: 5x its 6 us floor at copy bandwidth, not launch latency); prefill is a near tie (within 5% per
 call, Pallas up to 23% ahead when chained), both at about a third of copy bandwidth.
 """

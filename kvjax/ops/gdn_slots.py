@@ -23,7 +23,7 @@ kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and ta
 ``"slots"``, :func:`kvjax.pallas.gdn.recurrent.recurrent_gated_delta_rule_slots`, which indexes the array by
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
 continuing and a static int ``layer`` (H100: 0.191-0.192 ms device time at B=128 H=32 and B=256 H=16,
-92.7-93.1% of a same-bytes copy, benchmarks/RESULTS.md). The array is updated in place (aliased) under jit
+92.7-93.1% of a same-bytes copy, benchmarks/HISTORY.md). The array is updated in place (aliased) under jit
 when donated: :mod:`kvjax.state.gdn_ops` wraps these ops with the pool donated.
 """
 

@@ -27,7 +27,7 @@ backend table) chooses for ``impl``, with exactly::
 
 Backends (``impl="auto"`` takes the first that accepts, else the reference): ``"mosaic"``
 (:mod:`kvjax.pallas.mla.decode_mgpu`, Hopper, R = 512, r = 64, pages of 64k tokens, a 16-bit cache, more than
-16 heads: 2.1x the Triton kernels at 128 heads and slower at 16, benchmarks/RESULTS.md), ``"pallas"``
+16 heads: 2.1x the Triton kernels at 128 heads and slower at 16, benchmarks/HISTORY.md), ``"pallas"``
 (:mod:`kvjax.pallas.mla.decode`, the Pallas Triton lowering, any GPU; ``R``, ``r`` and the page size powers of two
 >= 16, else ``auto`` runs the reference) and ``"triton"``
 (:mod:`kvjax.triton.mla_decode`, a jax-triton baseline below ``"pallas"``: ``auto`` never takes it).
@@ -254,7 +254,7 @@ TABLE = BackendTable(
                      "0.151 vs 0.154 ms H200 run 12)"),
         Backend("triton", "kvjax.triton.mla_decode:mla_decode_triton", priority=10, device=on_gpu,
                 unsupported="kvjax.triton:mla_decode_unsupported", interpretable=False,
-                note="jax-triton baseline: never ahead of the best Hopper kernel by 5% (RESULTS.md runs 11-13)"),
+                note="jax-triton baseline: never ahead of the best Hopper kernel by 5% (HISTORY.md runs 11-13)"),
     ),
     examples={
         "decode B=128 L=4096 H=16 page 64 bf16": lambda: _example(128, 16, 4096),

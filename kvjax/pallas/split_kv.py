@@ -62,7 +62,7 @@ def choose_num_kv_splits(batch: int, head_groups: int, max_steps: int, num_sms: 
 
 def default_tiles(num_heads: int, page_size: int, sparse: bool = False) -> dict:
     """Tiles of the Triton-lowered MLA decode kernels (Pallas and jax-triton), picked by measurement on an H200
-    (benchmarks/RESULTS.md, "MLA decode and DSA").
+    (benchmarks/HISTORY.md, "MLA decode and DSA").
 
     Few heads (memory-bound): 16 heads x half a page per step, 4 warps, 3 stages. Many heads (the QK/PV
     products dominate): 64 heads x one page, 8 warps, 2 stages (3 stages exceed shared memory). DSA-sparse

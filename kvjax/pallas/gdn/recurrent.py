@@ -11,7 +11,7 @@ with a donated pool the update happens in place. Tokens outside every sequence g
 ``_slots_kernel``: the decode step on the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` (one token per
 row, the slot ids index the pool inside the kernel, no XLA op around it), one program per state tile, the
 value blocks of a head launched next to each other (3-5% faster on an H200 than rows first,
-benchmarks/RESULTS.md). Its backend-table check :func:`decode_slots_unsupported` names the calls it cannot take.
+benchmarks/HISTORY.md). Its backend-table check :func:`decode_slots_unsupported` names the calls it cannot take.
 
 Both update a token in one pass: ``k^T S`` and ``q^T S`` on the state as loaded,
 ``o = decay q^T S + (q . k) delta`` (equal in exact arithmetic to the textbook order; measured 0.1538 vs
@@ -32,7 +32,7 @@ from kvjax.base.device import is_pow2, next_pow2
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, col_block, head_cols, load,
                                      run_on_slot_pool, state_as_pool, store, tile_mask)
 
-BLOCK_V = 64  # value columns per program (the fastest measured, benchmarks/RESULTS.md)
+BLOCK_V = 64  # value columns per program (the fastest measured, benchmarks/HISTORY.md)
 
 
 def _l2norm(x):
@@ -242,7 +242,7 @@ def recurrent_gated_delta_rule_slots(
 
     No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
     Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Defaults: the fastest
-    configuration measured (block_v 64, 4 warps; benchmarks/RESULTS.md).
+    configuration measured (block_v 64, 4 warps; benchmarks/HISTORY.md).
     """
     num_tokens, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]

@@ -14,7 +14,7 @@ the scales are applied outside the products, so the dequantisation adds no round
 Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). The host side (head
 padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_decode`.
 
-Measured against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` (benchmarks/RESULTS.md,
+Measured against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` (benchmarks/HISTORY.md,
 "MLA decode and DSA"; B=32, top-k 2048, page 64): at 16 heads it is faster on the H100 (run 13: L=8192 0.204 vs
 0.248 ms, L=32768 0.203 vs 0.241 ms) and at L=32768 on the H200 (run 5: 0.247 vs 0.263 ms; at L=8192 it
 trailed, 0.279 vs 0.217 ms); at 128 heads it ties on the H100 (3%) and trails on the H200 (0.296-0.376 vs

@@ -244,7 +244,7 @@ def unsupported(
     return common.triton_shape_reason(q, k_pages)
 
 
-# Defaults per K/V load path, the fastest measured on an H200 at T=4096, H=32, D=128 (benchmarks/RESULTS.md).
+# Defaults per K/V load path, the fastest measured on an H200 at T=4096, H=32, D=128 (benchmarks/HISTORY.md).
 _PAGE_MODE_MIN_PAGE = 64  # "page" loads were slower than "gather" at page 16 (16-key sub-products)
 _DEFAULTS = {
     "page": dict(block_k=64, num_warps=4, num_stages=3, fused_loop=True, page_ids="load"),
@@ -294,7 +294,7 @@ def paged_prefill(
     run time instead of separate loops for the masked and unmasked blocks. ``page_ids`` (``kv_load="page"``;
     ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in the step
     that uses it, ``"carry"`` one step ahead, passed in the loop carry.
-    Measured and removed (slower on an H200, benchmarks/RESULTS.md): page ids two steps ahead or from a register
+    Measured and removed (slower on an H200, benchmarks/HISTORY.md): page ids two steps ahead or from a register
     chunk of the table, a key block's pages joined into one operand, all tiles of one KV head launched together,
     masking every key block (``fast_path=False``, 1.33x slower).
     """

@@ -29,7 +29,7 @@ deadlock).
 It is the ``"mosaic"`` backend of ``kvjax.ops.paged_attention``, first choice on Hopper where :func:`unsupported`
 accepts the call: those shapes and on average at least one 64-token box of queries per row (``T >= 64 B``: rows
 of a few tokens would waste most of a tile). Measured 1.25-1.43x faster than the Triton prefill kernel in the
-same runs (one causal sequence, T=4096, H=32, D=128, bf16, pages of 64 and 128, H200; benchmarks/RESULTS.md).
+same runs (one causal sequence, T=4096, H=32, D=128, bf16, pages of 64 and 128, H200; benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
