@@ -13,10 +13,19 @@ Pool policies (how heads share the ``num_pages`` single-head pages of a layer):
   ever serves that head again.
 
 Every head writes every position, so all heads of a row always cover the same number of logical blocks
-(``num_blocks[r]``); they differ only in which blocks were recycled.
+(``num_blocks[r]``); they differ only in which blocks were recycled (or attached as holes from a prefix cache).
+
+Shared pages (the prefix cache, :mod:`kvjax.sched.prefix_cache`). A page is free, private (``owner_row`` = its
+one row) or shared (``owner_row == SHARED``): a shared page sits in ``refs[p]`` table entries, all on head
+``owner_head[p]``, and may also be held by the cache (``cached[p]``). It goes back to the free list when neither
+holds it. A cached page no table holds is *idle*: ``can_fit`` counts idle pages as available and ``allocate``
+asks the ``reclaimer`` (the cache) to evict that many. With no cache attached nothing is ever shared, and every
+method behaves exactly as before.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -24,6 +33,14 @@ from kvjax.config import AttentionConfig, CacheConfig, is_int
 from kvjax.errors import DoubleFreeError, OutOfPagesError, RequestTooLongError
 
 POOLS = ("shared", "partitioned")
+SHARED = -2  # owner_row of a page held through the reference count
+
+
+class Reclaimer(Protocol):
+    """What the allocator asks for idle cached pages (the prefix cache implements it)."""
+
+    def reclaim(self, need: list[int]) -> None:
+        """Give back (``uncache``) at least ``need[pool]`` idle pages of each pool (never more than are idle)."""
 
 
 class BlockAllocator:
@@ -60,6 +77,11 @@ class BlockAllocator:
         self.recycled_upto = np.zeros((rows, h_kv), np.int64)  # i64[max_seqs+1, H_kv]: recycle cursor (blocks)
         self.owner_row = np.full(cache.num_pages, -1, np.int32)  # i32[num_pages]: row holding each page, -1 free
         self.owner_head = np.full(cache.num_pages, -1, np.int32)  # i32[num_pages]: head holding each page
+        self.refs = np.zeros(cache.num_pages, np.int32)  # i32[num_pages]: table entries holding a shared page
+        self.cached = np.zeros(cache.num_pages, bool)  # bool[num_pages]: the prefix cache holds the page
+        self.idle = [0] * len(ranges)  # cached pages that no table holds, per pool (reclaimable)
+        self.num_shared = 0  # pages with owner_row == SHARED (0: the fast path of free_ranges)
+        self.reclaimer: Reclaimer | None = None  # set by a prefix cache
 
     # ---- queries -------------------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -87,7 +109,12 @@ class BlockAllocator:
         if new_blocks <= 0:
             return True
         need = [new_blocks * k for k in self.heads_in_pool]
-        return all(n + reserve * size <= len(f) for n, size, f in zip(need, self.pool_pages, self._free))
+        return all(n + reserve * size <= len(f) + i
+                   for n, size, f, i in zip(need, self.pool_pages, self._free, self.idle))
+
+    def reclaimable_pages(self) -> list[int]:
+        """Idle cached pages per pool: held by the prefix cache only, given back on demand."""
+        return list(self.idle)
 
     # ---- updates -------------------------------------------------------------------------------------------
     def allocate(self, row: int, num_tokens: int) -> None:
@@ -108,6 +135,9 @@ class BlockAllocator:
             return
         need = self.pages_needed(row, num_tokens)
         short = [(p, int(n), len(self._free[p])) for p, n in enumerate(need) if n > len(self._free[p])]
+        if short and self.reclaimer is not None and all(n <= f + self.idle[p] for p, n, f in short):
+            self.reclaimer.reclaim([max(0, int(n) - len(f)) for n, f in zip(need, self._free)])
+            short = [(p, int(n), len(self._free[p])) for p, n in enumerate(need) if n > len(self._free[p])]
         if short:
             raise OutOfPagesError(f"row {row}: (pool, pages needed, free) = {short}")
         for h in range(self.num_heads):
@@ -141,20 +171,95 @@ class BlockAllocator:
             raise ValueError(self._range_error(rows, heads, starts, stops, counts > 0)) from None
         held = pages >= 0
         rr, hh, bb, pages = rr[held], hh[held], bb[held], pages[held]
+        if not self.num_shared:
+            return self._free_private(rr, hh, bb, pages)
+        owner = self.owner_row[pages]
+        shared = owner == SHARED
+        if ((~shared & (owner != rr)) | (self.owner_head[pages] != hh)).any():
+            raise DoubleFreeError(f"pages {pages.tolist()} are not owned by the (row, head) freeing them")
+        sp, sidx = np.unique(pages[shared], return_index=True)
+        counts = np.bincount(np.searchsorted(sp, pages[shared]), minlength=len(sp))
+        if (self.refs[sp] < counts).any() or len(np.unique(pages[~shared])) != int((~shared).sum()):
+            raise DoubleFreeError(f"pages {pages.tolist()} are freed more often than tables hold them")
+        freed = self._free_private(rr[~shared], hh[~shared], bb[~shared], pages[~shared])
+        self.tables[rr[shared], hh[shared], bb[shared]] = -1
+        self.refs[sp] -= counts.astype(np.int32)
+        gone = sp[self.refs[sp] == 0]
+        for p in self.pool_of_head[self.owner_head[gone[self.cached[gone]]]].tolist():
+            self.idle[p] += 1
+        return freed + self._release(gone[~self.cached[gone]])
+
+    def _free_private(self, rr: np.ndarray, hh: np.ndarray, bb: np.ndarray, pages: np.ndarray) -> int:
         if ((self.owner_row[pages] != rr) | (self.owner_head[pages] != hh)).any():
             raise DoubleFreeError(f"pages {pages.tolist()} are not owned by the (row, head) freeing them")
         if len(np.unique(pages)) != len(pages):
             raise DoubleFreeError(f"pages {pages.tolist()} are freed twice in one call (overlapping ranges)")
         self.tables[rr, hh, bb] = -1
+        return self._release(pages)
+
+    def _release(self, pages: np.ndarray) -> int:
+        """Put ``pages`` (i64[K], no table or cache holds them) back on their free lists."""
+        pools = self.pool_of_head[self.owner_head[pages]]
+        if self.num_shared:
+            self.num_shared -= int((self.owner_row[pages] == SHARED).sum())
         self.owner_row[pages] = -1
         self.owner_head[pages] = -1
         if len(self._free) == 1:
             self._free[0].extend(pages.tolist())
         else:
-            pools = self.pool_of_head[hh]
             for p in np.unique(pools).tolist():
                 self._free[p].extend(pages[pools == p].tolist())
         return len(pages)
+
+    # ---- shared pages (prefix cache) ------------------------------------------------------------------------
+    def share(self, row: int, heads: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Hand the private pages of ``(row, heads[k], blocks[k])`` (``i64[K]`` each) to the cache: they become
+        shared (the row's entry is one reference) and cached. Returns ``i64[K]`` pages, -1 where the entry is a
+        hole (nothing shared). ``DoubleFreeError`` if a page is not the row's own; nothing changes then."""
+        row = self._check_row(row)
+        heads, blocks = np.asarray(heads, np.int64), np.asarray(blocks, np.int64)
+        pages = self.tables[row, heads, blocks].astype(np.int64)
+        held = pages[pages >= 0]
+        if (self.owner_row[held] != row).any():
+            raise DoubleFreeError(f"row {row}: pages {held.tolist()} are not private pages of the row")
+        self.owner_row[held] = SHARED
+        self.refs[held] = 1
+        self.cached[held] = True
+        self.num_shared += len(held)
+        return pages
+
+    def attach(self, row: int, pages: np.ndarray, cursor: np.ndarray) -> None:
+        """Give the empty ``row`` the cached pages ``pages: i64[H_kv, m]`` (-1 holes) as its blocks ``[0, m)``
+        without copying (one more reference each); ``cursor: i64[H_kv]`` is the recycle cursor of each head
+        (blocks below it are handled). ``ValueError`` if the row holds blocks or a page is not cached on its head."""
+        row = self._check_row(row)
+        pages = np.asarray(pages, np.int64)
+        if self.num_blocks[row] or pages.ndim != 2 or pages.shape[0] != self.num_heads \
+                or pages.shape[1] > self.cache.max_blocks_per_seq:
+            raise ValueError(f"attach: row {row} must be empty and pages i64[{self.num_heads}, <= max_blocks], got "
+                             f"{self.num_blocks[row]} blocks, shape {pages.shape}")
+        h, b = np.nonzero(pages >= 0)
+        held = pages[h, b]
+        if not self.cached[held].all() or (self.owner_head[held] != h).any() or len(np.unique(held)) != len(held):
+            raise ValueError(f"attach: pages {held.tolist()} are not cached pages of their heads")
+        for p in self.pool_of_head[h[self.refs[held] == 0]].tolist():
+            self.idle[p] -= 1
+        self.refs[held] += 1
+        self.tables[row, :, : pages.shape[1]] = pages
+        self.num_blocks[row] = pages.shape[1]
+        self.recycled_upto[row] = cursor
+
+    def uncache(self, pages: np.ndarray) -> int:
+        """The cache lets go of ``pages`` (i64[K], cached); those no table holds go back to the free list.
+        Returns pages freed."""
+        pages = np.unique(np.asarray(pages, np.int64))
+        if not self.cached[pages].all():
+            raise DoubleFreeError(f"uncache: pages {pages[~self.cached[pages]].tolist()} are not cached")
+        self.cached[pages] = False
+        gone = pages[self.refs[pages] == 0]
+        for p in self.pool_of_head[self.owner_head[gone]].tolist():
+            self.idle[p] -= 1
+        return self._release(gone)
 
     def free_row(self, row: int) -> int:
         """Return every page of ``row`` (all heads) and reset it to holes; returns the number of pages freed."""
@@ -194,24 +299,39 @@ class BlockAllocator:
 
     # ---- invariants ----------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless: no page is owned twice, free + used == total per pool, the tables and
-        the ownership arrays agree, partitioned heads only hold their own pages, and row 0 is all holes."""
+        """Raise ``AssertionError`` unless: a private page sits in one table entry of its owner, a shared page in
+        exactly ``refs`` entries of its head, free + private + shared == total per pool, idle counts match, no
+        page is both free and held, partitioned heads only hold their own pages, and row 0 is all holes."""
         t = self.tables
         if (t[0] != -1).any():
             raise AssertionError("PAD row 0 of the block tables holds pages")
-        used = t[t >= 0]
-        if len(np.unique(used)) != len(used):
-            raise AssertionError("a page appears twice in the block tables")
-        free = [p for f in self._free for p in f]
-        if len(set(free)) != len(free) or set(free) & set(used.tolist()):
-            raise AssertionError("a page is free twice, or both free and in a table")
-        if len(free) + len(used) != self.cache.num_pages:
-            raise AssertionError(f"free {len(free)} + used {len(used)} != total {self.cache.num_pages}")
         rows, heads, blocks = np.nonzero(t >= 0)
         pages = t[rows, heads, blocks]
-        if (self.owner_row[pages] != rows).any() or (self.owner_head[pages] != heads).any():
+        shared = self.owner_row[pages] == SHARED
+        if len(np.unique(pages[~shared])) != int((~shared).sum()):
+            raise AssertionError("a private page appears twice in the block tables")
+        if (self.owner_row[pages[~shared]] != rows[~shared]).any() or (self.owner_head[pages] != heads).any():
             raise AssertionError("block tables disagree with page ownership")
-        if (self.owner_row >= 0).sum() != len(used) or (self.owner_row[free] != -1).any():
+        is_shared = self.owner_row == SHARED
+        if (np.bincount(pages[shared], minlength=self.cache.num_pages) != np.where(is_shared, self.refs, 0)).any():
+            raise AssertionError("a shared page's reference count differs from the table entries holding it")
+        if (self.refs[~is_shared] != 0).any() or (self.cached & ~is_shared).any() or (is_shared & ~self.cached
+                                                                                      & (self.refs == 0)).any():
+            raise AssertionError("a reference count or cache flag on a page that is not shared, or a shared page "
+                                 "that nothing holds")
+        if int(is_shared.sum()) != self.num_shared:
+            raise AssertionError(f"num_shared={self.num_shared} but {int(is_shared.sum())} pages are shared")
+        idle = np.flatnonzero(self.cached & (self.refs == 0))
+        if np.bincount(self.pool_of_head[self.owner_head[idle]], minlength=len(self._free)).tolist() != self.idle:
+            raise AssertionError(f"idle counts {self.idle} disagree with the cached pages no table holds")
+        free = [p for f in self._free for p in f]
+        if len(set(free)) != len(free) or (self.owner_row[free] != -1).any():
+            raise AssertionError("a page is free twice, or both free and held")
+        used = int((self.owner_row >= 0).sum()) + self.num_shared
+        if len(free) + used != self.cache.num_pages:
+            raise AssertionError(f"free {len(free)} + used {used} (shared {self.num_shared}) != total "
+                                 f"{self.cache.num_pages}")
+        if (self.owner_row >= 0).sum() != int((~shared).sum()):
             raise AssertionError("ownership array marks pages that no table holds")
         if (blocks >= np.asarray(self.num_blocks)[rows]).any():
             raise AssertionError("a table entry lies past its row's num_blocks")

@@ -68,6 +68,18 @@ def free_blocks_before(
     advance the per-(row, head) cursor to the stop; returns pages freed. The building block of the policies.
     Raises ``ValueError`` for a head outside ``0..H_kv-1`` or a row outside ``1..max_seqs`` (numpy would wrap a
     negative one); nothing changes then."""
+    ranges = recyclable_ranges(blocks, rows, heads, num_computed, window, sinks)
+    if len(ranges[0]) == 0:
+        return 0
+    freed = blocks.free_ranges(*ranges)
+    blocks.recycled_upto[ranges[0], ranges[1]] = ranges[3]
+    return freed
+
+
+def recyclable_ranges(blocks: BlockAllocator, rows: np.ndarray, heads: np.ndarray, num_computed: np.ndarray,
+                      window: np.ndarray | int, sinks: np.ndarray | int) -> tuple[np.ndarray, ...]:
+    """``(rows, heads, starts, stops)``, ``i64[K]`` each: the non-empty block ranges that
+    :func:`free_blocks_before` frees (same arguments and errors); changes nothing."""
     rows, heads = np.asarray(rows, np.int64), np.asarray(heads, np.int64)
     if ((heads < 0) | (heads >= blocks.num_heads)).any():
         raise ValueError(f"heads {heads.tolist()} must lie in 0..{blocks.num_heads - 1} (num_kv_heads)")
@@ -79,11 +91,7 @@ def free_blocks_before(
     cursor = blocks.recycled_upto[rows[:, None], heads[None, :]]
     start = np.maximum(cursor, first_recyclable_block(sinks, blocks.page_size)[None, :])
     r, k = np.nonzero(stop > start)
-    if len(r) == 0:
-        return 0
-    freed = blocks.free_ranges(rows[r], heads[k], start[r, k], stop[r, k])
-    blocks.recycled_upto[rows[r], heads[k]] = stop[r, k]
-    return freed
+    return rows[r], heads[k], start[r, k], stop[r, k]
 
 
 class RecyclePolicy(Protocol):

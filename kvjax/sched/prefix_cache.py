@@ -1,0 +1,404 @@
+"""Host prefix cache for hybrid models: full prompt blocks shared between requests through the page pool.
+
+Keys. Block ``b`` of a prompt (tokens ``[b*ps, (b+1)*ps)``) is keyed by a 64-bit hash of (key of block ``b-1``,
+its tokens), so a key covers every token before it; an entry stores its parent key and tokens, and a lookup that
+finds a key with other contents (a hash collision) stops there. An entry holds one page per KV head (``-1`` where
+that head's page was given up) and, for models with GDN layers, maybe a checkpoint slot: the recurrent state
+after its block, in a GDN-pool slot ``max_seqs + 1 .. max_seqs + num_checkpoints`` (beside the running requests'
+slots ``1..max_seqs``; the device copies are the engine's).
+
+Head-wise match. Resuming at ``L = m * ps`` tokens, a full head needs every block ``[0, m)``; a SWA head needs
+its sink blocks and the blocks ``[recycle_stop(L), m)`` still in its window — its other entries become holes,
+exactly as recycling would have left them. With GDN layers the match must also end at a block with a checkpoint.
+:meth:`PrefixCache.match` returns the longest ``m <= (prompt_len - 1) // ps`` (one token is always computed) for
+which every head (the layout is shared by all layers) has what it needs.
+
+Pages. Cached pages are shared pages of the :class:`~kvjax.sched.blocks.BlockAllocator` (reference-counted,
+never copied). A cached page no table holds is idle and counts as available: when the allocator needs it, the
+cache evicts least-recently-used leaf entries first, then idle pages of inner entries. Anchors are the blocks
+where matches are expected to end: the last reusable block of a published prompt, and branch points (where a
+new prompt leaves a cached chain). Checkpoints are taken at anchors only: :meth:`PrefixCache.next_stop` tells the
+scheduler where a prefill chunk must end so that the engine can copy the row's state there.
+
+Recycling with caching (the ``recycle`` option; the scheduler uses :meth:`PrefixCache.recycle_policy`, timely
+recycling plus this rule for recycled pages that are cached):
+
+- ``eager``: the cache lets go of the page at once (memory as without caching; a later match that needs the
+  page for that SWA head fails);
+- ``keep_tail``: the cache keeps it if it lies in the window tail of an anchor below it (the SWA pages a match
+  ending at that anchor needs), and lets go of the rest.
+
+Scheduler integration (one row = one GDN slot): at admission ``m = cache.match(prompt)`` then ``cache.attach(row,
+m)`` (sets ``num_computed = m.num_tokens``; the engine copies checkpoint ``m.checkpoint`` into the row's slot);
+cap each prefill chunk at ``cache.next_stop(row, num_computed)``; after each step ``cache.publish(row, tokens,
+num_computed)`` (a returned slot: the engine copies the row's state into it); ``cache.release(row)`` before
+freeing the row; recycle with ``cache.recycle_policy()``. ``BlockAllocator.can_fit``/``allocate`` evict by
+themselves.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from kvjax.config import is_int
+from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.recycle import first_recyclable_block, recyclable_ranges, recycle_stop
+
+RECYCLE_MODES = ("eager", "keep_tail")
+ROOT = 0  # parent key of block 0
+NO_ANCHOR = 1 << 62
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheConfig:
+    """``num_checkpoints``: GDN checkpoint slots (must be >= 1 when ``gdn`` is True, 0 otherwise is fine);
+    ``gdn``: the model has recurrent (GDN) layers, so a match ends only at a checkpoint; ``recycle``: what
+    happens to a cached page a request recycles (``eager`` | ``keep_tail``)."""
+
+    num_checkpoints: int = 0
+    gdn: bool = True
+    recycle: str = "keep_tail"
+
+    def __post_init__(self) -> None:
+        if not is_int(self.num_checkpoints) or self.num_checkpoints < 0:
+            raise ValueError(f"PrefixCacheConfig.num_checkpoints must be an int >= 0, got {self.num_checkpoints!r}")
+        if not isinstance(self.gdn, bool):
+            raise ValueError(f"PrefixCacheConfig.gdn must be a bool, got {self.gdn!r}")
+        if self.gdn and self.num_checkpoints < 1:
+            raise ValueError("PrefixCacheConfig: a model with GDN layers resumes only from a checkpoint of its "
+                             "recurrent state, so num_checkpoints must be >= 1 (0 would never hit)")
+        if self.recycle not in RECYCLE_MODES:
+            raise ValueError(f"PrefixCacheConfig.recycle must be one of {RECYCLE_MODES}, got {self.recycle!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    """What :meth:`PrefixCache.match` found for a prompt."""
+
+    num_tokens: int  # m * page_size tokens served from the cache (0: a miss)
+    pages: np.ndarray  # i64[H_kv, m]: pages of the matched blocks, -1 holes (blocks a SWA head no longer needs)
+    cursor: np.ndarray  # i64[H_kv]: recycle cursor of each head after attaching (first block not yet handled)
+    checkpoint: int  # GDN slot holding the state after m blocks; -1 without GDN layers or on a miss
+    chain_blocks: int  # leading prompt blocks whose keys are cached (>= m)
+    stops: tuple  # token counts (> num_tokens) where the request's state should be checkpointed
+    keys: tuple  # keys of the chain_blocks cached blocks
+
+
+class _Entry:
+    __slots__ = ("key", "parent", "depth", "tokens", "pages", "ckpt", "children", "anchor", "near")
+
+    def __init__(self, key: int, parent: int, depth: int, tokens: np.ndarray, pages: np.ndarray) -> None:
+        self.key, self.parent, self.depth = key, parent, depth
+        self.tokens = tokens  # i32[page_size]
+        self.pages = pages  # i64[H_kv]; -1 where the cache holds no page for that head
+        self.ckpt = -1  # GDN checkpoint slot, -1 none
+        self.children = 0  # cached entries whose parent is this one
+        self.anchor = False
+        self.near = NO_ANCHOR  # depth of the nearest anchor in this entry's subtree (itself included)
+
+
+class _Row:
+    __slots__ = ("prompt", "published", "parent", "end", "stops", "dead")
+
+    def __init__(self, prompt: np.ndarray, published: int, parent: int, end: int, stops: list[int]) -> None:
+        self.prompt, self.published, self.parent, self.end, self.stops = prompt, published, parent, end, stops
+        self.dead = False  # a hash collision stopped publishing
+
+
+def block_key(parent: int, tokens: np.ndarray) -> int:
+    """64-bit key of a block: hash of (parent key, the block's tokens as int32)."""
+    h = hashlib.blake2b(int(parent).to_bytes(8, "little"), digest_size=8)
+    h.update(np.ascontiguousarray(tokens, np.int32).tobytes())
+    return int.from_bytes(h.digest(), "little") or 1
+
+
+class PrefixCache:
+    """Prefix cache over the pages of ``blocks`` (it becomes the allocator's reclaimer). See the module doc."""
+
+    def __init__(self, blocks: BlockAllocator, config: PrefixCacheConfig) -> None:
+        if not isinstance(blocks, BlockAllocator) or not isinstance(config, PrefixCacheConfig):
+            raise ValueError(f"need a BlockAllocator and a PrefixCacheConfig, got {type(blocks).__name__}, "
+                             f"{type(config).__name__}")
+        if blocks.reclaimer is not None:
+            raise ValueError("this BlockAllocator already has a prefix cache")
+        blocks.reclaimer = self
+        self.blocks, self.config, self.ps = blocks, config, blocks.page_size
+        self.entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # oldest first
+        self.page_entry: dict[int, int] = {}  # cached page -> key of its entry
+        first = blocks.cache.max_seqs + 1
+        self.checkpoint_slots = range(first, first + config.num_checkpoints)
+        self._ckpt_free = list(reversed(self.checkpoint_slots))  # pop() -> lowest
+        self.rows: dict[int, _Row] = {}
+        self.first_kept = first_recyclable_block(blocks.sinks, self.ps)  # i64[H]: sink blocks below
+
+    # ---- lookup --------------------------------------------------------------------------------------------
+    def match(self, prompt: np.ndarray) -> PrefixMatch:
+        """The longest usable cached prefix of ``prompt`` (``int[P]``); changes nothing."""
+        prompt = np.asarray(prompt)
+        limit = (prompt.size - 1) // self.ps
+        chain, parent = [], ROOT
+        for b in range(limit):
+            tok = prompt[b * self.ps: (b + 1) * self.ps]
+            e = self.entries.get(block_key(parent, tok))
+            if e is None or e.parent != parent or not np.array_equal(e.tokens, tok):
+                break
+            chain.append(e)
+            parent = e.key
+        k, H = len(chain), self.blocks.num_heads
+        m = self._longest(chain)
+        pages = np.stack([e.pages for e in chain[:m]], 1) if m else np.zeros((H, 0), np.int64)
+        need = self._needed(m)  # bool[H, m]
+        stops = [s * self.ps for s in sorted({limit, k if m < k < limit else limit}) if s > m] \
+            if self.config.gdn else []
+        cursor = np.where(self.blocks.window > 0, np.maximum(recycle_stop(m * self.ps, self.blocks.window, self.ps),
+                                                             self.first_kept), 0) if m else np.zeros(H, np.int64)
+        return PrefixMatch(m * self.ps, np.where(need, pages, -1), cursor.astype(np.int64),
+                           chain[m - 1].ckpt if m and self.config.gdn else -1, k, tuple(stops),
+                           tuple(e.key for e in chain))
+
+    def _needed(self, m: int) -> np.ndarray:
+        """bool[H, m]: the blocks each head needs when resuming at ``m`` blocks."""
+        b = np.arange(m)[None, :]
+        stop = recycle_stop(m * self.ps, self.blocks.window, self.ps)[:, None]
+        return (self.blocks.window[:, None] == 0) | (b < self.first_kept[:, None]) | (b >= stop)
+
+    def _longest(self, chain: list[_Entry]) -> int:
+        k = len(chain)
+        if k == 0:
+            return 0
+        missing = np.stack([e.pages < 0 for e in chain], 1)  # bool[H, k]
+        for m in range(k, 0, -1):
+            if self.config.gdn and chain[m - 1].ckpt < 0:
+                continue
+            if not (missing[:, :m] & self._needed(m)).any():
+                return m
+        return 0
+
+    # ---- a request's life ----------------------------------------------------------------------------------
+    def attach(self, row: int, match: PrefixMatch, prompt: np.ndarray) -> int:
+        """Give the empty ``row`` the matched blocks (no copy) and start tracking the request whose prompt is
+        ``prompt`` (``int[P]``, the one matched). Returns the checkpoint slot the engine copies into the row's GDN
+        slot (-1: none, start from zeros). Call on a miss too."""
+        if row in self.rows:
+            raise ValueError(f"row {row} is already attached")
+        m = match.num_tokens // self.ps
+        self.blocks.attach(row, match.pages, match.cursor)
+        for key in reversed(match.keys):  # most recent: the root (a leaf is evicted before its ancestors)
+            self.entries.move_to_end(key)
+        limit = (np.asarray(prompt).size - 1) // self.ps
+        if m < match.chain_blocks < limit:  # the prompt leaves the chain here: a branch point
+            self._mark_anchor(self.entries[match.keys[-1]])
+        self.rows[row] = _Row(np.asarray(prompt), m, match.keys[m - 1] if m else ROOT, limit, list(match.stops))
+        return match.checkpoint
+
+    def next_stop(self, row: int, num_computed: int) -> int | None:
+        """The token count where this row's next prefill chunk must end (a checkpoint), or None."""
+        return next((s for s in self.rows[row].stops if s > num_computed), None)
+
+    def publish(self, row: int, num_computed: int) -> int:
+        """Insert the row's prompt blocks that ``num_computed`` tokens completed. Returns a checkpoint slot the
+        engine fills with the row's GDN state after this step (``num_computed`` is a stop), else -1."""
+        r = self.rows[row]
+        upto = min(num_computed // self.ps, r.end)
+        while not r.dead and r.published < upto:
+            b = r.published
+            tok = r.prompt[b * self.ps: (b + 1) * self.ps]
+            key = block_key(r.parent, tok)
+            e = self.entries.get(key)
+            if e is not None and (e.parent != r.parent or not np.array_equal(e.tokens, tok)):
+                r.dead = True  # hash collision: leave the other chain alone
+                break
+            if e is None and r.parent != ROOT and r.parent not in self.entries:
+                r.dead = True  # the parent was evicted: never create an entry no chain reaches
+                break
+            if e is None:
+                heads = np.arange(self.blocks.num_heads)
+                e = _Entry(key, r.parent, b, tok.astype(np.int32), self.blocks.share(row, heads, heads * 0 + b))
+                self.entries[key] = e
+                parent = self.entries.get(r.parent)
+                if parent is not None:
+                    parent.children += 1
+                    if parent.children == 2:
+                        self._mark_anchor(parent)
+            else:
+                self._fill_holes(row, e)
+                self.entries.move_to_end(key)
+            self.page_entry.update((p, key) for p in e.pages[e.pages >= 0].tolist())
+            r.parent, r.published = key, b + 1
+            if b + 1 == r.end:
+                self._mark_anchor(e)
+        slot = -1
+        if self.config.gdn and num_computed in r.stops and num_computed // self.ps == r.published and not r.dead:
+            e = self.entries[r.parent]
+            if e.ckpt < 0:
+                e.ckpt = slot = self._take_checkpoint()
+        r.stops = [s for s in r.stops if s > num_computed]
+        return slot
+
+    def release(self, row: int) -> None:
+        """Stop tracking the row (finished, aborted or preempted); call before ``blocks.free_row``."""
+        self.rows.pop(row, None)
+
+    def _fill_holes(self, row: int, e: _Entry) -> None:
+        pages = self.blocks.tables[row, :, e.depth]
+        heads = np.flatnonzero((e.pages < 0) & (pages >= 0) & (self.blocks.owner_row[np.maximum(pages, 0)] == row))
+        if len(heads):
+            e.pages[heads] = self.blocks.share(row, heads, np.full(len(heads), e.depth))
+
+    def _mark_anchor(self, e: _Entry) -> None:
+        e.anchor = True
+        x = e
+        while x is not None and x.near > e.depth:
+            x.near = e.depth
+            x = self.entries.get(x.parent)
+
+    def _take_checkpoint(self) -> int:
+        if not self._ckpt_free:  # evict the least recently used checkpoint
+            victim = next(e for e in self.entries.values() if e.ckpt >= 0)
+            self._ckpt_free.append(victim.ckpt)
+            victim.ckpt = -1
+        return self._ckpt_free.pop()
+
+    # ---- memory --------------------------------------------------------------------------------------------
+    def reclaim(self, need: list[int]) -> None:
+        """Let go of idle pages until ``need[pool]`` have gone back to each pool's free list: least recently
+        used leaf entries first, each chain from its leaf up (an entry left with no page is deleted), then idle
+        pages of any entry."""
+        need = list(need)
+        for leaves_only in (True, False):
+            for e in list(self.entries.values()):
+                if not any(n > 0 for n in need):
+                    return
+                if (leaves_only and e.children) or self.entries.get(e.key) is not e:
+                    continue
+                self._drop(e, need)
+                while leaves_only and e.key not in self.entries and any(n > 0 for n in need):
+                    e = self.entries.get(e.parent)  # its parent became a leaf: same last use, one block up
+                    if e is None or e.children:
+                        break
+                    self._drop(e, need)
+        if any(n > 0 for n in need):
+            raise AssertionError(f"prefix cache: {need} idle pages not found")
+
+    def _drop(self, e: _Entry, need: list[int] | None = None) -> int:
+        """Uncache the idle pages of ``e`` (only in pools with ``need > 0``, counting down); delete ``e`` when
+        it holds no page any more. Returns pages freed."""
+        b = self.blocks
+        h = np.flatnonzero(e.pages >= 0)
+        idle = h[b.refs[e.pages[h]] == 0]
+        if need is not None:
+            pools = b.pool_of_head[idle]
+            keep = np.zeros(len(idle), bool)
+            for i, p in enumerate(pools.tolist()):
+                keep[i] = need[p] > 0
+                need[p] -= int(keep[i])
+            idle = idle[keep]
+        freed = b.uncache(e.pages[idle]) if len(idle) else 0
+        for p in e.pages[idle].tolist():
+            del self.page_entry[p]
+        e.pages[idle] = -1
+        self._delete_if_empty(e)
+        return freed
+
+    def _delete_if_empty(self, e: _Entry) -> None:
+        """Delete ``e`` if it holds no page and has no children, then its parent likewise (an inner entry with
+        no page stays: it keeps its descendants reachable)."""
+        while e is not None and not e.children and (e.pages < 0).all() and self.entries.get(e.key) is e:
+            del self.entries[e.key]
+            if e.ckpt >= 0:
+                self._ckpt_free.append(e.ckpt)
+            e = self.entries.get(e.parent)
+            if e is not None:
+                e.children -= 1
+
+    def clear(self) -> int:
+        """Let go of every cached page and checkpoint (pages that rows still hold are freed with their rows).
+        Returns pages freed."""
+        pages = np.fromiter(self.page_entry, np.int64, len(self.page_entry))
+        freed = self.blocks.uncache(pages) if len(pages) else 0
+        self.entries.clear()
+        self.page_entry.clear()
+        self._ckpt_free = list(reversed(self.checkpoint_slots))
+        return freed
+
+    def cached_pages(self) -> int:
+        return len(self.page_entry)
+
+    def checkpoints_used(self) -> int:
+        return len(self.checkpoint_slots) - len(self._ckpt_free)
+
+    # ---- recycling -----------------------------------------------------------------------------------------
+    def recycle_policy(self) -> "CachedRecycle":
+        return CachedRecycle(self)
+
+    def on_recycled(self, heads: np.ndarray, pages: np.ndarray) -> int:
+        """Apply the ``recycle`` option to ``pages`` (i64[K], on ``heads``) that rows just recycled; returns
+        pages freed."""
+        b = self.blocks
+        sel = b.cached[pages] & (b.refs[pages] == 0)
+        drop = []
+        for h, p in zip(heads[sel].tolist(), pages[sel].tolist()):
+            e = self.entries[self.page_entry[p]]
+            if self.config.recycle == "keep_tail" and e.near != NO_ANCHOR and \
+                    e.depth >= recycle_stop((e.near + 1) * self.ps, int(b.window[h]), self.ps):
+                continue
+            e.pages[h] = -1
+            del self.page_entry[p]
+            drop.append((e, p))
+        freed = b.uncache(np.array([p for _, p in drop], np.int64)) if drop else 0
+        for e, _ in drop:
+            self._delete_if_empty(e)
+        return freed
+
+    # ---- invariants ----------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless every cached page is in exactly one entry on its head, entries and
+        children counts agree, and checkpoint slots are each free or held by one entry."""
+        b = self.blocks
+        seen = {}
+        children = collections.Counter(e.parent for e in self.entries.values())
+        for key, e in self.entries.items():
+            for h, p in enumerate(e.pages.tolist()):
+                if p >= 0:
+                    if p in seen or self.page_entry.get(p) != key or not b.cached[p] or b.owner_head[p] != h:
+                        raise AssertionError(f"entry at depth {e.depth}: page {p} of head {h} is not its own")
+                    seen[p] = key
+            if e.children != children.get(key, 0) or ((e.pages < 0).all() and not e.children):
+                raise AssertionError(f"entry at depth {e.depth}: children {e.children} != {children.get(key, 0)}, "
+                                     f"or no page")
+        if len(seen) != len(self.page_entry) or int(b.cached.sum()) != len(seen):
+            raise AssertionError("a cached page belongs to no entry")
+        ckpts = [e.ckpt for e in self.entries.values() if e.ckpt >= 0] + self._ckpt_free
+        if sorted(ckpts) != list(self.checkpoint_slots):
+            raise AssertionError(f"checkpoint slots held + free {sorted(ckpts)} != {list(self.checkpoint_slots)}")
+
+
+class CachedRecycle:
+    """Timely recycling of SWA blocks, then the cache's ``recycle`` option for recycled pages it holds."""
+
+    frees_swa_blocks = True
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.name = f"timely+{cache.config.recycle}"
+
+    def recycle(self, blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
+        swa = blocks.swa_heads
+        if len(swa) == 0 or len(rows) == 0:
+            return 0
+        rr, hh, start, stop = recyclable_ranges(blocks, rows, swa, num_computed, blocks.window[swa],
+                                                blocks.sinks[swa])
+        if len(rr) == 0:
+            return 0
+        counts = stop - start
+        bb = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - start, counts)
+        heads = np.repeat(hh, counts)
+        pages = blocks.tables[np.repeat(rr, counts), heads, bb].astype(np.int64)
+        freed = blocks.free_ranges(rr, hh, start, stop)
+        blocks.recycled_upto[rr, hh] = stop
+        held = pages >= 0
+        return freed + self.cache.on_recycled(heads[held], pages[held])

@@ -1,0 +1,256 @@
+"""Host prefix cache: head-wise matches, GDN checkpoints, LRU eviction, recycle options, a stateful property test.
+
+A shadow copy of every page records which (token, position) each offset holds when a row writes it. Every
+attached page must still hold exactly the prompt's tokens at those positions on every head that needs it
+(no cached page is overwritten or handed out while referenced), and rows only ever write their private pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.errors import OutOfPagesError
+from kvjax.sched import prefix_cache as pcm
+from kvjax.sched.blocks import SHARED, BlockAllocator
+from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
+
+
+def needed(window: int, sinks: int, ps: int, m: int) -> np.ndarray:
+    """bool[m]: blocks a head still reads when queries start at position m*ps (the mask rule, per position)."""
+    L = m * ps
+    keys = np.arange(L)
+    attended = (L - keys < window) | (keys < sinks) if window else np.ones(L, bool)
+    return np.array([attended[b * ps: (b + 1) * ps].any() for b in range(m)], bool)
+
+
+class Rig:
+    """Allocator + cache + shadow pages; ``run`` computes a prompt in chunks the way a scheduler would."""
+
+    def __init__(self, att, *, ps=4, pages=80, max_seqs=4, blocks=24, **cfg):
+        self.cache_cfg = CacheConfig(page_size=ps, num_pages=pages, max_seqs=max_seqs, max_blocks_per_seq=blocks)
+        self.b = BlockAllocator(self.cache_cfg, att)
+        self.pc = PrefixCache(self.b, PrefixCacheConfig(**cfg))
+        self.policy = self.pc.recycle_policy()
+        self.ps, self.att = ps, att
+        self.shadow = np.full((pages, ps), -1, np.int64)  # token id * 10**6 + position held at each offset
+        self.progress: dict[int, int] = {}
+        self.prompts: dict[int, np.ndarray] = {}
+
+    def start(self, row: int, prompt: np.ndarray):
+        m = self.pc.match(prompt)
+        self.pc.attach(row, m, prompt)
+        self.check_attached(row, prompt, m.num_tokens // self.ps)
+        self.progress[row], self.prompts[row] = m.num_tokens, prompt
+        return m
+
+    def check_attached(self, row: int, prompt: np.ndarray, m: int) -> None:
+        for h, (w, s) in enumerate(zip(self.att.window, self.att.sinks)):
+            need = needed(w, s, self.ps, m)
+            pages = self.b.tables[row, h, :m]
+            assert ((pages >= 0) == need).all(), (h, pages, need)  # holes exactly where recycling leaves them
+            for blk in np.flatnonzero(need):
+                pos = np.arange(blk * self.ps, (blk + 1) * self.ps)
+                np.testing.assert_array_equal(self.shadow[pages[blk]], prompt[pos] * 10**6 + pos)
+
+    def step(self, row: int, n: int) -> int:
+        """Compute up to ``n`` more tokens of the row (capped at the next checkpoint stop); returns tokens."""
+        done, prompt = self.progress[row], self.prompts[row]
+        stop = self.pc.next_stop(row, done)
+        n = min(n, len(prompt) - done, (stop - done) if stop else n)
+        self.b.allocate(row, done + n)
+        pos = np.arange(done, done + n)
+        for h in range(self.b.num_heads):
+            pages = self.b.tables[row, h, pos // self.ps]
+            assert (self.b.owner_row[pages] == row).all(), "a row writes a page it does not own alone"
+            self.shadow[pages, pos % self.ps] = prompt[pos] * 10**6 + pos
+        self.progress[row] = done + n
+        self.pc.publish(row, done + n)
+        self.policy.recycle(self.b, np.array([row]), np.array([done + n]))
+        return n
+
+    def finish(self, row: int) -> None:
+        self.pc.release(row)
+        self.b.free_row(row)
+        del self.progress[row], self.prompts[row]
+
+    def run(self, row: int, prompt: np.ndarray, chunk: int = 5):
+        m = self.start(row, prompt)
+        while self.progress[row] < len(prompt):
+            self.step(row, chunk)
+        self.check()
+        return m
+
+    def check(self) -> None:
+        self.b.check_integrity()
+        self.pc.check_integrity()
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_checkpoints must be >= 1"):
+        PrefixCacheConfig(num_checkpoints=0, gdn=True)
+    with pytest.raises(ValueError, match="recycle must be one of"):
+        PrefixCacheConfig(gdn=False, recycle="lazy")
+    with pytest.raises(ValueError, match=">= 0"):
+        PrefixCacheConfig(num_checkpoints=-1, gdn=False)
+    b = BlockAllocator(CacheConfig(4, 8, 2, 4), AttentionConfig(2, 1, 8))
+    PrefixCache(b, PrefixCacheConfig(gdn=False))
+    with pytest.raises(ValueError, match="already has a prefix cache"):
+        PrefixCache(b, PrefixCacheConfig(gdn=False))
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+def test_shared_prefix_hits_head_wise_and_matches_end_at_checkpoints(rng, gdn):
+    att = AttentionConfig(6, 3, 8, window=(7, 0, 5), sinks=(3, 0, 0))
+    r = Rig(att, gdn=gdn, num_checkpoints=3 if gdn else 0)
+    system = rng.integers(1, 50, 22)
+    prompts = [np.concatenate([system, rng.integers(50, 99, int(rng.integers(3, 12)))]) for _ in range(4)]
+    assert r.run(1, prompts[0]).num_tokens == 0
+    r.finish(1)
+    m1 = r.run(2, prompts[1])  # leaves A's chain at block 5: a branch point, filled by B
+    assert m1.chain_blocks == 5 and 20 in m1.stops if gdn else m1.num_tokens < 20
+    r.finish(2)
+    for row, p in ((3, prompts[2]), (1, prompts[3])):  # both hit the 5 shared blocks, concurrently
+        m = r.start(row, p)
+        assert m.num_tokens == 20 and (m.checkpoint in r.pc.checkpoint_slots if gdn else m.checkpoint == -1)
+    shared = r.b.tables[[3, 1], :, :5]
+    np.testing.assert_array_equal(shared[0], shared[1])  # the same pages, no copy
+    assert (r.b.owner_row[shared[0][shared[0] >= 0]] == SHARED).all()
+    assert (r.b.refs[shared[0][shared[0] >= 0]] == 2).all()
+    r.check()
+    for row in (3, 1):
+        r.finish(row)
+    r.pc.clear()
+    r.check()
+    assert r.b.free_pages() == [r.cache_cfg.num_pages] and r.pc.checkpoints_used() == 0
+
+
+def test_gdn_match_needs_a_checkpoint(rng):
+    att = AttentionConfig(2, 1, 8)
+    r = Rig(att, gdn=True, num_checkpoints=1)
+    p = rng.integers(1, 99, 30)
+    r.run(1, p)
+    r.finish(1)
+    assert r.start(2, p).num_tokens == 28  # the end of the reusable prompt: (30 - 1) // 4 blocks
+    r.finish(2)
+    q = np.concatenate([p[:13], [0] * 20])  # shares 3 blocks, but no checkpoint at block 3
+    m = r.pc.match(q)
+    assert (m.num_tokens, m.chain_blocks, m.stops) == (0, 3, (12, 32))
+    r.run(3, q)  # the only slot goes to its checkpoint at 12 (evicting p's), then to its end at 32
+    assert r.pc.match(q).num_tokens == 32 and r.pc.match(p).num_tokens == 0 and r.pc.checkpoints_used() == 1
+
+
+def test_allocation_evicts_idle_cached_pages_lru_leaves_first(rng):
+    att = AttentionConfig(2, 1, 8)
+    r = Rig(att, pages=12, gdn=False)
+    a, b = rng.integers(1, 99, 17), rng.integers(1, 99, 17)
+    r.run(1, a)
+    r.finish(1)
+    r.run(1, b)
+    r.finish(1)
+    assert r.b.free_pages() == [4] and r.b.reclaimable_pages() == [8] and r.b.can_fit(12)
+    r.start(2, a)  # touches a's chain: b is now least recently used
+    assert r.pc.match(a).num_tokens == 16
+    r.b.allocate(3, 4 * 7)  # 7 pages: 4 free + 3 of b's, deepest first
+    assert r.pc.match(b).num_tokens == 4 and r.pc.match(a).num_tokens == 16
+    with pytest.raises(OutOfPagesError):  # a's pages are held by row 2: not reclaimable
+        r.b.allocate(3, 4 * 9)
+    r.check()
+
+
+@pytest.mark.parametrize("mode", ["eager", "keep_tail"])
+def test_recycle_options(rng, mode):
+    att = AttentionConfig(2, 1, 8, window=(6,), sinks=(2,))
+    r = Rig(att, gdn=False, recycle=mode)
+    p = rng.integers(1, 99, 41)
+    r.run(1, p)
+    r.prompts[1] = np.concatenate([p, rng.integers(1, 99, 20)])  # it decodes on: its window leaves the prompt
+    while r.progress[1] < 60:
+        r.step(1, 1)
+    r.finish(1)
+    r.check()
+    hit = r.pc.match(p).num_tokens
+    assert hit == (40 if mode == "keep_tail" else 4)  # eager: only a 1-block match, which needs just the sink
+    assert r.pc.cached_pages() == (1 + 2 if mode == "keep_tail" else 1)  # sink block (+ the tail window)
+
+
+def test_hash_collision_is_never_a_hit(rng, monkeypatch):
+    monkeypatch.setattr(pcm, "block_key", lambda parent, tokens: 7)  # every block collides
+    r = Rig(AttentionConfig(2, 1, 8), gdn=False)
+    a, b = rng.integers(1, 50, 13), rng.integers(50, 99, 13)
+    r.run(1, a)
+    r.finish(1)
+    assert r.pc.match(b).num_tokens == 0 and r.pc.match(a).num_tokens == 4
+    r.run(1, b)
+    r.check()
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random requests over a few shared prefixes, chunked compute, recycling, eviction, finishes and clears."""
+
+    def __init__(self):
+        super().__init__()
+        self.rig = None
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        h = data.draw(st.integers(1, 3))
+        window = [data.draw(st.sampled_from([0, 0, 3, 6, 11])) for _ in range(h)]
+        sinks = [data.draw(st.integers(0, 4)) if w else 0 for w in window]
+        gdn = data.draw(st.booleans())
+        self.rig = Rig(AttentionConfig(h, h, 8, window=tuple(window), sinks=tuple(sinks)),
+                       ps=data.draw(st.sampled_from([1, 2, 4])), pages=h * data.draw(st.integers(12, 40)),
+                       max_seqs=3, blocks=40, gdn=gdn, num_checkpoints=data.draw(st.integers(1, 4)) if gdn else 0,
+                       recycle=data.draw(st.sampled_from(["eager", "keep_tail"])))
+        rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+        self.bases = [rng.integers(1, 9, 30) for _ in range(3)]
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.rig is not None and len(self.rig.progress) < 3)
+    def start(self, data):
+        base = data.draw(st.sampled_from(self.bases))
+        cut, tail = data.draw(st.integers(1, 30)), data.draw(st.lists(st.integers(1, 9), max_size=12))
+        prompt = np.concatenate([base[:cut], np.array(tail, np.int64)])
+        row = min(set(range(1, 4)) - set(self.rig.progress))
+        if not self.rig.b.can_fit(0):
+            return
+        self.rig.start(row, prompt)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.rig is not None and self.rig.progress)
+    def compute(self, data):
+        row = data.draw(st.sampled_from(sorted(self.rig.progress)))
+        if self.rig.progress[row] == len(self.rig.prompts[row]):
+            return self.rig.finish(row)
+        try:
+            self.rig.step(row, data.draw(st.integers(1, 9)))
+        except OutOfPagesError:  # preempt by recompute
+            self.rig.finish(row)
+
+    @rule()
+    @precondition(lambda self: self.rig is not None and not self.rig.progress)
+    def clear(self):
+        self.rig.pc.clear()
+        assert self.rig.b.free_pages() == [self.rig.cache_cfg.num_pages]
+
+    @invariant()
+    def consistent(self):
+        if self.rig is not None:
+            self.rig.check()
+
+    def teardown(self):
+        if self.rig is None:
+            return
+        for row in list(self.rig.progress):
+            self.rig.finish(row)
+        self.rig.pc.clear()
+        self.rig.check()
+        assert self.rig.b.free_pages() == [self.rig.cache_cfg.num_pages] and (self.rig.b.tables == -1).all()
+        assert self.rig.pc.checkpoints_used() == 0 and not self.rig.pc.entries
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
