@@ -61,3 +61,32 @@ def test_cli_table_and_json(capsys):
     assert {r["recycle"] for r in doc["results"]} == {"none", "timely"}
     assert main(["--scale", "0", "--requests", "2"]) == 2
     assert "scale > 0" in capsys.readouterr().err
+
+
+def test_prefix_cache_simulation_hits_and_keep_tail_beats_eager():
+    from kvjax.sched.prefix_cache import PrefixCacheConfig
+    from kvjax.sched.simulate import simulate_prefix, split_memory
+    from kvjax.sched.workload import few_shot_workload, multi_turn_workload, system_prompt_workload
+
+    att = swa_layout(4, 0.5, window=32, sinks=2)
+    loads = [system_prompt_workload(12, system_len=200, user_len=30, output_len=16, seed=2),
+             multi_turn_workload(4, turns=3, first_len=100, message_len=20, output_len=16, seed=3),
+             few_shot_workload(12, tasks=2, shots=3, shot_len=40, question_len=20, output_len=8, seed=4)]
+    for w in loads:
+        longest = max(x.prompt.size + x.max_new_tokens for x in w)
+        res = {}
+        for mode in ("off", "eager", "keep_tail"):
+            ck = 0 if mode == "off" else 8
+            pages = split_memory(2400, page_bytes=1, slot_bytes=20, num_checkpoints=ck)
+            cache = CacheConfig(page_size=8, num_pages=pages, max_seqs=6, max_blocks_per_seq=-(-longest // 8))
+            res[mode] = simulate_prefix(w, cache, att, max_num_batched_tokens=128, check_every=3,
+                                        prefix=None if mode == "off" else PrefixCacheConfig(8, recycle=mode))
+        assert len({r.generated for r in res.values()}) == 1 and res["off"].generated == sum(x.max_new_tokens for x in w)
+        assert res["off"].hit_rate == 0 and res["off"].preemptions == 0
+        assert res["off"].computed_tokens == sum(x.prompt.size + x.max_new_tokens - 1 for x in w)
+        for r in res.values():
+            assert r.computed_tokens + r.cached_tokens >= res["off"].computed_tokens - 1e-9
+        assert res["keep_tail"].hit_rate > 0.3 and res["keep_tail"].hit_rate > res["eager"].hit_rate
+        assert res["keep_tail"].computed_tokens < res["off"].computed_tokens
+    with pytest.raises(ValueError, match="leave no page"):
+        split_memory(100, page_bytes=1, slot_bytes=50, num_checkpoints=2)

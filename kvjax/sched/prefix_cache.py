@@ -257,8 +257,9 @@ class PrefixCache:
             x = self.entries.get(x.parent)
 
     def _take_checkpoint(self) -> int:
-        if not self._ckpt_free:  # evict the least recently used checkpoint
-            victim = next(e for e in self.entries.values() if e.ckpt >= 0)
+        if not self._ckpt_free:  # evict the least recently used checkpoint; first those with one child (a
+            held = [e for e in self.entries.values() if e.ckpt >= 0]  # prompt went on past it: a past turn)
+            victim = next((e for e in held if e.children == 1), held[0])
             self._ckpt_free.append(victim.ckpt)
             victim.ckpt = -1
         return self._ckpt_free.pop()
@@ -339,6 +340,8 @@ class PrefixCache:
         """Apply the ``recycle`` option to ``pages`` (i64[K], on ``heads``) that rows just recycled; returns
         pages freed."""
         b = self.blocks
+        pages, first = np.unique(pages, return_index=True)  # rows sharing a page recycle it in one call
+        heads = heads[first]
         sel = b.cached[pages] & (b.refs[pages] == 0)
         drop = []
         for h, p in zip(heads[sel].tolist(), pages[sel].tolist()):

@@ -29,6 +29,7 @@ Preemption (recompute), admission granularity and ramp-up/drain make measured fi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from typing import Iterator
@@ -36,11 +37,13 @@ from typing import Iterator
 import numpy as np
 
 from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.sched.blocks import POOLS
+from kvjax.sched.blocks import POOLS, BlockAllocator
+from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.cli_args import ArgumentParser, check_memory, comma_list, fail, int_at_least, number_in
 from kvjax.sched.plan import StepPlan
-from kvjax.sched.recycle import RECYCLE_POLICIES, live_blocks
+from kvjax.sched.recycle import RECYCLE_POLICIES, live_blocks, make_recycle_policy
 from kvjax.sched.scheduler import Scheduler
+from kvjax.sched.slots import SlotAllocator
 from kvjax.sched.workload import (RequestSpec, cache_for, check_servable, seed_footprint, seed_workload,
                                   swa_layout)
 
@@ -139,6 +142,156 @@ def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: Attenti
         generated += int(plan.sample_mask.sum())
     return sim_result(workload, sched, pool=pool, recycle=recycle, generated=generated, peak=peak,
                       util=np.asarray(util))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSimResult:
+    """Aggregates of one prefix-cache run (plain Python scalars)."""
+
+    mode: str  # "off" | the cache's recycle option
+    steps: int
+    generated: int
+    tokens_per_step: float  # generated / steps
+    prompt_tokens: int  # prompt tokens of every admission (a preempted request's re-admission counts again)
+    cached_tokens: int  # of those, served from the cache
+    computed_tokens: int  # tokens fed to the model (prompt and output, recomputation included)
+    hit_rate: float  # cached_tokens / prompt_tokens
+    preemptions: int
+    num_pages: int
+    num_checkpoints: int
+    page_util_peak: float  # max over steps of pages held (running rows + cache) / num_pages
+    cached_pages_mean: float  # mean over steps of pages the cache holds
+    checkpoints_peak: int  # most checkpoint slots in use
+
+
+def split_memory(memory_bytes: int, *, page_bytes: int, slot_bytes: int, num_checkpoints: int) -> int:
+    """Pages left for ``memory_bytes`` (one budget, all layers) after ``num_checkpoints`` GDN checkpoint slots of
+    ``slot_bytes``; ``ValueError`` if they do not leave a page."""
+    pages = (memory_bytes - num_checkpoints * slot_bytes) // page_bytes
+    if pages < 1:
+        raise ValueError(f"{num_checkpoints} checkpoints of {slot_bytes} bytes leave no page of {page_bytes} bytes "
+                         f"in {memory_bytes} bytes")
+    return int(pages)
+
+
+def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
+                    max_num_batched_tokens: int, prefix: PrefixCacheConfig | None, seed: int = 0,
+                    check_every: int = 0, max_steps: int = 1_000_000) -> PrefixSimResult:
+    """Run ``workload`` through a small FCFS loop (chunked prefill under the token budget, timely SWA recycling,
+    preemption by recompute of the latest admitted request) with the prefix cache ``prefix`` (None: off). The
+    loop calls the cache exactly where a scheduler would (see :mod:`kvjax.sched.prefix_cache`). A request with
+    ``after >= 0`` arrives when that one finishes."""
+    rng = np.random.default_rng(seed)
+    blocks, slots = BlockAllocator(cache, attention), SlotAllocator(cache.max_seqs)
+    pc = PrefixCache(blocks, prefix) if prefix is not None else None
+    policy = pc.recycle_policy() if pc else make_recycle_policy("timely")
+    tokens = [np.concatenate([w.prompt, w.output if w.output is not None else
+                              rng.integers(1, 32_000, w.max_new_tokens, dtype=np.int32)]) for w in workload]
+    waiting = collections.deque(i for i, w in enumerate(workload) if w.after < 0)
+    children = collections.defaultdict(list)
+    for i, w in enumerate(workload):
+        if w.after >= 0:
+            children[w.after].append(i)
+    running: list[list[int]] = []  # [request, row, computed, known]
+    stats = collections.Counter()
+    peak = ckpt_peak = steps = 0
+    cached, best = [], [0] * len(workload)
+
+    def release(r: list[int]) -> None:
+        if pc:
+            pc.release(r[1])
+        blocks.free_row(r[1])
+        slots.free(r[1])
+
+    while waiting or running:
+        if steps >= max_steps:
+            raise RuntimeError(f"prefix simulation did not finish in {max_steps} steps")
+        if running:
+            policy.recycle(blocks, np.array([r[1] for r in running]), np.array([r[2] for r in running]))
+        budget, scheduled, preempted = max_num_batched_tokens, [], False
+        for r in list(running):
+            if budget == 0 or r not in running:
+                continue
+            n = min(r[3] - r[2], budget)
+            stop = pc.next_stop(r[1], r[2]) if pc else None
+            n = min(n, stop - r[2]) if stop else n
+            while not blocks.can_fit(blocks.blocks_for(r[2] + n) - blocks.num_blocks[r[1]]):
+                victim = running.pop()
+                release(victim)
+                waiting.appendleft(victim[0])
+                stats["preemptions"] += 1
+                preempted = True
+                if victim is r:
+                    break
+            if r in running:
+                blocks.allocate(r[1], r[2] + n)
+                scheduled.append((r, n))
+                budget -= n
+        while budget and waiting and slots.num_free and not preempted:
+            i = waiting[0]
+            prompt = workload[i].prompt
+            m = pc.match(prompt) if pc else None
+            start = m.num_tokens if m else 0
+            n = min(prompt.size - start, budget)
+            if pc:
+                stop = next((s for s in m.stops if s > start), None)
+                n = min(n, stop - start) if stop else n
+            if not blocks.can_fit(blocks.blocks_for(start + n) - start // cache.page_size,
+                                  0.01 if running else 0.0):
+                break
+            waiting.popleft()
+            r = [i, slots.allocate(), start, int(prompt.size)]
+            if pc:
+                pc.attach(r[1], m, prompt)
+            stats["prompt"] += int(prompt.size)
+            stats["cached"] += start
+            blocks.allocate(r[1], start + n)
+            running.append(r)
+            scheduled.append((r, n))
+            budget -= n
+        if not scheduled:
+            raise RuntimeError(f"prefix simulation stalled at step {steps}")
+        peak = max(peak, blocks.used_pages())
+        cached.append(pc.cached_pages() if pc else 0)
+        for r, n in scheduled:
+            r[2] += n
+            stats["computed"] += n
+            if pc and r[2] <= workload[r[0]].prompt.size:
+                pc.publish(r[1], r[2])
+            if r[2] == r[3]:  # the row samples a token (a recomputed one again, counted once)
+                r[3] += 1
+                stats["generated"] += r[3] > best[r[0]]
+                best[r[0]] = max(best[r[0]], r[3])
+                if r[3] == tokens[r[0]].size:
+                    running.remove(r)
+                    release(r)
+                    waiting.extend(children.pop(r[0], []))
+        ckpt_peak = max(ckpt_peak, pc.checkpoints_used() if pc else 0)
+        steps += 1
+        if check_every and steps % check_every == 0:
+            blocks.check_integrity()
+            slots.check_integrity()
+            if pc:
+                pc.check_integrity()
+    return PrefixSimResult(prefix.recycle if prefix else "off", steps, stats["generated"],
+                           stats["generated"] / steps, stats["prompt"], stats["cached"], stats["computed"],
+                           stats["cached"] / max(stats["prompt"], 1), stats["preemptions"], cache.num_pages,
+                           prefix.num_checkpoints if prefix else 0, peak / cache.num_pages,
+                           float(np.mean(cached)), ckpt_peak)
+
+
+def format_prefix_table(results: list[PrefixSimResult]) -> str:
+    """Fixed-width table of prefix-cache runs; ``gain`` is tokens/step relative to the first ``off`` run."""
+    base = next((r for r in results if r.mode == "off"), None)
+    head = (f"{'cache':9} {'pages':>6} {'ckpts':>5} {'steps':>6} {'tok/step':>8} {'gain':>6} {'hit rate':>8} "
+            f"{'prompt':>8} {'cached':>8} {'computed':>8} {'preempt':>7} {'util peak':>9} {'cached pg':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        gain = f"{r.tokens_per_step / base.tokens_per_step:5.2f}x" if base else "     -"
+        lines.append(f"{r.mode:9} {r.num_pages:6d} {r.num_checkpoints:5d} {r.steps:6d} {r.tokens_per_step:8.2f} "
+                     f"{gain} {r.hit_rate:8.3f} {r.prompt_tokens:8d} {r.cached_tokens:8d} {r.computed_tokens:8d} "
+                     f"{r.preemptions:7d} {r.page_util_peak:9.3f} {r.cached_pages_mean:9.1f}")
+    return "\n".join(lines)
 
 
 def format_table(results: list[SimResult]) -> str:

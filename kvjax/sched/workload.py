@@ -29,6 +29,8 @@ SEED_SPREAD = 0.25  # lengths uniform in mean * [1 - spread, 1 + spread]
 class RequestSpec:
     prompt: np.ndarray  # i32[prompt_len]
     max_new_tokens: int  # output length (the seed runs with --ignore-eos)
+    output: np.ndarray | None = None  # i32[max_new_tokens]: the tokens it generates (None: random)
+    after: int = -1  # index of the request that must finish before this one arrives (-1: arrives at step 0)
 
     @property
     def total_len(self) -> int:
@@ -98,3 +100,42 @@ def check_servable(workload: list[RequestSpec], cache: CacheConfig, attention: A
         except ValueError as err:
             raise type(err)(f"request {i} (prompt {w.prompt.size}, output {w.max_new_tokens}) cannot be served "
                             f"with recycle={recycle}, pool={pool}: {err}") from None
+
+
+# ---- prefix-sharing workloads (the prefix-cache simulator) ---------------------------------------------------
+def system_prompt_workload(num_users: int, *, system_len: int, user_len: int, output_len: int, vocab: int = 32_000,
+                           seed: int = 0) -> list[RequestSpec]:
+    """``num_users`` requests = one shared system prompt of ``system_len`` tokens + a user message of
+    ``user_len`` tokens (lengths in ``user_len * [0.5, 1.5]``), each answering ``output_len`` tokens."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(1, vocab, system_len, dtype=np.int32)
+    lens = np.maximum(1, np.rint(user_len * rng.uniform(0.5, 1.5, num_users))).astype(int)
+    return [RequestSpec(np.concatenate([system, rng.integers(1, vocab, n, dtype=np.int32)]), output_len)
+            for n in lens]
+
+
+def multi_turn_workload(num_conversations: int, *, turns: int, first_len: int, message_len: int, output_len: int,
+                        vocab: int = 32_000, seed: int = 0) -> list[RequestSpec]:
+    """Conversations of ``turns`` requests: turn ``t + 1``'s prompt = turn ``t``'s prompt + its answer + a new
+    message of ``message_len`` tokens, and it arrives when turn ``t`` finishes (answers are fixed in advance)."""
+    rng = np.random.default_rng(seed)
+    out: list[RequestSpec] = []
+    for _ in range(num_conversations):
+        prompt, prev = rng.integers(1, vocab, first_len, dtype=np.int32), -1
+        for _ in range(turns):
+            answer = rng.integers(1, vocab, output_len, dtype=np.int32)
+            out.append(RequestSpec(prompt, output_len, answer, prev))
+            prev = len(out) - 1
+            prompt = np.concatenate([prompt, answer, rng.integers(1, vocab, message_len, dtype=np.int32)])
+    return out
+
+
+def few_shot_workload(num_requests: int, *, tasks: int, shots: int, shot_len: int, question_len: int,
+                      output_len: int, vocab: int = 32_000, seed: int = 0) -> list[RequestSpec]:
+    """Few-shot prompts: each request picks one of ``tasks`` fixed prefixes (instruction + ``shots`` examples
+    of ``shot_len`` tokens) and appends its own question of ``question_len`` tokens."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(1, vocab, shots * shot_len + shot_len // 2, dtype=np.int32) for _ in range(tasks)]
+    return [RequestSpec(np.concatenate([prefixes[int(rng.integers(tasks))],
+                                        rng.integers(1, vocab, question_len, dtype=np.int32)]), output_len)
+            for _ in range(num_requests)]
