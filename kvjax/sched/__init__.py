@@ -2,7 +2,8 @@
 
 Modules, one concept each: ``slots`` (GDN slot allocator), ``blocks`` (head-wise page allocator and block tables,
 pool policies ``shared`` / ``partitioned``), ``recycle`` (the SWA recycle rule and policies ``none`` / ``timely``),
-``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler``, ``workload`` and ``simulate`` (the
+``prefix_cache`` (the opt-in prefix cache: hash-chained prompt blocks, reference-counted shared pages, GDN
+checkpoint slots, head-wise matches), ``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler``, ``workload`` and ``simulate`` (the
 capacity simulator behind ``python -m kvjax simulate``), ``cli_args`` (the checked arguments of the command
 lines: a bad value fails before any work, in one line, exit status 2).
 
@@ -12,12 +13,13 @@ anything changes; integers may be Python or numpy ints.
 
 from kvjax.sched.blocks import POOLS, BlockAllocator
 from kvjax.sched.plan import StepPlan, seq_buckets, token_buckets
+from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.recycle import NoRecycle, RecyclePolicy, TimelyRecycle, recycle_out_of_window
 from kvjax.sched.request import Request, Status
 from kvjax.sched.scheduler import Scheduler
 from kvjax.sched.slots import PAD_SLOT, SlotAllocator
 
 __all__ = [
-    "POOLS", "PAD_SLOT", "BlockAllocator", "NoRecycle", "RecyclePolicy", "Request", "Scheduler", "SlotAllocator",
+    "POOLS", "PAD_SLOT", "BlockAllocator", "NoRecycle", "PrefixCache", "PrefixCacheConfig", "RecyclePolicy", "Request", "Scheduler", "SlotAllocator",
     "Status", "StepPlan", "TimelyRecycle", "recycle_out_of_window", "seq_buckets", "token_buckets",
 ]
