@@ -244,3 +244,139 @@ def test_too_long_check_follows_the_recycle_policy(rng):
     req = sched.add_request(prompt, 20)  # sink block + window + chunk fit in 6 pages
     run(sched)
     assert req.status is Status.FINISHED and req.num_output == 20
+
+
+# ---- overlapped stepping: advance now, resolve one step later ------------------------------------------------
+
+
+def run_overlapped(sched: Scheduler, max_steps: int = 10_000) -> list:
+    """Plan step N+1 before step N's tokens are applied (the engine's overlap mode)."""
+    plans, prev = [], None
+    while (sched.has_unfinished() or prev is not None) and len(plans) < max_steps:
+        plan = sched.schedule() if sched.has_unfinished() else None
+        if plan is not None:
+            sched.advance(plan)
+            plans.append(plan)
+        if prev is not None:
+            sched.resolve(prev, fake_sample(prev))
+        sched.check_integrity()
+        prev = plan
+    assert not sched.has_unfinished() and not sched.has_unresolved()
+    return plans
+
+
+EOS = int((12 * 5 + 1) % 41)  # fake_sample's token at seq_len 12
+
+
+@pytest.mark.parametrize("num_pages", [64, 14])  # 14: preemption
+def test_overlapped_stepping_equals_update_stepping(rng, num_pages):
+    prompts = [rng.integers(1, 40, n) for n in (9, 5, 3, 11, 7, 2)]
+    news = [8, 3, 12, 6, 9, 1]
+    outs, all_plans = [], []
+    for runner in (run, run_overlapped):
+        sched = sched_with(num_pages=num_pages)
+        reqs = [sched.add_request(p, m, eos_token_id=EOS) for p, m in zip(prompts, news)]
+        all_plans.append(runner(sched))
+        outs.append([r.output_ids.tolist() for r in reqs])
+        assert sched.slots.num_free == 4 and sched.blocks.used_pages() == 0 and not sched.requests
+    assert outs[0] == outs[1]
+    assert any(EOS in o and len(o) < m for o, m in zip(outs[0], news))  # some stopped at eos
+    assert all(EOS not in o[:-1] for o in outs[0])
+    if num_pages == 14:
+        assert sched.num_preemptions > 0
+    # every token fed from the previous step is that step's sample of the same request at that position
+    plans = all_plans[1]
+    fed = 0
+    for prev, plan in zip(plans, plans[1:]):
+        for t in np.flatnonzero(plan.prev_index >= 0):
+            r = plan.prev_index[t]
+            row = np.searchsorted(plan.cu_seqlens[1:], t, side="right")
+            assert plan.request_ids[row] == prev.request_ids[r] and prev.sample_mask[r]
+            assert prev.seq_lens[r] == plan.positions[t] and plan.token_ids[t] == 0
+            fed += 1
+    assert fed > 10
+    assert all((p.prev_index == -1).all() for p in all_plans[0])
+
+
+def test_reserved_token_is_fed_by_row_and_resolved_later():
+    sched = sched_with()
+    req = sched.add_request(np.arange(1, 6), 4)
+    p0 = sched.schedule()
+    assert sched.advance(p0) == []
+    assert req.num_tokens == 6 and req.output_ids.tolist() == [] and req.pending == [(0, 0)]
+    p1 = sched.schedule()  # decode of the token step 0 samples: fed from its row 0
+    assert p1.num_tokens == 1 and p1.prev_index[0] == 0 and p1.token_ids[0] == 0 and p1.positions[0] == 5
+    with pytest.raises(ValueError, match="oldest"):
+        sched.resolve(p1, np.array([7]))
+    with pytest.raises(ValueError, match="previous step"):  # p1 not advanced: step 2 would feed step 0's token
+        sched.schedule()
+    sched.advance(p1)
+    sched.resolve(p0, np.array([11]))
+    assert req.output_ids.tolist() == [11] and req.pending == [(1, 0)]
+    p2 = sched.schedule()
+    assert p2.prev_index[0] == 0 and p2.positions[0] == 6
+    sched.advance(p2)
+    sched.resolve(p1, np.array([12]))
+    sched.resolve(p2, np.array([13]))
+    assert req.output_ids.tolist() == [11, 12, 13] and not req.pending
+    sched.check_integrity()
+
+
+def test_eos_is_applied_one_step_late_and_the_extra_token_dropped():
+    sched = sched_with()
+    eos = 30
+    req = sched.add_request(np.array([1, 2, 3]), 5, eos_token_id=eos)
+    p0 = sched.schedule()
+    sched.advance(p0)
+    p1 = sched.schedule()  # runs the request once more: its eos is not known yet
+    sched.advance(p1)
+    assert req.num_tokens == 5 and len(req.pending) == 2
+    with pytest.raises(ValueError, match="advanced and not resolved"):
+        sched.update(sched.schedule(), np.array([1]))
+    sched._last_plan = None  # drop that probe plan (never advanced)
+    assert sched.resolve(p0, np.array([eos])) == [req]
+    assert req.status is Status.FINISHED and req.output_ids.tolist() == [eos] and req.num_tokens == 4
+    assert sched.slots.num_free == 4 and sched.blocks.used_pages() == 0 and not sched.requests
+    assert sched.resolve(p1, np.array([9])) == []  # the extra row's token is dropped
+    assert req.output_ids.tolist() == [eos] and not sched.has_unresolved()
+    sched.check_integrity()
+
+
+def test_max_new_tokens_finishes_at_advance_and_frees_at_once():
+    sched = sched_with()
+    a = sched.add_request(np.array([1, 2, 3]), 1)
+    b = sched.add_request(np.array([4, 5]), 1)
+    p0 = sched.schedule()
+    assert sched.advance(p0) == [a, b]
+    assert sched.slots.num_free == 4 and sched.blocks.used_pages() == 0 and not sched.has_unfinished()
+    assert a.status is Status.FINISHED and a.request_id in sched.requests  # until its token is known
+    sched.abort(b.request_id)  # a finished request whose token is still in flight can be aborted
+    sched.resolve(p0, np.array([7, 8]))
+    assert a.output_ids.tolist() == [7] and b.output_ids.tolist() == [] and b.status is Status.ABORTED
+    assert not sched.requests
+    sched.check_integrity()
+
+
+def test_rollback_forgets_reserved_tokens_and_the_run_still_ends_the_same(rng):
+    prompts = [rng.integers(1, 40, n) for n in (9, 5, 3, 7)]
+    news = [6, 1, 9, 4]
+    ref = sched_with(num_pages=20)
+    ref_reqs = [ref.add_request(p, m) for p, m in zip(prompts, news)]
+    run(ref)
+    sched = sched_with(num_pages=20)
+    reqs = [sched.add_request(p, m) for p, m in zip(prompts, news)]
+    prev = None
+    for _ in range(4):
+        plan = sched.schedule()
+        sched.advance(plan)
+        if prev is not None:
+            sched.resolve(prev, fake_sample(prev))
+        prev = plan
+    sched.schedule()  # scheduled, never advanced
+    assert sched.has_unresolved()
+    sched.rollback()  # the steps in flight are lost
+    assert not sched.has_unresolved() and all(not r.pending for r in reqs)
+    assert not sched.running and all(r.status is Status.PREEMPTED for r in reqs if r.request_id in sched.requests)
+    sched.check_integrity()
+    run(sched)
+    assert [r.output_ids.tolist() for r in reqs] == [r.output_ids.tolist() for r in ref_reqs]

@@ -17,6 +17,12 @@ Sampling. ``logits_indices[b]`` is the token (index into ``T``) whose logits row
 for a real row (always in ``[0, T)``, as :class:`kvjax.engine.inputs.StepInputs` requires) and 0 for padding.
 ``sample_mask[b]`` is True iff that token is the last known token of the request (end of prefill or a decode),
 i.e. the sampled token is appended; a mid-prefill chunk's logits are discarded.
+
+Tokens not known yet. A token reserved by the previous step (sampled there, still on the device: the engine
+plans step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the row of the previous plan that
+samples it; the jitted step takes it from that step's sampled array before the model runs. Every other token
+has ``prev_index`` -1. Feeding a reserved token of an older step is refused (``ValueError``): only the previous
+step's tokens reach the device step.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class StepPlan:
     logits_indices: np.ndarray  # i32[B]: in [0, T)
     sample_mask: np.ndarray  # bool[B]: row appends its sampled token
     query_lens: np.ndarray  # i32[B]: tokens of each row this step (0 for padding)
+    prev_index: np.ndarray  # i32[T]: row of the previous step's sampled tokens that is this token; -1 = token_ids
     request_ids: tuple  # request id of rows 0..num_seqs-1
     num_tokens: int  # real tokens (<= T)
     num_seqs: int  # real rows (<= B)
@@ -107,8 +114,12 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     has_init[:nseq] = start > 0
 
     token_ids = np.zeros(T, np.int32)
+    prev_index = np.full(T, -1, np.int32)
     if nseq:
         token_ids[:ntok] = np.concatenate([r.token_ids[r.num_computed: r.num_computed + k] for r, k in scheduled])
+        for (r, k), t0 in zip(scheduled, cu[:nseq].tolist()):
+            if r.pending and r.num_computed + k > r.num_resolved:
+                _feed_reserved(r, k, t0, step, prev_index)
     positions = np.zeros(T, np.int32)
     pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)
     positions[:ntok] = pos
@@ -125,6 +136,19 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     logits_indices[:nseq] = cu[1: nseq + 1] - 1
     sample_mask = np.zeros(B, bool)
     sample_mask[:nseq] = start + n == np.array([r.num_tokens for r, _ in scheduled], np.int64)
-    return StepPlan(token_ids, positions, cu, seq_lens, gdn_slots, has_init, block_tables, slot_mapping,
-                    logits_indices, sample_mask, query_lens, tuple(r.request_id for r, _ in scheduled), ntok,
-                    nseq, step)
+    return StepPlan(token_ids=token_ids, positions=positions, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=gdn_slots,
+                    has_initial_state=has_init, block_tables=block_tables, slot_mapping=slot_mapping,
+                    logits_indices=logits_indices, sample_mask=sample_mask, query_lens=query_lens,
+                    prev_index=prev_index, request_ids=tuple(r.request_id for r, _ in scheduled), num_tokens=ntok,
+                    num_seqs=nseq, step=step)
+
+
+def _feed_reserved(req: Request, n: int, t0: int, step: int, prev_index: np.ndarray) -> None:
+    """Point the reserved tokens among ``req``'s ``n`` tokens of this step (first at step token ``t0``) at the
+    previous plan's rows (``prev_index``, in place)."""
+    for p in range(max(req.num_computed, req.num_resolved), req.num_computed + n):
+        src_step, row = req.pending[p - req.num_resolved]
+        if src_step != step - 1:
+            raise ValueError(f"request {req.request_id}: token {p} was sampled by step {src_step} and is not resolved; "
+                             f"step {step} can only take the previous step's ({step - 1}) sampled tokens")
+        prev_index[t0 + p - req.num_computed] = row

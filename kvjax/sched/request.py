@@ -1,4 +1,9 @@
-"""A request as the scheduler sees it: its tokens, how many are computed, its GDN slot, and its status."""
+"""A request as the scheduler sees it: its tokens, how many are computed, its GDN slot, and its status.
+
+A step that samples a token for a request first *reserves* its place (``reserve``: the request has one more
+token whose value is not known yet, so the next step can already be planned with it as input) and later
+*resolves* it with the sampled value (``resolve``). ``append`` does both at once (the synchronous case).
+"""
 
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ def check_request(prompt: np.ndarray, max_new_tokens: int, eos_token_id: int | N
 class Request:
     """Prompt + generated tokens in one buffer (``token_ids: i32[prompt_len + max_new_tokens]``).
 
-    ``num_tokens`` tokens are known (prompt + outputs so far); ``num_computed`` of them have K/V in the cache.
-    ``slot`` is the GDN slot (and block-table row) while running, 0 otherwise.
+    ``num_tokens`` tokens exist (prompt + outputs so far, the last ``len(pending)`` of them reserved by steps
+    in flight: their values are not known yet); ``num_computed`` of them have K/V in the cache. ``slot`` is the
+    GDN slot (and block-table row) while running, 0 otherwise.
     """
 
     def __init__(self, request_id: int, prompt: np.ndarray, max_new_tokens: int,
@@ -54,22 +60,53 @@ class Request:
         self.slot = 0
         self.status = Status.WAITING
         self.num_preemptions = 0
+        self.pending: list[tuple[int, int]] = []  # (plan step, plan row) sampling each reserved token, in order
 
     @property
     def num_output(self) -> int:
+        """Generated tokens, reserved ones included (what ``max_new_tokens`` and sampling counters count)."""
         return self.num_tokens - self.prompt_len
 
     @property
+    def num_resolved(self) -> int:
+        """Tokens whose values are known (prompt + resolved outputs)."""
+        return self.num_tokens - len(self.pending)
+
+    @property
     def output_ids(self) -> np.ndarray:
-        """i32[num_output]: tokens generated so far."""
-        return self.token_ids[self.prompt_len: self.num_tokens]
+        """i32[num_resolved - prompt_len]: generated tokens whose values are known."""
+        return self.token_ids[self.prompt_len: self.num_resolved]
+
+    def reserve(self, step: int = -1, row: int = -1) -> bool:
+        """Add a token whose value plan ``step`` samples at ``row`` (placeholder id 0 until resolved); returns
+        True when this reaches ``max_new_tokens``."""
+        self.token_ids[self.num_tokens] = 0
+        self.num_tokens += 1
+        self.pending.append((step, row))
+        return self.num_output >= self.max_new_tokens
+
+    def resolve(self, token: int) -> bool:
+        """Give the oldest reserved token its sampled value; returns True if it is eos, in which case the
+        reserved tokens after it are dropped (the request ends there)."""
+        pos = self.num_resolved
+        self.token_ids[pos] = token
+        self.pending.pop(0)
+        if self.eos_token_id is not None and int(token) == self.eos_token_id:
+            self.num_tokens = pos + 1
+            self.pending.clear()
+            return True
+        return False
+
+    def unreserve(self) -> None:
+        """Drop every reserved token (their steps' results are lost)."""
+        self.num_tokens -= len(self.pending)
+        self.pending.clear()
 
     def append(self, token: int) -> bool:
-        """Append a sampled token; returns True when the request is done (max_new_tokens or eos)."""
-        self.token_ids[self.num_tokens] = token
-        self.num_tokens += 1
-        return self.num_output >= self.max_new_tokens or (
-            self.eos_token_id is not None and int(token) == self.eos_token_id)
+        """Append a sampled token (no token reserved before it); returns True when the request is done
+        (max_new_tokens or eos)."""
+        last = self.reserve()
+        return self.resolve(token) or last
 
     def __repr__(self) -> str:
         return (f"Request(id={self.request_id}, {self.status.value}, slot={self.slot}, "

@@ -1,6 +1,8 @@
 """Continuous-batching scheduler with chunked prefill, SWA recycling and preemption by recompute.
 
-One step: ``plan = sched.schedule()`` → run the model on ``plan`` → ``sched.update(plan, sampled)``.
+One step: ``plan = sched.schedule()`` → run the model on ``plan`` → ``sched.update(plan, sampled)`` (or, to plan
+the next step before this one's tokens are known, ``sched.advance(plan)`` now and ``sched.resolve(plan, sampled)``
+later).
 
 ``schedule``
 1. calls the recycle policy on every running request (out-of-window SWA blocks go back to the pool);
@@ -12,9 +14,16 @@ One step: ``plan = sched.schedule()`` → run the model on ``plan`` → ``sched.
    pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow;
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
-``update`` checks the sampled tokens first (a bad array changes nothing, and the plan can still be applied),
-then advances every scheduled request by its tokens, appends the sampled token where the plan samples, and
-finishes requests on ``max_new_tokens`` or eos. Every way into RUNNING (admission, resume, ``add_request(...,
+Applying a step has two halves, so that the next step can be planned while this one runs (the engine's
+overlap mode): ``advance(plan)`` applies what the host knows without the sampled tokens — every scheduled request
+advances by its tokens, and where the plan samples it *reserves* the next token (its value comes later; the next
+plan feeds it through ``StepPlan.prev_index``); a request that reaches ``max_new_tokens`` finishes at once (its
+slot and pages go back; it stays in ``requests`` until its last token is resolved). ``resolve(plan, sampled)``
+(plans in the order they were advanced) checks the sampled tokens first (a bad array changes nothing, and the
+plan can still be resolved), then gives each reserved token its value; a request that sampled eos finishes there
+and any token reserved after it (a step it ran one step too long) is dropped. ``update(plan, sampled)`` is both at
+once (the synchronous engine, simulations). ``rollback()`` forgets every reserved, unresolved token after a fault
+(their requests are preempted: recomputed later). Every way into RUNNING (admission, resume, ``add_request(...,
 running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort, preemption) goes
 through ``_release`` which frees the slot and all pages.
 """
@@ -77,7 +86,8 @@ class Scheduler:
         self.step = 0
         self._next_id = 0
         self.num_preemptions = 0
-        self._last_plan: StepPlan | None = None
+        self._last_plan: StepPlan | None = None  # scheduled, not advanced
+        self._unresolved: collections.deque[tuple[StepPlan, list]] = collections.deque()  # advanced: (plan, requests)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
@@ -106,19 +116,24 @@ class Scheduler:
         return req
 
     def abort(self, request_id: int) -> None:
-        """Drop a request wherever it is; a running one gives back its slot and pages."""
+        """Drop a request wherever it is (also one finished whose last tokens are not resolved yet: they are
+        dropped); a running one gives back its slot and pages."""
         req = self.requests.pop(request_id, None)
         if req is None:
             raise ValueError(f"unknown request id {request_id}")
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._release(req)
-        else:
+        elif req.status is not Status.FINISHED:
             (self.waiting if req.status is Status.WAITING else self.preempted).remove(req)
         req.status = Status.ABORTED
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.preempted or self.running)
+
+    def has_unresolved(self) -> bool:
+        """An advanced plan is waiting for its sampled tokens."""
+        return bool(self._unresolved)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -168,13 +183,84 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
-        """Apply a step's result: ``sampled: int[B]`` = the token sampled for each plan row (read only where
-        ``plan.sample_mask``). Returns the requests that finished. Raises ``ValueError`` before changing anything
-        for a stale plan or a ``sampled`` that is not a 1-d integer array of token ids in ``[0, 2**31)`` (checked
-        where the plan samples) with an entry per row; the plan can then still be applied."""
+        """Apply a step's result at once: ``advance(plan)`` then ``resolve(plan, sampled)`` (``sampled: int[B]``,
+        the token sampled for each plan row, read only where ``plan.sample_mask``). Returns the requests that
+        finished. Raises ``ValueError`` before changing anything for a stale plan, an earlier plan still
+        unresolved, or a bad ``sampled`` (see :meth:`resolve`); the plan can then still be applied."""
         if plan is not self._last_plan:
             raise ValueError(f"update() needs the plan of the latest schedule() (step {self.step - 1}), "
                              f"got the plan of step {getattr(plan, 'step', plan)!r}")
+        if self._unresolved:
+            raise ValueError(f"update() with step {self._unresolved[0][0].step} advanced and not resolved")
+        sampled = self._check_sampled(plan, sampled)
+        return self.advance(plan) + self.resolve(plan, sampled)
+
+    def advance(self, plan: StepPlan) -> list[Request]:
+        """Apply the host-known half of the latest plan: requests advance by their tokens and reserve the token
+        the plan samples for them; those that reach ``max_new_tokens`` finish (slot and pages freed). Returns
+        them. ``ValueError`` (nothing changed) unless ``plan`` is the latest schedule()'s, not yet advanced."""
+        if plan is not self._last_plan:
+            raise ValueError(f"advance() needs the plan of the latest schedule() (step {self.step - 1}), "
+                             f"got the plan of step {getattr(plan, 'step', plan)!r}")
+        self._last_plan = None
+        reqs = [self.requests.get(rid) for rid in plan.request_ids]
+        self._unresolved.append((plan, reqs))
+        finished = []
+        lens, mask = plan.query_lens.tolist(), plan.sample_mask.tolist()
+        for b, req in enumerate(reqs):
+            if req is None or req.status is not Status.RUNNING:  # aborted between schedule and advance
+                continue
+            req.num_computed += lens[b]
+            if mask[b] and req.reserve(plan.step, b):
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
+        """Give the tokens ``plan`` reserved their sampled values (``sampled: int[>= num_seqs]``, row ``b``'s
+        token, read where ``plan.sample_mask``); a request that sampled eos finishes (tokens reserved after it are
+        dropped). Returns the requests that finished here. Rows of requests aborted since, or whose token was
+        dropped, are skipped. Raises ``ValueError`` before changing anything unless ``plan`` is the oldest
+        advanced, unresolved plan and ``sampled`` a 1-d integer array of token ids in ``[0, 2**31)`` (checked
+        where the plan samples) with an entry per row."""
+        if not self._unresolved or plan is not self._unresolved[0][0]:
+            oldest = self._unresolved[0][0].step if self._unresolved else None
+            raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
+                             f"{getattr(plan, 'step', plan)!r}")
+        tokens = self._check_sampled(plan, sampled).tolist()
+        finished = []
+        for b, req in enumerate(self._unresolved[0][1]):
+            if req is None or req.status is Status.ABORTED or not req.pending or req.pending[0] != (plan.step, b):
+                continue
+            if req.resolve(tokens[b]) and req.status is not Status.FINISHED:
+                self._finish(req)
+                finished.append(req)
+            if req.status is Status.FINISHED and not req.pending:
+                self.requests.pop(req.request_id, None)
+        self._unresolved.popleft()
+        return finished
+
+    def rollback(self) -> None:
+        """Forget the latest plan if not advanced, and the advanced plans not yet resolved (a fault lost their
+        results): their reserved tokens are dropped, every running request they advanced is preempted (its
+        cache may lack their writes; recomputed later) and a request that had finished on a reserved token is
+        requeued as preempted."""
+        self._last_plan = None
+        seen: set[int] = set()
+        for _, reqs in self._unresolved:
+            for req in reqs:
+                if req is None or id(req) in seen or req.status is Status.ABORTED:
+                    continue
+                seen.add(id(req))
+                reserved = bool(req.pending)
+                req.unreserve()
+                if req.status is Status.RUNNING:
+                    self._preempt(req)
+                elif req.status is Status.FINISHED and reserved:
+                    self._requeue(req)
+        self._unresolved.clear()
+
+    def _check_sampled(self, plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
         sampled = np.asarray(sampled)
         if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
             raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
@@ -184,21 +270,7 @@ class Scheduler:
         kept = sampled[: plan.num_seqs][plan.sample_mask[: plan.num_seqs]]
         if kept.size and (kept.min() < 0 or kept.max() > INT32_MAX):
             raise ValueError(f"sampled token ids must lie in [0, {INT32_MAX}], got min {kept.min()}, max {kept.max()}")
-        self._last_plan = None
-        finished = []
-        lens, mask, tokens = plan.query_lens.tolist(), plan.sample_mask.tolist(), sampled.tolist()
-        for b, rid in enumerate(plan.request_ids):
-            req = self.requests.get(rid)
-            if req is None or req.status is not Status.RUNNING:  # aborted between schedule and update
-                continue
-            req.num_computed += lens[b]
-            if mask[b] and req.append(tokens[b]):
-                self.running.remove(req)
-                self._release(req)
-                req.status = Status.FINISHED
-                del self.requests[rid]
-                finished.append(req)
-        return finished
+        return sampled
 
     # ---- transitions ---------------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:
@@ -211,9 +283,22 @@ class Scheduler:
         self.slots.free(req.slot)
         req.slot = 0
 
+    def _finish(self, req: Request) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        elif req.status is Status.PREEMPTED:
+            self.preempted.remove(req)
+        req.status = Status.FINISHED
+        if not req.pending:
+            del self.requests[req.request_id]
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
         req.num_computed = 0
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
