@@ -10,10 +10,22 @@ import zlib
 # sizes that pool; it must be set before JAX creates its CPU client.
 os.environ.setdefault("NPROC", "8")
 
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import settings
+
+# Many tests compile the same computation (each Engine compiles its own step; test files rebuild the same models):
+# XLA's persistent compilation cache, shared by the xdist workers, compiles each once. It keys on the HLO and
+# the compile options, so a hit is the same executable; trace counts (what the no-recompilation tests assert)
+# are unaffected. KVJAX_TEST_JAX_CACHE="" turns it off.
+_cache_dir = os.environ.get("KVJAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "kvjax-test-jax-cache"))
+if _cache_dir:
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=False)
 settings.register_profile("dev", max_examples=100, deadline=None)
