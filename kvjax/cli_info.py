@@ -30,7 +30,8 @@ def collect(device: DeviceKind | None = None) -> dict:
             reasons = table.explain(args, kwargs, device)
             examples[name] = {"auto": next(n for n, why in reasons if why is None),
                               "reasons": {n: why for n, why in reasons}}
-        out_ops[table.op] = {"implementations": table.available(device), "examples": examples}
+        out_ops[table.op] = {"implementations": table.available(device), "examples": examples,
+                             "notes": {b.name: b.note for b in table.backends if b.note}}
     return {
         "kvjax": kvjax.__version__,
         "jax": jax.__version__,
@@ -62,6 +63,8 @@ def main(argv: list[str]) -> int:
     print(f"kernel choice for: {info['asked_for']}")
     for op, entry in info["ops"].items():
         print(f"\n{op}: {', '.join(entry['implementations'])}")
+        for impl, note in entry["notes"].items():
+            print(f"  [{impl}] {note}")
         for name, ex in entry["examples"].items():
             print(f"  {name}: auto -> {ex['auto']}")
             for impl, why in ex["reasons"].items():

@@ -1,0 +1,29 @@
+"""``python -m kvjax info``: every op's table, the auto choice per example call and the decline reasons."""
+
+import json
+
+from kvjax import cli_info, ops
+
+
+def test_info_reports_every_table_and_its_choices(capsys):
+    assert cli_info.main(["--json", "--device", "h100"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["ops"]) == {t.op for t in ops.tables()}
+    assert info["asked_for"].startswith("gpu sm_90")
+    paged = info["ops"]["paged_attention"]["examples"]
+    decode = next(v for k, v in paged.items() if k.startswith("decode"))
+    assert decode["auto"] == "pallas"
+    assert "decode-shaped" in decode["reasons"]["prefill"] and decode["reasons"]["pallas"] is None
+    mla = info["ops"]["mla_decode"]["examples"]
+    assert [v["auto"] for k, v in mla.items() if "H=128 page 64 bf16" in k] == ["mosaic"]
+    assert all(ex["auto"] == "reference" for entry in cli_info.collect(cli_info.NAMED["cpu"])["ops"].values()
+               for ex in entry["examples"].values())
+
+
+def test_info_text_and_bad_arguments(capsys):
+    assert cli_info.main(["--device", "a100"]) == 0
+    out = capsys.readouterr().out
+    assert "mla_decode:" in out and "mosaic declines: needs a Hopper GPU" in out
+    assert cli_info.main(["--device", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("info: ") and len(err.strip().splitlines()) == 1
