@@ -2,8 +2,9 @@
 point of a step leaves an engine that recovers by itself (preemption by recompute) with unchanged outputs.
 
 Oracle: the same engine's uninterrupted greedy run, itself checked against uncached greedy decoding
-(``greedy_oracle`` of ``test_engine``). One engine (one bucket set, one compile) serves every test here; each
-test ends with the engine idle (every slot and page free, ``check_integrity``).
+(``greedy_oracle`` of ``test_engine``). One engine per mode (overlapped, the default, and synchronous; one
+bucket set, one compile each) serves every test here; each test ends with the engine idle (every slot and page
+free, ``check_integrity``). In overlap mode every fault point has a step in flight.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def case(model):
     return prompts, greedy_oracle(model, prompts, NEW)
 
 
-@pytest.fixture(scope="module")
-def engine(model, case):
-    eng = make_engine(model)
+@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "sync"])
+def engine(model, case, request):
+    eng = make_engine(model, overlap=request.param)
     prompts, expect = case
     assert eng.generate(prompts, NEW) == expect
     assert eng.metrics.summary()["preemptions"] > 0
@@ -169,21 +170,21 @@ def _arm(monkeypatch, engine: Engine, point: str, exc: type[BaseException]) -> N
     elif point == "inside device":  # after the caches were donated: their buffers are gone
         real_call = type(engine._device_step).__call__
         monkeypatch.setattr(type(engine._device_step), "__call__", lambda self, *a: (real_call(self, *a), once())[0])
-    elif point == "after device":
-        real_update = engine.scheduler.update
-        monkeypatch.setattr(engine.scheduler, "update", lambda *a, **k: (once(), real_update(*a, **k))[1])
+    elif point == "after device":  # the step's tokens are read; before the scheduler applies them
+        real_resolve = engine.scheduler.resolve
+        monkeypatch.setattr(engine.scheduler, "resolve", lambda *a, **k: (once(), real_resolve(*a, **k))[1])
     elif point == "inside update":  # after the first request of the step took its token
-        real_append = Request.append
+        real_resolve = Request.resolve
         calls = []
 
-        def append(self, token):
-            out = real_append(self, token)
+        def resolve(self, token):
+            out = real_resolve(self, token)
             calls.append(1)
             if len(calls) == 2:
                 once()
             return out
 
-        monkeypatch.setattr(Request, "append", append)
+        monkeypatch.setattr(Request, "resolve", resolve)
     else:
         raise AssertionError(point)
 

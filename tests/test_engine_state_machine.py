@@ -7,13 +7,15 @@ it after the caches were donated, after it, inside the scheduler update; an exce
 inside a ``stream`` loop) while the manually added requests keep running. After every rule the allocator and
 queue invariants hold (``Engine.check_integrity``). At the end every request that was not aborted has exactly
 the tokens of the same request run alone (greedy), every event had the right position / finished flag, and
-the engine is idle. One engine (one compile) serves every example.
+the engine is idle. It runs once with the overlapped engine (the default: faults then hit with a step in
+flight) and once with the synchronous one; one engine per mode (one compile) serves every example.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -25,14 +27,16 @@ from test_engine import VOCAB, qwen_swa_model
 from test_engine_faults import POINTS, Injected, make_engine
 
 CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)
-SHARED: dict = {}  # the one engine and the alone-run outputs, reused by every example
+SHARED: dict = {}  # the engine of each mode and the alone-run outputs, reused by every example
 
 
-def shared_engine() -> Engine:
-    if "engine" not in SHARED:
-        SHARED["engine"] = make_engine(qwen_swa_model())
-        SHARED["alone"] = {}
-    return SHARED["engine"]
+def shared_engine(overlap: bool) -> Engine:
+    engines = SHARED.setdefault("engines", {})
+    if overlap not in engines:
+        engines[overlap] = make_engine(SHARED["model"] if "model" in SHARED else qwen_swa_model(), overlap=overlap)
+        SHARED["model"] = engines[overlap].model
+        SHARED.setdefault("alone", {})
+    return engines[overlap]
 
 
 ROWS, WIDTH = 32, 40  # oracle batch: fixed shape, one compile (prompts <= 30 tokens + 8 new <= 40)
@@ -86,21 +90,21 @@ def arm(engine: Engine, point: str, exc: type[BaseException]):
         return (lambda: setattr(cls, "__call__", real_call)), fired
     if point == "after device":
         sched = engine.scheduler
-        real_update = sched.update
-        sched.update = lambda *a, **k: (once(), real_update(*a, **k))[1]
-        return (lambda: delattr(sched, "update")), fired
-    real_append = Request.append
+        real_resolve = sched.resolve
+        sched.resolve = lambda *a, **k: (once(), real_resolve(*a, **k))[1]
+        return (lambda: delattr(sched, "resolve")), fired
+    real_resolve = Request.resolve
     calls: list = []
 
-    def append(self, token):
-        out = real_append(self, token)
+    def resolve(self, token):
+        out = real_resolve(self, token)
         calls.append(1)
         if len(calls) == 2:
             once()
         return out
 
-    Request.append = append
-    return (lambda: setattr(Request, "append", real_append)), fired
+    Request.resolve = resolve
+    return (lambda: setattr(Request, "resolve", real_resolve)), fired
 
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30).map(tuple)
@@ -108,9 +112,11 @@ max_news = st.integers(1, 8)
 
 
 class EngineMachine(RuleBasedStateMachine):
+    OVERLAP = True
+
     def __init__(self):
         super().__init__()
-        self.engine = shared_engine()
+        self.engine = shared_engine(self.OVERLAP)
         assert self.engine.is_idle()
         self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
 
@@ -204,10 +210,15 @@ class EngineMachine(RuleBasedStateMachine):
             assert got == alone[p, n], (p, n)
 
 
-def test_engine_state_machine():
-    run_state_machine_as_test(EngineMachine, settings=settings(
+class SyncEngineMachine(EngineMachine):
+    OVERLAP = False
+
+
+@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine], ids=["overlap", "sync"])
+def test_engine_state_machine(machine):
+    run_state_machine_as_test(machine, settings=settings(
         max_examples=25, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    eng = shared_engine()
+    eng = shared_engine(machine.OVERLAP)
     assert eng.num_traces == 1  # one bucket set, greedy only: a single compile for every example
     assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0

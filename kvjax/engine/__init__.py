@@ -1,7 +1,8 @@
 """The jitted step function, its inputs, sampling and the engine loop.
 
-``Engine`` (continuous batching over a model's ``forward_step``), ``StepInputs`` (the device-side step
-inputs built from the scheduler's ``StepPlan``).
+``Engine`` (continuous batching over a model's ``forward_step``, overlapping the host's planning of the next
+step with the device's current one), ``StepInputs`` (the device-side step inputs built from the scheduler's
+``StepPlan``); ``sizing`` sizes a cache from the model and a memory budget, ``metrics`` records each step.
 """
 
 from kvjax.engine.engine import Engine

@@ -1,23 +1,34 @@
-"""The engine: continuous batching over the jitted model step.
+"""The engine: continuous batching over the jitted model step, planning step N+1 while step N runs.
 
-One step::
+One step (``overlap=True``, the default)::
 
-    plan = scheduler.schedule()                 # host: recycle, admit/preempt, allocate pages, padded arrays
-    inputs = plan_to_inputs(plan)               # host -> device StepInputs (one batched device_put)
-    tokens, caches = device_step(params, caches, inputs, sampling rows)   # jitted: model step + sampling
-    scheduler.update(plan, tokens)              # host: advance requests, append tokens, finish
+    plan = scheduler.schedule()          # host: recycle, admit/preempt, allocate pages, padded arrays (N+1)
+    inputs = plan_to_inputs(plan, ...)   # host -> device StepInputs + SampleInputs (one batched device_put)
+    tokens, caches = device_step(params, caches, inputs, rows, tokens_of_step_N, greedy_only)  # async dispatch
+    scheduler.advance(plan)              # host: requests advance, sampled tokens reserved (values unknown)
+    scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; events of step N
+
+The host never waits for step N's tokens before planning step N+1: a decode row's input is the token step N
+samples, which the plan names by row (``StepPlan.prev_index``) and the jitted step takes from step N's sampled
+array on the device. ``max_new_tokens`` is known in advance (the request finishes when its last token is
+reserved); eos, aborts and preemption act one step late: a request that sampled eos at step N may run one more
+row at N+1, whose token is dropped and never becomes an event. Events of step N are delivered by the call that
+dispatches N+1. Outputs equal the synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call),
+token for token: sampling keys depend only on (seed, prompt index, tokens so far).
 
 The engine owns nothing the scheduler owns: GDN slots, pages and block tables come only from
 :class:`kvjax.sched.Scheduler`. It talks to the model only through :class:`kvjax.models.interface.CausalLM`
 (``attention_layout()`` for the scheduler, ``init_caches``, ``forward_step``, ``vocab_size``). The device caches
-are created once (``model.init_caches``) and donated to every step. Each engine builds its own device step once
-(:func:`kvjax.engine.step.make_step` with ``sample=True``): one ``jax.jit`` of ``model.forward_step(caches,
-inputs)`` followed by :func:`kvjax.engine.sampling.sample`, so a step is one dispatch and only ``i32[B]`` tokens
-come back to the host. It compiles once per ``(T, B, max_blocks, decode_only)`` bucket of the plan (and per
-greedy / sampling mode); :attr:`Engine.num_traces` counts this engine's compilations.
+are created once (``model.init_caches``) and donated to every step (each step's caches are the previous step's
+output, so steps run in dispatch order and pages or slots freed on the host are reused only by later steps).
+Each engine builds its own device step once (:func:`kvjax.engine.step.make_step` with ``sample=True``); it
+compiles once per ``(T, B, max_blocks, decode_only)`` bucket of the plan (and per greedy / sampling mode), the
+same in both modes; :attr:`Engine.num_traces` counts this engine's compilations. Without a ``CacheConfig`` the
+cache is sized from the model and a memory budget (:mod:`kvjax.engine.sizing`; :meth:`Engine.describe`).
 
 Use from a script or notebook::
 
+    engine = Engine(model)                                      # cache sized from the free device memory
     engine = Engine(model, CacheConfig(page_size=16, num_pages=512, max_seqs=8, max_blocks_per_seq=64),
                     recycle="timely")
     outs = engine.generate(prompts, max_new_tokens=64)          # list[list[int]]
@@ -33,9 +44,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
-import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,57 +54,28 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import CacheConfig
-from kvjax.engine.args import (check_call, check_index, check_max_new_tokens, check_prompt, check_seed,
-                               check_temperature, check_token_id)
-from kvjax.engine.inputs import StepInputs
+from kvjax.engine.args import (check_index, check_max_new_tokens, check_prompt, check_seed, check_temperature,
+                               check_token_id)
+from kvjax.engine.consumers import Consumers, TokenEvent, is_done, Tracked
+from kvjax.engine.inputs import plan_to_inputs
 from kvjax.engine.metrics import EngineMetrics, StepRecord
+from kvjax.engine.sizing import CacheSizing, size_cache
 from kvjax.engine.step import make_step
-from kvjax.errors import RequestTooLongError
 from kvjax.models.interface import CausalLM
-from kvjax.sched.plan import DEVICE_FIELDS, StepPlan
-from kvjax.sched.request import Request, Status
+from kvjax.sched.plan import StepPlan
+from kvjax.sched.request import Status
 from kvjax.sched.scheduler import Scheduler
 
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    """One generated token, as :meth:`Engine.stream` yields it."""
-
-    index: int  # position of the request's prompt in the ``prompts`` list of the call
-    request_id: int  # scheduler request id (for :meth:`Engine.abort`)
-    token: int  # the sampled token id
-    position: int  # 0-based index of this token among the request's generated tokens
-    finished: bool  # the request is done (max_new_tokens or eos)
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class _Tracked:
-    index: int  # prompt index in its call (events, sampling stream)
-    temperature: float  # 0 = greedy
-    seed: int  # sampling seed
-    request: Request  # the scheduler's request: its token buffer is the record of what was generated
-    tokens: list  # list[int]: generated tokens already turned into events
+class _Flight:
+    """A dispatched step whose sampled tokens have not been read yet."""
 
-
-def _is_done(req: Request) -> bool:
-    """The request took its last token (``max_new_tokens`` reached or eos sampled)."""
-    return req.num_output >= req.max_new_tokens or (
-        req.eos_token_id is not None and req.num_output > 0 and int(req.token_ids[req.num_tokens - 1])
-        == req.eos_token_id)
-
-
-def plan_to_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
-    """Device :class:`StepInputs` of a scheduler plan (int fields as int32, ``has_initial_state`` bool), moved
-    with one batched ``jax.device_put``. The plan's field names are ``StepInputs``' field names.
-
-    ``use_decode_path``: set the static ``StepInputs.decode_only`` flag when every real row has exactly one
-    token (models then use their decode kernels; one more trace per bucket).
-    """
-    host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
-            for name in DEVICE_FIELDS}
-    q = plan.query_lens[: plan.num_seqs]
-    decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
-    return StepInputs(**jax.device_put(host), decode_only=decode_only)
+    plan: StepPlan
+    tokens: jax.Array  # i32[max_seqs]: token sampled for each plan row (rows past num_seqs: 0), on the device
+    record: dict  # the StepRecord fields known at dispatch
 
 
 def _check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -> tuple[int, ...]:
@@ -107,12 +89,19 @@ def _check_buckets(name: str, values: Sequence[int], last: int, last_name: str) 
 # ---------------------------------------------------------------------------------------------- engine
 
 
-class Engine:
+class Engine(Consumers):
     """Continuous-batching generation for one model over fixed page memory.
 
     Args:
       model: a :class:`kvjax.models.interface.CausalLM` (a Qwen3.5 or DeepSeek-V3.2 kvjax model).
-      cache_config: pages, page size, ``max_seqs`` (GDN slots and batch rows), block-table width.
+      cache_config: pages, page size, ``max_seqs`` (GDN slots and batch rows), block-table width. ``None``:
+        sized from the model and ``memory_fraction`` of the free device memory (a fixed budget on CPU; see
+        :mod:`kvjax.engine.sizing`); logged, and kept in ``cache_sizing`` / :meth:`describe`.
+      overlap: plan and dispatch step N+1 before reading step N's tokens (default); ``False``: the synchronous
+        engine (each step's tokens are read and applied before the next step is planned; for debugging). Same
+        outputs either way.
+      memory_fraction: share in ``(0, 1]`` of the free device memory the sized cache may take (default 0.9);
+        only without ``cache_config``.
       recycle: ``"none"`` | ``"timely"`` (or a policy object; see :mod:`kvjax.sched.recycle`).
       pool: ``"shared"`` | ``"partitioned"``.
       max_num_batched_tokens: token budget of one step (default ``max(256, max_seqs)``).
@@ -129,19 +118,36 @@ class Engine:
         buckets = fewer compilations, more padding (worth it where compiling is slow, e.g. on CPU).
     """
 
-    def __init__(self, model: CausalLM, cache_config: CacheConfig, *, recycle: Any = "none", pool: str = "shared",
+    def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
+                 memory_fraction: float | None = None, recycle: Any = "none", pool: str = "shared",
                  max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
                  cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
                  max_traces: int | None = None, use_decode_path: bool = True,
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
                  block_buckets: Sequence[int] | None = None) -> None:
-        if not isinstance(cache_config, CacheConfig):
-            raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+        if cache_config is not None and not isinstance(cache_config, CacheConfig):
+            raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
         if not isinstance(model, CausalLM) or not isinstance(model, nnx.Module):
             raise ValueError(f"model must be an nnx.Module implementing kvjax.models.interface.CausalLM, got "
                              f"{type(model).__name__}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.model = model
+        graphdef, self.params = nnx.split(model)
+        if cache_dtype is None:  # the parameters' float dtype
+            cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
+                               if jnp.issubdtype(x.dtype, jnp.floating))
+        self.cache_sizing: CacheSizing | None = None
+        if cache_config is None:
+            self.cache_sizing = size_cache(model, dtype=cache_dtype, memory_fraction=memory_fraction,
+                                           cache_options=cache_options)
+            cache_config = self.cache_sizing.cache_config
+            logger.info("kvjax engine: %s", self.cache_sizing.describe())
+        elif memory_fraction is not None:
+            raise ValueError(f"memory_fraction={memory_fraction!r} sizes the cache only without a cache_config; "
+                             "got both")
         self.cache_config = cache_config
+        self.overlap = overlap
         self.eos_token_id = check_token_id(eos_token_id, int(model.vocab_size), "eos_token_id")
         self.attention = model.attention_layout()
         if max_num_batched_tokens is None:
@@ -160,19 +166,27 @@ class Engine:
         self.pool = pool
         self.debug = debug
         self.use_decode_path = use_decode_path
-        graphdef, self.params = nnx.split(model)
-        if cache_dtype is None:  # the parameters' float dtype
-            cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
-                               if jnp.issubdtype(x.dtype, jnp.floating))
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
                                 max_seqs=cache_config.max_seqs, dtype=cache_dtype, **(cache_options or {}))
         self.caches = model.init_caches(**self._cache_args)
         self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
-        self._tracked: dict[int, _Tracked] = {}
+        self._no_tokens = jnp.zeros(cache_config.max_seqs, jnp.int32)  # i32[max_seqs]: "previous step" of none
+        self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
+        self._tracked: dict[int, Tracked] = {}
         self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
         self._held: list[TokenEvent] = []  # events of add_request requests from steps a stream ran
         self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
+
+    def describe(self) -> str:
+        """One line: mode, cache geometry (and how it was sized), scheduler policies."""
+        c = self.cache_config
+        cache = (self.cache_sizing.describe() if self.cache_sizing is not None else
+                 f"cache {c.num_pages} pages of {c.page_size} tokens, {c.max_seqs} sequences of up to "
+                 f"{c.max_blocks_per_seq} blocks")
+        return (f"Engine({type(self.model).__name__}, overlap={'on' if self.overlap else 'off'}, "
+                f"recycle={self.recycle}, pool={self.pool}, {self.scheduler.max_num_batched_tokens} tokens/step): "
+                f"{cache}")
 
     # ---- requests --------------------------------------------------------------------------------------------
     @property
@@ -200,12 +214,13 @@ class Engine:
 
     def _queue(self, prompt: np.ndarray, max_new_tokens: int, temperature: float, seed: int, index: int) -> int:
         req = self.scheduler.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id)
-        self._tracked[req.request_id] = _Tracked(index, temperature, seed, req, [])
+        self._tracked[req.request_id] = Tracked(index, temperature, seed, req, [])
         return req.request_id
 
     def abort(self, request_id: int) -> list[int]:
-        """Abort a queued or running request (its slot and pages go back at once); returns its tokens so far.
-        Its events not yet delivered are dropped. ``ValueError`` for an unknown (or finished) request id."""
+        """Abort a queued or running request (its slot and pages go back at once); returns its tokens so far
+        (those delivered as events or about to be). Its events not yet delivered are dropped, and so is any
+        token a step in flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
         self.scheduler.abort(request_id)
         tr = self._tracked.pop(request_id)
         box = self._inbox.pop(request_id, None)
@@ -217,30 +232,52 @@ class Engine:
         return tr.request.output_ids.tolist()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """A request is queued, running, or waiting for tokens of a step in flight."""
+        return self.scheduler.has_unfinished() or bool(self._tracked)
 
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Run one scheduler step on the device; returns the tokens it generated (every request's, including
-        those a :meth:`stream` consumer also receives), preceded by the tokens of :meth:`add_request` requests
-        that steps run by a :meth:`stream` / :meth:`generate` consumer (or a step that failed) generated since
-        (only those, without running a step, when nothing is left to run).
+        """Run one engine step; returns the tokens it delivered (every request's, including those a
+        :meth:`stream` consumer also receives), preceded by the tokens of :meth:`add_request` requests that steps
+        run by a :meth:`stream` / :meth:`generate` consumer (or a step that failed) generated since (only those,
+        without running a step, when nothing is left to run).
+
+        ``overlap=True``: one call schedules and dispatches step N+1, then waits for step N's tokens and returns
+        them (the first call returns none; a call with nothing left to schedule only collects the step in
+        flight). ``overlap=False``: dispatches a step and returns its tokens.
 
         A fault anywhere in the step (a bad argument deep down, a kernel or out-of-memory error, a
-        ``KeyboardInterrupt``) is re-raised after the engine has recovered: every running request is preempted
-        (its progress dropped, recomputed later, as preemption by recompute does), and if the device call had
-        started the caches are rebuilt before the next step. Tokens sampled before the fault are kept, so the
-        run continues to the same outputs as an uninterrupted one.
+        ``KeyboardInterrupt``), with a step in flight or not, is re-raised after the engine has recovered: the
+        tokens of steps in flight are dropped, every running request is preempted (its progress dropped,
+        recomputed later, as preemption by recompute does), and the caches are rebuilt before the next step if a
+        device call was under way. Tokens already read are kept, so the run continues to the same outputs as an
+        uninterrupted one.
         """
         events = self._step() if self.has_unfinished() or not self._held else []
         held, self._held = self._held, []
         return held + events
 
+    def _device_idle(self) -> bool:
+        """Everything dispatched has finished (non-blocking)."""
+        return not self._inflight or self._inflight[-1].tokens.is_ready()
+
     def _step(self) -> list[TokenEvent]:
-        sched = self.scheduler
         t0 = time.perf_counter()
+        dispatched = None
+        if self.scheduler.has_unfinished() or not self._inflight:
+            dispatched = self._dispatch(t0)
+        if not self._inflight or (dispatched is not None and self.overlap and len(self._inflight) == 1):
+            return []
+        start = t0 if dispatched is None else time.perf_counter()
+        idle = dispatched is None and self._device_idle()
+        return self._resolve(self._inflight[0], start, idle)
+
+    def _dispatch(self, t0: float) -> _Flight:
+        """Schedule, build inputs and dispatch one step; returns it (also queued in ``_inflight``)."""
+        sched = self.scheduler
+        idle_since = t0 if self._device_idle() else None
         preempt0 = sched.num_preemptions
-        if self.caches is None:  # lost to a fault in the previous step
+        if self.caches is None:  # lost to a fault in an earlier step
             self.caches = self.model.init_caches(**self._cache_args)
         try:
             plan = sched.schedule()
@@ -253,172 +290,116 @@ class Engine:
         device_called = False
         try:
             t1 = time.perf_counter()
-            inputs = plan_to_inputs(plan, use_decode_path=self.use_decode_path)
+            if idle_since is None and self._device_idle():
+                idle_since = t1
+            sampling = self._sampling_rows(plan)
+            inputs, rows = plan_to_inputs(plan, sampling, use_decode_path=self.use_decode_path)
             if self.debug:
                 inputs.validate(num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
                                 max_slots=self.cache_config.max_seqs + 1, vocab_size=self.vocab_size,
                                 attention=self.attention)
-            B = plan.seq_lens.shape[0]
-            seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
-            temperature = np.zeros(B, np.float32)
-            for b, rid in enumerate(plan.request_ids):
-                tr = self._tracked[rid]
-                seeds[b], streams[b], counters[b], temperature[b] = (tr.seed, tr.index, tr.request.num_tokens,
-                                                                     tr.temperature)
-            greedy_only = not bool((temperature > 0).any())
+            prev = self._inflight[-1] if self._inflight else None
+            if (plan.prev_index >= 0).any() and (prev is None or prev.plan.step != plan.step - 1):
+                raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
+            greedy_only = not bool((sampling["temperature"] > 0).any())
             t2 = time.perf_counter()
+            if idle_since is None and self._device_idle():
+                idle_since = t2
             traces0 = self.num_traces
             device_called = True  # from here on the donated caches may be gone
-            tokens, self.caches = self._device_step(self.params, self.caches, inputs, seeds, streams, counters,
-                                                    temperature, greedy_only)
-            tokens = np.asarray(tokens)
+            tokens, self.caches = self._device_step(self.params, self.caches, inputs, rows,
+                                                    self._no_tokens if prev is None else prev.tokens, greedy_only)
             t3 = time.perf_counter()
-            sched.update(plan, tokens)
+            sched.advance(plan)
         except BaseException:
             self._recover(plan, device_called)
             raise
-        events = self._collect(plan.request_ids)
-        t4 = time.perf_counter()
         used = sched.blocks.used_pages()
-        self.metrics.append(StepRecord(
+        record = dict(
             step=plan.step, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs,
-            bucket_tokens=int(plan.token_ids.shape[0]), bucket_rows=B, bucket_blocks=int(plan.block_tables.shape[2]),
-            decode_only=inputs.decode_only,
-            generated=len(events), running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
+            bucket_tokens=int(plan.token_ids.shape[0]), bucket_rows=int(plan.seq_lens.shape[0]),
+            bucket_blocks=int(plan.block_tables.shape[2]), decode_only=inputs.decode_only,
+            running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
             preemptions=sched.num_preemptions - preempt0, pages_used=used,
             pages_free=self.cache_config.num_pages - used, compiled=self.num_traces > traces0,
-            t_schedule=t1 - t0, t_inputs=t2 - t1, t_device=t3 - t2, t_update=t4 - t3, t_step=t4 - t0))
+            t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
+            t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
+        flight = _Flight(plan, tokens, record)
+        self._inflight.append(flight)
+        return flight
+
+    def _sampling_rows(self, plan: StepPlan) -> dict[str, np.ndarray]:
+        """``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B] of the plan's rows."""
+        B = plan.seq_lens.shape[0]
+        seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
+        temperature = np.zeros(B, np.float32)
+        for b, rid in enumerate(plan.request_ids):
+            tr = self._tracked[rid]
+            seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, tr.request.num_tokens, \
+                tr.temperature
+        return dict(seeds=seeds, streams=streams, counters=counters, temperature=temperature)
+
+    def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[TokenEvent]:
+        """Read ``flight``'s tokens (waiting for its device work), apply them, and return their events."""
+        try:
+            t4 = time.perf_counter()
+            tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs]
+            t5 = time.perf_counter()
+            self.scheduler.resolve(flight.plan, tokens)
+        except BaseException:
+            self._recover(None, False)
+            raise
+        self._inflight.popleft()
+        events = self._collect(flight.plan.request_ids)
+        t6 = time.perf_counter()
+        # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
+        exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
+        self._record(flight, generated=len(events), t_wait=t5 - t4, t_update=t6 - t5, t_part=t6 - start,
+                     t_exposed=exposed)
         return events
 
-    def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
-        """Events for the tokens these requests took since their last event (read from the scheduler's
-        requests, so a step cut short still delivers what it recorded); queued for their stream consumer too."""
-        events = []
-        for rid in request_ids:
-            tr = self._tracked.get(rid)
-            if tr is None:
-                continue
-            req = tr.request
-            new = req.output_ids[len(tr.tokens):].tolist()
-            done = req.status is Status.FINISHED or _is_done(req)
-            for k, tok in enumerate(new):
-                tr.tokens.append(tok)
-                events.append(TokenEvent(tr.index, rid, tok, len(tr.tokens) - 1, done and k == len(new) - 1))
-            if done:
-                del self._tracked[rid]
-        for ev in events:
-            box = self._inbox.get(ev.request_id)
-            if box is not None:
-                box.append(ev)
-        return events
+    def _record(self, flight: _Flight, *, generated: int, t_wait: float, t_update: float, t_part: float,
+                t_exposed: float) -> None:
+        r = flight.record
+        self.metrics.append(StepRecord(**{**r, "generated": generated, "t_wait": t_wait, "t_update": t_update,
+                                          "t_step": r["t_step"] + t_part, "t_exposed": r["t_exposed"] + t_exposed}))
 
     def _recover(self, plan: StepPlan | None, device_called: bool) -> None:
-        """Bring the engine back to a state the next step can run from after a fault in a step: every running
-        request is preempted by recompute (a request that already took its last token is released), and the
-        caches, possibly donated, are rebuilt at the next step. Tokens already recorded become events."""
+        """Bring the engine back to a state the next step can run from after a fault in a step: the tokens of
+        steps in flight are dropped (the scheduler's rollback), every running request is preempted by
+        recompute (a request that already took its last token is released), and the caches, possibly donated
+        or written by a lost step, are rebuilt at the next step. Tokens already read become events."""
         sched = self.scheduler
         self.num_recoveries += 1
-        if plan is not None:
-            for rid in plan.request_ids:  # cut short between "took its last token" and "released"
+        plans = [f.plan for f in self._inflight] + ([plan] if plan is not None else [])
+        if device_called or self._inflight:
+            self.caches = None
+        for f in self._inflight:  # their device work counts; their tokens are lost
+            self._record(f, generated=0, t_wait=0.0, t_update=0.0, t_part=0.0, t_exposed=0.0)
+        self._inflight.clear()
+        for p in plans:  # cut short between "took its last token" and "released"
+            for rid in p.request_ids:
                 req = sched.requests.get(rid)
                 if req is not None and req.status is Status.RUNNING and req not in sched.running:
                     sched.running.append(req)
-        touched = dict.fromkeys([*(plan.request_ids if plan is not None else ()),
+        touched = dict.fromkeys([*(rid for p in plans for rid in p.request_ids),
                                  *(r.request_id for r in sched.running)])
-        for req in reversed(list(sched.running)):
-            if _is_done(req):
+        for req in list(sched.running):
+            if is_done(req):
                 sched.abort(req.request_id)  # releases slot and pages; its tokens are complete
-            else:
-                sched._preempt(req)  # the scheduler's own preemption path (progress dropped, requeued first)
-        if device_called:
-            self.caches = None
+        sched.rollback()  # drops reserved tokens; preempts the running requests the lost steps advanced
+        for req in reversed(list(sched.running)):
+            sched._preempt(req)  # the scheduler's own preemption path (progress dropped, requeued first)
         self._held += [ev for ev in self._collect(list(touched)) if ev.request_id not in self._inbox]
 
-    # ---- whole workloads -------------------------------------------------------------------------------------
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-               temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
-        """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
-
-        Arguments are checked when ``stream`` is called (``ValueError`` naming the value, as
-        :meth:`add_request`); the requests are queued at the first ``next()``. A prompt that can never fit raises
-        :class:`RequestTooLongError` naming its index before any step runs, and none of this call's requests
-        stays queued. The caller may :meth:`abort` any request (by ``event.request_id``) between events;
-        closing the generator early (or an error inside it) aborts what is left.
-
-        Several consumers may run at once (two streams consumed alternately, ``generate`` inside a ``stream``
-        loop): whichever consumer runs a step, every event goes to the stream whose request produced it, so
-        each consumer gets all of its tokens, in order. ``progress``: tqdm bar over generated tokens (``None``:
-        on when the run generates >= 4096 tokens).
-        """
-        calls = check_call(prompts, max_new_tokens, self.vocab_size)
-        temperature, seed = check_temperature(temperature), check_seed(seed)
-        return self._stream(calls, temperature, seed, progress)
-
-    def _stream(self, calls: list, temperature: float, seed: int, progress: bool | None) -> Iterator[TokenEvent]:
-        ids = []
-        try:
-            for i, (p, m) in enumerate(calls):
-                try:
-                    ids.append(self._queue(p, m, temperature, seed, i))
-                except RequestTooLongError as err:
-                    raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
-        except BaseException:
-            for rid in ids:
-                self.abort(rid)
-            raise
-        box: collections.deque[TokenEvent] = collections.deque()
-        for rid in ids:
-            self._inbox[rid] = box
-        bar = self._progress_bar(int(sum(m for _, m in calls)), progress)
-        try:
-            while box or any(rid in self._tracked for rid in ids):
-                if not box:
-                    self._held += [ev for ev in self._step() if ev.request_id not in self._inbox]
-                    continue
-                ev = box.popleft()
-                if bar is not None:
-                    bar.update(1)
-                yield ev
-        finally:
-            if bar is not None:
-                bar.close()
-            for rid in ids:  # generator closed early: abort what is left
-                self._inbox.pop(rid, None)
-                if rid in self._tracked:
-                    self.abort(rid)
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-                 temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> list[list[int]]:
-        """Generate for every prompt; returns the generated token ids per prompt (prompt order).
-
-        ``temperature == 0`` is greedy. Sampling keys derive from ``(seed, prompt index, tokens so far)``, so the
-        result does not depend on batching, preemption or the recycle policy. Raises ``ValueError`` (nothing
-        queued) for a bad argument (see :meth:`add_request`) and :class:`RequestTooLongError` (nothing queued)
-        if a prompt can never fit in the cache. May run inside another consumer's :meth:`stream` loop.
-        """
-        events = self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
-        out: list[list[int]] = [[] for _ in range(len(prompts))]
-        for ev in events:
-            out[ev.index].append(ev.token)
-        return out
-
-    @staticmethod
-    def _progress_bar(total: int, progress: bool | None):
-        if progress is False or (progress is None and total < 4096):
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            warnings.warn("progress bar requested but tqdm is not installed", stacklevel=3)
-            return None
-        return tqdm(total=total, unit="tok", desc="generate")
-
+    # ---- invariants ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """The scheduler's allocator and queue invariants (``AssertionError`` if broken)."""
         self.scheduler.check_integrity()
 
     def is_idle(self) -> bool:
-        """No request queued or running, every slot and page free."""
+        """No request queued, running or waiting for tokens, every slot and page free (a step whose requests all
+        finished or were aborted may still be in flight: it holds nothing)."""
         s = self.scheduler
         return (not s.has_unfinished() and s.slots.num_used == 0
                 and s.blocks.used_pages() == 0 and not self._tracked)

@@ -4,6 +4,10 @@ One step serves a mixed, ragged batch: prefill chunks and decode tokens of up to
 in all, token-major. ``B``, ``T`` and ``max_blocks`` come from static buckets (the scheduler pads), so a long
 run compiles a handful of times. Padding rows have ``cu_seqlens`` length 0, GDN slot 0 (PAD), all-``-1``
 block tables; padding tokens (past ``cu_seqlens[-1]``) have slot mapping ``-1`` and write nothing.
+
+``SampleInputs``: the engine step's per-row sampling arrays and ``prev_index`` (tokens taken from the previous
+step's sampled tokens on the device). :func:`plan_to_inputs` moves both from a scheduler plan in one
+``jax.device_put``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 
 from kvjax.config import AttentionConfig
 from kvjax.errors import InvalidPlanError
+from kvjax.sched.plan import DEVICE_FIELDS, StepPlan
 
 
 @jax.tree_util.register_dataclass
@@ -126,6 +131,37 @@ class StepInputs:
             dtype = jnp.bool_ if name == "has_initial_state" else jnp.int32
             out[name] = jnp.asarray(np.asarray(value), dtype)
         return cls(**out, decode_only=bool(decode_only))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInputs:
+    """Per-row sampling and the tokens taken from the previous step (``sample=True`` steps)."""
+
+    seeds: jax.Array  # i32[B]: sampling seed of each row's request
+    streams: jax.Array  # i32[B]: its prompt index (sampling stream)
+    counters: jax.Array  # i32[B]: its token count when sampling (the key's last fold-in)
+    temperature: jax.Array  # f32[B]: 0 = greedy
+    prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this row; -1 = token_ids[t]
+
+
+def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True
+                   ) -> tuple[StepInputs, SampleInputs]:
+    """Device inputs of a scheduler plan, moved with one batched ``jax.device_put``: ``StepInputs`` (int fields
+    int32, ``has_initial_state`` bool; the plan's field names are its field names) and ``SampleInputs``
+    (``sampling``: ``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B]; ``prev_index`` from the
+    plan).
+
+    ``use_decode_path``: set the static ``StepInputs.decode_only`` flag when every real row has exactly one
+    token (models then use their decode kernels; one more trace per bucket).
+    """
+    host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
+            for name in DEVICE_FIELDS}
+    rows = dict(sampling, prev_index=np.asarray(plan.prev_index, np.int32))
+    q = plan.query_lens[: plan.num_seqs]
+    decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
+    host, rows = jax.device_put((host, rows))
+    return StepInputs(**host, decode_only=decode_only), SampleInputs(**rows)
 
 
 def _check_rows(a: dict[str, np.ndarray], cu: np.ndarray, page_size: int, attention: AttentionConfig | None) -> None:

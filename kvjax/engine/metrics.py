@@ -3,9 +3,24 @@
 ``EngineMetrics`` is a plain list of :class:`StepRecord` with a summary; ``to_dict()`` gives columns
 (``{field: list}``) ready for ``pandas.DataFrame`` or JSON, ``to_json(path)`` writes them.
 
-Times are wall-clock seconds measured on the host: ``t_schedule`` (scheduler plan incl. recycling and page
-allocation), ``t_inputs`` (numpy plan -> device ``StepInputs``), ``t_device`` (jitted step + sampling until the
-sampled tokens are back on the host), ``t_update`` (scheduler update, stream bookkeeping), ``t_step`` (all).
+One record per device step, appended when its tokens have been read (a step whose tokens a fault lost is
+recorded with ``generated`` 0). Times are wall-clock seconds on the host, split into phases: ``t_schedule``
+(scheduler plan incl. recycling and page allocation), ``t_inputs`` (numpy plan -> device inputs, sampling rows),
+``t_dispatch`` (the jitted call returning; includes tracing and compiling on a new shape), ``t_wait`` (blocked
+reading the step's sampled tokens), ``t_update`` (scheduler resolve, events). ``t_step`` is the step's share of
+the ``Engine.step`` calls: the part of the call that dispatched it (schedule .. dispatch) plus the part of the
+call that read its tokens (from after that call's own dispatch, or from its start if it dispatched nothing, to
+its end); summed over steps it is the time spent inside ``Engine.step``.
+
+Host time. ``t_host = t_step - t_wait``: everything the host does for the step (its total host time).
+``t_exposed``: the part of it the device waits for, i.e. time inside ``Engine.step`` during which the host has
+observed the device idle (everything dispatched finished) and has not dispatched yet. The host observes
+idleness exactly when it blocked on a step's tokens and nothing else is in flight (the synchronous engine: all
+of its host time is exposed), and otherwise through non-blocking ``is_ready()`` probes of the latest dispatched
+step at the start of a call, after scheduling and before the dispatch; the idle interval counts from the first
+probe that saw it, so ``t_exposed`` is a lower bound, exact to within one phase. With ``overlap=True`` the
+host's work for step N+1 runs while step N computes: ``t_exposed`` stays near 0 while the device step takes
+longer than the host's part. Time outside ``Engine.step`` (the caller's own work between calls) is not counted.
 """
 
 from __future__ import annotations
@@ -36,13 +51,16 @@ class StepRecord:
     compiled: bool  # the device step was traced and compiled during this step (a new bucket shape)
     t_schedule: float  # seconds (host wall clock; see the module docstring for each phase)
     t_inputs: float  # seconds
-    t_device: float  # seconds
+    t_dispatch: float  # seconds
+    t_wait: float  # seconds
     t_update: float  # seconds
-    t_step: float  # seconds, all phases
+    t_step: float  # seconds, the step's share of Engine.step calls
+    t_exposed: float  # seconds of host time the device waited for (lower bound; see the module docstring)
 
     @property
     def t_host(self) -> float:
-        return self.t_schedule + self.t_inputs + self.t_update
+        """Total host time of the step: all but the wait for its tokens."""
+        return self.t_step - self.t_wait
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
@@ -86,7 +104,9 @@ class EngineMetrics:
         Counts (tokens, steps, running, preemptions, pages) cover every step. Times cover only the steps that
         did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
         ``compile_steps`` / ``compile_time_s``. ``generated_tokens_per_s`` = tokens generated in those steps /
-        their summed ``t_step`` (the steady-state rate); ``host_share`` = host time / step time over them.
+        their summed ``t_step`` (the steady-state rate). Host time over them: ``host_share`` = exposed host time
+        (``t_exposed``, what the device waits for) / step time, ``host_total_share`` = total host time
+        (``t_host``) / step time, with per-step medians ``exposed_host_time_median_s`` / ``host_time_median_s``.
         ``page_util_*`` need ``num_pages`` (else taken as used + free of the first record).
         """
         recs = self.records[skip:]
@@ -94,7 +114,8 @@ class EngineMetrics:
             return {"steps": 0}
         col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in FIELDS}
         warm = col["compiled"] == 0
-        host = (col["t_schedule"] + col["t_inputs"] + col["t_update"])[warm]
+        host = (col["t_step"] - col["t_wait"])[warm]
+        exposed = col["t_exposed"][warm]
         step_t = col["t_step"][warm]
         total = float(step_t.sum())
         gen_warm = float(col["generated"][warm].sum())
@@ -112,8 +133,10 @@ class EngineMetrics:
             "generated_tokens_per_step": float(col["generated"].mean()),
             "step_time_median_s": float(np.median(step_t)) if warm.any() else nan,
             "host_time_median_s": float(np.median(host)) if warm.any() else nan,
-            "device_time_median_s": float(np.median(col["t_device"][warm])) if warm.any() else nan,
-            "host_share": float(host.sum() / total) if total > 0 else nan,
+            "exposed_host_time_median_s": float(np.median(exposed)) if warm.any() else nan,
+            "wait_time_median_s": float(np.median(col["t_wait"][warm])) if warm.any() else nan,
+            "host_share": float(exposed.sum() / total) if total > 0 else nan,
+            "host_total_share": float(host.sum() / total) if total > 0 else nan,
             "schedule_share": float(col["t_schedule"][warm].sum() / total) if total > 0 else nan,
             "inputs_share": float(col["t_inputs"][warm].sum() / total) if total > 0 else nan,
             "running_mean": float(col["running"].mean()),

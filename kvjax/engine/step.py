@@ -18,13 +18,14 @@ Typical use::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.engine.inputs import StepInputs
+from kvjax.engine.inputs import SampleInputs, StepInputs
 from kvjax.engine import sampling
 from kvjax.models.interface import ModelCaches
 
@@ -33,10 +34,12 @@ class ModelStep:
     """A model graph's jitted step and how many times it was traced (= compiled).
 
     ``sample=False``: ``step(params, caches, inputs) -> (logits f32[B, vocab], caches)``.
-    ``sample=True``: ``step(params, caches, inputs, seeds i32[B], streams i32[B], counters i32[B],
-    temperature f32[B], greedy_only) -> (tokens i32[B], caches)``: the model step followed by
-    :func:`kvjax.engine.sampling.sample` (``greedy_only``, static: argmax only) in one dispatch, so only the
-    tokens need to come back to the host.
+    ``sample=True``: ``step(params, caches, inputs, rows: SampleInputs, prev_tokens i32[R], greedy_only) ->
+    (tokens i32[R], caches)``: token ``t`` becomes ``prev_tokens[rows.prev_index[t]]`` where that index is
+    ``>= 0`` (the previous step's sampled tokens, still on the device), then the model step and
+    :func:`kvjax.engine.sampling.sample` (``greedy_only``, static: argmax only) run in one dispatch. Row ``b``'s
+    token comes back at index ``b`` of an array shaped like ``prev_tokens`` (``R >= B``; rows past ``B``: 0), so
+    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, sample: bool = False, max_traces: int | None = None,
@@ -52,16 +55,19 @@ class ModelStep:
                                      f"B={inputs.num_rows}, decode_only={inputs.decode_only}")
             return nnx.merge(graphdef, params).forward_step(caches, inputs)
 
-        def forward_and_sample(params, caches, inputs, seeds, streams, counters, temperature, greedy_only):
+        def forward_and_sample(params, caches, inputs: StepInputs, rows: SampleInputs, prev_tokens, greedy_only):
+            fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
+            inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
             logits, caches = forward(params, caches, inputs)
             if greedy_only:
                 tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
-                tokens = sampling.sample(logits, sampling.row_keys(seeds, streams, counters), temperature)
-            return tokens, caches
+                tokens = sampling.sample(logits, sampling.row_keys(rows.seeds, rows.streams, rows.counters),
+                                         rows.temperature)
+            return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), caches
 
         fn: Callable = forward_and_sample if sample else forward
-        self._fn = jax.jit(fn, donate_argnums=(1,) if donate else (), static_argnums=(7,) if sample else ())
+        self._fn = jax.jit(fn, donate_argnums=(1,) if donate else (), static_argnums=(5,) if sample else ())
 
     def __call__(self, *args: Any) -> tuple[jax.Array, ModelCaches]:
         return self._fn(*args)

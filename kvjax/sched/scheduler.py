@@ -94,8 +94,8 @@ class Scheduler:
                     request_id: int | None = None, running: bool = False) -> Request:
         """Queue a request (or, with ``running=True``, start it at once: it takes a slot now and computes from
         the next step). It fits a block-table row when ``prompt_len + max_new_tokens - 1 <= max_seq_len``: the
-        last sampled token is never fed, so never cached. Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
-        ``running`` and no slot is free, ``ValueError`` for a bad prompt, token id or request id; on error
+        last sampled token is never fed, so never cached. Raises :class:`RequestTooLongError` if it could never
+        fit, ``SlotExhaustedError`` if ``running`` and no slot is free, ``ValueError`` for a bad prompt, token id or request id; on error
         nothing changes."""
         if request_id is None:
             request_id = self._next_id

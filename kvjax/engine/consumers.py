@@ -1,0 +1,155 @@
+"""How requests' tokens reach their consumers: :class:`TokenEvent`, and ``stream`` / ``generate``.
+
+Each request is tracked from the moment it is queued until its last token has become an event. Events are
+routed to the stream that owns the request, whichever consumer ran the step (two streams consumed alternately,
+``generate`` inside a ``stream`` loop); events of :meth:`~kvjax.engine.engine.Engine.add_request` requests that a
+stream's steps produced are held for the next ``Engine.step()``. :class:`Consumers` is the part of
+:class:`~kvjax.engine.engine.Engine` that does this; it relies on the engine's ``_tracked``, ``_inbox``, ``_held``,
+``_queue``, ``_step``, ``abort`` and ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Iterator, Sequence
+
+from kvjax.engine.args import check_call, check_seed, check_temperature
+from kvjax.errors import RequestTooLongError
+from kvjax.sched.request import Request, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, as :meth:`Engine.stream` yields it."""
+
+    index: int  # position of the request's prompt in the ``prompts`` list of the call
+    request_id: int  # scheduler request id (for :meth:`Engine.abort`)
+    token: int  # the sampled token id
+    position: int  # 0-based index of this token among the request's generated tokens
+    finished: bool  # the request is done (max_new_tokens or eos)
+
+
+@dataclasses.dataclass
+class Tracked:
+    index: int  # prompt index in its call (events, sampling stream)
+    temperature: float  # 0 = greedy
+    seed: int  # sampling seed
+    request: Request  # the scheduler's request: its token buffer is the record of what was generated
+    tokens: list  # list[int]: generated tokens already turned into events
+
+
+
+def is_done(req: Request) -> bool:
+    """The request took its last token (``max_new_tokens`` reached or eos sampled), all of them resolved."""
+    if req.pending:
+        return False
+    return req.num_output >= req.max_new_tokens or (
+        req.eos_token_id is not None and req.num_output > 0 and int(req.token_ids[req.num_tokens - 1])
+        == req.eos_token_id)
+
+
+class Consumers:
+    """Event collection and the ``stream`` / ``generate`` consumers of an :class:`~kvjax.engine.engine.Engine`."""
+
+    def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
+        """Events for the tokens these requests took since their last event (read from the scheduler's
+        requests, so a step cut short still delivers what it recorded); queued for their stream consumer too."""
+        events = []
+        for rid in request_ids:
+            tr = self._tracked.get(rid)
+            if tr is None:
+                continue
+            req = tr.request
+            new = req.output_ids[len(tr.tokens):].tolist()
+            done = (req.status is Status.FINISHED and not req.pending) or is_done(req)
+            for k, tok in enumerate(new):
+                tr.tokens.append(tok)
+                events.append(TokenEvent(tr.index, rid, tok, len(tr.tokens) - 1, done and k == len(new) - 1))
+            if done:
+                del self._tracked[rid]
+        for ev in events:
+            box = self._inbox.get(ev.request_id)
+            if box is not None:
+                box.append(ev)
+        return events
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+               temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
+        """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
+
+        Arguments are checked when ``stream`` is called (``ValueError`` naming the value, as
+        :meth:`add_request`); the requests are queued at the first ``next()``. A prompt that can never fit raises
+        :class:`RequestTooLongError` naming its index before any step runs, and none of this call's requests
+        stays queued. The caller may :meth:`abort` any request (by ``event.request_id``) between events;
+        closing the generator early (or an error inside it) aborts what is left.
+
+        Several consumers may run at once (two streams consumed alternately, ``generate`` inside a ``stream``
+        loop): whichever consumer runs a step, every event goes to the stream whose request produced it, so
+        each consumer gets all of its tokens, in order. ``progress``: tqdm bar over generated tokens (``None``:
+        on when the run generates >= 4096 tokens).
+        """
+        calls = check_call(prompts, max_new_tokens, self.vocab_size)
+        temperature, seed = check_temperature(temperature), check_seed(seed)
+        return self._stream(calls, temperature, seed, progress)
+
+    def _stream(self, calls: list, temperature: float, seed: int, progress: bool | None) -> Iterator[TokenEvent]:
+        ids = []
+        try:
+            for i, (p, m) in enumerate(calls):
+                try:
+                    ids.append(self._queue(p, m, temperature, seed, i))
+                except RequestTooLongError as err:
+                    raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        box: collections.deque[TokenEvent] = collections.deque()
+        for rid in ids:
+            self._inbox[rid] = box
+        bar = self._progress_bar(int(sum(m for _, m in calls)), progress)
+        try:
+            while box or any(rid in self._tracked for rid in ids):
+                if not box:
+                    self._held += [ev for ev in self._step() if ev.request_id not in self._inbox]
+                    continue
+                ev = box.popleft()
+                if bar is not None:
+                    bar.update(1)
+                yield ev
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # generator closed early: abort what is left
+                self._inbox.pop(rid, None)
+                if rid in self._tracked:
+                    self.abort(rid)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+                 temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> list[list[int]]:
+        """Generate for every prompt; returns the generated token ids per prompt (prompt order).
+
+        ``temperature == 0`` is greedy. Sampling keys derive from ``(seed, prompt index, tokens so far)``, so the
+        result does not depend on batching, preemption or the recycle policy. Raises ``ValueError`` (nothing
+        queued) for a bad argument (see :meth:`add_request`) and :class:`RequestTooLongError` (nothing queued)
+        if a prompt can never fit in the cache. May run inside another consumer's :meth:`stream` loop.
+        """
+        events = self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
+        out: list[list[int]] = [[] for _ in range(len(prompts))]
+        for ev in events:
+            out[ev.index].append(ev.token)
+        return out
+
+    @staticmethod
+    def _progress_bar(total: int, progress: bool | None):
+        if progress is False or (progress is None and total < 4096):
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            warnings.warn("progress bar requested but tqdm is not installed", stacklevel=3)
+            return None
+        return tqdm(total=total, unit="tok", desc="generate")
+
