@@ -4,10 +4,11 @@
 Usage: ``python benchmarks/runner.py engine`` (one accelerator; kernels ``impl="auto"``).
 
 Per run (one row each, ``impl`` = the recycle policy; the anchor is ``recycle=none``): ``median_ms`` = the
-median step time; generated tokens/s in the steady state (steps that compiled are left out), host time
-(scheduler plan + StepInputs building + scheduler update) and its share of the step, device time (jitted step +
-sampling until the tokens are on the host), and whether both runs generated identical tokens (``identical``,
-on the timely row). Each run stops at its deadline (``truncated``); ``ok`` = the cache passed its integrity
+median step time; generated tokens/s in the steady state (steps that compiled are left out), the exposed host
+time (host work while the device had nothing queued: ``host_share``) and the total host time
+(``host_total_share``, everything but ``t_wait``, the time the host blocks on the device's tokens), and whether
+both runs generated identical tokens (``identical``, on the timely row). The engine overlaps host and device
+(``overlap=True``, the default). Each run stops at its deadline (``truncated``); ``ok`` = the cache passed its integrity
 check after the run.
 """
 
