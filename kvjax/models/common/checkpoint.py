@@ -168,6 +168,16 @@ def assign_params(model: nnx.Module, values: Mapping[tuple, np.ndarray]) -> nnx.
     The model is modified only after every check has passed.
     """
     graphdef, state = nnx.split(model)
+    flat = check_values(state, values)
+    for path, var in flat.items():
+        var.set_value(jnp.asarray(values[path], var.get_value().dtype))
+    nnx.update(model, state)
+    return model
+
+
+def check_values(state: nnx.State, values: Mapping[tuple, Any]) -> dict[tuple, nnx.Variable]:
+    """``{path: variable}`` of ``state`` after checking that ``values`` has exactly its paths and shapes;
+    :class:`CheckpointError` names the first mismatch."""
     flat = dict(nnx.to_flat_state(state))
     missing = [p for p in flat if p not in values]
     extra = [p for p in values if p not in flat]
@@ -179,10 +189,7 @@ def assign_params(model: nnx.Module, values: Mapping[tuple, np.ndarray]) -> nnx.
             raise CheckpointError(
                 f"parameter {'.'.join(map(str, path))} has shape {have}, value has {tuple(values[path].shape)}"
             )
-    for path, var in flat.items():
-        var.set_value(jnp.asarray(values[path], var.get_value().dtype))
-    nnx.update(model, state)
-    return model
+    return flat
 
 
 def abstract_model(build) -> nnx.Module:

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.models.common.parallel import reduce
+
 
 def rms_norm(
     x: jax.Array,  # [..., D]
@@ -70,15 +72,20 @@ class GatedRMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)`` with ``kernel: [in, out]`` (the transpose of a torch ``Linear.weight``)."""
+    """``y = x @ kernel (+ bias)`` with ``kernel: [in, out]`` (the transpose of a torch ``Linear.weight``).
+
+    ``reduce_axis`` (static, ``None`` by default): on a row-parallel shard inside ``shard_map`` the partial
+    product is summed over that mesh axis before the bias is added (:mod:`kvjax.models.common.parallel`).
+    """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, rngs: nnx.Rngs, dtype=jnp.float32):
         scale = 1.0 / math.sqrt(d_in)
         self.kernel = nnx.Param(scale * jax.random.normal(rngs.params(), (d_in, d_out), dtype))  # [in, out]
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None  # [out] | None
+        self.reduce_axis: str | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = jnp.matmul(x, self.kernel[...], precision=jax.lax.Precision.HIGHEST)
+        y = reduce(jnp.matmul(x, self.kernel[...], precision=jax.lax.Precision.HIGHEST), self.reduce_axis)
         return y if self.bias is None else y + self.bias[...]
 
 

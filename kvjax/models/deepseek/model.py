@@ -43,12 +43,16 @@ checkpoints: :mod:`kvjax.models.deepseek.loading`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kvjax.config import AttentionConfig
 from kvjax.models.common.layers import Linear, RMSNorm
+from kvjax.models.common.parallel import ShardPlan, TensorParallel, check_divisible, embed, gather_vocab
 from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
 from kvjax.models.deepseek.attention import StepMeta
 from kvjax.models.deepseek.config import DeepseekConfig
@@ -83,6 +87,7 @@ class DeepseekV32(nnx.Module):
         inv_freq, factor = rope_inv_freq(c.qk_rope_head_dim, c.rope, max_position_embeddings=c.max_position_embeddings)
         self._inv_freq = tuple(float(f) for f in inv_freq)  # f32-exact
         self._rope_factor = float(factor)
+        self.tp: TensorParallel | None = None  # set on a device-local shard (kvjax.models.sharding)
 
     def _cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # f32[..., r/2] each
         return rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32), self._rope_factor)
@@ -90,8 +95,10 @@ class DeepseekV32(nnx.Module):
     def _head(self, h: jax.Array) -> jax.Array:
         h = self.norm(h)
         if self.lm_head is None:
-            return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], precision=_HI).astype(jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+            out = jnp.einsum("...d,vd->...v", h, self.embed_tokens[...], precision=_HI)
+        else:
+            out = self.lm_head(h)
+        return gather_vocab(out.astype(jnp.float32), self.tp)
 
     @nnx.jit(static_argnames=("indexer_fp8", "latent_fp8"))
     def logits(self, input_ids: jax.Array, *, indexer_fp8: bool = False, latent_fp8: bool = False) -> jax.Array:
@@ -114,6 +121,34 @@ class DeepseekV32(nnx.Module):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def shard_plan(self, axis: str, size: int) -> ShardPlan:
+        """How :func:`kvjax.models.sharding.shard_model` splits this model over a mesh axis of ``size`` devices.
+
+        The MLA latent cache has one head, so it cannot be split by head: its pages are split over the data axis
+        only (each data shard's rows keep their own pages) and replicated over this axis (``pages_over_model``
+        False), as vLLM's tensor-parallel MLA does. Over the axis: the query heads of the absorbed attention
+        (``q_b_proj``, ``kv_b_proj`` columns, ``o_proj`` rows: each device attends its heads over the shared
+        latent pages), MLP and expert columns (the router and the DSA indexer stay whole: top-k selection must
+        not depend on a cross-device sum order) and the padded vocabulary. ``ValueError`` names a count that
+        ``size`` does not divide."""
+        c = self.config
+        counts = {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size}
+        if "sparse" in c.mlp_layer_types:
+            counts["moe_intermediate_size"] = c.moe_intermediate_size
+        check_divisible(counts, size, axis)
+        vpad = -(-c.vocab_size // size) * size
+        local = dataclasses.replace(
+            c, vocab_size=vpad // size, num_attention_heads=c.num_attention_heads // size,
+            intermediate_size=c.intermediate_size // size,
+            moe_intermediate_size=max(c.moe_intermediate_size // size, 1),
+        )
+        i = c.moe_intermediate_size
+        perm = np.concatenate([np.arange(o + k * i // size, o + (k + 1) * i // size)
+                               for k in range(size) for o in (0, i)])  # [gate | up] rows: a share of each
+        return ShardPlan(local_config=local, vocab_padded=vpad, pages_over_model=False,
+                         perms={("experts", "gate_up_proj"): (1, perm)},
+                         tp=TensorParallel(axis, size, c.vocab_size))
 
     def attention_layout(self) -> AttentionConfig:
         """One latent head of width ``kv_lora_rank + qk_rope_head_dim``: one block table per row (MLA)."""
@@ -165,7 +200,7 @@ class DeepseekV32(nnx.Module):
         ``"reference"`` when ``impl="reference"``, else ``"auto"``). Returns ``(logits f32[N, vocab], caches)``.
         """
         meta = StepMeta.from_inputs(inputs, impl)
-        x = self.embed_tokens[...][inputs.token_ids]
+        x = embed(self.embed_tokens[...], inputs.token_ids, self.tp)
         cos, sin = self._cos_sin(inputs.positions)
         pages = caches.pages
         new = dict(pages)

@@ -30,13 +30,17 @@ paths apply the same mask. HF has no such heads, so parity with HF holds only wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from kvjax.config import AttentionConfig
+from kvjax.config import AttentionConfig, GDNConfig
 from kvjax.models.common.checkpoint import abstract_model
 from kvjax.models.common.layers import Linear
+from kvjax.models.common.parallel import ShardPlan, TensorParallel, check_divisible, embed, gather_vocab
 from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
 from kvjax.models.interface import ModelCaches
 from kvjax.models.qwen3_5.config import Qwen3_5Config
@@ -60,6 +64,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             {"rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
         )
         self._inv_freq = tuple(float(f) for f in inv_freq)  # static, f32-exact
+        self.tp: TensorParallel | None = None  # set on a device-local shard (kvjax.models.sharding)
 
     def with_swa(self, window: tuple[int, ...], sinks: tuple[int, ...] = ()) -> "Qwen3_5ForCausalLM":
         """A model with the same parameters whose full-attention layers have per-KV-head ``window``/``sinks``
@@ -74,7 +79,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             out = jnp.matmul(h, self.model.embed_tokens[...].T, precision=jax.lax.Precision.HIGHEST)
         else:
             out = self.lm_head(h)
-        return out.astype(jnp.float32)
+        return gather_vocab(out.astype(jnp.float32), self.tp)
 
     def _cos_sin(self, positions: jax.Array):
         return rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32))
@@ -102,6 +107,32 @@ class Qwen3_5ForCausalLM(nnx.Module):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def shard_plan(self, axis: str, size: int) -> ShardPlan:
+        """How :func:`kvjax.models.sharding.shard_model` splits this model over a mesh axis of ``size`` devices:
+        attention query/KV heads, GDN key/value heads (and their conv channels), MLP columns and the padded
+        vocabulary. ``ValueError`` names a head count or width that ``size`` does not divide."""
+        c, a, g = self.config, self.config.attention, self.config.gdn
+        counts = {"num_attention_heads": a.num_q_heads, "num_key_value_heads": a.num_kv_heads,
+                  "linear_num_key_heads": g.num_k_heads, "linear_num_value_heads": g.num_v_heads,
+                  "intermediate_size": c.intermediate_size}
+        check_divisible(counts, size, axis)
+        vpad = -(-c.vocab_size // size) * size
+        local = dataclasses.replace(
+            c, vocab_size=vpad // size, intermediate_size=c.intermediate_size // size,
+            attention=AttentionConfig(a.num_q_heads // size, a.num_kv_heads // size, a.head_dim),
+            gdn=GDNConfig(g.num_k_heads // size, g.num_v_heads // size, g.head_k_dim, g.head_v_dim,
+                          g.conv_kernel_size),
+        )
+        qk, v = g.num_k_heads * g.head_k_dim, g.num_v_heads * g.head_v_dim
+        blocks = [(0, qk), (qk, qk), (2 * qk, v)]  # [q | k | v] conv channels: each device takes its share of each
+        perm = np.concatenate([np.arange(o + i * n // size, o + (i + 1) * n // size)
+                               for i in range(size) for o, n in blocks])
+        return ShardPlan(
+            local_config=local, vocab_padded=vpad, pages_over_model=True,
+            perms={("linear_attn", "in_proj_qkv", "kernel"): (1, perm), ("linear_attn", "conv_weight"): (0, perm)},
+            tp=TensorParallel(axis, size, c.vocab_size, tuple(a.window), tuple(a.sinks)),
+        )
 
     def attention_layout(self) -> AttentionConfig:
         """The full-attention layers' KV heads with their per-head ``window``/``sinks`` (one block table each)."""
@@ -132,10 +163,13 @@ class Qwen3_5ForCausalLM(nnx.Module):
         from kvjax.state.kv_cache import write_kv
 
         c = self.config
-        x = self.model.embed_tokens[...][inputs.token_ids]  # [T, H]
+        x = embed(self.model.embed_tokens[...], inputs.token_ids, self.tp)  # [T, H]
         cos, sin = self._cos_sin(inputs.positions)
-        window = jnp.asarray(c.attention.window, jnp.int32)
-        sinks = jnp.asarray(c.attention.sinks, jnp.int32)
+        window = jnp.asarray(c.attention.window, jnp.int32)  # i32[Hkv]
+        sinks = jnp.asarray(c.attention.sinks, jnp.int32)  # i32[Hkv]
+        if self.tp is not None:  # this device's KV heads of the global masks
+            window = self.tp.local(jnp.asarray(self.tp.kv_window or (0,) * self.tp.size, jnp.int32))
+            sinks = self.tp.local(jnp.asarray(self.tp.kv_sinks or (0,) * self.tp.size, jnp.int32))
         pool, kv = caches.gdn, dict(caches.pages)
         if inputs.decode_only:  # decode kernels continue every live row: zero fresh rows' slots (1-token prompts)
             pool = gdn_pool.reset(pool, jnp.where(inputs.has_initial_state, 0, inputs.gdn_slots))

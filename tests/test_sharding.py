@@ -1,0 +1,188 @@
+"""The sharded step (:mod:`kvjax.models.sharding`) on CPU meshes: same logits and caches as one device.
+
+JAX fixes its CPU device count when it starts, so the mesh tests run in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``test_sharding_on_8_cpu_devices``; measured ~3 s of
+start-up over the tests themselves), leaving the rest of the suite on its usual single device.
+
+For meshes 1x2, 2x1, 2x2 and 1x4 (data x model) each data shard runs its own batch (own planner, pages, GDN
+slots): prefill chunks, decode steps, SWA heads whose blocks are recycled into ``-1`` holes and reused. Every
+step's logits equal a single-device step on that shard's batch within 1e-5 (f32); at the end every live
+token's K/V row (read on the device owning its head), every GDN slot and every latent row equal the single-device
+caches; the step compiles once per bucket; each device holds total / N of the caches (total / D for DeepSeek's
+latent pages, replicated over ``"model"``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import test_step_qwen3_5 as qwen_step
+from kvjax.config import AttentionConfig, GDNConfig
+from kvjax.engine.step import make_step
+from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+from kvjax.models.qwen3_5 import Qwen3_5Config
+from kvjax.models.sharding import ShardedModel, shard_model
+
+INNER = os.environ.get("KVJAX_SHARDING_INNER") == "1"
+inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_sharding_on_8_cpu_devices")
+TOL = 1e-5
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
+PAGE, NUM_PAGES, MAX_SEQS = qwen_step.PAGE, qwen_step.NUM_PAGES, qwen_step.MAX_SEQS
+VOCAB = 61  # prime: padded to 62 / 64 on 2 / 4 model devices
+
+
+def test_sharding_on_8_cpu_devices():
+    if INNER:
+        pytest.skip("already inside the 8-device run")
+    env = {**os.environ, "KVJAX_SHARDING_INNER": "1",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+def qwen_model():
+    cfg = Qwen3_5Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, layer_types=("linear_attention", "full_attention"),
+        attention=AttentionConfig(8, 4, 16, window=(5, 0, 6, 0), sinks=(1, 0, 0, 0)), gdn=GDNConfig(4, 8, 8, 8, 4),
+        rope_theta=10000.0, partial_rotary_factor=0.5,
+    )
+    return qwen_step.random_model(cfg, seed=5)
+
+
+def deepseek_model():
+    cfg = DeepseekConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=4,
+        index_head_dim=16, index_topk=5, rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
+        mlp_layer_types=("dense", "sparse"), moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1,
+    )
+    model = DeepseekV32(cfg, rngs=nnx.Rngs(7))
+    rng = np.random.default_rng(7)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # norms and biases away from 1 / 0
+        if var[...].ndim == 1:
+            var[...] = var[...] + 0.3 * rng.standard_normal(var[...].shape).astype(np.float32)
+    return model
+
+
+FAMILIES = {"qwen3_5": qwen_model, "deepseek": deepseek_model}
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Each family's model and its single-device step (compiled once for all meshes)."""
+    out = {}
+    for name, build in FAMILIES.items():
+        model = build()
+        graphdef, params = nnx.split(model)
+        out[name] = model, params, make_step(graphdef)
+    return out
+
+
+def _caches(model, **kw):
+    return model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, max_seqs=MAX_SEQS, **kw)
+
+
+def _run(family, model, params, step1, sharded: ShardedModel, rng, monkeypatch):
+    """Drive D independent batches through the sharded step and D single-device steps; compare every step."""
+    monkeypatch.setattr(qwen_step, "T_BUCKETS", (16,))  # one token bucket: every data shard's plan has T = 16
+    a = model.attention_layout()
+    d_size = sharded.data_size
+    planners = [qwen_step.Planner(rng, a.num_kv_heads, a.window, a.sinks) for _ in range(d_size)]
+    lengths = [rng.integers(10, 15, 3) for _ in range(d_size)]
+    seqs = [[rng.integers(0, VOCAB, n).astype(np.int32) for n in ls] for ls in lengths]
+    chunks = [[4, 3], [5], [2, 2, 2]]
+    refs = [_caches(model) for _ in range(d_size)]
+    caches = sharded.init_caches(num_pages=NUM_PAGES, page_size=PAGE, max_seqs=MAX_SEQS)
+    step = sharded.make_step()
+    cursors = [[0, 0, 0] for _ in range(d_size)]
+    for p in planners:
+        for sid in range(3):
+            p.add(sid)
+    steps = 0
+    while True:
+        plans = []
+        for d, p in enumerate(planners):
+            work = []
+            for sid in range(3):
+                c = cursors[d][sid]
+                n = min(chunks[sid][steps] if steps < len(chunks[sid]) else 1, len(seqs[d][sid]) - c)
+                if n > 0:
+                    work.append((sid, seqs[d][sid][c:c + n]))
+                    cursors[d][sid] += n
+            plans.append(p.plan(work)[0] if work else None)
+        if any(x is None for x in plans):
+            break
+        want = []
+        for d in range(d_size):
+            logits, refs[d] = step1(params, refs[d], plans[d])
+            want.append(np.asarray(logits))
+        got, caches = step(sharded.params, caches, sharded.shard_inputs(plans))
+        np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=TOL, rtol=0, err_msg=f"step {steps}")
+        for p in planners:
+            p.recycle()
+        last = plans
+        steps += 1
+    assert steps >= 5 and step.num_traces <= 2  # one prefill + one decode-only trace for the whole run
+    if family == "qwen3_5":
+        assert sum(p.recycled for p in planners) >= 2  # SWA holes appeared
+    _check_caches(sharded, caches, refs, last)
+    return caches
+
+
+def _check_caches(sharded: ShardedModel, caches, refs, last):
+    """Every live token's rows (on its head's device), every GDN slot, equal the single-device caches."""
+    for d, inputs in enumerate(last):
+        bt, lens = np.asarray(inputs.block_tables), np.asarray(inputs.seq_lens)
+        for name, pool in caches.pages.items():
+            ref = np.asarray(refs[d].pages[name]).astype(np.float32)
+            mine = np.asarray(pool.astype(np.float32))[d]
+            for r, h, blk in zip(*np.nonzero(bt >= 0)):
+                page, n = bt[r, h, blk], min(PAGE, lens[r] - blk * PAGE)
+                local = mine[sharded.head_owner(h)] if sharded.plan.pages_over_model else mine
+                # f32 round-off of the psum order; an fp8 role may round across one fp8 step (2**-3 relative)
+                fp8 = pool.dtype.itemsize == 1
+                np.testing.assert_allclose(local[page, :n], ref[page, :n], atol=TOL, rtol=2.0 ** -3 if fp8 else 0,
+                                           err_msg=f"{name} shard {d} head {h}")
+        if caches.gdn is not None:
+            (axis, perm), = [v for k, v in sharded.perms.items() if k[-1] == "conv_weight"]
+            conv = np.asarray(caches.gdn.conv)[d][:, :, np.argsort(perm)]
+            np.testing.assert_allclose(conv, np.asarray(refs[d].gdn.conv), atol=TOL, rtol=0)
+            np.testing.assert_allclose(np.asarray(caches.gdn.ssm)[d], np.asarray(refs[d].gdn.ssm), atol=TOL, rtol=0)
+
+
+@inner
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{m}" for d, m in MESHES])
+def test_sharded_step_equals_one_device(family, shape, built, rng, monkeypatch):
+    model, params, step1 = built[family]
+    d, m = shape
+    mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[: d * m])
+    sharded = shard_model(model, mesh)
+    caches = _run(family, model, params, step1, sharded, rng, monkeypatch)
+    total = sum(x.nbytes for x in jax.tree.leaves(caches))
+    share = d * m if sharded.plan.pages_over_model else d  # DeepSeek's latent pages: replicated over "model"
+    for dev in mesh.devices.ravel():
+        assert ShardedModel.device_nbytes(caches, dev) == total // share
+    # parameters: each device holds only its shard of a model-split matrix
+    kernel = sharded.params["lm_head"]["kernel"][...]  # [H, V padded], columns over "model"
+    assert kernel.shape[1] == -(-VOCAB // m) * m
+    assert {s.data.shape[1] for s in kernel.addressable_shards} == {kernel.shape[1] // m}
+
+
+@inner
+def test_indivisible_head_count_is_named():
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    with pytest.raises(ValueError, match="num_key_value_heads=4 is not divisible by the 'model' mesh axis size 8"):
+        shard_model(qwen_model(), mesh)
+    mesh = jax.make_mesh((1, 3), ("data", "model"), devices=jax.devices()[:3])
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by the 'model' mesh axis size 3"):
+        shard_model(deepseek_model(), mesh)
