@@ -186,3 +186,58 @@ def test_indivisible_head_count_is_named():
     mesh = jax.make_mesh((1, 3), ("data", "model"), devices=jax.devices()[:3])
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by the 'model' mesh axis size 3"):
         shard_model(deepseek_model(), mesh)
+
+
+def _save_qwen(model, path) -> None:
+    """``model`` as an HF ``save_pretrained`` directory (the loader's names; no torch needed)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from kvjax.models.qwen3_5.loading import _hf_name
+
+    c, a, g = model.config, model.config.attention, model.config.gdn
+    tensors = {}
+    for p, var in nnx.to_flat_state(nnx.state(model)):
+        name, transposed = _hf_name(p)
+        value = np.asarray(var.get_value())
+        if name.endswith("conv1d.weight"):
+            value = value[:, None, :]
+        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        layer_types=list(c.layer_types), num_attention_heads=a.num_q_heads, num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim, linear_num_key_heads=g.num_k_heads, linear_num_value_heads=g.num_v_heads,
+        linear_key_head_dim=g.head_k_dim, linear_value_head_dim=g.head_v_dim,
+        linear_conv_kernel_dim=g.conv_kernel_size, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta,
+                             partial_rotary_factor=c.partial_rotary_factor),
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@inner
+def test_load_pretrained_on_a_mesh_places_each_shard(tmp_path):
+    """``load_pretrained(path, mesh=)`` gives the parameters ``shard_model`` gives, each shard on its device."""
+    from kvjax.models import load_pretrained
+
+    model = qwen_model()
+    _save_qwen(model, str(tmp_path / "ckpt"))
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    loaded = load_pretrained(tmp_path / "ckpt", mesh=mesh, window=model.config.attention.window,
+                             sinks=model.config.attention.sinks)
+    want = shard_model(model, mesh)
+    assert isinstance(loaded, ShardedModel) and loaded.vocab_size == VOCAB
+    got, ref = dict(nnx.to_flat_state(loaded.params)), dict(nnx.to_flat_state(want.params))
+    assert got.keys() == ref.keys()
+    for path, var in got.items():
+        x, y = var.get_value(), ref[path].get_value()
+        assert x.sharding == y.sharding, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+        split = [n for n, axis in zip(x.shape, x.sharding.spec) if axis == "model"]
+        for shard in x.addressable_shards:  # a model-split parameter: every device holds 1/2 of it
+            assert shard.data.size == x.size // (2 if split else 1)

@@ -44,8 +44,12 @@ def resolve_loader(config: dict) -> tuple[str, str]:
 def load_pretrained(path: str | os.PathLike, **options: Any) -> CausalLM:
     """Load the model saved at ``path`` (``config.json`` + safetensors) with the loader its config names.
 
-    ``options`` go to the family's loader (all accept ``dtype``, a floating dtype, and ``check_finite``, default
-    True; Qwen3.5 also ``window``/``sinks`` for SWA heads).
+    ``options`` go to the family's loader (all accept ``dtype``, a floating dtype, ``check_finite``, default
+    True, and ``mesh``; Qwen3.5 also ``window``/``sinks`` for SWA heads). With ``mesh`` (a
+    ``jax.sharding.Mesh`` with axes ``("data", "model")``) the result is a
+    :class:`kvjax.models.sharding.ShardedModel`: each parameter is read on the host and its shards placed
+    directly on their devices (``jax.device_put`` with the NamedSharding of its rule,
+    :func:`kvjax.models.sharding.param_spec`); no device ever holds a whole model-split parameter.
 
     Raises :class:`kvjax.errors.CheckpointError` for a missing directory, an unknown architecture, a bad
     config, a non-float ``dtype``, or a missing / mis-shaped / integer-typed tensor or one holding NaN / inf

@@ -12,10 +12,11 @@ import numpy as np
 from flax import nnx
 
 from kvjax.errors import CheckpointError
-from kvjax.models.common.checkpoint import (TensorSource, assign_params, check_param_dtype, load_safetensors,
-                                            read_config)
+from kvjax.models.common.checkpoint import (TensorSource, abstract_model, assign_params, check_param_dtype,
+                                            load_safetensors, read_config)
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.model import DeepseekV32
+from kvjax.models.sharding import ShardedModel
 
 
 def _param_values(config: DeepseekConfig, src: TensorSource) -> dict[tuple, np.ndarray]:
@@ -82,12 +83,14 @@ def _param_values(config: DeepseekConfig, src: TensorSource) -> dict[tuple, np.n
 
 
 def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dtype=jnp.float32,
-            check_finite: bool = True) -> DeepseekV32:
+            check_finite: bool = True, mesh=None):
     """Build a :class:`DeepseekV32` from a HF config dict and its named tensors; all checks happen first.
 
     Raises :class:`CheckpointError` naming a bad config key, a non-float ``dtype``, a missing / mis-shaped /
     non-float / non-finite (unless ``check_finite=False``) tensor or an unexpected tensor (e.g. layers beyond
-    ``num_hidden_layers``, or MoE weights for a layer the config makes dense).
+    ``num_hidden_layers``, or MoE weights for a layer the config makes dense). ``mesh`` (a ``("data",
+    "model")`` ``jax.sharding.Mesh``): a :class:`kvjax.models.sharding.ShardedModel` instead, each parameter's
+    shards placed from host memory directly on their devices.
     """
     dtype = check_param_dtype(dtype)
     cfg = DeepseekConfig.from_hf(config)
@@ -97,15 +100,17 @@ def from_hf(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dty
     extra = src.unused(ignore)
     if extra:
         raise CheckpointError(f"checkpoint has tensors the config does not describe: {extra[:8]}")
+    if mesh is not None:
+        return ShardedModel(abstract_model(lambda: DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype)), values, mesh)
     model = DeepseekV32(cfg, rngs=nnx.Rngs(0), dtype=dtype)
     return assign_params(model, values)
 
 
 def load(path: str, config: Mapping[str, Any] | None = None, *, dtype=jnp.float32,
-         check_finite: bool = True) -> DeepseekV32:
+         check_finite: bool = True, mesh=None):
     """Loader for :func:`kvjax.models.load_pretrained`: ``config.json`` + safetensors at ``path``."""
     if config is None:
         config = read_config(path)
     check_param_dtype(dtype)
     DeepseekConfig.from_hf(config)  # config errors before reading any tensor
-    return from_hf(config, load_safetensors(path), dtype=dtype, check_finite=check_finite)
+    return from_hf(config, load_safetensors(path), dtype=dtype, check_finite=check_finite, mesh=mesh)

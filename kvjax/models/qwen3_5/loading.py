@@ -17,6 +17,7 @@ from kvjax.models.common.checkpoint import (TensorSource, abstract_model, assign
                                             load_safetensors)
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
+from kvjax.models.sharding import ShardedModel
 
 
 def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
@@ -64,12 +65,14 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
 
 
 def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, window: tuple[int, ...] = (),
-         sinks: tuple[int, ...] = (), check_finite: bool = True) -> Qwen3_5ForCausalLM:
+         sinks: tuple[int, ...] = (), check_finite: bool = True, mesh=None):
     """Load an HF Qwen3.5 checkpoint directory (``Qwen3_5ForCausalLM`` or the text tower of the multimodal
     ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped,
     non-float, non-finite (unless ``check_finite=False``) or unexpected tensor, or a non-float ``dtype``; the
     model is returned only when every parameter is loaded. ``window``/``sinks`` (per KV head) turn on SWA heads
-    in the full-attention layers (research option; HF parity needs them off)."""
+    in the full-attention layers (research option; HF parity needs them off). ``mesh`` (a ``("data", "model")``
+    ``jax.sharding.Mesh``): a :class:`kvjax.models.sharding.ShardedModel` instead, each parameter's shards
+    placed from host memory directly on their devices."""
     dtype = check_param_dtype(dtype)
     cfg = Qwen3_5Config.from_hf(config)
     if window or sinks:
@@ -100,4 +103,6 @@ def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, 
         extra = [e for e in extra if e != "lm_head.weight"]
     if extra:
         raise CheckpointError(f"checkpoint has tensors the config does not describe: {extra[:8]}")
+    if mesh is not None:
+        return ShardedModel(model, values, mesh)
     return assign_params(model, values)
