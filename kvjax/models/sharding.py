@@ -117,6 +117,7 @@ class ShardedModel:
         self.mesh = mesh
         self.data_size, self.model_size = mesh.shape[DATA], mesh.shape[MODEL]
         self.config = model_abstract.config
+        self._layout = model_abstract.attention_layout()
         self.plan = plan = model_abstract.shard_plan(MODEL, self.model_size)
         self.perms = plan.perms
         state = nnx.state(model_abstract)
@@ -147,7 +148,7 @@ class ShardedModel:
     def attention_layout(self):
         """The global block-table layout (all KV heads; column ``h``'s pages live on model shard
         :meth:`head_owner`)."""
-        return type(self.local).attention_layout(_GlobalView(self.config))
+        return self._layout
 
     def head_owner(self, head: int) -> int:
         """Model-axis index of the device whose page pool holds KV head ``head``'s pages (0 for a latent head)."""
@@ -259,13 +260,6 @@ class ShardedStep:
 
     def __call__(self, params, caches, inputs):
         return self._fn(params, caches, inputs)
-
-
-class _GlobalView:
-    """Just enough of a model (``config``) to ask a family method about the global shapes."""
-
-    def __init__(self, config):
-        self.config = config
 
 
 def _widen(x: jax.ShapeDtypeStruct, d: int, m: int, *, axis: int) -> jax.ShapeDtypeStruct:
