@@ -1,4 +1,4 @@
-"""Host checks of the engine's request arguments, run before anything is queued.
+"""Host checks of the engine's request arguments, run before anything is queued; the prefix-caching options.
 
 Every function raises ``ValueError`` naming the argument and the bad value, and changes nothing. The engine
 calls them for every request of a ``generate`` / ``stream`` call before it queues the first one, so a bad
@@ -10,9 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import INT32_MAX, is_int
+from kvjax.models.interface import CausalLM
+from kvjax.sched.prefix_cache import PrefixCacheConfig
 
 INT32_MIN = -(2**31)
 
@@ -92,3 +96,23 @@ def check_call(prompts: Any, max_new_tokens: Any, vocab_size: int) -> list[tuple
         raise ValueError(f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}")
     return [(check_prompt(p, vocab_size, f"prompt {i}"), check_max_new_tokens(m, f"max_new_tokens of prompt {i}"))
             for i, (p, m) in enumerate(zip(prompts, max_new))]
+
+
+def prefix_config(model: CausalLM, on: bool, checkpoints: int | None, recycle: str, max_seqs: int
+                   ) -> PrefixCacheConfig | None:
+    """The scheduler's prefix-cache config for ``model`` (None when off); ``ValueError`` for a setting that
+    cannot work."""
+    if not isinstance(on, bool):
+        raise ValueError(f"prefix_caching must be True or False, got {on!r}")
+    if not on:
+        if checkpoints is not None or recycle != "keep_tail":
+            raise ValueError("prefix_checkpoints / prefix_recycle need prefix_caching=True")
+        return None
+    shapes = jax.eval_shape(lambda: model.init_caches(num_pages=1, page_size=1, max_seqs=1, dtype=jnp.float32))
+    gdn = shapes.gdn is not None and shapes.gdn.conv.shape[0] > 0
+    if checkpoints is None:
+        checkpoints = max_seqs if gdn else 0
+    if not gdn and checkpoints:
+        raise ValueError(f"prefix_checkpoints={checkpoints!r}: {type(model).__name__} has no GDN layers, so no "
+                         "recurrent state to checkpoint (use 0 or None)")
+    return PrefixCacheConfig(num_checkpoints=checkpoints, gdn=gdn, recycle=recycle)

@@ -36,6 +36,14 @@ Use from a script or notebook::
         if ev.index == 3 and ev.position > 10: engine.abort(ev.request_id)
     engine.metrics.summary()                                    # per-step records -> aggregates
 
+Prefix caching (``prefix_caching=True``, opt-in; :mod:`kvjax.sched.prefix_cache`): full prompt blocks are
+shared between requests through the page pool, for the engine's lifetime (a later ``generate`` / ``stream``
+reuses what earlier calls computed; :meth:`Engine.clear_prefix_cache` drops it). With GDN layers the pool gets
+``prefix_checkpoints`` extra slots (default ``max_seqs``) holding the recurrent state at cached block
+boundaries; the plan names the copies and the jitted step does them (:mod:`kvjax.state.gdn_checkpoints`). A
+fault clears the cache (the caches are rebuilt). ``metrics.summary()`` reports ``prefix_hit_tokens`` and
+``prefill_tokens``.
+
 Models in the package: Qwen3.5 (:mod:`kvjax.models.qwen3_5`: GDN slots + head-wise K/V pages; SWA heads
 recycle) and DeepSeek-V3.2 (:mod:`kvjax.models.deepseek`: MLA latent + DSA indexer caches, one latent head).
 """
@@ -55,11 +63,11 @@ from flax import nnx
 
 from kvjax.config import CacheConfig
 from kvjax.engine.args import (check_index, check_max_new_tokens, check_prompt, check_seed, check_temperature,
-                               check_token_id)
+                               check_token_id, prefix_config)
 from kvjax.engine.consumers import Consumers, TokenEvent, is_done, Tracked
 from kvjax.engine.inputs import plan_to_inputs
 from kvjax.engine.metrics import EngineMetrics, StepRecord
-from kvjax.engine.sizing import CacheSizing, size_cache
+from kvjax.engine.sizing import CacheSizing, default_max_seqs, size_cache
 from kvjax.engine.step import make_step
 from kvjax.models.interface import CausalLM
 from kvjax.sched.plan import StepPlan
@@ -116,6 +124,11 @@ class Engine(Consumers):
         ``T``, ``B`` and the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_seqs`` /
         ``max_blocks_per_seq``. Fewer
         buckets = fewer compilations, more padding (worth it where compiling is slow, e.g. on CPU).
+      prefix_caching: share cached prompt blocks between requests (see the module docstring; default off).
+      prefix_checkpoints: GDN checkpoint slots (default ``max_seqs`` for a model with GDN layers; must be >= 1
+        there, and 0 / None for a model without); only with ``prefix_caching``.
+      prefix_recycle: what happens to a cached page that SWA recycling frees, ``"keep_tail"`` (keep the window
+        tail of cached prompts, default) or ``"eager"`` (let it go); only with ``prefix_caching``.
     """
 
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
@@ -124,7 +137,8 @@ class Engine(Consumers):
                  cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
                  max_traces: int | None = None, use_decode_path: bool = True,
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
-                 block_buckets: Sequence[int] | None = None) -> None:
+                 block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
+                 prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail") -> None:
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
         if not isinstance(model, CausalLM) or not isinstance(model, nnx.Module):
@@ -138,9 +152,12 @@ class Engine(Consumers):
             cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
                                if jnp.issubdtype(x.dtype, jnp.floating))
         self.cache_sizing: CacheSizing | None = None
+        prefix = prefix_config(model, prefix_caching, prefix_checkpoints, prefix_recycle,
+                                cache_config.max_seqs if cache_config is not None else default_max_seqs())
+        num_ckpts = prefix.num_checkpoints if prefix is not None else 0
         if cache_config is None:
             self.cache_sizing = size_cache(model, dtype=cache_dtype, memory_fraction=memory_fraction,
-                                           cache_options=cache_options)
+                                           cache_options=cache_options, num_checkpoints=num_ckpts)
             cache_config = self.cache_sizing.cache_config
             logger.info("kvjax engine: %s", self.cache_sizing.describe())
         elif memory_fraction is not None:
@@ -153,7 +170,8 @@ class Engine(Consumers):
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
         self.scheduler = Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
-                                   pool=pool, recycle=recycle, watermark=watermark)
+                                   pool=pool, recycle=recycle, watermark=watermark, prefix_cache=prefix)
+        self.prefix_caching = prefix is not None
         if token_buckets is not None:
             self.scheduler.t_buckets = _check_buckets("token_buckets", token_buckets, max_num_batched_tokens,
                                                       "max_num_batched_tokens")
@@ -167,7 +185,7 @@ class Engine(Consumers):
         self.debug = debug
         self.use_decode_path = use_decode_path
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
-                                max_seqs=cache_config.max_seqs, dtype=cache_dtype, **(cache_options or {}))
+                                max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(cache_options or {}))
         self.caches = model.init_caches(**self._cache_args)
         self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
         self._no_tokens = jnp.zeros(cache_config.max_seqs, jnp.int32)  # i32[max_seqs]: "previous step" of none
@@ -185,8 +203,19 @@ class Engine(Consumers):
                  f"cache {c.num_pages} pages of {c.page_size} tokens, {c.max_seqs} sequences of up to "
                  f"{c.max_blocks_per_seq} blocks")
         return (f"Engine({type(self.model).__name__}, overlap={'on' if self.overlap else 'off'}, "
-                f"recycle={self.recycle}, pool={self.pool}, {self.scheduler.max_num_batched_tokens} tokens/step): "
+                f"recycle={self.recycle}, pool={self.pool}, {self.scheduler.max_num_batched_tokens} tokens/step"
+                f"{self._describe_prefix()}): "
                 f"{cache}")
+
+    def _describe_prefix(self) -> str:
+        pc = self.scheduler.prefix
+        return "" if pc is None else (f", prefix caching {pc.config.recycle} with {pc.config.num_checkpoints} "
+                                      "checkpoints")
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prompt block and GDN checkpoint (blocks that running requests hold stay theirs);
+        returns the pages freed. No-op without prefix caching."""
+        return self.scheduler.clear_prefix_cache()
 
     # ---- requests --------------------------------------------------------------------------------------------
     @property
@@ -293,11 +322,12 @@ class Engine(Consumers):
             if idle_since is None and self._device_idle():
                 idle_since = t1
             sampling = self._sampling_rows(plan)
-            inputs, rows = plan_to_inputs(plan, sampling, use_decode_path=self.use_decode_path)
+            inputs, rows, *copies = plan_to_inputs(plan, sampling, use_decode_path=self.use_decode_path,
+                                                   checkpoints=self.prefix_caching)
             if self.debug:
                 inputs.validate(num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
                                 max_slots=self.cache_config.max_seqs + 1, vocab_size=self.vocab_size,
-                                attention=self.attention)
+                                attention=self.attention, shared_pages=self.prefix_caching)
             prev = self._inflight[-1] if self._inflight else None
             if (plan.prev_index >= 0).any() and (prev is None or prev.plan.step != plan.step - 1):
                 raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
@@ -308,7 +338,8 @@ class Engine(Consumers):
             traces0 = self.num_traces
             device_called = True  # from here on the donated caches may be gone
             tokens, self.caches = self._device_step(self.params, self.caches, inputs, rows,
-                                                    self._no_tokens if prev is None else prev.tokens, greedy_only)
+                                                    self._no_tokens if prev is None else prev.tokens, greedy_only,
+                                                    *copies)
             t3 = time.perf_counter()
             sched.advance(plan)
         except BaseException:
@@ -321,6 +352,8 @@ class Engine(Consumers):
             bucket_blocks=int(plan.block_tables.shape[2]), decode_only=inputs.decode_only,
             running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
             preemptions=sched.num_preemptions - preempt0, pages_used=used,
+            prefix_hit_tokens=plan.prefix_hit_tokens, prefill_tokens=plan.prefill_tokens,
+            cached_pages=sched.prefix.cached_pages() if sched.prefix is not None else 0,
             pages_free=self.cache_config.num_pages - used, compiled=self.num_traces > traces0,
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)

@@ -6,8 +6,8 @@ run compiles a handful of times. Padding rows have ``cu_seqlens`` length 0, GDN 
 block tables; padding tokens (past ``cu_seqlens[-1]``) have slot mapping ``-1`` and write nothing.
 
 ``SampleInputs``: the engine step's per-row sampling arrays and ``prev_index`` (tokens taken from the previous
-step's sampled tokens on the device). :func:`plan_to_inputs` moves both from a scheduler plan in one
-``jax.device_put``.
+step's sampled tokens on the device). ``CheckpointCopies``: the GDN checkpoint copies of a prefix-caching
+step. :func:`plan_to_inputs` moves them from a scheduler plan in one ``jax.device_put``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class StepInputs:
         return self.seq_lens.shape[0]
 
     def validate(self, *, num_pages: int, page_size: int, max_slots: int, vocab_size: int | None = None,
-                 attention: AttentionConfig | None = None) -> None:
+                 attention: AttentionConfig | None = None, shared_pages: bool = False) -> None:
         """Host-side (``debug=True``) check of one step's inputs; raises :class:`InvalidPlanError` naming the
         row, head or token.
 
@@ -63,7 +63,9 @@ class StepInputs:
         a ``-1`` hole (SWA heads may have holes outside their window and sinks); with
         ``vocab_size``, that every token id lies in ``[0, vocab_size)``.
 
-        ``max_slots`` is the GDN pool size including slot 0 (``max_seqs + 1``).
+        ``max_slots`` is the GDN pool size including slot 0 (``max_seqs + 1``). ``shared_pages`` (prefix
+        caching): a page may appear in several rows at one (head, block), read-only (not written this step);
+        otherwise no page appears twice.
         """
         a = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "decode_only"}
         t, b = a["token_ids"].shape[0], a["seq_lens"].shape[0]
@@ -118,7 +120,7 @@ class StepInputs:
                 bad = np.flatnonzero((tok < 0) | (tok >= vocab_size))
                 raise InvalidPlanError(f"StepInputs.token_ids outside [0, vocab_size={vocab_size}) at tokens "
                                        f"{bad[:8].tolist()}: {tok[bad[:8]].tolist()}")
-        _check_rows(a, cu, page_size, attention)
+        _check_rows(a, cu, page_size, attention, shared_pages)
 
     @classmethod
     def from_numpy(cls, *, decode_only: bool = False, **arrays) -> "StepInputs":
@@ -145,8 +147,18 @@ class SampleInputs:
     prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this row; -1 = token_ids[t]
 
 
-def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True
-                   ) -> tuple[StepInputs, SampleInputs]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CheckpointCopies:
+    """GDN state copies of one step (prefix caching; see :mod:`kvjax.state.gdn_checkpoints`)."""
+
+    restore: jax.Array  # i32[B]: checkpoint slot copied into row b's GDN slot before the model; -1 none
+    save: jax.Array  # i32[B]: checkpoint slot row b's GDN state is copied into after the model; -1 none
+
+
+def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
+                   checkpoints: bool = False
+                   ) -> tuple[StepInputs, SampleInputs] | tuple[StepInputs, SampleInputs, CheckpointCopies]:
     """Device inputs of a scheduler plan, moved with one batched ``jax.device_put``: ``StepInputs`` (int fields
     int32, ``has_initial_state`` bool; the plan's field names are its field names) and ``SampleInputs``
     (``sampling``: ``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B]; ``prev_index`` from the
@@ -154,25 +166,52 @@ def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decod
 
     ``use_decode_path``: set the static ``StepInputs.decode_only`` flag when every real row has exactly one
     token (models then use their decode kernels; one more trace per bucket).
+    ``checkpoints``: also return the plan's :class:`CheckpointCopies` (``ckpt_restore`` / ``ckpt_save``).
     """
     host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
             for name in DEVICE_FIELDS}
     rows = dict(sampling, prev_index=np.asarray(plan.prev_index, np.int32))
     q = plan.query_lens[: plan.num_seqs]
     decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
-    host, rows = jax.device_put((host, rows))
-    return StepInputs(**host, decode_only=decode_only), SampleInputs(**rows)
+    copies = dict(restore=np.asarray(plan.ckpt_restore, np.int32), save=np.asarray(plan.ckpt_save, np.int32)) \
+        if checkpoints else None
+    host, rows, copies = jax.device_put((host, rows, copies))
+    out = StepInputs(**host, decode_only=decode_only), SampleInputs(**rows)
+    return (*out, CheckpointCopies(**copies)) if checkpoints else out
 
 
-def _check_rows(a: dict[str, np.ndarray], cu: np.ndarray, page_size: int, attention: AttentionConfig | None) -> None:
+def _check_sharing(bt: np.ndarray, sm: np.ndarray, ps: int) -> None:
+    """A page sits at one (head, block) of the tables; several rows may hold it there (a prefix-cached block,
+    read-only), but a page this step writes (``slot_mapping``) is in one entry only."""
+    r, h, k = np.nonzero(bt >= 0)
+    pages = bt[r, h, k].astype(np.int64)
+    uniq, counts = np.unique(pages, return_counts=True)
+    where = np.unique(np.stack([pages, h, k]), axis=1)
+    if where.shape[1] != len(uniq):
+        dup = np.unique(where[0])[np.bincount(np.searchsorted(np.unique(where[0]), where[0])) > 1]
+        raise InvalidPlanError(f"StepInputs.block_tables: pages {dup[:8].tolist()} appear at more than one "
+                               "(head, block) or twice in a row")
+    written = np.unique(sm[sm >= 0] // ps)
+    shared = uniq[counts > 1]
+    both = np.intersect1d(written, shared)
+    if len(both):
+        raise InvalidPlanError(f"StepInputs.block_tables: pages {both[:8].tolist()} are written this step and appear "
+                               "in more than one (row, head, block) entry")
+
+
+def _check_rows(a: dict[str, np.ndarray], cu: np.ndarray, page_size: int, attention: AttentionConfig | None,
+                shared_pages: bool = False) -> None:
     """The per-row consistency checks of :meth:`StepInputs.validate` (``a``: its fields as numpy arrays)."""
     bt, sm, seq, pos = a["block_tables"], a["slot_mapping"], a["seq_lens"], a["positions"]
     ps, (b, hkv, nblk) = page_size, bt.shape
-    pages = bt[bt >= 0]
-    if len(np.unique(pages)) != len(pages):
+    if shared_pages:
+        _check_sharing(bt, sm, ps)
+    else:
+        pages = bt[bt >= 0]
         uniq, counts = np.unique(pages, return_counts=True)
-        raise InvalidPlanError(f"StepInputs.block_tables: pages {uniq[counts > 1][:8].tolist()} appear in more than "
-                               "one (row, head, block) entry")
+        if (counts > 1).any():
+            raise InvalidPlanError(f"StepInputs.block_tables: pages {uniq[counts > 1][:8].tolist()} appear in more "
+                                   "than one (row, head, block) entry")
     if attention is not None and attention.num_kv_heads != hkv:
         raise InvalidPlanError(f"StepInputs.block_tables has {hkv} heads, the attention layout "
                                f"{attention.num_kv_heads}")

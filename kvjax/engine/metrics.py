@@ -56,6 +56,9 @@ class StepRecord:
     t_update: float  # seconds
     t_step: float  # seconds, the step's share of Engine.step calls
     t_exposed: float  # seconds of host time the device waited for (lower bound; see the module docstring)
+    prefix_hit_tokens: int = 0  # prompt tokens this step's admissions took from the prefix cache
+    prefill_tokens: int = 0  # tokens at prompt positions computed this step
+    cached_pages: int = 0  # pages the prefix cache holds after scheduling (included in pages_used)
 
     @property
     def t_host(self) -> float:
@@ -144,5 +147,14 @@ class EngineMetrics:
             "preemptions": int(col["preemptions"].sum()),
             "page_util_mean": float(util.mean()),
             "page_util_peak": float(util.max()),
+            "prefix_hit_tokens": int(col["prefix_hit_tokens"].sum()),
+            "prefill_tokens": int(col["prefill_tokens"].sum()),
+            "prefix_hit_rate": _ratio(col["prefix_hit_tokens"].sum(),
+                                      col["prefix_hit_tokens"].sum() + col["prefill_tokens"].sum()),
+            "cached_pages_mean": float(col["cached_pages"].mean()),
             "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only) for r in recs}),
         }
+
+
+def _ratio(a: float, b: float) -> float:
+    return float(a / b) if b > 0 else float("nan")

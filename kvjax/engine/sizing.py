@@ -3,11 +3,13 @@
 Cost model, read from the model itself: ``jax.eval_shape`` of ``model.init_caches`` (nothing is allocated) at
 two page counts and two slot counts gives
 
-    bytes(num_pages, max_seqs) = page_bytes * num_pages + slot_bytes * (max_seqs + 1) + fixed
+    bytes(num_pages, max_seqs) = page_bytes * num_pages + slot_bytes * (max_seqs + 1 + num_checkpoints) + fixed
 
 where ``page_bytes`` sums one page of every paged role of every layer (Qwen3.5: the K and V pages of each
 attention layer; DeepSeek-V3.2: the MLA latent page plus the DSA indexer pages) and ``slot_bytes`` one slot of
 the per-sequence state (Qwen3.5's GDN conv + SSM state of every linear-attention layer; 0 for DeepSeek).
+With prefix caching the GDN pool also holds ``num_checkpoints`` checkpoint slots: pages and checkpoints share
+one budget (the pages are what is left after every slot).
 
 Budget: ``memory_fraction`` (default 0.9, like vLLM's ``gpu_memory_utilization`` but of the memory still free
 after the parameters) of the device's free memory, ``bytes_limit - bytes_in_use`` of
@@ -44,18 +46,21 @@ class CacheSizing:
     page_bytes: int  # one page index across every paged role of every layer
     slot_bytes: int  # one per-sequence state slot across every layer (0 without recurrent layers)
     fixed_bytes: int  # cache bytes independent of pages and slots
+    num_checkpoints: int = 0  # GDN checkpoint slots beside the max_seqs + 1 sequence slots (prefix caching)
 
     @property
     def cache_bytes(self) -> int:
         c = self.cache_config
-        return self.page_bytes * c.num_pages + self.slot_bytes * (c.max_seqs + 1) + self.fixed_bytes
+        return self.page_bytes * c.num_pages + self.slot_bytes * (c.max_seqs + 1 + self.num_checkpoints) \
+            + self.fixed_bytes
 
     def describe(self) -> str:
         """One line: the chosen geometry, its bytes and the budget."""
         c = self.cache_config
         return (f"cache sized from {self.budget_source}: {c.num_pages} pages of {c.page_size} tokens "
                 f"({_mib(self.page_bytes * c.num_pages)}, {self.page_bytes} B per page over all layers), "
-                f"{c.max_seqs} sequences ({_mib(self.slot_bytes * (c.max_seqs + 1))} of per-sequence state), "
+                f"{c.max_seqs} sequences + {self.num_checkpoints} checkpoints "
+                f"({_mib(self.slot_bytes * (c.max_seqs + 1 + self.num_checkpoints))} of per-sequence state), "
                 f"{c.max_blocks_per_seq} blocks = {c.max_seq_len} tokens per sequence; {_mib(self.cache_bytes)} "
                 f"of a {_mib(self.budget_bytes)} budget")
 
@@ -103,18 +108,20 @@ def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_opti
 
 def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = None, page_size: int = PAGE_SIZE,
                max_seqs: int | None = None, max_seq_len: int | None = None, cache_options: dict | None = None,
-               device: Any = None) -> CacheSizing:
+               device: Any = None, num_checkpoints: int = 0) -> CacheSizing:
     """Size a :class:`CacheConfig` for ``model`` from a memory budget (see the module docstring).
 
     ``max_seqs`` / ``max_seq_len`` default to :data:`MAX_SEQS` / :data:`MAX_SEQ_LEN` of the platform (``cpu``
-    or ``accelerator``). Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
+    or ``accelerator``); ``num_checkpoints`` GDN checkpoint slots are paid for before the pages. Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
     hold the state slots and one page per KV head.
     """
     memory_fraction = check_memory_fraction(DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
     device = device if device is not None else jax.devices()[0]
     kind = "cpu" if device.platform == "cpu" else "accelerator"
-    max_seqs = MAX_SEQS[kind] if max_seqs is None else max_seqs
+    max_seqs = default_max_seqs(device) if max_seqs is None else max_seqs
     max_seq_len = MAX_SEQ_LEN[kind] if max_seq_len is None else max_seq_len
+    if not is_int(num_checkpoints) or num_checkpoints < 0:
+        raise ValueError(f"num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
     for name, v in (("page_size", page_size), ("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
         if not is_int(v) or not 1 <= v <= INT32_MAX:
             raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {v!r}")
@@ -122,13 +129,19 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
     page_bytes, slot_bytes, fixed = cache_bytes_model(model, page_size=page_size, dtype=dtype,
                                                       cache_options=cache_options)
     heads = model.attention_layout().num_kv_heads
-    left = budget - slot_bytes * (max_seqs + 1) - fixed
+    left = budget - slot_bytes * (max_seqs + 1 + num_checkpoints) - fixed
     num_pages = min(left // max(page_bytes, 1), INT32_MAX // page_size)
     if num_pages < heads:
         raise ValueError(f"cache budget {_mib(budget)} ({source}) holds {max(num_pages, 0)} pages after "
-                         f"{max_seqs + 1} state slots of {slot_bytes} B; need at least {heads} (one per KV head): "
+                         f"{max_seqs + 1 + num_checkpoints} state slots of {slot_bytes} B; need at least {heads} (one per KV head): "
                          "raise memory_fraction, lower max_seqs, or pass a CacheConfig")
     max_blocks = max(1, min(-(-max_seq_len // page_size), num_pages // heads))
     config = CacheConfig(page_size=page_size, num_pages=int(num_pages), max_seqs=max_seqs,
                          max_blocks_per_seq=int(max_blocks))
-    return CacheSizing(config, budget, source, page_bytes, slot_bytes, fixed)
+    return CacheSizing(config, budget, source, page_bytes, slot_bytes, fixed, int(num_checkpoints))
+
+
+def default_max_seqs(device: Any = None) -> int:
+    """:data:`MAX_SEQS` of ``device``'s platform (default: the first device)."""
+    device = device if device is not None else jax.devices()[0]
+    return MAX_SEQS["cpu" if device.platform == "cpu" else "accelerator"]

@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.engine.inputs import SampleInputs, StepInputs
+from kvjax.engine.inputs import CheckpointCopies, SampleInputs, StepInputs
 from kvjax.engine import sampling
 from kvjax.models.interface import ModelCaches
+from kvjax.state import gdn_checkpoints
 
 
 class ModelStep:
@@ -39,7 +40,10 @@ class ModelStep:
     ``>= 0`` (the previous step's sampled tokens, still on the device), then the model step and
     :func:`kvjax.engine.sampling.sample` (``greedy_only``, static: argmax only) run in one dispatch. Row ``b``'s
     token comes back at index ``b`` of an array shaped like ``prev_tokens`` (``R >= B``; rows past ``B``: 0), so
-    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host.
+    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host. A seventh
+    argument ``copies: CheckpointCopies`` (prefix caching) restores GDN checkpoints into the rows' slots before
+    the model and saves rows' states into checkpoints after it (each skipped, under ``lax.cond``, when the step
+    has no such copy).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, sample: bool = False, max_traces: int | None = None,
@@ -55,10 +59,15 @@ class ModelStep:
                                      f"B={inputs.num_rows}, decode_only={inputs.decode_only}")
             return nnx.merge(graphdef, params).forward_step(caches, inputs)
 
-        def forward_and_sample(params, caches, inputs: StepInputs, rows: SampleInputs, prev_tokens, greedy_only):
+        def forward_and_sample(params, caches, inputs: StepInputs, rows: SampleInputs, prev_tokens, greedy_only,
+                               copies: CheckpointCopies | None = None):
             fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
+            if copies is not None and caches.gdn is not None:
+                caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
             logits, caches = forward(params, caches, inputs)
+            if copies is not None and caches.gdn is not None:
+                caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
             if greedy_only:
                 tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
@@ -71,6 +80,12 @@ class ModelStep:
 
     def __call__(self, *args: Any) -> tuple[jax.Array, ModelCaches]:
         return self._fn(*args)
+
+
+def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
+    """``caches`` with ``fn(caches.gdn, *args)`` applied where ``which`` (i32[B]) names any checkpoint."""
+    gdn = jax.lax.cond((which >= 0).any(), lambda g: fn(g, *args), lambda g: g, caches.gdn)
+    return dataclasses.replace(caches, gdn=gdn)
 
 
 def make_step(graphdef: nnx.GraphDef, *, sample: bool = False, max_traces: int | None = None,

@@ -23,6 +23,12 @@ plans step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the r
 samples it; the jitted step takes it from that step's sampled array before the model runs. Every other token
 has ``prev_index`` -1. Feeding a reserved token of an older step is refused (``ValueError``): only the previous
 step's tokens reach the device step.
+
+GDN checkpoints (prefix caching). ``ckpt_restore[b]``: the checkpoint slot the step copies into row ``b``'s GDN
+slot before the model (a cache hit resumes from it); ``ckpt_save[b]``: the checkpoint slot it copies row ``b``'s
+state into after the model (a cached prompt block completed here). ``-1`` = no copy (always, without caching);
+both are ``i32[B]``, so they never add a compilation. ``prefix_hit_tokens`` (prompt tokens admitted from the cache)
+and ``prefill_tokens`` (prompt positions computed this step) are counts for the metrics.
 """
 
 from __future__ import annotations
@@ -80,6 +86,10 @@ class StepPlan:
     sample_mask: np.ndarray  # bool[B]: row appends its sampled token
     query_lens: np.ndarray  # i32[B]: tokens of each row this step (0 for padding)
     prev_index: np.ndarray  # i32[T]: row of the previous step's sampled tokens that is this token; -1 = token_ids
+    ckpt_restore: np.ndarray  # i32[B]: checkpoint slot copied into the row's GDN slot before the model; -1 none
+    ckpt_save: np.ndarray  # i32[B]: checkpoint slot the row's GDN state is copied into after the model; -1 none
+    prefix_hit_tokens: int  # prompt tokens of this step's admissions served from the prefix cache
+    prefill_tokens: int  # tokens at prompt positions computed this step
     request_ids: tuple  # request id of rows 0..num_seqs-1
     num_tokens: int  # real tokens (<= T)
     num_seqs: int  # real rows (<= B)
@@ -91,8 +101,11 @@ class StepPlan:
 
 
 def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAllocator,
-               t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...]) -> StepPlan:
-    """Lay out ``scheduled`` = [(request, tokens this step)] (blocks already allocated) as a padded plan."""
+               t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...], *,
+               restore: dict[int, int] | None = None, save: dict[int, int] | None = None,
+               prefix_hit_tokens: int = 0) -> StepPlan:
+    """Lay out ``scheduled`` = [(request, tokens this step)] (blocks already allocated) as a padded plan.
+    ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring)."""
     nseq = len(scheduled)
     n = np.array([k for _, k in scheduled], np.int64)
     start = np.array([r.num_computed for r, _ in scheduled], np.int64)
@@ -136,10 +149,17 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     logits_indices[:nseq] = cu[1: nseq + 1] - 1
     sample_mask = np.zeros(B, bool)
     sample_mask[:nseq] = start + n == np.array([r.num_tokens for r, _ in scheduled], np.int64)
+    ckpt_restore, ckpt_save = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
+    for b, (r, _) in enumerate(scheduled):
+        ckpt_restore[b] = (restore or {}).get(r.request_id, -1)
+        ckpt_save[b] = (save or {}).get(r.request_id, -1)
+    prompt_end = np.array([r.prompt_len for r, _ in scheduled], np.int64)
+    prefill = int(np.clip(np.minimum(start + n, prompt_end) - start, 0, None).sum()) if nseq else 0
     return StepPlan(token_ids=token_ids, positions=positions, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=gdn_slots,
                     has_initial_state=has_init, block_tables=block_tables, slot_mapping=slot_mapping,
                     logits_indices=logits_indices, sample_mask=sample_mask, query_lens=query_lens,
-                    prev_index=prev_index, request_ids=tuple(r.request_id for r, _ in scheduled), num_tokens=ntok,
+                    prev_index=prev_index, ckpt_restore=ckpt_restore, ckpt_save=ckpt_save,
+                    prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill, request_ids=tuple(r.request_id for r, _ in scheduled), num_tokens=ntok,
                     num_seqs=nseq, step=step)
 
 

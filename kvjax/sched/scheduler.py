@@ -26,6 +26,15 @@ once (the synchronous engine, simulations). ``rollback()`` forgets every reserve
 (their requests are preempted: recomputed later). Every way into RUNNING (admission, resume, ``add_request(...,
 running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort, preemption) goes
 through ``_release`` which frees the slot and all pages.
+
+Prefix caching (``prefix_cache=PrefixCacheConfig(...)``; :mod:`kvjax.sched.prefix_cache`). Admission matches the
+request's prompt against the cache and attaches the matched blocks to its row (``num_computed`` starts at the
+match; the plan's ``ckpt_restore`` names the GDN checkpoint the step copies into its slot first); prefill chunks
+end at the cache's checkpoint stops; at the end of ``schedule`` every scheduled prompt publishes the blocks this
+step completes (the plan's ``ckpt_save`` names the checkpoint slot its state is copied into after the step).
+Entries published by a plan are matched only by later plans, whose device steps run after it. ``_release`` lets
+the cache forget the row first; ``rollback`` clears the cache (a lost step's pages and checkpoints were never
+written). ``recycle="timely"`` becomes the cache's :class:`~kvjax.sched.prefix_cache.CachedRecycle`.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.errors import RequestTooLongError
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
+from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.recycle import RecyclePolicy, make_recycle_policy, peak_live_blocks, peak_total_blocks
 from kvjax.sched.request import Request, Status, check_request
 from kvjax.sched.slots import SlotAllocator
@@ -53,10 +63,13 @@ class Scheduler:
       pool: ``"shared"`` | ``"partitioned"`` (see :mod:`kvjax.sched.blocks`).
       recycle: ``"none"`` | ``"timely"`` or a policy object (see :mod:`kvjax.sched.recycle`).
       watermark: fraction of each pool kept free when admitting a new request while others run.
+      prefix_cache: a :class:`PrefixCacheConfig` turns prefix caching on (``None``: off); ``recycle`` must then
+        be ``"none"`` or ``"timely"``.
     """
 
     def __init__(self, cache: CacheConfig, attention: AttentionConfig, *, max_num_batched_tokens: int,
-                 pool: str = "shared", recycle: "str | RecyclePolicy" = "none", watermark: float = 0.01) -> None:
+                 pool: str = "shared", recycle: "str | RecyclePolicy" = "none", watermark: float = 0.01,
+                 prefix_cache: PrefixCacheConfig | None = None) -> None:
         if not isinstance(cache, CacheConfig) or not isinstance(attention, AttentionConfig):
             raise ValueError(f"need a CacheConfig and an AttentionConfig, got {type(cache).__name__}, "
                              f"{type(attention).__name__}")
@@ -73,8 +86,16 @@ class Scheduler:
         self.cache, self.attention = cache, attention
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = float(watermark)
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCacheConfig):
+            raise ValueError(f"prefix_cache must be a PrefixCacheConfig or None, got {type(prefix_cache).__name__}")
+        if prefix_cache is not None and recycle not in ("none", "timely"):
+            raise ValueError(f"with prefix caching recycle must be 'none' or 'timely', got {recycle!r}")
         self.recycle_policy = make_recycle_policy(recycle)
         self.blocks = BlockAllocator(cache, attention, pool)
+        self.prefix = PrefixCache(self.blocks, prefix_cache) if prefix_cache is not None else None
+        if self.prefix is not None and recycle == "timely":
+            self.recycle_policy = self.prefix.recycle_policy()
+        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache, all admissions
         self.slots = SlotAllocator(cache.max_seqs)
         self.t_buckets = token_buckets(max_num_batched_tokens)
         self.b_buckets = seq_buckets(cache.max_seqs)
@@ -149,7 +170,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._chunk(req, req.num_computed, budget)
             new_blocks = -(-(req.num_computed + n) // ps) - blocks.num_blocks[req.slot]
             if new_blocks > 0:
                 while not blocks.can_fit(new_blocks):
@@ -164,23 +185,75 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             i += 1
+        restore: dict[int, int] = {}
+        hits = 0
         while not preempted and budget > 0 and (self.preempted or self.waiting) \
                 and len(self.running) < self.cache.max_seqs:
             queue = self.preempted if self.preempted else self.waiting
             req = queue[0]
-            n = min(req.num_tokens, budget)
             reserve = self.watermark if self.running else 0.0
-            if not self.blocks.can_fit(self.blocks.blocks_for(n), reserve):
-                break
+            if self.prefix is not None:
+                n = self._admit_cached(req, budget, reserve, restore)
+                if n is None:
+                    break
+                hits += req.num_computed
+            else:
+                n = min(req.num_tokens, budget)
+                if not self.blocks.can_fit(self.blocks.blocks_for(n), reserve):
+                    break
+                self._start(req)
+                self.blocks.allocate(req.slot, n)
             queue.popleft()
-            self._start(req)
-            self.blocks.allocate(req.slot, n)
             scheduled.append((req, n))
             budget -= n
-        plan = build_plan(self.step, scheduled, self.blocks, self.t_buckets, self.b_buckets, self.blk_buckets)
+        save: dict[int, int] = {}
+        if self.prefix is not None:  # the blocks this step completes; entries only later plans can match
+            for req, n in scheduled:
+                if req.num_computed < req.prompt_len:
+                    slot = self.prefix.publish(req.slot, req.num_computed + n)
+                    if slot >= 0:
+                        save[req.request_id] = slot
+        self.prefix_hit_tokens += hits
+        plan = build_plan(self.step, scheduled, self.blocks, self.t_buckets, self.b_buckets, self.blk_buckets,
+                          restore=restore, save=save, prefix_hit_tokens=hits)
         self._last_plan = plan
         self.step += 1
         return plan
+
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """Tokens of ``req`` to compute this step from ``start``: what is left, within the budget, ending at the
+        prefix cache's next checkpoint stop."""
+        n = min(req.num_tokens - start, budget)
+        stop = self.prefix.next_stop(req.slot, start) if self.prefix is not None else None
+        return min(n, stop - start) if stop is not None else n
+
+    def _admit_cached(self, req: Request, budget: int, reserve: float, restore: dict[int, int]) -> int | None:
+        """Start ``req`` (head of its queue) on its cached prefix: attach the matched blocks, allocate its first
+        chunk, note the checkpoint to restore. Returns the chunk's tokens, or None (nothing changed) if its pages
+        do not fit."""
+        status = req.status
+        self._start(req)
+        prompt = req.token_ids[: req.prompt_len]
+        match = self.prefix.match(prompt)
+        ckpt = self.prefix.attach(req.slot, match, prompt)
+        start = match.num_tokens
+        n = self._chunk(req, start, budget)
+        if not self.blocks.can_fit(self.blocks.blocks_for(start + n) - int(self.blocks.num_blocks[req.slot]),
+                                   reserve):
+            self.running.remove(req)
+            self._release(req)
+            req.status = status
+            return None
+        req.num_computed = start
+        self.blocks.allocate(req.slot, start + n)
+        if ckpt >= 0:
+            restore[req.request_id] = ckpt
+        return n
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached block and checkpoint (pages rows still hold go with their rows); returns pages
+        freed. No-op without prefix caching."""
+        return self.prefix.clear() if self.prefix is not None else 0
 
     def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
         """Apply a step's result at once: ``advance(plan)`` then ``resolve(plan, sampled)`` (``sampled: int[B]``,
@@ -246,6 +319,7 @@ class Scheduler:
         cache may lack their writes; recomputed later) and a request that had finished on a reserved token is
         requeued as preempted."""
         self._last_plan = None
+        self.clear_prefix_cache()  # a lost step never wrote the pages and checkpoints it published
         seen: set[int] = set()
         for _, reqs in self._unresolved:
             for req in reqs:
@@ -279,6 +353,8 @@ class Scheduler:
         self.running.append(req)
 
     def _release(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.release(req.slot)
         self.blocks.free_row(req.slot)
         self.slots.free(req.slot)
         req.slot = 0
@@ -328,6 +404,8 @@ class Scheduler:
         """Raise ``AssertionError`` unless allocators are consistent and slots/rows match the queues."""
         self.blocks.check_integrity()
         self.slots.check_integrity()
+        if self.prefix is not None:
+            self.prefix.check_integrity()
         slots = [r.slot for r in self.running]
         if any(r.status is not Status.RUNNING for r in self.running) or 0 in slots or len(set(slots)) != len(slots):
             raise AssertionError(f"running requests without a unique slot: {self.running}")
