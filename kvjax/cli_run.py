@@ -7,7 +7,8 @@ with ``recycle="none"`` and ``recycle="timely"`` — over the same number of pag
 tokens/s, tokens/step, mean and peak running requests, preemptions, page utilisation, exposed host share of
 step time — the host time the device waited for, see :mod:`kvjax.engine.metrics`) and checks that both runs
 generated identical tokens (greedy). The engine overlaps planning step N+1 with step N on the device
-(``--no-overlap``: the synchronous engine).
+(``--no-overlap``: the synchronous engine). ``--prefix-caching`` adds both policies with prefix caching
+(``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens.
 
 Generated tokens/s is the steady-state rate: steps that compiled a new bucket shape are left out of both the
 tokens and the time (compilation is reported apart). Both runs share one compiled step.
@@ -125,15 +126,16 @@ def build_model(p: Preset, *, seed: int = 0):
 
 
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
-               overlap: bool = True):
+               overlap: bool = True, prefix_caching: bool = False):
     """Serve ``workload`` with one recycle policy; returns (outputs, summary dict, per-step columns, wall s)."""
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
-                    block_buckets=(cache.max_blocks_per_seq,))
+                    block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching)
     t0 = time.perf_counter()
     outs = engine.generate([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=progress)
     wall = time.perf_counter() - t0
     engine.check_integrity()
+    engine.clear_prefix_cache()
     if not engine.is_idle():
         raise AssertionError(f"{recycle}: slots or pages left allocated after the run")
     summary = engine.metrics.summary(num_pages=cache.num_pages)
@@ -145,11 +147,11 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
 
 def format_table(results: dict[str, dict]) -> str:
     """Fixed-width table, one line per policy, of ``{policy: EngineMetrics.summary() + wall_s}``."""
-    head = (f"{'recycle':8} {'tok/s':>9} {'tok/step':>8} {'steps':>6} {'run mean':>8} {'run peak':>8} "
+    head = (f"{'recycle':15} {'tok/s':>9} {'tok/step':>8} {'steps':>6} {'run mean':>8} {'run peak':>8} "
             f"{'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}")
     lines = [head, "-" * len(head)]
     for name, s in results.items():
-        lines.append(f"{name:8} {s['generated_tokens_per_s']:9.1f} {s['generated_tokens_per_step']:8.2f} "
+        lines.append(f"{name:15} {s['generated_tokens_per_s']:9.1f} {s['generated_tokens_per_step']:8.2f} "
                      f"{s['steps']:6d} {s['running_mean']:8.2f} {s['running_peak']:8d} {s['preemptions']:7d} "
                      f"{s['page_util_mean']:9.3f} {s['page_util_peak']:9.3f} {100 * s['host_share']:6.1f} "
                      f"{s['compile_time_s']:9.1f}")
@@ -196,6 +198,8 @@ def main(argv: list[str]) -> int:
                     help="save pages in use over time for both runs (PNG)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="tqdm progress bar (default: on for long runs)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="also run both policies with prefix caching (keep_tail)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device (default); --no-overlap: synchronous")
     try:  # every check before any work: a bad value exits 2 with one line
@@ -227,16 +231,18 @@ def main(argv: list[str]) -> int:
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
           f"{'on' if args.overlap else 'off'}")
     outputs, results, columns = {}, {}, {}
-    for recycle in RECYCLES:
-        outputs[recycle], results[recycle], columns[recycle] = run_policy(model, workload, cache, p, recycle,
-                                                                          progress=args.progress,
-                                                                          overlap=args.overlap)
-    same = outputs["none"] == outputs["timely"]
+    runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
+    for recycle, cached in runs:
+        name = recycle + ("+prefix" if cached else "")
+        outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
+                                                                 progress=args.progress, overlap=args.overlap,
+                                                                 prefix_caching=cached)
+    same = all(o == outputs["none"] for o in outputs.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
     print(format_table(results))
     print(f"timely / none: {gain:.2f}x generated tokens/s, "
           f"{results['timely']['generated_tokens_per_step'] / results['none']['generated_tokens_per_step']:.2f}x "
-          f"tokens/step; identical tokens in both runs: {'yes' if same else 'NO'}")
+          f"tokens/step; identical tokens in {'all' if args.prefix_caching else 'both'} runs: {'yes' if same else 'NO'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,

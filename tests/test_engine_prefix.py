@@ -216,3 +216,19 @@ def test_copy_slots_matches_numpy():
     saved = gdn_checkpoints.save(pool, slots, jnp.asarray([-1, 7], jnp.int32))
     np.testing.assert_array_equal(np.asarray(saved.conv[:, 7]), np.asarray(pool.conv[:, 4]))
     np.testing.assert_array_equal(np.asarray(saved.conv[:, 3]), np.asarray(pool.conv[:, 3]))
+
+
+def test_run_and_simulate_commands_with_prefix_caching(capsys):
+    from kvjax.__main__ import main
+
+    rc = main(["run", "--requests", "4", "--scale", "0.004", "--memory-requests", "1.5", "--no-progress",
+               "--prefix-caching"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "identical tokens in all runs: yes" in out and "timely+prefix" in out
+    rc = main(["simulate", "--prefix-caching", "--workload", "multi-turn", "--requests", "8", "--scale", "0.02",
+               "--max-seqs", "4", "--max-tokens", "128", "--page-size", "16", "--window", "32", "--json"])
+    import json
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [r["mode"] for r in data["results"]] == ["off", "eager", "keep_tail"]
+    off, _, keep = data["results"]
+    assert off["cached_tokens"] == 0 < keep["cached_tokens"] and keep["computed_tokens"] < off["computed_tokens"]

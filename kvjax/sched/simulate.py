@@ -44,8 +44,8 @@ from kvjax.sched.plan import StepPlan
 from kvjax.sched.recycle import RECYCLE_POLICIES, live_blocks, make_recycle_policy
 from kvjax.sched.scheduler import Scheduler
 from kvjax.sched.slots import SlotAllocator
-from kvjax.sched.workload import (RequestSpec, cache_for, check_servable, seed_footprint, seed_workload,
-                                  swa_layout)
+from kvjax.sched.workload import (RequestSpec, cache_for, check_servable, few_shot_workload, multi_turn_workload,
+                                  seed_footprint, seed_workload, swa_layout, system_prompt_workload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +310,42 @@ def format_table(results: list[SimResult]) -> str:
     return "\n".join(lines)
 
 
+PREFIX_WORKLOADS = {  # name -> (requests, scale, seed) -> workload; lengths scale with --scale (1: seed-sized)
+    "seed": lambda n, k, s: seed_workload(n, scale=k, seed=s),
+    "system-prompt": lambda n, k, s: system_prompt_workload(n, system_len=max(1, round(8192 * k)),
+                                                            user_len=max(1, round(1024 * k)),
+                                                            output_len=max(1, round(1024 * k)), seed=s),
+    "multi-turn": lambda n, k, s: multi_turn_workload(max(1, n // 4), turns=4, first_len=max(1, round(4096 * k)),
+                                                      message_len=max(1, round(512 * k)),
+                                                      output_len=max(1, round(512 * k)), seed=s),
+    "few-shot": lambda n, k, s: few_shot_workload(n, tasks=3, shots=8, shot_len=max(1, round(512 * k)),
+                                                  question_len=max(1, round(256 * k)),
+                                                  output_len=max(1, round(256 * k)), seed=s),
+}
+
+
+def _prefix_main(args) -> int:
+    """``simulate --prefix-caching``: the cache off / eager / keep_tail (timely recycling, ``max_seqs``
+    checkpoints) on one workload and the first ``--swa-fraction``; prints :func:`format_prefix_table`."""
+    workload = PREFIX_WORKLOADS[args.workload](args.requests, args.scale, args.seed)
+    cache = cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
+                      full_requests=args.memory_requests, max_seqs=args.max_seqs)
+    attention = swa_layout(args.kv_heads, args.swa_fraction[0], args.window, args.sinks)
+    results = [simulate_prefix(workload, cache, attention, max_num_batched_tokens=args.max_tokens, seed=args.seed,
+                               check_every=args.check_every,
+                               prefix=None if mode == "off" else PrefixCacheConfig(args.max_seqs, True, mode))
+               for mode in ("off", "eager", "keep_tail")]
+    if args.json:
+        print(json.dumps(dict(workload=args.workload, num_pages=cache.num_pages,
+                              results=[dataclasses.asdict(r) for r in results]), indent=2))
+    else:
+        print(f"# prefix caching, workload {args.workload}: {len(workload)} requests, mean prompt "
+              f"{np.mean([w.prompt.size for w in workload]):.0f} tokens; {cache.num_pages} pages of "
+              f"{args.page_size}; swa fraction {args.swa_fraction[0]:g}; timely recycling")
+        print(format_prefix_table(results))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """CLI entry of ``python -m kvjax simulate``; returns the exit status (2, with one line on stderr, for a bad
     argument, a size this machine cannot hold, or a request some configuration can never serve; all checked
@@ -337,8 +373,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--check-every", type=int_at_least(0), default=0,
                    help="run integrity checks every N steps (slow; 0: never)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="compare the prefix cache off / eager / keep_tail (timely recycling) on --workload")
+    p.add_argument("--workload", choices=sorted(PREFIX_WORKLOADS), default="seed",
+                   help="with --prefix-caching: seed | system-prompt | multi-turn | few-shot")
     try:
         args = p.parse_args(argv)
+        if args.prefix_caching:
+            return _prefix_main(args)
         host, _ = seed_footprint(args.requests, scale=args.scale, spread=args.spread, num_kv_heads=args.kv_heads,
                                  page_size=args.page_size, full_requests=args.memory_requests,
                                  max_seqs=args.max_seqs)
