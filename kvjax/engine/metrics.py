@@ -110,7 +110,9 @@ class EngineMetrics:
         their summed ``t_step`` (the steady-state rate). Host time over them: ``host_share`` = exposed host time
         (``t_exposed``, what the device waits for) / step time, ``host_total_share`` = total host time
         (``t_host``) / step time, with per-step medians ``exposed_host_time_median_s`` / ``host_time_median_s``.
-        ``page_util_*`` need ``num_pages`` (else taken as used + free of the first record).
+        ``page_util_*`` need ``num_pages`` (else taken as used + free of the first record). Prefix caching:
+        ``prefix_hit_tokens`` (prompt tokens served from the cache), ``prefill_tokens`` (prompt positions computed,
+        recomputation included), ``prefix_hit_rate`` = hits / (hits + prefill), ``cached_pages_mean``.
         """
         recs = self.records[skip:]
         if not recs:
