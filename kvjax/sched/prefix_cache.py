@@ -28,12 +28,13 @@ recycling plus this rule for recycled pages that are cached):
 - ``keep_tail``: the cache keeps it if it lies in the window tail of an anchor below it (the SWA pages a match
   ending at that anchor needs), and lets go of the rest.
 
-Scheduler integration (one row = one GDN slot): at admission ``m = cache.match(prompt)`` then ``cache.attach(row,
-m)`` (sets ``num_computed = m.num_tokens``; the engine copies checkpoint ``m.checkpoint`` into the row's slot);
-cap each prefill chunk at ``cache.next_stop(row, num_computed)``; after each step ``cache.publish(row, tokens,
-num_computed)`` (a returned slot: the engine copies the row's state into it); ``cache.release(row)`` before
-freeing the row; recycle with ``cache.recycle_policy()``. ``BlockAllocator.can_fit``/``allocate`` evict by
-themselves.
+Scheduler integration (one row = one GDN slot; :class:`~kvjax.sched.scheduler.Scheduler` does this): at admission
+``m = cache.match(prompt)`` then ``ckpt = cache.attach(row, m, prompt)`` (the scheduler sets ``num_computed =
+m.num_tokens`` and allocates only the blocks after the match; the engine copies checkpoint ``ckpt`` into the row's
+slot, ``-1``: none); cap each prefill chunk at ``cache.next_stop(row, num_computed)``; once a step's plan computes
+prompt blocks, ``slot = cache.publish(row, num_computed)`` (``slot >= 0``: the engine copies the row's state into
+it after that step); ``cache.release(row)`` before freeing the row; recycle with ``cache.recycle_policy()``.
+``BlockAllocator.can_fit``/``allocate`` evict by themselves.
 """
 
 from __future__ import annotations
