@@ -1,9 +1,9 @@
 """``python -m kvjax <command>``: the project's command-line entry point.
 
 Commands:
-  info      JAX version, devices, and which op implementations are available on this backend.
-  simulate  Host-only capacity simulation of the scheduler (recycle policies, pool policies).
-  run       The main job: a toy Qwen3.5 with SWA heads served with recycle none vs timely.
+  info      JAX version, devices, each op's backend table: what impl="auto" takes and why the others decline.
+  simulate  Host-only capacity simulation of the scheduler (recycle, pool and prefix-caching policies).
+  run       The main job: a toy Qwen3.5 with SWA heads served with recycle none vs timely (+ prefix caching).
 
 A bad command or argument prints one line on stderr and exits with status 2, before any work.
 """
@@ -17,8 +17,8 @@ from kvjax.sched.cli_args import ArgumentParser, fail
 
 # command -> (module with a ``main(argv) -> int``, one-line help)
 COMMANDS = {
-    "info": ("kvjax.cli_info", "JAX version, devices, available op implementations"),
-    "simulate": ("kvjax.sched.simulate", "host-only capacity simulation of recycle and pool policies"),
+    "info": ("kvjax.cli_info", "JAX version, devices, each op's kernel choice and why"),
+    "simulate": ("kvjax.sched.simulate", "host-only capacity simulation of recycle, pool and prefix-caching policies"),
     "run": ("kvjax.cli_run", "main job: toy Qwen3.5 with SWA heads served with recycle none vs timely"),
 }
 
