@@ -5,6 +5,9 @@ Modules, one concept each:
 - ``size``: the notebooks' size parameter (``KVJAX_NB_SIZE=small|gpu``) and the presets it selects;
 - ``sweeps``: capacity-simulator sweeps (SWA fraction, window, sinks, pool) and per-step traces;
 - ``engine_runs``: the same comparison on a real (toy) model through :class:`kvjax.engine.engine.Engine`;
+- ``prefix_runs``: prefix reuse at fixed memory (no recycling, recycling, prefix caching, both) on shared
+  system prompt / multi-turn / few-shot workloads, through the real scheduler without a model and through the
+  engine with the toy Qwen3.5;
 - ``tasks``: a synthetic key-value retrieval task, a short optax training loop, accuracy under recycle
   policies, and a deliberately lossy policy (:class:`~kvjax.experiments.tasks.EvictEarly`);
 - ``tour``: one small random case per public op, run under every implementation usable here; the benchmark list;

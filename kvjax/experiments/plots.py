@@ -163,3 +163,35 @@ def block_table_figure(tables: np.ndarray, seq_lens: np.ndarray, *, page_size: i
     axes[-1, 0].set_xlabel("logical block (page_size positions each)")
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="page id", shrink=0.8)
     return fig
+
+
+_PREFIX_COLORS = {"none": "tab:gray", "timely": "tab:blue", "prefix": "tab:olive", "timely+keep_tail": "tab:green",
+                  "timely+eager": "tab:red"}
+
+
+def prefix_figure(rows: list[dict], *, title: str = "prefix reuse at fixed memory"):
+    """Grouped bars per workload, one bar per policy (rows of :mod:`kvjax.experiments.prefix_runs`): prompt
+    tokens computed (solid) with those served from the cache stacked on top (hatched), and generated tokens per
+    step."""
+    plt = _plt()
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.6))
+    width = 0.8 / len(policies)
+    for j, policy in enumerate(policies):
+        rs = [next(r for r in rows if r["workload"] == w and r["policy"] == policy) for w in workloads]
+        x = np.arange(len(workloads)) + (j - (len(policies) - 1) / 2) * width
+        color = _PREFIX_COLORS.get(policy)
+        computed = np.array([r["computed"] for r in rs])
+        a.bar(x, computed, width, color=color, label=policy)
+        a.bar(x, [r["served"] for r in rs], width, bottom=computed, color=color, alpha=0.35, hatch="//")
+        b.bar(x, [r["tokens_per_step"] for r in rs], width, color=color, label=policy)
+    a.set_ylabel("prompt tokens: computed (solid) + served (hatched)")
+    b.set_ylabel("generated tokens / step")
+    for ax in (a, b):
+        ax.set_xticks(np.arange(len(workloads)), workloads)
+        ax.grid(alpha=0.3, axis="y")
+    b.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
