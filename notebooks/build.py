@@ -396,6 +396,140 @@ for b in tour.benchmark_scripts(root):
     print(f"python {b['script']:30} # {b['what']}")'''),
 ]
 
+PREFIX = [
+    new_markdown_cell("""\
+# Prefix reuse at fixed memory: recycling, prefix caching, or both?
+
+At fixed memory, how do no recycling, timely SWA recycling, prefix caching and both compare on workloads that
+repeat prompt prefixes, and why? Three workloads: a **shared system prompt** with many users, **multi-turn**
+conversations (each turn's prompt = the previous prompt + its answer + a new message; a turn arrives when the
+previous one finishes) and **few-shot** prompts (a few fixed instruction + example prefixes). Five policies:
+
+| policy | recycling | prefix cache |
+|---|---|---|
+| `none` | none | off |
+| `timely` | timely (SWA pages out of every future window go back) | off |
+| `prefix` | none | on |
+| `timely+keep_tail` | timely | on; a recycled page the cache holds stays if a cached prompt's SWA window tail needs it |
+| `timely+eager` | timely | on; a recycled page leaves the cache at once |
+
+Every policy gets the same cache bytes: a policy with caching pays its GDN checkpoint slots (the recurrent
+state at cached block boundaries) out of the pages. First the real scheduler without a model (capacity
+simulation), then the toy Qwen3.5 (half its KV heads SWA, GDN layers) through the engine, greedy in f32.
+Every number below is computed here; `KVJAX_NB_SIZE=gpu` runs the full size."""),
+    new_code_cell(SETUP + """
+from kvjax.experiments import engine_runs, plots, prefix_runs
+from kvjax.sched.prefix_cache import PrefixCacheConfig
+from kvjax.sched.simulate import format_prefix_table, simulate_prefix
+
+CFG = SIZE.pick(
+    small=dict(window=16, sim=dict(page_size=8, memory_requests=4.0, max_seqs=8, max_tokens=128),
+               eng=dict(page_size=8, memory_requests=2.5, max_seqs=4, max_tokens=32)),
+    gpu=dict(window=64, sim=dict(page_size=16, memory_requests=4.0, max_seqs=32, max_tokens=512),
+             eng=dict(page_size=16, memory_requests=4.0, max_seqs=16, max_tokens=256)))
+model = engine_runs.toy_qwen(swa_fraction=0.5, window=CFG["window"], sinks=4)
+att = model.attention_layout()
+VOCAB = int(model.vocab_size)
+print(att)"""),
+    new_markdown_cell("""\
+## 1. Capacity simulation: the real scheduler, no model
+
+Each sampling row takes the workload's fixed answer token, so a multi-turn prompt is exactly the workload's.
+Memory: pages for a few mean-length requests on every KV head without recycling; the caching policies give
+`num_checkpoints` of those pages' bytes to checkpoint slots."""),
+    new_code_cell("""\
+sim_setup = prefix_runs.make_setup(model, prefix_runs.prefix_workloads(SIZE, vocab=VOCAB, engine=False),
+                                   **CFG["sim"])
+sim_rows = prefix_runs.scheduler_sweep(sim_setup, att)
+for name, wl in sim_setup.workloads.items():
+    print(f"{name}: {len(wl)} requests, mean prompt {np.mean([w.prompt.size for w in wl]):.0f} tokens, "
+          f"output {wl[0].max_new_tokens}")
+print(f"budget {sim_setup.budget_bytes} B = {sim_setup.memory_pages} pages of {sim_setup.page_bytes} B + "
+      f"{sim_setup.max_seqs + 1} sequence slots of {sim_setup.slot_bytes} B; caching policies: "
+      f"{sim_setup.cache('prefix').num_pages} pages + {sim_setup.num_checkpoints} checkpoint slots")
+print(prefix_runs.format_rows(sim_rows))
+sim = {(r["workload"], r["policy"]): r for r in sim_rows}
+for r in sim_rows:
+    assert r["recomputed"] >= 0 and (r["preemptions"] or r["served"] + r["computed"] == r["prompt_tokens"])
+assert sim["multi-turn", "timely+keep_tail"]["hit_rate"] > sim["multi-turn", "timely+eager"]["hit_rate"]"""),
+    new_code_cell("""\
+fig = plots.prefix_figure(sim_rows, title="scheduler without a model, fixed memory")"""),
+    new_markdown_cell("""\
+The same workloads through the prefix-cache simulator's own loop (`simulate_prefix`: FCFS, timely recycling,
+the cache off / `eager` / `keep_tail`), as a cross-check of the scheduler runs above."""),
+    new_code_cell("""\
+for name, wl in sim_setup.workloads.items():
+    res = [simulate_prefix(wl, sim_setup.cache("timely" if mode == "off" else "timely+keep_tail"), att,
+                           max_num_batched_tokens=sim_setup.max_tokens,
+                           prefix=None if mode == "off" else PrefixCacheConfig(sim_setup.num_checkpoints, True, mode))
+           for mode in ("off", "eager", "keep_tail")]
+    print(f"# {name}")
+    print(format_prefix_table(res))
+    if name == "multi-turn":
+        assert res[2].hit_rate > res[1].hit_rate"""),
+    new_markdown_cell("""\
+## 2. The toy Qwen3.5 through the engine
+
+One engine per policy (one compilation each), the three workloads one after the other with the prefix cache
+cleared in between. Multi-turn prompts are built from the answers the model generates. Every policy must
+generate the same tokens (greedy, f32): recycling never drops a page a query reads, and a cache hit resumes
+from the same K/V pages and GDN state."""),
+    new_code_cell("""\
+eng_setup = prefix_runs.make_setup(model, prefix_runs.prefix_workloads(SIZE, vocab=VOCAB, engine=True),
+                                   **CFG["eng"])
+eng_rows = prefix_runs.engine_runs(model, eng_setup)  # raises unless all policies generate the same tokens
+print(prefix_runs.format_rows(eng_rows))
+eng = {(r["workload"], r["policy"]): r for r in eng_rows}
+for name in eng_setup.workloads:
+    outs = [r["outputs"] for r in eng_rows if r["workload"] == name]
+    assert all(o == outs[0] for o in outs), name
+assert eng["multi-turn", "timely+keep_tail"]["hit_rate"] > eng["multi-turn", "timely+eager"]["hit_rate"]
+display(Markdown(f"Identical tokens under all {len(prefix_runs.POLICIES)} policies on all "
+                 f"{len(eng_setup.workloads)} workloads ({sum(len(o) for o in outs[0])} tokens on the last)."))"""),
+    new_code_cell("""\
+fig = plots.prefix_figure(eng_rows, title="toy Qwen3.5 through the engine, fixed memory")"""),
+    new_markdown_cell("""\
+## Why: the trade-off
+
+- **Caching saves prompt compute; recycling saves pages.** Without recycling every prompt block stays in the
+  pool, so the cache can serve every shared prefix, but each running request holds all its pages.
+- **`eager` recycling loses the tails.** A SWA head resuming at `L` tokens needs its sink blocks and the last
+  window of blocks before `L`. Timely recycling frees those window blocks once the request that computed them
+  has moved past, so with `eager` the cache keeps full heads' blocks but not the SWA tail: a later prompt (the
+  next turn of a conversation, another user of the system prompt) matches less, often nothing.
+- **`keep_tail` keeps them at a memory cost**: the window tail of each cached prompt's anchor stays cached,
+  pages that running requests cannot use (they are evicted, least recently used first, when the pool needs
+  them).
+- **Checkpoint slots share the budget with pages**: a model with GDN layers can resume only at a block boundary
+  where the recurrent state was saved, and each checkpoint slot costs GDN-state bytes that would otherwise be
+  pages."""),
+    new_code_cell("""\
+def f(rows, w, p, k):
+    return rows[w, p][k]
+
+mt = "multi-turn"
+lines = []
+for label, rows in (("simulation", sim), ("engine", eng)):
+    lines.append(
+        f"- **{label}, multi-turn**: hit rate `timely+keep_tail` {f(rows, mt, 'timely+keep_tail', 'hit_rate'):.0%} "
+        f"vs `timely+eager` {f(rows, mt, 'timely+eager', 'hit_rate'):.0%} (`prefix` without recycling "
+        f"{f(rows, mt, 'prefix', 'hit_rate'):.0%}); prompt tokens computed "
+        f"{f(rows, mt, 'timely+keep_tail', 'computed')} vs {f(rows, mt, 'timely+eager', 'computed')} "
+        f"(`none`: {f(rows, mt, 'none', 'computed')}); the cache holds {f(rows, mt, 'timely+keep_tail', 'cached_pages_mean'):.0f} "
+        f"vs {f(rows, mt, 'timely+eager', 'cached_pages_mean'):.0f} pages on average — the memory `keep_tail` pays.")
+    for w in ("system-prompt", "few-shot"):
+        best = max(prefix_runs.POLICIES, key=lambda p: rows[w, p]["tokens_per_step"])
+        lines.append(
+            f"- {label}, {w}: tokens/step " + ", ".join(f"`{p}` {rows[w, p]['tokens_per_step']:.2f}"
+                                                      for p in prefix_runs.POLICIES)
+            + f" (best `{best}`); hit rate `timely+keep_tail` {rows[w, 'timely+keep_tail']['hit_rate']:.0%}, "
+            f"`timely+eager` {rows[w, 'timely+eager']['hit_rate']:.0%}.")
+lost = eng_setup.memory_pages - eng_setup.cache("prefix").num_pages
+lines.append(f"- Checkpoints: {eng_setup.num_checkpoints} GDN checkpoint slots of {eng_setup.slot_bytes} B cost the "
+             f"engine runs {lost} of {eng_setup.memory_pages} pages ({eng_setup.page_bytes} B each).")
+display(Markdown("\\n".join(lines)))"""),
+]
+
 
 def _notebook(cells) -> nbformat.NotebookNode:
     nb = new_notebook(cells=cells)
@@ -405,7 +539,7 @@ def _notebook(cells) -> nbformat.NotebookNode:
 
 
 NOTEBOOKS = {"recycle_policies.ipynb": RECYCLE, "quality_under_recycling.ipynb": QUALITY,
-             "kernels_tour.ipynb": TOUR}
+             "kernels_tour.ipynb": TOUR, "prefix_reuse.ipynb": PREFIX}
 
 
 def main() -> None:
