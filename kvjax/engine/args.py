@@ -116,3 +116,12 @@ def prefix_config(model: CausalLM, on: bool, checkpoints: int | None, recycle: s
         raise ValueError(f"prefix_checkpoints={checkpoints!r}: {type(model).__name__} has no GDN layers, so no "
                          "recurrent state to checkpoint (use 0 or None)")
     return PrefixCacheConfig(num_checkpoints=checkpoints, gdn=gdn, recycle=recycle)
+
+
+def check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; ``ValueError`` unless ascending ints >= 1 ending at ``last``."""
+    out = tuple(values)
+    if (not out or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in out)
+            or list(out) != sorted(set(out)) or out[-1] != last):
+        raise ValueError(f"{name} must be ascending ints >= 1 ending at {last_name}={last}, got {out}")
+    return tuple(int(v) for v in out)

@@ -26,6 +26,10 @@ compiles once per ``(T, B, max_blocks, decode_only)`` bucket of the plan (and pe
 same in both modes; :attr:`Engine.num_traces` counts this engine's compilations. Without a ``CacheConfig`` the
 cache is sized from the model and a memory budget (:mod:`kvjax.engine.sizing`; :meth:`Engine.describe`).
 
+On a mesh (``Engine(model, cache, mesh=Mesh(devices, ("data", "model")))``, :mod:`kvjax.engine.mesh`): one
+scheduler per data shard, plans padded to one bucket and stacked ``[D, ...]``, the sharded step samples inside
+the jit and returns the tokens replicated; the same code with ``D = 1`` is the single-device engine.
+
 Use from a script or notebook::
 
     engine = Engine(model)                                      # cache sized from the free device memory
@@ -62,16 +66,18 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import CacheConfig
-from kvjax.engine.args import (check_index, check_max_new_tokens, check_prompt, check_seed, check_temperature,
-                               check_token_id, prefix_config)
-from kvjax.engine.consumers import Consumers, TokenEvent, is_done, Tracked
-from kvjax.engine.inputs import plan_to_inputs
+from kvjax.engine.args import (check_buckets, check_index, check_max_new_tokens, check_prompt, check_seed,
+                               check_temperature, check_token_id, prefix_config)
+from kvjax.engine.consumers import Consumers, TokenEvent, Tracked
+from kvjax.engine.inputs import plan_to_inputs, sampling_rows
+from kvjax.engine.mesh import MeshStep, mesh_inputs, mesh_model, no_tokens, pad_plans, validate_shards
+from kvjax.engine.recovery import Recovery
 from kvjax.engine.metrics import EngineMetrics, StepRecord
 from kvjax.engine.sizing import CacheSizing, default_max_seqs, size_cache
 from kvjax.engine.step import make_step
 from kvjax.models.interface import CausalLM
+from kvjax.models.sharding import ShardedModel
 from kvjax.sched.plan import StepPlan
-from kvjax.sched.request import Status
 from kvjax.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -81,23 +87,15 @@ logger = logging.getLogger(__name__)
 class _Flight:
     """A dispatched step whose sampled tokens have not been read yet."""
 
-    plan: StepPlan
-    tokens: jax.Array  # i32[max_seqs]: token sampled for each plan row (rows past num_seqs: 0), on the device
+    plans: list  # list[StepPlan]: one per data shard
+    tokens: jax.Array  # i32[max_seqs] (i32[D, max_seqs] on a mesh): token sampled for each plan row, on the device
     record: dict  # the StepRecord fields known at dispatch
-
-
-def _check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -> tuple[int, ...]:
-    out = tuple(values)
-    if (not out or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in out)
-            or list(out) != sorted(set(out)) or out[-1] != last):
-        raise ValueError(f"{name} must be ascending ints >= 1 ending at {last_name}={last}, got {out}")
-    return tuple(int(v) for v in out)
 
 
 # ---------------------------------------------------------------------------------------------- engine
 
 
-class Engine(Consumers):
+class Engine(Consumers, Recovery):
     """Continuous-batching generation for one model over fixed page memory.
 
     Args:
@@ -129,6 +127,11 @@ class Engine(Consumers):
         there, and 0 / None for a model without); only with ``prefix_caching``.
       prefix_recycle: what happens to a cached page that SWA recycling frees, ``"keep_tail"`` (keep the window
         tail of cached prompts, default) or ``"eager"`` (let it go); only with ``prefix_caching``.
+      mesh: a ``jax.sharding.Mesh(devices, ("data", "model"))``: the model is split with
+        :func:`kvjax.models.sharding.shard_model` and each data shard gets its own scheduler, ``max_seqs`` slots
+        and ``num_pages`` pages *per device* (see :mod:`kvjax.engine.mesh`). ``model`` may also be a
+        :class:`~kvjax.models.sharding.ShardedModel` (e.g. ``load_pretrained(path, mesh=...)``), whose mesh is
+        used. Needs a ``cache_config``; prefix caching is not available on a mesh.
     """
 
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
@@ -138,16 +141,24 @@ class Engine(Consumers):
                  max_traces: int | None = None, use_decode_path: bool = True,
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
                  block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
-                 prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail") -> None:
+                 prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail",
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
-        if not isinstance(model, CausalLM) or not isinstance(model, nnx.Module):
+        if not isinstance(model, ShardedModel) and (not isinstance(model, CausalLM)
+                                                    or not isinstance(model, nnx.Module)):
             raise ValueError(f"model must be an nnx.Module implementing kvjax.models.interface.CausalLM, got "
                              f"{type(model).__name__}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.model = model
-        graphdef, self.params = nnx.split(model)
+        sharded = mesh_model(model, mesh, cache_config, prefix_caching)
+        self.model, self.sharded = model, sharded
+        self.mesh = None if sharded is None else sharded.mesh
+        self.data_shards = 1 if sharded is None else sharded.data_size
+        if sharded is None:
+            graphdef, self.params = nnx.split(model)
+        else:
+            self.params = sharded.params
         if cache_dtype is None:  # the parameters' float dtype
             cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
                                if jnp.issubdtype(x.dtype, jnp.floating))
@@ -169,26 +180,38 @@ class Engine(Consumers):
         self.attention = model.attention_layout()
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
-        self.scheduler = Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
-                                   pool=pool, recycle=recycle, watermark=watermark, prefix_cache=prefix)
+        page_shards = sharded.model_size if sharded is not None and sharded.plan.pages_over_model else 1
+        self.schedulers = [Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
+                                     pool=pool, recycle=recycle, watermark=watermark, prefix_cache=prefix,
+                                     page_shards=page_shards) for _ in range(self.data_shards)]
+        self.scheduler = self.schedulers[0]  # the scheduler (of data shard 0 on a mesh)
         self.prefix_caching = prefix is not None
-        if token_buckets is not None:
-            self.scheduler.t_buckets = _check_buckets("token_buckets", token_buckets, max_num_batched_tokens,
-                                                      "max_num_batched_tokens")
-        if row_buckets is not None:
-            self.scheduler.b_buckets = _check_buckets("row_buckets", row_buckets, cache_config.max_seqs, "max_seqs")
-        if block_buckets is not None:
-            self.scheduler.blk_buckets = _check_buckets("block_buckets", block_buckets,
-                                                        cache_config.max_blocks_per_seq, "max_blocks_per_seq")
+        for sched in self.schedulers:
+            if token_buckets is not None:
+                sched.t_buckets = check_buckets("token_buckets", token_buckets, max_num_batched_tokens,
+                                                "max_num_batched_tokens")
+            if row_buckets is not None:
+                sched.b_buckets = check_buckets("row_buckets", row_buckets, cache_config.max_seqs, "max_seqs")
+            if block_buckets is not None:
+                sched.blk_buckets = check_buckets("block_buckets", block_buckets, cache_config.max_blocks_per_seq,
+                                                  "max_blocks_per_seq")
+        if sharded is not None and page_shards > 1:  # the allocator's pools are the devices' pools
+            owners = [sharded.head_owner(h) for h in range(self.attention.num_kv_heads)]
+            assert (self.scheduler.blocks.page_base == np.asarray(owners) * cache_config.num_pages).all()
+        self._next_id = 0  # request ids over all data shards
         self.recycle = recycle if isinstance(recycle, str) else type(recycle).__name__
         self.pool = pool
         self.debug = debug
         self.use_decode_path = use_decode_path
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
                                 max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(cache_options or {}))
-        self.caches = model.init_caches(**self._cache_args)
-        self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
-        self._no_tokens = jnp.zeros(cache_config.max_seqs, jnp.int32)  # i32[max_seqs]: "previous step" of none
+        self.caches = self._init_caches()
+        if sharded is None:
+            self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
+            self._no_tokens = jnp.zeros(cache_config.max_seqs, jnp.int32)  # i32[max_seqs]: "previous step" of none
+        else:
+            self._device_step = MeshStep(sharded, max_traces=max_traces)
+            self._no_tokens = no_tokens(sharded, cache_config.max_seqs)  # i32[D, max_seqs], replicated
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self._tracked: dict[int, Tracked] = {}
         self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
@@ -196,13 +219,23 @@ class Engine(Consumers):
         self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
 
+    def _init_caches(self):  # on a mesh: num_pages per device, a leading [D] data-shard axis
+        return (self.sharded or self.model).init_caches(**self._cache_args)
+
+    @property
+    def total_pages(self) -> int:
+        """Pages of every pool together (``num_pages`` on one device; ``num_pages`` x devices holding distinct
+        pages on a mesh)."""
+        return sum(s.blocks.num_pages for s in self.schedulers)
+
     def describe(self) -> str:
         """One line: mode, cache geometry (and how it was sized), scheduler policies."""
         c = self.cache_config
         cache = (self.cache_sizing.describe() if self.cache_sizing is not None else
                  f"cache {c.num_pages} pages of {c.page_size} tokens, {c.max_seqs} sequences of up to "
                  f"{c.max_blocks_per_seq} blocks")
-        return (f"Engine({type(self.model).__name__}, overlap={'on' if self.overlap else 'off'}, "
+        mesh = "" if self.mesh is None else f", mesh {self.data_shards}x{self.sharded.model_size} (data x model)"
+        return (f"Engine({type(self.model).__name__}{mesh}, overlap={'on' if self.overlap else 'off'}, "
                 f"recycle={self.recycle}, pool={self.pool}, {self.scheduler.max_num_batched_tokens} tokens/step"
                 f"{self._describe_prefix()}): "
                 f"{cache}")
@@ -215,7 +248,7 @@ class Engine(Consumers):
     def clear_prefix_cache(self) -> int:
         """Drop every cached prompt block and GDN checkpoint (blocks that running requests hold stay theirs);
         returns the pages freed. No-op without prefix caching."""
-        return self.scheduler.clear_prefix_cache()
+        return sum(s.clear_prefix_cache() for s in self.schedulers)
 
     # ---- requests --------------------------------------------------------------------------------------------
     @property
@@ -242,7 +275,13 @@ class Engine(Consumers):
         return self._queue(prompt, check_max_new_tokens(max_new_tokens), temperature, seed, index)
 
     def _queue(self, prompt: np.ndarray, max_new_tokens: int, temperature: float, seed: int, index: int) -> int:
-        req = self.scheduler.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id)
+        if self.data_shards == 1:
+            req = self.scheduler.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id)
+        else:  # the data shard with the fewest unfinished requests (lowest index on ties); ids over all shards
+            load = [len(s.running) + len(s.waiting) + len(s.preempted) for s in self.schedulers]
+            sched = self.schedulers[load.index(min(load))]
+            req = sched.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id, request_id=self._next_id)
+            self._next_id += 1
         self._tracked[req.request_id] = Tracked(index, temperature, seed, req, [])
         return req.request_id
 
@@ -250,7 +289,8 @@ class Engine(Consumers):
         """Abort a queued or running request (its slot and pages go back at once); returns its tokens so far
         (those delivered as events or about to be). Its events not yet delivered are dropped, and so is any
         token a step in flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
-        self.scheduler.abort(request_id)
+        owner = [s for s in self.schedulers if request_id in s.requests]
+        (owner[0] if owner else self.scheduler).abort(request_id)  # unknown id: the scheduler's ValueError
         tr = self._tracked.pop(request_id)
         box = self._inbox.pop(request_id, None)
         if box:
@@ -262,7 +302,7 @@ class Engine(Consumers):
 
     def has_unfinished(self) -> bool:
         """A request is queued, running, or waiting for tokens of a step in flight."""
-        return self.scheduler.has_unfinished() or bool(self._tracked)
+        return any(s.has_unfinished() for s in self.schedulers) or bool(self._tracked)
 
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -293,7 +333,7 @@ class Engine(Consumers):
     def _step(self) -> list[TokenEvent]:
         t0 = time.perf_counter()
         dispatched = None
-        if self.scheduler.has_unfinished() or not self._inflight:
+        if any(s.has_unfinished() for s in self.schedulers) or not self._inflight:
             dispatched = self._dispatch(t0)
         if not self._inflight or (dispatched is not None and self.overlap and len(self._inflight) == 1):
             return []
@@ -302,36 +342,46 @@ class Engine(Consumers):
         return self._resolve(self._inflight[0], start, idle)
 
     def _dispatch(self, t0: float) -> _Flight:
-        """Schedule, build inputs and dispatch one step; returns it (also queued in ``_inflight``)."""
-        sched = self.scheduler
+        """Schedule (every data shard), build inputs and dispatch one step; returns it (also queued in
+        ``_inflight``)."""
+        scheds = self.schedulers
         idle_since = t0 if self._device_idle() else None
-        preempt0 = sched.num_preemptions
+        preempt0 = sum(s.num_preemptions for s in scheds)
         if self.caches is None:  # lost to a fault in an earlier step
-            self.caches = self.model.init_caches(**self._cache_args)
+            self.caches = self._init_caches()
         try:
-            plan = sched.schedule()
+            plans = [s.schedule() for s in scheds]
         except BaseException:
             self._recover(None, False)
             raise
-        if plan.num_seqs == 0:
-            raise RuntimeError(f"engine stalled at step {plan.step}: nothing schedulable; running={sched.running}, "
-                               f"waiting={len(sched.waiting)}, preempted={len(sched.preempted)}")
+        if not any(p.num_seqs for p in plans):
+            raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
+                               f"{[r for s in scheds for r in s.running]}, waiting="
+                               f"{sum(len(s.waiting) for s in scheds)}, preempted={sum(len(s.preempted) for s in scheds)}")
         device_called = False
         try:
             t1 = time.perf_counter()
             if idle_since is None and self._device_idle():
                 idle_since = t1
-            sampling = self._sampling_rows(plan)
-            inputs, rows, *copies = plan_to_inputs(plan, sampling, use_decode_path=self.use_decode_path,
-                                                   checkpoints=self.prefix_caching)
+            samplings = [sampling_rows(p, self._tracked) for p in plans]
+            if self.sharded is None:
+                shaped = plans
+                inputs, rows, *copies = plan_to_inputs(plans[0], samplings[0], use_decode_path=self.use_decode_path,
+                                                       checkpoints=self.prefix_caching)
+            else:
+                shaped, copies = pad_plans(plans), []
+                inputs, rows = mesh_inputs(self.sharded, shaped, samplings, self.scheduler.blocks.page_base,
+                                           self.cache_config.page_size, use_decode_path=self.use_decode_path)
             if self.debug:
-                inputs.validate(num_pages=self.cache_config.num_pages, page_size=self.cache_config.page_size,
-                                max_slots=self.cache_config.max_seqs + 1, vocab_size=self.vocab_size,
-                                attention=self.attention, shared_pages=self.prefix_caching)
+                c = self.cache_config
+                validate_shards(inputs, shaped if self.sharded is not None else None, self.scheduler.blocks,
+                                num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
+                                vocab_size=self.vocab_size, attention=self.attention, shared_pages=self.prefix_caching)
             prev = self._inflight[-1] if self._inflight else None
-            if (plan.prev_index >= 0).any() and (prev is None or prev.plan.step != plan.step - 1):
-                raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
-            greedy_only = not bool((sampling["temperature"] > 0).any())
+            for d, plan in enumerate(plans):
+                if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
+                    raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
+            greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
             t2 = time.perf_counter()
             if idle_since is None and self._device_idle():
                 idle_since = t2
@@ -341,49 +391,42 @@ class Engine(Consumers):
                                                     self._no_tokens if prev is None else prev.tokens, greedy_only,
                                                     *copies)
             t3 = time.perf_counter()
-            sched.advance(plan)
+            for sched, plan in zip(scheds, plans):
+                sched.advance(plan)
         except BaseException:
-            self._recover(plan, device_called)
+            self._recover(plans, device_called)
             raise
-        used = sched.blocks.used_pages()
+        used = sum(s.blocks.used_pages() for s in scheds)
         record = dict(
-            step=plan.step, num_tokens=plan.num_tokens, num_seqs=plan.num_seqs,
-            bucket_tokens=int(plan.token_ids.shape[0]), bucket_rows=int(plan.seq_lens.shape[0]),
-            bucket_blocks=int(plan.block_tables.shape[2]), decode_only=inputs.decode_only,
-            running=len(sched.running), waiting=len(sched.waiting) + len(sched.preempted),
-            preemptions=sched.num_preemptions - preempt0, pages_used=used,
-            prefix_hit_tokens=plan.prefix_hit_tokens, prefill_tokens=plan.prefill_tokens,
-            cached_pages=sched.prefix.cached_pages() if sched.prefix is not None else 0,
-            pages_free=self.cache_config.num_pages - used, compiled=self.num_traces > traces0,
+            step=plans[0].step, num_tokens=sum(p.num_tokens for p in plans),
+            num_seqs=sum(p.num_seqs for p in plans), bucket_tokens=int(shaped[0].token_ids.shape[0]),
+            bucket_rows=int(shaped[0].seq_lens.shape[0]), bucket_blocks=int(shaped[0].block_tables.shape[2]),
+            decode_only=inputs.decode_only, running=sum(len(s.running) for s in scheds),
+            waiting=sum(len(s.waiting) + len(s.preempted) for s in scheds),
+            preemptions=sum(s.num_preemptions for s in scheds) - preempt0, pages_used=used,
+            prefix_hit_tokens=sum(p.prefix_hit_tokens for p in plans),
+            prefill_tokens=sum(p.prefill_tokens for p in plans),
+            cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
+            pages_free=self.total_pages - used, compiled=self.num_traces > traces0,
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
-        flight = _Flight(plan, tokens, record)
+        flight = _Flight(plans, tokens, record)
         self._inflight.append(flight)
         return flight
-
-    def _sampling_rows(self, plan: StepPlan) -> dict[str, np.ndarray]:
-        """``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B] of the plan's rows."""
-        B = plan.seq_lens.shape[0]
-        seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
-        temperature = np.zeros(B, np.float32)
-        for b, rid in enumerate(plan.request_ids):
-            tr = self._tracked[rid]
-            seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, tr.request.num_tokens, \
-                tr.temperature
-        return dict(seeds=seeds, streams=streams, counters=counters, temperature=temperature)
 
     def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[TokenEvent]:
         """Read ``flight``'s tokens (waiting for its device work), apply them, and return their events."""
         try:
             t4 = time.perf_counter()
-            tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs]
+            tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
             t5 = time.perf_counter()
-            self.scheduler.resolve(flight.plan, tokens)
+            for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
+                sched.resolve(plan, row)
         except BaseException:
             self._recover(None, False)
             raise
         self._inflight.popleft()
-        events = self._collect(flight.plan.request_ids)
+        events = self._collect([rid for p in flight.plans for rid in p.request_ids])
         t6 = time.perf_counter()
         # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
         exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
@@ -397,42 +440,15 @@ class Engine(Consumers):
         self.metrics.append(StepRecord(**{**r, "generated": generated, "t_wait": t_wait, "t_update": t_update,
                                           "t_step": r["t_step"] + t_part, "t_exposed": r["t_exposed"] + t_exposed}))
 
-    def _recover(self, plan: StepPlan | None, device_called: bool) -> None:
-        """Bring the engine back to a state the next step can run from after a fault in a step: the tokens of
-        steps in flight are dropped (the scheduler's rollback), every running request is preempted by
-        recompute (a request that already took its last token is released), and the caches, possibly donated
-        or written by a lost step, are rebuilt at the next step. Tokens already read become events."""
-        sched = self.scheduler
-        self.num_recoveries += 1
-        plans = [f.plan for f in self._inflight] + ([plan] if plan is not None else [])
-        if device_called or self._inflight:
-            self.caches = None
-        for f in self._inflight:  # their device work counts; their tokens are lost
-            self._record(f, generated=0, t_wait=0.0, t_update=0.0, t_part=0.0, t_exposed=0.0)
-        self._inflight.clear()
-        for p in plans:  # cut short between "took its last token" and "released"
-            for rid in p.request_ids:
-                req = sched.requests.get(rid)
-                if req is not None and req.status is Status.RUNNING and req not in sched.running:
-                    sched.running.append(req)
-        touched = dict.fromkeys([*(rid for p in plans for rid in p.request_ids),
-                                 *(r.request_id for r in sched.running)])
-        for req in list(sched.running):
-            if is_done(req):
-                sched.abort(req.request_id)  # releases slot and pages; its tokens are complete
-        sched.rollback()  # drops reserved tokens; preempts the running requests the lost steps advanced
-        for req in reversed(list(sched.running)):
-            sched._preempt(req)  # the scheduler's own preemption path (progress dropped, requeued first)
-        self._held += [ev for ev in self._collect(list(touched)) if ev.request_id not in self._inbox]
-
     # ---- invariants ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """The scheduler's allocator and queue invariants (``AssertionError`` if broken)."""
-        self.scheduler.check_integrity()
+        """The schedulers' allocator and queue invariants (``AssertionError`` if broken)."""
+        for sched in self.schedulers:
+            sched.check_integrity()
 
     def is_idle(self) -> bool:
         """No request queued, running or waiting for tokens, every slot and page free (a step whose requests all
         finished or were aborted may still be in flight: it holds nothing)."""
-        s = self.scheduler
-        return (not s.has_unfinished() and s.slots.num_used == 0
-                and s.blocks.used_pages() == 0 and not self._tracked)
+        return not self._tracked and all(not s.has_unfinished() and s.slots.num_used == 0
+                                         and s.blocks.used_pages() == 0 for s in self.schedulers)
+

@@ -50,7 +50,8 @@ class StepInputs:
         return self.seq_lens.shape[0]
 
     def validate(self, *, num_pages: int, page_size: int, max_slots: int, vocab_size: int | None = None,
-                 attention: AttentionConfig | None = None, shared_pages: bool = False) -> None:
+                 attention: AttentionConfig | None = None, shared_pages: bool = False,
+                 page_groups: np.ndarray | None = None) -> None:
         """Host-side (``debug=True``) check of one step's inputs; raises :class:`InvalidPlanError` naming the
         row, head or token.
 
@@ -66,6 +67,10 @@ class StepInputs:
         ``max_slots`` is the GDN pool size including slot 0 (``max_seqs + 1``). ``shared_pages`` (prefix
         caching): a page may appear in several rows at one (head, block), read-only (not written this step);
         otherwise no page appears twice.
+
+        ``page_groups`` (one data shard of a mesh step, pages split over ``"model"``): ``int[Hkv]``, the model
+        shard whose pool of ``num_pages`` pages holds each head's pages; the ids of head ``h`` are local to pool
+        ``page_groups[h]``, so ranges are checked per pool and uniqueness per (pool, page).
         """
         a = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "decode_only"}
         t, b = a["token_ids"].shape[0], a["seq_lens"].shape[0]
@@ -97,6 +102,13 @@ class StepInputs:
             raise InvalidPlanError(f"StepInputs.block_tables has page ids outside [-1, {num_pages})")
         if ((sm < -1) | (sm >= num_pages * page_size)).any():
             raise InvalidPlanError(f"StepInputs.slot_mapping has entries outside [-1, {num_pages * page_size})")
+        if page_groups is not None:  # local ids -> one id space over all pools, then the one-pool checks
+            base = np.asarray(page_groups, np.int64) * num_pages  # i64[Hkv]
+            if base.shape != (bt.shape[1],):
+                raise InvalidPlanError(f"page_groups must have one entry per KV head ({bt.shape[1]}), got "
+                                       f"{base.shape}")
+            a["block_tables"] = bt = np.where(bt >= 0, bt + base[None, :, None], -1).astype(np.int32)
+            a["slot_mapping"] = sm = np.where(sm >= 0, sm + base[None, :] * page_size, -1).astype(np.int32)
         slots = a["gdn_slots"]
         if ((slots < 0) | (slots >= max_slots)).any():
             raise InvalidPlanError(f"StepInputs.gdn_slots {slots} outside [0, {max_slots})")
@@ -178,6 +190,18 @@ def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decod
     host, rows, copies = jax.device_put((host, rows, copies))
     out = StepInputs(**host, decode_only=decode_only), SampleInputs(**rows)
     return (*out, CheckpointCopies(**copies)) if checkpoints else out
+
+
+def sampling_rows(plan: StepPlan, tracked: dict) -> dict[str, np.ndarray]:
+    """``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B] of the plan's rows (``tracked``: the
+    engine's request id -> :class:`~kvjax.engine.consumers.Tracked`; padding rows: zeros)."""
+    B = plan.seq_lens.shape[0]
+    seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
+    temperature = np.zeros(B, np.float32)
+    for b, rid in enumerate(plan.request_ids):
+        tr = tracked[rid]
+        seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, tr.request.num_tokens, tr.temperature
+    return dict(seeds=seeds, streams=streams, counters=counters, temperature=temperature)
 
 
 def _check_sharing(bt: np.ndarray, sm: np.ndarray, ps: int) -> None:

@@ -12,6 +12,15 @@ Pool policies (how heads share the ``num_pages`` single-head pages of a layer):
   ``P = num_pages // H_kv`` (``num_pages`` must be a multiple of ``H_kv``), so a page recycled by a SWA head only
   ever serves that head again.
 
+Pages per model shard (``shards=M``, the engine on a mesh whose ``"model"`` axis splits the KV heads; see
+:mod:`kvjax.models.sharding`): ``cache.num_pages`` is the page count of *one device's* pool and heads
+``[m * H_kv / M, (m + 1) * H_kv / M)`` live on model shard ``m``. The allocator holds ``M * num_pages`` pages with
+global ids: shard ``m`` owns ``[m * num_pages, (m + 1) * num_pages)``, ``shared`` keeps one free list per shard
+(its heads only), ``partitioned`` one per head inside its shard's range. :attr:`BlockAllocator.page_base`
+(``i64[H_kv]``, ``m * num_pages`` for head ``h`` on shard ``m``) turns a table's global ids into the device-local
+ids of each head's pool (``local = global - page_base[h]``) with one vectorised subtraction. ``shards=1``: one
+device, global ids are local ids, nothing changes.
+
 Every head writes every position, so all heads of a row always cover the same number of logical blocks
 (``num_blocks[r]``); they differ only in which blocks were recycled (or attached as holes from a prefix cache).
 
@@ -46,28 +55,35 @@ class Reclaimer(Protocol):
 class BlockAllocator:
     """Pages and head-wise block tables. Rows are GDN slot ids ``1..max_seqs``; row 0 is the all-hole PAD row."""
 
-    def __init__(self, cache: CacheConfig, attention: AttentionConfig, pool: str = "shared") -> None:
+    def __init__(self, cache: CacheConfig, attention: AttentionConfig, pool: str = "shared", shards: int = 1) -> None:
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         h_kv = attention.num_kv_heads
+        if not is_int(shards) or shards < 1 or h_kv % shards:
+            raise ValueError(f"shards must be an int >= 1 dividing num_kv_heads={h_kv}, got {shards!r}")
         self.cache, self.attention, self.pool = cache, attention, pool
         self.page_size = cache.page_size
         self.num_heads = h_kv
+        self.shards = int(shards)
+        self.num_pages = cache.num_pages * self.shards  # all shards' pages (global ids)
         self.window = np.asarray(attention.window, np.int64)  # i64[H_kv]; 0 = full head
         self.sinks = np.asarray(attention.sinks, np.int64)  # i64[H_kv]
         self.swa_heads = np.flatnonzero(self.window > 0)  # i64[n_swa]
+        shard_of_head = np.arange(h_kv) // (h_kv // self.shards)  # i64[H_kv]: model shard holding each head
+        self.page_base = shard_of_head * cache.num_pages  # i64[H_kv]: first global page id of the head's shard
         if pool == "partitioned":
-            if cache.num_pages % h_kv:
+            if self.num_pages % h_kv:
                 raise ValueError(
-                    f"partitioned pool: num_pages={cache.num_pages} must be a multiple of num_kv_heads={h_kv} "
-                    "(each head gets num_pages // num_kv_heads pages)"
+                    f"partitioned pool: num_pages={cache.num_pages} must be a multiple of num_kv_heads={h_kv}"
+                    + (f" / {self.shards} shards" if self.shards > 1 else "")
+                    + " (each head gets num_pages // num_kv_heads pages)"
                 )
-            per = cache.num_pages // h_kv
+            per = self.num_pages // h_kv
             self.pool_of_head = np.arange(h_kv)  # i64[H_kv]: free list serving each head
             ranges = [range(h * per, (h + 1) * per) for h in range(h_kv)]
         else:
-            self.pool_of_head = np.zeros(h_kv, np.int64)  # i64[H_kv]
-            ranges = [range(cache.num_pages)]
+            self.pool_of_head = shard_of_head  # i64[H_kv]
+            ranges = [range(m * cache.num_pages, (m + 1) * cache.num_pages) for m in range(self.shards)]
         self.heads_in_pool = np.bincount(self.pool_of_head, minlength=len(ranges)).tolist()  # heads of each pool
         self.pool_pages = [len(r) for r in ranges]
         self._free: list[list[int]] = [list(reversed(r)) for r in ranges]  # pop() -> lowest page id
@@ -75,10 +91,10 @@ class BlockAllocator:
         self.tables = np.full((rows, h_kv, cache.max_blocks_per_seq), -1, np.int32)  # i32[max_seqs+1, H_kv, max_blocks]
         self.num_blocks = [0] * rows  # [max_seqs+1] (list: read per request per step): blocks covered by each row
         self.recycled_upto = np.zeros((rows, h_kv), np.int64)  # i64[max_seqs+1, H_kv]: recycle cursor (blocks)
-        self.owner_row = np.full(cache.num_pages, -1, np.int32)  # i32[num_pages]: row holding each page, -1 free
-        self.owner_head = np.full(cache.num_pages, -1, np.int32)  # i32[num_pages]: head holding each page
-        self.refs = np.zeros(cache.num_pages, np.int32)  # i32[num_pages]: table entries holding a shared page
-        self.cached = np.zeros(cache.num_pages, bool)  # bool[num_pages]: the prefix cache holds the page
+        self.owner_row = np.full(self.num_pages, -1, np.int32)  # i32[num_pages]: row holding each page, -1 free
+        self.owner_head = np.full(self.num_pages, -1, np.int32)  # i32[num_pages]: head holding each page
+        self.refs = np.zeros(self.num_pages, np.int32)  # i32[num_pages]: table entries holding a shared page
+        self.cached = np.zeros(self.num_pages, bool)  # bool[num_pages]: the prefix cache holds the page
         self.idle = [0] * len(ranges)  # cached pages that no table holds, per pool (reclaimable)
         self.num_shared = 0  # pages with owner_row == SHARED (0: the fast path of free_ranges)
         self.reclaimer: Reclaimer | None = None  # set by a prefix cache
@@ -89,15 +105,15 @@ class BlockAllocator:
         return -(-num_tokens // self.page_size)
 
     def free_pages(self) -> list[int]:
-        """Free pages per pool (one entry for ``shared``, ``H_kv`` for ``partitioned``)."""
+        """Free pages per pool (``shared``: one entry per model shard; ``partitioned``: ``H_kv``)."""
         return [len(f) for f in self._free]
 
     def available(self) -> float:
         """Fraction of all pages that are free, as a float in [0, 1] (no integer truncation)."""
-        return sum(self.free_pages()) / float(self.cache.num_pages)
+        return sum(self.free_pages()) / float(self.num_pages)
 
     def used_pages(self) -> int:
-        return self.cache.num_pages - sum(self.free_pages())
+        return self.num_pages - sum(self.free_pages())
 
     def pages_needed(self, row: int, num_tokens: int) -> np.ndarray:
         """i64[num_pools]: pages each pool must give so ``row`` covers ``[0, num_tokens)`` on every head."""
@@ -313,7 +329,7 @@ class BlockAllocator:
         if (self.owner_row[pages[~shared]] != rows[~shared]).any() or (self.owner_head[pages] != heads).any():
             raise AssertionError("block tables disagree with page ownership")
         is_shared = self.owner_row == SHARED
-        if (np.bincount(pages[shared], minlength=self.cache.num_pages) != np.where(is_shared, self.refs, 0)).any():
+        if (np.bincount(pages[shared], minlength=self.num_pages) != np.where(is_shared, self.refs, 0)).any():
             raise AssertionError("a shared page's reference count differs from the table entries holding it")
         if (self.refs[~is_shared] != 0).any() or (self.cached & ~is_shared).any() or (is_shared & ~self.cached
                                                                                       & (self.refs == 0)).any():
@@ -328,9 +344,9 @@ class BlockAllocator:
         if len(set(free)) != len(free) or (self.owner_row[free] != -1).any():
             raise AssertionError("a page is free twice, or both free and held")
         used = int((self.owner_row >= 0).sum()) + self.num_shared
-        if len(free) + used != self.cache.num_pages:
+        if len(free) + used != self.num_pages:
             raise AssertionError(f"free {len(free)} + used {used} (shared {self.num_shared}) != total "
-                                 f"{self.cache.num_pages}")
+                                 f"{self.num_pages}")
         if (self.owner_row >= 0).sum() != int((~shared).sum()):
             raise AssertionError("ownership array marks pages that no table holds")
         if (blocks >= np.asarray(self.num_blocks)[rows]).any():

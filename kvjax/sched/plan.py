@@ -172,3 +172,30 @@ def _feed_reserved(req: Request, n: int, t0: int, step: int, prev_index: np.ndar
             raise ValueError(f"request {req.request_id}: token {p} was sampled by step {src_step} and is not resolved; "
                              f"step {step} can only take the previous step's ({step - 1}) sampled tokens")
         prev_index[t0 + p - req.num_computed] = row
+
+
+def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) -> StepPlan:
+    """``plan`` padded to larger buckets ``T = num_tokens``, ``B = num_rows``, ``num_blocks`` table columns (with
+    the module's padding values), so that the plans of several data shards stack into one step. Host
+    bookkeeping (request ids, counts, step) is unchanged; ``ValueError`` if a bucket would shrink."""
+    T, B, nblk = plan.token_ids.shape[0], plan.seq_lens.shape[0], plan.block_tables.shape[2]
+    if num_tokens < T or num_rows < B or num_blocks < nblk:
+        raise ValueError(f"pad_plan: ({T}, {B}, {nblk}) does not fit ({num_tokens}, {num_rows}, {num_blocks})")
+    dt, db = num_tokens - T, num_rows - B
+
+    def rows(x: np.ndarray, value) -> np.ndarray:
+        return np.concatenate([x, np.full((db, *x.shape[1:]), value, x.dtype)])
+
+    def toks(x: np.ndarray, value) -> np.ndarray:
+        return np.concatenate([x, np.full((dt, *x.shape[1:]), value, x.dtype)])
+
+    bt = np.full((num_rows, plan.block_tables.shape[1], num_blocks), -1, np.int32)
+    bt[:B, :, :nblk] = plan.block_tables
+    return dataclasses.replace(
+        plan, token_ids=toks(plan.token_ids, 0), positions=toks(plan.positions, 0),
+        cu_seqlens=rows(plan.cu_seqlens, plan.cu_seqlens[-1]), seq_lens=rows(plan.seq_lens, 0),
+        gdn_slots=rows(plan.gdn_slots, 0), has_initial_state=rows(plan.has_initial_state, False), block_tables=bt,
+        slot_mapping=toks(plan.slot_mapping, -1), logits_indices=rows(plan.logits_indices, 0),
+        sample_mask=rows(plan.sample_mask, False), query_lens=rows(plan.query_lens, 0),
+        prev_index=toks(plan.prev_index, -1), ckpt_restore=rows(plan.ckpt_restore, -1),
+        ckpt_save=rows(plan.ckpt_save, -1))

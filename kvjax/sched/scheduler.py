@@ -65,11 +65,13 @@ class Scheduler:
       watermark: fraction of each pool kept free when admitting a new request while others run.
       prefix_cache: a :class:`PrefixCacheConfig` turns prefix caching on (``None``: off); ``recycle`` must then
         be ``"none"`` or ``"timely"``.
+      page_shards: model shards of the page pool (the engine on a mesh; see :mod:`kvjax.sched.blocks`):
+        ``cache.num_pages`` pages per shard, each serving its ``H_kv / page_shards`` heads. Default 1.
     """
 
     def __init__(self, cache: CacheConfig, attention: AttentionConfig, *, max_num_batched_tokens: int,
                  pool: str = "shared", recycle: "str | RecyclePolicy" = "none", watermark: float = 0.01,
-                 prefix_cache: PrefixCacheConfig | None = None) -> None:
+                 prefix_cache: PrefixCacheConfig | None = None, page_shards: int = 1) -> None:
         if not isinstance(cache, CacheConfig) or not isinstance(attention, AttentionConfig):
             raise ValueError(f"need a CacheConfig and an AttentionConfig, got {type(cache).__name__}, "
                              f"{type(attention).__name__}")
@@ -91,7 +93,7 @@ class Scheduler:
         if prefix_cache is not None and recycle not in ("none", "timely"):
             raise ValueError(f"with prefix caching recycle must be 'none' or 'timely', got {recycle!r}")
         self.recycle_policy = make_recycle_policy(recycle)
-        self.blocks = BlockAllocator(cache, attention, pool)
+        self.blocks = BlockAllocator(cache, attention, pool, page_shards)
         self.prefix = PrefixCache(self.blocks, prefix_cache) if prefix_cache is not None else None
         if self.prefix is not None and recycle == "timely":
             self.recycle_policy = self.prefix.recycle_policy()
@@ -394,7 +396,10 @@ class Scheduler:
             peak, have = int(peak_live_blocks(total, *args).max()), self.blocks.pool_pages[0]
             where = "pages per head (partitioned pool)"
         else:
-            peak, have, where = peak_total_blocks(total, *args), self.cache.num_pages, "pages (shared pool)"
+            heads = np.array_split(np.arange(self.blocks.num_heads), self.blocks.shards)  # each shard's pool
+            peak = max(peak_total_blocks(total, args[0][h], args[1][h], *args[2:]) for h in heads)
+            have, where = self.cache.num_pages, "pages (shared pool)" if self.blocks.shards == 1 else \
+                "pages of one model shard's pool (shared)"
         if peak > have:
             raise RequestTooLongError(
                 f"request of {total} tokens needs {peak} {where} in its worst step even alone, only {have} exist")

@@ -1,0 +1,219 @@
+"""The engine on a ``("data", "model")`` mesh (:mod:`kvjax.engine.mesh`): same tokens as one device.
+
+On 8 CPU devices (a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, as
+``test_sharding.py``), for meshes 1x2, 2x1, 2x2 and 1x4 and both families, one engine run with greedy and
+sampled requests (f32; a greedy pass, then a sampled one, so that both runs visit the same static modes), timely SWA recycling (Qwen3.5), preemption (pages short) and an abort gives the same
+tokens as the single-device engine, compiles no more often, keeps its allocators consistent and holds total / N
+of the caches per device (total / D for DeepSeek's latent pages, replicated over ``"model"``). Two processes
+(``jax.distributed`` with gloo CPU collectives on a free localhost port, 2 CPU devices each, one 2x2 mesh) give
+the same tokens as one process. The host parts (pages per model shard, per-pool validation, refused options)
+run in the main process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.engine.engine import Engine
+from kvjax.engine.inputs import StepInputs
+from kvjax.errors import InvalidPlanError
+from kvjax.sched.blocks import BlockAllocator
+
+INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
+inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
+NEW, ABORT = 6, 3  # new tokens per request; the request aborted after its third token
+PAGES = {"qwen3_5": 24, "deepseek": 8}  # pages per layer on one device (short: preemption); on a mesh / M where
+# the heads are split (the same pages per head)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cache(num_pages: int) -> CacheConfig:
+    return CacheConfig(page_size=4, num_pages=num_pages, max_seqs=4, max_blocks_per_seq=8)
+
+
+ENGINE_ARGS = dict(max_num_batched_tokens=16, token_buckets=(16,), row_buckets=(4,), block_buckets=(8,))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(6, 17, 6)]
+
+
+def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, list[int]]:
+    """Every prompt greedy, then every prompt sampled (temperature 1; indices ``n + i``) on the same engine;
+    the prompt ``ABORT`` of each pass aborted at its third token. Returns the tokens per index."""
+    out: dict[int, list[int]] = {}
+    for temperature in temperatures:
+        first = len(out)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, NEW, temperature=temperature, seed=3, index=first + i)
+            out[first + i] = []
+        aborted = False
+        while engine.has_unfinished():
+            for ev in engine.step():
+                out[ev.index].append(ev.token)
+                if ev.index == first + ABORT and ev.position == 2 and not aborted:
+                    engine.abort(ev.request_id)
+                    aborted = True
+        assert aborted and len(out[first + ABORT]) == 3
+        engine.check_integrity()
+        assert engine.is_idle()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- host parts
+
+
+def test_allocator_pages_per_model_shard():
+    """shards=2: each head's pages lie in its model shard's range, one free list per shard, page_base maps to
+    local ids; recycling a head returns the page to its own shard; partitioned heads stay in their shard."""
+    att = AttentionConfig(4, 4, 8, window=(2, 0, 2, 0))
+    b = BlockAllocator(CacheConfig(page_size=2, num_pages=8, max_seqs=2, max_blocks_per_seq=4), att, "shared", 2)
+    assert b.num_pages == 16 and b.page_base.tolist() == [0, 0, 8, 8] and b.free_pages() == [8, 8]
+    b.allocate(1, 6)  # 3 blocks on every head: 6 pages of each shard
+    t = b.tables[1, :, :3]
+    assert ((t // 8) == np.array([0, 0, 1, 1])[:, None]).all() and b.free_pages() == [2, 2]
+    assert b.can_fit(1) and not b.can_fit(2)
+    b.free_ranges(np.array([1]), np.array([2]), np.array([0]), np.array([2]))  # head 2 (shard 1) recycles 2
+    assert b.free_pages() == [2, 4]
+    b.check_integrity()
+    local = np.where(b.tables[1] >= 0, b.tables[1] - b.page_base[:, None], -1)
+    assert local.max() < 8
+    b.free_row(1)
+    assert b.free_pages() == [8, 8]
+    p = BlockAllocator(CacheConfig(page_size=2, num_pages=8, max_seqs=2, max_blocks_per_seq=4), att, "partitioned", 2)
+    p.allocate(1, 4)
+    assert ((p.tables[1, :, :2] // 4) == np.arange(4)[:, None]).all() and p.free_pages() == [2, 2, 2, 2]
+    p.check_integrity()
+    with pytest.raises(ValueError, match="shards must be an int >= 1 dividing num_kv_heads=4"):
+        BlockAllocator(CacheConfig(page_size=2, num_pages=8, max_seqs=2, max_blocks_per_seq=4), att, "shared", 3)
+
+
+def test_validate_pages_unique_per_pool():
+    """page_groups: the same local id on heads of two pools is fine; twice in one pool, or past the pool, is not."""
+    def inputs(bt):
+        sm = np.array([[bt[0, h, 0] * 2 if bt[0, h, 0] >= 0 else -1 for h in range(2)]], np.int32)
+        return StepInputs.from_numpy(token_ids=[0], positions=[0], cu_seqlens=[0, 1], seq_lens=[1], gdn_slots=[1],
+                                     has_initial_state=[False], block_tables=bt, slot_mapping=sm,
+                                     logits_indices=[0])
+
+    same = np.array([[[3], [3]]], np.int32)  # i32[B=1, Hkv=2, 1]: local page 3 on both heads
+    kw = dict(num_pages=4, page_size=2, max_slots=2)
+    inputs(same).validate(**kw, page_groups=np.array([0, 1]))
+    with pytest.raises(InvalidPlanError, match="appear in more than one"):
+        inputs(same).validate(**kw, page_groups=np.array([0, 0]))
+    with pytest.raises(InvalidPlanError, match="outside"):
+        inputs(np.array([[[4], [0]]], np.int32)).validate(**kw, page_groups=np.array([0, 1]))
+
+
+def test_mesh_options_are_refused():
+    import test_sharding as ts
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    model = ts.qwen_model()
+    with pytest.raises(ValueError, match="prefix_caching=True is not supported on a mesh"):
+        Engine(model, _cache(8), mesh=mesh, prefix_caching=True)
+    with pytest.raises(ValueError, match="needs a cache_config"):
+        Engine(model, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------------- 8 devices
+
+
+def test_mesh_engine_on_8_cpu_devices():
+    if INNER:
+        pytest.skip("already inside the 8-device run")
+    env = {**os.environ, "KVJAX_MESH_ENGINE_INNER": "1",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@inner
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
+def test_engine_on_mesh_equals_one_device(family):
+    import test_sharding as ts
+
+    model = ts.FAMILIES[family]()
+    prompts = _prompts(ts.VOCAB)
+    recycle = "timely" if family == "qwen3_5" else "none"
+    one = Engine(model, _cache(PAGES[family]), recycle=recycle, debug=True, **ENGINE_ARGS)
+    want = _scenario(one, prompts)
+    assert sum(r.preemptions for r in one.metrics.records) > 0
+    for d, m in MESHES:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[: d * m]).reshape(d, m), ("data", "model"))
+        heads_split = family == "qwen3_5"
+        engine = Engine(model, _cache(PAGES[family] // m if heads_split else PAGES[family]), mesh=mesh, recycle=recycle,
+                        debug=True, **ENGINE_ARGS)
+        got = _scenario(engine, prompts)
+        assert got == want, f"mesh {d}x{m}"
+        assert sum(r.preemptions for r in engine.metrics.records) > 0, f"mesh {d}x{m}: no preemption"
+        assert engine.num_traces <= one.num_traces, f"mesh {d}x{m}: {engine.num_traces} > {one.num_traces}"
+        total = sum(x.nbytes for x in jax.tree.leaves(engine.caches))
+        share = d * m if engine.sharded.plan.pages_over_model else d
+        for dev in mesh.devices.ravel():
+            assert engine.sharded.device_nbytes(engine.caches, dev) == total // share
+
+
+# ---------------------------------------------------------------------------------------------- two processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _worker(process_id: int, port: int, out: str) -> None:
+    """One of two processes (2 CPU devices each) serving the scenario on a global 2x2 mesh."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+    import test_sharding as ts
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    engine = Engine(ts.qwen_model(), _cache(PAGES["qwen3_5"] // 2), mesh=mesh, recycle="timely", **ENGINE_ARGS)
+    with open(out, "w") as f:
+        json.dump(_scenario(engine, _prompts(ts.VOCAB), (1.0,)), f)
+    jax.distributed.shutdown()
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    if INNER:
+        pytest.skip("runs in the main test process")
+    import test_sharding as ts
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / f"{i}.json")],
+                              env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    want = _scenario(Engine(ts.qwen_model(), _cache(PAGES["qwen3_5"]), recycle="timely", **ENGINE_ARGS), _prompts(ts.VOCAB),
+                     (1.0,))
+    for i in range(2):
+        got = {int(k): v for k, v in json.loads((tmp_path / f"{i}.json").read_text()).items()}
+        assert got == want, f"process {i}"
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.path.insert(0, HERE)
+    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
