@@ -10,6 +10,11 @@ generated identical tokens (greedy). The engine overlaps planning step N+1 with 
 (``--no-overlap``: the synchronous engine). ``--prefix-caching`` adds both policies with prefix caching
 (``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens.
 
+``--mesh DATAxMODEL`` (or ``--devices N`` = ``--mesh Nx1``) runs the engine on a ``("data", "model")`` mesh
+(:mod:`kvjax.engine.mesh`; on CPU, JAX is asked for that many host devices): each data shard has the preset's
+``max_seqs`` rows and its own pages, and each device holds ``num_pages / MODEL`` pages (the same pages per KV head
+as one device).
+
 Generated tokens/s is the steady-state rate: steps that compiled a new bucket shape are left out of both the
 tokens and the time (compilation is reported apart). Both runs share one compiled step.
 
@@ -125,12 +130,34 @@ def build_model(p: Preset, *, seed: int = 0):
     return init_random(config, seed=seed, dtype=jnp.dtype(p.dtype))
 
 
+def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
+    """``"DxM"`` -> a ``("data", "model")`` mesh of the first ``D * M`` devices (on CPU JAX is asked for that
+    many host devices first); ``UsageError`` for a bad spec or too few devices."""
+    if spec is None:
+        return None
+    try:
+        d, m = (int(x) for x in spec.lower().split("x"))
+        assert d >= 1 and m >= 1
+    except (ValueError, AssertionError):
+        raise UsageError(f"--mesh must be DATAxMODEL with ints >= 1 (e.g. 2x2), got {spec!r}") from None
+    try:
+        jax.config.update("jax_num_cpu_devices", max(d * m, 1))
+    except RuntimeError:  # backends already started: keep what there is
+        pass
+    devices = jax.devices()
+    if len(devices) < d * m:
+        raise UsageError(f"--mesh {d}x{m} needs {d * m} devices, {len(devices)} available")
+    return jax.sharding.Mesh(np.array(devices[: d * m]).reshape(d, m), ("data", "model"))
+
+
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
-               overlap: bool = True, prefix_caching: bool = False):
+               overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None):
     """Serve ``workload`` with one recycle policy; returns (outputs, summary dict, per-step columns, wall s)."""
+    if mesh is not None:  # the same pages per KV head as one device
+        cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
-                    block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching)
+                    block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh)
     t0 = time.perf_counter()
     outs = engine.generate([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=progress)
     wall = time.perf_counter() - t0
@@ -138,7 +165,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
     engine.clear_prefix_cache()
     if not engine.is_idle():
         raise AssertionError(f"{recycle}: slots or pages left allocated after the run")
-    summary = engine.metrics.summary(num_pages=cache.num_pages)
+    summary = engine.metrics.summary(num_pages=engine.total_pages)
     summary["wall_s"] = wall
     cols = engine.metrics.to_dict()
     return outs, summary, {k: cols[k] for k in ("pages_used", "running", "generated", "t_step", "t_exposed",
@@ -202,8 +229,15 @@ def main(argv: list[str]) -> int:
                     help="also run both policies with prefix caching (keep_tail)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device (default); --no-overlap: synchronous")
+    ap.add_argument("--mesh", metavar="DATAxMODEL", help="run on a (data, model) device mesh, e.g. 2x2")
+    ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
     try:  # every check before any work: a bad value exits 2 with one line
         args = ap.parse_args(argv)
+        if args.mesh is not None and args.devices is not None:
+            raise UsageError("give --mesh or --devices, not both")
+        mesh = make_mesh(args.mesh if args.devices is None else f"{args.devices}x1")
+        if mesh is not None and args.prefix_caching:
+            raise UsageError("--prefix-caching is not supported with --mesh / --devices")
         if args.plot:
             check_plot_path(args.plot)
         overrides = {k: v for k, v in (("requests", args.requests), ("scale", args.scale),
@@ -229,14 +263,15 @@ def main(argv: list[str]) -> int:
     print(f"# {p.requests} requests, prompt {np.mean(prompt_lens):.0f} / output {np.mean(out_lens):.0f} tokens "
           f"on average; {cache.num_pages} pages of {p.page_size} tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
-          f"{'on' if args.overlap else 'off'}")
+          f"{'on' if args.overlap else 'off'}"
+          + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)"))
     outputs, results, columns = {}, {}, {}
     runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
     for recycle, cached in runs:
         name = recycle + ("+prefix" if cached else "")
         outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
                                                                  progress=args.progress, overlap=args.overlap,
-                                                                 prefix_caching=cached)
+                                                                 prefix_caching=cached, mesh=mesh)
     same = all(o == outputs["none"] for o in outputs.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
     print(format_table(results))

@@ -32,7 +32,7 @@ INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
 NEW, ABORT = 6, 3  # new tokens per request; the request aborted after its third token
-PAGES = {"qwen3_5": 24, "deepseek": 8}  # pages per layer on one device (short: preemption); on a mesh / M where
+PAGES = {"qwen3_5": 24, "deepseek": 6}  # pages per layer on one device (short: preemption); on a mesh / M where
 # the heads are split (the same pages per head)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -125,6 +125,16 @@ def test_mesh_options_are_refused():
         Engine(model, _cache(8), mesh=mesh, prefix_caching=True)
     with pytest.raises(ValueError, match="needs a cache_config"):
         Engine(model, mesh=mesh)
+
+
+def test_cli_mesh_usage_errors(capsys):
+    import kvjax.cli_run as cli_run
+
+    for argv, msg in ((["--mesh", "3"], "--mesh must be DATAxMODEL"), (["--devices", "2", "--mesh", "1x2"], "not both"),
+                      (["--mesh", "64x2"], "needs 128 devices"),
+                      (["--mesh", "1x1", "--prefix-caching"], "--prefix-caching is not supported")):
+        assert cli_run.main(argv) == 2
+        assert msg in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- 8 devices
