@@ -222,15 +222,22 @@ def test_no_recompilation_after_warmup_over_500_steps(qwen):
     assert_idle(engine)
 
 
-def test_greedy_engine_matches_uncached_oracle_deepseek():
-    from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+def tiny_deepseek_config():
+    """The tiny DeepSeek-V3.2 (MLA + DSA indexer, top-6) the engine tests serve."""
+    from kvjax.models.deepseek import DeepseekConfig
 
-    config = DeepseekConfig(
+    return DeepseekConfig(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
         q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
         index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
         rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
     )
+
+
+def test_greedy_engine_matches_uncached_oracle_deepseek():
+    from kvjax.models.deepseek import DeepseekV32
+
+    config = tiny_deepseek_config()
     model = nnx.jit(lambda: DeepseekV32(config, rngs=nnx.Rngs(5)))()
     rng = np.random.default_rng(5)
     prompts = random_prompts(rng, (21, 4, 13, 26, 8))

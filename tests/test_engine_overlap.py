@@ -18,7 +18,8 @@ from flax import nnx
 from kvjax.config import CacheConfig
 from kvjax.engine import sizing
 from kvjax.engine.engine import Engine
-from test_engine import BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts
+from test_engine import (BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts,
+                         tiny_deepseek_config)
 
 NEW = 8
 
@@ -119,14 +120,9 @@ def test_abort_mid_stream_equals_sync(qwen, case):
 
 
 def test_overlap_equals_sync_deepseek():
-    from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+    from kvjax.models.deepseek import DeepseekV32
 
-    config = DeepseekConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
-        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
-        index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
-        rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
-    )
+    config = tiny_deepseek_config()
     model = nnx.jit(lambda: DeepseekV32(config, rngs=nnx.Rngs(5)))()
     prompts = random_prompts(np.random.default_rng(6), (21, 4, 13, 26, 8))
     expect = greedy_oracle(model, prompts, 6)
@@ -209,14 +205,9 @@ def test_engine_without_cache_config_sizes_one(qwen, case, caplog):
 
 
 def test_sizing_deepseek_has_no_state_slots():
-    from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+    from kvjax.models.deepseek import DeepseekV32
 
-    config = DeepseekConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
-        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
-        index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
-        rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
-    )
+    config = tiny_deepseek_config()
     model = nnx.eval_shape(lambda: DeepseekV32(config, rngs=nnx.Rngs(0)))
     s = sizing.size_cache(model, dtype=np.float32, max_seqs=4, max_seq_len=64)
     # per page and layer: latent key f32[16, 32 + 8], fp8 indexer [16, 16] + its f32 scales

@@ -19,7 +19,7 @@ from kvjax.engine import sizing
 from kvjax.engine.engine import Engine
 from kvjax.state import gdn_checkpoints, gdn_pool
 from kvjax.config import GDNConfig
-from test_engine import BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model
+from test_engine import BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model, tiny_deepseek_config
 from test_engine_faults import POINTS, Injected, _arm
 
 NEW = 6
@@ -146,15 +146,10 @@ def test_fault_clears_the_cache_and_recovers(qwen, case, monkeypatch, point):
 
 def test_deepseek_shares_latent_and_indexer_pages():
     from kvjax.config import CacheConfig
-    from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+    from kvjax.models.deepseek import DeepseekV32
     from flax import nnx
 
-    config = DeepseekConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
-        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
-        index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
-        rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
-    )
+    config = tiny_deepseek_config()
     model = nnx.jit(lambda: DeepseekV32(config, rngs=nnx.Rngs(5)))()
     prompts = shared_prompts(np.random.default_rng(5))[:6]
     expect = greedy_oracle(model, prompts, NEW)
