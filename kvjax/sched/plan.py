@@ -107,9 +107,9 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     """Lay out ``scheduled`` = [(request, tokens this step)] (blocks already allocated) as a padded plan.
     ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring)."""
     nseq = len(scheduled)
-    n = np.array([k for _, k in scheduled], np.int64)
-    start = np.array([r.num_computed for r, _ in scheduled], np.int64)
-    slots = np.array([r.slot for r, _ in scheduled], np.int64)
+    info = np.array([(k, r.num_computed, r.slot, r.num_tokens, r.prompt_len, len(r.pending), r.request_id)
+                     for r, k in scheduled], np.int64).reshape(nseq, 7)  # i64[nseq, 7]
+    n, start, slots, num_tokens, prompt_end, num_pending, rids = info.T
     ntok = int(n.sum())
     T, B = bucket(max(ntok, 1), t_buckets), bucket(max(nseq, 1), b_buckets)
     ps = blocks.page_size
@@ -129,10 +129,13 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     token_ids = np.zeros(T, np.int32)
     prev_index = np.full(T, -1, np.int32)
     if nseq:
-        token_ids[:ntok] = np.concatenate([r.token_ids[r.num_computed: r.num_computed + k] for r, k in scheduled])
-        for (r, k), t0 in zip(scheduled, cu[:nseq].tolist()):
-            if r.pending and r.num_computed + k > r.num_resolved:
-                _feed_reserved(r, k, t0, step, prev_index)
+        if ntok == nseq:  # one token per row (decodes): no slices to concatenate
+            token_ids[:ntok] = [r.token_ids[r.num_computed] for r, _ in scheduled]
+        else:
+            token_ids[:ntok] = np.concatenate([r.token_ids[r.num_computed: r.num_computed + k]
+                                               for r, k in scheduled])
+        for b in np.flatnonzero(start + n > num_tokens - num_pending).tolist():  # rows feeding reserved tokens
+            _feed_reserved(scheduled[b][0], int(n[b]), int(cu[b]), step, prev_index)
     positions = np.zeros(T, np.int32)
     pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)
     positions[:ntok] = pos
@@ -148,18 +151,19 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     logits_indices = np.zeros(B, np.int32)
     logits_indices[:nseq] = cu[1: nseq + 1] - 1
     sample_mask = np.zeros(B, bool)
-    sample_mask[:nseq] = start + n == np.array([r.num_tokens for r, _ in scheduled], np.int64)
+    sample_mask[:nseq] = start + n == num_tokens
+    request_ids = tuple(rids.tolist())
     ckpt_restore, ckpt_save = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
-    for b, (r, _) in enumerate(scheduled):
-        ckpt_restore[b] = (restore or {}).get(r.request_id, -1)
-        ckpt_save[b] = (save or {}).get(r.request_id, -1)
-    prompt_end = np.array([r.prompt_len for r, _ in scheduled], np.int64)
+    for ckpt, chosen in ((ckpt_restore, restore), (ckpt_save, save)):
+        if chosen:
+            ckpt[:nseq] = [chosen.get(rid, -1) for rid in request_ids]
     prefill = int(np.clip(np.minimum(start + n, prompt_end) - start, 0, None).sum()) if nseq else 0
     return StepPlan(token_ids=token_ids, positions=positions, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=gdn_slots,
                     has_initial_state=has_init, block_tables=block_tables, slot_mapping=slot_mapping,
                     logits_indices=logits_indices, sample_mask=sample_mask, query_lens=query_lens,
                     prev_index=prev_index, ckpt_restore=ckpt_restore, ckpt_save=ckpt_save,
-                    prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill, request_ids=tuple(r.request_id for r, _ in scheduled), num_tokens=ntok,
+                    prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill,
+                    request_ids=request_ids, num_tokens=ntok,
                     num_seqs=nseq, step=step)
 
 

@@ -80,17 +80,19 @@ class Request:
     def reserve(self, step: int = -1, row: int = -1) -> bool:
         """Add a token whose value plan ``step`` samples at ``row`` (placeholder id 0 until resolved); returns
         True when this reaches ``max_new_tokens``."""
-        self.token_ids[self.num_tokens] = 0
-        self.num_tokens += 1
+        n = self.num_tokens
+        self.token_ids[n] = 0
+        self.num_tokens = n + 1
         self.pending.append((step, row))
-        return self.num_output >= self.max_new_tokens
+        return n + 1 - self.prompt_len >= self.max_new_tokens
 
     def resolve(self, token: int) -> bool:
         """Give the oldest reserved token its sampled value; returns True if it is eos, in which case the
         reserved tokens after it are dropped (the request ends there)."""
-        pos = self.num_resolved
+        pending = self.pending
+        pos = self.num_tokens - len(pending)
         self.token_ids[pos] = token
-        self.pending.pop(0)
+        del pending[0]
         if self.eos_token_id is not None and int(token) == self.eos_token_id:
             self.num_tokens = pos + 1
             self.pending.clear()

@@ -161,32 +161,12 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring)."""
-        blocks, ps = self.blocks, self.cache.page_size
-        if self.running:
-            rows = np.array([r.slot for r in self.running], np.int64)
-            done = np.array([r.num_computed for r in self.running], np.int64)
-            self.recycle_policy.recycle(blocks, rows, done)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._chunk(req, req.num_computed, budget)
-            new_blocks = -(-(req.num_computed + n) // ps) - blocks.num_blocks[req.slot]
-            if new_blocks > 0:
-                while not blocks.can_fit(new_blocks):
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                if req.status is not Status.RUNNING:
-                    break
-                blocks.allocate(req.slot, req.num_computed + n)
-            scheduled.append((req, n))
-            budget -= n
-            i += 1
+        if self.running:
+            scheduled, preempted, used = self._schedule_running()
+            budget -= used
         restore: dict[int, int] = {}
         hits = 0
         while not preempted and budget > 0 and (self.preempted or self.waiting) \
@@ -221,6 +201,38 @@ class Scheduler:
         self._last_plan = plan
         self.step += 1
         return plan
+
+    def _schedule_running(self) -> tuple[list[tuple[Request, int]], bool, int]:
+        """Recycle, then give every running request (in order) its tokens under the budget and the pages they
+        need, preempting from the tail when pages are short. Returns ([(request, tokens)], preempted, tokens in
+        all). Vectorised over the rows: only the rows that cross a block boundary allocate, one call each."""
+        blocks, running = self.blocks, list(self.running)  # a copy: preemption shrinks self.running
+        info = np.array([(r.slot, r.num_computed, r.num_tokens) for r in running], np.int64)  # i64[R, 3]
+        rows, done = info[:, 0], info[:, 1]
+        self.recycle_policy.recycle(blocks, rows, done)
+        cap = info[:, 2] - done  # i64[R]: tokens left to compute
+        if self.prefix is not None:
+            for i in np.flatnonzero(done < np.array([r.prompt_len for r in running])).tolist():
+                cap[i] = self._chunk(running[i], int(done[i]), int(cap[i]))
+        before = np.cumsum(cap) - cap
+        n = np.clip(np.minimum(cap, self.max_num_batched_tokens - before), 0, None)  # i64[R]
+        need = -(-(done + n) // self.cache.page_size) - np.asarray(blocks.num_blocks)[rows]  # i64[R]: new blocks
+        preempted = False
+        for i in np.flatnonzero((need > 0) & (n > 0)).tolist():
+            req = running[i]
+            if req.status is not Status.RUNNING:  # preempted as a victim of an earlier row
+                break
+            while not blocks.can_fit(int(need[i])):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            blocks.allocate(req.slot, int(done[i] + n[i]))
+        k = min(len(self.running), int(np.count_nonzero(n)))
+        return list(zip(self.running[:k], n[:k].tolist())), preempted, int(n[:k].sum())
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """Tokens of ``req`` to compute this step from ``start``: what is left, within the budget, ending at the
@@ -280,13 +292,12 @@ class Scheduler:
         self._last_plan = None
         reqs = [self.requests.get(rid) for rid in plan.request_ids]
         self._unresolved.append((plan, reqs))
-        finished = []
-        lens, mask = plan.query_lens.tolist(), plan.sample_mask.tolist()
-        for b, req in enumerate(reqs):
-            if req is None or req.status is not Status.RUNNING:  # aborted between schedule and advance
+        finished, step, running = [], plan.step, Status.RUNNING
+        for b, (req, n, sample) in enumerate(zip(reqs, plan.query_lens.tolist(), plan.sample_mask.tolist())):
+            if req is None or req.status is not running:  # aborted between schedule and advance
                 continue
-            req.num_computed += lens[b]
-            if mask[b] and req.reserve(plan.step, b):
+            req.num_computed += n
+            if sample and req.reserve(step, b):
                 self._finish(req)
                 finished.append(req)
         return finished
@@ -303,11 +314,11 @@ class Scheduler:
             raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
                              f"{getattr(plan, 'step', plan)!r}")
         tokens = self._check_sampled(plan, sampled).tolist()
-        finished = []
-        for b, req in enumerate(self._unresolved[0][1]):
-            if req is None or req.status is Status.ABORTED or not req.pending or req.pending[0] != (plan.step, b):
+        finished, step, aborted = [], plan.step, Status.ABORTED
+        for b, (req, token) in enumerate(zip(self._unresolved[0][1], tokens)):
+            if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b):
                 continue
-            if req.resolve(tokens[b]) and req.status is not Status.FINISHED:
+            if req.resolve(token) and req.status is not Status.FINISHED:
                 self._finish(req)
                 finished.append(req)
             if req.status is Status.FINISHED and not req.pending:
