@@ -212,7 +212,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.rig is not None and len(self.rig.progress) < 3)
     def start(self, data):
         base = data.draw(st.sampled_from(self.bases))
-        cut, tail = data.draw(st.integers(1, 30)), data.draw(st.lists(st.integers(1, 9), max_size=12))
+        # at most 40 tokens: a row has 40 blocks, and pages may hold one token
+        cut, tail = data.draw(st.integers(1, 30)), data.draw(st.lists(st.integers(1, 9), max_size=10))
         prompt = np.concatenate([base[:cut], np.array(tail, np.int64)])
         row = min(set(range(1, 4)) - set(self.rig.progress))
         if not self.rig.b.can_fit(0):
