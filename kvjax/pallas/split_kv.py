@@ -28,6 +28,9 @@ LN2 = 0.6931471805599453  # back to the natural-log lse stage 2 expects
 MASK_INIT = -1e30  # finite running-max start: a fully masked step keeps exp(...) at 0, never NaN
 
 
+# the static (trace-time) arguments of every split-KV MLA kernel entry: the op's scale and the tuning options
+STATIC_ARGNAMES = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret")
+
 def merge_splits(
     o_parts: jax.Array,  # f32[..., S, ..., R]: split outputs, split axis ``axis``
     lse_parts: jax.Array,  # f32[..., S, ...]: o_parts without its last dimension

@@ -22,7 +22,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from kvjax.pallas.split_kv import default_tiles, split_kv_decode
+from kvjax.pallas.split_kv import STATIC_ARGNAMES, default_tiles, split_kv_decode
 
 
 @triton.jit
@@ -93,10 +93,7 @@ def _mla_stage1_kernel(
     tl.store(lse_ptr + out_row, tl.where(has, (m + tl.log2(safe_l)) * 0.6931471805599453, float("-inf")))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def mla_decode_triton(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]

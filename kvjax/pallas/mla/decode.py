@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas.split_kv import LN2, LOG2E, MASK_INIT, default_tiles, pad_positions, split_kv_decode, tile_reason
+from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
+                                   pad_positions, split_kv_decode, tile_reason)
 
 
 def _stage1_kernel(
@@ -171,10 +172,7 @@ def _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk, *, sca
                            num_kv_splits=num_kv_splits)
 
 
-_STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def mla_decode_pallas(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
@@ -201,7 +199,7 @@ def mla_decode_pallas(
                    num_stages=num_stages, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def sparse_mla_decode_pallas(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]

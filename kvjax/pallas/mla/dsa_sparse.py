@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.base.device import is_pow2
 from kvjax.pallas.mla.dsa_indexer import decode_e4m3_bits
-from kvjax.pallas.split_kv import LN2, LOG2E, MASK_INIT, default_tiles, pad_positions, split_kv_decode
+from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
+                                   pad_positions, split_kv_decode)
 
 MAX_HEADS = 16  # more heads: not 5% faster than the jnp path (module doc)
 
@@ -175,10 +176,7 @@ def unsupported(
     return None
 
 
-_STATIC = ("scale", "num_kv_splits", "block_h", "block_n", "num_warps", "num_stages", "interpret")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def sparse_mla_decode_fp8_pallas(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
