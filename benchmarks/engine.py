@@ -19,7 +19,7 @@ import time
 
 from case import RunCase
 
-BUDGET_S = 270.0  # both runs together; the first gets 55%
+BUDGET_S = 200.0  # all runs together, an equal share each
 
 
 def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -33,12 +33,12 @@ def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
                 first_divergence_median=float(np.median(diverged)) if diverged else None)
 
 
-def serve(model, workload, cache, p, recycle: str, deadline: float) -> tuple[list, dict]:
+def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: bool = True) -> tuple[list, dict]:
     """Serve ``workload`` once; returns (generated tokens per request, the engine's metrics summary)."""
     from kvjax.engine.engine import Engine
 
-    eng = Engine(model, cache, recycle=recycle, max_num_batched_tokens=p.max_tokens, token_buckets=p.token_buckets,
-                 row_buckets=p.row_buckets, block_buckets=(cache.max_blocks_per_seq,))
+    eng = Engine(model, cache, recycle=recycle, overlap=overlap, max_num_batched_tokens=p.max_tokens,
+                 token_buckets=p.token_buckets, row_buckets=p.row_buckets, block_buckets=(cache.max_blocks_per_seq,))
     outs = [[] for _ in workload]
     truncated = False
     t0 = time.perf_counter()
@@ -59,8 +59,10 @@ def serve(model, workload, cache, p, recycle: str, deadline: float) -> tuple[lis
     return outs, s
 
 
-def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely")) -> list[dict]:
-    """The runs of preset ``p``; one row per recycle policy."""
+def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
+            overlaps: tuple[bool, ...] = (False, True)) -> list[dict]:
+    """The runs of preset ``p``: one row per (recycle policy, overlap), each with its own engine; the first run
+    (``recycle=none``, synchronous) is the anchor every row's tokens are compared with."""
     from kvjax.cli_run import build_model
     from kvjax.sched.workload import cache_for, seed_workload
 
@@ -69,21 +71,162 @@ def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely")) 
     cache = cache_for(workload, num_kv_heads=p.kv_heads, page_size=p.page_size, full_requests=p.memory_requests,
                       max_seqs=p.max_seqs)
     model = build_model(p)
-    outs, rows = {}, []
-    for i, recycle in enumerate(recycles):
-        deadline = t_start + budget_s * (0.55 if i == 0 else 1.0)
-        outs[recycle], s = serve(model, workload, cache, p, recycle, deadline)
-        rows.append(dict(impl=f"recycle={recycle}", median_ms=1e3 * s["step_time_median_s"],
-                         ok=s["integrity"] is True, error=None if s["integrity"] is True else s["integrity"],
-                         tokens_per_s=s["generated_tokens_per_s"], num_pages=cache.num_pages, metrics=s))
-        print(recycle, {k: v for k, v in s.items() if not isinstance(v, (list, dict))}, flush=True)
-    if len(rows) < 2:
-        return rows
-    full = not any(r["metrics"]["truncated"] for r in rows)
-    rows[1].update(identical=(outs["none"] == outs["timely"]) if full else None,
-                   divergence=divergence(outs["none"], outs["timely"]) if full else None,
-                   gain_tokens_per_s=rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    runs = [(r, o) for r in recycles for o in overlaps]
+    outs, rows = [], []
+    for i, (recycle, overlap) in enumerate(runs):
+        deadline = t_start + budget_s * (i + 1) / len(runs)
+        out, s = serve(model, workload, cache, p, recycle, deadline, overlap)
+        full = not s["truncated"] and (not rows or not rows[0]["metrics"]["truncated"])
+        name = f"recycle={recycle} overlap={'on' if overlap else 'off'}"
+        rows.append(dict(impl=name, median_ms=1e3 * s["step_time_median_s"], ok=s["integrity"] is True,
+                         error=None if s["integrity"] is True else s["integrity"],
+                         tokens_per_s=s["generated_tokens_per_s"], num_pages=cache.num_pages, metrics=s,
+                         identical=(out == outs[0]) if outs and full else None,
+                         divergence=divergence(outs[0], out) if outs and full else None,
+                         gain_tokens_per_s=s["generated_tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0))
+        outs.append(out)
+        print(name, {k: v for k, v in s.items() if not isinstance(v, (list, dict))}, flush=True)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------- step profile
+
+STEP_ROWS = (16, 64, 256)  # decoding rows of the steady-decode profile (issue #18)
+PROMPT_LEN = 512  # tokens each decoding row has before the profile
+PREFILL = dict(rows=16, prompt_len=4096, budget=2048)  # chunked-prefill steps: 16 prompts of 4096, 2048 per step
+
+
+def _step_engine(p, rows: int, *, overlap: bool, prompt_len: int, new_tokens: int, budget: int):
+    """An engine on the preset's model with ``rows`` requests of ``prompt_len`` random tokens queued."""
+    import numpy as np
+
+    from kvjax.config import CacheConfig
+    from kvjax.engine.engine import Engine
+
+    model = _model(p)
+    blocks = -(-(prompt_len + new_tokens) // p.page_size)
+    cache = CacheConfig(page_size=p.page_size, num_pages=rows * p.kv_heads * blocks, max_seqs=rows,
+                        max_blocks_per_seq=blocks)
+    eng = Engine(model, cache, overlap=overlap, recycle="timely", max_num_batched_tokens=budget,
+                 token_buckets=sorted({rows, budget}), row_buckets=(rows,), block_buckets=(blocks,))
+    rng = np.random.default_rng(0)
+    for i in range(rows):
+        eng.add_request(rng.integers(0, p.vocab, prompt_len), new_tokens, index=i)
+    return model, eng
+
+
+_MODELS: dict = {}  # preset -> model: the profile's engines share one model (this script's own cache)
+
+
+def _model(p):
+    from kvjax.cli_run import build_model
+
+    if p not in _MODELS:
+        _MODELS[p] = build_model(p)
+    return _MODELS[p]
+
+
+def floor_bytes(model, eng) -> dict:
+    """Bytes one decode step of ``eng``'s running rows must move: every parameter once, each row's GDN state
+    read and written (SSM f32 + conv), and the K/V each row's heads attend (full heads: the whole context; SWA
+    heads: window + sinks)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    c = model.config
+    g, a = c.gdn, c.attention
+    itemsize = np.dtype(eng.caches.gdn.conv.dtype).itemsize
+    state = len(c.gdn_layers) * 2 * (g.num_v_heads * g.head_k_dim * g.head_v_dim * 4
+                                     + g.conv_dim * (g.conv_kernel_size - 1) * itemsize)
+    lens = np.array([r.num_tokens for r in eng.scheduler.running], np.int64)
+    kv = 0
+    for w, s in zip(a.window, a.sinks):
+        seen = lens if w == 0 else np.minimum(lens, w + s)
+        kv += int(seen.sum()) * 2 * a.head_dim * itemsize * len(c.attention_layers)
+    return dict(params=params, state=state * len(lens), kv=kv, total=params + state * len(lens) + kv)
+
+
+def _run_steps(eng, n: int) -> list:
+    """``n`` engine steps; the metrics records they appended (steps resolved in the window)."""
+    k = len(eng.metrics)
+    for _ in range(n):
+        eng.step()
+    return eng.metrics.records[k:]
+
+
+def profile_steps(eng, n: int, *, want) -> dict:
+    """Time ``n`` steps of ``eng`` once the next steps match ``want(record)`` (steady decode / chunked prefill):
+    wall per step and the host phases from the engine's own records (no profiler running), then ``n`` more steps
+    under the profiler for the GPU kernel time, kernels per step and the kernels by name."""
+    import statistics
+
+    from timing import kernel_records
+
+    for _ in range(400):  # reach the steady phase and compile its bucket
+        recs = _run_steps(eng, 3)
+        if len(recs) >= 2 and all(want(r) and not r.compiled for r in recs[-2:]):
+            break
+    else:
+        raise RuntimeError("the engine never reached the profiled phase")
+    t0 = time.perf_counter()
+    recs = _run_steps(eng, n)
+    wall = (time.perf_counter() - t0) / n
+    if not all(want(r) for r in recs) or any(r.compiled for r in recs):
+        raise RuntimeError(f"steps left the profiled phase or compiled: {[(r.num_tokens, r.compiled) for r in recs]}")
+    med = lambda f: statistics.median(getattr(r, f) for r in recs)  # noqa: E731
+    host = statistics.median(r.t_step - r.t_wait for r in recs)
+    kr = kernel_records(lambda: (_run_steps(eng, n), __import__("jax").block_until_ready(eng.caches)))
+    names = sorted(((c / n, t / n / 1e6, name) for name, (c, t) in kr["names"].items()), key=lambda x: -x[1])
+    return dict(wall_ms=1e3 * wall, host_ms=1e3 * host, exposed_ms=1e3 * med("t_exposed"),
+                schedule_ms=1e3 * med("t_schedule"), inputs_ms=1e3 * med("t_inputs"),
+                dispatch_ms=1e3 * med("t_dispatch"), update_ms=1e3 * med("t_update"), wait_ms=1e3 * med("t_wait"),
+                tokens=statistics.median(r.num_tokens for r in recs), rows=statistics.median(r.num_seqs for r in recs),
+                kernel_ms=kr["kernel_ns"] / n / 1e6 if kr["names"] else None,
+                kernels_per_step=sum(c for c, _ in kr["names"].values()) / n if kr["names"] else None,
+                top_kernels=[dict(name=nm[:120], per_step=round(c, 2), ms=round(t, 5)) for c, t, nm in names[:40]])
+
+
+def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL) -> list[dict]:
+    """The issue-#18 table: steady decode at each of ``rows_list`` and chunked-prefill steps, each with the
+    synchronous and the overlapped engine side by side (same model, same requests)."""
+    from timing import has_device_records, xla_copy
+
+    copy = xla_copy(1 << 30) if has_device_records() else None
+    gbps = copy["bytes"] / copy["device_ms"] / 1e6 if copy and copy["device_ms"] else None
+    out = []
+    for rows in rows_list:
+        for overlap in (False, True):
+            model, eng = _step_engine(p, rows, overlap=overlap, prompt_len=PROMPT_LEN, new_tokens=4 * n + 400,
+                                      budget=max(1024, rows))
+            prof = profile_steps(eng, n, want=lambda r, rows=rows: r.decode_only and r.num_seqs == rows)
+            fl = floor_bytes(model, eng)
+            out.append(_row(f"decode rows={rows} overlap={'on' if overlap else 'off'}", prof, fl, gbps))
+            del eng
+    if prefill:
+        for overlap in (False, True):
+            model, eng = _step_engine(p, prefill["rows"], overlap=overlap, prompt_len=prefill["prompt_len"],
+                                      new_tokens=8, budget=prefill["budget"])
+            prof = profile_steps(eng, 4, want=lambda r: not r.decode_only and r.num_tokens == prefill["budget"])
+            out.append(_row(f"chunked prefill {prefill['budget']} tokens/step overlap={'on' if overlap else 'off'}",
+                            prof, None, gbps))
+            del eng
+    return out
+
+
+def _row(impl: str, prof: dict, fl: dict | None, gbps: float | None) -> dict:
+    floor_ms = fl["total"] / gbps / 1e6 if fl and gbps else None
+    k = prof["kernel_ms"]
+    row = dict(impl=impl, median_ms=prof["wall_ms"], ok=True, **prof, floor_bytes=fl, copy_gbps=gbps,
+               floor_ms=floor_ms, gpu_busy=k / prof["wall_ms"] if k else None,
+               kernel_vs_floor=k / floor_ms if k and floor_ms else None,
+               exposed_share=prof["exposed_ms"] / prof["wall_ms"])
+    print(f"{impl:45s} wall {prof['wall_ms']:7.3f} ms  host {prof['host_ms']:6.3f}  exposed {prof['exposed_ms']:6.3f}"
+          f"  kernels {k if k is None else round(k, 3)} ms x {prof['kernels_per_step']}/step"
+          f"  busy {row['gpu_busy'] and round(row['gpu_busy'], 3)}  floor {floor_ms and round(floor_ms, 3)} ms",
+          flush=True)
+    return row
 
 
 def cases(small: bool = False) -> list[RunCase]:
@@ -98,5 +241,8 @@ def cases(small: bool = False) -> list[RunCase]:
         p = PRESETS["gpu"]
     shapes = dict(preset="small" if small else "gpu", requests=p.requests, dtype=p.dtype, layers=len(p.layer_types))
     recycles = ("none",) if small else ("none", "timely")
-    return [RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
-                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles), anchor="recycle=none")]
+    steps = dict(rows_list=(4,), n=3, prefill=dict(rows=2, prompt_len=256, budget=32)) if small else {}
+    return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
+                    lambda: step_rows(p, **steps), anchor=None),
+            RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
+                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles), anchor="recycle=none overlap=off")]

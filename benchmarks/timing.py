@@ -66,19 +66,40 @@ def device_ms(fn: Callable[[], Any], *, n: int = 20, warmup: bool = True) -> dic
 
     Returns ``kernel_ms`` (sum of every kernel's and device copy's duration / n), ``span_ms`` (first start to
     last end / n: kernels plus the gaps between them) and ``kernels`` (record name -> count)."""
-    import jax
-
     if not has_device_records():
         return None
     if warmup:
         block(fn())
         block(fn())
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
+
+    def calls():
+        out = None
         for _ in range(n):
             out = fn()
         block(out)
-        jax.profiler.stop_trace()
+
+    recs = kernel_records(calls)
+    if not recs["names"]:
+        return None
+    return {"kernel_ms": recs["kernel_ns"] / n / 1e6, "span_ms": recs["span_ns"] / n / 1e6,
+            "kernels": {name: c for name, (c, _) in recs["names"].items()}}
+
+
+def kernel_records(run: Callable[[], Any]) -> dict:
+    """The device records of whatever ``run()`` puts on the GPU, under ``jax.profiler`` (``run`` waits for its
+    own work). Returns ``kernel_ns`` (sum of every kernel's and device copy's duration), ``span_ns`` (first
+    start to last end) and ``names``: record name -> (count, total ns). Empty without device records."""
+    import jax
+
+    if not has_device_records():
+        run()
+        return {"kernel_ns": 0, "span_ns": 0, "names": {}}
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
         (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(path)
     total, starts, ends, names = 0, [], [], {}
@@ -92,10 +113,9 @@ def device_ms(fn: Callable[[], Any], *, n: int = 20, warmup: bool = True) -> dic
                 total += ev.duration_ns
                 starts.append(ev.start_ns)
                 ends.append(ev.start_ns + ev.duration_ns)
-                names[ev.name] = names.get(ev.name, 0) + 1
-    if not names:
-        return None
-    return {"kernel_ms": total / n / 1e6, "span_ms": (max(ends) - min(starts)) / n / 1e6, "kernels": names}
+                c, t = names.get(ev.name, (0, 0))
+                names[ev.name] = (c + 1, t + ev.duration_ns)
+    return {"kernel_ns": total, "span_ns": (max(ends) - min(starts)) if ends else 0, "names": names}
 
 
 def interleaved(runners: dict[str, Callable[[], Any]], *, rounds: int = 5, n: int = 20,
