@@ -3,8 +3,8 @@
 One step (``overlap=True``, the default)::
 
     plan = scheduler.schedule()          # host: recycle, admit/preempt, allocate pages, padded arrays (N+1)
-    inputs = plan_to_inputs(plan, ...)   # host -> device StepInputs + SampleInputs (one batched device_put)
-    tokens, caches = device_step(params, caches, inputs, rows, tokens_of_step_N, greedy_only)  # async dispatch
+    buf, layout = plan_to_inputs(plan, ...)  # every input packed in one i32 buffer: one host -> device copy
+    tokens, caches = device_step(params, caches, buf, tokens_of_step_N, layout, greedy_only)  # async dispatch
     scheduler.advance(plan)              # host: requests advance, sampled tokens reserved (values unknown)
     scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; events of step N
 
@@ -69,7 +69,7 @@ from kvjax.config import CacheConfig
 from kvjax.engine.args import (check_buckets, check_index, check_max_new_tokens, check_prompt, check_seed,
                                check_temperature, check_token_id, prefix_config)
 from kvjax.engine.consumers import Consumers, TokenEvent, Tracked
-from kvjax.engine.inputs import plan_to_inputs, sampling_rows
+from kvjax.engine.inputs import SamplingTable, host_inputs, plan_to_inputs
 from kvjax.engine.mesh import MeshStep, mesh_inputs, mesh_model, no_tokens, pad_plans, validate_shards
 from kvjax.engine.recovery import Recovery
 from kvjax.engine.metrics import EngineMetrics, StepRecord
@@ -206,12 +206,15 @@ class Engine(Consumers, Recovery):
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
                                 max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(cache_options or {}))
         self.caches = self._init_caches()
-        if sharded is None:
-            self._device_step = make_step(graphdef, sample=True, max_traces=max_traces)
+        if sharded is None:  # parameters passed as their flat leaves: no host walk of the tree per call
+            self._args, param_def = jax.tree.flatten(self.params)
+            self._device_step = make_step(graphdef, sample=True, max_traces=max_traces, param_def=param_def)
             self._no_tokens = jnp.zeros(cache_config.max_seqs, jnp.int32)  # i32[max_seqs]: "previous step" of none
         else:
+            self._args = self.params
             self._device_step = MeshStep(sharded, max_traces=max_traces)
             self._no_tokens = no_tokens(sharded, cache_config.max_seqs)  # i32[D, max_seqs], replicated
+        self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self._tracked: dict[int, Tracked] = {}
         self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
@@ -363,33 +366,40 @@ class Engine(Consumers, Recovery):
             t1 = time.perf_counter()
             if idle_since is None and self._device_idle():
                 idle_since = t1
-            samplings = [sampling_rows(p, self._tracked) for p in plans]
+            samplings = [table.rows(p, self._tracked) for table, p in zip(self._sampling, plans)]
+            greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
             if self.sharded is None:
                 shaped = plans
-                inputs, rows, *copies = plan_to_inputs(plans[0], samplings[0], use_decode_path=self.use_decode_path,
-                                                       checkpoints=self.prefix_caching)
+                inputs = plan_to_inputs(plans[0], samplings[0], use_decode_path=self.use_decode_path,
+                                        checkpoints=self.prefix_caching)
+                decode_only = inputs[1].decode_only
             else:
-                shaped, copies = pad_plans(plans), []
-                inputs, rows = mesh_inputs(self.sharded, shaped, samplings, self.scheduler.blocks.page_base,
-                                           self.cache_config.page_size, use_decode_path=self.use_decode_path)
+                shaped = pad_plans(plans)
+                inputs = mesh_inputs(self.sharded, shaped, samplings, self.scheduler.blocks.page_base,
+                                     self.cache_config.page_size, use_decode_path=self.use_decode_path)
+                decode_only = inputs[0].decode_only
             if self.debug:
                 c = self.cache_config
-                validate_shards(inputs, shaped if self.sharded is not None else None, self.scheduler.blocks,
+                host = host_inputs(plans[0], use_decode_path=self.use_decode_path) if self.sharded is None \
+                    else inputs[0]
+                validate_shards(host, shaped if self.sharded is not None else None, self.scheduler.blocks,
                                 num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
                                 vocab_size=self.vocab_size, attention=self.attention, shared_pages=self.prefix_caching)
             prev = self._inflight[-1] if self._inflight else None
             for d, plan in enumerate(plans):
                 if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
                     raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
-            greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
             t2 = time.perf_counter()
             if idle_since is None and self._device_idle():
                 idle_since = t2
             traces0 = self.num_traces
             device_called = True  # from here on the donated caches may be gone
-            tokens, self.caches = self._device_step(self.params, self.caches, inputs, rows,
-                                                    self._no_tokens if prev is None else prev.tokens, greedy_only,
-                                                    *copies)
+            prev_tokens = self._no_tokens if prev is None else prev.tokens
+            if self.sharded is None:  # (params, caches, packed inputs, prev tokens, layout, greedy_only)
+                tokens, self.caches = self._device_step(self._args, self.caches, inputs[0], prev_tokens, inputs[1],
+                                                        greedy_only)
+            else:  # (params, caches, inputs, rows, prev tokens, greedy_only)
+                tokens, self.caches = self._device_step(self._args, self.caches, *inputs, prev_tokens, greedy_only)
             t3 = time.perf_counter()
             for sched, plan in zip(scheds, plans):
                 sched.advance(plan)
@@ -401,7 +411,7 @@ class Engine(Consumers, Recovery):
             step=plans[0].step, num_tokens=sum(p.num_tokens for p in plans),
             num_seqs=sum(p.num_seqs for p in plans), bucket_tokens=int(shaped[0].token_ids.shape[0]),
             bucket_rows=int(shaped[0].seq_lens.shape[0]), bucket_blocks=int(shaped[0].block_tables.shape[2]),
-            decode_only=inputs.decode_only, running=sum(len(s.running) for s in scheds),
+            decode_only=decode_only, running=sum(len(s.running) for s in scheds),
             waiting=sum(len(s.waiting) + len(s.preempted) for s in scheds),
             preemptions=sum(s.num_preemptions for s in scheds) - preempt0, pages_used=used,
             prefix_hit_tokens=sum(p.prefix_hit_tokens for p in plans),

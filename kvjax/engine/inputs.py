@@ -7,12 +7,14 @@ block tables; padding tokens (past ``cu_seqlens[-1]``) have slot mapping ``-1`` 
 
 ``SampleInputs``: the engine step's per-row sampling arrays and ``prev_index`` (tokens taken from the previous
 step's sampled tokens on the device). ``CheckpointCopies``: the GDN checkpoint copies of a prefix-caching
-step. :func:`plan_to_inputs` moves them from a scheduler plan in one ``jax.device_put``.
+step. :func:`plan_to_inputs` packs all three from a scheduler plan into one ``i32[N]`` buffer and moves it in
+one host -> device copy; the jitted step unpacks it (:meth:`PackLayout.unpack`, slices only).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -168,40 +170,104 @@ class CheckpointCopies:
     save: jax.Array  # i32[B]: checkpoint slot row b's GDN state is copied into after the model; -1 none
 
 
-def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
-                   checkpoints: bool = False
-                   ) -> tuple[StepInputs, SampleInputs] | tuple[StepInputs, SampleInputs, CheckpointCopies]:
-    """Device inputs of a scheduler plan, moved with one batched ``jax.device_put``: ``StepInputs`` (int fields
-    int32, ``has_initial_state`` bool; the plan's field names are its field names) and ``SampleInputs``
-    (``sampling``: ``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B]; ``prev_index`` from the
-    plan).
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """Where each input of a step sits in its packed ``i32[N]`` buffer (static: part of the step's trace key).
 
-    ``use_decode_path``: set the static ``StepInputs.decode_only`` flag when every real row has exactly one
-    token (models then use their decode kernels; one more trace per bucket).
-    ``checkpoints``: also return the plan's :class:`CheckpointCopies` (``ckpt_restore`` / ``ckpt_save``).
-    """
+    ``fields``: ``(name, shape)`` in buffer order (the :class:`StepInputs`, :class:`SampleInputs` and, with
+    ``checkpoints``, :class:`CheckpointCopies` fields; ``has_initial_state`` as 0/1, ``temperature`` as the bits
+    of its float32)."""
+
+    fields: tuple[tuple[str, tuple[int, ...]], ...]
+    decode_only: bool
+    checkpoints: bool
+
+    def unpack(self, buf: jax.Array) -> tuple[StepInputs, SampleInputs, CheckpointCopies | None]:
+        """Inside the jitted step: the typed inputs of the packed ``buf`` (i32[N]; slices and bitcasts only).
+        ``SampleInputs.counters`` is ``seq_lens``: a sampling row's token count is its context length."""
+        out, off = {}, 0
+        for name, shape in self.fields:
+            n = int(np.prod(shape))
+            out[name] = buf[off: off + n].reshape(shape)
+            off += n
+        out["has_initial_state"] = out["has_initial_state"] != 0
+        out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)
+        inputs = StepInputs(**{f: out[f] for f in DEVICE_FIELDS}, decode_only=self.decode_only)
+        rows = SampleInputs(seeds=out["seeds"], streams=out["streams"], counters=out["seq_lens"],
+                            temperature=out["temperature"], prev_index=out["prev_index"])
+        copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
+        return inputs, rows, copies
+
+
+def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
+    """The static ``StepInputs.decode_only`` flag of a step: every real row of every plan (data shard) has one
+    token, and some plan has a row."""
+    return bool(use_decode_path and any(p.num_seqs for p in plans)
+                and all((p.query_lens[: p.num_seqs] == 1).all() for p in plans))
+
+
+def host_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
+    """The plan's :class:`StepInputs` as host (numpy) arrays, e.g. for :meth:`StepInputs.validate`."""
     host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
             for name in DEVICE_FIELDS}
-    rows = dict(sampling, prev_index=np.asarray(plan.prev_index, np.int32))
-    q = plan.query_lens[: plan.num_seqs]
-    decode_only = bool(use_decode_path and plan.num_seqs > 0 and (q == 1).all())
-    copies = dict(restore=np.asarray(plan.ckpt_restore, np.int32), save=np.asarray(plan.ckpt_save, np.int32)) \
-        if checkpoints else None
-    host, rows, copies = jax.device_put((host, rows, copies))
-    out = StepInputs(**host, decode_only=decode_only), SampleInputs(**rows)
-    return (*out, CheckpointCopies(**copies)) if checkpoints else out
+    return StepInputs(**host, decode_only=decode_only([plan], use_decode_path))
 
 
-def sampling_rows(plan: StepPlan, tracked: dict) -> dict[str, np.ndarray]:
-    """``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B] of the plan's rows (``tracked``: the
-    engine's request id -> :class:`~kvjax.engine.consumers.Tracked`; padding rows: zeros)."""
-    B = plan.seq_lens.shape[0]
-    seeds, streams, counters = (np.zeros(B, np.int32) for _ in range(3))
-    temperature = np.zeros(B, np.float32)
-    for b, rid in enumerate(plan.request_ids):
-        tr = tracked[rid]
-        seeds[b], streams[b], counters[b], temperature[b] = tr.seed, tr.index, tr.request.num_tokens, tr.temperature
-    return dict(seeds=seeds, streams=streams, counters=counters, temperature=temperature)
+def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
+              checkpoints: bool = False) -> tuple[np.ndarray, PackLayout]:
+    """One ``i32[N]`` host buffer holding every input of the plan's step, and its :class:`PackLayout`.
+
+    ``sampling``: ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] (:meth:`SamplingTable.rows`).
+    ``use_decode_path``: set the static ``decode_only`` flag when every real row has exactly one token (models
+    then use their decode kernels; one more trace per bucket). ``checkpoints``: also pack the plan's GDN
+    checkpoint copies (``ckpt_restore`` / ``ckpt_save``)."""
+    arrays = [(name, getattr(plan, name)) for name in DEVICE_FIELDS]
+    arrays += [("seeds", sampling["seeds"]), ("streams", sampling["streams"]),
+               ("temperature", np.asarray(sampling["temperature"], np.float32).view(np.int32)),
+               ("prev_index", plan.prev_index)]
+    if checkpoints:
+        arrays += [("ckpt_restore", plan.ckpt_restore), ("ckpt_save", plan.ckpt_save)]
+    arrays = [(name, np.asarray(a)) for name, a in arrays]
+    buf = np.concatenate([a.astype(np.int32, copy=False).ravel() for _, a in arrays])
+    return buf, PackLayout(tuple((name, a.shape) for name, a in arrays), decode_only([plan], use_decode_path),
+                           checkpoints)
+
+
+def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
+                   checkpoints: bool = False) -> tuple[jax.Array, PackLayout]:
+    """The plan's packed inputs (:func:`pack_plan`) on the device: one host -> device copy per step."""
+    buf, layout = pack_plan(plan, sampling, use_decode_path=use_decode_path, checkpoints=checkpoints)
+    return jax.device_put(buf), layout
+
+
+class SamplingTable:
+    """Per-slot sampling parameters of the running requests, so a step's rows are gathered with numpy (a
+    sampling row's token count, the last fold-in of its key, is its ``seq_len``: see :meth:`PackLayout.unpack`).
+
+    ``rows(plan, tracked)`` returns ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] for the plan's rows
+    (padding rows: zeros); a slot whose request changed since it was last seen is refreshed from ``tracked``
+    (the engine's request id -> :class:`~kvjax.engine.consumers.Tracked`). One table per data shard."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.owner = np.full(num_slots, -1, np.int64)  # i64[S+1]: request id whose values the slot holds
+        self.seeds = np.zeros(num_slots, np.int32)  # i32[S+1]
+        self.streams = np.zeros(num_slots, np.int32)  # i32[S+1]
+        self.temperature = np.zeros(num_slots, np.float32)  # f32[S+1]
+
+    def rows(self, plan: StepPlan, tracked: dict) -> dict[str, np.ndarray]:
+        n, B = plan.num_seqs, plan.seq_lens.shape[0]
+        slots = np.asarray(plan.gdn_slots[:n], np.int64)  # i64[n]
+        rids = np.asarray(plan.request_ids, np.int64)  # i64[n]
+        for b in np.flatnonzero(self.owner[slots] != rids):
+            tr, s = tracked[int(rids[b])], slots[b]
+            self.owner[s], self.seeds[s], self.streams[s], self.temperature[s] = rids[b], tr.seed, tr.index, \
+                tr.temperature
+        out = {}
+        for name in ("seeds", "streams", "temperature"):
+            col = getattr(self, name)
+            out[name] = np.zeros(B, col.dtype)
+            out[name][:n] = col[slots]
+        return out
 
 
 def _check_sharing(bt: np.ndarray, sm: np.ndarray, ps: int) -> None:

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.engine import sampling
-from kvjax.engine.inputs import SampleInputs, StepInputs
+from kvjax.engine.inputs import SampleInputs, StepInputs, decode_only
 from kvjax.config import CacheConfig
 from kvjax.models.sharding import DATA, ShardedModel, shard_model
 from kvjax.sched.blocks import BlockAllocator
@@ -130,22 +130,18 @@ def local_arrays(plan: StepPlan, page_base: np.ndarray, page_size: int) -> dict[
     return host
 
 
-def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
-    """Every real row of every shard has one token (and some shard has a row)."""
-    return bool(use_decode_path and any(p.num_seqs for p in plans)
-                and all((p.query_lens[: p.num_seqs] == 1).all() for p in plans))
-
-
 def mesh_inputs(sharded: ShardedModel, plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]],
                 page_base: np.ndarray, page_size: int, *, use_decode_path: bool = True
                 ) -> tuple[StepInputs, SampleInputs]:
     """The step inputs of one plan per data shard (same bucket shapes: :func:`pad_plans`), stacked ``[D, ...]``
     and placed with the sharded model's input shardings in one ``jax.device_put`` (every array over ``"data"``;
     the tables' head axis over ``"model"`` where pages are split by head). ``samplings``: per shard, the
-    ``seeds``, ``streams``, ``counters`` i32[B] and ``temperature`` f32[B] of its rows."""
+    ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] of its rows (:class:`SamplingTable`); a sampling
+    row's token count is its ``seq_len``."""
     hosts = [local_arrays(p, page_base, page_size) for p in plans]
     host = {name: np.stack([h[name] for h in hosts]) for name in DEVICE_FIELDS}
-    rows = {k: np.stack([s[k] for s in samplings]) for k in ("seeds", "streams", "counters", "temperature")}
+    rows = {k: np.stack([s[k] for s in samplings]) for k in ("seeds", "streams", "temperature")}
+    rows["counters"] = host["seq_lens"]
     rows["prev_index"] = np.stack([np.asarray(p.prev_index, np.int32) for p in plans])
     inputs = StepInputs(**host, decode_only=decode_only(plans, use_decode_path))
     mesh = sharded.mesh

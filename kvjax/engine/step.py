@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.engine.inputs import CheckpointCopies, SampleInputs, StepInputs
+from kvjax.engine.inputs import PackLayout, StepInputs
 from kvjax.engine import sampling
 from kvjax.models.interface import ModelCaches
 from kvjax.state import gdn_checkpoints
@@ -35,19 +35,23 @@ class ModelStep:
     """A model graph's jitted step and how many times it was traced (= compiled).
 
     ``sample=False``: ``step(params, caches, inputs) -> (logits f32[B, vocab], caches)``.
-    ``sample=True``: ``step(params, caches, inputs, rows: SampleInputs, prev_tokens i32[R], greedy_only) ->
-    (tokens i32[R], caches)``: token ``t`` becomes ``prev_tokens[rows.prev_index[t]]`` where that index is
+    ``sample=True`` (the engine's form): ``step(params, caches, buf i32[N], prev_tokens i32[R], layout,
+    greedy_only) -> (tokens i32[R], caches)``. ``buf`` is the step's packed inputs and ``layout`` (static) their
+    :class:`~kvjax.engine.inputs.PackLayout`: :class:`StepInputs`, the rows' sampling arrays and (prefix
+    caching) the GDN checkpoint copies. Token ``t`` becomes ``prev_tokens[prev_index[t]]`` where that index is
     ``>= 0`` (the previous step's sampled tokens, still on the device), then the model step and
     :func:`kvjax.engine.sampling.sample` (``greedy_only``, static: argmax only) run in one dispatch. Row ``b``'s
     token comes back at index ``b`` of an array shaped like ``prev_tokens`` (``R >= B``; rows past ``B``: 0), so
-    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host. A seventh
-    argument ``copies: CheckpointCopies`` (prefix caching) restores GDN checkpoints into the rows' slots before
-    the model and saves rows' states into checkpoints after it (each skipped, under ``lax.cond``, when the step
-    has no such copy).
+    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host. Checkpoint
+    copies restore GDN checkpoints into the rows' slots before the model and save rows' states into checkpoints
+    after it (each skipped, under ``lax.cond``, when the step has no such copy).
+
+    ``param_def``: ``params`` is passed as the flat list of its leaves (``jax.tree.leaves``) and rebuilt from
+    this treedef inside the jit, so a call does not walk the model's parameter tree on the host.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, sample: bool = False, max_traces: int | None = None,
-                 donate: bool = True) -> None:
+                 donate: bool = True, param_def: Any = None) -> None:
         self.num_traces = 0
         self.sample = sample
 
@@ -57,10 +61,13 @@ class ModelStep:
                 raise AssertionError(f"model step traced {self.num_traces} times, more than max_traces={max_traces}"
                                      f" (an input shape outside the buckets?): T={inputs.num_tokens}, "
                                      f"B={inputs.num_rows}, decode_only={inputs.decode_only}")
+            if param_def is not None:
+                params = jax.tree.unflatten(param_def, params)
             return nnx.merge(graphdef, params).forward_step(caches, inputs)
 
-        def forward_and_sample(params, caches, inputs: StepInputs, rows: SampleInputs, prev_tokens, greedy_only,
-                               copies: CheckpointCopies | None = None):
+        def forward_and_sample(params, caches, buf: jax.Array, prev_tokens: jax.Array, layout: PackLayout,
+                               greedy_only: bool):
+            inputs, rows, copies = layout.unpack(buf)
             fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
             if copies is not None and caches.gdn is not None:
@@ -76,7 +83,7 @@ class ModelStep:
             return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), caches
 
         fn: Callable = forward_and_sample if sample else forward
-        self._fn = jax.jit(fn, donate_argnums=(1,) if donate else (), static_argnums=(5,) if sample else ())
+        self._fn = jax.jit(fn, donate_argnums=(1,) if donate else (), static_argnums=(4, 5) if sample else ())
 
     def __call__(self, *args: Any) -> tuple[jax.Array, ModelCaches]:
         return self._fn(*args)
@@ -89,11 +96,12 @@ def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array)
 
 
 def make_step(graphdef: nnx.GraphDef, *, sample: bool = False, max_traces: int | None = None,
-              donate: bool = True) -> ModelStep:
+              donate: bool = True, param_def: Any = None) -> ModelStep:
     """A new jitted step for one model graph (see :class:`ModelStep` for both call forms).
 
     ``donate``: the caches' buffers are donated (updated in place; do not reuse the old caches).
     ``max_traces``: a further trace raises ``AssertionError`` (so a test can prove that bucketed shapes do not
     recompile); counted per step object.
+    ``param_def``: pass ``params`` as ``jax.tree.leaves(params)`` (see :class:`ModelStep`).
     """
-    return ModelStep(graphdef, sample=sample, max_traces=max_traces, donate=donate)
+    return ModelStep(graphdef, sample=sample, max_traces=max_traces, donate=donate, param_def=param_def)

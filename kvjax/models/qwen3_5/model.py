@@ -171,8 +171,10 @@ class Qwen3_5ForCausalLM(nnx.Module):
             window = self.tp.local(jnp.asarray(self.tp.kv_window or (0,) * self.tp.size, jnp.int32))
             sinks = self.tp.local(jnp.asarray(self.tp.kv_sinks or (0,) * self.tp.size, jnp.int32))
         pool, kv = caches.gdn, dict(caches.pages)
-        if inputs.decode_only:  # decode kernels continue every live row: zero fresh rows' slots (1-token prompts)
-            pool = gdn_pool.reset(pool, jnp.where(inputs.has_initial_state, 0, inputs.gdn_slots))
+        if inputs.decode_only:  # decode kernels continue every live row: zero fresh rows' slots (1-token prompts),
+            fresh = jnp.where(inputs.has_initial_state, 0, inputs.gdn_slots)  # i32[B]; 0 = keep
+            # skipped when there is none: the scatter walks B rows' whole state (0.06 ms at 64 rows on an H100)
+            pool = jax.lax.cond((fresh > 0).any(), lambda p: gdn_pool.reset(p, fresh), lambda p: p, pool)
         gi = 0
         for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
