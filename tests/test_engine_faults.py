@@ -232,3 +232,26 @@ def test_fault_inside_generate_leaves_a_working_engine(engine, case, monkeypatch
     assert_idle(engine)  # the interrupted call's requests were aborted
     assert engine.generate(prompts, NEW) == expect
     assert_idle(engine)
+
+
+def test_fault_while_resolving_a_finishing_step_forgets_the_finished_request(engine, model, monkeypatch):
+    """Found by the engine state machine: two one-token requests finish in one step; a fault after the second
+    one took its token but before the scheduler let it go must not leave it known to the scheduler and unknown
+    to the engine (``abort`` of its id raised ``KeyError``, the engine's bookkeeping split)."""
+    prompts = random_prompts(np.random.default_rng(5), (1, 1))
+    expect = greedy_oracle(model, prompts, 1)
+    ids = [engine.add_request(p, 1, index=i) for i, p in enumerate(prompts)]
+    got = {}
+    with monkeypatch.context() as m:
+        _arm(m, engine, "inside update", Injected)
+        with pytest.raises(Injected):
+            while engine.has_unfinished():
+                got.update({ev.request_id: ev.token for ev in engine.step()})
+    while engine.has_unfinished():
+        got.update({ev.request_id: ev.token for ev in engine.step()})
+    got.update({ev.request_id: ev.token for ev in engine.step()})  # events read before the fault
+    assert [[got[rid]] for rid in ids] == expect
+    for rid in ids:
+        with pytest.raises(ValueError, match=str(rid)):
+            engine.abort(rid)
+    assert_idle(engine)

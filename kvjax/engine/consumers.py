@@ -13,16 +13,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from kvjax.engine.args import check_call, check_seed, check_temperature
 from kvjax.errors import RequestTooLongError
 from kvjax.sched.request import Request, Status
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    """One generated token, as :meth:`Engine.stream` yields it."""
+class TokenEvent(NamedTuple):
+    """One generated token, as :meth:`Engine.stream` yields it (immutable; a named tuple: an engine step makes
+    one per running row)."""
 
     index: int  # position of the request's prompt in the ``prompts`` list of the call
     request_id: int  # scheduler request id (for :meth:`Engine.abort`)
@@ -56,23 +56,24 @@ class Consumers:
     def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
         """Events for the tokens these requests took since their last event (read from the scheduler's
         requests, so a step cut short still delivers what it recorded); queued for their stream consumer too."""
-        events = []
+        events, tracked, inbox = [], self._tracked, self._inbox
         for rid in request_ids:
-            tr = self._tracked.get(rid)
+            tr = tracked.get(rid)
             if tr is None:
                 continue
-            req = tr.request
-            new = req.output_ids[len(tr.tokens):].tolist()
+            req, have = tr.request, len(tr.tokens)
+            new = req.token_ids[req.prompt_len + have: req.num_resolved].tolist()  # its resolved outputs not sent
             done = (req.status is Status.FINISHED and not req.pending) or is_done(req)
+            last = len(new) - 1
+            box = inbox.get(rid)
             for k, tok in enumerate(new):
-                tr.tokens.append(tok)
-                events.append(TokenEvent(tr.index, rid, tok, len(tr.tokens) - 1, done and k == len(new) - 1))
+                ev = TokenEvent(tr.index, rid, tok, have + k, done and k == last)
+                events.append(ev)
+                if box is not None:
+                    box.append(ev)
+            tr.tokens.extend(new)
             if done:
-                del self._tracked[rid]
-        for ev in events:
-            box = self._inbox.get(ev.request_id)
-            if box is not None:
-                box.append(ev)
+                del tracked[rid]
         return events
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
