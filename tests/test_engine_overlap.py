@@ -246,3 +246,44 @@ def test_memory_fraction_with_a_cache_config_is_refused(qwen):
         Engine(qwen, SMALL, memory_fraction=0.5)
     with pytest.raises(ValueError, match="overlap must be True or False"):
         Engine(qwen, SMALL, overlap="yes")
+
+
+def test_packed_inputs_round_trip_aligned(qwen, case):
+    """One packed i32 buffer per step: every field starts at a multiple of 256 bytes (kernel operands must be
+    aligned: a Triton kernel refused a misaligned slice on the H100) and unpacks, inside a jit, to exactly the
+    plan's arrays (``temperature`` bit for bit, ``counters`` = ``seq_lens``)."""
+    from kvjax.engine.inputs import PACK_ALIGN, host_inputs, pack_plan
+
+    prompts, _ = case
+    eng = qwen_engine(qwen, False)
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(p, NEW, index=i, temperature=0.5 + i, seed=7)
+    plan = eng.scheduler.schedule()
+    rng = np.random.default_rng(0)
+    B = plan.seq_lens.shape[0]
+    sampling = dict(seeds=rng.integers(0, 2**31 - 1, B, dtype=np.int32),
+                    streams=rng.integers(0, 99, B, dtype=np.int32),
+                    temperature=rng.uniform(0.1, 3, B).astype(np.float32))
+    buf, layout = pack_plan(plan, sampling, checkpoints=True)
+    assert PACK_ALIGN * buf.itemsize % 256 == 0
+    expect = {**{n: getattr(plan, n) for n, _ in layout.fields if hasattr(plan, n)}, **sampling,
+              "temperature": sampling["temperature"].view(np.int32)}
+    off = 0
+    for name, shape in layout.fields:  # each field's values start at the next 256-byte boundary
+        n = int(np.prod(shape))
+        np.testing.assert_array_equal(buf[off: off + n], np.asarray(expect[name]).astype(np.int32).ravel(), name)
+        off += -(-n // PACK_ALIGN) * PACK_ALIGN
+    assert off == buf.size
+    inputs, rows, copies = jax.jit(layout.unpack)(buf)
+    host = host_inputs(plan)
+    for name in ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
+                 "block_tables", "slot_mapping", "logits_indices"):
+        np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), np.asarray(getattr(host, name)), name)
+    assert inputs.decode_only == host.decode_only
+    np.testing.assert_array_equal(np.asarray(rows.temperature), sampling["temperature"])
+    np.testing.assert_array_equal(np.asarray(rows.seeds), sampling["seeds"])
+    np.testing.assert_array_equal(np.asarray(rows.streams), sampling["streams"])
+    np.testing.assert_array_equal(np.asarray(rows.counters), plan.seq_lens)
+    np.testing.assert_array_equal(np.asarray(rows.prev_index), plan.prev_index)
+    np.testing.assert_array_equal(np.asarray(copies.restore), plan.ckpt_restore)
+    np.testing.assert_array_equal(np.asarray(copies.save), plan.ckpt_save)

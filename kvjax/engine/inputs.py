@@ -170,11 +170,14 @@ class CheckpointCopies:
     save: jax.Array  # i32[B]: checkpoint slot row b's GDN state is copied into after the model; -1 none
 
 
+PACK_ALIGN = 64  # int32 elements (256 bytes): each field starts aligned, as kernels' operands must be
+
+
 @dataclasses.dataclass(frozen=True)
 class PackLayout:
     """Where each input of a step sits in its packed ``i32[N]`` buffer (static: part of the step's trace key).
 
-    ``fields``: ``(name, shape)`` in buffer order (the :class:`StepInputs`, :class:`SampleInputs` and, with
+    ``fields``: ``(name, shape)`` in buffer order, each starting at a multiple of :data:`PACK_ALIGN` (the :class:`StepInputs`, :class:`SampleInputs` and, with
     ``checkpoints``, :class:`CheckpointCopies` fields; ``has_initial_state`` as 0/1, ``temperature`` as the bits
     of its float32)."""
 
@@ -189,7 +192,7 @@ class PackLayout:
         for name, shape in self.fields:
             n = int(np.prod(shape))
             out[name] = buf[off: off + n].reshape(shape)
-            off += n
+            off += -(-n // PACK_ALIGN) * PACK_ALIGN
         out["has_initial_state"] = out["has_initial_state"] != 0
         out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)
         inputs = StepInputs(**{f: out[f] for f in DEVICE_FIELDS}, decode_only=self.decode_only)
@@ -228,7 +231,12 @@ def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_pat
     if checkpoints:
         arrays += [("ckpt_restore", plan.ckpt_restore), ("ckpt_save", plan.ckpt_save)]
     arrays = [(name, np.asarray(a)) for name, a in arrays]
-    buf = np.concatenate([a.astype(np.int32, copy=False).ravel() for _, a in arrays])
+    sizes = [-(-a.size // PACK_ALIGN) * PACK_ALIGN for _, a in arrays]
+    buf = np.zeros(sum(sizes), np.int32)
+    off = 0
+    for (_, a), n in zip(arrays, sizes):
+        buf[off: off + a.size] = a.ravel()
+        off += n
     return buf, PackLayout(tuple((name, a.shape) for name, a in arrays), decode_only([plan], use_decode_path),
                            checkpoints)
 
