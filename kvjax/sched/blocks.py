@@ -89,7 +89,7 @@ class BlockAllocator:
         self._free: list[list[int]] = [list(reversed(r)) for r in ranges]  # pop() -> lowest page id
         rows = cache.max_seqs + 1
         self.tables = np.full((rows, h_kv, cache.max_blocks_per_seq), -1, np.int32)  # i32[max_seqs+1, H_kv, max_blocks]
-        self.num_blocks = [0] * rows  # [max_seqs+1] (list: read per request per step): blocks covered by each row
+        self.num_blocks = np.zeros(rows, np.int64)  # i64[max_seqs+1]: blocks covered by each row
         self.recycled_upto = np.zeros((rows, h_kv), np.int64)  # i64[max_seqs+1, H_kv]: recycle cursor (blocks)
         self.owner_row = np.full(self.num_pages, -1, np.int32)  # i32[num_pages]: row holding each page, -1 free
         self.owner_head = np.full(self.num_pages, -1, np.int32)  # i32[num_pages]: head holding each page
@@ -164,6 +164,45 @@ class BlockAllocator:
             self.owner_head[pages] = h
         self.num_blocks[row] = stop
 
+    def allocate_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+        """``allocate(rows[k], num_tokens[k])`` for every ``k`` in order (``i64[K]`` each, distinct rows 1..max_seqs,
+        the same pages as those calls), at once, if every pool's free list holds them all; otherwise (also when
+        cached pages would have to be reclaimed, or a row would pass ``max_blocks_per_seq``) returns False and
+        changes nothing, so that the caller can go row by row."""
+        rows, num_tokens = np.asarray(rows, np.int64), np.asarray(num_tokens, np.int64)
+        start = self.num_blocks[rows]  # i64[K]
+        stop = np.maximum(-(-num_tokens // self.page_size), start)  # i64[K]
+        if (stop > self.cache.max_blocks_per_seq).any():
+            return False
+        count = stop - start  # i64[K]: new blocks of each row, on every head
+        total = int(count.sum())
+        need = [total * k for k in self.heads_in_pool]  # pages each pool gives
+        if any(n > len(f) for n, f in zip(need, self._free)):
+            return False
+        if total == 0:
+            return True
+        # allocate() fills row by row, head by head, block by block, each head popping from its pool's free list
+        H = self.num_heads
+        per_row = H * count  # i64[K]
+        local = np.arange(H * total) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # index inside the row
+        c = np.repeat(count, per_row)
+        rr, hh, bb = np.repeat(rows, per_row), local // c, np.repeat(start, per_row) + local % c  # i64[H * total]
+        taken: list[int] = []  # each pool's pages in pop order, pools in order
+        for f, n in zip(self._free, need):
+            if n:
+                taken += f[len(f) - n:][::-1]
+                del f[len(f) - n:]
+        pages = np.empty(H * total, np.int64)
+        if len(self._free) == 1:
+            pages[:] = taken
+        else:
+            pages[np.argsort(self.pool_of_head[hh], kind="stable")] = taken
+        self.tables[rr, hh, bb] = pages
+        self.owner_row[pages] = rr
+        self.owner_head[pages] = hh
+        self.num_blocks[rows] = stop
+        return True
+
     def free_ranges(self, rows: np.ndarray, heads: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> int:
         """Return the pages of blocks ``[starts[k], stops[k])`` of ``(rows[k], heads[k])`` for every ``k``
         (``i64[K]`` each; holes are skipped; ``starts[k] >= stops[k]`` is an empty range) and set those entries
@@ -208,7 +247,8 @@ class BlockAllocator:
     def _free_private(self, rr: np.ndarray, hh: np.ndarray, bb: np.ndarray, pages: np.ndarray) -> int:
         if ((self.owner_row[pages] != rr) | (self.owner_head[pages] != hh)).any():
             raise DoubleFreeError(f"pages {pages.tolist()} are not owned by the (row, head) freeing them")
-        if len(np.unique(pages)) != len(pages):
+        ordered = np.sort(pages)
+        if (ordered[1:] == ordered[:-1]).any():
             raise DoubleFreeError(f"pages {pages.tolist()} are freed twice in one call (overlapping ranges)")
         self.tables[rr, hh, bb] = -1
         return self._release(pages)
@@ -222,9 +262,10 @@ class BlockAllocator:
         self.owner_head[pages] = -1
         if len(self._free) == 1:
             self._free[0].extend(pages.tolist())
-        else:
-            for p in np.unique(pools).tolist():
-                self._free[p].extend(pages[pools == p].tolist())
+        else:  # one pass over the pages (a few per step), each onto its pool's list in order
+            free = self._free
+            for p, page in zip(pools.tolist(), pages.tolist()):
+                free[p].append(page)
         return len(pages)
 
     # ---- shared pages (prefix cache) ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import dataclasses
 import numpy as np
 
 from kvjax.sched.blocks import BlockAllocator
-from kvjax.sched.request import Request
+from kvjax.sched.request import RowTable
 
 DEVICE_FIELDS = ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
                  "block_tables", "slot_mapping", "logits_indices")
@@ -100,22 +100,24 @@ class StepPlan:
         return {name: getattr(self, name) for name in DEVICE_FIELDS}
 
 
-def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAllocator,
+def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, blocks: BlockAllocator,
                t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...], *,
                restore: dict[int, int] | None = None, save: dict[int, int] | None = None,
                prefix_hit_tokens: int = 0) -> StepPlan:
-    """Lay out ``scheduled`` = [(request, tokens this step)] (blocks already allocated) as a padded plan.
-    ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring)."""
-    nseq = len(scheduled)
-    info = np.array([(k, r.num_computed, r.slot, r.num_tokens, r.prompt_len, len(r.pending), r.request_id)
-                     for r, k in scheduled], np.int64).reshape(nseq, 7)  # i64[nseq, 7]
-    n, start, slots, num_tokens, prompt_end, num_pending, rids = info.T
+    """Lay out the requests bound to rows ``slots`` (``i64[nseq]``, in plan-row order) with ``n[b]`` tokens
+    each this step (``i64[nseq]``; blocks already allocated) as a padded plan, reading their state from
+    ``rows``. ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring). Raises
+    ``ValueError`` if a row would feed a reserved token of a step older than the previous one."""
+    nseq = len(slots)
+    start = rows.num_computed[slots]  # i64[nseq]: first position computed this step
+    num_tokens = rows.num_tokens[slots]  # i64[nseq]
+    num_resolved = num_tokens - rows.num_pending[slots]  # i64[nseq]: positions >= this are reserved tokens
     ntok = int(n.sum())
     T, B = bucket(max(ntok, 1), t_buckets), bucket(max(nseq, 1), b_buckets)
     ps = blocks.page_size
 
     cu = np.zeros(B + 1, np.int32)
-    np.cumsum(n, out=cu[1: nseq + 1])
+    cu[1: nseq + 1] = np.cumsum(n)
     cu[nseq + 1:] = ntok
     seq_lens = np.zeros(B, np.int32)
     seq_lens[:nseq] = start + n
@@ -126,38 +128,42 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
     has_init = np.zeros(B, bool)
     has_init[:nseq] = start > 0
 
+    tok_row = np.repeat(np.arange(nseq), n)  # i64[ntok]: plan row of each token
+    pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)  # i64[ntok]
+    tok_slot = slots[tok_row]  # i64[ntok]
     token_ids = np.zeros(T, np.int32)
+    token_ids[:ntok] = rows.tokens[tok_slot, pos]  # reserved tokens read as their placeholder 0
     prev_index = np.full(T, -1, np.int32)
-    if nseq:
-        if ntok == nseq:  # one token per row (decodes): no slices to concatenate
-            token_ids[:ntok] = [r.token_ids[r.num_computed] for r, _ in scheduled]
-        else:
-            token_ids[:ntok] = np.concatenate([r.token_ids[r.num_computed: r.num_computed + k]
-                                               for r, k in scheduled])
-        for b in np.flatnonzero(start + n > num_tokens - num_pending).tolist():  # rows feeding reserved tokens
-            _feed_reserved(scheduled[b][0], int(n[b]), int(cu[b]), step, prev_index)
+    reserved = np.flatnonzero(pos >= num_resolved[tok_row])  # i64[K]: tokens whose value a step samples
+    if reserved.size:
+        k = pos[reserved] - num_resolved[tok_row[reserved]]  # i64[K]: index among the row's reserved tokens
+        src = rows.pend_step[tok_slot[reserved], k]
+        if (src != step - 1).any():
+            j = int(np.flatnonzero(src != step - 1)[0])
+            raise ValueError(f"request {int(rows.request_id[tok_slot[reserved[j]]])}: token {int(pos[reserved[j]])} "
+                             f"was sampled by step {int(src[j])} and is not resolved; step {step} can only take "
+                             f"the previous step's ({step - 1}) sampled tokens")
+        prev_index[reserved] = rows.pend_row[tok_slot[reserved], k]
     positions = np.zeros(T, np.int32)
-    pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)
     positions[:ntok] = pos
 
     nblk = bucket(max(int(-(-seq_lens.max() // ps)), 1), blk_buckets)
     block_tables = blocks.tables[gdn_slots, :, :nblk]  # fancy index: a copy; row 0 (PAD) is all -1
-    H = blocks.num_heads
-    slot_mapping = np.full((T, H), -1, np.int32)
-    tok_row = np.repeat(np.arange(nseq), n)
-    pages = block_tables[tok_row[:, None], np.arange(H)[None, :], (pos // ps)[:, None]]
+    slot_mapping = np.full((T, blocks.num_heads), -1, np.int32)
+    pages = block_tables[tok_row, :, pos // ps]  # i32[ntok, H_kv]
     slot_mapping[:ntok] = pages * ps + (pos % ps)[:, None]
 
     logits_indices = np.zeros(B, np.int32)
     logits_indices[:nseq] = cu[1: nseq + 1] - 1
     sample_mask = np.zeros(B, bool)
     sample_mask[:nseq] = start + n == num_tokens
-    request_ids = tuple(rids.tolist())
+    request_ids = tuple(rows.request_id[slots].tolist())
     ckpt_restore, ckpt_save = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
     for ckpt, chosen in ((ckpt_restore, restore), (ckpt_save, save)):
         if chosen:
             ckpt[:nseq] = [chosen.get(rid, -1) for rid in request_ids]
-    prefill = int(np.clip(np.minimum(start + n, prompt_end) - start, 0, None).sum()) if nseq else 0
+    prompt_end = rows.prompt_len[slots]
+    prefill = int(np.maximum(np.minimum(start + n, prompt_end) - start, 0).sum())
     return StepPlan(token_ids=token_ids, positions=positions, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=gdn_slots,
                     has_initial_state=has_init, block_tables=block_tables, slot_mapping=slot_mapping,
                     logits_indices=logits_indices, sample_mask=sample_mask, query_lens=query_lens,
@@ -165,17 +171,6 @@ def build_plan(step: int, scheduled: list[tuple[Request, int]], blocks: BlockAll
                     prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill,
                     request_ids=request_ids, num_tokens=ntok,
                     num_seqs=nseq, step=step)
-
-
-def _feed_reserved(req: Request, n: int, t0: int, step: int, prev_index: np.ndarray) -> None:
-    """Point the reserved tokens among ``req``'s ``n`` tokens of this step (first at step token ``t0``) at the
-    previous plan's rows (``prev_index``, in place)."""
-    for p in range(max(req.num_computed, req.num_resolved), req.num_computed + n):
-        src_step, row = req.pending[p - req.num_resolved]
-        if src_step != step - 1:
-            raise ValueError(f"request {req.request_id}: token {p} was sampled by step {src_step} and is not resolved; "
-                             f"step {step} can only take the previous step's ({step - 1}) sampled tokens")
-        prev_index[t0 + p - req.num_computed] = row
 
 
 def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) -> StepPlan:

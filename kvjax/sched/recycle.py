@@ -43,8 +43,8 @@ def recycle_stop(num_computed: np.ndarray | int, window: np.ndarray | int, page_
     """
     L = np.asarray(num_computed, np.int64)
     w = np.asarray(window, np.int64)
-    stop = np.clip((L - w + 1) // page_size, 0, L // page_size)
-    return np.where(w > 0, stop, 0)
+    stop = np.minimum(np.maximum((L - w + 1) // page_size, 0), L // page_size)
+    return stop if (w > 0).all() else np.where(w > 0, stop, 0)
 
 
 def recycle_out_of_window(blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
@@ -85,8 +85,9 @@ def recyclable_ranges(blocks: BlockAllocator, rows: np.ndarray, heads: np.ndarra
         raise ValueError(f"heads {heads.tolist()} must lie in 0..{blocks.num_heads - 1} (num_kv_heads)")
     if rows.size and (rows.min() < 1 or rows.max() > blocks.cache.max_seqs):
         raise ValueError(f"rows {rows.tolist()} must lie in 1..{blocks.cache.max_seqs} (GDN slots)")
-    window = np.broadcast_to(np.asarray(window, np.int64), heads.shape)
-    sinks = np.broadcast_to(np.asarray(sinks, np.int64), heads.shape)
+    window, sinks = np.asarray(window, np.int64), np.asarray(sinks, np.int64)
+    if window.shape != heads.shape or sinks.shape != heads.shape:
+        window, sinks = np.broadcast_to(window, heads.shape), np.broadcast_to(sinks, heads.shape)
     stop = recycle_stop(np.asarray(num_computed, np.int64)[:, None], window[None, :], blocks.page_size)
     cursor = blocks.recycled_upto[rows[:, None], heads[None, :]]
     start = np.maximum(cursor, first_recyclable_block(sinks, blocks.page_size)[None, :])

@@ -1,8 +1,17 @@
-"""A request as the scheduler sees it: its tokens, how many are computed, its GDN slot, and its status.
+"""A request as the scheduler sees it: its tokens, how many are computed, its GDN slot, and its status; and the
+per-slot table that holds the hot state of the running requests.
 
 A step that samples a token for a request first *reserves* its place (``reserve``: the request has one more
 token whose value is not known yet, so the next step can already be planned with it as input) and later
 *resolves* it with the sampled value (``resolve``). ``append`` does both at once (the synchronous case).
+
+Where the state lives. A request that is not running keeps its tokens, counters and reserved tokens in the
+:class:`Request` object. While it runs (from the scheduler's ``_start`` to its ``_release``) it is *bound* to a
+row of the scheduler's :class:`RowTable` (row = its GDN slot): the table's arrays hold its tokens, counters and
+reserved tokens, so that a step reads and updates every running request with a few numpy operations, and the
+object's attributes (``num_tokens``, ``num_computed``, ``token_ids``, ``pending`` …) read and write that row.
+``bind`` copies the object's state into the row, ``unbind`` copies it back. What never changes (prompt length,
+``max_new_tokens``, eos id, request id) stays in the object too.
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ class Request:
 
     ``num_tokens`` tokens exist (prompt + outputs so far, the last ``len(pending)`` of them reserved by steps
     in flight: their values are not known yet); ``num_computed`` of them have K/V in the cache. ``slot`` is the
-    GDN slot (and block-table row) while running, 0 otherwise.
+    GDN slot (and block-table row) while running, 0 otherwise. While running, these attributes read and write
+    the request's row of the scheduler's :class:`RowTable` (see the module docstring); ``pending`` is then a
+    copy.
     """
 
     def __init__(self, request_id: int, prompt: np.ndarray, max_new_tokens: int,
@@ -53,14 +64,53 @@ class Request:
         self.prompt_len = int(prompt.size)
         self.max_new_tokens = int(max_new_tokens)
         self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
-        self.token_ids = np.zeros(self.prompt_len + self.max_new_tokens, np.int32)  # i32[prompt + max_new]
-        self.token_ids[: self.prompt_len] = prompt
-        self.num_tokens = self.prompt_len
-        self.num_computed = 0
+        self._token_ids = np.zeros(self.prompt_len + self.max_new_tokens, np.int32)  # i32[prompt + max_new]
+        self._token_ids[: self.prompt_len] = prompt
+        self._num_tokens = self.prompt_len
+        self._num_computed = 0
+        self._pending: list[tuple[int, int]] = []  # (plan step, plan row) sampling each reserved token, in order
+        self._rows: RowTable | None = None  # the table this request is bound to while it runs
         self.slot = 0
         self.status = Status.WAITING
         self.num_preemptions = 0
-        self.pending: list[tuple[int, int]] = []  # (plan step, plan row) sampling each reserved token, in order
+
+    # ---- state (the object's own, or its table row while bound) --------------------------------------------
+    @property
+    def token_ids(self) -> np.ndarray:
+        """i32[prompt_len + max_new_tokens]: prompt, then outputs (0 where reserved). While running a view of the
+        table row: read it, do not keep it."""
+        rows = self._rows
+        return self._token_ids if rows is None else rows.tokens[self.slot, : self._token_ids.size]
+
+    @property
+    def num_tokens(self) -> int:
+        rows = self._rows
+        return self._num_tokens if rows is None else int(rows.num_tokens[self.slot])
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        if self._rows is None:
+            self._num_tokens = int(value)
+        else:
+            self._rows.num_tokens[self.slot] = value
+
+    @property
+    def num_computed(self) -> int:
+        rows = self._rows
+        return self._num_computed if rows is None else int(rows.num_computed[self.slot])
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        if self._rows is None:
+            self._num_computed = int(value)
+        else:
+            self._rows.num_computed[self.slot] = value
+
+    @property
+    def pending(self) -> list[tuple[int, int]]:
+        """[(plan step, plan row)] sampling each reserved token, oldest first (a copy while running)."""
+        rows = self._rows
+        return self._pending if rows is None else rows.pending(self.slot)
 
     @property
     def num_output(self) -> int:
@@ -70,39 +120,51 @@ class Request:
     @property
     def num_resolved(self) -> int:
         """Tokens whose values are known (prompt + resolved outputs)."""
-        return self.num_tokens - len(self.pending)
+        rows = self._rows
+        if rows is None:
+            return self._num_tokens - len(self._pending)
+        return int(rows.num_tokens[self.slot] - rows.num_pending[self.slot])
 
     @property
     def output_ids(self) -> np.ndarray:
-        """i32[num_resolved - prompt_len]: generated tokens whose values are known."""
-        return self.token_ids[self.prompt_len: self.num_resolved]
+        """i32[num_resolved - prompt_len]: generated tokens whose values are known (a copy while running)."""
+        out = self.token_ids[self.prompt_len: self.num_resolved]
+        return out if self._rows is None else out.copy()
 
+    # ---- one token at a time (the table does the running requests all at once) -----------------------------
     def reserve(self, step: int = -1, row: int = -1) -> bool:
         """Add a token whose value plan ``step`` samples at ``row`` (placeholder id 0 until resolved); returns
         True when this reaches ``max_new_tokens``."""
-        n = self.num_tokens
-        self.token_ids[n] = 0
-        self.num_tokens = n + 1
-        self.pending.append((step, row))
+        if self._rows is not None:
+            return bool(self._rows.reserve(np.array([self.slot]), np.array([row]), step).size)
+        n = self._num_tokens
+        self._token_ids[n] = 0
+        self._num_tokens = n + 1
+        self._pending.append((step, row))
         return n + 1 - self.prompt_len >= self.max_new_tokens
 
     def resolve(self, token: int) -> bool:
         """Give the oldest reserved token its sampled value; returns True if it is eos, in which case the
         reserved tokens after it are dropped (the request ends there)."""
-        pending = self.pending
-        pos = self.num_tokens - len(pending)
-        self.token_ids[pos] = token
+        if self._rows is not None:
+            return bool(self._rows.resolve(np.array([self.slot]), np.array([token]))[0])
+        pending = self._pending
+        pos = self._num_tokens - len(pending)
+        self._token_ids[pos] = token
         del pending[0]
         if self.eos_token_id is not None and int(token) == self.eos_token_id:
-            self.num_tokens = pos + 1
-            self.pending.clear()
+            self._num_tokens = pos + 1
+            pending.clear()
             return True
         return False
 
     def unreserve(self) -> None:
         """Drop every reserved token (their steps' results are lost)."""
-        self.num_tokens -= len(self.pending)
-        self.pending.clear()
+        if self._rows is not None:
+            self._rows.unreserve(self.slot)
+            return
+        self._num_tokens -= len(self._pending)
+        self._pending.clear()
 
     def append(self, token: int) -> bool:
         """Append a sampled token (no token reserved before it); returns True when the request is done
@@ -113,3 +175,155 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request(id={self.request_id}, {self.status.value}, slot={self.slot}, "
                 f"computed={self.num_computed}/{self.num_tokens}, out={self.num_output}/{self.max_new_tokens})")
+
+
+class RowTable:
+    """The hot state of the running requests, one row per GDN slot (``S = max_seqs``; row 0 is PAD, never
+    bound). A scheduler step gathers and updates it by slot with numpy, never looping over requests.
+
+    Reserved tokens of row ``s``: ``num_pending[s]`` of them, at positions ``[num_tokens - num_pending,
+    num_tokens)``, sampled by plan ``pend_step[s, k]`` at its row ``pend_row[s, k]`` (oldest first). The token
+    width ``W`` grows to the longest bound request (``prompt_len + max_new_tokens``), the reserved-token width
+    ``P`` to the most reserved tokens of one request; both start small.
+    """
+
+    def __init__(self, max_seqs: int, width: int = 64, max_pending: int = 4) -> None:
+        rows = max_seqs + 1
+        self.tokens = np.zeros((rows, width), np.int32)  # i32[S+1, W]: prompt + outputs (0 where reserved)
+        self.num_tokens = np.zeros(rows, np.int64)  # i64[S+1]
+        self.num_computed = np.zeros(rows, np.int64)  # i64[S+1]
+        self.prompt_len = np.zeros(rows, np.int64)  # i64[S+1]
+        self.max_tokens = np.zeros(rows, np.int64)  # i64[S+1]: prompt_len + max_new_tokens
+        self.eos = np.full(rows, -1, np.int64)  # i64[S+1]: eos token id, -1 none
+        self.request_id = np.full(rows, -1, np.int64)  # i64[S+1]: id of the bound request, -1 free row
+        self.num_pending = np.zeros(rows, np.int64)  # i64[S+1]: reserved tokens
+        self.pend_step = np.zeros((rows, max_pending), np.int64)  # i64[S+1, P]: plan step of each, oldest first
+        self.pend_row = np.zeros((rows, max_pending), np.int64)  # i64[S+1, P]: plan row of each
+        self.requests: list[Request | None] = [None] * rows  # the request bound to each row
+
+    # ---- binding -------------------------------------------------------------------------------------------
+    def bind(self, req: Request, slot: int) -> None:
+        """Move ``req``'s state into row ``slot`` (free) and make the row its source of truth."""
+        if self.requests[slot] is not None or req._rows is not None:
+            raise ValueError(f"bind: row {slot} is taken or {req!r} is bound already")
+        size = req._token_ids.size
+        if size > self.tokens.shape[1]:
+            self._grow(width=max(size, 2 * self.tokens.shape[1]))
+        if len(req._pending) > self.pend_step.shape[1]:
+            self._grow(max_pending=len(req._pending))
+        self.tokens[slot, :size] = req._token_ids
+        self.num_tokens[slot], self.num_computed[slot] = req._num_tokens, req._num_computed
+        self.prompt_len[slot], self.max_tokens[slot] = req.prompt_len, size
+        self.eos[slot] = -1 if req.eos_token_id is None else req.eos_token_id
+        self.request_id[slot] = req.request_id
+        k = self.num_pending[slot] = len(req._pending)
+        if k:
+            self.pend_step[slot, :k], self.pend_row[slot, :k] = zip(*req._pending)
+        self.requests[slot] = req
+        req.slot, req._rows = slot, self
+
+    def unbind(self, req: Request) -> None:
+        """Copy row ``req.slot`` back into ``req`` and free the row."""
+        slot = req.slot
+        if req._rows is not self or self.requests[slot] is not req:
+            raise ValueError(f"unbind: {req!r} is not bound to this table")
+        req._token_ids[:] = self.tokens[slot, : req._token_ids.size]
+        req._num_tokens, req._num_computed = int(self.num_tokens[slot]), int(self.num_computed[slot])
+        req._pending = self.pending(slot)
+        self.requests[slot], self.request_id[slot], self.num_pending[slot] = None, -1, 0
+        req._rows = None
+
+    def pending(self, slot: int) -> list[tuple[int, int]]:
+        """Row ``slot``'s reserved tokens as ``[(plan step, plan row)]``, oldest first."""
+        k = int(self.num_pending[slot])
+        return list(zip(self.pend_step[slot, :k].tolist(), self.pend_row[slot, :k].tolist()))
+
+    def _grow(self, width: int = 0, max_pending: int = 0) -> None:
+        if width > self.tokens.shape[1]:
+            tokens = np.zeros((self.tokens.shape[0], width), np.int32)
+            tokens[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = tokens
+        if max_pending > self.pend_step.shape[1]:
+            P = max(max_pending, 2 * self.pend_step.shape[1])
+            for name in ("pend_step", "pend_row"):
+                old = getattr(self, name)
+                new = np.zeros((old.shape[0], P), np.int64)
+                new[:, : old.shape[1]] = old
+                setattr(self, name, new)
+
+    # ---- many rows at once ---------------------------------------------------------------------------------
+    def reserve(self, slots: np.ndarray, plan_rows: np.ndarray, step: int) -> np.ndarray:
+        """Each of ``slots`` (``i64[K]``, distinct, bound) reserves a token that plan ``step`` samples at
+        ``plan_rows[k]``. Returns ``i64[J]``: the slots that reached ``max_new_tokens`` (in ``slots``' order)."""
+        nt, k = self.num_tokens[slots], self.num_pending[slots]
+        if k.size and int(k.max()) >= self.pend_step.shape[1]:
+            self._grow(max_pending=int(k.max()) + 1)
+        self.tokens[slots, nt] = 0
+        self.pend_step[slots, k] = step
+        self.pend_row[slots, k] = plan_rows
+        self.num_pending[slots] = k + 1
+        self.num_tokens[slots] = nt + 1
+        return slots[nt + 1 >= self.max_tokens[slots]]
+
+    def oldest_is(self, slots: np.ndarray, step: int, plan_rows: np.ndarray) -> np.ndarray:
+        """bool[K]: row ``slots[k]``'s oldest reserved token is the one plan ``step`` samples at ``plan_rows[k]``."""
+        return (self.num_pending[slots] > 0) & (self.pend_step[slots, 0] == step) & (self.pend_row[slots, 0]
+                                                                                      == plan_rows)
+
+    def resolve(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Give the oldest reserved token of each of ``slots`` (``i64[K]``, distinct, each with one) its value
+        ``tokens[k]``. Returns ``bool[K]``: the token is the row's eos (the reserved tokens after it are dropped)."""
+        pos = self.num_tokens[slots] - self.num_pending[slots]
+        self.tokens[slots, pos] = tokens
+        for queue in (self.pend_step, self.pend_row):
+            queue[slots, :-1] = queue[slots, 1:]
+        self.num_pending[slots] -= 1
+        eos = self.eos[slots]
+        hit = (eos >= 0) & (tokens == eos)
+        if hit.any():
+            self.num_tokens[slots[hit]] = pos[hit] + 1
+            self.num_pending[slots[hit]] = 0
+        return hit
+
+    def unreserve(self, slot: int) -> None:
+        """Drop every reserved token of row ``slot``."""
+        self.num_tokens[slot] -= self.num_pending[slot]
+        self.num_pending[slot] = 0
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """Raise ``AssertionError`` unless exactly the ``running`` requests are bound, each to its slot's row."""
+        slots = [r.slot for r in running]
+        if any(r._rows is not self or self.requests[r.slot] is not r or self.request_id[r.slot] != r.request_id
+               for r in running):
+            raise AssertionError(f"a running request is not bound to its slot's row: {running}")
+        free = np.setdiff1d(np.arange(len(self.requests)), slots)
+        if (self.request_id[free] != -1).any() or any(self.requests[s] is not None for s in free.tolist()):
+            raise AssertionError(f"rows {free[self.request_id[free] != -1].tolist()} are bound but not running")
+        bad = (self.num_pending[slots] > self.num_tokens[slots] - self.prompt_len[slots]) | \
+            (self.num_tokens[slots] > self.max_tokens[slots])
+        if bad.any():
+            raise AssertionError(f"rows {np.asarray(slots)[bad].tolist()} hold more reserved tokens than outputs or "
+                                 "more tokens than prompt + max_new_tokens")
+
+
+class RunningList(list):
+    """``Scheduler.running``: a plain list of the running requests (in admission order) that counts its changes
+    in ``version``, so that the scheduler can keep their slots as an array between changes."""
+
+    version = 0
+
+
+def _counting(name: str):
+    method = getattr(list, name)
+
+    def changed(self, *args, **kwargs):
+        self.version += 1
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = name
+    return changed
+
+
+for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__",
+              "__delitem__", "__iadd__", "__imul__"):
+    setattr(RunningList, _name, _counting(_name))

@@ -49,7 +49,7 @@ from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.recycle import RecyclePolicy, make_recycle_policy, peak_live_blocks, peak_total_blocks
-from kvjax.sched.request import Request, Status, check_request
+from kvjax.sched.request import Request, RowTable, RunningList, Status, check_request
 from kvjax.sched.slots import SlotAllocator
 
 
@@ -104,13 +104,16 @@ class Scheduler:
         self.blk_buckets = pow2_buckets(cache.max_blocks_per_seq, 8)
         self.waiting: collections.deque[Request] = collections.deque()
         self.preempted: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.running = RunningList()  # list[Request], admission order; read it, change it only through the scheduler
+        self.rows = RowTable(cache.max_seqs)  # the running requests' hot state, by slot (see request.py)
+        self._run_slots = (-1, np.zeros(0, np.int64))  # (running.version, i64[R] slots of running) kept between steps
         self.requests: dict[int, Request] = {}
         self.step = 0
         self._next_id = 0
         self.num_preemptions = 0
         self._last_plan: StepPlan | None = None  # scheduled, not advanced
-        self._unresolved: collections.deque[tuple[StepPlan, list]] = collections.deque()  # advanced: (plan, requests)
+        # advanced, not resolved: (plan, i64[nseq] its rows' slots, i64[nseq] its rows' request ids)
+        self._unresolved: collections.deque[tuple[StepPlan, np.ndarray, np.ndarray]] = collections.deque()
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
@@ -162,11 +165,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring)."""
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        slots, counts = self._run_slots[1][:0], self._run_slots[1][:0]  # i64[nseq], i64[nseq]: plan rows
         preempted = False
         if self.running:
-            scheduled, preempted, used = self._schedule_running()
-            budget -= used
+            slots, counts, preempted = self._schedule_running()
+            budget -= int(counts.sum())
+        admitted: list[tuple[int, int]] = []  # (slot, tokens)
         restore: dict[int, int] = {}
         hits = 0
         while not preempted and budget > 0 and (self.preempted or self.waiting) \
@@ -186,43 +190,70 @@ class Scheduler:
                 self._start(req)
                 self.blocks.allocate(req.slot, n)
             queue.popleft()
-            scheduled.append((req, n))
+            admitted.append((req.slot, n))
             budget -= n
+        if admitted:
+            slots = np.concatenate([slots, np.array([a[0] for a in admitted], np.int64)])
+            counts = np.concatenate([counts, np.array([a[1] for a in admitted], np.int64)])
         save: dict[int, int] = {}
         if self.prefix is not None:  # the blocks this step completes; entries only later plans can match
-            for req, n in scheduled:
-                if req.num_computed < req.prompt_len:
-                    slot = self.prefix.publish(req.slot, req.num_computed + n)
-                    if slot >= 0:
-                        save[req.request_id] = slot
+            t = self.rows
+            for i in np.flatnonzero(t.num_computed[slots] < t.prompt_len[slots]).tolist():
+                slot = int(slots[i])
+                ckpt = self.prefix.publish(slot, int(t.num_computed[slot] + counts[i]))
+                if ckpt >= 0:
+                    save[int(t.request_id[slot])] = ckpt
         self.prefix_hit_tokens += hits
-        plan = build_plan(self.step, scheduled, self.blocks, self.t_buckets, self.b_buckets, self.blk_buckets,
-                          restore=restore, save=save, prefix_hit_tokens=hits)
+        plan = build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets, self.b_buckets,
+                          self.blk_buckets, restore=restore, save=save, prefix_hit_tokens=hits)
         self._last_plan = plan
         self.step += 1
         return plan
 
-    def _schedule_running(self) -> tuple[list[tuple[Request, int]], bool, int]:
+    def _running_slots(self) -> np.ndarray:
+        """i64[R] (read-only): the slots of ``running``, in order; rebuilt only when ``running`` changed."""
+        version, slots = self._run_slots
+        if version != self.running.version:
+            slots = np.array([r.slot for r in self.running], np.int64)
+            slots.setflags(write=False)
+            self._run_slots = (self.running.version, slots)
+        return slots
+
+    def _schedule_running(self) -> tuple[np.ndarray, np.ndarray, bool]:
         """Recycle, then give every running request (in order) its tokens under the budget and the pages they
-        need, preempting from the tail when pages are short. Returns ([(request, tokens)], preempted, tokens in
-        all). Vectorised over the rows: only the rows that cross a block boundary allocate, one call each."""
-        blocks, running = self.blocks, list(self.running)  # a copy: preemption shrinks self.running
-        info = np.array([(r.slot, r.num_computed, r.num_tokens) for r in running], np.int64)  # i64[R, 3]
-        rows, done = info[:, 0], info[:, 1]
+        need, preempting from the tail when pages are short. Returns (i64[k] slots, i64[k] tokens, preempted) of
+        the rows scheduled. Vectorised over the rows: when the pages of every row that crosses a block boundary
+        fit at once, one call allocates them all; otherwise the rows allocate one by one, preempting."""
+        blocks, t = self.blocks, self.rows
+        rows = self._running_slots()  # i64[R]
+        done = t.num_computed[rows]  # i64[R]
         self.recycle_policy.recycle(blocks, rows, done)
-        cap = info[:, 2] - done  # i64[R]: tokens left to compute
+        cap = t.num_tokens[rows] - done  # i64[R]: tokens left to compute
         if self.prefix is not None:
-            for i in np.flatnonzero(done < np.array([r.prompt_len for r in running])).tolist():
-                cap[i] = self._chunk(running[i], int(done[i]), int(cap[i]))
+            for i in np.flatnonzero(done < t.prompt_len[rows]).tolist():
+                cap[i] = self._chunk(self.running[i], int(done[i]), int(cap[i]))
         before = np.cumsum(cap) - cap
-        n = np.clip(np.minimum(cap, self.max_num_batched_tokens - before), 0, None)  # i64[R]
-        need = -(-(done + n) // self.cache.page_size) - np.asarray(blocks.num_blocks)[rows]  # i64[R]: new blocks
+        n = np.maximum(np.minimum(cap, self.max_num_batched_tokens - before), 0)  # i64[R]
+        upto = done + n  # i64[R]: tokens each row covers after this step
+        need = -(-upto // self.cache.page_size) - blocks.num_blocks[rows]  # i64[R]: new blocks
+        grow = np.flatnonzero((need > 0) & (n > 0))
         preempted = False
-        for i in np.flatnonzero((need > 0) & (n > 0)).tolist():
+        if grow.size and not blocks.allocate_rows(rows[grow], upto[grow]):
+            preempted = self._allocate_in_order(list(self.running), grow, need, upto)
+        k = min(len(self.running), int(np.count_nonzero(n)))
+        return rows[:k], n[:k], preempted
+
+    def _allocate_in_order(self, running: list[Request], grow: np.ndarray, need: np.ndarray,
+                           upto: np.ndarray) -> bool:
+        """Allocate the rows ``grow`` of ``running`` one by one, preempting from the tail of ``self.running``
+        while a row's pages do not fit (possibly the row itself, which ends the step's allocation). Returns
+        whether anything was preempted."""
+        preempted = False
+        for i in grow.tolist():
             req = running[i]
             if req.status is not Status.RUNNING:  # preempted as a victim of an earlier row
                 break
-            while not blocks.can_fit(int(need[i])):
+            while not self.blocks.can_fit(int(need[i])):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -230,9 +261,8 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
-            blocks.allocate(req.slot, int(done[i] + n[i]))
-        k = min(len(self.running), int(np.count_nonzero(n)))
-        return list(zip(self.running[:k], n[:k].tolist())), preempted, int(n[:k].sum())
+            self.blocks.allocate(req.slot, int(upto[i]))
+        return preempted
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """Tokens of ``req`` to compute this step from ``start``: what is left, within the budget, ending at the
@@ -290,16 +320,17 @@ class Scheduler:
             raise ValueError(f"advance() needs the plan of the latest schedule() (step {self.step - 1}), "
                              f"got the plan of step {getattr(plan, 'step', plan)!r}")
         self._last_plan = None
-        reqs = [self.requests.get(rid) for rid in plan.request_ids]
-        self._unresolved.append((plan, reqs))
-        finished, step, running = [], plan.step, Status.RUNNING
-        for b, (req, n, sample) in enumerate(zip(reqs, plan.query_lens.tolist(), plan.sample_mask.tolist())):
-            if req is None or req.status is not running:  # aborted between schedule and advance
-                continue
-            req.num_computed += n
-            if sample and req.reserve(step, b):
-                self._finish(req)
-                finished.append(req)
+        t, nseq = self.rows, plan.num_seqs
+        slots = plan.gdn_slots[:nseq].astype(np.int64)  # i64[nseq]
+        rids = np.fromiter(plan.request_ids, np.int64, nseq)  # i64[nseq]
+        self._unresolved.append((plan, slots, rids))
+        live = t.request_id[slots] == rids  # bool[nseq]: still running (not aborted between schedule and now)
+        t.num_computed[slots[live]] += plan.query_lens[:nseq][live]
+        sample = np.flatnonzero(live & plan.sample_mask[:nseq])  # i64[K]: rows that reserve a token
+        done = t.reserve(slots[sample], sample, plan.step)
+        finished = [t.requests[slot] for slot in done.tolist()]
+        for req in finished:
+            self._finish(req)
         return finished
 
     def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
@@ -313,12 +344,25 @@ class Scheduler:
             oldest = self._unresolved[0][0].step if self._unresolved else None
             raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
                              f"{getattr(plan, 'step', plan)!r}")
-        tokens = self._check_sampled(plan, sampled).tolist()
-        finished, step, aborted = [], plan.step, Status.ABORTED
-        for b, (req, token) in enumerate(zip(self._unresolved[0][1], tokens)):
-            if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b):
-                continue
-            if req.resolve(token) and req.status is not Status.FINISHED:
+        tokens = self._check_sampled(plan, sampled)[: plan.num_seqs].astype(np.int64)  # i64[nseq]
+        _, slots, rids = self._unresolved[0]
+        t, step = self.rows, plan.step
+        sample = plan.sample_mask[: plan.num_seqs]
+        bound = sample & (t.request_id[slots] == rids)  # bool[nseq]: the row's request still runs there
+        rows = np.flatnonzero(bound)
+        rows = rows[t.oldest_is(slots[rows], step, rows)]  # its oldest reserved token is this row's
+        eos = set(rows[t.resolve(slots[rows], tokens[rows])].tolist())  # rows whose token was eos
+        # One by one, in row order: the eos rows above, and the rows of requests no longer running there.
+        finished, aborted = [], Status.ABORTED
+        for b in sorted(eos.union(np.flatnonzero(sample & ~bound).tolist())):
+            if b in eos:  # resolved above
+                req, hit = t.requests[int(slots[b])], True
+            else:
+                req = self.requests.get(int(rids[b]))
+                if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b):
+                    continue
+                hit = req.resolve(int(tokens[b]))
+            if hit and req.status is not Status.FINISHED:
                 self._finish(req)
                 finished.append(req)
             if req.status is Status.FINISHED and not req.pending:
@@ -334,8 +378,9 @@ class Scheduler:
         self._last_plan = None
         self.clear_prefix_cache()  # a lost step never wrote the pages and checkpoints it published
         seen: set[int] = set()
-        for _, reqs in self._unresolved:
-            for req in reqs:
+        for _, _, rids in self._unresolved:
+            for rid in rids.tolist():
+                req = self.requests.get(rid)
                 if req is None or id(req) in seen or req.status is Status.ABORTED:
                     continue
                 seen.add(id(req))
@@ -361,15 +406,17 @@ class Scheduler:
 
     # ---- transitions ---------------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:
-        req.slot = self.slots.allocate()
+        self.rows.bind(req, self.slots.allocate())  # sets req.slot
         req.status = Status.RUNNING
         self.running.append(req)
 
     def _release(self, req: Request) -> None:
+        slot = req.slot
+        self.rows.unbind(req)
         if self.prefix is not None:
-            self.prefix.release(req.slot)
-        self.blocks.free_row(req.slot)
-        self.slots.free(req.slot)
+            self.prefix.release(slot)
+        self.blocks.free_row(slot)
+        self.slots.free(slot)
         req.slot = 0
 
     def _finish(self, req: Request) -> None:
@@ -422,7 +469,11 @@ class Scheduler:
         self.slots.check_integrity()
         if self.prefix is not None:
             self.prefix.check_integrity()
+        self.rows.check_integrity(self.running)
         slots = [r.slot for r in self.running]
+        version, cached = self._run_slots
+        if version == self.running.version and cached.tolist() != slots:
+            raise AssertionError(f"cached running slots {cached.tolist()} != {slots}")
         if any(r.status is not Status.RUNNING for r in self.running) or 0 in slots or len(set(slots)) != len(slots):
             raise AssertionError(f"running requests without a unique slot: {self.running}")
         if any(not 0 <= r.num_computed < r.num_tokens for r in self.running):
