@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import is_pow2, next_pow2
-from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, head_cols, load, run_on_slot_pool,
-                                     state_as_pool, store, tile_mask)
+from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, head_cols, load,
+                                     run_on_initial_state, run_on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import prepare
 
 CHUNK = 64
@@ -235,11 +235,8 @@ def chunk_gated_delta_rule_pallas(
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel of ``kvjax.ops.chunk_gated_delta_rule`` (backend ``"pallas"``): ``(o: [T, Hv, V], final: f32[N,
     Hv, K, V])``."""
-    pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
-    return chunk_gated_delta_rule_pool(
-        q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-    )
+    return run_on_initial_state(chunk_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
 
 
 def gdn_prefill_pool_pallas(

@@ -87,6 +87,27 @@ def store(ref, idx: tuple, value: jax.Array, mask: jax.Array | None, **kwargs) -
         plt.store(ref.at[idx], value, mask=mask, **kwargs)
 
 
+def run_on_initial_state(
+    kernel: Callable,  # a pool kernel: (q, k, v, g, beta, pool, *, cu_seqlens, rows, flags, scale, ...)
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    *,
+    cu_seqlens: jax.Array,  # i32[N+1]
+    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
+    """Run a pool kernel for the public ops' call form (``initial_state`` or ``None`` = zeros;
+    :func:`state_as_pool`): the final states are the pool it returns."""
+    pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
+    return kernel(q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
+                  use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+
+
 def state_as_pool(
     initial_state: jax.Array | None,  # f32[N, Hv, K, V]
     num_seqs: int,

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import is_pow2, next_pow2
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, col_block, head_cols, load,
-                                     run_on_slot_pool, state_as_pool, store, tile_mask)
+                                     run_on_initial_state, run_on_slot_pool, store, tile_mask)
 
 BLOCK_V = 64  # value columns per program (the fastest measured, benchmarks/HISTORY.md)
 
@@ -280,11 +280,8 @@ def recurrent_gated_delta_rule_pallas(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
     """Kernel of ``kvjax.ops.recurrent_gated_delta_rule`` (backend ``"pallas"``)."""
-    pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
-    return recurrent_gated_delta_rule_pool(
-        q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-    )
+    return run_on_initial_state(recurrent_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
 
 
 def gdn_decode_pool_pallas(
