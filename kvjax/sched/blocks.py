@@ -91,6 +91,9 @@ class BlockAllocator:
         self.tables = np.full((rows, h_kv, cache.max_blocks_per_seq), -1, np.int32)  # i32[max_seqs+1, H_kv, max_blocks]
         self.num_blocks = np.zeros(rows, np.int64)  # i64[max_seqs+1]: blocks covered by each row
         self.recycled_upto = np.zeros((rows, h_kv), np.int64)  # i64[max_seqs+1, H_kv]: recycle cursor (blocks)
+        # i64[max_seqs+1]: no SWA block of the row is out of the window before it has this many computed tokens
+        # (a lower bound kept by recycle.recycle_out_of_window; 0 = check at the next step)
+        self.recycle_due = np.zeros(rows, np.int64)
         self.owner_row = np.full(self.num_pages, -1, np.int32)  # i32[num_pages]: row holding each page, -1 free
         self.owner_head = np.full(self.num_pages, -1, np.int32)  # i32[num_pages]: head holding each page
         self.refs = np.zeros(self.num_pages, np.int32)  # i32[num_pages]: table entries holding a shared page
@@ -325,6 +328,7 @@ class BlockAllocator:
         freed = self.free_ranges(np.full(h, row), np.arange(h), np.zeros(h, np.int64), np.full(h, n))
         self.num_blocks[row] = 0
         self.recycled_upto[row] = 0
+        self.recycle_due[row] = 0
         return freed
 
     def _check_row(self, row: int) -> int:

@@ -49,11 +49,32 @@ def recycle_stop(num_computed: np.ndarray | int, window: np.ndarray | int, page_
 
 def recycle_out_of_window(blocks: BlockAllocator, rows: np.ndarray, num_computed: np.ndarray) -> int:
     """Free every recyclable block of the given rows (``rows: i64[R]``, ``num_computed: i64[R]``); returns pages
-    freed. Vectorised over rows and heads; a per-(row, head) cursor skips blocks already handled."""
+    freed. Vectorised over rows and heads; a per-(row, head) cursor skips blocks already handled, and
+    ``blocks.recycle_due`` the rows with nothing to free yet: after a row is handled, it is the lowest
+    ``num_computed`` at which one of its SWA heads' next block leaves the window (``(start + 1) * page_size +
+    window - 1``, ``start`` = the head's first block not freed; cursors only grow until ``free_row`` resets it)."""
     swa = blocks.swa_heads
     if len(swa) == 0 or len(rows) == 0:
         return 0
-    return free_blocks_before(blocks, rows, swa, num_computed, blocks.window[swa], blocks.sinks[swa])
+    rows, num_computed = _check_rows(blocks, rows), np.asarray(num_computed, np.int64)
+    due = num_computed >= blocks.recycle_due[rows]  # bool[R]
+    if not due.any():
+        return 0
+    rows, num_computed = rows[due], num_computed[due]
+    window, sinks = blocks.window[swa], blocks.sinks[swa]
+    freed = free_blocks_before(blocks, rows, swa, num_computed, window, sinks)
+    start = np.maximum(blocks.recycled_upto[rows[:, None], swa[None, :]],
+                       first_recyclable_block(sinks, blocks.page_size)[None, :])  # i64[R', n_swa]
+    blocks.recycle_due[rows] = ((start + 1) * blocks.page_size + window[None, :] - 1).min(axis=1)
+    return freed
+
+
+def _check_rows(blocks: BlockAllocator, rows: np.ndarray) -> np.ndarray:
+    """``rows`` as ``i64[R]``; ``ValueError`` unless each lies in ``1..max_seqs`` (numpy would wrap a negative one)."""
+    rows = np.asarray(rows, np.int64)
+    if rows.size and (rows.min() < 1 or rows.max() > blocks.cache.max_seqs):
+        raise ValueError(f"rows {rows.tolist()} must lie in 1..{blocks.cache.max_seqs} (GDN slots)")
+    return rows
 
 
 def free_blocks_before(
@@ -80,11 +101,10 @@ def recyclable_ranges(blocks: BlockAllocator, rows: np.ndarray, heads: np.ndarra
                       window: np.ndarray | int, sinks: np.ndarray | int) -> tuple[np.ndarray, ...]:
     """``(rows, heads, starts, stops)``, ``i64[K]`` each: the non-empty block ranges that
     :func:`free_blocks_before` frees (same arguments and errors); changes nothing."""
-    rows, heads = np.asarray(rows, np.int64), np.asarray(heads, np.int64)
+    heads = np.asarray(heads, np.int64)
     if ((heads < 0) | (heads >= blocks.num_heads)).any():
         raise ValueError(f"heads {heads.tolist()} must lie in 0..{blocks.num_heads - 1} (num_kv_heads)")
-    if rows.size and (rows.min() < 1 or rows.max() > blocks.cache.max_seqs):
-        raise ValueError(f"rows {rows.tolist()} must lie in 1..{blocks.cache.max_seqs} (GDN slots)")
+    rows = _check_rows(blocks, rows)
     window, sinks = np.asarray(window, np.int64), np.asarray(sinks, np.int64)
     if window.shape != heads.shape or sinks.shape != heads.shape:
         window, sinks = np.broadcast_to(window, heads.shape), np.broadcast_to(sinks, heads.shape)

@@ -1,0 +1,129 @@
+"""The scheduler's vectorised host path: the per-slot row table, batch allocation and the recycle skip match the
+one-request-at-a-time rules they replace, and an overlapped run with eos, aborts, preemption and a rollback keeps
+every request's tokens where a per-position oracle puts them."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.sched import Scheduler, Status
+from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.recycle import recycle_out_of_window
+from kvjax.sched.request import Request, RowTable
+
+ATT = AttentionConfig.with_swa_fraction(8, 4, 8, swa_fraction=0.5, window=9, sinks=2)
+
+
+def allocator(pool: str, shards: int = 1, num_pages: int = 4096) -> BlockAllocator:
+    cache = CacheConfig(page_size=4, num_pages=num_pages, max_seqs=16, max_blocks_per_seq=64)
+    return BlockAllocator(cache, ATT, pool, shards)
+
+
+@pytest.mark.parametrize("pool,shards", [("shared", 1), ("partitioned", 1), ("shared", 2), ("partitioned", 2)])
+def test_allocate_rows_gives_the_pages_of_row_by_row_allocation(rng, pool, shards):
+    a, b = allocator(pool, shards), allocator(pool, shards)
+    for _ in range(6):
+        rows = rng.permutation(np.arange(1, 17))[: rng.integers(1, 17)]
+        upto = a.num_blocks[rows] * 4 + rng.integers(0, 14, rows.size)
+        assert a.allocate_rows(rows, upto)
+        for r, n in zip(rows.tolist(), upto.tolist()):
+            b.allocate(r, n)
+        np.testing.assert_array_equal(a.tables, b.tables)
+        np.testing.assert_array_equal(a.owner_row, b.owner_row)
+        np.testing.assert_array_equal(a.owner_head, b.owner_head)
+        np.testing.assert_array_equal(a.num_blocks, b.num_blocks)
+        assert a._free == b._free
+        a.check_integrity()
+
+
+def test_allocate_rows_declines_without_change_when_short_or_too_long():
+    a = allocator("shared", num_pages=16)  # 16 pages = 4 blocks on 4 heads
+    assert a.allocate_rows(np.array([1]), np.array([8]))  # 2 blocks * 4 heads: 8 pages left
+    before = (a.tables.copy(), list(a._free[0]))
+    assert not a.allocate_rows(np.array([2, 3]), np.array([8, 4]))  # 3 blocks * 4 heads = 12 pages > 8
+    assert not a.allocate_rows(np.array([2]), np.array([4 * 65]))  # past max_blocks_per_seq
+    np.testing.assert_array_equal(a.tables, before[0])
+    assert a._free[0] == before[1] and a.num_blocks[2] == 0
+
+
+def test_recycle_due_skips_only_rows_with_nothing_to_free(rng):
+    a = allocator("shared")
+    rows = np.arange(1, 17)
+    L = rng.integers(0, 40, 16)
+    a.allocate_rows(rows, L + 8)
+    b = copy.deepcopy(a)
+    for _ in range(40):
+        recycle_out_of_window(a, rows, L)
+        b.recycle_due[:] = 0  # b checks every row every step
+        recycle_out_of_window(b, rows, L)
+        np.testing.assert_array_equal(a.tables, b.tables)
+        assert a._free == b._free
+        L = L + rng.integers(0, 3, 16)
+        a.allocate_rows(rows, L + 8)
+        b.allocate_rows(rows, L + 8)
+    assert a.recycled_upto[1:, a.swa_heads].sum() > 16  # blocks were recycled
+
+
+def test_a_request_round_trips_through_its_row(rng):
+    req = Request(3, rng.integers(1, 40, 5), 6, eos_token_id=7)
+    req.append(11)
+    req.reserve(4, 2)
+    own = (req.token_ids.copy(), req.num_tokens, req.pending, req.output_ids.tolist())
+    table = RowTable(max_seqs=4, width=4, max_pending=1)  # both widths grow on bind
+    table.bind(req, 2)
+    assert (req.slot, req.num_tokens, req.pending, req.output_ids.tolist()) == (2, own[1], own[2], own[3])
+    np.testing.assert_array_equal(req.token_ids, own[0])
+    req.num_computed = 6
+    assert table.num_computed[2] == 6 and not req.resolve(12) and req.output_ids.tolist() == [11, 12]
+    assert req.reserve(5, 0) is False and req.pending == [(5, 0)]
+    table.check_integrity([req])
+    table.unbind(req)
+    assert table.request_id[2] == -1 and req._rows is None
+    assert (req.num_tokens, req.num_computed, req.pending, req.output_ids.tolist()) == (8, 6, [(5, 0)], [11, 12])
+    assert req.resolve(7) and req.output_ids.tolist() == [11, 12, 7] and req.num_tokens == 8
+
+
+def oracle(rid: int, pos: np.ndarray) -> np.ndarray:
+    """The token 'sampled' at position ``pos`` of request ``rid`` (eos = 3 about one time in 40)."""
+    return (rid * 7919 + pos * 104729) % 40 + 1
+
+
+@pytest.mark.parametrize("recycle,pool", [("none", "shared"), ("timely", "shared"), ("timely", "partitioned")])
+def test_an_overlapped_run_puts_every_token_where_the_oracle_does(rng, recycle, pool):
+    cache = CacheConfig(page_size=4, num_pages=96, max_seqs=6, max_blocks_per_seq=24)
+    sched = Scheduler(cache, ATT, max_num_batched_tokens=16, pool=pool, recycle=recycle)
+    reqs = [sched.add_request(rng.integers(1, 40, rng.integers(1, 30)), int(rng.integers(1, 40)), eos_token_id=3)
+            for _ in range(24)]
+    aborted, prev, steps, rolled_back = set(), None, 0, False
+    while sched.has_unfinished() or sched.has_unresolved():
+        plan = sched.schedule() if sched.has_unfinished() else None
+        if plan is not None:
+            sched.advance(plan)
+        if prev is not None:
+            sched.resolve(prev, oracle(np.array(prev.request_ids + (0,) * prev.seq_lens.size)[: prev.seq_lens.size],
+                                       prev.seq_lens.astype(np.int64)))
+        prev = plan
+        sched.check_integrity()
+        steps += 1
+        if steps % 17 == 0 and sched.running:
+            victim = sched.running[int(rng.integers(len(sched.running)))]
+            aborted.add(victim.request_id)
+            sched.abort(victim.request_id)
+            sched.check_integrity()
+        if steps == 40 and not rolled_back:
+            sched.rollback()  # as after a fault: the plan in flight is lost, its requests recompute
+            prev, rolled_back = None, True
+            sched.check_integrity()
+        assert steps < 5000
+    assert sched.num_preemptions > 0 and rolled_back
+    for req in reqs:
+        if req.request_id in aborted:
+            continue
+        assert req.status is Status.FINISHED and not req.pending
+        want = oracle(req.request_id, np.arange(req.prompt_len, req.prompt_len + req.max_new_tokens))
+        end = int(np.argmax(want == 3)) + 1 if (want == 3).any() else want.size
+        assert req.output_ids.tolist() == want[:end].tolist(), req
