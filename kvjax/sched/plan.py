@@ -128,8 +128,11 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
     has_init = np.zeros(B, bool)
     has_init[:nseq] = start > 0
 
-    tok_row = np.repeat(np.arange(nseq), n)  # i64[ntok]: plan row of each token
-    pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)  # i64[ntok]
+    if ntok == nseq and (n == 1).all():  # one token per row (decodes)
+        tok_row, pos = np.arange(nseq), start
+    else:
+        tok_row = np.repeat(np.arange(nseq), n)  # i64[ntok]: plan row of each token
+        pos = np.arange(ntok, dtype=np.int64) - np.repeat(cu[:nseq].astype(np.int64) - start, n)  # i64[ntok]
     tok_slot = slots[tok_row]  # i64[ntok]
     token_ids = np.zeros(T, np.int32)
     token_ids[:ntok] = rows.tokens[tok_slot, pos]  # reserved tokens read as their placeholder 0

@@ -66,6 +66,9 @@ class Request:
         self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
         self._token_ids = np.zeros(self.prompt_len + self.max_new_tokens, np.int32)  # i32[prompt + max_new]
         self._token_ids[: self.prompt_len] = prompt
+        # i32[prompt_len + max_new_tokens]: prompt, then outputs (0 where reserved); while running, a view of the
+        # table row (read it, do not keep it)
+        self.token_ids = self._token_ids
         self._num_tokens = self.prompt_len
         self._num_computed = 0
         self._pending: list[tuple[int, int]] = []  # (plan step, plan row) sampling each reserved token, in order
@@ -76,16 +79,9 @@ class Request:
 
     # ---- state (the object's own, or its table row while bound) --------------------------------------------
     @property
-    def token_ids(self) -> np.ndarray:
-        """i32[prompt_len + max_new_tokens]: prompt, then outputs (0 where reserved). While running a view of the
-        table row: read it, do not keep it."""
-        rows = self._rows
-        return self._token_ids if rows is None else rows.tokens[self.slot, : self._token_ids.size]
-
-    @property
     def num_tokens(self) -> int:
         rows = self._rows
-        return self._num_tokens if rows is None else int(rows.num_tokens[self.slot])
+        return self._num_tokens if rows is None else rows.num_tokens.item(self.slot)
 
     @num_tokens.setter
     def num_tokens(self, value: int) -> None:
@@ -97,7 +93,7 @@ class Request:
     @property
     def num_computed(self) -> int:
         rows = self._rows
-        return self._num_computed if rows is None else int(rows.num_computed[self.slot])
+        return self._num_computed if rows is None else rows.num_computed.item(self.slot)
 
     @num_computed.setter
     def num_computed(self, value: int) -> None:
@@ -123,7 +119,7 @@ class Request:
         rows = self._rows
         if rows is None:
             return self._num_tokens - len(self._pending)
-        return int(rows.num_tokens[self.slot] - rows.num_pending[self.slot])
+        return rows.num_tokens.item(self.slot) - rows.num_pending.item(self.slot)
 
     @property
     def output_ids(self) -> np.ndarray:
@@ -220,7 +216,7 @@ class RowTable:
         if k:
             self.pend_step[slot, :k], self.pend_row[slot, :k] = zip(*req._pending)
         self.requests[slot] = req
-        req.slot, req._rows = slot, self
+        req.slot, req._rows, req.token_ids = slot, self, self.tokens[slot, :size]
 
     def unbind(self, req: Request) -> None:
         """Copy row ``req.slot`` back into ``req`` and free the row."""
@@ -231,11 +227,13 @@ class RowTable:
         req._num_tokens, req._num_computed = int(self.num_tokens[slot]), int(self.num_computed[slot])
         req._pending = self.pending(slot)
         self.requests[slot], self.request_id[slot], self.num_pending[slot] = None, -1, 0
-        req._rows = None
+        req._rows, req.token_ids = None, req._token_ids
 
     def pending(self, slot: int) -> list[tuple[int, int]]:
         """Row ``slot``'s reserved tokens as ``[(plan step, plan row)]``, oldest first."""
-        k = int(self.num_pending[slot])
+        k = self.num_pending.item(slot)
+        if k <= 1:  # the usual cases, read per request per step by the engine: no array slices
+            return [(self.pend_step.item(slot, 0), self.pend_row.item(slot, 0))] if k else []
         return list(zip(self.pend_step[slot, :k].tolist(), self.pend_row[slot, :k].tolist()))
 
     def _grow(self, width: int = 0, max_pending: int = 0) -> None:
@@ -243,6 +241,9 @@ class RowTable:
             tokens = np.zeros((self.tokens.shape[0], width), np.int32)
             tokens[:, : self.tokens.shape[1]] = self.tokens
             self.tokens = tokens
+            for slot, req in enumerate(self.requests):  # their token_ids view the old array
+                if req is not None:
+                    req.token_ids = tokens[slot, : req._token_ids.size]
         if max_pending > self.pend_step.shape[1]:
             P = max(max_pending, 2 * self.pend_step.shape[1])
             for name in ("pend_step", "pend_row"):
@@ -278,8 +279,7 @@ class RowTable:
         for queue in (self.pend_step, self.pend_row):
             queue[slots, :-1] = queue[slots, 1:]
         self.num_pending[slots] -= 1
-        eos = self.eos[slots]
-        hit = (eos >= 0) & (tokens == eos)
+        hit = tokens == self.eos[slots]  # eos -1 (none) matches no token
         if hit.any():
             self.num_tokens[slots[hit]] = pos[hit] + 1
             self.num_pending[slots[hit]] = 0
@@ -294,7 +294,7 @@ class RowTable:
         """Raise ``AssertionError`` unless exactly the ``running`` requests are bound, each to its slot's row."""
         slots = [r.slot for r in running]
         if any(r._rows is not self or self.requests[r.slot] is not r or self.request_id[r.slot] != r.request_id
-               for r in running):
+               or r.token_ids.base is not self.tokens for r in running):
             raise AssertionError(f"a running request is not bound to its slot's row: {running}")
         free = np.setdiff1d(np.arange(len(self.requests)), slots)
         if (self.request_id[free] != -1).any() or any(self.requests[s] is not None for s in free.tolist()):

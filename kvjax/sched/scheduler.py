@@ -309,8 +309,8 @@ class Scheduler:
                              f"got the plan of step {getattr(plan, 'step', plan)!r}")
         if self._unresolved:
             raise ValueError(f"update() with step {self._unresolved[0][0].step} advanced and not resolved")
-        sampled = self._check_sampled(plan, sampled)
-        return self.advance(plan) + self.resolve(plan, sampled)
+        tokens = self._check_sampled(plan, sampled)
+        return self.advance(plan) + self._resolve(plan, tokens)
 
     def advance(self, plan: StepPlan) -> list[Request]:
         """Apply the host-known half of the latest plan: requests advance by their tokens and reserve the token
@@ -325,9 +325,14 @@ class Scheduler:
         rids = np.fromiter(plan.request_ids, np.int64, nseq)  # i64[nseq]
         self._unresolved.append((plan, slots, rids))
         live = t.request_id[slots] == rids  # bool[nseq]: still running (not aborted between schedule and now)
-        t.num_computed[slots[live]] += plan.query_lens[:nseq][live]
-        sample = np.flatnonzero(live & plan.sample_mask[:nseq])  # i64[K]: rows that reserve a token
-        done = t.reserve(slots[sample], sample, plan.step)
+        sample = plan.sample_mask[:nseq]  # bool[nseq]
+        if live.all():  # the usual case: no masking
+            t.num_computed[slots] += plan.query_lens[:nseq]
+        else:
+            t.num_computed[slots[live]] += plan.query_lens[:nseq][live]
+            sample = live & sample
+        rows = np.flatnonzero(sample)  # i64[K]: rows that reserve a token
+        done = t.reserve(slots[rows], rows, plan.step)
         finished = [t.requests[slot] for slot in done.tolist()]
         for req in finished:
             self._finish(req)
@@ -344,13 +349,18 @@ class Scheduler:
             oldest = self._unresolved[0][0].step if self._unresolved else None
             raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
                              f"{getattr(plan, 'step', plan)!r}")
-        tokens = self._check_sampled(plan, sampled)[: plan.num_seqs].astype(np.int64)  # i64[nseq]
+        return self._resolve(plan, self._check_sampled(plan, sampled))
+
+    def _resolve(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
+        """``resolve`` after its checks (``tokens: i64[nseq]``)."""
         _, slots, rids = self._unresolved[0]
         t, step = self.rows, plan.step
         sample = plan.sample_mask[: plan.num_seqs]
         bound = sample & (t.request_id[slots] == rids)  # bool[nseq]: the row's request still runs there
         rows = np.flatnonzero(bound)
-        rows = rows[t.oldest_is(slots[rows], step, rows)]  # its oldest reserved token is this row's
+        ours = t.oldest_is(slots[rows], step, rows)  # bool[K]: its oldest reserved token is this row's
+        if not ours.all():
+            rows = rows[ours]
         eos = set(rows[t.resolve(slots[rows], tokens[rows])].tolist())  # rows whose token was eos
         # One by one, in row order: the eos rows above, and the rows of requests no longer running there.
         finished, aborted = [], Status.ABORTED
@@ -393,6 +403,7 @@ class Scheduler:
         self._unresolved.clear()
 
     def _check_sampled(self, plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
+        """``sampled[:num_seqs]`` as ``i64[num_seqs]`` after the checks of :meth:`resolve`."""
         sampled = np.asarray(sampled)
         if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
             raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
@@ -402,7 +413,7 @@ class Scheduler:
         kept = sampled[: plan.num_seqs][plan.sample_mask[: plan.num_seqs]]
         if kept.size and (kept.min() < 0 or kept.max() > INT32_MAX):
             raise ValueError(f"sampled token ids must lie in [0, {INT32_MAX}], got min {kept.min()}, max {kept.max()}")
-        return sampled
+        return sampled[: plan.num_seqs].astype(np.int64)
 
     # ---- transitions ---------------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:
