@@ -36,7 +36,7 @@ import timing  # noqa: E402
 from case import Case, RunCase  # noqa: E402
 
 OP_SUBJECTS = ("gdn", "conv", "attention", "mla")
-SUBJECTS = OP_SUBJECTS + ("engine", "sched_overhead")
+SUBJECTS = OP_SUBJECTS + ("engine", "prefix", "sched_overhead")
 COLUMNS = ("case", "subject", "op", "shapes", "impl", "kind", "ok", "err", "error", "median_ms", "timer",
            "wall_ms", "device_ms", "anchor", "anchor_ms", "vs_anchor", "bytes", "gbps", "copy_gbps", "vs_copy",
            "flops", "tflops", "rounds")
