@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvjax.errors import RequestTooLongError
 from kvjax.sched.blocks import BlockAllocator
 
 
@@ -194,3 +195,28 @@ def _per_step_blocks(total_len: int, window, sinks, page_size: int, max_chunk: i
     L = np.arange(fed, dtype=np.int64)
     n = np.minimum(max_chunk, fed - L)
     return live_blocks(L, n, np.asarray(window, np.int64), np.asarray(sinks, np.int64), page_size, recycle)
+
+
+def check_fits(blocks: BlockAllocator, prompt_len: int, max_new_tokens: int, max_chunk: int,
+               frees_swa_blocks: bool) -> None:
+    """Raise :class:`RequestTooLongError` unless a request of ``prompt_len + max_new_tokens`` tokens fits a
+    block-table row and the pages of its worst step (chunks of up to ``max_chunk`` tokens; SWA blocks recycled
+    if ``frees_swa_blocks``) fit ``blocks``' pool even when it runs alone."""
+    # The last output token is sampled, never fed: positions [0, total - 1) are cached.
+    cache, total = blocks.cache, prompt_len + max_new_tokens
+    if total - 1 > cache.max_seq_len:
+        raise RequestTooLongError(
+            f"request of {prompt_len} prompt + {max_new_tokens} new tokens caches {total - 1} positions > "
+            f"max_seq_len={cache.max_seq_len} (page_size * max_blocks_per_seq)")
+    args = (blocks.window, blocks.sinks, cache.page_size, max_chunk, frees_swa_blocks)
+    if blocks.pool == "partitioned":
+        peak, have = int(peak_live_blocks(total, *args).max()), blocks.pool_pages[0]
+        where = "pages per head (partitioned pool)"
+    else:
+        heads = np.array_split(np.arange(blocks.num_heads), blocks.shards)  # each shard's pool
+        peak = max(peak_total_blocks(total, args[0][h], args[1][h], *args[2:]) for h in heads)
+        have, where = cache.num_pages, "pages (shared pool)" if blocks.shards == 1 else \
+            "pages of one model shard's pool (shared)"
+    if peak > have:
+        raise RequestTooLongError(
+            f"request of {total} tokens needs {peak} {where} in its worst step even alone, only {have} exist")

@@ -27,6 +27,13 @@ once (the synchronous engine, simulations). ``rollback()`` forgets every reserve
 running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort, preemption) goes
 through ``_release`` which frees the slot and all pages.
 
+Host cost. The running requests' hot state (tokens, counters, reserved tokens) lives in ``self.rows``, a
+:class:`~kvjax.sched.request.RowTable` indexed by GDN slot; ``_start`` binds a request to its slot's row and
+``_release`` unbinds it (its :class:`Request` attributes read and write the row meanwhile). A steady decode step
+(recycling, budget, page allocation, plan, ``advance``, ``resolve``) is a fixed number of numpy operations on
+the running rows' slots; Python loops run only over rows that change state (admission, preemption, finishing,
+eos, prefill chunks with prefix caching).
+
 Prefix caching (``prefix_cache=PrefixCacheConfig(...)``; :mod:`kvjax.sched.prefix_cache`). Admission matches the
 request's prompt against the cache and attaches the matched blocks to its row (``num_computed`` starts at the
 match; the plan's ``ckpt_restore`` names the GDN checkpoint the step copies into its slot first); prefill chunks
@@ -44,11 +51,10 @@ import collections
 import numpy as np
 
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
-from kvjax.errors import RequestTooLongError
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
-from kvjax.sched.recycle import RecyclePolicy, make_recycle_policy, peak_live_blocks, peak_total_blocks
+from kvjax.sched.recycle import RecyclePolicy, check_fits, make_recycle_policy
 from kvjax.sched.request import Request, RowTable, RunningList, Status, check_request
 from kvjax.sched.slots import SlotAllocator
 
@@ -131,7 +137,8 @@ class Scheduler:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id} is already known")
         prompt = check_request(prompt, max_new_tokens, eos_token_id)
-        self._check_fits(int(prompt.size), int(max_new_tokens))  # before Request allocates max_new_tokens
+        check_fits(self.blocks, int(prompt.size), int(max_new_tokens), self.max_num_batched_tokens,
+                   self.recycle_policy.frees_swa_blocks)  # before Request allocates max_new_tokens
         req = Request(request_id, prompt, max_new_tokens, eos_token_id)
         if running:
             self._start(req)
@@ -165,7 +172,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring)."""
         budget = self.max_num_batched_tokens
-        slots, counts = self._run_slots[1][:0], self._run_slots[1][:0]  # i64[nseq], i64[nseq]: plan rows
+        slots = counts = np.zeros(0, np.int64)  # i64[nseq] each: the plan rows' slots and tokens
         preempted = False
         if self.running:
             slots, counts, preempted = self._schedule_running()
@@ -193,8 +200,8 @@ class Scheduler:
             admitted.append((req.slot, n))
             budget -= n
         if admitted:
-            slots = np.concatenate([slots, np.array([a[0] for a in admitted], np.int64)])
-            counts = np.concatenate([counts, np.array([a[1] for a in admitted], np.int64)])
+            new_slots, new_counts = np.array(admitted, np.int64).T
+            slots, counts = np.concatenate([slots, new_slots]), np.concatenate([counts, new_counts])
         save: dict[int, int] = {}
         if self.prefix is not None:  # the blocks this step completes; entries only later plans can match
             t = self.rows
@@ -451,27 +458,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted.appendleft(req)
-
-    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        # The last output token is sampled, never fed: positions [0, total - 1) are cached.
-        total = prompt_len + max_new_tokens
-        if total - 1 > self.cache.max_seq_len:
-            raise RequestTooLongError(
-                f"request of {prompt_len} prompt + {max_new_tokens} new tokens caches {total - 1} positions > "
-                f"max_seq_len={self.cache.max_seq_len} (page_size * max_blocks_per_seq)")
-        args = (np.asarray(self.attention.window), np.asarray(self.attention.sinks), self.cache.page_size,
-                self.max_num_batched_tokens, self.recycle_policy.frees_swa_blocks)
-        if self.blocks.pool == "partitioned":
-            peak, have = int(peak_live_blocks(total, *args).max()), self.blocks.pool_pages[0]
-            where = "pages per head (partitioned pool)"
-        else:
-            heads = np.array_split(np.arange(self.blocks.num_heads), self.blocks.shards)  # each shard's pool
-            peak = max(peak_total_blocks(total, args[0][h], args[1][h], *args[2:]) for h in heads)
-            have, where = self.cache.num_pages, "pages (shared pool)" if self.blocks.shards == 1 else \
-                "pages of one model shard's pool (shared)"
-        if peak > have:
-            raise RequestTooLongError(
-                f"request of {total} tokens needs {peak} {where} in its worst step even alone, only {have} exist")
 
     # ---- invariants ----------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
