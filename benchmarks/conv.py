@@ -18,7 +18,8 @@ from case import Case, Setup
 W = 4
 ROTATE = 8
 DECODE = [(128, 12288), (256, 6144)]  # (B, conv_dim)
-PREFILL = [((8192,), 6144), ((4096,) * 4, 12288)]  # (sequence lengths, conv_dim)
+PREFILL = [((8192,), 6144), ((4096,) * 4, 12288), ((128,) * 16, 2048)]  # (sequence lengths, conv_dim); the last:
+# a chunked-prefill step of the gpu-preset engine (16 rows x 128 tokens, conv_dim 2048)
 
 
 def _pool(layers: int, slots: int, dim: int):
