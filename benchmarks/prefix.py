@@ -24,9 +24,9 @@ import time
 
 from case import RunCase
 
-CONVERSATIONS, TURNS = 16, 6
-FIRST_LEN, MESSAGE_LEN, OUTPUT_LEN = 1024, 128, 32
-MEMORY_REQUESTS = 10.0  # pages for this many mean-length requests on every KV head (without recycling)
+CONVERSATIONS, TURNS = 8, 5
+FIRST_LEN, MESSAGE_LEN, OUTPUT_LEN = 2048, 128, 4
+MEMORY_REQUESTS = 6.0  # pages for this many mean-length requests on every KV head (without recycling)
 
 
 def _serve_timed(engine, workload) -> tuple[list, list, float]:

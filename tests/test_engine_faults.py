@@ -15,7 +15,7 @@ import pytest
 import kvjax.engine.engine as engine_mod
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
-from kvjax.sched.request import Request
+from kvjax.sched.request import Request, RowTable
 from test_engine import VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts
 
 CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)  # small: forces preemption
@@ -173,18 +173,26 @@ def _arm(monkeypatch, engine: Engine, point: str, exc: type[BaseException]) -> N
     elif point == "after device":  # the step's tokens are read; before the scheduler applies them
         real_resolve = engine.scheduler.resolve
         monkeypatch.setattr(engine.scheduler, "resolve", lambda *a, **k: (once(), real_resolve(*a, **k))[1])
-    elif point == "inside update":  # after the first request of the step took its token
-        real_resolve = Request.resolve
+    elif point == "inside update":  # after some requests of the step took their tokens, before the rest
+        real_resolve, real_rows = Request.resolve, RowTable.resolve
         calls = []
 
-        def resolve(self, token):
+        def resolve(self, token):  # a request off the scheduler's row table (finished, left it)
             out = real_resolve(self, token)
             calls.append(1)
             if len(calls) == 2:
                 once()
             return out
 
+        def resolve_rows(self, slots, tokens):  # the running rows, all at once
+            out = real_rows(self, slots, tokens)
+            calls.append(1)
+            if len(calls) == 2 or len(slots) > 1:
+                once()
+            return out
+
         monkeypatch.setattr(Request, "resolve", resolve)
+        monkeypatch.setattr(RowTable, "resolve", resolve_rows)
     else:
         raise AssertionError(point)
 
@@ -249,8 +257,9 @@ def test_fault_while_resolving_a_finishing_step_forgets_the_finished_request(eng
                 got.update({ev.request_id: ev.token for ev in engine.step()})
     while engine.has_unfinished():
         got.update({ev.request_id: ev.token for ev in engine.step()})
-    got.update({ev.request_id: ev.token for ev in engine.step()})  # events read before the fault
+    got.update({ev.request_id: ev.token for ev in engine.step()})  # events read before the fault, if any
     assert [[got[rid]] for rid in ids] == expect
+    assert engine.step() == []  # an idle engine: no step, no error
     for rid in ids:
         with pytest.raises(ValueError, match=str(rid)):
             engine.abort(rid)

@@ -15,6 +15,8 @@ import dataclasses
 import warnings
 from typing import Iterator, NamedTuple, Sequence
 
+import numpy as np
+
 from kvjax.engine.args import check_call, check_seed, check_temperature
 from kvjax.errors import RequestTooLongError
 from kvjax.sched.request import Request, Status
@@ -74,6 +76,36 @@ class Consumers:
             tr.tokens.extend(new)
             if done:
                 del tracked[rid]
+        return events
+
+    def _collect_plan(self, sched, plan) -> list[TokenEvent]:
+        """:meth:`_collect` for one resolved plan's rows, reading the running requests' counters and tokens from
+        the scheduler's row table in one gather (a row whose request left the table, or finished, takes the
+        per-request path)."""
+        rids, n, rt = plan.request_ids, plan.num_seqs, sched.rows
+        if not n:
+            return []
+        slots = np.asarray(plan.gdn_slots[:n], np.int64)  # i64[n]
+        bound = (rt.request_id[slots] == np.asarray(rids, np.int64)).tolist()
+        start = rt.prompt_len[slots].tolist()
+        end = (rt.num_tokens[slots] - rt.num_pending[slots]).tolist()  # resolved tokens of each row's request
+        events, tracked, inbox = [], self._tracked, self._inbox
+        for b, rid in enumerate(rids):
+            if not bound[b]:  # finished or left the table: its request object holds its state
+                events += self._collect([rid])
+                continue
+            tr = tracked.get(rid)
+            if tr is None:
+                continue
+            have = len(tr.tokens)
+            new = rt.tokens[slots[b], start[b] + have: end[b]].tolist()
+            box = inbox.get(rid)
+            for k, tok in enumerate(new):  # a running request is not done: finishing unbinds it first
+                ev = TokenEvent(tr.index, rid, tok, have + k, False)
+                events.append(ev)
+                if box is not None:
+                    box.append(ev)
+            tr.tokens.extend(new)
         return events
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,

@@ -312,7 +312,7 @@ class Engine(Consumers, Recovery):
         """Run one engine step; returns the tokens it delivered (every request's, including those a
         :meth:`stream` consumer also receives), preceded by the tokens of :meth:`add_request` requests that steps
         run by a :meth:`stream` / :meth:`generate` consumer (or a step that failed) generated since (only those,
-        without running a step, when nothing is left to run).
+        without running a step, when nothing is left to run; an idle engine returns ``[]``).
 
         ``overlap=True``: one call schedules and dispatches step N+1, then waits for step N's tokens and returns
         them (the first call returns none; a call with nothing left to schedule only collects the step in
@@ -325,7 +325,7 @@ class Engine(Consumers, Recovery):
         device call was under way. Tokens already read are kept, so the run continues to the same outputs as an
         uninterrupted one.
         """
-        events = self._step() if self.has_unfinished() or not self._held else []
+        events = self._step() if self.has_unfinished() or (self._inflight and not self._held) else []
         held, self._held = self._held, []
         return held + events
 
@@ -436,7 +436,7 @@ class Engine(Consumers, Recovery):
             self._recover(None, False)
             raise
         self._inflight.popleft()
-        events = self._collect([rid for p in flight.plans for rid in p.request_ids])
+        events = [ev for sched, plan in zip(self.schedulers, flight.plans) for ev in self._collect_plan(sched, plan)]
         t6 = time.perf_counter()
         # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
         exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
