@@ -1,15 +1,23 @@
-"""Engine benchmark case: the ``python -m kvjax run --preset gpu`` workload served with ``recycle="none"`` and
-``"timely"`` (same model, same page memory, one shared compiled step), with per-step timing.
+"""Engine benchmark cases (issue #18): the per-step profile and the end-to-end gpu-preset run, each with the
+synchronous (``overlap=False``) and the overlapped engine side by side.
 
-Usage: ``python benchmarks/runner.py engine`` (one accelerator; kernels ``impl="auto"``).
+Usage: ``python benchmarks/runner.py engine`` (one accelerator; kernels ``impl="auto"``); ``--cases "engine steps"``
+or ``--cases "engine gpu"`` for one of the two.
 
-Per run (one row each, ``impl`` = the recycle policy; the anchor is ``recycle=none``): ``median_ms`` = the
-median step time; generated tokens/s in the steady state (steps that compiled are left out), the exposed host
-time (host work while the device had nothing queued: ``host_share``) and the total host time
-(``host_total_share``, everything but ``t_wait``, the time the host blocks on the device's tokens), and whether
-both runs generated identical tokens (``identical``, on the timely row). The engine overlaps host and device
-(``overlap=True``, the default). Each run stops at its deadline (``truncated``); ``ok`` = the cache passed its integrity
-check after the run.
+``engine steps`` (:func:`step_rows`): the gpu preset's toy Qwen3.5 (8 layers, 6 GDN + 2 attention, bf16),
+``recycle="timely"``, steady decode at 16 / 64 / 256 rows (every row decoding, 512-token prompts) and chunked-prefill
+steps (16 prompts of 4096, 2048 tokens per step). Per row: wall per step, the engine's host phases (schedule,
+inputs, dispatch, update; total host = step minus the wait for tokens), the exposed host time (the device had
+nothing queued), and, from the profiler over as many further steps, the GPU kernel time per step, kernels per
+step and the kernels by name (``top_kernels``); GPU busy = kernel time / wall; the decode bytes floor (every
+parameter once, each row's GDN state read and written, the K/V its heads attend) at the run's copy rate.
+
+``engine gpu preset`` (:func:`measure`): the ``python -m kvjax run --preset gpu`` workload served with
+``recycle="none"`` and ``"timely"``, each synchronous and overlapped (same model, same page memory): generated
+tokens/s in the steady state (compile steps left out), median step, exposed and total host shares, whether the
+tokens equal the anchor run's (``identical``; anchor ``recycle=none overlap=off``) and the same policy's
+synchronous run's (``identical_to_sync``). Each run stops at its deadline (``truncated``); ``ok`` = the cache
+passed its integrity check after the run.
 """
 
 from __future__ import annotations
@@ -78,11 +86,13 @@ def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
         out, s = serve(model, workload, cache, p, recycle, deadline, overlap)
         full = not s["truncated"] and (not rows or not rows[0]["metrics"]["truncated"])
         name = f"recycle={recycle} overlap={'on' if overlap else 'off'}"
+        sync = next((j for j, (r, o) in enumerate(runs[:i]) if r == recycle and not o), None) if overlap else None
         rows.append(dict(impl=name, median_ms=1e3 * s["step_time_median_s"], ok=s["integrity"] is True,
                          error=None if s["integrity"] is True else s["integrity"],
                          tokens_per_s=s["generated_tokens_per_s"], num_pages=cache.num_pages, metrics=s,
                          identical=(out == outs[0]) if outs and full else None,
                          divergence=divergence(outs[0], out) if outs and full else None,
+                         identical_to_sync=(out == outs[sync]) if sync is not None and full else None,
                          gain_tokens_per_s=s["generated_tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0))
         outs.append(out)
         print(name, {k: v for k, v in s.items() if not isinstance(v, (list, dict))}, flush=True)
