@@ -34,7 +34,7 @@ def bench():
 def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
     runner, _, _ = bench
     out = tmp_path / "bench.json"
-    one_each = ("gdn decode", "conv decode", "paged decode", "mla decode", "engine", "scheduler")
+    one_each = ("gdn decode", "conv decode", "paged decode", "mla decode", "engine", "prefix", "scheduler")
     report = runner.run_subjects(list(runner.SUBJECTS), small=True, impls=("reference",), rounds=1, calls=1,
                                  out=str(out), only=one_each)
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(report["rows"], default=str))
