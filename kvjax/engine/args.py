@@ -125,3 +125,18 @@ def check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -
             or list(out) != sorted(set(out)) or out[-1] != last):
         raise ValueError(f"{name} must be ascending ints >= 1 ending at {last_name}={last}, got {out}")
     return tuple(int(v) for v in out)
+
+
+def set_buckets(schedulers: Sequence, cache_config, max_num_batched_tokens: int, token_buckets=None,
+                row_buckets=None, block_buckets=None) -> None:
+    """Replace the schedulers' bucket sets (``T``, ``B``, block-table width) by the given ones, checked with
+    :func:`check_buckets` against ``max_num_batched_tokens``, ``max_seqs`` and ``max_blocks_per_seq``; ``None``
+    keeps a scheduler's default."""
+    for name, values, last, last_name, attr in (
+            ("token_buckets", token_buckets, max_num_batched_tokens, "max_num_batched_tokens", "t_buckets"),
+            ("row_buckets", row_buckets, cache_config.max_seqs, "max_seqs", "b_buckets"),
+            ("block_buckets", block_buckets, cache_config.max_blocks_per_seq, "max_blocks_per_seq", "blk_buckets")):
+        if values is not None:
+            checked = check_buckets(name, values, last, last_name)
+            for sched in schedulers:
+                setattr(sched, attr, checked)

@@ -66,8 +66,8 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import CacheConfig
-from kvjax.engine.args import (check_buckets, check_index, check_max_new_tokens, check_prompt, check_seed,
-                               check_temperature, check_token_id, prefix_config)
+from kvjax.engine.args import (check_index, check_max_new_tokens, check_prompt, check_seed,
+                               check_temperature, check_token_id, prefix_config, set_buckets)
 from kvjax.engine.consumers import Consumers, TokenEvent, Tracked
 from kvjax.engine.inputs import SamplingTable, host_inputs, plan_to_inputs
 from kvjax.engine.mesh import MeshStep, mesh_inputs, mesh_model, no_tokens, pad_plans, validate_shards
@@ -186,15 +186,7 @@ class Engine(Consumers, Recovery):
                                      page_shards=page_shards) for _ in range(self.data_shards)]
         self.scheduler = self.schedulers[0]  # the scheduler (of data shard 0 on a mesh)
         self.prefix_caching = prefix is not None
-        for sched in self.schedulers:
-            if token_buckets is not None:
-                sched.t_buckets = check_buckets("token_buckets", token_buckets, max_num_batched_tokens,
-                                                "max_num_batched_tokens")
-            if row_buckets is not None:
-                sched.b_buckets = check_buckets("row_buckets", row_buckets, cache_config.max_seqs, "max_seqs")
-            if block_buckets is not None:
-                sched.blk_buckets = check_buckets("block_buckets", block_buckets, cache_config.max_blocks_per_seq,
-                                                  "max_blocks_per_seq")
+        set_buckets(self.schedulers, cache_config, max_num_batched_tokens, token_buckets, row_buckets, block_buckets)
         if sharded is not None and page_shards > 1:  # the allocator's pools are the devices' pools
             owners = [sharded.head_owner(h) for h in range(self.attention.num_kv_heads)]
             assert (self.scheduler.blocks.page_base == np.asarray(owners) * cache_config.num_pages).all()

@@ -52,6 +52,7 @@ import numpy as np
 
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.integrity import check_sampled, check_scheduler
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.recycle import RecyclePolicy, check_fits, make_recycle_policy
@@ -316,7 +317,7 @@ class Scheduler:
                              f"got the plan of step {getattr(plan, 'step', plan)!r}")
         if self._unresolved:
             raise ValueError(f"update() with step {self._unresolved[0][0].step} advanced and not resolved")
-        tokens = self._check_sampled(plan, sampled)
+        tokens = check_sampled(plan, sampled)
         return self.advance(plan) + self._resolve(plan, tokens)
 
     def advance(self, plan: StepPlan) -> list[Request]:
@@ -356,7 +357,7 @@ class Scheduler:
             oldest = self._unresolved[0][0].step if self._unresolved else None
             raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
                              f"{getattr(plan, 'step', plan)!r}")
-        return self._resolve(plan, self._check_sampled(plan, sampled))
+        return self._resolve(plan, check_sampled(plan, sampled))
 
     def _resolve(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
         """``resolve`` after its checks (``tokens: i64[nseq]``)."""
@@ -409,19 +410,6 @@ class Scheduler:
                     self._requeue(req)
         self._unresolved.clear()
 
-    def _check_sampled(self, plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
-        """``sampled[:num_seqs]`` as ``i64[num_seqs]`` after the checks of :meth:`resolve`."""
-        sampled = np.asarray(sampled)
-        if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
-            raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
-                             f"{sampled.dtype}{list(sampled.shape)}")
-        if sampled.shape[0] < plan.num_seqs:
-            raise ValueError(f"sampled has {sampled.shape[0]} entries, the plan has {plan.num_seqs} rows")
-        kept = sampled[: plan.num_seqs][plan.sample_mask[: plan.num_seqs]]
-        if kept.size and (kept.min() < 0 or kept.max() > INT32_MAX):
-            raise ValueError(f"sampled token ids must lie in [0, {INT32_MAX}], got min {kept.min()}, max {kept.max()}")
-        return sampled[: plan.num_seqs].astype(np.int64)
-
     # ---- transitions ---------------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:
         self.rows.bind(req, self.slots.allocate())  # sets req.slot
@@ -461,35 +449,6 @@ class Scheduler:
 
     # ---- invariants ----------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless allocators are consistent and slots/rows match the queues."""
-        self.blocks.check_integrity()
-        self.slots.check_integrity()
-        if self.prefix is not None:
-            self.prefix.check_integrity()
-        self.rows.check_integrity(self.running)
-        slots = [r.slot for r in self.running]
-        version, cached = self._run_slots
-        if version == self.running.version and cached.tolist() != slots:
-            raise AssertionError(f"cached running slots {cached.tolist()} != {slots}")
-        if any(r.status is not Status.RUNNING for r in self.running) or 0 in slots or len(set(slots)) != len(slots):
-            raise AssertionError(f"running requests without a unique slot: {self.running}")
-        if any(not 0 <= r.num_computed < r.num_tokens for r in self.running):
-            raise AssertionError(f"a running request has nothing to compute (its next plan row would be empty): "
-                                 f"{[r for r in self.running if not 0 <= r.num_computed < r.num_tokens]}")
-        if any(self.blocks.num_blocks[r.slot] < self.blocks.blocks_for(r.num_computed) for r in self.running):
-            raise AssertionError(f"a running request's computed tokens lie past its blocks: {self.running}")
-        plan = self._last_plan  # scheduled, not yet applied
-        if plan is not None:
-            q, li, T = plan.query_lens[: plan.num_seqs], plan.logits_indices, plan.token_ids.shape[0]
-            if (q < 1).any() or (li < 0).any() or (li >= T).any():
-                raise AssertionError(f"step {plan.step}'s plan has a row without tokens or a logits index outside "
-                                     f"[0, {T}): query_lens {q.tolist()}, logits_indices {li.tolist()}")
-        if set(slots) != self.slots.allocated:
-            raise AssertionError(f"allocated slots {sorted(self.slots.allocated)} != running slots {sorted(slots)}")
-        idle = np.setdiff1d(np.arange(1, self.cache.max_seqs + 1), slots)
-        if (self.blocks.tables[idle] != -1).any() or np.asarray(self.blocks.num_blocks)[idle].any():
-            raise AssertionError("a free slot's block-table row still holds pages")
-        for q in (self.waiting, self.preempted):
-            if any(r.slot != 0 or r.num_computed != 0 for r in q):
-                raise AssertionError(f"a queued request holds a slot or progress: {list(q)}")
-
+        """Raise ``AssertionError`` unless allocators are consistent and slots/rows match the queues
+        (:func:`kvjax.sched.integrity.check_scheduler`)."""
+        check_scheduler(self)
