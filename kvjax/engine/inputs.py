@@ -177,9 +177,9 @@ PACK_ALIGN = 64  # int32 elements (256 bytes): each field starts aligned, as ker
 class PackLayout:
     """Where each input of a step sits in its packed ``i32[N]`` buffer (static: part of the step's trace key).
 
-    ``fields``: ``(name, shape)`` in buffer order, each starting at a multiple of :data:`PACK_ALIGN` (the :class:`StepInputs`, :class:`SampleInputs` and, with
-    ``checkpoints``, :class:`CheckpointCopies` fields; ``has_initial_state`` as 0/1, ``temperature`` as the bits
-    of its float32)."""
+    ``fields``: ``(name, shape)`` in buffer order, each starting at a multiple of :data:`PACK_ALIGN` (the
+    :class:`StepInputs`, :class:`SampleInputs` and, with ``checkpoints``, :class:`CheckpointCopies` fields;
+    ``has_initial_state`` as 0/1, ``temperature`` as the bits of its float32)."""
 
     fields: tuple[tuple[str, tuple[int, ...]], ...]
     decode_only: bool

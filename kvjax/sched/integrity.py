@@ -27,9 +27,10 @@ def check_sampled(plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
 
 
 def check_scheduler(sched: Any) -> None:
-    """Raise ``AssertionError`` unless ``sched``'s (a :class:`~kvjax.sched.scheduler.Scheduler`) allocators are consistent and its slots, rows and block tables
-    match its queues (running requests each with a unique slot and something to compute, queued ones holding
-    nothing, the planned-but-unapplied step's rows non-empty)."""
+    """Raise ``AssertionError`` unless the allocators of ``sched`` (a :class:`~kvjax.sched.scheduler.Scheduler`)
+    are consistent and its slots, rows and block tables match its queues (running requests each with a unique
+    slot and something to compute, queued ones holding nothing, the planned-but-unapplied step's rows
+    non-empty)."""
     sched.blocks.check_integrity()
     sched.slots.check_integrity()
     if sched.prefix is not None:

@@ -235,8 +235,9 @@ def chunk_gated_delta_rule_pallas(
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel of ``kvjax.ops.chunk_gated_delta_rule`` (backend ``"pallas"``): ``(o: [T, Hv, V], final: f32[N,
     Hv, K, V])``."""
-    return run_on_initial_state(chunk_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                                scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    return run_on_initial_state(chunk_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                                initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                interpret=interpret)
 
 
 def gdn_prefill_pool_pallas(

@@ -280,8 +280,9 @@ def recurrent_gated_delta_rule_pallas(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
     """Kernel of ``kvjax.ops.recurrent_gated_delta_rule`` (backend ``"pallas"``)."""
-    return run_on_initial_state(recurrent_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                                scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    return run_on_initial_state(recurrent_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                                initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                interpret=interpret)
 
 
 def gdn_decode_pool_pallas(
