@@ -12,9 +12,10 @@ bytes; a policy with caching pays its GDN checkpoint slots out of the pages.
 Per policy (one row each, ``impl`` = the policy; anchor ``none``): ``median_ms`` = the run's wall time per
 generated token; prompt tokens submitted / computed / served from the cache, hit rate; generated tokens/s and
 prompt + generated tokens/s over the run's wall clock after a warm-up run of the same engine (compilation
-excluded); ``identical``: the policy generated the same tokens as ``none`` (float32; ``divergence`` says where
-they first differ otherwise). Ratios vs ``none``: ``computed_ratio`` (prompt tokens computed by ``none`` / by
-this policy) and ``speedup`` (tokens/s).
+excluded; two token buckets, ``max_seqs`` for decode steps and the step budget); ``identical``: the policy
+generated the same tokens as ``none`` (float32; ``divergence`` says where they first differ otherwise). Ratios
+vs ``none``: ``computed_ratio`` (prompt tokens computed by ``none`` / by this policy) and ``speedup``
+(tokens/s).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
                        max_seqs=min(p.max_seqs, conversations), max_tokens=p.max_tokens)
     rows, base = [], None
     for policy in POLICIES:
-        engine = policy_engine(model, setup, policy)
+        engine = policy_engine(model, setup, policy, token_buckets=(setup.max_seqs, setup.max_tokens))
         _serve_timed(engine, workload[:turns])  # warm-up: compiles every shape the run uses
         engine.clear_prefix_cache()
         before = len(engine.metrics)
@@ -74,10 +75,11 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
                    computed_ratio=base["computed"] / max(row["computed"], 1),
                    speedup=row["tokens_per_s"] / base["tokens_per_s"])
         rows.append(row)
-        print(f"{policy:18s} pages {row['num_pages']:5d} ckpts {row['num_checkpoints']:3d}  prompt {row['prompt_tokens']:6d}"
-              f"  computed {row['computed']:6d} ({row['computed_ratio']:.2f}x fewer)  hit {row['hit_rate']:.2f}"
-              f"  gen tok/s {row['tokens_per_s']:8.1f} ({row['speedup']:.2f}x)  all tok/s {row['total_tokens_per_s']:9.1f}"
-              f"  preempt {row['preemptions']}  identical {row['identical']}", flush=True)
+        print(f"{policy:18s} pages {row['num_pages']:5d} ckpts {row['num_checkpoints']:3d}"
+              f"  prompt {row['prompt_tokens']:6d}  computed {row['computed']:6d} ({row['computed_ratio']:.2f}x fewer)"
+              f"  hit {row['hit_rate']:.2f}  gen tok/s {row['tokens_per_s']:8.1f} ({row['speedup']:.2f}x)"
+              f"  all tok/s {row['total_tokens_per_s']:9.1f}  preempt {row['preemptions']}"
+              f"  identical {row['identical']}", flush=True)
     return rows
 
 

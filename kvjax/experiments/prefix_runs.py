@@ -219,16 +219,18 @@ def scheduler_sweep(setup: PrefixSetup, attention: AttentionConfig, *, policies=
     return [scheduler_run(setup, attention, w, p, seed=seed) for w in setup.workloads for p in policies]
 
 
-def policy_engine(model: Qwen3_5ForCausalLM, setup: PrefixSetup, policy: str) -> Engine:
+def policy_engine(model: Qwen3_5ForCausalLM, setup: PrefixSetup, policy: str,
+                  token_buckets: tuple[int, ...] | None = None) -> Engine:
     """An :class:`~kvjax.engine.engine.Engine` for ``policy`` at the setup's memory, one bucket per step shape
-    (one compilation)."""
+    (one compilation; ``token_buckets``, ending at ``setup.max_tokens``: more token buckets, e.g. a small one
+    for decode steps)."""
     from kvjax.engine.engine import Engine
 
     recycle, mode = POLICIES[policy]
     cache = setup.cache(policy)
     extra = dict(prefix_caching=True, prefix_recycle=mode, prefix_checkpoints=setup.num_checkpoints) if mode else {}
     return Engine(model, cache, recycle=recycle, max_num_batched_tokens=setup.max_tokens, use_decode_path=False,
-                  token_buckets=(setup.max_tokens,), row_buckets=(cache.max_seqs,),
+                  token_buckets=token_buckets or (setup.max_tokens,), row_buckets=(cache.max_seqs,),
                   block_buckets=(cache.max_blocks_per_seq,), **extra)
 
 
