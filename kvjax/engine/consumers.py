@@ -58,25 +58,29 @@ class Consumers:
     def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
         """Events for the tokens these requests took since their last event (read from the scheduler's
         requests, so a step cut short still delivers what it recorded); queued for their stream consumer too."""
-        events, tracked, inbox = [], self._tracked, self._inbox
+        events, tracked = [], self._tracked
         for rid in request_ids:
             tr = tracked.get(rid)
             if tr is None:
                 continue
-            req, have = tr.request, len(tr.tokens)
-            new = req.token_ids[req.prompt_len + have: req.num_resolved].tolist()  # its resolved outputs not sent
+            req = tr.request
+            new = req.token_ids[req.prompt_len + len(tr.tokens): req.num_resolved].tolist()  # resolved, not sent
             done = (req.status is Status.FINISHED and not req.pending) or is_done(req)
-            last = len(new) - 1
-            box = inbox.get(rid)
-            for k, tok in enumerate(new):
-                ev = TokenEvent(tr.index, rid, tok, have + k, done and k == last)
-                events.append(ev)
-                if box is not None:
-                    box.append(ev)
-            tr.tokens.extend(new)
+            self._deliver(tr, rid, new, done, events)
             if done:
                 del tracked[rid]
         return events
+
+    def _deliver(self, tr: Tracked, rid: int, new: list[int], done: bool, events: list[TokenEvent]) -> None:
+        """Append the events of ``new`` tokens of request ``rid`` to ``events`` and its stream's queue (the last
+        one ``finished`` if ``done``) and record them as sent."""
+        have, last, box = len(tr.tokens), len(new) - 1, self._inbox.get(rid)
+        for k, tok in enumerate(new):
+            ev = TokenEvent(tr.index, rid, tok, have + k, done and k == last)
+            events.append(ev)
+            if box is not None:
+                box.append(ev)
+        tr.tokens.extend(new)
 
     def _collect_plan(self, sched, plan) -> list[TokenEvent]:
         """:meth:`_collect` for one resolved plan's rows, reading the running requests' counters and tokens from
@@ -89,23 +93,15 @@ class Consumers:
         bound = (rt.request_id[slots] == np.asarray(rids, np.int64)).tolist()
         start = rt.prompt_len[slots].tolist()
         end = (rt.num_tokens[slots] - rt.num_pending[slots]).tolist()  # resolved tokens of each row's request
-        events, tracked, inbox = [], self._tracked, self._inbox
+        events = []
         for b, rid in enumerate(rids):
             if not bound[b]:  # finished or left the table: its request object holds its state
                 events += self._collect([rid])
                 continue
-            tr = tracked.get(rid)
-            if tr is None:
-                continue
-            have = len(tr.tokens)
-            new = rt.tokens[slots[b], start[b] + have: end[b]].tolist()
-            box = inbox.get(rid)
-            for k, tok in enumerate(new):  # a running request is not done: finishing unbinds it first
-                ev = TokenEvent(tr.index, rid, tok, have + k, False)
-                events.append(ev)
-                if box is not None:
-                    box.append(ev)
-            tr.tokens.extend(new)
+            tr = self._tracked.get(rid)
+            if tr is not None:  # a running request is not done: finishing unbinds it first
+                new = rt.tokens[slots[b], start[b] + len(tr.tokens): end[b]].tolist()
+                self._deliver(tr, rid, new, False, events)
         return events
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,

@@ -51,10 +51,6 @@ def recover_shard(sched: Scheduler, plans: list[StepPlan]) -> list[int]:
         if is_done(req):
             sched.abort(req.request_id)  # releases slot and pages; its tokens are complete
     sched.rollback()  # drops reserved tokens; preempts the running requests the lost steps advanced
-    for rid in touched:  # resolved its last token, cut short before the scheduler let it go
-        req = sched.requests.get(rid)
-        if req is not None and req.status is Status.FINISHED and not req.pending:
-            del sched.requests[rid]
     for req in reversed(list(sched.running)):
         sched._preempt(req)  # the scheduler's own preemption path (progress dropped, requeued first)
     return touched

@@ -391,8 +391,8 @@ class Scheduler:
     def rollback(self) -> None:
         """Forget the latest plan if not advanced, and the advanced plans not yet resolved (a fault lost their
         results): their reserved tokens are dropped, every running request they advanced is preempted (its
-        cache may lack their writes; recomputed later) and a request that had finished on a reserved token is
-        requeued as preempted."""
+        cache may lack their writes; recomputed later), a request that had finished on a reserved token is
+        requeued as preempted, and one that had resolved its last token is let go."""
         self._last_plan = None
         self.clear_prefix_cache()  # a lost step never wrote the pages and checkpoints it published
         seen: set[int] = set()
@@ -408,6 +408,8 @@ class Scheduler:
                     self._preempt(req)
                 elif req.status is Status.FINISHED and reserved:
                     self._requeue(req)
+                elif req.status is Status.FINISHED:  # took its last token; the resolve cut short kept it
+                    del self.requests[rid]
         self._unresolved.clear()
 
     # ---- transitions ---------------------------------------------------------------------------------------
