@@ -172,6 +172,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
     under the profiler for the GPU kernel time, kernels per step and the kernels by name."""
     import statistics
 
+    import jax
     from timing import kernel_records
 
     for _ in range(400):  # reach the steady phase and compile its bucket
@@ -187,7 +188,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
         raise RuntimeError(f"steps left the profiled phase or compiled: {[(r.num_tokens, r.compiled) for r in recs]}")
     med = lambda f: statistics.median(getattr(r, f) for r in recs)  # noqa: E731
     host = statistics.median(r.t_step - r.t_wait for r in recs)
-    kr = kernel_records(lambda: (_run_steps(eng, n), __import__("jax").block_until_ready(eng.caches)))
+    kr = kernel_records(lambda: (_run_steps(eng, n), jax.block_until_ready(eng.caches)))
     names = sorted(((c / n, t / n / 1e6, name) for name, (c, t) in kr["names"].items()), key=lambda x: -x[1])
     return dict(wall_ms=1e3 * wall, host_ms=1e3 * host, exposed_ms=1e3 * med("t_exposed"),
                 schedule_ms=1e3 * med("t_schedule"), inputs_ms=1e3 * med("t_inputs"),
