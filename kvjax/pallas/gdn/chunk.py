@@ -1,8 +1,8 @@
 """Chunked gated delta rule (prefill / extend): Pallas kernels (Triton lowering) for the sequential part.
 
-The token stream is cut into global chunks of ``C`` tokens (``C = 64``) *without* repacking the ragged batch:
-a chunk may hold the tail of one sequence and the head of the next, and every intra-chunk quantity is masked
-to pairs of tokens of the same sequence ("segments"). Two stages:
+The token stream is cut into global chunks of ``C`` tokens (``C = 64``; 32 for float32 inputs) *without*
+repacking the ragged batch: a chunk may hold the tail of one sequence and the head of the next, and every
+intra-chunk quantity is masked to pairs of tokens of the same sequence ("segments"). Two stages:
 
 1. :func:`kvjax.pallas.gdn.prep.prepare` (parallel over all chunks and heads; the state-independent
    part, fla's "WY" form, from the raw q / k): per segment cumulative log-decay ``gc``,
@@ -29,7 +29,8 @@ Any K and V: q / k / w rows are loaded as ``next_pow2(K)`` lanes, value blocks m
 and stores (:mod:`kvjax.pallas.gdn.common`); at powers of two the code has no mask.
 
 Matmul operands are in the input dtype (bf16 in serving: like fla, states are rounded to bf16 for the
-tensor-core products and accumulate in f32); for float32 inputs every product runs at full f32 precision.
+tensor-core products and accumulate in f32); for float32 inputs every product takes three TF32 passes (about
+f32 accuracy; full f32 in interpret mode: :func:`kvjax.pallas.gdn.common.f32_precision`), in chunks of 32 tokens.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import is_pow2, next_pow2
-from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, head_cols, load,
-                                     run_on_initial_state, run_on_slot_pool, store, tile_mask)
+from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
+                                     head_cols, load, run_on_initial_state, run_on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import prepare
 
 CHUNK = 64
@@ -146,7 +147,7 @@ def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out
                 num_warps, num_stages, interpret):
     tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
-    precision = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+    precision = f32_precision(interpret) if w.dtype == jnp.float32 else None
     kernel = functools.partial(
         _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, precision=precision
     )
@@ -185,7 +186,7 @@ def chunk_gated_delta_rule_pool(
     use_qk_l2norm: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
     interpret: bool = False,
@@ -199,8 +200,15 @@ def chunk_gated_delta_rule_pool(
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
     Any K and V: the kernels pad them to power-of-two blocks and mask (:mod:`kvjax.pallas.gdn.common`).
+    Float32 inputs take 3xTF32 products (``common.f32_precision``), chunks of 32 tokens and ``num_stages=1``
+    (``num_stages=None``: 1 for float32 inputs, 2 otherwise): 3xTF32 operands are staged in shared memory, and at
+    K=192 with 64-token chunks and 2 stages compiling the kernels asked for 349 KiB of the H100's 227 KiB.
     """
     num_tokens, _, kd = q.shape
+    f32 = q.dtype == jnp.float32
+    chunk = CHUNK // 2 if f32 else CHUNK
+    if num_stages is None:
+        num_stages = 1 if f32 else 2
     hv, vd = v.shape[1], v.shape[2]
     if block_v is None:
         block_v = next((b for b in (64, 32) if rows.shape[0] * hv * pl.cdiv(vd, b) >= MANY_PROGRAMS), 16)
@@ -210,7 +218,7 @@ def chunk_gated_delta_rule_pool(
     if inverse_dtype not in ("tf32", "bf16"):
         raise ValueError(f"inverse_dtype must be 'tf32' or 'bf16', got {inverse_dtype!r}")
     qp, kp, w, u, a, qf, kf, gl = prepare(
-        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=CHUNK,
+        q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=chunk,
         prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret,
     )
     o, pool = _chunk_call(

@@ -1,6 +1,6 @@
 """Preparation stage of the chunked gated delta rule: the state-independent per-chunk quantities.
 
-For every global chunk of ``C = 64`` tokens and value head (all in parallel; see :mod:`kvjax.pallas.gdn.chunk`
+For every global chunk of ``C`` tokens and value head (all in parallel; see :mod:`kvjax.pallas.gdn.chunk`
 for how chunks are shared by sequences): the per-sequence cumulative log-decay ``gc``, its value ``gl`` at
 the sequence's last token in the chunk, ``T = (I + tril(beta k k^T * decay, -1))^-1``, ``w = T (beta exp(gc) k)``,
 ``u = T (beta v)``, the causal intra-chunk scores ``A = (q k^T) * decay`` (fla's "WY" form, q and k l2-normed
@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import next_pow2
 from kvjax.base.ragged import count_le
-from kvjax.pallas.gdn.common import L2NORM_EPS, head_cols, load, store, tile_mask
+from kvjax.pallas.gdn.common import L2NORM_EPS, f32_precision, head_cols, load, store, tile_mask
 from kvjax.pallas.gdn.common import dot as _dot
 
 
@@ -135,11 +135,11 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
     hv, vd = v.shape[1], v.shape[2]
     nc = tp // chunk
     dt = q.dtype
-    precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
-    # products of the inverse: full f32 for f32 inputs; for bf16 inputs one TF32 pass (full f32 in interpret
+    precision = f32_precision(interpret) if dt == jnp.float32 else None
+    # products of the inverse: as the others for f32 inputs; for bf16 inputs one TF32 pass (full f32 in interpret
     # mode, where TF32 does not exist) or one bf16 pass (T is rounded to bf16 right after, as in fla)
     if dt == jnp.float32:
-        inv_precision = lax.Precision.HIGHEST
+        inv_precision = precision
     elif inverse_dtype == "bf16":
         inv_precision = "bf16"
     else:
