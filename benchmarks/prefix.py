@@ -11,8 +11,9 @@ bytes; a policy with caching pays its GDN checkpoint slots out of the pages.
 
 Per policy (one row each, ``impl`` = the policy; anchor ``none``): ``median_ms`` = the run's wall time per
 generated token; prompt tokens submitted / computed / served from the cache, hit rate; generated tokens/s and
-prompt + generated tokens/s over the run's wall clock after a warm-up run of the same engine (compilation
-excluded; two token buckets, ``max_seqs`` for decode steps and the step budget); ``identical``: the policy
+prompt + generated tokens/s over the median wall clock of 3 runs after a warm-up run of the same engine (compilation
+excluded; two token buckets, ``max_seqs`` for decode steps and the step budget; on the accelerator each policy
+runs in its own process: the warm-ups compile side by side, the timed runs go one at a time); ``identical``: the policy
 generated the same tokens as ``none`` (float32; ``divergence`` says where they first differ otherwise). Ratios
 vs ``none``: ``computed_ratio`` (prompt tokens computed by ``none`` / by this policy) and ``speedup``
 (tokens/s).
@@ -20,7 +21,9 @@ vs ``none``: ``computed_ratio`` (prompt tokens computed by ``none`` / by this po
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import statistics
 import time
 
 from case import RunCase
@@ -28,6 +31,7 @@ from case import RunCase
 CONVERSATIONS, TURNS = 8, 5
 FIRST_LEN, MESSAGE_LEN, OUTPUT_LEN = 2048, 128, 4
 MEMORY_REQUESTS = 6.0  # pages for this many mean-length requests on every KV head (without recycling)
+REPEATS = 3  # timed runs of the workload per policy (same engine, cache cleared between): the median wall
 
 
 def _serve_timed(engine, workload) -> tuple[list, list, float]:
@@ -38,13 +42,11 @@ def _serve_timed(engine, workload) -> tuple[list, list, float]:
     return prompts, outputs, time.perf_counter() - t0
 
 
-def measure(p, conversations: int, turns: int, first_len: int, message_len: int, output_len: int,
-            memory_requests: float) -> list[dict]:
-    """One row per policy; see the module docstring."""
-    from engine import divergence
-
+def _build(p, conversations: int, turns: int, first_len: int, message_len: int, output_len: int,
+           memory_requests: float):
+    """The float32 model, the workload and the fixed-memory setup every policy shares."""
     from kvjax.cli_run import build_model
-    from kvjax.experiments.prefix_runs import POLICIES, _row, make_setup, policy_engine
+    from kvjax.experiments.prefix_runs import make_setup
     from kvjax.sched.workload import multi_turn_workload
 
     model = build_model(dataclasses.replace(p, dtype="float32"))
@@ -52,26 +54,119 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
                                    output_len=output_len, vocab=p.vocab, seed=0)
     setup = make_setup(model, {"multi-turn": workload}, page_size=p.page_size, memory_requests=memory_requests,
                        max_seqs=min(p.max_seqs, conversations), max_tokens=p.max_tokens)
-    rows, base = [], None
+    return model, workload, setup
+
+
+def _policy_run(policy: str, model, workload, setup, turns: int, turn=contextlib.nullcontext) -> dict:
+    """One policy's row (with its ``outputs``): build its engine, warm it up on one conversation (compiles every
+    shape the run uses; ``warmup_s``), then serve the whole workload :data:`REPEATS` times while holding
+    ``turn()`` (counts from the first, the median wall; every repeat must generate the same tokens)."""
+    from kvjax.experiments.prefix_runs import _row, policy_engine
+
+    engine = policy_engine(model, setup, policy, token_buckets=(setup.max_seqs, setup.max_tokens))
+    warm = _serve_timed(engine, workload[:turns])[2]
+    engine.clear_prefix_cache()
+    before = len(engine.metrics)
+    walls = []
+    with turn():
+        for i in range(REPEATS):
+            prompts, got, wall = _serve_timed(engine, workload)
+            engine.check_integrity()
+            engine.clear_prefix_cache()
+            if i == 0:
+                outputs, s = got, engine.metrics.summary(skip=before, num_pages=engine.cache_config.num_pages)
+            elif got != outputs:
+                raise AssertionError(f"{policy}: repeat {i} of the same workload generated other tokens")
+            walls.append(wall)
+    wall = statistics.median(walls)
+    row = _row("multi-turn", policy, setup, prompts, steps=s["steps"], generated=s["generated_tokens"],
+               served=s["prefix_hit_tokens"], computed=s["prefill_tokens"], preemptions=s["preemptions"],
+               cached_pages_mean=s["cached_pages_mean"], page_util_peak=s["page_util_peak"],
+               tokens_per_s=s["generated_tokens"] / wall)
+    row.update(impl=policy, ok=engine.is_idle(), wall_s=wall, warmup_s=warm, outputs=outputs,
+               median_ms=1e3 * wall / max(s["generated_tokens"], 1),
+               total_tokens_per_s=(row["prompt_tokens"] + s["generated_tokens"]) / wall,
+               compiled_in_run=s["compile_steps"])
+    return row
+
+
+def _policy_process(policy: str, args: tuple, barrier, lock, results) -> None:
+    """A spawned process's part of :func:`measure`: warm up alongside the others, then wait for every policy to
+    be warm (``barrier``) and serve timed alone (``lock``), so compilation overlaps but timing never does."""
+    import traceback
+
+    @contextlib.contextmanager
+    def turn():
+        barrier.wait()
+        with lock:
+            yield
+
+    try:
+        model, workload, setup = _build(*args)
+        results.put((policy, _policy_run(policy, model, workload, setup, args[2], turn)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        barrier.abort()
+        results.put((policy, traceback.format_exc()))
+
+
+def _parallel_rows(policies: list[str], args: tuple, timeout_s: float) -> dict[str, dict]:
+    """:func:`_policy_process` for every policy at once (spawned processes, one per policy)."""
+    import multiprocessing
+    import os
+    import queue
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several processes share the accelerator
+    ctx = multiprocessing.get_context("spawn")
+    barrier, lock, results = ctx.Barrier(len(policies), timeout=timeout_s), ctx.Lock(), ctx.Queue()
+    procs = [ctx.Process(target=_policy_process, args=(policy, args, barrier, lock, results)) for policy in policies]
+    for proc in procs:
+        proc.start()
+    got: dict = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < len(procs):
+            try:
+                policy, value = results.get(timeout=5)
+                got[policy] = value
+                continue
+            except queue.Empty:
+                pass
+            dead = {p: proc.exitcode for p, proc in zip(policies, procs) if proc.exitcode is not None and p not in got}
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"prefix benchmark: no result from {sorted(set(policies) - set(got))} "
+                                   f"(exit codes of the dead: {dead}, {timeout_s:.0f} s allowed)")
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    failed = {k: v for k, v in got.items() if isinstance(v, str)}
+    if failed:
+        raise RuntimeError("prefix benchmark: " + "\n".join(f"{k}:\n{v}" for k, v in failed.items()))
+    return got
+
+
+def measure(p, conversations: int, turns: int, first_len: int, message_len: int, output_len: int,
+            memory_requests: float, parallel: bool = False, timeout_s: float = 900.0) -> list[dict]:
+    """One row per policy; see the module docstring. ``parallel``: one spawned process per policy, warm-ups
+    (compilation) side by side, timed runs one at a time; otherwise every policy in turn in this process."""
+    from engine import divergence
+
+    from kvjax.experiments.prefix_runs import POLICIES
+
+    args = (p, conversations, turns, first_len, message_len, output_len, memory_requests)
+    if parallel:
+        by_policy = _parallel_rows(list(POLICIES), args, timeout_s)
+    else:
+        model, workload, setup = _build(*args)
+        by_policy = {policy: _policy_run(policy, model, workload, setup, turns) for policy in POLICIES}
+    outputs = {policy: row.pop("outputs") for policy, row in by_policy.items()}
+    anchor = next(iter(POLICIES))
+    base, base_out = by_policy[anchor], outputs[anchor]
+    rows = []
     for policy in POLICIES:
-        engine = policy_engine(model, setup, policy, token_buckets=(setup.max_seqs, setup.max_tokens))
-        _serve_timed(engine, workload[:turns])  # warm-up: compiles every shape the run uses
-        engine.clear_prefix_cache()
-        before = len(engine.metrics)
-        prompts, outputs, wall = _serve_timed(engine, workload)
-        engine.check_integrity()
-        engine.clear_prefix_cache()
-        s = engine.metrics.summary(skip=before, num_pages=engine.cache_config.num_pages)
-        row = _row("multi-turn", policy, setup, prompts, steps=s["steps"], generated=s["generated_tokens"],
-                   served=s["prefix_hit_tokens"], computed=s["prefill_tokens"], preemptions=s["preemptions"],
-                   cached_pages_mean=s["cached_pages_mean"], page_util_peak=s["page_util_peak"],
-                   tokens_per_s=s["generated_tokens"] / wall)
-        row.update(impl=policy, ok=engine.is_idle(), wall_s=wall, median_ms=1e3 * wall / max(s["generated_tokens"], 1),
-                   total_tokens_per_s=(row["prompt_tokens"] + s["generated_tokens"]) / wall,
-                   compiled_in_run=s["compile_steps"])
-        if base is None:
-            base = dict(row, outputs=outputs)
-        row.update(identical=outputs == base["outputs"], divergence=divergence(base["outputs"], outputs),
+        row = by_policy[policy]
+        row.update(identical=outputs[policy] == base_out, divergence=divergence(base_out, outputs[policy]),
                    computed_ratio=base["computed"] / max(row["computed"], 1),
                    speedup=row["tokens_per_s"] / base["tokens_per_s"])
         rows.append(row)
@@ -79,13 +174,13 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
               f"  prompt {row['prompt_tokens']:6d}  computed {row['computed']:6d} ({row['computed_ratio']:.2f}x fewer)"
               f"  hit {row['hit_rate']:.2f}  gen tok/s {row['tokens_per_s']:8.1f} ({row['speedup']:.2f}x)"
               f"  all tok/s {row['total_tokens_per_s']:9.1f}  preempt {row['preemptions']}"
-              f"  identical {row['identical']}", flush=True)
+              f"  identical {row['identical']}  warm-up {row['warmup_s']:.0f} s", flush=True)
     return rows
 
 
 def cases(small: bool = False) -> list[RunCase]:
-    """The multi-turn comparison on the gpu preset's model (``small``: the cpu preset, 2 conversations of 3 short
-    turns)."""
+    """The multi-turn comparison on the gpu preset's model, one process per policy (``small``: the cpu preset, 2
+    conversations of 3 short turns, in this process)."""
     from kvjax.cli_run import PRESETS
 
     if small:
@@ -95,4 +190,4 @@ def cases(small: bool = False) -> list[RunCase]:
     shapes = dict(preset="small" if small else "gpu", dtype="float32", conversations=args[0], turns=args[1],
                   first_len=args[2], message_len=args[3], output_len=args[4], memory_requests=args[5])
     return [RunCase(f"prefix multi-turn {shapes['preset']} preset", "kvjax.engine.engine.Engine(prefix_caching=True)",
-                    shapes, lambda: measure(p, *args), anchor="none")]
+                    shapes, lambda: measure(p, *args, parallel=not small), anchor="none")]
