@@ -1,5 +1,6 @@
 """Engine benchmark cases (issue #18): the per-step profile and the end-to-end gpu-preset run, each with the
-synchronous (``overlap=False``) and the overlapped engine side by side.
+synchronous (``overlap=False``), the overlapped and the overlapped engine with decode bursts (``decode_burst=4``:
+up to 4 decode sub-steps per dispatch) side by side.
 
 Usage: ``python benchmarks/runner.py engine`` (one accelerator; kernels ``impl="auto"``); ``--cases "engine steps"``
 or ``--cases "engine gpu"`` for one of the two.
@@ -10,10 +11,12 @@ steps (16 prompts of 4096, 2048 tokens per step). Per row: wall per step, the en
 inputs, dispatch, update; total host = step minus the wait for tokens), the exposed host time (the device had
 nothing queued), and, from the profiler over as many further steps, the GPU kernel time per step, kernels per
 step and the kernels by name (``top_kernels``); GPU busy = kernel time / wall; the decode bytes floor (every
-parameter once, each row's GDN state read and written, the K/V its heads attend) at the run's copy rate.
+parameter once, each row's GDN state read and written, the K/V its heads attend) at the run's copy rate. A
+burst row's figures are per engine step (``burst`` sub-steps); ``*_per_substep`` and ``kernel_vs_floor`` are per
+sub-step.
 
 ``engine gpu preset`` (:func:`measure`): the ``python -m kvjax run --preset gpu`` workload served with
-``recycle="none"`` and ``"timely"``, each synchronous and overlapped (same model, same page memory): generated
+``recycle="none"`` and ``"timely"``, each synchronous, overlapped and with bursts (same model, same page memory): generated
 tokens/s in the steady state (compile steps left out), median step, exposed and total host shares, whether the
 tokens equal the anchor run's (``identical``; anchor ``recycle=none overlap=off``) and the same policy's
 synchronous run's (``identical_to_sync``). Each run stops at its deadline (``truncated``); ``ok`` = the cache
@@ -27,7 +30,8 @@ import time
 
 from case import RunCase
 
-BUDGET_S = 200.0  # all runs together, an equal share each
+BUDGET_S = 240.0  # all runs together, an equal share each
+BURST = 4  # Engine(decode_burst=) of the burst rows
 
 
 def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -41,12 +45,14 @@ def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
                 first_divergence_median=float(np.median(diverged)) if diverged else None)
 
 
-def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: bool = True) -> tuple[list, dict]:
+def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: bool = True,
+          burst: int = 1) -> tuple[list, dict]:
     """Serve ``workload`` once; returns (generated tokens per request, the engine's metrics summary)."""
     from kvjax.engine.engine import Engine
 
     eng = Engine(model, cache, recycle=recycle, overlap=overlap, max_num_batched_tokens=p.max_tokens,
-                 token_buckets=p.token_buckets, row_buckets=p.row_buckets, block_buckets=(cache.max_blocks_per_seq,))
+                 token_buckets=p.token_buckets, row_buckets=p.row_buckets, block_buckets=(cache.max_blocks_per_seq,),
+                 decode_burst=burst)
     outs = [[] for _ in workload]
     truncated = False
     t0 = time.perf_counter()
@@ -68,9 +74,9 @@ def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: boo
 
 
 def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
-            overlaps: tuple[bool, ...] = (False, True)) -> list[dict]:
-    """The runs of preset ``p``: one row per (recycle policy, overlap), each with its own engine; the first run
-    (``recycle=none``, synchronous) is the anchor every row's tokens are compared with."""
+            modes: tuple[tuple[bool, int], ...] = ((False, 1), (True, 1), (True, BURST))) -> list[dict]:
+    """The runs of preset ``p``: one row per (recycle policy, (overlap, decode burst)), each with its own engine;
+    the first run (``recycle=none``, synchronous) is the anchor every row's tokens are compared with."""
     from kvjax.cli_run import build_model
     from kvjax.sched.workload import cache_for, seed_workload
 
@@ -79,14 +85,14 @@ def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
     cache = cache_for(workload, num_kv_heads=p.kv_heads, page_size=p.page_size, full_requests=p.memory_requests,
                       max_seqs=p.max_seqs)
     model = build_model(p)
-    runs = [(r, o) for r in recycles for o in overlaps]
+    runs = [(r, o, k) for r in recycles for o, k in modes]
     outs, rows = [], []
-    for i, (recycle, overlap) in enumerate(runs):
+    for i, (recycle, overlap, burst) in enumerate(runs):
         deadline = t_start + budget_s * (i + 1) / len(runs)
-        out, s = serve(model, workload, cache, p, recycle, deadline, overlap)
+        out, s = serve(model, workload, cache, p, recycle, deadline, overlap, burst)
         full = not s["truncated"] and (not rows or not rows[0]["metrics"]["truncated"])
-        name = f"recycle={recycle} overlap={'on' if overlap else 'off'}"
-        sync = next((j for j, (r, o) in enumerate(runs[:i]) if r == recycle and not o), None) if overlap else None
+        name = f"recycle={recycle} overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst > 1 else "")
+        sync = next((j for j, (r, o, _) in enumerate(runs[:i]) if r == recycle and not o), None) if overlap else None
         rows.append(dict(impl=name, median_ms=1e3 * s["step_time_median_s"], ok=s["integrity"] is True,
                          error=None if s["integrity"] is True else s["integrity"],
                          tokens_per_s=s["generated_tokens_per_s"], num_pages=cache.num_pages, metrics=s,
@@ -106,7 +112,7 @@ PROMPT_LEN = 512  # tokens each decoding row has before the profile
 PREFILL = dict(rows=16, prompt_len=4096, budget=2048)  # chunked-prefill steps: 16 prompts of 4096, 2048 per step
 
 
-def _step_engine(p, rows: int, *, overlap: bool, prompt_len: int, new_tokens: int, budget: int):
+def _step_engine(p, rows: int, *, overlap: bool, prompt_len: int, new_tokens: int, budget: int, burst: int = 1):
     """An engine on the preset's model with ``rows`` requests of ``prompt_len`` random tokens queued."""
     import numpy as np
 
@@ -118,7 +124,8 @@ def _step_engine(p, rows: int, *, overlap: bool, prompt_len: int, new_tokens: in
     cache = CacheConfig(page_size=p.page_size, num_pages=rows * p.kv_heads * blocks, max_seqs=rows,
                         max_blocks_per_seq=blocks)
     eng = Engine(model, cache, overlap=overlap, recycle="timely", max_num_batched_tokens=budget,
-                 token_buckets=sorted({rows, budget}), row_buckets=(rows,), block_buckets=(blocks,))
+                 token_buckets=sorted({rows, budget}), row_buckets=(rows,), block_buckets=(blocks,),
+                 decode_burst=burst)
     rng = np.random.default_rng(0)
     for i in range(rows):
         eng.add_request(rng.integers(0, p.vocab, prompt_len), new_tokens, index=i)
@@ -199,21 +206,25 @@ def profile_steps(eng, n: int, *, want) -> dict:
                 top_kernels=[dict(name=nm[:120], per_step=round(c, 2), ms=round(t, 5)) for c, t, nm in names[:40]])
 
 
-def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL) -> list[dict]:
-    """The issue-#18 table: steady decode at each of ``rows_list`` and chunked-prefill steps, each with the
-    synchronous and the overlapped engine side by side (same model, same requests)."""
+def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL,
+              modes: tuple[tuple[bool, int], ...] = ((False, 1), (True, 1), (True, BURST))) -> list[dict]:
+    """The issue-#18 table: steady decode at each of ``rows_list`` and chunked-prefill steps, the synchronous
+    engine, the overlapped one and the overlapped one with decode bursts side by side (same model, same
+    requests; a burst step's figures are per engine step, ``*_per_substep`` divides by its sub-steps)."""
     from timing import has_device_records, xla_copy
 
     copy = xla_copy(1 << 30) if has_device_records() else None
     gbps = copy["bytes"] / copy["device_ms"] / 1e6 if copy and copy["device_ms"] else None
     out = []
     for rows in rows_list:
-        for overlap in (False, True):
-            model, eng = _step_engine(p, rows, overlap=overlap, prompt_len=PROMPT_LEN, new_tokens=4 * n + 400,
-                                      budget=max(1024, rows))
-            prof = profile_steps(eng, n, want=lambda r, rows=rows: r.decode_only and r.num_seqs == rows)
+        for overlap, burst in modes:
+            model, eng = _step_engine(p, rows, overlap=overlap, prompt_len=PROMPT_LEN,
+                                      new_tokens=burst * (4 * n + 100) + 300, budget=max(1024, rows), burst=burst)
+            prof = profile_steps(eng, n, want=lambda r, rows=rows, k=burst: r.decode_only and r.num_seqs == rows
+                                 and r.burst == k)
             fl = floor_bytes(model, eng)
-            out.append(_row(f"decode rows={rows} overlap={'on' if overlap else 'off'}", prof, fl, gbps))
+            name = f"decode rows={rows} overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst > 1 else "")
+            out.append(_row(name, prof, fl, gbps, burst))
             del eng
     if prefill:
         for overlap in (False, True):
@@ -226,12 +237,14 @@ def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFIL
     return out
 
 
-def _row(impl: str, prof: dict, fl: dict | None, gbps: float | None) -> dict:
-    floor_ms = fl["total"] / gbps / 1e6 if fl and gbps else None
+def _row(impl: str, prof: dict, fl: dict | None, gbps: float | None, burst: int = 1) -> dict:
+    floor_ms = fl["total"] / gbps / 1e6 if fl and gbps else None  # one (sub-)step's
     k = prof["kernel_ms"]
     row = dict(impl=impl, median_ms=prof["wall_ms"], ok=True, **prof, floor_bytes=fl, copy_gbps=gbps,
-               floor_ms=floor_ms, gpu_busy=k / prof["wall_ms"] if k else None,
-               kernel_vs_floor=k / floor_ms if k and floor_ms else None,
+               floor_ms=floor_ms, gpu_busy=k / prof["wall_ms"] if k else None, burst=burst,
+               wall_ms_per_substep=prof["wall_ms"] / burst, host_ms_per_substep=prof["host_ms"] / burst,
+               kernel_ms_per_substep=k / burst if k else None,
+               kernel_vs_floor=k / burst / floor_ms if k and floor_ms else None,
                exposed_share=prof["exposed_ms"] / prof["wall_ms"])
     print(f"{impl:45s} wall {prof['wall_ms']:7.3f} ms  host {prof['host_ms']:6.3f}  exposed {prof['exposed_ms']:6.3f}"
           f"  kernels {k if k is None else round(k, 3)} ms x {prof['kernels_per_step']}/step"
@@ -253,7 +266,8 @@ def cases(small: bool = False) -> list[RunCase]:
     shapes = dict(preset="small" if small else "gpu", requests=p.requests, dtype=p.dtype, layers=len(p.layer_types))
     recycles = ("none",) if small else ("none", "timely")
     steps = dict(rows_list=(4,), n=3, prefill=dict(rows=2, prompt_len=256, budget=32)) if small else {}
+    modes = ((False, 1), (True, 1), (True, 2)) if small else ((False, 1), (True, 1), (True, BURST))
     return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
-                    lambda: step_rows(p, **steps), anchor=None),
+                    lambda: step_rows(p, modes=modes, **steps), anchor=None),
             RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
-                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles), anchor="recycle=none overlap=off")]
+                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles, modes), anchor="recycle=none overlap=off")]

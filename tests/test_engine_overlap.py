@@ -43,7 +43,7 @@ def spy_schedule(engine: Engine) -> list[bool]:
     """Record, at every schedule(), whether an earlier step's tokens were still unread (the overlap)."""
     seen, sched = [], engine.scheduler
     real = sched.schedule
-    sched.schedule = lambda: (seen.append(sched.has_unresolved()), real())[1]
+    sched.schedule = lambda *a: (seen.append(sched.has_unresolved()), real(*a))[1]
     return seen
 
 

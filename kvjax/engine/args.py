@@ -77,6 +77,20 @@ def check_prompt(prompt: Any, vocab_size: int, name: str = "prompt") -> np.ndarr
     return arr.astype(np.int32)
 
 
+MAX_BURST = 64
+
+
+def check_burst(value: Any, on_mesh: bool, prefix_caching: bool) -> int:
+    """``Engine(decode_burst=)``: an int in ``[1, MAX_BURST]``; more than 1 needs one device and no prefix caching
+    (a burst is a plan of decodes only, and neither the mesh step nor the checkpoint copies run bursts)."""
+    if not is_int(value) or not 1 <= value <= MAX_BURST:
+        raise ValueError(f"decode_burst must be an int in [1, {MAX_BURST}], got {value!r}")
+    if value > 1 and (on_mesh or prefix_caching):
+        raise ValueError(f"decode_burst={value} needs one device and prefix_caching=False (got "
+                         f"{'a mesh' if on_mesh else 'prefix caching'})")
+    return int(value)
+
+
 def check_call(prompts: Any, max_new_tokens: Any, vocab_size: int) -> list[tuple[np.ndarray, int]]:
     """``[(prompt i32[L], max_new_tokens)]`` of a ``generate`` / ``stream`` call, every prompt checked.
 

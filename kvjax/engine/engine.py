@@ -66,7 +66,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import CacheConfig
-from kvjax.engine.args import (check_index, check_max_new_tokens, check_prompt, check_seed,
+from kvjax.engine.args import (check_burst, check_index, check_max_new_tokens, check_prompt, check_seed,
                                check_temperature, check_token_id, prefix_config, set_buckets)
 from kvjax.engine.consumers import Consumers, TokenEvent, Tracked
 from kvjax.engine.inputs import SamplingTable, host_inputs, plan_to_inputs
@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 class _Flight:
     """A dispatched step whose sampled tokens have not been read yet."""
 
-    plans: list  # list[StepPlan]: one per data shard
+    plans: list[StepPlan]  # one per data shard
     tokens: jax.Array  # i32[max_seqs] (i32[D, max_seqs] on a mesh): token sampled for each plan row, on the device
     record: dict  # the StepRecord fields known at dispatch
 
@@ -132,6 +132,9 @@ class Engine(Consumers, Recovery):
         and ``num_pages`` pages *per device* (see :mod:`kvjax.engine.mesh`). ``model`` may also be a
         :class:`~kvjax.models.sharding.ShardedModel` (e.g. ``load_pretrained(path, mesh=...)``), whose mesh is
         used. Needs a ``cache_config``; prefix caching is not available on a mesh.
+      decode_burst: ``K > 1`` runs up to ``K`` decode steps per dispatch when every running request decodes and
+        none waits (:mod:`kvjax.engine.burst`): the host's work per token falls by about ``K``; the same tokens
+        (a request that ends inside a burst computes a few sub-steps for nothing). One device, no prefix caching.
     """
 
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
@@ -142,7 +145,7 @@ class Engine(Consumers, Recovery):
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
                  block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
                  prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail",
-                 mesh: jax.sharding.Mesh | None = None) -> None:
+                 mesh: jax.sharding.Mesh | None = None, decode_burst: int = 1) -> None:
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
         if not isinstance(model, ShardedModel) and (not isinstance(model, CausalLM)
@@ -152,6 +155,7 @@ class Engine(Consumers, Recovery):
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         sharded = mesh_model(model, mesh, cache_config, prefix_caching)
+        self.decode_burst = check_burst(decode_burst, sharded is not None, prefix_caching)
         self.model, self.sharded = model, sharded
         self.mesh = None if sharded is None else sharded.mesh
         self.data_shards = 1 if sharded is None else sharded.data_size
@@ -201,7 +205,8 @@ class Engine(Consumers, Recovery):
         if sharded is None:  # parameters passed as their flat leaves: no host walk of the tree per call
             self._args, param_def = jax.tree.flatten(self.params)
             self._device_step = make_step(graphdef, sample=True, max_traces=max_traces, param_def=param_def)
-            self._no_tokens = jnp.zeros(cache_config.max_seqs, jnp.int32)  # i32[max_seqs]: "previous step" of none
+            # i32[max_seqs * decode_burst]: the "previous step" of none
+            self._no_tokens = jnp.zeros(cache_config.max_seqs * self.decode_burst, jnp.int32)
         else:
             self._args = self.params
             self._device_step = MeshStep(sharded, max_traces=max_traces)
@@ -345,7 +350,7 @@ class Engine(Consumers, Recovery):
         if self.caches is None:  # lost to a fault in an earlier step
             self.caches = self._init_caches()
         try:
-            plans = [s.schedule() for s in scheds]
+            plans = [s.schedule(self.decode_burst) for s in scheds]
         except BaseException:
             self._recover(None, False)
             raise
@@ -363,7 +368,8 @@ class Engine(Consumers, Recovery):
             if self.sharded is None:
                 shaped = plans
                 inputs = plan_to_inputs(plans[0], samplings[0], use_decode_path=self.use_decode_path,
-                                        checkpoints=self.prefix_caching)
+                                        checkpoints=self.prefix_caching, burst=self.decode_burst,
+                                        page_size=self.cache_config.page_size)
                 decode_only = inputs[1].decode_only
             else:
                 shaped = pad_plans(plans)
@@ -408,7 +414,7 @@ class Engine(Consumers, Recovery):
             preemptions=sum(s.num_preemptions for s in scheds) - preempt0, pages_used=used,
             prefix_hit_tokens=sum(p.prefix_hit_tokens for p in plans),
             prefill_tokens=sum(p.prefill_tokens for p in plans),
-            cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
+            cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None), burst=plans[0].burst,
             pages_free=self.total_pages - used, compiled=self.num_traces > traces0,
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)

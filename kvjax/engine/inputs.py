@@ -158,7 +158,8 @@ class SampleInputs:
     streams: jax.Array  # i32[B]: its prompt index (sampling stream)
     counters: jax.Array  # i32[B]: its token count when sampling (the key's last fold-in)
     temperature: jax.Array  # f32[B]: 0 = greedy
-    prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this row; -1 = token_ids[t]
+    prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this index; -1 = token_ids[t]
+    burst_len: jax.Array | None = None  # i32[B]: a decode burst's sub-steps of each row (kvjax.engine.burst)
 
 
 @jax.tree_util.register_dataclass
@@ -184,6 +185,8 @@ class PackLayout:
     fields: tuple[tuple[str, tuple[int, ...]], ...]
     decode_only: bool
     checkpoints: bool
+    burst: int = 1  # a decode burst's sub-steps (its ``burst_len`` packed too; see kvjax.engine.burst)
+    page_size: int = 0  # the cache's page size (a burst computes its sub-steps' slot mapping)
 
     def unpack(self, buf: jax.Array) -> tuple[StepInputs, SampleInputs, CheckpointCopies | None]:
         """Inside the jitted step: the typed inputs of the packed ``buf`` (i32[N]; slices and bitcasts only).
@@ -197,7 +200,8 @@ class PackLayout:
         out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)
         inputs = StepInputs(**{f: out[f] for f in DEVICE_FIELDS}, decode_only=self.decode_only)
         rows = SampleInputs(seeds=out["seeds"], streams=out["streams"], counters=out["seq_lens"],
-                            temperature=out["temperature"], prev_index=out["prev_index"])
+                            temperature=out["temperature"], prev_index=out["prev_index"],
+                            burst_len=out.get("burst_len"))
         copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
         return inputs, rows, copies
 
@@ -217,19 +221,28 @@ def host_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
 
 
 def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
-              checkpoints: bool = False) -> tuple[np.ndarray, PackLayout]:
+              checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[N]`` host buffer holding every input of the plan's step, and its :class:`PackLayout`.
 
     ``sampling``: ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] (:meth:`SamplingTable.rows`).
     ``use_decode_path``: set the static ``decode_only`` flag when every real row has exactly one token (models
     then use their decode kernels; one more trace per bucket). ``checkpoints``: also pack the plan's GDN
-    checkpoint copies (``ckpt_restore`` / ``ckpt_save``)."""
+    checkpoint copies (``ckpt_restore`` / ``ckpt_save``). A decode burst's plan (``burst_len``) also packs
+    ``burst_len``, and its layout carries ``burst`` (the sub-steps the device runs, the engine's burst: one trace
+    whatever the rows' lengths) and the cache's ``page_size``."""
     arrays = [(name, getattr(plan, name)) for name in DEVICE_FIELDS]
     arrays += [("seeds", sampling["seeds"]), ("streams", sampling["streams"]),
                ("temperature", np.asarray(sampling["temperature"], np.float32).view(np.int32)),
                ("prev_index", plan.prev_index)]
     if checkpoints:
         arrays += [("ckpt_restore", plan.ckpt_restore), ("ckpt_save", plan.ckpt_save)]
+    if plan.burst_len is None:
+        burst = 1
+    else:
+        if not plan.burst <= burst or page_size < 1:
+            raise ValueError(f"a decode burst of up to {plan.burst} sub-steps needs burst >= that and the cache's "
+                             f"page_size; got burst={burst}, page_size={page_size}")
+        arrays.append(("burst_len", plan.burst_len))
     arrays = [(name, np.asarray(a)) for name, a in arrays]
     sizes = [-(-a.size // PACK_ALIGN) * PACK_ALIGN for _, a in arrays]
     buf = np.zeros(sum(sizes), np.int32)
@@ -238,13 +251,14 @@ def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_pat
         buf[off: off + a.size] = a.ravel()
         off += n
     return buf, PackLayout(tuple((name, a.shape) for name, a in arrays), decode_only([plan], use_decode_path),
-                           checkpoints)
+                           checkpoints, burst, page_size if burst > 1 else 0)
 
 
 def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
-                   checkpoints: bool = False) -> tuple[jax.Array, PackLayout]:
+                   checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[jax.Array, PackLayout]:
     """The plan's packed inputs (:func:`pack_plan`) on the device: one host -> device copy per step."""
-    buf, layout = pack_plan(plan, sampling, use_decode_path=use_decode_path, checkpoints=checkpoints)
+    buf, layout = pack_plan(plan, sampling, use_decode_path=use_decode_path, checkpoints=checkpoints,
+                            burst=burst, page_size=page_size)
     return jax.device_put(buf), layout
 
 

@@ -59,6 +59,7 @@ class StepRecord:
     prefix_hit_tokens: int = 0  # prompt tokens this step's admissions took from the prefix cache
     prefill_tokens: int = 0  # tokens at prompt positions computed this step
     cached_pages: int = 0  # pages the prefix cache holds after scheduling (included in pages_used)
+    burst: int = 1  # model sub-steps of the step (a decode burst: up to Engine(decode_burst=K))
 
     @property
     def t_host(self) -> float:
@@ -117,6 +118,7 @@ class EngineMetrics:
         recs = self.records[skip:]
         if not recs:
             return {"steps": 0}
+        # ``computed_tokens`` counts a burst's sub-steps: num_tokens is its first sub-step's
         col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in FIELDS}
         warm = col["compiled"] == 0
         host = (col["t_step"] - col["t_wait"])[warm]
@@ -130,7 +132,7 @@ class EngineMetrics:
         return {
             "steps": len(recs),
             "generated_tokens": int(col["generated"].sum()),
-            "computed_tokens": int(col["num_tokens"].sum()),
+            "computed_tokens": int((col["num_tokens"] * col["burst"]).sum()),
             "compile_steps": int((~warm).sum()),
             "compile_time_s": float(col["t_step"][~warm].sum()),
             "time_s": total,

@@ -27,6 +27,7 @@ from flax import nnx
 
 from kvjax.engine.inputs import PackLayout, StepInputs
 from kvjax.engine import sampling
+from kvjax.engine.burst import run_burst
 from kvjax.models.interface import ModelCaches
 from kvjax.state import gdn_checkpoints
 
@@ -42,7 +43,9 @@ class ModelStep:
     ``>= 0`` (the previous step's sampled tokens, still on the device), then the model step and
     :func:`kvjax.engine.sampling.sample` (``greedy_only``, static: argmax only) run in one dispatch. Row ``b``'s
     token comes back at index ``b`` of an array shaped like ``prev_tokens`` (``R >= B``; rows past ``B``: 0), so
-    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host. Checkpoint
+    it can feed the next step whatever its row bucket, and only ``i32[R]`` needs to reach the host. A decode
+    burst (``layout.burst > 1``, :mod:`kvjax.engine.burst`) runs its sub-steps and returns sub-step ``j``'s
+    token of row ``b`` at ``j * B + b`` (``R >= burst * B``). Checkpoint
     copies restore GDN checkpoints into the rows' slots before the model and save rows' states into checkpoints
     after it (each skipped, under ``lax.cond``, when the step has no such copy).
 
@@ -55,31 +58,45 @@ class ModelStep:
         self.num_traces = 0
         self.sample = sample
 
-        def forward(params: nnx.State, caches: ModelCaches, inputs: StepInputs):
+        def count(inputs: StepInputs) -> None:
             self.num_traces += 1  # runs once per trace, never on a cached call
             if max_traces is not None and self.num_traces > max_traces:
                 raise AssertionError(f"model step traced {self.num_traces} times, more than max_traces={max_traces}"
                                      f" (an input shape outside the buckets?): T={inputs.num_tokens}, "
                                      f"B={inputs.num_rows}, decode_only={inputs.decode_only}")
+
+        def model_step(params: nnx.State, caches: ModelCaches, inputs: StepInputs):
             if param_def is not None:
                 params = jax.tree.unflatten(param_def, params)
             return nnx.merge(graphdef, params).forward_step(caches, inputs)
 
+        def forward(params: nnx.State, caches: ModelCaches, inputs: StepInputs):
+            count(inputs)
+            return model_step(params, caches, inputs)
+
         def forward_and_sample(params, caches, buf: jax.Array, prev_tokens: jax.Array, layout: PackLayout,
                                greedy_only: bool):
             inputs, rows, copies = layout.unpack(buf)
+            count(inputs)
             fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
             inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
+
+            def pick(logits: jax.Array, counters: jax.Array) -> jax.Array:  # i32[B]
+                if greedy_only:
+                    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                return sampling.sample(logits, sampling.row_keys(rows.seeds, rows.streams, counters),
+                                       rows.temperature)
+
+            if layout.burst > 1:
+                tokens, caches = run_burst(model_step, pick, params, caches, inputs, rows.burst_len, layout.burst,
+                                           layout.page_size)
+                return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), caches
             if copies is not None and caches.gdn is not None:
                 caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
-            logits, caches = forward(params, caches, inputs)
+            logits, caches = model_step(params, caches, inputs)
             if copies is not None and caches.gdn is not None:
                 caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
-            if greedy_only:
-                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            else:
-                tokens = sampling.sample(logits, sampling.row_keys(rows.seeds, rows.streams, rows.counters),
-                                         rows.temperature)
+            tokens = pick(logits, rows.counters)
             return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), caches
 
         fn: Callable = forward_and_sample if sample else forward

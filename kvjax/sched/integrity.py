@@ -12,18 +12,26 @@ from kvjax.sched.plan import StepPlan
 from kvjax.sched.request import Status
 
 def check_sampled(plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
-    """``sampled[:num_seqs]`` as ``i64[num_seqs]`` after the checks of ``Scheduler.resolve`` (``ValueError``
-    naming the bad shape, dtype or id)."""
+    """The plan's sampled tokens as ``i64[burst, num_seqs]`` (sub-step ``j`` of row ``b`` at ``sampled[j * B +
+    b]``) after the checks of ``Scheduler.resolve`` (``ValueError`` naming the bad shape, dtype or id)."""
     sampled = np.asarray(sampled)
     if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
         raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
                          f"{sampled.dtype}{list(sampled.shape)}")
-    if sampled.shape[0] < plan.num_seqs:
-        raise ValueError(f"sampled has {sampled.shape[0]} entries, the plan has {plan.num_seqs} rows")
-    kept = sampled[: plan.num_seqs][plan.sample_mask[: plan.num_seqs]]
+    n, B, k = plan.num_seqs, plan.seq_lens.shape[0], plan.burst
+    need = (k - 1) * B + n
+    if sampled.shape[0] < need:
+        what = f"the plan has {n} rows" if k == 1 else f"a burst of {k} sub-steps of {B} rows needs {need}"
+        raise ValueError(f"sampled has {sampled.shape[0]} entries, {what}")
+    tokens = np.zeros((k, n), np.int64)
+    for j in range(k):
+        tokens[j] = sampled[j * B: j * B + n]
+    mask = plan.sample_mask[:n] if plan.burst_len is None else \
+        plan.sample_mask[:n] & (plan.burst_len[:n][None, :] > np.arange(k)[:, None])
+    kept = tokens[np.broadcast_to(mask, tokens.shape)]
     if kept.size and (kept.min() < 0 or kept.max() > INT32_MAX):
         raise ValueError(f"sampled token ids must lie in [0, {INT32_MAX}], got min {kept.min()}, max {kept.max()}")
-    return sampled[: plan.num_seqs].astype(np.int64)
+    return tokens
 
 
 def check_scheduler(sched: Any) -> None:

@@ -19,8 +19,8 @@ for a real row (always in ``[0, T)``, as :class:`kvjax.engine.inputs.StepInputs`
 i.e. the sampled token is appended; a mid-prefill chunk's logits are discarded.
 
 Tokens not known yet. A token reserved by the previous step (sampled there, still on the device: the engine
-plans step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the row of the previous plan that
-samples it; the jitted step takes it from that step's sampled array before the model runs. Every other token
+plans step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the index of that token among the
+previous step's sampled tokens (its plan row ``b``; ``j * B + b`` for sub-step ``j`` of a burst); the jitted step takes it from that step's sampled array before the model runs. Every other token
 has ``prev_index`` -1. Feeding a reserved token of an older step is refused (``ValueError``): only the previous
 step's tokens reach the device step.
 
@@ -29,6 +29,11 @@ slot before the model (a cache hit resumes from it); ``ckpt_save[b]``: the check
 state into after the model (a cached prompt block completed here). ``-1`` = no copy (always, without caching);
 both are ``i32[B]``, so they never add a compilation. ``prefix_hit_tokens`` (prompt tokens admitted from the cache)
 and ``prefill_tokens`` (prompt positions computed this step) are counts for the metrics.
+
+Decode bursts. A plan with ``burst_len`` (every real row one decode token) runs ``burst_len[b]`` model sub-steps
+for row ``b`` in one device step: sub-step ``j`` feeds the token sub-step ``j - 1`` sampled, at the next
+position, and samples the step's token ``j * B + b``. The arrays above describe sub-step 0; the device advances
+them (:mod:`kvjax.engine.burst`). The blocks of every sub-step's position are allocated and the tables cover them.
 """
 
 from __future__ import annotations
@@ -94,6 +99,13 @@ class StepPlan:
     num_tokens: int  # real tokens (<= T)
     num_seqs: int  # real rows (<= B)
     step: int  # scheduler step that produced this plan
+    burst_len: np.ndarray | None = None  # i32[B]: a decode burst's sub-steps of each row (0 padding); None: 1 step
+
+    @property
+    def burst(self) -> int:
+        """Sub-steps of the plan (1, or a decode burst's longest row): sub-step ``j`` of row ``b`` samples the
+        step's token ``j * B + b``."""
+        return 1 if self.burst_len is None else max(int(self.burst_len.max()), 1)
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """The fields ``StepInputs.from_numpy`` takes."""
@@ -103,11 +115,13 @@ class StepPlan:
 def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, blocks: BlockAllocator,
                t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...], *,
                restore: dict[int, int] | None = None, save: dict[int, int] | None = None,
-               prefix_hit_tokens: int = 0) -> StepPlan:
+               prefix_hit_tokens: int = 0, burst: np.ndarray | None = None) -> StepPlan:
     """Lay out the requests bound to rows ``slots`` (``i64[nseq]``, in plan-row order) with ``n[b]`` tokens
     each this step (``i64[nseq]``; blocks already allocated) as a padded plan, reading their state from
-    ``rows``. ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring). Raises
-    ``ValueError`` if a row would feed a reserved token of a step older than the previous one."""
+    ``rows``. ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring). ``burst``
+    (``i64[nseq]``, rows of one token each): a decode burst, row ``b`` running ``burst[b]`` sub-steps (its blocks
+    allocated for them; the tables cover them). Raises ``ValueError`` if a row would feed a reserved token of a
+    step older than the previous one."""
     nseq = len(slots)
     start = rows.num_computed[slots]  # i64[nseq]: first position computed this step
     num_tokens = rows.num_tokens[slots]  # i64[nseq]
@@ -150,7 +164,13 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
     positions = np.zeros(T, np.int32)
     positions[:ntok] = pos
 
-    nblk = bucket(max(int(-(-seq_lens.max() // ps)), 1), blk_buckets)
+    burst_len = None
+    span = seq_lens
+    if burst is not None:
+        burst_len = np.zeros(B, np.int32)
+        burst_len[:nseq] = burst
+        span = seq_lens + np.maximum(burst_len - 1, 0)
+    nblk = bucket(max(int(-(-span.max() // ps)), 1), blk_buckets)
     block_tables = blocks.tables[gdn_slots, :, :nblk]  # fancy index: a copy; row 0 (PAD) is all -1
     slot_mapping = np.full((T, blocks.num_heads), -1, np.int32)
     pages = block_tables[tok_row, :, pos // ps]  # i32[ntok, H_kv]
@@ -173,7 +193,7 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
                     prev_index=prev_index, ckpt_restore=ckpt_restore, ckpt_save=ckpt_save,
                     prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill,
                     request_ids=request_ids, num_tokens=ntok,
-                    num_seqs=nseq, step=step)
+                    num_seqs=nseq, step=step, burst_len=burst_len)
 
 
 def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) -> StepPlan:
@@ -200,4 +220,4 @@ def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) ->
         slot_mapping=toks(plan.slot_mapping, -1), logits_indices=rows(plan.logits_indices, 0),
         sample_mask=rows(plan.sample_mask, False), query_lens=rows(plan.query_lens, 0),
         prev_index=toks(plan.prev_index, -1), ckpt_restore=rows(plan.ckpt_restore, -1),
-        ckpt_save=rows(plan.ckpt_save, -1))
+        ckpt_save=rows(plan.ckpt_save, -1), burst_len=None if plan.burst_len is None else rows(plan.burst_len, 0))

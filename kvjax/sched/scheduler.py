@@ -14,6 +14,10 @@ later).
    pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow;
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
+``schedule(burst=K)`` first tries a decode burst (every running request decoding, nothing queued, no prefix
+caching): one plan of up to ``K`` sub-steps per row, pages allocated for all of them, one reserved token per
+sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
+
 Applying a step has two halves, so that the next step can be planned while this one runs (the engine's
 overlap mode): ``advance(plan)`` applies what the host knows without the sampled tokens — every scheduled request
 advances by its tokens, and where the plan samples it *reserves* the next token (its value comes later; the next
@@ -52,7 +56,8 @@ import numpy as np
 
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.sched.blocks import BlockAllocator
-from kvjax.sched.integrity import check_sampled, check_scheduler
+from kvjax.sched.apply import StepApplication
+from kvjax.sched.integrity import check_scheduler
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.recycle import RecyclePolicy, check_fits, make_recycle_policy
@@ -60,7 +65,7 @@ from kvjax.sched.request import Request, RowTable, RunningList, Status, check_re
 from kvjax.sched.slots import SlotAllocator
 
 
-class Scheduler:
+class Scheduler(StepApplication):
     """Owns the request queues, the GDN slot allocator and the head-wise block allocator of one model.
 
     Args:
@@ -170,8 +175,16 @@ class Scheduler:
         return bool(self._unresolved)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Pick this step's work, allocate its pages, and return its plan (see the module docstring)."""
+    def schedule(self, burst: int = 1) -> StepPlan:
+        """Pick this step's work, allocate its pages, and return its plan (see the module docstring).
+
+        ``burst > 1``: when every running request decodes and nothing waits (no prefix caching), a decode burst:
+        each row runs ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for
+        all of them); otherwise (or if those pages are short) an ordinary plan."""
+        if burst > 1:
+            plan = self._schedule_burst(burst)
+            if plan is not None:
+                return plan
         budget = self.max_num_batched_tokens
         slots = counts = np.zeros(0, np.int64)  # i64[nseq] each: the plan rows' slots and tokens
         preempted = False
@@ -214,6 +227,27 @@ class Scheduler:
         self.prefix_hit_tokens += hits
         plan = build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets, self.b_buckets,
                           self.blk_buckets, restore=restore, save=save, prefix_hit_tokens=hits)
+        self._last_plan = plan
+        self.step += 1
+        return plan
+
+    def _schedule_burst(self, burst: int) -> StepPlan | None:
+        """The decode-burst plan of :meth:`schedule`, or None (nothing changed but recycling) where it does not
+        apply."""
+        if self.prefix is not None or self.waiting or self.preempted or not self.running:
+            return None
+        t, rows = self.rows, self._running_slots()  # i64[R]
+        done = t.num_computed[rows]  # i64[R]
+        if (t.num_tokens[rows] - done != 1).any():  # a row still has prompt tokens to compute
+            return None
+        n = np.minimum(burst, t.max_tokens[rows] - t.num_tokens[rows])  # i64[R]: sub-steps that sample a token
+        if n.max() < 2:  # every row ends within one sub-step
+            return None
+        self.recycle_policy.recycle(self.blocks, rows, done)
+        if not self.blocks.allocate_rows(rows, done + n):
+            return None
+        plan = build_plan(self.step, rows, np.ones(len(rows), np.int64), t, self.blocks, self.t_buckets,
+                          self.b_buckets, self.blk_buckets, burst=n)
         self._last_plan = plan
         self.step += 1
         return plan
@@ -306,111 +340,6 @@ class Scheduler:
         """Drop every cached block and checkpoint (pages rows still hold go with their rows); returns pages
         freed. No-op without prefix caching."""
         return self.prefix.clear() if self.prefix is not None else 0
-
-    def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
-        """Apply a step's result at once: ``advance(plan)`` then ``resolve(plan, sampled)`` (``sampled: int[B]``,
-        the token sampled for each plan row, read only where ``plan.sample_mask``). Returns the requests that
-        finished. Raises ``ValueError`` before changing anything for a stale plan, an earlier plan still
-        unresolved, or a bad ``sampled`` (see :meth:`resolve`); the plan can then still be applied."""
-        if plan is not self._last_plan:
-            raise ValueError(f"update() needs the plan of the latest schedule() (step {self.step - 1}), "
-                             f"got the plan of step {getattr(plan, 'step', plan)!r}")
-        if self._unresolved:
-            raise ValueError(f"update() with step {self._unresolved[0][0].step} advanced and not resolved")
-        tokens = check_sampled(plan, sampled)
-        return self.advance(plan) + self._resolve(plan, tokens)
-
-    def advance(self, plan: StepPlan) -> list[Request]:
-        """Apply the host-known half of the latest plan: requests advance by their tokens and reserve the token
-        the plan samples for them; those that reach ``max_new_tokens`` finish (slot and pages freed). Returns
-        them. ``ValueError`` (nothing changed) unless ``plan`` is the latest schedule()'s, not yet advanced."""
-        if plan is not self._last_plan:
-            raise ValueError(f"advance() needs the plan of the latest schedule() (step {self.step - 1}), "
-                             f"got the plan of step {getattr(plan, 'step', plan)!r}")
-        self._last_plan = None
-        t, nseq = self.rows, plan.num_seqs
-        slots = plan.gdn_slots[:nseq].astype(np.int64)  # i64[nseq]
-        rids = np.fromiter(plan.request_ids, np.int64, nseq)  # i64[nseq]
-        self._unresolved.append((plan, slots, rids))
-        live = t.request_id[slots] == rids  # bool[nseq]: still running (not aborted between schedule and now)
-        sample = plan.sample_mask[:nseq]  # bool[nseq]
-        if live.all():  # the usual case: no masking
-            t.num_computed[slots] += plan.query_lens[:nseq]
-        else:
-            t.num_computed[slots[live]] += plan.query_lens[:nseq][live]
-            sample = live & sample
-        rows = np.flatnonzero(sample)  # i64[K]: rows that reserve a token
-        done = t.reserve(slots[rows], rows, plan.step)
-        finished = [t.requests[slot] for slot in done.tolist()]
-        for req in finished:
-            self._finish(req)
-        return finished
-
-    def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
-        """Give the tokens ``plan`` reserved their sampled values (``sampled: int[>= num_seqs]``, row ``b``'s
-        token, read where ``plan.sample_mask``); a request that sampled eos finishes (tokens reserved after it are
-        dropped). Returns the requests that finished here. Rows of requests aborted since, or whose token was
-        dropped, are skipped. Raises ``ValueError`` before changing anything unless ``plan`` is the oldest
-        advanced, unresolved plan and ``sampled`` a 1-d integer array of token ids in ``[0, 2**31)`` (checked
-        where the plan samples) with an entry per row."""
-        if not self._unresolved or plan is not self._unresolved[0][0]:
-            oldest = self._unresolved[0][0].step if self._unresolved else None
-            raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
-                             f"{getattr(plan, 'step', plan)!r}")
-        return self._resolve(plan, check_sampled(plan, sampled))
-
-    def _resolve(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
-        """``resolve`` after its checks (``tokens: i64[nseq]``)."""
-        _, slots, rids = self._unresolved[0]
-        t, step = self.rows, plan.step
-        sample = plan.sample_mask[: plan.num_seqs]
-        bound = sample & (t.request_id[slots] == rids)  # bool[nseq]: the row's request still runs there
-        rows = np.flatnonzero(bound)
-        ours = t.oldest_is(slots[rows], step, rows)  # bool[K]: its oldest reserved token is this row's
-        if not ours.all():
-            rows = rows[ours]
-        eos = set(rows[t.resolve(slots[rows], tokens[rows])].tolist())  # rows whose token was eos
-        # One by one, in row order: the eos rows above, and the rows of requests no longer running there.
-        finished, aborted = [], Status.ABORTED
-        for b in sorted(eos.union(np.flatnonzero(sample & ~bound).tolist())):
-            if b in eos:  # resolved above
-                req, hit = t.requests[int(slots[b])], True
-            else:
-                req = self.requests.get(int(rids[b]))
-                if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b):
-                    continue
-                hit = req.resolve(int(tokens[b]))
-            if hit and req.status is not Status.FINISHED:
-                self._finish(req)
-                finished.append(req)
-            if req.status is Status.FINISHED and not req.pending:
-                self.requests.pop(req.request_id, None)
-        self._unresolved.popleft()
-        return finished
-
-    def rollback(self) -> None:
-        """Forget the latest plan if not advanced, and the advanced plans not yet resolved (a fault lost their
-        results): their reserved tokens are dropped, every running request they advanced is preempted (its
-        cache may lack their writes; recomputed later), a request that had finished on a reserved token is
-        requeued as preempted, and one that had resolved its last token is let go."""
-        self._last_plan = None
-        self.clear_prefix_cache()  # a lost step never wrote the pages and checkpoints it published
-        seen: set[int] = set()
-        for _, _, rids in self._unresolved:
-            for rid in rids.tolist():
-                req = self.requests.get(rid)
-                if req is None or id(req) in seen or req.status is Status.ABORTED:
-                    continue
-                seen.add(id(req))
-                reserved = bool(req.pending)
-                req.unreserve()
-                if req.status is Status.RUNNING:
-                    self._preempt(req)
-                elif req.status is Status.FINISHED and reserved:
-                    self._requeue(req)
-                elif req.status is Status.FINISHED:  # took its last token; the resolve cut short kept it
-                    del self.requests[rid]
-        self._unresolved.clear()
 
     # ---- transitions ---------------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:

@@ -1,0 +1,62 @@
+"""Decode bursts on the device: several decode sub-steps of one plan in one jitted step.
+
+A decode step costs the host a schedule, an input build, a dispatch of ~170 kernels and an update, which on a
+GPU takes longer than the step's kernels. A burst plan (``StepPlan.burst_len``, :mod:`kvjax.sched.plan`) lets
+one dispatch run ``K`` decode sub-steps: the scheduler reserves ``burst_len[b] <= K`` tokens for row ``b`` and
+allocates the pages of their positions; the device feeds each sub-step the tokens the previous one sampled
+(:func:`advance`). The host work per generated token falls by about ``K``.
+
+Sub-step ``j`` of row ``b`` computes position ``p_b + j`` and samples the step's token ``j * B + b``, with the
+sampling counter ``seq_len`` of that sub-step: the same tokens as ``K`` single steps. A row whose sub-steps
+are spent (``j >= burst_len[b]``: it reached ``max_new_tokens``) stays in the batch writing nothing: no K/V
+(slot mapping ``-1``) and no GDN state (slot 0, PAD); what it samples is never read. A row that samples eos
+keeps going to the end of the burst, as an overlapped step past eos does; the host drops those tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.engine.inputs import StepInputs
+from kvjax.models.interface import ModelCaches
+
+
+def advance(inputs: StepInputs, tokens: jax.Array, go: jax.Array, page_size: int) -> StepInputs:
+    """The next sub-step's inputs of a decode plan (every row has at most one token; rows need not be contiguous).
+
+    ``tokens``: i32[B], this sub-step's sampled tokens; ``go``: bool[B], the rows that run the next sub-step.
+    Their token becomes the sampled one at the next position, ``seq_lens`` grows by one, they have a state to
+    read, and their slot mapping points at the new position's page on every head (``-1`` where the block is a
+    hole). Other rows write nothing (slot mapping ``-1``, GDN slot 0)."""
+    T, B = inputs.token_ids.shape[0], inputs.seq_lens.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(inputs.cu_seqlens[1:], t, side="right"), B - 1)  # i32[T]: token's row
+    tgo = (t < inputs.cu_seqlens[-1]) & go[row]  # bool[T]
+    pos = inputs.positions + tgo.astype(jnp.int32)  # i32[T]
+    bt = inputs.block_tables  # i32[B, Hkv, max_blocks]
+    blk = jnp.minimum(pos // page_size, bt.shape[2] - 1)
+    page = bt[row[:, None], jnp.arange(bt.shape[1])[None, :], blk[:, None]]  # i32[T, Hkv]
+    slots = jnp.where(tgo[:, None] & (page >= 0), page * page_size + (pos % page_size)[:, None], -1)
+    return dataclasses.replace(
+        inputs, token_ids=jnp.where(tgo, tokens[row], inputs.token_ids), positions=pos,
+        seq_lens=inputs.seq_lens + go.astype(jnp.int32), has_initial_state=inputs.has_initial_state | go,
+        gdn_slots=jnp.where(go, inputs.gdn_slots, 0), slot_mapping=slots.astype(jnp.int32))
+
+
+def run_burst(forward: Callable, pick: Callable, params, caches: ModelCaches, inputs: StepInputs,
+              burst_len: jax.Array, burst: int, page_size: int) -> tuple[jax.Array, ModelCaches]:
+    """``burst`` sub-steps (unrolled): ``forward(params, caches, inputs) -> (logits f32[B, V], caches)``, then
+    ``pick(logits, counters i32[B]) -> i32[B]`` samples. ``burst_len``: i32[B]. Returns ``(i32[burst * B]
+    tokens, sub-step-major, caches)``."""
+    out = []
+    for j in range(burst):
+        logits, caches = forward(params, caches, inputs)
+        tokens = pick(logits, inputs.seq_lens)
+        out.append(tokens)
+        if j + 1 < burst:
+            inputs = advance(inputs, tokens, burst_len > j + 1, page_size)
+    return jnp.concatenate(out), caches

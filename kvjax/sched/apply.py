@@ -1,0 +1,139 @@
+"""Applying a scheduled step to a :class:`~kvjax.sched.scheduler.Scheduler`: ``advance(plan)`` (what the host
+knows at dispatch: requests move on and reserve the tokens the step samples), ``resolve(plan, sampled)`` (the
+sampled tokens, oldest plan first), ``update`` (both at once) and ``rollback()`` (after a fault). A mixin of the
+scheduler, whose state and transitions it uses; the two-halves protocol is in the scheduler's module docstring.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from kvjax.sched.integrity import check_sampled
+from kvjax.sched.plan import StepPlan
+from kvjax.sched.request import Request, RowTable, Status
+
+
+class StepApplication:
+    """``advance`` / ``resolve`` / ``update`` / ``rollback`` of :class:`~kvjax.sched.scheduler.Scheduler`."""
+
+    rows: RowTable
+    requests: dict[int, Request]
+    step: int
+    _last_plan: StepPlan | None
+    _unresolved: collections.deque
+
+    def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
+        """Apply a step's result at once: ``advance(plan)`` then ``resolve(plan, sampled)`` (``sampled: int[B]``,
+        the token sampled for each plan row, read only where ``plan.sample_mask``). Returns the requests that
+        finished. Raises ``ValueError`` before changing anything for a stale plan, an earlier plan still
+        unresolved, or a bad ``sampled`` (see :meth:`resolve`); the plan can then still be applied."""
+        if plan is not self._last_plan:
+            raise ValueError(f"update() needs the plan of the latest schedule() (step {self.step - 1}), "
+                             f"got the plan of step {getattr(plan, 'step', plan)!r}")
+        if self._unresolved:
+            raise ValueError(f"update() with step {self._unresolved[0][0].step} advanced and not resolved")
+        tokens = check_sampled(plan, sampled)
+        return self.advance(plan) + self._resolve(plan, tokens)
+
+    def advance(self, plan: StepPlan) -> list[Request]:
+        """Apply the host-known half of the latest plan: requests advance by their tokens and reserve the token
+        the plan samples for them; those that reach ``max_new_tokens`` finish (slot and pages freed). Returns
+        them. ``ValueError`` (nothing changed) unless ``plan`` is the latest schedule()'s, not yet advanced."""
+        if plan is not self._last_plan:
+            raise ValueError(f"advance() needs the plan of the latest schedule() (step {self.step - 1}), "
+                             f"got the plan of step {getattr(plan, 'step', plan)!r}")
+        self._last_plan = None
+        t, nseq = self.rows, plan.num_seqs
+        slots = plan.gdn_slots[:nseq].astype(np.int64)  # i64[nseq]
+        rids = np.fromiter(plan.request_ids, np.int64, nseq)  # i64[nseq]
+        self._unresolved.append((plan, slots, rids))
+        live = t.request_id[slots] == rids  # bool[nseq]: still running (not aborted between schedule and now)
+        sample = plan.sample_mask[:nseq]  # bool[nseq]
+        steps = plan.query_lens[:nseq] if plan.burst_len is None else plan.burst_len[:nseq]  # i32[nseq]
+        if live.all():  # the usual case: no masking
+            t.num_computed[slots] += steps
+        else:
+            t.num_computed[slots[live]] += steps[live]
+            sample = live & sample
+        rows = np.flatnonzero(sample)  # i64[K]: rows that reserve a token
+        done = t.reserve(slots[rows], rows, plan.step)
+        B = plan.seq_lens.shape[0]
+        for j in range(1, plan.burst):  # a burst's later sub-steps: rows that still sample
+            rows = rows[steps[rows] > j]
+            done = np.concatenate([done, t.reserve(slots[rows], rows + j * B, plan.step)])
+        finished = [t.requests[slot] for slot in done.tolist()]
+        for req in finished:
+            self._finish(req)
+        return finished
+
+    def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
+        """Give the tokens ``plan`` reserved their sampled values (``sampled: int[>= num_seqs]``, row ``b``'s
+        token, read where ``plan.sample_mask``; a burst's: ``int[>= (burst - 1) * B + num_seqs]``, sub-step ``j``
+        of row ``b`` at ``j * B + b``); a request that sampled eos finishes (tokens reserved after it are
+        dropped). Returns the requests that finished here. Rows of requests aborted since, or whose token was
+        dropped, are skipped. Raises ``ValueError`` before changing anything unless ``plan`` is the oldest
+        advanced, unresolved plan and ``sampled`` a 1-d integer array of token ids in ``[0, 2**31)`` (checked
+        where the plan samples) with an entry per row."""
+        if not self._unresolved or plan is not self._unresolved[0][0]:
+            oldest = self._unresolved[0][0].step if self._unresolved else None
+            raise ValueError(f"resolve() takes the oldest advanced plan (step {oldest}), got the plan of step "
+                             f"{getattr(plan, 'step', plan)!r}")
+        return self._resolve(plan, check_sampled(plan, sampled))
+
+    def _resolve(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
+        """``resolve`` after its checks (``tokens: i64[burst, nseq]``, sub-step by sub-step)."""
+        _, slots, rids = self._unresolved[0]
+        t, step, B = self.rows, plan.step, plan.seq_lens.shape[0]
+        sample = plan.sample_mask[: plan.num_seqs]
+        steps = None if plan.burst_len is None else plan.burst_len[: plan.num_seqs]
+        finished, aborted = [], Status.ABORTED
+        for j in range(plan.burst):
+            sub = sample if steps is None else sample & (steps > j)  # bool[nseq]: rows sampling at sub-step j
+            bound = sub & (t.request_id[slots] == rids)  # bool[nseq]: the row's request still runs there
+            rows = np.flatnonzero(bound)
+            ours = t.oldest_is(slots[rows], step, rows + j * B)  # bool[K]: its oldest reserved token is this one
+            if not ours.all():
+                rows = rows[ours]
+            eos = set(rows[t.resolve(slots[rows], tokens[j, rows])].tolist())  # rows whose token was eos
+            # One by one, in row order: the eos rows above, and the rows of requests no longer running there.
+            for b in sorted(eos.union(np.flatnonzero(sub & ~bound).tolist())):
+                if b in eos:  # resolved above
+                    req, hit = t.requests[int(slots[b])], True
+                else:
+                    req = self.requests.get(int(rids[b]))
+                    if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b + j * B):
+                        continue
+                    hit = req.resolve(int(tokens[j, b]))
+                if hit and req.status is not Status.FINISHED:
+                    self._finish(req)
+                    finished.append(req)
+                if req.status is Status.FINISHED and not req.pending:
+                    self.requests.pop(req.request_id, None)
+        self._unresolved.popleft()
+        return finished
+
+    def rollback(self) -> None:
+        """Forget the latest plan if not advanced, and the advanced plans not yet resolved (a fault lost their
+        results): their reserved tokens are dropped, every running request they advanced is preempted (its
+        cache may lack their writes; recomputed later), a request that had finished on a reserved token is
+        requeued as preempted, and one that had resolved its last token is let go."""
+        self._last_plan = None
+        self.clear_prefix_cache()  # a lost step never wrote the pages and checkpoints it published
+        seen: set[int] = set()
+        for _, _, rids in self._unresolved:
+            for rid in rids.tolist():
+                req = self.requests.get(rid)
+                if req is None or id(req) in seen or req.status is Status.ABORTED:
+                    continue
+                seen.add(id(req))
+                reserved = bool(req.pending)
+                req.unreserve()
+                if req.status is Status.RUNNING:
+                    self._preempt(req)
+                elif req.status is Status.FINISHED and reserved:
+                    self._requeue(req)
+                elif req.status is Status.FINISHED:  # took its last token; the resolve cut short kept it
+                    del self.requests[rid]
+        self._unresolved.clear()

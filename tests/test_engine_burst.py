@@ -1,0 +1,213 @@
+"""Decode bursts (``Engine(decode_burst=K)``: up to K decode sub-steps per dispatch) generate the same tokens as
+single steps, token for token.
+
+Oracles: the same engine with ``decode_burst=1`` and uncached greedy decoding (``greedy_oracle``), truncated
+after the first eos for eos runs. Models: tiny f32 Qwen3.5 with an SWA head (timely recycling, a pool small
+enough to preempt) and tiny DeepSeek-V3.2. The scheduler half (what a burst plan allocates, reserves and
+resolves) is checked against the plans of single steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax.config import CacheConfig
+from kvjax.engine.engine import Engine
+from kvjax.sched.plan import build_plan
+from test_engine import BUDGET, SMALL, assert_idle, greedy_oracle, qwen_swa_model, random_prompts, tiny_deepseek_config
+from test_engine_faults import POINTS, Injected, _arm
+from test_engine_overlap import truncate_at
+from test_sched_scheduler import sched_with
+
+NEW = 11  # not a multiple of the bursts below: requests end inside a burst
+K = 4
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return qwen_swa_model()
+
+
+@pytest.fixture(scope="module")
+def case(qwen):
+    prompts = random_prompts(np.random.default_rng(33), (23, 9, 37, 3, 18, 30, 12))
+    return prompts, greedy_oracle(qwen, prompts, NEW)
+
+
+def engine(model, burst: int, overlap: bool, **kw) -> Engine:
+    return Engine(model, SMALL, overlap=overlap, recycle="timely", max_num_batched_tokens=BUDGET,
+                  decode_burst=burst, **kw)
+
+
+def bursts(eng: Engine) -> list[int]:
+    return [r.burst for r in eng.metrics.records]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_burst_equals_single_steps_qwen(qwen, case, overlap, temperature):
+    prompts, expect = case
+    outs = {}
+    for burst in (1, K):
+        eng = engine(qwen, burst, overlap, debug=True)
+        events = list(eng.stream(prompts, NEW, temperature=temperature, seed=5))
+        got = [[ev.token for ev in events if ev.index == i] for i in range(len(prompts))]
+        assert all([ev.position for ev in events if ev.index == i] == list(range(NEW)) for i in range(len(prompts)))
+        assert all(ev.finished == (ev.position == NEW - 1) for ev in events)
+        assert eng.metrics.summary()["preemptions"] > 0
+        outs[burst] = got
+        assert_idle(eng)
+        if burst == K:
+            assert max(bursts(eng)) == K and eng.metrics.summary()["steps"] < sum(map(len, expect))
+    assert outs[K] == outs[1]
+    if temperature == 0.0:
+        assert outs[K] == expect
+
+
+def test_burst_stops_at_eos_and_emits_nothing_after(qwen, case):
+    prompts, expect = case
+    counts = {tok: sum(tok in o[1:-1] for o in expect) for tok in {t for o in expect for t in o[1:-1]}}
+    eos = max(counts, key=counts.get)
+    want = [truncate_at(o, eos) for o in expect]
+    assert sum(len(w) < NEW for w in want) >= 2
+    for overlap in (True, False):
+        eng = engine(qwen, K, overlap, eos_token_id=eos)
+        events = list(eng.stream(prompts, NEW))
+        got = [[ev.token for ev in events if ev.index == i] for i in range(len(prompts))]
+        assert got == want
+        assert all(ev.finished == (ev.token == eos or ev.position == NEW - 1) for ev in events)
+        assert max(bursts(eng)) == K
+        assert_idle(eng)
+
+
+def test_abort_inside_a_burst(qwen, case):
+    prompts, expect = case
+    eng = engine(qwen, K, True)
+    got, aborted = [[] for _ in prompts], {}
+    for ev in eng.stream(prompts, NEW):
+        got[ev.index].append(ev.token)
+        if ev.index in (1, 4) and ev.position == 5:
+            aborted[ev.index] = eng.abort(ev.request_id)
+            eng.check_integrity()
+    assert all(aborted[i] == got[i] == expect[i][:6] for i in (1, 4))
+    assert [got[i] for i in (0, 2, 3, 5, 6)] == [expect[i] for i in (0, 2, 3, 5, 6)]
+    assert max(bursts(eng)) == K
+    assert_idle(eng)
+
+
+def test_burst_equals_single_steps_deepseek():
+    from kvjax.models.deepseek import DeepseekV32
+
+    model = nnx.jit(lambda: DeepseekV32(tiny_deepseek_config(), rngs=nnx.Rngs(5)))()
+    prompts = random_prompts(np.random.default_rng(6), (21, 4, 13, 26, 8))
+    expect = greedy_oracle(model, prompts, 7)
+    cache = CacheConfig(page_size=4, num_pages=20, max_seqs=4, max_blocks_per_seq=8)
+    for temperature in (0.0, 0.7):
+        outs = {}
+        for burst in (1, 3):
+            eng = Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET, use_decode_path=False,
+                         cache_options={"indexer_fp8": False}, token_buckets=(16,), row_buckets=(4,),
+                         block_buckets=(8,), decode_burst=burst)
+            outs[burst] = eng.generate(prompts, 7, temperature=temperature, seed=2)
+            assert max(bursts(eng)) == burst
+            assert_idle(eng)
+        assert outs[3] == outs[1]
+        if temperature == 0.0:
+            assert outs[3] == expect
+
+
+def test_burst_plan_allocates_reserves_and_resolves():
+    """Scheduler half: a burst plan covers every sub-step's page, reserves one token per sub-step at flat index
+    ``j * B + b``, and resolving them equals applying single steps (same tokens, same counters)."""
+    single, burst = sched_with(num_pages=200), sched_with(num_pages=200)
+    lens, news = (5, 9, 3), (7, 2, 6)
+    for s in (single, burst):
+        for p, n in zip(lens, news):
+            s.add_request(np.arange(1, p + 1), n)
+        plan = s.schedule()  # the prompts, all in one step
+        s.update(plan, np.full(plan.seq_lens.shape[0], 7))
+    plan = burst.schedule(K)
+    B = plan.seq_lens.shape[0]
+    assert plan.burst == K and plan.burst_len[:3].tolist() == [K, 1, K]  # request 1 may sample 1 more token
+    seq = plan.seq_lens[:3]
+    for b in range(3):  # the tables cover the last sub-step's position on every head
+        last = seq[b] - 1 + plan.burst_len[b] - 1
+        assert (plan.block_tables[b, :, last // 4] >= 0).all()
+    sampled = np.arange(K * B, dtype=np.int64) % 50 + 1
+    burst.update(plan, sampled)
+    row_of = {rid: b for b, rid in enumerate(plan.request_ids)}
+    for j in range(K):  # single steps fed the same tokens, request by request
+        p1 = single.schedule()
+        fed = np.zeros(p1.seq_lens.shape[0], np.int64)
+        fed[: p1.num_seqs] = [sampled[j * B + row_of[rid]] for rid in p1.request_ids]
+        single.update(p1, fed)
+    for s in (single, burst):
+        s.check_integrity()
+    got = {r.request_id: (r.output_ids.tolist(), r.num_computed) for r in burst.requests.values()}
+    want = {r.request_id: (r.output_ids.tolist(), r.num_computed) for r in single.requests.values()}
+    assert got == want and set(got) == {0, 2}  # request 1 finished at its max
+
+
+def test_no_burst_while_requests_wait_or_prefill():
+    s = sched_with(num_pages=200, max_seqs=2)
+    for p in (5, 40, 3):
+        s.add_request(np.arange(1, p + 1), 9)
+    plan = s.schedule(K)
+    assert plan.burst_len is None  # prompts
+    s.update(plan, np.ones(plan.seq_lens.shape[0], np.int64))
+    plan = s.schedule(K)
+    assert plan.burst_len is None and len(s.waiting) == 1  # a prompt still prefilling, one waiting
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", 65])
+def test_bad_decode_burst_is_a_clear_error(qwen, bad):
+    with pytest.raises(ValueError, match="decode_burst"):
+        engine(qwen, bad, True)
+
+
+def test_decode_burst_with_prefix_caching_is_refused(qwen):
+    with pytest.raises(ValueError, match="decode_burst=4 needs one device and prefix_caching=False"):
+        Engine(qwen, SMALL, decode_burst=4, prefix_caching=True)
+
+
+def test_build_plan_tables_cover_the_burst():
+    s = sched_with(num_pages=200)
+    s.add_request(np.arange(1, 8), 20)
+    s.update(s.schedule(), np.array([3] * 8))
+    t = s.rows
+    slot = np.array([s.running[0].slot], np.int64)
+    s.blocks.allocate(int(slot[0]), int(t.num_computed[slot][0]) + 30)
+    plan = build_plan(s.step, slot, np.ones(1, np.int64), t, s.blocks, s.t_buckets, s.b_buckets, s.blk_buckets,
+                      burst=np.array([30]))
+    assert plan.block_tables.shape[2] * 4 >= plan.seq_lens[0] + 29 and plan.burst == 30
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_fault_during_a_burst_recovers_by_recompute(qwen, case, monkeypatch, point):
+    """A fault at each point of a step while a burst is in flight: the engine recovers (the burst's reserved
+    tokens are dropped and its requests recomputed) and the outputs equal an uninterrupted run."""
+    prompts, expect = case[0][:3], case[1][:3]
+    eng = engine(qwen, K, True)
+    ids = [eng.add_request(p, NEW, index=i) for i, p in enumerate(prompts)]
+    got = {rid: [] for rid in ids}
+
+    def collect(events):
+        for ev in events:
+            got[ev.request_id].append(ev.token)
+            assert ev.position == len(got[ev.request_id]) - 1
+
+    while not (eng._inflight and eng._inflight[-1].plans[0].burst > 1):
+        collect(eng.step())
+    with monkeypatch.context() as m:
+        _arm(m, eng, point, Injected)
+        with pytest.raises(Injected):
+            while True:
+                collect(eng.step())
+    while eng.has_unfinished():
+        collect(eng.step())
+        eng.check_integrity()
+    assert [got[rid] for rid in ids] == expect
+    assert max(bursts(eng)) == K
+    assert_idle(eng)
