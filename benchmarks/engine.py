@@ -1,6 +1,6 @@
 """Engine benchmark cases (issue #18): the per-step profile and the end-to-end gpu-preset run, each with the
-synchronous (``overlap=False``), the overlapped and the overlapped engine with decode bursts (``decode_burst=4``:
-up to 4 decode sub-steps per dispatch) side by side.
+synchronous (``overlap=False``), the overlapped and the overlapped engine with decode bursts (``decode_burst=4``
+and ``8``: up to that many decode sub-steps per dispatch) side by side.
 
 Usage: ``python benchmarks/runner.py engine`` (one accelerator; kernels ``impl="auto"``); ``--cases "engine steps"``
 or ``--cases "engine gpu"`` for one of the two.
@@ -30,8 +30,9 @@ import time
 
 from case import RunCase
 
-BUDGET_S = 240.0  # all runs together, an equal share each
-BURST = 4  # Engine(decode_burst=) of the burst rows
+BUDGET_S = 280.0  # all runs together, an equal share each
+BURSTS = (4, 8)  # Engine(decode_burst=) of the burst rows
+MODES = ((False, 1), (True, 1)) + tuple((True, k) for k in BURSTS)  # (overlap, decode burst) of each row
 
 
 def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -74,7 +75,7 @@ def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: boo
 
 
 def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
-            modes: tuple[tuple[bool, int], ...] = ((False, 1), (True, 1), (True, BURST))) -> list[dict]:
+            modes: tuple[tuple[bool, int], ...] = MODES) -> list[dict]:
     """The runs of preset ``p``: one row per (recycle policy, (overlap, decode burst)), each with its own engine;
     the first run (``recycle=none``, synchronous) is the anchor every row's tokens are compared with."""
     from kvjax.cli_run import build_model
@@ -207,7 +208,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
 
 
 def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL,
-              modes: tuple[tuple[bool, int], ...] = ((False, 1), (True, 1), (True, BURST))) -> list[dict]:
+              modes: tuple[tuple[bool, int], ...] = MODES) -> list[dict]:
     """The issue-#18 table: steady decode at each of ``rows_list`` and chunked-prefill steps, the synchronous
     engine, the overlapped one and the overlapped one with decode bursts side by side (same model, same
     requests; a burst step's figures are per engine step, ``*_per_substep`` divides by its sub-steps)."""
@@ -266,7 +267,7 @@ def cases(small: bool = False) -> list[RunCase]:
     shapes = dict(preset="small" if small else "gpu", requests=p.requests, dtype=p.dtype, layers=len(p.layer_types))
     recycles = ("none",) if small else ("none", "timely")
     steps = dict(rows_list=(4,), n=3, prefill=dict(rows=2, prompt_len=256, budget=32)) if small else {}
-    modes = ((False, 1), (True, 1), (True, 2)) if small else ((False, 1), (True, 1), (True, BURST))
+    modes = ((False, 1), (True, 1), (True, 2)) if small else MODES
     return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
                     lambda: step_rows(p, modes=modes, **steps), anchor=None),
             RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,

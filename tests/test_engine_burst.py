@@ -150,7 +150,7 @@ def test_burst_plan_allocates_reserves_and_resolves():
     assert got == want and set(got) == {0, 2}  # request 1 finished at its max
 
 
-def test_no_burst_while_requests_wait_or_prefill():
+def test_burst_only_when_no_queued_request_could_be_admitted():
     s = sched_with(num_pages=200, max_seqs=2)
     for p in (5, 40, 3):
         s.add_request(np.arange(1, p + 1), 9)
@@ -158,7 +158,15 @@ def test_no_burst_while_requests_wait_or_prefill():
     assert plan.burst_len is None  # prompts
     s.update(plan, np.ones(plan.seq_lens.shape[0], np.int64))
     plan = s.schedule(K)
-    assert plan.burst_len is None and len(s.waiting) == 1  # a prompt still prefilling, one waiting
+    assert plan.burst_len is None and len(s.waiting) == 1  # a prompt still prefilling
+    while plan.burst_len is None:  # both rows decode, the third request waits for a slot: bursts go on
+        s.update(plan, np.ones(plan.seq_lens.shape[0] * K, np.int64))
+        plan = s.schedule(K)
+    assert len(s.waiting) == 1 and len(s.running) == 2 and plan.burst == K
+    s.update(plan, np.ones(plan.seq_lens.shape[0] * K, np.int64))
+    s.abort(s.running[0].request_id)  # a slot frees: the waiting request is admitted by an ordinary step
+    plan = s.schedule(K)
+    assert plan.burst_len is None and not s.waiting
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", 65])

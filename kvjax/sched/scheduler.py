@@ -14,8 +14,8 @@ later).
    pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow;
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
-``schedule(burst=K)`` first tries a decode burst (every running request decoding, nothing queued, no prefix
-caching): one plan of up to ``K`` sub-steps per row, pages allocated for all of them, one reserved token per
+``schedule(burst=K)`` first tries a decode burst (every running request decoding, no queued request that step 3
+would admit now, no prefix caching): one plan of up to ``K`` sub-steps per row, pages allocated for all of them, one reserved token per
 sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
 
 Applying a step has two halves, so that the next step can be planned while this one runs (the engine's
@@ -178,9 +178,10 @@ class Scheduler(StepApplication):
     def schedule(self, burst: int = 1) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring).
 
-        ``burst > 1``: when every running request decodes and nothing waits (no prefix caching), a decode burst:
-        each row runs ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for
-        all of them); otherwise (or if those pages are short) an ordinary plan."""
+        ``burst > 1``: when every running request decodes and no queued request could be admitted now (no free
+        slot, or not the pages of its first chunk; no prefix caching), a decode burst: each row runs
+        ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
+        otherwise (or if those pages are short) an ordinary plan."""
         if burst > 1:
             plan = self._schedule_burst(burst)
             if plan is not None:
@@ -234,7 +235,7 @@ class Scheduler(StepApplication):
     def _schedule_burst(self, burst: int) -> StepPlan | None:
         """The decode-burst plan of :meth:`schedule`, or None (nothing changed but recycling) where it does not
         apply."""
-        if self.prefix is not None or self.waiting or self.preempted or not self.running:
+        if self.prefix is not None or not self.running or self._admissible():
             return None
         t, rows = self.rows, self._running_slots()  # i64[R]
         done = t.num_computed[rows]  # i64[R]
@@ -251,6 +252,14 @@ class Scheduler(StepApplication):
         self._last_plan = plan
         self.step += 1
         return plan
+
+    def _admissible(self) -> bool:
+        """A queued request would be admitted by an ordinary step now (a free slot and its first chunk's pages)."""
+        queue = self.preempted or self.waiting
+        if not queue or len(self.running) >= self.cache.max_seqs:
+            return False
+        n = min(queue[0].num_tokens, self.max_num_batched_tokens - len(self.running))  # its first chunk
+        return self.blocks.can_fit(self.blocks.blocks_for(n), self.watermark)
 
     def _running_slots(self) -> np.ndarray:
         """i64[R] (read-only): the slots of ``running``, in order; rebuilt only when ``running`` changed."""
