@@ -7,7 +7,8 @@ with ``recycle="none"`` and ``recycle="timely"`` — over the same number of pag
 tokens/s, tokens/step, mean and peak running requests, preemptions, page utilisation, exposed host share of
 step time — the host time the device waited for, see :mod:`kvjax.engine.metrics`) and checks that both runs
 generated identical tokens (greedy). The engine overlaps planning step N+1 with step N on the device
-(``--no-overlap``: the synchronous engine). ``--prefix-caching`` adds both policies with prefix caching
+(``--no-overlap``: the synchronous engine); ``--decode-burst K`` lets it run up to ``K`` decode steps per dispatch
+(:mod:`kvjax.engine.burst`). ``--prefix-caching`` adds both policies with prefix caching
 (``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens.
 
 ``--mesh DATAxMODEL`` (or ``--devices N`` = ``--mesh Nx1``) runs the engine on a ``("data", "model")`` mesh
@@ -151,13 +152,15 @@ def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
 
 
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
-               overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None):
+               overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
+               decode_burst: int = 1):
     """Serve ``workload`` with one recycle policy; returns (outputs, summary dict, per-step columns, wall s)."""
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
-                    block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh)
+                    block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
+                    decode_burst=1 if prefix_caching or mesh is not None else decode_burst)
     t0 = time.perf_counter()
     outs = engine.generate([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=progress)
     wall = time.perf_counter() - t0
@@ -229,6 +232,9 @@ def main(argv: list[str]) -> int:
                     help="also run both policies with prefix caching (keep_tail)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device (default); --no-overlap: synchronous")
+    ap.add_argument("--decode-burst", metavar="K", type=int_at_least(1, 64), default=1,
+                    help="up to K decode steps per dispatch (Engine(decode_burst=K); default 1; runs with prefix "
+                         "caching or on a mesh take 1)")
     ap.add_argument("--mesh", metavar="DATAxMODEL", help="run on a (data, model) device mesh, e.g. 2x2")
     ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
     try:  # every check before any work: a bad value exits 2 with one line
@@ -263,7 +269,7 @@ def main(argv: list[str]) -> int:
     print(f"# {p.requests} requests, prompt {np.mean(prompt_lens):.0f} / output {np.mean(out_lens):.0f} tokens "
           f"on average; {cache.num_pages} pages of {p.page_size} tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
-          f"{'on' if args.overlap else 'off'}"
+          f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst if mesh is None else 1}"
           + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)"))
     outputs, results, columns = {}, {}, {}
     runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
@@ -271,7 +277,8 @@ def main(argv: list[str]) -> int:
         name = recycle + ("+prefix" if cached else "")
         outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
                                                                  progress=args.progress, overlap=args.overlap,
-                                                                 prefix_caching=cached, mesh=mesh)
+                                                                 prefix_caching=cached, mesh=mesh,
+                                                                 decode_burst=args.decode_burst)
     same = all(o == outputs["none"] for o in outputs.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
     print(format_table(results))
@@ -281,6 +288,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,
+                       "decode_burst": args.decode_burst,
                        "device": jax.devices()[0].device_kind,
                        "num_pages": cache.num_pages, "max_blocks_per_seq": cache.max_blocks_per_seq,
                        "identical_tokens": same, "gain_tokens_per_s": gain, "results": results,

@@ -305,3 +305,21 @@ def test_run_command_small_workload(tmp_path, capsys):
         assert 0 < r["page_util_peak"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["run", "--requests", "0"]) == 2  # bad workload: clear error, exit status 2
+    assert main(["run", "--decode-burst", "0"]) == 2
+
+
+def test_run_command_with_decode_bursts(tmp_path, capsys):
+    """``kvjax run --decode-burst 4``: the same tokens as without bursts, fewer steps."""
+    from kvjax.__main__ import main
+
+    args = ["run", "--requests", "4", "--scale", "0.004", "--memory-requests", "1.5", "--no-progress"]
+    runs = {}
+    for burst in ("1", "4"):
+        js = tmp_path / f"run{burst}.json"
+        assert main(args + ["--decode-burst", burst, "--json", str(js)]) == 0
+        runs[burst] = json.loads(js.read_text())
+    assert "decode burst 4" in capsys.readouterr().out
+    for name in ("none", "timely"):
+        one, four = runs["1"]["results"][name], runs["4"]["results"][name]
+        assert four["generated_tokens"] == one["generated_tokens"] and four["steps"] < one["steps"]
+    assert runs["4"]["identical_tokens"] is True
