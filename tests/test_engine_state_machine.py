@@ -7,8 +7,9 @@ it after the caches were donated, after it, inside the scheduler update; an exce
 inside a ``stream`` loop) while the manually added requests keep running. After every rule the allocator and
 queue invariants hold (``Engine.check_integrity``). At the end every request that was not aborted has exactly
 the tokens of the same request run alone (greedy), every event had the right position / finished flag, and
-the engine is idle. It runs once with the overlapped engine (the default: faults then hit with a step in
-flight) and once with the synchronous one; one engine per mode (one compile) serves every example.
+the engine is idle. It runs with the overlapped engine (the default: faults then hit with a step in flight),
+the synchronous one and the overlapped one with decode bursts of 4; one engine per mode (one compile, two with
+bursts) serves every example.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16
 SHARED: dict = {}  # the engine of each mode and the alone-run outputs, reused by every example
 
 
-def shared_engine(overlap: bool) -> Engine:
+def shared_engine(overlap: bool, burst: int = 1) -> Engine:
     engines = SHARED.setdefault("engines", {})
-    if overlap not in engines:
-        engines[overlap] = make_engine(SHARED["model"] if "model" in SHARED else qwen_swa_model(), overlap=overlap)
-        SHARED["model"] = engines[overlap].model
+    if (overlap, burst) not in engines:
+        engines[overlap, burst] = make_engine(SHARED["model"] if "model" in SHARED else qwen_swa_model(),
+                                              overlap=overlap, decode_burst=burst)
+        SHARED["model"] = engines[overlap, burst].model
         SHARED.setdefault("alone", {})
-    return engines[overlap]
+    return engines[overlap, burst]
 
 
 ROWS, WIDTH = 32, 40  # oracle batch: fixed shape, one compile (prompts <= 30 tokens + 8 new <= 40)
@@ -113,10 +115,11 @@ max_news = st.integers(1, 8)
 
 class EngineMachine(RuleBasedStateMachine):
     OVERLAP = True
+    BURST = 1
 
     def __init__(self):
         super().__init__()
-        self.engine = shared_engine(self.OVERLAP)
+        self.engine = shared_engine(self.OVERLAP, self.BURST)
         assert self.engine.is_idle()
         self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
 
@@ -214,11 +217,18 @@ class SyncEngineMachine(EngineMachine):
     OVERLAP = False
 
 
-@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine], ids=["overlap", "sync"])
+class BurstEngineMachine(EngineMachine):
+    BURST = 4  # decode bursts of up to 4 sub-steps (kvjax/engine/burst.py)
+
+
+@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine],
+                         ids=["overlap", "sync", "burst"])
 def test_engine_state_machine(machine):
     run_state_machine_as_test(machine, settings=settings(
         max_examples=25, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    eng = shared_engine(machine.OVERLAP)
-    assert eng.num_traces == 1  # one bucket set, greedy only: a single compile for every example
+    eng = shared_engine(machine.OVERLAP, machine.BURST)
+    # one bucket set, greedy only: a single compile for every example (and one for the burst steps)
+    assert eng.num_traces == (1 if machine.BURST == 1 else 2)
+    assert max(r.burst for r in eng.metrics.records) == machine.BURST  # bursts ran, at their full length
     assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
