@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+from itertools import repeat
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -74,13 +75,19 @@ class Consumers:
     def _deliver(self, tr: Tracked, rid: int, new: list[int], done: bool, events: list[TokenEvent]) -> None:
         """Append the events of ``new`` tokens of request ``rid`` to ``events`` and its stream's queue (the last
         one ``finished`` if ``done``) and record them as sent."""
-        have, last, box = len(tr.tokens), len(new) - 1, self._inbox.get(rid)
-        for k, tok in enumerate(new):
-            ev = TokenEvent(tr.index, rid, tok, have + k, done and k == last)
-            events.append(ev)
-            if box is not None:
-                box.append(ev)
-        tr.tokens.extend(new)
+        if not new:
+            return
+        have, n = len(tr.tokens), len(new)
+        new_tuple = tuple.__new__  # a TokenEvent from its fields' tuple, without the generated __new__'s call
+        evs = [new_tuple(TokenEvent, f) for f in zip(repeat(tr.index, n), repeat(rid, n), new, range(have, have + n),
+                                                     repeat(False, n))]
+        if done:
+            evs[-1] = evs[-1]._replace(finished=True)
+        events += evs
+        box = self._inbox.get(rid)
+        if box is not None:
+            box.extend(evs)
+        tr.tokens += new
 
     def _collect_plan(self, sched, plan) -> list[TokenEvent]:
         """:meth:`_collect` for one resolved plan's rows, reading the running requests' counters and tokens from
@@ -93,15 +100,17 @@ class Consumers:
         bound = (rt.request_id[slots] == np.asarray(rids, np.int64)).tolist()
         start = rt.prompt_len[slots].tolist()
         end = (rt.num_tokens[slots] - rt.num_pending[slots]).tolist()  # resolved tokens of each row's request
-        events = []
+        events: list[TokenEvent] = []
+        tracked, tokens = self._tracked, rt.tokens
         for b, rid in enumerate(rids):
             if not bound[b]:  # finished or left the table: its request object holds its state
                 events += self._collect([rid])
                 continue
-            tr = self._tracked.get(rid)
+            tr = tracked.get(rid)
             if tr is not None:  # a running request is not done: finishing unbinds it first
-                new = rt.tokens[slots[b], start[b] + len(tr.tokens): end[b]].tolist()
-                self._deliver(tr, rid, new, False, events)
+                first = start[b] + len(tr.tokens)
+                if first < end[b]:
+                    self._deliver(tr, rid, tokens[slots[b], first: end[b]].tolist(), False, events)
         return events
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
