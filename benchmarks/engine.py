@@ -16,11 +16,11 @@ burst row's figures are per engine step (``burst`` sub-steps); ``*_per_substep``
 sub-step.
 
 ``engine gpu preset`` (:func:`measure`): the ``python -m kvjax run --preset gpu`` workload served with
-``recycle="none"`` and ``"timely"``, each synchronous, overlapped and with bursts (same model, same page memory): generated
-tokens/s in the steady state (compile steps left out), median step, exposed and total host shares, whether the
-tokens equal the anchor run's (``identical``; anchor ``recycle=none overlap=off``) and the same policy's
-synchronous run's (``identical_to_sync``). Each run stops at its deadline (``truncated``); ``ok`` = the cache
-passed its integrity check after the run.
+``recycle="none"`` and ``"timely"``, each synchronous, overlapped and with bursts (same model, same page memory):
+generated tokens/s in the steady state (compile steps left out), median step, exposed and total host shares,
+whether the tokens equal the anchor run's (``identical``; anchor ``recycle=none overlap=off``) and the same
+policy's synchronous run's (``identical_to_sync``). Each run stops at its deadline (``truncated``); ``ok`` = the
+cache passed its integrity check after the run.
 """
 
 from __future__ import annotations
@@ -271,4 +271,5 @@ def cases(small: bool = False) -> list[RunCase]:
     return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
                     lambda: step_rows(p, modes=modes, **steps), anchor=None),
             RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
-                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles, modes), anchor="recycle=none overlap=off")]
+                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles, modes),
+                    anchor="recycle=none overlap=off")]

@@ -16,6 +16,10 @@ row at N+1, whose token is dropped and never becomes an event. Events of step N 
 dispatches N+1. Outputs equal the synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call),
 token for token: sampling keys depend only on (seed, prompt index, tokens so far).
 
+Decode bursts (``decode_burst=K``): when every running request decodes and no queued one could be admitted, one
+plan covers up to ``K`` decode sub-steps per row and one dispatch runs them all (:mod:`kvjax.engine.burst`): the
+host's schedule, input transfer and update are paid once per ``K`` tokens of each row. Same tokens again.
+
 The engine owns nothing the scheduler owns: GDN slots, pages and block tables come only from
 :class:`kvjax.sched.Scheduler`. It talks to the model only through :class:`kvjax.models.interface.CausalLM`
 (``attention_layout()`` for the scheduler, ``init_caches``, ``forward_step``, ``vocab_size``). The device caches
@@ -88,7 +92,7 @@ class _Flight:
     """A dispatched step whose sampled tokens have not been read yet."""
 
     plans: list[StepPlan]  # one per data shard
-    tokens: jax.Array  # i32[max_seqs] (i32[D, max_seqs] on a mesh): token sampled for each plan row, on the device
+    tokens: jax.Array  # i32[max_seqs * decode_burst] (i32[D, max_seqs] on a mesh): sampled tokens, on the device
     record: dict  # the StepRecord fields known at dispatch
 
 

@@ -18,11 +18,11 @@ for a real row (always in ``[0, T)``, as :class:`kvjax.engine.inputs.StepInputs`
 ``sample_mask[b]`` is True iff that token is the last known token of the request (end of prefill or a decode),
 i.e. the sampled token is appended; a mid-prefill chunk's logits are discarded.
 
-Tokens not known yet. A token reserved by the previous step (sampled there, still on the device: the engine
-plans step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the index of that token among the
-previous step's sampled tokens (its plan row ``b``; ``j * B + b`` for sub-step ``j`` of a burst); the jitted step takes it from that step's sampled array before the model runs. Every other token
-has ``prev_index`` -1. Feeding a reserved token of an older step is refused (``ValueError``): only the previous
-step's tokens reach the device step.
+Tokens not known yet. A token reserved by the previous step (sampled there, still on the device: the engine plans
+step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the index of that token among the previous
+step's sampled tokens (its plan row ``b``; ``j * B + b`` for sub-step ``j`` of a burst); the jitted step takes it
+from that step's sampled array before the model runs. Every other token has ``prev_index`` -1. Feeding a reserved
+token of an older step is refused (``ValueError``): only the previous step's tokens reach the device step.
 
 GDN checkpoints (prefix caching). ``ckpt_restore[b]``: the checkpoint slot the step copies into row ``b``'s GDN
 slot before the model (a cache hit resumes from it); ``ckpt_save[b]``: the checkpoint slot it copies row ``b``'s

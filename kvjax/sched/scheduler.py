@@ -15,21 +15,21 @@ later).
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
 ``schedule(burst=K)`` first tries a decode burst (every running request decoding, no queued request that step 3
-would admit now, no prefix caching): one plan of up to ``K`` sub-steps per row, pages allocated for all of them, one reserved token per
-sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
+would admit now, no prefix caching): one plan of up to ``K`` sub-steps per row, pages allocated for all of them,
+one reserved token per sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
 
-Applying a step has two halves, so that the next step can be planned while this one runs (the engine's
-overlap mode): ``advance(plan)`` applies what the host knows without the sampled tokens — every scheduled request
-advances by its tokens, and where the plan samples it *reserves* the next token (its value comes later; the next
-plan feeds it through ``StepPlan.prev_index``); a request that reaches ``max_new_tokens`` finishes at once (its
-slot and pages go back; it stays in ``requests`` until its last token is resolved). ``resolve(plan, sampled)``
-(plans in the order they were advanced) checks the sampled tokens first (a bad array changes nothing, and the
-plan can still be resolved), then gives each reserved token its value; a request that sampled eos finishes there
-and any token reserved after it (a step it ran one step too long) is dropped. ``update(plan, sampled)`` is both at
-once (the synchronous engine, simulations). ``rollback()`` forgets every reserved, unresolved token after a fault
-(their requests are preempted: recomputed later). Every way into RUNNING (admission, resume, ``add_request(...,
-running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort, preemption) goes
-through ``_release`` which frees the slot and all pages.
+Applying a step has two halves (:mod:`kvjax.sched.apply`), so that the next step can be planned while this one
+runs (the engine's overlap mode): ``advance(plan)`` applies what the host knows without the sampled tokens — every
+scheduled request advances by its tokens, and where the plan samples it *reserves* the next token (its value comes
+later; the next plan feeds it through ``StepPlan.prev_index``); a request that reaches ``max_new_tokens`` finishes
+at once (its slot and pages go back; it stays in ``requests`` until its last token is resolved). ``resolve(plan,
+sampled)`` (plans in the order they were advanced) checks the sampled tokens first (a bad array changes nothing,
+and the plan can still be resolved), then gives each reserved token its value; a request that sampled eos finishes
+there and any token reserved after it (a step it ran one step too long) is dropped. ``update(plan, sampled)`` is
+both at once (the synchronous engine, simulations). ``rollback()`` forgets every reserved, unresolved token after
+a fault (their requests are preempted: recomputed later). Every way into RUNNING (admission, resume,
+``add_request(..., running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort,
+preemption) goes through ``_release`` which frees the slot and all pages.
 
 Host cost. The running requests' hot state (tokens, counters, reserved tokens) lives in ``self.rows``, a
 :class:`~kvjax.sched.request.RowTable` indexed by GDN slot; ``_start`` binds a request to its slot's row and
