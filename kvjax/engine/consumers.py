@@ -4,8 +4,8 @@ Each request is tracked from the moment it is queued until its last token has be
 routed to the stream that owns the request, whichever consumer ran the step (two streams consumed alternately,
 ``generate`` inside a ``stream`` loop); events of :meth:`~kvjax.engine.engine.Engine.add_request` requests that a
 stream's steps produced are held for the next ``Engine.step()``. :class:`Consumers` is the part of
-:class:`~kvjax.engine.engine.Engine` that does this; it relies on the engine's ``_tracked``, ``_inbox``, ``_held``,
-``_queue``, ``_step``, ``abort`` and ``vocab_size``.
+:class:`~kvjax.engine.engine.Engine` that does this, ``abort`` included; it relies on the engine's ``schedulers``,
+``_tracked``, ``_inbox``, ``_held``, ``_queue``, ``_step`` and ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -55,6 +55,25 @@ def is_done(req: Request) -> bool:
 
 class Consumers:
     """Event collection and the ``stream`` / ``generate`` consumers of an :class:`~kvjax.engine.engine.Engine`."""
+
+    def abort(self, request_id: int) -> list[int]:
+        """Abort a queued or running request (its slot and pages go back at once); returns the tokens whose events
+        were delivered. Its events not yet delivered (a stream's queue, a burst's later tokens) are dropped, and
+        so is any token a step in flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
+        owner = [s for s in self.schedulers if request_id in s.requests]
+        (owner[0] if owner else self.scheduler).abort(request_id)  # unknown id: the scheduler's ValueError
+        tr = self._tracked.pop(request_id)
+        box = self._inbox.pop(request_id, None)
+        dropped = 0
+        if box:
+            kept = [ev for ev in box if ev.request_id != request_id]
+            dropped = len(box) - len(kept)
+            box.clear()
+            box.extend(kept)
+        held = len(self._held)
+        self._held = [ev for ev in self._held if ev.request_id != request_id]
+        out = tr.request.output_ids.tolist()
+        return out[: len(out) - dropped - (held - len(self._held))]
 
     def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
         """Events for the tokens these requests took since their last event (read from the scheduler's

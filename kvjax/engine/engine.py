@@ -289,25 +289,6 @@ class Engine(Consumers, Recovery):
         self._tracked[req.request_id] = Tracked(index, temperature, seed, req, [])
         return req.request_id
 
-    def abort(self, request_id: int) -> list[int]:
-        """Abort a queued or running request (its slot and pages go back at once); returns the tokens whose events
-        were delivered. Its events not yet delivered (a stream's queue, a burst's later tokens) are dropped, and
-        so is any token a step in flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
-        owner = [s for s in self.schedulers if request_id in s.requests]
-        (owner[0] if owner else self.scheduler).abort(request_id)  # unknown id: the scheduler's ValueError
-        tr = self._tracked.pop(request_id)
-        box = self._inbox.pop(request_id, None)
-        dropped = 0
-        if box:
-            kept = [ev for ev in box if ev.request_id != request_id]
-            dropped = len(box) - len(kept)
-            box.clear()
-            box.extend(kept)
-        held = len(self._held)
-        self._held = [ev for ev in self._held if ev.request_id != request_id]
-        out = tr.request.output_ids.tolist()
-        return out[: len(out) - dropped - (held - len(self._held))]
-
     def has_unfinished(self) -> bool:
         """A request is queued, running, or waiting for tokens of a step in flight."""
         return any(s.has_unfinished() for s in self.schedulers) or bool(self._tracked)
