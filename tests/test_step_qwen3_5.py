@@ -80,8 +80,10 @@ class Planner:
         self.free_slots.append(self.slots.pop(sid))
 
     def plan(self, work: list[tuple[int, np.ndarray]]) -> tuple[StepInputs, list[tuple[int, int]]]:
-        """work: [(sid, new token ids)] -> StepInputs (bucketed, rows shuffled) and [(sid, logits position)]."""
-        rows = list(self.rng.permutation(ROWS))[: len(work)]
+        """work: [(sid, new token ids)] -> StepInputs (bucketed, rows shuffled; a decode step's live rows first, in
+        shuffled order) and [(sid, logits position)]."""
+        decode = all(len(t) == 1 for _, t in work)  # a decode_only step: live rows first (the contract)
+        rows = list(self.rng.permutation(len(work) if decode else ROWS))[: len(work)]
         order = sorted(range(len(work)), key=lambda i: rows[i])  # row order
         total = sum(len(t) for _, t in work)
         t_pad = next(b for b in T_BUCKETS if b >= total)
@@ -120,7 +122,7 @@ class Planner:
             t += n
         cu[ROWS] = t
         inputs = StepInputs.from_numpy(
-            decode_only=all(len(t) == 1 for _, t in work), token_ids=tok, positions=pos, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=slots,
+            decode_only=decode, token_ids=tok, positions=pos, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=slots,
             has_initial_state=has_init, block_tables=tables, slot_mapping=smap, logits_indices=logits_idx,
         )
         inputs.validate(num_pages=NUM_PAGES, page_size=PAGE, max_slots=MAX_SEQS + 1)

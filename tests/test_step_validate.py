@@ -131,3 +131,28 @@ def test_latent_layout_corruption_is_caught(kind):
     corrupt(kind, plan, a)
     with pytest.raises(InvalidPlanError):
         check(a, LATENT)
+
+
+def test_decode_only_needs_live_rows_first():
+    """A ``decode_only`` step puts its live rows first (the GDN layers read row ``b``'s token at ``b`` when
+    ``T == B``): a plan's decode step passes, the same rows with an empty row moved in front are refused."""
+    rng = np.random.default_rng(3)
+    sched = Scheduler(CACHE, SWA, max_num_batched_tokens=16, recycle="timely")
+    for _ in range(3):
+        sched.add_request(rng.integers(0, VOCAB, 5), 8)
+    for _ in range(20):
+        plan = sched.schedule()
+        if plan.num_seqs == 3 and (plan.query_lens[:3] == 1).all():
+            break
+        sched.update(plan, rng.integers(0, VOCAB, plan.seq_lens.shape[0]))
+    else:
+        raise AssertionError("no decode plan")
+    a = {k: np.array(v) for k, v in plan.device_arrays().items()}
+    kw = dict(num_pages=CACHE.num_pages, page_size=PS, max_slots=CACHE.max_seqs + 1, vocab_size=VOCAB, attention=SWA)
+    StepInputs.from_numpy(decode_only=True, **a).validate(**kw)
+    order = [3, 0, 1, 2]  # the padding row first: row 1's token is token 0
+    for name in ("seq_lens", "gdn_slots", "has_initial_state", "block_tables", "logits_indices"):
+        a[name] = a[name][order]
+    a["cu_seqlens"] = np.concatenate([[0], np.cumsum((a["gdn_slots"] > 0).astype(np.int32))]).astype(np.int32)
+    with pytest.raises(InvalidPlanError, match="come after the live rows"):
+        StepInputs.from_numpy(decode_only=True, **a).validate(**kw)

@@ -120,10 +120,11 @@ class StepInputs:
         live = slots[active]
         if len(np.unique(live)) != len(live):
             raise InvalidPlanError(f"StepInputs.gdn_slots: two rows share a slot: {slots}")
-        if self.decode_only and ((n_new > 1) | ((n_new == 0) & (a["gdn_slots"] > 0))).any():
+        if self.decode_only and (((n_new > 1) | ((n_new == 0) & (a["gdn_slots"] > 0))).any()
+                                 or (np.diff(n_new) > 0).any()):
             raise InvalidPlanError(
                 f"StepInputs.decode_only but rows have {n_new} tokens (slots {a['gdn_slots']}): every row with "
-                "a slot must have exactly one token, padding rows (slot 0) none"
+                "a slot must have exactly one token, padding rows (slot 0) none, and come after the live rows"
             )
         li = a["logits_indices"]
         if ((li < 0) | (li >= max(t, 1))).any():

@@ -90,8 +90,8 @@ class GatedDeltaNet(nnx.Module):
     ) -> tuple[jax.Array, GDNStatePool]:  # y [T, H], pool updated at the live rows' slots
         """Ragged step on the slot-addressed pool (slot 0 = PAD: never read as state, never written).
 
-        ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch and the decode
-        kernels run by slot id (every live row continues its state: the caller zeroes fresh rows' slots first,
+        ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch (no gather when
+        ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id (every live row continues its state: the caller zeroes fresh rows' slots first,
         see :meth:`~kvjax.models.qwen3_5.model.Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token order.
         """
         from kvjax.state.gdn_ops import conv_decode, conv_prefill, gdn_decode, gdn_prefill
@@ -100,12 +100,13 @@ class GatedDeltaNet(nnx.Module):
         weight = self.conv_weight[...]
         if decode_only:
             t = x.shape[0]
-            xr = x[jnp.clip(cu[:-1], 0, t - 1)]  # [B, H]: each row's token (padding rows: ignored)
+            rows_are_tokens = t == cu.shape[0] - 1  # live rows first, one token each: token b is row b's
+            xr = x if rows_are_tokens else x[jnp.clip(cu[:-1], 0, t - 1)]  # [B, H] (padding rows: ignored)
             mixed, pool = conv_decode(self.in_proj_qkv(xr), weight, None, pool, layer=layer, slot_ids=slots)
             q, k, v, g, beta, z = self._split(xr, mixed)
             o, pool = gdn_decode(q, k, v, g, beta, pool, layer=layer, slot_ids=slots, use_qk_l2norm=True)
-            row = token_rows(cu, t)
-            return self._out(o, z)[row], pool
+            y = self._out(o, z)  # [B, H]
+            return (y if rows_are_tokens else y[token_rows(cu, t)]), pool
         mixed, pool = conv_prefill(
             self.in_proj_qkv(x), weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,
             cu_seqlens=cu,
