@@ -204,7 +204,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
                 tokens=statistics.median(r.num_tokens for r in recs), rows=statistics.median(r.num_seqs for r in recs),
                 kernel_ms=kr["kernel_ns"] / n / 1e6 if kr["names"] else None,
                 kernels_per_step=sum(c for c, _ in kr["names"].values()) / n if kr["names"] else None,
-                top_kernels=[dict(name=nm[:120], per_step=round(c, 2), ms=round(t, 5)) for c, t, nm in names[:40]])
+                top_kernels=[dict(name=nm[:120], per_step=round(c, 2), ms=round(t, 5)) for c, t, nm in names[:80]])
 
 
 def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL,

@@ -72,6 +72,18 @@ def random_prompts(rng, lengths) -> list[list[int]]:
     return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
 
 
+def step_events(engine: Engine) -> list:
+    """One ``engine.step()``, its :class:`StepOutput` s checked (at least one token each; a request's outputs,
+    held ones from earlier steps first, continue each other's positions) and turned into per-token
+    :class:`TokenEvent` s."""
+    outs = engine.step()
+    nxt: dict[int, int] = {}
+    for out in outs:
+        assert out.tokens and nxt.get(out.request_id, out.position) == out.position, outs
+        nxt[out.request_id] = out.position + len(out.tokens)
+    return [ev for out in outs for ev in out.events()]
+
+
 def assert_idle(engine: Engine) -> None:
     engine.check_integrity()
     assert engine.is_idle()
@@ -115,7 +127,7 @@ def test_timely_recycling_frees_pages_and_changes_no_token(qwen, qwen_case):
         holes = np.zeros(2, np.int64)  # per KV head: (row, block) holes seen below num_blocks
         got = {rid: [] for rid in ids}
         while engine.has_unfinished():
-            for ev in engine.step():
+            for ev in step_events(engine):
                 got[ev.request_id].append(ev.token)
             blocks = engine.scheduler.blocks
             for req in engine.scheduler.running:

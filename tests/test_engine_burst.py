@@ -16,7 +16,8 @@ from flax import nnx
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.sched.plan import build_plan
-from test_engine import BUDGET, SMALL, assert_idle, greedy_oracle, qwen_swa_model, random_prompts, tiny_deepseek_config
+from test_engine import (BUDGET, SMALL, assert_idle, greedy_oracle, qwen_swa_model, random_prompts, step_events,
+                         tiny_deepseek_config)
 from test_engine_faults import POINTS, Injected, _arm
 from test_engine_overlap import truncate_at
 from test_sched_scheduler import sched_with
@@ -64,6 +65,27 @@ def test_burst_equals_single_steps_qwen(qwen, case, overlap, temperature):
     assert outs[K] == outs[1]
     if temperature == 0.0:
         assert outs[K] == expect
+
+
+def test_a_burst_step_delivers_one_output_per_request(qwen, case):
+    """``Engine.step`` returns one ``StepOutput`` per request per step: a burst step's carries up to ``K`` tokens
+    (positions continuing the request's, ``finished`` on its last); together they equal the oracle."""
+    prompts, expect = case
+    eng = engine(qwen, K, True)
+    ids = [eng.add_request(p, NEW, index=i) for i, p in enumerate(prompts)]
+    got = {rid: [] for rid in ids}
+    sizes = []
+    while eng.has_unfinished():
+        outs = eng.step()
+        assert len({o.request_id for o in outs}) == len(outs)
+        for out in outs:
+            assert out.tokens and out.position == len(got[out.request_id]) and out.index == ids.index(out.request_id)
+            got[out.request_id] += out.tokens
+            assert out.finished == (len(got[out.request_id]) == NEW)
+            sizes.append(len(out.tokens))
+    assert [got[rid] for rid in ids] == expect
+    assert max(sizes) == K and min(sizes) >= 1
+    assert_idle(eng)
 
 
 def test_burst_stops_at_eos_and_emits_nothing_after(qwen, case):
@@ -207,14 +229,14 @@ def test_fault_during_a_burst_recovers_by_recompute(qwen, case, monkeypatch, poi
             assert ev.position == len(got[ev.request_id]) - 1
 
     while not (eng._inflight and eng._inflight[-1].plans[0].burst > 1):
-        collect(eng.step())
+        collect(step_events(eng))
     with monkeypatch.context() as m:
         _arm(m, eng, point, Injected)
         with pytest.raises(Injected):
             while True:
-                collect(eng.step())
+                collect(step_events(eng))
     while eng.has_unfinished():
-        collect(eng.step())
+        collect(step_events(eng))
         eng.check_integrity()
     assert [got[rid] for rid in ids] == expect
     assert max(bursts(eng)) == K

@@ -16,7 +16,7 @@ import kvjax.engine.engine as engine_mod
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.sched.request import Request, RowTable
-from test_engine import VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts
+from test_engine import VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts, step_events
 
 CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)  # small: forces preemption
 NEW = 8
@@ -143,7 +143,7 @@ def test_manual_requests_keep_their_events_while_a_stream_steps(engine, case):
     got = []
     assert engine.generate(prompts[:2], NEW) == expect[:2]
     while not got or not got[-1].finished:
-        got += [ev for ev in engine.step() if ev.request_id == rid]
+        got += [ev for ev in step_events(engine) if ev.request_id == rid]
     assert [ev.token for ev in got] == expect[4] and [ev.position for ev in got] == list(range(NEW))
     assert_idle(engine)
 
@@ -215,15 +215,15 @@ def test_fault_in_a_step_recovers_by_recompute(engine, case, monkeypatch, point,
             assert ev.finished == (len(got[ev.request_id]) == NEW)
 
     for _ in range(at_step):
-        collect(engine.step())
+        collect(step_events(engine))
     with monkeypatch.context() as m:
         _arm(m, engine, point, exc)
         with pytest.raises(exc, match="injected"):
             while True:
-                collect(engine.step())
+                collect(step_events(engine))
     engine.check_integrity()
     while engine.has_unfinished():
-        collect(engine.step())
+        collect(step_events(engine))
         engine.check_integrity()
     assert [got[rid] for rid in ids] == expect
     assert_idle(engine)
@@ -254,10 +254,10 @@ def test_fault_while_resolving_a_finishing_step_forgets_the_finished_request(eng
         _arm(m, engine, "inside update", Injected)
         with pytest.raises(Injected):
             while engine.has_unfinished():
-                got.update({ev.request_id: ev.token for ev in engine.step()})
+                got.update({ev.request_id: ev.token for ev in step_events(engine)})
     while engine.has_unfinished():
-        got.update({ev.request_id: ev.token for ev in engine.step()})
-    got.update({ev.request_id: ev.token for ev in engine.step()})  # events read before the fault, if any
+        got.update({ev.request_id: ev.token for ev in step_events(engine)})
+    got.update({ev.request_id: ev.token for ev in step_events(engine)})  # events read before the fault, if any
     assert [[got[rid]] for rid in ids] == expect
     assert engine.step() == []  # an idle engine: no step, no error
     for rid in ids:

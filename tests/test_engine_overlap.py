@@ -19,7 +19,7 @@ from kvjax.config import CacheConfig
 from kvjax.engine import sizing
 from kvjax.engine.engine import Engine
 from test_engine import (BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts,
-                         tiny_deepseek_config)
+                         step_events, tiny_deepseek_config)
 
 NEW = 8
 
@@ -148,13 +148,13 @@ def test_step_returns_the_previous_steps_tokens(qwen, case):
     for overlap in (True, False):
         engine = qwen_engine(qwen, overlap)
         ids = [engine.add_request(prompts[i], NEW, index=i) for i in (1, 3)]
-        first = engine.step()
+        first = step_events(engine)
         assert (first == []) == overlap  # both prompts fit the first step (9 + 3 <= 16 tokens): they sample
         got = {rid: [] for rid in ids}
         for ev in first:
             got[ev.request_id].append(ev.token)
         while engine.has_unfinished():
-            for ev in engine.step():
+            for ev in step_events(engine):
                 got[ev.request_id].append(ev.token)
         assert [got[rid] for rid in ids] == [expect[1], expect[3]]
         assert len(engine.metrics) == engine.scheduler.step  # one record per device step

@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
-from test_engine import VOCAB, qwen_swa_model
+from test_engine import VOCAB, qwen_swa_model, step_events
 from test_engine_faults import POINTS, Injected, make_engine
 
 CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)
@@ -158,7 +158,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         if self.engine.has_unfinished():
-            self.collect(self.engine.step())
+            self.collect(step_events(self.engine))
 
     @rule(point=st.sampled_from(POINTS), exc=st.sampled_from([Injected, KeyboardInterrupt]))
     def fault(self, point, exc):
@@ -166,7 +166,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         undo, fired = arm(self.engine, point, exc)
         try:
-            self.collect(self.engine.step())
+            self.collect(step_events(self.engine))
         except exc as err:
             assert fired and "injected" in str(err)
         finally:
@@ -202,8 +202,8 @@ class EngineMachine(RuleBasedStateMachine):
     def teardown(self):
         eng = self.engine
         while eng.has_unfinished():
-            self.collect(eng.step())
-        self.collect(eng.step() if eng._held else [])
+            self.collect(step_events(eng))
+        self.collect(step_events(eng) if eng._held else [])
         assert eng.is_idle() and not eng._held
         runs = [(r["prompt"], r["max_new"], r["tokens"]) for r in self.reqs.values() if not r["aborted"]]
         assert all(r["finished"] for r in self.reqs.values() if not r["aborted"])

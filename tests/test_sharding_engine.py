@@ -27,6 +27,7 @@ from kvjax.engine.engine import Engine
 from kvjax.engine.inputs import StepInputs
 from kvjax.errors import InvalidPlanError
 from kvjax.sched.blocks import BlockAllocator
+from test_engine import step_events
 
 INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")
@@ -60,7 +61,7 @@ def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, lis
             out[first + i] = []
         aborted = False
         while engine.has_unfinished():
-            for ev in engine.step():
+            for ev in step_events(engine):
                 out[ev.index].append(ev.token)
                 if ev.index == first + ABORT and ev.position == 2 and not aborted:
                     engine.abort(ev.request_id)

@@ -1,11 +1,15 @@
-"""How requests' tokens reach their consumers: :class:`TokenEvent`, and ``stream`` / ``generate``.
+"""How requests' tokens reach their consumers: :class:`StepOutput` and :class:`TokenEvent`, ``stream`` /
+``generate``.
 
-Each request is tracked from the moment it is queued until its last token has become an event. Events are
-routed to the stream that owns the request, whichever consumer ran the step (two streams consumed alternately,
-``generate`` inside a ``stream`` loop); events of :meth:`~kvjax.engine.engine.Engine.add_request` requests that a
-stream's steps produced are held for the next ``Engine.step()``. :class:`Consumers` is the part of
-:class:`~kvjax.engine.engine.Engine` that does this, ``abort`` included; it relies on the engine's ``schedulers``,
-``_tracked``, ``_inbox``, ``_held``, ``_queue``, ``_step`` and ``vocab_size``.
+Each request is tracked from the moment it is queued until its last token has been delivered. An engine step
+delivers one :class:`StepOutput` per request that got tokens (a decode burst gives a request up to ``K`` tokens in
+one), so the host work of a step grows with its rows, not its tokens; a :meth:`Consumers.stream` consumer gets one
+:class:`TokenEvent` per token. Tokens are routed to the stream that owns the request, whichever consumer ran the
+step (two streams consumed alternately, ``generate`` inside a ``stream`` loop); the outputs of
+:meth:`~kvjax.engine.engine.Engine.add_request` requests that a stream's steps produced are held for the next
+``Engine.step()``. :class:`Consumers` is the part of :class:`~kvjax.engine.engine.Engine` that does this, ``abort``
+included; it relies on the engine's ``schedulers``, ``_tracked``, ``_inbox``, ``_held``, ``_queue``, ``_step``
+and ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ from kvjax.sched.request import Request, Status
 
 
 class TokenEvent(NamedTuple):
-    """One generated token, as :meth:`Engine.stream` yields it (immutable; a named tuple: an engine step makes
-    one per running row)."""
+    """One generated token, as :meth:`Engine.stream` yields it (immutable; a named tuple)."""
 
     index: int  # position of the request's prompt in the ``prompts`` list of the call
     request_id: int  # scheduler request id (for :meth:`Engine.abort`)
@@ -34,13 +37,30 @@ class TokenEvent(NamedTuple):
     finished: bool  # the request is done (max_new_tokens or eos)
 
 
+class StepOutput(NamedTuple):
+    """The tokens one engine step gave one request, in order (:meth:`Engine.step` returns one per request that got
+    any, after those held from steps a stream consumer ran)."""
+
+    index: int  # the ``index`` the request was added with (its prompt's position in a stream's ``prompts``)
+    request_id: int  # scheduler request id (for :meth:`Engine.abort`)
+    tokens: list  # list[int]: the new token ids (at least one)
+    position: int  # 0-based index of ``tokens[0]`` among the request's generated tokens
+    finished: bool  # the request is done (max_new_tokens or eos): ``tokens[-1]`` is its last token
+
+    def events(self) -> list[TokenEvent]:
+        """The same tokens as :class:`TokenEvent` s (the last one ``finished`` if the request is done)."""
+        n = len(self.tokens)
+        return [TokenEvent(self.index, self.request_id, t, self.position + i, self.finished and i == n - 1)
+                for i, t in enumerate(self.tokens)]
+
+
 @dataclasses.dataclass
 class Tracked:
     index: int  # prompt index in its call (events, sampling stream)
     temperature: float  # 0 = greedy
     seed: int  # sampling seed
     request: Request  # the scheduler's request: its token buffer is the record of what was generated
-    tokens: list  # list[int]: generated tokens already turned into events
+    sent: int = 0  # generated tokens already delivered
 
 
 
@@ -57,9 +77,10 @@ class Consumers:
     """Event collection and the ``stream`` / ``generate`` consumers of an :class:`~kvjax.engine.engine.Engine`."""
 
     def abort(self, request_id: int) -> list[int]:
-        """Abort a queued or running request (its slot and pages go back at once); returns the tokens whose events
-        were delivered. Its events not yet delivered (a stream's queue, a burst's later tokens) are dropped, and
-        so is any token a step in flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
+        """Abort a queued or running request (its slot and pages go back at once); returns the tokens that were
+        delivered (by :meth:`step`, or yielded by its stream). Its tokens not yet delivered (a stream's queue,
+        outputs held for the next ``step()``, a burst's later tokens) are dropped, and so is any token a step in
+        flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
         owner = [s for s in self.schedulers if request_id in s.requests]
         (owner[0] if owner else self.scheduler).abort(request_id)  # unknown id: the scheduler's ValueError
         tr = self._tracked.pop(request_id)
@@ -70,45 +91,46 @@ class Consumers:
             dropped = len(box) - len(kept)
             box.clear()
             box.extend(kept)
-        held = len(self._held)
-        self._held = [ev for ev in self._held if ev.request_id != request_id]
+        dropped += sum(len(out.tokens) for out in self._held if out.request_id == request_id)
+        self._held = [out for out in self._held if out.request_id != request_id]
         out = tr.request.output_ids.tolist()
-        return out[: len(out) - dropped - (held - len(self._held))]
+        return out[: len(out) - dropped]
 
-    def _collect(self, request_ids: Sequence[int]) -> list[TokenEvent]:
-        """Events for the tokens these requests took since their last event (read from the scheduler's
+    def _collect(self, request_ids: Sequence[int]) -> list[StepOutput]:
+        """Outputs of the tokens these requests took since their last delivery (read from the scheduler's
         requests, so a step cut short still delivers what it recorded); queued for their stream consumer too."""
-        events, tracked = [], self._tracked
+        outs, tracked = [], self._tracked
         for rid in request_ids:
             tr = tracked.get(rid)
             if tr is None:
                 continue
             req = tr.request
-            new = req.token_ids[req.prompt_len + len(tr.tokens): req.num_resolved].tolist()  # resolved, not sent
+            new = req.token_ids[req.prompt_len + tr.sent: req.num_resolved].tolist()  # resolved, not sent
             done = (req.status is Status.FINISHED and not req.pending) or is_done(req)
-            self._deliver(tr, rid, new, done, events)
+            self._deliver(tr, rid, new, done, outs)
             if done:
                 del tracked[rid]
-        return events
+        return outs
 
-    def _deliver(self, tr: Tracked, rid: int, new: list[int], done: bool, events: list[TokenEvent]) -> None:
-        """Append the events of ``new`` tokens of request ``rid`` to ``events`` and its stream's queue (the last
-        one ``finished`` if ``done``) and record them as sent."""
+    def _deliver(self, tr: Tracked, rid: int, new: list[int], done: bool, outs: list[StepOutput]) -> None:
+        """Append the :class:`StepOutput` of request ``rid``'s ``new`` tokens to ``outs`` (``finished`` if
+        ``done``), their :class:`TokenEvent` s to its stream's queue if it has one, and record them as sent."""
         if not new:
             return
-        have, n = len(tr.tokens), len(new)
-        new_tuple = tuple.__new__  # a TokenEvent from its fields' tuple, without the generated __new__'s call
-        evs = [new_tuple(TokenEvent, f) for f in zip(repeat(tr.index, n), repeat(rid, n), new, range(have, have + n),
-                                                     repeat(False, n))]
-        if done:
-            evs[-1] = evs[-1]._replace(finished=True)
-        events += evs
+        out = StepOutput(tr.index, rid, new, tr.sent, done)
+        outs.append(out)
         box = self._inbox.get(rid)
         if box is not None:
+            have, n = tr.sent, len(new)
+            new_tuple = tuple.__new__  # a TokenEvent from its fields' tuple, without the generated __new__'s call
+            evs = [new_tuple(TokenEvent, f) for f in zip(repeat(tr.index, n), repeat(rid, n), new,
+                                                         range(have, have + n), repeat(False, n))]
+            if done:
+                evs[-1] = evs[-1]._replace(finished=True)
             box.extend(evs)
-        tr.tokens += new
+        tr.sent += len(new)
 
-    def _collect_plan(self, sched, plan) -> list[TokenEvent]:
+    def _collect_plan(self, sched, plan) -> list[StepOutput]:
         """:meth:`_collect` for one resolved plan's rows, reading the running requests' counters and tokens from
         the scheduler's row table in one gather (a row whose request left the table, or finished, takes the
         per-request path)."""
@@ -119,18 +141,18 @@ class Consumers:
         bound = (rt.request_id[slots] == np.asarray(rids, np.int64)).tolist()
         start = rt.prompt_len[slots].tolist()
         end = (rt.num_tokens[slots] - rt.num_pending[slots]).tolist()  # resolved tokens of each row's request
-        events: list[TokenEvent] = []
-        tracked, tokens = self._tracked, rt.tokens
+        outs: list[StepOutput] = []
+        tracked, tokens, deliver = self._tracked, rt.tokens, self._deliver
         for b, rid in enumerate(rids):
             if not bound[b]:  # finished or left the table: its request object holds its state
-                events += self._collect([rid])
+                outs += self._collect([rid])
                 continue
             tr = tracked.get(rid)
             if tr is not None:  # a running request is not done: finishing unbinds it first
-                first = start[b] + len(tr.tokens)
+                first = start[b] + tr.sent
                 if first < end[b]:
-                    self._deliver(tr, rid, tokens[slots[b], first: end[b]].tolist(), False, events)
-        return events
+                    deliver(tr, rid, tokens[slots[b], first: end[b]].tolist(), False, outs)
+        return outs
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
                temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
@@ -170,7 +192,7 @@ class Consumers:
         try:
             while box or any(rid in self._tracked for rid in ids):
                 if not box:
-                    self._held += [ev for ev in self._step() if ev.request_id not in self._inbox]
+                    self._held += [out for out in self._step() if out.request_id not in self._inbox]
                     continue
                 ev = box.popleft()
                 if bar is not None:

@@ -6,14 +6,15 @@ One step (``overlap=True``, the default)::
     buf, layout = plan_to_inputs(plan, ...)  # every input packed in one i32 buffer: one host -> device copy
     tokens, caches = device_step(params, caches, buf, tokens_of_step_N, layout, greedy_only)  # async dispatch
     scheduler.advance(plan)              # host: requests advance, sampled tokens reserved (values unknown)
-    scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; events of step N
+    scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; outputs of step N
 
 The host never waits for step N's tokens before planning step N+1: a decode row's input is the token step N
 samples, which the plan names by row (``StepPlan.prev_index``) and the jitted step takes from step N's sampled
 array on the device. ``max_new_tokens`` is known in advance (the request finishes when its last token is
 reserved); eos, aborts and preemption act one step late: a request that sampled eos at step N may run one more
-row at N+1, whose token is dropped and never becomes an event. Events of step N are delivered by the call that
-dispatches N+1. Outputs equal the synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call),
+row at N+1, whose token is dropped and never delivered. Step N's tokens are delivered by the call that
+dispatches N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.consumers.StepOutput` per request (its new
+tokens), :meth:`Engine.stream` yields one :class:`~kvjax.engine.consumers.TokenEvent` per token. Outputs equal the synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call),
 token for token: sampling keys depend only on (seed, prompt index, tokens so far).
 
 Decode bursts (``decode_burst=K``): when every running request decodes and no queued one could be admitted, one
@@ -72,7 +73,7 @@ from flax import nnx
 from kvjax.config import CacheConfig
 from kvjax.engine.args import (check_burst, check_index, check_max_new_tokens, check_prompt, check_seed,
                                check_temperature, check_token_id, prefix_config, set_buckets)
-from kvjax.engine.consumers import Consumers, TokenEvent, Tracked
+from kvjax.engine.consumers import Consumers, StepOutput, Tracked
 from kvjax.engine.inputs import SamplingTable, host_inputs, plan_to_inputs
 from kvjax.engine.mesh import MeshStep, mesh_inputs, mesh_model, no_tokens, pad_plans, validate_shards
 from kvjax.engine.recovery import Recovery
@@ -219,7 +220,7 @@ class Engine(Consumers, Recovery):
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self._tracked: dict[int, Tracked] = {}
         self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
-        self._held: list[TokenEvent] = []  # events of add_request requests from steps a stream ran
+        self._held: list[StepOutput] = []  # outputs of add_request requests from steps a stream ran
         self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
 
@@ -266,8 +267,8 @@ class Engine(Consumers, Recovery):
 
     def add_request(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, *, temperature: float = 0.0,
                     seed: int = 0, index: int = 0) -> int:
-        """Queue one request; returns its request id. ``index`` names the request in events and selects its
-        sampling stream (with ``seed``). Its events come back from :meth:`step`.
+        """Queue one request; returns its request id. ``index`` names the request in outputs and selects its
+        sampling stream (with ``seed``). Its tokens come back from :meth:`step` (:class:`StepOutput` s).
 
         Raises :class:`RequestTooLongError` if the cache can never hold it, and ``ValueError`` naming the value
         for a prompt that is not a non-empty 1-d sequence of ints in ``[0, vocab_size)``, a ``max_new_tokens``
@@ -286,7 +287,7 @@ class Engine(Consumers, Recovery):
             sched = self.schedulers[load.index(min(load))]
             req = sched.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id, request_id=self._next_id)
             self._next_id += 1
-        self._tracked[req.request_id] = Tracked(index, temperature, seed, req, [])
+        self._tracked[req.request_id] = Tracked(index, temperature, seed, req)
         return req.request_id
 
     def has_unfinished(self) -> bool:
@@ -294,11 +295,15 @@ class Engine(Consumers, Recovery):
         return any(s.has_unfinished() for s in self.schedulers) or bool(self._tracked)
 
     # ---- one step --------------------------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
-        """Run one engine step; returns the tokens it delivered (every request's, including those a
-        :meth:`stream` consumer also receives), preceded by the tokens of :meth:`add_request` requests that steps
-        run by a :meth:`stream` / :meth:`generate` consumer (or a step that failed) generated since (only those,
-        without running a step, when nothing is left to run; an idle engine returns ``[]``).
+    def step(self) -> list[StepOutput]:
+        """Run one engine step; returns the tokens it delivered as one :class:`StepOutput` per request that got
+        any (every request's, including those a :meth:`stream` consumer also receives; a decode burst gives a
+        request up to ``decode_burst`` tokens in one output), preceded by the outputs of :meth:`add_request`
+        requests that steps run by a :meth:`stream` / :meth:`generate` consumer (or a step that failed) generated
+        since, one per such step (only those, without running a step, when nothing is left to run; an idle engine
+        returns ``[]``).
+        ``[t for out in engine.step() for t in out.tokens]`` are the step's tokens; ``out.events()`` gives
+        per-token :class:`TokenEvent` s.
 
         ``overlap=True``: one call schedules and dispatches step N+1, then waits for step N's tokens and returns
         them (the first call returns none; a call with nothing left to schedule only collects the step in
@@ -311,15 +316,15 @@ class Engine(Consumers, Recovery):
         device call was under way. Tokens already read are kept, so the run continues to the same outputs as an
         uninterrupted one.
         """
-        events = self._step() if self.has_unfinished() or (self._inflight and not self._held) else []
+        outs = self._step() if self.has_unfinished() or (self._inflight and not self._held) else []
         held, self._held = self._held, []
-        return held + events
+        return held + outs
 
     def _device_idle(self) -> bool:
         """Everything dispatched has finished (non-blocking)."""
         return not self._inflight or self._inflight[-1].tokens.is_ready()
 
-    def _step(self) -> list[TokenEvent]:
+    def _step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         dispatched = None
         if any(s.has_unfinished() for s in self.schedulers) or not self._inflight:
@@ -411,8 +416,8 @@ class Engine(Consumers, Recovery):
         self._inflight.append(flight)
         return flight
 
-    def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[TokenEvent]:
-        """Read ``flight``'s tokens (waiting for its device work), apply them, and return their events."""
+    def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[StepOutput]:
+        """Read ``flight``'s tokens (waiting for its device work), apply them, and return their outputs."""
         try:
             t4 = time.perf_counter()
             tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
@@ -423,13 +428,13 @@ class Engine(Consumers, Recovery):
             self._recover(None, False)
             raise
         self._inflight.popleft()
-        events = [ev for sched, plan in zip(self.schedulers, flight.plans) for ev in self._collect_plan(sched, plan)]
+        outs = [out for sched, plan in zip(self.schedulers, flight.plans) for out in self._collect_plan(sched, plan)]
         t6 = time.perf_counter()
         # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
         exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
-        self._record(flight, generated=len(events), t_wait=t5 - t4, t_update=t6 - t5, t_part=t6 - start,
+        self._record(flight, generated=sum(len(out.tokens) for out in outs), t_wait=t5 - t4, t_update=t6 - t5, t_part=t6 - start,
                      t_exposed=exposed)
-        return events
+        return outs
 
     def _record(self, flight: _Flight, *, generated: int, t_wait: float, t_update: float, t_part: float,
                 t_exposed: float) -> None:

@@ -24,7 +24,7 @@ class Recovery:
         step's plans, one per data shard, if it got that far): the tokens of steps in flight are dropped (the
         schedulers' rollback), every running request is preempted by recompute (a request that already took
         its last token is released), and the caches, possibly donated or written by a lost step, are rebuilt at
-        the next step. Tokens already read become events."""
+        the next step. Tokens already read are delivered (by the next ``step()``, or to their stream)."""
         self.num_recoveries += 1
         lost = [f.plans for f in self._inflight] + ([plans] if plans is not None else [])
         if device_called or self._inflight:
@@ -35,7 +35,7 @@ class Recovery:
         touched: dict[int, None] = {}
         for d, sched in enumerate(self.schedulers):
             touched.update(dict.fromkeys(recover_shard(sched, [ps[d] for ps in lost])))
-        self._held += [ev for ev in self._collect(list(touched)) if ev.request_id not in self._inbox]
+        self._held += [out for out in self._collect(list(touched)) if out.request_id not in self._inbox]
 
 
 def recover_shard(sched: Scheduler, plans: list[StepPlan]) -> list[int]:

@@ -245,10 +245,10 @@ def serve(engine: Engine, workload: list[RequestSpec]) -> tuple[list[np.ndarray]
 
     prompts, finished = _arrivals(workload, add)
     while engine.has_unfinished():
-        for ev in engine.step():
-            outputs[ev.index].append(ev.token)
-            if ev.finished:
-                finished(ev.index, np.asarray(outputs[ev.index], np.int32))
+        for out in engine.step():
+            outputs[out.index] += out.tokens
+            if out.finished:
+                finished(out.index, np.asarray(outputs[out.index], np.int32))
     return prompts, outputs
 
 
