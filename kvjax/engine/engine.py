@@ -12,10 +12,11 @@ The host never waits for step N's tokens before planning step N+1: a decode row'
 samples, which the plan names by row (``StepPlan.prev_index``) and the jitted step takes from step N's sampled
 array on the device. ``max_new_tokens`` is known in advance (the request finishes when its last token is
 reserved); eos, aborts and preemption act one step late: a request that sampled eos at step N may run one more
-row at N+1, whose token is dropped and never delivered. Step N's tokens are delivered by the call that
-dispatches N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.consumers.StepOutput` per request (its new
-tokens), :meth:`Engine.stream` yields one :class:`~kvjax.engine.consumers.TokenEvent` per token. Outputs equal the synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call),
-token for token: sampling keys depend only on (seed, prompt index, tokens so far).
+row at N+1, whose token is dropped and never delivered. Step N's tokens are delivered by the call that dispatches
+N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.consumers.StepOutput` per request (its new tokens),
+:meth:`Engine.stream` yields one :class:`~kvjax.engine.consumers.TokenEvent` per token. Outputs equal the
+synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call), token for token: sampling keys
+depend only on (seed, prompt index, tokens so far).
 
 Decode bursts (``decode_burst=K``): when every running request decodes and no queued one could be admitted, one
 plan covers up to ``K`` decode sub-steps per row and one dispatch runs them all (:mod:`kvjax.engine.burst`): the
@@ -432,8 +433,8 @@ class Engine(Consumers, Recovery):
         t6 = time.perf_counter()
         # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
         exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
-        self._record(flight, generated=sum(len(out.tokens) for out in outs), t_wait=t5 - t4, t_update=t6 - t5, t_part=t6 - start,
-                     t_exposed=exposed)
+        self._record(flight, generated=sum(len(out.tokens) for out in outs), t_wait=t5 - t4, t_update=t6 - t5,
+                     t_part=t6 - start, t_exposed=exposed)
         return outs
 
     def _record(self, flight: _Flight, *, generated: int, t_wait: float, t_update: float, t_part: float,

@@ -91,8 +91,10 @@ class GatedDeltaNet(nnx.Module):
         """Ragged step on the slot-addressed pool (slot 0 = PAD: never read as state, never written).
 
         ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch (no gather when
-        ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id (every live row continues its state: the caller zeroes fresh rows' slots first,
-        see :meth:`~kvjax.models.qwen3_5.model.Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token order.
+        ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id
+        (every live row continues its state: the caller zeroes fresh rows' slots first, see
+        :meth:`~kvjax.models.qwen3_5.model.Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token
+        order.
         """
         from kvjax.state.gdn_ops import conv_decode, conv_prefill, gdn_decode, gdn_prefill
 
