@@ -35,6 +35,11 @@ BURSTS = (4, 8)  # Engine(decode_burst=) of the burst rows
 MODES = ((False, 1), (True, 1)) + tuple((True, k) for k in BURSTS)  # (overlap, decode burst) of each row
 
 
+def mode_name(overlap: bool, burst: int) -> str:
+    """A row's engine mode in its name: ``overlap=on|off``, `` burst=K`` for decode bursts."""
+    return f"overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst > 1 else "")
+
+
 def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
     """How two runs' outputs differ: identical requests, and where the first differing token sits."""
     import numpy as np
@@ -92,7 +97,7 @@ def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
         deadline = t_start + budget_s * (i + 1) / len(runs)
         out, s = serve(model, workload, cache, p, recycle, deadline, overlap, burst)
         full = not s["truncated"] and (not rows or not rows[0]["metrics"]["truncated"])
-        name = f"recycle={recycle} overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst > 1 else "")
+        name = f"recycle={recycle} {mode_name(overlap, burst)}"
         sync = next((j for j, (r, o, _) in enumerate(runs[:i]) if r == recycle and not o), None) if overlap else None
         rows.append(dict(impl=name, median_ms=1e3 * s["step_time_median_s"], ok=s["integrity"] is True,
                          error=None if s["integrity"] is True else s["integrity"],
@@ -224,7 +229,7 @@ def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFIL
             prof = profile_steps(eng, n, want=lambda r, rows=rows, k=burst: r.decode_only and r.num_seqs == rows
                                  and r.burst == k)
             fl = floor_bytes(model, eng)
-            name = f"decode rows={rows} overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst > 1 else "")
+            name = f"decode rows={rows} {mode_name(overlap, burst)}"
             out.append(_row(name, prof, fl, gbps, burst))
             del eng
     if prefill:
@@ -232,7 +237,7 @@ def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFIL
             model, eng = _step_engine(p, prefill["rows"], overlap=overlap, prompt_len=prefill["prompt_len"],
                                       new_tokens=8, budget=prefill["budget"])
             prof = profile_steps(eng, 4, want=lambda r: not r.decode_only and r.num_tokens == prefill["budget"])
-            out.append(_row(f"chunked prefill {prefill['budget']} tokens/step overlap={'on' if overlap else 'off'}",
+            out.append(_row(f"chunked prefill {prefill['budget']} tokens/step {mode_name(overlap, 1)}",
                             prof, None, gbps))
             del eng
     return out

@@ -206,8 +206,8 @@ class Scheduler(StepApplication):
                     break
                 hits += req.num_computed
             else:
-                n = min(req.num_tokens, budget)
-                if not self.blocks.can_fit(self.blocks.blocks_for(n), reserve):
+                n = self._first_chunk(req, budget, reserve)
+                if n is None:
                     break
                 self._start(req)
                 self.blocks.allocate(req.slot, n)
@@ -254,12 +254,18 @@ class Scheduler(StepApplication):
         return plan
 
     def _admissible(self) -> bool:
-        """A queued request would be admitted by an ordinary step now (a free slot and its first chunk's pages)."""
+        """A queued request would be admitted by an ordinary step now (a free slot and its first chunk's pages,
+        within the budget the running rows' decodes leave)."""
         queue = self.preempted or self.waiting
         if not queue or len(self.running) >= self.cache.max_seqs:
             return False
-        n = min(queue[0].num_tokens, self.max_num_batched_tokens - len(self.running))  # its first chunk
-        return self.blocks.can_fit(self.blocks.blocks_for(n), self.watermark)
+        return self._first_chunk(queue[0], self.max_num_batched_tokens - len(self.running), self.watermark) is not None
+
+    def _first_chunk(self, req: Request, budget: int, reserve: float) -> int | None:
+        """Tokens of ``req``'s first chunk within ``budget`` (no prefix caching), or None if its pages do not fit
+        while keeping ``reserve`` of each pool free."""
+        n = min(req.num_tokens, budget)
+        return n if self.blocks.can_fit(self.blocks.blocks_for(n), reserve) else None
 
     def _running_slots(self) -> np.ndarray:
         """i64[R] (read-only): the slots of ``running``, in order; rebuilt only when ``running`` changed."""
