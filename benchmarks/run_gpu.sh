@@ -3,7 +3,7 @@
 # (fla compiled, autotuned and timed alone on the GPU; torch copies of every case's bytes), the JAX half
 # (benchmarks/runner.py: checks, interleaved timing, JSON), then the table.
 # Usage on the device machine (repo root; .whl/ may carry fla-core, flash-linear-attention, jax_triton wheels):
-#   bash benchmarks/run_gpu.sh [SUBJECT ...]     (default: gdn conv attention mla; also engine, prefix, sched_overhead)
+#   bash benchmarks/run_gpu.sh [SUBJECT ...]     (default: gdn conv attention mla mlp; also engine, prefix, sched_overhead)
 # Env: OUT (output folder), PYTEST_TIMEOUT (s; 0 = skip the GPU tests, the default), ANCHOR_TIMEOUT (s),
 #      BENCH_TIMEOUT (s), BENCH_ARGS (extra runner.py arguments, e.g. "--cases decode --rounds 5").
 export PYTHONUNBUFFERED=1 HOME=/tmp TRITON_CACHE_DIR=/tmp/triton XLA_PYTHON_CLIENT_PREALLOCATE=false FLA_CACHE_RESULTS=0

@@ -7,7 +7,7 @@ Usage (repo root; a GPU machine runs ``bash benchmarks/run_gpu.sh``, which does 
     python benchmarks/runner.py --table OUT/bench.json                                 # print a saved run
     python benchmarks/runner.py gdn --small --impls reference,interpret                # CPU smoke run
 
-Subjects: ``gdn conv attention mla`` (the default) and ``engine prefix sched_overhead``. Each subject module declares
+Subjects: ``gdn conv attention mla mlp`` (the default) and ``engine prefix sched_overhead``. Each subject module declares
 its cases (``cases(small) -> list[Case | RunCase]``, see ``case.py``) and, where it has torch-side anchors
 (fla), ``torch_anchors(small)``. The torch half runs in its own process (fla autotunes; its Triton and JAX's
 must not share a process) and measures the torch copy of every case's byte count.
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
 from case import Case, RunCase  # noqa: E402
 
-OP_SUBJECTS = ("gdn", "conv", "attention", "mla")
+OP_SUBJECTS = ("gdn", "conv", "attention", "mla", "mlp")
 SUBJECTS = OP_SUBJECTS + ("engine", "prefix", "sched_overhead")
 COLUMNS = ("case", "subject", "op", "shapes", "impl", "kind", "ok", "err", "error", "median_ms", "timer",
            "wall_ms", "device_ms", "anchor", "anchor_ms", "vs_anchor", "bytes", "gbps", "copy_gbps", "vs_copy",

@@ -34,7 +34,7 @@ def bench():
 def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
     runner, _, _ = bench
     out = tmp_path / "bench.json"
-    one_each = ("gdn decode", "conv decode", "paged decode", "mla decode", "engine", "prefix", "scheduler")
+    one_each = ("gdn decode", "conv decode", "paged decode", "mla decode", "swiglu", "engine", "prefix", "scheduler")
     report = runner.run_subjects(list(runner.SUBJECTS), small=True, impls=("reference",), rounds=1, calls=1,
                                  out=str(out), only=one_each)
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(report["rows"], default=str))
@@ -50,7 +50,7 @@ def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
             assert r["rounds"] and (r["bytes"] == 0 or (r["gbps"] > 0 and r["copy_gbps"] > 0 and r["vs_copy"] > 0))
     ops = {r["op"] for r in rows}
     assert {"kvjax.state.gdn_ops.gdn_decode", "kvjax.state.gdn_ops.conv_decode", "kvjax.ops.paged_attention",
-            "kvjax.ops.mla_decode"} <= ops
+            "kvjax.ops.mla_decode", "kvjax.ops.mlp.swiglu"} <= ops
     conv = [r for r in rows if r["subject"] == "conv"]
     assert all(r["anchor"] == "reference" and r["vs_anchor"] == pytest.approx(1.0) for r in conv)
 

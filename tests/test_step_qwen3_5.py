@@ -82,7 +82,8 @@ class Planner:
     def plan(self, work: list[tuple[int, np.ndarray]]) -> tuple[StepInputs, list[tuple[int, int]]]:
         """work: [(sid, new token ids)] -> StepInputs (bucketed, rows shuffled; a decode step's live rows first, in
         shuffled order) and [(sid, logits position)]."""
-        decode = all(len(t) == 1 for _, t in work)  # a decode_only step: live rows first (the contract)
+        # a decode_only step: one token per row, every row continuing its state, live rows first (the contract)
+        decode = all(len(t) == 1 and self.done[sid] > 0 for sid, t in work)
         rows = list(self.rng.permutation(len(work) if decode else ROWS))[: len(work)]
         order = sorted(range(len(work)), key=lambda i: rows[i])  # row order
         total = sum(len(t) for _, t in work)
@@ -260,10 +261,10 @@ def test_step_bucketed_shapes_do_not_recompile(rng, base):
     assert len(got) > 30  # dozens of steps ran on at most len(T_BUCKETS) + 1 traces
     assert planner.signatures == {(32, False), (8, False), (8, True)}  # every allowed trace was used
     check_against_oracle(model, seqs, got)
-    # one-token prompts: decode-only steps whose rows start fresh in poisoned slots (no initial state)
+    # one-token prompts: their first step starts fresh rows in poisoned slots on the prefill path, then decode
     seqs = [rng.integers(0, 61, n).astype(np.int32) for n in (6, 4)]
     got, planner = run_schedule(model, rng, seqs, ([1], [1]), step_fn=step_fn, params=params)
-    assert planner.signatures == {(8, True)}
+    assert planner.signatures == {(8, False), (8, True)}
     check_against_oracle(model, seqs, got)
     # a plan outside the buckets (another token count) would retrace, and the guard catches it
     planner = Planner(rng, 2, (), ())

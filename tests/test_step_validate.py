@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.engine.inputs import StepInputs
+from kvjax.engine.inputs import StepInputs, decode_only
 from kvjax.errors import InvalidPlanError
 from kvjax.sched.scheduler import Scheduler
 
@@ -156,3 +156,22 @@ def test_decode_only_needs_live_rows_first():
     a["cu_seqlens"] = np.concatenate([[0], np.cumsum((a["gdn_slots"] > 0).astype(np.int32))]).astype(np.int32)
     with pytest.raises(InvalidPlanError, match="come after the live rows"):
         StepInputs.from_numpy(decode_only=True, **a).validate(**kw)
+
+
+def test_decode_only_needs_every_live_row_to_continue():
+    """A ``decode_only`` step has no fresh row (the decode kernels continue every live row's state): a plan whose
+    one-token rows include a first step is not ``decode_only``, and forcing the flag is refused."""
+    rng = np.random.default_rng(4)
+    sched = Scheduler(CACHE, SWA, max_num_batched_tokens=16, recycle="timely")
+    for _ in range(2):
+        sched.add_request(rng.integers(0, VOCAB, 1), 4)  # one-token prompts
+    plan = sched.schedule()
+    assert (plan.query_lens[: plan.num_seqs] == 1).all() and not plan.has_initial_state[: plan.num_seqs].any()
+    assert not decode_only([plan], True)
+    a = {k: np.array(v) for k, v in plan.device_arrays().items()}
+    kw = dict(num_pages=CACHE.num_pages, page_size=PS, max_slots=CACHE.max_seqs + 1, vocab_size=VOCAB, attention=SWA)
+    StepInputs.from_numpy(decode_only=False, **a).validate(**kw)
+    with pytest.raises(InvalidPlanError, match="no initial state"):
+        StepInputs.from_numpy(decode_only=True, **a).validate(**kw)
+    sched.update(plan, rng.integers(0, VOCAB, plan.seq_lens.shape[0]))
+    assert decode_only([sched.schedule()], True)

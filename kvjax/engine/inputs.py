@@ -126,6 +126,12 @@ class StepInputs:
                 f"StepInputs.decode_only but rows have {n_new} tokens (slots {a['gdn_slots']}): every row with "
                 "a slot must have exactly one token, padding rows (slot 0) none, and come after the live rows"
             )
+        if self.decode_only and (active & ~a["has_initial_state"].astype(bool)).any():
+            raise InvalidPlanError(
+                f"StepInputs.decode_only but live rows {np.flatnonzero(active & ~a['has_initial_state']).tolist()} "
+                "have no initial state: the decode kernels continue every live row (a fresh row takes the prefill "
+                "path)"
+            )
         li = a["logits_indices"]
         if ((li < 0) | (li >= max(t, 1))).any():
             raise InvalidPlanError(f"StepInputs.logits_indices {li} outside [0, {t})")
@@ -209,9 +215,11 @@ class PackLayout:
 
 def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
     """The static ``StepInputs.decode_only`` flag of a step: every real row of every plan (data shard) has one
-    token, and some plan has a row."""
+    token and continues its GDN state (``has_initial_state``: a one-token prompt's first step takes the prefill
+    path, so the decode kernels never start a row from zeros), and some plan has a row."""
     return bool(use_decode_path and any(p.num_seqs for p in plans)
-                and all((p.query_lens[: p.num_seqs] == 1).all() for p in plans))
+                and all((p.query_lens[: p.num_seqs] == 1).all() and p.has_initial_state[: p.num_seqs].all()
+                        for p in plans))
 
 
 def host_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:

@@ -5,8 +5,8 @@ Layout (issue #20, phase A). The mesh is ``jax.sharding.Mesh(devices, ("data", "
 - ``"model"`` (tensor parallel): attention query and KV heads, GDN key/value heads and their conv channels,
   MLP (and expert) columns, and the vocabulary of the embedding and LM head (padded with zero rows / columns to
   a multiple of ``M``; the logits are all-gathered and sliced to the true vocabulary inside the step, so a
-  padded entry never reaches a sampler). Column-parallel projections are split on their output axis,
-  row-parallel ones (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed with a ``psum``;
+  padded entry never reaches a sampler). Column-parallel projections are split on their output axis (axis 1
+  of a ``Linear`` kernel ``[in, out]``, axis 0 of a ``TorchLinear`` weight ``[out, in]``), row-parallel ones (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed with a ``psum``;
   norms, routers and the DSA indexer are replicated. A head count (or MLP width) that ``M`` does not divide is
   a ``ValueError`` naming both numbers. Rules: :func:`param_spec`; family details: ``model.shard_plan``.
 - ``"data"``: batch rows. Each data shard is an independent ragged batch with its own pages and GDN slots:
@@ -80,8 +80,8 @@ def param_spec(path: Sequence[Any]) -> P:
         return P(MODEL, None)  # [V, H]: vocabulary rows
     if owner == "experts":  # gate_up_proj [E, 2I, D], down_proj [E, D, I]
         return P(None, MODEL, None) if leaf == "gate_up_proj" else P(None, None, MODEL)
-    if leaf in ("kernel", "bias") and owner in COLUMN:
-        return P(None, MODEL) if leaf == "kernel" else P(MODEL)
+    if leaf in ("kernel", "bias", "weight") and owner in COLUMN:  # weight: TorchLinear [out, in]
+        return {"kernel": P(None, MODEL), "weight": P(MODEL, None), "bias": P(MODEL)}[leaf]
     if leaf in ("kernel", "bias") and owner in ROW:
         return P(MODEL, None) if leaf == "kernel" else P()
     if owner == "linear_attn" and leaf in ("conv_weight", "dt_bias", "A_log"):

@@ -14,6 +14,9 @@ read and write nothing and their tokens' outputs are zero. A live row starts fro
 - :func:`gdn_prefill_pool`: the chunked gated delta rule (:data:`PREFILL_TABLE`).
 - :func:`gdn_decode_pool`: the stepwise one (:data:`DECODE_TABLE`); ``cu_seqlens=None`` = one token per row,
   ``has_initial_state=None`` = every live row continues its state.
+- :func:`gated_delta_decode_pool`: Qwen3.5's decode step from the packed conv output ``q | k | v``, the hidden
+  state and the gate parameters (:data:`GATED_DECODE_TABLE`): the slot kernel reads the columns and projects
+  and computes the gates (:func:`qwen_gates`) itself, so no XLA op runs between the conv and the kernel.
 
 Both return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
 has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``).
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.base.checks import check_array, check_int32
+from kvjax.base.checks import check_array, check_float, check_int32
 from kvjax.base.ragged import count_le
 from kvjax.errors import InvalidPlanError
 from kvjax.ops import gdn
@@ -42,6 +45,7 @@ from kvjax.ops.backends import Backend, BackendTable
 PAD_SLOT = 0
 PREFILL_OP = "gdn_prefill_pool"
 DECODE_OP = "gdn_decode_pool"
+GATED_DECODE_OP = "gated_delta_decode_pool"
 
 
 # ---------------------------------------------------------------------------------------------- slot ids
@@ -228,6 +232,103 @@ def gdn_decode_pool(
                 use_qk_l2norm, impl)
 
 
+def qwen_gates(
+    a: jax.Array,  # [T, Hv]  raw decay projection
+    b: jax.Array,  # [T, Hv]  raw beta projection
+    a_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    beta_dtype,
+) -> tuple[jax.Array, jax.Array]:  # (g f32[T, Hv], beta [T, Hv] in beta_dtype)
+    """Qwen3.5's GDN gates: ``g = -exp(A_log) * softplus(a + dt_bias)`` (f32), ``beta = sigmoid(b)``."""
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return g, jax.nn.sigmoid(b).astype(beta_dtype)
+
+
+def split_packed(qkv: jax.Array, num_v_heads: int, kd: int, vd: int):  # [T, 2*Hk*K + Hv*V] -> q, k, v
+    """The head-major column blocks ``q | k | v`` of the packed conv output as ``[T, Hk, K]`` x2, ``[T, Hv, V]``."""
+    t, width = qkv.shape
+    hk, rem = divmod(width - num_v_heads * vd, 2 * kd)
+    if rem or hk < 1 or num_v_heads % hk:
+        raise ValueError(f"qkv has {width} columns: not 2*Hk*{kd} + {num_v_heads}*{vd} for an Hk dividing "
+                         f"Hv={num_v_heads}")
+    kdim = hk * kd
+    return (qkv[:, :kdim].reshape(t, hk, kd), qkv[:, kdim:2 * kdim].reshape(t, hk, kd),
+            qkv[:, 2 * kdim:].reshape(t, num_v_heads, vd))
+
+
+def gate_projections(x: jax.Array, w_a: jax.Array, w_b: jax.Array):  # [T, D], [Hv, D] x2 -> a, b [T, Hv]
+    """The raw gate projections ``a = x @ w_a.T``, ``b = x @ w_b.T`` (torch-layout weights; full-precision
+    products, x's dtype out)."""
+    hi = jax.lax.Precision.HIGHEST
+    return jnp.matmul(x, w_a.T, precision=hi), jnp.matmul(x, w_b.T, precision=hi)
+
+
+def gated_delta_decode_pool_reference(
+    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]
+    x: jax.Array,  # [B, D]
+    w_a: jax.Array,  # [Hv, D]
+    w_b: jax.Array,  # [Hv, D]
+    a_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer,
+    slot_ids: jax.Array,  # i32[B]
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V], new ssm)
+    """Oracle: :func:`split_packed`, :func:`gate_projections`, :func:`qwen_gates`, then
+    :func:`gdn_decode_pool_reference`."""
+    hv, kd, vd = ssm.shape[2:]
+    q, k, v = split_packed(qkv, hv, kd, vd)
+    g, beta = qwen_gates(*gate_projections(x, w_a, w_b), a_log, dt_bias, qkv.dtype)
+    return gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids, has_initial_state=None,
+                                     cu_seqlens=None, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+def validate_gated_args(qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer, slot_ids, scale, use_qk_l2norm,
+                        impl) -> float:
+    """Host-side check of a :func:`gated_delta_decode_pool` call (the packed widths against the pool's heads,
+    the gate inputs, then :func:`validate_pool_args` on the split call); returns the resolved ``scale``."""
+    check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32])
+    hv, kd, vd = ssm.shape[2:]
+    check_float("qkv", qkv, rank=2)
+    q, k, v = jax.eval_shape(lambda t: split_packed(t, hv, kd, vd), jax.ShapeDtypeStruct(qkv.shape, qkv.dtype))
+    check_array("x", x, rank=2, dtypes=[qkv.dtype], shape=(qkv.shape[0], None))
+    check_array("w_a", w_a, shape=(hv, x.shape[1]), dtypes=[qkv.dtype])
+    check_array("w_b", w_b, shape=(hv, x.shape[1]), dtypes=[qkv.dtype])
+    check_float("A_log", a_log, shape=(hv,))
+    check_float("dt_bias", dt_bias, shape=(hv,))
+    g = jax.ShapeDtypeStruct((qkv.shape[0], hv), jnp.float32)
+    beta = jax.ShapeDtypeStruct((qkv.shape[0], hv), qkv.dtype)
+    return validate_pool_args(q, k, v, g, beta, ssm, layer, slot_ids, None, None, scale, use_qk_l2norm, impl)
+
+
+def gated_delta_decode_pool(
+    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]  the conv output, one token per row
+    x: jax.Array,  # [B, D]  the hidden state the gates are projected from
+    w_a: jax.Array,  # [Hv, D]  in_proj_a weight (torch layout)
+    w_b: jax.Array,  # [Hv, D]  in_proj_b weight
+    a_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int | jax.Array,
+    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V] in qkv's dtype, new ssm f32[L, S+1, Hv, K, V])
+    """Qwen3.5's GDN decode step on the SSM array: :func:`gdn_decode_pool` (one token per row, every live row
+    continuing) of :func:`split_packed` ``(qkv)`` with the gates :func:`qwen_gates` of
+    :func:`gate_projections` ``(x, w_a, w_b)``. Errors: :func:`validate_gated_args`; ``UnknownImplError`` for an
+    ``impl`` that cannot run here."""
+    scale = validate_gated_args(qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer, slot_ids, scale, use_qk_l2norm, impl)
+    fixed = static_layer(layer)
+    return GATED_DECODE_TABLE(impl, qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer=layer if fixed is None else fixed,
+                              slot_ids=slot_ids, scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
+
+
 # ---------------------------------------------------------------------------------------------- backend tables
 def _example(num_tokens: int, rows: int, heads: int, *, ragged: bool, layer_traced: bool = False):
     """A representative normalised call: bf16 q/k/v/beta, K = V = 128, a pool of ``rows + 9`` slots."""
@@ -240,6 +341,14 @@ def _example(num_tokens: int, rows: int, heads: int, *, ragged: bool, layer_trac
         scale=kw["scale"], use_qk_l2norm=True,
     )
     return (*args, ssm), kwargs
+
+
+def _gated_example(rows: int, hk: int, hv: int, hidden: int = 1024):
+    """A representative gated decode call: bf16 packed conv output, hidden state and weights, K = V = 128."""
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    args = (sds((rows, (2 * hk + hv) * 128), bf16), sds((rows, hidden), bf16), sds((hv, hidden), bf16),
+            sds((hv, hidden), bf16), sds((hv,), bf16), sds((hv,), bf16), sds((1, rows + 9, hv, 128, 128), jnp.float32))
+    return args, dict(layer=0, slot_ids=sds((rows,), jnp.int32), scale=128 ** -0.5, use_qk_l2norm=True)
 
 
 _PALLAS_NOTE = "rows/flags kernel on the flattened [L * (S+1)] slots: takes every call"
@@ -271,5 +380,20 @@ DECODE_TABLE = BackendTable(
         "decode B=128 H=32, int layer": lambda: _example(128, 128, 32, ragged=False),
         "decode B=128 H=32, traced layer": lambda: _example(128, 128, 32, ragged=False, layer_traced=True),
         "verify B=32 x 4 tokens H=32": lambda: _example(128, 32, 32, ragged=True),
+    },
+)
+
+GATED_DECODE_TABLE = BackendTable(
+    GATED_DECODE_OP,
+    gated_delta_decode_pool_reference,
+    (
+        Backend("slots", "kvjax.pallas.gdn.recurrent:gated_decode_slots_pallas", priority=20,
+                unsupported="kvjax.pallas.gdn.recurrent:gated_decode_slots_unsupported",
+                note="the slot decode kernel reading q/k/v by column and projecting the gates: no XLA op "
+                     "between the conv and it"),
+    ),
+    examples={
+        "decode B=64 Hk=4 Hv=8 K=V=128, int layer": lambda: _gated_example(64, 4, 8),
+        "decode B=256 Hk=16 Hv=32 K=V=128, int layer": lambda: _gated_example(256, 16, 32),
     },
 )

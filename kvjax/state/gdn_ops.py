@@ -7,6 +7,8 @@ backend tables) under jit with the pool donated, so the kernels update it in pla
 - :func:`gdn_prefill` / :func:`gdn_decode`: the gated delta rule (chunked / stepwise) on ``pool.ssm``;
   ``gdn_decode`` with ``cu_seqlens=None``, ``has_initial_state=None`` and a Python-int ``layer`` runs the slot
   decode kernel straight on the pool by slot id, with no XLA work around it (on a GPU, ``impl="auto"``).
+- :func:`gated_delta_decode`: Qwen3.5's decode step from the packed conv output and the raw gate projections
+  (the same kernel reading q / k / v by column and computing the gates).
 - :func:`conv_prefill` / :func:`conv_decode`: the causal conv1d on ``pool.conv``.
 
 Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot ``slot_ids[n]``; rows whose
@@ -111,6 +113,43 @@ def gdn_decode(
     """
     return _public(gdn_slots.gdn_decode_pool, gdn_slots.DECODE_TABLE, q, k, v, g, beta, pool, layer, slot_ids,
                    has_initial_state, cu_seqlens, scale, use_qk_l2norm, impl)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "layer", "scale", "use_qk_l2norm"), donate_argnames=("ssm",))
+def _gated_run(impl, qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids, *, layer, scale, use_qk_l2norm):
+    return gdn_slots.gated_delta_decode_pool(qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer=layer, slot_ids=slot_ids,
+                                             scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl)
+
+
+def gated_delta_decode(
+    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]  conv output (q | k | v), one token per row
+    x: jax.Array,  # [B, D]  hidden state the gates are projected from
+    w_a: jax.Array,  # [Hv, D]  in_proj_a weight (torch layout)
+    w_b: jax.Array,  # [Hv, D]  in_proj_b weight
+    a_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    pool: GDNStatePool,  # ssm f32[L, S+1, Hv, K, V] (donated)
+    *,
+    layer: int,
+    slot_ids: jax.Array,  # i32[B]  0 = padding row
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    impl: str = "auto",
+) -> tuple[jax.Array, GDNStatePool]:
+    """Qwen3.5's GDN decode step on the pool; returns ``(o: [B, Hv, V], pool)`` with every live row's state
+    at ``pool.ssm[layer, slot_ids[b]]`` advanced one token (``conv`` untouched; ``pool.ssm`` donated).
+
+    Equals :func:`gdn_decode` of the split ``q, k, v`` and the gates :func:`kvjax.ops.gdn_slots.qwen_gates` of
+    ``x @ w_a.T``, ``x @ w_b.T``; see :func:`kvjax.ops.gdn_slots.gated_delta_decode_pool`."""
+    _check_pool(pool)
+    if gdn_slots.static_layer(layer) is None:
+        raise ValueError(f"layer must be a Python int, got {type(layer).__name__}")
+    scale = gdn_slots.validate_gated_args(qkv, x, w_a, w_b, a_log, dt_bias, pool.ssm, layer, slot_ids, scale,
+                                          use_qk_l2norm, impl)
+    gdn_slots.GATED_DECODE_TABLE.validate_impl(impl)
+    o, ssm = _gated_run(impl, qkv, x, w_a, w_b, a_log, dt_bias, pool.ssm, jnp.asarray(slot_ids), layer=int(layer),
+                        scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
+    return o, dataclasses.replace(pool, ssm=ssm)
 
 
 # ---------------------------------------------------------------------------------------------- conv

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.models.common.parallel import reduce
+from kvjax.ops.mlp import swiglu
 
 
 def rms_norm(
@@ -89,8 +90,22 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+class TorchLinear(nnx.Module):
+    """``y = x @ weight.T`` with ``weight: [out, in]`` (torch's layout, loaded as stored): for column-parallel
+    projections a kernel reads by output row (the GDN gates, :func:`kvjax.ops.gdn_slots.gated_delta_decode_pool`).
+    No bias; sharded on the output axis (axis 0)."""
+
+    def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        scale = 1.0 / math.sqrt(d_in)
+        self.weight = nnx.Param(scale * jax.random.normal(rngs.params(), (d_out, d_in), dtype))  # [out, in]
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        return jnp.matmul(x, self.weight[...].T, precision=jax.lax.Precision.HIGHEST)
+
+
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Qwen3.5 ``MLP``, DeepSeek dense MLP and shared experts)."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Qwen3.5 ``MLP``, DeepSeek dense MLP and shared experts); the
+    up-projection is the op :func:`kvjax.ops.mlp.swiglu` (a Pallas kernel for decode rows on a GPU)."""
 
     def __init__(self, hidden: int, inter: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.gate_proj = Linear(hidden, inter, rngs=rngs, dtype=dtype)  # kernel [H, I]
@@ -98,4 +113,4 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inter, hidden, rngs=rngs, dtype=dtype)  # kernel [I, H]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., H] -> [..., H]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(x, self.gate_proj.kernel[...], self.up_proj.kernel[...]))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from kvjax.base.ragged import token_rows
 from kvjax.config import AttentionConfig, GDNConfig
-from kvjax.models.common.layers import MLP, GatedRMSNorm, Linear, RMSNorm
+from kvjax.models.common.layers import MLP, GatedRMSNorm, Linear, RMSNorm, TorchLinear
 from kvjax.models.common.rope import apply_rope
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.state.gdn_pool import GDNStatePool
@@ -32,8 +32,8 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, kd, vd = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
         self.in_proj_qkv = Linear(hidden, cfg.conv_dim, rngs=rngs, dtype=dtype)
         self.in_proj_z = Linear(hidden, hv * vd, rngs=rngs, dtype=dtype)
-        self.in_proj_b = Linear(hidden, hv, rngs=rngs, dtype=dtype)
-        self.in_proj_a = Linear(hidden, hv, rngs=rngs, dtype=dtype)
+        self.in_proj_b = TorchLinear(hidden, hv, rngs=rngs, dtype=dtype)  # weight [Hv, H]: rows read by the kernel
+        self.in_proj_a = TorchLinear(hidden, hv, rngs=rngs, dtype=dtype)
         w = cfg.conv_kernel_size
         self.conv_weight = nnx.Param(
             jax.random.normal(rngs.params(), (cfg.conv_dim, w), dtype) / np.sqrt(w)
@@ -55,17 +55,16 @@ class GatedDeltaNet(nnx.Module):
 
     def _split(self, x: jax.Array, mixed: jax.Array):
         """x [T, H], conv output [T, conv_dim] -> q, k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta [T, Hv], z."""
+        from kvjax.ops.gdn_slots import qwen_gates, split_packed
+
         c = self.cfg
-        t = x.shape[0]
-        kdim = c.num_k_heads * c.head_k_dim
-        q = mixed[:, :kdim].reshape(t, c.num_k_heads, c.head_k_dim)
-        k = mixed[:, kdim: 2 * kdim].reshape(t, c.num_k_heads, c.head_k_dim)
-        v = mixed[:, 2 * kdim:].reshape(t, c.num_v_heads, c.head_v_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(v.dtype)
-        a = self.in_proj_a(x).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
-        z = self.in_proj_z(x).reshape(t, c.num_v_heads, c.head_v_dim)
-        return q, k, v, g.astype(jnp.float32), beta, z
+        q, k, v = split_packed(mixed, c.num_v_heads, c.head_k_dim, c.head_v_dim)
+        g, beta = qwen_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log[...], self.dt_bias[...], v.dtype)
+        return q, k, v, g, beta, self._z(x)
+
+    def _z(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, Hv, V]
+        c = self.cfg
+        return self.in_proj_z(x).reshape(x.shape[0], c.num_v_heads, c.head_v_dim)
 
     def _out(self, o: jax.Array, z: jax.Array) -> jax.Array:  # [T, Hv, V], [T, Hv, V] -> [T, H]
         c = self.cfg
@@ -92,11 +91,11 @@ class GatedDeltaNet(nnx.Module):
 
         ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch (no gather when
         ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id
-        (every live row continues its state: the caller zeroes fresh rows' slots first, see
-        :meth:`~kvjax.models.qwen3_5.model.Qwen3_5ForCausalLM.forward_step`); outputs are scattered back to token
-        order.
+        (the GDN one on the packed conv output and the raw gate projections, :func:`gated_delta_decode`)
+        (every live row continues its state: a ``decode_only`` step has no fresh row); outputs are scattered
+        back to token order.
         """
-        from kvjax.state.gdn_ops import conv_decode, conv_prefill, gdn_decode, gdn_prefill
+        from kvjax.state.gdn_ops import conv_decode, conv_prefill, gated_delta_decode, gdn_prefill
 
         slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
         weight = self.conv_weight[...]
@@ -105,9 +104,10 @@ class GatedDeltaNet(nnx.Module):
             rows_are_tokens = t == cu.shape[0] - 1  # live rows first, one token each: token b is row b's
             xr = x if rows_are_tokens else x[jnp.clip(cu[:-1], 0, t - 1)]  # [B, H] (padding rows: ignored)
             mixed, pool = conv_decode(self.in_proj_qkv(xr), weight, None, pool, layer=layer, slot_ids=slots)
-            q, k, v, g, beta, z = self._split(xr, mixed)
-            o, pool = gdn_decode(q, k, v, g, beta, pool, layer=layer, slot_ids=slots, use_qk_l2norm=True)
-            y = self._out(o, z)  # [B, H]
+            o, pool = gated_delta_decode(mixed, xr, self.in_proj_a.weight[...], self.in_proj_b.weight[...],
+                                         self.A_log[...], self.dt_bias[...], pool, layer=layer, slot_ids=slots,
+                                         use_qk_l2norm=True)
+            y = self._out(o, self._z(xr))  # [B, H]
             return (y if rows_are_tokens else y[token_rows(cu, t)]), pool
         mixed, pool = conv_prefill(
             self.in_proj_qkv(x), weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,

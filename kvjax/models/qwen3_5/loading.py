@@ -34,6 +34,8 @@ def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Q
         shape, last = tuple(var.get_value().shape), str(path[-1])
         if last == "kernel":
             values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[0]), shape)
+        elif last == "weight" and len(shape) == 2:  # TorchLinear [out, in]
+            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
         elif last == "conv_weight":
             values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
         elif last == "embed_tokens":

@@ -157,7 +157,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
         Reads and writes GDN states at ``inputs.gdn_slots`` (zeros where ``has_initial_state`` is false; slot 0
         never written), writes new K/V by ``inputs.slot_mapping`` and attends through ``inputs.block_tables``
         with the per-KV-head window/sinks. ``inputs.decode_only`` (static) selects the recurrent GDN kernel and
-        the conv update; otherwise the chunked kernel serves every row (prefill chunks and decode tokens).
+        the conv update, which continue every live row's state (a ``decode_only`` step has no fresh row:
+        :func:`kvjax.engine.inputs.decode_only`); otherwise the chunked kernel serves every row (prefill chunks
+        and decode tokens).
         """
         from kvjax.ops.attention import paged_attention
         from kvjax.state.kv_cache import write_kv
@@ -171,10 +173,6 @@ class Qwen3_5ForCausalLM(nnx.Module):
             window = self.tp.local(jnp.asarray(self.tp.kv_window or (0,) * self.tp.size, jnp.int32))
             sinks = self.tp.local(jnp.asarray(self.tp.kv_sinks or (0,) * self.tp.size, jnp.int32))
         pool, kv = caches.gdn, dict(caches.pages)
-        if inputs.decode_only:  # decode kernels continue every live row: zero fresh rows' slots (1-token prompts),
-            fresh = jnp.where(inputs.has_initial_state, 0, inputs.gdn_slots)  # i32[B]; 0 = keep
-            # skipped when there is none: the scatter walks B rows' whole state (0.06 ms at 64 rows on an H100)
-            pool = jax.lax.cond((fresh > 0).any(), lambda p: gdn_pool.reset(p, fresh), lambda p: p, pool)
         gi = 0
         for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)

@@ -21,6 +21,7 @@ Both update a token in one pass: ``k^T S`` and ``q^T S`` on the state as loaded,
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,58 +48,96 @@ def _zero_tokens(o_ref, h, vs, vmask, lo, hi, block_v):
     lax.fori_loop(lo, hi, body, 0)
 
 
-def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, cols, *, scale, use_qk_l2norm):
-    """One delta-rule token on the state slice ``s: f32[Kp, block_v]`` (``cols = (kc, kmask, vs, vmask)``: the
-    padded K lanes and the value block, :mod:`kvjax.pallas.gdn.common`); returns ``(new s, o: f32[block_v])``."""
-    kc, kmask, vs, vmask = cols
-    q = load(q_ref, (t, hk, kc), kmask).astype(jnp.float32)
-    k = load(k_ref, (t, hk, kc), kmask).astype(jnp.float32)
+def _delta_token(s, q, k, v, decay, beta, *, scale, use_qk_l2norm):
+    """One delta-rule token on the state slice ``s: f32[Kp, block_v]`` from its loaded ``q, k: [Kp]``,
+    ``v: [block_v]`` and scalar ``decay = exp(g)``, ``beta``; returns ``(new s, o: f32[block_v])``."""
+    q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
-    v = load(v_ref, (t, h, vs), vmask).astype(jnp.float32)
-    decay = jnp.exp(g_ref[t, h].astype(jnp.float32))
-    beta = beta_ref[t, h].astype(jnp.float32)
     ks = jnp.sum(s * k[:, None], axis=0)
     qs = jnp.sum(s * q[:, None], axis=0)
     delta = (v - decay * ks) * beta
     return s * decay + k[:, None] * delta[None, :], (decay * qs + jnp.sum(q * k) * delta) * scale
 
 
+def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, cols, *, scale, use_qk_l2norm):
+    """:func:`_delta_token` of token ``t``, head ``h`` read from ``[T, H, D]`` refs (``cols = (kc, kmask, vs,
+    vmask)``: the padded K lanes and the value block, :mod:`kvjax.pallas.gdn.common`)."""
+    kc, kmask, vs, vmask = cols
+    return _delta_token(s, load(q_ref, (t, hk, kc), kmask), load(k_ref, (t, hk, kc), kmask),
+                        load(v_ref, (t, h, vs), vmask), jnp.exp(g_ref[t, h].astype(jnp.float32)),
+                        beta_ref[t, h].astype(jnp.float32), scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+def _gates(x_ref, w_a_ref, w_b_ref, a_log, dt_bias, n, h):
+    """Qwen3.5's gates of row ``n``, head ``h`` from the hidden state: ``a = x . w_a[h]``, ``b = x . w_b[h]``
+    (f32 sums rounded to x's dtype, as the unfused projection returns them), ``decay = exp(g)`` with ``g =
+    -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` rounded to x's dtype."""
+    cols, mask = head_cols(x_ref.shape[1])
+    x = load(x_ref, (n, cols), mask).astype(jnp.float32)
+    dtype = x_ref.dtype
+    a = jnp.sum(x * load(w_a_ref, (h, cols), mask).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    b = jnp.sum(x * load(w_b_ref, (h, cols), mask).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    z = a + dt_bias.astype(jnp.float32)
+    softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
+    g = -jnp.exp(a_log.astype(jnp.float32)) * softplus
+    beta = 1.0 / (1.0 + jnp.exp(-b))
+    return jnp.exp(g), beta.astype(dtype).astype(jnp.float32)
+
+
 def _slots_kernel(
     slots_ref,  # i32[B]
-    q_ref,  # [B, Hk, K]
-    k_ref,  # [B, Hk, K]
-    v_ref,  # [B, Hv, V]
-    g_ref,  # f32[B, Hv]
-    beta_ref,  # [B, Hv]
-    pool_in_ref,  # f32[L, S+1, Hv, K, V]  (aliased with pool_ref)
-    o_ref,  # [B, Hv, V]
-    pool_ref,  # f32[L, S+1, Hv, K, V]
-    *,
+    q_ref,  # [B, Cq]  head hk's K columns at q0 + hk * K
+    k_ref,  # [B, Ck]  at k0 + hk * K
+    v_ref,  # [B, Cv]  head h's V columns at v0 + h * V
+    *refs,  # g f32[B, Hv], beta [B, Hv]; or (project_gates) x [B, D], w_a [Hv, D], w_b [Hv, D], A_log [Hv],
+    #         dt_bias [Hv]; then pool_in f32[L, S+1, Hv, K, V] (aliased with pool), o [B, Hv, V], pool
     layer: int,
     group: int,
     scale: float,
     use_qk_l2norm: bool,
     block_v: int,
+    offsets: tuple[int, int, int],
+    project_gates: bool,
 ):
     """Decode on the GDN pool by slot: one program per state tile ``[K, block_v]`` of one (row, head); grid
-    ``(value block, head, row)``. Rows whose slot is not in ``1..S`` read and write nothing (uniform masks)
-    and output zeros."""
+    ``(value block, head, row)``. q / k / v are column ranges of 2-D arrays (separate arrays at offset 0, or the
+    packed conv output); with ``project_gates`` the kernel computes ``g`` and ``beta`` from the hidden state
+    (:func:`_gates`). Rows whose slot is not in ``1..S`` read and write nothing (uniform masks) and output
+    zeros."""
+    *gate_refs, pool_in_ref, o_ref, pool_ref = refs
     lay = jnp.asarray(layer, jnp.int32)  # an array index: interpret mode rejects a Python int under pl.when
     vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kd, vd = pool_in_ref.shape[3], pool_in_ref.shape[4]
+    kp, (q0, k0, v0) = next_pow2(kd), offsets
     kc, kmask = head_cols(kd)
     vs, vmask = col_block(vb, block_v, vd)
     slot = slots_ref[n]
     live = (slot >= 1) & (slot < pool_in_ref.shape[1])
     slot = jnp.where(live, slot, 0)
-    shape = (next_pow2(kd), block_v)
+    shape = (kp, block_v)
     mask = tile_mask(shape, kmask, vmask, jnp.full(shape, live))
     s = plt.load(pool_in_ref.at[lay, slot, h, kc, vs], mask=mask, other=0.0, eviction_policy="evict_first")
-    s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, n, h, h // group, (kc, kmask, vs, vmask),
-                         scale=scale, use_qk_l2norm=use_qk_l2norm)
+    hk = h // group
+    q = load(q_ref, (n, _cols(q0, hk, kd, kp)), kmask)
+    k = load(k_ref, (n, _cols(k0, hk, kd, kp)), kmask)
+    v = load(v_ref, (n, _cols(v0, h, vd, block_v, vb)), vmask)
+    if project_gates:
+        x_ref, w_a_ref, w_b_ref, a_log_ref, dt_bias_ref = gate_refs
+        decay, beta = _gates(x_ref, w_a_ref, w_b_ref, a_log_ref[h], dt_bias_ref[h], n, h)
+    else:
+        g_ref, beta_ref = gate_refs
+        decay, beta = jnp.exp(g_ref[n, h].astype(jnp.float32)), beta_ref[n, h].astype(jnp.float32)
+    s, o = _delta_token(s, q, k, v, decay, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
     store(o_ref, (n, h, vs), jnp.where(live, o, 0.0).astype(o_ref.dtype), vmask)
     plt.store(pool_ref.at[lay, slot, h, kc, vs], s, mask=mask, eviction_policy="evict_first")
+
+
+def _cols(base: int, head: jax.Array, dim: int, width: int, block: jax.Array | None = None):
+    """``width`` columns of a 2-D ref from ``base + head * dim`` (plus ``block * width`` for a value block)."""
+    start = base + head * dim + (0 if block is None else block * width)
+    align = math.gcd(base, dim, width if block is not None else dim)
+    return pl.ds(pl.multiple_of(start, align) if align > 1 else start, width)
 
 
 def _recurrent_kernel(
@@ -217,6 +256,31 @@ def recurrent_gated_delta_rule_pool(
     )(cu_seqlens, rows, flags, q, k, v, g, beta, pool)
 
 
+def _slots_call(slot_ids, q, k, v, gates: tuple, ssm, *, hk: int, offsets, layer, scale, use_qk_l2norm, block_v,
+                num_warps, interpret):
+    """The slot kernel on 2-D ``q, k, v`` column ranges (``offsets``); ``gates``: ``(g, beta)``, or ``(x, w_a,
+    w_b, A_log, dt_bias)`` to compute them in the kernel. Returns ``(o [B, Hv, V] in v's dtype, ssm)``."""
+    num_tokens = slot_ids.shape[0]
+    hv, vd = ssm.shape[2], ssm.shape[4]
+    bv = _block_v(vd, block_v)
+    kernel = functools.partial(_slots_kernel, layer=layer, group=hv // hk, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, block_v=bv, offsets=offsets,
+                               project_gates=len(gates) == 5)
+    args = (slot_ids, q, k, v, *gates, ssm)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
+            jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
+        ),
+        grid=(pl.cdiv(vd, bv), hv, num_tokens),
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_decode_slots",
+    )(*args)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
@@ -244,25 +308,50 @@ def recurrent_gated_delta_rule_slots(
     Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Defaults: the fastest
     configuration measured (block_v 64, 4 warps; benchmarks/HISTORY.md).
     """
-    num_tokens, hk, kd = q.shape
-    hv, vd = v.shape[1], v.shape[2]
+    num_tokens, hk, _ = q.shape
     if num_tokens != slot_ids.shape[0]:
         raise ValueError(f"one token per row: q has {num_tokens} tokens, slot_ids {slot_ids.shape[0]} rows")
-    bv = _block_v(vd, block_v)
-    kernel = functools.partial(_slots_kernel, layer=layer, group=hv // hk, scale=scale,
-                               use_qk_l2norm=use_qk_l2norm, block_v=bv)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
-            jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
-        ),
-        grid=(pl.cdiv(vd, bv), hv, num_tokens),
-        input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_decode_slots",
-    )(slot_ids, q, k, v, g, beta, ssm)
+    flat = lambda x: x.reshape(num_tokens, -1)  # noqa: E731  (a bitcast: the head columns stay in place)
+    return _slots_call(slot_ids, flat(q), flat(k), flat(v), (g, beta), ssm, hk=hk, offsets=(0, 0, 0),
+                       layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=block_v,
+                       num_warps=num_warps, interpret=interpret)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    donate_argnames=("ssm",),
+)
+def gated_delta_decode_slots(
+    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]  the conv output: q | k | v head-major columns
+    x: jax.Array,  # [B, D]  the layer's (normed) hidden state
+    w_a: jax.Array,  # [Hv, D]  in_proj_a weight (torch layout)
+    w_b: jax.Array,  # [Hv, D]  in_proj_b weight
+    a_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  GDN pool, donated, updated in place
+    *,
+    slot_ids: jax.Array,  # i32[B]  0 (or out of range) = padding row
+    layer: int,
+    scale: float,
+    use_qk_l2norm: bool = False,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V] in qkv's dtype, ssm f32[L, S+1, Hv, K, V])
+    """:func:`recurrent_gated_delta_rule_slots` reading q / k / v from the packed conv output by column and
+    computing Qwen3.5's gates in the kernel from the hidden state (:func:`_gates`): no XLA op between the conv
+    and the kernel, none for the gates. ``Hk`` follows from the widths."""
+    num_tokens, width = qkv.shape
+    hv, kd, vd = ssm.shape[2:]
+    hk, rem = divmod(width - hv * vd, 2 * kd)
+    if rem or hk < 1 or hv % hk:
+        raise ValueError(f"qkv has {width} columns: not 2*Hk*{kd} + {hv}*{vd} for an Hk dividing Hv={hv}")
+    if num_tokens != slot_ids.shape[0]:
+        raise ValueError(f"one token per row: qkv has {num_tokens} rows, slot_ids {slot_ids.shape[0]}")
+    return _slots_call(slot_ids, qkv, qkv, qkv, (x, w_a, w_b, a_log, dt_bias), ssm, hk=hk,
+                       offsets=(0, hk * kd, 2 * hk * kd), layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       block_v=block_v, num_warps=num_warps, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------------------- backend-table entries
@@ -355,6 +444,35 @@ def decode_slots_unsupported(
         return "the slot decode kernel takes one token per row (cu_seqlens=None)"
     if has_initial_state is not None:
         return "the slot decode kernel continues every live row's state (has_initial_state=None)"
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
+    return None
+
+
+def gated_decode_slots_pallas(
+    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]
+    x: jax.Array,  # [B, D]
+    w_a: jax.Array,  # [Hv, D]
+    w_b: jax.Array,  # [Hv, D]
+    a_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    *,
+    layer: int,
+    slot_ids: jax.Array,  # i32[B]
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V], new ssm)
+    """Backend ``"slots"`` of ``gated_delta_decode_pool``: :func:`gated_delta_decode_slots`."""
+    return gated_delta_decode_slots(qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids=slot_ids, layer=layer,
+                                    scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+
+
+def gated_decode_slots_unsupported(qkv, x, w_a, w_b, a_log, dt_bias, ssm, *, layer, slot_ids, scale: float,
+                                   use_qk_l2norm: bool) -> str | None:
+    """Why the slot kernel cannot take a ``gated_delta_decode_pool`` call: it needs a static Python-int layer."""
+    del qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids, scale, use_qk_l2norm
     if isinstance(layer, bool) or not isinstance(layer, int):
         return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
     return None
