@@ -26,6 +26,7 @@ cache passed its integrity check after the run.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 from case import RunCase
@@ -115,7 +116,8 @@ def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
 
 STEP_ROWS = (16, 64, 256)  # decoding rows of the steady-decode profile (issue #18)
 PROMPT_LEN = 512  # tokens each decoding row has before the profile
-PREFILL = dict(rows=16, prompt_len=4096, budget=2048)  # chunked-prefill steps: 16 prompts of 4096, 2048 per step
+PREFILL = dict(rows=16, prompt_len=4096, budget=2048, steps=8)  # chunked-prefill steps: 16 prompts of 4096,
+# 2048 tokens a step, 8 steps timed and 8 profiled
 
 
 def _step_engine(p, rows: int, *, overlap: bool, prompt_len: int, new_tokens: int, budget: int, burst: int = 1):
@@ -181,7 +183,8 @@ def _run_steps(eng, n: int) -> list:
 
 def profile_steps(eng, n: int, *, want) -> dict:
     """Time ``n`` steps of ``eng`` once the next steps match ``want(record)`` (steady decode / chunked prefill):
-    wall per step and the host phases from the engine's own records (no profiler running), then ``n`` more steps
+    wall per step (mean, median and longest of the ``n`` step calls) and the host phases from the engine's own
+    records (no profiler running), then ``n`` more steps
     under the profiler for the GPU kernel time, kernels per step and the kernels by name."""
     import statistics
 
@@ -194,16 +197,22 @@ def profile_steps(eng, n: int, *, want) -> dict:
             break
     else:
         raise RuntimeError("the engine never reached the profiled phase")
-    t0 = time.perf_counter()
-    recs = _run_steps(eng, n)
-    wall = (time.perf_counter() - t0) / n
+    gc.collect()  # the engines of earlier rows: not collected inside the timed window
+    k, walls = len(eng.metrics), []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t0)
+    recs = eng.metrics.records[k:]
+    wall = sum(walls) / n
     if not all(want(r) for r in recs) or any(r.compiled for r in recs):
         raise RuntimeError(f"steps left the profiled phase or compiled: {[(r.num_tokens, r.compiled) for r in recs]}")
     med = lambda f: statistics.median(getattr(r, f) for r in recs)  # noqa: E731
     host = statistics.median(r.t_step - r.t_wait for r in recs)
     kr = kernel_records(lambda: (_run_steps(eng, n), jax.block_until_ready(eng.caches)))
     names = sorted(((c / n, t / n / 1e6, name) for name, (c, t) in kr["names"].items()), key=lambda x: -x[1])
-    return dict(wall_ms=1e3 * wall, host_ms=1e3 * host, exposed_ms=1e3 * med("t_exposed"),
+    return dict(wall_ms=1e3 * wall, wall_median_ms=1e3 * statistics.median(walls), wall_max_ms=1e3 * max(walls),
+                host_ms=1e3 * host, exposed_ms=1e3 * med("t_exposed"),
                 schedule_ms=1e3 * med("t_schedule"), inputs_ms=1e3 * med("t_inputs"),
                 dispatch_ms=1e3 * med("t_dispatch"), update_ms=1e3 * med("t_update"), wait_ms=1e3 * med("t_wait"),
                 tokens=statistics.median(r.num_tokens for r in recs), rows=statistics.median(r.num_seqs for r in recs),
@@ -236,7 +245,8 @@ def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFIL
         for overlap in (False, True):
             model, eng = _step_engine(p, prefill["rows"], overlap=overlap, prompt_len=prefill["prompt_len"],
                                       new_tokens=8, budget=prefill["budget"])
-            prof = profile_steps(eng, 4, want=lambda r: not r.decode_only and r.num_tokens == prefill["budget"])
+            prof = profile_steps(eng, prefill.get("steps", 4),
+                                 want=lambda r: not r.decode_only and r.num_tokens == prefill["budget"])
             out.append(_row(f"chunked prefill {prefill['budget']} tokens/step {mode_name(overlap, 1)}",
                             prof, None, gbps))
             del eng
@@ -252,7 +262,8 @@ def _row(impl: str, prof: dict, fl: dict | None, gbps: float | None, burst: int 
                kernel_ms_per_substep=k / burst if k else None,
                kernel_vs_floor=k / burst / floor_ms if k and floor_ms else None,
                exposed_share=prof["exposed_ms"] / prof["wall_ms"])
-    print(f"{impl:45s} wall {prof['wall_ms']:7.3f} ms  host {prof['host_ms']:6.3f}  exposed {prof['exposed_ms']:6.3f}"
+    print(f"{impl:45s} wall {prof['wall_ms']:7.3f} ms (median {prof['wall_median_ms']:.3f}, max {prof['wall_max_ms']:.3f})"
+          f"  host {prof['host_ms']:6.3f}  exposed {prof['exposed_ms']:6.3f}"
           f"  kernels {k if k is None else round(k, 3)} ms x {prof['kernels_per_step']}/step"
           f"  busy {row['gpu_busy'] and round(row['gpu_busy'], 3)}  floor {floor_ms and round(floor_ms, 3)} ms",
           flush=True)
