@@ -262,8 +262,8 @@ def _row(impl: str, prof: dict, fl: dict | None, gbps: float | None, burst: int 
                kernel_ms_per_substep=k / burst if k else None,
                kernel_vs_floor=k / burst / floor_ms if k and floor_ms else None,
                exposed_share=prof["exposed_ms"] / prof["wall_ms"])
-    print(f"{impl:45s} wall {prof['wall_ms']:7.3f} ms (median {prof['wall_median_ms']:.3f}, max {prof['wall_max_ms']:.3f})"
-          f"  host {prof['host_ms']:6.3f}  exposed {prof['exposed_ms']:6.3f}"
+    print(f"{impl:45s} wall {prof['wall_ms']:7.3f} ms (median {prof['wall_median_ms']:.3f}, "
+          f"max {prof['wall_max_ms']:.3f})  host {prof['host_ms']:6.3f}  exposed {prof['exposed_ms']:6.3f}"
           f"  kernels {k if k is None else round(k, 3)} ms x {prof['kernels_per_step']}/step"
           f"  busy {row['gpu_busy'] and round(row['gpu_busy'], 3)}  floor {floor_ms and round(floor_ms, 3)} ms",
           flush=True)

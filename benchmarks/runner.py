@@ -7,8 +7,8 @@ Usage (repo root; a GPU machine runs ``bash benchmarks/run_gpu.sh``, which does 
     python benchmarks/runner.py --table OUT/bench.json                                 # print a saved run
     python benchmarks/runner.py gdn --small --impls reference,interpret                # CPU smoke run
 
-Subjects: ``gdn conv attention mla mlp`` (the default) and ``engine prefix sched_overhead``. Each subject module declares
-its cases (``cases(small) -> list[Case | RunCase]``, see ``case.py``) and, where it has torch-side anchors
+Subjects: ``gdn conv attention mla mlp`` (the default) and ``engine prefix sched_overhead``. Each subject module
+declares its cases (``cases(small) -> list[Case | RunCase]``, see ``case.py``) and, where it has torch-side anchors
 (fla), ``torch_anchors(small)``. The torch half runs in its own process (fla autotunes; its Triton and JAX's
 must not share a process) and measures the torch copy of every case's byte count.
 

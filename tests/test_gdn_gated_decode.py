@@ -48,7 +48,7 @@ def reference(qkv, x, w_a, w_b, a_log, dt_bias, ssm, *, hk, layer, slot_ids, sca
     """The decode step by hand: numpy projections, gates and column split, then the pool oracle."""
     f = lambda t: np.asarray(t, np.float64)  # noqa: E731
     rnd = lambda t: f(jnp.asarray(t, jnp.float32).astype(qkv.dtype))  # noqa: E731  (to the activations' dtype)
-    rows, hv, kd, vd = qkv.shape[0], ssm.shape[2], ssm.shape[3], ssm.shape[4]
+    rows, kd, vd = qkv.shape[0], ssm.shape[3], ssm.shape[4]
     a, b = rnd(f(x) @ f(w_a).T), rnd(f(x) @ f(w_b).T)
     g = -np.exp(f(a_log))[None] * np.log1p(np.exp(a + f(dt_bias)[None]))
     beta = jnp.asarray(1.0 / (1.0 + np.exp(-b)), jnp.float32).astype(qkv.dtype)

@@ -6,7 +6,8 @@ Layout (issue #20, phase A). The mesh is ``jax.sharding.Mesh(devices, ("data", "
   MLP (and expert) columns, and the vocabulary of the embedding and LM head (padded with zero rows / columns to
   a multiple of ``M``; the logits are all-gathered and sliced to the true vocabulary inside the step, so a
   padded entry never reaches a sampler). Column-parallel projections are split on their output axis (axis 1
-  of a ``Linear`` kernel ``[in, out]``, axis 0 of a ``TorchLinear`` weight ``[out, in]``), row-parallel ones (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed with a ``psum``;
+  of a ``Linear`` kernel ``[in, out]``, axis 0 of a ``TorchLinear`` weight ``[out, in]``), row-parallel ones
+  (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed with a ``psum``;
   norms, routers and the DSA indexer are replicated. A head count (or MLP width) that ``M`` does not divide is
   a ``ValueError`` naming both numbers. Rules: :func:`param_spec`; family details: ``model.shard_plan``.
 - ``"data"``: batch rows. Each data shard is an independent ragged batch with its own pages and GDN slots:

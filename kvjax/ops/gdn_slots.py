@@ -18,7 +18,7 @@ read and write nothing and their tokens' outputs are zero. A live row starts fro
   state and the gate parameters (:data:`GATED_DECODE_TABLE`): the slot kernel reads the columns and projects
   and computes the gates (:func:`qwen_gates`) itself, so no XLA op runs between the conv and the kernel.
 
-Both return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
+The first two return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
 has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``).
 The oracle of each is the composition ``gather -> reference op of`` :mod:`kvjax.ops.gdn` ``-> scatter``.
 Backends (Pallas, Triton lowering, any CUDA GPU, any K and V): ``"pallas"`` runs the rows/flags

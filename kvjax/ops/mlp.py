@@ -9,9 +9,9 @@ Reference = XLA: the two products at full precision in x's dtype, then ``silu(ga
 = :func:`kvjax.pallas.swiglu.swiglu_pallas`, one Triton-lowered kernel per ``[T, 32]`` output tile streaming both
 weights once with float32 accumulation and the SiLU product in its epilogue; ``auto`` takes it for the skinny
 products of decode steps: bfloat16 / float16, ``16 <= T <= 64`` a power of two. On an H100 (2026-11-25, H=1024,
-I=3072) it takes 4.56 / 5.31 us at T=16 / 64 against XLA's 6.52 / 7.33 us (its GEMM and the SiLU product
-fusion) in isolation; at T=256 its tiles do not fit shared memory and XLA keeps it; float32 keeps XLA's
-full-precision products.
+I=3072, weights from HBM) it takes 6.36 / 6.97 us at T=16 / 64 against XLA's 9.01 / 9.61 us (its split-K GEMM and
+the reducing SiLU-product fusion; benchmarks/RESULTS.md); at T=256 its tiles do not fit shared memory and XLA
+keeps it; float32 keeps XLA's full-precision products.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ SWIGLU_TABLE = BackendTable(
     (
         Backend("pallas", "kvjax.pallas.swiglu:swiglu_pallas", priority=10,
                 unsupported="kvjax.pallas.swiglu:unsupported",
-                note="decode-step rows (16..64, 16-bit): 4.56 / 5.31 us vs XLA 6.52 / 7.33 us at T=16 / 64, "
+                note="decode-step rows (16..64, 16-bit): 6.36 / 6.97 us vs XLA 9.01 / 9.61 us at T=16 / 64, "
                      "H=1024, I=3072 on an H100"),
     ),
     examples={

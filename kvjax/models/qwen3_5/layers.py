@@ -90,10 +90,10 @@ class GatedDeltaNet(nnx.Module):
         """Ragged step on the slot-addressed pool (slot 0 = PAD: never read as state, never written).
 
         ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch (no gather when
-        ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id
-        (the GDN one on the packed conv output and the raw gate projections, :func:`gated_delta_decode`)
-        (every live row continues its state: a ``decode_only`` step has no fresh row); outputs are scattered
-        back to token order.
+        ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id,
+        each live row continuing its state (a ``decode_only`` step has no fresh row): the conv update, then
+        :func:`~kvjax.state.gdn_ops.gated_delta_decode` on the packed conv output, which projects the gates
+        from ``x`` itself; outputs are scattered back to token order.
         """
         from kvjax.state.gdn_ops import conv_decode, conv_prefill, gated_delta_decode, gdn_prefill
 

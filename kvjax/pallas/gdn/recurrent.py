@@ -11,7 +11,10 @@ with a donated pool the update happens in place. Tokens outside every sequence g
 ``_slots_kernel``: the decode step on the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` (one token per
 row, the slot ids index the pool inside the kernel, no XLA op around it), one program per state tile, the
 value blocks of a head launched next to each other (3-5% faster on an H200 than rows first,
-benchmarks/HISTORY.md). Its backend-table check :func:`decode_slots_unsupported` names the calls it cannot take.
+benchmarks/HISTORY.md). It reads q / k / v as column ranges of 2-D arrays: the separate ``[B, H, D]`` arrays
+flattened (:func:`recurrent_gated_delta_rule_slots`), or Qwen3.5's packed conv output with the gates projected
+from the hidden state in the kernel (:func:`gated_delta_decode_slots`). Its backend-table checks
+:func:`decode_slots_unsupported` / :func:`gated_decode_slots_unsupported` name the calls it cannot take.
 
 Both update a token in one pass: ``k^T S`` and ``q^T S`` on the state as loaded,
 ``o = decay q^T S + (q . k) delta`` (equal in exact arithmetic to the textbook order; measured 0.1538 vs
