@@ -184,8 +184,8 @@ def _run_steps(eng, n: int) -> list:
 def profile_steps(eng, n: int, *, want) -> dict:
     """Time ``n`` steps of ``eng`` once the next steps match ``want(record)`` (steady decode / chunked prefill):
     wall per step (mean, median and longest of the ``n`` step calls) and the host phases from the engine's own
-    records (no profiler running), then ``n`` more steps
-    under the profiler for the GPU kernel time, kernels per step and the kernels by name."""
+    records (no profiler running), then ``n`` more steps under the profiler for the GPU kernel time, kernels per
+    step and the kernels by name."""
     import statistics
 
     import jax
