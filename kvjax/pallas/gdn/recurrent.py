@@ -447,9 +447,7 @@ def decode_slots_unsupported(
         return "the slot decode kernel takes one token per row (cu_seqlens=None)"
     if has_initial_state is not None:
         return "the slot decode kernel continues every live row's state (has_initial_state=None)"
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
-    return None
+    return _layer_unsupported(layer)
 
 
 def gated_decode_slots_pallas(
@@ -476,6 +474,11 @@ def gated_decode_slots_unsupported(qkv, x, w_a, w_b, a_log, dt_bias, ssm, *, lay
                                    use_qk_l2norm: bool) -> str | None:
     """Why the slot kernel cannot take a ``gated_delta_decode_pool`` call: it needs a static Python-int layer."""
     del qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids, scale, use_qk_l2norm
+    return _layer_unsupported(layer)
+
+
+def _layer_unsupported(layer) -> str | None:
+    """Why the slot kernel cannot take ``layer`` (both call forms index the pool by a static Python int)."""
     if isinstance(layer, bool) or not isinstance(layer, int):
         return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
     return None
