@@ -127,3 +127,80 @@ def test_an_overlapped_run_puts_every_token_where_the_oracle_does(rng, recycle, 
         want = oracle(req.request_id, np.arange(req.prompt_len, req.prompt_len + req.max_new_tokens))
         end = int(np.argmax(want == 3)) + 1 if (want == 3).any() else want.size
         assert req.output_ids.tolist() == want[:end].tolist(), req
+
+
+def burst_sampled(plan) -> np.ndarray:
+    """The oracle's tokens of a plan, sub-step ``j`` of row ``b`` at ``j * B + b`` (position ``seq_lens[b] + j``)."""
+    B = plan.seq_lens.size
+    rids = np.array(plan.request_ids + (0,) * B)[:B]
+    return np.concatenate([oracle(rids, plan.seq_lens.astype(np.int64) + j) for j in range(plan.burst)])
+
+
+def per_sub_step(sched: Scheduler) -> Scheduler:
+    """``sched`` made to reserve and resolve a burst one sub-step at a time (the loops the one-pass row-table
+    methods replace)."""
+    table = sched.rows
+
+    def reserve_burst(slots, plan_rows, counts, stride, step):
+        done = [table.reserve(slots, plan_rows, step)]
+        for j in range(1, int(counts.max()) if counts.size else 0):
+            keep = counts > j
+            done.append(table.reserve(slots[keep], plan_rows[keep] + j * stride, step))
+        return np.concatenate(done)
+
+    table.reserve_burst = reserve_burst
+    sched._resolve_burst = lambda plan, tokens: None
+    return sched
+
+
+@pytest.mark.parametrize("recycle", ["none", "timely"])
+def test_an_overlapped_burst_run_matches_sub_step_by_sub_step_and_the_oracle(rng, recycle):
+    """Decode bursts of 4 with eos inside bursts, requests ending inside a burst, aborts between a plan's advance
+    and its resolve: the one-pass reserve / resolve gives the same plans (rows, slots, pages) and finishing order
+    as the per-sub-step loops, and every request's tokens are the oracle's up to its eos."""
+    cache = CacheConfig(page_size=4, num_pages=160, max_seqs=6, max_blocks_per_seq=24)
+    scheds = [Scheduler(cache, ATT, max_num_batched_tokens=16, recycle=recycle) for _ in range(2)]
+    per_sub_step(scheds[1])
+    one_pass, eos_hits = scheds[0].rows.resolve_burst, []
+
+    def resolve_burst(*args):
+        first = one_pass(*args)
+        eos_hits.append(first is not None and bool((first < args[-1].shape[1]).any()))
+        return first
+
+    scheds[0].rows.resolve_burst = resolve_burst
+    prompts = [(rng.integers(1, 40, rng.integers(1, 30)), int(rng.integers(1, 60))) for _ in range(160)]
+    reqs = [[s.add_request(p, n, eos_token_id=3) for p, n in prompts] for s in scheds]
+    aborted, prev, steps, bursts = set(), [None, None], 0, 0
+    while scheds[0].has_unfinished() or scheds[0].has_unresolved():
+        plans = [s.schedule(4) if s.has_unfinished() else None for s in scheds]
+        if plans[0] is not None:
+            a, b = plans
+            for f in ("token_ids", "gdn_slots", "block_tables", "seq_lens"):
+                np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+            assert a.request_ids == b.request_ids and a.burst == b.burst
+            bursts += a.burst > 1
+            done = [s.advance(p) for s, p in zip(scheds, plans)]
+            assert [r.request_id for r in done[0]] == [r.request_id for r in done[1]]
+        if steps % 13 == 5 and scheds[0].running:  # abort between advance and resolve
+            victim = scheds[0].running[int(rng.integers(len(scheds[0].running)))].request_id
+            aborted.add(victim)
+            for s in scheds:
+                s.abort(victim)
+        if prev[0] is not None:
+            done = [s.resolve(p, burst_sampled(p)) for s, p in zip(scheds, prev)]
+            assert [r.request_id for r in done[0]] == [r.request_id for r in done[1]]
+        prev = plans
+        for s in scheds:
+            s.check_integrity()
+        steps += 1
+        assert steps < 5000
+    assert bursts > 10 and sum(eos_hits) > 2 and aborted
+    for got, ref in zip(*reqs):
+        assert (got.status, got.output_ids.tolist()) == (ref.status, ref.output_ids.tolist())
+        if got.request_id in aborted:
+            continue
+        assert got.status is Status.FINISHED and not got.pending
+        want = oracle(got.request_id, np.arange(got.prompt_len, got.prompt_len + got.max_new_tokens))
+        end = int(np.argmax(want == 3)) + 1 if (want == 3).any() else want.size
+        assert got.output_ids.tolist() == want[:end].tolist(), got

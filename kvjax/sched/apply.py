@@ -58,11 +58,11 @@ class StepApplication:
             t.num_computed[slots[live]] += steps[live]
             sample = live & sample
         rows = np.flatnonzero(sample)  # i64[K]: rows that reserve a token
-        done = t.reserve(slots[rows], rows, plan.step)
-        B = plan.seq_lens.shape[0]
-        for j in range(1, plan.burst):  # a burst's later sub-steps: rows that still sample
-            rows = rows[steps[rows] > j]
-            done = np.concatenate([done, t.reserve(slots[rows], rows + j * B, plan.step)])
+        if plan.burst == 1:
+            done = t.reserve(slots[rows], rows, plan.step)
+        else:  # a burst: row b reserves the tokens of its steps[b] sub-steps
+            done = t.reserve_burst(slots[rows], rows, np.maximum(steps[rows], 1).astype(np.int64),
+                                   plan.seq_lens.shape[0], plan.step)
         finished = [t.requests[slot] for slot in done.tolist()]
         for req in finished:
             self._finish(req)
@@ -84,6 +84,11 @@ class StepApplication:
 
     def _resolve(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
         """``resolve`` after its checks (``tokens: i64[burst, nseq]``, sub-step by sub-step)."""
+        if plan.burst > 1:
+            finished = self._resolve_burst(plan, tokens)
+            if finished is not None:
+                self._unresolved.popleft()
+                return finished
         _, slots, rids = self._unresolved[0]
         t, step, B = self.rows, plan.step, plan.seq_lens.shape[0]
         sample = plan.sample_mask[: plan.num_seqs]
@@ -112,6 +117,42 @@ class StepApplication:
                 if req.status is Status.FINISHED and not req.pending:
                     self.requests.pop(req.request_id, None)
         self._unresolved.popleft()
+        return finished
+
+    def _resolve_burst(self, plan: StepPlan, tokens: np.ndarray) -> list[Request] | None:
+        """``_resolve`` of a burst with every sub-step of the rows still bound in one pass of the row table
+        (``RowTable.resolve_burst``); the other rows (requests that finished at ``advance``, aborted, preempted)
+        and the eos hits one by one in the order of ``_resolve``'s sub-step loop. ``None``, changing nothing, where
+        a bound row's oldest reserved tokens are not this plan's (``_resolve`` then goes sub-step by sub-step)."""
+        _, slots, rids = self._unresolved[0]
+        t, step, B, n = self.rows, plan.step, plan.seq_lens.shape[0], plan.num_seqs
+        counts = np.where(plan.sample_mask[:n], plan.burst_len[:n], 0)  # i32[n]: tokens each row samples
+        bound = t.request_id[slots] == rids  # bool[n]
+        rows = np.flatnonzero(bound & (counts > 0))
+        j = np.arange(plan.burst)
+        grid = np.where(j < counts[rows, None], tokens[:, rows].T, -1)  # i64[K, burst]: -1 past a row's count
+        first = t.resolve_burst(slots[rows], step, rows, B, grid)
+        if first is None:
+            return None
+        eos = first < plan.burst
+        events = [(int(first[k]), int(rows[k])) for k in np.flatnonzero(eos).tolist()]
+        eos_rows = {b for _, b in events}
+        for b in np.flatnonzero(~bound & (counts > 0)).tolist():
+            events += [(jb, b) for jb in range(int(counts[b]))]
+        finished, aborted = [], Status.ABORTED
+        for jb, b in sorted(events):
+            if b in eos_rows:
+                req, hit = t.requests[int(slots[b])], True
+            else:
+                req = self.requests.get(int(rids[b]))
+                if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b + jb * B):
+                    continue
+                hit = req.resolve(int(tokens[jb, b]))
+            if hit and req.status is not Status.FINISHED:
+                self._finish(req)
+                finished.append(req)
+            if req.status is Status.FINISHED and not req.pending:
+                self.requests.pop(req.request_id, None)
         return finished
 
     def rollback(self) -> None:

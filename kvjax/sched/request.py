@@ -266,6 +266,65 @@ class RowTable:
         self.num_tokens[slots] = nt + 1
         return slots[nt + 1 >= self.max_tokens[slots]]
 
+    def reserve_burst(self, slots: np.ndarray, plan_rows: np.ndarray, counts: np.ndarray, stride: int,
+                      step: int) -> np.ndarray:
+        """Each of ``slots`` (``i64[K]``, distinct, bound) reserves ``counts[k] >= 1`` tokens, sampled by plan
+        ``step`` at ``plan_rows[k] + j * stride`` for ``j < counts[k]`` (a decode burst's sub-steps): what
+        ``reserve`` once per sub-step does. Returns ``i64[J]``: the slots that reached ``max_new_tokens``, in the
+        order those calls would (by sub-step, then as in ``slots``)."""
+        nt, k = self.num_tokens[slots], self.num_pending[slots]
+        if k.size and int((k + counts).max()) > self.pend_step.shape[1]:
+            self._grow(max_pending=int((k + counts).max()))
+        j = np.arange(int(counts.max()) if counts.size else 0)
+        valid = j[None, :] < counts[:, None]  # bool[K, J]
+        np.put(self.tokens, (slots[:, None] * self.tokens.shape[1] + nt[:, None] + j)[valid], 0)
+        q = (slots[:, None] * self.pend_step.shape[1] + k[:, None] + j)[valid]  # flat queue entries
+        np.put(self.pend_step, q, step)
+        np.put(self.pend_row, q, (plan_rows[:, None] + j * stride)[valid])
+        self.num_pending[slots] = k + counts
+        self.num_tokens[slots] = nt + counts
+        last = np.maximum(self.max_tokens[slots] - nt - 1, 0)  # i64[K]: the sub-step reserving the last token
+        done = np.flatnonzero(last < counts)
+        return slots[done[np.argsort(last[done], kind="stable")]]
+
+    def resolve_burst(self, slots: np.ndarray, step: int, plan_rows: np.ndarray, stride: int,
+                      tokens: np.ndarray) -> np.ndarray | None:
+        """Give each of ``slots`` (``i64[K]``, distinct, bound) the values ``tokens[k, :counts]`` (``i64[K, J]``,
+        ``counts[k]`` = ``tokens``' valid columns, marked by ``>= 0``) of its oldest ``counts[k]`` reserved tokens,
+        which must be the ones plan ``step`` samples at ``plan_rows[k] + j * stride``: what ``resolve`` once per
+        sub-step does. Returns ``i64[K]``: the sub-step of each row's eos token (``J`` for none; the tokens
+        reserved after it are dropped), or ``None``, changing nothing, unless every row's oldest reserved tokens
+        are those."""
+        J = tokens.shape[1]
+        j = np.arange(J)
+        valid = tokens >= 0  # bool[K, J]
+        counts = valid.sum(1)
+        k = self.num_pending[slots]
+        P = self.pend_step.shape[1]
+        jj = np.minimum(j, P - 1)
+        ours = (self.pend_step[slots[:, None], jj] == step) & (self.pend_row[slots[:, None], jj]
+                                                               == plan_rows[:, None] + j * stride)
+        if (k < counts).any() or not (ours | ~valid).all():
+            return None
+        pos = self.num_tokens[slots] - k  # i64[K]: position of the oldest reserved token
+        hit = valid & (tokens == self.eos[slots][:, None])
+        first = np.where(hit.any(1), hit.argmax(1), J)  # i64[K]
+        W = self.tokens.shape[1]
+        np.put(self.tokens, (slots[:, None] * W + pos[:, None] + j)[valid],  # flat (row, position) entries
+               np.where(j > first[:, None], 0, tokens)[valid])
+        left = k - counts  # i64[K]: reserved tokens of later plans, moved to the front of the queues
+        m = int(left.max()) if left.size else 0
+        if m:
+            src = np.minimum(counts[:, None] + np.arange(m), P - 1)  # i64[K, m]
+            for queue in (self.pend_step, self.pend_row):
+                queue[slots[:, None], np.arange(m)] = queue[slots[:, None], src]
+        self.num_pending[slots] = left
+        eos = first < J
+        if eos.any():
+            self.num_tokens[slots[eos]] = pos[eos] + first[eos] + 1
+            self.num_pending[slots[eos]] = 0
+        return first
+
     def oldest_is(self, slots: np.ndarray, step: int, plan_rows: np.ndarray) -> np.ndarray:
         """bool[K]: row ``slots[k]``'s oldest reserved token is the one plan ``step`` samples at ``plan_rows[k]``."""
         return (self.num_pending[slots] > 0) & (self.pend_step[slots, 0] == step) & (self.pend_row[slots, 0]
