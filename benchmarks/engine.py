@@ -1,6 +1,6 @@
 """Engine benchmark cases (issue #18): the per-step profile and the end-to-end gpu-preset run, each with the
 synchronous (``overlap=False``), the overlapped and the overlapped engine with decode bursts (``decode_burst=4``
-and ``8``: up to that many decode sub-steps per dispatch) side by side.
+and ``8``, and ``16`` in the step profile: up to that many decode sub-steps per dispatch) side by side.
 
 Usage: ``python benchmarks/runner.py engine`` (one accelerator; kernels ``impl="auto"``); ``--cases "engine steps"``
 or ``--cases "engine gpu"`` for one of the two.
@@ -34,6 +34,7 @@ from case import RunCase
 BUDGET_S = 280.0  # all runs together, an equal share each
 BURSTS = (4, 8)  # Engine(decode_burst=) of the burst rows
 MODES = ((False, 1), (True, 1)) + tuple((True, k) for k in BURSTS)  # (overlap, decode burst) of each row
+STEP_MODES = MODES + ((True, 16),)  # the step profile also times bursts of 16
 
 
 def mode_name(overlap: bool, burst: int) -> str:
@@ -212,6 +213,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
     kr = kernel_records(lambda: (_run_steps(eng, n), jax.block_until_ready(eng.caches)))
     names = sorted(((c / n, t / n / 1e6, name) for name, (c, t) in kr["names"].items()), key=lambda x: -x[1])
     return dict(wall_ms=1e3 * wall, wall_median_ms=1e3 * statistics.median(walls), wall_max_ms=1e3 * max(walls),
+                walls_ms=[round(1e3 * w, 3) for w in walls],
                 host_ms=1e3 * host, exposed_ms=1e3 * med("t_exposed"),
                 schedule_ms=1e3 * med("t_schedule"), inputs_ms=1e3 * med("t_inputs"),
                 dispatch_ms=1e3 * med("t_dispatch"), update_ms=1e3 * med("t_update"), wait_ms=1e3 * med("t_wait"),
@@ -222,7 +224,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
 
 
 def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL,
-              modes: tuple[tuple[bool, int], ...] = MODES) -> list[dict]:
+              modes: tuple[tuple[bool, int], ...] = STEP_MODES) -> list[dict]:
     """The issue-#18 table: steady decode at each of ``rows_list`` and chunked-prefill steps, the synchronous
     engine, the overlapped one and the overlapped one with decode bursts side by side (same model, same
     requests; a burst step's figures are per engine step, ``*_per_substep`` divides by its sub-steps)."""
@@ -285,7 +287,7 @@ def cases(small: bool = False) -> list[RunCase]:
     steps = dict(rows_list=(4,), n=3, prefill=dict(rows=2, prompt_len=256, budget=32)) if small else {}
     modes = ((False, 1), (True, 1), (True, 2)) if small else MODES
     return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
-                    lambda: step_rows(p, modes=modes, **steps), anchor=None),
+                    lambda: step_rows(p, modes=modes if small else STEP_MODES, **steps), anchor=None),
             RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
                     lambda: measure(p, 60.0 if small else BUDGET_S, recycles, modes),
                     anchor="recycle=none overlap=off")]

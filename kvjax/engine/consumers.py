@@ -131,27 +131,33 @@ class Consumers:
         tr.sent += len(new)
 
     def _collect_plan(self, sched, plan) -> list[StepOutput]:
-        """:meth:`_collect` for one resolved plan's rows, reading the running requests' counters and tokens from
-        the scheduler's row table in one gather (a row whose request left the table, or finished, takes the
+        """:meth:`_collect` for one resolved plan's rows, reading the running requests' counters and new tokens
+        from the scheduler's row table in one gather (a row whose request left the table, or finished, takes the
         per-request path)."""
         rids, n, rt = plan.request_ids, plan.num_seqs, sched.rows
         if not n:
             return []
         slots = np.asarray(plan.gdn_slots[:n], np.int64)  # i64[n]
-        bound = (rt.request_id[slots] == np.asarray(rids, np.int64)).tolist()
-        start = rt.prompt_len[slots].tolist()
-        end = (rt.num_tokens[slots] - rt.num_pending[slots]).tolist()  # resolved tokens of each row's request
+        tracked = self._tracked
+        trs = [tracked.get(rid) for rid in rids]
+        sent = np.fromiter([0 if tr is None else tr.sent for tr in trs], np.int64, n)  # i64[n]: delivered so far
+        bound = rt.request_id[slots] == np.asarray(rids, np.int64)  # bool[n]: the request still runs there
+        first = rt.prompt_len[slots] + sent  # i64[n]: position of the first token not delivered
+        count = np.where(bound, rt.num_tokens[slots] - rt.num_pending[slots] - first, 0)  # i64[n]: resolved since
+        m = int(count.max())
+        new = rt.tokens[slots[:, None], np.minimum(first[:, None] + np.arange(m), rt.tokens.shape[1] - 1)].tolist() \
+            if m > 0 else None  # [n][m]: each row's next m tokens (the first count[b] are new)
         outs: list[StepOutput] = []
-        tracked, tokens, deliver = self._tracked, rt.tokens, self._deliver
-        for b, rid in enumerate(rids):
-            if not bound[b]:  # finished or left the table: its request object holds its state
+        inbox, new_tuple = self._inbox, tuple.__new__  # a StepOutput from its fields' tuple (no generated __new__)
+        for rid, tr, k, left, row in zip(rids, trs, count.tolist(), (~bound).tolist(), new or repeat(None)):
+            if left:  # finished or left the table: its request object holds its state
                 outs += self._collect([rid])
-                continue
-            tr = tracked.get(rid)
-            if tr is not None:  # a running request is not done: finishing unbinds it first
-                first = start[b] + tr.sent
-                if first < end[b]:
-                    deliver(tr, rid, tokens[slots[b], first: end[b]].tolist(), False, outs)
+            elif tr is not None and k > 0:  # a running request is not done: finishing unbinds it first
+                if inbox:
+                    self._deliver(tr, rid, row[:k], False, outs)
+                else:
+                    outs.append(new_tuple(StepOutput, (tr.index, rid, row[:k], tr.sent, False)))
+                    tr.sent += k
         return outs
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,

@@ -7,8 +7,9 @@ block tables; padding tokens (past ``cu_seqlens[-1]``) have slot mapping ``-1`` 
 
 ``SampleInputs``: the engine step's per-row sampling arrays and ``prev_index`` (tokens taken from the previous
 step's sampled tokens on the device). ``CheckpointCopies``: the GDN checkpoint copies of a prefix-caching
-step. :func:`plan_to_inputs` packs all three from a scheduler plan into one ``i32[N]`` buffer and moves it in
-one host -> device copy; the jitted step unpacks it (:meth:`PackLayout.unpack`, slices only).
+step. :func:`plan_to_inputs` packs all three from a scheduler plan into one ``i32[N]`` host buffer, which the call of
+the jitted step moves in one host -> device copy (a numpy argument: no Python-side ``device_put``); the step
+unpacks it (:meth:`PackLayout.unpack`, slices only).
 """
 
 from __future__ import annotations
@@ -264,11 +265,12 @@ def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_pat
 
 
 def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
-                   checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[jax.Array, PackLayout]:
-    """The plan's packed inputs (:func:`pack_plan`) on the device: one host -> device copy per step."""
-    buf, layout = pack_plan(plan, sampling, use_decode_path=use_decode_path, checkpoints=checkpoints,
-                            burst=burst, page_size=page_size)
-    return jax.device_put(buf), layout
+                   checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[np.ndarray, PackLayout]:
+    """The plan's packed inputs (:func:`pack_plan`): ``i32[N]`` on the host, a fresh buffer each call, passed as
+    it is to the jitted step, whose call makes the step's one host -> device copy (cheaper than a separate
+    ``jax.device_put``)."""
+    return pack_plan(plan, sampling, use_decode_path=use_decode_path, checkpoints=checkpoints, burst=burst,
+                     page_size=page_size)
 
 
 class SamplingTable:
