@@ -6,11 +6,11 @@ at 256 rows.
 
 Builds a scheduler whose requests have all finished prefill (8 KV heads, 50% SWA with window 1024, pages of 64,
 ~2.1k-token contexts), then times ``schedule()`` (recycle policy, page allocation, plan build) and ``update()``
-(advance + resolve) over many steps after 20 warm-up steps. One case per row count, one row per (recycle, pool)
-variant; ``median_ms`` = the wall-clock median of ``schedule() + update()`` per step, with each half's median,
-the schedule p90 and its thread CPU time (the wall p90 suffers on a shared host); the anchor is
-``recycle=none`` on the shared pool. (``plan_to_inputs``' host part is one ``np.asarray`` per field, no copy:
-not timed here.)
+(advance + resolve) over many steps after 20 warm-up steps. One case per row count, one row per (recycle, pool,
+decode burst) variant; ``median_ms`` = the wall-clock median of ``schedule() + update()`` per step, with each
+half's median, the schedule p90 and its thread CPU time (the wall p90 suffers on a shared host); the burst row's
+figures are per burst of 8 sub-steps (``median_ms_per_sub_step`` divides); the anchor is ``recycle=none`` on the
+shared pool. (``plan_to_inputs``' host part is one ``np.asarray`` per field, no copy: not timed here.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 
 from case import RunCase
 
-VARIANTS = (("none", "shared"), ("timely", "shared"), ("timely", "partitioned"))
+VARIANTS = (("none", "shared", 1), ("timely", "shared", 1), ("timely", "partitioned", 1), ("timely", "shared", 8))
+# (recycle, pool, decode burst): the last row plans decode bursts of 8 (``schedule(8)``), its times per burst
 
 
 def build(num_requests: int, prompt_len: int, recycle: str, pool: str, swa_fraction: float = 0.5):
@@ -45,17 +46,18 @@ def build(num_requests: int, prompt_len: int, recycle: str, pool: str, swa_fract
     return sched
 
 
-def time_steps(sched, steps: int) -> dict:
-    """Wall medians (ms) of ``schedule()``, ``update()`` and both per step, the schedule p90 and CPU time; rows."""
+def time_steps(sched, steps: int, burst: int = 1) -> dict:
+    """Wall medians (ms) of ``schedule(burst)``, ``update()`` and both per step, the schedule p90 and CPU time;
+    rows, and the plans' sub-steps (a burst plan samples ``burst`` tokens per row)."""
     import numpy as np
 
     rng = np.random.default_rng(1)
-    t_sched, c_sched, t_update, t_step, rows = [], [], [], [], 0
+    t_sched, c_sched, t_update, t_step, rows, sub = [], [], [], [], 0, 1
     for _ in range(steps):
         c0, t0 = time.thread_time(), time.perf_counter()
-        plan = sched.schedule()
+        plan = sched.schedule(burst)
         t1, c1 = time.perf_counter(), time.thread_time()
-        sampled = rng.integers(1, 32000, plan.gdn_slots.shape[0])
+        sampled = rng.integers(1, 32000, plan.gdn_slots.shape[0] * plan.burst)
         t2 = time.perf_counter()
         sched.update(plan, sampled)
         t3 = time.perf_counter()
@@ -63,20 +65,21 @@ def time_steps(sched, steps: int) -> dict:
         t_sched.append(t1 - t0)
         t_step.append(t3 - t2 + t1 - t0)
         c_sched.append(c1 - c0)
-        rows = max(rows, plan.num_seqs)
+        rows, sub = max(rows, plan.num_seqs), max(sub, plan.burst)
     ms = lambda xs, q=50: 1e3 * float(np.percentile(xs, q))  # noqa: E731
-    return dict(rows=rows, steps=steps, median_ms=ms(t_step), schedule_ms=ms(t_sched),
-                schedule_p90_ms=ms(t_sched, 90), schedule_cpu_ms=ms(c_sched), update_ms=ms(t_update))
+    return dict(rows=rows, steps=steps, sub_steps=sub, median_ms=ms(t_step), schedule_ms=ms(t_sched),
+                schedule_p90_ms=ms(t_sched, 90), schedule_cpu_ms=ms(c_sched), update_ms=ms(t_update),
+                median_ms_per_sub_step=ms(t_step) / sub)
 
 
 def measure(requests: int, prompt_len: int, steps: int) -> list[dict]:
     """One row per (recycle, pool) variant."""
     out = []
-    for recycle, pool in VARIANTS:
+    for recycle, pool, burst in VARIANTS:
         sched = build(requests, prompt_len, recycle, pool)
-        time_steps(sched, 20)  # warm-up
-        row = dict(impl=f"recycle={recycle} pool={pool}", ok=True, load_avg_1min=os.getloadavg()[0],
-                   **time_steps(sched, steps))
+        time_steps(sched, 20, burst)  # warm-up
+        name = f"recycle={recycle} pool={pool}" + (f" burst={burst}" if burst > 1 else "")
+        row = dict(impl=name, ok=True, load_avg_1min=os.getloadavg()[0], **time_steps(sched, steps, burst))
         print(row, flush=True)
         out.append(row)
     return out
