@@ -140,16 +140,25 @@ class Consumers:
         slots = np.asarray(plan.gdn_slots[:n], np.int64)  # i64[n]
         tracked = self._tracked
         trs = [tracked.get(rid) for rid in rids]
-        sent = np.fromiter([0 if tr is None else tr.sent for tr in trs], np.int64, n)  # i64[n]: delivered so far
+        sent = np.fromiter([-1 if tr is None else tr.sent for tr in trs], np.int64, n)  # i64[n]; -1: not tracked
         bound = rt.request_id[slots] == np.asarray(rids, np.int64)  # bool[n]: the request still runs there
-        first = rt.prompt_len[slots] + sent  # i64[n]: position of the first token not delivered
+        first = rt.prompt_len[slots] + np.maximum(sent, 0)  # i64[n]: position of the first token not delivered
         count = np.where(bound, rt.num_tokens[slots] - rt.num_pending[slots] - first, 0)  # i64[n]: resolved since
         m = int(count.max())
         new = rt.tokens[slots[:, None], np.minimum(first[:, None] + np.arange(m), rt.tokens.shape[1] - 1)].tolist() \
             if m > 0 else None  # [n][m]: each row's next m tokens (the first count[b] are new)
+        new_tuple = tuple.__new__  # a StepOutput from its fields' tuple (no generated __new__)
+        ks = count.tolist()
+        if not self._inbox and m > 0 and min(ks) == m and bound.all() and (sent >= 0).all():
+            # the usual decode step: every row running, tracked and given m new tokens; no stream to feed
+            outs = list(map(new_tuple, repeat(StepOutput), zip([tr.index for tr in trs], rids, new, sent.tolist(),
+                                                                  repeat(False))))
+            for tr, k in zip(trs, ks):
+                tr.sent += k
+            return outs
         outs: list[StepOutput] = []
-        inbox, new_tuple = self._inbox, tuple.__new__  # a StepOutput from its fields' tuple (no generated __new__)
-        for rid, tr, k, left, row in zip(rids, trs, count.tolist(), (~bound).tolist(), new or repeat(None)):
+        inbox = self._inbox
+        for rid, tr, k, left, row in zip(rids, trs, ks, (~bound).tolist(), new or repeat(None)):
             if left:  # finished or left the table: its request object holds its state
                 outs += self._collect([rid])
             elif tr is not None and k > 0:  # a running request is not done: finishing unbinds it first
