@@ -23,13 +23,14 @@ def check_sampled(plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
     if sampled.shape[0] < need:
         what = f"the plan has {n} rows" if k == 1 else f"a burst of {k} sub-steps of {B} rows needs {need}"
         raise ValueError(f"sampled has {sampled.shape[0]} entries, {what}")
-    tokens = np.zeros((k, n), np.int64)
-    for j in range(k):
-        tokens[j] = sampled[j * B: j * B + n]
+    if sampled.shape[0] >= k * B:  # sub-step j's rows at [j * B, j * B + n)
+        tokens = sampled[: k * B].reshape(k, B)[:, :n].astype(np.int64)
+    else:
+        tokens = np.stack([sampled[j * B: j * B + n] for j in range(k)]).astype(np.int64)
     mask = plan.sample_mask[:n] if plan.burst_len is None else \
         plan.sample_mask[:n] & (plan.burst_len[:n][None, :] > np.arange(k)[:, None])
-    kept = tokens[np.broadcast_to(mask, tokens.shape)]
-    if kept.size and (kept.min() < 0 or kept.max() > INT32_MAX):
+    if (mask & ((tokens < 0) | (tokens > INT32_MAX))).any():
+        kept = tokens[np.broadcast_to(mask, tokens.shape)]
         raise ValueError(f"sampled token ids must lie in [0, {INT32_MAX}], got min {kept.min()}, max {kept.max()}")
     return tokens
 
