@@ -93,7 +93,7 @@ class StepApplication:
         t, step, B = self.rows, plan.step, plan.seq_lens.shape[0]
         sample = plan.sample_mask[: plan.num_seqs]
         steps = None if plan.burst_len is None else plan.burst_len[: plan.num_seqs]
-        finished, aborted = [], Status.ABORTED
+        finished: list[Request] = []
         for j in range(plan.burst):
             sub = sample if steps is None else sample & (steps > j)  # bool[nseq]: rows sampling at sub-step j
             bound = sub & (t.request_id[slots] == rids)  # bool[nseq]: the row's request still runs there
@@ -104,20 +104,29 @@ class StepApplication:
             eos = set(rows[t.resolve(slots[rows], tokens[j, rows])].tolist())  # rows whose token was eos
             # One by one, in row order: the eos rows above, and the rows of requests no longer running there.
             for b in sorted(eos.union(np.flatnonzero(sub & ~bound).tolist())):
-                if b in eos:  # resolved above
-                    req, hit = t.requests[int(slots[b])], True
-                else:
-                    req = self.requests.get(int(rids[b]))
-                    if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b + j * B):
-                        continue
-                    hit = req.resolve(int(tokens[j, b]))
-                if hit and req.status is not Status.FINISHED:
-                    self._finish(req)
-                    finished.append(req)
-                if req.status is Status.FINISHED and not req.pending:
-                    self.requests.pop(req.request_id, None)
+                self._resolve_row(plan, j, b, b in eos, tokens, finished)
         self._unresolved.popleft()
         return finished
+
+    def _resolve_row(self, plan: StepPlan, j: int, b: int, eos: bool, tokens: np.ndarray,
+                     finished: list[Request]) -> None:
+        """Sub-step ``j`` of row ``b``, one by one: an eos the row table resolved (``eos``: its request finishes),
+        or the token of a request no longer in the table, given to the request if it is still its oldest reserved
+        one. Finished requests are appended to ``finished``; a finished one without reserved tokens is let go."""
+        _, slots, rids = self._unresolved[0]
+        if eos:
+            req, hit = self.rows.requests[int(slots[b])], True
+        else:
+            req = self.requests.get(int(rids[b]))
+            if req is None or req.status is Status.ABORTED or not req.pending \
+                    or req.pending[0] != (plan.step, b + j * plan.seq_lens.shape[0]):
+                return
+            hit = req.resolve(int(tokens[j, b]))
+        if hit and req.status is not Status.FINISHED:
+            self._finish(req)
+            finished.append(req)
+        if req.status is Status.FINISHED and not req.pending:
+            self.requests.pop(req.request_id, None)
 
     def _resolve_burst(self, plan: StepPlan, tokens: np.ndarray) -> list[Request] | None:
         """``_resolve`` of a burst with every sub-step of the rows still bound in one pass of the row table
@@ -139,20 +148,9 @@ class StepApplication:
         eos_rows = {b for _, b in events}
         for b in np.flatnonzero(~bound & (counts > 0)).tolist():
             events += [(jb, b) for jb in range(int(counts[b]))]
-        finished, aborted = [], Status.ABORTED
+        finished: list[Request] = []
         for jb, b in sorted(events):
-            if b in eos_rows:
-                req, hit = t.requests[int(slots[b])], True
-            else:
-                req = self.requests.get(int(rids[b]))
-                if req is None or req.status is aborted or not req.pending or req.pending[0] != (step, b + jb * B):
-                    continue
-                hit = req.resolve(int(tokens[jb, b]))
-            if hit and req.status is not Status.FINISHED:
-                self._finish(req)
-                finished.append(req)
-            if req.status is Status.FINISHED and not req.pending:
-                self.requests.pop(req.request_id, None)
+            self._resolve_row(plan, jb, b, b in eos_rows, tokens, finished)
         return finished
 
     def rollback(self) -> None:
