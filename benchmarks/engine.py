@@ -32,8 +32,7 @@ import time
 from case import RunCase
 
 BUDGET_S = 280.0  # all runs together, an equal share each
-MODES = ((False, 1), (True, 1), (True, 8), (True, 16))  # (overlap, decode burst) of each end-to-end row
-STEP_MODES = MODES  # ... and of each step-profile row
+MODES = ((False, 1), (True, 1), (True, 8), (True, 16))  # (overlap, decode burst) of each row
 SETTLE = 4  # untimed steps between the garbage collection and a timed window
 
 
@@ -227,7 +226,7 @@ def profile_steps(eng, n: int, *, want) -> dict:
 
 
 def step_rows(p, rows_list=STEP_ROWS, n: int = 30, prefill: dict | None = PREFILL,
-              modes: tuple[tuple[bool, int], ...] = STEP_MODES) -> list[dict]:
+              modes: tuple[tuple[bool, int], ...] = MODES) -> list[dict]:
     """The issue-#18 table: steady decode at each of ``rows_list`` and chunked-prefill steps, the synchronous
     engine, the overlapped one and the overlapped one with decode bursts side by side (same model, same
     requests; a burst step's figures are per engine step, ``*_per_substep`` divides by its sub-steps)."""
@@ -290,7 +289,7 @@ def cases(small: bool = False) -> list[RunCase]:
     steps = dict(rows_list=(4,), n=3, prefill=dict(rows=2, prompt_len=256, budget=32)) if small else {}
     modes = ((False, 1), (True, 1), (True, 2)) if small else MODES
     return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
-                    lambda: step_rows(p, modes=modes if small else STEP_MODES, **steps), anchor=None),
+                    lambda: step_rows(p, modes=modes, **steps), anchor=None),
             RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
                     lambda: measure(p, 60.0 if small else BUDGET_S, recycles, modes),
                     anchor="recycle=none overlap=off")]
