@@ -121,12 +121,16 @@ def test_an_overlapped_run_puts_every_token_where_the_oracle_does(rng, recycle, 
         assert steps < 5000
     assert sched.num_preemptions > 0 and rolled_back
     for req in reqs:
-        if req.request_id in aborted:
-            continue
-        assert req.status is Status.FINISHED and not req.pending
-        want = oracle(req.request_id, np.arange(req.prompt_len, req.prompt_len + req.max_new_tokens))
-        end = int(np.argmax(want == 3)) + 1 if (want == 3).any() else want.size
-        assert req.output_ids.tolist() == want[:end].tolist(), req
+        if req.request_id not in aborted:
+            assert_oracle_output(req)
+
+
+def assert_oracle_output(req: Request) -> None:
+    """``req`` finished with nothing reserved, its outputs the oracle's tokens up to the first eos (3)."""
+    assert req.status is Status.FINISHED and not req.pending
+    want = oracle(req.request_id, np.arange(req.prompt_len, req.prompt_len + req.max_new_tokens))
+    end = int(np.argmax(want == 3)) + 1 if (want == 3).any() else want.size
+    assert req.output_ids.tolist() == want[:end].tolist(), req
 
 
 def burst_sampled(plan) -> np.ndarray:
@@ -198,9 +202,5 @@ def test_an_overlapped_burst_run_matches_sub_step_by_sub_step_and_the_oracle(rng
     assert bursts > 10 and sum(eos_hits) > 2 and aborted
     for got, ref in zip(*reqs):
         assert (got.status, got.output_ids.tolist()) == (ref.status, ref.output_ids.tolist())
-        if got.request_id in aborted:
-            continue
-        assert got.status is Status.FINISHED and not got.pending
-        want = oracle(got.request_id, np.arange(got.prompt_len, got.prompt_len + got.max_new_tokens))
-        end = int(np.argmax(want == 3)) + 1 if (want == 3).any() else want.size
-        assert got.output_ids.tolist() == want[:end].tolist(), got
+        if got.request_id not in aborted:
+            assert_oracle_output(got)
