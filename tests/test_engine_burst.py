@@ -241,3 +241,27 @@ def test_fault_during_a_burst_recovers_by_recompute(qwen, case, monkeypatch, poi
     assert [got[rid] for rid in ids] == expect
     assert max(bursts(eng)) == K
     assert_idle(eng)
+
+
+def test_advance_has_no_loop():
+    """The device glue between sub-steps lowers without a loop: an XLA ``while`` leaves the CUDA graph the rest
+    of a burst step runs in (on the H100 the ``searchsorted`` scan split a burst into two graphs and 28 kernels
+    launched one by one, benchmarks/HISTORY.md run 52)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.engine.burst import advance
+    from kvjax.engine.inputs import StepInputs
+
+    B, H, M = 4, 2, 3
+    r = np.random.default_rng(0)
+    inputs = StepInputs(token_ids=jnp.asarray(r.integers(0, 50, B), jnp.int32),
+                        positions=jnp.asarray(r.integers(0, 8, B), jnp.int32),
+                        cu_seqlens=jnp.arange(B + 1, dtype=jnp.int32), seq_lens=jnp.full(B, 9, jnp.int32),
+                        gdn_slots=jnp.arange(1, B + 1, dtype=jnp.int32), has_initial_state=jnp.ones(B, bool),
+                        block_tables=jnp.asarray(r.integers(-1, 20, (B, H, M)), jnp.int32),
+                        slot_mapping=jnp.zeros((B, H), jnp.int32), logits_indices=jnp.arange(B, dtype=jnp.int32),
+                        decode_only=True)
+    text = jax.jit(advance, static_argnums=3).lower(inputs, jnp.ones(B, jnp.int32), jnp.ones(B, bool), 4).as_text()
+    assert "stablehlo.gather" in text or "stablehlo.dynamic_slice" in text  # the lowering is the real one
+    assert "while" not in text and "case" not in text

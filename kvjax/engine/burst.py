@@ -34,7 +34,8 @@ def advance(inputs: StepInputs, tokens: jax.Array, go: jax.Array, page_size: int
     hole). Other rows write nothing (slot mapping ``-1``, GDN slot 0)."""
     T, B = inputs.token_ids.shape[0], inputs.seq_lens.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
-    row = jnp.minimum(jnp.searchsorted(inputs.cu_seqlens[1:], t, side="right"), B - 1)  # i32[T]: token's row
+    ends = inputs.cu_seqlens[1:]  # i32[B]; compare_all: no while loop (a loop would leave the command buffer)
+    row = jnp.minimum(jnp.searchsorted(ends, t, side="right", method="compare_all"), B - 1)  # i32[T]: token's row
     tgo = (t < inputs.cu_seqlens[-1]) & go[row]  # bool[T]
     pos = inputs.positions + tgo.astype(jnp.int32)  # i32[T]
     bt = inputs.block_tables  # i32[B, Hkv, max_blocks]
