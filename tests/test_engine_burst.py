@@ -245,7 +245,7 @@ def test_fault_during_a_burst_recovers_by_recompute(qwen, case, monkeypatch, poi
 
 def test_advance_has_no_loop():
     """The device glue between sub-steps lowers without a loop: an XLA ``while`` leaves the CUDA graph the rest
-    of a burst step runs in (on the H100 the ``searchsorted`` scan split a burst into two graphs and 28 kernels
+    of a burst step runs in (on the H100 a ``searchsorted`` scan here split a burst into two graphs and 28 kernels
     launched one by one, benchmarks/HISTORY.md run 52)."""
     import jax
     import jax.numpy as jnp

@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from kvjax.base.ragged import token_rows
 from kvjax.engine.inputs import StepInputs
 from kvjax.models.interface import ModelCaches
 
@@ -34,8 +35,7 @@ def advance(inputs: StepInputs, tokens: jax.Array, go: jax.Array, page_size: int
     hole). Other rows write nothing (slot mapping ``-1``, GDN slot 0)."""
     T, B = inputs.token_ids.shape[0], inputs.seq_lens.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
-    ends = inputs.cu_seqlens[1:]  # i32[B]; compare_all: no while loop (a loop would leave the command buffer)
-    row = jnp.minimum(jnp.searchsorted(ends, t, side="right", method="compare_all"), B - 1)  # i32[T]: token's row
+    row = token_rows(inputs.cu_seqlens, T)  # i32[T]: token's row (a compare, no loop: the step stays one graph)
     tgo = (t < inputs.cu_seqlens[-1]) & go[row]  # bool[T]
     pos = inputs.positions + tgo.astype(jnp.int32)  # i32[T]
     bt = inputs.block_tables  # i32[B, Hkv, max_blocks]
