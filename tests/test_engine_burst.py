@@ -264,4 +264,4 @@ def test_advance_has_no_loop():
                         decode_only=True)
     text = jax.jit(advance, static_argnums=3).lower(inputs, jnp.ones(B, jnp.int32), jnp.ones(B, bool), 4).as_text()
     assert "stablehlo.gather" in text or "stablehlo.dynamic_slice" in text  # the lowering is the real one
-    assert "while" not in text and "case" not in text
+    assert "stablehlo.while" not in text and "stablehlo.case" not in text
