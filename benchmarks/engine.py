@@ -84,7 +84,7 @@ def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
             modes: tuple[tuple[bool, int], ...] = MODES) -> list[dict]:
     """The runs of preset ``p``: one row per (recycle policy, (overlap, decode burst)), each with its own engine;
     the first run (``recycle=none``, synchronous) is the anchor every row's tokens are compared with."""
-    from kvjax.cli_run import build_model
+    from kvjax.cli.run import build_model
     from kvjax.sched.workload import cache_for, seed_workload
 
     t_start = time.perf_counter()
@@ -146,7 +146,7 @@ _MODELS: dict = {}  # preset -> model: the profile's engines share one model (th
 
 
 def _model(p):
-    from kvjax.cli_run import build_model
+    from kvjax.cli.run import build_model
 
     if p not in _MODELS:
         _MODELS[p] = build_model(p)
@@ -277,7 +277,7 @@ def _row(impl: str, prof: dict, fl: dict | None, gbps: float | None, burst: int 
 def cases(small: bool = False) -> list[RunCase]:
     """The gpu preset, both policies (``small``: the cpu preset cut to 2 requests of a few tokens and 2 layers,
     ``recycle="none"`` only: a smoke run)."""
-    from kvjax.cli_run import PRESETS
+    from kvjax.cli.run import PRESETS
 
     if small:
         p = dataclasses.replace(PRESETS["cpu"], requests=2, scale=0.002, layer_types=("linear_attention",

@@ -45,7 +45,7 @@ def _serve_timed(engine, workload) -> tuple[list, list, float]:
 def _build(p, conversations: int, turns: int, first_len: int, message_len: int, output_len: int,
            memory_requests: float):
     """The float32 model, the workload and the fixed-memory setup every policy shares."""
-    from kvjax.cli_run import build_model
+    from kvjax.cli.run import build_model
     from kvjax.experiments.prefix_runs import make_setup
     from kvjax.sched.workload import multi_turn_workload
 
@@ -181,7 +181,7 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
 def cases(small: bool = False) -> list[RunCase]:
     """The multi-turn comparison on the gpu preset's model, one process per policy (``small``: the cpu preset, 2
     conversations of 3 short turns, in this process)."""
-    from kvjax.cli_run import PRESETS
+    from kvjax.cli.run import PRESETS
 
     if small:
         p, args = PRESETS["cpu"], (2, 3, 40, 8, 4, 10.0)

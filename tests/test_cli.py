@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-import kvjax.cli_run as cli_run
-import kvjax.sched.simulate as simulate
+import kvjax.cli.run as cli_run
+import kvjax.cli.simulate as simulate
 from kvjax.__main__ import main as kvjax_main
-from kvjax.sched.cli_args import check_memory, comma_list, int_at_least, number_in, writable_file
+from kvjax.cli.args import check_memory, comma_list, int_at_least, number_in, writable_file
 
 
 def exit_status(main, argv: list[str]) -> int:

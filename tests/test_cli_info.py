@@ -2,7 +2,8 @@
 
 import json
 
-from kvjax import cli_info, ops
+from kvjax import ops
+from kvjax.cli import info as cli_info
 
 
 def test_info_reports_every_table_and_its_choices(capsys):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.sched.simulate import main, simulate, throughput_bound
+from kvjax.cli.simulate import main
+from kvjax.sched.simulate import simulate, throughput_bound
 from kvjax.sched.workload import SEED_OUTPUT_MEAN, SEED_PROMPT_MEAN, RequestSpec, cache_for, seed_workload, swa_layout
 
 

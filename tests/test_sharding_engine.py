@@ -129,7 +129,7 @@ def test_mesh_options_are_refused():
 
 
 def test_cli_mesh_usage_errors(capsys):
-    import kvjax.cli_run as cli_run
+    import kvjax.cli.run as cli_run
 
     for argv, msg in ((["--mesh", "3"], "--mesh must be DATAxMODEL"), (["--devices", "2", "--mesh", "1x2"], "not both"),
                       (["--mesh", "64x2"], "needs 128 devices"),

@@ -39,7 +39,7 @@ import numpy as np
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import UsageError
-from kvjax.sched.cli_args import ArgumentParser, check_memory, fail, int_at_least, number_in, writable_file
+from kvjax.cli.args import ArgumentParser, check_memory, fail, int_at_least, number_in, writable_file
 from kvjax.sched.workload import cache_for, check_servable, seed_footprint, seed_workload
 
 

@@ -6,7 +6,7 @@ exit status 2 (:func:`fail`). The ``type=`` factories below reject a bad value n
 ``--scale nan``, ``--recycle ,``), :func:`writable_file` refuses an output path that cannot be written before the
 run it would record, and :func:`check_memory` refuses a size that this machine cannot hold.
 
-Stdlib only (this package never imports jax), so that the simulator, ``run`` and the dispatcher share it.
+Stdlib only (never imports jax), so that ``simulate``, ``run``, ``info`` and the dispatcher share it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import kvjax
 from kvjax import ops
 from kvjax.base.device import NAMED, DeviceKind, current_device
 from kvjax.errors import UsageError
-from kvjax.sched.cli_args import ArgumentParser, fail
+from kvjax.cli.args import ArgumentParser, fail
 
 
 def collect(device: DeviceKind | None = None) -> dict:
