@@ -135,3 +135,11 @@ def test_shared_helpers():
     with pytest.raises(ValueError, match="seq_lens"):
         checks.check_seq_lens(jnp.asarray([5], jnp.int32), 4, device=True)
     checks.check_seq_lens(jnp.asarray([5], jnp.int32), 4)  # device values only when asked
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), np.float32("nan")])
+def test_paged_attention_rejects_a_non_finite_scale(rng, scale):
+    """Issue 31: ``scale=nan`` was accepted and gave NaN outputs."""
+    args, kw = _paged(rng)
+    with pytest.raises(ValueError, match=r"scale must be a finite.*nan|scale must be a finite.*inf"):
+        paged_attention(*args, **kw, scale=scale, impl="reference")

@@ -162,3 +162,48 @@ def test_cache_spec_rejects_integer_dtype(make):
     for bad in (jnp.int32, jnp.int8, jnp.bool_, "nope"):
         with pytest.raises(ValueError, match="floating dtype"):
             make(bad)
+
+
+# ---- issue 31, bad input to the loader ---------------------------------------------------------------------------
+@pytest.mark.parametrize("weight_map", [["model.safetensors"], None, {"model.norm.weight": 3}, "model.safetensors",
+                                        {"model.norm.weight": None}], ids=["list", "null", "int", "str", "none-shard"])
+def test_sharded_index_with_a_bad_weight_map_is_named(tmp_path, qwen_saved, weight_map):
+    config, tensors, _ = qwen_saved
+    path = write_ckpt(tmp_path / "c", config, tensors)
+    os.replace(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00001.safetensors"))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with pytest.raises(CheckpointError, match="weight_map"):
+        load_pretrained(path)
+
+
+@pytest.mark.parametrize("heads", [0, -2])
+def test_qwen_config_with_no_attention_heads_is_named(tmp_path, qwen_saved, heads):
+    config, tensors, _ = qwen_saved
+    with pytest.raises(CheckpointError, match=f"num_attention_heads.*{heads}"):
+        load_pretrained(write_ckpt(tmp_path / "c", {**config, "num_attention_heads": heads}, tensors))
+
+
+@pytest.mark.parametrize("theta", [-5, 0, float("nan"), float("inf")])
+def test_deepseek_rope_theta_must_be_positive(theta):
+    with pytest.raises(CheckpointError, match="rope_theta"):
+        DeepseekConfig(**{**DEEPSEEK, "rope_parameters": (("rope_theta", theta), ("rope_type", "default"))})
+    with pytest.raises(CheckpointError, match="rope_theta"):
+        DeepseekConfig.from_hf({**_deepseek_hf_config(), "rope_theta": theta})
+
+
+def _deepseek_hf_config() -> dict:
+    return transformers.DeepseekV32Config(
+        vocab_size=19, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8,
+        qk_nope_head_dim=8, index_head_dim=16, index_n_heads=2, index_topk=4, first_k_dense_replace=1,
+    ).to_dict() | {"rope_parameters": None}
+
+
+@pytest.mark.parametrize("mesh", ["2x2", (2, 2), 4])
+def test_load_pretrained_names_a_mesh_that_is_not_a_mesh(tmp_path, qwen_saved, mesh):
+    config, tensors, _ = qwen_saved
+    path = write_ckpt(tmp_path / "c", config, tensors)
+    with pytest.raises(ValueError, match=rf"mesh must be a jax\.sharding\.Mesh.*{mesh!r}".replace("(", r"\(")
+                       .replace(")", r"\)")):
+        load_pretrained(path, mesh=mesh)

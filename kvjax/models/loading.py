@@ -12,6 +12,8 @@ import importlib
 import os
 from typing import Any
 
+from jax.sharding import Mesh
+
 from kvjax.errors import CheckpointError
 from kvjax.models.common.checkpoint import read_config
 from kvjax.models.interface import CausalLM
@@ -51,10 +53,15 @@ def load_pretrained(path: str | os.PathLike, **options: Any) -> CausalLM:
     directly on their devices (``jax.device_put`` with the NamedSharding of its rule,
     :func:`kvjax.models.sharding.param_spec`); no device ever holds a whole model-split parameter.
 
-    Raises :class:`kvjax.errors.CheckpointError` for a missing directory, an unknown architecture, a bad
+    Raises ``ValueError`` for a ``mesh`` that is not a ``Mesh`` (before reading anything) and
+    :class:`kvjax.errors.CheckpointError` for a missing directory, an unknown architecture, a bad
     config, a non-float ``dtype``, or a missing / mis-shaped / integer-typed tensor or one holding NaN / inf
     (unless ``check_finite=False``); the message names it.
     """
+    mesh = options.get("mesh")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(f"load_pretrained: mesh must be a jax.sharding.Mesh with axes ('data', 'model') or None, "
+                         f"got {mesh!r}")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path!r} does not exist")

@@ -50,6 +50,7 @@ device code cannot raise, so the reference clamps them like any XLA gather.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -210,9 +211,12 @@ def _normalise_scale(scale, head_dim: int) -> float:
     if scale is None:
         return float(head_dim) ** -0.5
     try:
-        return float(scale)
+        value = float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError) as err:
         raise ValueError(f"scale must be a Python float (static), got {scale!r}") from err
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite Python float, got {scale!r}")
+    return value
 
 
 def paged_attention(

@@ -83,6 +83,12 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"cannot parse {index!r}: {err}") from err
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index!r}: weight_map must be a non-empty object of tensor name -> shard file, "
+                                  f"got {weight_map!r:.200}")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise CheckpointError(f"{index!r}: weight_map[{bad[0]!r}] must be a shard file name, got {bad[1]!r}")
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
             shard_file = os.path.join(path, shard)

@@ -59,6 +59,10 @@ class DeepseekConfig:
             raise CheckpointError(f"DeepseekConfig.rms_norm_eps must be a finite number >= 0, got {eps!r}")
         if self.qk_rope_head_dim % 2:
             raise CheckpointError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        theta = dict(self.rope_parameters).get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise CheckpointError(f"DeepseekConfig rope_parameters' rope_theta must be a finite number > 0, "
+                                  f"got {theta!r}")
         types = tuple(self.mlp_layer_types) or ("dense",) * self.num_hidden_layers
         if len(types) != self.num_hidden_layers or set(types) - {"dense", "sparse"}:
             raise CheckpointError(

@@ -105,6 +105,8 @@ class Qwen3_5Config:
                 )
             hidden = config_get(cfg, "hidden_size", kind=int)
             n_heads = config_get(cfg, "num_attention_heads", kind=int)
+            if n_heads < 1:
+                raise CheckpointError(f"config key 'num_attention_heads' must be an int >= 1, got {n_heads!r}")
             rope = dict(cfg.get("rope_parameters") or {})
             rope_type = rope.get("rope_type", "default")
             if rope_type != "default":
