@@ -4,8 +4,10 @@ a function that fails the test if it is reached."""
 
 from __future__ import annotations
 
+import json
 import os
 
+import numpy as np
 import pytest
 
 import kvjax.cli.run as cli_run
@@ -167,3 +169,59 @@ def test_check_memory_names_the_size():
     check_memory(2**20, "a small run", available=2**30)
     with pytest.raises(ValueError, match=r"a big run needs about 2\.0 TiB of host memory, this machine has 1\.0 GiB"):
         check_memory(2 * 2**40, "a big run", available=2**30)
+
+
+# ---- issue 31: simulate --prefix-caching sizes and flags a mode would ignore -------------------------------------
+@pytest.fixture
+def no_prefix_work(monkeypatch):
+    monkeypatch.setattr(simulate, "simulate_prefix", _no_work)
+
+
+@pytest.mark.parametrize("argv", [["--requests", str(10**9)], ["--scale", "1e5"], ["--scale", "1e7"],
+                                  ["--max-seqs", str(10**9)], ["--workload", "multi-turn", "--scale", "1e6"],
+                                  ["--workload", "few-shot", "--requests", str(10**10)]])
+def test_simulate_prefix_refuses_sizes_this_machine_cannot_hold(argv, capsys, monkeypatch, no_prefix_work):
+    for name in PREFIX_WORKLOAD_NAMES:  # refused from the arguments alone, before drawing the workload
+        monkeypatch.setitem(simulate.PREFIX_WORKLOADS, name, _no_work)
+    line = one_line_error(capsys, simulate.main, ["--prefix-caching", *argv])
+    assert "needs about" in line and "of host memory" in line
+
+
+PREFIX_WORKLOAD_NAMES = ("seed", "system-prompt", "multi-turn", "few-shot")
+
+
+@pytest.mark.parametrize("workload", PREFIX_WORKLOAD_NAMES)
+def test_prefix_lengths_bound_the_drawn_workload(workload):
+    for requests, scale in ((8, 0.01), (13, 0.05)):
+        w = simulate.PREFIX_WORKLOADS[workload](requests, scale, 0, 0.25)
+        n, mean, longest, out = simulate.prefix_lengths(workload, requests, scale, 0.25)
+        assert n == len(w) and out >= sum(x.max_new_tokens for x in w)
+        assert longest >= max(x.total_len for x in w) and mean >= 0.9 * np.mean([x.total_len for x in w])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--prefix-caching", "--memory-requests", "0.01"], "cannot be served"),  # used to stall after starting
+    (["--prefix-caching", "--recycle", "none"], "--recycle is not used with --prefix-caching"),
+    (["--prefix-caching", "--recycle", "timely"], "--recycle is not used with --prefix-caching"),
+    (["--prefix-caching", "--pool", "partitioned"], "--pool is not used with --prefix-caching"),
+    (["--prefix-caching", "--pool=shared"], "--pool is not used with --prefix-caching"),
+    (["--prefix-caching", "--swa-fraction", "0.5,1.0"], "takes one --swa-fraction"),
+    (["--prefix-caching", "--workload", "few-shot", "--spread", "0.1"], "--spread applies to the seed workload"),
+    (["--workload", "few-shot"], "--workload needs --prefix-caching"),
+    (["--memory-requests", "0.01"], "cannot be served"),
+    (["--max-seqs", str(10**9)], "needs about"),
+])
+def test_simulate_refuses_before_any_work(argv, needle, capsys, no_sim_work, no_prefix_work):
+    line = one_line_error(capsys, simulate.main, SMALL_SIM[:4] + argv)
+    assert line.startswith("simulate: ") and needle in line
+
+
+def test_simulate_prefix_uses_spread_on_the_seed_workload(capsys):
+    base = ["--prefix-caching", "--requests", "3", "--scale", "0.005", "--page-size", "4", "--max-seqs", "4",
+            "--max-tokens", "64", "--json", "-"]
+    docs = []
+    for spread in ("0", "0.5"):
+        assert simulate.main(base + ["--spread", spread]) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    assert docs[0]["config"]["spread"] == 0 and docs[1]["config"]["spread"] == 0.5
+    assert docs[0]["results"][0]["prompt_tokens"] != docs[1]["results"][0]["prompt_tokens"]

@@ -56,9 +56,10 @@ def test_cli_table_and_json(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "tok/step" in out and "bound gain" in out and len(out.strip().splitlines()) == 2 + 1 + 8
-    assert main(args + ["--json", "--pool", "shared"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    assert main(args + ["--json", "-", "--pool", "shared"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # '-': the JSON alone on stdout
     assert doc["config"]["num_pages"] > 0 and len(doc["results"]) == 4
+    assert doc["meta"]["seed"] == 0 and doc["meta"]["command"][3:5] == ["simulate", "--requests"]
     assert {r["recycle"] for r in doc["results"]} == {"none", "timely"}
     assert main(["--scale", "0", "--requests", "2"]) == 2
     assert "scale > 0" in capsys.readouterr().err
@@ -91,3 +92,13 @@ def test_prefix_cache_simulation_hits_and_keep_tail_beats_eager():
         assert res["keep_tail"].computed_tokens < res["off"].computed_tokens
     with pytest.raises(ValueError, match="leave no page"):
         split_memory(100, page_bytes=1, slot_bytes=50, num_checkpoints=2)
+
+
+def test_simulate_progress_hook_counts_every_generated_token():
+    w = seed_workload(5, scale=0.01, seed=1)
+    cache = cache_for(w, num_kv_heads=2, page_size=4, full_requests=2, max_seqs=4)
+    att = swa_layout(2, 0.5, 16, 2)
+    seen = []
+    hooked = simulate(w, cache, att, max_num_batched_tokens=64, pool="shared", recycle="timely", progress=seen.append)
+    plain = simulate(w, cache, att, max_num_batched_tokens=64, pool="shared", recycle="timely")
+    assert hooked == plain and len(seen) == plain.steps and sum(seen) == plain.generated == sum(x.max_new_tokens for x in w)

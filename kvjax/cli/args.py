@@ -20,11 +20,42 @@ from typing import Callable, Sequence
 from kvjax.errors import UsageError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default after its text (``(default: none,timely)``); flags off by default and
+    defaults of ``None`` (the text says what happens) show none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default is None or default is False or default is argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        shown = ",".join(str(x) for x in default) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors raise :class:`UsageError` (one line, no usage dump, no exit)."""
+    """``argparse.ArgumentParser`` whose errors raise :class:`UsageError` (one line, no usage dump, no exit), and
+    whose ``--help`` shows every flag's default (:class:`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+    def given(self, argv: Sequence[str]) -> set[str]:
+        """The destinations of the options ``argv`` sets explicitly (abbreviations included), to refuse a flag
+        that a mode would ignore. ``argv`` must already parse."""
+        saved = [(a, a.default) for a in self._actions]
+        try:
+            for a, _ in saved:
+                a.default = argparse.SUPPRESS
+            return set(vars(self.parse_args(argv)))
+        finally:
+            for a, default in saved:
+                a.default = default
 
 
 def fail(command: str, err: Exception) -> int:
@@ -105,7 +136,20 @@ def writable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
     if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot create {text!r}: directory {parent!r} is not writable")
+    existed = os.path.exists(path)
+    try:  # what access() cannot tell (root in /proc, a read-only mount): open it, leave it as it was
+        with open(path, "a" if existed else "x"):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {err.strerror or err}") from None
+    if not existed:
+        os.remove(path)
     return text
+
+
+def json_destination(text: str) -> str:
+    """``type=`` for ``--json FILE``: ``-`` is standard output, anything else a :func:`writable_file`."""
+    return text if text == "-" else writable_file(text)
 
 
 def physical_memory() -> int | None:

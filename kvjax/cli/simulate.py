@@ -1,54 +1,205 @@
 """``python -m kvjax simulate``: the capacity simulator's command line (:mod:`kvjax.sched.simulate` runs it).
 
 Drives the real host scheduler with a synthetic workload and no model, and prints one table: per (SWA fraction,
-pool, recycle) run, or with ``--prefix-caching`` per prefix-cache mode. Numpy only, like :mod:`kvjax.sched`.
+pool, recycle) run, or with ``--prefix-caching`` per prefix-cache mode (off / eager / keep_tail, timely
+recycling, shared pool). Every argument is checked, and the memory the run needs estimated, before the first
+simulation; a flag the chosen mode would ignore is refused. Numpy only, like :mod:`kvjax.sched`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
+import math
+import sys
 
 import numpy as np
 
-from kvjax.cli.args import ArgumentParser, check_memory, comma_list, fail, int_at_least, number_in
+from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_at_least, json_destination,
+                            number_in)
+from kvjax.cli.output import provenance, write_json
+from kvjax.errors import UsageError
 from kvjax.sched.blocks import POOLS
 from kvjax.sched.prefix_cache import PrefixCacheConfig
 from kvjax.sched.recycle import RECYCLE_POLICIES
 from kvjax.sched.simulate import format_prefix_table, format_table, simulate, simulate_prefix
-from kvjax.sched.workload import (cache_for, check_servable, few_shot_workload, multi_turn_workload, seed_footprint,
-                                  seed_workload, swa_layout, system_prompt_workload)
+from kvjax.sched.workload import (SEED_OUTPUT_MEAN, SEED_PROMPT_MEAN, cache_for, check_servable, few_shot_workload,
+                                  multi_turn_workload, seed_footprint, seed_workload, swa_layout,
+                                  system_prompt_workload)
 
 
-PREFIX_WORKLOADS = {  # name -> (requests, scale, seed) -> workload; lengths scale with --scale (1: seed-sized)
-    "seed": lambda n, k, s: seed_workload(n, scale=k, seed=s),
-    "system-prompt": lambda n, k, s: system_prompt_workload(n, system_len=max(1, round(8192 * k)),
+PREFIX_WORKLOADS = {  # name -> (requests, scale, seed, spread) -> workload; lengths scale with --scale (1: seed-sized)
+    "seed": lambda n, k, s, spread: seed_workload(n, scale=k, spread=spread, seed=s),
+    "system-prompt": lambda n, k, s, _: system_prompt_workload(n, system_len=max(1, round(8192 * k)),
                                                             user_len=max(1, round(1024 * k)),
                                                             output_len=max(1, round(1024 * k)), seed=s),
-    "multi-turn": lambda n, k, s: multi_turn_workload(max(1, n // 4), turns=4, first_len=max(1, round(4096 * k)),
+    "multi-turn": lambda n, k, s, _: multi_turn_workload(max(1, n // 4), turns=4, first_len=max(1, round(4096 * k)),
                                                       message_len=max(1, round(512 * k)),
                                                       output_len=max(1, round(512 * k)), seed=s),
-    "few-shot": lambda n, k, s: few_shot_workload(n, tasks=3, shots=8, shot_len=max(1, round(512 * k)),
+    "few-shot": lambda n, k, s, _: few_shot_workload(n, tasks=3, shots=8, shot_len=max(1, round(512 * k)),
                                                   question_len=max(1, round(256 * k)),
                                                   output_len=max(1, round(256 * k)), seed=s),
 }
 
 
-def _prefix_main(args) -> int:
+
+PREFIX_MODES = ("off", "eager", "keep_tail")
+
+
+def prefix_lengths(workload: str, requests: int, scale: float, spread: float) -> tuple[int, float, int, int]:
+    """Without drawing it, what :data:`PREFIX_WORKLOADS` ``[workload]`` would hold: ``(requests, mean tokens per
+    request, longest request, output tokens in all)`` (prompt + output; an upper estimate where lengths vary)."""
+    def r(x: float) -> int:
+        return max(1, round(x * scale))
+
+    if workload == "seed":
+        mean = scale * (SEED_PROMPT_MEAN + SEED_OUTPUT_MEAN) + 2
+        longest = math.ceil(scale * (SEED_PROMPT_MEAN + SEED_OUTPUT_MEAN) * (1 + spread)) + 2
+        return requests, mean, longest, requests * math.ceil(scale * SEED_OUTPUT_MEAN * (1 + spread) + 1)
+    if workload == "system-prompt":
+        out = r(1024)
+        longest = r(8192) + math.ceil(1.5 * r(1024)) + out
+        return requests, float(longest), longest, requests * out
+    if workload == "multi-turn":
+        convs, turns, first, step, out = max(1, requests // 4), 4, r(4096), r(512) + r(512), r(512)
+        longest = first + (turns - 1) * step + out
+        return convs * turns, first + (turns - 1) * step / 2 + out, longest, convs * turns * out
+    if workload == "few-shot":
+        out = r(256)
+        longest = 8 * r(512) + r(512) // 2 + r(256) + out
+        return requests, float(longest), longest, requests * out
+    raise ValueError(f"unknown workload {workload!r}; known: {sorted(PREFIX_WORKLOADS)}")
+
+
+def prefix_footprint(args: argparse.Namespace) -> int:
+    """Host bytes that ``simulate --prefix-caching`` needs, estimated from the arguments alone: the workload's
+    token arrays (prompt and output, and the loop's copy), the prefix cache's per-block entries, the block tables,
+    page lists and slots (the terms that grow with the arguments)."""
+    n, mean, longest, _ = prefix_lengths(args.workload, args.requests, args.scale, args.spread)
+    blocks = -(-longest // args.page_size)
+    pages = math.ceil(args.memory_requests * -(-mean // args.page_size)) * args.kv_heads
+    return int(n * (20 * mean + 1024)  # int32 prompt + int64 tokens per request, Python objects
+               + n * -(-mean // args.page_size) * 256  # hash-chained cache entries per prompt block
+               + pages * 64  # owners, free lists, reference counts
+               + (args.max_seqs + 1) * args.kv_heads * (4 * blocks + 8) + 256 * args.max_seqs  # tables, slots
+               + 64 * args.kv_heads * longest)
+
+
+def build_parser() -> ArgumentParser:
+    """The ``simulate`` command's arguments (``--help`` shows each default)."""
+    p = ArgumentParser(prog="python -m kvjax simulate",
+                       description="Host-only capacity simulation: the real scheduler, a synthetic seed-shaped "
+                                   "workload, no model. Compares recycle and pool policies (or, with "
+                                   "--prefix-caching, the prefix cache's modes) at the same page memory.")
+    p.add_argument("--requests", type=int_at_least(1), default=64, help="requests, all arriving at step 0")
+    p.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"), default=1.0,
+                   help="multiplies the seed-shaped lengths (10,599 prompt / 4,054 output tokens on average)")
+    p.add_argument("--spread", type=number_in(0, 1, high_open=True), default=0.25,
+                   help="lengths uniform in mean*[1-spread, 1+spread] (seed workload)")
+    p.add_argument("--kv-heads", type=int_at_least(1), default=4, help="KV heads of the attention layer")
+    p.add_argument("--swa-fraction", type=comma_list(number_in(0, 1)), default=[1.0],
+                   help="fraction of the KV heads that are sliding-window; a comma list compares several "
+                        "(e.g. 0.25,0.5,1.0); --prefix-caching takes one")
+    p.add_argument("--window", type=int_at_least(0), default=1024, help="sliding window of the SWA heads (tokens)")
+    p.add_argument("--sinks", type=int_at_least(0), default=4, help="attention-sink tokens the SWA heads keep")
+    p.add_argument("--page-size", type=int_at_least(1), default=64, help="tokens per page")
+    p.add_argument("--memory-requests", type=number_in(0, low_open=True), default=8.0,
+                   help="page memory = this many mean-length requests on every head without recycling")
+    p.add_argument("--max-seqs", type=int_at_least(1), default=64, help="most requests running at once (rows)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=2048, help="token budget per step")
+    p.add_argument("--recycle", type=comma_list(sorted(RECYCLE_POLICIES)), default=["none", "timely"],
+                   help="comma list of recycle policies to compare (not with --prefix-caching: timely)")
+    p.add_argument("--pool", type=comma_list(POOLS), default=list(POOLS),
+                   help="comma list of page-pool policies to compare (not with --prefix-caching: shared)")
+    p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0, help="seed of the workload and tokens")
+    p.add_argument("--check-every", type=int_at_least(0), default=0,
+                   help="run the integrity checks every N steps (slow; 0: never)")
+    p.add_argument("--json", metavar="FILE", type=json_destination,
+                   help="also write the configuration, the results and the run's provenance (versions, commit, "
+                        "date) as JSON to FILE; '-' writes it to standard output instead of the table")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on standard error (tqdm); default: on for runs of 100,000 tokens or more")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="compare the prefix cache off / eager / keep_tail (timely recycling, shared pool) on "
+                        "--workload")
+    p.add_argument("--workload", choices=sorted(PREFIX_WORKLOADS), default="seed",
+                   help="workload of --prefix-caching")
+    return p
+
+
+# flags a mode would ignore -> why (refused when given)
+_IGNORED_WITH_PREFIX = {"recycle": "--prefix-caching always recycles timely",
+                        "pool": "--prefix-caching always uses the shared pool"}
+
+
+def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """Refuse a flag the chosen mode would silently ignore."""
+    given = p.given(argv)
+    if not args.prefix_caching:
+        if "workload" in given:
+            raise UsageError("--workload needs --prefix-caching (without it the workload is the seed-shaped one)")
+        return
+    for dest, why in _IGNORED_WITH_PREFIX.items():
+        if dest in given:
+            raise UsageError(f"--{dest} is not used with --prefix-caching ({why}); drop it")
+    if len(args.swa_fraction) > 1:
+        raise UsageError(f"--prefix-caching takes one --swa-fraction, got {','.join(map(str, args.swa_fraction))}")
+    if "spread" in given and args.workload != "seed":
+        raise UsageError(f"--spread applies to the seed workload only, not --workload {args.workload}")
+
+
+def _bar(total: int, enabled: bool | None, desc: str):
+    """A tqdm bar over ``total`` tokens on stderr, or None (off, short, or tqdm missing)."""
+    if enabled is False or (enabled is None and total < 100_000):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        if enabled:
+            print("simulate: --progress needs tqdm (pip install tqdm)", file=sys.stderr)
+        return None
+    return tqdm(total=total, unit="tok", desc=desc, file=sys.stderr, leave=False)
+
+
+def _run_all(jobs: list, total: int, enabled: bool | None) -> list:
+    """Run ``jobs`` = ``[(label, fn(progress) -> result)]`` one after another under one progress bar."""
+    bar = _bar(total, enabled, jobs[0][0] if jobs else "")
+    results = []
+    try:
+        for i, (label, fn) in enumerate(jobs):
+            if bar is not None:
+                bar.set_description(f"{label} ({i + 1}/{len(jobs)})")
+            results.append(fn(bar.update if bar is not None else None))
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def _prefix_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``simulate --prefix-caching``: the cache off / eager / keep_tail (timely recycling, ``max_seqs``
-    checkpoints) on one workload and the first ``--swa-fraction``; prints :func:`format_prefix_table`."""
-    workload = PREFIX_WORKLOADS[args.workload](args.requests, args.scale, args.seed)
+    checkpoints) on one workload and one ``--swa-fraction``; prints :func:`format_prefix_table`."""
+    check_memory(prefix_footprint(args), f"--prefix-caching --workload {args.workload} --requests {args.requests} "
+                                         f"--scale {args.scale:g} --max-seqs {args.max_seqs}")
+    workload = PREFIX_WORKLOADS[args.workload](args.requests, args.scale, args.seed, args.spread)
     cache = cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
                       full_requests=args.memory_requests, max_seqs=args.max_seqs)
     attention = swa_layout(args.kv_heads, args.swa_fraction[0], args.window, args.sinks)
-    results = [simulate_prefix(workload, cache, attention, max_num_batched_tokens=args.max_tokens, seed=args.seed,
-                               check_every=args.check_every,
-                               prefix=None if mode == "off" else PrefixCacheConfig(args.max_seqs, True, mode))
-               for mode in ("off", "eager", "keep_tail")]
+    check_servable(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool="shared",
+                   recycle="timely")
+    total = sum(w.max_new_tokens for w in workload)
+    jobs = [(f"prefix cache {mode}", lambda progress, mode=mode: simulate_prefix(
+                workload, cache, attention, max_num_batched_tokens=args.max_tokens, seed=args.seed,
+                check_every=args.check_every, progress=progress,
+                prefix=None if mode == "off" else PrefixCacheConfig(args.max_seqs, True, mode)))
+            for mode in PREFIX_MODES]
+    results = _run_all(jobs, total * len(jobs), args.progress)
     if args.json:
-        print(json.dumps(dict(workload=args.workload, num_pages=cache.num_pages,
-                              results=[dataclasses.asdict(r) for r in results]), indent=2))
-    else:
+        write_json(args.json, dict(meta=provenance("simulate", argv, device="host only (no model)", seed=args.seed),
+                                   workload=args.workload, num_pages=cache.num_pages,
+                                   config={k: v for k, v in vars(args).items() if k not in ("json", "progress")},
+                                   results=[dataclasses.asdict(r) for r in results]))
+    if args.json != "-":
         print(f"# prefix caching, workload {args.workload}: {len(workload)} requests, mean prompt "
               f"{np.mean([w.prompt.size for w in workload]):.0f} tokens; {cache.num_pages} pages of "
               f"{args.page_size}; swa fraction {args.swa_fraction[0]:g}; timely recycling")
@@ -58,39 +209,14 @@ def _prefix_main(args) -> int:
 
 def main(argv: list[str]) -> int:
     """CLI entry of ``python -m kvjax simulate``; returns the exit status (2, with one line on stderr, for a bad
-    argument, a size this machine cannot hold, or a request some configuration can never serve; all checked
-    before the first simulation)."""
-    p = ArgumentParser(prog="python -m kvjax simulate", description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int_at_least(1), default=64, help="requests, all arriving at step 0 (default 64)")
-    p.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"), default=1.0,
-                   help="multiplies the seed-shaped lengths (10,599 prompt / 4,054 output tokens on average)")
-    p.add_argument("--spread", type=number_in(0, 1, high_open=True), default=0.25,
-                   help="lengths uniform in mean*[1-spread, 1+spread]")
-    p.add_argument("--kv-heads", type=int_at_least(1), default=4)
-    p.add_argument("--swa-fraction", type=comma_list(number_in(0, 1)), default=[1.0],
-                   help="comma list, e.g. 0.25,0.5,1.0")
-    p.add_argument("--window", type=int_at_least(0), default=1024)
-    p.add_argument("--sinks", type=int_at_least(0), default=4)
-    p.add_argument("--page-size", type=int_at_least(1), default=64)
-    p.add_argument("--memory-requests", type=number_in(0, low_open=True), default=8.0,
-                   help="page memory = this many mean-length requests on every head without recycling")
-    p.add_argument("--max-seqs", type=int_at_least(1), default=64)
-    p.add_argument("--max-tokens", type=int_at_least(1), default=2048, help="token budget per step")
-    p.add_argument("--recycle", type=comma_list(sorted(RECYCLE_POLICIES)), default=["none", "timely"],
-                   help="comma list of none,timely")
-    p.add_argument("--pool", type=comma_list(POOLS), default=list(POOLS), help="comma list of shared,partitioned")
-    p.add_argument("--seed", type=int_at_least(0), default=0)
-    p.add_argument("--check-every", type=int_at_least(0), default=0,
-                   help="run integrity checks every N steps (slow; 0: never)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--prefix-caching", action="store_true",
-                   help="compare the prefix cache off / eager / keep_tail (timely recycling) on --workload")
-    p.add_argument("--workload", choices=sorted(PREFIX_WORKLOADS), default="seed",
-                   help="with --prefix-caching: seed | system-prompt | multi-turn | few-shot")
+    argument, a flag the mode would ignore, a size this machine cannot hold, or a request some configuration can
+    never serve; all checked before the first simulation)."""
+    p = build_parser()
     try:
         args = p.parse_args(argv)
+        _check_mode(p, args, argv)
         if args.prefix_caching:
-            return _prefix_main(args)
+            return _prefix_main(args, argv)
         host, _ = seed_footprint(args.requests, scale=args.scale, spread=args.spread, num_kv_heads=args.kv_heads,
                                  page_size=args.page_size, full_requests=args.memory_requests,
                                  max_seqs=args.max_seqs)
@@ -104,18 +230,24 @@ def main(argv: list[str]) -> int:
         for attention, pool, recycle in runs:  # every run can serve every request, before the first one starts
             check_servable(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
                            recycle=recycle)
-        results = [simulate(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
-                            recycle=recycle, seed=args.seed, check_every=args.check_every)
-                   for attention, pool, recycle in runs]
+        total = sum(w.max_new_tokens for w in workload)
+        jobs = [(f"swa {len(att.swa_heads) / att.num_kv_heads:g} {pool} {recycle}",
+                 lambda progress, att=att, pool=pool, recycle=recycle: simulate(
+                     workload, cache, att, max_num_batched_tokens=args.max_tokens, pool=pool, recycle=recycle,
+                     seed=args.seed, check_every=args.check_every, progress=progress))
+                for att, pool, recycle in runs]
+        results = _run_all(jobs, total * len(jobs), args.progress)
     except ValueError as e:
         return fail("simulate", e)
     config = dict(vars(args), num_pages=cache.num_pages, max_blocks_per_seq=cache.max_blocks_per_seq,
                   mean_prompt=float(np.mean([w.prompt.size for w in workload])),
                   mean_output=float(np.mean([w.max_new_tokens for w in workload])))
-    config.pop("json")
+    for key in ("json", "progress", "workload"):
+        config.pop(key)
     if args.json:
-        print(json.dumps(dict(config=config, results=[dataclasses.asdict(r) for r in results]), indent=2))
-    else:
+        write_json(args.json, dict(meta=provenance("simulate", argv, device="host only (no model)", seed=args.seed),
+                                   config=config, results=[dataclasses.asdict(r) for r in results]))
+    if args.json != "-":
         print(f"# {args.requests} requests, mean prompt {config['mean_prompt']:.0f} / output "
               f"{config['mean_output']:.0f} tokens; {args.kv_heads} KV heads, window {args.window}, sinks "
               f"{args.sinks}; {cache.num_pages} pages of {args.page_size} ({args.memory_requests:g} full requests); "

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -126,9 +126,10 @@ def sim_result(workload: list[RequestSpec], sched: Scheduler, *, pool: str, recy
 
 def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
              max_num_batched_tokens: int, pool: str, recycle: str, seed: int = 0,
-             check_every: int = 0) -> SimResult:
+             check_every: int = 0, progress: Callable[[int], object] | None = None) -> SimResult:
     """Run ``workload`` (all requests arrive at step 0) to completion; ``check_every > 0`` runs the
-    integrity checks every that many steps."""
+    integrity checks every that many steps; ``progress`` is called after each step with the number of tokens it
+    generated (e.g. a tqdm bar's ``update``)."""
     sched = Scheduler(cache, attention, max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle)
     for w in workload:
         sched.add_request(w.prompt, w.max_new_tokens)
@@ -138,6 +139,8 @@ def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: Attenti
         peak = max(peak, len(sched.running))
         util.append(sched.blocks.used_pages() / cache.num_pages)
         generated += int(plan.sample_mask.sum())
+        if progress is not None:
+            progress(int(plan.sample_mask.sum()))
     return sim_result(workload, sched, pool=pool, recycle=recycle, generated=generated, peak=peak,
                       util=np.asarray(util))
 
@@ -174,11 +177,13 @@ def split_memory(memory_bytes: int, *, page_bytes: int, slot_bytes: int, num_che
 
 def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
                     max_num_batched_tokens: int, prefix: PrefixCacheConfig | None, seed: int = 0,
-                    check_every: int = 0, max_steps: int = 1_000_000) -> PrefixSimResult:
+                    check_every: int = 0, max_steps: int = 1_000_000,
+                    progress: Callable[[int], object] | None = None) -> PrefixSimResult:
     """Run ``workload`` through a small FCFS loop (chunked prefill under the token budget, timely SWA recycling,
     preemption by recompute of the latest admitted request) with the prefix cache ``prefix`` (None: off). The
     loop calls the cache exactly where a scheduler would (see :mod:`kvjax.sched.prefix_cache`). A request with
-    ``after >= 0`` arrives when that one finishes."""
+    ``after >= 0`` arrives when that one finishes. ``progress`` is called after each step with the number of
+    new tokens it generated."""
     rng = np.random.default_rng(seed)
     blocks, slots = BlockAllocator(cache, attention), SlotAllocator(cache.max_seqs)
     pc = PrefixCache(blocks, prefix) if prefix is not None else None
@@ -192,7 +197,7 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
             children[w.after].append(i)
     running: list[list[int]] = []  # [request, row, computed, known]
     stats = collections.Counter()
-    peak = ckpt_peak = steps = 0
+    peak = ckpt_peak = steps = reported = 0
     cached, best = [], [0] * len(workload)
 
     def release(r: list[int]) -> None:
@@ -266,6 +271,9 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
                     waiting.extend(children.pop(r[0], []))
         ckpt_peak = max(ckpt_peak, pc.checkpoints_used() if pc else 0)
         steps += 1
+        if progress is not None:
+            progress(stats["generated"] - reported)
+            reported = stats["generated"]
         if check_every and steps % check_every == 0:
             blocks.check_integrity()
             slots.check_integrity()
