@@ -225,3 +225,59 @@ def test_simulate_prefix_uses_spread_on_the_seed_workload(capsys):
         docs.append(json.loads(capsys.readouterr().out))
     assert docs[0]["config"]["spread"] == 0 and docs[1]["config"]["spread"] == 0.5
     assert docs[0]["results"][0]["prompt_tokens"] != docs[1]["results"][0]["prompt_tokens"]
+
+
+# ---- issue 31 / 33: run refuses what it cannot do, before building anything ---------------------------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["--mesh", "100000x100000"], "--mesh 100000x100000 needs 10000000000 devices"),
+    (["--mesh", "4096x4096"], "needs 16777216 devices"),
+    (["--devices", "1000000"], "--mesh 1000000x1 needs 1000000 devices"),
+    (["--devices", str(10**12)], f"needs {10**12} devices"),
+    (["--devices", "10**12"], "--devices: must be an int >= 1, got '10**12'"),
+    (["--preset", "gpu"], "--preset gpu needs a GPU and JAX sees only cpu devices"),
+    (["--json", "/proc/x.json"], "--json: cannot write '/proc/x.json'"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_run_refuses_before_building_anything(argv, needle, capsys, no_run_work):
+    if "gpu" in argv and cli_run.jax.default_backend() == "gpu":
+        pytest.skip("a GPU is here")
+    line = one_line_error(capsys, cli_run.main, argv)
+    assert line.startswith("run: ") and needle in line
+
+
+def test_run_mesh_in_a_fresh_process_refuses_in_one_line():
+    """The crash was in a fresh process: JAX asked for a million host devices (segfault / exit 127)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvjax", "run", "--devices", "1000000"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"run: --mesh 1000000x1 needs 1000000 devices, {cli_run.MAX_HOST_DEVICES} available (on CPU kvjax asks JAX "
+        f"for at most {cli_run.MAX_HOST_DEVICES} host devices)"]
+
+
+def test_run_gpu_preset_with_force_passes_the_device_check(monkeypatch):
+    monkeypatch.setattr(cli_run.jax, "default_backend", lambda: "cpu")
+    cli_run.check_device("gpu", force=True)
+    cli_run.check_device("cpu", force=False)
+    with pytest.raises(ValueError, match="--force"):
+        cli_run.check_device("gpu", force=False)
+
+
+@pytest.mark.parametrize("command, module", [("run", cli_run), ("simulate", simulate)])
+def test_help_shows_every_flag_with_text_and_defaults(command, module):
+    parser = module.build_parser()
+    text = parser.format_help()
+    assert "``" not in text
+    for action in parser._actions:
+        assert action.help, action.option_strings
+        if action.default not in (None, False) and action.option_strings != ["-h", "--help"]:
+            assert "(default:" in (parser._get_formatter()._get_help_string(action) or ""), action.option_strings
+    assert "'-' writes it to standard output" in " ".join(text.split())
+
+
+def test_top_level_help_has_no_rst(capsys):
+    assert kvjax_main(["--help"]) == 0
+    assert "``" not in capsys.readouterr().out

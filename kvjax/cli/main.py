@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command's ``main``; returns the exit status (2: no or
     unknown command)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = ArgumentParser(prog="python -m kvjax", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m kvjax", description="kvjax command line: python -m kvjax <command> "
+                            "[options]; python -m kvjax <command> --help lists its options.")
     parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

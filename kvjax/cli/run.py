@@ -19,17 +19,21 @@ as one device).
 Generated tokens/s is the steady-state rate: steps that compiled a new bucket shape are left out of both the
 tokens and the time (compilation is reported apart). Both runs share one compiled step.
 
-Presets: ``cpu`` (default; f32, about a minute on a 2-core laptop CPU including compilation) and ``gpu`` (bf16,
-a larger model and workload for one accelerator). Both use few bucket shapes (one block-table width, one row
-count, two token counts) so that each run compiles about three times.
+Each policy's engine serves the workload ``--repeats`` times (it compiles during the first): the table shows the
+median tokens/s and its range over the repeats, so the noise of a figure is visible.
+
+Presets: ``cpu`` (default; f32, small enough for a laptop CPU) and ``gpu`` (bf16, a larger model and workload for
+one accelerator; refused where JAX sees no GPU unless ``--force``). Both use few bucket shapes (one block-table
+width, one row count, two token counts) so that each run compiles about three times.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
+import statistics
+import sys
 import time
 
 import jax
@@ -39,7 +43,9 @@ import numpy as np
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import UsageError
-from kvjax.cli.args import ArgumentParser, check_memory, fail, int_at_least, number_in, writable_file
+from kvjax.cli.args import (ArgumentParser, check_memory, fail, int_at_least, json_destination, number_in,
+                            writable_file)
+from kvjax.cli.output import provenance, write_json
 from kvjax.sched.workload import cache_for, check_servable, seed_footprint, seed_workload
 
 
@@ -131,9 +137,13 @@ def build_model(p: Preset, *, seed: int = 0):
     return init_random(config, seed=seed, dtype=jnp.dtype(p.dtype))
 
 
+MAX_HOST_DEVICES = 64  # most CPU devices ``--mesh`` / ``--devices`` asks JAX for (each one is a thread pool)
+
+
 def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
-    """``"DxM"`` -> a ``("data", "model")`` mesh of the first ``D * M`` devices (on CPU JAX is asked for that
-    many host devices first); ``UsageError`` for a bad spec or too few devices."""
+    """``"DxM"`` -> a ``("data", "model")`` mesh of the first ``D * M`` devices; ``UsageError`` for a bad spec or
+    more devices than JAX sees, before anything is placed on them. On CPU JAX is first asked for that many host
+    devices, at most :data:`MAX_HOST_DEVICES`."""
     if spec is None:
         return None
     try:
@@ -142,46 +152,98 @@ def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
     except (ValueError, AssertionError):
         raise UsageError(f"--mesh must be DATAxMODEL with ints >= 1 (e.g. 2x2), got {spec!r}") from None
     try:
-        jax.config.update("jax_num_cpu_devices", max(d * m, 1))
+        jax.config.update("jax_num_cpu_devices", min(d * m, MAX_HOST_DEVICES))
     except RuntimeError:  # backends already started: keep what there is
         pass
     devices = jax.devices()
     if len(devices) < d * m:
-        raise UsageError(f"--mesh {d}x{m} needs {d * m} devices, {len(devices)} available")
+        cap = (f" (on CPU kvjax asks JAX for at most {MAX_HOST_DEVICES} host devices)"
+               if devices[0].platform == "cpu" and d * m > MAX_HOST_DEVICES else "")
+        raise UsageError(f"--mesh {d}x{m} needs {d * m} devices, {len(devices)} available{cap}")
     return jax.sharding.Mesh(np.array(devices[: d * m]).reshape(d, m), ("data", "model"))
+
+
+def check_device(preset: str, force: bool) -> None:
+    """Raise :class:`UsageError` for the ``gpu`` preset where JAX sees no GPU (unless ``force``): its bf16 model
+    and workload would run for hours on a CPU."""
+    backend = jax.default_backend()
+    if preset == "gpu" and backend != "gpu" and not force:
+        raise UsageError(f"--preset gpu needs a GPU and JAX sees only {backend} devices (its bf16 model and "
+                         "workload would run for hours here): use --preset cpu, or add --force to run it anyway")
+
+
+def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[list[int]]:
+    """``engine.generate`` of ``workload`` with a tqdm bar named ``desc`` on stderr (``progress`` None: on for runs
+    of 4096 tokens or more)."""
+    total = sum(w.max_new_tokens for w in workload)
+    bar = None
+    if progress or (progress is None and total >= 4096):
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="tok", desc=desc, file=sys.stderr, leave=False)
+        except ImportError:
+            pass
+    out: list[list[int]] = [[] for _ in workload]
+    try:
+        for ev in engine.stream([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=False):
+            out[ev.index].append(ev.token)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
 
 
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
                overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
-               decode_burst: int = 1):
-    """Serve ``workload`` with one recycle policy; returns (outputs, summary dict, per-step columns, wall s)."""
+               decode_burst: int = 1, repeats: int = 1, name: str | None = None):
+    """Serve ``workload`` with one recycle policy ``repeats`` times on one engine (compiled during the first);
+    returns (outputs, summary dict, per-step columns). The summary is the last repeat's
+    :meth:`EngineMetrics.summary` with ``generated_tokens_per_s`` the median over the repeats,
+    ``generated_tokens_per_s_repeats`` each repeat's, ``compile_time_s`` summed, ``wall_s`` each repeat's wall
+    time, and ``identical_repeats`` whether every repeat generated the same tokens; the columns are the last
+    repeat's."""
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
                     block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
                     decode_burst=1 if prefix_caching or mesh is not None else decode_burst)
-    t0 = time.perf_counter()
-    outs = engine.generate([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=progress)
-    wall = time.perf_counter() - t0
-    engine.check_integrity()
-    engine.clear_prefix_cache()
-    if not engine.is_idle():
-        raise AssertionError(f"{recycle}: slots or pages left allocated after the run")
-    summary = engine.metrics.summary(num_pages=engine.total_pages)
-    summary["wall_s"] = wall
+    name = name or recycle
+    runs, first = [], None
+    for r in range(repeats):
+        engine.metrics.clear()
+        t0 = time.perf_counter()
+        outs = _serve(engine, workload, f"{name} {r + 1}/{repeats}", progress)
+        wall = time.perf_counter() - t0
+        engine.check_integrity()
+        engine.clear_prefix_cache()  # every repeat starts from the same (empty) cache
+        if not engine.is_idle():
+            raise AssertionError(f"{name}: slots or pages left allocated after the run")
+        first = outs if first is None else first
+        runs.append((outs, engine.metrics.summary(num_pages=engine.total_pages), wall))
+    outs, summary, _ = runs[-1]
+    rates = [s["generated_tokens_per_s"] for _, s, _ in runs]
+    summary = dict(summary, generated_tokens_per_s=statistics.median(rates), generated_tokens_per_s_repeats=rates,
+                   compile_time_s=sum(s["compile_time_s"] for _, s, _ in runs), wall_s=[w for _, _, w in runs],
+                   identical_repeats=all(o == first for o, _, _ in runs))
     cols = engine.metrics.to_dict()
     return outs, summary, {k: cols[k] for k in ("pages_used", "running", "generated", "t_step", "t_exposed",
                                                 "compiled")}
 
 
 def format_table(results: dict[str, dict]) -> str:
-    """Fixed-width table, one line per policy, of ``{policy: EngineMetrics.summary() + wall_s}``."""
-    head = (f"{'recycle':15} {'tok/s':>9} {'tok/step':>8} {'steps':>6} {'run mean':>8} {'run peak':>8} "
-            f"{'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}")
+    """Fixed-width table, one line per policy, of ``{policy: run_policy summary}``: tokens/s is the median over the
+    repeats, with their range beside it."""
+    head = (f"{'recycle':15} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
+            f"{'run peak':>8} {'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}")
     lines = [head, "-" * len(head)]
     for name, s in results.items():
-        lines.append(f"{name:15} {s['generated_tokens_per_s']:9.1f} {s['generated_tokens_per_step']:8.2f} "
+        rates = s.get("generated_tokens_per_s_repeats") or [s["generated_tokens_per_s"]]
+        spread = f"{min(rates):.1f}-{max(rates):.1f}"
+        lines.append(f"{name:15} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
                      f"{s['steps']:6d} {s['running_mean']:8.2f} {s['running_peak']:8d} {s['preemptions']:7d} "
                      f"{s['page_util_mean']:9.3f} {s['page_util_peak']:9.3f} {100 * s['host_share']:6.1f} "
                      f"{s['compile_time_s']:9.1f}")
@@ -211,37 +273,57 @@ def save_plot(path: str, columns: dict[str, dict], num_pages: int) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str]) -> int:
-    """CLI entry of ``python -m kvjax run``; returns the exit status (1 if the two runs' tokens differ)."""
-    ap = ArgumentParser(prog="python -m kvjax run", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+def build_parser() -> ArgumentParser:
+    """The ``run`` command's arguments (``--help`` shows each default)."""
+    ap = ArgumentParser(prog="python -m kvjax run",
+                        description="The main job: a toy Qwen3.5 (random weights, 3 of 4 KV heads sliding-window) "
+                                    "serves a seed-shaped long-prompt workload with recycle none and timely at the "
+                                    "same page memory; prints tokens/s (median and range over --repeats), "
+                                    "concurrency, preemptions and page use, and checks the tokens are identical.")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                    help="model and workload size: cpu (f32, small) or gpu (bf16, for one accelerator)")
+    ap.add_argument("--force", action="store_true", help="run --preset gpu even where JAX sees no GPU")
     ap.add_argument("--requests", type=int_at_least(1), help="override the preset's number of requests")
     ap.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"),
-                    help="override the preset's length scale (x seed mean lengths)")
-    ap.add_argument("--swa-fraction", type=number_in(0, 1), help="override the fraction of SWA KV heads")
+                    help="override the preset's length scale (x the seed's mean lengths)")
+    ap.add_argument("--swa-fraction", type=number_in(0, 1), help="override the preset's fraction of SWA KV heads")
     ap.add_argument("--memory-requests", type=number_in(0, low_open=True),
-                    help="override the page memory (in full-length requests)")
-    ap.add_argument("--seed", type=int_at_least(0, 2**31 - 1), default=0)
-    ap.add_argument("--json", metavar="FILE", type=writable_file,
-                    help="write config, summaries and per-step columns as JSON")
+                    help="override the preset's page memory (in full-length requests without recycling)")
+    ap.add_argument("--seed", type=int_at_least(0, 2**31 - 1), default=0, help="seed of the weights and workload")
+    ap.add_argument("--repeats", type=int_at_least(1, 100), default=3,
+                    help="serve the workload this many times per policy (one compilation) and report the median "
+                         "tokens/s and its range")
+    ap.add_argument("--json", metavar="FILE", type=json_destination,
+                    help="also write the config, the summaries, per-step columns and the run's provenance (versions, "
+                         "commit, device, seed, date) as JSON to FILE; '-' writes it to standard output instead of "
+                         "the table")
     ap.add_argument("--plot", metavar="FILE", type=writable_file,
-                    help="save pages in use over time for both runs (PNG)")
+                    help="save pages in use and running requests over the run, per policy (PNG)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                    help="tqdm progress bar (default: on for long runs)")
+                    help="progress bar per policy and repeat on standard error (tqdm); default: on for runs of "
+                         "4096 tokens or more")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="also run both policies with prefix caching (keep_tail)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                    help="plan step N+1 while step N runs on the device (default); --no-overlap: synchronous")
+                    help="plan step N+1 while step N runs on the device; --no-overlap: the synchronous engine")
     ap.add_argument("--decode-burst", metavar="K", type=int_at_least(1, 64), default=1,
-                    help="up to K decode steps per dispatch (Engine(decode_burst=K); default 1; runs with prefix "
-                         "caching or on a mesh take 1)")
+                    help="up to K decode steps per dispatch (Engine(decode_burst=K)); runs with prefix caching or "
+                         "on a mesh take 1")
     ap.add_argument("--mesh", metavar="DATAxMODEL", help="run on a (data, model) device mesh, e.g. 2x2")
     ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry of ``python -m kvjax run``; returns the exit status (1 if the runs' tokens differ, 2 with one line
+    on stderr for a bad argument, checked before any work)."""
+    ap = build_parser()
     try:  # every check before any work: a bad value exits 2 with one line
         args = ap.parse_args(argv)
         if args.mesh is not None and args.devices is not None:
             raise UsageError("give --mesh or --devices, not both")
         mesh = make_mesh(args.mesh if args.devices is None else f"{args.devices}x1")
+        check_device(args.preset, args.force)
         if mesh is not None and args.prefix_caching:
             raise UsageError("--prefix-caching is not supported with --mesh / --devices")
         if args.plot:
@@ -260,17 +342,20 @@ def main(argv: list[str]) -> int:
         model = build_model(p, seed=args.seed)
     except ValueError as e:
         return fail("run", e)
+    out = sys.stderr if args.json == "-" else sys.stdout  # '-': stdout carries the JSON alone
+    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     prompt_lens = [int(w.prompt.size) for w in workload]
     out_lens = [w.max_new_tokens for w in workload]
-    print(f"# kvjax run --preset {args.preset} on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
+    print(f"# kvjax run --preset {args.preset} on {device}: "
           f"toy Qwen3.5 {len(p.layer_types)} layers ({p.layer_types.count(_A)} attention), hidden {p.hidden}, "
           f"{p.kv_heads} KV heads of which {round(p.swa_fraction * p.kv_heads)} SWA (window {p.window}, sinks "
-          f"{p.sinks}), {p.dtype}")
+          f"{p.sinks}), {p.dtype}", file=out)
     print(f"# {p.requests} requests, prompt {np.mean(prompt_lens):.0f} / output {np.mean(out_lens):.0f} tokens "
           f"on average; {cache.num_pages} pages of {p.page_size} tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
-          f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst if mesh is None else 1}"
-          + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)"))
+          f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst if mesh is None else 1}; "
+          f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
+          + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)"), file=out)
     outputs, results, columns = {}, {}, {}
     runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
     for recycle, cached in runs:
@@ -278,21 +363,25 @@ def main(argv: list[str]) -> int:
         outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
                                                                  progress=args.progress, overlap=args.overlap,
                                                                  prefix_caching=cached, mesh=mesh,
-                                                                 decode_burst=args.decode_burst)
-    same = all(o == outputs["none"] for o in outputs.values())
+                                                                 decode_burst=args.decode_burst,
+                                                                 repeats=args.repeats, name=name)
+    same = all(o == outputs["none"] for o in outputs.values()) and all(r["identical_repeats"] for r in results.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
-    print(format_table(results))
-    print(f"timely / none: {gain:.2f}x generated tokens/s, "
+    none_rates, timely_rates = (results[k]["generated_tokens_per_s_repeats"] for k in ("none", "timely"))
+    print(format_table(results), file=out)
+    print(f"timely / none: {gain:.2f}x generated tokens/s (medians of {args.repeats}; "
+          f"{min(timely_rates) / max(none_rates):.2f}-{max(timely_rates) / min(none_rates):.2f}x over the repeats' "
+          f"extremes), "
           f"{results['timely']['generated_tokens_per_step'] / results['none']['generated_tokens_per_step']:.2f}x "
-          f"tokens/step; identical tokens in {'all' if args.prefix_caching else 'both'} runs: {'yes' if same else 'NO'}")
+          f"tokens/step; identical tokens in every run and repeat: {'yes' if same else 'NO'}", file=out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,
-                       "decode_burst": args.decode_burst,
-                       "device": jax.devices()[0].device_kind,
-                       "num_pages": cache.num_pages, "max_blocks_per_seq": cache.max_blocks_per_seq,
-                       "identical_tokens": same, "gain_tokens_per_s": gain, "results": results,
-                       "steps": columns}, f, indent=1)
+        write_json(args.json, {"meta": provenance("run", argv, device=device, seed=args.seed),
+                               "preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,
+                               "decode_burst": args.decode_burst, "repeats": args.repeats,
+                               "mesh": None if mesh is None else [mesh.shape["data"], mesh.shape["model"]],
+                               "num_pages": cache.num_pages, "max_blocks_per_seq": cache.max_blocks_per_seq,
+                               "identical_tokens": same, "gain_tokens_per_s": gain, "results": results,
+                               "steps": columns})
     if args.plot:
         save_plot(args.plot, columns, cache.num_pages)
     return 0 if same else 1
