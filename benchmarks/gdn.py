@@ -141,3 +141,152 @@ def torch_anchors(small: bool = False) -> dict:
         res[case.name] = {"fla": timing.torch_time(call)}
         print("fla", case.name, res[case.name], flush=True)
     return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 38: FlashQLA's forward recipe (benchmark/bench_gated_delta_rule.py of QwenLM/FlashQLA), one process a side.
+# ---------------------------------------------------------------------------------------------------------
+
+FLASHQLA_SHAPES = [([8192], 16, 16), ([8192], 16, 32), ([32768], 16, 32), ([8192] * 4, 16, 32), ([4096] * 8, 16, 32),
+                   ([2048], 4, 8)]  # the last: one chunked-prefill step of the engine's gpu preset (no anchor)
+FLASHQLA_H200_MS = {0: 0.178, 1: 0.280, 2: 0.877, 3: 0.611, 4: 0.619}  # published (CUDA-graph timer), H200
+
+
+def flashqla_inputs(seqlens: list[int], hk: int, hv: int, d: int = 128, seed: int = 0):
+    """FlashQLA's recipe as numpy: q, k l2-normalised (bf16), v bf16, ``g = logsigmoid(x) / 16`` with a quarter
+    of the value heads ungated (g = 0), f32 ``beta = sigmoid(x)``, f32 initial state, int32 cu_seqlens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t, n = sum(seqlens), len(seqlens)
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q = unit(rng.standard_normal((t, hk, d), np.float32))  # f32[T, Hk, K]
+    k = unit(rng.standard_normal((t, hk, d), np.float32))  # f32[T, Hk, K]
+    v = rng.standard_normal((t, hv, d), np.float32)  # f32[T, Hv, V]
+    g = -np.logaddexp(0.0, -rng.standard_normal((t, hv), np.float32)) / 16  # f32[T, Hv]
+    g[:, rng.permutation(hv)[: hv - -(-3 * hv // 4)]] = 0.0
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((t, hv), np.float32)))  # f32[T, Hv]
+    h0 = rng.standard_normal((n, hv, d, d), np.float32)  # f32[N, Hv, K, V]
+    cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)  # i32[N+1]
+    return q, k, v, g.astype(np.float32), beta.astype(np.float32), h0, cu
+
+
+def _shape_name(seqlens, hk, hv) -> str:
+    n = len(seqlens)
+    return f"{seqlens[0]} x {n}, {hk}, {hv}" if n > 1 else f"1 x {seqlens[0]}, {hk}, {hv}"
+
+
+SWEEP_ONE = {  # variants timed beside the public op at one sequence (pool kernel keyword arguments)
+    "seq": dict(segment_chunks=0),
+    "seq128w8": dict(segment_chunks=0, block_v=128, num_warps=8),
+    "cp16/64": dict(segment_chunks=16, transition_block=64),
+    "cp16/128w8": dict(segment_chunks=16, transition_block=128, scan_block=128, block_v=128, num_warps=8),
+    "cp32/128w8": dict(segment_chunks=32, transition_block=128, scan_block=128, block_v=128, num_warps=8),
+}
+SWEEP_MANY = {  # ... and at several sequences
+    "seq": dict(segment_chunks=0),
+    "seq128w8": dict(segment_chunks=0, block_v=128, num_warps=8),
+    "seq64w8": dict(segment_chunks=0, block_v=64, num_warps=8),
+    "prepw8": dict(segment_chunks=0, prep_num_warps=8),
+}
+
+
+def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list[dict]:
+    """kvjax on FlashQLA's recipe: the public op (``impl="auto"``, jitted) and, with ``variants``, the pool
+    kernel with chunk parallelism off / at several segment lengths; errors against the chunked reference."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.ops import gdn
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.common import state_as_pool
+
+    import timing
+
+    rows = []
+    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES):
+        if shapes is not None and i not in shapes:
+            continue
+        q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
+        bf = jnp.bfloat16
+        q, k, v = (jnp.asarray(x, bf) for x in (q, k, v))
+        g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
+        scale = 128 ** -0.5
+        ro, rf = gdn.chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, scale=scale)
+        runners = {"auto": jax.jit(lambda q, k, v, g, b, h: gdn.chunk_gated_delta_rule(
+            q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl="auto"))}
+        if variants:
+            configs = dict(SWEEP_ONE if len(seqlens) == 1 else SWEEP_MANY)
+            for name, kw in configs.items():
+                def fn(q, k, v, g, b, h, kw=kw):
+                    pool, prow, flags = state_as_pool(h, len(seqlens), hv, 128, 128)
+                    return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
+                                                       scale=scale, **kw)
+                runners[name] = jax.jit(fn)
+        args = (q, k, v, g, beta, h0)
+        calls = {}
+        for name, fn in runners.items():
+            o, f = fn(*args)
+            err = (timing.rel_err(o, ro), timing.rel_err(f, rf))
+            calls[name] = (lambda fn=fn: fn(*args))
+            rows.append({"shape": _shape_name(seqlens, hk, hv), "index": i, "impl": name, "err_o": err[0],
+                         "err_state": err[1]})
+            print("checked", rows[-1], flush=True)
+        times = timing.interleaved(calls, rounds=5, n=20)
+        for r in rows:
+            if r["index"] == i and r["impl"] in times:
+                r.update(wall_ms=times[r["impl"]]["wall_ms"], device_ms=times[r["impl"]]["device_ms"],
+                         kernels={n: c for n, c in times[r["impl"]]["kernels"].items()} if r["impl"] == "auto" else None)
+                recs = timing.kernel_records(lambda fn=calls[r["impl"]]: timing.block([fn() for _ in range(10)]))
+                r["kernel_ms"] = {k: t / 10 / 1e6 for k, (c, t) in recs["names"].items() if t / 10 / 1e6 > 0.002}
+                print(f"{r['shape']:>20} {r['impl']:>8} wall {r['wall_ms']:.4f} device {r['device_ms'] or 0:.4f} ms "
+                      f"err {r['err_o']:.1e}/{r['err_state']:.1e} " + " ".join(
+                          f"{k.replace('gdn_chunk', 'K')}={t:.3f}" for k, t in r["kernel_ms"].items()), flush=True)
+    return rows
+
+
+def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
+    """fla's ``chunk_gated_delta_rule`` on the same recipe (q, k pre-normalised, no in-kernel l2norm),
+    Triton's CUDA-graph timer and the torch timers."""
+    import torch
+    import triton
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    import timing
+
+    rows = []
+    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES):
+        if shapes is not None and i not in shapes:
+            continue
+        q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
+        dev = "cuda"
+        q, k, v = (torch.from_numpy(x).to(dev, torch.bfloat16)[None] for x in (q, k, v))
+        g, beta = (torch.from_numpy(x).to(dev)[None] for x in (g, beta))
+        h0, cu = torch.from_numpy(h0).to(dev), torch.from_numpy(cu).to(dev, torch.long)
+
+        def call():
+            return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=128 ** -0.5, initial_state=h0,
+                                          output_final_state=True, cu_seqlens=cu)
+
+        t = timing.torch_time(call)
+        t["graph_ms"] = triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median")
+        rows.append({"shape": _shape_name(seqlens, hk, hv), "index": i, "impl": "fla", **t})
+        print(rows[-1], flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    side = sys.argv[1] if len(sys.argv) > 1 else "jax"
+    only = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
+    out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as fh:
+            json.dump(out, fh, indent=1)

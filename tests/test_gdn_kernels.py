@@ -110,6 +110,43 @@ def test_chunk_pool_kernel_padding_rows_interpret(rng):
     np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
+@pytest.mark.parametrize("dtype,kd,vd", [(jnp.float32, 16, 16), (jnp.bfloat16, 16, 16), (jnp.float32, 24, 20)])
+def test_chunk_parallel_pool_kernel_interpret(rng, dtype, kd, vd):
+    """Chunk parallelism (segments of one chunk: transition, scan and sequential kernels over the pieces)
+    on a pool: sequences cut into several segments, a chunk shared by two sequences, an empty sequence, a row
+    without initial state, a padding row (untouched), leading tokens outside every sequence; K / V that the
+    transition blocks do not divide."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+
+    lens = [70, 1, 0, 150, 3]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 2, kd, vd, dtype, pad_tokens=5)
+    cu = cu + 2
+    flags = jnp.asarray([3, 2, 3, 3, 0], jnp.int32)
+    o, pool = chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, segment_chunks=1, transition_block=16,
+        scan_block=16, interpret=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0.at[1].set(0),
+                                                      scale=0.25, use_qk_l2norm=True)
+    live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[4]))
+    ro = jnp.where(live_tok[:, None, None], ro, 0)
+    assert rel_err(o, ro) <= TOL[dtype] and rel_err(pool[:4], rf[:4]) <= TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(pool[4]), np.asarray(s0[4]), err_msg="padding row written")
+
+
+def test_segment_layout():
+    """Pieces of each sequence cut at multiples of the segment length, in order; unused slots empty at the end."""
+    from kvjax.pallas.gdn.chunk import FLAG_MORE, segment_layout
+
+    cu = jnp.asarray([3, 3, 70, 200, 201], jnp.int32)
+    seg_cu, seg_flags, first, last = segment_layout(cu, jnp.arange(4, dtype=jnp.int32),
+                                                    jnp.asarray([3, 3, 2, 0], jnp.int32), num_tokens=384,
+                                                    segment_tokens=64)
+    assert seg_cu.tolist() == [3, 3, 64, 70, 128, 192, 200, 201, 201, 201]
+    assert seg_flags.tolist() == [3, 3 | FLAG_MORE, 3, 2 | FLAG_MORE, 2 | FLAG_MORE, 2, 0, 0, 0]
+    assert first.tolist() == [0, 1, 3, 6] and last.tolist() == [0, 2, 5, 6]
+
+
 def test_recurrent_update_order_interpret(rng):
     """The recurrent kernel's one-pass update order (both reductions on the loaded state) equals the reference
     in f32, several tokens per row (the order is applied at every token)."""
@@ -413,6 +450,30 @@ def test_chunk_pool_kernel_gpu(rng, dtype):
     o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
                                        use_qk_l2norm=True)
+    init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
+                                                      scale=0.1, use_qk_l2norm=True)
+    assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("segment_chunks", [None, 4])
+def test_chunk_parallel_kernel_gpu(rng, dtype, segment_chunks):
+    """Chunk parallelism on the GPU: the issue's ragged grid cut into segments of 4 chunks (rows without
+    initial state), and one long sequence at few heads, where ``segment_chunks=None`` turns it on."""
+    from kvjax.pallas.gdn.chunk import auto_segment_chunks, chunk_gated_delta_rule_pool
+
+    lens, hk, hv = (GPU_LENS, 2, 4) if segment_chunks else ([8192], 2, 4)
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, 128, 128, dtype, pad_tokens=70)
+    cu = cu + 7
+    n = len(lens)
+    if segment_chunks is None:
+        assert auto_segment_chunks(n, hv, -(-q.shape[0] // (32 if dtype == jnp.float32 else 64))) > 0
+    flags = jnp.asarray(np.where(np.arange(n) % 3 == 1, 2, 3), jnp.int32)
+    o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
+                                       rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
+                                       use_qk_l2norm=True, segment_chunks=segment_chunks)
     init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
                                                       scale=0.1, use_qk_l2norm=True)

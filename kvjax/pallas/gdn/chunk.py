@@ -44,12 +44,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import is_pow2, next_pow2
+from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
                                      head_cols, load, run_on_initial_state, run_on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import prepare
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
+FLAG_MORE = 4  # segment flag (chunk parallelism): the segment is not its sequence's last
+CP_MAX_HEAD_ROWS = 64  # segment_chunks=None: chunk parallelism when rows * Hv is at most this ...
+CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
 
 
 def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
@@ -165,10 +169,219 @@ def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out
     )(cu_seqlens, rows, flags, q, k, w, u, a, qf, kf, gl, pool)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Chunk parallelism: a long sequence cut into segments whose states are computed in parallel.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def segment_layout(
+    cu_seqlens: jax.Array,  # i32[N+1]
+    rows: jax.Array,  # i32[N]
+    flags: jax.Array,  # i32[N]
+    *,
+    num_tokens: int,
+    segment_tokens: int,
+):
+    """Cut every sequence at the stream positions that are multiples of ``segment_tokens`` (a multiple of the
+    chunk): ``P = N + ceil(num_tokens / segment_tokens) - 1`` segments (a static bound), in token order, each
+    sequence's pieces back to back, an empty sequence one empty piece, unused slots empty at ``cu_seqlens[N]``.
+
+    Returns ``seg_cu: i32[P+1]`` (piece ``i`` holds tokens ``[seg_cu[i], seg_cu[i+1])``), ``seg_flags: i32[P]``
+    (its sequence's ``FLAG_LIVE | FLAG_HAS_INITIAL``, 0 for unused slots, ``| FLAG_MORE`` when a piece of the
+    same sequence follows), ``first: i32[N]`` (each sequence's first piece) and ``last: i32[N]`` (its last)."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_blocks = -(-num_tokens // segment_tokens)
+    num_segs = num_seqs + num_blocks - 1
+    s, e = cu_seqlens[:-1], cu_seqlens[1:]
+    b0 = s // segment_tokens
+    b1 = jnp.where(e > s, (e - 1) // segment_tokens, b0)
+    cnt = b1 - b0 + 1  # i32[N] pieces per sequence (>= 1)
+    cend = jnp.cumsum(cnt).astype(jnp.int32)
+    cbeg = cend - cnt
+    i = jnp.arange(num_segs, dtype=jnp.int32)
+    seq = count_le(cend, i)  # i32[P]; N: unused slot
+    pad = seq >= num_seqs
+    sc = jnp.minimum(seq, num_seqs - 1)
+    j = i - cbeg[sc]
+    blk = b0[sc] + j
+    tail = cu_seqlens[num_seqs]
+    start = jnp.where(pad, tail, jnp.maximum(s[sc], blk * segment_tokens))
+    seg_cu = jnp.concatenate([start, tail[None]]).astype(jnp.int32)
+    more = ~pad & (j < cnt[sc] - 1)
+    seg_flags = jnp.where(pad, 0, flags[sc]) | jnp.where(more, FLAG_MORE, 0)
+    return seg_cu, seg_flags.astype(jnp.int32), cbeg, cend - 1
+
+
+def _transition_kernel(
+    cu_ref,  # i32[P+1]  segment token ranges
+    flags_ref,  # i32[P]  segment flags (FLAG_MORE: compute)
+    k_ref,  # [Tp, Hk, K]  raw k
+    w_ref,  # [NC, Hv, C, K]
+    u_ref,  # [NC, Hv, C, V]
+    kf_ref,  # f32[NC, Hv, C]
+    gl_ref,  # f32[NC, Hv, C]
+    m_ref,  # [P, Hv, K, K]  out: segment transition M (input dtype)
+    b_ref,  # f32[P, Hv, K, V]  out: at slot i + 1, segment i's state from zeros (B)
+    *,
+    group: int,
+    chunk: int,
+    block: int,
+    num_k_blocks: int,
+    precision,
+):
+    """Segment ``i``'s affine state map ``S_end = M S_start + B`` (segments with a successor, live): the
+    chunk recurrence run on ``X = [M | B]`` from ``[I | 0]``, ``u = 0`` for the ``M`` columns; program
+    ``(i, h, j)`` takes column block ``j`` of ``X`` (the first ``ceil(K / block)`` blocks are ``M``'s)."""
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // group
+    kd, vd = k_ref.shape[2], u_ref.shape[3]
+    kc, kmask = head_cols(kd)
+    kp = next_pow2(kd)
+    is_m = j < num_k_blocks
+    mcols, mmask = col_block(jnp.minimum(j, num_k_blocks - 1), block, kd)
+    bcols, bmask = col_block(jnp.maximum(j - num_k_blocks, 0), block, vd)
+    start, end = cu_ref[n], cu_ref[n + 1]
+    flags = flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    work = live & ((flags & FLAG_MORE) != 0)
+    dt = w_ref.dtype
+    mm = functools.partial(dot, precision=precision)
+    idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    k_lanes = tile_mask((chunk, kp), None, kmask)  # bool[C, Kp] | None
+    u_lanes = tile_mask((chunk, block), None, bmask)  # bool[C, block] | None
+    col0 = jnp.minimum(j, num_k_blocks - 1) * block
+    eye = lax.broadcasted_iota(jnp.int32, (kp, block), 0) == col0 + lax.broadcasted_iota(jnp.int32, (kp, block), 1)
+    x0 = jnp.where(is_m & eye, 1.0, 0.0).astype(jnp.float32)  # f32[Kp, block]
+
+    def step(c, x):  # x: f32[Kp, block]
+        rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        u = load(u_ref, (c, h, slice(None), bcols), u_lanes).astype(jnp.float32)
+        u = jnp.where(is_m, 0.0, u)
+        w = load(w_ref, (c, h, slice(None), kc), k_lanes)
+        k, kf = load(k_ref, (rs, hk, kc), k_lanes), kf_ref[c, h, :]
+        decay = _chunk_decay(gl_ref, c, h, start, end, live, chunk)
+        r = c * chunk + idx
+        in_seq = (r >= start) & (r < end)
+        v_new = jnp.where(in_seq[:, None], u - mm(w, x.astype(dt)), 0.0)
+        kg = (k.astype(jnp.float32) * jnp.where(in_seq, kf, 0.0)[:, None]).astype(dt)
+        return x * decay + mm(kg, v_new.astype(dt), contract_a=0)
+
+    c_lo = jnp.where(work, start // chunk, 0)
+    c_hi = jnp.where(work, (end + chunk - 1) // chunk, 0)
+    x = lax.fori_loop(c_lo, c_hi, step, x0)
+
+    @pl.when(work & is_m)
+    def _():
+        store(m_ref, (n, h, kc, mcols), x.astype(m_ref.dtype), tile_mask((kp, block), kmask, mmask))
+
+    @pl.when(work & jnp.logical_not(is_m))
+    def _():
+        store(b_ref, (n + 1, h, kc, bcols), x, tile_mask((kp, block), kmask, bmask))
+
+
+def _scan_kernel(
+    first_ref,  # i32[N]  each sequence's first segment
+    last_ref,  # i32[N]  its last segment
+    rows_ref,  # i32[N]
+    flags_ref,  # i32[N]
+    m_ref,  # [P, Hv, K, K]
+    pool_ref,  # f32[R, Hv, K, V]  read: initial states
+    b_in_ref,  # f32[P, Hv, K, V]  (aliased with s_ref)
+    s_ref,  # f32[P, Hv, K, V]  out: each segment's start state
+    *,
+    block_v: int,
+    precision,
+):
+    """Start states of the segments, in order along each sequence: ``S_first = initial`` (or zeros) and
+    ``S_{i+1} = M_i S_i + B_i``, in place over the ``B`` buffer (slot ``i + 1`` holds ``B_i``)."""
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kd, vd = pool_ref.shape[2], pool_ref.shape[3]
+    kc, kmask = head_cols(kd)
+    vs, vmask = col_block(vb, block_v, vd)
+    kp = next_pow2(kd)
+    flags = flags_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    read = live & ((flags & FLAG_HAS_INITIAL) != 0)
+    first, last = first_ref[n], last_ref[n]
+    state_mask = tile_mask((kp, block_v), kmask, vmask)
+    s0 = plt.load(pool_ref.at[rows_ref[n], h, kc, vs],
+                  mask=tile_mask((kp, block_v), kmask, vmask, jnp.full((kp, block_v), read)), other=0.0)
+    m_mask = tile_mask((kp, kp), kmask, kmask)
+    dt = m_ref.dtype
+    mm = functools.partial(dot, precision=precision)
+
+    @pl.when(live)
+    def _():
+        store(s_ref, (first, h, kc, vs), s0, state_mask)
+
+    def step(i, s):  # s: f32[Kp, block_v]
+        m = load(m_ref, (i, h, kc, kc), m_mask)
+        s = mm(m, s.astype(dt)) + load(b_in_ref, (i + 1, h, kc, vs), state_mask)
+        store(s_ref, (i + 1, h, kc, vs), s, state_mask)
+        return s
+
+    lax.fori_loop(first, jnp.where(live, last, first), step, s0)
+
+
+def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segment_chunks, out_dtype, block_v,
+             transition_block, scan_block, num_warps, num_stages, interpret):
+    """The sequential part with chunk parallelism: transition kernel (every segment's ``M``, ``B``), scan
+    kernel (every segment's start state), the sequential kernel over segments, the final states to the pool."""
+    tp, hk, kd = q.shape
+    nc, hv, chunk, vd = u.shape
+    num_seqs = rows.shape[0]
+    dt = w.dtype
+    precision = f32_precision(interpret) if dt == jnp.float32 else None
+    seg_cu, seg_flags, first, last = segment_layout(cu_seqlens, rows, flags, num_tokens=tp,
+                                                    segment_tokens=segment_chunks * chunk)
+    num_segs = seg_flags.shape[0]
+    tb = min(transition_block, next_pow2(max(kd, vd)))
+    nbk = pl.cdiv(kd, tb)
+    m, b = pl.pallas_call(
+        functools.partial(_transition_kernel, group=hv // hk, chunk=chunk, block=tb, num_k_blocks=nbk,
+                          precision=precision),
+        out_shape=(jax.ShapeDtypeStruct((num_segs, hv, kd, kd), dt),
+                   jax.ShapeDtypeStruct((num_segs, hv, kd, vd), jnp.float32)),
+        grid=(num_segs, hv, nbk + pl.cdiv(vd, tb)),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="gdn_chunk_transition",
+    )(seg_cu, seg_flags, k, w, u, kf, gl)
+    sb = min(scan_block, next_pow2(vd))
+    starts = pl.pallas_call(
+        functools.partial(_scan_kernel, block_v=sb, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((num_segs, hv, kd, vd), jnp.float32),
+        grid=(num_seqs, hv, pl.cdiv(vd, sb)),
+        input_output_aliases={6: 0},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_chunk_scan",
+    )(first, last, rows, flags, m, pool, b)
+    seg_live = (seg_flags & FLAG_LIVE) != 0
+    seg_flags = jnp.where(seg_live, FLAG_LIVE | FLAG_HAS_INITIAL, 0).astype(jnp.int32)
+    o, ends = _chunk_call(q, k, w, u, a, qf, kf, gl, starts, seg_cu, jnp.arange(num_segs, dtype=jnp.int32),
+                          seg_flags, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
+    live = (flags & FLAG_LIVE) != 0
+    pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(ends[last], mode="drop")
+    return o, pool
+
+
+def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
+    """``segment_chunks=None``: 0 (no chunk parallelism) unless the sequential kernel has few programs
+    (``num_rows * Hv <= CP_MAX_HEAD_ROWS``) and the stream holds at least ``CP_MIN_SEGMENTS`` segments; the
+    segment length is the power of two near ``sqrt(2 * num_chunks)`` chunks (at least 8), which balances the
+    two segment walks against the scan over segments."""
+    seg = max(8, next_pow2(int((2 * num_chunks) ** 0.5 * 0.75)))
+    if num_rows * hv > CP_MAX_HEAD_ROWS or num_chunks < CP_MIN_SEGMENTS * seg:
+        return 0
+    return seg
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep_num_warps",
-                     "inverse_dtype", "interpret"),
+                     "inverse_dtype", "segment_chunks", "transition_block", "scan_block", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -189,6 +402,9 @@ def chunk_gated_delta_rule_pool(
     num_stages: int | None = None,
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
+    segment_chunks: int | None = None,
+    transition_block: int = 32,
+    scan_block: int = 32,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
@@ -203,6 +419,13 @@ def chunk_gated_delta_rule_pool(
     Float32 inputs take 3xTF32 products (``common.f32_precision``), chunks of 32 tokens and ``num_stages=1``
     (``num_stages=None``: 1 for float32 inputs, 2 otherwise): 3xTF32 operands are staged in shared memory, and at
     K=192 with 64-token chunks and 2 stages compiling the kernels asked for 349 KiB of the H100's 227 KiB.
+
+    ``segment_chunks`` (chunk parallelism, for few long sequences): cut the stream into segments of this many
+    chunks; a transition kernel computes every segment's affine state map ``S_end = M S_start + B`` in
+    parallel (``transition_block`` columns of ``[M | B]`` per program), a scan kernel chains them into each
+    segment's start state (``scan_block`` value columns per program), and the sequential kernel walks all
+    segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`;
+    0: off (the sequential kernel walks each sequence whole, in place on the pool).
     """
     num_tokens, _, kd = q.shape
     f32 = q.dtype == jnp.float32
@@ -210,6 +433,7 @@ def chunk_gated_delta_rule_pool(
     if num_stages is None:
         num_stages = 1 if f32 else 2
     hv, vd = v.shape[1], v.shape[2]
+    block_v_auto = block_v is None
     if block_v is None:
         block_v = next((b for b in (64, 32) if rows.shape[0] * hv * pl.cdiv(vd, b) >= MANY_PROGRAMS), 16)
     block_v = min(block_v, next_pow2(vd))
@@ -221,10 +445,23 @@ def chunk_gated_delta_rule_pool(
         q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=chunk,
         prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret,
     )
-    o, pool = _chunk_call(
-        qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-    )
+    if segment_chunks is None:
+        segment_chunks = auto_segment_chunks(rows.shape[0], hv, w.shape[0])
+    if segment_chunks:
+        if block_v_auto:
+            num_segs = rows.shape[0] + pl.cdiv(w.shape[0], segment_chunks) - 1
+            block_v = min(next((b for b in (64, 32) if num_segs * hv * pl.cdiv(vd, b) >= MANY_PROGRAMS), 16),
+                          next_pow2(vd))
+        o, pool = _cp_call(
+            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, segment_chunks=segment_chunks,
+            out_dtype=v.dtype, block_v=block_v, transition_block=transition_block, scan_block=scan_block,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        )
+    else:
+        o, pool = _chunk_call(
+            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        )
     return o[:num_tokens], pool
 
 
