@@ -158,3 +158,13 @@ def cases(small: bool = False) -> list[Case]:
                  functools.partial(_prefill_setup, t, h, d, ps), anchor="cudnn",
                  flops=4 * (t * (t + 1) // 2) * d * h) for ps in pages]
     return out
+
+
+if __name__ == "__main__":  # python benchmarks/attention.py [runner options]: these cases through the runner
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import runner
+
+    sys.exit(runner.subject_main("attention", sys.argv[1:]))

@@ -36,6 +36,8 @@ import timing  # noqa: E402
 from case import Case, RunCase  # noqa: E402
 
 OP_SUBJECTS = ("gdn", "conv", "attention", "mla", "mlp")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench.json")  # git-ignored
+ERROR_CHARS = 2000  # an error message kept in the JSON (cut at a word boundary beyond this)
 SUBJECTS = OP_SUBJECTS + ("engine", "prefix", "sched_overhead")
 COLUMNS = ("case", "subject", "op", "shapes", "impl", "kind", "ok", "err", "error", "median_ms", "timer",
            "wall_ms", "device_ms", "anchor", "anchor_ms", "vs_anchor", "bytes", "gbps", "copy_gbps", "vs_copy",
@@ -103,7 +105,7 @@ def _prepare(case: Case, run: Run, setup) -> tuple[dict, list[dict]]:
             if row["ok"] or kind == "anchor":  # an anchor is timed even off the reference (flagged)
                 runners[name] = runner
         except Exception as e:  # noqa: BLE001 - an implementation that cannot run here is a row, not a crash
-            row["error"] = f"{type(e).__name__}: {e}"[:400]
+            row["error"] = clip(f"{type(e).__name__}: {e}", ERROR_CHARS)
             if type(e).__name__ == "UnknownImplError":  # not offered here (device, shapes): no verdict
                 row["ok"] = None
         if row["ok"] is False and row["error"] is None:
@@ -178,7 +180,8 @@ def run_subjects(subjects: list[str], *, small: bool = False, impls: tuple[str, 
             except Exception as e:  # noqa: BLE001 - keep the other cases' figures
                 traceback.print_exc()
                 rows = [dict(dict.fromkeys(COLUMNS), case=case.name, subject=subject, op=case.op, ok=False,
-                             shapes=case.shapes, error=f"{type(e).__name__}: {e}"[:400], rounds=[])]
+                             shapes=case.shapes, error=clip(f"{type(e).__name__}: {e}", ERROR_CHARS),
+                             rounds=[])]
             report["rows"] += rows
             if out:
                 with open(out, "w") as f:
@@ -200,13 +203,24 @@ def torch_half(subjects: list[str], small: bool, out: str) -> dict:
                 res["anchors"].update(module.torch_anchors(small))
             except Exception as e:  # noqa: BLE001 - keep the copies and the other anchors
                 traceback.print_exc()
-                res[f"{subject}_error"] = repr(e)[:400]
+                res[f"{subject}_error"] = clip(repr(e), ERROR_CHARS)
     for nbytes in sorted(sizes):
         res["copies"][str(nbytes)] = timing.torch_copy(nbytes)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     return res
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` on one line, cut at a word boundary to at most ``limit`` characters with `` …`` where it was cut
+    (never mid-word, so a reader sees where the message continues)."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    head = text[: limit - 2]
+    cut = head.rfind(" ")
+    return (head[:cut] if cut > limit // 2 else head).rstrip() + " …"
 
 
 def _fmt(v, spec: str) -> str:
@@ -228,14 +242,31 @@ def print_table(report: dict) -> None:
         err = r["err"][0] if isinstance(r["err"], list) and r["err"] else r["err"]
         print(f"  {r['impl'] or '-':26s} {str(r['ok']):>5s} {_fmt(err, '9.1e')} {_fmt(r['median_ms'], '9.4f')} "
               f"{r['timer'] or '-':>6s} {_fmt(r['vs_anchor'], '9.2f')} {_fmt(r['gbps'], '7.0f')} "
-              f"{_fmt(r['vs_copy'], '7.1%')} {_fmt(r['tflops'], '8.1f')}  {(r['error'] or '')[:80]}")
+              f"{_fmt(r['vs_copy'], '7.1%')} {_fmt(r['tflops'], '8.1f')}  {clip(r['error'] or '', 100)}")
+
+
+def subject_main(subject: str, argv: list[str]) -> int:
+    """``python benchmarks/<subject>.py [runner options]``: that subject's cases through :func:`main`. Where JAX
+    sees no GPU and no ``--small`` / ``--impls`` is given, it runs the CPU smoke run (``--small --impls
+    reference,interpret``: tiny shapes, kernels in interpret mode) and says so, instead of GPU-sized cases
+    whose kernels would all decline."""
+    import jax
+
+    print(f"benchmarks/{subject}.py: the {subject} cases through benchmarks/runner.py "
+          "(python benchmarks/runner.py --help lists the options)", file=sys.stderr)
+    if jax.default_backend() != "gpu" and not any(a.split("=")[0] in ("--small", "--impls") for a in argv):
+        print(f"no GPU here ({jax.default_backend()}): running the CPU smoke run --small --impls reference,interpret "
+              "(tiny shapes; the timings say nothing about a GPU)", file=sys.stderr)
+        argv = ["--small", "--impls", "reference,interpret", *argv]
+    return main([subject, *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns 1 when a checked implementation failed its check, else 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("subjects", nargs="*", help=f"of {', '.join(SUBJECTS)} (default: {' '.join(OP_SUBJECTS)})")
-    ap.add_argument("--out", default="bench.json")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="JSON report, rewritten after every case (default: benchmarks/out/bench.json, git-ignored)")
     ap.add_argument("--anchors-only", action="store_true", help="the torch half: anchors and torch copies")
     ap.add_argument("--anchors-json", default=None, help="the torch half's JSON, merged into this run")
     ap.add_argument("--table", default=None, help="print the table of a saved run and exit")
@@ -246,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per round")
     a = ap.parse_args(argv)
     subjects = a.subjects or list(OP_SUBJECTS)
+    if not a.table and os.path.dirname(os.path.abspath(a.out)):
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     if a.table:
         with open(a.table) as f:
             print_table(json.load(f))
@@ -261,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                           rounds=a.rounds, calls=a.calls, anchors=anchors, out=a.out,
                           only=tuple(a.cases.split(",")) if a.cases else None)
     print_table(report)
+    print(f"report: {a.out}")
     return int(any(r["ok"] is False and r["kind"] in ("impl", "run") for r in report["rows"]))
 
 

@@ -118,3 +118,19 @@ def test_table_prints_every_row(bench, capsys):
     runner.print_table({"date": "d", "device": "cpu", "jax": jax.__version__, "rows": rows})
     text = capsys.readouterr().out
     assert "toy" in text and "good" in text and "1.00" in text
+
+
+def test_runner_clips_errors_at_a_word_boundary_and_writes_under_benchmarks_out(bench):
+    """Issue 33 item 8: ``--small`` cut error text mid-word and wrote ``bench.json`` into the repository root."""
+    runner, _, _ = bench
+    text = "UnknownImplError: pallas declines: needs a GPU, this is cpu; " * 3
+    for limit in (30, 57, 100):
+        short = runner.clip(text, limit)
+        assert len(short) <= limit and short.endswith(" …")
+        kept = short[:-2].split()
+        assert kept == text.split()[: len(kept)]  # whole words only: the last kept word is not cut
+    assert runner.clip("a\nb  c", 50) == "a b c"
+    out = Path(runner.DEFAULT_OUT)
+    assert out.parent == BENCH / "out"
+    gitignore = (BENCH.parent / ".gitignore").read_text().split()
+    assert "/benchmarks/out/" in gitignore
