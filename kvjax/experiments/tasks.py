@@ -127,9 +127,13 @@ def train(model: Qwen3_5ForCausalLM, task: RetrievalTask, *, steps: int, batch: 
     """
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import nnx
 
+    try:
+        import optax
+    except ImportError:
+        raise ImportError("kvjax.experiments.tasks.train needs optax, an optional dependency: "
+                          "pip install 'kvjax[notebooks]' (or pip install optax)") from None
     if steps < 1 or batch < 1:
         raise ValueError(f"steps and batch must be >= 1, got {steps}, {batch}")
     graphdef, params = nnx.split(model)
