@@ -12,7 +12,7 @@ generated identical tokens (greedy). The engine overlaps planning step N+1 with 
 (``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens.
 
 ``--mesh DATAxMODEL`` (or ``--devices N`` = ``--mesh Nx1``) runs the engine on a ``("data", "model")`` mesh
-(:mod:`kvjax.engine.mesh`; on CPU, JAX is asked for that many host devices): each data shard has the preset's
+(``Engine(mesh=...)``; on CPU, JAX is asked for that many host devices, at most 64): each data shard has the preset's
 ``max_seqs`` rows and its own pages, and each device holds ``num_pages / MODEL`` pages (the same pages per KV head
 as one device).
 
