@@ -281,3 +281,18 @@ def test_help_shows_every_flag_with_text_and_defaults(command, module):
 def test_top_level_help_has_no_rst(capsys):
     assert kvjax_main(["--help"]) == 0
     assert "``" not in capsys.readouterr().out
+
+
+def test_provenance_names_this_checkout_only(tmp_path):
+    from kvjax.cli.output import git_commit, provenance
+
+    meta = provenance("run", ["--seed", "3"], device="cpu", seed=3)
+    assert meta["command"] == ["python", "-m", "kvjax", "run", "--seed", "3"] and meta["seed"] == 3
+    assert meta["date"].endswith("+00:00") and meta["kvjax"] and meta["jax"]
+    assert git_commit(str(tmp_path)) is None  # not a checkout
+    inner = tmp_path / "sub"
+    inner.mkdir()
+    import subprocess
+
+    if subprocess.run(["git", "init", "-q", str(tmp_path)], capture_output=True).returncode == 0:
+        assert git_commit(str(inner)) is None  # inside a repository, but not its top: not kvjax's checkout

@@ -23,10 +23,14 @@ import kvjax
 
 
 def git_commit(path: str | None = None) -> dict[str, Any] | None:
-    """``{"commit": sha, "dirty": bool}`` of the git checkout holding ``path`` (default: kvjax's source), or
-    None where it is not one or git is missing."""
-    where = path or os.path.dirname(os.path.dirname(os.path.abspath(kvjax.__file__)))
+    """``{"commit": sha, "dirty": bool}`` of the git checkout whose top directory is ``path`` (default: the
+    directory holding kvjax's source), or None where it is not one or git is missing."""
+    where = os.path.realpath(path or os.path.dirname(os.path.dirname(os.path.abspath(kvjax.__file__))))
     try:
+        top = subprocess.run(["git", "-C", where, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=5)
+        if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != where:
+            return None  # not a checkout of kvjax (e.g. installed into a virtualenv that lies inside some repository)
         sha = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         if sha.returncode != 0:
             return None
