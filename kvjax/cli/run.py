@@ -273,6 +273,11 @@ def save_plot(path: str, columns: dict[str, dict], num_pages: int) -> None:
     plt.close(fig)
 
 
+def _per_preset(field: str) -> str:
+    """``"cpu 16, gpu 32"``: a preset field's value in each preset (for ``--help``)."""
+    return ", ".join(f"{name} {getattr(p, field):g}" for name, p in sorted(PRESETS.items()))
+
+
 def build_parser() -> ArgumentParser:
     """The ``run`` command's arguments (``--help`` shows each default)."""
     ap = ArgumentParser(prog="python -m kvjax run",
@@ -283,12 +288,13 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                     help="model and workload size: cpu (f32, small) or gpu (bf16, for one accelerator)")
     ap.add_argument("--force", action="store_true", help="run --preset gpu even where JAX sees no GPU")
-    ap.add_argument("--requests", type=int_at_least(1), help="override the preset's number of requests")
+    ap.add_argument("--requests", type=int_at_least(1), help=f"override the preset's number of requests ({_per_preset('requests')})")
     ap.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"),
-                    help="override the preset's length scale (x the seed's mean lengths)")
-    ap.add_argument("--swa-fraction", type=number_in(0, 1), help="override the preset's fraction of SWA KV heads")
+                    help=f"override the preset's length scale, x the seed's mean lengths ({_per_preset('scale')})")
+    ap.add_argument("--swa-fraction", type=number_in(0, 1), help=f"override the preset's fraction of SWA KV heads ({_per_preset('swa_fraction')})")
     ap.add_argument("--memory-requests", type=number_in(0, low_open=True),
-                    help="override the preset's page memory (in full-length requests without recycling)")
+                    help="override the preset's page memory, in full-length requests without recycling "
+                         f"({_per_preset('memory_requests')})")
     ap.add_argument("--seed", type=int_at_least(0, 2**31 - 1), default=0, help="seed of the weights and workload")
     ap.add_argument("--repeats", type=int_at_least(1, 100), default=3,
                     help="serve the workload this many times per policy (one compilation) and report the median "
