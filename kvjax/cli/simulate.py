@@ -41,9 +41,10 @@ PREFIX_WORKLOADS = {  # name -> (requests, scale, seed, spread) -> workload; len
                                                   output_len=max(1, round(256 * k)), seed=s),
 }
 
+PREFIX_MODES = ("off", "eager", "keep_tail")  # the prefix cache off, then its recycle options
 
 
-PREFIX_MODES = ("off", "eager", "keep_tail")
+XX = ("off", "eager", "keep_tail")
 
 
 def prefix_lengths(workload: str, requests: int, scale: float, spread: float) -> tuple[int, float, int, int]:
