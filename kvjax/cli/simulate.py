@@ -44,9 +44,6 @@ PREFIX_WORKLOADS = {  # name -> (requests, scale, seed, spread) -> workload; len
 PREFIX_MODES = ("off", "eager", "keep_tail")  # the prefix cache off, then its recycle options
 
 
-XX = ("off", "eager", "keep_tail")
-
-
 def prefix_lengths(workload: str, requests: int, scale: float, spread: float) -> tuple[int, float, int, int]:
     """Without drawing it, what :data:`PREFIX_WORKLOADS` ``[workload]`` would hold: ``(requests, mean tokens per
     request, longest request, output tokens in all)`` (prompt + output; an upper estimate where lengths vary)."""
