@@ -179,19 +179,11 @@ def _shape_name(seqlens, hk, hv) -> str:
     return f"{seqlens[0]} x {n}, {hk}, {hv}" if n > 1 else f"1 x {seqlens[0]}, {hk}, {hv}"
 
 
-SWEEP_ONE = {  # variants timed beside the public op at one sequence (pool kernel keyword arguments)
+SWEEP_ONE = {  # variants timed beside the public op at one sequence (pool kernel keyword arguments); the
+    # settings that lost (wider blocks, 2 or 8 warps, 3 stages) are in benchmarks/HISTORY.md (issue 38)
     "seq": dict(segment_chunks=0),
-    "seq128w8": dict(segment_chunks=0, block_v=128, num_warps=8),
-    "cp16/64": dict(segment_chunks=16, transition_block=64),
-    "cp16/128w8": dict(segment_chunks=16, transition_block=128, scan_block=128, block_v=128, num_warps=8),
-    "cp32/128w8": dict(segment_chunks=32, transition_block=128, scan_block=128, block_v=128, num_warps=8),
 }
-SWEEP_MANY = {  # ... and at several sequences
-    "seq": dict(segment_chunks=0),
-    "seq128w8": dict(segment_chunks=0, block_v=128, num_warps=8),
-    "seq64w8": dict(segment_chunks=0, block_v=64, num_warps=8),
-    "prepw8": dict(segment_chunks=0, prep_num_warps=8),
-}
+SWEEP_MANY: dict = {}  # ... and at several sequences (the public op runs the sequential kernel there)
 
 
 def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list[dict]:

@@ -372,7 +372,8 @@ CHUNK_TABLE = BackendTable(
     chunk_gated_delta_rule_reference,
     (
         Backend("pallas", "kvjax.pallas.gdn.chunk:chunk_gated_delta_rule_pallas", priority=10,
-                note="fused sequential kernel + Pallas prep; 1.13-1.29x fla on an H200 (benchmarks/HISTORY.md)"),
+                note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
+                     "(benchmarks/RESULTS.md, GDN chunked prefill)"),
     ),
     examples={
         "prefill N=1 T=8192 H=16 K=V=128": lambda: example_call(8192, 1, 16),

@@ -19,6 +19,15 @@ intra-chunk quantity is masked to pairs of tokens of the same sequence ("segment
    convention of :mod:`kvjax.pallas.gdn.common`. Each program writes the outputs of its own sequence's
    tokens (masked stores); the first and last rows also zero the tokens outside every sequence.
 
+Chunk parallelism (few long sequences: ``rows * Hv <= CP_MAX_HEAD_ROWS``, :func:`auto_segment_chunks`). The
+sequential kernel then has too few programs for the GPU, so the stream is cut into segments of ``L`` chunks
+(:func:`segment_layout`). Per chunk the state map is affine, ``S' = (exp(g_last) I - (kf k)^T w) S + (kf k)^T u``,
+so per segment ``S_end = M S_start + B``. ``_transition_kernel`` computes ``[M | B]`` for every segment in parallel
+(the same chunk recurrence on ``K + V`` columns from ``[I | 0]``, ``u = 0`` for the ``M`` columns),
+``_scan_kernel`` chains the segments of each sequence into their start states, and the sequential kernel walks
+all segments at once from those states (the benchmark's table "GDN chunked prefill, FlashQLA recipe" in
+benchmarks/RESULTS.md says where it pays).
+
 This fused sequential kernel replaced a two-pass form (fla's structure: a sequential state pass, then a fully
 parallel output pass), which tied at B=1 T=8192 H=16 (0.415-0.425 vs 0.408-0.417 ms) and lost at B=4 T=4096
 H=32 (1.22 vs 0.763-0.778 ms) on an H200 (benchmarks/HISTORY.md). Loading chunk ``c + 1``'s operands before
@@ -52,7 +61,7 @@ from kvjax.pallas.gdn.prep import prepare
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
 FLAG_MORE = 4  # segment flag (chunk parallelism): the segment is not its sequence's last
-CP_MAX_HEAD_ROWS = 64  # segment_chunks=None: chunk parallelism when rows * Hv is at most this ...
+CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when rows * Hv is at most this ...
 CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
 
 
@@ -335,6 +344,8 @@ def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segmen
     seg_cu, seg_flags, first, last = segment_layout(cu_seqlens, rows, flags, num_tokens=tp,
                                                     segment_tokens=segment_chunks * chunk)
     num_segs = seg_flags.shape[0]
+    if transition_block is None:
+        transition_block = 64 if num_segs * hv * (pl.cdiv(kd, 64) + pl.cdiv(vd, 64)) >= 2 * MANY_PROGRAMS else 32
     tb = min(transition_block, next_pow2(max(kd, vd)))
     nbk = pl.cdiv(kd, tb)
     m, b = pl.pallas_call(
@@ -403,7 +414,7 @@ def chunk_gated_delta_rule_pool(
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
     segment_chunks: int | None = None,
-    transition_block: int = 32,
+    transition_block: int | None = None,
     scan_block: int = 32,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
@@ -422,7 +433,8 @@ def chunk_gated_delta_rule_pool(
 
     ``segment_chunks`` (chunk parallelism, for few long sequences): cut the stream into segments of this many
     chunks; a transition kernel computes every segment's affine state map ``S_end = M S_start + B`` in
-    parallel (``transition_block`` columns of ``[M | B]`` per program), a scan kernel chains them into each
+    parallel (``transition_block`` columns of ``[M | B]`` per program; ``None``: 64 where that still gives
+    ``2 * MANY_PROGRAMS`` programs, else 32), a scan kernel chains them into each
     segment's start state (``scan_block`` value columns per program), and the sequential kernel walks all
     segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`;
     0: off (the sequential kernel walks each sequence whole, in place on the pool).
