@@ -99,3 +99,18 @@ def test_readme_engine_methods_exist():
 def test_readme_links_exist(path):
     assert path in README and (ROOT / path).is_file()
     assert "../shared/" not in README  # README must not point outside the repository
+
+
+def test_readme_cpu_run_row_is_rendered_from_its_stored_runs():
+    """Issue 33: every README figure comes from a run that is kept with its command, commit, device and date."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import readme_figures
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = json.loads(readme_figures.RUNS.read_text())
+    assert runs and all(r["preset"] == "cpu" and r["meta"]["git"] and r["meta"]["date"] for r in runs)
+    assert all(r["meta"]["command"][3] == "run" for r in runs)
+    assert readme_figures.readme_row(README) == readme_figures.render(runs)
+    with pytest.raises(ValueError, match="cpu --json"):
+        readme_figures.trimmed({"preset": "gpu", "results": {}})
