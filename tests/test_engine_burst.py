@@ -197,9 +197,21 @@ def test_bad_decode_burst_is_a_clear_error(qwen, bad):
         engine(qwen, bad, True)
 
 
-def test_decode_burst_with_prefix_caching_is_refused(qwen):
-    with pytest.raises(ValueError, match="decode_burst=4 needs one device and prefix_caching=False"):
-        Engine(qwen, SMALL, decode_burst=4, prefix_caching=True)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_burst_with_prefix_caching_equals_single_steps(qwen, overlap):
+    """Prompts sharing a prefix, twice (the second call hits the cache): bursts run, prompts hit, and the tokens
+    are the single-step engine's and the uncached oracle's."""
+    rng = np.random.default_rng(5)
+    vocab = int(qwen.vocab_size)
+    system = rng.integers(0, vocab, 13).tolist()
+    prompts = [system + rng.integers(0, vocab, int(n)).tolist() for n in (4, 9, 2, 6)]
+    expect = greedy_oracle(qwen, prompts, NEW)
+    for burst in (1, K):
+        eng = engine(qwen, burst, overlap, prefix_caching=True, debug=True)
+        assert eng.generate(prompts, NEW) == expect and eng.generate(prompts, NEW) == expect
+        assert eng.metrics.summary()["prefix_hit_tokens"] > 0
+        assert (max(bursts(eng)) > 1) == (burst > 1)
+        eng.check_integrity()
 
 
 def test_build_plan_tables_cover_the_burst():
@@ -265,3 +277,26 @@ def test_advance_has_no_loop():
     text = jax.jit(advance, static_argnums=3).lower(inputs, jnp.ones(B, jnp.int32), jnp.ones(B, bool), 4).as_text()
     assert "stablehlo.gather" in text or "stablehlo.dynamic_slice" in text  # the lowering is the real one
     assert "stablehlo.while" not in text and "stablehlo.case" not in text
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_abort_of_a_streamed_request_whose_last_events_are_queued(qwen, case, overlap):
+    """A burst delivers a request's last tokens at once: aborting it at its first event (``finished`` False, the
+    request already finished in the scheduler) drops its queued events and raises nothing; the others are
+    untouched; a non-int id is refused."""
+    prompts, expect = case
+    eng = engine(qwen, K, overlap)
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    stream = eng.stream(prompts, 3)  # 3 tokens: one burst after the prompt's step
+    for ev in stream:
+        got[ev.index].append(ev.token)
+        if ev.index == 0 and ev.position == 0:
+            assert not ev.finished
+            assert eng.abort(ev.request_id) == [ev.token]
+            with pytest.raises(ValueError, match="unknown request id"):
+                eng.abort(ev.request_id)
+            with pytest.raises(ValueError, match="request_id must be an int"):
+                eng.abort(float(ev.request_id))
+    assert got[0] == expect[0][:1]
+    assert all(got[i] == expect[i][:3] for i in range(1, len(prompts)))
+    assert_idle(eng)

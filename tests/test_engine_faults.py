@@ -165,11 +165,11 @@ def _arm(monkeypatch, engine: Engine, point: str, exc: type[BaseException]) -> N
             raise exc("injected fault")
 
     if point == "before device":
-        real = engine_mod.plan_to_inputs
-        monkeypatch.setattr(engine_mod, "plan_to_inputs", lambda *a, **k: (once(), real(*a, **k))[1])
+        real = engine.runner.pack
+        monkeypatch.setattr(engine.runner, "pack", lambda *a, **k: (once(), real(*a, **k))[1])
     elif point == "inside device":  # after the caches were donated: their buffers are gone
-        real_call = type(engine._device_step).__call__
-        monkeypatch.setattr(type(engine._device_step), "__call__", lambda self, *a: (real_call(self, *a), once())[0])
+        real_call = engine.runner.step
+        monkeypatch.setattr(engine.runner, "step", lambda *a: (real_call(*a), once())[0])
     elif point == "after device":  # the step's tokens are read; before the scheduler applies them
         real_resolve = engine.scheduler.resolve
         monkeypatch.setattr(engine.scheduler, "resolve", lambda *a, **k: (once(), real_resolve(*a, **k))[1])

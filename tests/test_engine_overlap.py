@@ -252,7 +252,7 @@ def test_packed_inputs_round_trip_aligned(qwen, case):
     """One packed i32 buffer per step: every field starts at a multiple of 256 bytes (kernel operands must be
     aligned: a Triton kernel refused a misaligned slice on the H100) and unpacks, inside a jit, to exactly the
     plan's arrays (``temperature`` bit for bit, ``counters`` = ``seq_lens``)."""
-    from kvjax.engine.inputs import PACK_ALIGN, host_inputs, pack_plan
+    from kvjax.engine.inputs import PACK_ALIGN, pack_plan
 
     prompts, _ = case
     eng = qwen_engine(qwen, False)
@@ -264,7 +264,7 @@ def test_packed_inputs_round_trip_aligned(qwen, case):
     sampling = dict(seeds=rng.integers(0, 2**31 - 1, B, dtype=np.int32),
                     streams=rng.integers(0, 99, B, dtype=np.int32),
                     temperature=rng.uniform(0.1, 3, B).astype(np.float32))
-    buf, layout = pack_plan(plan, sampling, checkpoints=True)
+    buf, layout = pack_plan(plan, sampling, checkpoints=True, decode_only=False)
     assert PACK_ALIGN * buf.itemsize % 256 == 0
     expect = {**{n: getattr(plan, n) for n, _ in layout.fields if hasattr(plan, n)}, **sampling,
               "temperature": sampling["temperature"].view(np.int32)}
@@ -275,11 +275,11 @@ def test_packed_inputs_round_trip_aligned(qwen, case):
         off += -(-n // PACK_ALIGN) * PACK_ALIGN
     assert off == buf.size
     inputs, rows, copies = jax.jit(layout.unpack)(buf)
-    host = host_inputs(plan)
+    host = plan
     for name in ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
                  "block_tables", "slot_mapping", "logits_indices"):
         np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), np.asarray(getattr(host, name)), name)
-    assert inputs.decode_only == host.decode_only
+    assert inputs.decode_only is False
     np.testing.assert_array_equal(np.asarray(rows.temperature), sampling["temperature"])
     np.testing.assert_array_equal(np.asarray(rows.seeds), sampling["seeds"])
     np.testing.assert_array_equal(np.asarray(rows.streams), sampling["streams"])

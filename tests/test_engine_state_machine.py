@@ -82,14 +82,15 @@ def arm(engine: Engine, point: str, exc: type[BaseException]):
             raise exc("injected fault")
 
     if point == "before device":
-        real = engine_mod.plan_to_inputs
-        engine_mod.plan_to_inputs = lambda *a, **k: (once(), real(*a, **k))[1]
-        return (lambda: setattr(engine_mod, "plan_to_inputs", real)), fired
+        runner = engine.runner
+        real = runner.pack
+        runner.pack = lambda *a, **k: (once(), real(*a, **k))[1]
+        return (lambda: delattr(runner, "pack")), fired
     if point == "inside device":
-        cls = type(engine._device_step)
-        real_call = cls.__call__
-        cls.__call__ = lambda self, *a: (real_call(self, *a), once())[0]
-        return (lambda: setattr(cls, "__call__", real_call)), fired
+        runner = engine.runner
+        real_call = runner.step
+        runner.step = lambda *a: (real_call(*a), once())[0]
+        return (lambda: delattr(runner, "step")), fired
     if point == "after device":
         sched = engine.scheduler
         real_resolve = sched.resolve

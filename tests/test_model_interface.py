@@ -131,7 +131,7 @@ def test_each_engine_owns_its_compiled_step(rng):
     cache = CacheConfig(page_size=4, num_pages=16, max_seqs=2, max_blocks_per_seq=4)
     prompts = [rng.integers(0, 37, 5).tolist(), rng.integers(0, 37, 3).tolist()]
     kw = dict(max_num_batched_tokens=8, use_decode_path=False, token_buckets=(8,), row_buckets=(2,),
-              block_buckets=(4,), max_traces=1)
+              block_buckets=(4,), max_traces=1, decode_burst=1)
     first = Engine(model, cache, **kw)
     out = first.generate(prompts, 3)
     assert first.num_traces == 1

@@ -46,13 +46,37 @@ ENGINE_ARGS = dict(max_num_batched_tokens=16, token_buckets=(16,), row_buckets=(
 
 
 def _prompts(vocab: int) -> list[list[int]]:
+    """Six prompts of 6-16 tokens; four start with the same 4 tokens (one page), so a second pass hits a prefix
+    cache."""
     rng = np.random.default_rng(11)
-    return [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(6, 17, 6)]
+    system = rng.integers(0, vocab, 4).tolist()
+    return [(system if i % 3 else []) + rng.integers(0, vocab, int(n) - (4 if i % 3 else 0)).tolist()
+            for i, n in enumerate(rng.integers(6, 17, 6))]
+
+
+class Injected(Exception):
+    pass
+
+
+def _arm_fault(engine: Engine, at: int) -> None:
+    """The ``at``-th device step of ``engine`` raises :class:`Injected` after it was dispatched (its caches
+    donated), once."""
+    real, calls = engine.runner.step, []
+
+    def step(*args):
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == at:
+            raise Injected("injected fault")
+        return out
+
+    engine.runner.step = step
 
 
 def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, list[int]]:
     """Every prompt greedy, then every prompt sampled (temperature 1; indices ``n + i``) on the same engine;
-    the prompt ``ABORT`` of each pass aborted at its third token. Returns the tokens per index."""
+    the prompt ``ABORT`` of each pass aborted at its third token; an :class:`Injected` fault (if armed) recovered
+    from. Returns the tokens per index."""
     out: dict[int, list[int]] = {}
     for temperature in temperatures:
         first = len(out)
@@ -61,14 +85,19 @@ def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, lis
             out[first + i] = []
         aborted = False
         while engine.has_unfinished():
-            for ev in step_events(engine):
+            try:
+                events = step_events(engine)
+            except Injected:
+                continue
+            for ev in events:
                 out[ev.index].append(ev.token)
                 if ev.index == first + ABORT and ev.position == 2 and not aborted:
                     engine.abort(ev.request_id)
                     aborted = True
         assert aborted and len(out[first + ABORT]) == 3
         engine.check_integrity()
-        assert engine.is_idle()
+    engine.clear_prefix_cache()
+    assert engine.is_idle()
     return out
 
 
@@ -117,15 +146,12 @@ def test_validate_pages_unique_per_pool():
         inputs(np.array([[[4], [0]]], np.int32)).validate(**kw, page_groups=np.array([0, 1]))
 
 
-def test_mesh_options_are_refused():
+@pytest.mark.parametrize("mesh", ["2x2", (2, 2), np.zeros((1, 1))])
+def test_a_mesh_that_is_not_a_mesh_is_refused(mesh):
     import test_sharding as ts
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    model = ts.qwen_model()
-    with pytest.raises(ValueError, match="prefix_caching=True is not supported on a mesh"):
-        Engine(model, _cache(8), mesh=mesh, prefix_caching=True)
-    with pytest.raises(ValueError, match="needs a cache_config"):
-        Engine(model, mesh=mesh)
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        Engine(ts.qwen_model(), _cache(8), mesh=mesh)
 
 
 def test_cli_mesh_usage_errors(capsys):
@@ -141,36 +167,60 @@ def test_cli_mesh_usage_errors(capsys):
 # ---------------------------------------------------------------------------------------------- 8 devices
 
 
-def test_mesh_engine_on_8_cpu_devices():
+# overlap x decode_burst x prefix caching x mesh: all 32 with KVJAX_FULL_MATRIX=1; in CI a pairwise cover (every
+# pair of two factors' levels in some run, each mesh with both levels of each option): 8 runs per family
+MATRIX_MESHES = [(1, 1), (2, 1), (1, 2), (2, 2)]
+FULL = [(o, b, p, m) for m in MATRIX_MESHES for o in (True, False) for b in (1, "auto") for p in (False, True)]
+COVER = [(True, 1, False, (1, 1)), (False, "auto", True, (1, 1)), (True, "auto", True, (2, 1)),
+         (False, 1, False, (2, 1)), (True, 1, True, (1, 2)), (False, "auto", False, (1, 2)),
+         (True, "auto", False, (2, 2)), (False, 1, True, (2, 2))]
+MATRIX = FULL if os.environ.get("KVJAX_FULL_MATRIX") == "1" else COVER
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
+def test_mesh_engine_on_8_cpu_devices(family):
     if INNER:
         pytest.skip("already inside the 8-device run")
     env = {**os.environ, "KVJAX_MESH_ENGINE_INNER": "1",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        f"{__file__}::test_engine_matrix_equals_the_synchronous_engine[{family}]"],
+                       env=env, capture_output=True, text=True, timeout=840, cwd=HERE)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 @inner
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
-def test_engine_on_mesh_equals_one_device(family):
+def test_engine_matrix_equals_the_synchronous_engine(family):
+    """Every configuration of :data:`MATRIX` (overlap, decode bursts, prefix caching, mesh) with greedy and
+    sampled requests, an abort, preemption (pages short) and a fault gives the tokens of the synchronous
+    single-device engine without bursts or caching, compiles each step shape once per greedy / sampling mode,
+    keeps its allocators consistent and holds total / N of the caches per device (total / D for DeepSeek's
+    latent pages, replicated over ``"model"``)."""
     import test_sharding as ts
 
     model = ts.FAMILIES[family]()
     prompts = _prompts(ts.VOCAB)
     recycle = "timely" if family == "qwen3_5" else "none"
-    one = Engine(model, _cache(PAGES[family]), recycle=recycle, debug=True, **ENGINE_ARGS)
+    one = Engine(model, _cache(PAGES[family]), recycle=recycle, overlap=False, decode_burst=1, **ENGINE_ARGS)
     want = _scenario(one, prompts)
     assert sum(r.preemptions for r in one.metrics.records) > 0
-    for d, m in MESHES:
+    for overlap, burst, prefix, (d, m) in MATRIX:
+        name = f"overlap={overlap} burst={burst} prefix={prefix} mesh {d}x{m}"
         mesh = jax.sharding.Mesh(np.array(jax.devices()[: d * m]).reshape(d, m), ("data", "model"))
         heads_split = family == "qwen3_5"
-        engine = Engine(model, _cache(PAGES[family] // m if heads_split else PAGES[family]), mesh=mesh, recycle=recycle,
-                        debug=True, **ENGINE_ARGS)
+        engine = Engine(model, _cache(PAGES[family] // m if heads_split else PAGES[family]), mesh=mesh,
+                        recycle=recycle, overlap=overlap, decode_burst=burst, prefix_caching=prefix, debug=True,
+                        **ENGINE_ARGS)
+        _arm_fault(engine, at=4)
         got = _scenario(engine, prompts)
-        assert got == want, f"mesh {d}x{m}"
-        assert sum(r.preemptions for r in engine.metrics.records) > 0, f"mesh {d}x{m}: no preemption"
-        assert engine.num_traces <= one.num_traces, f"mesh {d}x{m}: {engine.num_traces} > {one.num_traces}"
+        assert got == want, name
+        summary = engine.metrics.summary()
+        assert engine.num_recoveries == 1, name
+        assert summary["preemptions"] > 0, f"{name}: no preemption"
+        assert not prefix or summary["prefix_hit_tokens"] > 0, f"{name}: no prefix hit"
+        assert burst == 1 or max(r.burst for r in engine.metrics.records) > 1, f"{name}: no burst"
+        assert engine.num_traces <= 2 * summary["shapes"], f"{name}: {engine.num_traces} traces"
         total = sum(x.nbytes for x in jax.tree.leaves(engine.caches))
         share = d * m if engine.sharded.plan.pages_over_model else d
         for dev in mesh.devices.ravel():

@@ -8,13 +8,14 @@ argument never leaves a request behind.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import INT32_MAX, is_int
+from kvjax.config import INT32_MAX, CacheConfig, is_int
 from kvjax.models.interface import CausalLM
 from kvjax.sched.prefix_cache import PrefixCacheConfig
 
@@ -78,17 +79,75 @@ def check_prompt(prompt: Any, vocab_size: int, name: str = "prompt") -> np.ndarr
 
 
 MAX_BURST = 64
+AUTO_BURST = 8  # decode sub-steps per dispatch of decode_burst="auto"
 
 
-def check_burst(value: Any, on_mesh: bool, prefix_caching: bool) -> int:
-    """``Engine(decode_burst=)``: an int in ``[1, MAX_BURST]``; more than 1 needs one device and no prefix caching
-    (a burst is a plan of decodes only, and neither the mesh step nor the checkpoint copies run bursts)."""
+def check_burst(value: Any) -> int:
+    """``Engine(decode_burst=)``: ``"auto"`` (:data:`AUTO_BURST`) or an int in ``[1, MAX_BURST]`` (1: no bursts)."""
+    if isinstance(value, str) and value == "auto":
+        return AUTO_BURST
     if not is_int(value) or not 1 <= value <= MAX_BURST:
-        raise ValueError(f"decode_burst must be an int in [1, {MAX_BURST}], got {value!r}")
-    if value > 1 and (on_mesh or prefix_caching):
-        raise ValueError(f"decode_burst={value} needs one device and prefix_caching=False (got "
-                         f"{'a mesh' if on_mesh else 'prefix caching'})")
+        raise ValueError(f"decode_burst must be 'auto' or an int in [1, {MAX_BURST}], got {value!r}")
     return int(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``True`` or ``False`` (numpy bools accepted); ``ValueError`` naming ``name`` for anything else (``'no'``,
+    0, None)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_max_traces(value: Any) -> int | None:
+    """``None`` or an int >= 1."""
+    if value is not None and (not is_int(value) or not 1 <= value <= INT32_MAX):
+        raise ValueError(f"max_traces must be None or an int in [1, {INT32_MAX}], got {value!r}")
+    return None if value is None else int(value)
+
+
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_cache_dtype(value: Any, params: Any) -> Any:
+    """The engine's cache dtype: the parameters' float dtype for ``None``, else one of :data:`CACHE_DTYPES`
+    (K/V or latent pages and the conv state; the GDN state is always float32)."""
+    if value is None:
+        return next(x.dtype for x in jax.tree_util.tree_leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None, got {value!r}") from None
+    if dtype.name not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None, got {dtype.name} (fp8 pages exist "
+                         "only for the DSA roles, through cache_options)")
+    return dtype
+
+
+def device_memory(device: Any = None) -> int:
+    """Bytes a cache may at most take on ``device`` (default: the first device): its memory limit, or the host's
+    physical memory where it reports none (CPU)."""
+    device = device if device is not None else jax.devices()[0]
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        limit = None
+    return int(limit) if limit else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_state_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, dtype: Any,
+                     cache_options: dict | None, device: Any = None) -> None:
+    """``ValueError`` before anything is allocated when the caches of ``cache`` (with ``num_checkpoints`` GDN
+    checkpoint slots) exceed the memory of one device (:func:`device_memory`)."""
+    shapes = jax.eval_shape(lambda: model.init_caches(num_pages=cache.num_pages, page_size=cache.page_size,
+                                                      max_seqs=cache.max_seqs + num_checkpoints, dtype=dtype,
+                                                      **(cache_options or {})))
+    need = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
+    have = device_memory(device)
+    if need > have:
+        raise ValueError(f"the caches need {need / 2**30:.1f} GiB ({cache.num_pages} pages, {cache.max_seqs} "
+                         f"sequences + {num_checkpoints} checkpoint slots), more than the device's "
+                         f"{have / 2**30:.1f} GiB: lower num_pages, max_seqs or prefix_checkpoints")
 
 
 def check_call(prompts: Any, max_new_tokens: Any, vocab_size: int) -> list[tuple[np.ndarray, int]]:
@@ -126,6 +185,8 @@ def prefix_config(model: CausalLM, on: bool, checkpoints: int | None, recycle: s
     gdn = shapes.gdn is not None and shapes.gdn.conv.shape[0] > 0
     if checkpoints is None:
         checkpoints = max_seqs if gdn else 0
+    if not is_int(checkpoints) or not 0 <= checkpoints <= INT32_MAX:
+        raise ValueError(f"prefix_checkpoints must be None or an int in [0, {INT32_MAX}], got {checkpoints!r}")
     if not gdn and checkpoints:
         raise ValueError(f"prefix_checkpoints={checkpoints!r}: {type(model).__name__} has no GDN layers, so no "
                          "recurrent state to checkpoint (use 0 or None)")

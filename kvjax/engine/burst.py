@@ -6,7 +6,7 @@ one dispatch run ``K`` decode sub-steps: the scheduler reserves ``burst_len[b] <
 allocates the pages of their positions; the device feeds each sub-step the tokens the previous one sampled
 (:func:`advance`). The host work per generated token falls by about ``K``.
 
-Sub-step ``j`` of row ``b`` computes position ``p_b + j`` and samples the step's token ``j * B + b``, with the
+Sub-step ``j`` of row ``b`` computes position ``p_b + j`` and samples the step's token ``j * max_seqs + b``, with the
 sampling counter ``seq_len`` of that sub-step: the same tokens as ``K`` single steps. A row whose sub-steps
 are spent (``j >= burst_len[b]``: it reached ``max_new_tokens``) stays in the batch writing nothing: no K/V
 (slot mapping ``-1``) and no GDN state (slot 0, PAD); what it samples is never read. A row that samples eos
@@ -49,15 +49,33 @@ def advance(inputs: StepInputs, tokens: jax.Array, go: jax.Array, page_size: int
 
 
 def run_burst(forward: Callable, pick: Callable, params, caches: ModelCaches, inputs: StepInputs,
-              burst_len: jax.Array, burst: int, page_size: int) -> tuple[jax.Array, ModelCaches]:
-    """``burst`` sub-steps (unrolled): ``forward(params, caches, inputs) -> (logits f32[B, V], caches)``, then
-    ``pick(logits, counters i32[B]) -> i32[B]`` samples. ``burst_len``: i32[B]. Returns ``(i32[burst * B]
-    tokens, sub-step-major, caches)``."""
-    out = []
-    for j in range(burst):
+              burst_len: jax.Array, burst: int, page_size: int, stride: int, *, unroll: bool = True
+              ) -> tuple[jax.Array, ModelCaches]:
+    """``burst`` sub-steps: ``forward(params, caches, inputs) -> (logits f32[B, V], caches)``, then ``pick(logits,
+    counters i32[B]) -> i32[B]`` samples. ``burst_len``: i32[B]. Returns ``(tokens i32[burst * stride], caches)``
+    with sub-step ``j``'s token of row ``b`` at ``j * stride + b`` (``stride >= B``; zeros elsewhere).
+    ``unroll``: the sub-steps as straight-line code (a GPU runs them as one graph); else a ``lax.scan`` (one
+    sub-step compiled once)."""
+    B = inputs.seq_lens.shape[0]
+
+    def sub_step(caches, inputs, j):
         logits, caches = forward(params, caches, inputs)
         tokens = pick(logits, inputs.seq_lens)
-        out.append(tokens)
-        if j + 1 < burst:
-            inputs = advance(inputs, tokens, burst_len > j + 1, page_size)
-    return jnp.concatenate(out), caches
+        return caches, advance(inputs, tokens, burst_len > j + 1, page_size), tokens
+
+    if unroll:
+        out = []
+        for j in range(burst):
+            caches, nxt, tokens = sub_step(caches, inputs, j)
+            inputs = nxt if j + 1 < burst else inputs
+            out.append(tokens)
+        toks = jnp.stack(out)  # i32[burst, B]
+    else:
+        def body(carry, j):
+            caches, inputs = carry
+            caches, inputs, tokens = sub_step(caches, inputs, j)
+            return (caches, inputs), tokens
+
+        (caches, _), toks = jax.lax.scan(body, (caches, inputs), jnp.arange(burst, dtype=jnp.int32))
+    out = jnp.zeros((burst, stride), jnp.int32).at[:, :B].set(toks)
+    return out.reshape(-1), caches

@@ -23,6 +23,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from kvjax.engine.args import check_call, check_seed, check_temperature
+from kvjax.config import is_int
 from kvjax.errors import RequestTooLongError
 from kvjax.sched.request import Request, Status
 
@@ -64,15 +65,6 @@ class Tracked:
 
 
 
-def is_done(req: Request) -> bool:
-    """The request took its last token (``max_new_tokens`` reached or eos sampled), all of them resolved."""
-    if req.pending:
-        return False
-    return req.num_output >= req.max_new_tokens or (
-        req.eos_token_id is not None and req.num_output > 0 and int(req.token_ids[req.num_tokens - 1])
-        == req.eos_token_id)
-
-
 class Consumers:
     """Event collection and the ``stream`` / ``generate`` consumers of an :class:`~kvjax.engine.engine.Engine`."""
 
@@ -80,10 +72,17 @@ class Consumers:
         """Abort a queued or running request (its slot and pages go back at once); returns the tokens that were
         delivered (by :meth:`step`, or yielded by its stream). Its tokens not yet delivered (a stream's queue,
         outputs held for the next ``step()``, a burst's later tokens) are dropped, and so is any token a step in
-        flight samples for it. ``ValueError`` for an unknown (or finished) request id."""
+        flight samples for it (a request that finished in the scheduler with tokens still undelivered is aborted
+        too). ``ValueError`` for a request id that is not an int, unknown, or whose tokens were all delivered."""
+        if not is_int(request_id):
+            raise ValueError(f"request_id must be an int, got {request_id!r}")
         owner = [s for s in self.schedulers if request_id in s.requests]
-        (owner[0] if owner else self.scheduler).abort(request_id)  # unknown id: the scheduler's ValueError
-        tr = self._tracked.pop(request_id)
+        if owner:
+            owner[0].abort(request_id)
+        elif request_id not in self._tracked and request_id not in self._queued:
+            raise ValueError(f"unknown request id {request_id} (never added, aborted, or all its tokens delivered)")
+        # finished in the scheduler with tokens not yet delivered, or still queued for its stream: drop them
+        tr = self._tracked.pop(request_id, None) or self._queued.pop(request_id)
         box = self._inbox.pop(request_id, None)
         dropped = 0
         if box:
@@ -106,10 +105,12 @@ class Consumers:
                 continue
             req = tr.request
             new = req.token_ids[req.prompt_len + tr.sent: req.num_resolved].tolist()  # resolved, not sent
-            done = (req.status is Status.FINISHED and not req.pending) or is_done(req)
+            done = (req.status is Status.FINISHED and not req.pending) or req.complete
             self._deliver(tr, rid, new, done, outs)
             if done:
                 del tracked[rid]
+                if rid in self._inbox:  # its last events wait in its stream's queue: abort may still drop them
+                    self._queued[rid] = tr
         return outs
 
     def _deliver(self, tr: Tracked, rid: int, new: list[int], done: bool, outs: list[StepOutput]) -> None:
@@ -210,6 +211,8 @@ class Consumers:
                     self._held += [out for out in self._step() if out.request_id not in self._inbox]
                     continue
                 ev = box.popleft()
+                if ev.finished:
+                    self._queued.pop(ev.request_id, None)
                 if bar is not None:
                     bar.update(1)
                 yield ev
@@ -218,6 +221,7 @@ class Consumers:
                 bar.close()
             for rid in ids:  # generator closed early: abort what is left
                 self._inbox.pop(rid, None)
+                self._queued.pop(rid, None)
                 if rid in self._tracked:
                     self.abort(rid)
 

@@ -18,23 +18,26 @@ N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.consumers.StepOutput`
 synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call), token for token: sampling keys
 depend only on (seed, prompt index, tokens so far).
 
-Decode bursts (``decode_burst=K``): when every running request decodes and no queued one could be admitted, one
-plan covers up to ``K`` decode sub-steps per row and one dispatch runs them all (:mod:`kvjax.engine.burst`): the
-host's schedule, input transfer and update are paid once per ``K`` tokens of each row. Same tokens again.
+Decode bursts (``decode_burst``, default ``"auto"`` = 8 sub-steps): when every running request decodes and no
+queued one could be admitted, one plan covers up to ``K`` decode sub-steps per row and one dispatch runs them all
+(:mod:`kvjax.engine.burst`): the host's schedule, input transfer and update are paid once per ``K`` tokens of each
+row. Same tokens again; metrics count sub-steps (:mod:`kvjax.engine.metrics`). ``decode_burst=1``: single steps.
 
 The engine owns nothing the scheduler owns: GDN slots, pages and block tables come only from
 :class:`kvjax.sched.Scheduler`. It talks to the model only through :class:`kvjax.models.interface.CausalLM`
 (``attention_layout()`` for the scheduler, ``init_caches``, ``forward_step``, ``vocab_size``). The device caches
 are created once (``model.init_caches``) and donated to every step (each step's caches are the previous step's
 output, so steps run in dispatch order and pages or slots freed on the host are reused only by later steps).
-Each engine builds its own device step once (:func:`kvjax.engine.step.make_step` with ``sample=True``); it
-compiles once per ``(T, B, max_blocks, decode_only)`` bucket of the plan (and per greedy / sampling mode), the
-same in both modes; :attr:`Engine.num_traces` counts this engine's compilations. Without a ``CacheConfig`` the
+Each engine builds its own device step once (:class:`kvjax.engine.runner.Runner`, the same step on one device
+and on any mesh); it compiles once per ``(T, B, max_blocks, decode_only, burst)`` bucket of the plan (and per
+greedy / sampling mode), the same in both modes; :attr:`Engine.num_traces` counts this engine's compilations. Without a ``CacheConfig`` the
 cache is sized from the model and a memory budget (:mod:`kvjax.engine.sizing`; :meth:`Engine.describe`).
 
-On a mesh (``Engine(model, cache, mesh=Mesh(devices, ("data", "model")))``, :mod:`kvjax.engine.mesh`): one
-scheduler per data shard, plans padded to one bucket and stacked ``[D, ...]``, the sharded step samples inside
-the jit and returns the tokens replicated; the same code with ``D = 1`` is the single-device engine.
+On a mesh (``Engine(model, cache, mesh=Mesh(devices, ("data", "model")))``, :mod:`kvjax.engine.runner`): one
+scheduler per data shard (its own slots, pages and prefix cache; a request goes to the shard with the fewest
+unfinished requests), plans padded to one bucket and packed into one ``i32[D, N]`` transfer, the same step per
+device under ``shard_map``, the tokens all-gathered and replicated; bursts run when every data shard can burst.
+Without a ``CacheConfig`` the cache is sized per device.
 
 Use from a script or notebook::
 
@@ -48,7 +51,8 @@ Use from a script or notebook::
 
 Prefix caching (``prefix_caching=True``, opt-in; :mod:`kvjax.sched.prefix_cache`): full prompt blocks are
 shared between requests through the page pool, for the engine's lifetime (a later ``generate`` / ``stream``
-reuses what earlier calls computed; :meth:`Engine.clear_prefix_cache` drops it). With GDN layers the pool gets
+reuses what earlier calls computed; :meth:`Engine.clear_prefix_cache` drops it; on a mesh each data shard caches
+its own requests' prompts). With GDN layers the pool gets
 ``prefix_checkpoints`` extra slots (default ``max_seqs``) holding the recurrent state at cached block
 boundaries; the plan names the copies and the jitted step does them (:mod:`kvjax.state.gdn_checkpoints`). A
 fault clears the cache (the caches are rebuilt). ``metrics.summary()`` reports ``prefix_hit_tokens`` and
@@ -72,15 +76,14 @@ import numpy as np
 from flax import nnx
 
 from kvjax.config import CacheConfig
-from kvjax.engine.args import (check_burst, check_index, check_max_new_tokens, check_prompt, check_seed,
-                               check_temperature, check_token_id, prefix_config, set_buckets)
+from kvjax.engine.args import (check_burst, check_cache_dtype, check_flag, check_index, check_max_new_tokens,
+                               check_max_traces, check_prompt, check_seed, check_state_fits, check_temperature,
+                               check_token_id, prefix_config, set_buckets)
 from kvjax.engine.consumers import Consumers, StepOutput, Tracked
-from kvjax.engine.inputs import SamplingTable, host_inputs, plan_to_inputs
-from kvjax.engine.mesh import MeshStep, mesh_inputs, mesh_model, no_tokens, pad_plans, validate_shards
-from kvjax.engine.recovery import Recovery
+from kvjax.engine.inputs import SamplingTable
+from kvjax.engine.runner import Runner, engine_model
 from kvjax.engine.metrics import EngineMetrics, StepRecord
 from kvjax.engine.sizing import CacheSizing, default_max_seqs, size_cache
-from kvjax.engine.step import make_step
 from kvjax.models.interface import CausalLM
 from kvjax.models.sharding import ShardedModel
 from kvjax.sched.plan import StepPlan
@@ -101,14 +104,14 @@ class _Flight:
 # ---------------------------------------------------------------------------------------------- engine
 
 
-class Engine(Consumers, Recovery):
+class Engine(Consumers):
     """Continuous-batching generation for one model over fixed page memory.
 
     Args:
       model: a :class:`kvjax.models.interface.CausalLM` (a Qwen3.5 or DeepSeek-V3.2 kvjax model).
       cache_config: pages, page size, ``max_seqs`` (GDN slots and batch rows), block-table width. ``None``:
         sized from the model and ``memory_fraction`` of the free device memory (a fixed budget on CPU; see
-        :mod:`kvjax.engine.sizing`); logged, and kept in ``cache_sizing`` / :meth:`describe`.
+        :mod:`kvjax.engine.sizing`; per device on a mesh); logged, and kept in ``cache_sizing`` / :meth:`describe`.
       overlap: plan and dispatch step N+1 before reading step N's tokens (default); ``False``: the synchronous
         engine (each step's tokens are read and applied before the next step is planned; for debugging). Same
         outputs either way.
@@ -118,11 +121,13 @@ class Engine(Consumers, Recovery):
       pool: ``"shared"`` | ``"partitioned"``.
       max_num_batched_tokens: token budget of one step (default ``max(256, max_seqs)``).
       watermark: fraction of each pool kept free when admitting while others run.
-      cache_dtype: dtype of the K/V (or latent) pages and conv state (default: the model's parameter dtype).
+      cache_dtype: dtype of the K/V (or latent) pages and conv state: float32, bfloat16 or float16 (default: the
+        model's parameter dtype).
       cache_options: extra keyword arguments of ``model.init_caches`` (e.g. ``{"indexer_fp8": False}``).
       eos_token_id: stop a request when it samples this token (``None``: run to ``max_new_tokens``).
       debug: validate every step's inputs on the host before running it (slow).
-      max_traces: fail (``AssertionError``) if this engine's device step compiles more than this many times.
+      max_traces: ``None`` or an int >= 1: fail (``AssertionError``) if this engine's device step compiles more than
+        this many times.
       use_decode_path: mark all-decode steps ``decode_only`` (decode kernels; one more trace per bucket).
       token_buckets, row_buckets, block_buckets: replace the scheduler's default bucket sets (powers of two) for
         ``T``, ``B`` and the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_seqs`` /
@@ -137,10 +142,11 @@ class Engine(Consumers, Recovery):
         :func:`kvjax.models.sharding.shard_model` and each data shard gets its own scheduler, ``max_seqs`` slots
         and ``num_pages`` pages *per device* (see :mod:`kvjax.engine.mesh`). ``model`` may also be a
         :class:`~kvjax.models.sharding.ShardedModel` (e.g. ``load_pretrained(path, mesh=...)``), whose mesh is
-        used. Needs a ``cache_config``; prefix caching is not available on a mesh.
-      decode_burst: ``K > 1`` runs up to ``K`` decode steps per dispatch when every running request decodes and
-        none waits (:mod:`kvjax.engine.burst`): the host's work per token falls by about ``K``; the same tokens
-        (a request that ends inside a burst computes a few sub-steps for nothing). One device, no prefix caching.
+        used. Every option works on a mesh.
+      decode_burst: ``"auto"`` (8) or ``K >= 1``: up to ``K`` decode steps per dispatch when every running request
+        decodes and none could be admitted (:mod:`kvjax.engine.burst`): the host's work per token falls by about
+        ``K``; the same tokens (a request that ends inside a burst computes a few sub-steps for nothing; an
+        arrival waits up to ``K`` sub-steps). ``1``: single steps.
     """
 
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
@@ -151,39 +157,39 @@ class Engine(Consumers, Recovery):
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
                  block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
                  prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail",
-                 mesh: jax.sharding.Mesh | None = None, decode_burst: int = 1) -> None:
+                 mesh: jax.sharding.Mesh | None = None, decode_burst: int | str = "auto") -> None:
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
         if not isinstance(model, ShardedModel) and (not isinstance(model, CausalLM)
                                                     or not isinstance(model, nnx.Module)):
             raise ValueError(f"model must be an nnx.Module implementing kvjax.models.interface.CausalLM, got "
                              f"{type(model).__name__}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        sharded = mesh_model(model, mesh, cache_config, prefix_caching)
-        self.decode_burst = check_burst(decode_burst, sharded is not None, prefix_caching)
+        for name, value in (("overlap", overlap), ("debug", debug), ("use_decode_path", use_decode_path)):
+            check_flag(name, value)
+        max_traces = check_max_traces(max_traces)
+        self.decode_burst = check_burst(decode_burst)
+        sharded = engine_model(model, mesh)
         self.model, self.sharded = model, sharded
         self.mesh = None if sharded is None else sharded.mesh
         self.data_shards = 1 if sharded is None else sharded.data_size
-        if sharded is None:
-            graphdef, self.params = nnx.split(model)
-        else:
-            self.params = sharded.params
-        if cache_dtype is None:  # the parameters' float dtype
-            cache_dtype = next(x.dtype for x in jax.tree_util.tree_leaves(self.params)
-                               if jnp.issubdtype(x.dtype, jnp.floating))
+        params = nnx.state(model) if sharded is None else sharded.params
+        cache_dtype = check_cache_dtype(cache_dtype, params)
+        local = model if sharded is None else sharded.local  # what one device holds
         self.cache_sizing: CacheSizing | None = None
+        device = None if sharded is None else sharded.mesh.devices.flat[0]
         prefix = prefix_config(model, prefix_caching, prefix_checkpoints, prefix_recycle,
-                                cache_config.max_seqs if cache_config is not None else default_max_seqs())
+                                cache_config.max_seqs if cache_config is not None else default_max_seqs(device))
         num_ckpts = prefix.num_checkpoints if prefix is not None else 0
         if cache_config is None:
-            self.cache_sizing = size_cache(model, dtype=cache_dtype, memory_fraction=memory_fraction,
-                                           cache_options=cache_options, num_checkpoints=num_ckpts)
+            self.cache_sizing = size_cache(local, dtype=cache_dtype, memory_fraction=memory_fraction,
+                                           cache_options=cache_options, num_checkpoints=num_ckpts, device=device)
             cache_config = self.cache_sizing.cache_config
             logger.info("kvjax engine: %s", self.cache_sizing.describe())
-        elif memory_fraction is not None:
-            raise ValueError(f"memory_fraction={memory_fraction!r} sizes the cache only without a cache_config; "
-                             "got both")
+        else:
+            if memory_fraction is not None:
+                raise ValueError(f"memory_fraction={memory_fraction!r} sizes the cache only without a cache_config; "
+                                 "got both")
+            check_state_fits(local, cache_config, num_ckpts, cache_dtype, cache_options, device)
         self.cache_config = cache_config
         self.overlap = overlap
         self.eos_token_id = check_token_id(eos_token_id, int(model.vocab_size), "eos_token_id")
@@ -207,26 +213,20 @@ class Engine(Consumers, Recovery):
         self.use_decode_path = use_decode_path
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
                                 max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(cache_options or {}))
+        self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
+                             max_traces=max_traces)
         self.caches = self._init_caches()
-        if sharded is None:  # parameters passed as their flat leaves: no host walk of the tree per call
-            self._args, param_def = jax.tree.flatten(self.params)
-            self._device_step = make_step(graphdef, sample=True, max_traces=max_traces, param_def=param_def)
-            # i32[max_seqs * decode_burst]: the "previous step" of none
-            self._no_tokens = jnp.zeros(cache_config.max_seqs * self.decode_burst, jnp.int32)
-        else:
-            self._args = self.params
-            self._device_step = MeshStep(sharded, max_traces=max_traces)
-            self._no_tokens = no_tokens(sharded, cache_config.max_seqs)  # i32[D, max_seqs], replicated
         self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self._tracked: dict[int, Tracked] = {}
         self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
+        self._queued: dict[int, Tracked] = {}  # finished requests whose last events wait in their stream's queue
         self._held: list[StepOutput] = []  # outputs of add_request requests from steps a stream ran
         self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
 
-    def _init_caches(self):  # on a mesh: num_pages per device, a leading [D] data-shard axis
-        return (self.sharded or self.model).init_caches(**self._cache_args)
+    def _init_caches(self):  # on a mesh: num_pages per device, leading data / model axes
+        return self.runner.init_caches(self.model, **self._cache_args)
 
     @property
     def total_pages(self) -> int:
@@ -260,7 +260,7 @@ class Engine(Consumers, Recovery):
     @property
     def num_traces(self) -> int:
         """How many times this engine's device step has been traced (= compiled) so far."""
-        return self._device_step.num_traces
+        return self.runner.num_traces
 
     @property
     def vocab_size(self) -> int:
@@ -345,7 +345,10 @@ class Engine(Consumers, Recovery):
         if self.caches is None:  # lost to a fault in an earlier step
             self.caches = self._init_caches()
         try:
-            plans = [s.schedule(self.decode_burst) for s in scheds]
+            burst = self.decode_burst
+            if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
+                burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
+            plans = [s.schedule(burst) for s in scheds]
         except BaseException:
             self._recover(None, False)
             raise
@@ -358,26 +361,19 @@ class Engine(Consumers, Recovery):
             t1 = time.perf_counter()
             if idle_since is None and self._device_idle():
                 idle_since = t1
-            samplings = [table.rows(p, self._tracked) for table, p in zip(self._sampling, plans)]
+            c = self.cache_config
+            page_base = self.scheduler.blocks.page_base
+            shaped = self.runner.shape(plans)
+            samplings = [table.rows(p, self._tracked) for table, p in zip(self._sampling, shaped)]
             greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
-            if self.sharded is None:
-                shaped = plans
-                inputs = plan_to_inputs(plans[0], samplings[0], use_decode_path=self.use_decode_path,
-                                        checkpoints=self.prefix_caching, burst=self.decode_burst,
-                                        page_size=self.cache_config.page_size)
-                decode_only = inputs[1].decode_only
-            else:
-                shaped = pad_plans(plans)
-                inputs = mesh_inputs(self.sharded, shaped, samplings, self.scheduler.blocks.page_base,
-                                     self.cache_config.page_size, use_decode_path=self.use_decode_path)
-                decode_only = inputs[0].decode_only
+            buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
+                                           use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
             if self.debug:
-                c = self.cache_config
-                host = host_inputs(plans[0], use_decode_path=self.use_decode_path) if self.sharded is None \
-                    else inputs[0]
-                validate_shards(host, shaped if self.sharded is not None else None, self.scheduler.blocks,
-                                num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
-                                vocab_size=self.vocab_size, attention=self.attention, shared_pages=self.prefix_caching)
+                for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
+                                                                self.use_decode_path):
+                    inputs.validate(num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
+                                    vocab_size=self.vocab_size, attention=self.attention,
+                                    shared_pages=self.prefix_caching, page_groups=groups)
             prev = self._inflight[-1] if self._inflight else None
             for d, plan in enumerate(plans):
                 if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
@@ -387,12 +383,8 @@ class Engine(Consumers, Recovery):
                 idle_since = t2
             traces0 = self.num_traces
             device_called = True  # from here on the donated caches may be gone
-            prev_tokens = self._no_tokens if prev is None else prev.tokens
-            if self.sharded is None:  # (params, caches, packed inputs, prev tokens, layout, greedy_only)
-                tokens, self.caches = self._device_step(self._args, self.caches, inputs[0], prev_tokens, inputs[1],
-                                                        greedy_only)
-            else:  # (params, caches, inputs, rows, prev tokens, greedy_only)
-                tokens, self.caches = self._device_step(self._args, self.caches, *inputs, prev_tokens, greedy_only)
+            prev_tokens = self.runner.no_tokens if prev is None else prev.tokens
+            tokens, self.caches = self.runner.step(self.caches, buf, prev_tokens, layout, greedy_only)
             t3 = time.perf_counter()
             for sched, plan in zip(scheds, plans):
                 sched.advance(plan)
@@ -404,12 +396,14 @@ class Engine(Consumers, Recovery):
             step=plans[0].step, num_tokens=sum(p.num_tokens for p in plans),
             num_seqs=sum(p.num_seqs for p in plans), bucket_tokens=int(shaped[0].token_ids.shape[0]),
             bucket_rows=int(shaped[0].seq_lens.shape[0]), bucket_blocks=int(shaped[0].block_tables.shape[2]),
-            decode_only=decode_only, running=sum(len(s.running) for s in scheds),
+            decode_only=layout.decode_only, running=sum(len(s.running) for s in scheds),
             waiting=sum(len(s.waiting) + len(s.preempted) for s in scheds),
             preemptions=sum(s.num_preemptions for s in scheds) - preempt0, pages_used=used,
             prefix_hit_tokens=sum(p.prefix_hit_tokens for p in plans),
             prefill_tokens=sum(p.prefill_tokens for p in plans),
-            cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None), burst=plans[0].burst,
+            cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
+            burst=max(p.burst for p in plans),
+            computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
             pages_free=self.total_pages - used, compiled=self.num_traces > traces0,
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
@@ -442,6 +436,24 @@ class Engine(Consumers, Recovery):
         r = flight.record
         self.metrics.append(StepRecord(**{**r, "generated": generated, "t_wait": t_wait, "t_update": t_update,
                                           "t_step": r["t_step"] + t_part, "t_exposed": r["t_exposed"] + t_exposed}))
+
+    def _recover(self, plans: list[StepPlan] | None, device_called: bool) -> None:
+        """Bring the engine back to a state the next step can run from after a fault in a step (``plans``: the
+        step's plans, one per data shard, if it got that far): the tokens of steps in flight are dropped, every
+        running request is preempted by recompute (one that already took its last token is released:
+        ``Scheduler.recover``), and the caches, possibly donated or written by a lost step, are rebuilt at the next
+        step. Tokens already read are delivered (by the next ``step()``, or to their stream)."""
+        self.num_recoveries += 1
+        lost = [f.plans for f in self._inflight] + ([plans] if plans is not None else [])
+        if device_called or self._inflight:
+            self.caches = None
+        for f in self._inflight:  # their device work counts; their tokens are lost
+            self._record(f, generated=0, t_wait=0.0, t_update=0.0, t_part=0.0, t_exposed=0.0)
+        self._inflight.clear()
+        touched: dict[int, None] = {}
+        for d, sched in enumerate(self.schedulers):
+            touched.update(dict.fromkeys(sched.recover([ps[d] for ps in lost])))
+        self._held += [out for out in self._collect(list(touched)) if out.request_id not in self._inbox]
 
     # ---- invariants ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -7,9 +7,9 @@ block tables; padding tokens (past ``cu_seqlens[-1]``) have slot mapping ``-1`` 
 
 ``SampleInputs``: the engine step's per-row sampling arrays and ``prev_index`` (tokens taken from the previous
 step's sampled tokens on the device). ``CheckpointCopies``: the GDN checkpoint copies of a prefix-caching
-step. :func:`plan_to_inputs` packs all three from a scheduler plan into one ``i32[N]`` host buffer, which the call of
-the jitted step moves in one host -> device copy (a numpy argument: no Python-side ``device_put``); the step
-unpacks it (:meth:`PackLayout.unpack`, slices only).
+step. :func:`pack_plan` packs all three from a scheduler plan into one ``i32[N]`` host buffer, which the call of
+the jitted step moves in one host -> device copy (:class:`kvjax.engine.runner.Runner`); the step unpacks it
+(:meth:`PackLayout.unpack`, slices only).
 """
 
 from __future__ import annotations
@@ -196,6 +196,10 @@ class PackLayout:
     burst: int = 1  # a decode burst's sub-steps (its ``burst_len`` packed too; see kvjax.engine.burst)
     page_size: int = 0  # the cache's page size (a burst computes its sub-steps' slot mapping)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of packed field ``name`` (``KeyError`` if the layout has none)."""
+        return dict(self.fields)[name]
+
     def unpack(self, buf: jax.Array) -> tuple[StepInputs, SampleInputs, CheckpointCopies | None]:
         """Inside the jitted step: the typed inputs of the packed ``buf`` (i32[N]; slices and bitcasts only).
         ``SampleInputs.counters`` is ``seq_lens``: a sampling row's token count is its context length."""
@@ -223,23 +227,15 @@ def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
                         for p in plans))
 
 
-def host_inputs(plan: StepPlan, *, use_decode_path: bool = True) -> StepInputs:
-    """The plan's :class:`StepInputs` as host (numpy) arrays, e.g. for :meth:`StepInputs.validate`."""
-    host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
-            for name in DEVICE_FIELDS}
-    return StepInputs(**host, decode_only=decode_only([plan], use_decode_path))
-
-
-def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
+def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, decode_only: bool = False,
               checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[N]`` host buffer holding every input of the plan's step, and its :class:`PackLayout`.
 
     ``sampling``: ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] (:meth:`SamplingTable.rows`).
-    ``use_decode_path``: set the static ``decode_only`` flag when every real row has exactly one token (models
-    then use their decode kernels; one more trace per bucket). ``checkpoints``: also pack the plan's GDN
-    checkpoint copies (``ckpt_restore`` / ``ckpt_save``). A decode burst's plan (``burst_len``) also packs
-    ``burst_len``, and its layout carries ``burst`` (the sub-steps the device runs, the engine's burst: one trace
-    whatever the rows' lengths) and the cache's ``page_size``."""
+    ``decode_only``: the step's static flag (:func:`decode_only` of every data shard's plan). ``checkpoints``: also
+    pack the plan's GDN checkpoint copies (``ckpt_restore`` / ``ckpt_save``). A decode burst's plan
+    (``burst_len``) also packs ``burst_len``, and its layout carries ``burst`` (the sub-steps the device runs, the
+    engine's burst: one trace whatever the rows' lengths) and the cache's ``page_size``."""
     arrays = [(name, getattr(plan, name)) for name in DEVICE_FIELDS]
     arrays += [("seeds", sampling["seeds"]), ("streams", sampling["streams"]),
                ("temperature", np.asarray(sampling["temperature"], np.float32).view(np.int32)),
@@ -260,17 +256,8 @@ def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_pat
     for (_, a), n in zip(arrays, sizes):
         buf[off: off + a.size] = a.ravel()
         off += n
-    return buf, PackLayout(tuple((name, a.shape) for name, a in arrays), decode_only([plan], use_decode_path),
-                           checkpoints, burst, page_size if burst > 1 else 0)
-
-
-def plan_to_inputs(plan: StepPlan, sampling: dict[str, np.ndarray], *, use_decode_path: bool = True,
-                   checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[np.ndarray, PackLayout]:
-    """The plan's packed inputs (:func:`pack_plan`): ``i32[N]`` on the host, a fresh buffer each call, passed as
-    it is to the jitted step, whose call makes the step's one host -> device copy (cheaper than a separate
-    ``jax.device_put``)."""
-    return pack_plan(plan, sampling, use_decode_path=use_decode_path, checkpoints=checkpoints, burst=burst,
-                     page_size=page_size)
+    return buf, PackLayout(tuple((name, a.shape) for name, a in arrays), bool(decode_only), checkpoints, burst,
+                           page_size if burst > 1 else 0)
 
 
 class SamplingTable:

@@ -3,7 +3,9 @@
 ``EngineMetrics`` is a plain list of :class:`StepRecord` with a summary; ``to_dict()`` gives columns
 (``{field: list}``) ready for ``pandas.DataFrame`` or JSON, ``to_json(path)`` writes them.
 
-One record per device step, appended when its tokens have been read (a step whose tokens a fault lost is
+One record per device step, appended when its tokens have been read. A decode burst is one record of ``burst``
+sub-steps; :meth:`EngineMetrics.summary` counts per sub-step (tokens per step, running requests, page use), so
+its figures mean the same with and without bursts, and what ``kvjax simulate`` (one sub-step per step) predicts (a step whose tokens a fault lost is
 recorded with ``generated`` 0). Times are wall-clock seconds on the host, split into phases: ``t_schedule``
 (scheduler plan incl. recycling and page allocation), ``t_inputs`` (numpy plan -> device inputs, sampling rows),
 ``t_dispatch`` (the jitted call returning; includes tracing and compiling on a new shape), ``t_wait`` (blocked
@@ -60,6 +62,7 @@ class StepRecord:
     prefill_tokens: int = 0  # tokens at prompt positions computed this step
     cached_pages: int = 0  # pages the prefix cache holds after scheduling (included in pages_used)
     burst: int = 1  # model sub-steps of the step (a decode burst: up to Engine(decode_burst=K))
+    computed: int = -1  # real tokens computed over all sub-steps (a burst's rows times their sub-steps); -1: num_tokens
 
     @property
     def t_host(self) -> float:
@@ -105,7 +108,9 @@ class EngineMetrics:
     def summary(self, *, skip: int = 0, num_pages: int | None = None) -> dict[str, Any]:
         """Aggregates over the records after the first ``skip`` (e.g. warm-up steps).
 
-        Counts (tokens, steps, running, preemptions, pages) cover every step. Times cover only the steps that
+        Counts (tokens, steps, running, preemptions, pages) cover every step; per-step figures are per sub-step
+        (``generated_tokens_per_step``, ``running_mean``, ``page_util_mean``, ``cached_pages_mean``: a burst of
+        ``K`` weighs ``K``; ``tokens_per_dispatch`` is per record). Times cover only the steps that
         did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
         ``compile_steps`` / ``compile_time_s``. ``generated_tokens_per_s`` = tokens generated in those steps /
         their summed ``t_step`` (the steady-state rate). Host time over them: ``host_share`` = exposed host time
@@ -118,8 +123,11 @@ class EngineMetrics:
         recs = self.records[skip:]
         if not recs:
             return {"steps": 0}
-        # ``computed_tokens`` counts a burst's sub-steps: num_tokens is its first sub-step's
         col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in FIELDS}
+        sub = col["burst"]  # sub-steps of each record: the weight of its per-step figures
+        computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
+        # a burst runs every running request (the plan's rows), each for its own sub-steps
+        running = np.where(sub > 1, computed + (col["running"] - col["num_seqs"]) * sub, col["running"])
         warm = col["compiled"] == 0
         host = (col["t_step"] - col["t_wait"])[warm]
         exposed = col["t_exposed"][warm]
@@ -129,15 +137,18 @@ class EngineMetrics:
         pages = num_pages or int(recs[0].pages_used + recs[0].pages_free)
         util = col["pages_used"] / pages
         nan = float("nan")
+        n_sub = float(sub.sum())
         return {
             "steps": len(recs),
+            "sub_steps": int(n_sub),
             "generated_tokens": int(col["generated"].sum()),
-            "computed_tokens": int((col["num_tokens"] * col["burst"]).sum()),
+            "computed_tokens": int(computed.sum()),
             "compile_steps": int((~warm).sum()),
             "compile_time_s": float(col["t_step"][~warm].sum()),
             "time_s": total,
             "generated_tokens_per_s": gen_warm / total if total > 0 else nan,
-            "generated_tokens_per_step": float(col["generated"].mean()),
+            "generated_tokens_per_step": float(col["generated"].sum() / n_sub),
+            "tokens_per_dispatch": float(col["generated"].mean()),
             "step_time_median_s": float(np.median(step_t)) if warm.any() else nan,
             "host_time_median_s": float(np.median(host)) if warm.any() else nan,
             "exposed_host_time_median_s": float(np.median(exposed)) if warm.any() else nan,
@@ -146,17 +157,18 @@ class EngineMetrics:
             "host_total_share": float(host.sum() / total) if total > 0 else nan,
             "schedule_share": float(col["t_schedule"][warm].sum() / total) if total > 0 else nan,
             "inputs_share": float(col["t_inputs"][warm].sum() / total) if total > 0 else nan,
-            "running_mean": float(col["running"].mean()),
+            "running_mean": float(running.sum() / n_sub),
             "running_peak": int(col["running"].max()),
             "preemptions": int(col["preemptions"].sum()),
-            "page_util_mean": float(util.mean()),
+            "page_util_mean": float((util * sub).sum() / n_sub),
             "page_util_peak": float(util.max()),
             "prefix_hit_tokens": int(col["prefix_hit_tokens"].sum()),
             "prefill_tokens": int(col["prefill_tokens"].sum()),
             "prefix_hit_rate": _ratio(col["prefix_hit_tokens"].sum(),
                                       col["prefix_hit_tokens"].sum() + col["prefill_tokens"].sum()),
-            "cached_pages_mean": float(col["cached_pages"].mean()),
-            "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only) for r in recs}),
+            "cached_pages_mean": float((col["cached_pages"] * sub).sum() / n_sub),
+            "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only, r.burst > 1)
+                           for r in recs}),
         }
 
 

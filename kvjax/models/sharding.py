@@ -36,7 +36,7 @@ Interface for the engine (phase B)::
     caches = sharded.init_caches(num_pages=P, page_size=ps, max_seqs=S)   # P pages per device
     inputs = sharded.shard_inputs([inputs_0, ..., inputs_{D-1}])            # one StepInputs per data shard
     logits, caches = sharded.forward(sharded.params, caches, inputs)      # traceable: f32[D, B, vocab]
-    step = sharded.make_step()                    # or jit forward yourself with sharded.shardings(caches)
+    # the engine's step: kvjax.engine.runner.Runner (the same local model under shard_map)
 """
 
 from __future__ import annotations
@@ -131,12 +131,15 @@ class ShardedModel:
         self.params = nnx.from_flat_state(placed)
         self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
         dtype = next(iter(flat.values())).get_value().dtype
-        local = abstract_model(lambda: type(model_abstract)(plan.local_config, rngs=nnx.Rngs(0), dtype=dtype))
+        split = self.model_size > 1  # over one model device the local model is the model itself: no collective
+        local_config = plan.local_config if split else self.config
+        local = abstract_model(lambda: type(model_abstract)(local_config, rngs=nnx.Rngs(0), dtype=dtype))
         for path, module in nnx.iter_modules(local):
             name = str(path[-1]) if path else ""
-            if (isinstance(module, Linear) and name in ROW) or (name == "mlp" and hasattr(module, "reduce_axis")):
+            if split and ((isinstance(module, Linear) and name in ROW) or (name == "mlp"
+                                                                             and hasattr(module, "reduce_axis"))):
                 module.reduce_axis = MODEL
-        local.tp = plan.tp
+        local.tp = plan.tp if split else None
         self.local = local
         self.graphdef = nnx.split(local)[0]
 
@@ -216,51 +219,34 @@ class ShardedModel:
         stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *steps)
         return jax.device_put(stacked, jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.input_specs(stacked)))
 
+    def local_caches(self, caches: ModelCaches) -> ModelCaches:
+        """Inside ``shard_map``: one device's block of global caches (leading data / model axes of size 1) as the
+        local model's caches."""
+        lead = 2 if self.plan.pages_over_model else 1
+        return ModelCaches(pages={k: v.reshape(v.shape[lead:]) for k, v in caches.pages.items()},
+                           gdn=None if caches.gdn is None else jax.tree.map(lambda x: x[0], caches.gdn))
+
+    def global_caches(self, caches: ModelCaches) -> ModelCaches:
+        """Inside ``shard_map``: the local model's caches as one device's block of the global caches."""
+        lead = 2 if self.plan.pages_over_model else 1
+        return ModelCaches(pages={k: v.reshape((1,) * lead + v.shape) for k, v in caches.pages.items()},
+                           gdn=None if caches.gdn is None else jax.tree.map(lambda x: x[None], caches.gdn))
+
     def forward(self, params: nnx.State, caches: ModelCaches, inputs) -> tuple[jax.Array, ModelCaches]:
-        """The sharded step (traceable; jit it with the caches donated): ``inputs`` with a leading ``[D]`` axis
-        (:meth:`shard_inputs`) -> ``(logits f32[D, B, vocab_size], new caches)``; each data shard's logits and
-        caches equal a single-device step on its batch."""
+        """The sharded model step (traceable; jit it with the caches donated): ``inputs`` with a leading ``[D]``
+        axis (:meth:`shard_inputs`) -> ``(logits f32[D, B, vocab_size], new caches)``; each data shard's logits and
+        caches equal a single-device step on its batch. (The engine's step is
+        :class:`kvjax.engine.runner.Runner`, the same local model under ``shard_map``.)"""
         specs = self.cache_specs(caches)
-        pages_lead = 2 if self.plan.pages_over_model else 1
         graphdef = self.graphdef
 
         def local(params, caches, inputs):
-            caches = ModelCaches(
-                pages={k: v.reshape(v.shape[pages_lead:]) for k, v in caches.pages.items()},
-                gdn=None if caches.gdn is None else jax.tree.map(lambda x: x[0], caches.gdn),
-            )
             inputs = jax.tree.map(lambda x: x[0], inputs)
-            logits, new = nnx.merge(graphdef, params).forward_step(caches, inputs)
-            new = ModelCaches(
-                pages={k: v.reshape((1,) * pages_lead + v.shape) for k, v in new.pages.items()},
-                gdn=None if new.gdn is None else jax.tree.map(lambda x: x[None], new.gdn),
-            )
-            return logits[None], new
+            logits, new = nnx.merge(graphdef, params).forward_step(self.local_caches(caches), inputs)
+            return logits[None], self.global_caches(new)
 
         in_specs = (self.param_specs, specs, self.input_specs(inputs))
         return shard_map(local, self.mesh, in_specs, (P(DATA), specs))(params, caches, inputs)
-
-    def make_step(self, *, donate: bool = True, max_traces: int | None = None) -> "ShardedStep":
-        """:meth:`forward` jitted (caches donated), with a trace counter like the engine's ``ModelStep``."""
-        return ShardedStep(self, donate=donate, max_traces=max_traces)
-
-
-class ShardedStep:
-    """``step(params, caches, inputs) -> (f32[D, B, vocab], caches)``; ``num_traces`` counts compilations."""
-
-    def __init__(self, sharded: ShardedModel, *, donate: bool, max_traces: int | None):
-        self.num_traces = 0
-
-        def forward(params, caches, inputs):
-            self.num_traces += 1
-            if max_traces is not None and self.num_traces > max_traces:
-                raise AssertionError(f"sharded step traced {self.num_traces} times, more than {max_traces}")
-            return sharded.forward(params, caches, inputs)
-
-        self._fn = jax.jit(forward, donate_argnums=(1,) if donate else ())
-
-    def __call__(self, params, caches, inputs):
-        return self._fn(params, caches, inputs)
 
 
 def _widen(x: jax.ShapeDtypeStruct, d: int, m: int, *, axis: int) -> jax.ShapeDtypeStruct:

@@ -23,6 +23,7 @@ class StepApplication:
     step: int
     _last_plan: StepPlan | None
     _unresolved: collections.deque
+    running: list
 
     def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
         """Apply a step's result at once: ``advance(plan)`` then ``resolve(plan, sampled)`` (``sampled: int[B]``,
@@ -62,7 +63,7 @@ class StepApplication:
             done = t.reserve(slots[rows], rows, plan.step)
         else:  # a burst: row b reserves the tokens of its steps[b] sub-steps
             done = t.reserve_burst(slots[rows], rows, np.maximum(steps[rows], 1).astype(np.int64),
-                                   plan.seq_lens.shape[0], plan.step)
+                                   plan.token_stride, plan.step)
         finished = [t.requests[slot] for slot in done.tolist()]
         for req in finished:
             self._finish(req)
@@ -70,8 +71,8 @@ class StepApplication:
 
     def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
         """Give the tokens ``plan`` reserved their sampled values (``sampled: int[>= num_seqs]``, row ``b``'s
-        token, read where ``plan.sample_mask``; a burst's: ``int[>= (burst - 1) * B + num_seqs]``, sub-step ``j``
-        of row ``b`` at ``j * B + b``); a request that sampled eos finishes (tokens reserved after it are
+        token, read where ``plan.sample_mask``; a burst's: ``int[>= (burst - 1) * S + num_seqs]``, sub-step ``j``
+        of row ``b`` at ``j * S + b``, ``S = plan.token_stride``); a request that sampled eos finishes (tokens reserved after it are
         dropped). Returns the requests that finished here. Rows of requests aborted since, or whose token was
         dropped, are skipped. Raises ``ValueError`` before changing anything unless ``plan`` is the oldest
         advanced, unresolved plan and ``sampled`` a 1-d integer array of token ids in ``[0, 2**31)`` (checked
@@ -90,7 +91,7 @@ class StepApplication:
                 self._unresolved.popleft()
                 return finished
         _, slots, rids = self._unresolved[0]
-        t, step, B = self.rows, plan.step, plan.seq_lens.shape[0]
+        t, step, B = self.rows, plan.step, plan.token_stride
         sample = plan.sample_mask[: plan.num_seqs]
         steps = None if plan.burst_len is None else plan.burst_len[: plan.num_seqs]
         finished: list[Request] = []
@@ -119,7 +120,7 @@ class StepApplication:
         else:
             req = self.requests.get(int(rids[b]))
             if req is None or req.status is Status.ABORTED or not req.pending \
-                    or req.pending[0] != (plan.step, b + j * plan.seq_lens.shape[0]):
+                    or req.pending[0] != (plan.step, b + j * plan.token_stride):
                 return
             hit = req.resolve(int(tokens[j, b]))
         if hit and req.status is not Status.FINISHED:
@@ -134,7 +135,7 @@ class StepApplication:
         and the eos hits one by one in the order of ``_resolve``'s sub-step loop. ``None``, changing nothing, where
         a bound row's oldest reserved tokens are not this plan's (``_resolve`` then goes sub-step by sub-step)."""
         _, slots, rids = self._unresolved[0]
-        t, step, B, n = self.rows, plan.step, plan.seq_lens.shape[0], plan.num_seqs
+        t, step, B, n = self.rows, plan.step, plan.token_stride, plan.num_seqs
         counts = np.where(plan.sample_mask[:n], plan.burst_len[:n], 0)  # i32[n]: tokens each row samples
         bound = t.request_id[slots] == rids  # bool[n]
         rows = np.flatnonzero(bound & (counts > 0))
@@ -152,6 +153,25 @@ class StepApplication:
         for jb, b in sorted(events):
             self._resolve_row(plan, jb, b, b in eos_rows, tokens, finished)
         return finished
+
+    def recover(self, plans: list[StepPlan]) -> list[int]:
+        """After a fault lost ``plans`` (this scheduler's plans of steps whose tokens will never be read, advanced
+        or not): a request that took its last token is released (its tokens are complete), the reserved tokens are
+        dropped (:meth:`rollback`), and every running request is preempted by recompute, requeued first in its
+        admission order. Returns the ids of the requests touched (whose outputs may have changed)."""
+        for p in plans:  # cut short between "took its last token" and "released"
+            for rid in p.request_ids:
+                req = self.requests.get(rid)
+                if req is not None and req.status is Status.RUNNING and req not in self.running:
+                    self.running.append(req)
+        touched = [*(rid for p in plans for rid in p.request_ids), *(r.request_id for r in self.running)]
+        for req in list(self.running):
+            if req.complete:
+                self.abort(req.request_id)  # releases slot and pages; its tokens are complete
+        self.rollback()  # drops reserved tokens; preempts the running requests the lost steps advanced
+        for req in reversed(list(self.running)):
+            self._preempt(req)
+        return touched
 
     def rollback(self) -> None:
         """Forget the latest plan if not advanced, and the advanced plans not yet resolved (a fault lost their

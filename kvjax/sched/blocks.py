@@ -167,6 +167,16 @@ class BlockAllocator:
             self.owner_head[pages] = h
         self.num_blocks[row] = stop
 
+    def rows_fit(self, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+        """Whether :meth:`allocate_rows` ``(rows, num_tokens)`` would succeed now (nothing changes)."""
+        rows, num_tokens = np.asarray(rows, np.int64), np.asarray(num_tokens, np.int64)
+        start = self.num_blocks[rows]  # i64[K]
+        stop = np.maximum(-(-num_tokens // self.page_size), start)  # i64[K]
+        if (stop > self.cache.max_blocks_per_seq).any():
+            return False
+        total = int((stop - start).sum())
+        return all(total * k <= len(f) for k, f in zip(self.heads_in_pool, self._free))
+
     def allocate_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
         """``allocate(rows[k], num_tokens[k])`` for every ``k`` in order (``i64[K]`` each, distinct rows 1..max_seqs,
         the same pages as those calls), at once, if every pool's free list holds them all; otherwise (also when

@@ -12,13 +12,13 @@ from kvjax.sched.plan import StepPlan
 from kvjax.sched.request import Status
 
 def check_sampled(plan: StepPlan, sampled: np.ndarray) -> np.ndarray:
-    """The plan's sampled tokens as ``i64[burst, num_seqs]`` (sub-step ``j`` of row ``b`` at ``sampled[j * B +
-    b]``) after the checks of ``Scheduler.resolve`` (``ValueError`` naming the bad shape, dtype or id)."""
+    """The plan's sampled tokens as ``i64[burst, num_seqs]`` (sub-step ``j`` of row ``b`` at ``sampled[j * S +
+    b]``, ``S = plan.token_stride``) after the checks of ``Scheduler.resolve`` (``ValueError`` naming the bad shape, dtype or id)."""
     sampled = np.asarray(sampled)
     if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
         raise ValueError(f"sampled must be a 1-d integer array (a token id per plan row), got "
                          f"{sampled.dtype}{list(sampled.shape)}")
-    n, B, k = plan.num_seqs, plan.seq_lens.shape[0], plan.burst
+    n, B, k = plan.num_seqs, plan.token_stride, plan.burst
     need = (k - 1) * B + n
     if sampled.shape[0] < need:
         what = f"the plan has {n} rows" if k == 1 else f"a burst of {k} sub-steps of {B} rows needs {need}"

@@ -20,7 +20,7 @@ i.e. the sampled token is appended; a mid-prefill chunk's logits are discarded.
 
 Tokens not known yet. A token reserved by the previous step (sampled there, still on the device: the engine plans
 step N+1 while step N runs) has ``token_ids`` 0 and ``prev_index`` = the index of that token among the previous
-step's sampled tokens (its plan row ``b``; ``j * B + b`` for sub-step ``j`` of a burst); the jitted step takes it
+step's sampled tokens (its plan row ``b``; ``j * max_seqs + b`` for sub-step ``j`` of a burst); the jitted step takes it
 from that step's sampled array before the model runs. Every other token has ``prev_index`` -1. Feeding a reserved
 token of an older step is refused (``ValueError``): only the previous step's tokens reach the device step.
 
@@ -32,7 +32,7 @@ and ``prefill_tokens`` (prompt positions computed this step) are counts for the 
 
 Decode bursts. A plan with ``burst_len`` (every real row one decode token) runs ``burst_len[b]`` model sub-steps
 for row ``b`` in one device step: sub-step ``j`` feeds the token sub-step ``j - 1`` sampled, at the next
-position, and samples the step's token ``j * B + b``. The arrays above describe sub-step 0; the device advances
+position, and samples the step's token ``j * max_seqs + b`` (``StepPlan.token_stride``). The arrays above describe sub-step 0; the device advances
 them (:mod:`kvjax.engine.burst`). The blocks of every sub-step's position are allocated and the tables cover them.
 """
 
@@ -100,11 +100,19 @@ class StepPlan:
     num_seqs: int  # real rows (<= B)
     step: int  # scheduler step that produced this plan
     burst_len: np.ndarray | None = None  # i32[B]: a decode burst's sub-steps of each row (0 padding); None: 1 step
+    stride: int = 0  # a burst's sub-step stride in the sampled tokens (``max_seqs``); 0: ``B``
+
+    @property
+    def token_stride(self) -> int:
+        """Sub-step ``j`` of row ``b`` samples the step's token ``j * token_stride + b``: ``max_seqs`` for a burst
+        (independent of the row bucket, so data shards padded to one bucket keep their numbering), ``B``
+        otherwise (only ``j = 0`` exists)."""
+        return self.stride or self.seq_lens.shape[0]
 
     @property
     def burst(self) -> int:
         """Sub-steps of the plan (1, or a decode burst's longest row): sub-step ``j`` of row ``b`` samples the
-        step's token ``j * B + b``."""
+        step's token ``j * token_stride + b``."""
         return 1 if self.burst_len is None else max(int(self.burst_len.max()), 1)
 
     def device_arrays(self) -> dict[str, np.ndarray]:
@@ -115,12 +123,12 @@ class StepPlan:
 def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, blocks: BlockAllocator,
                t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...], *,
                restore: dict[int, int] | None = None, save: dict[int, int] | None = None,
-               prefix_hit_tokens: int = 0, burst: np.ndarray | None = None) -> StepPlan:
+               prefix_hit_tokens: int = 0, burst: np.ndarray | None = None, stride: int = 0) -> StepPlan:
     """Lay out the requests bound to rows ``slots`` (``i64[nseq]``, in plan-row order) with ``n[b]`` tokens
     each this step (``i64[nseq]``; blocks already allocated) as a padded plan, reading their state from
     ``rows``. ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring). ``burst``
     (``i64[nseq]``, rows of one token each): a decode burst, row ``b`` running ``burst[b]`` sub-steps (its blocks
-    allocated for them; the tables cover them). Raises ``ValueError`` if a row would feed a reserved token of a
+    allocated for them; the tables cover them; ``stride``: its sampled-token stride, ``max_seqs``). Raises ``ValueError`` if a row would feed a reserved token of a
     step older than the previous one."""
     nseq = len(slots)
     start = rows.num_computed[slots]  # i64[nseq]: first position computed this step
@@ -193,7 +201,7 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
                     prev_index=prev_index, ckpt_restore=ckpt_restore, ckpt_save=ckpt_save,
                     prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill,
                     request_ids=request_ids, num_tokens=ntok,
-                    num_seqs=nseq, step=step, burst_len=burst_len)
+                    num_seqs=nseq, step=step, burst_len=burst_len, stride=int(stride) if burst is not None else 0)
 
 
 def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) -> StepPlan:

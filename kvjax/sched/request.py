@@ -122,6 +122,15 @@ class Request:
         return rows.num_tokens.item(self.slot) - rows.num_pending.item(self.slot)
 
     @property
+    def complete(self) -> bool:
+        """The request took its last token (``max_new_tokens`` reached or eos sampled), all of them resolved."""
+        if self.pending:
+            return False
+        return self.num_output >= self.max_new_tokens or (
+            self.eos_token_id is not None and self.num_output > 0
+            and int(self.token_ids[self.num_tokens - 1]) == self.eos_token_id)
+
+    @property
     def output_ids(self) -> np.ndarray:
         """i32[num_resolved - prompt_len]: generated tokens whose values are known (a copy while running)."""
         out = self.token_ids[self.prompt_len: self.num_resolved]

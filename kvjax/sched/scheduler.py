@@ -15,7 +15,8 @@ later).
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
 ``schedule(burst=K)`` first tries a decode burst (every running request decoding, no queued request that step 3
-would admit now, no prefix caching): one plan of up to ``K`` sub-steps per row, pages allocated for all of them,
+would admit now; with prefix caching the admission check counts no cache hit, so a burst may delay an admission
+by up to ``K`` sub-steps): one plan of up to ``K`` sub-steps per row, pages allocated for all of them,
 one reserved token per sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
 
 Applying a step has two halves (:mod:`kvjax.sched.apply`), so that the next step can be planned while this one
@@ -179,7 +180,7 @@ class Scheduler(StepApplication):
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring).
 
         ``burst > 1``: when every running request decodes and no queued request could be admitted now (no free
-        slot, or not the pages of its first chunk; no prefix caching), a decode burst: each row runs
+        slot, or not the pages of its first chunk), a decode burst: each row runs
         ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
         otherwise (or if those pages are short) an ordinary plan."""
         if burst > 1:
@@ -232,10 +233,16 @@ class Scheduler(StepApplication):
         self.step += 1
         return plan
 
-    def _schedule_burst(self, burst: int) -> StepPlan | None:
-        """The decode-burst plan of :meth:`schedule`, or None (nothing changed but recycling) where it does not
-        apply."""
-        if self.prefix is not None or not self.running or self._admissible():
+    def burst_ready(self, burst: int) -> bool:
+        """Whether :meth:`schedule` ``(burst)`` would return a decode burst now, or this scheduler has nothing to
+        run (its plan is empty, which fits a burst step of other data shards). Recycles out-of-window blocks, as
+        every ``schedule`` does first; changes nothing else."""
+        return not self.has_unfinished() or self._burst_sizes(burst) is not None
+
+    def _burst_sizes(self, burst: int) -> np.ndarray | None:
+        """``i64[R]``: the sub-steps of each running row in a decode burst of up to ``burst`` (pages checked, not
+        allocated), or None where a burst does not apply (recycling done either way)."""
+        if burst < 2 or not self.running or self._admissible():
             return None
         t, rows = self.rows, self._running_slots()  # i64[R]
         done = t.num_computed[rows]  # i64[R]
@@ -245,10 +252,19 @@ class Scheduler(StepApplication):
         if n.max() < 2:  # every row ends within one sub-step
             return None
         self.recycle_policy.recycle(self.blocks, rows, done)
-        if not self.blocks.allocate_rows(rows, done + n):
+        return n if self.blocks.rows_fit(rows, done + n) else None
+
+    def _schedule_burst(self, burst: int) -> StepPlan | None:
+        """The decode-burst plan of :meth:`schedule`, or None (nothing changed but recycling) where it does not
+        apply."""
+        n = self._burst_sizes(burst)
+        if n is None:
             return None
+        t, rows = self.rows, self._running_slots()  # i64[R]
+        allocated = self.blocks.allocate_rows(rows, t.num_computed[rows] + n)
+        assert allocated, "rows_fit and allocate_rows disagree"
         plan = build_plan(self.step, rows, np.ones(len(rows), np.int64), t, self.blocks, self.t_buckets,
-                          self.b_buckets, self.blk_buckets, burst=n)
+                          self.b_buckets, self.blk_buckets, burst=n, stride=self.cache.max_seqs)
         self._last_plan = plan
         self.step += 1
         return plan

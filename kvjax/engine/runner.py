@@ -1,0 +1,236 @@
+"""The engine's device side: parameters, caches and the one jitted step, on one device or a mesh of any shape.
+
+One step function serves every configuration (:func:`device_step`): it unpacks the step's packed inputs, feeds
+the previous step's sampled tokens, restores GDN checkpoints, runs the model once (or a decode burst of sub-steps,
+:mod:`kvjax.engine.burst`), saves checkpoints and samples. :class:`Runner` jits it once per engine:
+
+- **One device** (no mesh): the model's own graph and parameters; the packed buffer ``i32[N]`` goes to the call as
+  numpy (the call's one host -> device copy) and the sampled tokens come back as ``i32[R]``.
+- **A ``("data", "model")`` mesh** of ``D x M`` devices (:mod:`kvjax.models.sharding`): the same function runs
+  per device under ``shard_map`` on the local model (heads, columns and vocabulary over ``"model"``; one data
+  shard's rows, pages and GDN slots per ``"data"`` index). The data shards' plans, padded to one bucket, are
+  packed into one ``i32[D, N]`` buffer placed over ``"data"`` with one ``device_put``; each device takes its KV
+  heads' columns of the tables; the tokens are all-gathered over ``"data"`` and come back replicated as
+  ``i32[D, R]`` (every process reads the same tokens). A ``1 x 1`` mesh is this path on one device.
+
+``R = max_seqs * burst``: row ``b``'s token of sub-step ``j`` is at ``j * max_seqs + b``
+(:attr:`kvjax.sched.plan.StepPlan.token_stride`), whatever the step's row bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.engine import sampling
+from kvjax.engine.burst import run_burst
+from kvjax.engine.inputs import PackLayout, StepInputs, decode_only, pack_plan
+from kvjax.engine.step import TraceCounter
+from kvjax.models.interface import ModelCaches
+from kvjax.models.sharding import DATA, MODEL, ShardedModel, shard_map, shard_model
+from kvjax.sched.plan import DEVICE_FIELDS, StepPlan, pad_plan
+from kvjax.state import gdn_checkpoints
+
+
+def device_step(model_step: Callable, params: Any, caches: ModelCaches, buf: jax.Array, prev_tokens: jax.Array,
+                layout: PackLayout, greedy_only: bool, *, unroll: bool = True,
+                localize: Callable[[StepInputs], StepInputs] | None = None) -> tuple[jax.Array, ModelCaches]:
+    """One engine step on one device's share (traceable).
+
+    ``model_step(params, caches, inputs) -> (f32[B, vocab] logits, caches)``; ``buf``: i32[N], the step's packed
+    inputs (:class:`PackLayout`); ``prev_tokens``: i32[R], the previous step's sampled tokens (token ``t``
+    becomes ``prev_tokens[prev_index[t]]`` where that index is ``>= 0``). Checkpoint copies restore GDN
+    checkpoints into the rows' slots before the model and save rows' states after it (each skipped under
+    ``lax.cond`` when the step has none). ``greedy_only`` (static): argmax only. ``unroll``: a burst's sub-steps
+    as straight-line code (one CUDA graph) rather than a loop (faster to compile). ``localize``: this device's
+    view of the inputs (its KV heads' table columns on a mesh). Returns ``(i32[R] tokens, caches)``: row ``b``'s
+    token of sub-step ``j`` at ``j * (R // layout.burst) + b``, zeros elsewhere.
+    """
+    inputs, rows, copies = layout.unpack(buf)
+    if localize is not None:
+        inputs = localize(inputs)
+    fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
+    inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
+
+    def pick(logits: jax.Array, counters: jax.Array) -> jax.Array:  # i32[B]
+        if greedy_only:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return sampling.sample(logits, sampling.row_keys(rows.seeds, rows.streams, counters), rows.temperature)
+
+    if layout.burst > 1:  # a burst plan is all decodes: no checkpoint copy (restores and saves come with prompts)
+        return run_burst(model_step, pick, params, caches, inputs, rows.burst_len, layout.burst, layout.page_size,
+                         prev_tokens.shape[0] // layout.burst, unroll=unroll)
+    if copies is not None and caches.gdn is not None:
+        caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
+    logits, caches = model_step(params, caches, inputs)
+    if copies is not None and caches.gdn is not None:
+        caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
+    tokens = pick(logits, rows.counters)
+    return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), caches
+
+
+def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
+    """``caches`` with ``fn(caches.gdn, *args)`` applied where ``which`` (i32[B]) names any checkpoint."""
+    gdn = jax.lax.cond((which >= 0).any(), lambda g: fn(g, *args), lambda g: g, caches.gdn)
+    return dataclasses.replace(caches, gdn=gdn)
+
+
+def engine_model(model: Any, mesh: Mesh | None) -> ShardedModel | None:
+    """The :class:`ShardedModel` an engine runs (``None`` on one device without a mesh): ``model`` itself if it is
+    one, else ``shard_model(model, mesh)``. ``ValueError`` for a mesh that is not a ``("data", "model")``
+    ``Mesh`` or differs from the sharded model's own."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model') or None, got {mesh!r:.80}")
+    if isinstance(model, ShardedModel):
+        if mesh is not None and mesh is not model.mesh:
+            raise ValueError("mesh= differs from the ShardedModel's own mesh (pass one or the other)")
+        return model
+    return None if mesh is None else shard_model(model, mesh)
+
+
+class Runner:
+    """Parameters, caches and the one jitted step of an engine (see the module docstring).
+
+    ``step(caches, buf, prev_tokens, layout, greedy_only) -> (tokens, caches)`` (caches donated; ``tokens``:
+    ``i32[R]`` on one device, ``i32[D, R]`` replicated on a mesh); :meth:`pack` builds ``buf`` and ``layout``
+    from the data shards' plans. ``num_traces`` counts compilations (``max_traces``: a further one raises
+    ``AssertionError``).
+    """
+
+    def __init__(self, model: Any, sharded: ShardedModel | None, *, max_seqs: int, burst: int,
+                 max_traces: int | None = None) -> None:
+        self.sharded = sharded
+        self.max_seqs, self.burst = max_seqs, burst
+        self.counter = TraceCounter("engine step", max_traces)
+        if sharded is None:
+            graphdef, params = nnx.split(model)
+            self.data_size, self.model_size = 1, 1
+            platform = jax.devices()[0].platform
+        else:
+            graphdef, params = sharded.graphdef, sharded.params
+            self.data_size, self.model_size = sharded.data_size, sharded.model_size
+            platform = sharded.mesh.devices.flat[0].platform
+        # parameters passed as their flat leaves: no host walk of the tree per call
+        self.params, param_def = jax.tree.flatten(params)
+        unroll = platform != "cpu"  # a GPU runs a burst as one graph; a CPU compiles a loop faster
+
+        def model_step(leaves: list, caches: ModelCaches, inputs: StepInputs):
+            return nnx.merge(graphdef, jax.tree.unflatten(param_def, leaves)).forward_step(caches, inputs)
+
+        def step(leaves, caches, buf, prev_tokens, layout: PackLayout, greedy_only: bool):
+            self.counter.count(f"T={layout.shape('token_ids')[-1]}, B={layout.shape('seq_lens')[-1]}, "
+                               f"decode_only={layout.decode_only}, burst={layout.burst}")
+            if sharded is None:
+                return device_step(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll=unroll)
+            return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll)
+
+        self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
+        if sharded is None:
+            self.no_tokens = jnp.zeros(max_seqs * burst, jnp.int32)  # i32[R]: the "previous step" of none
+        else:
+            self.no_tokens = jax.device_put(np.zeros((self.data_size, max_seqs * burst), np.int32),
+                                            NamedSharding(sharded.mesh, P()))  # i32[D, R], replicated
+            self._buf_sharding = NamedSharding(sharded.mesh, P(DATA))
+
+    @property
+    def num_traces(self) -> int:
+        return self.counter.num_traces
+
+    def init_caches(self, model: Any, **cache_args: Any) -> ModelCaches:
+        """Zeroed caches (on a mesh: ``num_pages`` per device, leading data / model axes; see
+        :mod:`kvjax.models.sharding`)."""
+        return (self.sharded or model).init_caches(**cache_args)
+
+    def step(self, caches: ModelCaches, buf: np.ndarray | jax.Array, prev_tokens: jax.Array, layout: PackLayout,
+             greedy_only: bool) -> tuple[jax.Array, ModelCaches]:
+        """Dispatch one step (asynchronous); ``caches`` are donated: use only the returned ones."""
+        return self._fn(self.params, caches, buf, prev_tokens, layout, greedy_only)
+
+    def _on_mesh(self, model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll):
+        sharded = self.sharded
+        specs = sharded.cache_specs(caches)
+        split_heads = sharded.plan.pages_over_model and sharded.model_size > 1
+
+        def localize(inputs: StepInputs) -> StepInputs:  # this device's KV heads' columns of the tables
+            if not split_heads:
+                return inputs
+            h = inputs.block_tables.shape[1] // sharded.model_size
+            first = jax.lax.axis_index(MODEL) * h
+            return dataclasses.replace(
+                inputs, block_tables=jax.lax.dynamic_slice_in_dim(inputs.block_tables, first, h, axis=1),
+                slot_mapping=jax.lax.dynamic_slice_in_dim(inputs.slot_mapping, first, h, axis=1))
+
+        def local(leaves, caches, buf, prev):
+            prev = prev[jax.lax.axis_index(DATA)]
+            tokens, new = device_step(model_step, leaves, sharded.local_caches(caches), buf[0], prev, layout,
+                                      greedy_only, unroll=unroll, localize=localize)
+            return jax.lax.all_gather(tokens, DATA), sharded.global_caches(new)
+
+        in_specs = ([x.sharding.spec for x in self.params], specs, P(DATA), P())
+        return shard_map(local, sharded.mesh, in_specs, (P(), specs))(leaves, caches, buf, prev_tokens)
+
+    # ---- inputs --------------------------------------------------------------------------------------------
+    def shape(self, plans: Sequence[StepPlan]) -> list[StepPlan]:
+        """The data shards' plans padded to their largest ``T``, ``B`` and block-table width (one data shard:
+        the plan itself)."""
+        if len(plans) == 1:
+            return list(plans)
+        T = max(p.token_ids.shape[0] for p in plans)
+        B = max(p.seq_lens.shape[0] for p in plans)
+        nblk = max(p.block_tables.shape[2] for p in plans)
+        return [pad_plan(p, T, B, nblk) for p in plans]
+
+    def pack(self, plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, page_base: np.ndarray,
+             page_size: int, use_decode_path: bool, checkpoints: bool) -> tuple[np.ndarray | jax.Array, PackLayout]:
+        """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays:
+        ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over ``"data"`` on a mesh, and the layout.
+
+        In a burst step (some plan has ``burst_len``), a data shard's plan without one (an empty plan, or single
+        decodes) runs one sub-step per row. Page ids become local to each device's pool (``page_base``:
+        ``i64[Hkv]``, the first global page id of each KV head's pool)."""
+        burst = self.burst if any(p.burst_len is not None for p in plans) else 1
+        flag = decode_only(plans, use_decode_path)
+        bufs, layout = [], None
+        for plan, rows in zip(plans, samplings):
+            if burst > 1 and plan.burst_len is None:
+                if plan.num_tokens != plan.num_seqs:
+                    raise AssertionError(f"step {plan.step}: a plan with prompt tokens in a burst step")
+                plan = dataclasses.replace(plan, burst_len=(plan.query_lens > 0).astype(np.int32))
+            if page_base.any():
+                plan = _local_pages(plan, page_base, page_size)
+            buf, layout = pack_plan(plan, rows, decode_only=flag, checkpoints=checkpoints, burst=burst,
+                                    page_size=page_size)
+            bufs.append(buf)
+        if self.sharded is None:
+            return bufs[0], layout
+        return jax.device_put(np.stack(bufs), self._buf_sharding), layout
+
+    def device_inputs(self, plans: Sequence[StepPlan], page_base: np.ndarray, num_pages: int, page_size: int,
+                      use_decode_path: bool) -> list[tuple[StepInputs, np.ndarray | None]]:
+        """Each shaped plan's :class:`StepInputs` as the devices' pools see them (host arrays; for
+        :meth:`StepInputs.validate`) with the pool of each KV head (``None``: one pool)."""
+        flag = decode_only(plans, use_decode_path)
+        groups = page_base // num_pages if page_base.any() else None
+        out = []
+        for plan in plans:
+            if page_base.any():
+                plan = _local_pages(plan, page_base, page_size)
+            host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
+                    for name in DEVICE_FIELDS}
+            out.append((StepInputs(**host, decode_only=flag), groups))
+        return out
+
+
+def _local_pages(plan: StepPlan, page_base: np.ndarray, page_size: int) -> StepPlan:
+    """``plan`` with each KV head's page ids local to its device's pool."""
+    bt, sm = plan.block_tables, plan.slot_mapping
+    return dataclasses.replace(
+        plan, block_tables=np.where(bt >= 0, bt - page_base[None, :, None], -1).astype(np.int32),
+        slot_mapping=np.where(sm >= 0, sm - page_base[None, :] * page_size, -1).astype(np.int32))
