@@ -32,13 +32,14 @@ import time
 from case import RunCase
 
 BUDGET_S = 280.0  # all runs together, an equal share each
-MODES = ((False, 1), (True, 1), (True, 8), (True, 16))  # (overlap, decode burst) of each row
+MODES = ((False, 1), (True, 1), (True, 8), (True, 16))  # (overlap, decode burst) of each steps row
+E2E_MODES = ((False, 1), (True, 1), (True, "auto"), (True, 16))  # ... of each gpu-preset row ("auto": the default)
 SETTLE = 4  # untimed steps between the garbage collection and a timed window
 
 
-def mode_name(overlap: bool, burst: int) -> str:
-    """A row's engine mode in its name: ``overlap=on|off``, `` burst=K`` for decode bursts."""
-    return f"overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst > 1 else "")
+def mode_name(overlap: bool, burst: int | str) -> str:
+    """A row's engine mode in its name: ``overlap=on|off``, `` burst=K`` (or ``auto``) for decode bursts."""
+    return f"overlap={'on' if overlap else 'off'}" + (f" burst={burst}" if burst != 1 else "")
 
 
 def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -53,7 +54,7 @@ def divergence(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: bool = True,
-          burst: int = 1) -> tuple[list, dict]:
+          burst: int | str = 1) -> tuple[list, dict]:
     """Serve ``workload`` once; returns (generated tokens per request, the engine's metrics summary)."""
     from kvjax.engine.engine import Engine
 
@@ -81,7 +82,7 @@ def serve(model, workload, cache, p, recycle: str, deadline: float, overlap: boo
 
 
 def measure(p, budget_s: float, recycles: tuple[str, ...] = ("none", "timely"),
-            modes: tuple[tuple[bool, int], ...] = MODES) -> list[dict]:
+            modes: tuple[tuple[bool, int | str], ...] = E2E_MODES) -> list[dict]:
     """The runs of preset ``p``: one row per (recycle policy, (overlap, decode burst)), each with its own engine;
     the first run (``recycle=none``, synchronous) is the anchor every row's tokens are compared with."""
     from kvjax.cli.run import build_model
@@ -288,8 +289,9 @@ def cases(small: bool = False) -> list[RunCase]:
     recycles = ("none",) if small else ("none", "timely")
     steps = dict(rows_list=(4,), n=3, prefill=dict(rows=2, prompt_len=256, budget=32)) if small else {}
     modes = ((False, 1), (True, 1), (True, 2)) if small else MODES
+    e2e = ((False, 1), (True, 1), (True, "auto")) if small else E2E_MODES
     return [RunCase(f"engine steps {shapes['preset']} preset", "kvjax.engine.engine.Engine.step", shapes,
                     lambda: step_rows(p, modes=modes, **steps), anchor=None),
             RunCase(f"engine {shapes['preset']} preset", "kvjax.engine.engine.Engine", shapes,
-                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles, modes),
+                    lambda: measure(p, 60.0 if small else BUDGET_S, recycles, e2e),
                     anchor="recycle=none overlap=off")]

@@ -9,7 +9,8 @@ turn ``t`` finishes. Prompts dominate (a long first prompt, short answers), as i
 history. Fixed memory (:class:`~kvjax.experiments.prefix_runs.PrefixSetup`): every policy has the same cache
 bytes; a policy with caching pays its GDN checkpoint slots out of the pages.
 
-Per policy (one row each, ``impl`` = the policy; anchor ``none``): ``median_ms`` = the run's wall time per
+Per policy (one row each, ``impl`` = the policy; anchor ``none``; the engine's default decode bursts, and the
+caching policies once more with single steps, ``<policy> burst=1``): ``median_ms`` = the run's wall time per
 generated token; prompt tokens submitted / computed / served from the cache, hit rate; generated tokens/s and
 prompt + generated tokens/s over the median wall clock of 3 runs after a warm-up run of the same engine (compilation
 excluded; two token buckets, ``max_seqs`` for decode steps and the step budget; on the accelerator each policy
@@ -57,13 +58,20 @@ def _build(p, conversations: int, turns: int, first_len: int, message_len: int, 
     return model, workload, setup
 
 
-def _policy_run(policy: str, model, workload, setup, turns: int, turn=contextlib.nullcontext) -> dict:
+def _split(name: str) -> tuple[str, int | str]:
+    """A run's name -> (policy, decode_burst): ``"prefix burst=1"`` is the ``prefix`` policy with single steps."""
+    policy, _, burst = name.partition(" burst=")
+    return policy, int(burst) if burst else "auto"
+
+
+def _policy_run(name: str, model, workload, setup, turns: int, turn=contextlib.nullcontext) -> dict:
     """One policy's row (with its ``outputs``): build its engine, warm it up on one conversation (compiles every
     shape the run uses; ``warmup_s``), then serve the whole workload :data:`REPEATS` times while holding
     ``turn()`` (counts from the first, the median wall; every repeat must generate the same tokens)."""
     from kvjax.experiments.prefix_runs import _row, policy_engine
 
-    engine = policy_engine(model, setup, policy, token_buckets=(setup.max_seqs, setup.max_tokens))
+    policy, burst = _split(name)
+    engine = policy_engine(model, setup, policy, token_buckets=(setup.max_seqs, setup.max_tokens), decode_burst=burst)
     warm = _serve_timed(engine, workload[:turns])[2]
     engine.clear_prefix_cache()
     before = len(engine.metrics)
@@ -83,7 +91,7 @@ def _policy_run(policy: str, model, workload, setup, turns: int, turn=contextlib
                served=s["prefix_hit_tokens"], computed=s["prefill_tokens"], preemptions=s["preemptions"],
                cached_pages_mean=s["cached_pages_mean"], page_util_peak=s["page_util_peak"],
                tokens_per_s=s["generated_tokens"] / wall)
-    row.update(impl=policy, ok=engine.is_idle(), wall_s=wall, warmup_s=warm, outputs=outputs,
+    row.update(impl=name, ok=engine.is_idle(), wall_s=wall, warmup_s=warm, outputs=outputs,
                median_ms=1e3 * wall / max(s["generated_tokens"], 1),
                total_tokens_per_s=(row["prompt_tokens"] + s["generated_tokens"]) / wall,
                compiled_in_run=s["compile_steps"])
@@ -154,23 +162,24 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
 
     from kvjax.experiments.prefix_runs import POLICIES
 
+    names = list(POLICIES) + [f"{policy} burst=1" for policy in ("prefix", "timely+keep_tail")]
     args = (p, conversations, turns, first_len, message_len, output_len, memory_requests)
     if parallel:
-        by_policy = _parallel_rows(list(POLICIES), args, timeout_s)
+        by_policy = _parallel_rows(names, args, timeout_s)
     else:
         model, workload, setup = _build(*args)
-        by_policy = {policy: _policy_run(policy, model, workload, setup, turns) for policy in POLICIES}
+        by_policy = {name: _policy_run(name, model, workload, setup, turns) for name in names}
     outputs = {policy: row.pop("outputs") for policy, row in by_policy.items()}
     anchor = next(iter(POLICIES))
     base, base_out = by_policy[anchor], outputs[anchor]
     rows = []
-    for policy in POLICIES:
+    for policy in names:
         row = by_policy[policy]
         row.update(identical=outputs[policy] == base_out, divergence=divergence(base_out, outputs[policy]),
                    computed_ratio=base["computed"] / max(row["computed"], 1),
                    speedup=row["tokens_per_s"] / base["tokens_per_s"])
         rows.append(row)
-        print(f"{policy:18s} pages {row['num_pages']:5d} ckpts {row['num_checkpoints']:3d}"
+        print(f"{policy:26s} pages {row['num_pages']:5d} ckpts {row['num_checkpoints']:3d}"
               f"  prompt {row['prompt_tokens']:6d}  computed {row['computed']:6d} ({row['computed_ratio']:.2f}x fewer)"
               f"  hit {row['hit_rate']:.2f}  gen tok/s {row['tokens_per_s']:8.1f} ({row['speedup']:.2f}x)"
               f"  all tok/s {row['total_tokens_per_s']:9.1f}  preempt {row['preemptions']}"

@@ -221,7 +221,7 @@ def test_run_and_simulate_commands_with_prefix_caching(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "identical tokens in every run and repeat: yes" in out and "timely+prefix" in out
     rc = main(["simulate", "--prefix-caching", "--workload", "multi-turn", "--requests", "8", "--scale", "0.02",
-               "--max-seqs", "4", "--max-tokens", "128", "--page-size", "16", "--window", "32", "--json"])
+               "--max-seqs", "4", "--max-tokens", "128", "--page-size", "16", "--window", "32", "--json", "-"])
     import json
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and [r["mode"] for r in data["results"]] == ["off", "eager", "keep_tail"]

@@ -158,8 +158,7 @@ def test_cli_mesh_usage_errors(capsys):
     import kvjax.cli.run as cli_run
 
     for argv, msg in ((["--mesh", "3"], "--mesh must be DATAxMODEL"), (["--devices", "2", "--mesh", "1x2"], "not both"),
-                      (["--mesh", "64x2"], "needs 128 devices"),
-                      (["--mesh", "1x1", "--prefix-caching"], "--prefix-caching is not supported")):
+                      (["--mesh", "64x2"], "needs 128 devices")):
         assert cli_run.main(argv) == 2
         assert msg in capsys.readouterr().err
 

@@ -196,9 +196,14 @@ def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[l
     return out
 
 
+def burst_arg(text: str) -> int | str:
+    """``--decode-burst``: ``auto`` or an int in [1, 64]."""
+    return "auto" if text == "auto" else int_at_least(1, 64)(text)
+
+
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
                overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
-               decode_burst: int = 1, repeats: int = 1, name: str | None = None):
+               decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None):
     """Serve ``workload`` with one recycle policy ``repeats`` times on one engine (compiled during the first);
     returns (outputs, summary dict, per-step columns). The summary is the last repeat's
     :meth:`EngineMetrics.summary` with ``generated_tokens_per_s`` the median over the repeats,
@@ -210,7 +215,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
                     block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
-                    decode_burst=1 if prefix_caching or mesh is not None else decode_burst)
+                    decode_burst=decode_burst)
     name = name or recycle
     runs, first = [], None
     for r in range(repeats):
@@ -312,9 +317,9 @@ def build_parser() -> ArgumentParser:
                     help="also run both policies with prefix caching (keep_tail)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device; --no-overlap: the synchronous engine")
-    ap.add_argument("--decode-burst", metavar="K", type=int_at_least(1, 64), default=1,
-                    help="up to K decode steps per dispatch (Engine(decode_burst=K)); runs with prefix caching or "
-                         "on a mesh take 1")
+    ap.add_argument("--decode-burst", metavar="K", type=burst_arg, default="auto",
+                    help="up to K decode steps per dispatch when every running request decodes and none could be "
+                         "admitted (Engine(decode_burst=K)); 'auto' = 8; 1 = single steps")
     ap.add_argument("--mesh", metavar="DATAxMODEL", help="run on a (data, model) device mesh, e.g. 2x2")
     ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
     return ap
@@ -330,8 +335,6 @@ def main(argv: list[str]) -> int:
             raise UsageError("give --mesh or --devices, not both")
         mesh = make_mesh(args.mesh if args.devices is None else f"{args.devices}x1")
         check_device(args.preset, args.force)
-        if mesh is not None and args.prefix_caching:
-            raise UsageError("--prefix-caching is not supported with --mesh / --devices")
         if args.plot:
             check_plot_path(args.plot)
         overrides = {k: v for k, v in (("requests", args.requests), ("scale", args.scale),
@@ -359,7 +362,7 @@ def main(argv: list[str]) -> int:
     print(f"# {p.requests} requests, prompt {np.mean(prompt_lens):.0f} / output {np.mean(out_lens):.0f} tokens "
           f"on average; {cache.num_pages} pages of {p.page_size} tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
-          f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst if mesh is None else 1}; "
+          f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst}; "
           f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
           + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)"), file=out)
     outputs, results, columns = {}, {}, {}

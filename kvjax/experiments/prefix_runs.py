@@ -220,10 +220,10 @@ def scheduler_sweep(setup: PrefixSetup, attention: AttentionConfig, *, policies=
 
 
 def policy_engine(model: Qwen3_5ForCausalLM, setup: PrefixSetup, policy: str,
-                  token_buckets: tuple[int, ...] | None = None) -> Engine:
+                  token_buckets: tuple[int, ...] | None = None, decode_burst: int | str = "auto") -> Engine:
     """An :class:`~kvjax.engine.engine.Engine` for ``policy`` at the setup's memory, one bucket per step shape
     (one compilation; ``token_buckets``, ending at ``setup.max_tokens``: more token buckets, e.g. a small one
-    for decode steps)."""
+    for decode steps); ``decode_burst`` as the engine's."""
     from kvjax.engine.engine import Engine
 
     recycle, mode = POLICIES[policy]
@@ -231,7 +231,7 @@ def policy_engine(model: Qwen3_5ForCausalLM, setup: PrefixSetup, policy: str,
     extra = dict(prefix_caching=True, prefix_recycle=mode, prefix_checkpoints=setup.num_checkpoints) if mode else {}
     return Engine(model, cache, recycle=recycle, max_num_batched_tokens=setup.max_tokens, use_decode_path=False,
                   token_buckets=token_buckets or (setup.max_tokens,), row_buckets=(cache.max_seqs,),
-                  block_buckets=(cache.max_blocks_per_seq,), **extra)
+                  block_buckets=(cache.max_blocks_per_seq,), decode_burst=decode_burst, **extra)
 
 
 def serve(engine: Engine, workload: list[RequestSpec]) -> tuple[list[np.ndarray], list[list[int]]]:

@@ -4,8 +4,7 @@ Modules, one concept each: ``slots`` (GDN slot allocator), ``blocks`` (head-wise
 pool policies ``shared`` / ``partitioned``), ``recycle`` (the SWA recycle rule and policies ``none`` / ``timely``),
 ``prefix_cache`` (the opt-in prefix cache: hash-chained prompt blocks, reference-counted shared pages, GDN
 checkpoint slots, head-wise matches), ``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler``, ``workload`` and ``simulate`` (the
-capacity simulator behind ``python -m kvjax simulate``), ``cli_args`` (the checked arguments of the command
-lines: a bad value fails before any work, in one line, exit status 2).
+capacity simulator behind ``python -m kvjax simulate``; its command line is :mod:`kvjax.cli.simulate`).
 
 Bad input raises a ``ValueError`` (most often a :class:`kvjax.errors.KvjaxError`) naming the value, before
 anything changes; integers may be Python or numpy ints.
