@@ -156,7 +156,8 @@ def test_prefill_interpret_page_128(rng):
 
 def test_prefill_mosaic_interpret(rng):
     # the Mosaic GPU kernel under the Mosaic GPU interpreter (its products in jnp, everything else as compiled:
-    # TMA page copies, barriers, per-page skip/full/masked paths, the 128-token box layout of ragged tiles).
+    # TMA page copies, two pages per 128-key slot, barriers, per-slot skip/full/masked paths, ragged tiles read
+    # and written in place, the end-of-array box).
     # Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head with a
     # poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
     from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu

@@ -3,18 +3,23 @@
 Same contract and tile map as :mod:`kvjax.pallas.paged.prefill` (the Pallas Triton kernel), built the
 FlashAttention-3 way. One CTA per (query tile of up to 128 tokens of one row, query head) runs three
 warpgroups: two consumers own 64 query tokens each, one producer streams the tile's K/V walk (the virtual page
-list of :mod:`kvjax.pallas.paged.common`: sink pages, then window pages) page by page into a ring of shared
-memory slots with one TMA copy per page, reading each page id from the block table. A ``-1`` entry is never
-copied: the producer only signals the slot, and every consumer skips the page. The consumers alternate their
-tensor-core products (a schedule barrier), so one warpgroup's softmax overlaps the other's ``QK^T`` / ``PV``.
+list of :mod:`kvjax.pallas.paged.common`: sink pages, then window pages) into a ring of 128-key shared-memory
+slots, one TMA copy per page (a slot holds one page of 128 or two consecutive walk pages of 64), reading each
+page id from the block table. A ``-1`` entry is never copied: a slot half whose page is a hole (or past the
+walk) gets a copy of the slot's other page, whose keys there are never visible; a slot with no page at all is
+only signalled, and every consumer skips it. The consumers alternate their tensor-core products (a schedule
+barrier), so one warpgroup's softmax overlaps the other's ``QK^T`` / ``PV``; ``PV`` accumulates into the
+running accumulator, and the wait for the next K slot overlaps it.
 
-Per page and consumer a run-time test picks one of three paths: *skip* (no key of the page is visible to the
-warpgroup's tokens: a hole, the causal future, a page only the other warpgroup's window needs), *full* (every
-key is visible to every token: no mask), or *masked* (causal / window / sink mask per element). Every
-consumer still waits on and releases every slot, so the barrier phases stay in step.
+Per slot and consumer a run-time test picks one of three paths: *skip* (no key of the slot is visible to the
+warpgroup's tokens: holes, the causal future, pages only the other warpgroup's window needs), *full* (every
+key is visible to every token: no mask), or *masked* (causal / window / sink mask per element, keys placed by
+their page). Every consumer still waits on and releases every slot, so the barrier phases stay in step.
 
-Ragged query tiles are laid out in 128-token boxes (an XLA gather before the kernel, one after): a TMA copy into
-swizzled shared memory needs 8-row aligned offsets, and a box never spills into another tile's output rows.
+Ragged query tiles are read and written in place: each warpgroup copies the 64-row box of ``q`` that holds its
+tokens (at any row offset, pulled back inside ``q`` at its end) into plain shared-memory rows, swizzles it for
+wgmma through registers, and writes back exactly its own rows (one 64-row copy, or two overlapping copies of
+``2^k`` rows), so no tile's box ever writes another tile's rows.
 
 Unlike the Triton kernel, the copy engine moves whole pages: the unwritten tail of a row's last page is read
 (every such key is masked, its probability is exactly 0), so it must hold finite values. kvjax's pools start
@@ -28,8 +33,8 @@ deadlock).
 
 It is the ``"mosaic"`` backend of ``kvjax.ops.paged_attention``, first choice on Hopper where :func:`unsupported`
 accepts the call: those shapes and on average at least one 64-token box of queries per row (``T >= 64 B``: rows
-of a few tokens would waste most of a tile). Measured 1.25-1.43x faster than the Triton prefill kernel in the
-same runs (one causal sequence, T=4096, H=32, D=128, bf16, pages of 64 and 128, H200; benchmarks/HISTORY.md).
+of a few tokens would waste most of a tile). Speed against cuDNN: benchmarks/RESULTS.md, "Paged attention
+prefill".
 """
 
 from __future__ import annotations
@@ -47,19 +52,22 @@ from kvjax.pallas.paged import common
 from kvjax.pallas.mgpu_common import cast, interpret_params, iota, produce_ring, swizzled
 
 BLOCK_Q = 64  # query tokens per consumer warpgroup (one wgmma M tile)
+BLOCK_K = 128  # keys per step: one page of 128 or two pages of 64 (one shared-memory slot)
 _CONSUMERS = 2
 TILE_TOKENS = BLOCK_Q * _CONSUMERS
 _LOG2E = math.log2(math.e)
+_FAR = 1 << 30  # key position given to a slot half that holds no page of the walk: never visible
 SUPPORTED_PAGE_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def _kernel(
-    q_ref,  # [NT*128, Hq, D]: tile t's tokens at rows t*128 .. (box layout)
+    q_ref,  # [T, Hq, D] (T >= 64)
     k_ref,  # [P, page_size, D]
     v_ref,  # [P, page_size, D]
     bt_ref,  # i32[B*Hkv*max_blocks]
     tile_row_ref,  # i32[NT]
+    tile_tok_ref,  # i32[NT]
     tile_len_ref,  # i32[NT]
     tile_pos_ref,  # i32[NT]
     lo_ref,  # i32[NT*Hkv]
@@ -67,9 +75,9 @@ def _kernel(
     npages_ref,  # i32[NT*Hkv]
     win_ref,  # i32[Hkv]
     sink_ref,  # i32[Hkv]
-    o_ref,  # [NT*128, Hq, D] (box layout)
-    smem,  # (q / out tiles, K ring, V ring)
-    full_barriers,  # (K slot loaded, V slot loaded, q loaded)
+    o_ref,  # [T, Hq, D]
+    smem,  # (q tiles (swizzled), q / out staging (plain rows), K ring, V ring)
+    full_barriers,  # (K slot loaded, V slot loaded, q staged): a slot takes one arrival per page
     free_barriers,  # (K slot free, V slot free): one arrival per consumer
     sched,  # consumer schedule barrier
     *,
@@ -81,7 +89,7 @@ def _kernel(
     stages: int,
     interpret: bool,
 ):
-    q_smem, k_smem, v_smem = smem
+    q_smem, io_smem, k_smem, v_smem = smem
     k_full, v_full, q_full = full_barriers
     k_free, v_free = free_barriers
     tile = lax.axis_index("tile")
@@ -91,6 +99,7 @@ def _kernel(
     kvh = lax.div(head, jnp.int32(group))
     th = tile * num_kv_heads + kvh
     b = tile_row_ref[tile]
+    tok0 = tile_tok_ref[tile]
     n_tok = tile_len_ref[tile]
     i0 = tile_pos_ref[tile]
     lo = lo_ref[th]
@@ -99,11 +108,16 @@ def _kernel(
     w = win_ref[kvh]
     sk = sink_ref[kvh]
     bt_base = (b * num_kv_heads + kvh) * max_blocks
+    num_tokens = q_ref.shape[0]
     head_dim = q_smem.shape[-1]
     dtype = q_smem.dtype
+    per_slot = BLOCK_K // page_size  # pages per slot
+    n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
 
-    def column(s):  # table column of virtual page s
-        return lax.select(s < n_sink, s, lo + s - n_sink)
+    def page_at(s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
+        col = lax.select(s < n_sink, s, lo + s - n_sink)
+        page = bt_ref[bt_base + jnp.minimum(col, max_blocks - 1)]
+        return col * page_size, jnp.where(s < n_pages, page, -1)
 
     def sync_schedule():
         plgpu.barrier_arrive(sched)
@@ -114,30 +128,44 @@ def _kernel(
         plgpu.set_max_registers(232, action="increase")
         first = wg * BLOCK_Q  # first token of this warpgroup inside the tile
         n_rows = jnp.clip(n_tok - first, 0, BLOCK_Q)
+        x = tok0 + first  # the warpgroup's tokens: rows [x, x + n_rows) of q / o
+        x0 = jnp.minimum(x, num_tokens - BLOCK_Q)  # a 64-row box inside q holding them, at rows [r0, r0 + n_rows)
+        r0 = x - x0
         pa = i0 + first  # positions [pa, pb] of the warpgroup's tokens
         pb = pa + n_rows - 1
-
-        box = pl.ds(pl.multiple_of(tile * TILE_TOKENS + first, BLOCK_Q), BLOCK_Q)  # aligned: TMA into tiles
+        stage = io_smem.at[wg]
 
         @pl.when(n_rows > 0)
-        def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[box, head], q_smem.at[wg], q_full.at[wg])
+        def _():  # q rows at any offset: a plain-row TMA copy, then swizzled for wgmma through registers
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), head], stage, q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
+            if interpret:
+                q_smem.at[wg][...] = stage[...]
+            else:
+                q_smem.at[wg][...] = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                plgpu.commit_smem()
 
-        qpos = pa + iota((BLOCK_Q, page_size), 0, interpret)
-        kcol = iota((BLOCK_Q, page_size), 1, interpret)
+        qpos = (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret)  # position of each box row
+        kcol = iota((BLOCK_Q, BLOCK_K), 1, interpret)
         qk_scale = scale * _LOG2E
 
-        def step(s, carry):
-            acc, m_i, l_i = carry
-            slot = lax.rem(s, jnp.int32(stages))
-            col = column(s)
-            page = bt_ref[bt_base + col]
-            k0 = col * page_size
-            k1 = k0 + page_size - 1
-            needed = (n_rows > 0) & (page >= 0) & (k0 <= pb) & ((w == 0) | (k1 > pa - w) | (k0 < sk))
-            full = (k1 <= pa) & ((w == 0) | (k0 > pb - w) | (k1 < sk))
-            plgpu.barrier_wait(k_full.at[slot])
+        def wait_next_k(j):  # every consumer waits each K phase once, one step ahead (overlaps PV)
+            @pl.when(j + 1 < n_steps)
+            def _():
+                plgpu.barrier_wait(k_full.at[lax.rem(j + 1, jnp.int32(stages))])
+
+        def step(j, carry):
+            slot = lax.rem(j, jnp.int32(stages))
+            k0s, needs, fulls = [], [], []
+            for i in range(per_slot):
+                k0, page = page_at(j * per_slot + i)
+                k1 = k0 + page_size - 1
+                valid = page >= 0
+                needs.append(valid & (k0 <= pb) & ((w == 0) | (k1 > pa - w) | (k0 < sk)))
+                fulls.append(valid & (k1 <= pa) & ((w == 0) | (k0 > pb - w) | (k1 < sk)))
+                k0s.append(jnp.where(valid, k0, _FAR))
+            needed = (n_rows > 0) & functools.reduce(jnp.logical_or, needs)
+            full = functools.reduce(jnp.logical_and, fulls)
 
             def compute(carry):
                 acc, m_i, l_i = carry
@@ -151,12 +179,15 @@ def _kernel(
                     qk = jnp.dot(q_smem[wg], k_smem[slot].T, preferred_element_type=jnp.float32)
                     sync_schedule()
                 else:
-                    qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, page_size), jnp.float32))
+                    qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
 
                 def mask(x):
-                    diff = qpos - (k0 + kcol)
-                    vis = (diff >= 0) & ((w == 0) | (diff < w) | (k0 + kcol < sk))
+                    kpos = kcol + k0s[0]
+                    if per_slot == 2:
+                        kpos = kcol + jnp.where(kcol < page_size, k0s[0], k0s[1] - page_size)
+                    diff = qpos - kpos
+                    vis = (diff >= 0) & ((w == 0) | (diff < w) | (kpos < sk))
                     return jnp.where(vis, x, -jnp.inf)
 
                 qk = lax.cond(full, lambda x: x, mask, qk)
@@ -171,15 +202,15 @@ def _kernel(
                 plgpu.barrier_wait(v_full.at[slot])
                 plgpu.barrier_wait(sched)
 
-                def pv_product(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    return acc_ref[...]
-
-                if interpret:  # the interpreter's wgmma takes no register operand
-                    pv = jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                if interpret:  # the interpreter's wgmma takes no register operand and has no run_state
+                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                    wait_next_k(j)
                 else:
-                    pv = pl.run_scoped(pv_product, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
-                acc = acc + pv
+                    def pv_product(acc_ref):  # accumulates into the running accumulator
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_k(j)
+
+                    acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -188,6 +219,7 @@ def _kernel(
                 sync_schedule()
                 plgpu.barrier_wait(v_full.at[slot])
                 sync_schedule()
+                wait_next_k(j)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return carry
 
@@ -197,37 +229,61 @@ def _kernel(
         m_i = cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout, interpret)
         l_i = cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row_layout, interpret)
         acc = cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
+
+        @pl.when(n_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_full.at[0])
+
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
-        acc, m_i, l_i = lax.fori_loop(0, n_pages, step, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
         pl.when(wg == 0)(sync_schedule)
         l_safe = jnp.where(l_i > 0, l_i, 1.0)  # tokens that see no key (padding spans) get 0
         out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
 
         @pl.when(n_rows > 0)
-        def _():  # the whole box: rows past the tile's tokens are never gathered back
-            q_smem.at[wg][...] = out
+        def _():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
+            stage[...] = out
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[box, head])
+
+            @pl.when(n_rows == BLOCK_Q)
+            def _():
+                plgpu.copy_smem_to_gmem(stage, o_ref.at[pl.ds(x0, BLOCK_Q), head])
+
+            rows = BLOCK_Q // 2
+            while rows:
+                @pl.when((n_rows >= rows) & (n_rows < 2 * rows))
+                def _(rows=rows):
+                    for off in (0, n_rows - rows):
+                        plgpu.copy_smem_to_gmem(stage.at[pl.ds(r0 + off, rows)], o_ref.at[pl.ds(x + off, rows), head])
+
+                rows //= 2
             plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def issue(s, slot):
-            page = bt_ref[bt_base + column(s)]
+        def issue(j, slot):
+            pages = [page_at(j * per_slot + i)[1] for i in range(per_slot)]
+            # a slot half whose page is a hole or past the walk gets a copy of the other half's page (finite data,
+            # never visible), so that every slot takes the same bytes; a slot with no page is only signalled
+            srcs = [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
+                    for i in range(per_slot)]
 
-            @pl.when(page >= 0)
+            @pl.when(srcs[0] >= 0)
             def _():
-                plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot], k_full.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot], v_full.at[slot])
+                for i, src in enumerate(srcs):
+                    keys = pl.ds(i * page_size, page_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, keys], k_full.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, keys], v_full.at[slot])
 
-            @pl.when(page < 0)
-            def _():  # a hole: the slot is signalled, nothing is read
-                plgpu.barrier_arrive(k_full.at[slot])
-                plgpu.barrier_arrive(v_full.at[slot])
+            @pl.when(srcs[0] < 0)
+            def _():  # only holes: the slot is signalled, nothing is read
+                for _ in range(per_slot):
+                    plgpu.barrier_arrive(k_full.at[slot])
+                    plgpu.barrier_arrive(v_full.at[slot])
 
-        produce_ring(n_pages, stages, issue, (k_free, v_free))
+        produce_ring(n_steps, stages, issue, (k_free, v_free))
 
 
 def shape_reason(
@@ -262,24 +318,6 @@ def unsupported(
     return shape_reason(q, k_pages, v_pages)
 
 
-def _to_boxes(
-    q: jax.Array,  # [T, Hq, D]
-    t_tok: jax.Array,  # i32[NT]: first token of each tile
-    t_len: jax.Array,  # i32[NT]: tokens in each tile
-) -> tuple[jax.Array, jax.Array]:
-    """Box layout: tile ``t``'s tokens at rows ``t*128 ..``, zeros past them, so that every TMA copy of a
-    64-token box starts at an aligned row and never spills into another tile (a TMA copy into swizzled tiles
-    needs 8-row aligned offsets; ragged rows start anywhere). Returns ``(q_box: [NT*128, Hq, D], token_box:
-    i32[T])``, the box row of every token (every token is in exactly one tile)."""
-    num_tokens = q.shape[0]
-    r = jnp.arange(TILE_TOKENS, dtype=jnp.int32)
-    src = jnp.where(r[None, :] < t_len[:, None], t_tok[:, None] + r[None, :], num_tokens).reshape(-1)
-    q_box = jnp.take(q, src, axis=0, mode="fill", fill_value=0)
-    token_box = jnp.zeros((num_tokens,), jnp.int32).at[src].set(
-        jnp.arange(src.shape[0], dtype=jnp.int32), mode="drop")
-    return q_box, token_box
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "stages", "interpret"))
 def paged_prefill_mgpu(
     q: jax.Array,  # [T, Hq, D]
@@ -297,8 +335,8 @@ def paged_prefill_mgpu(
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
-    finite values, see the module doc). ``stages``: shared-memory K/V slots (default 2 for 128-token pages,
-    3 for 64). ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0.
+    finite values, see the module doc). ``stages``: shared-memory slots of 128 keys (default 2).
+    ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0.
     """
     t_total, hq, d = q.shape
     page_size = k_pages.shape[1]
@@ -306,7 +344,7 @@ def paged_prefill_mgpu(
     reason = shape_reason(q, k_pages, v_pages)
     if reason:
         raise ValueError(f"paged_prefill_mgpu {reason}")
-    stages = stages or (2 if page_size >= 128 else 3)
+    stages = stages or 2
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = common.tile_walks(
@@ -315,15 +353,17 @@ def paged_prefill_mgpu(
     )
     num_tiles = t_row.shape[0]
     tiled = swizzled(q.dtype)
+    per_slot = BLOCK_K // page_size
     scratch = (
         (
             plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), q.dtype, transforms=tiled),
-            plgpu.SMEM((stages, page_size, d), q.dtype, transforms=tiled),
-            plgpu.SMEM((stages, page_size, d), q.dtype, transforms=tiled),
+            plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), q.dtype),  # plain rows: TMA copies at any row offset
+            plgpu.SMEM((stages, BLOCK_K, d), q.dtype, transforms=tiled),
+            plgpu.SMEM((stages, BLOCK_K, d), q.dtype, transforms=tiled),
         ),
         (
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
             plgpu.Barrier(num_barriers=_CONSUMERS),
         ),
         (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),) * 2,
@@ -333,10 +373,10 @@ def paged_prefill_mgpu(
         _kernel, scale=scale, group=hq // hkv, page_size=page_size, max_blocks=max_blocks, num_kv_heads=hkv,
         stages=stages, interpret=interpret,
     )
-    q_box, token_box = _to_boxes(q, t_tok, t_len)
-    o_box = plgpu.kernel(
+    q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
+    out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(q_box.shape, q.dtype),
+        out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
         scratch_types=scratch,
         grid=(num_tiles, hq),
         grid_names=("tile", "head"),
@@ -345,7 +385,7 @@ def paged_prefill_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
     )(
-        q_box, k_pages, v_pages, block_tables.reshape(-1), t_row, t_len, t_pos,
+        q_in, k_pages, v_pages, block_tables.reshape(-1), t_row, t_tok, t_len, t_pos,
         lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
     )
-    return jnp.take(o_box, token_box, axis=0)
+    return out[:t_total]
