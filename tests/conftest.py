@@ -26,6 +26,10 @@ if _cache_dir:
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# `python -m kvjax run` turns on its own persistent cache (~/.cache/kvjax/jax by default, kvjax.cli.compile_cache):
+# commands the tests run, in this process or in a child, leave the user's cache and this process's JAX settings
+# alone unless a test asks for a cache with --compile-cache.
+os.environ.setdefault("KVJAX_COMPILE_CACHE", "off")
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=False)
 settings.register_profile("dev", max_examples=100, deadline=None)

@@ -29,17 +29,24 @@ def kvjax(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProc
 
 
 def test_run_cpu_preset_small(tmp_path):
-    proc = kvjax("run", "--requests", "3", "--repeats", "2", "--json", "run.json", "--no-progress", cwd=tmp_path)
+    args = ("run", "--requests", "3", "--repeats", "2", "--json", "run.json", "--no-progress", "--compile-cache", "cc")
+    proc = kvjax(*args, cwd=tmp_path)
     assert "timely / none:" in proc.stdout and "identical tokens in every run and repeat: yes" in proc.stdout
     doc = json.loads((tmp_path / "run.json").read_text())
     meta = doc["meta"]
-    assert meta["command"][3:] == ["run", "--requests", "3", "--repeats", "2", "--json", "run.json", "--no-progress"]
+    assert meta["command"][3:] == list(args)
+    assert doc["compile_cache"] == str(tmp_path / "cc")
+    cached = sorted(p.name for p in (tmp_path / "cc").iterdir())
+    assert cached, "the persistent compilation cache stayed empty"
+    # A second run of the same steps loads every executable from the cache: it writes no new entry.
+    kvjax("run", "--requests", "3", "--repeats", "1", "--no-progress", "--compile-cache", "cc", cwd=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "cc").iterdir()) == cached
     assert meta["kvjax"] and meta["jax"] and meta["device"] and meta["seed"] == 0 and meta["date"]
     for policy in ("none", "timely"):
         rates = doc["results"][policy]["generated_tokens_per_s_repeats"]
         assert len(rates) == 2 and all(r > 0 for r in rates)
     assert doc["identical_tokens"] is True and doc["config"]["requests"] == 3
-    assert not list(tmp_path.glob("*.json.*"))  # nothing else written beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cc", "run.json"]  # nothing else written beside them
 
 
 def test_simulate_and_info_json_on_stdout(tmp_path):

@@ -22,6 +22,10 @@ tokens and the time (compilation is reported apart). Both runs share one compile
 Each policy's engine serves the workload ``--repeats`` times (it compiles during the first): the table shows the
 median tokens/s and its range over the repeats, so the noise of a figure is visible.
 
+``--compile-cache DIR`` (default ``$KVJAX_COMPILE_CACHE``, else ``~/.cache/kvjax/jax``; ``--no-compile-cache``:
+none) turns on JAX's persistent compilation cache, so a second run loads the compiled steps instead of compiling
+them again (:mod:`kvjax.cli.compile_cache`).
+
 Presets: ``cpu`` (default; f32, small enough for a laptop CPU) and ``gpu`` (bf16, a larger model and workload for
 one accelerator; refused where JAX sees no GPU unless ``--force``). Both use few bucket shapes (one block-table
 width, one row count, two token counts) so that each run compiles about three times.
@@ -43,6 +47,7 @@ import numpy as np
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import UsageError
+from kvjax.cli import compile_cache
 from kvjax.cli.args import (ArgumentParser, check_memory, fail, int_at_least, json_destination, number_in,
                             writable_file)
 from kvjax.cli.output import provenance, write_json
@@ -320,6 +325,10 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--decode-burst", metavar="K", type=burst_arg, default="auto",
                     help="up to K decode steps per dispatch when every running request decodes and none could be "
                          "admitted (Engine(decode_burst=K)); 'auto' = 8; 1 = single steps")
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="JAX's persistent compilation cache: a later run loads the compiled steps from DIR instead "
+                         f"of compiling them again (default: ${compile_cache.ENV}, else ~/.cache/kvjax/jax)")
+    ap.add_argument("--no-compile-cache", action="store_true", help="compile everything, use no persistent cache")
     ap.add_argument("--mesh", metavar="DATAxMODEL", help="run on a (data, model) device mesh, e.g. 2x2")
     ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
     return ap
@@ -333,6 +342,9 @@ def main(argv: list[str]) -> int:
         args = ap.parse_args(argv)
         if args.mesh is not None and args.devices is not None:
             raise UsageError("give --mesh or --devices, not both")
+        cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
+        if cache_dir is not None:  # before any compilation; the command's entry only (library code sets no globals)
+            compile_cache.enable(cache_dir)
         mesh = make_mesh(args.mesh if args.devices is None else f"{args.devices}x1")
         check_device(args.preset, args.force)
         if args.plot:
@@ -351,6 +363,8 @@ def main(argv: list[str]) -> int:
         model = build_model(p, seed=args.seed)
     except ValueError as e:
         return fail("run", e)
+    if cache_note:
+        print(cache_note, file=sys.stderr)
     out = sys.stderr if args.json == "-" else sys.stdout  # '-': stdout carries the JSON alone
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     prompt_lens = [int(w.prompt.size) for w in workload]
@@ -388,7 +402,8 @@ def main(argv: list[str]) -> int:
                                "preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,
                                "decode_burst": args.decode_burst, "repeats": args.repeats,
                                "mesh": None if mesh is None else [mesh.shape["data"], mesh.shape["model"]],
-                               "num_pages": cache.num_pages, "max_blocks_per_seq": cache.max_blocks_per_seq,
+                               "compile_cache": cache_dir, "num_pages": cache.num_pages,
+                               "max_blocks_per_seq": cache.max_blocks_per_seq,
                                "identical_tokens": same, "gain_tokens_per_s": gain, "results": results,
                                "steps": columns})
     if args.plot:
