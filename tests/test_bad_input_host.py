@@ -246,8 +246,8 @@ def test_check_integrity_catches_an_empty_row_in_the_pending_plan(rng):
     sched.add_request(rng.integers(1, 40, 5), 4)
     sched.schedule()
     sched.check_integrity()
-    plan = sched._last_plan
-    sched._last_plan = dataclasses.replace(plan, query_lens=np.zeros_like(plan.query_lens),
+    plan = sched.ledger.planned
+    sched.ledger.planned = dataclasses.replace(plan, query_lens=np.zeros_like(plan.query_lens),
                                            logits_indices=plan.logits_indices - 1)
     with pytest.raises(AssertionError, match="row without tokens"):
         sched.check_integrity()

@@ -150,7 +150,7 @@ class EngineMachine(RuleBasedStateMachine):
         try:
             got = self.engine.abort(rid)
         except ValueError:  # it finished in a step cut short by a fault; its last event comes with the next step
-            assert any(ev.request_id == rid and ev.finished for ev in self.engine._held)
+            assert any(ev.request_id == rid and ev.finished for ev in self.engine.outputs.held)
             return
         r = self.reqs[rid]
         assert got[: len(r["tokens"])] == r["tokens"]
@@ -204,8 +204,8 @@ class EngineMachine(RuleBasedStateMachine):
         eng = self.engine
         while eng.has_unfinished():
             self.collect(step_events(eng))
-        self.collect(step_events(eng) if eng._held else [])
-        assert eng.is_idle() and not eng._held
+        self.collect(step_events(eng) if eng.outputs.held else [])
+        assert eng.is_idle() and not eng.outputs.held
         runs = [(r["prompt"], r["max_new"], r["tokens"]) for r in self.reqs.values() if not r["aborted"]]
         assert all(r["finished"] for r in self.reqs.values() if not r["aborted"])
         runs += SHARED.pop("consumer_runs", [])

@@ -333,7 +333,7 @@ def test_eos_is_applied_one_step_late_and_the_extra_token_dropped():
     assert req.num_tokens == 5 and len(req.pending) == 2
     with pytest.raises(ValueError, match="advanced and not resolved"):
         sched.update(sched.schedule(), np.array([1]))
-    sched._last_plan = None  # drop that probe plan (never advanced)
+    sched.ledger.planned = None  # drop that probe plan (never advanced)
     assert sched.resolve(p0, np.array([eos])) == [req]
     assert req.status is Status.FINISHED and req.output_ids.tolist() == [eos] and req.num_tokens == 4
     assert sched.slots.num_free == 4 and sched.blocks.used_pages() == 0 and not sched.requests

@@ -153,7 +153,7 @@ def per_sub_step(sched: Scheduler) -> Scheduler:
         return np.concatenate(done)
 
     table.reserve_burst = reserve_burst
-    sched._resolve_burst = lambda plan, tokens: None
+    sched.ledger._resolve_burst = lambda plan, tokens: None
     return sched
 
 

@@ -5,6 +5,6 @@ step with the device's current one), ``StepInputs`` (the device-side step inputs
 ``StepPlan``); ``sizing`` sizes a cache from the model and a memory budget, ``metrics`` records each step.
 """
 
-from kvjax.engine.consumers import StepOutput, TokenEvent
+from kvjax.engine.outputs import StepOutput, TokenEvent
 from kvjax.engine.engine import Engine
 from kvjax.engine.inputs import StepInputs

@@ -13,8 +13,8 @@ samples, which the plan names by row (``StepPlan.prev_index``) and the jitted st
 array on the device. ``max_new_tokens`` is known in advance (the request finishes when its last token is
 reserved); eos, aborts and preemption act one step late: a request that sampled eos at step N may run one more
 row at N+1, whose token is dropped and never delivered. Step N's tokens are delivered by the call that dispatches
-N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.consumers.StepOutput` per request (its new tokens),
-:meth:`Engine.stream` yields one :class:`~kvjax.engine.consumers.TokenEvent` per token. Outputs equal the
+N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.outputs.StepOutput` per request (its new tokens),
+:meth:`Engine.stream` yields one :class:`~kvjax.engine.outputs.TokenEvent` per token. Outputs equal the
 synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call), token for token: sampling keys
 depend only on (seed, prompt index, tokens so far).
 
@@ -68,18 +68,18 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+import warnings
+from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.config import CacheConfig
-from kvjax.engine.args import (check_burst, check_cache_dtype, check_flag, check_index, check_max_new_tokens,
+from kvjax.config import CacheConfig, is_int
+from kvjax.engine.args import (check_burst, check_cache_dtype, check_call, check_flag, check_index, check_max_new_tokens,
                                check_max_traces, check_prompt, check_seed, check_state_fits, check_temperature,
                                check_token_id, prefix_config, set_buckets)
-from kvjax.engine.consumers import Consumers, StepOutput, Tracked
+from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
 from kvjax.engine.inputs import SamplingTable
 from kvjax.engine.runner import Runner, engine_model
 from kvjax.engine.metrics import EngineMetrics, StepRecord
@@ -87,6 +87,7 @@ from kvjax.engine.sizing import CacheSizing, default_max_seqs, size_cache
 from kvjax.models.interface import CausalLM
 from kvjax.models.sharding import ShardedModel
 from kvjax.sched.plan import StepPlan
+from kvjax.errors import RequestTooLongError
 from kvjax.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class _Flight:
 # ---------------------------------------------------------------------------------------------- engine
 
 
-class Engine(Consumers):
+class Engine:
     """Continuous-batching generation for one model over fixed page memory.
 
     Args:
@@ -218,10 +219,7 @@ class Engine(Consumers):
         self.caches = self._init_caches()
         self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
-        self._tracked: dict[int, Tracked] = {}
-        self._inbox: dict[int, collections.deque] = {}  # request id -> its stream's event queue
-        self._queued: dict[int, Tracked] = {}  # finished requests whose last events wait in their stream's queue
-        self._held: list[StepOutput] = []  # outputs of add_request requests from steps a stream ran
+        self.outputs = Outputs()  # what each request was given; the consumers' queues
         self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
 
@@ -288,12 +286,102 @@ class Engine(Consumers):
             sched = self.schedulers[load.index(min(load))]
             req = sched.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id, request_id=self._next_id)
             self._next_id += 1
-        self._tracked[req.request_id] = Tracked(index, temperature, seed, req)
+        self.outputs.track(req.request_id, Tracked(index, temperature, seed, req))
         return req.request_id
 
     def has_unfinished(self) -> bool:
         """A request is queued, running, or waiting for tokens of a step in flight."""
-        return any(s.has_unfinished() for s in self.schedulers) or bool(self._tracked)
+        return any(s.has_unfinished() for s in self.schedulers) or bool(self.outputs.tracked)
+
+    def abort(self, request_id: int) -> list[int]:
+        """Abort a queued or running request (its slot and pages go back at once); returns the tokens that were
+        delivered (by :meth:`step`, or yielded by its stream). Its tokens not yet delivered (a stream's queue,
+        outputs held for the next ``step()``, a burst's later tokens) are dropped, and so is any token a step in
+        flight samples for it (a request that finished in the scheduler with tokens still undelivered is aborted
+        too). ``ValueError`` for a request id that is not an int, unknown, or whose tokens were all delivered."""
+        if not is_int(request_id):
+            raise ValueError(f"request_id must be an int, got {request_id!r}")
+        owner = [s for s in self.schedulers if request_id in s.requests]
+        if not owner and not self.outputs.known(request_id):
+            raise ValueError(f"unknown request id {request_id} (never added, aborted, or all its tokens delivered)")
+        if owner:
+            owner[0].abort(request_id)
+        return self.outputs.drop(request_id)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+               temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
+        """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
+
+        Arguments are checked when ``stream`` is called (``ValueError`` naming the value, as
+        :meth:`add_request`); the requests are queued at the first ``next()``. A prompt that can never fit raises
+        :class:`RequestTooLongError` naming its index before any step runs, and none of this call's requests
+        stays queued. The caller may :meth:`abort` any request (by ``event.request_id``) between events;
+        closing the generator early (or an error inside it) aborts what is left.
+
+        Several consumers may run at once (two streams consumed alternately, ``generate`` inside a ``stream``
+        loop): whichever consumer runs a step, every event goes to the stream whose request produced it, so
+        each consumer gets all of its tokens, in order. ``progress``: tqdm bar over generated tokens (``None``:
+        on when the run generates >= 4096 tokens).
+        """
+        calls = check_call(prompts, max_new_tokens, self.vocab_size)
+        temperature, seed = check_temperature(temperature), check_seed(seed)
+        return self._stream(calls, temperature, seed, progress)
+
+    def _stream(self, calls: list, temperature: float, seed: int, progress: bool | None) -> Iterator[TokenEvent]:
+        ids = []
+        try:
+            for i, (p, m) in enumerate(calls):
+                try:
+                    ids.append(self._queue(p, m, temperature, seed, i))
+                except RequestTooLongError as err:
+                    raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        box = self.outputs.open_stream(ids)
+        bar = self._progress_bar(int(sum(m for _, m in calls)), progress)
+        try:
+            while box or any(rid in self.outputs.tracked for rid in ids):
+                if not box:
+                    self.outputs.hold(self._step())
+                    continue
+                ev = box.popleft()
+                self.outputs.consumed(ev)
+                if bar is not None:
+                    bar.update(1)
+                yield ev
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in self.outputs.close_stream(ids):  # generator closed early: abort what is left
+                self.abort(rid)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+                 temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> list[list[int]]:
+        """Generate for every prompt; returns the generated token ids per prompt (prompt order).
+
+        ``temperature == 0`` is greedy. Sampling keys derive from ``(seed, prompt index, tokens so far)``, so the
+        result does not depend on batching, preemption or the recycle policy. Raises ``ValueError`` (nothing
+        queued) for a bad argument (see :meth:`add_request`) and :class:`RequestTooLongError` (nothing queued)
+        if a prompt can never fit in the cache. May run inside another consumer's :meth:`stream` loop.
+        """
+        events = self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
+        out: list[list[int]] = [[] for _ in range(len(prompts))]
+        for ev in events:
+            out[ev.index].append(ev.token)
+        return out
+
+    @staticmethod
+    def _progress_bar(total: int, progress: bool | None):
+        if progress is False or (progress is None and total < 4096):
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            warnings.warn("progress bar requested but tqdm is not installed", stacklevel=3)
+            return None
+        return tqdm(total=total, unit="tok", desc="generate")
 
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -317,9 +405,8 @@ class Engine(Consumers):
         device call was under way. Tokens already read are kept, so the run continues to the same outputs as an
         uninterrupted one.
         """
-        outs = self._step() if self.has_unfinished() or (self._inflight and not self._held) else []
-        held, self._held = self._held, []
-        return held + outs
+        outs = self._step() if self.has_unfinished() or (self._inflight and not self.outputs.held) else []
+        return self.outputs.take_held() + outs
 
     def _device_idle(self) -> bool:
         """Everything dispatched has finished (non-blocking)."""
@@ -364,7 +451,7 @@ class Engine(Consumers):
             c = self.cache_config
             page_base = self.scheduler.blocks.page_base
             shaped = self.runner.shape(plans)
-            samplings = [table.rows(p, self._tracked) for table, p in zip(self._sampling, shaped)]
+            samplings = [table.rows(p, self.outputs.tracked) for table, p in zip(self._sampling, shaped)]
             greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
             buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
                                            use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
@@ -423,7 +510,7 @@ class Engine(Consumers):
             self._recover(None, False)
             raise
         self._inflight.popleft()
-        outs = [out for sched, plan in zip(self.schedulers, flight.plans) for out in self._collect_plan(sched, plan)]
+        outs = [out for sched, plan in zip(self.schedulers, flight.plans) for out in self.outputs.collect_plan(sched, plan)]
         t6 = time.perf_counter()
         # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
         exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
@@ -453,7 +540,7 @@ class Engine(Consumers):
         touched: dict[int, None] = {}
         for d, sched in enumerate(self.schedulers):
             touched.update(dict.fromkeys(sched.recover([ps[d] for ps in lost])))
-        self._held += [out for out in self._collect(list(touched)) if out.request_id not in self._inbox]
+        self.outputs.hold(self.outputs.collect(list(touched)))
 
     # ---- invariants ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -464,6 +551,6 @@ class Engine(Consumers):
     def is_idle(self) -> bool:
         """No request queued, running or waiting for tokens, every slot and page free (a step whose requests all
         finished or were aborted may still be in flight: it holds nothing)."""
-        return not self._tracked and all(not s.has_unfinished() and s.slots.num_used == 0
+        return not self.outputs.tracked and all(not s.has_unfinished() and s.slots.num_used == 0
                                          and s.blocks.used_pages() == 0 for s in self.schedulers)
 

@@ -266,7 +266,7 @@ class SamplingTable:
 
     ``rows(plan, tracked)`` returns ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] for the plan's rows
     (padding rows: zeros); a slot whose request changed since it was last seen is refreshed from ``tracked``
-    (the engine's request id -> :class:`~kvjax.engine.consumers.Tracked`). One table per data shard."""
+    (the engine's request id -> :class:`~kvjax.engine.outputs.Tracked`). One table per data shard."""
 
     def __init__(self, num_slots: int) -> None:
         self.owner = np.full(num_slots, -1, np.int64)  # i64[S+1]: request id whose values the slot holds

@@ -56,7 +56,7 @@ def check_scheduler(sched: Any) -> None:
                              f"{[r for r in sched.running if not 0 <= r.num_computed < r.num_tokens]}")
     if any(sched.blocks.num_blocks[r.slot] < sched.blocks.blocks_for(r.num_computed) for r in sched.running):
         raise AssertionError(f"a running request's computed tokens lie past its blocks: {sched.running}")
-    plan = sched._last_plan  # scheduled, not yet applied
+    plan = sched.ledger.planned  # scheduled, not yet applied
     if plan is not None:
         q, li, T = plan.query_lens[: plan.num_seqs], plan.logits_indices, plan.token_ids.shape[0]
         if (q < 1).any() or (li < 0).any() or (li >= T).any():

@@ -19,7 +19,7 @@ would admit now; with prefix caching the admission check counts no cache hit, so
 by up to ``K`` sub-steps): one plan of up to ``K`` sub-steps per row, pages allocated for all of them,
 one reserved token per sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
 
-Applying a step has two halves (:mod:`kvjax.sched.apply`), so that the next step can be planned while this one
+Applying a step has two halves (the scheduler's :class:`~kvjax.sched.ledger.Ledger`), so that the next step can be planned while this one
 runs (the engine's overlap mode): ``advance(plan)`` applies what the host knows without the sampled tokens — every
 scheduled request advances by its tokens, and where the plan samples it *reserves* the next token (its value comes
 later; the next plan feeds it through ``StepPlan.prev_index``); a request that reaches ``max_new_tokens`` finishes
@@ -57,8 +57,8 @@ import numpy as np
 
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.sched.blocks import BlockAllocator
-from kvjax.sched.apply import StepApplication
 from kvjax.sched.integrity import check_scheduler
+from kvjax.sched.ledger import Ledger
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.recycle import RecyclePolicy, check_fits, make_recycle_policy
@@ -66,7 +66,7 @@ from kvjax.sched.request import Request, RowTable, RunningList, Status, check_re
 from kvjax.sched.slots import SlotAllocator
 
 
-class Scheduler(StepApplication):
+class Scheduler:
     """Owns the request queues, the GDN slot allocator and the head-wise block allocator of one model.
 
     Args:
@@ -124,9 +124,7 @@ class Scheduler(StepApplication):
         self.step = 0
         self._next_id = 0
         self.num_preemptions = 0
-        self._last_plan: StepPlan | None = None  # scheduled, not advanced
-        # advanced, not resolved: (plan, i64[nseq] its rows' slots, i64[nseq] its rows' request ids)
-        self._unresolved: collections.deque[tuple[StepPlan, np.ndarray, np.ndarray]] = collections.deque()
+        self.ledger = Ledger(self.rows, self.requests, self)  # plans between schedule and their tokens
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
@@ -173,7 +171,48 @@ class Scheduler(StepApplication):
 
     def has_unresolved(self) -> bool:
         """An advanced plan is waiting for its sampled tokens."""
-        return bool(self._unresolved)
+        return bool(self.ledger.unresolved)
+
+    # ---- applying a step (the ledger) ----------------------------------------------------------------------
+    def advance(self, plan: StepPlan) -> list[Request]:
+        """:meth:`Ledger.advance`: the host-known half of the latest plan; returns the requests that finished."""
+        return self.ledger.advance(plan)
+
+    def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
+        """:meth:`Ledger.resolve`: the oldest advanced plan's sampled tokens; returns the requests that finished."""
+        return self.ledger.resolve(plan, sampled)
+
+    def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
+        """:meth:`Ledger.update`: ``advance`` and ``resolve`` at once (the synchronous engine, simulations)."""
+        return self.ledger.update(plan, sampled)
+
+    def new_tokens(self, plan: StepPlan, sent: np.ndarray) -> tuple[np.ndarray, np.ndarray, list | None]:
+        """:meth:`Ledger.new_tokens`: a resolved plan's rows' tokens from output position ``sent``, in one gather."""
+        return self.ledger.new_tokens(plan, sent)
+
+    def rollback(self) -> None:
+        """:meth:`Ledger.rollback`: forget the plans a fault lost (their requests are recomputed)."""
+        self.ledger.rollback()
+
+    def recover(self, plans: list[StepPlan]) -> list[int]:
+        """After a fault lost ``plans`` (this scheduler's plans of steps whose tokens will never be read, advanced
+        or not): a request that took its last token is released (its tokens are complete), the reserved tokens are
+        dropped (:meth:`rollback`), and every running request is preempted by recompute, requeued first in its
+        admission order. Returns the ids of the requests touched (whose outputs may have changed)."""
+        for p in plans:  # cut short between "took its last token" and "released"
+            for rid in p.request_ids:
+                req = self.requests.get(rid)
+                if req is not None and req.status is Status.RUNNING and req not in self.running:
+                    self.running.append(req)
+        touched = [*(rid for p in plans for rid in p.request_ids), *(r.request_id for r in self.running)]
+        for req in list(self.running):
+            if req.complete:
+                self.abort(req.request_id)  # releases slot and pages; its tokens are complete
+        self.ledger.rollback()  # drops reserved tokens; preempts the running requests the lost steps advanced
+        for req in reversed(list(self.running)):
+            self.preempt(req)
+        return touched
+
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self, burst: int = 1) -> StepPlan:
@@ -229,7 +268,7 @@ class Scheduler(StepApplication):
         self.prefix_hit_tokens += hits
         plan = build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets, self.b_buckets,
                           self.blk_buckets, restore=restore, save=save, prefix_hit_tokens=hits)
-        self._last_plan = plan
+        self.ledger.planned = plan
         self.step += 1
         return plan
 
@@ -265,7 +304,7 @@ class Scheduler(StepApplication):
         assert allocated, "rows_fit and allocate_rows disagree"
         plan = build_plan(self.step, rows, np.ones(len(rows), np.int64), t, self.blocks, self.t_buckets,
                           self.b_buckets, self.blk_buckets, burst=n, stride=self.cache.max_seqs)
-        self._last_plan = plan
+        self.ledger.planned = plan
         self.step += 1
         return plan
 
@@ -328,7 +367,7 @@ class Scheduler(StepApplication):
                 break
             while not self.blocks.can_fit(int(need[i])):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
@@ -387,7 +426,9 @@ class Scheduler(StepApplication):
         self.slots.free(slot)
         req.slot = 0
 
-    def _finish(self, req: Request) -> None:
+    def finish(self, req: Request) -> None:
+        """Transition: ``req`` is done (its slot and pages go back); it stays known until its last reserved token
+        is resolved."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._release(req)
@@ -397,12 +438,15 @@ class Scheduler(StepApplication):
         if not req.pending:
             del self.requests[req.request_id]
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
+        """Transition: preempt running ``req`` by recompute (slot and pages freed, progress dropped, requeued
+        first)."""
         self.running.remove(req)
         self._release(req)
-        self._requeue(req)
+        self.requeue(req)
 
-    def _requeue(self, req: Request) -> None:
+    def requeue(self, req: Request) -> None:
+        """Transition: ``req`` (out of the running list) starts over, first in the preempted queue."""
         req.num_computed = 0
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
