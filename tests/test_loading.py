@@ -19,7 +19,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from kvjax.config import AttentionConfig, GDNConfig  # noqa: E402
 from kvjax.errors import CheckpointError  # noqa: E402
-from kvjax.models import load_pretrained  # noqa: E402
+from kvjax.models import load_generation_config, load_pretrained, load_tokenizer  # noqa: E402
 from kvjax.models.deepseek import DeepseekConfig  # noqa: E402
 from kvjax.models.deepseek.loading import from_hf as deepseek_from_hf  # noqa: E402
 from kvjax.models.qwen3_5 import Qwen3_5Config, init_random  # noqa: E402
@@ -207,3 +207,114 @@ def test_load_pretrained_names_a_mesh_that_is_not_a_mesh(tmp_path, qwen_saved, m
     with pytest.raises(ValueError, match=rf"mesh must be a jax\.sharding\.Mesh.*{mesh!r}".replace("(", r"\(")
                        .replace(")", r"\)")):
         load_pretrained(path, mesh=mesh)
+
+
+# ------------------------------------------------------------------ generation_config.json and the tokenizer (issue 33)
+
+
+def _with_generation(tmp_path, qwen_saved, generation: dict | str | None, **config_changes):
+    config, tensors, _ = qwen_saved
+    path = write_ckpt(tmp_path / "c", {**config, **config_changes}, tensors)
+    if generation is not None:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            f.write(generation if isinstance(generation, str) else json.dumps(generation))
+    return path
+
+
+def test_generation_config_is_read_and_attached(tmp_path, qwen_saved):
+    path = _with_generation(tmp_path, qwen_saved, {"eos_token_id": [7, 3, 7], "bos_token_id": 1, "pad_token_id": 0,
+                                                   "temperature": 0.6, "top_k": 20, "top_p": 0.95, "do_sample": True,
+                                                   "transformers_version": "5.0.0"})
+    gen = load_generation_config(path)
+    assert gen.eos_token_ids == (7, 3) and gen.eos_token_id == 7 and gen.bos_token_id == 1 and gen.pad_token_id == 0
+    assert (gen.temperature, gen.top_k, gen.top_p, gen.do_sample, gen.max_new_tokens) == (0.6, 20, 0.95, True, None)
+    assert gen.source.endswith("generation_config.json")
+    model = load_pretrained(path)
+    assert model.generation_config == gen
+
+
+def test_generation_config_falls_back_to_config_json(tmp_path, qwen_saved):
+    path = _with_generation(tmp_path, qwen_saved, None, eos_token_id=5, bos_token_id=None)
+    gen = load_pretrained(path).generation_config
+    assert gen.eos_token_ids == (5,) and gen.bos_token_id is None and gen.source.endswith("config.json")
+    nested = _with_generation(tmp_path / "n", qwen_saved, None, eos_token_id=None, text_config={"eos_token_id": [4]})
+    assert load_generation_config(nested).eos_token_id == 4
+    empty = _with_generation(tmp_path / "e", qwen_saved, None, eos_token_id=None, pad_token_id=None)
+    assert load_generation_config(empty).eos_token_id is None
+
+
+@pytest.mark.parametrize("generation, match", [
+    ({"eos_token_id": -1}, r"generation_config\.json: eos_token_id must be a token id >= 0.*-1"),
+    ({"eos_token_id": [2, "3"]}, r"eos_token_id must be a token id.*'3'"),
+    ({"eos_token_id": True}, "eos_token_id must be a token id"),
+    ({"bos_token_id": [1, 2]}, "bos_token_id must be one token id"),
+    ({"temperature": "hot"}, "'temperature' must be"),
+    ({"top_p": 1.5}, "top_p out of range, got 1.5"),
+    ({"top_k": 2.0}, "'top_k' must be"),
+    ("[1, 2]", "must hold a JSON object, got list"),
+    ("{not json", "cannot parse"),
+])
+def test_bad_generation_config_is_named(tmp_path, qwen_saved, generation, match):
+    path = _with_generation(tmp_path, qwen_saved, generation)
+    with pytest.raises(CheckpointError, match=match):
+        load_generation_config(path)
+    with pytest.raises(CheckpointError, match=match):  # before the weights are read
+        load_pretrained(path)
+
+
+def test_eos_outside_the_vocabulary_is_named(tmp_path, qwen_saved):
+    config = qwen_saved[0]
+    path = _with_generation(tmp_path, qwen_saved, {"eos_token_id": [1, config["vocab_size"]]})
+    with pytest.raises(CheckpointError, match=rf"eos_token_id {config['vocab_size']} is outside the vocabulary"):
+        load_pretrained(path)
+
+
+def test_engine_stops_at_the_checkpoints_eos(tmp_path, qwen_saved):
+    """The eos of generation_config.json, given to the engine, ends a greedy request at the token the model
+    picks first (found with the uncached forward), and a request without eos runs to max_new_tokens."""
+    from kvjax.config import CacheConfig
+    from kvjax.engine import Engine
+
+    config = qwen_saved[0]
+    prompt = np.random.default_rng(1).integers(0, config["vocab_size"], 12)
+    plain = load_pretrained(write_ckpt(tmp_path / "plain", {**config, "eos_token_id": None}, qwen_saved[1]))
+    first = int(np.argmax(np.asarray(plain.logits(jnp.asarray(prompt[None], jnp.int32)))[0, -1]))
+    path = _with_generation(tmp_path, qwen_saved, {"eos_token_id": [first]})
+    model = load_pretrained(path)
+    cache = CacheConfig(page_size=8, num_pages=16, max_seqs=2, max_blocks_per_seq=4)
+    engine = Engine(model, cache, eos_token_id=model.generation_config.eos_token_id, decode_burst=1)
+    assert engine.generate([prompt], max_new_tokens=6)[0] == [first]
+    assert len(Engine(plain, cache, decode_burst=1).generate([prompt], max_new_tokens=6)[0]) == 6
+
+
+def _save_word_tokenizer(path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, "</s>": 1, "the": 2, "page": 3, "is": 4, "free": 5}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>")
+    fast.save_pretrained(path)
+    return vocab
+
+
+def test_load_tokenizer_from_the_folder_offline(tmp_path, qwen_saved, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = _with_generation(tmp_path, qwen_saved, None)
+    assert load_tokenizer(path) is None  # no tokenizer file: None, not an error
+    vocab = _save_word_tokenizer(path)
+    tok = load_tokenizer(path)
+    ids = tok("the page is free")["input_ids"]
+    assert ids == [vocab[w] for w in ("the", "page", "is", "free")]
+    assert tok.decode(ids) == "the page is free" and tok.eos_token_id == vocab["</s>"]
+    assert tok("the moon")["input_ids"] == [2, 0]  # unknown word -> [UNK]
+
+
+def test_load_tokenizer_names_a_broken_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"cannot load the tokenizer in '.*'"):
+        load_tokenizer(tmp_path)
