@@ -1,13 +1,28 @@
-"""Writes the notebooks of this folder from the cell sources below (outputs stripped): ``python notebooks/build.py``.
+"""Writes the notebooks of this folder from the cell sources below: ``python notebooks/build.py [--execute [NAME ...]]``.
 
-Edit the cells here, not the ``.ipynb`` files, then rerun this script. Each notebook reads ``KVJAX_NB_SIZE``
-(``small``, the default, runs on 2 CPU cores in CI; ``gpu`` runs bigger sweeps) in its first code cell;
-``tests/test_notebooks.py`` executes them all top to bottom.
+Edit the cells here, not the ``.ipynb`` files. Each notebook reads ``KVJAX_NB_SIZE`` (``small``, the default, runs on
+2 CPU cores in CI; ``gpu`` runs bigger sweeps) in its first code cell; ``tests/test_notebooks.py`` executes them all
+top to bottom and checks that the committed files match these cells.
+
+The committed notebooks carry the outputs of the CI-size run, so that a reader sees every table and figure where the
+notebook is opened (GitHub renders them) without running it:
+
+- ``python notebooks/build.py`` rewrites (without outputs) only the notebooks whose cells changed here;
+- ``python notebooks/build.py --execute [NAME ...]`` then executes the named notebooks (default: all), one at a
+  time, with nbclient at ``KVJAX_NB_SIZE`` (default ``small``) and writes them with their outputs: figures as PNG,
+  long text cut in the middle, no timings; the notebook's metadata ``kvjax`` records the size, the commit, the
+  device and the date of the run. A cell that fails stops it and writes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import os
 import pathlib
+import platform
+import subprocess
+import sys
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
@@ -542,15 +557,102 @@ NOTEBOOKS = {"recycle_policies.ipynb": RECYCLE, "quality_under_recycling.ipynb":
              "kernels_tour.ipynb": TOUR, "prefix_reuse.ipynb": PREFIX}
 
 
-def main() -> None:
-    for name, cells in NOTEBOOKS.items():
-        nb = _notebook(cells)
-        for i, cell in enumerate(nb.cells):
-            cell["id"] = f"{pathlib.Path(name).stem[:12]}-{i:02d}"
-        nbformat.validate(nb)
-        nbformat.write(nb, HERE / name)
-        print(f"wrote notebooks/{name} ({len(cells)} cells)")
+MAX_TEXT = 4000  # characters a text output keeps (its head and tail); longer text is cut in the middle
+FIGURE_TYPES = ("image/png", "text/plain")  # what a display_data / execute_result output keeps when it has a PNG
+
+
+def built(name: str) -> nbformat.NotebookNode:
+    """The notebook ``name`` from its cells above, without outputs (cell ids fixed, so rebuilding changes nothing)."""
+    nb = _notebook(NOTEBOOKS[name])
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"{pathlib.Path(name).stem[:12]}-{i:02d}"
+    nbformat.validate(nb)
+    return nb
+
+
+def same_cells(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
+    """Whether two notebooks have the same cells (type and source), whatever their outputs."""
+    return [(c.cell_type, c.source) for c in a.cells] == [(c.cell_type, c.source) for c in b.cells]
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MAX_TEXT:
+        return text
+    half = MAX_TEXT // 2
+    return f"{text[:half]}\n[... {len(text) - MAX_TEXT} characters cut by notebooks/build.py ...]\n{text[-half:]}"
+
+
+def tidy(nb: nbformat.NotebookNode) -> None:
+    """Keep the outputs small and stable: PNG figures only (no SVG/HTML twins), text cut to :data:`MAX_TEXT`
+    characters, no execution timings."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.metadata.pop("execution", None)
+        for out in cell.outputs:
+            if out.output_type == "stream":
+                out.text = _cut(out.text)
+            elif out.output_type in ("display_data", "execute_result"):
+                if "image/png" in out.data:
+                    out.data = {k: v for k, v in out.data.items() if k in FIGURE_TYPES}
+                for key, value in out.data.items():
+                    if key.startswith("text/") and isinstance(value, str):
+                        out.data[key] = _cut(value)
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def execute(name: str) -> nbformat.NotebookNode:
+    """Execute the notebook ``name`` (built from its cells) top to bottom in a ``python3`` kernel started in this
+    folder, at ``KVJAX_NB_SIZE`` (default ``small``), and return it with its tidied outputs and run metadata."""
+    from nbclient import NotebookClient  # the 'notebooks' extra
+
+    size = os.environ.setdefault("KVJAX_NB_SIZE", "small")  # the kernel inherits this process's environment
+    nb = built(name)
+    NotebookClient(nb, timeout=1800, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(HERE)}}).execute()
+    tidy(nb)
+    import jax  # after the kernel ran: the device it saw is this machine's
+
+    nb.metadata["kvjax"] = {"executed_with": "python notebooks/build.py --execute", "size": size,
+                            "commit": _commit(), "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+                            "host": f"{os.cpu_count()}-core {platform.machine()}",
+                            "date": datetime.date.today().isoformat()}
+    nbformat.validate(nb)
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the notebooks whose cells changed (stripped); with ``--execute``, execute the named ones (default:
+    all) one at a time and write them with their outputs. Returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python notebooks/build.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--execute", nargs="*", metavar="NAME", default=None,
+                    help="execute these notebooks (default: all) and write them with their outputs")
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.execute or ()) - set(NOTEBOOKS))
+    if unknown:
+        ap.error(f"unknown notebook(s) {unknown}; known: {sorted(NOTEBOOKS)}")
+    for name in NOTEBOOKS:
+        path = HERE / name
+        if not path.exists() or not same_cells(nbformat.read(path, as_version=4), built(name)):
+            nbformat.write(built(name), path)
+            print(f"wrote notebooks/{name} ({len(NOTEBOOKS[name])} cells, no outputs: run --execute {name})")
+    if args.execute is not None:
+        for name in args.execute or list(NOTEBOOKS):
+            print(f"executing notebooks/{name} (KVJAX_NB_SIZE={os.environ.get('KVJAX_NB_SIZE', 'small')}) ...",
+                  flush=True)
+            nb = execute(name)
+            nbformat.write(nb, HERE / name)
+            print(f"wrote notebooks/{name} with outputs ({(HERE / name).stat().st_size / 1e3:.0f} kB)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
