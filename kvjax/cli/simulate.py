@@ -1,9 +1,10 @@
 """``python -m kvjax simulate``: the capacity simulator's command line (:mod:`kvjax.sched.simulate` runs it).
 
 Drives the real host scheduler with a synthetic workload and no model, and prints one table: per (SWA fraction,
-pool, recycle) run, or with ``--prefix-caching`` per prefix-cache mode (off / eager / keep_tail, timely
-recycling, shared pool). Every argument is checked, and the memory the run needs estimated, before the first
-simulation; a flag the chosen mode would ignore is refused. Numpy only, like :mod:`kvjax.sched`.
+model shards and head placement, pool, recycle) run (``--model-shards M``: the same page memory in per-device
+pools, as the engine on a ``--mesh DxM``), or with ``--prefix-caching`` per prefix-cache mode (off / eager /
+keep_tail, timely recycling, shared pool). Every argument is checked, and the memory the run needs estimated,
+before the first simulation; a flag the chosen mode would ignore is refused. Numpy only, like :mod:`kvjax.sched`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from kvjax.errors import UsageError
 from kvjax.sched.blocks import POOLS
 from kvjax.sched.prefix_cache import PrefixCacheConfig
 from kvjax.sched.recycle import RECYCLE_POLICIES
-from kvjax.sched.simulate import format_prefix_table, format_table, simulate, simulate_prefix
+from kvjax.sched.simulate import (PLACEMENTS, check_servable_sharded, format_prefix_table, format_table, simulate,
+                                  simulate_prefix)
 from kvjax.sched.workload import (SEED_OUTPUT_MEAN, SEED_PROMPT_MEAN, cache_for, check_servable, few_shot_workload,
                                   multi_turn_workload, seed_footprint, seed_workload, swa_layout,
                                   system_prompt_workload)
@@ -109,6 +111,14 @@ def build_parser() -> ArgumentParser:
                    help="comma list of recycle policies to compare (not with --prefix-caching: timely)")
     p.add_argument("--pool", type=comma_list(POOLS), default=list(POOLS),
                    help="comma list of page-pool policies to compare (not with --prefix-caching: shared)")
+    p.add_argument("--model-shards", type=comma_list(int_at_least(1)), default=[1],
+                   help="per-device page pools: the same page memory split over M devices of a mesh's 'model' axis, "
+                        "each holding its KV heads' pages (the engine on --mesh DxM); a comma list compares several "
+                        "(e.g. 1,2)")
+    p.add_argument("--placement", type=comma_list(PLACEMENTS), default=["balanced"],
+                   help="how KV heads are split over --model-shards: balanced (the engine's head placement: the "
+                        "same mix of SWA and full heads per device where the counts allow) or contiguous (in "
+                        "head order); a comma list compares both")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0, help="seed of the workload and tokens")
     p.add_argument("--check-every", type=int_at_least(0), default=0,
                    help="run the integrity checks every N steps (slow; 0: never)")
@@ -127,7 +137,9 @@ def build_parser() -> ArgumentParser:
 
 # flags a mode would ignore -> why (refused when given)
 _IGNORED_WITH_PREFIX = {"recycle": "--prefix-caching always recycles timely",
-                        "pool": "--prefix-caching always uses the shared pool"}
+                        "pool": "--prefix-caching always uses the shared pool",
+                        "model_shards": "--prefix-caching simulates one page pool",
+                        "placement": "--prefix-caching simulates one page pool"}
 
 
 def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
@@ -136,6 +148,8 @@ def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) ->
     if not args.prefix_caching:
         if "workload" in given:
             raise UsageError("--workload needs --prefix-caching (without it the workload is the seed-shaped one)")
+        if "placement" in given and max(args.model_shards) == 1:
+            raise UsageError("--placement needs --model-shards above 1 (one pool has nothing to place)")
         return
     for dest, why in _IGNORED_WITH_PREFIX.items():
         if dest in given:
@@ -223,17 +237,25 @@ def main(argv: list[str]) -> int:
         workload = seed_workload(args.requests, scale=args.scale, spread=args.spread, seed=args.seed)
         cache = cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
                           full_requests=args.memory_requests, max_seqs=args.max_seqs)
-        runs = [(swa_layout(args.kv_heads, frac, args.window, args.sinks), pool, recycle)
-                for frac in args.swa_fraction for pool in args.pool for recycle in args.recycle]
-        for attention, pool, recycle in runs:  # every run can serve every request, before the first one starts
-            check_servable(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
-                           recycle=recycle)
+        shardings = [(m, place) for m in dict.fromkeys(args.model_shards)
+                     for place in (args.placement if m > 1 else args.placement[:1])]
+        runs = [(swa_layout(args.kv_heads, frac, args.window, args.sinks), m, place, pool, recycle)
+                for frac in args.swa_fraction for m, place in shardings for pool in args.pool
+                for recycle in args.recycle]
+        for attention, m, place, pool, recycle in runs:  # every run can serve every request, before the first
+            if m == 1:
+                check_servable(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
+                               recycle=recycle)
+            else:
+                check_servable_sharded(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool=pool,
+                                       recycle=recycle, model_shards=m, placement=place)
         total = sum(w.max_new_tokens for w in workload)
-        jobs = [(f"swa {len(att.swa_heads) / att.num_kv_heads:g} {pool} {recycle}",
-                 lambda progress, att=att, pool=pool, recycle=recycle: simulate(
+        jobs = [(f"swa {len(att.swa_heads) / att.num_kv_heads:g}{f' M={m} {place}' if m > 1 else ''} {pool} {recycle}",
+                 lambda progress, att=att, m=m, place=place, pool=pool, recycle=recycle: simulate(
                      workload, cache, att, max_num_batched_tokens=args.max_tokens, pool=pool, recycle=recycle,
-                     seed=args.seed, check_every=args.check_every, progress=progress))
-                for att, pool, recycle in runs]
+                     seed=args.seed, check_every=args.check_every, progress=progress, model_shards=m,
+                     placement=place))
+                for att, m, place, pool, recycle in runs]
         results = _run_all(jobs, total * len(jobs), args.progress)
     except ValueError as e:
         return fail("simulate", e)

@@ -17,6 +17,16 @@ Layout (issue #20, phase A). The mesh is ``jax.sharding.Mesh(devices, ("data", "
   ``[D, M, P, page_size, F]`` (device ``(d, m)`` holds ``[P, page_size, F]``); KV head ``h`` lives on
   ``m = h // (Hkv / M)`` and the page ids in its block-table column ``block_tables[d, :, h]`` (and
   ``slot_mapping[d, :, h]``) index that device's pool. ``P`` is per device: ``M`` devices hold ``M * P`` pages.
+- **Head placement**: ``h`` above counts the KV heads of :meth:`ShardedModel.attention_layout`, the model's heads
+  in the device-major order of :func:`kvjax.sched.blocks.head_placement` (``plan.kv_order``), not the model's
+  own order: a contiguous split of ``(w, w, 0, 0)`` over 2 devices would put both full heads on device 1, whose
+  pool then fills first while device 0's sits half empty (fewer running requests than one device with the same
+  total pages). Placed, each device holds one SWA and one full head. The parameters are permuted to match (each KV
+  head with its GQA query heads' ``q_proj`` columns and ``o_proj`` rows, its ``k_proj`` / ``v_proj`` columns and
+  its window / sinks), so block tables built for ``attention_layout()`` (the engine's scheduler's) are all the
+  step needs; nothing is permuted per step. Where the counts do not allow the same mix (3 SWA + 1 full over 2
+  devices) one device holds more of the heavy heads whatever the order; equal shards mean equal ``P``, so extra
+  pages for that device cost ``M`` times as much physical memory (see ``kvjax.sched.blocks``).
 - **DeepSeek's single latent head** cannot be split by head: its pages are ``[D, P, page_size, F]``, split
   over ``"data"`` (each data shard's rows attend their own pages: data-parallel attention) and replicated
   over ``"model"``, where each device attends its share of the query heads over the same latent pages (the
@@ -121,6 +131,11 @@ class ShardedModel:
         self._layout = model_abstract.attention_layout()
         self.plan = plan = model_abstract.shard_plan(MODEL, self.model_size)
         self.perms = plan.perms
+        if plan.kv_order:  # the heads in device-major order (with their windows / sinks)
+            order = np.asarray(plan.kv_order)
+            self._layout = dataclasses.replace(self._layout, window=tuple(np.asarray(self._layout.window)[order]
+                                                                          .tolist()),
+                                               sinks=tuple(np.asarray(self._layout.sinks)[order].tolist()))
         state = nnx.state(model_abstract)
         flat = check_values(state, values)
         placed = []
@@ -150,12 +165,20 @@ class ShardedModel:
         return self.plan.tp.vocab_size
 
     def attention_layout(self):
-        """The global block-table layout (all KV heads; column ``h``'s pages live on model shard
-        :meth:`head_owner`)."""
+        """The global block-table layout: all KV heads with their windows / sinks in the placed order
+        (``plan.kv_order``: head ``h`` here is the model's head ``kv_order[h]``); column ``h``'s pages live on model
+        shard :meth:`head_owner`. The engine's scheduler must build its tables for this layout (not the unsharded
+        model's, whose head order may differ)."""
         return self._layout
 
+    @property
+    def kv_order(self) -> np.ndarray:
+        """i64[Hkv]: the model's KV head behind each head of :meth:`attention_layout` (identity if unplaced)."""
+        return np.asarray(self.plan.kv_order or range(self._layout.num_kv_heads), np.int64)
+
     def head_owner(self, head: int) -> int:
-        """Model-axis index of the device whose page pool holds KV head ``head``'s pages (0 for a latent head)."""
+        """Model-axis index of the device whose page pool holds the pages of KV head ``head`` of
+        :meth:`attention_layout` (0 for a latent head)."""
         if not self.plan.pages_over_model:
             return 0
         return head // self.plan.local_config.attention.num_kv_heads

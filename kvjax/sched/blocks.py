@@ -14,12 +14,21 @@ Pool policies (how heads share the ``num_pages`` single-head pages of a layer):
 
 Pages per model shard (``shards=M``, the engine on a mesh whose ``"model"`` axis splits the KV heads; see
 :mod:`kvjax.models.sharding`): ``cache.num_pages`` is the page count of *one device's* pool and heads
-``[m * H_kv / M, (m + 1) * H_kv / M)`` live on model shard ``m``. The allocator holds ``M * num_pages`` pages with
+``[m * H_kv / M, (m + 1) * H_kv / M)`` of the given layout live on model shard ``m`` (a mesh model's layout is
+placed, see below). The allocator holds ``M * num_pages`` pages with
 global ids: shard ``m`` owns ``[m * num_pages, (m + 1) * num_pages)``, ``shared`` keeps one free list per shard
 (its heads only), ``partitioned`` one per head inside its shard's range. :attr:`BlockAllocator.page_base`
 (``i64[H_kv]``, ``m * num_pages`` for head ``h`` on shard ``m``) turns a table's global ids into the device-local
 ids of each head's pool (``local = global - page_base[h]``) with one vectorised subtraction. ``shards=1``: one
 device, global ids are local ids, nothing changes.
+
+Head placement (:func:`head_placement`). With SWA heads a contiguous split can give one shard more full heads
+than another (4 KV heads, 2 SWA then 2 full, over 2 shards: shard 1 holds both full heads), so that shard's pool
+fills first and caps the running requests while the other's sits half used. A model on a mesh therefore presents
+its KV heads already *placed* (``ShardedModel.attention_layout()``: the same heads in device-major order, chosen by
+:func:`head_placement` so that every shard holds the same mix of SWA and full heads where the counts allow), and
+this allocator splits whatever layout it is given contiguously. :func:`placed_layout` is that layout for a bare
+:class:`AttentionConfig` (the simulator's ``--model-shards``), so the simulator and the engine see the same pools.
 
 Every head writes every position, so all heads of a row always cover the same number of logical blocks
 (``num_blocks[r]``); they differ only in which blocks were recycled (or attached as holes from a prefix cache).
@@ -34,7 +43,8 @@ method behaves exactly as before.
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -43,6 +53,49 @@ from kvjax.errors import DoubleFreeError, OutOfPagesError, RequestTooLongError
 
 POOLS = ("shared", "partitioned")
 SHARED = -2  # owner_row of a page held through the reference count
+
+
+def head_placement(window: Sequence[int], sinks: Sequence[int], shards: int) -> np.ndarray:
+    """i64[H_kv]: the KV heads in device-major order for ``shards`` model shards (shard ``m`` holds heads
+    ``order[m * H_kv / shards : (m + 1) * H_kv / shards]``, in increasing head id).
+
+    ``window`` / ``sinks``: the heads' ``i64[H_kv]`` windows (0 = full head) and sinks. Rule: heads of one kind
+    (equal ``(window, sinks)``) fill pages at the same rate, so each kind is dealt out evenly. The heads sorted by
+    kind -- full heads first, then SWA heads by decreasing window (the heaviest first), ties by head id -- go to
+    shards ``0, 1, .., M-1, 0, 1, ..`` in turn. Every shard gets ``H_kv / M`` heads and every kind's count on two
+    shards differs by at most one: where each kind's count is a multiple of ``M`` every shard holds the same mix
+    (4 KV heads ``(w, w, 0, 0)`` on 2 shards: ``{0, 2}`` and ``{1, 3}``), otherwise no split can do better (3 SWA +
+    1 full on 2 shards: one shard holds the full head whatever the order). When the contiguous split already holds
+    the same multiset of mixes as that deal (all heads alike, or already placed), the order is the identity, so
+    placing a placed layout changes nothing. ``ValueError`` unless ``shards`` is an int >= 1 dividing ``H_kv``.
+    """
+    window, sinks = np.asarray(window, np.int64), np.asarray(sinks, np.int64)
+    h_kv = window.shape[0]
+    if not is_int(shards) or shards < 1 or h_kv % shards or sinks.shape != window.shape:
+        raise ValueError(f"head_placement: shards must be an int >= 1 dividing num_kv_heads={h_kv} (window "
+                         f"{window.tolist()}, sinks {sinks.tolist()}), got {shards!r}")
+    per = h_kv // int(shards)
+    key = np.where(window == 0, np.iinfo(np.int64).max, window)  # full heads are the heaviest kind
+    by_kind = np.lexsort((np.arange(h_kv), -sinks, -key))  # i64[H_kv]: kinds heaviest first, ties by head id
+    dealt = np.empty(h_kv, np.int64)
+    dealt[by_kind] = np.arange(h_kv) % shards  # i64[H_kv]: shard of each head
+
+    def mixes(shard_of_head: np.ndarray) -> list:
+        return sorted(sorted(zip(window[shard_of_head == m].tolist(), sinks[shard_of_head == m].tolist()))
+                      for m in range(shards))
+
+    if mixes(np.arange(h_kv) // per) == mixes(dealt):
+        return np.arange(h_kv, dtype=np.int64)
+    return np.argsort(dealt, kind="stable").astype(np.int64)
+
+
+def placed_layout(attention: AttentionConfig, shards: int) -> tuple[AttentionConfig, np.ndarray]:
+    """``(layout, order)``: ``attention``'s KV heads in the device-major order of :func:`head_placement`
+    (``layout.window[j] == attention.window[order[j]]``, sinks alike) for an allocator with ``shards`` model
+    shards, and ``order`` (``i64[H_kv]``). What ``ShardedModel.attention_layout()`` returns for the model."""
+    order = head_placement(attention.window, attention.sinks, shards)
+    window, sinks = np.asarray(attention.window)[order], np.asarray(attention.sinks)[order]
+    return dataclasses.replace(attention, window=tuple(window.tolist()), sinks=tuple(sinks.tolist())), order
 
 
 class Reclaimer(Protocol):

@@ -22,6 +22,13 @@ rows, ``N`` pages):
   ``S >= sum_{r, L, h} live_h(L) / N`` (shared) or ``max_h sum_{r, L} live_h(L) / (N / H_kv)`` (partitioned).
   Prefill steps also hold pages; leaving them out keeps this a lower bound.
 
+Model shards (``model_shards=M``, the engine on a mesh with ``M`` devices on ``"model"``): the same total page
+memory ``N`` split into ``M`` per-device pools of ``N / M`` pages, each serving its shard's ``H_kv / M`` heads
+(:class:`~kvjax.sched.blocks.BlockAllocator` with ``shards=M``). ``placement="balanced"`` places the heads as the
+engine's sharded model does (:func:`~kvjax.sched.blocks.placed_layout`), ``"contiguous"`` splits them in the
+model's order (what a mesh did before placement). A pool that fills first stops admission and preempts while the
+others have room; the page term becomes ``max_m sum_{r, L, h on m} live_h(L) / (N / M)``.
+
 ``bound = G / max(the four)`` is an upper bound on generated tokens per step. With memory for a few
 full-length requests the page term dominates for ``none``, so the bound on the gain ``timely / none`` is the
 ratio of time-averaged per-request page footprints, capped where the timely run hits the row or token term.
@@ -36,8 +43,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.sched.blocks import BlockAllocator
+from kvjax.config import AttentionConfig, CacheConfig, is_int
+from kvjax.sched.blocks import BlockAllocator, placed_layout
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 from kvjax.sched.plan import StepPlan
 from kvjax.sched.recycle import live_blocks, make_recycle_policy
@@ -62,6 +69,47 @@ class SimResult:
     preemptions: int  # preemptions (recompute) in all
     page_util_mean: float  # mean over steps of used / num_pages after scheduling
     page_util_peak: float  # max over steps of the same
+    model_shards: int = 1  # per-device page pools (the "model" axis of a mesh); 1 = one pool
+    placement: str = "balanced"  # "balanced" | "contiguous": how heads were split over the model shards
+
+
+PLACEMENTS = ("balanced", "contiguous")
+
+
+def shard_setup(cache: CacheConfig, attention: AttentionConfig, model_shards: int,
+                placement: str = "balanced") -> tuple[CacheConfig, AttentionConfig]:
+    """The per-device cache and the layout a scheduler with ``page_shards=model_shards`` gets for the same total
+    page memory: ``cache.num_pages / model_shards`` pages per shard and ``attention`` placed
+    (:func:`~kvjax.sched.blocks.placed_layout`) or, for ``"contiguous"``, as given. ``ValueError`` names a shard
+    count that does not divide the pages or the KV heads, or an unknown placement."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not is_int(model_shards) or model_shards < 1 or cache.num_pages % model_shards \
+            or attention.num_kv_heads % model_shards:
+        raise ValueError(f"model_shards must be an int >= 1 dividing num_pages={cache.num_pages} and num_kv_heads="
+                         f"{attention.num_kv_heads}, got {model_shards!r}")
+    if model_shards == 1:
+        return cache, attention
+    if placement == "balanced":
+        attention, _ = placed_layout(attention, model_shards)
+    return dataclasses.replace(cache, num_pages=cache.num_pages // model_shards), attention
+
+
+def check_servable_sharded(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
+                           max_num_batched_tokens: int, pool: str, recycle: str, model_shards: int,
+                           placement: str) -> None:
+    """:func:`kvjax.sched.workload.check_servable` for :func:`simulate` with ``model_shards`` / ``placement``: raise
+    ``ValueError`` naming the first request that a shard's pool can never serve (even alone)."""
+    shard_cache, att = shard_setup(cache, attention, model_shards, placement)
+    sched = Scheduler(shard_cache, att, max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle,
+                      page_shards=model_shards)
+    for i, w in enumerate(workload):
+        try:
+            sched.add_request(w.prompt, w.max_new_tokens)
+        except ValueError as err:
+            raise type(err)(f"request {i} (prompt {w.prompt.size}, output {w.max_new_tokens}) cannot be served "
+                            f"with recycle={recycle}, pool={pool}, {model_shards} model shards ({placement}): "
+                            f"{err}") from None
 
 
 def throughput_bound(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
@@ -73,8 +121,9 @@ def throughput_bound(workload: list[RequestSpec], cache: CacheConfig, attention:
 
 
 def step_lower_bounds(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
-                      max_num_batched_tokens: int, pool: str, recycle: bool) -> dict[str, float]:
-    """The lower bounds on the number of steps: ``{"tokens", "rows", "longest", "pages"}`` -> steps."""
+                      max_num_batched_tokens: int, pool: str, recycle: bool, shards: int = 1) -> dict[str, float]:
+    """The lower bounds on the number of steps: ``{"tokens", "rows", "longest", "pages"}`` -> steps.
+    ``shards``: ``cache.num_pages`` pages per model shard, shard ``m`` serving heads ``[m * H_kv / shards, ..)``."""
     bt, window, sinks = max_num_batched_tokens, np.asarray(attention.window), np.asarray(attention.sinks)
     tokens = rows = longest = 0
     page_steps = np.zeros(attention.num_kv_heads)
@@ -87,9 +136,9 @@ def step_lower_bounds(workload: list[RequestSpec], cache: CacheConfig, attention
             L = np.arange(p, p + o - 1)
             page_steps += live_blocks(L, np.ones_like(L), window, sinks, cache.page_size, recycle).sum(axis=0)
     if pool == "partitioned":
-        page_lb = page_steps.max() / (cache.num_pages // attention.num_kv_heads)
-    else:
-        page_lb = page_steps.sum() / cache.num_pages
+        page_lb = page_steps.max() / (cache.num_pages * shards // attention.num_kv_heads)
+    else:  # the fullest shard's pool
+        page_lb = page_steps.reshape(shards, -1).sum(axis=1).max() / cache.num_pages
     return {"tokens": tokens / bt, "rows": rows / cache.max_seqs, "longest": float(longest), "pages": float(page_lb)}
 
 
@@ -112,37 +161,42 @@ def simulation_steps(sched: Scheduler, *, seed: int = 0, check_every: int = 0) -
 
 
 def sim_result(workload: list[RequestSpec], sched: Scheduler, *, pool: str, recycle: str, generated: int,
-               peak: int, util: np.ndarray) -> SimResult:
+               peak: int, util: np.ndarray, placement: str = "balanced") -> SimResult:
     """The :class:`SimResult` of a finished run of ``sched`` over ``workload``: ``generated`` tokens, ``peak``
     running requests, ``util`` = f64[steps] fraction of pages in use after each step's scheduling."""
-    att = sched.attention
+    att, shards = sched.attention, sched.blocks.shards
     lbs = step_lower_bounds(workload, sched.cache, att, max_num_batched_tokens=sched.max_num_batched_tokens,
-                            pool=pool, recycle=sched.recycle_policy.frees_swa_blocks)
+                            pool=pool, recycle=sched.recycle_policy.frees_swa_blocks, shards=shards)
     by = max(lbs, key=lbs.get)
     steps = len(util)
     return SimResult(len(att.swa_heads) / att.num_kv_heads, pool, recycle, steps, generated, generated / steps,
-                     generated / lbs[by], by, peak, sched.num_preemptions, float(np.mean(util)), float(np.max(util)))
+                     generated / lbs[by], by, peak, sched.num_preemptions, float(np.mean(util)), float(np.max(util)),
+                     shards, placement)
 
 
 def simulate(workload: list[RequestSpec], cache: CacheConfig, attention: AttentionConfig, *,
              max_num_batched_tokens: int, pool: str, recycle: str, seed: int = 0,
-             check_every: int = 0, progress: Callable[[int], object] | None = None) -> SimResult:
+             check_every: int = 0, progress: Callable[[int], object] | None = None, model_shards: int = 1,
+             placement: str = "balanced") -> SimResult:
     """Run ``workload`` (all requests arrive at step 0) to completion; ``check_every > 0`` runs the
     integrity checks every that many steps; ``progress`` is called after each step with the number of tokens it
-    generated (e.g. a tqdm bar's ``update``)."""
-    sched = Scheduler(cache, attention, max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle)
+    generated (e.g. a tqdm bar's ``update``). ``model_shards`` / ``placement``: ``cache.num_pages`` (the total)
+    split into per-device pools (:func:`shard_setup`; see the module docstring)."""
+    cache, attention = shard_setup(cache, attention, model_shards, placement)
+    sched = Scheduler(cache, attention, max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle,
+                      page_shards=model_shards)
     for w in workload:
         sched.add_request(w.prompt, w.max_new_tokens)
     generated = peak = 0
     util = []
     for plan in simulation_steps(sched, seed=seed, check_every=check_every):
         peak = max(peak, len(sched.running))
-        util.append(sched.blocks.used_pages() / cache.num_pages)
+        util.append(sched.blocks.used_pages() / sched.blocks.num_pages)
         generated += int(plan.sample_mask.sum())
         if progress is not None:
             progress(int(plan.sample_mask.sum()))
     return sim_result(workload, sched, pool=pool, recycle=recycle, generated=generated, peak=peak,
-                      util=np.asarray(util))
+                      util=np.asarray(util), placement=placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,16 +355,22 @@ def format_prefix_table(results: list[PrefixSimResult]) -> str:
 
 
 def format_table(results: list[SimResult]) -> str:
-    """Fixed-width table; ``gain`` and ``bound gain`` are relative to ``none`` with the same SWA fraction and pool."""
-    base = {(r.swa_fraction, r.pool): r for r in results if r.recycle == "none"}
+    """Fixed-width table; ``gain`` and ``bound gain`` are relative to ``none`` with the same SWA fraction, pool (and
+    model shards and placement). With model shards (any result's ``model_shards > 1``) two more leading columns
+    name them and the placement."""
+    sharded = any(r.model_shards > 1 for r in results)
+    base = {(r.swa_fraction, r.pool, r.model_shards, r.placement): r for r in results if r.recycle == "none"}
     head = (f"{'swa':>5} {'pool':11} {'recycle':7} {'steps':>7} {'generated':>9} {'tok/step':>8} {'bound':>8} "
             f"{'by':7} {'gain':>6} {'bound gain':>10} {'peak conc':>9} {'preempt':>7} {'util mean':>9} {'util peak':>9}")
+    if sharded:
+        head = f"{'M':>2} {'placement':10} " + head
     lines = [head, "-" * len(head)]
     for r in results:
-        b = base.get((r.swa_fraction, r.pool))
+        b = base.get((r.swa_fraction, r.pool, r.model_shards, r.placement))
         gain = f"{r.tokens_per_step / b.tokens_per_step:5.2f}x" if b else "     -"
         bgain = f"{r.bound_tokens_per_step / b.bound_tokens_per_step:9.2f}x" if b else "         -"
-        lines.append(f"{r.swa_fraction:5.2f} {r.pool:11} {r.recycle:7} {r.steps:7d} {r.generated:9d} "
+        shard = f"{r.model_shards:2d} {r.placement if r.model_shards > 1 else '-':10} " if sharded else ""
+        lines.append(f"{shard}{r.swa_fraction:5.2f} {r.pool:11} {r.recycle:7} {r.steps:7d} {r.generated:9d} "
                      f"{r.tokens_per_step:8.2f} {r.bound_tokens_per_step:8.2f} {r.bound_by:7} {gain} {bgain} {r.peak_concurrency:9d} "
                      f"{r.preemptions:7d} {r.page_util_mean:9.3f} {r.page_util_peak:9.3f}")
     return "\n".join(lines)

@@ -87,7 +87,10 @@ class ShardPlan:
     the axis size). ``perms``: parameter path suffix -> ``(array axis, permutation)`` applied before the
     contiguous split (fused ``[q | k | v]`` channels, ``[gate | up]`` expert rows: each device takes its share of
     every block); caches holding such channels use the same order. ``pages_over_model``: paged caches are split
-    over the axis (one pool per device holding only its KV heads' pages) rather than replicated.
+    over the axis (one pool per device holding only its KV heads' pages) rather than replicated. ``kv_order``: the
+    global KV heads in device-major order (:func:`kvjax.sched.blocks.head_placement`; device ``m`` holds
+    ``kv_order[m * Hkv / size : (m + 1) * Hkv / size]``), ``()`` for the identity; the sharded model's KV head
+    ``j`` (its block-table column, cache pool and window) is the model's head ``kv_order[j]``.
     """
 
     local_config: Any
@@ -95,6 +98,7 @@ class ShardPlan:
     tp: TensorParallel
     perms: dict[tuple[str, ...], tuple[int, np.ndarray]] = dataclasses.field(default_factory=dict)
     pages_over_model: bool = True
+    kv_order: tuple[int, ...] = ()  # global KV heads in device-major order; () = identity
 
 
 def check_divisible(counts: dict[str, int], size: int, axis: str) -> None:

@@ -45,8 +45,26 @@ from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
 from kvjax.models.interface import ModelCaches
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.layers import TextModel
+from kvjax.sched.blocks import placed_layout
 from kvjax.state import gdn_pool
 from kvjax.state.registry import GQACacheSpec, cache_name, create_caches
+
+
+def _kv_head_perms(order: np.ndarray, group: int, head_dim: int) -> dict[tuple[str, ...], tuple[int, np.ndarray]]:
+    """Parameter permutations that make KV head ``j`` of the attention layers the model's head ``order[j]``
+    (``order``: i64[Hkv]) with its GQA group of ``group`` query heads: path suffix -> (axis, index)."""
+    q_heads = (order[:, None] * group + np.arange(group)).ravel()  # i64[Hq]: query heads in the new order
+
+    def cols(heads: np.ndarray, width: int) -> np.ndarray:  # i64[len(heads) * width]: each head's block
+        return (heads[:, None] * width + np.arange(width)).ravel()
+
+    q, kv, o = cols(q_heads, 2 * head_dim), cols(order, head_dim), cols(q_heads, head_dim)  # q_proj: [q | gate]
+    out = {}
+    for name, index in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        out[("self_attn", name, "kernel")] = (1, index)  # Linear kernel [in, out]
+        out[("self_attn", name, "bias")] = (0, index)
+    out[("self_attn", "o_proj", "kernel")] = (0, o)  # rows: the query heads' outputs (its bias is not per head)
+    return out
 
 
 class Qwen3_5ForCausalLM(nnx.Module):
@@ -111,7 +129,14 @@ class Qwen3_5ForCausalLM(nnx.Module):
     def shard_plan(self, axis: str, size: int) -> ShardPlan:
         """How :func:`kvjax.models.sharding.shard_model` splits this model over a mesh axis of ``size`` devices:
         attention query/KV heads, GDN key/value heads (and their conv channels), MLP columns and the padded
-        vocabulary. ``ValueError`` names a head count or width that ``size`` does not divide."""
+        vocabulary. ``ValueError`` names a head count or width that ``size`` does not divide.
+
+        KV heads are *placed* before the contiguous split (:func:`kvjax.sched.blocks.head_placement`, the
+        plan's ``kv_order``): each device gets the same mix of SWA and full heads where the counts allow, so no
+        device's page pool fills first. A KV head moves with everything that belongs to it: its ``k_proj`` /
+        ``v_proj`` columns, its GQA group's ``q_proj`` columns (``[q | gate]`` per query head) and ``o_proj``
+        rows, and its window / sinks (``tp.kv_window``). Attention heads are independent, so the placed model
+        computes the same function (the ``o_proj`` sum runs in another order: equal up to rounding)."""
         c, a, g = self.config, self.config.attention, self.config.gdn
         counts = {"num_attention_heads": a.num_q_heads, "num_key_value_heads": a.num_kv_heads,
                   "linear_num_key_heads": g.num_k_heads, "linear_num_value_heads": g.num_v_heads,
@@ -128,10 +153,15 @@ class Qwen3_5ForCausalLM(nnx.Module):
         blocks = [(0, qk), (qk, qk), (2 * qk, v)]  # [q | k | v] conv channels: each device takes its share of each
         perm = np.concatenate([np.arange(o + i * n // size, o + (i + 1) * n // size)
                                for i in range(size) for o, n in blocks])
+        perms = {("linear_attn", "in_proj_qkv", "kernel"): (1, perm), ("linear_attn", "conv_weight"): (0, perm)}
+        _, order = placed_layout(a, size)  # i64[Hkv]: KV heads in device-major order
+        if (order != np.arange(a.num_kv_heads)).any():
+            perms.update(_kv_head_perms(order, a.group_size, a.head_dim))
+        window, sinks = np.asarray(a.window)[order].tolist(), np.asarray(a.sinks)[order].tolist()
         return ShardPlan(
-            local_config=local, vocab_padded=vpad, pages_over_model=True,
-            perms={("linear_attn", "in_proj_qkv", "kernel"): (1, perm), ("linear_attn", "conv_weight"): (0, perm)},
-            tp=TensorParallel(axis, size, c.vocab_size, tuple(a.window), tuple(a.sinks)),
+            local_config=local, vocab_padded=vpad, pages_over_model=True, perms=perms,
+            kv_order=tuple(order.tolist()) if len(perms) > 2 else (),
+            tp=TensorParallel(axis, size, c.vocab_size, tuple(window), tuple(sinks)),
         )
 
     def attention_layout(self) -> AttentionConfig:
