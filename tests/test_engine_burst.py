@@ -300,3 +300,20 @@ def test_abort_of_a_streamed_request_whose_last_events_are_queued(qwen, case, ov
     assert got[0] == expect[0][:1]
     assert all(got[i] == expect[i][:3] for i in range(1, len(prompts)))
     assert_idle(eng)
+
+
+def test_metrics_count_sub_steps(qwen, case):
+    """The per-step figures researchers compare (tokens per step, running requests) mean the same with and without
+    bursts: a burst of K weighs K sub-steps, and its running requests are its rows at each sub-step."""
+    prompts, _ = case
+    got = {}
+    for burst in (1, 8):
+        eng = engine(qwen, burst, True)
+        eng.generate(prompts, 20)
+        got[burst] = eng.metrics.summary()
+    one, many = got[1], got[8]
+    assert many["steps"] < many["sub_steps"] and one["steps"] == one["sub_steps"]
+    assert many["generated_tokens"] == one["generated_tokens"]
+    for key in ("generated_tokens_per_step", "running_mean"):
+        assert abs(many[key] / one[key] - 1) < 0.15, (key, one[key], many[key])
+    assert many["tokens_per_dispatch"] > many["generated_tokens_per_step"]

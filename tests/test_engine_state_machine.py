@@ -26,6 +26,7 @@ from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from test_engine import VOCAB, qwen_swa_model, step_events
 from test_engine_faults import POINTS, Injected, make_engine
+from test_engine_transaction import FaultAt
 
 CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)
 SHARED: dict = {}  # the engine of each mode and the alone-run outputs, reused by every example
@@ -110,6 +111,13 @@ def arm(engine: Engine, point: str, exc: type[BaseException]):
     return (lambda: setattr(Request, "resolve", real_resolve)), fired
 
 
+def step_events_traced(engine: Engine, fault: FaultAt) -> list:
+    """One ``engine.step()`` under ``fault``'s tracer (the step only: what the caller does with the returned
+    outputs is the caller's), its outputs as :class:`TokenEvent` s (``collect`` checks their positions)."""
+    outs = fault.run(engine.step)
+    return [ev for out in outs for ev in out.events()]
+
+
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30).map(tuple)
 max_news = st.integers(1, 8)
 
@@ -172,6 +180,17 @@ class EngineMachine(RuleBasedStateMachine):
             assert fired and "injected" in str(err)
         finally:
             undo()
+
+    @rule(n=st.integers(1, 1200), exc=st.sampled_from([Injected, KeyboardInterrupt]))
+    def fault_anywhere(self, n, exc):
+        """A fault at the ``n``-th line or call event of kvjax's code in one step (none if the step is shorter)."""
+        if not self.engine.has_unfinished():
+            return
+        fault = FaultAt(n, exc)
+        try:
+            self.collect(step_events_traced(self.engine, fault))
+        except exc as err:
+            assert "injected" in str(err)
 
     @rule(a=st.lists(prompts, min_size=1, max_size=3), b=st.lists(prompts, min_size=1, max_size=3),
           max_new=max_news, nested=st.booleans())

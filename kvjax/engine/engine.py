@@ -194,7 +194,7 @@ class Engine:
         self.cache_config = cache_config
         self.overlap = overlap
         self.eos_token_id = check_token_id(eos_token_id, int(model.vocab_size), "eos_token_id")
-        self.attention = model.attention_layout()
+        self.attention = (model if sharded is None else sharded).attention_layout()  # on a mesh: the placed heads
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
         page_shards = sharded.model_size if sharded is not None and sharded.plan.pages_over_model else 1
@@ -344,7 +344,7 @@ class Engine:
         try:
             while box or any(rid in self.outputs.tracked for rid in ids):
                 if not box:
-                    self.outputs.hold(self._step())
+                    self._stream_step()
                     continue
                 ev = box.popleft()
                 self.outputs.consumed(ev)
@@ -398,15 +398,27 @@ class Engine:
         them (the first call returns none; a call with nothing left to schedule only collects the step in
         flight). ``overlap=False``: dispatches a step and returns its tokens.
 
-        A fault anywhere in the step (a bad argument deep down, a kernel or out-of-memory error, a
-        ``KeyboardInterrupt``), with a step in flight or not, is re-raised after the engine has recovered: the
-        tokens of steps in flight are dropped, every running request is preempted (its progress dropped,
-        recomputed later, as preemption by recompute does), and the caches are rebuilt before the next step if a
-        device call was under way. Tokens already read are kept, so the run continues to the same outputs as an
-        uninterrupted one.
+        A step is a transaction: a fault anywhere in it (a bad argument deep down, a kernel or out-of-memory
+        error, a ``KeyboardInterrupt``) is re-raised after :meth:`_recover` has brought the engine back to a state
+        derived from the requests' resolved tokens, and the next calls give the outputs of an uninterrupted run.
         """
-        outs = self._step() if self.has_unfinished() or (self._inflight and not self.outputs.held) else []
-        return self.outputs.take_held() + outs
+        self.outputs.begin()
+        try:
+            outs = self._step() if self.has_unfinished() or (self._inflight and not self.outputs.held) else []
+            return self.outputs.take_held() + outs
+        except BaseException:
+            self._recover()
+            raise
+
+    def _stream_step(self) -> None:
+        """One step run by a stream consumer (a transaction, as :meth:`step`): its outputs go to their streams,
+        those of requests no stream owns are held for the next :meth:`step`."""
+        self.outputs.begin()
+        try:
+            self.outputs.hold(self._step())
+        except BaseException:
+            self._recover()
+            raise
 
     def _device_idle(self) -> bool:
         """Everything dispatched has finished (non-blocking)."""
@@ -431,53 +443,43 @@ class Engine:
         preempt0 = sum(s.num_preemptions for s in scheds)
         if self.caches is None:  # lost to a fault in an earlier step
             self.caches = self._init_caches()
-        try:
-            burst = self.decode_burst
-            if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
-                burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
-            plans = [s.schedule(burst) for s in scheds]
-        except BaseException:
-            self._recover(None, False)
-            raise
+        burst = self.decode_burst
+        if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
+            burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
+        plans = [s.schedule(burst) for s in scheds]
         if not any(p.num_seqs for p in plans):
             raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
                                f"{[r for s in scheds for r in s.running]}, waiting="
                                f"{sum(len(s.waiting) for s in scheds)}, preempted={sum(len(s.preempted) for s in scheds)}")
-        device_called = False
-        try:
-            t1 = time.perf_counter()
-            if idle_since is None and self._device_idle():
-                idle_since = t1
-            c = self.cache_config
-            page_base = self.scheduler.blocks.page_base
-            shaped = self.runner.shape(plans)
-            samplings = [table.rows(p, self.outputs.tracked) for table, p in zip(self._sampling, shaped)]
-            greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
-            buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
-                                           use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
-            if self.debug:
-                for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
-                                                                self.use_decode_path):
-                    inputs.validate(num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
-                                    vocab_size=self.vocab_size, attention=self.attention,
-                                    shared_pages=self.prefix_caching, page_groups=groups)
-            prev = self._inflight[-1] if self._inflight else None
-            for d, plan in enumerate(plans):
-                if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
-                    raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
-            t2 = time.perf_counter()
-            if idle_since is None and self._device_idle():
-                idle_since = t2
-            traces0 = self.num_traces
-            device_called = True  # from here on the donated caches may be gone
-            prev_tokens = self.runner.no_tokens if prev is None else prev.tokens
-            tokens, self.caches = self.runner.step(self.caches, buf, prev_tokens, layout, greedy_only)
-            t3 = time.perf_counter()
-            for sched, plan in zip(scheds, plans):
-                sched.advance(plan)
-        except BaseException:
-            self._recover(plans, device_called)
-            raise
+        t1 = time.perf_counter()
+        if idle_since is None and self._device_idle():
+            idle_since = t1
+        c = self.cache_config
+        page_base = self.scheduler.blocks.page_base
+        shaped = self.runner.shape(plans)
+        samplings = [table.rows(p, self.outputs.tracked) for table, p in zip(self._sampling, shaped)]
+        greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
+        buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
+                                       use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
+        if self.debug:
+            for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
+                                                            self.use_decode_path):
+                inputs.validate(num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
+                                vocab_size=self.vocab_size, attention=self.attention,
+                                shared_pages=self.prefix_caching, page_groups=groups)
+        prev = self._inflight[-1] if self._inflight else None
+        for d, plan in enumerate(plans):
+            if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
+                raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
+        t2 = time.perf_counter()
+        if idle_since is None and self._device_idle():
+            idle_since = t2
+        traces0 = self.num_traces
+        prev_tokens = self.runner.no_tokens if prev is None else prev.tokens
+        tokens, self.caches = self.runner.step(self.caches, buf, prev_tokens, layout, greedy_only)
+        t3 = time.perf_counter()
+        for sched, plan in zip(scheds, plans):
+            sched.advance(plan)
         used = sum(s.blocks.used_pages() for s in scheds)
         record = dict(
             step=plans[0].step, num_tokens=sum(p.num_tokens for p in plans),
@@ -500,15 +502,11 @@ class Engine:
 
     def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[StepOutput]:
         """Read ``flight``'s tokens (waiting for its device work), apply them, and return their outputs."""
-        try:
-            t4 = time.perf_counter()
-            tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
-            t5 = time.perf_counter()
-            for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
-                sched.resolve(plan, row)
-        except BaseException:
-            self._recover(None, False)
-            raise
+        t4 = time.perf_counter()
+        tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
+        t5 = time.perf_counter()
+        for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
+            sched.resolve(plan, row)
         self._inflight.popleft()
         outs = [out for sched, plan in zip(self.schedulers, flight.plans) for out in self.outputs.collect_plan(sched, plan)]
         t6 = time.perf_counter()
@@ -524,23 +522,24 @@ class Engine:
         self.metrics.append(StepRecord(**{**r, "generated": generated, "t_wait": t_wait, "t_update": t_update,
                                           "t_step": r["t_step"] + t_part, "t_exposed": r["t_exposed"] + t_exposed}))
 
-    def _recover(self, plans: list[StepPlan] | None, device_called: bool) -> None:
-        """Bring the engine back to a state the next step can run from after a fault in a step (``plans``: the
-        step's plans, one per data shard, if it got that far): the tokens of steps in flight are dropped, every
-        running request is preempted by recompute (one that already took its last token is released:
-        ``Scheduler.recover``), and the caches, possibly donated or written by a lost step, are rebuilt at the next
-        step. Tokens already read are delivered (by the next ``step()``, or to their stream)."""
+    def _recover(self) -> None:
+        """After a fault at any point of a step: re-derive the engine's state from one source of truth, the
+        requests' resolved tokens. The outputs the step had begun to deliver are taken back
+        (:meth:`Outputs.rollback`); the steps in flight are dropped (recorded with 0 tokens); every scheduler is
+        rebuilt from its requests (:meth:`Scheduler.rebuilt`: the unfinished ones recomputed, as after a
+        preemption; the prefix cache empty); the caches, possibly donated or half-written, are rebuilt at the next
+        dispatch; tokens resolved but not yet delivered go out with the next call. Sampling keys depend only on
+        (seed, prompt index, tokens so far), so the recomputed tokens are the ones an uninterrupted run gives."""
         self.num_recoveries += 1
-        lost = [f.plans for f in self._inflight] + ([plans] if plans is not None else [])
-        if device_called or self._inflight:
-            self.caches = None
-        for f in self._inflight:  # their device work counts; their tokens are lost
+        self.outputs.rollback()
+        lost, self._inflight = list(self._inflight), collections.deque()
+        self.caches = None
+        self.schedulers = [s.rebuilt() for s in self.schedulers]
+        self.scheduler = self.schedulers[0]
+        self.outputs.rebind({rid: req for s in self.schedulers for rid, req in s.requests.items()})
+        self.outputs.hold(self.outputs.collect(list(self.outputs.tracked)))
+        for f in lost:  # their device work counts; their tokens are lost
             self._record(f, generated=0, t_wait=0.0, t_update=0.0, t_part=0.0, t_exposed=0.0)
-        self._inflight.clear()
-        touched: dict[int, None] = {}
-        for d, sched in enumerate(self.schedulers):
-            touched.update(dict.fromkeys(sched.recover([ps[d] for ps in lost])))
-        self.outputs.hold(self.outputs.collect(list(touched)))
 
     # ---- invariants ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

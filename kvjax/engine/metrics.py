@@ -126,8 +126,9 @@ class EngineMetrics:
         col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in FIELDS}
         sub = col["burst"]  # sub-steps of each record: the weight of its per-step figures
         computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
-        # a burst runs every running request (the plan's rows), each for its own sub-steps
-        running = np.where(sub > 1, computed + (col["running"] - col["num_seqs"]) * sub, col["running"])
+        # a burst runs every running request (its plan's rows), each for its own sub-steps: the requests running
+        # at each sub-step add up to the tokens it computed (``running`` is counted after the burst reserved them all)
+        running = np.where(sub > 1, computed, col["running"])
         warm = col["compiled"] == 0
         host = (col["t_step"] - col["t_wait"])[warm]
         exposed = col["t_exposed"][warm]

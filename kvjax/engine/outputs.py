@@ -74,6 +74,40 @@ class Outputs:
         self.inbox: dict[int, collections.deque] = {}
         self.queued: dict[int, Tracked] = {}
         self.held: list[StepOutput] = []
+        self._undo: list[tuple] = []  # what this step changed, logged before each change (see rollback)
+
+    # ---- a step as a transaction ---------------------------------------------------------------------------
+    def begin(self) -> None:
+        """A step starts: what it delivers from now on can be taken back by :meth:`rollback`."""
+        self._undo = []
+
+    def rollback(self) -> None:
+        """Take back every delivery since :meth:`begin` (a fault cut the step short): the requests' counts of
+        tokens given, the events queued for streams, the held outputs and the tracking of finished requests are
+        as they were, so those tokens go out again, once, with a later step."""
+        undo, self._undo = self._undo, []
+        for entry in reversed(undo):
+            kind = entry[0]
+            if kind == "sent":
+                entry[1].sent = entry[2]
+            elif kind == "box":
+                box, n = entry[1], entry[2]
+                while len(box) > n:
+                    box.pop()
+            elif kind == "held":
+                self.held = entry[1]
+            elif kind == "tracked":
+                self.tracked[entry[1]] = entry[2]
+                self.queued.pop(entry[1], None)
+
+    def rebind(self, requests: dict[int, Request]) -> None:
+        """Point the tracked requests at these objects (a rebuilt scheduler's; request id -> request); those not
+        among them keep theirs (complete: nothing left to compute)."""
+        for table in (self.tracked, self.queued):
+            for rid, tr in table.items():
+                new = requests.get(rid)
+                if new is not None:
+                    tr.request = new
 
     def track(self, rid: int, tracked: Tracked) -> None:
         """Start tracking request ``rid`` (just queued)."""
@@ -103,10 +137,14 @@ class Outputs:
 
     def hold(self, outs: list[StepOutput]) -> None:
         """Keep the outputs no stream owns for the next ``Engine.step()``."""
-        self.held += [out for out in outs if out.request_id not in self.inbox]
+        self._undo.append(("held", self.held))
+        self.held = self.held + [out for out in outs if out.request_id not in self.inbox]
 
     def take_held(self) -> list[StepOutput]:
-        held, self.held = self.held, []
+        """The held outputs, handed out (the list is emptied)."""
+        held = self.held
+        self._undo.append(("held", held))
+        self.held = []
         return held
 
     def open_stream(self, ids: Sequence[int]) -> collections.deque:
@@ -141,6 +179,7 @@ class Outputs:
             done = (req.status is Status.FINISHED and not req.pending) or req.complete
             self.deliver(tr, rid, new, done, outs)
             if done:
+                self._undo.append(("tracked", rid, tr))
                 del tracked[rid]
                 if rid in self.inbox:  # its last events wait in its stream's queue: abort may still drop them
                     self.queued[rid] = tr
@@ -154,7 +193,9 @@ class Outputs:
         out = StepOutput(tr.index, rid, new, tr.sent, done)
         outs.append(out)
         box = self.inbox.get(rid)
+        self._undo.append(("sent", tr, tr.sent))
         if box is not None:
+            self._undo.append(("box", box, len(box)))
             have, n = tr.sent, len(new)
             new_tuple = tuple.__new__  # a TokenEvent from its fields' tuple, without the generated __new__'s call
             evs = [new_tuple(TokenEvent, f) for f in zip(repeat(tr.index, n), repeat(rid, n), new,
@@ -181,7 +222,9 @@ class Outputs:
             # the usual decode step: every row running, tracked and given m new tokens; no stream to feed
             outs = list(map(new_tuple, repeat(StepOutput), zip([tr.index for tr in trs], rids, new, sent.tolist(),
                                                                   repeat(False))))
+            undo = self._undo
             for tr, k in zip(trs, ks):
+                undo.append(("sent", tr, tr.sent))
                 tr.sent += k
             return outs
         outs: list[StepOutput] = []
@@ -194,6 +237,7 @@ class Outputs:
                     self.deliver(tr, rid, row[:k], False, outs)
                 else:
                     outs.append(new_tuple(StepOutput, (tr.index, rid, row[:k], tr.sent, False)))
+                    self._undo.append(("sent", tr, tr.sent))
                     tr.sent += k
         return outs
 

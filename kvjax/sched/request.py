@@ -121,6 +121,19 @@ class Request:
             return self._num_tokens - len(self._pending)
         return rows.num_tokens.item(self.slot) - rows.num_pending.item(self.slot)
 
+    @classmethod
+    def resumed(cls, req: "Request") -> "Request":
+        """A new, detached request with ``req``'s id, prompt, limits and resolved outputs (its reserved tokens and
+        cached progress dropped): how a request moves into a rebuilt scheduler (``Scheduler.rebuilt``)."""
+        p = req.prompt_len
+        n = min(max(req.num_resolved, p), req.num_tokens)  # a reservation cut short may count one token too few
+        tokens = np.asarray(req.token_ids)
+        new = cls(req.request_id, tokens[:p].copy(), req.max_new_tokens, req.eos_token_id)
+        new._token_ids[p:n] = tokens[p:n]
+        new._num_tokens = n
+        new.num_preemptions = req.num_preemptions
+        return new
+
     @property
     def complete(self) -> bool:
         """The request took its last token (``max_new_tokens`` reached or eos sampled), all of them resolved."""
@@ -144,8 +157,8 @@ class Request:
             return bool(self._rows.reserve(np.array([self.slot]), np.array([row]), step).size)
         n = self._num_tokens
         self._token_ids[n] = 0
+        self._pending.append((step, row))  # first: tokens[:num_tokens - len(pending)] stay resolved values
         self._num_tokens = n + 1
-        self._pending.append((step, row))
         return n + 1 - self.prompt_len >= self.max_new_tokens
 
     def resolve(self, token: int) -> bool:
@@ -235,8 +248,8 @@ class RowTable:
         req._token_ids[:] = self.tokens[slot, : req._token_ids.size]
         req._num_tokens, req._num_computed = int(self.num_tokens[slot]), int(self.num_computed[slot])
         req._pending = self.pending(slot)
+        req._rows, req.token_ids = None, req._token_ids  # detached with its full copy before the row is freed
         self.requests[slot], self.request_id[slot], self.num_pending[slot] = None, -1, 0
-        req._rows, req.token_ids = None, req._token_ids
 
     def pending(self, slot: int) -> list[tuple[int, int]]:
         """Row ``slot``'s reserved tokens as ``[(plan step, plan row)]``, oldest first."""
@@ -327,11 +340,10 @@ class RowTable:
             src = np.minimum(counts[:, None] + np.arange(m), P - 1)  # i64[K, m]
             for queue in (self.pend_step, self.pend_row):
                 queue[slots[:, None], np.arange(m)] = queue[slots[:, None], src]
-        self.num_pending[slots] = left
         eos = first < J
-        if eos.any():
+        if eos.any():  # the counts shrink first: tokens[:num_tokens - num_pending] stay resolved values throughout
             self.num_tokens[slots[eos]] = pos[eos] + first[eos] + 1
-            self.num_pending[slots[eos]] = 0
+        self.num_pending[slots] = np.where(eos, 0, left)
         return first
 
     def oldest_is(self, slots: np.ndarray, step: int, plan_rows: np.ndarray) -> np.ndarray:

@@ -99,6 +99,8 @@ class Scheduler:
                 or not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
         self.cache, self.attention = cache, attention
+        self._options = dict(max_num_batched_tokens=max_num_batched_tokens, pool=pool, recycle=recycle,
+                             watermark=watermark, prefix_cache=prefix_cache, page_shards=page_shards)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = float(watermark)
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCacheConfig):
@@ -194,27 +196,39 @@ class Scheduler:
         """:meth:`Ledger.rollback`: forget the plans a fault lost (their requests are recomputed)."""
         self.ledger.rollback()
 
-    def recover(self, plans: list[StepPlan]) -> list[int]:
-        """After a fault lost ``plans`` (this scheduler's plans of steps whose tokens will never be read, advanced
-        or not): a request that took its last token is released (its tokens are complete), the reserved tokens are
-        dropped (:meth:`rollback`), and every running request is preempted by recompute, requeued first in its
-        admission order. Returns the ids of the requests touched (whose outputs may have changed)."""
-        for p in plans:  # cut short between "took its last token" and "released"
-            for rid in p.request_ids:
-                req = self.requests.get(rid)
-                if req is not None and req.status is Status.RUNNING and req not in self.running:
-                    self.running.append(req)
-        touched = [*(rid for p in plans for rid in p.request_ids), *(r.request_id for r in self.running)]
-        for req in list(self.running):
-            if req.complete:
-                self.abort(req.request_id)  # releases slot and pages; its tokens are complete
-        self.ledger.rollback()  # drops reserved tokens; preempts the running requests the lost steps advanced
-        for req in reversed(list(self.running)):
-            self.preempt(req)
-        return touched
+    def rebuilt(self) -> "Scheduler":
+        """A fresh scheduler with this one's configuration, buckets and counters holding this one's requests, for
+        when a fault may have left this one's state half-changed (an allocator, the prefix cache or the row table
+        interrupted part-way). Only the requests are read: each keeps its prompt and its resolved tokens (the one
+        source of truth; reserved tokens and cached progress are dropped, :meth:`Request.resumed`). Those not done
+        are queued to be recomputed: running ones first (preempted, in admission order, counted as preemptions),
+        then the preempted, then the waiting; a request whose tokens are all resolved and complete is left out.
+        The prefix cache starts empty; slots, pages and the step counter's plans in flight are forgotten."""
+        fresh = Scheduler(self.cache, self.attention, **self._options)
+        fresh.t_buckets, fresh.b_buckets, fresh.blk_buckets = self.t_buckets, self.b_buckets, self.blk_buckets
+        fresh.step, fresh._next_id = self.step, self._next_id
+        fresh.num_preemptions, fresh.prefix_hit_tokens = self.num_preemptions, self.prefix_hit_tokens
+        running = {id(r) for r in self.running}
+        seen: set[int] = set()
+        for req in [*self.running, *self.preempted, *self.waiting, *self.requests.values()]:
+            if req.request_id in seen or req.request_id not in self.requests or req.status is Status.ABORTED:
+                continue
+            seen.add(req.request_id)
+            new = Request.resumed(req)
+            if new.complete:
+                new.status = Status.FINISHED
+                continue
+            if id(req) in running or req.status is not Status.WAITING:
+                new.status = Status.PREEMPTED
+                if id(req) in running or req.status is Status.FINISHED:
+                    new.num_preemptions += 1
+                    fresh.num_preemptions += 1
+                fresh.preempted.append(new)
+            else:
+                fresh.waiting.append(new)
+            fresh.requests[new.request_id] = new
+        return fresh
 
-
-    # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self, burst: int = 1) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring).
 
