@@ -335,3 +335,20 @@ def test_run_command_with_decode_bursts(tmp_path, capsys):
         one, four = runs["1"]["results"][name], runs["4"]["results"][name]
         assert four["generated_tokens"] == one["generated_tokens"] and four["steps"] < one["steps"]
     assert runs["4"]["identical_tokens"] is True
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_traces=-1), "max_traces"), (dict(max_traces="2"), "max_traces"), (dict(max_traces=1.5), "max_traces"),
+    (dict(max_traces=True), "max_traces"), (dict(debug="no"), "debug must be True or False"),
+    (dict(use_decode_path="no"), "use_decode_path must be True or False"), (dict(overlap=1), "overlap"),
+    (dict(cache_dtype=jnp.float8_e4m3fn), "cache_dtype"), (dict(cache_dtype="int8"), "cache_dtype"),
+    (dict(cache_dtype="not a dtype"), "cache_dtype"), (dict(mesh="2x2"), "mesh must be a jax.sharding.Mesh"),
+    (dict(prefix_caching=True, prefix_checkpoints=2**31), "prefix_checkpoints"),
+    (dict(prefix_caching=True, prefix_checkpoints=2**30), "caches need"),
+    (dict(decode_burst="fast"), "decode_burst"),
+])
+def test_engine_arguments_are_checked_at_construction(qwen, kw, match):
+    """Each bad constructor argument is one clear ValueError before anything is built (they used to be accepted
+    and fail at the first generate, or be read as truthy strings)."""
+    with pytest.raises(ValueError, match=match):
+        Engine(qwen, SMALL, **kw)
