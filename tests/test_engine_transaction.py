@@ -127,6 +127,6 @@ def test_a_fault_at_any_line_of_a_step(model, mode):
         assert got == want, f"{mode}: a fault at event {n} of {total} ({exc.__name__}) changed the tokens"
         faults += raised
     assert faults >= 0.9 * len(points), (faults, len(points))
-    # a fault at the call event of ``step`` itself comes before any change: nothing to recover
-    assert faults - 1 <= engine.num_recoveries <= faults
+    # the first events of ``step`` (its call, ``outputs.begin()``) come before any change: nothing to recover
+    assert faults - 5 <= engine.num_recoveries <= faults
     print(f"{mode}: {faults} faults at {len(points)} of {total} injection points")
