@@ -201,12 +201,13 @@ class PackLayout:
         return dict(self.fields)[name]
 
     def unpack(self, buf: jax.Array) -> tuple[StepInputs, SampleInputs, CheckpointCopies | None]:
-        """Inside the jitted step: the typed inputs of the packed ``buf`` (i32[N]; slices and bitcasts only).
-        ``SampleInputs.counters`` is ``seq_lens``: a sampling row's token count is its context length."""
-        out, off = {}, 0
+        """Inside the jitted step: the typed inputs of the packed ``buf`` (i32[N], or i32[D, N] of ``D`` data shards:
+        every field then has a leading ``[D]`` axis; slices and bitcasts only). ``SampleInputs.counters`` is
+        ``seq_lens``: a sampling row's token count is its context length."""
+        out, off, lead = {}, 0, buf.shape[:-1]
         for name, shape in self.fields:
             n = int(np.prod(shape))
-            out[name] = buf[off: off + n].reshape(shape)
+            out[name] = buf[..., off: off + n].reshape(lead + tuple(shape))
             off += -(-n // PACK_ALIGN) * PACK_ALIGN
         out["has_initial_state"] = out["has_initial_state"] != 0
         out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)

@@ -10,8 +10,8 @@ the previous step's sampled tokens, restores GDN checkpoints, runs the model onc
   per device under ``shard_map`` on the local model (heads, columns and vocabulary over ``"model"``; one data
   shard's rows, pages and GDN slots per ``"data"`` index). The data shards' plans, padded to one bucket, are
   packed into one ``i32[D, N]`` buffer placed over ``"data"`` with one ``device_put``; each device takes its KV
-  heads' columns of the tables; the tokens are all-gathered over ``"data"`` and come back replicated as
-  ``i32[D, R]`` (every process reads the same tokens). A ``1 x 1`` mesh is this path on one device.
+  heads' columns of the tables; the tokens ``i32[D, R]`` come out of ``shard_map`` over ``"data"`` and are
+  resharded to every device (every process reads the same tokens). A ``1 x 1`` mesh is this path on one device.
 
 ``R = max_seqs * burst``: row ``b``'s token of sub-step ``j`` is at ``j * max_seqs + b``
 (:attr:`kvjax.sched.plan.StepPlan.token_stride`), whatever the step's row bucket.
@@ -39,13 +39,14 @@ from kvjax.sched.plan import DEVICE_FIELDS, StepPlan, pad_plan
 from kvjax.state import gdn_checkpoints
 
 
-def device_step(model_step: Callable, params: Any, caches: ModelCaches, buf: jax.Array, prev_tokens: jax.Array,
+def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked: tuple, prev_tokens: jax.Array,
                 layout: PackLayout, greedy_only: bool, *, unroll: bool = True,
                 localize: Callable[[StepInputs], StepInputs] | None = None) -> tuple[jax.Array, ModelCaches]:
     """One engine step on one device's share (traceable).
 
-    ``model_step(params, caches, inputs) -> (f32[B, vocab] logits, caches)``; ``buf``: i32[N], the step's packed
-    inputs (:class:`PackLayout`); ``prev_tokens``: i32[R], the previous step's sampled tokens (token ``t``
+    ``model_step(params, caches, inputs) -> (f32[B, vocab] logits, caches)``; ``unpacked``: the step's
+    ``(StepInputs, SampleInputs, CheckpointCopies | None)`` (:meth:`PackLayout.unpack` of its packed buffer);
+    ``prev_tokens``: i32[R], the previous step's sampled tokens (token ``t``
     becomes ``prev_tokens[prev_index[t]]`` where that index is ``>= 0``). Checkpoint copies restore GDN
     checkpoints into the rows' slots before the model and save rows' states after it (each skipped under
     ``lax.cond`` when the step has none). ``greedy_only`` (static): argmax only. ``unroll``: a burst's sub-steps
@@ -53,16 +54,17 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, buf: jax
     view of the inputs (its KV heads' table columns on a mesh). Returns ``(i32[R] tokens, caches)``: row ``b``'s
     token of sub-step ``j`` at ``j * (R // layout.burst) + b``, zeros elsewhere.
     """
-    inputs, rows, copies = layout.unpack(buf)
+    inputs, rows, copies = unpacked
     if localize is not None:
         inputs = localize(inputs)
     fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
 
     def pick(logits: jax.Array, counters: jax.Array) -> jax.Array:  # i32[B]
-        if greedy_only:
+        if greedy_only:  # top-k / top-p change no greedy row
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return sampling.sample(logits, sampling.row_keys(rows.seeds, rows.streams, counters), rows.temperature)
+        keys = sampling.row_keys(rows.seeds, rows.streams, counters)
+        return sampling.sample(logits, keys, rows.temperature, rows.top_k, rows.top_p)  # filter under lax.cond
 
     if layout.burst > 1:  # a burst plan is all decodes: no checkpoint copy (restores and saves come with prompts)
         return run_burst(model_step, pick, params, caches, inputs, rows.burst_len, layout.burst, layout.page_size,
@@ -128,7 +130,8 @@ class Runner:
             self.counter.count(f"T={layout.shape('token_ids')[-1]}, B={layout.shape('seq_lens')[-1]}, "
                                f"decode_only={layout.decode_only}, burst={layout.burst}")
             if sharded is None:
-                return device_step(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll=unroll)
+                return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
+                                   unroll=unroll)
             return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
@@ -167,14 +170,21 @@ class Runner:
                 inputs, block_tables=jax.lax.dynamic_slice_in_dim(inputs.block_tables, first, h, axis=1),
                 slot_mapping=jax.lax.dynamic_slice_in_dim(inputs.slot_mapping, first, h, axis=1))
 
-        def local(leaves, caches, buf, prev):
-            prev = prev[jax.lax.axis_index(DATA)]
-            tokens, new = device_step(model_step, leaves, sharded.local_caches(caches), buf[0], prev, layout,
+        def local(leaves, caches, unpacked, prev):
+            unpacked = jax.tree.map(lambda x: x[0], unpacked)  # this data shard's inputs
+            tokens, new = device_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
                                       greedy_only, unroll=unroll, localize=localize)
-            return jax.lax.all_gather(tokens, DATA), sharded.global_caches(new)
+            return tokens[None], sharded.global_caches(new)
 
-        in_specs = ([x.sharding.spec for x in self.params], specs, P(DATA), P())
-        return shard_map(local, sharded.mesh, in_specs, (P(), specs))(leaves, caches, buf, prev_tokens)
+        # the packed buffer is unpacked in the global view (slices of the data-sharded i32[D, N]: no communication),
+        # so the per-device function takes typed arrays, as the model's own sharded step does
+        unpacked = layout.unpack(buf)
+        in_specs = ([x.sharding.spec for x in self.params], specs, jax.tree.map(lambda _: P(DATA), unpacked), P(DATA))
+        tokens, caches = shard_map(local, sharded.mesh, in_specs, (P(DATA), specs))(leaves, caches, unpacked,
+                                                                                    prev_tokens)
+        # replicated, so that every process reads them: reshard (explicit mesh axes), constraint (auto axes)
+        replicated = NamedSharding(sharded.mesh, P())
+        return jax.lax.with_sharding_constraint(jax.sharding.reshard(tokens, replicated), replicated), caches
 
     # ---- inputs --------------------------------------------------------------------------------------------
     def shape(self, plans: Sequence[StepPlan]) -> list[StepPlan]:
