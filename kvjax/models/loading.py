@@ -20,7 +20,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from kvjax.errors import CheckpointError
-from kvjax.models.common.checkpoint import config_get, read_config
+from kvjax.models.common.checkpoint import config_get, read_config, read_json_object
 from kvjax.models.interface import CausalLM
 
 LOADERS: dict[str, str] = {
@@ -137,14 +137,7 @@ def load_generation_config(path: str | os.PathLike, config: dict | None = None) 
     path = os.fspath(path)
     file = os.path.join(path, GENERATION_FILE)
     if os.path.isfile(file):
-        try:
-            with open(file) as f:
-                raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"cannot parse {file!r}: {err}") from err
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{file!r} must hold a JSON object, got {type(raw).__name__}")
-        source = file
+        raw, source = read_json_object(file), file
     else:
         config = read_config(path) if config is None else config
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}

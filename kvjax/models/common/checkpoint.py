@@ -21,19 +21,24 @@ from flax import nnx
 from kvjax.errors import CheckpointError
 
 
+def read_json_object(file: str | os.PathLike) -> dict:
+    """The JSON object in ``file``; :class:`CheckpointError` if it cannot be read or parsed, or is not an object."""
+    try:
+        with open(file) as f:
+            obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot parse {os.fspath(file)!r}: {err}") from err
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{os.fspath(file)!r} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_config(path: str | os.PathLike) -> dict:
     """Read ``<path>/config.json``; :class:`CheckpointError` if absent or not a JSON object."""
     file = os.path.join(os.fspath(path), "config.json")
     if not os.path.isfile(file):
         raise CheckpointError(f"no config.json in {os.fspath(path)!r}")
-    try:
-        with open(file) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot parse {file!r}: {err}") from err
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{file!r} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return read_json_object(file)
 
 
 def config_get(cfg: Mapping[str, Any], key: str, default: Any = ..., *, kind: type | tuple = ()) -> Any:
