@@ -251,7 +251,7 @@ def test_memory_fraction_with_a_cache_config_is_refused(qwen):
 def test_packed_inputs_round_trip_aligned(qwen, case):
     """One packed i32 buffer per step: every field starts at a multiple of 256 bytes (kernel operands must be
     aligned: a Triton kernel refused a misaligned slice on the H100) and unpacks, inside a jit, to exactly the
-    plan's arrays (``temperature`` bit for bit, ``counters`` = ``seq_lens``)."""
+    plan's arrays (``temperature`` and ``top_p`` bit for bit, ``counters`` = ``seq_lens``)."""
     from kvjax.engine.inputs import PACK_ALIGN, pack_plan
 
     prompts, _ = case
@@ -263,11 +263,12 @@ def test_packed_inputs_round_trip_aligned(qwen, case):
     B = plan.seq_lens.shape[0]
     sampling = dict(seeds=rng.integers(0, 2**31 - 1, B, dtype=np.int32),
                     streams=rng.integers(0, 99, B, dtype=np.int32),
-                    temperature=rng.uniform(0.1, 3, B).astype(np.float32))
+                    temperature=rng.uniform(0.1, 3, B).astype(np.float32),
+                    top_k=rng.integers(0, 40, B, dtype=np.int32), top_p=rng.uniform(0.1, 1, B).astype(np.float32))
     buf, layout = pack_plan(plan, sampling, checkpoints=True, decode_only=False)
     assert PACK_ALIGN * buf.itemsize % 256 == 0
     expect = {**{n: getattr(plan, n) for n, _ in layout.fields if hasattr(plan, n)}, **sampling,
-              "temperature": sampling["temperature"].view(np.int32)}
+              "temperature": sampling["temperature"].view(np.int32), "top_p": sampling["top_p"].view(np.int32)}
     off = 0
     for name, shape in layout.fields:  # each field's values start at the next 256-byte boundary
         n = int(np.prod(shape))
@@ -281,6 +282,8 @@ def test_packed_inputs_round_trip_aligned(qwen, case):
         np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), np.asarray(getattr(host, name)), name)
     assert inputs.decode_only is False
     np.testing.assert_array_equal(np.asarray(rows.temperature), sampling["temperature"])
+    np.testing.assert_array_equal(np.asarray(rows.top_k), sampling["top_k"])
+    np.testing.assert_array_equal(np.asarray(rows.top_p), sampling["top_p"])
     np.testing.assert_array_equal(np.asarray(rows.seeds), sampling["seeds"])
     np.testing.assert_array_equal(np.asarray(rows.streams), sampling["streams"])
     np.testing.assert_array_equal(np.asarray(rows.counters), plan.seq_lens)

@@ -18,6 +18,7 @@ import numpy as np
 from kvjax.config import INT32_MAX, CacheConfig, is_int
 from kvjax.models.interface import CausalLM
 from kvjax.sched.prefix_cache import PrefixCacheConfig
+from kvjax.sched.request import MAX_STOP_IDS, check_stop_ids
 
 INT32_MIN = -(2**31)
 
@@ -51,15 +52,6 @@ def check_max_new_tokens(value: Any, name: str = "max_new_tokens") -> int:
     """An int >= 1 (bools and floats such as ``2.5`` or ``8.0`` are refused)."""
     if not is_int(value) or not 1 <= value <= INT32_MAX:
         raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {value!r}")
-    return int(value)
-
-
-def check_token_id(value: Any, vocab_size: int, name: str) -> int | None:
-    """``None`` or a token id in ``[0, vocab_size)``."""
-    if value is None:
-        return None
-    if not is_int(value) or not 0 <= value < vocab_size:
-        raise ValueError(f"{name} must be None or an int in [0, vocab_size={vocab_size}), got {value!r}")
     return int(value)
 
 
@@ -150,25 +142,39 @@ def check_state_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, 
                          f"{have / 2**30:.1f} GiB: lower num_pages, max_seqs or prefix_checkpoints")
 
 
-def check_call(prompts: Any, max_new_tokens: Any, vocab_size: int) -> list[tuple[np.ndarray, int]]:
-    """``[(prompt i32[L], max_new_tokens)]`` of a ``generate`` / ``stream`` call, every prompt checked.
-
-    ``max_new_tokens``: one int for all prompts or one per prompt.
-    """
+def check_prompts(prompts: Any, vocab_size: int) -> list[np.ndarray]:
+    """The prompts of a ``generate`` / ``stream`` call as ``[i32[L]]``, every one checked (:func:`check_prompt`)."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise ValueError(f"prompts must be a sequence of prompts (each a sequence of token ids), got "
                          f"{type(prompts).__name__}")
-    n = len(prompts)
-    if is_int(max_new_tokens):
-        max_new = [max_new_tokens] * n
-    elif isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(max_new_tokens, (str, bytes)):
-        max_new = list(max_new_tokens)
-        if len(max_new) != n:
-            raise ValueError(f"max_new_tokens has {len(max_new)} entries for {n} prompts")
-    else:
-        raise ValueError(f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}")
-    return [(check_prompt(p, vocab_size, f"prompt {i}"), check_max_new_tokens(m, f"max_new_tokens of prompt {i}"))
-            for i, (p, m) in enumerate(zip(prompts, max_new))]
+    return [check_prompt(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+
+
+def check_eos(value: Any, vocab_size: int) -> tuple[int, ...]:
+    """``Engine(eos_token_id=)`` after ``"auto"`` is resolved: ``None`` (no eos), a token id or a sequence of up to
+    :data:`~kvjax.sched.request.MAX_STOP_IDS` of them, each in ``[0, vocab_size)``; as a tuple of distinct ids."""
+    try:
+        ids = check_stop_ids(value)
+    except ValueError as err:
+        raise ValueError(f"{err} ('auto', the default, takes model.generation_config's)") from None
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id must be None or ints in [0, vocab_size={vocab_size}), got {value!r}")
+    return ids
+
+
+def stop_ids(eos: tuple[int, ...], params: Any, vocab_size: int, name: str = "stop_token_ids") -> tuple[int, ...]:
+    """The ids that end a request: the engine's ``eos`` then ``params.stop_token_ids`` (a
+    :class:`~kvjax.engine.sampling.SamplingParams`), distinct; ``ValueError`` naming ``name`` for an id outside
+    ``[0, vocab_size)`` or more than :data:`~kvjax.sched.request.MAX_STOP_IDS` together."""
+    bad = [i for i in params.stop_token_ids if i >= vocab_size]
+    if bad:
+        raise ValueError(f"{name}: {bad[0]} is outside the vocabulary [0, vocab_size={vocab_size})")
+    ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"{name}: with the engine's eos ids {eos} a request has {len(ids)} distinct stop ids, at "
+                         f"most {MAX_STOP_IDS}")
+    return ids
 
 
 def prefix_config(model: CausalLM, on: bool, checkpoints: int | None, recycle: str, max_seqs: int

@@ -44,10 +44,21 @@ Use from a script or notebook::
     engine = Engine(model)                                      # cache sized from the free device memory
     engine = Engine(model, CacheConfig(page_size=16, num_pages=512, max_seqs=8, max_blocks_per_seq=64),
                     recycle="timely")
-    outs = engine.generate(prompts, max_new_tokens=64)          # list[list[int]]
+    outs = engine.generate(prompts, max_new_tokens=64)          # list[list[int]], greedy
+    outs = engine.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=64))
     for ev in engine.stream(prompts, max_new_tokens=64):        # TokenEvent per generated token
         if ev.index == 3 and ev.position > 10: engine.abort(ev.request_id)
     engine.metrics.summary()                                    # per-step records -> aggregates
+
+Requests: :class:`~kvjax.engine.sampling.SamplingParams` (temperature, top-k / top-p, seed, ``max_tokens``, stop
+ids; one for all prompts or one per prompt), or the short form ``max_new_tokens`` with ``temperature=`` and
+``seed=``. A request ends at ``max_tokens`` or at the first sampled token among the engine's ``eos_token_ids``
+(default: the model's ``generation_config``) and its own ``stop_token_ids``. Top-k / top-p run on the device
+inside the step (:func:`kvjax.engine.sampling.sample`), compiled into every sampling trace.
+
+Profiling: each step's host phases are ``jax.profiler.TraceAnnotation`` s (``kvjax.schedule``, ``kvjax.inputs``,
+``kvjax.dispatch``, ``kvjax.advance``, ``kvjax.wait``, ``kvjax.update``), so a trace taken with
+``jax.profiler.trace(logdir)`` shows them in TensorBoard / XProf next to the device's work.
 
 Prefix caching (``prefix_caching=True``, opt-in; :mod:`kvjax.sched.prefix_cache`): full prompt blocks are
 shared between requests through the page pool, for the engine's lifetime (a later ``generate`` / ``stream``
@@ -74,13 +85,14 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.profiler import TraceAnnotation
 
 from kvjax.config import CacheConfig, is_int
-from kvjax.engine.args import (check_burst, check_cache_dtype, check_call, check_flag, check_index, check_max_new_tokens,
-                               check_max_traces, check_prompt, check_seed, check_state_fits, check_temperature,
-                               check_token_id, prefix_config, set_buckets)
+from kvjax.engine.args import (check_burst, check_cache_dtype, check_eos, check_flag, check_index, check_max_traces,
+                               check_prompt, check_prompts, check_state_fits, prefix_config, set_buckets, stop_ids)
 from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
 from kvjax.engine.inputs import SamplingTable
+from kvjax.engine.sampling import SamplingParams, call_params
 from kvjax.engine.runner import Runner, engine_model
 from kvjax.engine.metrics import EngineMetrics, StepRecord
 from kvjax.engine.sizing import CacheSizing, default_max_seqs, size_cache
@@ -125,7 +137,11 @@ class Engine:
       cache_dtype: dtype of the K/V (or latent) pages and conv state: float32, bfloat16 or float16 (default: the
         model's parameter dtype).
       cache_options: extra keyword arguments of ``model.init_caches`` (e.g. ``{"indexer_fp8": False}``).
-      eos_token_id: stop a request when it samples this token (``None``: run to ``max_new_tokens``).
+      eos_token_id: the token id, or a sequence of up to 8 ids (Qwen checkpoints list two), that end a request
+        when sampled (the token is delivered); ``None``: every request runs to its ``max_tokens``. Default
+        ``"auto"``: ``model.generation_config.eos_token_ids`` when the model has a ``generation_config``
+        attribute (``load_pretrained`` attaches the checkpoint's ``generation_config.json``), else ``None``. A
+        request's :attr:`SamplingParams.stop_token_ids` end it too. Kept as ``eos_token_ids`` (a tuple).
       debug: validate every step's inputs on the host before running it (slow).
       max_traces: ``None`` or an int >= 1: fail (``AssertionError``) if this engine's device step compiles more than
         this many times.
@@ -153,7 +169,8 @@ class Engine:
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
                  memory_fraction: float | None = None, recycle: Any = "none", pool: str = "shared",
                  max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
-                 cache_options: dict | None = None, eos_token_id: int | None = None, debug: bool = False,
+                 cache_options: dict | None = None, eos_token_id: int | Sequence[int] | str | None = "auto",
+                 debug: bool = False,
                  max_traces: int | None = None, use_decode_path: bool = True,
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
                  block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
@@ -193,7 +210,11 @@ class Engine:
             check_state_fits(local, cache_config, num_ckpts, cache_dtype, cache_options, device)
         self.cache_config = cache_config
         self.overlap = overlap
-        self.eos_token_id = check_token_id(eos_token_id, int(model.vocab_size), "eos_token_id")
+        if isinstance(eos_token_id, str) and eos_token_id == "auto":
+            generation = getattr(model, "generation_config", None)
+            eos_token_id = None if generation is None else generation.eos_token_ids
+        self.eos_token_ids = check_eos(eos_token_id, int(model.vocab_size))  # tuple[int, ...]: end every request
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first (None: none)
         self.attention = (model if sharded is None else sharded).attention_layout()  # on a mesh: the placed heads
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
@@ -264,29 +285,42 @@ class Engine:
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)
 
-    def add_request(self, prompt: Sequence[int] | np.ndarray, max_new_tokens: int, *, temperature: float = 0.0,
-                    seed: int = 0, index: int = 0) -> int:
-        """Queue one request; returns its request id. ``index`` names the request in outputs and selects its
-        sampling stream (with ``seed``). Its tokens come back from :meth:`step` (:class:`StepOutput` s).
+    def add_request(self, prompt: Sequence[int] | np.ndarray, params: SamplingParams | int | None = None, *,
+                    max_new_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
+                    index: int = 0) -> int:
+        """Queue one request; returns its request id. Its tokens come back from :meth:`step` (:class:`StepOutput`
+        s).
+
+        ``params``: a :class:`SamplingParams` (temperature, top-k / top-p, seed, ``max_tokens``, stop ids), or
+        the short form: ``max_new_tokens`` as an int (here or as ``max_new_tokens=``) with ``temperature=``
+        (default 0, greedy) and ``seed=`` (default 0), which then must not be given with a ``SamplingParams``.
+        ``index`` names the request in outputs and selects its sampling stream (with the seed). The request ends
+        at ``max_tokens`` or at the first sampled token among the engine's ``eos_token_ids`` and its
+        ``stop_token_ids``.
 
         Raises :class:`RequestTooLongError` if the cache can never hold it, and ``ValueError`` naming the value
-        for a prompt that is not a non-empty 1-d sequence of ints in ``[0, vocab_size)``, a ``max_new_tokens``
-        that is not an int >= 1, a temperature that is not a finite number >= 0, a seed outside int32 or an index
-        outside ``[0, 2**31)``; on error nothing is queued.
+        for a prompt that is not a non-empty 1-d sequence of ints in ``[0, vocab_size)``, a bad ``SamplingParams``
+        field or short-form argument (``max_new_tokens`` not an int >= 1, a temperature that is not a finite
+        number >= 0, a seed outside int32), a stop id outside the vocabulary, more than 8 stop ids with the
+        engine's eos ids, or an index outside ``[0, 2**31)``; on error nothing is queued.
         """
-        temperature, seed, index = check_temperature(temperature), check_seed(seed), check_index(index)
+        (params,) = call_params(1, params, max_new_tokens, temperature, seed)
+        index = check_index(index)
         prompt = check_prompt(prompt, self.vocab_size)
-        return self._queue(prompt, check_max_new_tokens(max_new_tokens), temperature, seed, index)
+        stop_ids(self.eos_token_ids, params, self.vocab_size)
+        return self._queue(prompt, params, index)
 
-    def _queue(self, prompt: np.ndarray, max_new_tokens: int, temperature: float, seed: int, index: int) -> int:
+    def _queue(self, prompt: np.ndarray, params: SamplingParams, index: int) -> int:
+        """Queue a checked request (its stop ids: the engine's eos ids, then its own)."""
+        stops = stop_ids(self.eos_token_ids, params, self.vocab_size)
         if self.data_shards == 1:
-            req = self.scheduler.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id)
+            req = self.scheduler.add_request(prompt, params.max_tokens, eos_token_id=stops)
         else:  # the data shard with the fewest unfinished requests (lowest index on ties); ids over all shards
             load = [len(s.running) + len(s.waiting) + len(s.preempted) for s in self.schedulers]
             sched = self.schedulers[load.index(min(load))]
-            req = sched.add_request(prompt, max_new_tokens, eos_token_id=self.eos_token_id, request_id=self._next_id)
+            req = sched.add_request(prompt, params.max_tokens, eos_token_id=stops, request_id=self._next_id)
             self._next_id += 1
-        self.outputs.track(req.request_id, Tracked(index, temperature, seed, req))
+        self.outputs.track(req.request_id, Tracked(index, params, req))
         return req.request_id
 
     def has_unfinished(self) -> bool:
@@ -308,9 +342,16 @@ class Engine:
             owner[0].abort(request_id)
         return self.outputs.drop(request_id)
 
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-               temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> Iterator[TokenEvent]:
+    def stream(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] | int | Sequence[int] | None = None, *,
+               max_new_tokens: int | Sequence[int] | None = None, temperature: float | None = None,
+               seed: int | None = None, progress: bool | None = None) -> Iterator[TokenEvent]:
         """Generate for every prompt, yielding each token as it is sampled (:class:`TokenEvent`).
+
+        ``params``: one :class:`SamplingParams` for every prompt or one per prompt; or the short form,
+        ``max_new_tokens`` (an int or one per prompt, here or as ``max_new_tokens=``) with ``temperature=`` and
+        ``seed=`` for every prompt (see :meth:`add_request`). A prompt's index in ``prompts`` selects its sampling
+        stream.
 
         Arguments are checked when ``stream`` is called (``ValueError`` naming the value, as
         :meth:`add_request`); the requests are queued at the first ``next()``. A prompt that can never fit raises
@@ -323,16 +364,22 @@ class Engine:
         each consumer gets all of its tokens, in order. ``progress``: tqdm bar over generated tokens (``None``:
         on when the run generates >= 4096 tokens).
         """
-        calls = check_call(prompts, max_new_tokens, self.vocab_size)
-        temperature, seed = check_temperature(temperature), check_seed(seed)
-        return self._stream(calls, temperature, seed, progress)
+        return self._stream(self._check_call(prompts, params, max_new_tokens, temperature, seed), progress)
 
-    def _stream(self, calls: list, temperature: float, seed: int, progress: bool | None) -> Iterator[TokenEvent]:
+    def _check_call(self, prompts, params, max_new_tokens, temperature, seed) -> list:
+        """``[(prompt i32[L], SamplingParams)]`` of a ``generate`` / ``stream`` call, every argument checked."""
+        checked = check_prompts(prompts, self.vocab_size)
+        plist = call_params(len(checked), params, max_new_tokens, temperature, seed)
+        for i, p in enumerate(plist):
+            stop_ids(self.eos_token_ids, p, self.vocab_size, f"stop_token_ids of prompt {i}")
+        return list(zip(checked, plist))
+
+    def _stream(self, calls: list, progress: bool | None) -> Iterator[TokenEvent]:
         ids = []
         try:
-            for i, (p, m) in enumerate(calls):
+            for i, (p, params) in enumerate(calls):
                 try:
-                    ids.append(self._queue(p, m, temperature, seed, i))
+                    ids.append(self._queue(p, params, i))
                 except RequestTooLongError as err:
                     raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
         except BaseException:
@@ -340,7 +387,7 @@ class Engine:
                 self.abort(rid)
             raise
         box = self.outputs.open_stream(ids)
-        bar = self._progress_bar(int(sum(m for _, m in calls)), progress)
+        bar = self._progress_bar(int(sum(params.max_tokens for _, params in calls)), progress)
         try:
             while box or any(rid in self.outputs.tracked for rid in ids):
                 if not box:
@@ -357,18 +404,23 @@ class Engine:
             for rid in self.outputs.close_stream(ids):  # generator closed early: abort what is left
                 self.abort(rid)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-                 temperature: float = 0.0, seed: int = 0, progress: bool | None = None) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | int | Sequence[int] | None = None, *,
+                 max_new_tokens: int | Sequence[int] | None = None, temperature: float | None = None,
+                 seed: int | None = None, progress: bool | None = None) -> list[list[int]]:
         """Generate for every prompt; returns the generated token ids per prompt (prompt order).
 
-        ``temperature == 0`` is greedy. Sampling keys derive from ``(seed, prompt index, tokens so far)``, so the
-        result does not depend on batching, preemption or the recycle policy. Raises ``ValueError`` (nothing
-        queued) for a bad argument (see :meth:`add_request`) and :class:`RequestTooLongError` (nothing queued)
-        if a prompt can never fit in the cache. May run inside another consumer's :meth:`stream` loop.
+        ``params``: one :class:`SamplingParams` for every prompt or one per prompt, e.g.
+        ``generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=64))``; or the short
+        form ``generate(prompts, 64, temperature=0.7, seed=1)`` (``max_new_tokens`` an int or one per prompt,
+        ``temperature`` 0 = greedy by default). Sampling keys derive from ``(seed, prompt index, tokens so far)``,
+        so the result does not depend on batching, preemption or the recycle policy. Raises ``ValueError``
+        (nothing queued) for a bad argument (see :meth:`add_request`) and :class:`RequestTooLongError` (nothing
+        queued) if a prompt can never fit in the cache. May run inside another consumer's :meth:`stream` loop.
         """
-        events = self.stream(prompts, max_new_tokens, temperature=temperature, seed=seed, progress=progress)
-        out: list[list[int]] = [[] for _ in range(len(prompts))]
-        for ev in events:
+        calls = self._check_call(prompts, params, max_new_tokens, temperature, seed)
+        out: list[list[int]] = [[] for _ in range(len(calls))]
+        for ev in self._stream(calls, progress):
             out[ev.index].append(ev.token)
         return out
 
@@ -443,10 +495,11 @@ class Engine:
         preempt0 = sum(s.num_preemptions for s in scheds)
         if self.caches is None:  # lost to a fault in an earlier step
             self.caches = self._init_caches()
-        burst = self.decode_burst
-        if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
-            burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
-        plans = [s.schedule(burst) for s in scheds]
+        with TraceAnnotation("kvjax.schedule"):  # the step's phases in a profiler trace (cheap when none runs)
+            burst = self.decode_burst
+            if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
+                burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
+            plans = [s.schedule(burst) for s in scheds]
         if not any(p.num_seqs for p in plans):
             raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
                                f"{[r for s in scheds for r in s.running]}, waiting="
@@ -456,30 +509,33 @@ class Engine:
             idle_since = t1
         c = self.cache_config
         page_base = self.scheduler.blocks.page_base
-        shaped = self.runner.shape(plans)
-        samplings = [table.rows(p, self.outputs.tracked) for table, p in zip(self._sampling, shaped)]
-        greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
-        buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
-                                       use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
-        if self.debug:
-            for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
-                                                            self.use_decode_path):
-                inputs.validate(num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
-                                vocab_size=self.vocab_size, attention=self.attention,
-                                shared_pages=self.prefix_caching, page_groups=groups)
-        prev = self._inflight[-1] if self._inflight else None
-        for d, plan in enumerate(plans):
-            if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
-                raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
+        with TraceAnnotation("kvjax.inputs"):
+            shaped = self.runner.shape(plans)
+            samplings = [table.rows(p, self.outputs.tracked) for table, p in zip(self._sampling, shaped)]
+            greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
+            buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
+                                           use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
+            if self.debug:
+                for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
+                                                                self.use_decode_path):
+                    inputs.validate(num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
+                                    vocab_size=self.vocab_size, attention=self.attention,
+                                    shared_pages=self.prefix_caching, page_groups=groups)
+            prev = self._inflight[-1] if self._inflight else None
+            for d, plan in enumerate(plans):
+                if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
+                    raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
         t2 = time.perf_counter()
         if idle_since is None and self._device_idle():
             idle_since = t2
         traces0 = self.num_traces
         prev_tokens = self.runner.no_tokens if prev is None else prev.tokens
-        tokens, self.caches = self.runner.step(self.caches, buf, prev_tokens, layout, greedy_only)
+        with TraceAnnotation("kvjax.dispatch"):
+            tokens, self.caches = self.runner.step(self.caches, buf, prev_tokens, layout, greedy_only)
         t3 = time.perf_counter()
-        for sched, plan in zip(scheds, plans):
-            sched.advance(plan)
+        with TraceAnnotation("kvjax.advance"):
+            for sched, plan in zip(scheds, plans):
+                sched.advance(plan)
         used = sum(s.blocks.used_pages() for s in scheds)
         record = dict(
             step=plans[0].step, num_tokens=sum(p.num_tokens for p in plans),
@@ -503,12 +559,15 @@ class Engine:
     def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[StepOutput]:
         """Read ``flight``'s tokens (waiting for its device work), apply them, and return their outputs."""
         t4 = time.perf_counter()
-        tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
+        with TraceAnnotation("kvjax.wait"):
+            tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
         t5 = time.perf_counter()
-        for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
-            sched.resolve(plan, row)
-        self._inflight.popleft()
-        outs = [out for sched, plan in zip(self.schedulers, flight.plans) for out in self.outputs.collect_plan(sched, plan)]
+        with TraceAnnotation("kvjax.update"):
+            for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
+                sched.resolve(plan, row)
+            self._inflight.popleft()
+            outs = [out for sched, plan in zip(self.schedulers, flight.plans)
+                    for out in self.outputs.collect_plan(sched, plan)]
         t6 = time.perf_counter()
         # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
         exposed = 0.0 if self._inflight else t6 - (start if idle else t5)

@@ -166,6 +166,8 @@ class SampleInputs:
     streams: jax.Array  # i32[B]: its prompt index (sampling stream)
     counters: jax.Array  # i32[B]: its token count when sampling (the key's last fold-in)
     temperature: jax.Array  # f32[B]: 0 = greedy
+    top_k: jax.Array  # i32[B]: sample among the top_k largest logits; 0 = off
+    top_p: jax.Array  # f32[B]: then the smallest set reaching this probability mass; 1.0 = off
     prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this index; -1 = token_ids[t]
     burst_len: jax.Array | None = None  # i32[B]: a decode burst's sub-steps of each row (kvjax.engine.burst)
 
@@ -188,7 +190,7 @@ class PackLayout:
 
     ``fields``: ``(name, shape)`` in buffer order, each starting at a multiple of :data:`PACK_ALIGN` (the
     :class:`StepInputs`, :class:`SampleInputs` and, with ``checkpoints``, :class:`CheckpointCopies` fields;
-    ``has_initial_state`` as 0/1, ``temperature`` as the bits of its float32)."""
+    ``has_initial_state`` as 0/1, ``temperature`` and ``top_p`` as the bits of their float32)."""
 
     fields: tuple[tuple[str, tuple[int, ...]], ...]
     decode_only: bool
@@ -210,11 +212,12 @@ class PackLayout:
             out[name] = buf[..., off: off + n].reshape(lead + tuple(shape))
             off += -(-n // PACK_ALIGN) * PACK_ALIGN
         out["has_initial_state"] = out["has_initial_state"] != 0
-        out["temperature"] = jax.lax.bitcast_convert_type(out["temperature"], jnp.float32)
+        for name in ("temperature", "top_p"):
+            out[name] = jax.lax.bitcast_convert_type(out[name], jnp.float32)
         inputs = StepInputs(**{f: out[f] for f in DEVICE_FIELDS}, decode_only=self.decode_only)
         rows = SampleInputs(seeds=out["seeds"], streams=out["streams"], counters=out["seq_lens"],
-                            temperature=out["temperature"], prev_index=out["prev_index"],
-                            burst_len=out.get("burst_len"))
+                            temperature=out["temperature"], top_k=out["top_k"], top_p=out["top_p"],
+                            prev_index=out["prev_index"], burst_len=out.get("burst_len"))
         copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
         return inputs, rows, copies
 
@@ -232,14 +235,21 @@ def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, decode_only: b
               checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[N]`` host buffer holding every input of the plan's step, and its :class:`PackLayout`.
 
-    ``sampling``: ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] (:meth:`SamplingTable.rows`).
+    ``sampling``: ``seeds``, ``streams`` i32[B], ``temperature`` f32[B] and optionally ``top_k`` i32[B] and
+    ``top_p`` f32[B] (:meth:`SamplingTable.rows`; absent: 0 and 1.0, off). Every layout packs all five, so
+    whether a step uses top-k / top-p changes no trace.
     ``decode_only``: the step's static flag (:func:`decode_only` of every data shard's plan). ``checkpoints``: also
     pack the plan's GDN checkpoint copies (``ckpt_restore`` / ``ckpt_save``). A decode burst's plan
     (``burst_len``) also packs ``burst_len``, and its layout carries ``burst`` (the sub-steps the device runs, the
     engine's burst: one trace whatever the rows' lengths) and the cache's ``page_size``."""
     arrays = [(name, getattr(plan, name)) for name in DEVICE_FIELDS]
+    B = plan.seq_lens.shape[0]
+    top_k = sampling.get("top_k")
+    top_p = sampling.get("top_p")
     arrays += [("seeds", sampling["seeds"]), ("streams", sampling["streams"]),
                ("temperature", np.asarray(sampling["temperature"], np.float32).view(np.int32)),
+               ("top_k", np.zeros(B, np.int32) if top_k is None else top_k),
+               ("top_p", (np.ones(B, np.float32) if top_p is None else np.asarray(top_p, np.float32)).view(np.int32)),
                ("prev_index", plan.prev_index)]
     if checkpoints:
         arrays += [("ckpt_restore", plan.ckpt_restore), ("ckpt_save", plan.ckpt_save)]
@@ -265,15 +275,18 @@ class SamplingTable:
     """Per-slot sampling parameters of the running requests, so a step's rows are gathered with numpy (a
     sampling row's token count, the last fold-in of its key, is its ``seq_len``: see :meth:`PackLayout.unpack`).
 
-    ``rows(plan, tracked)`` returns ``seeds``, ``streams`` i32[B] and ``temperature`` f32[B] for the plan's rows
-    (padding rows: zeros); a slot whose request changed since it was last seen is refreshed from ``tracked``
-    (the engine's request id -> :class:`~kvjax.engine.outputs.Tracked`). One table per data shard."""
+    ``rows(plan, tracked)`` returns ``seeds``, ``streams``, ``top_k`` i32[B] and ``temperature``, ``top_p`` f32[B]
+    for the plan's rows (padding rows: zeros, ``top_p`` 1); a slot whose request changed since it was last seen
+    is refreshed from ``tracked`` (the engine's request id -> :class:`~kvjax.engine.outputs.Tracked`, whose
+    ``params`` are the request's :class:`~kvjax.engine.sampling.SamplingParams`). One table per data shard."""
 
     def __init__(self, num_slots: int) -> None:
         self.owner = np.full(num_slots, -1, np.int64)  # i64[S+1]: request id whose values the slot holds
         self.seeds = np.zeros(num_slots, np.int32)  # i32[S+1]
         self.streams = np.zeros(num_slots, np.int32)  # i32[S+1]
         self.temperature = np.zeros(num_slots, np.float32)  # f32[S+1]
+        self.top_k = np.zeros(num_slots, np.int32)  # i32[S+1]: 0 = off
+        self.top_p = np.ones(num_slots, np.float32)  # f32[S+1]: 1.0 = off
 
     def rows(self, plan: StepPlan, tracked: dict) -> dict[str, np.ndarray]:
         n, B = plan.num_seqs, plan.seq_lens.shape[0]
@@ -281,12 +294,15 @@ class SamplingTable:
         rids = np.asarray(plan.request_ids, np.int64)  # i64[n]
         for b in np.flatnonzero(self.owner[slots] != rids):
             tr, s = tracked[int(rids[b])], slots[b]
-            self.owner[s], self.seeds[s], self.streams[s], self.temperature[s] = rids[b], tr.seed, tr.index, \
-                tr.temperature
+            p = tr.params
+            self.owner[s] = -1  # a refresh cut short leaves the slot to refresh again
+            self.seeds[s], self.streams[s], self.temperature[s] = p.seed, tr.index, p.temperature
+            self.top_k[s], self.top_p[s] = p.top_k, p.top_p
+            self.owner[s] = rids[b]
         out = {}
-        for name in ("seeds", "streams", "temperature"):
+        for name in ("seeds", "streams", "temperature", "top_k", "top_p"):
             col = getattr(self, name)
-            out[name] = np.zeros(B, col.dtype)
+            out[name] = np.zeros(B, col.dtype) if name != "top_p" else np.ones(B, col.dtype)
             out[name][:n] = col[slots]
         return out
 

@@ -20,6 +20,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from kvjax.engine.sampling import SamplingParams
 from kvjax.sched.request import Request, Status
 
 
@@ -52,12 +53,12 @@ class StepOutput(NamedTuple):
 
 @dataclasses.dataclass
 class Tracked:
+    """A request the engine tracks from queueing until its last token is delivered."""
+
     index: int  # prompt index in its call (events, sampling stream)
-    temperature: float  # 0 = greedy
-    seed: int  # sampling seed
+    params: SamplingParams  # how it samples (temperature, top-k / top-p, seed) and its limits
     request: Request  # the scheduler's request: its token buffer is the record of what was generated
     sent: int = 0  # generated tokens already delivered
-
 
 
 class Outputs:

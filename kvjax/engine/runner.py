@@ -61,9 +61,10 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
 
     def pick(logits: jax.Array, counters: jax.Array) -> jax.Array:  # i32[B]
-        if greedy_only:
+        if greedy_only:  # top-k / top-p change no greedy row
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return sampling.sample(logits, sampling.row_keys(rows.seeds, rows.streams, counters), rows.temperature)
+        keys = sampling.row_keys(rows.seeds, rows.streams, counters)
+        return sampling.sample(logits, keys, rows.temperature, rows.top_k, rows.top_p)  # filter under lax.cond
 
     if layout.burst > 1:  # a burst plan is all decodes: no checkpoint copy (restores and saves come with prompts)
         return run_burst(model_step, pick, params, caches, inputs, rows.burst_len, layout.burst, layout.page_size,

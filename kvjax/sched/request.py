@@ -11,16 +11,24 @@ row of the scheduler's :class:`RowTable` (row = its GDN slot): the table's array
 reserved tokens, so that a step reads and updates every running request with a few numpy operations, and the
 object's attributes (``num_tokens``, ``num_computed``, ``token_ids``, ``pending`` …) read and write that row.
 ``bind`` copies the object's state into the row, ``unbind`` copies it back. What never changes (prompt length,
-``max_new_tokens``, eos id, request id) stays in the object too.
+``max_new_tokens``, stop ids, request id) stays in the object too.
+
+Stop ids. A request ends at the first sampled token among its ``eos_token_ids`` (up to :data:`MAX_STOP_IDS`
+distinct ids: a checkpoint's eos ids and a request's own stop ids); the row table holds them as ``i64[S+1, E]``,
+``-1`` padding, ``E`` grown to the widest bound request, so one eos id costs a step what it always did.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvjax.config import INT32_MAX, is_int
+
+
+MAX_STOP_IDS = 8  # stop token ids of one request at most (the width bound of RowTable.eos)
 
 
 class Status(enum.Enum):
@@ -31,10 +39,34 @@ class Status(enum.Enum):
     ABORTED = "aborted"
 
 
-def check_request(prompt: np.ndarray, max_new_tokens: int, eos_token_id: int | None) -> np.ndarray:
+def check_stop_ids(eos_token_id: Any) -> tuple[int, ...]:
+    """``eos_token_id`` (``None``, one token id, or a sequence of them) as a tuple of distinct ids in
+    ``[0, 2**31)``, in order (duplicates dropped); ``ValueError`` naming ``eos_token_id`` for anything else or for
+    more than :data:`MAX_STOP_IDS` distinct ids."""
+    if eos_token_id is None:
+        return ()
+    if is_int(eos_token_id):
+        items = [eos_token_id]
+    elif isinstance(eos_token_id, (list, tuple, np.ndarray)) and np.ndim(eos_token_id) == 1:
+        items = list(eos_token_id)
+    else:
+        raise ValueError(f"eos_token_id must be None, an int or a sequence of ints in [0, {INT32_MAX}], got "
+                         f"{eos_token_id!r}")
+    bad = [i for i in items if not is_int(i) or not 0 <= i <= INT32_MAX]
+    if bad:
+        raise ValueError(f"eos_token_id must be None, an int or a sequence of ints in [0, {INT32_MAX}], got "
+                         f"{eos_token_id!r} ({bad[0]!r})")
+    ids = tuple(dict.fromkeys(int(i) for i in items))
+    if len(ids) > MAX_STOP_IDS:
+        raise ValueError(f"eos_token_id has {len(ids)} distinct ids, at most {MAX_STOP_IDS} are supported: {ids}")
+    return ids
+
+
+def check_request(prompt: np.ndarray, max_new_tokens: int, eos_token_id: Any) -> np.ndarray:
     """``prompt`` as an array after checking it is a non-empty 1-d array of token ids in ``[0, 2**31)``,
-    ``max_new_tokens`` an int >= 1 and ``eos_token_id`` None or a token id; raises ``ValueError`` naming the bad
-    value. Allocates nothing the size of ``max_new_tokens``."""
+    ``max_new_tokens`` an int >= 1 and ``eos_token_id`` None, a token id or a sequence of them
+    (:func:`check_stop_ids`); raises ``ValueError`` naming the bad value. Allocates nothing the size of
+    ``max_new_tokens``."""
     prompt = np.asarray(prompt)
     if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
         raise ValueError(f"prompt must be a non-empty 1-d integer array, got shape {prompt.shape} {prompt.dtype}")
@@ -42,8 +74,7 @@ def check_request(prompt: np.ndarray, max_new_tokens: int, eos_token_id: int | N
         raise ValueError(f"prompt token ids must lie in [0, {INT32_MAX}], got min {prompt.min()}, max {prompt.max()}")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if eos_token_id is not None and (not is_int(eos_token_id) or not 0 <= eos_token_id <= INT32_MAX):
-        raise ValueError(f"eos_token_id must be None or an int in [0, {INT32_MAX}], got {eos_token_id!r}")
+    check_stop_ids(eos_token_id)
     return prompt
 
 
@@ -58,12 +89,12 @@ class Request:
     """
 
     def __init__(self, request_id: int, prompt: np.ndarray, max_new_tokens: int,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | Sequence[int] | None = None) -> None:
         prompt = check_request(prompt, max_new_tokens, eos_token_id)
         self.request_id = request_id
         self.prompt_len = int(prompt.size)
         self.max_new_tokens = int(max_new_tokens)
-        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
+        self.eos_token_ids = check_stop_ids(eos_token_id)  # tuple[int, ...]: the request ends at any of these
         self._token_ids = np.zeros(self.prompt_len + self.max_new_tokens, np.int32)  # i32[prompt + max_new]
         self._token_ids[: self.prompt_len] = prompt
         # i32[prompt_len + max_new_tokens]: prompt, then outputs (0 where reserved); while running, a view of the
@@ -76,6 +107,11 @@ class Request:
         self.slot = 0
         self.status = Status.WAITING
         self.num_preemptions = 0
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of :attr:`eos_token_ids` (``None``: the request runs to ``max_new_tokens``)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     # ---- state (the object's own, or its table row while bound) --------------------------------------------
     @property
@@ -128,7 +164,7 @@ class Request:
         p = req.prompt_len
         n = min(max(req.num_resolved, p), req.num_tokens)  # a reservation cut short may count one token too few
         tokens = np.asarray(req.token_ids)
-        new = cls(req.request_id, tokens[:p].copy(), req.max_new_tokens, req.eos_token_id)
+        new = cls(req.request_id, tokens[:p].copy(), req.max_new_tokens, req.eos_token_ids)
         new._token_ids[p:n] = tokens[p:n]
         new._num_tokens = n
         new.num_preemptions = req.num_preemptions
@@ -136,12 +172,12 @@ class Request:
 
     @property
     def complete(self) -> bool:
-        """The request took its last token (``max_new_tokens`` reached or eos sampled), all of them resolved."""
+        """The request took its last token (``max_new_tokens`` reached or one of its stop ids sampled), all of them
+        resolved."""
         if self.pending:
             return False
         return self.num_output >= self.max_new_tokens or (
-            self.eos_token_id is not None and self.num_output > 0
-            and int(self.token_ids[self.num_tokens - 1]) == self.eos_token_id)
+            self.num_output > 0 and int(self.token_ids[self.num_tokens - 1]) in self.eos_token_ids)
 
     @property
     def output_ids(self) -> np.ndarray:
@@ -162,15 +198,15 @@ class Request:
         return n + 1 - self.prompt_len >= self.max_new_tokens
 
     def resolve(self, token: int) -> bool:
-        """Give the oldest reserved token its sampled value; returns True if it is eos, in which case the
-        reserved tokens after it are dropped (the request ends there)."""
+        """Give the oldest reserved token its sampled value; returns True if it is one of the request's stop ids
+        (eos), in which case the reserved tokens after it are dropped (the request ends there)."""
         if self._rows is not None:
             return bool(self._rows.resolve(np.array([self.slot]), np.array([token]))[0])
         pending = self._pending
         pos = self._num_tokens - len(pending)
         self._token_ids[pos] = token
         del pending[0]
-        if self.eos_token_id is not None and int(token) == self.eos_token_id:
+        if int(token) in self.eos_token_ids:
             self._num_tokens = pos + 1
             pending.clear()
             return True
@@ -212,7 +248,7 @@ class RowTable:
         self.num_computed = np.zeros(rows, np.int64)  # i64[S+1]
         self.prompt_len = np.zeros(rows, np.int64)  # i64[S+1]
         self.max_tokens = np.zeros(rows, np.int64)  # i64[S+1]: prompt_len + max_new_tokens
-        self.eos = np.full(rows, -1, np.int64)  # i64[S+1]: eos token id, -1 none
+        self.eos = np.full((rows, 1), -1, np.int64)  # i64[S+1, E]: stop token ids of each row, -1 padding
         self.request_id = np.full(rows, -1, np.int64)  # i64[S+1]: id of the bound request, -1 free row
         self.num_pending = np.zeros(rows, np.int64)  # i64[S+1]: reserved tokens
         self.pend_step = np.zeros((rows, max_pending), np.int64)  # i64[S+1, P]: plan step of each, oldest first
@@ -229,10 +265,14 @@ class RowTable:
             self._grow(width=max(size, 2 * self.tokens.shape[1]))
         if len(req._pending) > self.pend_step.shape[1]:
             self._grow(max_pending=len(req._pending))
+        stops = req.eos_token_ids
+        if len(stops) > self.eos.shape[1]:
+            self._grow(stops=len(stops))
         self.tokens[slot, :size] = req._token_ids
         self.num_tokens[slot], self.num_computed[slot] = req._num_tokens, req._num_computed
         self.prompt_len[slot], self.max_tokens[slot] = req.prompt_len, size
-        self.eos[slot] = -1 if req.eos_token_id is None else req.eos_token_id
+        self.eos[slot] = -1
+        self.eos[slot, : len(stops)] = stops
         self.request_id[slot] = req.request_id
         k = self.num_pending[slot] = len(req._pending)
         if k:
@@ -258,7 +298,7 @@ class RowTable:
             return [(self.pend_step.item(slot, 0), self.pend_row.item(slot, 0))] if k else []
         return list(zip(self.pend_step[slot, :k].tolist(), self.pend_row[slot, :k].tolist()))
 
-    def _grow(self, width: int = 0, max_pending: int = 0) -> None:
+    def _grow(self, width: int = 0, max_pending: int = 0, stops: int = 0) -> None:
         if width > self.tokens.shape[1]:
             tokens = np.zeros((self.tokens.shape[0], width), np.int32)
             tokens[:, : self.tokens.shape[1]] = self.tokens
@@ -273,8 +313,22 @@ class RowTable:
                 new = np.zeros((old.shape[0], P), np.int64)
                 new[:, : old.shape[1]] = old
                 setattr(self, name, new)
+        if stops > self.eos.shape[1]:
+            eos = np.full((self.eos.shape[0], min(max(stops, 2 * self.eos.shape[1]), MAX_STOP_IDS)), -1, np.int64)
+            eos[:, : self.eos.shape[1]] = self.eos
+            self.eos = eos
 
     # ---- many rows at once ---------------------------------------------------------------------------------
+    def stop_hit(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """bool, ``tokens``' shape: ``tokens[k, ...]`` (``int[K]`` or ``int[K, J]``, ids >= 0) is one of row
+        ``slots[k]``'s stop ids. One compare per column of the table (``E``: the widest bound request's ids)."""
+        eos = self.eos[slots]  # i64[K, E]
+        shape = (-1,) + (1,) * (tokens.ndim - 1)
+        hit = tokens == eos[:, 0].reshape(shape)  # -1 padding matches no token
+        for e in range(1, eos.shape[1]):
+            hit |= tokens == eos[:, e].reshape(shape)
+        return hit
+
     def reserve(self, slots: np.ndarray, plan_rows: np.ndarray, step: int) -> np.ndarray:
         """Each of ``slots`` (``i64[K]``, distinct, bound) reserves a token that plan ``step`` samples at
         ``plan_rows[k]``. Returns ``i64[J]``: the slots that reached ``max_new_tokens`` (in ``slots``' order)."""
@@ -329,7 +383,7 @@ class RowTable:
         if (k < counts).any() or not (ours | ~valid).all():
             return None
         pos = self.num_tokens[slots] - k  # i64[K]: position of the oldest reserved token
-        hit = valid & (tokens == self.eos[slots][:, None])
+        hit = valid & self.stop_hit(slots, tokens)  # bool[K, J]
         first = np.where(hit.any(1), hit.argmax(1), J)  # i64[K]
         W = self.tokens.shape[1]
         np.put(self.tokens, (slots[:, None] * W + pos[:, None] + j)[valid],  # flat (row, position) entries
@@ -353,13 +407,14 @@ class RowTable:
 
     def resolve(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Give the oldest reserved token of each of ``slots`` (``i64[K]``, distinct, each with one) its value
-        ``tokens[k]``. Returns ``bool[K]``: the token is the row's eos (the reserved tokens after it are dropped)."""
+        ``tokens[k]``. Returns ``bool[K]``: the token is one of the row's stop ids (eos; the reserved tokens after it
+        are dropped)."""
         pos = self.num_tokens[slots] - self.num_pending[slots]
         self.tokens[slots, pos] = tokens
         for queue in (self.pend_step, self.pend_row):
             queue[slots, :-1] = queue[slots, 1:]
         self.num_pending[slots] -= 1
-        hit = tokens == self.eos[slots]  # eos -1 (none) matches no token
+        hit = self.stop_hit(slots, tokens)  # bool[K]
         if hit.any():
             self.num_tokens[slots[hit]] = pos[hit] + 1
             self.num_pending[slots[hit]] = 0

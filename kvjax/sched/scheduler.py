@@ -52,6 +52,7 @@ written). ``recycle="timely"`` becomes the cache's :class:`~kvjax.sched.prefix_c
 from __future__ import annotations
 
 import collections
+from typing import Sequence
 
 import numpy as np
 
@@ -129,12 +130,15 @@ class Scheduler:
         self.ledger = Ledger(self.rows, self.requests, self)  # plans between schedule and their tokens
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def add_request(self, prompt: np.ndarray, max_new_tokens: int, *, eos_token_id: int | None = None,
-                    request_id: int | None = None, running: bool = False) -> Request:
+    def add_request(self, prompt: np.ndarray, max_new_tokens: int, *,
+                    eos_token_id: int | Sequence[int] | None = None, request_id: int | None = None,
+                    running: bool = False) -> Request:
         """Queue a request (or, with ``running=True``, start it at once: it takes a slot now and computes from
         the next step). It fits a block-table row when ``prompt_len + max_new_tokens - 1 <= max_seq_len``: the
-        last sampled token is never fed, so never cached. Raises :class:`RequestTooLongError` if it could never
-        fit, ``SlotExhaustedError`` if ``running`` and no slot is free, ``ValueError`` for a bad prompt, token id or request id; on error
+        last sampled token is never fed, so never cached. ``eos_token_id``: the token id, or up to
+        :data:`~kvjax.sched.request.MAX_STOP_IDS` ids, that end the request when sampled (``None``: it runs to
+        ``max_new_tokens``). Raises :class:`RequestTooLongError` if it could never fit, ``SlotExhaustedError`` if
+        ``running`` and no slot is free, ``ValueError`` for a bad prompt, token id or request id; on error
         nothing changes."""
         if request_id is None:
             request_id = self._next_id
