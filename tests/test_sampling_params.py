@@ -322,6 +322,18 @@ def test_sampling_params_equal_the_keyword_form(engine, prompts):
     assert_idle(engine)
 
 
+def test_a_profiler_trace_shows_the_step_phases(engine, prompts, tmp_path):
+    """Each step's host phases are ``jax.profiler.TraceAnnotation`` s: a trace of a run records them."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=4)
+    engine.generate(prompts[:2], params)  # compiled outside the trace
+    with jax.profiler.trace(str(tmp_path)):
+        engine.generate(prompts[:2], params)
+    data = b"".join(p.read_bytes() for p in tmp_path.rglob("*.xplane.pb"))
+    for phase in ("schedule", "inputs", "dispatch", "advance", "wait", "update"):
+        assert f"kvjax.{phase}".encode() in data, phase
+    assert_idle(engine)
+
+
 def test_top_k_top_p_bursts_equal_single_steps_and_add_no_trace(qwen, prompts):
     """Requests with top-k / top-p (mixed with plain sampling and greedy ones) get the same tokens from decode
     bursts (the default) as from single steps, and top-k / top-p compile nothing more than plain sampling."""

@@ -151,30 +151,37 @@ def row_keys(seeds: jax.Array, streams: jax.Array, counters: jax.Array) -> jax.A
     return jax.vmap(one)(seeds, streams, counters)
 
 
-def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``logits`` with every token outside each row's top-k / top-p set at ``-inf`` (one sort per row).
+def filter_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[B]: each row's smallest kept logit under top-k then top-p (``-inf`` for a row with both off); the
+    tokens at or above it are the row's top-k / top-p set (one sort per row).
 
     Args:
       logits: f32[B, V], already divided by the temperature.
       top_k: i32[B]; ``<= 0`` or ``>= V`` = off.
       top_p: f32[B]; ``>= 1`` = off.
-    Returns:
-      f32[B, V]: a kept token's logit unchanged (bit for bit), the others ``-inf``. The kept set: the ``top_k``
-      largest logits, then the smallest prefix of those (most probable first) whose probability renormalised
-      over them reaches ``top_p``, then every token whose logit ties the last kept one. A row with both off
-      keeps every token, so its values are the input's.
+
+    The kept set: the ``top_k`` largest logits, then the smallest prefix of those (most probable first) whose
+    probability renormalised over them reaches ``top_p``, then every token whose logit ties the last kept one.
     """
     V = logits.shape[-1]
     desc = -jnp.sort(-logits, axis=-1)  # f32[B, V]: each row's logits, largest first
-    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)  # i32[B]
+    off_k = (top_k <= 0) | (top_k >= V)  # bool[B]
+    k = jnp.where(off_k, V, top_k)  # i32[B]
     in_k = jnp.arange(V)[None, :] < k[:, None]  # bool[B, V]
     e = jnp.where(in_k, jnp.exp(desc - desc[:, :1]), 0.0)
     probs = e / e.sum(-1, keepdims=True)  # f32[B, V]: the top-k distribution, sorted
     before = jnp.cumsum(probs, axis=-1) - probs  # f32[B, V]: mass of the more probable tokens
     keep = in_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))  # the first is always kept
     last = jnp.maximum(keep.sum(-1), 1) - 1  # i32[B]: rank of the last kept token
-    threshold = jnp.take_along_axis(desc, last[:, None], axis=-1)  # f32[B, 1]
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    threshold = jnp.take_along_axis(desc, last[:, None], axis=-1)[:, 0]  # f32[B]
+    return jnp.where(off_k & (top_p >= 1.0), -jnp.inf, threshold)
+
+
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[B, V]: ``logits`` (f32[B, V], divided by the temperature) with every token outside each row's top-k /
+    top-p set (:func:`filter_threshold`; ``top_k`` i32[B], ``top_p`` f32[B]) at ``-inf``, the others unchanged
+    (bit for bit; a row with both off is the input's)."""
+    return jnp.where(logits >= filter_threshold(logits, top_k, top_p)[:, None], logits, -jnp.inf)
 
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array | None = None,
@@ -190,9 +197,10 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     Returns:
       i32[B] token ids.
 
-    With ``top_k`` / ``top_p`` the filter runs under ``lax.cond``: only when some sampling row uses it, so a
-    step without top-k / top-p pays no sort and one compiled step serves both. A row's token does not depend on
-    the branch (a row with both off keeps its logits bit for bit): the same tokens whatever the batch.
+    With ``top_k`` / ``top_p`` the rows' thresholds (:func:`filter_threshold`, a sort) are computed under
+    ``lax.cond``, only when some sampling row uses them: a step without top-k / top-p pays no sort, and one
+    compiled step serves both. A row with both off gets the threshold ``-inf`` either way and keeps its logits
+    bit for bit: a row's token does not depend on the other rows of the batch.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     on = temperature > 0  # bool[B]
@@ -203,6 +211,10 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
         top_k = jnp.zeros(B, jnp.int32) if top_k is None else top_k
         top_p = jnp.ones(B, jnp.float32) if top_p is None else top_p
         used = on & (((top_k > 0) & (top_k < V)) | (top_p < 1.0))  # bool[B]
-        scaled = jax.lax.cond(used.any(), lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+        # the branches take the raw logits (already in memory): ``scaled`` stays fused into the draw
+        threshold = jax.lax.cond(used.any(), lambda x: filter_threshold(x.astype(jnp.float32) / safe_t[:, None],
+                                                                        top_k, top_p),
+                                 lambda x: jnp.full(B, -jnp.inf, jnp.float32), logits)  # f32[B]
+        scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled)
     return jnp.where(on, drawn.astype(jnp.int32), greedy)

@@ -322,9 +322,13 @@ class RowTable:
     def stop_hit(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """bool, ``tokens``' shape: ``tokens[k, ...]`` (``int[K]`` or ``int[K, J]``, ids >= 0) is one of row
         ``slots[k]``'s stop ids. One compare per column of the table (``E``: the widest bound request's ids)."""
-        eos = self.eos[slots]  # i64[K, E]
+        table = self.eos
+        if table.shape[1] == 1:  # every bound request has at most one stop id (the usual case): one gather
+            col = table.ravel()[slots]  # i64[K]; -1 (none) matches no token
+            return tokens == (col if tokens.ndim == 1 else col[:, None])
         shape = (-1,) + (1,) * (tokens.ndim - 1)
-        hit = tokens == eos[:, 0].reshape(shape)  # -1 padding matches no token
+        eos = table[slots]  # i64[K, E]
+        hit = tokens == eos[:, 0].reshape(shape)
         for e in range(1, eos.shape[1]):
             hit |= tokens == eos[:, e].reshape(shape)
         return hit
