@@ -24,7 +24,7 @@ import numpy as np
 
 from kvjax.config import INT32_MAX, is_int
 from kvjax.engine.args import check_max_new_tokens, check_seed, check_temperature
-from kvjax.sched.request import MAX_STOP_IDS
+from kvjax.sched.request import check_stop_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +72,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1.0: off), got {top_p!r}")
         seed = named(check_seed, self.seed)
         max_tokens = named(lambda v: check_max_new_tokens(v, "max_tokens"), self.max_tokens)
-        stops = self.stop_token_ids
-        if isinstance(stops, (str, bytes)) or not isinstance(stops, (Sequence, np.ndarray)) or np.ndim(stops) != 1:
-            raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {stops!r}")
-        bad = [i for i in stops if not is_int(i) or not 0 <= i <= INT32_MAX]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {INT32_MAX}], got {bad[0]!r} in "
-                             f"{stops!r}")
-        stops = tuple(dict.fromkeys(int(i) for i in stops))
-        if len(stops) > MAX_STOP_IDS:
-            raise ValueError(f"SamplingParams.stop_token_ids has {len(stops)} distinct ids, at most {MAX_STOP_IDS}")
+        stops = check_stop_ids(() if self.stop_token_ids is None else self.stop_token_ids,
+                               "SamplingParams.stop_token_ids", single=False)
         for name, value in (("temperature", temperature), ("top_k", int(top_k)), ("top_p", float(top_p)),
                             ("seed", seed), ("max_tokens", max_tokens), ("stop_token_ids", stops)):
             object.__setattr__(self, name, value)

@@ -95,7 +95,7 @@ class GenerationConfig:
     ``GenerationConfig``), else the token ids in its ``config.json``. ``None`` / ``()``: not given.
 
     ``eos_token_ids``: every end-of-sequence id (Hugging Face allows one or a list; Qwen checkpoints list two);
-    :attr:`eos_token_id` is the first, what ``Engine(eos_token_id=...)`` takes. The sampling fields
+    :attr:`eos_token_id` is the first; an ``Engine`` stops at every one of them by default. The sampling fields
     (``temperature``, ``top_k``, ``top_p``, ``do_sample``, ``max_new_tokens``) are the checkpoint's suggested
     defaults, reported as stored; kvjax applies none of them by itself. ``source``: the file they came from.
     """

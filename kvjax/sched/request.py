@@ -39,26 +39,25 @@ class Status(enum.Enum):
     ABORTED = "aborted"
 
 
-def check_stop_ids(eos_token_id: Any) -> tuple[int, ...]:
-    """``eos_token_id`` (``None``, one token id, or a sequence of them) as a tuple of distinct ids in
-    ``[0, 2**31)``, in order (duplicates dropped); ``ValueError`` naming ``eos_token_id`` for anything else or for
-    more than :data:`MAX_STOP_IDS` distinct ids."""
+def check_stop_ids(eos_token_id: Any, name: str = "eos_token_id", single: bool = True) -> tuple[int, ...]:
+    """``eos_token_id`` (``None``, one token id if ``single``, or a sequence of them) as a tuple of distinct ids in
+    ``[0, 2**31)``, in order (duplicates dropped); ``ValueError`` naming ``name`` for anything else or for more than
+    :data:`MAX_STOP_IDS` distinct ids."""
+    what = f"None, {'an int or ' if single else ''}a sequence of ints in [0, {INT32_MAX}]"
     if eos_token_id is None:
         return ()
-    if is_int(eos_token_id):
+    if single and is_int(eos_token_id):
         items = [eos_token_id]
     elif isinstance(eos_token_id, (list, tuple, np.ndarray)) and np.ndim(eos_token_id) == 1:
         items = list(eos_token_id)
     else:
-        raise ValueError(f"eos_token_id must be None, an int or a sequence of ints in [0, {INT32_MAX}], got "
-                         f"{eos_token_id!r}")
+        raise ValueError(f"{name} must be {what}, got {eos_token_id!r}")
     bad = [i for i in items if not is_int(i) or not 0 <= i <= INT32_MAX]
     if bad:
-        raise ValueError(f"eos_token_id must be None, an int or a sequence of ints in [0, {INT32_MAX}], got "
-                         f"{eos_token_id!r} ({bad[0]!r})")
+        raise ValueError(f"{name} must be {what}, got {eos_token_id!r} ({bad[0]!r})")
     ids = tuple(dict.fromkeys(int(i) for i in items))
     if len(ids) > MAX_STOP_IDS:
-        raise ValueError(f"eos_token_id has {len(ids)} distinct ids, at most {MAX_STOP_IDS} are supported: {ids}")
+        raise ValueError(f"{name} has {len(ids)} distinct ids, at most {MAX_STOP_IDS} are supported: {ids}")
     return ids
 
 
