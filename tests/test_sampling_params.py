@@ -448,3 +448,32 @@ def test_stop_hits_in_the_row_table():
     assert not detached.append(5) and detached.append(6) and detached.complete
     assert detached.output_ids.tolist() == [5, 6]
     assert Request.resumed(detached).eos_token_ids == (4, 6)
+
+
+def test_text_in_text_out_with_a_tokenizer(tmp_path):
+    """With ``Engine(tokenizer=)``, ``generate`` takes text and returns text (the tokenizer's decode of the ids it
+    generates for the encoded prompt); ids are still accepted; text without a tokenizer, or text mixed with ids, is
+    a clear error and queues nothing."""
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = ["[UNK]", "</s>"] + [f"w{i}" for i in range(59)]  # 61 ids: the test model's vocabulary
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>")
+    model = qwen_swa_model()
+    engine = Engine(model, SMALL, max_num_batched_tokens=BUDGET, tokenizer=fast, eos_token_id=None)
+    texts = ["w3 w17 w5", "w40 w2"]
+    ids = [fast.encode(t) for t in texts]
+    want = engine.generate(ids, 5)
+    assert engine.generate(texts, 5) == [fast.decode(o) for o in want]
+    assert all(len(t.split()) == 5 for t in engine.generate(texts, 5))
+    with pytest.raises(ValueError, match="not a mix"):
+        engine.generate([texts[0], ids[1]], 5)
+    with pytest.raises(ValueError, match="text prompts need"):
+        Engine(model, SMALL, max_num_batched_tokens=BUDGET).generate(texts, 5)
+    with pytest.raises(ValueError, match="tokenizer must have encode"):
+        Engine(model, SMALL, tokenizer=object())
+    assert engine.is_idle()

@@ -157,13 +157,15 @@ class Engine:
         tail of cached prompts, default) or ``"eager"`` (let it go); only with ``prefix_caching``.
       mesh: a ``jax.sharding.Mesh(devices, ("data", "model"))``: the model is split with
         :func:`kvjax.models.sharding.shard_model` and each data shard gets its own scheduler, ``max_seqs`` slots
-        and ``num_pages`` pages *per device* (see :mod:`kvjax.engine.mesh`). ``model`` may also be a
+        and ``num_pages`` pages *per device* (see :mod:`kvjax.engine.runner`). ``model`` may also be a
         :class:`~kvjax.models.sharding.ShardedModel` (e.g. ``load_pretrained(path, mesh=...)``), whose mesh is
         used. Every option works on a mesh.
       decode_burst: ``"auto"`` (8) or ``K >= 1``: up to ``K`` decode steps per dispatch when every running request
         decodes and none could be admitted (:mod:`kvjax.engine.burst`): the host's work per token falls by about
         ``K``; the same tokens (a request that ends inside a burst computes a few sub-steps for nothing; an
         arrival waits up to ``K`` sub-steps). ``1``: single steps.
+      tokenizer: encodes text prompts of :meth:`generate` / :meth:`stream` and decodes :meth:`generate`'s outputs
+        of text prompts (``None``: token ids only; ids are always accepted).
     """
 
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
@@ -175,7 +177,8 @@ class Engine:
                  token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
                  block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
                  prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail",
-                 mesh: jax.sharding.Mesh | None = None, decode_burst: int | str = "auto") -> None:
+                 mesh: jax.sharding.Mesh | None = None, decode_burst: int | str = "auto",
+                 tokenizer: Any = None) -> None:
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
         if not isinstance(model, ShardedModel) and (not isinstance(model, CausalLM)
@@ -213,6 +216,11 @@ class Engine:
         if isinstance(eos_token_id, str) and eos_token_id == "auto":
             generation = getattr(model, "generation_config", None)
             eos_token_id = None if generation is None else generation.eos_token_ids
+        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                          and callable(getattr(tokenizer, "decode", None))):
+            raise ValueError(f"tokenizer must have encode(text) -> ids and decode(ids) -> text (a transformers "
+                             f"tokenizer, e.g. kvjax.models.load_tokenizer), got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer  # text prompts in, text out of generate (load_tokenizer); None: ids only
         self.eos_token_ids = check_eos(eos_token_id, int(model.vocab_size))  # tuple[int, ...]: end every request
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first (None: none)
         self.attention = (model if sharded is None else sharded).attention_layout()  # on a mesh: the placed heads
@@ -367,7 +375,10 @@ class Engine:
         return self._stream(self._check_call(prompts, params, max_new_tokens, temperature, seed), progress)
 
     def _check_call(self, prompts, params, max_new_tokens, temperature, seed) -> list:
-        """``[(prompt i32[L], SamplingParams)]`` of a ``generate`` / ``stream`` call, every argument checked."""
+        """``[(prompt i32[L], SamplingParams)]`` of a ``generate`` / ``stream`` call, every argument checked (text
+        prompts encoded by the engine's tokenizer first)."""
+        if self._is_text(prompts):
+            prompts = [list(self.tokenizer.encode(text)) for text in prompts]
         checked = check_prompts(prompts, self.vocab_size)
         plist = call_params(len(checked), params, max_new_tokens, temperature, seed)
         for i, p in enumerate(plist):
@@ -404,11 +415,12 @@ class Engine:
             for rid in self.outputs.close_stream(ids):  # generator closed early: abort what is left
                 self.abort(rid)
 
-    def generate(self, prompts: Sequence[Sequence[int]],
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | int | Sequence[int] | None = None, *,
                  max_new_tokens: int | Sequence[int] | None = None, temperature: float | None = None,
-                 seed: int | None = None, progress: bool | None = None) -> list[list[int]]:
-        """Generate for every prompt; returns the generated token ids per prompt (prompt order).
+                 seed: int | None = None, progress: bool | None = None) -> list[list[int]] | list[str]:
+        """Generate for every prompt; returns the generated token ids per prompt (prompt order), or, for text
+        prompts (an engine with a ``tokenizer``), the generated text per prompt.
 
         ``params``: one :class:`SamplingParams` for every prompt or one per prompt, e.g.
         ``generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=64))``; or the short
@@ -422,7 +434,21 @@ class Engine:
         out: list[list[int]] = [[] for _ in range(len(calls))]
         for ev in self._stream(calls, progress):
             out[ev.index].append(ev.token)
-        return out
+        return [self.tokenizer.decode(ids) for ids in out] if self._is_text(prompts) else out
+
+    def _is_text(self, prompts: Any) -> bool:
+        """``prompts`` are strings (``ValueError`` without a tokenizer, or when strings and token ids mix)."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            return False
+        text = [isinstance(p, str) for p in prompts]
+        if not any(text):
+            return False
+        if not all(text):
+            raise ValueError("prompts must be all strings (with a tokenizer) or all token-id sequences, not a mix")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need Engine(..., tokenizer=...) (e.g. kvjax.models.load_tokenizer(path)); "
+                             "or pass token ids")
+        return True
 
     @staticmethod
     def _progress_bar(total: int, progress: bool | None):
