@@ -10,7 +10,7 @@ Builds a scheduler whose requests have all finished prefill (8 KV heads, 50% SWA
 decode burst) variant; ``median_ms`` = the wall-clock median of ``schedule() + update()`` per step, with each
 half's median, the schedule p90 and its thread CPU time (the wall p90 suffers on a shared host); the burst row's
 figures are per burst of 8 sub-steps (``median_ms_per_sub_step`` divides); the anchor is ``recycle=none`` on the
-shared pool. (``plan_to_inputs``' host part is one ``np.asarray`` per field, no copy: not timed here.)
+shared pool. (``Runner.pack``, the host part of the step's inputs, is not timed here.)
 """
 
 from __future__ import annotations

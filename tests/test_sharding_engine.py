@@ -1,10 +1,12 @@
-"""The engine on a ``("data", "model")`` mesh (:mod:`kvjax.engine.mesh`): same tokens as one device.
+"""The engine on a ``("data", "model")`` mesh (:mod:`kvjax.engine.runner`): same tokens as one device.
 
 On 8 CPU devices (a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, as
-``test_sharding.py``), for meshes 1x2, 2x1, 2x2 and 1x4 and both families, one engine run with greedy and
-sampled requests (f32; a greedy pass, then a sampled one, so that both runs visit the same static modes), timely SWA recycling (Qwen3.5), preemption (pages short) and an abort gives the same
-tokens as the single-device engine, compiles no more often, keeps its allocators consistent and holds total / N
-of the caches per device (total / D for DeepSeek's latent pages, replicated over ``"model"``). Two processes
+``test_sharding.py``), for both families, every configuration of :data:`MATRIX` (overlap x decode bursts x prefix
+caching x meshes 1x1, 2x1, 1x2, 2x2: a pairwise cover in CI, all 32 with ``KVJAX_FULL_MATRIX=1``) serves greedy and
+sampled requests (f32) with timely SWA recycling (Qwen3.5), preemption (pages short), an abort and a fault, and
+gives the synchronous single-device engine's tokens, compiles each step shape once per greedy / sampling mode,
+keeps its allocators consistent and holds total / N of the caches per device (total / D for DeepSeek's latent
+pages, replicated over ``"model"``). Two processes
 (``jax.distributed`` with gloo CPU collectives on a free localhost port, 2 CPU devices each, one 2x2 mesh) give
 the same tokens as one process. The host parts (pages per model shard, per-pool validation, refused options)
 run in the main process.

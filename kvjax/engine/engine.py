@@ -2,9 +2,9 @@
 
 One step (``overlap=True``, the default)::
 
-    plan = scheduler.schedule()          # host: recycle, admit/preempt, allocate pages, padded arrays (N+1)
-    buf, layout = plan_to_inputs(plan, ...)  # every input packed in one i32 host buffer (copied by the call)
-    tokens, caches = device_step(params, caches, buf, tokens_of_step_N, layout, greedy_only)  # async dispatch
+    plan = scheduler.schedule(burst)     # host: recycle, admit/preempt, allocate pages, padded arrays (N+1)
+    buf, layout = runner.pack([plan], ...)   # every input packed in one i32 host buffer (copied by the call)
+    tokens, caches = runner.step(caches, buf, tokens_of_step_N, layout, greedy_only)  # async dispatch
     scheduler.advance(plan)              # host: requests advance, sampled tokens reserved (values unknown)
     scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; outputs of step N
 
