@@ -230,7 +230,7 @@ class Engine:
         self.schedulers = [Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
                                      pool=pool, recycle=recycle, watermark=watermark, prefix_cache=prefix,
                                      page_shards=page_shards) for _ in range(self.data_shards)]
-        self.scheduler = self.schedulers[0]  # the scheduler (of data shard 0 on a mesh)
+        self.scheduler = self.schedulers[0]  # the scheduler (of data shard 0 on a mesh); a new object after a fault
         self.prefix_caching = prefix is not None
         set_buckets(self.schedulers, cache_config, max_num_batched_tokens, token_buckets, row_buckets, block_buckets)
         if sharded is not None and page_shards > 1:  # the allocator's pools are the devices' pools
