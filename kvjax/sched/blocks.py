@@ -220,15 +220,22 @@ class BlockAllocator:
             self.owner_head[pages] = h
         self.num_blocks[row] = stop
 
-    def rows_fit(self, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
-        """Whether :meth:`allocate_rows` ``(rows, num_tokens)`` would succeed now (nothing changes)."""
-        rows, num_tokens = np.asarray(rows, np.int64), np.asarray(num_tokens, np.int64)
+    def _growth(self, rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(start, stop)`` (``i64[K]`` each: the rows' block counts now and after covering ``num_tokens``) when
+        every pool's free list holds the new blocks of all ``rows`` at once and no row passes
+        ``max_blocks_per_seq``; else None. Nothing changes."""
         start = self.num_blocks[rows]  # i64[K]
         stop = np.maximum(-(-num_tokens // self.page_size), start)  # i64[K]
         if (stop > self.cache.max_blocks_per_seq).any():
-            return False
+            return None
         total = int((stop - start).sum())
-        return all(total * k <= len(f) for k, f in zip(self.heads_in_pool, self._free))
+        if any(total * k > len(f) for k, f in zip(self.heads_in_pool, self._free)):
+            return None
+        return start, stop
+
+    def rows_fit(self, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+        """Whether :meth:`allocate_rows` ``(rows, num_tokens)`` would succeed now (nothing changes)."""
+        return self._growth(np.asarray(rows, np.int64), np.asarray(num_tokens, np.int64)) is not None
 
     def allocate_rows(self, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
         """``allocate(rows[k], num_tokens[k])`` for every ``k`` in order (``i64[K]`` each, distinct rows 1..max_seqs,
@@ -236,15 +243,13 @@ class BlockAllocator:
         cached pages would have to be reclaimed, or a row would pass ``max_blocks_per_seq``) returns False and
         changes nothing, so that the caller can go row by row."""
         rows, num_tokens = np.asarray(rows, np.int64), np.asarray(num_tokens, np.int64)
-        start = self.num_blocks[rows]  # i64[K]
-        stop = np.maximum(-(-num_tokens // self.page_size), start)  # i64[K]
-        if (stop > self.cache.max_blocks_per_seq).any():
+        growth = self._growth(rows, num_tokens)
+        if growth is None:
             return False
+        start, stop = growth
         count = stop - start  # i64[K]: new blocks of each row, on every head
         total = int(count.sum())
         need = [total * k for k in self.heads_in_pool]  # pages each pool gives
-        if any(n > len(f) for n, f in zip(need, self._free)):
-            return False
         if total == 0:
             return True
         # allocate() fills row by row, head by head, block by block, each head popping from its pool's free list
