@@ -36,7 +36,7 @@ cache is sized from the model and a memory budget (:mod:`kvjax.engine.sizing`; :
 On a mesh (``Engine(model, cache, mesh=Mesh(devices, ("data", "model")))``, :mod:`kvjax.engine.runner`): one
 scheduler per data shard (its own slots, pages and prefix cache; a request goes to the shard with the fewest
 unfinished requests), plans padded to one bucket and packed into one ``i32[D, N]`` transfer, the same step per
-device under ``shard_map``, the tokens all-gathered and replicated; bursts run when every data shard can burst.
+device under ``shard_map``, the tokens resharded to every device; bursts run when every data shard can burst.
 Without a ``CacheConfig`` the cache is sized per device.
 
 Use from a script or notebook::
@@ -89,13 +89,13 @@ from jax.profiler import TraceAnnotation
 
 from kvjax.config import CacheConfig, is_int
 from kvjax.engine.args import (check_burst, check_cache_dtype, check_eos, check_flag, check_index, check_max_traces,
-                               check_prompt, check_prompts, check_state_fits, prefix_config, set_buckets, stop_ids)
+                               check_prompt, check_prompts, prefix_config, set_buckets, stop_ids)
 from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
 from kvjax.engine.inputs import SamplingTable
 from kvjax.engine.sampling import SamplingParams, call_params
 from kvjax.engine.runner import Runner, engine_model
 from kvjax.engine.metrics import EngineMetrics, StepRecord
-from kvjax.engine.sizing import CacheSizing, default_max_seqs, size_cache
+from kvjax.engine.sizing import CacheSizing, check_cache_fits, default_max_seqs, size_cache
 from kvjax.models.interface import CausalLM
 from kvjax.models.sharding import ShardedModel
 from kvjax.sched.plan import StepPlan
@@ -210,7 +210,7 @@ class Engine:
             if memory_fraction is not None:
                 raise ValueError(f"memory_fraction={memory_fraction!r} sizes the cache only without a cache_config; "
                                  "got both")
-            check_state_fits(local, cache_config, num_ckpts, cache_dtype, cache_options, device)
+            check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_options, device)
         self.cache_config = cache_config
         self.overlap = overlap
         if isinstance(eos_token_id, str) and eos_token_id == "auto":
@@ -315,12 +315,10 @@ class Engine:
         (params,) = call_params(1, params, max_new_tokens, temperature, seed)
         index = check_index(index)
         prompt = check_prompt(prompt, self.vocab_size)
-        stop_ids(self.eos_token_ids, params, self.vocab_size)
-        return self._queue(prompt, params, index)
+        return self._queue(prompt, params, stop_ids(self.eos_token_ids, params, self.vocab_size), index)
 
-    def _queue(self, prompt: np.ndarray, params: SamplingParams, index: int) -> int:
-        """Queue a checked request (its stop ids: the engine's eos ids, then its own)."""
-        stops = stop_ids(self.eos_token_ids, params, self.vocab_size)
+    def _queue(self, prompt: np.ndarray, params: SamplingParams, stops: tuple[int, ...], index: int) -> int:
+        """Queue a checked request; ``stops``: its stop ids (the engine's eos ids, then its own: ``stop_ids``)."""
         if self.data_shards == 1:
             req = self.scheduler.add_request(prompt, params.max_tokens, eos_token_id=stops)
         else:  # the data shard with the fewest unfinished requests (lowest index on ties); ids over all shards
@@ -375,22 +373,21 @@ class Engine:
         return self._stream(self._check_call(prompts, params, max_new_tokens, temperature, seed), progress)
 
     def _check_call(self, prompts, params, max_new_tokens, temperature, seed) -> list:
-        """``[(prompt i32[L], SamplingParams)]`` of a ``generate`` / ``stream`` call, every argument checked (text
-        prompts encoded by the engine's tokenizer first)."""
+        """``[(prompt i32[L], SamplingParams, stop ids)]`` of a ``generate`` / ``stream`` call, every argument
+        checked (text prompts encoded by the engine's tokenizer first)."""
         if self._is_text(prompts):
             prompts = [list(self.tokenizer.encode(text)) for text in prompts]
         checked = check_prompts(prompts, self.vocab_size)
         plist = call_params(len(checked), params, max_new_tokens, temperature, seed)
-        for i, p in enumerate(plist):
-            stop_ids(self.eos_token_ids, p, self.vocab_size, f"stop_token_ids of prompt {i}")
-        return list(zip(checked, plist))
+        return [(prompt, p, stop_ids(self.eos_token_ids, p, self.vocab_size, f"stop_token_ids of prompt {i}"))
+                for i, (prompt, p) in enumerate(zip(checked, plist))]
 
     def _stream(self, calls: list, progress: bool | None) -> Iterator[TokenEvent]:
         ids = []
         try:
-            for i, (p, params) in enumerate(calls):
+            for i, (p, params, stops) in enumerate(calls):
                 try:
-                    ids.append(self._queue(p, params, i))
+                    ids.append(self._queue(p, params, stops, i))
                 except RequestTooLongError as err:
                     raise RequestTooLongError(f"prompt {i} (length {len(p)}) rejected: {err}") from None
         except BaseException:
@@ -398,7 +395,7 @@ class Engine:
                 self.abort(rid)
             raise
         box = self.outputs.open_stream(ids)
-        bar = self._progress_bar(int(sum(params.max_tokens for _, params in calls)), progress)
+        bar = self._progress_bar(int(sum(params.max_tokens for _, params, _ in calls)), progress)
         try:
             while box or any(rid in self.outputs.tracked for rid in ids):
                 if not box:
