@@ -8,14 +8,13 @@ argument never leaves a request behind.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import INT32_MAX, CacheConfig, is_int
+from kvjax.config import INT32_MAX, is_int
 from kvjax.models.interface import CausalLM
 from kvjax.sched.prefix_cache import PrefixCacheConfig
 from kvjax.sched.request import MAX_STOP_IDS, check_stop_ids
@@ -114,32 +113,6 @@ def check_cache_dtype(value: Any, params: Any) -> Any:
         raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None, got {dtype.name} (fp8 pages exist "
                          "only for the DSA roles, through cache_options)")
     return dtype
-
-
-def device_memory(device: Any = None) -> int:
-    """Bytes a cache may at most take on ``device`` (default: the first device): its memory limit, or the host's
-    physical memory where it reports none (CPU)."""
-    device = device if device is not None else jax.devices()[0]
-    try:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        limit = None
-    return int(limit) if limit else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_state_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, dtype: Any,
-                     cache_options: dict | None, device: Any = None) -> None:
-    """``ValueError`` before anything is allocated when the caches of ``cache`` (with ``num_checkpoints`` GDN
-    checkpoint slots) exceed the memory of one device (:func:`device_memory`)."""
-    shapes = jax.eval_shape(lambda: model.init_caches(num_pages=cache.num_pages, page_size=cache.page_size,
-                                                      max_seqs=cache.max_seqs + num_checkpoints, dtype=dtype,
-                                                      **(cache_options or {})))
-    need = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
-    have = device_memory(device)
-    if need > have:
-        raise ValueError(f"the caches need {need / 2**30:.1f} GiB ({cache.num_pages} pages, {cache.max_seqs} "
-                         f"sequences + {num_checkpoints} checkpoint slots), more than the device's "
-                         f"{have / 2**30:.1f} GiB: lower num_pages, max_seqs or prefix_checkpoints")
 
 
 def check_prompts(prompts: Any, vocab_size: int) -> list[np.ndarray]:

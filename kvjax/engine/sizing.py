@@ -21,6 +21,7 @@ The pages are what the budget holds after ``max_seqs + 1`` state slots; ``max_bl
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -82,15 +83,41 @@ def memory_budget(memory_fraction: float, device: Any = None) -> tuple[int, str]
     """``(bytes, where from)``: ``memory_fraction`` of ``device``'s free memory (default: the first device),
     or :data:`CPU_BUDGET` where it reports no limit."""
     device = device if device is not None else jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = {}
+    stats = _memory_stats(device)
     limit = stats.get("bytes_limit")
     if not limit:
         return CPU_BUDGET, f"the fixed {device.platform} budget ({_mib(CPU_BUDGET)})"
     free = max(int(limit) - int(stats.get("bytes_in_use", 0)), 0)
     return int(memory_fraction * free), f"{memory_fraction:g} x {_mib(free)} free on {device.device_kind}"
+
+
+def _memory_stats(device: Any) -> dict:
+    """``device.memory_stats()``, or ``{}`` where the backend reports none."""
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return {}
+
+
+def device_memory(device: Any = None) -> int:
+    """Bytes a cache may at most take on ``device`` (default: the first device): its memory limit, or the host's
+    physical memory where it reports none (CPU)."""
+    limit = _memory_stats(device if device is not None else jax.devices()[0]).get("bytes_limit")
+    return int(limit) if limit else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_cache_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, dtype: Any,
+                     cache_options: dict | None, device: Any = None) -> None:
+    """``ValueError`` before anything is allocated when the caches of ``cache`` (with ``num_checkpoints`` GDN
+    checkpoint slots; bytes from :func:`cache_bytes_model`) exceed the memory of one device
+    (:func:`device_memory`)."""
+    page, slot, fixed = cache_bytes_model(model, page_size=cache.page_size, dtype=dtype, cache_options=cache_options)
+    need = page * cache.num_pages + slot * (cache.max_seqs + 1 + num_checkpoints) + fixed
+    have = device_memory(device)
+    if need > have:
+        raise ValueError(f"the caches need {need / 2**30:.1f} GiB ({cache.num_pages} pages, {cache.max_seqs} "
+                         f"sequences + {num_checkpoints} checkpoint slots), more than the device's "
+                         f"{have / 2**30:.1f} GiB: lower num_pages, max_seqs or prefix_checkpoints")
 
 
 def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_options: dict | None = None
