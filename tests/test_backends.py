@@ -5,7 +5,7 @@ import pytest
 
 from kvjax.base.device import NAMED, DeviceKind
 from kvjax.errors import UnknownImplError
-from kvjax.ops.backends import Backend, BackendTable, on_hopper
+from kvjax.ops.backends import Backend, BackendTable, lazy, on_hopper
 
 
 def _ref(x):
@@ -24,13 +24,12 @@ def _fast_unsupported(x):
     return None if x < 100 else f"x={x} is too large for the fast kernel"
 
 
-HERE = __name__
 TABLE = BackendTable(
     "toy",
     _ref,
     (
-        Backend("pallas", f"{HERE}:_slow", priority=10),
-        Backend("mosaic", f"{HERE}:_fast", priority=20, device=on_hopper, unsupported=f"{HERE}:_fast_unsupported"),
+        Backend("pallas", _slow, priority=10),
+        Backend("mosaic", _fast, priority=20, device=on_hopper, unsupported=_fast_unsupported),
     ),
 )
 
@@ -66,11 +65,14 @@ def test_named_and_interpret():
 
 def test_bad_tables_and_devices():
     with pytest.raises(ValueError, match="reserved"):
-        Backend("auto", f"{HERE}:_fast", priority=1)
+        Backend("auto", _fast, priority=1)
+    with pytest.raises(ValueError, match="fn must be a function"):
+        Backend("x", "nomodule:f", priority=1)
     with pytest.raises(ValueError, match="module:function"):
-        Backend("x", "nomodule", priority=1)
+        lazy("nomodule")
+    assert lazy("math:hypot")(3.0, 4.0) == 5.0  # imported at the call
     with pytest.raises(ValueError, match="repeat"):
-        BackendTable("t", _ref, (Backend("a", f"{HERE}:_fast", 1), Backend("a", f"{HERE}:_slow", 2)))
+        BackendTable("t", _ref, (Backend("a", _fast, 1), Backend("a", _slow, 2)))
     with pytest.raises(ValueError, match="platform"):
         DeviceKind("cuda")
     with pytest.raises(ValueError, match="num_sms"):

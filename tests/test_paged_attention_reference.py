@@ -224,8 +224,7 @@ def _spy_unsupported(q, k_pages, v_pages, block_tables, seq_lens, *, cu_seqlens,
 def test_normalised_kernel_contract(rng, monkeypatch):
     """The chosen kernel (and its unsupported() check) receives a float scale and i32[Hkv] window/sinks arrays."""
     batch = _make_batch(rng, group=1, page_size=4)
-    spy = Backend("spy", f"{__name__}:_spy_kernel", priority=1, device=lambda device: None,
-                  unsupported=f"{__name__}:_spy_unsupported")
+    spy = Backend("spy", _spy_kernel, priority=1, device=lambda device: None, unsupported=_spy_unsupported)
     monkeypatch.setattr(attn_mod, "TABLE", BackendTable("paged_attention", attn_mod.paged_attention_reference, (spy,)))
     _SEEN.clear()
     _run(batch, window=3, impl="spy")

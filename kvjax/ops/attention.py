@@ -59,6 +59,7 @@ import numpy as np
 from kvjax.base.checks import INT32_MAX, check_cu_seqlens, check_float, check_int32, check_seq_lens
 from kvjax.base.ragged import token_rows
 from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
+from kvjax.pallas.paged import decode, prefill, prefill_mgpu
 
 _TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
 _HIGHEST = jax.lax.Precision.HIGHEST  # true f32 matmuls (no TF32 on GPU): the reference is the oracle
@@ -287,20 +288,19 @@ def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 
     return args, kwargs
 
 
-_PALLAS = "kvjax.pallas.paged"
 TABLE = BackendTable(
     "paged_attention",
     paged_attention_reference,
     (
-        Backend("mosaic", f"{_PALLAS}.prefill_mgpu:paged_prefill_mgpu", priority=30, device=on_hopper,
-                unsupported=f"{_PALLAS}.prefill_mgpu:unsupported",
-                note="prefill 1.25-1.43x the Triton prefill kernel at T=4096, pages 64/128 (H200)"),
-        Backend("prefill", f"{_PALLAS}.prefill:paged_prefill", priority=20, device=on_gpu,
-                unsupported=f"{_PALLAS}.prefill:unsupported",
+        Backend("mosaic", prefill_mgpu.paged_prefill_mgpu, priority=30, device=on_hopper,
+                unsupported=prefill_mgpu.unsupported,
+                note="prefill ahead of the Triton prefill kernel, pages 64/128 (RESULTS.md, Paged attention prefill)"),
+        Backend("prefill", prefill.paged_prefill, priority=20, device=on_gpu,
+                unsupported=prefill.unsupported,
                 note="one program per (query tile, KV head): each page read once per tile, not once per token"),
-        Backend("pallas", f"{_PALLAS}.decode:paged_decode", priority=10, device=on_gpu,
-                unsupported=f"{_PALLAS}.decode:unsupported",
-                note="split-KV decode, exact on any batch: the GPU fallback; 81-90% of copy bandwidth (H200)"),
+        Backend("pallas", decode.paged_decode, priority=10, device=on_gpu,
+                unsupported=decode.unsupported,
+                note="split-KV decode, exact on any batch: the GPU fallback (RESULTS.md, Paged attention decode)"),
     ),
     examples={
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 bf16": lambda: _example(64, 64, 16, context=4096),

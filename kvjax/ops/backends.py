@@ -3,8 +3,9 @@
 Every op owns one :class:`BackendTable`: its float32 pure-jnp reference (the oracle, always able to run) and
 the kernels that implement it, each a :class:`Backend` with a priority, the devices it runs on and an
 ``unsupported(*args, **kwargs) -> reason | None`` check of the op's normalised call (shapes, dtypes, static
-options; never array values). Kernels are named ``"module:function"`` and imported only when chosen, so
-importing :mod:`kvjax.ops` imports no Pallas.
+options; never array values). Backends hold their kernel functions themselves, so the import graph shows which
+kernels an op uses; only the optional Triton kernels (:mod:`kvjax.triton`, which need ``jax_triton``) are
+named by :func:`lazy` and imported when first called.
 
 ``impl`` values understood by :meth:`BackendTable.choose`:
 
@@ -15,13 +16,15 @@ importing :mod:`kvjax.ops` imports no Pallas.
 - ``"interpret"``: the ``"pallas"`` backend in Pallas interpret mode (runs on CPU); ``"NAME:interpret"``
   interprets backend ``NAME``.
 
-A kernel function takes the op's normalised call plus the keyword ``interpret: bool``. Kernel modules never
+A kernel function takes the op's normalised call plus the keyword ``interpret: bool``; :meth:`BackendTable.choose`
+binds that keyword with :func:`functools.partial`, so choosing adds no Python frame between the op and the kernel. Kernel modules never
 choose between kernels: that is this table's job (``python -m kvjax info`` prints its decisions).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable, Mapping
 
@@ -32,9 +35,22 @@ PRIMARY = "pallas"  # the backend that impl="interpret" interprets
 _RESERVED = ("auto", "reference", "interpret")
 
 
-def _load(target: str) -> Callable:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+__all__ = ["PRIMARY", "Backend", "BackendTable", "lazy", "on_gpu", "on_hopper"]
+
+
+def lazy(target: str) -> Callable:
+    """The function ``"module:function"``, imported at its first call: for kernels of optional packages only
+    (:mod:`kvjax.triton`); every other backend holds its function directly."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"lazy target must be 'module:function', got {target!r}")
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = attr
+    call.target = target
+    return call
 
 
 def on_gpu(device: DeviceKind) -> str | None:
@@ -51,29 +67,31 @@ def on_hopper(device: DeviceKind) -> str | None:
 class Backend:
     """One implementation of an op.
 
-    ``target`` and ``unsupported`` are ``"module:function"`` strings (imported when first needed).
+    ``fn`` is the kernel function and ``unsupported`` its check (a :func:`lazy` function for optional packages).
     ``unsupported`` receives the op's normalised call (arrays may be tracers or ``jax.ShapeDtypeStruct``)
     and returns why this kernel cannot take it, or ``None``. ``device`` says why a device cannot run it.
     ``interpretable``: runs in Pallas interpret mode on CPU (``impl="NAME:interpret"``).
     """
 
     name: str
-    target: str
+    fn: Callable
     priority: int
     device: Callable[[DeviceKind], str | None] = on_gpu
-    unsupported: str | None = None
+    unsupported: Callable[..., str | None] | None = None
     interpretable: bool = True
     note: str = ""  # why it sits where it does (measurement, shapes), shown by ``kvjax info``
 
     def __post_init__(self):
         if self.name in _RESERVED or ":" in self.name or not self.name:
             raise ValueError(f"backend name {self.name!r} is reserved or malformed")
-        if ":" not in self.target:
-            raise ValueError(f"backend {self.name!r}: target must be 'module:function', got {self.target!r}")
+        for field in ("fn", "unsupported", "device"):
+            value = getattr(self, field)
+            if not (callable(value) or (field == "unsupported" and value is None)):
+                raise ValueError(f"backend {self.name!r}: {field} must be a function, got {value!r}")
 
     def shape_reason(self, args: tuple, kwargs: Mapping[str, Any]) -> str | None:
         """Why this kernel cannot take the call (``None``: it can), whatever the device."""
-        return None if self.unsupported is None else _load(self.unsupported)(*args, **kwargs)
+        return None if self.unsupported is None else self.unsupported(*args, **kwargs)
 
     def reason(self, device: DeviceKind, args: tuple, kwargs: Mapping[str, Any]) -> str | None:
         """Why this kernel cannot take the call on ``device`` (``None``: it can)."""
@@ -180,10 +198,4 @@ class BackendTable:
 
 
 def _bind(backend: Backend, *, interpret: bool) -> Callable:
-    fn = _load(backend.target)
-
-    def call(*args, **kwargs):
-        return fn(*args, interpret=interpret, **kwargs)
-
-    call.__name__ = f"{backend.name}{':interpret' if interpret else ''}"
-    return call
+    return functools.partial(backend.fn, interpret=interpret)  # a partial: no Python frame of its own

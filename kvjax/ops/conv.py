@@ -49,6 +49,7 @@ import numpy as np
 from kvjax.base.checks import check_array, check_cu_seqlens, check_float, check_int32
 from kvjax.base.ragged import count_le
 from kvjax.ops.backends import Backend, BackendTable
+from kvjax.pallas.gdn import conv as conv_kernels
 from kvjax.ops.gdn_slots import check_slot_ids, live_slots, slot_index, static_layer
 
 CONV_OP = "causal_conv1d"
@@ -343,14 +344,14 @@ UPDATE_TABLE = BackendTable(UPDATE_OP, causal_conv1d_update_reference, (), examp
 CONV_PREFILL_TABLE = BackendTable(
     CONV_PREFILL_OP,
     conv_prefill_pool_reference,
-    (Backend("pallas", "kvjax.pallas.gdn.conv:conv_prefill_slots", priority=10,
+    (Backend("pallas", conv_kernels.conv_prefill_slots, priority=10,
              note="token-block y kernel + final-state kernel; a near tie with XLA, in place by construction"),),
     examples={"prefill N=4 T=16384 D=12288": lambda: _example(16384, 4, 12288, pool=True, prefill=True)},
 )
 CONV_DECODE_TABLE = BackendTable(
     CONV_DECODE_OP,
     conv_decode_pool_reference,
-    (Backend("pallas", "kvjax.pallas.gdn.conv:conv_update_slots", priority=10,
-             note="2.4-2.9x the fused XLA path (H200, B=128/256)"),),
+    (Backend("pallas", conv_kernels.conv_update_slots, priority=10,
+             note="ahead of the fused XLA path (RESULTS.md, Causal conv1d on the pool)"),),
     examples={"decode B=128 D=12288": lambda: _example(128, 128, 12288, pool=True, prefill=False)},
 )

@@ -31,6 +31,8 @@ from kvjax.base.checks import check_array, check_cu_seqlens, check_float, check_
 from kvjax.base.fp8 import dequantize_fp8_blockwise
 from kvjax.base.softmax import masked_softmax
 from kvjax.ops.backends import Backend, BackendTable, on_gpu
+from kvjax.pallas.mla import decode as mla_pallas
+from kvjax.pallas.mla import dsa_indexer, dsa_sparse
 
 
 def _page_of(block_tables, positions, page_size):
@@ -298,7 +300,6 @@ def sparse_mla_decode_fp8(
                             scale=float(scale))
 
 
-_MLA = "kvjax.pallas.mla"
 _SDS = jax.ShapeDtypeStruct
 
 
@@ -327,9 +328,9 @@ INDEXER_TABLE = BackendTable(
     "indexer_scores",
     indexer_scores_reference,
     (
-        Backend("pallas", f"{_MLA}.dsa_indexer:indexer_scores_pallas", priority=10, device=on_gpu,
-                unsupported=f"{_MLA}.dsa_indexer:unsupported",
-                note="scores + top-k 3.8-8.8x the jnp reference (B=32, L=8192-32768, H200 run 5, H100 run 13)"),
+        Backend("pallas", dsa_indexer.indexer_scores_pallas, priority=10, device=on_gpu,
+                unsupported=dsa_indexer.unsupported,
+                note="scores + top-k ahead of the jnp reference (RESULTS.md, DSA sparse decode and indexer)"),
     ),
     examples={
         "decode B=32 L=8192 64x128 fp8 keys page 64": lambda: _indexer_example(32, 32, 8192),
@@ -342,9 +343,9 @@ SPARSE_TABLE = BackendTable(
     "sparse_mla_decode",
     sparse_mla_decode_reference,
     (
-        Backend("pallas", f"{_MLA}.decode:sparse_mla_decode_pallas", priority=10, device=on_gpu,
-                unsupported=f"{_MLA}.decode:sparse_unsupported",
-                note="top-k 2048: 1.0-3.6x the jnp reference (B=32, L=8192-32768, H200)"),
+        Backend("pallas", mla_pallas.sparse_mla_decode_pallas, priority=10, device=on_gpu,
+                unsupported=mla_pallas.sparse_unsupported,
+                note="top-k 2048: at least the jnp reference (RESULTS.md, DSA sparse decode and indexer)"),
     ),
     examples={
         "decode B=32 L=32768 H=16 top-2048 page 64 bf16": lambda: _sparse_example(32, 16, 32768),
@@ -356,10 +357,9 @@ SPARSE_FP8_TABLE = BackendTable(
     "sparse_mla_decode_fp8",
     sparse_mla_decode_fp8_reference,
     (
-        Backend("pallas", f"{_MLA}.dsa_sparse:sparse_mla_decode_fp8_pallas", priority=10, device=on_gpu,
-                unsupported=f"{_MLA}.dsa_sparse:unsupported",
-                note="H=16: 0.204 vs 0.248 ms (L=8192), 0.203 vs 0.241 ms (L=32768) against the jnp path "
-                     "(H100 run 13); H=128: 3% (H100) or slower (H200)"),
+        Backend("pallas", dsa_sparse.sparse_mla_decode_fp8_pallas, priority=10, device=on_gpu,
+                unsupported=dsa_sparse.unsupported,
+                note="ahead of the jnp path at few heads (RESULTS.md, DSA sparse decode and indexer)"),
     ),
     examples={
         "decode B=32 L=8192 H=16 top-2048 fp8 keys page 64": lambda: _sparse_example(32, 16, 8192, fp8=True),

@@ -51,6 +51,8 @@ from jax import lax
 
 from kvjax.base.checks import check_array, check_cu_seqlens, check_float
 from kvjax.ops.backends import Backend, BackendTable
+from kvjax.pallas.gdn import chunk as chunk_kernels
+from kvjax.pallas.gdn import recurrent as recurrent_kernels
 
 CHUNK_OP = "chunk_gated_delta_rule"
 RECURRENT_OP = "recurrent_gated_delta_rule"
@@ -371,7 +373,7 @@ CHUNK_TABLE = BackendTable(
     CHUNK_OP,
     chunk_gated_delta_rule_reference,
     (
-        Backend("pallas", "kvjax.pallas.gdn.chunk:chunk_gated_delta_rule_pallas", priority=10,
+        Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
     ),
@@ -386,7 +388,7 @@ RECURRENT_TABLE = BackendTable(
     RECURRENT_OP,
     recurrent_gated_delta_rule_reference,
     (
-        Backend("pallas", "kvjax.pallas.gdn.recurrent:recurrent_gated_delta_rule_pallas", priority=10,
+        Backend("pallas", recurrent_kernels.recurrent_gated_delta_rule_pallas, priority=10,
                 note="one program per (row, head, value block)"),
     ),
     examples={

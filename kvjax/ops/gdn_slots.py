@@ -41,6 +41,8 @@ from kvjax.base.ragged import count_le
 from kvjax.errors import InvalidPlanError
 from kvjax.ops import gdn
 from kvjax.ops.backends import Backend, BackendTable
+from kvjax.pallas.gdn import chunk as chunk_kernels
+from kvjax.pallas.gdn import recurrent as recurrent_kernels
 
 PAD_SLOT = 0
 PREFILL_OP = "gdn_prefill_pool"
@@ -357,7 +359,7 @@ PREFILL_TABLE = BackendTable(
     PREFILL_OP,
     gdn_prefill_pool_reference,
     (
-        Backend("pallas", "kvjax.pallas.gdn.chunk:gdn_prefill_pool_pallas", priority=10,
+        Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),
     examples={
@@ -370,10 +372,10 @@ DECODE_TABLE = BackendTable(
     DECODE_OP,
     gdn_decode_pool_reference,
     (
-        Backend("slots", "kvjax.pallas.gdn.recurrent:gdn_decode_slots_pallas", priority=20,
-                unsupported="kvjax.pallas.gdn.recurrent:decode_slots_unsupported",
-                note="indexes the pool by slot id in the kernel; 92.7-93.1% of a same-bytes copy on the H100"),
-        Backend("pallas", "kvjax.pallas.gdn.recurrent:gdn_decode_pool_pallas", priority=10,
+        Backend("slots", recurrent_kernels.gdn_decode_slots_pallas, priority=20,
+                unsupported=recurrent_kernels.decode_slots_unsupported,
+                note="indexes the pool by slot id in the kernel (RESULTS.md, GDN decode)"),
+        Backend("pallas", recurrent_kernels.gdn_decode_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),
     examples={
@@ -387,8 +389,8 @@ GATED_DECODE_TABLE = BackendTable(
     GATED_DECODE_OP,
     gated_delta_decode_pool_reference,
     (
-        Backend("slots", "kvjax.pallas.gdn.recurrent:gated_decode_slots_pallas", priority=20,
-                unsupported="kvjax.pallas.gdn.recurrent:gated_decode_slots_unsupported",
+        Backend("slots", recurrent_kernels.gated_decode_slots_pallas, priority=20,
+                unsupported=recurrent_kernels.gated_decode_slots_unsupported,
                 note="the slot decode kernel reading q/k/v by column and projecting the gates: no XLA op "
                      "between the conv and it"),
     ),

@@ -42,7 +42,10 @@ import numpy as np
 from kvjax.base.checks import INT32_MAX, check_cu_seqlens, check_float, check_int32, check_seq_lens
 from kvjax.base.ragged import token_rows
 from kvjax.base.softmax import masked_softmax
-from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
+from kvjax.ops.backends import Backend, BackendTable, lazy, on_gpu, on_hopper
+from kvjax.pallas.mla import decode as mla_pallas
+from kvjax.pallas.mla import decode_mgpu as mla_mosaic
+from kvjax.triton import mla_decode_unsupported as triton_unsupported
 
 
 def _gather_latent(latent_pages, block_tables, length):
@@ -244,17 +247,15 @@ TABLE = BackendTable(
     "mla_decode",
     mla_decode_reference,
     (
-        Backend("mosaic", "kvjax.pallas.mla.decode_mgpu:mla_decode_mgpu", priority=30, device=on_hopper,
-                unsupported="kvjax.pallas.mla.decode_mgpu:unsupported",
-                note="B=128 L=4096 H=128: 0.278 ms, 2.13x the Triton kernels (H100 run 13); at H=16 slower "
-                     "(0.226 vs 0.216 ms)"),
-        Backend("pallas", "kvjax.pallas.mla.decode:mla_decode_pallas", priority=20, device=on_gpu,
-                unsupported="kvjax.pallas.mla.decode:unsupported",
-                note="H=16: 0.216 ms, 92.7% of copy, ahead of the jax-triton kernel (0.217 ms, H100 run 13; "
-                     "0.151 vs 0.154 ms H200 run 12)"),
-        Backend("triton", "kvjax.triton.mla_decode:mla_decode_triton", priority=10, device=on_gpu,
-                unsupported="kvjax.triton:mla_decode_unsupported", interpretable=False,
-                note="jax-triton baseline: never ahead of the best Hopper kernel by 5% (HISTORY.md runs 11-13)"),
+        Backend("mosaic", mla_mosaic.mla_decode_mgpu, priority=30, device=on_hopper,
+                unsupported=mla_mosaic.unsupported,
+                note="ahead at many heads (H=128), behind the Triton lowering at H=16 (RESULTS.md, MLA decode)"),
+        Backend("pallas", mla_pallas.mla_decode_pallas, priority=20, device=on_gpu,
+                unsupported=mla_pallas.unsupported,
+                note="the fastest at few heads (H=16) (RESULTS.md, MLA decode)"),
+        Backend("triton", lazy("kvjax.triton.mla_decode:mla_decode_triton"), priority=10, device=on_gpu,
+                unsupported=triton_unsupported, interpretable=False,
+                note="jax-triton baseline, never ahead of the best Hopper kernel (RESULTS.md, MLA decode)"),
     ),
     examples={
         "decode B=128 L=4096 H=16 page 64 bf16": lambda: _example(128, 16, 4096),
