@@ -184,10 +184,37 @@ def test_mesh_engine_on_8_cpu_devices(family):
         pytest.skip("already inside the 8-device run")
     env = {**os.environ, "KVJAX_MESH_ENGINE_INNER": "1",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        f"{__file__}::test_engine_matrix_equals_the_synchronous_engine[{family}]"],
+    tests = [f"{__file__}::test_engine_matrix_equals_the_synchronous_engine[{family}]"]
+    if family == "qwen3_5":
+        tests.append(f"{__file__}::test_mesh_steps_hold_no_zero_sized_array")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                        env=env, capture_output=True, text=True, timeout=840, cwd=HERE)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@inner
+def test_mesh_steps_hold_no_zero_sized_array():
+    """No step of a 2x1 mesh (single steps whose rows fill the token output, and bursts) lowers with a zero-sized
+    array. A full-width ``zeros.at[:B].set(tokens)`` lowers to a scatter with an empty index constant, which
+    ``shard_map`` passes into the manual computation as a zero-sized operand, and XLA's GPU compile of that
+    crashes on two GPUs (the CPU compile does not, so the lowering is what this test reads)."""
+    import test_sharding as ts
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))
+    for burst in (1, 4):
+        engine = Engine(ts.qwen_model(), _cache(PAGES["qwen3_5"]), mesh=mesh, decode_burst=burst, **ENGINE_ARGS)
+        step, texts = engine.runner.step, {}
+
+        def lowering_step(caches, buf, prev, layout, greedy_only, step=step, texts=texts):
+            if layout not in texts:
+                texts[layout] = engine.runner.lower(caches, buf, prev, layout, greedy_only).as_text()
+            return step(caches, buf, prev, layout, greedy_only)
+
+        engine.runner.step = lowering_step
+        engine.generate(_prompts(ts.VOCAB)[:4], 6)
+        assert any(layout.burst == burst for layout in texts), f"burst {burst}: no such step ran"
+        for layout, text in texts.items():
+            assert "tensor<0x" not in text, f"burst {burst}, {layout.fields[:2]}: a zero-sized array in the step"
 
 
 @inner

@@ -56,7 +56,6 @@ def run_burst(forward: Callable, pick: Callable, params, caches: ModelCaches, in
     with sub-step ``j``'s token of row ``b`` at ``j * stride + b`` (``stride >= B``; zeros elsewhere).
     ``unroll``: the sub-steps as straight-line code (a GPU runs them as one graph); else a ``lax.scan`` (one
     sub-step compiled once)."""
-    B = inputs.seq_lens.shape[0]
 
     def sub_step(caches, inputs, j):
         logits, caches = forward(params, caches, inputs)
@@ -77,5 +76,14 @@ def run_burst(forward: Callable, pick: Callable, params, caches: ModelCaches, in
             return (caches, inputs), tokens
 
         (caches, _), toks = jax.lax.scan(body, (caches, inputs), jnp.arange(burst, dtype=jnp.int32))
-    out = jnp.zeros((burst, stride), jnp.int32).at[:, :B].set(toks)
-    return out.reshape(-1), caches
+    return pad_tokens(toks, stride).reshape(-1), caches
+
+
+def pad_tokens(tokens: jax.Array, width: int) -> jax.Array:
+    """``tokens`` (i32[..., B]) padded with zeros to i32[..., width] along the last axis.
+
+    A pad, not ``zeros.at[..., :B].set``: where ``B == width`` that scatter has an empty index vector, and XLA's
+    GPU compile of a multi-device ``shard_map`` holding one crashes (the empty index constant becomes a
+    zero-sized operand of the manual computation)."""
+    pad = [(0, 0)] * (tokens.ndim - 1) + [(0, width - tokens.shape[-1])]
+    return jnp.pad(tokens, pad)

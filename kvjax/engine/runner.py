@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.engine import sampling
-from kvjax.engine.burst import run_burst
+from kvjax.engine.burst import pad_tokens, run_burst
 from kvjax.engine.inputs import PackLayout, StepInputs, decode_only, pack_plan
 from kvjax.engine.step import TraceCounter
 from kvjax.models.interface import ModelCaches
@@ -75,7 +75,7 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
     if copies is not None and caches.gdn is not None:
         caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
     tokens = pick(logits, rows.counters)
-    return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), caches
+    return pad_tokens(tokens, prev_tokens.shape[0]), caches
 
 
 def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
@@ -155,6 +155,13 @@ class Runner:
              greedy_only: bool) -> tuple[jax.Array, ModelCaches]:
         """Dispatch one step (asynchronous); ``caches`` are donated: use only the returned ones."""
         return self._fn(self.params, caches, buf, prev_tokens, layout, greedy_only)
+
+    def lower(self, caches: ModelCaches, buf: np.ndarray | jax.Array, prev_tokens: jax.Array, layout: PackLayout,
+              greedy_only: bool) -> jax.stages.Lowered:
+        """The step :meth:`step` would run for these arguments, lowered (``.as_text()``: its StableHLO;
+        ``.compile()``: XLA's program), without running it or counting a trace."""
+        with self.counter.paused():
+            return self._fn.lower(self.params, caches, buf, prev_tokens, layout, greedy_only)
 
     def _on_mesh(self, model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll):
         sharded = self.sharded

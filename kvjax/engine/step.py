@@ -17,6 +17,8 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from flax import nnx
 
@@ -31,8 +33,20 @@ class TraceCounter:
 
     def __init__(self, what: str, max_traces: int | None = None) -> None:
         self.what, self.max_traces, self.num_traces = what, max_traces, 0
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Traces inside this block (a ``.lower()`` for inspection) are not counted."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def count(self, detail: str) -> None:
+        if self._paused:
+            return
         self.num_traces += 1
         if self.max_traces is not None and self.num_traces > self.max_traces:
             raise AssertionError(f"{self.what} traced {self.num_traces} times, more than max_traces="
