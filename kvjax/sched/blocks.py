@@ -377,6 +377,33 @@ class BlockAllocator:
         self.num_blocks[row] = pages.shape[1]
         self.recycled_upto[row] = cursor
 
+    def attach_new(self, row: int, heads: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Fill the holes ``(row, heads[k], blocks[k])`` (``i64[K]``, blocks below the row's ``num_blocks``) with
+        fresh cached pages (shared, one reference: the row's) that the caller will fill (the prefix cache's host
+        tier loads them); returns their ``i64[K]`` pages. Idle cached pages are reclaimed when a pool is short.
+        ``ValueError`` (nothing changes) for an entry that is not a hole or a pool that cannot give them."""
+        row = self._check_row(row)
+        heads, blocks = np.asarray(heads, np.int64), np.asarray(blocks, np.int64)
+        if len(heads) == 0:
+            return np.zeros(0, np.int64)
+        if (blocks >= self.num_blocks[row]).any() or (self.tables[row, heads, blocks] >= 0).any():
+            raise ValueError(f"attach_new: row {row} (heads, blocks) {list(zip(heads.tolist(), blocks.tolist()))} "
+                             "must be holes below the row's blocks")
+        need = np.bincount(self.pool_of_head[heads], minlength=len(self._free))
+        if any(n > len(f) + i for n, f, i in zip(need.tolist(), self._free, self.idle)):
+            raise ValueError(f"attach_new: pools need {need.tolist()} pages, free {self.free_pages()} + idle "
+                             f"{self.idle}")
+        if any(n > len(f) for n, f in zip(need.tolist(), self._free)):
+            self.reclaimer.reclaim([max(0, n - len(f)) for n, f in zip(need.tolist(), self._free)])
+        pages = np.array([self._free[int(self.pool_of_head[h])].pop() for h in heads.tolist()], np.int64)
+        self.tables[row, heads, blocks] = pages
+        self.owner_row[pages] = SHARED
+        self.owner_head[pages] = heads
+        self.refs[pages] = 1
+        self.cached[pages] = True
+        self.num_shared += len(pages)
+        return pages
+
     def uncache(self, pages: np.ndarray) -> int:
         """The cache lets go of ``pages`` (i64[K], cached); those no table holds go back to the free list.
         Returns pages freed."""

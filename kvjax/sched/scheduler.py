@@ -240,6 +240,8 @@ class Scheduler:
         slot, or not the pages of its first chunk), a decode burst: each row runs
         ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
         otherwise (or if those pages are short) an ordinary plan."""
+        if self.prefix is not None:
+            self.prefix.begin_plan()
         if burst > 1:
             plan = self._schedule_burst(burst)
             if plan is not None:

@@ -1,0 +1,218 @@
+"""The prefix cache's host tier (numpy side): spills on eviction, loads on a hit, the host budget's LRU, and a
+stateful property test of the two tiers.
+
+Shadows stand in for the data: every device page records which (token, position) each offset holds when a row
+writes it, every checkpoint slot the chain key whose state it holds when a step saves it. The copy log is executed
+on the shadows (``land``) where the engine executes it: after the scheduler's calls of a plan, before its step
+reads or writes anything. A block is on the device, on the host or in flight (a logged copy not landed), never
+two at once; a row only reads attached pages after landing, and then every page and the restored checkpoint hold
+exactly the prompt's blocks (so a copy read before it landed, or a spill of a page already overwritten, fails).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax.config import AttentionConfig
+from kvjax.errors import OutOfPagesError
+from kvjax.sched.host_tier import HostTier
+from kvjax.sched.prefix_cache import PrefixCacheConfig
+from test_prefix_cache import Rig
+
+PAGE_BYTES, CKPT_BYTES = 10, 7
+
+
+class TierRig(Rig):
+    """:class:`Rig` with a host tier: copies land on the shadows between the cache's calls and the step."""
+
+    def __init__(self, att, *, host_pages: float = 8, **kw):
+        kw.setdefault("gdn", True)
+        kw.setdefault("num_checkpoints", 2 if kw["gdn"] else 0)
+        super().__init__(att, host_bytes=int(host_pages * PAGE_BYTES) + 2 * CKPT_BYTES, page_bytes=PAGE_BYTES,
+                         ckpt_bytes=CKPT_BYTES if kw["gdn"] else 0, **kw)
+        self.host: dict[int, np.ndarray] = {}  # host id -> page shadow
+        self.host_ckpt: dict[int, int] = {}  # host id -> chain key of the state
+        self.ckpt_state = [-1] * (self.cache_cfg.max_seqs + 1 + self.pc.config.num_checkpoints)  # chain keys
+        self.landed = {"out": 0, "in": 0, "drop": 0}
+
+    def land(self) -> None:
+        for op in self.pc.take_copies():
+            self.landed[op.kind] += op.num_pages + op.num_ckpts
+            for d, h in zip(op.pages_dev.tolist(), op.pages_host.tolist()):
+                if op.kind == "out":
+                    assert h not in self.host
+                    self.host[h] = self.shadow[d].copy()
+                else:
+                    self.shadow[d] = self.host.pop(h)
+            for d, h in zip(op.ckpts_dev.tolist(), op.ckpts_host.tolist()):
+                if op.kind == "out":
+                    self.host_ckpt[h] = self.ckpt_state[d]
+                else:
+                    self.ckpt_state[d] = self.host_ckpt.pop(h)
+            if op.kind == "drop":
+                for h in op.pages_host.tolist():
+                    del self.host[h]
+                for h in op.ckpts_host.tolist():
+                    del self.host_ckpt[h]
+
+    def start(self, row: int, prompt: np.ndarray):
+        self.pc.begin_plan()
+        m = self.pc.match(prompt)
+        ckpt = self.pc.attach(row, m, prompt)
+        self.land()
+        self.check_attached(row, prompt, m.num_tokens // self.ps)
+        if self.pc.config.gdn and m.num_tokens:
+            assert ckpt >= 0 and self.ckpt_state[ckpt] == m.keys[m.num_tokens // self.ps - 1]
+        self.progress[row], self.prompts[row] = m.num_tokens, prompt
+        return m
+
+    def step(self, row: int, n: int) -> int:
+        self.pc.begin_plan()
+        done, prompt = self.progress[row], self.prompts[row]
+        stop = self.pc.next_stop(row, done)
+        n = min(n, len(prompt) - done, (stop - done) if stop else n)
+        self.b.allocate(row, done + n)
+        pos = np.arange(done, done + n)
+        pages = self.b.tables[row, :, pos // self.ps]  # i32[n, H]: what the step writes
+        assert (self.b.owner_row[pages] == row).all(), "a row writes a page it does not own alone"
+        slot = self.pc.publish(row, done + n)  # may make them shared: the plan's own step writes them
+        self.land()  # the step runs after its copies
+        self.shadow[pages, (pos % self.ps)[:, None]] = (prompt[pos] * 10**6 + pos)[:, None]
+        if slot >= 0:
+            self.ckpt_state[slot] = self.pc.rows[row].parent
+        self.progress[row] = done + n
+        self.policy.recycle(self.b, np.array([row]), np.array([done + n]))
+        return n
+
+    def check(self) -> None:
+        super().check()
+        assert not self.pc.host.log, "copies logged outside a plan"
+        held = sorted(h for e in self.pc.entries.values() for h in e.host[e.host >= 0].tolist())
+        assert held == sorted(self.host), "the host shadow and the cache disagree on what the host holds"
+        assert sorted(e.hckpt for e in self.pc.entries.values() if e.hckpt >= 0) == sorted(self.host_ckpt)
+
+
+def test_config_and_tier_errors():
+    with pytest.raises(ValueError, match="page_bytes >= 1"):
+        PrefixCacheConfig(num_checkpoints=1, host_bytes=100)
+    with pytest.raises(ValueError, match="host_bytes must be an int >= 0"):
+        PrefixCacheConfig(num_checkpoints=1, host_bytes=-1)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostTier(0, 1, 1)
+
+
+def test_evicted_blocks_spill_and_come_back_from_the_host(rng):
+    """A prompt evicted from the device by another is served again from the host: loaded into fresh pages, its
+    checkpoint into a device slot, the right data in every page; the host copies are consumed."""
+    att = AttentionConfig(4, 2, 8, window=(6, 0), sinks=(2, 0))
+    r = TierRig(att, pages=12, host_pages=16, num_checkpoints=1)
+    a, b = rng.integers(1, 99, 17), rng.integers(1, 99, 17)
+    r.run(1, a)
+    r.finish(1)
+    r.run(1, b)  # needs a's pages and its only checkpoint slot: both spill
+    r.finish(1)
+    assert r.landed["out"] > 0 and r.pc.host.pages_out > 0 and r.pc.host.ckpts_out == 1
+    m = r.pc.match(a)
+    assert m.num_tokens == 16 and (m.host >= 0).any() and m.checkpoint == -1 and m.ckpt_host >= 0
+    before = r.pc.hit_tokens_host
+    r.start(2, a)  # lands the loads, then checks every page and the restored checkpoint
+    loaded = len(np.unique(np.nonzero(m.host >= 0)[1]))  # blocks with a head on the host
+    assert loaded > 0 and r.pc.hit_tokens_host - before == 4 * loaded and r.landed["in"] > 0
+    e = r.pc.entries[m.keys[-1]]
+    assert e.hckpt == -1 and e.ckpt >= 0 and (e.host < 0).all()
+    r.finish(2)
+    r.check()
+
+
+def test_host_budget_evicts_its_least_recently_used(rng):
+    att = AttentionConfig(2, 1, 8)
+    r = TierRig(att, pages=6, host_pages=4, gdn=False)
+    prompts = [rng.integers(1, 99, 13) for _ in range(6)]
+    for p in prompts:
+        r.run(1, p)
+        r.finish(1)
+        r.check()
+        assert r.pc.host.used_bytes <= r.pc.host.capacity_bytes
+    assert r.pc.host.evictions > 0 and r.landed["drop"] > 0
+    assert r.pc.match(prompts[0]).num_tokens == 0  # the oldest is gone from both tiers
+    assert r.pc.match(prompts[-1]).num_tokens == 12
+
+
+def test_without_a_host_tier_nothing_is_logged(rng):
+    r = Rig(AttentionConfig(2, 1, 8), pages=10, gdn=True, num_checkpoints=1)
+    for _ in range(3):
+        r.run(1, rng.integers(1, 99, 13))
+        r.finish(1)
+    assert r.pc.host is None and r.pc.take_copies() == ()
+
+
+class TwoTierMachine(RuleBasedStateMachine):
+    """Random requests over a few shared prefixes on a small device pool and a small host budget."""
+
+    def __init__(self):
+        super().__init__()
+        self.rig = None
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        h = data.draw(st.integers(1, 3))
+        window = [data.draw(st.sampled_from([0, 0, 3, 6, 11])) for _ in range(h)]
+        sinks = [data.draw(st.integers(0, 4)) if w else 0 for w in window]
+        gdn = data.draw(st.booleans())
+        self.rig = TierRig(AttentionConfig(h, h, 8, window=tuple(window), sinks=tuple(sinks)),
+                           ps=data.draw(st.sampled_from([1, 2, 4])), pages=h * data.draw(st.integers(8, 24)),
+                           max_seqs=3, blocks=40, gdn=gdn, host_pages=h * data.draw(st.integers(0, 20)),
+                           num_checkpoints=data.draw(st.integers(1, 3)) if gdn else 0,
+                           recycle=data.draw(st.sampled_from(["eager", "keep_tail"])))
+        rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+        self.bases = [rng.integers(1, 9, 30) for _ in range(4)]
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.rig is not None and len(self.rig.progress) < 3)
+    def start(self, data):
+        base = data.draw(st.sampled_from(self.bases))
+        cut, tail = data.draw(st.integers(1, 30)), data.draw(st.lists(st.integers(1, 9), max_size=10))
+        prompt = np.concatenate([base[:cut], np.array(tail, np.int64)])
+        row = min(set(range(1, 4)) - set(self.rig.progress))
+        self.rig.start(row, prompt)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.rig is not None and self.rig.progress)
+    def compute(self, data):
+        row = data.draw(st.sampled_from(sorted(self.rig.progress)))
+        if self.rig.progress[row] == len(self.rig.prompts[row]):
+            return self.rig.finish(row)
+        try:
+            self.rig.step(row, data.draw(st.integers(1, 9)))
+        except OutOfPagesError:  # preempt by recompute (the allocator changed nothing)
+            self.rig.land()
+            self.rig.finish(row)
+
+    @rule()
+    @precondition(lambda self: self.rig is not None and not self.rig.progress)
+    def clear(self):
+        self.rig.pc.clear()
+        self.rig.land()
+        assert not self.rig.host and not self.rig.host_ckpt and self.rig.pc.host.used_bytes == 0
+
+    @invariant()
+    def consistent(self):
+        if self.rig is not None:
+            self.rig.check()
+
+    def teardown(self):
+        if self.rig is None:
+            return
+        for row in list(self.rig.progress):
+            self.rig.finish(row)
+        self.rig.pc.clear()
+        self.rig.land()
+        self.rig.check()
+        assert self.rig.b.free_pages() == [self.rig.cache_cfg.num_pages] and not self.rig.host
+
+
+TestTwoTierMachine = TwoTierMachine.TestCase
+TestTwoTierMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
