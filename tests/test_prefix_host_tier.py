@@ -216,3 +216,26 @@ class TwoTierMachine(RuleBasedStateMachine):
 
 TestTwoTierMachine = TwoTierMachine.TestCase
 TestTwoTierMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+def test_simulator_models_the_tier(capsys):
+    """At the same device memory the host tier serves turns the device cache lost (more hits, fewer prompt
+    tokens computed); the command refuses host-tier flags without --prefix-caching."""
+    import json
+
+    from kvjax.__main__ import main
+
+    argv = ["simulate", "--prefix-caching", "--workload", "multi-turn", "--requests", "32", "--scale", "0.05",
+            "--max-seqs", "4", "--max-tokens", "256", "--page-size", "16", "--window", "64", "--memory-requests", "3",
+            "--check-every", "5", "--host-cache-gb", "4", "--json", "-"]
+    assert main(argv) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    keep, tier = results[2], results[3]
+    assert (keep["mode"], keep["host_bytes"], tier["mode"], tier["host_bytes"]) == ("keep_tail", 0, "keep_tail", 4e9)
+    assert tier["cached_tokens"] > keep["cached_tokens"] and tier["computed_tokens"] < keep["computed_tokens"]
+    assert tier["host_hit_tokens"] > 0 and tier["bytes_out"] > 0 and tier["bytes_in"] > 0
+    assert keep["host_hit_tokens"] == keep["bytes_out"] == 0
+    assert main(["simulate", "--host-cache-gb", "1"]) == 2
+    assert "need --prefix-caching" in capsys.readouterr().err
+    assert main(["simulate", "--prefix-caching", "--page-bytes", "10"]) == 2
+    assert "need --host-cache-gb" in capsys.readouterr().err

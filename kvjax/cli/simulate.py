@@ -132,6 +132,15 @@ def build_parser() -> ArgumentParser:
                         "--workload")
     p.add_argument("--workload", choices=sorted(PREFIX_WORKLOADS), default="seed",
                    help="workload of --prefix-caching")
+    p.add_argument("--host-cache-gb", type=number_in(0, low_open=True), default=None,
+                   help="with --prefix-caching: also run keep_tail with a host tier of this many GB (evicted blocks "
+                        "and checkpoints spill to host memory and come back on a hit)")
+    p.add_argument("--page-bytes", type=int_at_least(1), default=None,
+                   help="bytes of one KV head's page over every layer, for --host-cache-gb (default: a Qwen3.5-like "
+                        "8 attention layers, K and V of 256 dims in bf16: 8192 x --page-size)")
+    p.add_argument("--ckpt-bytes", type=int_at_least(1), default=24 * 16 * 128 * 128 * 4,
+                   help="bytes of one GDN checkpoint over every GDN layer, for --host-cache-gb (default: 24 layers "
+                        "of 16 f32 128x128 states)")
     return p
 
 
@@ -146,6 +155,9 @@ def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) ->
     """Refuse a flag the chosen mode would silently ignore."""
     given = p.given(argv)
     if not args.prefix_caching:
+        if given & {"host_cache_gb", "page_bytes", "ckpt_bytes"}:
+            raise UsageError("--host-cache-gb / --page-bytes / --ckpt-bytes need --prefix-caching (the host tier "
+                             "holds what the prefix cache evicts)")
         if "workload" in given:
             raise UsageError("--workload needs --prefix-caching (without it the workload is the seed-shaped one)")
         if "placement" in given and max(args.model_shards) == 1:
@@ -158,6 +170,8 @@ def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) ->
         raise UsageError(f"--prefix-caching takes one --swa-fraction, got {','.join(map(str, args.swa_fraction))}")
     if "spread" in given and args.workload != "seed":
         raise UsageError(f"--spread applies to the seed workload only, not --workload {args.workload}")
+    if args.host_cache_gb is None and given & {"page_bytes", "ckpt_bytes"}:
+        raise UsageError("--page-bytes / --ckpt-bytes size the host tier: they need --host-cache-gb")
 
 
 def _bar(total: int, enabled: bool | None, desc: str):
@@ -205,6 +219,12 @@ def _prefix_main(args: argparse.Namespace, argv: list[str]) -> int:
                 check_every=args.check_every, progress=progress,
                 prefix=None if mode == "off" else PrefixCacheConfig(args.max_seqs, True, mode)))
             for mode in PREFIX_MODES]
+    if args.host_cache_gb is not None:
+        tier = PrefixCacheConfig(args.max_seqs, True, "keep_tail", host_bytes=int(args.host_cache_gb * 1e9),
+                                 page_bytes=args.page_bytes or 8192 * args.page_size, ckpt_bytes=args.ckpt_bytes)
+        jobs.append(("prefix cache keep_tail + host tier", lambda progress: simulate_prefix(
+            workload, cache, attention, max_num_batched_tokens=args.max_tokens, seed=args.seed,
+            check_every=args.check_every, progress=progress, prefix=tier)))
     results = _run_all(jobs, total * len(jobs), args.progress)
     if args.json:
         write_json(args.json, dict(meta=provenance("simulate", argv, device="host only (no model)", seed=args.seed),

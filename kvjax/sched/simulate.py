@@ -217,6 +217,10 @@ class PrefixSimResult:
     page_util_peak: float  # max over steps of pages held (running rows + cache) / num_pages
     cached_pages_mean: float  # mean over steps of pages the cache holds
     checkpoints_peak: int  # most checkpoint slots in use
+    host_bytes: int = 0  # the host tier's budget (0: none)
+    host_hit_tokens: int = 0  # of cached_tokens, those of blocks loaded from the host tier
+    bytes_out: int = 0  # bytes spilled device -> host
+    bytes_in: int = 0  # bytes loaded host -> device
 
 
 def split_memory(memory_bytes: int, *, page_bytes: int, slot_bytes: int, num_checkpoints: int) -> int:
@@ -237,7 +241,8 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
     preemption by recompute of the latest admitted request) with the prefix cache ``prefix`` (None: off). The
     loop calls the cache exactly where a scheduler would (see :mod:`kvjax.sched.prefix_cache`). A request with
     ``after >= 0`` arrives when that one finishes. ``progress`` is called after each step with the number of
-    new tokens it generated."""
+    new tokens it generated. The host tier (``prefix.host_bytes > 0``): the cache spills what it evicts and loads
+    it back on a hit; the run counts the bytes its copy log moves each way (nothing is timed: no device)."""
     rng = np.random.default_rng(seed)
     blocks, slots = BlockAllocator(cache, attention), SlotAllocator(cache.max_seqs)
     pc = PrefixCache(blocks, prefix) if prefix is not None else None
@@ -263,6 +268,8 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
     while waiting or running:
         if steps >= max_steps:
             raise RuntimeError(f"prefix simulation did not finish in {max_steps} steps")
+        if pc:
+            pc.begin_plan()
         if running:
             policy.recycle(blocks, np.array([r[1] for r in running]), np.array([r[2] for r in running]))
         budget, scheduled, preempted = max_num_batched_tokens, [], False
@@ -296,10 +303,16 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
             if not blocks.can_fit(blocks.blocks_for(start + n) - start // cache.page_size,
                                   0.01 if running else 0.0):
                 break
-            waiting.popleft()
             r = [i, slots.allocate(), start, int(prompt.size)]
             if pc:
+                host_hits = pc.hit_tokens_host
                 pc.attach(r[1], m, prompt)
+                if not blocks.can_fit(blocks.blocks_for(start + n) - int(blocks.num_blocks[r[1]]),
+                                      0.01 if running else 0.0):  # host blocks loaded into pages it counted
+                    release(r)
+                    break
+                stats["host"] += pc.hit_tokens_host - host_hits
+            waiting.popleft()
             stats["prompt"] += int(prompt.size)
             stats["cached"] += start
             blocks.allocate(r[1], start + n)
@@ -324,6 +337,8 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
                     release(r)
                     waiting.extend(children.pop(r[0], []))
         ckpt_peak = max(ckpt_peak, pc.checkpoints_used() if pc else 0)
+        if pc:
+            pc.take_copies()  # the engine would execute them before the step
         steps += 1
         if progress is not None:
             progress(stats["generated"] - reported)
@@ -337,20 +352,29 @@ def simulate_prefix(workload: list[RequestSpec], cache: CacheConfig, attention: 
                            stats["generated"] / steps, stats["prompt"], stats["cached"], stats["computed"],
                            stats["cached"] / max(stats["prompt"], 1), stats["preemptions"], cache.num_pages,
                            prefix.num_checkpoints if prefix else 0, peak / cache.num_pages,
-                           float(np.mean(cached)), ckpt_peak)
+                           float(np.mean(cached)), ckpt_peak, prefix.host_bytes if prefix else 0, stats["host"],
+                           pc.host.bytes_out if pc and pc.host else 0, pc.host.bytes_in if pc and pc.host else 0)
 
 
 def format_prefix_table(results: list[PrefixSimResult]) -> str:
     """Fixed-width table of prefix-cache runs; ``gain`` is tokens/step relative to the first ``off`` run."""
     base = next((r for r in results if r.mode == "off"), None)
-    head = (f"{'cache':9} {'pages':>6} {'ckpts':>5} {'steps':>6} {'tok/step':>8} {'gain':>6} {'hit rate':>8} "
+    tier = any(r.host_bytes for r in results)
+    head = (f"{'cache':14} {'pages':>6} {'ckpts':>5} {'steps':>6} {'tok/step':>8} {'gain':>6} {'hit rate':>8} "
             f"{'prompt':>8} {'cached':>8} {'computed':>8} {'preempt':>7} {'util peak':>9} {'cached pg':>9}")
+    if tier:
+        head += f" {'host GB':>7} {'host hits':>9} {'GB out':>7} {'GB in':>7}"
     lines = [head, "-" * len(head)]
     for r in results:
         gain = f"{r.tokens_per_step / base.tokens_per_step:5.2f}x" if base else "     -"
-        lines.append(f"{r.mode:9} {r.num_pages:6d} {r.num_checkpoints:5d} {r.steps:6d} {r.tokens_per_step:8.2f} "
-                     f"{gain} {r.hit_rate:8.3f} {r.prompt_tokens:8d} {r.cached_tokens:8d} {r.computed_tokens:8d} "
-                     f"{r.preemptions:7d} {r.page_util_peak:9.3f} {r.cached_pages_mean:9.1f}")
+        name = r.mode + ("+host" if r.host_bytes else "")
+        line = (f"{name:14} {r.num_pages:6d} {r.num_checkpoints:5d} {r.steps:6d} {r.tokens_per_step:8.2f} "
+                f"{gain} {r.hit_rate:8.3f} {r.prompt_tokens:8d} {r.cached_tokens:8d} {r.computed_tokens:8d} "
+                f"{r.preemptions:7d} {r.page_util_peak:9.3f} {r.cached_pages_mean:9.1f}")
+        if tier:
+            line += (f" {r.host_bytes / 1e9:7.2f} {r.host_hit_tokens:9d} {r.bytes_out / 1e9:7.2f} "
+                     f"{r.bytes_in / 1e9:7.2f}")
+        lines.append(line)
     return "\n".join(lines)
 
 
