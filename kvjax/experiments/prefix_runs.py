@@ -8,6 +8,10 @@ Policies (:data:`POLICIES`): ``none`` and ``timely`` recycling without caching; 
 recycling); ``timely+keep_tail`` and ``timely+eager`` (both; what the cache does with a recycled SWA page it
 holds, see :mod:`kvjax.sched.prefix_cache`).
 
+Host tier (:data:`HOST_POLICY`, ``timely+keep_tail+host``): ``timely+keep_tail`` with the prefix cache's host
+tier of ``PrefixSetup.host_bytes`` (what the device evicts spills to host memory and comes back on a hit); not
+in :data:`POLICIES`, so the default sweeps are unchanged: name it in ``policies=``.
+
 Fixed memory. Every policy gets the same cache bytes: ``memory_pages`` pages plus the ``max_seqs + 1`` sequence
 slots of GDN state; a policy with caching pays its ``num_checkpoints`` GDN checkpoint slots out of the pages
 (:func:`kvjax.sched.simulate.split_memory`), so checkpoints and pages share one budget.
@@ -51,7 +55,18 @@ POLICIES = {  # name -> (recycle, prefix cache recycle mode or None: no caching)
     "timely+keep_tail": ("timely", "keep_tail"),
     "timely+eager": ("timely", "eager"),
 }
+HOST_POLICY = "timely+keep_tail+host"  # timely+keep_tail plus the host tier (PrefixSetup.host_bytes)
 WORKLOADS = ("system-prompt", "multi-turn", "few-shot")
+
+
+def policy_modes(policy: str) -> tuple[str, str | None, bool]:
+    """``(recycle, prefix cache recycle mode or None, host tier)`` of a policy name (:data:`POLICIES` or
+    :data:`HOST_POLICY`); ``ValueError`` for another name."""
+    if policy == HOST_POLICY:
+        return "timely", "keep_tail", True
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {[*POLICIES, HOST_POLICY]}")
+    return (*POLICIES[policy], False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +81,7 @@ class PrefixSetup:
     num_checkpoints: int  # GDN checkpoint slots of the policies with caching
     page_bytes: int  # one page over all layers
     slot_bytes: int  # one GDN state slot over all layers
+    host_bytes: int = 0  # the host tier of HOST_POLICY (host memory, beside the device budget)
 
     def __post_init__(self) -> None:
         if set(self.workloads) - set(WORKLOADS) or not self.workloads:
@@ -87,14 +103,22 @@ class PrefixSetup:
     def cache(self, policy: str) -> CacheConfig:
         """The policy's :class:`CacheConfig`: all pages, or what the checkpoint slots leave of them."""
         pages = self.memory_pages
-        if POLICIES[policy][1] is not None:
+        if policy_modes(policy)[1] is not None:
             pages = split_memory(self.memory_pages * self.page_bytes, page_bytes=self.page_bytes,
                                  slot_bytes=self.slot_bytes, num_checkpoints=self.num_checkpoints)
         return CacheConfig(page_size=self.page_size, num_pages=pages, max_seqs=self.max_seqs,
                            max_blocks_per_seq=self.max_blocks)
 
     def checkpoints(self, policy: str) -> int:
-        return self.num_checkpoints if POLICIES[policy][1] is not None else 0
+        return self.num_checkpoints if policy_modes(policy)[1] is not None else 0
+
+    def prefix_config(self, policy: str) -> PrefixCacheConfig | None:
+        """The scheduler's prefix cache of ``policy`` (None: no caching)."""
+        _, mode, host = policy_modes(policy)
+        if mode is None:
+            return None
+        return PrefixCacheConfig(self.num_checkpoints, True, mode, host_bytes=self.host_bytes if host else 0,
+                                 page_bytes=self.page_bytes, ckpt_bytes=self.slot_bytes)
 
 
 def prefix_workloads(size: Size, *, vocab: int, engine: bool, seed: int = 0) -> dict[str, list[RequestSpec]]:
@@ -113,10 +137,12 @@ def prefix_workloads(size: Size, *, vocab: int, engine: bool, seed: int = 0) -> 
 
 
 def make_setup(model, workloads: dict[str, list[RequestSpec]], *, page_size: int, memory_requests: float,
-               max_seqs: int, max_tokens: int, num_checkpoints: int | None = None) -> PrefixSetup:
+               max_seqs: int, max_tokens: int, num_checkpoints: int | None = None,
+               host_memory: float = 0.0) -> PrefixSetup:
     """A :class:`PrefixSetup` whose pages hold ``memory_requests`` mean-length requests (over all workloads) on
     every KV head without recycling; page and slot bytes read from ``model``'s caches (f32);
-    ``num_checkpoints`` defaults to ``max_seqs``."""
+    ``num_checkpoints`` defaults to ``max_seqs``; ``host_memory``: the host tier's bytes as a multiple of the
+    device budget."""
     import jax.numpy as jnp
 
     from kvjax.engine.sizing import cache_bytes_model
@@ -125,17 +151,21 @@ def make_setup(model, workloads: dict[str, list[RequestSpec]], *, page_size: int
     mean = float(np.mean([w.total_len for ws in workloads.values() for w in ws]))
     heads = model.attention_layout().num_kv_heads
     pages = int(np.ceil(memory_requests * -(-mean // page_size))) * heads
-    return PrefixSetup(workloads, page_size, pages, max_seqs, max_tokens,
-                       max_seqs if num_checkpoints is None else num_checkpoints, page_bytes, slot_bytes)
+    setup = PrefixSetup(workloads, page_size, pages, max_seqs, max_tokens,
+                        max_seqs if num_checkpoints is None else num_checkpoints, page_bytes, slot_bytes)
+    return dataclasses.replace(setup, host_bytes=int(host_memory * setup.budget_bytes))
 
 
 def _row(workload: str, policy: str, setup: PrefixSetup, prompts: list, *, steps: int, generated: int,
          served: int, computed: int, preemptions: int, cached_pages_mean: float, page_util_peak: float,
-         tokens_per_s: float = float("nan")) -> dict:
+         tokens_per_s: float = float("nan"), served_host: int = 0, bytes_out: int = 0, bytes_in: int = 0) -> dict:
     cache = setup.cache(policy)
     prompt_tokens = int(sum(len(p) for p in prompts))
     ckpts = setup.checkpoints(policy)
-    return dict(workload=workload, policy=policy, recycle=POLICIES[policy][0], cache=POLICIES[policy][1] or "off",
+    recycle, mode, host = policy_modes(policy)
+    return dict(workload=workload, policy=policy, recycle=recycle, cache=mode or "off",
+                host_bytes=setup.host_bytes if host else 0, served_host=served_host, bytes_out=bytes_out,
+                bytes_in=bytes_in,
                 steps=steps, generated=generated, tokens_per_step=generated / max(steps, 1),
                 tokens_per_s=tokens_per_s, prompt_tokens=prompt_tokens, served=served, computed=computed,
                 recomputed=served + computed - prompt_tokens, hit_rate=served / max(served + computed, 1),
@@ -175,9 +205,9 @@ def scheduler_run(setup: PrefixSetup, attention: AttentionConfig, workload_name:
     """Serve one workload with the real scheduler and no model (each sampling row takes the workload's fixed
     answer token, random where it has none); returns the run's row (see the module docstring)."""
     workload = setup.workloads[workload_name]
-    recycle, mode = POLICIES[policy]
+    recycle = policy_modes(policy)[0]
     cache = setup.cache(policy)
-    prefix = PrefixCacheConfig(setup.num_checkpoints, True, mode) if mode else None
+    prefix = setup.prefix_config(policy)
     sched = Scheduler(cache, attention, max_num_batched_tokens=setup.max_tokens, recycle=recycle,
                       prefix_cache=prefix)
     rng = np.random.default_rng(seed)
@@ -205,12 +235,16 @@ def scheduler_run(setup: PrefixSetup, attention: AttentionConfig, workload_name:
         generated += int(plan.sample_mask[: plan.num_seqs].sum())
         peak = max(peak, sched.blocks.used_pages())
         cached.append(sched.prefix.cached_pages() if sched.prefix is not None else 0)
+        if sched.prefix is not None:
+            sched.prefix.take_copies()  # the engine would execute them before the step
         for r in sched.update(plan, sampled):
             finished(index[r.request_id], answers[index[r.request_id]])
         steps += 1
+    host = sched.prefix.host if sched.prefix is not None else None
     return _row(workload_name, policy, setup, prompts, steps=steps, generated=generated, served=served,
                 computed=computed, preemptions=sched.num_preemptions, cached_pages_mean=float(np.mean(cached)),
-                page_util_peak=peak / cache.num_pages)
+                page_util_peak=peak / cache.num_pages, served_host=sched.prefix.hit_tokens_host if host else 0,
+                bytes_out=host.bytes_out if host else 0, bytes_in=host.bytes_in if host else 0)
 
 
 def scheduler_sweep(setup: PrefixSetup, attention: AttentionConfig, *, policies=tuple(POLICIES),
@@ -226,9 +260,11 @@ def policy_engine(model: Qwen3_5ForCausalLM, setup: PrefixSetup, policy: str,
     for decode steps); ``decode_burst`` as the engine's."""
     from kvjax.engine.engine import Engine
 
-    recycle, mode = POLICIES[policy]
+    recycle, mode, host = policy_modes(policy)
     cache = setup.cache(policy)
     extra = dict(prefix_caching=True, prefix_recycle=mode, prefix_checkpoints=setup.num_checkpoints) if mode else {}
+    if host:
+        extra["host_cache_bytes"] = setup.host_bytes
     return Engine(model, cache, recycle=recycle, max_num_batched_tokens=setup.max_tokens, use_decode_path=False,
                   token_buckets=token_buckets or (setup.max_tokens,), row_buckets=(cache.max_seqs,),
                   block_buckets=(cache.max_blocks_per_seq,), decode_burst=decode_burst, **extra)
