@@ -14,7 +14,15 @@ generated identical tokens (greedy). The engine overlaps planning step N+1 with 
 ``--mesh DATAxMODEL`` (or ``--devices N`` = ``--mesh Nx1``) runs the engine on a ``("data", "model")`` mesh
 (``Engine(mesh=...)``; on CPU, JAX is asked for that many host devices, at most 64): each data shard has the preset's
 ``max_seqs`` rows and its own pages, and each device holds ``num_pages / MODEL`` pages (the same pages per KV head
-as one device).
+as one device). On a mesh the table adds tokens/s per device and each device's page use (``--json`` keeps them:
+``devices``, ``generated_tokens_per_s_per_device``, ``pages_per_device``, ``pages_used_device_mean`` / ``_peak``).
+
+One process per GPU (or per host): ``--coordinator HOST:PORT --num-processes N --process-id I`` joins a
+``jax.distributed`` run (JAX's multi-controller runtime: NCCL between GPUs, gloo between CPU processes); the same
+command is started once per process, every process builds the same mesh over all processes' devices (default:
+all of them, data parallel) and serves the same steps, and only process 0 prints the table and writes
+``--json`` / ``--plot``. ``--local-devices`` picks the GPUs of this process (``jax.distributed``'s
+``local_device_ids``).
 
 Generated tokens/s is the steady-state rate: steps that compiled a new bucket shape are left out of both the
 tokens and the time (compilation is reported apart). Both runs share one compiled step.
@@ -26,15 +34,19 @@ median tokens/s and its range over the repeats, so the noise of a figure is visi
 none) turns on JAX's persistent compilation cache, so a second run loads the compiled steps instead of compiling
 them again (:mod:`kvjax.cli.compile_cache`).
 
-Presets: ``cpu`` (default; f32, small enough for a laptop CPU) and ``gpu`` (bf16, a larger model and workload for
-one accelerator; refused where JAX sees no GPU unless ``--force``). Both use few bucket shapes (one block-table
-width, one row count, two token counts) so that each run compiles about three times.
+Presets: ``cpu`` (default; f32, small enough for a laptop CPU), ``gpu`` (bf16, a larger model and workload for
+one accelerator) and ``tp`` (bf16, a dense Qwen3.5 of 3.7B parameters sized for tensor parallelism, with room for
+pages on one 80 GB GPU, 64 rows; its weights are drawn by one jitted call on the devices, each device drawing its
+shards). ``gpu`` and ``tp`` are refused where JAX sees no GPU unless ``--force``. Each uses few bucket shapes (one
+block-table width, one row count, two token counts) so that each run compiles about three times.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import os
 import statistics
 import sys
@@ -48,8 +60,8 @@ from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import UsageError
 from kvjax.cli import compile_cache
-from kvjax.cli.args import (ArgumentParser, check_memory, fail, int_at_least, json_destination, number_in,
-                            writable_file)
+from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_at_least, json_destination,
+                            number_in, writable_file)
 from kvjax.cli.output import provenance, write_json
 from kvjax.sched.workload import cache_for, check_servable, seed_footprint, seed_workload
 
@@ -78,6 +90,8 @@ class Preset:
     max_tokens: int  # token budget per step
     token_buckets: tuple[int, ...] | None  # None: the scheduler's powers of two
     row_buckets: tuple[int, ...] | None
+    needs_gpu: bool = False  # refused where JAX sees no GPU (unless --force)
+    device_init: bool = False  # random weights drawn by a jitted call on the devices (sharded over a mesh)
 
 
 _G, _A = "linear_attention", "full_attention"
@@ -89,7 +103,13 @@ PRESETS = {
     "gpu": Preset(vocab=32768, hidden=1024, intermediate=3072, layer_types=(_G, _G, _G, _A) * 2, q_heads=16,
                   kv_heads=4, head_dim=128, gdn=(4, 8, 128, 128), dtype="bfloat16", requests=32, scale=0.1,
                   swa_fraction=0.75, window=128, sinks=4, page_size=64, memory_requests=4.0, max_seqs=16,
-                  max_tokens=1024, token_buckets=(16, 1024), row_buckets=(16,)),
+                  max_tokens=1024, token_buckets=(16, 1024), row_buckets=(16,), needs_gpu=True),
+    # a dense Qwen3.5 of 3.7B parameters (7.46 GB in bf16) where tensor parallelism can pay: one H100 holds it with
+    # room for pages; decode runs at 64 rows
+    "tp": Preset(vocab=32768, hidden=4096, intermediate=12288, layer_types=(_G, _G, _G, _A) * 4, q_heads=32,
+                 kv_heads=8, head_dim=128, gdn=(16, 32, 128, 128), dtype="bfloat16", requests=64, scale=0.1,
+                 swa_fraction=0.75, window=128, sinks=4, page_size=64, memory_requests=32.0, max_seqs=64,
+                 max_tokens=2048, token_buckets=(64, 2048), row_buckets=(64,), needs_gpu=True, device_init=True),
 }
 
 
@@ -108,14 +128,16 @@ def check_sizes(p: Preset) -> None:
     host, pages = seed_footprint(p.requests, scale=p.scale, num_kv_heads=p.kv_heads, page_size=p.page_size,
                                  full_requests=p.memory_requests, max_seqs=p.max_seqs)
     kv = p.layer_types.count(_A) * 2 * pages * p.page_size * p.head_dim * jnp.dtype(p.dtype).itemsize
+    params = param_bytes(p)
     what = f"--requests {p.requests} --scale {p.scale:g} --memory-requests {p.memory_requests:g}"
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     limit = (stats or {}).get("bytes_limit")
     if limit is None:  # device memory is host memory
-        check_memory(host + kv, what)
+        check_memory(host + kv + params, what)
     else:
         check_memory(host, what)
-        check_memory(kv, f"{what} ({pages} K/V pages per layer)", limit, "device memory")
+        check_memory(kv + params, f"{what} ({pages} K/V pages per layer and {params / 1e9:.2f} GB of parameters)",
+                     limit, "device memory")
 
 
 def check_plot_path(path: str) -> None:
@@ -131,33 +153,59 @@ def check_plot_path(path: str) -> None:
                          f"{', '.join(sorted(formats))})")
 
 
-def build_model(p: Preset, *, seed: int = 0):
-    """Random-weight toy Qwen3.5 with ``swa_fraction`` of the KV heads sliding-window (window, sinks)."""
-    from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
+def model_config(p: Preset):
+    """The toy Qwen3.5's config: ``swa_fraction`` of the KV heads sliding-window (window, sinks)."""
+    from kvjax.models.qwen3_5 import Qwen3_5Config
 
-    attention = attention_layout(p)
-    config = Qwen3_5Config(vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
-                           layer_types=p.layer_types, attention=attention, gdn=GDNConfig(*p.gdn, 4),
-                           rope_theta=10000.0)
-    return init_random(config, seed=seed, dtype=jnp.dtype(p.dtype))
+    return Qwen3_5Config(vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
+                         layer_types=p.layer_types, attention=attention_layout(p), gdn=GDNConfig(*p.gdn, 4),
+                         rope_theta=10000.0)
+
+
+def param_bytes(p: Preset) -> int:
+    """Bytes of preset ``p``'s parameters (from the model's shapes; nothing is allocated)."""
+    from flax import nnx
+
+    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    config, dtype = model_config(p), jnp.dtype(p.dtype)
+    shapes = jax.eval_shape(lambda: nnx.state(Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def build_model(p: Preset, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None):
+    """Random-weight toy Qwen3.5 of preset ``p`` (:func:`model_config`): drawn with numpy on the host, or, for a
+    ``device_init`` preset, by one jitted call on the devices (a :class:`~kvjax.models.sharding.ShardedModel` over
+    ``mesh`` if given, each device drawing its own shards; the same weights on one device and on any mesh)."""
+    from kvjax.models.qwen3_5 import init_random, init_random_on_device
+
+    if p.device_init:
+        return init_random_on_device(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype), mesh=mesh)
+    return init_random(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype))
 
 
 MAX_HOST_DEVICES = 64  # most CPU devices ``--mesh`` / ``--devices`` asks JAX for (each one is a thread pool)
 
 
-def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
-    """``"DxM"`` -> a ``("data", "model")`` mesh of the first ``D * M`` devices; ``UsageError`` for a bad spec or
-    more devices than JAX sees, before anything is placed on them. On CPU JAX is first asked for that many host
-    devices, at most :data:`MAX_HOST_DEVICES`."""
-    if spec is None:
-        return None
+def parse_mesh(spec: str) -> tuple[int, int]:
+    """``"DxM"`` -> ``(D, M)``; ``UsageError`` naming a bad spec."""
     try:
         d, m = (int(x) for x in spec.lower().split("x"))
         assert d >= 1 and m >= 1
     except (ValueError, AssertionError):
         raise UsageError(f"--mesh must be DATAxMODEL with ints >= 1 (e.g. 2x2), got {spec!r}") from None
+    return d, m
+
+
+def make_mesh(spec: str | None, processes: int = 1) -> jax.sharding.Mesh | None:
+    """``"DxM"`` -> a ``("data", "model")`` mesh of the first ``D * M`` devices (of every process: the same mesh
+    in each); ``UsageError`` for a bad spec or more devices than JAX sees, before anything is placed on them. On
+    CPU JAX is first asked for ``D * M / processes`` host devices, at most :data:`MAX_HOST_DEVICES`."""
+    if spec is None:
+        return None
+    d, m = parse_mesh(spec)
     try:
-        jax.config.update("jax_num_cpu_devices", min(d * m, MAX_HOST_DEVICES))
+        jax.config.update("jax_num_cpu_devices", min(max(d * m // processes, 1), MAX_HOST_DEVICES))
     except RuntimeError:  # backends already started: keep what there is
         pass
     devices = jax.devices()
@@ -168,12 +216,48 @@ def make_mesh(spec: str | None) -> jax.sharding.Mesh | None:
     return jax.sharding.Mesh(np.array(devices[: d * m]).reshape(d, m), ("data", "model"))
 
 
+def mesh_spec(args: argparse.Namespace) -> str | None:
+    """The ``DxM`` mesh that ``--mesh`` / ``--devices`` ask for (None: one device)."""
+    if args.mesh is not None and args.devices is not None:
+        raise UsageError("give --mesh or --devices, not both")
+    return args.mesh if args.devices is None else f"{args.devices}x1"
+
+
+def start_processes(args: argparse.Namespace) -> int:
+    """Join the multi-process run of ``--coordinator`` (``jax.distributed``, before any other JAX use): gloo
+    collectives between CPU processes, ``D * M / N`` host devices each on CPU. Returns the number of processes
+    (1 without ``--coordinator``); ``UsageError`` for an incomplete or inconsistent set of flags."""
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if all(f is None for f in flags):
+        if args.local_devices is not None:
+            raise UsageError("--local-devices needs --coordinator, --num-processes and --process-id")
+        return 1
+    if any(f is None for f in flags):
+        raise UsageError("a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and "
+                         "--process-id I")
+    n, i = args.num_processes, args.process_id
+    if i >= n:
+        raise UsageError(f"--process-id must be < --num-processes {n}, got {i}")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator must be HOST:PORT (port 1-65535), got {args.coordinator!r}")
+    spec = mesh_spec(args)
+    d, m = (n, 1) if spec is None else parse_mesh(spec)
+    if d * m % n:
+        raise UsageError(f"--mesh / --devices {spec}: the devices must split evenly over --num-processes {n}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only; a GPU uses NCCL
+    jax.config.update("jax_num_cpu_devices", min(d * m // n, MAX_HOST_DEVICES))
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=n, process_id=i,
+                               local_device_ids=args.local_devices)
+    return n
+
+
 def check_device(preset: str, force: bool) -> None:
-    """Raise :class:`UsageError` for the ``gpu`` preset where JAX sees no GPU (unless ``force``): its bf16 model
-    and workload would run for hours on a CPU."""
+    """Raise :class:`UsageError` for a ``needs_gpu`` preset (``gpu``, ``tp``) where JAX sees no GPU (unless
+    ``force``): its bf16 model and workload would run for hours on a CPU."""
     backend = jax.default_backend()
-    if preset == "gpu" and backend != "gpu" and not force:
-        raise UsageError(f"--preset gpu needs a GPU and JAX sees only {backend} devices (its bf16 model and "
+    if PRESETS[preset].needs_gpu and backend != "gpu" and not force:
+        raise UsageError(f"--preset {preset} needs a GPU and JAX sees only {backend} devices (its bf16 model and "
                          "workload would run for hours here): use --preset cpu, or add --force to run it anyway")
 
 
@@ -236,19 +320,24 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
         runs.append((outs, engine.metrics.summary(num_pages=engine.total_pages), wall))
     outs, summary, _ = runs[-1]
     rates = [s["generated_tokens_per_s"] for _, s, _ in runs]
+    devices = 1 if mesh is None else mesh.size
     summary = dict(summary, generated_tokens_per_s=statistics.median(rates), generated_tokens_per_s_repeats=rates,
                    compile_time_s=sum(s["compile_time_s"] for _, s, _ in runs), wall_s=[w for _, _, w in runs],
-                   identical_repeats=all(o == first for o, _, _ in runs))
+                   identical_repeats=all(o == first for o, _, _ in runs), devices=devices,
+                   generated_tokens_per_s_per_device=statistics.median(rates) / devices,
+                   pages_per_device=cache.num_pages)
     cols = engine.metrics.to_dict()
     return outs, summary, {k: cols[k] for k in ("pages_used", "running", "generated", "t_step", "t_exposed",
                                                 "compiled")}
 
 
-def format_table(results: dict[str, dict]) -> str:
+def format_table(results: dict[str, dict], per_device: bool = False) -> str:
     """Fixed-width table, one line per policy, of ``{policy: run_policy summary}``: tokens/s is the median over the
-    repeats, with their range beside it."""
+    repeats, with their range beside it. ``per_device`` (a mesh): also tokens/s per device and the range over
+    the devices of each one's peak page use (fraction of its pool; ``-`` where the engine did not record it)."""
     head = (f"{'recycle':15} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
-            f"{'run peak':>8} {'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}")
+            f"{'run peak':>8} {'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}"
+            + (f" {'tok/s/dev':>9} {'dev util peak':>13}" if per_device else ""))
     lines = [head, "-" * len(head)]
     for name, s in results.items():
         rates = s.get("generated_tokens_per_s_repeats") or [s["generated_tokens_per_s"]]
@@ -256,8 +345,37 @@ def format_table(results: dict[str, dict]) -> str:
         lines.append(f"{name:15} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
                      f"{s['steps']:6d} {s['running_mean']:8.2f} {s['running_peak']:8d} {s['preemptions']:7d} "
                      f"{s['page_util_mean']:9.3f} {s['page_util_peak']:9.3f} {100 * s['host_share']:6.1f} "
-                     f"{s['compile_time_s']:9.1f}")
+                     f"{s['compile_time_s']:9.1f}" + (_device_columns(s) if per_device else ""))
     return "\n".join(lines)
+
+
+def _device_columns(s: dict) -> str:
+    peaks = s.get("page_util_device_peak")
+    spread = f"{min(peaks):.3f}-{max(peaks):.3f}" if peaks else "-"
+    return f" {s['generated_tokens_per_s_per_device']:9.1f} {spread:>13}"
+
+
+def device_lines(results: dict[str, dict], mesh: jax.sharding.Mesh) -> str:
+    """Per policy, each device's pages in use (mean / peak over the steps, of its pool's ``pages_per_device``),
+    devices named ``(data, model)``; a pool shared by the ``"model"`` axis (a latent cache) is named
+    ``(data, *)``."""
+    d, m = mesh.shape["data"], mesh.shape["model"]
+    lines = []
+    for name, s in results.items():
+        means, peaks = s.get("pages_used_device_mean"), s.get("pages_used_device_peak")
+        if not means:
+            lines.append(f"# {name}: pages per device not recorded by this engine")
+            continue
+        shards = len(means) // d
+        cells = [f"({i // shards},{i % shards if shards == m else '*'}) {mean:.0f}/{peak}"
+                 for i, (mean, peak) in enumerate(zip(means, peaks))]
+        lines.append(f"# {name}: pages used per device, mean/peak of {s['pages_per_device']}: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
+def tokens_digest(outputs: list[list[int]]) -> str:
+    """A short hash of a run's generated tokens (equal digests: equal tokens, e.g. across processes or meshes)."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
 
 
 def save_plot(path: str, columns: dict[str, dict], num_pages: int) -> None:
@@ -296,8 +414,9 @@ def build_parser() -> ArgumentParser:
                                     "same page memory; prints tokens/s (median and range over --repeats), "
                                     "concurrency, preemptions and page use, and checks the tokens are identical.")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                    help="model and workload size: cpu (f32, small) or gpu (bf16, for one accelerator)")
-    ap.add_argument("--force", action="store_true", help="run --preset gpu even where JAX sees no GPU")
+                    help="model and workload size: cpu (f32, small), gpu (bf16, for one accelerator) or tp (bf16, "
+                         "a dense 3.7B-parameter Qwen3.5 for tensor parallelism, --mesh 1xM)")
+    ap.add_argument("--force", action="store_true", help="run --preset gpu or tp even where JAX sees no GPU")
     ap.add_argument("--requests", type=int_at_least(1), help=f"override the preset's number of requests ({_per_preset('requests')})")
     ap.add_argument("--scale", type=number_in(0, low_open=True, noun="scale"),
                     help=f"override the preset's length scale, x the seed's mean lengths ({_per_preset('scale')})")
@@ -331,6 +450,15 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--no-compile-cache", action="store_true", help="compile everything, use no persistent cache")
     ap.add_argument("--mesh", metavar="DATAxMODEL", help="run on a (data, model) device mesh, e.g. 2x2")
     ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
+    ap.add_argument("--coordinator", metavar="HOST:PORT",
+                    help="one process of a multi-process run (jax.distributed; start the same command once per "
+                         "process with its --process-id): the address of process 0; the mesh spans every "
+                         "process's devices (default: all of them, data parallel) and only process 0 prints")
+    ap.add_argument("--num-processes", type=int_at_least(1), help="processes of the multi-process run")
+    ap.add_argument("--process-id", type=int_at_least(0), help="this process's index in the multi-process run")
+    ap.add_argument("--local-devices", metavar="IDS", type=comma_list(int_at_least(0)),
+                    help="the local GPUs this process drives (e.g. 0 for one process per GPU); default: every GPU "
+                         "it sees")
     return ap
 
 
@@ -340,12 +468,12 @@ def main(argv: list[str]) -> int:
     ap = build_parser()
     try:  # every check before any work: a bad value exits 2 with one line
         args = ap.parse_args(argv)
-        if args.mesh is not None and args.devices is not None:
-            raise UsageError("give --mesh or --devices, not both")
+        spec = mesh_spec(args)
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
+        processes = start_processes(args)  # before any other JAX use
         if cache_dir is not None:  # before any compilation; the command's entry only (library code sets no globals)
             compile_cache.enable(cache_dir)
-        mesh = make_mesh(args.mesh if args.devices is None else f"{args.devices}x1")
+        mesh = make_mesh(f"{len(jax.devices())}x1" if spec is None and processes > 1 else spec, processes)
         check_device(args.preset, args.force)
         if args.plot:
             check_plot_path(args.plot)
@@ -360,12 +488,13 @@ def main(argv: list[str]) -> int:
         for recycle in RECYCLES:  # the engine's scheduler: shared pool, the preset's token budget
             check_servable(workload, cache, attention_layout(p), max_num_batched_tokens=p.max_tokens,
                            pool="shared", recycle=recycle)
-        model = build_model(p, seed=args.seed)
+        model = build_model(p, seed=args.seed, mesh=mesh)
     except ValueError as e:
         return fail("run", e)
-    if cache_note:
+    leader = jax.process_index() == 0  # every process serves the same steps; process 0 reports them
+    if cache_note and leader:
         print(cache_note, file=sys.stderr)
-    out = sys.stderr if args.json == "-" else sys.stdout  # '-': stdout carries the JSON alone
+    out = open(os.devnull, "w") if not leader else sys.stderr if args.json == "-" else sys.stdout  # '-': JSON alone
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     prompt_lens = [int(w.prompt.size) for w in workload]
     out_lens = [w.max_new_tokens for w in workload]
@@ -378,34 +507,41 @@ def main(argv: list[str]) -> int:
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
           f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst}; "
           f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
-          + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)"), file=out)
+          + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)")
+          + ("" if processes == 1 else f"; {processes} processes"), file=out)
     outputs, results, columns = {}, {}, {}
     runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
     for recycle, cached in runs:
         name = recycle + ("+prefix" if cached else "")
         outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
-                                                                 progress=args.progress, overlap=args.overlap,
+                                                                 progress=args.progress if leader else False,
+                                                                 overlap=args.overlap,
                                                                  prefix_caching=cached, mesh=mesh,
                                                                  decode_burst=args.decode_burst,
                                                                  repeats=args.repeats, name=name)
     same = all(o == outputs["none"] for o in outputs.values()) and all(r["identical_repeats"] for r in results.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
     none_rates, timely_rates = (results[k]["generated_tokens_per_s_repeats"] for k in ("none", "timely"))
-    print(format_table(results), file=out)
+    print(format_table(results, per_device=mesh is not None), file=out)
+    if mesh is not None:
+        print(device_lines(results, mesh), file=out)
     print(f"timely / none: {gain:.2f}x generated tokens/s (medians of {args.repeats}; "
           f"{min(timely_rates) / max(none_rates):.2f}-{max(timely_rates) / min(none_rates):.2f}x over the repeats' "
           f"extremes), "
           f"{results['timely']['generated_tokens_per_step'] / results['none']['generated_tokens_per_step']:.2f}x "
           f"tokens/step; identical tokens in every run and repeat: {'yes' if same else 'NO'}", file=out)
-    if args.json:
+    if args.json and leader:
         write_json(args.json, {"meta": provenance("run", argv, device=device, seed=args.seed),
                                "preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,
                                "decode_burst": args.decode_burst, "repeats": args.repeats,
                                "mesh": None if mesh is None else [mesh.shape["data"], mesh.shape["model"]],
                                "compile_cache": cache_dir, "num_pages": cache.num_pages,
                                "max_blocks_per_seq": cache.max_blocks_per_seq,
-                               "identical_tokens": same, "gain_tokens_per_s": gain, "results": results,
-                               "steps": columns})
-    if args.plot:
+                               "processes": processes, "identical_tokens": same, "gain_tokens_per_s": gain,
+                               "tokens_digest": {k: tokens_digest(v) for k, v in outputs.items()},
+                               "results": results, "steps": columns})
+    if args.plot and leader:
         save_plot(args.plot, columns, cache.num_pages)
+    if processes > 1:
+        jax.distributed.shutdown()
     return 0 if same else 1

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -63,6 +63,9 @@ class StepRecord:
     cached_pages: int = 0  # pages the prefix cache holds after scheduling (included in pages_used)
     burst: int = 1  # model sub-steps of the step (a decode burst: up to Engine(decode_burst=K))
     computed: int = -1  # real tokens computed over all sub-steps (a burst's rows times their sub-steps); -1: num_tokens
+    # pages in use after allocation on each device's pool, data shard-major (:func:`device_pages_used`); () = one
+    # pool, not recorded
+    pages_used_devices: tuple[int, ...] = ()
 
     @property
     def t_host(self) -> float:
@@ -71,6 +74,20 @@ class StepRecord:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+NUMERIC = tuple(f for f in FIELDS if f != "pages_used_devices")  # one number per record
+
+
+def device_pages_used(schedulers: Sequence[Any]) -> tuple[int, ...]:
+    """Pages in use on each device's pool: one entry per (data shard, page shard), data shard-major, from the
+    data shards' schedulers (``scheduler.blocks``: :class:`kvjax.sched.blocks.BlockAllocator`, whose pools are
+    ``shards`` equal runs of page ids, one per model shard holding pages)."""
+    out: list[int] = []
+    for sched in schedulers:
+        b = sched.blocks
+        size = np.asarray(b.pool_pages, np.int64).reshape(b.shards, -1).sum(1)
+        free = np.asarray(b.free_pages(), np.int64).reshape(b.shards, -1).sum(1)
+        out.extend(int(x) for x in size - free)
+    return tuple(out)
 
 
 class EngineMetrics:
@@ -93,7 +110,7 @@ class EngineMetrics:
             return np.array([r.t_host for r in self.records], np.float64)
         if name not in FIELDS:
             raise ValueError(f"unknown metric {name!r}; known: {FIELDS + ('t_host',)}")
-        return np.array([getattr(r, name) for r in self.records])
+        return np.array([getattr(r, name) for r in self.records])  # pages_used_devices: i64[steps, pools]
 
     def to_dict(self) -> dict[str, list]:
         """Columns ``{field: [value per step]}`` (plus ``t_host``)."""
@@ -118,12 +135,14 @@ class EngineMetrics:
         (``t_host``) / step time, with per-step medians ``exposed_host_time_median_s`` / ``host_time_median_s``.
         ``page_util_*`` need ``num_pages`` (else taken as used + free of the first record). Prefix caching:
         ``prefix_hit_tokens`` (prompt tokens served from the cache), ``prefill_tokens`` (prompt positions computed,
-        recomputation included), ``prefix_hit_rate`` = hits / (hits + prefill), ``cached_pages_mean``.
+        recomputation included), ``prefix_hit_rate`` = hits / (hits + prefill), ``cached_pages_mean``. On a mesh
+        whose records carry ``pages_used_devices``: per-device lists ``pages_used_device_mean`` / ``_peak`` and
+        ``page_util_device_mean`` / ``_peak`` (:func:`_per_device`).
         """
         recs = self.records[skip:]
         if not recs:
             return {"steps": 0}
-        col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in FIELDS}
+        col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in NUMERIC}
         sub = col["burst"]  # sub-steps of each record: the weight of its per-step figures
         computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
         # a burst runs every running request (its plan's rows), each for its own sub-steps: the requests running
@@ -170,7 +189,23 @@ class EngineMetrics:
             "cached_pages_mean": float((col["cached_pages"] * sub).sum() / n_sub),
             "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only, r.burst > 1)
                            for r in recs}),
+            **_per_device(recs, sub, pages),
         }
+
+
+def _per_device(recs: list[StepRecord], sub: np.ndarray, pages: int) -> dict[str, Any]:
+    """Per-device page use where every record has ``pages_used_devices`` (else nothing): lists with one entry
+    per device pool, ``pages_used_device_mean`` (per sub-step), ``pages_used_device_peak``, and the pools'
+    ``page_util_device_mean`` / ``page_util_device_peak`` (``pages`` spread evenly over the pools)."""
+    widths = {len(r.pages_used_devices) for r in recs}
+    if len(widths) != 1 or 0 in widths:
+        return {}
+    used = np.array([r.pages_used_devices for r in recs], np.float64)  # f64[steps, pools]
+    mean = (used * sub[:, None]).sum(0) / sub.sum()
+    per_pool = pages / used.shape[1]
+    peak = used.max(0)
+    return {"pages_used_device_mean": mean.tolist(), "pages_used_device_peak": peak.astype(int).tolist(),
+            "page_util_device_mean": (mean / per_pool).tolist(), "page_util_device_peak": (peak / per_pool).tolist()}
 
 
 def _ratio(a: float, b: float) -> float:

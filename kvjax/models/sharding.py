@@ -52,7 +52,7 @@ Interface for the engine (phase B)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -100,17 +100,18 @@ def param_spec(path: Sequence[Any]) -> P:
     return P()
 
 
-def _prepare(path: tuple, value: np.ndarray, plan: ShardPlan) -> np.ndarray:
-    """Pad the vocabulary and permute fused channels so that a contiguous split gives each device its share."""
+def _prepare(path: tuple, value: np.ndarray, plan: ShardPlan, xp: Any = np) -> np.ndarray:
+    """Pad the vocabulary and permute fused channels so that a contiguous split gives each device its share
+    (``xp``: ``numpy`` on the host, ``jax.numpy`` inside a jitted draw)."""
     names = tuple(str(p) for p in path)
     if names[-1] == "embed_tokens" or names[-2:] == ("lm_head", "kernel"):
         axis = 0 if names[-1] == "embed_tokens" else 1
         pad = [(0, 0)] * value.ndim
         pad[axis] = (0, plan.vocab_padded - value.shape[axis])
-        value = np.pad(value, pad)
+        value = xp.pad(value, pad)
     for suffix, (axis, perm) in plan.perms.items():
         if names[-len(suffix):] == suffix:
-            value = np.take(value, perm, axis=axis)
+            value = xp.take(value, xp.asarray(perm), axis=axis)
     return value
 
 
@@ -120,9 +121,15 @@ class ShardedModel:
 
     ``params``: the global parameter state (each array placed with the NamedSharding of :func:`param_spec`);
     ``graphdef``: the local model's graph (what each device runs); ``perms``: fused-channel orders.
+
+    ``values``: ``{path: host array}`` (read on the host, padded / permuted there, each shard placed), or a
+    traceable ``draw(path, shape) -> array`` of each parameter's global value (e.g. random weights): all drawn by
+    one jitted call whose outputs have the parameters' shardings, so each device computes its own shards and
+    nothing crosses the host (every process of a multi-process mesh runs the same call).
     """
 
-    def __init__(self, model_abstract: nnx.Module, values: Mapping[tuple, Any], mesh: Mesh):
+    def __init__(self, model_abstract: nnx.Module,
+                 values: Mapping[tuple, Any] | Callable[[tuple, tuple[int, ...]], jax.Array], mesh: Mesh):
         if set(mesh.axis_names) != {DATA, MODEL}:
             raise ValueError(f"mesh axes must be ('data', 'model'), got {mesh.axis_names}")
         self.mesh = mesh
@@ -137,12 +144,20 @@ class ShardedModel:
                                                                           .tolist()),
                                                sinks=tuple(np.asarray(self._layout.sinks)[order].tolist()))
         state = nnx.state(model_abstract)
-        flat = check_values(state, values)
-        placed = []
-        for path, var in flat.items():
-            dtype = var.get_value().dtype
-            value = _prepare(path, np.asarray(values[path]).astype(dtype), plan)
-            placed.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, param_spec(path))))))
+        flat = dict(nnx.to_flat_state(state)) if callable(values) else check_values(state, values)
+        paths = list(flat)
+        shardings = [NamedSharding(mesh, param_spec(path)) for path in paths]
+        dtypes = [flat[path].get_value().dtype for path in paths]
+        if callable(values):  # a list in the parameters' order (a dict would sort its mixed str / int paths)
+            def draw() -> list[jax.Array]:
+                return [_prepare(path, values(path, tuple(flat[path].get_value().shape)).astype(dt), plan, jnp)
+                        for path, dt in zip(paths, dtypes)]
+
+            arrays = jax.jit(draw, out_shardings=shardings)()
+        else:
+            arrays = [jax.device_put(_prepare(path, np.asarray(values[path]).astype(dt), plan), sh)
+                      for path, dt, sh in zip(paths, dtypes, shardings)]
+        placed = [(path, flat[path].replace(value)) for path, value in zip(paths, arrays)]
         self.params = nnx.from_flat_state(placed)
         self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
         dtype = next(iter(flat.values())).get_value().dtype

@@ -6,11 +6,14 @@ the loader :func:`kvjax.models.load_pretrained` dispatches to for ``Qwen3_5ForCa
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from kvjax.errors import CheckpointError
 from kvjax.models.common.checkpoint import (TensorSource, abstract_model, assign_params, check_param_dtype,
@@ -18,6 +21,23 @@ from kvjax.models.common.checkpoint import (TensorSource, abstract_model, assign
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
 from kvjax.models.sharding import ShardedModel
+
+
+def _distribution(path: tuple, shape: tuple[int, ...]) -> tuple[str, float, float]:
+    """How a random parameter is drawn: ``("normal", 0, std)``, ``("log_uniform", low, high)`` or
+    ``("constant", value, 0)`` (the module constructors' / HF init's distributions)."""
+    last = str(path[-1])
+    if last == "kernel":
+        return "normal", 0.0, 1.0 / np.sqrt(shape[0])
+    if (last == "weight" and len(shape) == 2) or last == "conv_weight":  # TorchLinear [out, in]; conv [C, K]
+        return "normal", 0.0, 1.0 / np.sqrt(shape[1])
+    if last == "embed_tokens":
+        return "normal", 0.0, 0.02
+    if last == "A_log":
+        return "log_uniform", 0.01, 16.0
+    if last == "dt_bias" or tuple(str(p) for p in path[-3:]) == ("linear_attn", "norm", "weight"):
+        return "constant", 1.0, 0.0
+    return "constant", 0.0, 0.0  # biases and zero-centred RMSNorm scales
 
 
 def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
@@ -31,22 +51,38 @@ def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Q
     rng = np.random.default_rng(seed)
     values = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        shape, last = tuple(var.get_value().shape), str(path[-1])
-        if last == "kernel":
-            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[0]), shape)
-        elif last == "weight" and len(shape) == 2:  # TorchLinear [out, in]
-            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
-        elif last == "conv_weight":
-            values[path] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
-        elif last == "embed_tokens":
-            values[path] = rng.normal(0.0, 0.02, shape)
-        elif last == "A_log":
-            values[path] = np.log(rng.uniform(0.01, 16.0, shape))
-        elif last == "dt_bias" or path[-3:] == ("linear_attn", "norm", "weight"):
-            values[path] = np.ones(shape)
-        else:  # biases and zero-centred RMSNorm scales
-            values[path] = np.zeros(shape)
+        shape = tuple(var.get_value().shape)
+        kind, a, b = _distribution(path, shape)
+        values[path] = (rng.normal(a, b, shape) if kind == "normal" else np.log(rng.uniform(a, b, shape))
+                        if kind == "log_uniform" else np.full(shape, a))
     return assign_params(model, values)
+
+
+def init_random_on_device(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.bfloat16,
+                          mesh: Mesh | None = None) -> Qwen3_5ForCausalLM | ShardedModel:
+    """A randomly initialised model drawn by one jitted call on the devices (:func:`init_random`'s distributions,
+    ``jax.random`` values): for models of billions of parameters, whose numpy draw and host -> device copy would
+    take minutes. ``mesh``: a :class:`~kvjax.models.sharding.ShardedModel` whose devices draw only their own
+    shards (every process of a multi-process mesh must call it alike). The values depend on ``seed`` and the
+    parameter's path only: the model is the same on one device and on any mesh (not :func:`init_random`'s)."""
+    dtype = check_param_dtype(dtype)
+    model = abstract_model(lambda: Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    key = jax.random.key(seed)
+
+    def draw(path: tuple, shape: tuple[int, ...]) -> jax.Array:  # traceable: this parameter's global value
+        kind, a, b = _distribution(path, shape)
+        k = jax.random.fold_in(key, zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF)
+        if kind == "normal":
+            return (a + b * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        if kind == "log_uniform":
+            return jnp.log(jax.random.uniform(k, shape, jnp.float32, a, b)).astype(dtype)
+        return jnp.full(shape, a, dtype)
+
+    if mesh is not None:
+        return ShardedModel(model, draw, mesh)
+    flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    arrays = jax.jit(lambda: [draw(path, tuple(var.get_value().shape)) for path, var in flat])()
+    return assign_params(model, {path: x for (path, _), x in zip(flat, arrays)})
 
 
 def from_hf_config(cfg: dict[str, Any], *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:

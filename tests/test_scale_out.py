@@ -1,0 +1,234 @@
+"""Scaling out from the command line (issue 34): the ``tp`` preset, per-device figures, one process per device.
+
+- The ``tp`` preset (a dense Qwen3.5 sized for tensor parallelism) is refused without a GPU (unless ``--force``); its
+  full-size head counts split over 2, 4 and 8 model devices; at a tiny width with the same head counts and layer
+  pattern its device-drawn weights (:func:`kvjax.models.qwen3_5.init_random_on_device`) give, on one device and on
+  the meshes 1x4 and 2x2 (8 CPU devices, a subprocess), the same greedy tokens (f32), and a mesh draws the same
+  parameters as the host path's :func:`~kvjax.models.sharding.shard_model` of the one-device model.
+- Per-device page use: :func:`kvjax.engine.metrics.device_pages_used` against the pages in the allocators' tables,
+  the summary's per-device lists against a direct computation, and the run table's per-device columns.
+- Two processes of ``python -m kvjax run --coordinator ...`` (gloo, one CPU device each, a 2x1 mesh) give the
+  same tokens as one process on one device; only process 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax.cli.run as cli_run
+from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
+from kvjax.sched.blocks import BlockAllocator
+
+INNER = os.environ.get("KVJAX_SCALE_OUT_INNER") == "1"
+inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_tp_preset_on_8_cpu_devices")
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def tiny_tp() -> cli_run.Preset:
+    """The ``tp`` preset's head counts and SWA layout at a tiny width, 4 layers of its pattern, f32."""
+    p = cli_run.PRESETS["tp"]
+    return dataclasses.replace(p, vocab=97, hidden=32, intermediate=64, layer_types=p.layer_types[:4], head_dim=16,
+                               gdn=(p.gdn[0], p.gdn[1], 8, 8), dtype="float32", window=8, sinks=2, page_size=4)
+
+
+# ---------------------------------------------------------------------------------------------- host parts
+
+
+def test_tp_preset_is_refused_without_a_gpu(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("JAX sees a GPU here")
+    assert cli_run.main(["--preset", "tp"]) == 2
+    assert "--preset tp needs a GPU and JAX sees only cpu devices" in capsys.readouterr().err
+    cli_run.check_device("tp", force=True)
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_tp_preset_heads_split_over_the_model_axis(m):
+    """The full-size model's abstract graph (no weights) accepts a split over ``m`` model devices, each holding
+    1/m of the query, KV and GDN heads."""
+    from kvjax.models.common.checkpoint import abstract_model
+    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    p = cli_run.PRESETS["tp"]
+    model = abstract_model(lambda: Qwen3_5ForCausalLM(cli_run.model_config(p), rngs=nnx.Rngs(0),
+                                                      dtype=jnp.bfloat16))
+    local = model.shard_plan("model", m).local_config
+    assert (local.attention.num_q_heads * m, local.attention.num_kv_heads * m) == (p.q_heads, p.kv_heads)
+    assert (local.gdn.num_k_heads * m, local.gdn.num_v_heads * m) == p.gdn[:2]
+
+
+def test_param_bytes_is_what_the_model_holds():
+    model = cli_run.build_model(tiny_tp(), seed=1)
+    assert cli_run.param_bytes(tiny_tp()) == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--coordinator", "localhost:1234"], "needs all of --coordinator"),
+    (["--num-processes", "2", "--process-id", "0"], "needs all of --coordinator"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"], "--process-id must be < "),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "--mesh", "1x3"], "split evenly"),
+    (["--local-devices", "0"], "--local-devices needs --coordinator"),
+])
+def test_multi_process_flags_are_checked_before_any_work(argv, needle, capsys):
+    assert cli_run.main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def _allocator(pool: str) -> BlockAllocator:
+    att = AttentionConfig(8, 4, 8, window=(4, 0, 4, 0))
+    return BlockAllocator(CacheConfig(page_size=2, num_pages=16, max_seqs=3, max_blocks_per_seq=6), att, pool, 2)
+
+
+class _Sched:
+    def __init__(self, blocks: BlockAllocator) -> None:
+        self.blocks = blocks
+
+
+@pytest.mark.parametrize("pool", ["shared", "partitioned"])
+def test_device_pages_used_counts_each_device_pool(pool):
+    """Two data shards of two model shards each: the pages in use per device equal the distinct pages of the
+    tables that fall in each device's range of global page ids, after allocation and after a row is freed."""
+    rng = np.random.default_rng(0)
+    shards = [_allocator(pool), _allocator(pool)]
+    for d, b in enumerate(shards):
+        for row in (1, 2):
+            b.allocate(row, int(rng.integers(1, 7)) + 3 * d)
+
+    def reference() -> list[int]:
+        out = []
+        for b in shards:
+            pages = np.unique(b.tables[b.tables >= 0])
+            out += [int(((pages >= m * 16) & (pages < (m + 1) * 16)).sum()) for m in range(2)]
+        return out
+
+    want = reference()
+    assert device_pages_used([_Sched(b) for b in shards]) == tuple(want) and sum(want) > 0
+    shards[1].free_row(1)
+    assert device_pages_used([_Sched(b) for b in shards]) == tuple(reference()) != tuple(want)
+
+
+def _record(step: int, used: tuple[int, ...], burst: int = 1) -> StepRecord:
+    return StepRecord(step=step, num_tokens=4, num_seqs=2, bucket_tokens=8, bucket_rows=2, bucket_blocks=4,
+                      decode_only=True, generated=2 * burst, running=2, waiting=0, preemptions=0,
+                      pages_used=sum(used), pages_free=40 - sum(used), compiled=False, t_schedule=0.001,
+                      t_inputs=0.001, t_dispatch=0.001, t_wait=0.001, t_update=0.001, t_step=0.01, t_exposed=0.0,
+                      burst=burst, computed=2 * burst, pages_used_devices=used)
+
+
+def test_summary_per_device_pages():
+    """Per device: the mean over sub-steps (a burst of K weighs K) and the peak; utilisation of an equal share."""
+    m = EngineMetrics()
+    rows = [((3, 5, 0, 1), 1), ((7, 2, 4, 1), 4), ((1, 9, 2, 2), 2)]
+    for i, (used, burst) in enumerate(rows):
+        m.append(_record(i, used, burst))
+    s = m.summary(num_pages=40)
+    used = np.array([u for u, _ in rows], float)
+    weights = np.array([b for _, b in rows], float)
+    np.testing.assert_allclose(s["pages_used_device_mean"], (used * weights[:, None]).sum(0) / weights.sum())
+    assert s["pages_used_device_peak"] == [7, 9, 4, 2]
+    np.testing.assert_allclose(s["page_util_device_peak"], np.array([7, 9, 4, 2]) / 10)
+    m.append(dataclasses.replace(_record(9, ()), pages_used_devices=()))  # a record without them: no lists
+    assert "pages_used_device_mean" not in m.summary(num_pages=40)
+
+
+def test_run_table_shows_per_device_figures():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    m = EngineMetrics()
+    for i, used in enumerate([(3,), (8,)]):
+        m.append(_record(i, used))
+    s = dict(m.summary(num_pages=10), generated_tokens_per_s_repeats=[5.0], compile_time_s=0.0,
+             generated_tokens_per_s_per_device=123.4, pages_per_device=10)
+    table = cli_run.format_table({"none": s}, per_device=True)
+    assert "tok/s/dev" in table and "123.4" in table and "0.800-0.800" in table
+    assert cli_run.device_lines({"none": s}, mesh) == "# none: pages used per device, mean/peak of 10: (0,0) 6/8"
+
+
+# ---------------------------------------------------------------------------------------------- 8 devices
+
+
+def test_tp_preset_on_8_cpu_devices():
+    if INNER:
+        pytest.skip("already inside the 8-device run")
+    env = {**os.environ, "KVJAX_SCALE_OUT_INNER": "1",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        f"{__file__}::test_tiny_tp_model_on_meshes_equals_one_device"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@inner
+def test_tiny_tp_model_on_meshes_equals_one_device():
+    from kvjax.engine.engine import Engine
+    from kvjax.models.sharding import shard_model
+
+    p = tiny_tp()
+    one = cli_run.build_model(p, seed=3)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, p.vocab, int(n)).tolist() for n in rng.integers(5, 30, 5)]
+    kw = dict(max_num_batched_tokens=32, token_buckets=(8, 32), row_buckets=(4,), block_buckets=(12,))
+    want = Engine(one, CacheConfig(page_size=4, num_pages=96, max_seqs=4, max_blocks_per_seq=12),
+                  recycle="timely", **kw).generate(prompts, 6)
+    for d, m in [(1, 4), (2, 2)]:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[: d * m]).reshape(d, m), ("data", "model"))
+        sharded = cli_run.build_model(p, seed=3, mesh=mesh)
+        host = shard_model(one, mesh)  # the host path over the one-device weights: the same placed parameters
+        for (path, a), (_, b) in zip(nnx.to_flat_state(sharded.params), nnx.to_flat_state(host.params)):
+            assert a.get_value().sharding == b.get_value().sharding, path
+            np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+        cache = CacheConfig(page_size=4, num_pages=96 // m, max_seqs=4, max_blocks_per_seq=12)
+        got = Engine(sharded, cache, recycle="timely", **kw).generate(prompts, 6)
+        assert got == want, f"mesh {d}x{m}"
+
+
+# ---------------------------------------------------------------------------------------------- two processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_of_the_command_equal_one_process(tmp_path):
+    if INNER:
+        pytest.skip("runs in the main test process")
+    run = [sys.executable, "-m", "kvjax", "run", "--requests", "3", "--scale", "0.01", "--repeats", "1",
+           "--no-compile-cache"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = _free_port()
+    procs = [subprocess.Popen(run + ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id",
+                                     str(i), "--json", str(tmp_path / f"{i}.json")],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    assert "recycle" in logs[0] and "recycle" not in logs[1]  # only process 0 prints the table
+    assert not (tmp_path / "1.json").exists()  # ... and writes the JSON
+    two = json.loads((tmp_path / "0.json").read_text())
+    r = subprocess.run(run + ["--json", "-"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = json.loads(r.stdout)
+    assert (two["processes"], two["mesh"], one["mesh"]) == (2, [2, 1], None)
+    assert two["results"]["none"]["devices"] == 2
+    assert two["tokens_digest"] == one["tokens_digest"]
+    assert two["results"]["none"]["generated_tokens"] == one["results"]["none"]["generated_tokens"] > 0
