@@ -66,6 +66,10 @@ class StepRecord:
     # pages in use after allocation on each device's pool, data shard-major (:func:`device_pages_used`); () = one
     # pool, not recorded
     pages_used_devices: tuple[int, ...] = ()
+    prefix_hit_tokens_host: int = 0  # of prefix_hit_tokens, those of blocks loaded from the host tier
+    host_bytes_out: int = 0  # bytes the step's host-tier copies moved device -> host (spills)
+    host_bytes_in: int = 0  # bytes they moved host -> device (loads)
+    t_copy: float = 0.0  # seconds issuing the step's host-tier copies (before its dispatch; in t_dispatch's call)
 
     @property
     def t_host(self) -> float:
@@ -137,7 +141,10 @@ class EngineMetrics:
         ``prefix_hit_tokens`` (prompt tokens served from the cache), ``prefill_tokens`` (prompt positions computed,
         recomputation included), ``prefix_hit_rate`` = hits / (hits + prefill), ``cached_pages_mean``. On a mesh
         whose records carry ``pages_used_devices``: per-device lists ``pages_used_device_mean`` / ``_peak`` and
-        ``page_util_device_mean`` / ``_peak`` (:func:`_per_device`).
+        ``page_util_device_mean`` / ``_peak`` (:func:`_per_device`). Host tier (``Engine(host_cache_bytes=)``):
+        ``prefix_hit_tokens_host`` (of the hits, tokens loaded from host memory), ``prefix_hit_tokens_device``,
+        ``host_bytes_out`` / ``host_bytes_in`` (bytes moved each way) and ``copy_share`` = host time issuing the
+        copies / step time (the copies' exposed host part; their device part runs in order with the steps).
         """
         recs = self.records[skip:]
         if not recs:
@@ -187,6 +194,11 @@ class EngineMetrics:
             "prefix_hit_rate": _ratio(col["prefix_hit_tokens"].sum(),
                                       col["prefix_hit_tokens"].sum() + col["prefill_tokens"].sum()),
             "cached_pages_mean": float((col["cached_pages"] * sub).sum() / n_sub),
+            "prefix_hit_tokens_host": int(col["prefix_hit_tokens_host"].sum()),
+            "prefix_hit_tokens_device": int((col["prefix_hit_tokens"] - col["prefix_hit_tokens_host"]).sum()),
+            "host_bytes_out": int(col["host_bytes_out"].sum()),
+            "host_bytes_in": int(col["host_bytes_in"].sum()),
+            "copy_share": float(col["t_copy"][warm].sum() / total) if total > 0 else nan,
             "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only, r.burst > 1)
                            for r in recs}),
             **_per_device(recs, sub, pages),
