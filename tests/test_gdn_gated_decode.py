@@ -1,4 +1,5 @@
-"""Qwen3.5's fused GDN decode step (:func:`kvjax.ops.gdn_slots.gated_delta_decode_pool`): the slot kernel reading
+"""Qwen3.5's fused GDN decode step (:func:`kvjax.ops.gdn_slots.gated_delta_decode_pool` of a
+:class:`~kvjax.ops.gdn_slots.GatedDecodeCall`): the slot kernel reading
 q / k / v from the packed conv output by column and projecting and computing the gates from the hidden state.
 
 Reference: numpy gates (``a = x @ w_a.T``, ``b = x @ w_b.T`` rounded to the activations' dtype, ``g = -exp(A_log) *
@@ -10,7 +11,6 @@ outputs, <= 1e-4 for float32 ones and <= 1e-5 for the float32 states.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,9 +65,9 @@ def check(rng, impl, *, rows, hk, hv, kd, vd, dtype, num_slots, hidden=32):
     slots[::4] = 0
     slots[1] = num_slots + 1  # out of range: padding too
     scale = kd ** -0.5
-    o, new = gdn_slots.gated_delta_decode_pool(*args, jnp.array(ssm, copy=True), layer=1,
-                                               slot_ids=jnp.asarray(slots),  # a device array: ids not checked
-                                               use_qk_l2norm=True, impl=impl)
+    call = gdn_slots.GatedDecodeCall(*args, jnp.asarray(slots),  # a device array: ids not checked
+                                     layer=1, scale=scale, use_qk_l2norm=True)
+    o, new = gdn_slots.gated_delta_decode_pool(call, jnp.array(ssm, copy=True), impl=impl)
     ro, rssm = reference(*args, ssm, hk=hk, layer=1, slot_ids=slots, scale=scale)
     assert o.shape == (rows, hv, vd) and o.dtype == dtype and new.dtype == jnp.float32
     assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)
@@ -98,8 +98,9 @@ def test_pool_op_equals_the_unfused_decode(rng):
     args, ssm = make_call(rng, 6, 2, 4, 16, 16, jnp.float32, 8)
     conv = jnp.asarray(rng.standard_normal((2, 9, 96, 3)), jnp.float32)
     slots = np.array([3, 1, 0, 8, 5, 2], np.int32)
-    o, pool = gdn_ops.gated_delta_decode(*args, GDNStatePool(conv=conv, ssm=jnp.array(ssm, copy=True)), layer=0,
-                                         slot_ids=slots, use_qk_l2norm=True, impl="slots:interpret")
+    call = gdn_slots.GatedDecodeCall(*args, slots, layer=0, scale=16 ** -0.5, use_qk_l2norm=True)
+    o, pool = gdn_ops.gated_delta_decode(call, GDNStatePool(conv=conv, ssm=jnp.array(ssm, copy=True)),
+                                         impl="slots:interpret")
     qkv, x, w_a, w_b, a_log, dt_bias = args
     q, k, v = gdn_slots.split_packed(qkv, 4, 16, 16)
     g, beta = gdn_slots.qwen_gates(x @ w_a.T, x @ w_b.T, a_log, dt_bias, jnp.float32)
@@ -113,8 +114,10 @@ def test_bad_calls_name_the_argument(rng):
     args, ssm = make_call(rng, 4, 2, 4, 16, 16, jnp.float32, 6)
     qkv, x, w_a, w_b, a_log, dt_bias = args
     slots = np.array([1, 2, 0, 3], np.int32)
-    call = lambda *xs, **kw: gdn_slots.gated_delta_decode_pool(  # noqa: E731
-        *xs, ssm, **{"layer": 0, "slot_ids": slots, "use_qk_l2norm": True, **kw})
+    def call(*xs, layer=0, impl="auto"):
+        return gdn_slots.gated_delta_decode_pool(
+            gdn_slots.GatedDecodeCall(*xs, slots, layer=layer, scale=0.25, use_qk_l2norm=True), ssm, impl)
+
     with pytest.raises(ValueError, match="qkv has 127 columns"):
         call(qkv[:, :127], x, w_a, w_b, a_log, dt_bias)
     with pytest.raises(ValueError, match="w_a"):
@@ -127,11 +130,16 @@ def test_bad_calls_name_the_argument(rng):
         call(qkv, x, w_a, w_b, a_log, dt_bias[:2])
     with pytest.raises(ValueError, match="layer=2 out of range"):
         call(*args, layer=2)
-    with pytest.raises(UnknownImplError, match="static Python-int layer"):
-        call(*args, layer=jnp.int32(0), impl="slots:interpret")
-    pool = GDNStatePool(conv=jnp.zeros((2, 7, 96, 3)), ssm=ssm)
+    with pytest.raises(UnknownImplError, match="no implementation 'fast'"):
+        call(*args, impl="fast")
     with pytest.raises(ValueError, match="layer must be a Python int"):
-        gdn_ops.gated_delta_decode(*args, pool, layer=jnp.int32(0), slot_ids=slots)
+        gdn_slots.GatedDecodeCall(*args, slots, layer=jnp.int32(0), scale=0.25)
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        gdn_slots.GatedDecodeCall(*args, slots, layer=0, scale=None)
+    pool = GDNStatePool(conv=jnp.zeros((2, 7, 96, 3)), ssm=ssm)
+    with pytest.raises(ValueError, match="w_a"):
+        gdn_ops.gated_delta_decode(gdn_slots.GatedDecodeCall(qkv, x, w_a[:3], w_b, a_log, dt_bias, slots, layer=0,
+                                                             scale=0.25), pool, impl="slots:interpret")
     assert not pool.ssm.is_deleted()  # nothing donated on a bad call
 
 
@@ -141,9 +149,7 @@ def test_table_chooses_as_documented():
         args, kwargs = make()
         assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "slots", name
         assert table.choose("auto", args, kwargs, NAMED["cpu"])[0] == "reference", name
-        traced = {**kwargs, "layer": jax.ShapeDtypeStruct((), jnp.int32)}
-        reasons = dict(table.explain(args, traced, NAMED["h100"]))
-        assert "static Python-int layer" in reasons["slots"]
+        assert "needs a GPU" in dict(table.explain(args, kwargs, NAMED["cpu"]))["slots"]
 
 
 @pytest.mark.gpu

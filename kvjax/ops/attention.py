@@ -264,13 +264,10 @@ def paged_attention(
             f"q heads Hq={hq} must be a multiple of block_tables KV heads Hkv={hkv} "
             f"(block_tables shape {tuple(block_tables.shape)})"
         )
-    return TABLE(
-        impl, q, k_pages, v_pages, block_tables, seq_lens,
-        cu_seqlens=cu_seqlens,
-        scale=_normalise_scale(scale, d),
-        window=_per_kv_head("window", window, hkv),
-        sinks=_per_kv_head("sinks", sinks, hkv),
-    )
+    args = (q, k_pages, v_pages, block_tables, seq_lens)
+    kwargs = dict(cu_seqlens=cu_seqlens, scale=_normalise_scale(scale, d), window=_per_kv_head("window", window, hkv),
+                  sinks=_per_kv_head("sinks", sinks, hkv))
+    return TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 

@@ -173,8 +173,8 @@ def causal_conv1d(
     if initial_state is not None:
         check_float("initial_state", initial_state, shape=(cu_seqlens.shape[0] - 1, dim, width - 1))
     _check_impl(impl)
-    return CONV_TABLE(impl, x, weight, bias, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                      activation=activation)
+    args, kwargs = (x, weight, bias), dict(cu_seqlens=cu_seqlens, initial_state=initial_state, activation=activation)
+    return CONV_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 def causal_conv1d_update(
@@ -195,7 +195,8 @@ def causal_conv1d_update(
     width = _check_weights(weight, bias, dim, activation)
     check_float("conv_state", conv_state, shape=(batch, dim, width - 1))
     _check_impl(impl)
-    return UPDATE_TABLE(impl, x, conv_state, weight, bias, activation=activation)
+    args, kwargs = (x, conv_state, weight, bias), dict(activation=activation)
+    return UPDATE_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 
@@ -300,8 +301,10 @@ def conv_prefill_pool(
     not ``has_initial_state``), final states written back there (slot 0 never). Padding rows read and write
     nothing and their tokens get ``y = 0``. ``ValueError`` / ``InvalidPlanError`` name a bad argument."""
     validate_pool_args(x, weight, bias, conv_pool, layer, slot_ids, activation, impl, cu_seqlens, has_initial_state)
-    return CONV_PREFILL_TABLE(impl, x, weight, bias, conv_pool, layer=layer, slot_ids=slot_ids,
-                              has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, activation=activation)
+    args = (x, weight, bias, conv_pool)
+    kwargs = dict(layer=layer, slot_ids=slot_ids, has_initial_state=has_initial_state, cu_seqlens=cu_seqlens,
+                  activation=activation)
+    return CONV_PREFILL_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 def conv_decode_pool(
@@ -318,7 +321,8 @@ def conv_decode_pool(
     """One token per row: conv with the row's state from ``conv_pool[layer, slot]``, the shifted state written
     back. Padding rows read and write nothing and get ``y = 0``."""
     validate_pool_args(x, weight, bias, conv_pool, layer, slot_ids, activation, impl)
-    return CONV_DECODE_TABLE(impl, x, weight, bias, conv_pool, layer=layer, slot_ids=slot_ids, activation=activation)
+    args, kwargs = (x, weight, bias, conv_pool), dict(layer=layer, slot_ids=slot_ids, activation=activation)
+    return CONV_DECODE_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- backend tables

@@ -149,8 +149,9 @@ def indexer_scores(
     check_cu_seqlens(cu_seqlens, t)
     check_seq_lens(seq_lens, block_tables.shape[-1] * index_k.shape[1])
     _check_scale(scale)
-    return INDEXER_TABLE(impl, q, weights, index_k, index_scale, block_tables, seq_lens, cu_seqlens=cu_seqlens,
-                         scale=float(scale))
+    args = (q, weights, index_k, index_scale, block_tables, seq_lens)
+    kwargs = dict(cu_seqlens=cu_seqlens, scale=float(scale))
+    return INDEXER_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 def index_topk(scores: jax.Array, topk: int) -> jax.Array:
@@ -239,8 +240,8 @@ def sparse_mla_decode(
                 shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
     check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1])
     _check_scale(scale)
-    return SPARSE_TABLE(impl, q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices,
-                        scale=float(scale))
+    args, kwargs = (q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices), dict(scale=float(scale))
+    return SPARSE_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 def sparse_mla_decode_fp8_reference(
@@ -296,8 +297,9 @@ def sparse_mla_decode_fp8(
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
     check_seq_lens(seq_lens, block_tables.shape[-1] * key.shape[1])
     _check_scale(scale)
-    return SPARSE_FP8_TABLE(impl, q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices,
-                            scale=float(scale))
+    args = (q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices)
+    kwargs = dict(scale=float(scale))
+    return SPARSE_FP8_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 _SDS = jax.ShapeDtypeStruct

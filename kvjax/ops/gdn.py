@@ -304,10 +304,9 @@ def validate_gdn_args(
 
 def _run(table: BackendTable, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl):
     scale = validate_gdn_args(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
-    return table(
-        impl, q, k, v, g, beta,
-        cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-    )
+    args = (q, k, v, g, beta)
+    kwargs = dict(cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
+    return table.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 def chunk_gated_delta_rule(

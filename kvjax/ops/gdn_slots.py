@@ -14,23 +14,26 @@ read and write nothing and their tokens' outputs are zero. A live row starts fro
 - :func:`gdn_prefill_pool`: the chunked gated delta rule (:data:`PREFILL_TABLE`).
 - :func:`gdn_decode_pool`: the stepwise one (:data:`DECODE_TABLE`); ``cu_seqlens=None`` = one token per row,
   ``has_initial_state=None`` = every live row continues its state.
-- :func:`gated_delta_decode_pool`: Qwen3.5's decode step from the packed conv output ``q | k | v``, the hidden
-  state and the gate parameters (:data:`GATED_DECODE_TABLE`): the slot kernel reads the columns and projects
-  and computes the gates (:func:`qwen_gates`) itself, so no XLA op runs between the conv and the kernel.
+- :func:`gated_delta_decode_pool`: Qwen3.5's decode step, one :class:`GatedDecodeCall` (the packed conv
+  output ``q | k | v``, the hidden state, the gate parameters, the slot ids) and the array
+  (:data:`GATED_DECODE_TABLE`): the slot kernel reads the columns and projects and computes the gates
+  (:func:`qwen_gates`) itself, so no XLA op runs between the conv and the kernel.
 
 The first two return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
-has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``).
+has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``);
+the gated decode's normalised call is ``(call, ssm)``.
 The oracle of each is the composition ``gather -> reference op of`` :mod:`kvjax.ops.gdn` ``-> scatter``.
 Backends (Pallas, Triton lowering, any CUDA GPU, any K and V): ``"pallas"`` runs the rows/flags
 kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and takes every call; decode also has
 ``"slots"``, :func:`kvjax.pallas.gdn.recurrent.recurrent_gated_delta_rule_slots`, which indexes the array by
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
-continuing and a static int ``layer`` (H100: 0.191-0.192 ms device time at B=128 H=32 and B=256 H=16,
-92.7-93.1% of a same-bytes copy, benchmarks/HISTORY.md). The array is updated in place (aliased) under jit
-when donated: :mod:`kvjax.state.gdn_ops` wraps these ops with the pool donated.
+continuing and a static int ``layer`` (RESULTS.md, GDN decode). The array is updated in place (aliased) under
+jit when donated: :mod:`kvjax.state.gdn_ops` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -183,10 +186,10 @@ def _run(table, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_se
     scale = validate_pool_args(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
                                use_qk_l2norm, impl)
     fixed = static_layer(layer)
-    return table(
-        impl, q, k, v, g, beta, ssm, layer=layer if fixed is None else fixed, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-    )
+    args = (q, k, v, g, beta, ssm)
+    kwargs = dict(layer=layer if fixed is None else fixed, slot_ids=slot_ids, has_initial_state=has_initial_state,
+                  cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
+    return table.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 def gdn_prefill_pool(
@@ -265,70 +268,82 @@ def gate_projections(x: jax.Array, w_a: jax.Array, w_b: jax.Array):  # [T, D], [
     return jnp.matmul(x, w_a.T, precision=hi), jnp.matmul(x, w_b.T, precision=hi)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedDecodeCall:
+    """One Qwen3.5 GDN decode step's arguments, built once by the model layer and handed unchanged to
+    :func:`gated_delta_decode_pool`, its backend table's check and the chosen kernel (one token per row, every
+    live row continuing its state). A pytree: the arrays are leaves, ``layer``, ``scale`` and
+    ``use_qk_l2norm`` are static (checked here; the arrays are checked by :func:`validate_gated_call`)."""
+
+    qkv: jax.Array  # [B, 2*Hk*K + Hv*V]  the conv output: q | k | v head-major columns
+    x: jax.Array  # [B, D]  the hidden state the gates are projected from
+    w_a: jax.Array  # [Hv, D]  in_proj_a weight (torch layout)
+    w_b: jax.Array  # [Hv, D]  in_proj_b weight
+    a_log: jax.Array  # [Hv]
+    dt_bias: jax.Array  # [Hv]
+    slot_ids: jax.Array  # i32[B]  outside 1..S = padding row
+    layer: int = dataclasses.field(metadata=dict(static=True))  # GDN layer index into the pool
+    scale: float = dataclasses.field(metadata=dict(static=True))  # query scale (K**-0.5 in Qwen3.5)
+    use_qk_l2norm: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    def __post_init__(self):
+        if static_layer(self.layer) is None or self.layer < 0:
+            raise ValueError(f"layer must be a Python int >= 0, got {self.layer!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
+            raise ValueError(f"scale must be a positive Python float, got {self.scale!r}")
+        if not isinstance(self.use_qk_l2norm, bool):
+            raise ValueError(f"use_qk_l2norm must be a bool, got {self.use_qk_l2norm!r}")
+
+
 def gated_delta_decode_pool_reference(
-    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]
-    x: jax.Array,  # [B, D]
-    w_a: jax.Array,  # [Hv, D]
-    w_b: jax.Array,  # [Hv, D]
-    a_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
+    call: GatedDecodeCall,
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer,
-    slot_ids: jax.Array,  # i32[B]
-    scale: float,
-    use_qk_l2norm: bool,
 ) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V], new ssm)
     """Oracle: :func:`split_packed`, :func:`gate_projections`, :func:`qwen_gates`, then
     :func:`gdn_decode_pool_reference`."""
     hv, kd, vd = ssm.shape[2:]
-    q, k, v = split_packed(qkv, hv, kd, vd)
-    g, beta = qwen_gates(*gate_projections(x, w_a, w_b), a_log, dt_bias, qkv.dtype)
-    return gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids, has_initial_state=None,
-                                     cu_seqlens=None, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    q, k, v = split_packed(call.qkv, hv, kd, vd)
+    g, beta = qwen_gates(*gate_projections(call.x, call.w_a, call.w_b), call.a_log, call.dt_bias, call.qkv.dtype)
+    return gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=call.layer, slot_ids=call.slot_ids,
+                                     has_initial_state=None, cu_seqlens=None, scale=call.scale,
+                                     use_qk_l2norm=call.use_qk_l2norm)
 
 
-def validate_gated_args(qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer, slot_ids, scale, use_qk_l2norm,
-                        impl) -> float:
+def validate_gated_call(call: GatedDecodeCall, ssm: jax.Array, impl: str) -> None:
     """Host-side check of a :func:`gated_delta_decode_pool` call (the packed widths against the pool's heads,
-    the gate inputs, then :func:`validate_pool_args` on the split call); returns the resolved ``scale``."""
+    the gate inputs, then :func:`validate_pool_args` on the split call). ``ValueError`` names the argument."""
+    if not isinstance(call, GatedDecodeCall):
+        raise ValueError(f"call must be a GatedDecodeCall, got {type(call).__name__}")
     check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32])
     hv, kd, vd = ssm.shape[2:]
+    qkv, x = call.qkv, call.x
     check_float("qkv", qkv, rank=2)
     q, k, v = jax.eval_shape(lambda t: split_packed(t, hv, kd, vd), jax.ShapeDtypeStruct(qkv.shape, qkv.dtype))
     check_array("x", x, rank=2, dtypes=[qkv.dtype], shape=(qkv.shape[0], None))
-    check_array("w_a", w_a, shape=(hv, x.shape[1]), dtypes=[qkv.dtype])
-    check_array("w_b", w_b, shape=(hv, x.shape[1]), dtypes=[qkv.dtype])
-    check_float("A_log", a_log, shape=(hv,))
-    check_float("dt_bias", dt_bias, shape=(hv,))
+    check_array("w_a", call.w_a, shape=(hv, x.shape[1]), dtypes=[qkv.dtype])
+    check_array("w_b", call.w_b, shape=(hv, x.shape[1]), dtypes=[qkv.dtype])
+    check_float("A_log", call.a_log, shape=(hv,))
+    check_float("dt_bias", call.dt_bias, shape=(hv,))
     g = jax.ShapeDtypeStruct((qkv.shape[0], hv), jnp.float32)
     beta = jax.ShapeDtypeStruct((qkv.shape[0], hv), qkv.dtype)
-    return validate_pool_args(q, k, v, g, beta, ssm, layer, slot_ids, None, None, scale, use_qk_l2norm, impl)
+    validate_pool_args(q, k, v, g, beta, ssm, call.layer, call.slot_ids, None, None, call.scale,
+                       call.use_qk_l2norm, impl)
 
 
 def gated_delta_decode_pool(
-    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]  the conv output, one token per row
-    x: jax.Array,  # [B, D]  the hidden state the gates are projected from
-    w_a: jax.Array,  # [Hv, D]  in_proj_a weight (torch layout)
-    w_b: jax.Array,  # [Hv, D]  in_proj_b weight
-    a_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
+    call: GatedDecodeCall,
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int | jax.Array,
-    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V] in qkv's dtype, new ssm f32[L, S+1, Hv, K, V])
     """Qwen3.5's GDN decode step on the SSM array: :func:`gdn_decode_pool` (one token per row, every live row
-    continuing) of :func:`split_packed` ``(qkv)`` with the gates :func:`qwen_gates` of
-    :func:`gate_projections` ``(x, w_a, w_b)``. Errors: :func:`validate_gated_args`; ``UnknownImplError`` for an
-    ``impl`` that cannot run here."""
-    scale = validate_gated_args(qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer, slot_ids, scale, use_qk_l2norm, impl)
-    fixed = static_layer(layer)
-    return GATED_DECODE_TABLE(impl, qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer=layer if fixed is None else fixed,
-                              slot_ids=slot_ids, scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
+    continuing) of :func:`split_packed` ``(call.qkv)`` with the gates :func:`qwen_gates` of
+    :func:`gate_projections` ``(call.x, call.w_a, call.w_b)``; every live row's state at
+    ``ssm[call.layer, call.slot_ids[b]]`` advances one token (slot 0 never written). Checks once
+    (:func:`validate_gated_call`), then calls the kernel :data:`GATED_DECODE_TABLE` chooses for ``impl``
+    directly; ``UnknownImplError`` for an ``impl`` that cannot run here. Kernels donate ``ssm`` under jit."""
+    validate_gated_call(call, ssm, impl)
+    return GATED_DECODE_TABLE.choose(impl, (call, ssm), {})[1](call, ssm)
 
 
 # ---------------------------------------------------------------------------------------------- backend tables
@@ -348,9 +363,10 @@ def _example(num_tokens: int, rows: int, heads: int, *, ragged: bool, layer_trac
 def _gated_example(rows: int, hk: int, hv: int, hidden: int = 1024):
     """A representative gated decode call: bf16 packed conv output, hidden state and weights, K = V = 128."""
     sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-    args = (sds((rows, (2 * hk + hv) * 128), bf16), sds((rows, hidden), bf16), sds((hv, hidden), bf16),
-            sds((hv, hidden), bf16), sds((hv,), bf16), sds((hv,), bf16), sds((1, rows + 9, hv, 128, 128), jnp.float32))
-    return args, dict(layer=0, slot_ids=sds((rows,), jnp.int32), scale=128 ** -0.5, use_qk_l2norm=True)
+    call = GatedDecodeCall(sds((rows, (2 * hk + hv) * 128), bf16), sds((rows, hidden), bf16),
+                           sds((hv, hidden), bf16), sds((hv, hidden), bf16), sds((hv,), bf16), sds((hv,), bf16),
+                           sds((rows,), jnp.int32), layer=0, scale=128 ** -0.5)
+    return (call, sds((1, rows + 9, hv, 128, 128), jnp.float32)), {}
 
 
 _PALLAS_NOTE = "rows/flags kernel on the flattened [L * (S+1)] slots: takes every call"
@@ -389,8 +405,7 @@ GATED_DECODE_TABLE = BackendTable(
     GATED_DECODE_OP,
     gated_delta_decode_pool_reference,
     (
-        Backend("slots", recurrent_kernels.gated_decode_slots_pallas, priority=20,
-                unsupported=recurrent_kernels.gated_decode_slots_unsupported,
+        Backend("slots", recurrent_kernels.gated_delta_decode_slots, priority=20,
                 note="the slot decode kernel reading q/k/v by column and projecting the gates: no XLA op "
                      "between the conv and it"),
     ),

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.base.checks import INT32_MAX, check_cu_seqlens, check_float, check_int32, check_seq_lens
 from kvjax.base.ragged import token_rows
@@ -139,8 +138,9 @@ def mla_decode(
     :class:`~kvjax.errors.UnknownImplError` with the reason.
     """
     _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale, num_kv_splits)
-    return TABLE(impl, q_latent, q_rope, latent_pages, block_tables, seq_lens, scale=float(scale),
-                 num_kv_splits=num_kv_splits)
+    args = (q_latent, q_rope, latent_pages, block_tables, seq_lens)
+    kwargs = dict(scale=float(scale), num_kv_splits=num_kv_splits)
+    return TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------

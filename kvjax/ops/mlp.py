@@ -58,7 +58,8 @@ def swiglu(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     validate_swiglu_args(x2, w_gate, w_up, impl)
-    return SWIGLU_TABLE(impl, x2, w_gate, w_up).reshape(*lead, w_gate.shape[1])
+    _, fn = SWIGLU_TABLE.choose(impl, (x2, w_gate, w_up), {})
+    return fn(x2, w_gate, w_up).reshape(*lead, w_gate.shape[1])
 
 
 def _example(rows: int, hidden: int = 1024, inter: int = 3072, dtype=jnp.bfloat16):

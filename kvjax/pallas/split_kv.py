@@ -6,7 +6,7 @@ over that split and its natural-log log-sum-exp (``-inf`` for a split that saw n
 by ``exp(lse_s - lse)``: an empty split weighs 0, and a row where every split is empty gets 0, never NaN. With
 one split, stage 1 writes the final output directly (in the dtype it is given) and stage 2 is skipped.
 
-:func:`split_kv_decode` is the host side shared by the MLA decode kernels (``kvjax.pallas.mla``: the
+:func:`split_kv_inputs` and :func:`split_kv_output` are the host side shared by the MLA decode kernels (``kvjax.pallas.mla``: the
 Triton-lowered dense / DSA-sparse kernels, the fp8 DSA kernel, the Mosaic GPU kernel) and the jax-triton one
 (``kvjax.triton.mla_decode``): cast and pad the query heads to whole head groups, choose the split factor from
 static shapes, run stage 1, merge, drop the padded heads.
@@ -15,7 +15,6 @@ static shapes, run stage 1, merge, drop the padded heads.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +112,7 @@ def pad_positions(positions: jax.Array, block_n: int) -> jax.Array:
     return jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1) if pad else positions
 
 
-def split_kv_decode(
-    stage1: Callable,  # (q [B, Hp, R], q_rope [B, Hp, r], num_splits, out_dtype) -> (o [B, S, Hp, R], f32[B, S, Hp])
+def split_kv_inputs(
     q_latent: jax.Array,  # [B, H, R]
     q_rope: jax.Array,  # [B, H, r]
     *,
@@ -124,14 +122,22 @@ def split_kv_decode(
     num_kv_splits: int | None,
     out_dtype=None,  # what stage 1 writes with one split (default ``dtype``); f32 with several
     one_cta_per_sm: bool = False,
-) -> jax.Array:  # [B, H, R] in q_latent's dtype
-    """Host side of a split-KV decode: queries cast to ``dtype`` and padded to whole groups of ``block_h`` heads,
-    ``num_kv_splits`` (or :func:`choose_num_kv_splits`), stage 1, :func:`merge_splits` over its splits (skipped
-    with one), padded heads dropped. Reads only."""
-    b, h, _ = q_latent.shape
+) -> tuple[jax.Array, jax.Array, int, object]:  # (q [B, Hp, R], q_rope [B, Hp, r], splits, stage-1 out dtype)
+    """Host side of a split-KV decode before stage 1: queries cast to ``dtype`` and padded to whole groups of
+    ``block_h`` heads, ``num_kv_splits`` (or :func:`choose_num_kv_splits`) and the dtype stage 1 writes. The
+    kernel then runs its stage 1 and hands ``(o, lse)`` to :func:`split_kv_output`."""
+    b = q_latent.shape[0]
     q, qr = pad_heads(q_latent.astype(dtype), block_h), pad_heads(q_rope.astype(dtype), block_h)
     groups = q.shape[1] // block_h
     splits = num_kv_splits or choose_num_kv_splits(b, groups, max_steps, num_sms(), one_cta_per_sm=one_cta_per_sm)
-    o, lse = stage1(q, qr, splits, (out_dtype or dtype) if splits == 1 else jnp.float32)
-    out = o[:, 0] if splits == 1 else merge_splits(o, lse, axis=1)
-    return out[:, :h].astype(q_latent.dtype)
+    return q, qr, splits, (out_dtype or dtype) if splits == 1 else jnp.float32
+
+
+def split_kv_output(
+    o: jax.Array,  # [B, S, Hp, R]  stage 1's partial outputs
+    lse: jax.Array,  # f32[B, S, Hp]
+    q_latent: jax.Array,  # [B, H, R]  the query (its head count and dtype)
+) -> jax.Array:  # [B, H, R] in q_latent's dtype
+    """Host side after stage 1: :func:`merge_splits` over the splits (skipped with one), padded heads dropped."""
+    out = o[:, 0] if o.shape[1] == 1 else merge_splits(o, lse, axis=1)
+    return out[:, :q_latent.shape[1]].astype(q_latent.dtype)

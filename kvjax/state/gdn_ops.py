@@ -1,14 +1,16 @@
 """GDN ops on the slot-addressed state pool (:class:`kvjax.state.gdn_pool.GDNStatePool`): pool in, pool out.
 
-Each function validates on the host, then runs the array-level op (:mod:`kvjax.ops.gdn_slots` on
-``pool.ssm``, :mod:`kvjax.ops.conv` on ``pool.conv``; those modules hold the contracts, references and
-backend tables) under jit with the pool donated, so the kernels update it in place.
+Each function checks the pool's type, runs the array-level op (:mod:`kvjax.ops.gdn_slots` on ``pool.ssm``,
+:mod:`kvjax.ops.conv` on ``pool.conv``; those modules hold the contracts, the one argument check, references
+and backend tables) and returns the pool with that array replaced. The kernels donate the array under their
+own jit and update it in place; inside a jitted step with the caches donated (the engine's) the whole step
+updates the pool in place.
 
 - :func:`gdn_prefill` / :func:`gdn_decode`: the gated delta rule (chunked / stepwise) on ``pool.ssm``;
   ``gdn_decode`` with ``cu_seqlens=None``, ``has_initial_state=None`` and a Python-int ``layer`` runs the slot
   decode kernel straight on the pool by slot id, with no XLA work around it (on a GPU, ``impl="auto"``).
-- :func:`gated_delta_decode`: Qwen3.5's decode step from the packed conv output and the raw gate projections
-  (the same kernel reading q / k / v by column and computing the gates).
+- :func:`gated_delta_decode`: Qwen3.5's decode step from a :class:`~kvjax.ops.gdn_slots.GatedDecodeCall` (the
+  packed conv output and the gate inputs; the same kernel reading q / k / v by column and computing the gates).
 - :func:`conv_prefill` / :func:`conv_decode`: the causal conv1d on ``pool.conv``.
 
 Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot ``slot_ids[n]``; rows whose
@@ -19,46 +21,21 @@ outputs are zero. Slot 0 is never written.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 
 from kvjax.ops import conv, gdn_slots
 from kvjax.state.gdn_pool import GDNStatePool
 
 
 # ---------------------------------------------------------------------------------------------- SSM
-@functools.partial(jax.jit, static_argnames=("op", "impl", "static_layer", "scale", "use_qk_l2norm"),
-                   donate_argnames=("ssm",))
-def _run(op, impl, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, *, static_layer, scale,
-         use_qk_l2norm):
-    return op(
-        q, k, v, g, beta, ssm, layer=layer if static_layer is None else static_layer, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        impl=impl,
-    )
-
-
-def _public(op, table, q, k, v, g, beta, pool, layer, slot_ids, has_initial_state, cu_seqlens, scale,
-            use_qk_l2norm, impl):
+def _ssm_of(pool):
+    """``(ssm, rewrap)`` of a :class:`GDNStatePool` (rewrap puts the new ssm back) or of a bare ssm array."""
     if isinstance(pool, GDNStatePool):
-        ssm, wrap = pool.ssm, functools.partial(dataclasses.replace, pool)
-    elif hasattr(pool, "shape") and hasattr(pool, "dtype"):  # the bare SSM array (returned as an array)
-        ssm, wrap = pool, None
-    else:
-        raise ValueError(f"pool must be a GDNStatePool or its ssm array, got {type(pool).__name__}")
-    scale = gdn_slots.validate_pool_args(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens,
-                                         scale, use_qk_l2norm, impl)
-    table.validate_impl(impl)  # unknown impl -> UnknownImplError before tracing
-    static = gdn_slots.static_layer(layer)
-    o, ssm = _run(
-        op, impl, q, k, v, g, beta, ssm, None if static is not None else layer, jnp.asarray(slot_ids),
-        None if has_initial_state is None else jnp.asarray(has_initial_state),
-        None if cu_seqlens is None else jnp.asarray(cu_seqlens),
-        static_layer=static, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-    )
-    return o, (ssm if wrap is None else wrap(ssm=ssm))
+        return pool.ssm, lambda ssm: dataclasses.replace(pool, ssm=ssm)
+    if hasattr(pool, "shape") and hasattr(pool, "dtype"):  # the bare SSM array (returned as an array)
+        return pool, lambda ssm: ssm
+    raise ValueError(f"pool must be a GDNStatePool or its ssm array, got {type(pool).__name__}")
 
 
 def gdn_prefill(
@@ -67,7 +44,7 @@ def gdn_prefill(
     v: jax.Array,  # [T, Hv, V]
     g: jax.Array,  # f32[T, Hv] log-decay
     beta: jax.Array,  # [T, Hv]
-    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated); or the bare ssm array
+    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated by the kernels); or the bare ssm array
     *,
     layer: int | jax.Array,  # GDN layer index (int, or traced i32[])
     slot_ids: jax.Array,  # i32[N]  0 = padding row
@@ -83,11 +60,15 @@ def gdn_prefill(
     its bare ``ssm`` array (returned as the updated array).
 
     Reads ``pool.ssm[layer, slot_ids[n]]`` for rows with ``has_initial_state``, writes every live row's final
-    state there in one in-place update (slot 0 never touched). ``pool.ssm`` is donated: use the returned pool.
+    state there in one in-place update (slot 0 never touched). The kernels donate ``pool.ssm``: use the returned
+    pool.
     See :func:`kvjax.ops.gdn_slots.gdn_prefill_pool` for errors and implementations.
     """
-    return _public(gdn_slots.gdn_prefill_pool, gdn_slots.PREFILL_TABLE, q, k, v, g, beta, pool, layer, slot_ids,
-                   has_initial_state, cu_seqlens, scale, use_qk_l2norm, impl)
+    ssm, rewrap = _ssm_of(pool)
+    o, ssm = gdn_slots.gdn_prefill_pool(q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
+                                        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
+                                        use_qk_l2norm=use_qk_l2norm, impl=impl)
+    return o, rewrap(ssm)
 
 
 def gdn_decode(
@@ -96,7 +77,7 @@ def gdn_decode(
     v: jax.Array,  # [T, Hv, V]
     g: jax.Array,  # f32[T, Hv]
     beta: jax.Array,  # [T, Hv]
-    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated); or the bare ssm array
+    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated by the kernels); or the bare ssm array
     *,
     layer: int | jax.Array,
     slot_ids: jax.Array,  # i32[B]  0 = padding row
@@ -111,54 +92,29 @@ def gdn_decode(
     Padding rows cost no state traffic. With ``cu_seqlens=None``, ``has_initial_state=None`` and an int
     ``layer`` the kernel indexes the pool by slot id directly (no XLA op before or after it).
     """
-    return _public(gdn_slots.gdn_decode_pool, gdn_slots.DECODE_TABLE, q, k, v, g, beta, pool, layer, slot_ids,
-                   has_initial_state, cu_seqlens, scale, use_qk_l2norm, impl)
-
-
-@functools.partial(jax.jit, static_argnames=("impl", "layer", "scale", "use_qk_l2norm"), donate_argnames=("ssm",))
-def _gated_run(impl, qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids, *, layer, scale, use_qk_l2norm):
-    return gdn_slots.gated_delta_decode_pool(qkv, x, w_a, w_b, a_log, dt_bias, ssm, layer=layer, slot_ids=slot_ids,
-                                             scale=scale, use_qk_l2norm=use_qk_l2norm, impl=impl)
+    ssm, rewrap = _ssm_of(pool)
+    o, ssm = gdn_slots.gdn_decode_pool(q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
+                                       has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
+                                       use_qk_l2norm=use_qk_l2norm, impl=impl)
+    return o, rewrap(ssm)
 
 
 def gated_delta_decode(
-    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]  conv output (q | k | v), one token per row
-    x: jax.Array,  # [B, D]  hidden state the gates are projected from
-    w_a: jax.Array,  # [Hv, D]  in_proj_a weight (torch layout)
-    w_b: jax.Array,  # [Hv, D]  in_proj_b weight
-    a_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    pool: GDNStatePool,  # ssm f32[L, S+1, Hv, K, V] (donated)
-    *,
-    layer: int,
-    slot_ids: jax.Array,  # i32[B]  0 = padding row
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
+    call: gdn_slots.GatedDecodeCall,  # qkv [B, 2*Hk*K + Hv*V], x [B, D], gate weights, slot_ids i32[B], layer
+    pool: GDNStatePool,  # ssm f32[L, S+1, Hv, K, V] (donated by the kernel)
     impl: str = "auto",
 ) -> tuple[jax.Array, GDNStatePool]:
     """Qwen3.5's GDN decode step on the pool; returns ``(o: [B, Hv, V], pool)`` with every live row's state
-    at ``pool.ssm[layer, slot_ids[b]]`` advanced one token (``conv`` untouched; ``pool.ssm`` donated).
+    at ``pool.ssm[call.layer, call.slot_ids[b]]`` advanced one token (``conv`` untouched).
 
     Equals :func:`gdn_decode` of the split ``q, k, v`` and the gates :func:`kvjax.ops.gdn_slots.qwen_gates` of
-    ``x @ w_a.T``, ``x @ w_b.T``; see :func:`kvjax.ops.gdn_slots.gated_delta_decode_pool`."""
+    ``x @ w_a.T``, ``x @ w_b.T``; see :func:`kvjax.ops.gdn_slots.gated_delta_decode_pool` (checks, errors)."""
     _check_pool(pool)
-    if gdn_slots.static_layer(layer) is None:
-        raise ValueError(f"layer must be a Python int, got {type(layer).__name__}")
-    scale = gdn_slots.validate_gated_args(qkv, x, w_a, w_b, a_log, dt_bias, pool.ssm, layer, slot_ids, scale,
-                                          use_qk_l2norm, impl)
-    gdn_slots.GATED_DECODE_TABLE.validate_impl(impl)
-    o, ssm = _gated_run(impl, qkv, x, w_a, w_b, a_log, dt_bias, pool.ssm, jnp.asarray(slot_ids), layer=int(layer),
-                        scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
+    o, ssm = gdn_slots.gated_delta_decode_pool(call, pool.ssm, impl)
     return o, dataclasses.replace(pool, ssm=ssm)
 
 
 # ---------------------------------------------------------------------------------------------- conv
-@functools.partial(jax.jit, static_argnames=("op", "impl", "activation"), donate_argnames=("pool",))
-def _conv_run(op, impl, x, weight, bias, pool, layer, slot_ids, meta, *, activation):
-    y, new = op(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids, activation=activation, impl=impl, **meta)
-    return y, dataclasses.replace(pool, conv=new)
-
-
 def _check_pool(pool) -> None:
     if not isinstance(pool, GDNStatePool):
         raise ValueError(f"pool must be a kvjax.state.gdn_pool.GDNStatePool, got {type(pool).__name__}")
@@ -168,7 +124,7 @@ def conv_prefill(
     x: jax.Array,  # [T, D]  (D = conv_dim)
     weight: jax.Array,  # [D, W]
     bias: jax.Array | None,  # [D]
-    pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated)
+    pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated by the kernels)
     *,
     layer: int | jax.Array,
     slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
@@ -179,26 +135,24 @@ def conv_prefill(
 ) -> tuple[jax.Array, GDNStatePool]:
     """Varlen causal conv1d starting from each live row's conv state in the pool (zeros where not
     ``has_initial_state``); writes the final states back in place (slot 0 never written). Padding rows read
-    and write nothing and their tokens get ``y = 0``. Returns ``(y: [T, D], pool)``; ``pool`` is donated.
+    and write nothing and their tokens get ``y = 0``. Returns ``(y: [T, D], pool)``; the kernels donate ``pool.conv``.
 
     ``impl``: ``"reference"`` = fused XLA (gather, :func:`kvjax.ops.conv.causal_conv1d_reference`,
     scatter); ``"pallas"`` / ``"interpret"`` = :func:`kvjax.pallas.gdn.conv.conv_prefill_slots`; ``"auto"`` =
     Pallas on the GPU (measured a near tie with XLA, see :mod:`kvjax.ops.conv`), the reference elsewhere.
     """
     _check_pool(pool)
-    conv.validate_pool_args(x, weight, bias, pool.conv, layer, slot_ids, activation, impl, cu_seqlens,
-                            has_initial_state)
-    conv.CONV_PREFILL_TABLE.validate_impl(impl)  # unknown impl -> UnknownImplError before tracing
-    meta = {"has_initial_state": jnp.asarray(has_initial_state), "cu_seqlens": jnp.asarray(cu_seqlens)}
-    return _conv_run(conv.conv_prefill_pool, impl, x, weight, bias, pool, jnp.asarray(layer, jnp.int32),
-                     jnp.asarray(slot_ids), meta, activation=activation)
+    y, new = conv.conv_prefill_pool(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids,
+                                    has_initial_state=has_initial_state, cu_seqlens=cu_seqlens,
+                                    activation=activation, impl=impl)
+    return y, dataclasses.replace(pool, conv=new)
 
 
 def conv_decode(
     x: jax.Array,  # [B, D]
     weight: jax.Array,  # [D, W]
     bias: jax.Array | None,  # [D]
-    pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated)
+    pool: GDNStatePool,  # conv [L, S+1, D, W-1] (donated by the kernels)
     *,
     layer: int | jax.Array,
     slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
@@ -206,11 +160,10 @@ def conv_decode(
     impl: str = "auto",
 ) -> tuple[jax.Array, GDNStatePool]:
     """One token per row: conv with the row's state from the pool, shifted state written back in place.
-    Padding rows read and write nothing and get ``y = 0``. Returns ``(y: [B, D], pool)``; ``pool`` is donated.
+    Padding rows read and write nothing and get ``y = 0``. Returns ``(y: [B, D], pool)``; the kernels donate ``pool.conv``.
     ``impl`` as in :func:`conv_prefill` (``"pallas"``: :func:`kvjax.pallas.gdn.conv.conv_update_slots`)."""
     _check_pool(pool)
-    conv.validate_pool_args(x, weight, bias, pool.conv, layer, slot_ids, activation, impl)
-    conv.CONV_DECODE_TABLE.validate_impl(impl)
-    return _conv_run(conv.conv_decode_pool, impl, x, weight, bias, pool, jnp.asarray(layer, jnp.int32),
-                     jnp.asarray(slot_ids), {}, activation=activation)
+    y, new = conv.conv_decode_pool(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids,
+                                   activation=activation, impl=impl)
+    return y, dataclasses.replace(pool, conv=new)
 

@@ -2,7 +2,7 @@
 
 The same algorithm as :mod:`kvjax.pallas.mla.decode` (one program per head group, KV split and sequence;
 ``block_n`` latent rows per step, contiguous within a page or gathered through the block table, each read
-once; f32 split outputs + lse merged by the shared host side :func:`kvjax.pallas.split_kv.split_kv_decode`),
+once; f32 split outputs + lse merged by the shared host side :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`),
 written directly in Triton so the benchmark can compare the Pallas lowering against it on one GPU, with the same
 tile defaults. A registered backend of :func:`kvjax.ops.mla.mla_decode` (``impl="triton"``) that ``auto`` never
 takes: on Hopper the Mosaic GPU kernel beats it above 16 heads and the Pallas kernel ties or beats it at 16
@@ -22,7 +22,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from kvjax.pallas.split_kv import STATIC_ARGNAMES, default_tiles, split_kv_decode
+from kvjax.pallas.split_kv import STATIC_ARGNAMES, default_tiles, split_kv_inputs, split_kv_output
 
 
 @triton.jit
@@ -138,5 +138,6 @@ def mla_decode_triton(
             NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n,
         )
 
-    return split_kv_decode(stage1, q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h,
+    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h,
                            max_steps=max_blocks * page_size // block_n, num_kv_splits=num_kv_splits)
+    return split_kv_output(*stage1(q, qr, splits, stage_dtype), q_latent)

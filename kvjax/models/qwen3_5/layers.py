@@ -92,9 +92,11 @@ class GatedDeltaNet(nnx.Module):
         ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch (no gather when
         ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id,
         each live row continuing its state (a ``decode_only`` step has no fresh row): the conv update, then
-        :func:`~kvjax.state.gdn_ops.gated_delta_decode` on the packed conv output, which projects the gates
-        from ``x`` itself; outputs are scattered back to token order.
+        :func:`~kvjax.state.gdn_ops.gated_delta_decode` of one :class:`~kvjax.ops.gdn_slots.GatedDecodeCall`
+        (the packed conv output; the kernel projects the gates from ``x`` itself); outputs are scattered back
+        to token order.
         """
+        from kvjax.ops.gdn_slots import GatedDecodeCall
         from kvjax.state.gdn_ops import conv_decode, conv_prefill, gated_delta_decode, gdn_prefill
 
         slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
@@ -104,9 +106,10 @@ class GatedDeltaNet(nnx.Module):
             rows_are_tokens = t == cu.shape[0] - 1  # live rows first, one token each: token b is row b's
             xr = x if rows_are_tokens else x[jnp.clip(cu[:-1], 0, t - 1)]  # [B, H] (padding rows: ignored)
             mixed, pool = conv_decode(self.in_proj_qkv(xr), weight, None, pool, layer=layer, slot_ids=slots)
-            o, pool = gated_delta_decode(mixed, xr, self.in_proj_a.weight[...], self.in_proj_b.weight[...],
-                                         self.A_log[...], self.dt_bias[...], pool, layer=layer, slot_ids=slots,
-                                         use_qk_l2norm=True)
+            call = GatedDecodeCall(mixed, xr, self.in_proj_a.weight[...], self.in_proj_b.weight[...],
+                                   self.A_log[...], self.dt_bias[...], slots, layer=layer,
+                                   scale=self.cfg.head_k_dim ** -0.5, use_qk_l2norm=True)
+            o, pool = gated_delta_decode(call, pool)
             y = self._out(o, self._z(xr))  # [B, H]
             return (y if rows_are_tokens else y[token_rows(cu, t)]), pool
         mixed, pool = conv_prefill(

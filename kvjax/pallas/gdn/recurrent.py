@@ -320,41 +320,26 @@ def recurrent_gated_delta_rule_slots(
                        num_warps=num_warps, interpret=interpret)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
-    donate_argnames=("ssm",),
-)
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("ssm",))
 def gated_delta_decode_slots(
-    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]  the conv output: q | k | v head-major columns
-    x: jax.Array,  # [B, D]  the layer's (normed) hidden state
-    w_a: jax.Array,  # [Hv, D]  in_proj_a weight (torch layout)
-    w_b: jax.Array,  # [Hv, D]  in_proj_b weight
-    a_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
+    call,  # kvjax.ops.gdn_slots.GatedDecodeCall: qkv [B, 2*Hk*K + Hv*V], x [B, D], w_a / w_b [Hv, D],
+    #        a_log / dt_bias [Hv], slot_ids i32[B] (0 or out of range = padding row); static layer, scale, l2norm
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  GDN pool, donated, updated in place
     *,
-    slot_ids: jax.Array,  # i32[B]  0 (or out of range) = padding row
-    layer: int,
-    scale: float,
-    use_qk_l2norm: bool = False,
     block_v: int | None = None,
     num_warps: int = 4,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V] in qkv's dtype, ssm f32[L, S+1, Hv, K, V])
-    """:func:`recurrent_gated_delta_rule_slots` reading q / k / v from the packed conv output by column and
-    computing Qwen3.5's gates in the kernel from the hidden state (:func:`_gates`): no XLA op between the conv
-    and the kernel, none for the gates. ``Hk`` follows from the widths."""
-    num_tokens, width = qkv.shape
+    """Backend ``"slots"`` of ``gated_delta_decode_pool``: :func:`recurrent_gated_delta_rule_slots` reading
+    q / k / v from the packed conv output by column and computing Qwen3.5's gates in the kernel from the hidden
+    state (:func:`_gates`): no XLA op between the conv and the kernel, none for the gates. ``Hk`` follows from
+    the widths. The op checked the call (``kvjax.ops.gdn_slots.validate_gated_call``)."""
     hv, kd, vd = ssm.shape[2:]
-    hk, rem = divmod(width - hv * vd, 2 * kd)
-    if rem or hk < 1 or hv % hk:
-        raise ValueError(f"qkv has {width} columns: not 2*Hk*{kd} + {hv}*{vd} for an Hk dividing Hv={hv}")
-    if num_tokens != slot_ids.shape[0]:
-        raise ValueError(f"one token per row: qkv has {num_tokens} rows, slot_ids {slot_ids.shape[0]}")
-    return _slots_call(slot_ids, qkv, qkv, qkv, (x, w_a, w_b, a_log, dt_bias), ssm, hk=hk,
-                       offsets=(0, hk * kd, 2 * hk * kd), layer=layer, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                       block_v=block_v, num_warps=num_warps, interpret=interpret)
+    hk = (call.qkv.shape[1] - hv * vd) // (2 * kd)
+    gates = (call.x, call.w_a, call.w_b, call.a_log, call.dt_bias)
+    return _slots_call(call.slot_ids, call.qkv, call.qkv, call.qkv, gates, ssm, hk=hk,
+                       offsets=(0, hk * kd, 2 * hk * kd), layer=call.layer, scale=call.scale,
+                       use_qk_l2norm=call.use_qk_l2norm, block_v=block_v, num_warps=num_warps, interpret=interpret)
 
 
 # ---------------------------------------------------------------------------------------- backend-table entries
@@ -450,35 +435,8 @@ def decode_slots_unsupported(
     return _layer_unsupported(layer)
 
 
-def gated_decode_slots_pallas(
-    qkv: jax.Array,  # [B, 2*Hk*K + Hv*V]
-    x: jax.Array,  # [B, D]
-    w_a: jax.Array,  # [Hv, D]
-    w_b: jax.Array,  # [Hv, D]
-    a_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int,
-    slot_ids: jax.Array,  # i32[B]
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V], new ssm)
-    """Backend ``"slots"`` of ``gated_delta_decode_pool``: :func:`gated_delta_decode_slots`."""
-    return gated_delta_decode_slots(qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids=slot_ids, layer=layer,
-                                    scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
-
-
-def gated_decode_slots_unsupported(qkv, x, w_a, w_b, a_log, dt_bias, ssm, *, layer, slot_ids, scale: float,
-                                   use_qk_l2norm: bool) -> str | None:
-    """Why the slot kernel cannot take a ``gated_delta_decode_pool`` call: it needs a static Python-int layer."""
-    del qkv, x, w_a, w_b, a_log, dt_bias, ssm, slot_ids, scale, use_qk_l2norm
-    return _layer_unsupported(layer)
-
-
 def _layer_unsupported(layer) -> str | None:
-    """Why the slot kernel cannot take ``layer`` (both call forms index the pool by a static Python int)."""
+    """Why the slot kernel cannot take ``layer`` (it indexes the pool by a static Python int)."""
     if isinstance(layer, bool) or not isinstance(layer, int):
         return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
     return None

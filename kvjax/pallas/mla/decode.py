@@ -10,7 +10,7 @@ softmax). It writes the split's normalised f32 output and its log-sum-exp. A seq
 the splits of a short one may be empty (output 0, lse ``-inf``, no NaN). Holes (``-1``) and positions past
 ``seq_lens`` are masked: their bytes are never loaded.
 
-Stage 2 and the host side (head padding, split choice, merge) are :func:`kvjax.pallas.split_kv.split_kv_decode`;
+Stage 2 and the host side (head padding, split choice, merge) are :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`;
 tile defaults are :func:`kvjax.pallas.split_kv.default_tiles`. Its tiles are Triton blocks, powers of two >= 16:
 :func:`unsupported` / :func:`sparse_unsupported` decline other ``R``, ``r`` and page sizes (``impl="auto"`` then
 runs the reference; a named ``impl`` raises with the reason). On a Hopper GPU above 16 heads the backend table
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
-                                   pad_positions, split_kv_decode, tile_reason)
+                                   pad_positions, split_kv_inputs, split_kv_output, tile_reason)
 
 
 def _stage1_kernel(
@@ -163,13 +163,12 @@ def _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk, *, sca
         topk = pad_positions(topk, block_n)
     steps = (topk.shape[1] if topk is not None else block_tables.shape[-1] * page_size) // block_n
 
-    def stage1(q, qr, num_splits, out_dtype):
-        return _stage1_call(q, qr, latent_pages, block_tables[:, 0, :], seq_lens, topk, scale=scale,
-                            num_splits=num_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                            num_stages=num_stages, interpret=interpret, out_dtype=out_dtype)
-
-    return split_kv_decode(stage1, q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h, max_steps=steps,
-                           num_kv_splits=num_kv_splits)
+    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h,
+                                                 max_steps=steps, num_kv_splits=num_kv_splits)
+    o, lse = _stage1_call(q, qr, latent_pages, block_tables[:, 0, :], seq_lens, topk, scale=scale,
+                          num_splits=splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret, out_dtype=stage_dtype)
+    return split_kv_output(o, lse, q_latent)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)

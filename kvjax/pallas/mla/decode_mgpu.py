@@ -25,7 +25,7 @@ Needs a Hopper GPU (or the Mosaic GPU interpreter), ``R = 512``, ``r = 64``, pag
 a bf16 or f16 latent cache (:func:`shape_limits`). :func:`unsupported`, the backend table's check, also declines
 16 heads or fewer, where 48 of the 64 rows of the head tile are padding and the Pallas Triton kernel is faster
 (H100, B=128 L=4096: 0.226 vs 0.216 ms device time; H200: 0.165 vs 0.151 ms; benchmarks/HISTORY.md). The
-host side (head padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_decode`, with one split
+host side (head padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`, with one split
 once the CTAs fill the SMs. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
 blocks those threads in barrier waits: it needs ``NPROC >= 4`` (:func:`kvjax.pallas.mgpu_common.interpret_params`).
 """
@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas.mgpu_common import cast, interpret_params, iota, produce_ring, swizzled
-from kvjax.pallas.split_kv import LN2, LOG2E, split_kv_decode
+from kvjax.pallas.split_kv import LN2, LOG2E, split_kv_inputs, split_kv_output
 
 BLOCK_H = 64  # query heads per CTA (one wgmma M tile)
 BLOCK_N = 64  # latent rows per tile
@@ -337,6 +337,7 @@ def mla_decode_mgpu(
             interpret=interpret_params() if interpret else None,
         )(ql, qr, latent_pages, block_tables.reshape(-1), seq_lens)
 
-    return split_kv_decode(stage1, q_latent, q_rope, dtype=dtype, block_h=BLOCK_H,
+    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=dtype, block_h=BLOCK_H,
                            max_steps=max_blocks * page_size // BLOCK_N, num_kv_splits=num_kv_splits,
                            one_cta_per_sm=True)
+    return split_kv_output(*stage1(q, qr, splits, stage_dtype), q_latent)

@@ -12,7 +12,7 @@ the scales are applied outside the products, so the dequantisation adds no round
   bf16 (as the bf16 kernel does), one ``[block_h, w]`` f32 accumulator per group.
 
 Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). The host side (head
-padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_decode`.
+padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`.
 
 Measured against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` (benchmarks/HISTORY.md,
 "MLA decode and DSA"; B=32, top-k 2048, page 64): at 16 heads it is faster on the H100 (run 13: L=8192 0.204 vs
@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from kvjax.base.device import is_pow2
 from kvjax.pallas.mla.dsa_indexer import decode_e4m3_bits
 from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
-                                   pad_positions, split_kv_decode)
+                                   pad_positions, split_kv_inputs, split_kv_output)
 
 MAX_HEADS = 16  # more heads: not 5% faster than the jnp path (module doc)
 
@@ -218,6 +218,7 @@ def sparse_mla_decode_fp8_pallas(
                                 block_n=block_n, num_warps=num_warps, num_stages=num_stages, out_dtype=out_dtype,
                                 interpret=interpret)
 
-    return split_kv_decode(stage1, q_latent, q_rope, dtype=jnp.bfloat16, block_h=block_h,
+    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=jnp.bfloat16, block_h=block_h,
                            max_steps=topk.shape[1] // block_n, num_kv_splits=num_kv_splits,
                            out_dtype=q_latent.dtype)
+    return split_kv_output(*stage1(q, qr, splits, stage_dtype), q_latent)

@@ -1,0 +1,48 @@
+"""Tiny toy models the tests share: a four-layer Qwen3.5 (GDN + full attention) and a two-layer DeepSeek-V3.2."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.config import AttentionConfig, GDNConfig
+from kvjax.models.common.checkpoint import assign_params
+from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
+from kvjax.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, init_random
+
+VOCAB = 61
+FOUR_LAYERS = ("linear_attention", "full_attention", "linear_attention", "full_attention")
+
+
+def tiny_config(window=(), sinks=(), layer_types=FOUR_LAYERS) -> Qwen3_5Config:
+    """Qwen3.5 with hidden 32, 4 query / 2 KV heads of 16, GDN Hk=2 Hv=4 K=V=8, conv width 4."""
+    return Qwen3_5Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, layer_types=layer_types,
+        attention=AttentionConfig(4, 2, 16, window=window, sinks=sinks),
+        gdn=GDNConfig(2, 4, 8, 8, 4), rope_theta=10000.0, partial_rotary_factor=0.5,
+    )
+
+
+def random_model(config: Qwen3_5Config, seed: int, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
+    """A model whose every parameter (norm scales included) is random, so no term can hide."""
+    model = init_random(config, seed=seed, dtype=dtype)
+    rng = np.random.default_rng(seed)
+    values = {p: 0.3 * rng.standard_normal(v.get_value().shape) for p, v in nnx.to_flat_state(nnx.state(model))}
+    return assign_params(model, values)
+
+
+def tiny_deepseek_config(rope_dim: int = 8) -> DeepseekConfig:
+    """The tiny DeepSeek-V3.2 (MLA + DSA indexer, top-6) the engine tests serve; ``rope_dim=16`` gives shapes the
+    Triton-tiled MLA kernels take (powers of two >= 16)."""
+    return DeepseekConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
+        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=rope_dim, v_head_dim=16,
+        index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
+        rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
+    )
+
+
+def tiny_deepseek(seed: int = 5, rope_dim: int = 8) -> DeepseekV32:
+    """:func:`tiny_deepseek_config` with its constructors' random parameters (float32)."""
+    return nnx.jit(lambda: DeepseekV32(tiny_deepseek_config(rope_dim), rngs=nnx.Rngs(seed)))()
