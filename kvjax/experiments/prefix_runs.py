@@ -307,7 +307,8 @@ def engine_runs(model: Qwen3_5ForCausalLM, setup: PrefixSetup, *, policies=tuple
             row = _row(name, policy, setup, prompts, steps=s["steps"], generated=s["generated_tokens"],
                        served=s["prefix_hit_tokens"], computed=s["prefill_tokens"], preemptions=s["preemptions"],
                        cached_pages_mean=s["cached_pages_mean"], page_util_peak=s["page_util_peak"],
-                       tokens_per_s=s["generated_tokens_per_s"])
+                       tokens_per_s=s["generated_tokens_per_s"], served_host=s["prefix_hit_tokens_host"],
+                       bytes_out=s["host_bytes_out"], bytes_in=s["host_bytes_in"])
             row["outputs"], row["prompts"] = outputs, [p.tolist() for p in prompts]
             rows.append(row)
     for name in setup.workloads:

@@ -156,6 +156,7 @@ class PrefixCache:
         self._pinned: set[int] = set()  # keys of the chain being attached (never deleted or evicted from the host)
         self.hit_tokens_device = 0  # matched tokens attached from device pages only, all attaches
         self.hit_tokens_host = 0  # matched tokens of blocks that needed a load from the host tier
+        self._fresh: dict[int, tuple[int, int]] = {}  # rows attached in this plan -> (device, host) hit tokens
 
     # ---- lookup --------------------------------------------------------------------------------------------
     def match(self, prompt: np.ndarray) -> PrefixMatch:
@@ -246,8 +247,10 @@ class PrefixCache:
             ckpt, loaded = self._load(row, match)
             if ckpt >= 0:
                 self._busy.add(ckpt)
-        self.hit_tokens_host += loaded * self.ps
-        self.hit_tokens_device += match.num_tokens - loaded * self.ps
+        hits = (match.num_tokens - loaded * self.ps, loaded * self.ps)
+        self.hit_tokens_device += hits[0]
+        self.hit_tokens_host += hits[1]
+        self._fresh[row] = hits
         return ckpt
 
     def _load(self, row: int, match: PrefixMatch) -> tuple[int, int]:
@@ -284,6 +287,7 @@ class PrefixCache:
         """A new plan starts (the scheduler calls this first in ``schedule``): checkpoint slots the previous plan
         restores or saves may be evicted again (its copies have been logged before its step)."""
         self._busy.clear()
+        self._fresh.clear()
 
     def next_stop(self, row: int, num_computed: int) -> int | None:
         """The token count where this row's next prefill chunk must end (a checkpoint), or None."""
@@ -334,8 +338,12 @@ class PrefixCache:
         return slot
 
     def release(self, row: int) -> None:
-        """Stop tracking the row (finished, aborted or preempted); call before ``blocks.free_row``."""
+        """Stop tracking the row (finished, aborted or preempted; or not admitted after all, in the plan that
+        attached it: its hits are not counted); call before ``blocks.free_row``."""
         self.rows.pop(row, None)
+        device, host = self._fresh.pop(row, (0, 0))
+        self.hit_tokens_device -= device
+        self.hit_tokens_host -= host
 
     def _fill_holes(self, row: int, e: _Entry) -> None:
         pages = self.blocks.tables[row, :, e.depth]
@@ -406,7 +414,9 @@ class PrefixCache:
 
     def take_copies(self) -> tuple:
         """The host tier's copies logged since the last call (:meth:`HostTier.take`), in order; ``()`` without
-        a host tier. The engine executes them before dispatching the plan just scheduled."""
+        a host tier. The engine executes them before dispatching the plan just scheduled; the plan's cache
+        calls are over (its admissions' hits count from now on, whatever happens to the rows)."""
+        self._fresh.clear()
         return self.host.take() if self.host is not None else ()
 
     # ---- memory --------------------------------------------------------------------------------------------
