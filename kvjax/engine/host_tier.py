@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Sequence
 
 import jax
@@ -77,7 +78,7 @@ def scatter(caches: ModelCaches, pages: dict | None, gdn: dict | None, src: jax.
 @dataclasses.dataclass
 class CopyStats:
     """What a :class:`HostStore` moved (cumulative): bytes each way (padding included), pages and checkpoints
-    each way, copy calls."""
+    each way, copy calls, and ``t_sync``: seconds of copies waited for to the end (:attr:`HostStore.sync`)."""
 
     bytes_out: int = 0
     bytes_in: int = 0
@@ -86,12 +87,14 @@ class CopyStats:
     ckpts_out: int = 0
     ckpts_in: int = 0
     calls: int = 0
+    t_sync: float = 0.0
 
 
 class HostStore:
     """Spilled prefix-cache blocks in ``pinned_host`` memory of ``device`` and the copies between tiers (see the
     module docstring). :meth:`apply` executes a plan's copy log on the caches; :attr:`stats` counts what moved;
-    :attr:`bytes_held` is the host memory the batches hold."""
+    :attr:`bytes_held` is the host memory the batches hold. ``sync = True`` (a measurement, not for serving): each
+    :meth:`apply` first waits for the device, then for its own copies, and adds that time to ``stats.t_sync``."""
 
     def __init__(self, device: jax.Device | None = None) -> None:
         device = device or jax.devices()[0]
@@ -104,6 +107,7 @@ class HostStore:
         self.where: dict[tuple[str, int], tuple[int, int]] = {}  # ("p" | "c", host id) -> (batch id, row)
         self._next = 0
         self.stats = CopyStats()
+        self.sync = False
 
     @property
     def bytes_held(self) -> int:
@@ -112,6 +116,16 @@ class HostStore:
     def apply(self, caches: ModelCaches, ops: Sequence[CopyOp]) -> ModelCaches:
         """Execute ``ops`` (a plan's copy log, in order) and return the caches to dispatch the plan's step with
         (``caches`` is donated when a load writes it; use only the returned ones)."""
+        if self.sync and ops:
+            jax.block_until_ready(caches)
+            t0 = time.perf_counter()
+            caches = self._apply(caches, ops)
+            jax.block_until_ready((caches, list(self.batches.values())))
+            self.stats.t_sync += time.perf_counter() - t0
+            return caches
+        return self._apply(caches, ops)
+
+    def _apply(self, caches: ModelCaches, ops: Sequence[CopyOp]) -> ModelCaches:
         for op in ops:
             if op.kind == "out":
                 self._out(caches, op)
