@@ -263,7 +263,7 @@ def test_advance_has_no_loop():
     import jax.numpy as jnp
 
     from kvjax.engine.burst import advance
-    from kvjax.engine.inputs import StepInputs
+    from kvjax.inputs import StepInputs
 
     B, H, M = 4, 2, 3
     r = np.random.default_rng(0)

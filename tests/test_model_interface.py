@@ -18,7 +18,7 @@ from flax import nnx
 
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
-from kvjax.engine.inputs import StepInputs
+from kvjax.inputs import StepInputs
 from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
 from kvjax.models.deepseek.attention import StepMeta
 from kvjax.models.interface import CausalLM, ModelCaches

@@ -26,7 +26,7 @@ import pytest
 
 from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.engine.engine import Engine
-from kvjax.engine.inputs import StepInputs
+from kvjax.inputs import StepInputs
 from kvjax.errors import InvalidPlanError
 from kvjax.sched.blocks import BlockAllocator
 from test_engine import step_events

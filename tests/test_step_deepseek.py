@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.engine.inputs import StepInputs
+from kvjax.inputs import StepInputs
 from kvjax.engine.step import make_step
 from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
 from kvjax.models.interface import ModelCaches

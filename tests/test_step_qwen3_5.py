@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.engine.inputs import StepInputs
+from kvjax.inputs import StepInputs
 from kvjax.engine.step import make_step
 from kvjax.models.common.checkpoint import assign_params
 from kvjax.errors import InvalidPlanError

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kvjax.config import AttentionConfig, CacheConfig
-from kvjax.engine.inputs import StepInputs, decode_only
+from kvjax.engine.inputs import decode_only
 from kvjax.errors import InvalidPlanError
+from kvjax.inputs import StepInputs
 from kvjax.sched.scheduler import Scheduler
 
 VOCAB = 50

@@ -8,5 +8,5 @@ sizes a cache from the model and a memory budget, ``metrics`` records each step.
 
 from kvjax.engine.outputs import StepOutput, TokenEvent
 from kvjax.engine.engine import Engine
-from kvjax.engine.inputs import StepInputs
 from kvjax.engine.sampling import SamplingParams
+from kvjax.inputs import StepInputs

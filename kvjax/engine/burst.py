@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.base.ragged import token_rows
-from kvjax.engine.inputs import StepInputs
+from kvjax.inputs import StepInputs
 from kvjax.models.interface import ModelCaches
 
 

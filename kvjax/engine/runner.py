@@ -31,11 +31,12 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.engine import sampling
 from kvjax.engine.burst import pad_tokens, run_burst
-from kvjax.engine.inputs import PackLayout, StepInputs, decode_only, pack_plan
+from kvjax.engine.inputs import PackLayout, decode_only, pack_plan
 from kvjax.engine.step import TraceCounter
+from kvjax.inputs import DEVICE_FIELDS, StepInputs
 from kvjax.models.interface import ModelCaches
 from kvjax.models.sharding import DATA, MODEL, ShardedModel, shard_map, shard_model
-from kvjax.sched.plan import DEVICE_FIELDS, StepPlan, pad_plan
+from kvjax.sched.plan import StepPlan, pad_plan
 from kvjax.state import gdn_checkpoints
 
 

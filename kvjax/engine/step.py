@@ -22,7 +22,7 @@ import contextlib
 import jax
 from flax import nnx
 
-from kvjax.engine.inputs import StepInputs
+from kvjax.inputs import StepInputs
 from kvjax.models.interface import ModelCaches
 
 

@@ -4,6 +4,8 @@ Every model family (:mod:`kvjax.models.qwen3_5`, :mod:`kvjax.models.deepseek`) i
 satisfies :class:`CausalLM`; the engine talks to a model only through it (it never names a model class). Both
 families keep their device state in one :class:`ModelCaches` (paged roles by registry name, plus the per-slot
 GDN state pool where the model has recurrent layers), which a jitted step takes donated and returns updated.
+A step's inputs are a :class:`kvjax.inputs.StepInputs`, registered here as a pytree (its arrays are the leaves,
+``decode_only`` is static), so every model and every jitted step sees it as one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from kvjax.config import AttentionConfig
+from kvjax.inputs import DEVICE_FIELDS, StepInputs
 from kvjax.state.gdn_pool import GDNStatePool
+
+
+jax.tree_util.register_dataclass(StepInputs, data_fields=list(DEVICE_FIELDS), meta_fields=["decode_only"])
 
 
 @jax.tree_util.register_dataclass
@@ -62,8 +68,8 @@ class CausalLM(Protocol):
         ``TypeError``."""
         ...
 
-    def forward_step(self, caches: ModelCaches, inputs: Any) -> tuple[jax.Array, ModelCaches]:
-        """One ragged step over ``inputs`` (a :class:`kvjax.engine.inputs.StepInputs`: ``T`` tokens of ``B``
+    def forward_step(self, caches: ModelCaches, inputs: StepInputs) -> tuple[jax.Array, ModelCaches]:
+        """One ragged step over ``inputs`` (:class:`kvjax.inputs.StepInputs`: ``T`` tokens of ``B``
         rows, prefill chunks and decode tokens mixed). Pure: writes this step's tokens into the caches at
         ``slot_mapping`` (and GDN states at ``gdn_slots``; padding writes nothing), attends through
         ``block_tables``, and returns ``(logits f32[B, vocab_size] at logits_indices, new caches)`` with the

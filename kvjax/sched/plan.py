@@ -14,7 +14,7 @@ Every array is built fresh from the requests scheduled this step, so a batch row
 request's slot id or blocks.
 
 Sampling. ``logits_indices[b]`` is the token (index into ``T``) whose logits row ``b`` returns: its last token
-for a real row (always in ``[0, T)``, as :class:`kvjax.engine.inputs.StepInputs` requires) and 0 for padding.
+for a real row (always in ``[0, T)``, as :class:`kvjax.inputs.StepInputs` requires) and 0 for padding.
 ``sample_mask[b]`` is True iff that token is the last known token of the request (end of prefill or a decode),
 i.e. the sampled token is appended; a mid-prefill chunk's logits are discarded.
 
@@ -43,12 +43,9 @@ import dataclasses
 
 import numpy as np
 
+from kvjax.inputs import DEVICE_FIELDS
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.request import RowTable
-
-DEVICE_FIELDS = ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
-                 "block_tables", "slot_mapping", "logits_indices")
-
 
 def pow2_buckets(limit: int, smallest: int) -> tuple[int, ...]:
     """Powers of two from ``smallest`` below ``limit``, then ``limit``."""
@@ -77,7 +74,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """One step's inputs (numpy; field names match ``StepInputs``) plus host bookkeeping."""
+    """One step's inputs (numpy; :meth:`device_arrays` are its :class:`~kvjax.inputs.StepInputs` fields) plus host bookkeeping."""
 
     token_ids: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
@@ -116,7 +113,7 @@ class StepPlan:
         return 1 if self.burst_len is None else max(int(self.burst_len.max()), 1)
 
     def device_arrays(self) -> dict[str, np.ndarray]:
-        """The fields ``StepInputs.from_numpy`` takes."""
+        """The fields of the plan's :class:`~kvjax.inputs.StepInputs` (``StepInputs.from_numpy`` takes them)."""
         return {name: getattr(self, name) for name in DEVICE_FIELDS}
 
 

@@ -118,7 +118,7 @@ class StepMeta:
 
     @classmethod
     def from_inputs(cls, inputs, impl: str = "auto") -> "StepMeta":
-        """From a :class:`kvjax.engine.inputs.StepInputs` (``slot_mapping i32[T, 1]``, one latent head)."""
+        """From a :class:`kvjax.inputs.StepInputs` (``slot_mapping i32[T, 1]``, one latent head)."""
         t = inputs.token_ids.shape[0]
         valid = jnp.arange(t) < inputs.cu_seqlens[-1]
         return cls(

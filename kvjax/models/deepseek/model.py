@@ -29,7 +29,7 @@ tensors of the full-sequence forward: the exact oracle of a step over such cache
 ``init_caches(kind="mla", indexer_fp8=False)`` (f32 indexer keys) reproduces HF's own selection.
 
 **Step** (:meth:`DeepseekV32.forward_step`, driven by :func:`kvjax.engine.step.make_step`): a ragged token-major
-batch (:class:`kvjax.engine.inputs.StepInputs`, condensed once into the typed
+batch (:class:`kvjax.inputs.StepInputs`, condensed once into the typed
 :class:`~kvjax.models.deepseek.attention.StepMeta`) writes each new token's latent row ``[kv_c | k_rope]`` and
 indexer key by ``slot_mapping``, scores the cached indexer keys (:func:`kvjax.ops.dsa.indexer_scores`), takes
 the causal top-k (:func:`kvjax.ops.dsa.index_topk`) and runs every token (prefill chunk or decode) as one
@@ -191,7 +191,7 @@ class DeepseekV32(nnx.Module):
         """One ragged step over the paged caches (pure: returns new caches; jit with caches donated).
 
         ``caches``: from :meth:`init_caches` (``pages``: ``<role>_caches_<layer>``). ``inputs``: a
-        :class:`kvjax.engine.inputs.StepInputs` (reads ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``, ``block_tables i32[B, 1, max_blocks]``,
+        :class:`kvjax.inputs.StepInputs` (reads ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``, ``block_tables i32[B, 1, max_blocks]``,
         ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]`` (``N = B`` in the StepInputs contract; any ``N``
         works); GDN fields are unused). This step's latents and indexer keys are written first; token ``t`` of
         row ``b`` then attends to the positions ``<= positions[t]`` of row ``b`` that its indexer selects

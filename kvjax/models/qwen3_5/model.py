@@ -14,7 +14,7 @@ Computes exactly what Hugging Face ``Qwen3_5ForCausalLM`` computes (transformers
 Two forward paths share the same parameters:
 
 - :meth:`Qwen3_5ForCausalLM.logits` — full sequences ``i32[B, T]``, no cache: the oracle for everything cached;
-- :meth:`Qwen3_5ForCausalLM.forward_step` — one ragged step (:class:`kvjax.engine.inputs.StepInputs`) on the
+- :meth:`Qwen3_5ForCausalLM.forward_step` — one ragged step (:class:`kvjax.inputs.StepInputs`) on the
   caches (:class:`~kvjax.models.interface.ModelCaches`): GDN states by slot id, K/V in head-wise paged pools
   (jitted by :func:`kvjax.engine.step.make_step`).
 
