@@ -1,4 +1,5 @@
-"""Host checks of the engine's request arguments, run before anything is queued; the prefix-caching options.
+"""Host checks of the engine's request arguments, run before anything is queued, and of the settings that depend
+on the model (cache dtype, eos ids, prefix checkpoints, buckets against the cache).
 
 Every function raises ``ValueError`` naming the argument and the bad value, and changes nothing. The engine
 calls them for every request of a ``generate`` / ``stream`` call before it queues the first one, so a bad
@@ -69,34 +70,6 @@ def check_prompt(prompt: Any, vocab_size: int, name: str = "prompt") -> np.ndarr
     return arr.astype(np.int32)
 
 
-MAX_BURST = 64
-AUTO_BURST = 8  # decode sub-steps per dispatch of decode_burst="auto"
-
-
-def check_burst(value: Any) -> int:
-    """``Engine(decode_burst=)``: ``"auto"`` (:data:`AUTO_BURST`) or an int in ``[1, MAX_BURST]`` (1: no bursts)."""
-    if isinstance(value, str) and value == "auto":
-        return AUTO_BURST
-    if not is_int(value) or not 1 <= value <= MAX_BURST:
-        raise ValueError(f"decode_burst must be 'auto' or an int in [1, {MAX_BURST}], got {value!r}")
-    return int(value)
-
-
-def check_flag(name: str, value: Any) -> bool:
-    """``True`` or ``False`` (numpy bools accepted); ``ValueError`` naming ``name`` for anything else (``'no'``,
-    0, None)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def check_max_traces(value: Any) -> int | None:
-    """``None`` or an int >= 1."""
-    if value is not None and (not is_int(value) or not 1 <= value <= INT32_MAX):
-        raise ValueError(f"max_traces must be None or an int in [1, {INT32_MAX}], got {value!r}")
-    return None if value is None else int(value)
-
-
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -152,13 +125,9 @@ def stop_ids(eos: tuple[int, ...], params: Any, vocab_size: int, name: str = "st
 
 def prefix_config(model: CausalLM, on: bool, checkpoints: int | None, recycle: str, max_seqs: int
                    ) -> PrefixCacheConfig | None:
-    """The scheduler's prefix-cache config for ``model`` (None when off); ``ValueError`` for a setting that
-    cannot work."""
-    if not isinstance(on, bool):
-        raise ValueError(f"prefix_caching must be True or False, got {on!r}")
+    """The scheduler's prefix-cache config for ``model`` (None when off; the options were checked by
+    :class:`~kvjax.engine.options.EngineOptions`); ``ValueError`` for checkpoints the model cannot have."""
     if not on:
-        if checkpoints is not None or recycle != "keep_tail":
-            raise ValueError("prefix_checkpoints / prefix_recycle need prefix_caching=True")
         return None
     shapes = jax.eval_shape(lambda: model.init_caches(num_pages=1, page_size=1, max_seqs=1, dtype=jnp.float32))
     gdn = shapes.gdn is not None and shapes.gdn.conv.shape[0] > 0
@@ -172,25 +141,17 @@ def prefix_config(model: CausalLM, on: bool, checkpoints: int | None, recycle: s
     return PrefixCacheConfig(num_checkpoints=checkpoints, gdn=gdn, recycle=recycle)
 
 
-def check_buckets(name: str, values: Sequence[int], last: int, last_name: str) -> tuple[int, ...]:
-    """``values`` as a tuple of ints; ``ValueError`` unless ascending ints >= 1 ending at ``last``."""
-    out = tuple(values)
-    if (not out or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in out)
-            or list(out) != sorted(set(out)) or out[-1] != last):
-        raise ValueError(f"{name} must be ascending ints >= 1 ending at {last_name}={last}, got {out}")
-    return tuple(int(v) for v in out)
-
-
 def set_buckets(schedulers: Sequence, cache_config, max_num_batched_tokens: int, token_buckets=None,
                 row_buckets=None, block_buckets=None) -> None:
-    """Replace the schedulers' bucket sets (``T``, ``B``, block-table width) by the given ones, checked with
-    :func:`check_buckets` against ``max_num_batched_tokens``, ``max_seqs`` and ``max_blocks_per_seq``; ``None``
-    keeps a scheduler's default."""
+    """Replace the schedulers' bucket sets (``T``, ``B``, block-table width) by the given ones (ascending ints,
+    checked by :class:`~kvjax.engine.options.EngineOptions`); ``ValueError`` unless each ends at
+    ``max_num_batched_tokens``, ``max_seqs`` and ``max_blocks_per_seq``. ``None`` keeps a scheduler's default."""
     for name, values, last, last_name, attr in (
             ("token_buckets", token_buckets, max_num_batched_tokens, "max_num_batched_tokens", "t_buckets"),
             ("row_buckets", row_buckets, cache_config.max_seqs, "max_seqs", "b_buckets"),
             ("block_buckets", block_buckets, cache_config.max_blocks_per_seq, "max_blocks_per_seq", "blk_buckets")):
         if values is not None:
-            checked = check_buckets(name, values, last, last_name)
+            if values[-1] != last:
+                raise ValueError(f"{name} must be ascending ints >= 1 ending at {last_name}={last}, got {values}")
             for sched in schedulers:
-                setattr(sched, attr, checked)
+                setattr(sched, attr, values)

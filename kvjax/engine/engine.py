@@ -88,10 +88,11 @@ from flax import nnx
 from jax.profiler import TraceAnnotation
 
 from kvjax.config import CacheConfig, is_int
-from kvjax.engine.args import (check_burst, check_cache_dtype, check_eos, check_flag, check_index, check_max_traces,
-                               check_prompt, check_prompts, prefix_config, set_buckets, stop_ids)
+from kvjax.engine.args import (check_cache_dtype, check_eos, check_index, check_prompt, check_prompts, prefix_config,
+                               set_buckets, stop_ids)
 from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
 from kvjax.engine.inputs import SamplingTable
+from kvjax.engine.options import EngineOptions
 from kvjax.engine.sampling import SamplingParams, call_params
 from kvjax.engine.runner import Runner, engine_model
 from kvjax.engine.metrics import EngineMetrics, StepRecord
@@ -125,94 +126,62 @@ class Engine:
       cache_config: pages, page size, ``max_seqs`` (GDN slots and batch rows), block-table width. ``None``:
         sized from the model and ``memory_fraction`` of the free device memory (a fixed budget on CPU; see
         :mod:`kvjax.engine.sizing`; per device on a mesh); logged, and kept in ``cache_sizing`` / :meth:`describe`.
-      overlap: plan and dispatch step N+1 before reading step N's tokens (default); ``False``: the synchronous
-        engine (each step's tokens are read and applied before the next step is planned; for debugging). Same
-        outputs either way.
-      memory_fraction: share in ``(0, 1]`` of the free device memory the sized cache may take (default 0.9);
-        only without ``cache_config``.
-      recycle: ``"none"`` | ``"timely"`` (or a policy object; see :mod:`kvjax.sched.recycle`).
-      pool: ``"shared"`` | ``"partitioned"``.
-      max_num_batched_tokens: token budget of one step (default ``max(256, max_seqs)``).
-      watermark: fraction of each pool kept free when admitting while others run.
-      cache_dtype: dtype of the K/V (or latent) pages and conv state: float32, bfloat16 or float16 (default: the
-        model's parameter dtype).
-      cache_options: extra keyword arguments of ``model.init_caches`` (e.g. ``{"indexer_fp8": False}``).
-      eos_token_id: the token id, or a sequence of up to 8 ids (Qwen checkpoints list two), that end a request
-        when sampled (the token is delivered); ``None``: every request runs to its ``max_tokens``. Default
-        ``"auto"``: ``model.generation_config.eos_token_ids`` when the model has a ``generation_config``
-        attribute (``load_pretrained`` attaches the checkpoint's ``generation_config.json``), else ``None``. A
-        request's :attr:`SamplingParams.stop_token_ids` end it too. Kept as ``eos_token_ids`` (a tuple).
-      debug: validate every step's inputs on the host before running it (slow).
-      max_traces: ``None`` or an int >= 1: fail (``AssertionError``) if this engine's device step compiles more than
-        this many times.
-      use_decode_path: mark all-decode steps ``decode_only`` (decode kernels; one more trace per bucket).
-      token_buckets, row_buckets, block_buckets: replace the scheduler's default bucket sets (powers of two) for
-        ``T``, ``B`` and the block-table width; ascending, ending at ``max_num_batched_tokens`` / ``max_seqs`` /
-        ``max_blocks_per_seq``. Fewer
-        buckets = fewer compilations, more padding (worth it where compiling is slow, e.g. on CPU).
-      prefix_caching: share cached prompt blocks between requests (see the module docstring; default off).
-      prefix_checkpoints: GDN checkpoint slots (default ``max_seqs`` for a model with GDN layers; must be >= 1
-        there, and 0 / None for a model without); only with ``prefix_caching``.
-      prefix_recycle: what happens to a cached page that SWA recycling frees, ``"keep_tail"`` (keep the window
-        tail of cached prompts, default) or ``"eager"`` (let it go); only with ``prefix_caching``.
       mesh: a ``jax.sharding.Mesh(devices, ("data", "model"))``: the model is split with
         :func:`kvjax.models.sharding.shard_model` and each data shard gets its own scheduler, ``max_seqs`` slots
         and ``num_pages`` pages *per device* (see :mod:`kvjax.engine.runner`). ``model`` may also be a
         :class:`~kvjax.models.sharding.ShardedModel` (e.g. ``load_pretrained(path, mesh=...)``), whose mesh is
         used. Every option works on a mesh.
-      decode_burst: ``"auto"`` (8) or ``K >= 1``: up to ``K`` decode steps per dispatch when every running request
-        decodes and none could be admitted (:mod:`kvjax.engine.burst`): the host's work per token falls by about
-        ``K``; the same tokens (a request that ends inside a burst computes a few sub-steps for nothing; an
-        arrival waits up to ``K`` sub-steps). ``1``: single steps.
       tokenizer: encodes text prompts of :meth:`generate` / :meth:`stream` and decodes :meth:`generate`'s outputs
         of text prompts (``None``: token ids only; ids are always accepted).
+      options: an :class:`~kvjax.engine.options.EngineOptions` (scheduling, recycling, bursts, overlap, prefix
+        caching, cache dtype and sizing share, buckets, debugging); ``**settings``: its fields by name, over
+        ``options`` where both are given (``Engine(model, cache, recycle="timely", decode_burst=1)``). Kept as
+        ``options``.
     """
 
-    def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *, overlap: bool = True,
-                 memory_fraction: float | None = None, recycle: Any = "none", pool: str = "shared",
-                 max_num_batched_tokens: int | None = None, watermark: float = 0.01, cache_dtype: Any = None,
-                 cache_options: dict | None = None, eos_token_id: int | Sequence[int] | str | None = "auto",
-                 debug: bool = False,
-                 max_traces: int | None = None, use_decode_path: bool = True,
-                 token_buckets: Sequence[int] | None = None, row_buckets: Sequence[int] | None = None,
-                 block_buckets: Sequence[int] | None = None, prefix_caching: bool = False,
-                 prefix_checkpoints: int | None = None, prefix_recycle: str = "keep_tail",
-                 mesh: jax.sharding.Mesh | None = None, decode_burst: int | str = "auto",
-                 tokenizer: Any = None) -> None:
+    def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *,
+                 mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None, options: EngineOptions | None = None,
+                 **settings: Any) -> None:
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
         if not isinstance(model, ShardedModel) and (not isinstance(model, CausalLM)
                                                     or not isinstance(model, nnx.Module)):
             raise ValueError(f"model must be an nnx.Module implementing kvjax.models.interface.CausalLM, got "
                              f"{type(model).__name__}")
-        for name, value in (("overlap", overlap), ("debug", debug), ("use_decode_path", use_decode_path)):
-            check_flag(name, value)
-        max_traces = check_max_traces(max_traces)
-        self.decode_burst = check_burst(decode_burst)
+        if options is not None and not isinstance(options, EngineOptions):
+            raise ValueError(f"options must be an EngineOptions or None, got {type(options).__name__}")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(EngineOptions)})
+        if unknown:
+            raise TypeError(f"Engine got unknown settings {unknown}; settings are EngineOptions fields: "
+                            f"{[f.name for f in dataclasses.fields(EngineOptions)]}")
+        o = dataclasses.replace(options or EngineOptions(), **settings)
+        self.options = o
+        self.decode_burst = o.burst
         sharded = engine_model(model, mesh)
         self.model, self.sharded = model, sharded
         self.mesh = None if sharded is None else sharded.mesh
         self.data_shards = 1 if sharded is None else sharded.data_size
         params = nnx.state(model) if sharded is None else sharded.params
-        cache_dtype = check_cache_dtype(cache_dtype, params)
+        cache_dtype = check_cache_dtype(o.cache_dtype, params)
         local = model if sharded is None else sharded.local  # what one device holds
         self.cache_sizing: CacheSizing | None = None
         device = None if sharded is None else sharded.mesh.devices.flat[0]
-        prefix = prefix_config(model, prefix_caching, prefix_checkpoints, prefix_recycle,
+        prefix = prefix_config(model, o.prefix_caching, o.prefix_checkpoints, o.prefix_recycle,
                                 cache_config.max_seqs if cache_config is not None else default_max_seqs(device))
         num_ckpts = prefix.num_checkpoints if prefix is not None else 0
         if cache_config is None:
-            self.cache_sizing = size_cache(local, dtype=cache_dtype, memory_fraction=memory_fraction,
-                                           cache_options=cache_options, num_checkpoints=num_ckpts, device=device)
+            self.cache_sizing = size_cache(local, dtype=cache_dtype, memory_fraction=o.memory_fraction,
+                                           cache_options=o.cache_options, num_checkpoints=num_ckpts, device=device)
             cache_config = self.cache_sizing.cache_config
             logger.info("kvjax engine: %s", self.cache_sizing.describe())
         else:
-            if memory_fraction is not None:
-                raise ValueError(f"memory_fraction={memory_fraction!r} sizes the cache only without a cache_config; "
+            if o.memory_fraction is not None:
+                raise ValueError(f"memory_fraction={o.memory_fraction!r} sizes the cache only without a cache_config; "
                                  "got both")
-            check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_options, device)
+            check_cache_fits(local, cache_config, num_ckpts, cache_dtype, o.cache_options, device)
         self.cache_config = cache_config
-        self.overlap = overlap
+        self.overlap = o.overlap
+        eos_token_id = o.eos_token_id
         if isinstance(eos_token_id, str) and eos_token_id == "auto":
             generation = getattr(model, "generation_config", None)
             eos_token_id = None if generation is None else generation.eos_token_ids
@@ -224,27 +193,29 @@ class Engine:
         self.eos_token_ids = check_eos(eos_token_id, int(model.vocab_size))  # tuple[int, ...]: end every request
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first (None: none)
         self.attention = (model if sharded is None else sharded).attention_layout()  # on a mesh: the placed heads
+        max_num_batched_tokens = o.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(256, cache_config.max_seqs)
         page_shards = sharded.model_size if sharded is not None and sharded.plan.pages_over_model else 1
         self.schedulers = [Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
-                                     pool=pool, recycle=recycle, watermark=watermark, prefix_cache=prefix,
+                                     pool=o.pool, recycle=o.recycle, watermark=o.watermark, prefix_cache=prefix,
                                      page_shards=page_shards) for _ in range(self.data_shards)]
         self.scheduler = self.schedulers[0]  # the scheduler (of data shard 0 on a mesh); a new object after a fault
         self.prefix_caching = prefix is not None
-        set_buckets(self.schedulers, cache_config, max_num_batched_tokens, token_buckets, row_buckets, block_buckets)
+        set_buckets(self.schedulers, cache_config, max_num_batched_tokens, o.token_buckets, o.row_buckets,
+                    o.block_buckets)
         if sharded is not None and page_shards > 1:  # the allocator's pools are the devices' pools
             owners = [sharded.head_owner(h) for h in range(self.attention.num_kv_heads)]
             assert (self.scheduler.blocks.page_base == np.asarray(owners) * cache_config.num_pages).all()
         self._next_id = 0  # request ids over all data shards
-        self.recycle = recycle if isinstance(recycle, str) else type(recycle).__name__
-        self.pool = pool
-        self.debug = debug
-        self.use_decode_path = use_decode_path
+        self.recycle = o.recycle if isinstance(o.recycle, str) else type(o.recycle).__name__
+        self.pool = o.pool
+        self.debug = o.debug
+        self.use_decode_path = o.use_decode_path
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
-                                max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(cache_options or {}))
+                                max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(o.cache_options or {}))
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
-                             max_traces=max_traces)
+                             max_traces=o.max_traces)
         self.caches = self._init_caches()
         self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
