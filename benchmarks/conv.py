@@ -1,4 +1,4 @@
-"""Causal conv1d benchmark cases on the GDN conv pool (``kvjax.state.gdn_ops.conv_decode`` / ``conv_prefill``).
+"""Causal conv1d benchmark cases on the GDN conv pool (``kvjax.state.gdn_pool.conv_decode`` / ``conv_prefill``).
 
 Usage: ``python benchmarks/runner.py conv`` (GPU). The anchor is the fused XLA path (``impl="reference"``:
 gather by slot, the ``kvjax.ops.conv`` reference, scatter), timed beside the Pallas kernels (``impl="pallas"``).
@@ -43,7 +43,7 @@ def _decode_setup(b: int, dim: int) -> Setup:
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.state import gdn_ops
+    from kvjax.state import gdn_pool
 
     pool0 = _pool(ROTATE, b + 9, dim)
     w = jax.random.normal(jax.random.key(2), (dim, W), jnp.float32) * 0.5  # f32[D, W]
@@ -52,7 +52,7 @@ def _decode_setup(b: int, dim: int) -> Setup:
     layers = [jnp.asarray(i, jnp.int32) for i in range(ROTATE)]
 
     def run(impl: str):
-        step = jax.jit(lambda x, pool, layer: gdn_ops.conv_decode(x, w, None, pool, layer=layer, slot_ids=slots,
+        step = jax.jit(lambda x, pool, layer: gdn_pool.conv_decode(x, w, None, pool, layer=layer, slot_ids=slots,
                                                                  impl=impl), donate_argnums=1)
         state = {"i": 0}
 
@@ -72,7 +72,7 @@ def _prefill_setup(lens: tuple[int, ...], dim: int) -> Setup:
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.state import gdn_ops
+    from kvjax.state import gdn_pool
 
     n, t = len(lens), sum(lens)
     pool0 = _pool(2, n + 9, dim)
@@ -84,7 +84,7 @@ def _prefill_setup(lens: tuple[int, ...], dim: int) -> Setup:
               cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32))
 
     def run(impl: str):
-        step = jax.jit(lambda pool: gdn_ops.conv_prefill(x, w, None, pool, impl=impl, **kw), donate_argnums=0)
+        step = jax.jit(lambda pool: gdn_pool.conv_prefill(x, w, None, pool, impl=impl, **kw), donate_argnums=0)
         state = {}
 
         def call():
@@ -101,10 +101,10 @@ def cases(small: bool = False) -> list[Case]:
     decode = [(4, 64)] if small else DECODE
     prefill = [((5, 70), 64)] if small else PREFILL
     impls = ("pallas", "reference")
-    out = [Case(f"conv decode B={b} D={d}", "kvjax.state.gdn_ops.conv_decode", dict(B=b, D=d, W=W), impls,
+    out = [Case(f"conv decode B={b} D={d}", "kvjax.state.gdn_pool.conv_decode", dict(B=b, D=d, W=W), impls,
                 functools.partial(_decode_setup, b, d), anchor="reference",
                 bytes=2 * b * d * (W - 1) * 2 + 2 * b * d * 2, tol=(1e-2, 0.0)) for b, d in decode]
-    out += [Case(f"conv prefill N={len(lens)} T={sum(lens)} D={d}", "kvjax.state.gdn_ops.conv_prefill",
+    out += [Case(f"conv prefill N={len(lens)} T={sum(lens)} D={d}", "kvjax.state.gdn_pool.conv_prefill",
                  dict(lens=list(lens), D=d, W=W), impls, functools.partial(_prefill_setup, lens, d),
                  anchor="reference", bytes=2 * sum(lens) * d * 2 + len(lens) * d * (W - 1) * 2 * 2,
                  tol=(1e-2, 0.0)) for lens, d in prefill]

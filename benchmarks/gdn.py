@@ -1,4 +1,4 @@
-"""GDN benchmark cases: decode and chunked prefill on the slot pool (``kvjax.state.gdn_ops``) vs fla.
+"""GDN benchmark cases: decode and chunked prefill on the slot pool (``kvjax.state.gdn_pool``) vs fla.
 
 Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (the torch half,
 ``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below).
@@ -60,14 +60,14 @@ def _decode_setup(b: int, h: int, kd: int, padding: bool) -> Setup:
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax.state import gdn_ops
+    from kvjax.state import gdn_pool
 
     num_slots = b + 8
     slots = np.random.default_rng(0).permutation(np.arange(1, num_slots + 1))[:b].astype(np.int32)
     if padding:  # every other row is padding (slot 0): its state traffic must vanish
         slots[1::2] = 0
     ssm0 = jax.random.normal(jax.random.key(1), (1, num_slots + 1, h, kd, kd), jnp.float32).at[:, 0].set(0)
-    return _pool_setup(gdn_ops.gdn_decode, _inputs(b, h, kd, b + h), ssm0, layer=0, slot_ids=jnp.asarray(slots),
+    return _pool_setup(gdn_pool.gdn_decode, _inputs(b, h, kd, b + h), ssm0, layer=0, slot_ids=jnp.asarray(slots),
                        use_qk_l2norm=True)
 
 
@@ -75,10 +75,10 @@ def _prefill_setup(b: int, t: int, h: int, kd: int) -> Setup:
     import jax
     import jax.numpy as jnp
 
-    from kvjax.state import gdn_ops
+    from kvjax.state import gdn_pool
 
     ssm0 = jax.random.normal(jax.random.key(2), (1, b + 2, h, kd, kd), jnp.float32).at[:, 0].set(0)
-    return _pool_setup(gdn_ops.gdn_prefill, _inputs(b * t, h, kd, t + h), ssm0, layer=0,
+    return _pool_setup(gdn_pool.gdn_prefill, _inputs(b * t, h, kd, t + h), ssm0, layer=0,
                        slot_ids=jnp.arange(2, b + 2, dtype=jnp.int32), has_initial_state=jnp.ones((b,), bool),
                        cu_seqlens=jnp.arange(b + 1, dtype=jnp.int32) * t, use_qk_l2norm=True)
 
@@ -100,14 +100,14 @@ def cases(small: bool = False) -> list[Case]:
         for padding in (False, True):
             live = b - b // 2 if padding else b
             out.append(Case(
-                f"gdn decode B={b} H={h}" + (" half padding" if padding else ""), "kvjax.state.gdn_ops.gdn_decode",
+                f"gdn decode B={b} H={h}" + (" half padding" if padding else ""), "kvjax.state.gdn_pool.gdn_decode",
                 dict(B=b, H=h, K=kd, V=kd, padding_rows=b - live), ("pallas", "auto"),
                 functools.partial(_decode_setup, b, h, kd, padding), anchor=None if padding else "torch:fla",
                 bytes=2 * live * h * kd * kd * 4, tol=(2e-2, 1e-4)))
     for b, t, h in prefill:
         io = 4 * b * t * h * kd * 2 + 2 * b * h * kd * kd * 4
         out.append(Case(
-            f"gdn prefill B={b} T={t} H={h}", "kvjax.state.gdn_ops.gdn_prefill", dict(B=b, T=t, H=h, K=kd, V=kd),
+            f"gdn prefill B={b} T={t} H={h}", "kvjax.state.gdn_pool.gdn_prefill", dict(B=b, T=t, H=h, K=kd, V=kd),
             ("pallas", "auto"), functools.partial(_prefill_setup, b, t, h, kd), anchor="torch:fla", bytes=io,
             flops=prefill_flops(b, t, h, kd, kd), tol=(2e-2, 2e-2)))
     return out

@@ -49,7 +49,7 @@ def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
             assert max(r["err"]) <= 1e-5, (r["case"], r["err"])
             assert r["rounds"] and (r["bytes"] == 0 or (r["gbps"] > 0 and r["copy_gbps"] > 0 and r["vs_copy"] > 0))
     ops = {r["op"] for r in rows}
-    assert {"kvjax.state.gdn_ops.gdn_decode", "kvjax.state.gdn_ops.conv_decode", "kvjax.ops.paged_attention",
+    assert {"kvjax.state.gdn_pool.gdn_decode", "kvjax.state.gdn_pool.conv_decode", "kvjax.ops.paged_attention",
             "kvjax.ops.mla_decode", "kvjax.ops.mlp.swiglu"} <= ops
     conv = [r for r in rows if r["subject"] == "conv"]
     assert all(r["anchor"] == "reference" and r["vs_anchor"] == pytest.approx(1.0) for r in conv)

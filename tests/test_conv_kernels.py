@@ -19,7 +19,7 @@ import pytest
 from kvjax.errors import UnknownImplError
 from kvjax.ops import conv
 from kvjax.pallas.gdn.conv import conv_prefill_slots, conv_update_slots
-from kvjax.state import gdn_ops as gdn_state
+from kvjax.state import gdn_pool
 from kvjax.state.gdn_pool import GDNStatePool
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
@@ -97,7 +97,7 @@ def run_prefill(rng, lens, *, dim, width, dtype, state_dtype, activation, with_b
     if tuning:
         y, new = conv_prefill_slots(x, w, b, jnp.array(pool.conv), interpret=impl == "interpret", **args, **tuning)
     else:
-        y, out = gdn_state.conv_prefill(x, w, b, pool, impl=impl, **args)
+        y, out = gdn_pool.conv_prefill(x, w, b, pool, impl=impl, **args)
         new = out.conv
     assert rel_err(y, ry) <= TOL[dtype]
     yn = np.asarray(y, np.float32)
@@ -126,7 +126,7 @@ def run_decode(rng, batch, *, dim, width, dtype, state_dtype, activation, with_b
                                    activation=activation, interpret=impl == "interpret", **tuning)
     else:
         ssm0 = np.asarray(pool.ssm)
-        y, out = gdn_state.conv_decode(x, w, b, pool, layer=layer, slot_ids=jnp.asarray(slots), activation=activation,
+        y, out = gdn_pool.conv_decode(x, w, b, pool, layer=layer, slot_ids=jnp.asarray(slots), activation=activation,
                                        impl=impl)
         new = out.conv
         np.testing.assert_array_equal(np.asarray(out.ssm), ssm0)  # the pool (ssm too) is donated
@@ -196,12 +196,12 @@ def test_impl_names():
     x, w = jnp.ones((2, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.float32)
     slots = np.array([1, 2], np.int32)
     with pytest.raises(UnknownImplError):
-        gdn_state.conv_decode(x, w, None, pool, layer=0, slot_ids=slots, impl="nope")
+        gdn_pool.conv_decode(x, w, None, pool, layer=0, slot_ids=slots, impl="nope")
     with pytest.raises(UnknownImplError):
-        gdn_state.conv_prefill(x, w, None, pool, layer=0, slot_ids=slots, has_initial_state=np.ones(2, bool),
+        gdn_pool.conv_prefill(x, w, None, pool, layer=0, slot_ids=slots, has_initial_state=np.ones(2, bool),
                                cu_seqlens=np.array([0, 1, 2], np.int32), impl="triton")
     with pytest.raises(ValueError, match="impl"):
-        gdn_state.conv_decode(x, w, None, pool, layer=0, slot_ids=slots, impl=None)
+        gdn_pool.conv_decode(x, w, None, pool, layer=0, slot_ids=slots, impl=None)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -235,8 +235,8 @@ def test_conv_in_place_gpu(rng):
     cu = jnp.arange(0, 321, 10, dtype=jnp.int32)
     has_init = jnp.ones((32,), jnp.bool_)
     steps = {
-        "decode": lambda p: gdn_state.conv_decode(xd, w, None, p, layer=1, slot_ids=slots, impl="pallas"),
-        "prefill": lambda p: gdn_state.conv_prefill(xp, w, None, p, layer=1, slot_ids=slots,
+        "decode": lambda p: gdn_pool.conv_decode(xd, w, None, p, layer=1, slot_ids=slots, impl="pallas"),
+        "prefill": lambda p: gdn_pool.conv_prefill(xp, w, None, p, layer=1, slot_ids=slots,
                                                     has_initial_state=has_init, cu_seqlens=cu, impl="pallas"),
     }
     for name, fn in steps.items():

@@ -1,11 +1,11 @@
-"""Qwen3.5's fused GDN decode step (:func:`kvjax.ops.gdn_slots.gated_delta_decode_pool` of a
-:class:`~kvjax.ops.gdn_slots.GatedDecodeCall`): the slot kernel reading
+"""Qwen3.5's fused GDN decode step (:func:`kvjax.ops.gdn_on_pool.gated_delta_decode_pool` of a
+:class:`~kvjax.ops.gdn_on_pool.GatedDecodeCall`): the slot kernel reading
 q / k / v from the packed conv output by column and projecting and computing the gates from the hidden state.
 
 Reference: numpy gates (``a = x @ w_a.T``, ``b = x @ w_b.T`` rounded to the activations' dtype, ``g = -exp(A_log) *
 log(1 + exp(a + dt_bias))``, ``beta = sigmoid(b)`` rounded to that dtype, as the unfused model path does), the
 columns split by hand, then the pool oracle
-:func:`kvjax.ops.gdn_slots.gdn_decode_pool_reference`. Tolerances: relative L2 error <= 2e-2 for bfloat16
+:func:`kvjax.ops.gdn_on_pool.gdn_decode_pool_reference`. Tolerances: relative L2 error <= 2e-2 for bfloat16
 outputs, <= 1e-4 for float32 ones and <= 1e-5 for the float32 states.
 """
 
@@ -17,8 +17,8 @@ import pytest
 
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
-from kvjax.ops import gdn_slots
-from kvjax.state import gdn_ops
+from kvjax.ops import gdn_on_pool
+from kvjax.state import gdn_pool
 from kvjax.state.gdn_pool import GDNStatePool
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -54,7 +54,7 @@ def reference(qkv, x, w_a, w_b, a_log, dt_bias, ssm, *, hk, layer, slot_ids, sca
     beta = jnp.asarray(1.0 / (1.0 + np.exp(-b)), jnp.float32).astype(qkv.dtype)
     cols = np.split(np.arange(qkv.shape[1]), [hk * kd, 2 * hk * kd])
     q, k, v = (jnp.asarray(np.asarray(qkv)[:, c]).reshape(rows, -1, d) for c, d in zip(cols, (kd, kd, vd)))
-    return gdn_slots.gdn_decode_pool_reference(q, k, v, jnp.asarray(g, jnp.float32), beta, ssm, layer=layer,
+    return gdn_on_pool.gdn_decode_pool_reference(q, k, v, jnp.asarray(g, jnp.float32), beta, ssm, layer=layer,
                                                slot_ids=jnp.asarray(slot_ids), has_initial_state=None,
                                                cu_seqlens=None, scale=scale, use_qk_l2norm=True)
 
@@ -65,9 +65,9 @@ def check(rng, impl, *, rows, hk, hv, kd, vd, dtype, num_slots, hidden=32):
     slots[::4] = 0
     slots[1] = num_slots + 1  # out of range: padding too
     scale = kd ** -0.5
-    call = gdn_slots.GatedDecodeCall(*args, jnp.asarray(slots),  # a device array: ids not checked
+    call = gdn_on_pool.GatedDecodeCall(*args, jnp.asarray(slots),  # a device array: ids not checked
                                      layer=1, scale=scale, use_qk_l2norm=True)
-    o, new = gdn_slots.gated_delta_decode_pool(call, jnp.array(ssm, copy=True), impl=impl)
+    o, new = gdn_on_pool.gated_delta_decode_pool(call, jnp.array(ssm, copy=True), impl=impl)
     ro, rssm = reference(*args, ssm, hk=hk, layer=1, slot_ids=slots, scale=scale)
     assert o.shape == (rows, hv, vd) and o.dtype == dtype and new.dtype == jnp.float32
     assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)
@@ -98,13 +98,13 @@ def test_pool_op_equals_the_unfused_decode(rng):
     args, ssm = make_call(rng, 6, 2, 4, 16, 16, jnp.float32, 8)
     conv = jnp.asarray(rng.standard_normal((2, 9, 96, 3)), jnp.float32)
     slots = np.array([3, 1, 0, 8, 5, 2], np.int32)
-    call = gdn_slots.GatedDecodeCall(*args, slots, layer=0, scale=16 ** -0.5, use_qk_l2norm=True)
-    o, pool = gdn_ops.gated_delta_decode(call, GDNStatePool(conv=conv, ssm=jnp.array(ssm, copy=True)),
+    call = gdn_on_pool.GatedDecodeCall(*args, slots, layer=0, scale=16 ** -0.5, use_qk_l2norm=True)
+    o, pool = gdn_pool.gated_delta_decode(call, GDNStatePool(conv=conv, ssm=jnp.array(ssm, copy=True)),
                                          impl="slots:interpret")
     qkv, x, w_a, w_b, a_log, dt_bias = args
-    q, k, v = gdn_slots.split_packed(qkv, 4, 16, 16)
-    g, beta = gdn_slots.qwen_gates(x @ w_a.T, x @ w_b.T, a_log, dt_bias, jnp.float32)
-    ro, rpool = gdn_ops.gdn_decode(q, k, v, g, beta, GDNStatePool(conv=conv, ssm=jnp.array(ssm, copy=True)),
+    q, k, v = gdn_on_pool.split_packed(qkv, 4, 16, 16)
+    g, beta = gdn_on_pool.qwen_gates(x @ w_a.T, x @ w_b.T, a_log, dt_bias, jnp.float32)
+    ro, rpool = gdn_pool.gdn_decode(q, k, v, g, beta, GDNStatePool(conv=conv, ssm=jnp.array(ssm, copy=True)),
                                    layer=0, slot_ids=slots, use_qk_l2norm=True, impl="reference")
     assert rel_err(o, ro) <= 1e-5 and rel_err(pool.ssm, rpool.ssm) <= 1e-6
     np.testing.assert_array_equal(np.asarray(pool.conv), np.asarray(conv))
@@ -115,8 +115,8 @@ def test_bad_calls_name_the_argument(rng):
     qkv, x, w_a, w_b, a_log, dt_bias = args
     slots = np.array([1, 2, 0, 3], np.int32)
     def call(*xs, layer=0, impl="auto"):
-        return gdn_slots.gated_delta_decode_pool(
-            gdn_slots.GatedDecodeCall(*xs, slots, layer=layer, scale=0.25, use_qk_l2norm=True), ssm, impl)
+        return gdn_on_pool.gated_delta_decode_pool(
+            gdn_on_pool.GatedDecodeCall(*xs, slots, layer=layer, scale=0.25, use_qk_l2norm=True), ssm, impl)
 
     with pytest.raises(ValueError, match="qkv has 127 columns"):
         call(qkv[:, :127], x, w_a, w_b, a_log, dt_bias)
@@ -133,18 +133,18 @@ def test_bad_calls_name_the_argument(rng):
     with pytest.raises(UnknownImplError, match="no implementation 'fast'"):
         call(*args, impl="fast")
     with pytest.raises(ValueError, match="layer must be a Python int"):
-        gdn_slots.GatedDecodeCall(*args, slots, layer=jnp.int32(0), scale=0.25)
+        gdn_on_pool.GatedDecodeCall(*args, slots, layer=jnp.int32(0), scale=0.25)
     with pytest.raises(ValueError, match="scale must be a positive"):
-        gdn_slots.GatedDecodeCall(*args, slots, layer=0, scale=None)
+        gdn_on_pool.GatedDecodeCall(*args, slots, layer=0, scale=None)
     pool = GDNStatePool(conv=jnp.zeros((2, 7, 96, 3)), ssm=ssm)
     with pytest.raises(ValueError, match="w_a"):
-        gdn_ops.gated_delta_decode(gdn_slots.GatedDecodeCall(qkv, x, w_a[:3], w_b, a_log, dt_bias, slots, layer=0,
+        gdn_pool.gated_delta_decode(gdn_on_pool.GatedDecodeCall(qkv, x, w_a[:3], w_b, a_log, dt_bias, slots, layer=0,
                                                              scale=0.25), pool, impl="slots:interpret")
     assert not pool.ssm.is_deleted()  # nothing donated on a bad call
 
 
 def test_table_chooses_as_documented():
-    table = gdn_slots.GATED_DECODE_TABLE
+    table = gdn_on_pool.GATED_DECODE_TABLE
     for name, make in table.examples.items():
         args, kwargs = make()
         assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "slots", name

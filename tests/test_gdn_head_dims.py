@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_gdn_kernels import GPU_LENS, TOL, check_pool_op, check_public_kernel, make_inputs, make_pool, rel_err
 
-from kvjax.ops import gdn, gdn_slots
-from kvjax.state import gdn_ops as gdn_state
+from kvjax.ops import gdn, gdn_on_pool
+from kvjax.state import gdn_pool
 
 ODD_DIMS = [(96, 80), (80, 192), (192, 96)]
 
@@ -43,7 +43,7 @@ def test_pool_ops_any_head_dim_interpret(rng, op, one_token, impl):
     layer untouched (a store past K or V would land in the next head's or slot's state)."""
     lens = [1] * 5 if one_token else ([2, 1, 0, 3, 1] if op == "decode" else [5, 0, 66, 3, 1])
     has_init = None if one_token else [True, True, False, True, True]
-    fn = gdn_state.gdn_decode if op == "decode" else gdn_state.gdn_prefill
+    fn = gdn_pool.gdn_decode if op == "decode" else gdn_pool.gdn_prefill
     check_pool_op(rng, fn, lens, [4, 0, 2, 6, 1], has_init, hk=1, hv=2, kd=96, vd=80, dtype=jnp.float32,
                   impl=impl, num_slots=7, one_token=one_token)
 
@@ -65,7 +65,7 @@ def test_slot_and_recurrent_kernels_value_blocks_overrunning_v_interpret(rng):
     slots = jnp.asarray([3, 0, 1, 5], jnp.int32)
     o, new = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(ssm, copy=True), slot_ids=slots, layer=1,
                                               scale=0.3, use_qk_l2norm=True, block_v=64, interpret=True)
-    ro, rnew = gdn_slots.gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=1, slot_ids=slots,
+    ro, rnew = gdn_on_pool.gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=1, slot_ids=slots,
                                                    has_initial_state=None, cu_seqlens=None, scale=0.3,
                                                    use_qk_l2norm=True)
     assert rel_err(o, ro) <= 1e-5
@@ -83,9 +83,9 @@ def test_kernels_any_head_dim_gpu(rng, kind, dtype, kd, vd):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,lens,one_token,impl", [(gdn_state.gdn_decode, [1] * 16, True, "slots"),
-                                                   (gdn_state.gdn_decode, [1, 3, 0, 2] * 4, False, "pallas"),
-                                                   (gdn_state.gdn_prefill, GPU_LENS, False, "pallas")])
+@pytest.mark.parametrize("op,lens,one_token,impl", [(gdn_pool.gdn_decode, [1] * 16, True, "slots"),
+                                                   (gdn_pool.gdn_decode, [1, 3, 0, 2] * 4, False, "pallas"),
+                                                   (gdn_pool.gdn_prefill, GPU_LENS, False, "pallas")])
 @pytest.mark.parametrize("kd,vd", ODD_DIMS)
 def test_pool_ops_any_head_dim_gpu(rng, op, lens, one_token, impl, kd, vd):
     n = len(lens)

@@ -15,10 +15,10 @@ import torch
 
 from kvjax.base.device import NAMED
 from kvjax.errors import InvalidPlanError, UnknownImplError
-from kvjax.ops import conv, gdn, gdn_slots
+from kvjax.ops import conv, gdn, gdn_on_pool
 from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pallas
 from kvjax.pallas.gdn.recurrent import recurrent_gated_delta_rule_pallas
-from kvjax.state import gdn_ops as gdn_state
+from kvjax.state import gdn_pool
 from kvjax.state.gdn_pool import GDNStatePool
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -174,7 +174,7 @@ def test_decode_slots_kernel_interpret(rng):
     o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True),
                                               slot_ids=jnp.asarray(slots), layer=1, scale=0.3, use_qk_l2norm=True,
                                               block_v=16, interpret=True)
-    ro, rssm = gdn_slots.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, layer=1, slot_ids=jnp.asarray(slots),
+    ro, rssm = gdn_on_pool.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, layer=1, slot_ids=jnp.asarray(slots),
                                                    has_initial_state=None, cu_seqlens=None, scale=0.3,
                                                    use_qk_l2norm=True)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(ssm, rssm) <= 1e-5
@@ -238,13 +238,13 @@ def check_pool_op(rng, op, lens, slots, has_init, *, hk, hv, kd, vd, dtype, impl
 def test_decode_pool_interpret(rng, one_token, impl):
     lens = [1, 1, 1, 1, 1] if one_token else [2, 1, 0, 3, 1]
     has_init = None if one_token else [True, True, False, True, True]  # None: the slot kernel can take it
-    check_pool_op(rng, gdn_state.gdn_decode, lens, [4, 0, 2, 6, 1], has_init,
+    check_pool_op(rng, gdn_pool.gdn_decode, lens, [4, 0, 2, 6, 1], has_init,
                   hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl=impl, num_slots=7, one_token=one_token)
 
 
 def test_prefill_pool_interpret(rng):
     # bf16 inputs: the Pallas preparation kernel's bf16 inverse products (the default) are covered here
-    check_pool_op(rng, gdn_state.gdn_prefill, [5, 0, 66, 3], [2, 0, 3, 1], [True, False, False, True],
+    check_pool_op(rng, gdn_pool.gdn_prefill, [5, 0, 66, 3], [2, 0, 3, 1], [True, False, False, True],
                   hk=1, hv=2, kd=16, vd=16, dtype=jnp.bfloat16, impl="interpret", num_slots=4, static_layer=False)
 
 
@@ -253,9 +253,9 @@ def test_pool_ops_accept_the_bare_ssm_array(rng):
     q, k, v, g, beta, cu, _ = make_inputs(rng, [1, 1, 1], 1, 2, 16, 16, jnp.float32)
     pool = make_pool(rng, 1, 4, 2, 16, 16)
     slots = np.array([3, 0, 1], np.int32)
-    o, ssm = gdn_state.gdn_decode(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), layer=0, slot_ids=slots,
+    o, ssm = gdn_pool.gdn_decode(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), layer=0, slot_ids=slots,
                                   impl="interpret")
-    ro, rpool = gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=slots, impl="reference")
+    ro, rpool = gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=slots, impl="reference")
     assert isinstance(ssm, jax.Array) and ssm.shape == rpool.ssm.shape
     assert rel_err(o, ro) <= 1e-4 and rel_err(ssm, rpool.ssm) <= 1e-4
 
@@ -275,10 +275,10 @@ def test_pool_ops_device_ids_out_of_range_never_write_or_wrap(rng, impl):
     bad = np.array([True, False, True, True])
     cu, has_init = jnp.arange(5, dtype=jnp.int32), jnp.ones(4, jnp.bool_)
     q, k, v, g, beta, _, _ = make_inputs(rng, [1, 1, 1, 1], 1, 2, 16, 16, jnp.float32)
-    ops = {"gdn_decode": lambda pool: gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=layer, slot_ids=slots,
+    ops = {"gdn_decode": lambda pool: gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=layer, slot_ids=slots,
                                                            impl=impl)}
     if impl == "reference":  # the chunked Pallas kernels in interpret mode are slow; decode covers the kernel side
-        ops["gdn_prefill"] = lambda pool: gdn_state.gdn_prefill(q, k, v, g, beta, pool, layer=layer, slot_ids=slots,
+        ops["gdn_prefill"] = lambda pool: gdn_pool.gdn_prefill(q, k, v, g, beta, pool, layer=layer, slot_ids=slots,
                                                                 has_initial_state=has_init, cu_seqlens=cu)
     for name, op in ops.items():
         pool = make_pool(rng, 2, num_slots, 2, 16, 16)
@@ -291,9 +291,9 @@ def test_pool_ops_device_ids_out_of_range_never_write_or_wrap(rng, impl):
         conv0 = np.asarray(pool.conv, np.float32)
         weight = jnp.asarray(rng.standard_normal((24, 4)), jnp.float32)
         x = jnp.asarray(rng.standard_normal((4, 24)), jnp.bfloat16)
-        _, pool = gdn_state.conv_prefill(x, weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,
+        _, pool = gdn_pool.conv_prefill(x, weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,
                                          cu_seqlens=cu)
-        _, pool = gdn_state.conv_decode(x, weight, None, pool, layer=layer, slot_ids=slots)
+        _, pool = gdn_pool.conv_decode(x, weight, None, pool, layer=layer, slot_ids=slots)
         assert_only_slot_written(np.asarray(pool.conv, np.float32), conv0, layer, 2, "conv")
 
 
@@ -309,7 +309,7 @@ def test_conv_pool_ops(rng):
     init = np.where((has_init & (slots > 0))[:, None, None], conv0[1, slots], 0.0)
     ry, rfinal = conv.causal_conv1d(x, weight, bias, cu_seqlens=jnp.asarray(cu), initial_state=jnp.asarray(init),
                                     impl="reference")
-    y, pool = gdn_state.conv_prefill(x, weight, bias, pool, layer=1, slot_ids=slots, has_initial_state=has_init,
+    y, pool = gdn_pool.conv_prefill(x, weight, bias, pool, layer=1, slot_ids=slots, has_initial_state=has_init,
                                      cu_seqlens=cu)
     new = np.asarray(pool.conv, np.float32)
     assert rel_err(y, ry) <= 1e-2
@@ -320,7 +320,7 @@ def test_conv_pool_ops(rng):
     xd = jnp.asarray(rng.standard_normal((4, 24)), jnp.bfloat16)
     ry2, rstate2 = conv.causal_conv1d_update(xd, jnp.asarray(new[1, np.maximum(slots, 0)]), weight, bias,
                                              impl="reference")
-    y2, pool = gdn_state.conv_decode(xd, weight, bias, pool, layer=1, slot_ids=slots)
+    y2, pool = gdn_pool.conv_decode(xd, weight, bias, pool, layer=1, slot_ids=slots)
     new2 = np.asarray(pool.conv, np.float32)
     live = slots > 0
     assert rel_err(np.asarray(y2, np.float32)[live], np.asarray(ry2, np.float32)[live]) <= 1e-2
@@ -334,16 +334,16 @@ def test_pool_op_validation():
     g = beta = jnp.zeros((2, 1), jnp.float32)
     pool = GDNStatePool(conv=jnp.zeros((1, 4, 8, 3), jnp.bfloat16), ssm=jnp.zeros((1, 4, 1, 16, 16), jnp.float32))
     with pytest.raises(InvalidPlanError, match="out of range"):
-        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=np.array([1, 4], np.int32))
+        gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=np.array([1, 4], np.int32))
     with pytest.raises(InvalidPlanError, match="more than one row"):
-        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=np.array([2, 2], np.int32))
+        gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=np.array([2, 2], np.int32))
     with pytest.raises(ValueError, match="layer=1"):
-        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=np.array([1, 2], np.int32))
+        gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=np.array([1, 2], np.int32))
     with pytest.raises(ValueError, match="pool.ssm"):
-        gdn_state.gdn_decode(q, k, v, g, beta, GDNStatePool(conv=pool.conv, ssm=pool.ssm.astype(jnp.bfloat16)),
+        gdn_pool.gdn_decode(q, k, v, g, beta, GDNStatePool(conv=pool.conv, ssm=pool.ssm.astype(jnp.bfloat16)),
                              layer=0, slot_ids=np.array([1, 2], np.int32))
     with pytest.raises(ValueError, match="GDNStatePool"):
-        gdn_state.gdn_decode(q, k, v, g, beta, [pool.ssm], layer=0, slot_ids=np.array([1, 2], np.int32))
+        gdn_pool.gdn_decode(q, k, v, g, beta, [pool.ssm], layer=0, slot_ids=np.array([1, 2], np.int32))
 
 
 def _auto(table, args, kwargs, device):
@@ -364,7 +364,7 @@ def test_tables_choose_as_documented(rng):
     args = (q, k, v, g, beta, ssm)
     call = dict(layer=1, slot_ids=jnp.asarray([1, 0, 3], jnp.int32), has_initial_state=None, cu_seqlens=None,
                 scale=0.25, use_qk_l2norm=True)
-    table = gdn_slots.DECODE_TABLE
+    table = gdn_on_pool.DECODE_TABLE
     assert _auto(table, args, call, h100) == ("slots", {"slots": None, "pallas": None, "reference": None})
     assert _auto(table, args, call, a100)[0] == "slots"
     name, why = _auto(table, args, {**call, "cu_seqlens": cu}, h100)
@@ -384,12 +384,12 @@ def test_tables_choose_as_documented(rng):
         assert _auto(t, (q[..., :12], k[..., :12], v, g, beta), public, h100)[0] == "pallas"
         assert _auto(t, (q, k, v, g, beta), public, cpu)[0] == "reference"
     prefill = {**call, "has_initial_state": jnp.ones(3, jnp.bool_), "cu_seqlens": cu, "layer": jnp.int32(1)}
-    assert _auto(gdn_slots.PREFILL_TABLE, args, prefill, h100)[0] == "pallas"
-    assert _auto(gdn_slots.PREFILL_TABLE, args, prefill, cpu)[0] == "reference"
+    assert _auto(gdn_on_pool.PREFILL_TABLE, args, prefill, h100)[0] == "pallas"
+    assert _auto(gdn_on_pool.PREFILL_TABLE, args, prefill, cpu)[0] == "reference"
 
     expected_gpu = {"gdn_decode_pool": {"decode B=128 H=32, int layer": "slots"},
                     "causal_conv1d": "reference", "causal_conv1d_update": "reference"}
-    for t in (gdn.CHUNK_TABLE, gdn.RECURRENT_TABLE, gdn_slots.PREFILL_TABLE, gdn_slots.DECODE_TABLE, conv.CONV_TABLE,
+    for t in (gdn.CHUNK_TABLE, gdn.RECURRENT_TABLE, gdn_on_pool.PREFILL_TABLE, gdn_on_pool.DECODE_TABLE, conv.CONV_TABLE,
               conv.UPDATE_TABLE, conv.CONV_PREFILL_TABLE, conv.CONV_DECODE_TABLE):
         assert t.examples, f"{t.op}: no examples for kvjax info"
         for name, make in t.examples.items():
@@ -410,19 +410,19 @@ def test_explicit_impl_that_cannot_take_the_call_raises(rng):
     pool = make_pool(rng, 1, 4, 2, 16, 16)
     slots = np.array([3, 0, 1], np.int32)
     with pytest.raises(UnknownImplError, match="one token per row"):
-        gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=slots, cu_seqlens=np.asarray(cu),
+        gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=0, slot_ids=slots, cu_seqlens=np.asarray(cu),
                              impl="slots:interpret")
     q1, k1, v1, g1, b1 = q[:3], k[:3], v[:3], g[:3], beta[:3]
     with pytest.raises(UnknownImplError, match="has_initial_state=None"):
-        gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, has_initial_state=np.ones(3, bool),
+        gdn_pool.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, has_initial_state=np.ones(3, bool),
                              impl="slots:interpret")
     with pytest.raises(UnknownImplError, match="static Python-int layer"):
-        gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=jnp.int32(0), slot_ids=slots, impl="slots:interpret")
+        gdn_pool.gdn_decode(q1, k1, v1, g1, b1, pool, layer=jnp.int32(0), slot_ids=slots, impl="slots:interpret")
     with pytest.raises(UnknownImplError, match="no implementation 'mosaic'"):
-        gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, impl="mosaic")
+        gdn_pool.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, impl="mosaic")
     if not ON_GPU:
         with pytest.raises(UnknownImplError, match="needs a GPU"):
-            gdn_state.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, impl="slots")
+            gdn_pool.gdn_decode(q1, k1, v1, g1, b1, pool, layer=0, slot_ids=slots, impl="slots")
 
 
 # ------------------------------------------------------------------------------------------------ GPU grids
@@ -481,10 +481,10 @@ def test_chunk_parallel_kernel_gpu(rng, dtype, segment_chunks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,lens,one_token,impl", [(gdn_state.gdn_decode, [1] * 16, True, "slots"),
-                                                   (gdn_state.gdn_decode, [1] * 16, True, "pallas"),
-                                                   (gdn_state.gdn_decode, [1, 3, 0, 2] * 4, False, "pallas"),
-                                                   (gdn_state.gdn_prefill, GPU_LENS, False, "pallas")])
+@pytest.mark.parametrize("op,lens,one_token,impl", [(gdn_pool.gdn_decode, [1] * 16, True, "slots"),
+                                                   (gdn_pool.gdn_decode, [1] * 16, True, "pallas"),
+                                                   (gdn_pool.gdn_decode, [1, 3, 0, 2] * 4, False, "pallas"),
+                                                   (gdn_pool.gdn_prefill, GPU_LENS, False, "pallas")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pool_ops_gpu(rng, op, lens, one_token, impl, dtype):
     n = len(lens)
@@ -502,7 +502,7 @@ def test_decode_pool_in_place_gpu(rng):
     q, k, v, g, beta, _, _ = make_inputs(rng, [1] * n, 2, hv, 128, 128, jnp.bfloat16, pad_tokens=0)
     pool = make_pool(rng, 2, 63, hv, 128, 128)
     slots = jnp.asarray(np.arange(1, n + 1, dtype=np.int32))
-    step = jax.jit(lambda pool: gdn_state.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=slots,
+    step = jax.jit(lambda pool: gdn_pool.gdn_decode(q, k, v, g, beta, pool, layer=1, slot_ids=slots,
                                                      impl="slots"), donate_argnums=0)
     hlo = step.lower(pool).compile().as_text()
     pool_copies = [ln for ln in hlo.splitlines() if " copy(" in ln and "f32[2,64,4,128,128]" in ln]
@@ -526,7 +526,7 @@ def test_decode_slot_kernel_gpu(rng, dtype, l2, hk, kd):
     slots[3] = num_slots + 1  # out of range: padding too
     kw = dict(slot_ids=jnp.asarray(slots), layer=1, scale=kd ** -0.5, use_qk_l2norm=l2)
     o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw)
-    ro, rssm = gdn_slots.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, has_initial_state=None,
+    ro, rssm = gdn_on_pool.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, has_initial_state=None,
                                                    cu_seqlens=None, **kw)
     assert o.dtype == v.dtype and ssm.dtype == jnp.float32
     assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvjax.config import GDNConfig
+from kvjax.base.slots import check_slot_ids
 from kvjax.errors import InvalidPlanError
 from kvjax.state import gdn_pool
 from kvjax.state.gdn_pool import GDNStatePool
@@ -177,10 +178,10 @@ def test_bad_inputs_raise(rng):
 
 
 def test_check_slot_ids_names_bad_ids():
-    gdn_pool.check_slot_ids(np.array([0, 3, 0, 5, 1], np.int32), MAX_SEQS)  # repeated PAD is fine
+    check_slot_ids(np.array([0, 3, 0, 5, 1], np.int32), MAX_SEQS)  # repeated PAD is fine
     with pytest.raises(InvalidPlanError, match=r"out of range 0..5 .*\[-1, 6\]"):
-        gdn_pool.check_slot_ids(np.array([2, -1, 6, 0], np.int32), MAX_SEQS)
+        check_slot_ids(np.array([2, -1, 6, 0], np.int32), MAX_SEQS)
     with pytest.raises(InvalidPlanError, match=r"more than one row: \[3\]"):
-        gdn_pool.check_slot_ids(np.array([3, 0, 3, 0], np.int32), MAX_SEQS)
+        check_slot_ids(np.array([3, 0, 3, 0], np.int32), MAX_SEQS)
     with pytest.raises(InvalidPlanError, match="must be int32"):
-        gdn_pool.check_slot_ids(np.array([1, 2], np.int64), MAX_SEQS)
+        check_slot_ids(np.array([1, 2], np.int64), MAX_SEQS)

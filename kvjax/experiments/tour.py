@@ -115,7 +115,7 @@ def _pool_cases(rng: np.random.Generator) -> list[OpCase]:
     the batch (or to PAD slot 0) would show up as a difference."""
     import jax.numpy as jnp
 
-    from kvjax.state import gdn_ops as gdn_state
+    from kvjax.state import gdn_pool
     from kvjax.state.gdn_pool import GDNStatePool
 
     b, hk, hv, kd, vd, dim, width = 3, 1, 2, 16, 16, 24, 4
@@ -133,12 +133,12 @@ def _pool_cases(rng: np.random.Generator) -> list[OpCase]:
     init = jnp.asarray([True, False, False])
     return [
         OpCase("gdn_decode_pool", "q,k[3, 1, 16], v[3, 2, 16], pool ssm[2, 6, 2, 16, 16], slots [4, PAD, 2]",
-               lambda impl: gdn_state.gdn_decode(q, k, v, g, beta, pool(), layer=1, slot_ids=slots,
+               lambda impl: gdn_pool.gdn_decode(q, k, v, g, beta, pool(), layer=1, slot_ids=slots,
                                                  use_qk_l2norm=True, impl=impl)),
         OpCase("conv_decode_pool", "x[3, 24], weight[24, 4], pool conv[2, 6, 24, 3], slots [4, PAD, 2]",
-               lambda impl: gdn_state.conv_decode(x1, w, None, pool(), layer=1, slot_ids=slots, impl=impl)),
+               lambda impl: gdn_pool.conv_decode(x1, w, None, pool(), layer=1, slot_ids=slots, impl=impl)),
         OpCase("conv_prefill_pool", "x[9, 24], 3 rows (5, 0, 4 tokens), initial state for row 0 only",
-               lambda impl: gdn_state.conv_prefill(xs, w, None, pool(), layer=0, slot_ids=slots,
+               lambda impl: gdn_pool.conv_prefill(xs, w, None, pool(), layer=0, slot_ids=slots,
                                                    has_initial_state=init, cu_seqlens=cu, impl=impl)),
     ]
 

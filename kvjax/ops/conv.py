@@ -24,7 +24,7 @@ extra ``interpret=``); the normalised calls::
 Both have only their reference (no kernel; :data:`CONV_TABLE`, :data:`UPDATE_TABLE`). The references compute
 in float32.
 
-On the GDN conv pool ``conv: [L, S+1, D, W-1]`` (slot convention of :mod:`kvjax.ops.gdn_slots`: padding rows,
+On the GDN conv pool ``conv: [L, S+1, D, W-1]`` (slot convention of :mod:`kvjax.base.slots`: padding rows,
 slot ids outside ``1..S``, read and write nothing and get ``y = 0``; slot 0 is never written)::
 
     conv_prefill_pool:    fn(x, weight, bias, conv, *, layer, slot_ids, has_initial_state, cu_seqlens, activation)
@@ -50,7 +50,7 @@ from kvjax.base.checks import check_array, check_cu_seqlens, check_float, check_
 from kvjax.base.ragged import count_le
 from kvjax.ops.backends import Backend, BackendTable
 from kvjax.pallas.gdn import conv as conv_kernels
-from kvjax.ops.gdn_slots import check_slot_ids, live_slots, slot_index, static_layer
+from kvjax.base.slots import check_slot_ids, live_slots, slot_index, static_layer
 
 CONV_OP = "causal_conv1d"
 UPDATE_OP = "causal_conv1d_update"
@@ -262,7 +262,7 @@ def validate_pool_args(
     has_initial_state: jax.Array | None = None,  # bool[N] (prefill)
 ) -> None:
     """Host-side (trace-time) check of a conv pool op's arguments: ranks, dtypes, the pool's per-slot shape
-    ``(D, W-1)``, ``slot_ids`` i32[N] (host values by :func:`kvjax.ops.gdn_slots.check_slot_ids`), an int
+    ``(D, W-1)``, ``slot_ids`` i32[N] (host values by :func:`kvjax.base.slots.check_slot_ids`), an int
     ``layer`` in range, for prefill ``cu_seqlens`` and ``has_initial_state``; ``impl`` a string. Raises
     ``ValueError`` (``InvalidPlanError`` for slot ids) naming the argument."""
     check_array("x", x, rank=2)

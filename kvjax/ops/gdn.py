@@ -273,7 +273,7 @@ def validate_gdn_args(
     Checks ranks, dtypes and shapes against the kernel contract (module docstring), ``cu_seqlens`` values
     when they are a host ``np.ndarray``, and that ``use_qk_l2norm`` is a bool and ``impl`` a string. Raises
     ``ValueError`` naming the offending argument. ``scale=None`` resolves to ``K ** -0.5``. Shared by the
-    slot-pool ops in :mod:`kvjax.ops.gdn_slots`.
+    slot-pool ops in :mod:`kvjax.ops.gdn_on_pool`.
     """
     check_float("q", q, rank=3)
     check_array("k", k, shape=tuple(q.shape), dtypes=[q.dtype])

@@ -92,7 +92,7 @@ class Linear(nnx.Module):
 
 class TorchLinear(nnx.Module):
     """``y = x @ weight.T`` with ``weight: [out, in]`` (torch's layout, loaded as stored): for column-parallel
-    projections a kernel reads by output row (the GDN gates, :func:`kvjax.ops.gdn_slots.gated_delta_decode_pool`).
+    projections a kernel reads by output row (the GDN gates, :func:`kvjax.ops.gdn_on_pool.gated_delta_decode_pool`).
     No bias; sharded on the output axis (axis 0)."""
 
     def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=jnp.float32):

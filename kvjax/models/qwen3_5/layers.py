@@ -55,7 +55,7 @@ class GatedDeltaNet(nnx.Module):
 
     def _split(self, x: jax.Array, mixed: jax.Array):
         """x [T, H], conv output [T, conv_dim] -> q, k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta [T, Hv], z."""
-        from kvjax.ops.gdn_slots import qwen_gates, split_packed
+        from kvjax.ops.gdn_on_pool import qwen_gates, split_packed
 
         c = self.cfg
         q, k, v = split_packed(mixed, c.num_v_heads, c.head_k_dim, c.head_v_dim)
@@ -92,12 +92,12 @@ class GatedDeltaNet(nnx.Module):
         ``decode_only``: each row's single token is gathered to a row-major ``[B, H]`` batch (no gather when
         ``T == B``: live rows come first, so token ``b`` is row ``b``'s) and the decode kernels run by slot id,
         each live row continuing its state (a ``decode_only`` step has no fresh row): the conv update, then
-        :func:`~kvjax.state.gdn_ops.gated_delta_decode` of one :class:`~kvjax.ops.gdn_slots.GatedDecodeCall`
+        :func:`~kvjax.state.gdn_pool.gated_delta_decode` of one :class:`~kvjax.ops.gdn_on_pool.GatedDecodeCall`
         (the packed conv output; the kernel projects the gates from ``x`` itself); outputs are scattered back
         to token order.
         """
-        from kvjax.ops.gdn_slots import GatedDecodeCall
-        from kvjax.state.gdn_ops import conv_decode, conv_prefill, gated_delta_decode, gdn_prefill
+        from kvjax.ops.gdn_on_pool import GatedDecodeCall
+        from kvjax.state.gdn_pool import conv_decode, conv_prefill, gated_delta_decode, gdn_prefill
 
         slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
         weight = self.conv_weight[...]

@@ -322,7 +322,7 @@ def recurrent_gated_delta_rule_slots(
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("ssm",))
 def gated_delta_decode_slots(
-    call,  # kvjax.ops.gdn_slots.GatedDecodeCall: qkv [B, 2*Hk*K + Hv*V], x [B, D], w_a / w_b [Hv, D],
+    call,  # kvjax.ops.gdn_on_pool.GatedDecodeCall: qkv [B, 2*Hk*K + Hv*V], x [B, D], w_a / w_b [Hv, D],
     #        a_log / dt_bias [Hv], slot_ids i32[B] (0 or out of range = padding row); static layer, scale, l2norm
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  GDN pool, donated, updated in place
     *,
@@ -333,7 +333,7 @@ def gated_delta_decode_slots(
     """Backend ``"slots"`` of ``gated_delta_decode_pool``: :func:`recurrent_gated_delta_rule_slots` reading
     q / k / v from the packed conv output by column and computing Qwen3.5's gates in the kernel from the hidden
     state (:func:`_gates`): no XLA op between the conv and the kernel, none for the gates. ``Hk`` follows from
-    the widths. The op checked the call (``kvjax.ops.gdn_slots.validate_gated_call``)."""
+    the widths. The op checked the call (``kvjax.ops.gdn_on_pool.validate_gated_call``)."""
     hv, kd, vd = ssm.shape[2:]
     hk = (call.qkv.shape[1] - hv * vd) // (2 * kd)
     gates = (call.x, call.w_a, call.w_b, call.a_log, call.dt_bias)

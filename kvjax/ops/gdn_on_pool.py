@@ -1,11 +1,8 @@
 """The gated delta rule on the slot-addressed SSM state array ``f32[L, S+1, Hv, K, V]`` (the GDN pool's ``ssm``).
 
-Slot convention (DESIGN.md, "GDN slots"): slot 0 is the PAD sentinel, all zeros and never written; the host
-slot allocator hands out ``1..S``; a batch row without a request carries slot 0. The slot id is the array
-index (no ``+1`` offset). Device code cannot raise, so on device an id outside ``1..S`` (0, negative, too
-large) is a padding row: :func:`slot_index` maps it to the out-of-range index ``S + 1`` (a negative id would
-otherwise wrap around to the last slot), read with ``mode="fill"`` (zeros), written with ``mode="drop"``
-(never). :func:`check_slot_ids` is the host (``debug``) check that catches such ids, and duplicates, in a plan.
+Slot ids follow :mod:`kvjax.base.slots`: slot 0 is the PAD sentinel, never written; an id outside ``1..S`` is a
+padding row (:func:`~kvjax.base.slots.slot_index` maps it out of range, read as zeros, writes dropped);
+:func:`~kvjax.base.slots.check_slot_ids` checks host values.
 
 Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot ``slot_ids[n]``. Padding rows
 read and write nothing and their tokens' outputs are zero. A live row starts from ``ssm[layer, slot]`` when
@@ -17,7 +14,10 @@ read and write nothing and their tokens' outputs are zero. A live row starts fro
 - :func:`gated_delta_decode_pool`: Qwen3.5's decode step, one :class:`GatedDecodeCall` (the packed conv
   output ``q | k | v``, the hidden state, the gate parameters, the slot ids) and the array
   (:data:`GATED_DECODE_TABLE`): the slot kernel reads the columns and projects and computes the gates
-  (:func:`qwen_gates`) itself, so no XLA op runs between the conv and the kernel.
+  (:func:`qwen_gates`) itself, so no XLA op runs between the conv and the kernel. Qwen3.5's helpers
+  (:func:`split_packed`, :func:`gate_projections`, :func:`qwen_gates`) are part of this op's definition (its
+  inputs are the raw projections, so its reference computes the gates as the kernel does); the model's prefill
+  path imports them from here rather than keeping a second copy.
 
 The first two return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
 has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``);
@@ -28,7 +28,7 @@ kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and ta
 ``"slots"``, :func:`kvjax.pallas.gdn.recurrent.recurrent_gated_delta_rule_slots`, which indexes the array by
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
 continuing and a static int ``layer`` (RESULTS.md, GDN decode). The array is updated in place (aliased) under
-jit when donated: :mod:`kvjax.state.gdn_ops` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
+jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
 from __future__ import annotations
@@ -41,52 +41,15 @@ import numpy as np
 
 from kvjax.base.checks import check_array, check_float, check_int32
 from kvjax.base.ragged import count_le
-from kvjax.errors import InvalidPlanError
+from kvjax.base.slots import check_slot_ids, live_slots, slot_index, static_layer
 from kvjax.ops import gdn
 from kvjax.ops.backends import Backend, BackendTable
 from kvjax.pallas.gdn import chunk as chunk_kernels
 from kvjax.pallas.gdn import recurrent as recurrent_kernels
 
-PAD_SLOT = 0
 PREFILL_OP = "gdn_prefill_pool"
 DECODE_OP = "gdn_decode_pool"
 GATED_DECODE_OP = "gated_delta_decode_pool"
-
-
-# ---------------------------------------------------------------------------------------------- slot ids
-def slot_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:  # i32[B] -> i32[B]
-    """Pool index of each slot id: valid ids ``1..S`` unchanged; PAD and anything out of range (negative
-    included) -> ``S + 1 = num_slots``, which ``mode="fill"`` reads as zeros and ``mode="drop"`` never writes."""
-    return jnp.where((slot_ids >= 1) & (slot_ids < num_slots), slot_ids, num_slots)
-
-
-def check_slot_ids(slot_ids, max_seqs: int) -> None:
-    """Host (``debug``) validation of a batch's slot ids; raises :class:`InvalidPlanError` naming bad ids.
-
-    Valid: int32, rank 1, every id in ``0..max_seqs`` (0 = PAD row), no non-zero id twice. Copies device
-    arrays to the host, so call it on the plan (numpy) or only in debug runs.
-    """
-    ids = np.asarray(slot_ids)
-    if ids.ndim != 1 or ids.dtype != np.int32:
-        raise InvalidPlanError(f"slot_ids must be int32 of rank 1, got {ids.dtype} with shape {ids.shape}")
-    bad = ids[(ids < 0) | (ids > max_seqs)]
-    if bad.size:
-        raise InvalidPlanError(f"slot_ids out of range 0..{max_seqs} (0 = PAD): {sorted(set(bad.tolist()))}")
-    live, counts = np.unique(ids[ids != PAD_SLOT], return_counts=True)
-    if np.any(counts > 1):
-        raise InvalidPlanError(f"slot_ids used by more than one row: {live[counts > 1].tolist()}")
-
-
-def live_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:  # i32[B] -> bool[B]
-    """Whether each row's slot id is a real slot (``1..S``), i.e. the row is not padding."""
-    return (slot_ids >= 1) & (slot_ids < num_slots)
-
-
-def static_layer(layer) -> int | None:
-    """``layer`` as a Python int when it is one (numpy integers included), else ``None`` (a traced index)."""
-    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
-        return int(layer)
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- references
