@@ -93,7 +93,11 @@ def test_readme_engine_methods_exist():
     snippet = "\n".join(_readme_python_blocks())
     for name in set(re.findall(r"\bengine\.(\w+)\(", snippet)):
         assert callable(getattr(Engine, name, None)), f"README calls engine.{name}(), which Engine does not have"
-    params = inspect.signature(Engine).parameters
+    import dataclasses
+
+    from kvjax.engine.options import EngineOptions
+
+    params = set(inspect.signature(Engine).parameters) | {f.name for f in dataclasses.fields(EngineOptions)}
     calls = [n for n in ast.walk(ast.parse(snippet))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Engine"]
     assert calls
