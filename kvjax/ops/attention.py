@@ -32,7 +32,7 @@ implementation that :data:`TABLE` (its backend table) chooses for ``impl``, with
 
 Every implementation (reference or kernel) takes that normalised call, and so does every backend's
 ``unsupported()`` check. Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
-the order only chooses speed, benchmarks/HISTORY.md):
+the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged attention prefill"):
 
 - ``"mosaic"``: the Mosaic GPU prefill kernel (:mod:`kvjax.pallas.paged.prefill_mgpu`), Hopper only; pages of
   64 / 128 tokens, head_dim 64 / 128, bf16 / f16, and ``T >= 64 B``. It reads whole pages, so the unwritten

@@ -32,10 +32,8 @@ slot ids outside ``1..S``, read and write nothing and get ``y = 0``; slot 0 is n
         -> (y, new conv)
 
 Reference = the fused XLA path (gather by slot, reference above, scatter). Backend ``"pallas"`` =
-:mod:`kvjax.pallas.gdn.conv` (in place by slot id, any CUDA GPU); ``auto`` takes it there (H200, 2026-11-21,
-``benchmarks/HISTORY.md``): the decode update takes 0.029 ms vs 0.072 ms for XLA at B=128, conv_dim 12288
-(25 MB moved: 5x its 6 us floor at copy bandwidth, not launch latency); prefill is a near tie (within 5% per
-call, Pallas up to 23% ahead when chained), both at about a third of copy bandwidth.
+:mod:`kvjax.pallas.gdn.conv` (in place by slot id, any CUDA GPU); ``auto`` takes it there: the decode update is
+faster than XLA's and prefill a near tie (RESULTS.md, "Causal conv1d on the pool").
 """
 
 from __future__ import annotations
@@ -349,7 +347,8 @@ CONV_PREFILL_TABLE = BackendTable(
     CONV_PREFILL_OP,
     conv_prefill_pool_reference,
     (Backend("pallas", conv_kernels.conv_prefill_slots, priority=10,
-             note="token-block y kernel + final-state kernel; a near tie with XLA, in place by construction"),),
+             note="token-block y kernel + final-state kernel, in place by construction; a near tie with XLA "
+                  "(RESULTS.md, Causal conv1d on the pool)"),),
     examples={"prefill N=4 T=16384 D=12288": lambda: _example(16384, 4, 12288, pool=True, prefill=True)},
 )
 CONV_DECODE_TABLE = BackendTable(

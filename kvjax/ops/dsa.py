@@ -285,9 +285,8 @@ def sparse_mla_decode_fp8(
     Same semantics as :func:`sparse_mla_decode` on the dequantised latent; returns ``o: [B, H, R]`` in
     ``q_latent``'s dtype. The ``"pallas"`` kernel (``kvjax.pallas.mla.dsa_sparse``: decodes the fp8 bytes
     exactly, applies the scales outside its bf16 products, f32 accumulation) takes fp8 keys with scale-group and
-    rope widths that are powers of two >= 16, and at most 16 heads: it takes 16-18% less time than the
-    reference at 16 heads and 3% less at 128 (H100 run 13; on the H200, run 5, it trailed in 3 of 4 cases,
-    benchmarks/HISTORY.md), so ``impl="auto"`` runs it on a GPU exactly at <= 16 heads.
+    rope widths that are powers of two >= 16, and at most 16 heads, where it beats the reference (RESULTS.md,
+    "DSA sparse decode"), so ``impl="auto"`` runs it on a GPU exactly at <= 16 heads.
     """
     _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
     check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))

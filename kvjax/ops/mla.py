@@ -27,7 +27,7 @@ backend table) chooses for ``impl``, with exactly::
 
 Backends (``impl="auto"`` takes the first that accepts, else the reference): ``"mosaic"``
 (:mod:`kvjax.pallas.mla.decode_mgpu`, Hopper, R = 512, r = 64, pages of 64k tokens, a 16-bit cache, more than
-16 heads: 2.1x the Triton kernels at 128 heads and slower at 16, benchmarks/HISTORY.md), ``"pallas"``
+16 heads: faster than the Triton-lowered kernels at many heads, slower at 16; RESULTS.md, "MLA decode"), ``"pallas"``
 (:mod:`kvjax.pallas.mla.decode`, the Pallas Triton lowering, any GPU; ``R``, ``r`` and the page size powers of two
 >= 16, else ``auto`` runs the reference) and ``"triton"``
 (:mod:`kvjax.triton.mla_decode`, a jax-triton baseline below ``"pallas"``: ``auto`` never takes it).

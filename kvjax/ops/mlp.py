@@ -8,10 +8,9 @@ Reference = XLA: the two products at full precision in x's dtype, then ``silu(ga
 :class:`kvjax.models.common.layers.MLP` used before this op, so CPU results are unchanged). Backend ``"pallas"``
 = :func:`kvjax.pallas.swiglu.swiglu_pallas`, one Triton-lowered kernel per ``[T, 32]`` output tile streaming both
 weights once with float32 accumulation and the SiLU product in its epilogue; ``auto`` takes it for the skinny
-products of decode steps: bfloat16 / float16, ``16 <= T <= 64`` a power of two. On an H100 (2026-11-25, H=1024,
-I=3072, weights from HBM) it takes 6.36 / 6.97 us at T=16 / 64 against XLA's 9.01 / 9.61 us (its split-K GEMM and
-the reducing SiLU-product fusion; benchmarks/RESULTS.md); at T=256 its tiles do not fit shared memory and XLA
-keeps it; float32 keeps XLA's full-precision products.
+products of decode steps: bfloat16 / float16, ``16 <= T <= 64`` a power of two, where it is faster than XLA's
+split-K GEMM and the reducing SiLU-product fusion (RESULTS.md, "SwiGLU up-projection"); at T=256 its tiles do
+not fit shared memory and XLA keeps it; float32 keeps XLA's full-precision products.
 """
 
 from __future__ import annotations

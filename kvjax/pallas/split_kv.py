@@ -49,10 +49,9 @@ def choose_num_kv_splits(batch: int, head_groups: int, max_steps: int, num_sms: 
     ``MAX_SPLITS``.
 
     Programs that share an SM (the Triton-lowered kernels): about one program per SM and at least two splits
-    (measured best at B=128 on an H200). ``one_cta_per_sm`` (the Mosaic GPU kernel, whose shared memory holds
-    one CTA per SM): as many splits as keep the CTAs within one wave, and one split once they fill the SMs: a
-    second split then only adds the f32 partial outputs and their merge (H200, B=128 H=16: 0.197-0.200 ms with
-    one split, 0.228-0.234 ms with two).
+    (the best measured at B=128; RESULTS.md, "MLA decode"). ``one_cta_per_sm`` (the Mosaic GPU kernel, whose
+    shared memory holds one CTA per SM): as many splits as keep the CTAs within one wave, and one split once they
+    fill the SMs: a second split then only adds the f32 partial outputs and their merge, and is slower.
     """
     programs = batch * head_groups
     if one_cta_per_sm:
@@ -63,8 +62,8 @@ def choose_num_kv_splits(batch: int, head_groups: int, max_steps: int, num_sms: 
 
 
 def default_tiles(num_heads: int, page_size: int, sparse: bool = False) -> dict:
-    """Tiles of the Triton-lowered MLA decode kernels (Pallas and jax-triton), picked by measurement on an H200
-    (benchmarks/HISTORY.md, "MLA decode and DSA").
+    """Tiles of the Triton-lowered MLA decode kernels (Pallas and jax-triton), picked by measurement (RESULTS.md,
+    "MLA decode" and "DSA sparse decode").
 
     Few heads (memory-bound): 16 heads x half a page per step, 4 warps, 3 stages. Many heads (the QK/PV
     products dominate): 64 heads x one page, 8 warps, 2 stages (3 stages exceed shared memory). DSA-sparse

@@ -4,8 +4,8 @@ One program per tile of :data:`BLOCK_N` output columns: it walks ``H`` in blocks
 ``[T, BLOCK_K]`` slice of ``x`` and both weights' ``[BLOCK_K, BLOCK_N]`` tiles, accumulates the two products in
 float32 and writes ``silu(gate) * up`` in x's dtype. Each weight byte is read once and no float32 partial
 leaves the kernel (XLA's GEMM for T <= 64 splits K and reduces the partials in the next fusion). The tile
-sizes and the 4 pipeline stages are the fastest of six measured alone and of five measured in the gpu-preset
-engine on an H100 at T=16 and 64 (2026-11-25, benchmarks/HISTORY.md runs 38 and 41).
+sizes and the 4 pipeline stages are the fastest measured, alone and in the gpu-preset engine, at T=16 and 64
+(RESULTS.md, "SwiGLU up-projection").
 """
 
 from __future__ import annotations

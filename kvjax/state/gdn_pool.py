@@ -266,7 +266,7 @@ def conv_prefill(
 
     ``impl``: ``"reference"`` = fused XLA (gather, :func:`kvjax.ops.conv.causal_conv1d_reference`,
     scatter); ``"pallas"`` / ``"interpret"`` = :func:`kvjax.pallas.gdn.conv.conv_prefill_slots`; ``"auto"`` =
-    Pallas on the GPU (measured a near tie with XLA, see :mod:`kvjax.ops.conv`), the reference elsewhere.
+    Pallas on the GPU (RESULTS.md, "Causal conv1d on the pool"), the reference elsewhere.
     """
     _check_pool(pool)
     y, new = conv_ops.conv_prefill_pool(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids,

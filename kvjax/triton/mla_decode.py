@@ -6,7 +6,7 @@ once; f32 split outputs + lse merged by the shared host side :func:`kvjax.pallas
 written directly in Triton so the benchmark can compare the Pallas lowering against it on one GPU, with the same
 tile defaults. A registered backend of :func:`kvjax.ops.mla.mla_decode` (``impl="triton"``) that ``auto`` never
 takes: on Hopper the Mosaic GPU kernel beats it above 16 heads and the Pallas kernel ties or beats it at 16
-(benchmarks/HISTORY.md, runs 11-13); elsewhere it was not measured.
+(RESULTS.md, "MLA decode"); elsewhere it was not measured.
 
 ``jax_triton`` and ``triton`` are optional dependencies (the ``triton`` extra): :func:`unsupported` names them
 when they are missing; this module imports them.

@@ -29,10 +29,9 @@ all segments at once from those states (the benchmark's table "GDN chunked prefi
 benchmarks/RESULTS.md says where it pays).
 
 This fused sequential kernel replaced a two-pass form (fla's structure: a sequential state pass, then a fully
-parallel output pass), which tied at B=1 T=8192 H=16 (0.415-0.425 vs 0.408-0.417 ms) and lost at B=4 T=4096
-H=32 (1.22 vs 0.763-0.778 ms) on an H200 (benchmarks/HISTORY.md). Loading chunk ``c + 1``'s operands before
-chunk ``c``'s update (a register prefetch) runs this kernel out of registers (0.59 ms at B=1), so it loads at
-the start of each step.
+parallel output pass), which tied at one long sequence and lost at four (RESULTS.md, "GDN chunked prefill").
+Loading chunk ``c + 1``'s operands before chunk ``c``'s update (a register prefetch) runs this kernel out of
+registers, so it loads at the start of each step.
 
 Any K and V: q / k / w rows are loaded as ``next_pow2(K)`` lanes, value blocks may overrun V, with masked loads
 and stores (:mod:`kvjax.pallas.gdn.common`); at powers of two the code has no mask.
@@ -421,7 +420,7 @@ def chunk_gated_delta_rule_pool(
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
     ``inverse_dtype``: operands of the 10 matmuls of the in-kernel inverse for bf16 inputs, ``"bf16"`` (default:
-    measured faster than ``"tf32"`` on an H200 with the same output error, see benchmarks/HISTORY.md); float32
+    measured faster than ``"tf32"`` with the same output error; RESULTS.md, "GDN chunked prefill"); float32
     inputs always use full f32.
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the

@@ -10,15 +10,15 @@ with a donated pool the update happens in place. Tokens outside every sequence g
 
 ``_slots_kernel``: the decode step on the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` (one token per
 row, the slot ids index the pool inside the kernel, no XLA op around it), one program per state tile, the
-value blocks of a head launched next to each other (3-5% faster on an H200 than rows first,
-benchmarks/HISTORY.md). It reads q / k / v as column ranges of 2-D arrays: the separate ``[B, H, D]`` arrays
+value blocks of a head launched next to each other (measured faster than rows first; RESULTS.md, "GDN
+decode"). It reads q / k / v as column ranges of 2-D arrays: the separate ``[B, H, D]`` arrays
 flattened (:func:`recurrent_gated_delta_rule_slots`), or Qwen3.5's packed conv output with the gates projected
 from the hidden state in the kernel (:func:`gated_delta_decode_slots`). Its backend-table checks
 :func:`decode_slots_unsupported` / :func:`gated_decode_slots_unsupported` name the calls it cannot take.
 
 Both update a token in one pass: ``k^T S`` and ``q^T S`` on the state as loaded,
-``o = decay q^T S + (q . k) delta`` (equal in exact arithmetic to the textbook order; measured 0.1538 vs
-0.1577 ms on an H200), so the new state's store does not wait for a reduction of the updated state.
+``o = decay q^T S + (q . k) delta`` (equal in exact arithmetic to the textbook order, and measured faster), so
+the new state's store does not wait for a reduction of the updated state.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kvjax.base.device import is_pow2, next_pow2
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, col_block, head_cols, load,
                                      run_on_initial_state, run_on_slot_pool, store, tile_mask)
 
-BLOCK_V = 64  # value columns per program (the fastest measured, benchmarks/HISTORY.md)
+BLOCK_V = 64  # value columns per program (the fastest measured; RESULTS.md, "GDN decode")
 
 
 def _l2norm(x):
@@ -309,7 +309,7 @@ def recurrent_gated_delta_rule_slots(
 
     No XLA work around the kernel (no row/flag arrays): the slot ids index the pool inside the kernel.
     Rows whose slot is not in ``1..S`` are padding: nothing read or written, ``o = 0``. Defaults: the fastest
-    configuration measured (block_v 64, 4 warps; benchmarks/HISTORY.md).
+    configuration measured (block_v 64, 4 warps; RESULTS.md, "GDN decode").
     """
     num_tokens, hk, _ = q.shape
     if num_tokens != slot_ids.shape[0]:

@@ -24,7 +24,7 @@ latent caches start zeroed and hold only written rows, so they satisfy this.
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``R = 512``, ``r = 64``, pages a multiple of 64 tokens,
 a bf16 or f16 latent cache (:func:`shape_limits`). :func:`unsupported`, the backend table's check, also declines
 16 heads or fewer, where 48 of the 64 rows of the head tile are padding and the Pallas Triton kernel is faster
-(H100, B=128 L=4096: 0.226 vs 0.216 ms device time; H200: 0.165 vs 0.151 ms; benchmarks/HISTORY.md). The
+(RESULTS.md, "MLA decode"). The
 host side (head padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`, with one split
 once the CTAs fill the SMs. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
 blocks those threads in barrier waits: it needs ``NPROC >= 4`` (:func:`kvjax.pallas.mgpu_common.interpret_params`).
@@ -269,7 +269,7 @@ def unsupported(
         return f"needs {why}"
     if q_latent.shape[1] < MIN_HEADS:
         return (f"H = {q_latent.shape[1]} <= {MIN_HEADS - 1} heads: the Pallas Triton kernel is faster there "
-                f"(H100 run 13: 0.216 vs 0.226 ms)")
+                f"(RESULTS.md, MLA decode)")
     return None
 
 

@@ -14,11 +14,9 @@ the scales are applied outside the products, so the dequantisation adds no round
 Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). The host side (head
 padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`.
 
-Measured against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` (benchmarks/HISTORY.md,
-"MLA decode and DSA"; B=32, top-k 2048, page 64): at 16 heads it is faster on the H100 (run 13: L=8192 0.204 vs
-0.248 ms, L=32768 0.203 vs 0.241 ms) and at L=32768 on the H200 (run 5: 0.247 vs 0.263 ms; at L=8192 it
-trailed, 0.279 vs 0.217 ms); at 128 heads it ties on the H100 (3%) and trails on the H200 (0.296-0.376 vs
-0.235-0.283 ms). :func:`unsupported`, the backend table's check, therefore declines more than 16 heads.
+Against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` it is faster at 16 heads and ties
+or trails at 128 (RESULTS.md, "DSA sparse decode"): :func:`unsupported`, the backend table's check, therefore
+declines more than 16 heads.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from kvjax.pallas.mla.dsa_indexer import decode_e4m3_bits
 from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
                                    pad_positions, split_kv_inputs, split_kv_output)
 
-MAX_HEADS = 16  # more heads: not 5% faster than the jnp path (module doc)
+MAX_HEADS = 16  # more heads: not faster than the jnp path (module doc)
 
 
 def _sparse_fp8_kernel(
@@ -165,14 +163,14 @@ def unsupported(
     **static,  # scale
 ) -> str | None:
     """The backend table's check of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8`'s normalised call:
-    :func:`_tile_limits`, and more than ``MAX_HEADS`` heads declined (not 5% faster than the jnp path there)."""
+    :func:`_tile_limits`, and more than ``MAX_HEADS`` heads declined (not faster than the jnp path there)."""
     del rest, static
     why = _tile_limits(key, key_scale, q_rope)
     if why:
         return why
     if q_latent.shape[1] > MAX_HEADS:
-        return (f"H = {q_latent.shape[1]} > {MAX_HEADS} heads: not 5% faster than the jnp path there "
-                f"(H=128, H100 run 13: 0.302 vs 0.311 ms; H200 run 5: 0.296 vs 0.235 ms)")
+        return (f"H = {q_latent.shape[1]} > {MAX_HEADS} heads: not faster than the jnp path there "
+                f"(RESULTS.md, DSA sparse decode)")
     return None
 
 

@@ -11,8 +11,8 @@ The kernel is exact for *any* ragged batch (it re-reads a row's pages once per q
 ``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
 runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
 :mod:`kvjax.pallas.paged.prefill_mgpu`).
-Measured and not kept (benchmarks/HISTORY.md): fixed-size splits (``balanced``), tied on full heads and never
-ahead on SWA heads; a manual register prefetch of the next block, block_k 32, 8 warps.
+Measured and not kept: fixed-size splits (``balanced``), tied on full heads and never ahead on SWA heads; a
+manual register prefetch of the next block, block_k 32, 8 warps.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def paged_decode(
 ) -> jax.Array:  # [T, Hq, D]
     """Split-KV paged attention of every query token (normalised ``kvjax.ops.paged_attention`` call).
 
-    Tuning knobs, defaults the fastest measured on an H200 (benchmarks/HISTORY.md): ``num_splits`` (default:
+    Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
     ``num_stages`` 4. ``ValueError`` for shapes :func:`unsupported` rejects. Reads only; tokens that belong to
     no row get output 0.

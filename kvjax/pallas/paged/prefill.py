@@ -244,14 +244,14 @@ def unsupported(
     return common.triton_shape_reason(q, k_pages)
 
 
-# Defaults per K/V load path, the fastest measured on an H200 at T=4096, H=32, D=128 (benchmarks/HISTORY.md).
+# Defaults per K/V load path, the fastest measured at T=4096, H=32, D=128 (RESULTS.md, "Paged attention prefill").
 _PAGE_MODE_MIN_PAGE = 64  # "page" loads were slower than "gather" at page 16 (16-key sub-products)
 _DEFAULTS = {
     "page": dict(block_k=64, num_warps=4, num_stages=3, fused_loop=True, page_ids="load"),
     "gather": dict(block_k=128, num_warps=8, num_stages=3, fused_loop=False, page_ids="load"),
 }
-# pages of >= 128 tokens (measured at 128 only; block_k = page_size): 8 warps, page ids one step ahead. With 4 warps
-# / ids loaded in the step that uses them a [128, D] page per step was 2.2-2.3x / 1.03-1.17x slower (two runs).
+# pages of >= 128 tokens (measured at 128 only; block_k = page_size): 8 warps, page ids one step ahead (4 warps, or
+# ids loaded in the step that uses them, were slower for a [128, D] page per step).
 _LARGE_PAGE = 128
 _DEFAULTS_LARGE_PAGE = dict(block_k=128, num_warps=8, num_stages=3, fused_loop=True, page_ids="carry")
 
@@ -294,9 +294,9 @@ def paged_prefill(
     run time instead of separate loops for the masked and unmasked blocks. ``page_ids`` (``kv_load="page"``;
     ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in the step
     that uses it, ``"carry"`` one step ahead, passed in the loop carry.
-    Measured and removed (slower on an H200, benchmarks/HISTORY.md): page ids two steps ahead or from a register
-    chunk of the table, a key block's pages joined into one operand, all tiles of one KV head launched together,
-    masking every key block (``fast_path=False``, 1.33x slower).
+    Measured slower and removed: page ids two steps ahead or from a register chunk of the table, a key block's
+    pages joined into one operand, all tiles of one KV head launched together, masking every key block
+    (``fast_path=False``).
     """
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
