@@ -6,3 +6,5 @@ Subpackages: ``config`` (frozen configs), ``ops`` (public ops: references + kern
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -7,3 +7,5 @@ exit status 2).
 
 Importing this package imports neither jax nor a command: each command is imported when it runs.
 """
+
+__all__ = ["main"]  # the module: kvjax.cli.main.main(argv) is the entry point

@@ -10,3 +10,5 @@ from kvjax.engine.outputs import StepOutput, TokenEvent
 from kvjax.engine.engine import Engine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.inputs import StepInputs
+
+__all__ = ["Engine", "SamplingParams", "StepInputs", "StepOutput", "TokenEvent"]

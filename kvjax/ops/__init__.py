@@ -15,6 +15,13 @@ from kvjax.ops.dsa import index_topk, indexer_scores, sparse_mla_decode, sparse_
 from kvjax.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kvjax.ops.mla import absorb_output, absorb_query, mla_decode, mla_prefill_reference, split_kv_b_proj
 
+__all__ = [
+    "Backend", "BackendTable", "absorb_output", "absorb_query", "causal_conv1d", "causal_conv1d_update",
+    "chunk_gated_delta_rule", "dense_attention_reference", "index_topk", "indexer_scores", "mla_decode",
+    "mla_prefill_reference", "paged_attention", "recurrent_gated_delta_rule", "sparse_mla_decode",
+    "sparse_mla_decode_fp8", "split_kv_b_proj", "tables",
+]
+
 
 def tables() -> list[BackendTable]:
     """Every op's :class:`BackendTable`, sorted by op name (imports the op modules of this package, no kernel)."""

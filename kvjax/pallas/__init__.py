@@ -7,3 +7,5 @@ Each kernel module: kernel body, ``pallas_call`` builder, jitted wrapper, and an
 the op's normalised call. Kernels are reached through the backend tables of :mod:`kvjax.ops`, which alone choose
 between them; a kernel module never routes to another kernel and imports no config.
 """
+
+__all__ = ["gdn", "mgpu_common", "mla", "paged", "split_kv", "swiglu"]  # kernel packages and modules

@@ -14,6 +14,8 @@ import importlib.util
 
 from kvjax.pallas.split_kv import tile_reason
 
+__all__ = ["OPTIONAL", "mla_decode_unsupported", "unsupported"]
+
 OPTIONAL = ("triton", "jax_triton")
 
 

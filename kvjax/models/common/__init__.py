@@ -2,3 +2,5 @@
 :mod:`~kvjax.models.common.rope` (HF rotary embeddings) and :mod:`~kvjax.models.common.checkpoint` (config and
 safetensors reading, checked parameter assignment).
 """
+
+__all__ = ["checkpoint", "layers", "parallel", "rope"]

@@ -4,3 +4,5 @@ causal conv1d on the GDN conv pool (:mod:`.conv`), and the state-pool convention
 Which one runs is decided by the backend tables of :mod:`kvjax.ops.gdn`, :mod:`kvjax.ops.gdn_on_pool` and
 :mod:`kvjax.ops.conv`, never here: each kernel module exports its kernels and their ``unsupported()`` checks.
 """
+
+__all__ = ["chunk", "common", "conv", "prep", "recurrent"]

@@ -5,3 +5,5 @@ they share is :mod:`kvjax.pallas.split_kv`. Which one runs is decided by the bac
 :mod:`kvjax.ops.mla` and :mod:`kvjax.ops.dsa`, never here: each kernel module exports its kernel and its
 ``unsupported()`` check.
 """
+
+__all__ = ["decode", "decode_mgpu", "dsa_indexer", "dsa_sparse"]

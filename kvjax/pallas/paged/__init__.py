@@ -4,3 +4,5 @@ metadata they share (:mod:`.common`). Which one runs is decided by the backend t
 :func:`kvjax.ops.attention.paged_attention`, never here: each kernel module exports its kernel and its
 ``unsupported()`` check.
 """
+
+__all__ = ["common", "decode", "prefill", "prefill_mgpu"]
