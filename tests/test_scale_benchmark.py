@@ -1,0 +1,85 @@
+"""CPU smoke run of ``benchmarks/scale.py`` (issue 34) and its trace parser ``benchmarks/trace_kernels.py``.
+
+``scale.py --smoke --only tp,profile`` on 8 host devices (a subprocess; G = 2): the tiny ``tp`` model gives the same
+first tokens on one device, ``1x2`` and ``2x1``; the ``1x2`` run is traced and the trace parsed (a CPU trace has no
+device records). With ``KVJAX_FULL_SCALE_SMOKE=1`` every section (about 90 s on 2 cores): also one device and
+``--devices 2`` give the same tokens (f32) under both policies, two processes of ``kvjax run`` the single
+controller's, DeepSeek on ``1x2`` / ``2x1`` one device's. In CI those paths are covered by ``test_scale_out.py``
+(two processes through the command) and ``test_sharding_engine.py`` (both families on meshes). The parser's
+classes are checked on the kernel names CUDA GPUs report (NCCL, cuBLAS, XLA fusions, Pallas kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def trace_kernels():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import trace_kernels
+
+        yield trace_kernels
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("all-gather-start.3", "collective"),
+    ("reduce_scatter_fusion", "collective"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
+    ("nvjet_tst_128x64_64x8_1x2_h_bz_TNN", "gemm"),
+    ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8", "gemm"),
+    ("triton_gemm_dot_general_2", "gemm"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("loop_reduce_fusion_3", "other"),
+    ("input_multiply_reduce_fusion", "other"),
+    ("gdn_slot_decode_kernel", "other"),
+    ("paged_decode_split_kv", "other"),
+])
+def test_kernel_classes(trace_kernels, name, cls):
+    assert trace_kernels.classify(name) == cls
+
+
+def test_scale_smoke_on_8_cpu_devices(tmp_path):
+    full = os.environ.get("KVJAX_FULL_SCALE_SMOKE") == "1"
+    out = tmp_path / "scale.json"
+    env = {**os.environ,
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    r = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--smoke", "--only",
+                        "dp,procs,tp,profile,deepseek" if full else "tp,profile", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["devices"] == 2 and doc["smoke"]
+    assert set(doc["sections"]) == ({"dp", "procs", "tp", "deepseek"} if full else {"tp"})
+    if full:
+        dp = doc["sections"]["dp"]["rows"]
+        assert [(row["devices"], row["recycle"]) for row in dp] == [(1, "none"), (1, "timely"), (2, "none"),
+                                                                   (2, "timely")]
+        assert all(row["identical_to_one_device"] and row["tokens_per_s"] > 0 for row in dp)
+        for row in dp:
+            one = next(r for r in dp if r["devices"] == 1 and r["recycle"] == row["recycle"])
+            assert row["ratio"] == pytest.approx(row["tokens_per_s"] / one["tokens_per_s"])
+            assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / row["devices"])
+        procs = doc["sections"]["procs"]
+        assert procs["ok"] and all(row["identical_to_single_controller"] for row in procs["rows"])
+        assert all(row["identical_greedy"] and row["identical_sampled"]
+                   for row in doc["sections"]["deepseek"]["rows"][1:])
+    tp = doc["sections"]["tp"]["rows"]
+    assert [row["run"] for row in tp] == ["one", "1x2", "2x1"]
+    assert all(row["identical_tokens"] and row["compared_tokens"] >= 4 and row["ms_per_step"] > 0 for row in tp)
+    traced = [row for row in tp if "profile" in row]
+    assert [row["run"] for row in traced] == ["1x2"]
+    assert traced[0]["profile"]["gpus"] == {}  # a CPU trace: written and parsed, no device records
+    assert any(Path(traced[0]["profile"]["trace_dir"]).rglob("*.xplane.pb"))
