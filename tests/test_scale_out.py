@@ -230,5 +230,6 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path):
     one = json.loads(r.stdout)
     assert (two["processes"], two["mesh"], one["mesh"]) == (2, [2, 1], None)
     assert two["results"]["none"]["devices"] == 2
+    assert len(two["results"]["none"]["pages_used_device_peak"]) == 2  # one pool per device, recorded per step
     assert two["tokens_digest"] == one["tokens_digest"]
     assert two["results"]["none"]["generated_tokens"] == one["results"]["none"]["generated_tokens"] > 0

@@ -95,7 +95,7 @@ from kvjax.engine.inputs import SamplingTable
 from kvjax.engine.options import EngineOptions
 from kvjax.engine.sampling import SamplingParams, call_params
 from kvjax.engine.runner import Runner, engine_model
-from kvjax.engine.metrics import EngineMetrics, StepRecord
+from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
 from kvjax.engine.sizing import CacheSizing, check_cache_fits, default_max_seqs, size_cache
 from kvjax.models.interface import CausalLM
 from kvjax.models.sharding import ShardedModel
@@ -544,6 +544,7 @@ class Engine:
             burst=max(p.burst for p in plans),
             computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
             pages_free=self.total_pages - used, compiled=self.num_traces > traces0,
+            pages_used_devices=() if self.mesh is None else device_pages_used(scheds),
             t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
         flight = _Flight(plans, tokens, record)
