@@ -73,3 +73,160 @@ def test_copies_match_a_numpy_replay(rng):
     assert store.stats.pages_out > 0 and store.stats.pages_in > 0 and store.stats.bytes_in > 0
     caches = store.apply(caches, [_op("drop", (), sorted(host_p), (), sorted(host_c))])
     assert not store.batches and store.bytes_held == 0 and not store.where
+
+
+# ---- the engine with a host tier ----------------------------------------------------------------------------
+
+import jax  # noqa: E402
+
+from kvjax.engine.engine import Engine  # noqa: E402
+from test_engine import BUDGET, SMALL, VOCAB, greedy_oracle, qwen_swa_model  # noqa: E402
+
+HOST = 1 << 20  # bytes: far more than the tiny model's cache (the device pool is what runs short)
+TURNS, NEW = 3, 4
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return qwen_swa_model()
+
+
+def conversations(seed: int = 3, n: int = 6) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, int(rng.integers(12, 22))).tolist() for _ in range(n)]
+
+
+def talk(engine: Engine, first: list[list[int]], seed: int = 4) -> list[list[list[int]]]:
+    """``TURNS`` turns of every conversation, one ``generate`` call per turn (more conversations than the device
+    cache holds: turn ``t + 1`` finds turn ``t``'s blocks evicted); returns each turn's outputs."""
+    rng = np.random.default_rng(seed)
+    prompts, turns = first, []
+    for _ in range(TURNS):
+        out = engine.generate(prompts, NEW)
+        turns.append(out)
+        prompts = [p + o + rng.integers(0, VOCAB, 3).tolist() for p, o in zip(prompts, out)]
+    return turns
+
+
+@pytest.fixture(scope="module")
+def reference(qwen):
+    """Tokens of the device-only cache, checked against uncached greedy decoding on the last turn."""
+    engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
+                    decode_burst=1)
+    turns = talk(engine, conversations())
+    rng, prompts = np.random.default_rng(4), conversations()
+    for out in turns[:-1]:
+        prompts = [p + o + rng.integers(0, VOCAB, 3).tolist() for p, o in zip(prompts, out)]
+    assert turns[-1] == greedy_oracle(qwen, prompts, NEW)
+    return turns, engine.metrics.summary()
+
+
+def finish(engine: Engine) -> None:
+    engine.check_integrity()
+    engine.clear_prefix_cache()
+    assert engine.is_idle() and engine.scheduler.prefix.cached_pages() == 0
+
+
+@pytest.mark.parametrize("overlap,burst", [(True, 4), (True, 1), (False, 1)], ids=["overlap-burst", "overlap", "sync"])
+def test_tokens_equal_the_device_only_cache(qwen, reference, overlap, burst):
+    """Same tokens (f32) as without a host tier, with timely recycling, chunked prefill and preemption; later
+    turns are served from the host (fewer prompt tokens computed) and the copies are counted."""
+    want, device_only = reference
+    engine = Engine(qwen, SMALL, overlap=overlap, recycle="timely", max_num_batched_tokens=BUDGET, debug=True,
+                    prefix_caching=True, host_cache_bytes=HOST, decode_burst=burst)
+    assert talk(engine, conversations()) == want
+    s = engine.metrics.summary()
+    assert s["prefix_hit_tokens_host"] > 0 and s["host_bytes_out"] > 0 and s["host_bytes_in"] > 0
+    assert s["prefill_tokens"] < device_only["prefill_tokens"]
+    assert s["prefix_hit_tokens"] == s["prefix_hit_tokens_host"] + s["prefix_hit_tokens_device"]
+    assert 0 <= s["copy_share"] < 1 and s["preemptions"] > 0
+    assert engine.host_store.stats.pages_in == engine.scheduler.prefix.host.pages_in
+    finish(engine)
+    assert engine.scheduler.prefix.host.used_bytes == 0 and not engine.host_store.batches
+
+
+def test_a_small_host_budget_evicts_and_keeps_the_tokens(qwen, reference):
+    want, _ = reference
+    engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
+                    host_cache_bytes=6000, decode_burst=1)
+    assert talk(engine, conversations()) == want
+    host = engine.scheduler.prefix.host
+    assert host.evictions > 0 and host.used_bytes <= host.capacity_bytes
+    finish(engine)
+
+
+def test_aborts_while_blocks_are_in_flight(qwen, reference):
+    """Requests aborted right after the step that loaded their blocks from the host (the step still on the
+    device in overlap mode) free everything; the others' tokens are unchanged, and the next turn still hits."""
+    want, _ = reference
+    engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
+                    host_cache_bytes=HOST, decode_burst=1)
+    first = conversations()
+    engine.generate(first, NEW)
+    rng = np.random.default_rng(4)
+    prompts = [p + o + rng.integers(0, VOCAB, 3).tolist() for p, o in zip(first, want[0])]
+    ids = [engine.add_request(p, NEW, index=i) for i, p in enumerate(prompts)]
+    got = {rid: [] for rid in ids}
+    aborted = set()
+    while engine.has_unfinished():
+        loads = engine.scheduler.prefix.host.pages_in
+        outs = engine.step()
+        for out in outs:
+            if out.request_id not in aborted:
+                got[out.request_id] += out.tokens
+        if engine.scheduler.prefix.host.pages_in > loads and len(aborted) < 2:
+            rid = next(r for r in engine.scheduler.running if r.request_id not in aborted).request_id
+            engine.abort(rid)
+            aborted.add(rid)
+        engine.check_integrity()
+    assert aborted
+    for i, rid in enumerate(ids):
+        if rid not in aborted:
+            assert got[rid] == want[1][i]
+    finish(engine)
+
+
+def test_a_fault_inside_the_copies_recovers(qwen, reference, monkeypatch):
+    """A load that fails after some of its copies ran (the caches half written) is a fault of the step: the engine
+    recovers (caches, scheduler, prefix cache and host tier rebuilt) and gives the tokens of an uninterrupted run."""
+    from kvjax.engine import host_tier
+
+    want, _ = reference
+
+    class Injected(Exception):
+        pass
+
+    real, calls = host_tier.HostStore._in, []
+
+    def failing(self, caches, op):
+        calls.append(1)
+        if len(calls) == 2:
+            real(self, caches, op)
+            raise Injected("a copy failed mid-step")
+        return real(self, caches, op)
+
+    monkeypatch.setattr(host_tier.HostStore, "_in", failing)
+    engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
+                    host_cache_bytes=HOST, decode_burst=1)
+    with pytest.raises(Injected):
+        talk(engine, conversations())
+    assert engine.num_recoveries == 1 and engine.scheduler.prefix.host.used_bytes == 0
+    assert not engine.host_store.batches
+    monkeypatch.setattr(host_tier.HostStore, "_in", real)
+    engine.clear_prefix_cache()
+    engine.check_integrity()
+    assert talk(engine, conversations()) == want
+    finish(engine)
+
+
+def test_host_tier_arguments_are_checked(qwen):
+    with pytest.raises(ValueError, match="needs prefix_caching=True"):
+        Engine(qwen, SMALL, host_cache_bytes=HOST)
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=-1)
+    with pytest.raises(ValueError, match="holds no page"):
+        Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=10)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="not on a mesh"):
+        Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=HOST, mesh=mesh)
+    assert Engine(qwen, SMALL, prefix_caching=True).host_store is None

@@ -91,6 +91,7 @@ from kvjax.config import CacheConfig, is_int
 from kvjax.engine.args import (check_cache_dtype, check_eos, check_index, check_prompt, check_prompts, prefix_config,
                                set_buckets, stop_ids)
 from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
+from kvjax.engine.host_tier import HostStore, host_tier_config
 from kvjax.engine.inputs import SamplingTable
 from kvjax.engine.options import EngineOptions
 from kvjax.engine.sampling import SamplingParams, call_params
@@ -180,6 +181,8 @@ class Engine:
                                  "got both")
             check_cache_fits(local, cache_config, num_ckpts, cache_dtype, o.cache_options, device)
         self.cache_config = cache_config
+        prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size,
+                                  dtype=cache_dtype, cache_options=o.cache_options, mesh=self.mesh)
         self.overlap = o.overlap
         eos_token_id = o.eos_token_id
         if isinstance(eos_token_id, str) and eos_token_id == "auto":
@@ -217,6 +220,7 @@ class Engine:
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
                              max_traces=o.max_traces)
         self.caches = self._init_caches()
+        self.host_store = HostStore() if prefix is not None and prefix.host_bytes else None  # the host tier's data
         self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self.outputs = Outputs()  # what each request was given; the consumers' queues
@@ -252,7 +256,10 @@ class Engine:
     def clear_prefix_cache(self) -> int:
         """Drop every cached prompt block and GDN checkpoint (blocks that running requests hold stay theirs);
         returns the pages freed. No-op without prefix caching."""
-        return sum(s.clear_prefix_cache() for s in self.schedulers)
+        freed = sum(s.clear_prefix_cache() for s in self.schedulers)
+        if self.host_store is not None:  # the host tier's copies are dropped now, not at the next step
+            self.caches = self.host_store.apply(self.caches, self.scheduler.prefix.take_copies())
+        return freed
 
     # ---- requests --------------------------------------------------------------------------------------------
     @property
@@ -498,6 +505,7 @@ class Engine:
             raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
                                f"{[r for s in scheds for r in s.running]}, waiting="
                                f"{sum(len(s.waiting) for s in scheds)}, preempted={sum(len(s.preempted) for s in scheds)}")
+        copies = self._host_copies(scheds)
         t1 = time.perf_counter()
         if idle_since is None and self._device_idle():
             idle_since = t1
@@ -545,11 +553,29 @@ class Engine:
             computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
             pages_free=self.total_pages - used, compiled=self.num_traces > traces0,
             pages_used_devices=() if self.mesh is None else device_pages_used(scheds),
-            t_schedule=t1 - t0, t_inputs=t2 - t1, t_dispatch=t3 - t2,
+            t_schedule=t1 - t0 - copies["t_copy"], t_inputs=t2 - t1, t_dispatch=t3 - t2, **copies,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
         flight = _Flight(plans, tokens, record)
         self._inflight.append(flight)
         return flight
+
+    def _host_copies(self, scheds: list[Scheduler]) -> dict:
+        """Execute the prefix caches' host-tier copies of the plans just scheduled, before their step is dispatched
+        (:mod:`kvjax.engine.host_tier`: in order on the device, their transfers overlapping the step in flight);
+        returns the step record's host-tier fields."""
+        t = time.perf_counter()
+        if not self.prefix_caching:
+            return dict(t_copy=0.0)
+        with TraceAnnotation("kvjax.host_copies"):
+            hits = sum(s.prefix.plan_hits()[1] for s in scheds)
+            ops = [s.prefix.take_copies() for s in scheds]  # () without a host tier
+            store = self.host_store
+            if store is None:
+                return dict(t_copy=time.perf_counter() - t)
+            out0, in0 = store.stats.bytes_out, store.stats.bytes_in
+            self.caches = store.apply(self.caches, ops[0])  # one device: one scheduler
+        return dict(prefix_hit_tokens_host=hits, host_bytes_out=store.stats.bytes_out - out0,
+                    host_bytes_in=store.stats.bytes_in - in0, t_copy=time.perf_counter() - t)
 
     def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[StepOutput]:
         """Read ``flight``'s tokens (waiting for its device work), apply them, and return their outputs."""
@@ -588,6 +614,8 @@ class Engine:
         self.outputs.rollback()
         lost, self._inflight = list(self._inflight), collections.deque()
         self.caches = None
+        if self.host_store is not None:  # its spilled blocks belong to the prefix cache that starts over
+            self.host_store = HostStore()
         self.schedulers = [s.rebuilt() for s in self.schedulers]
         self.scheduler = self.schedulers[0]
         self.outputs.rebind({rid: req for s in self.schedulers for rid, req in s.requests.items()})

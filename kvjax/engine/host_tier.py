@@ -37,10 +37,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from kvjax.models.interface import ModelCaches
+from kvjax.engine.sizing import cache_bytes_model
+from kvjax.models.interface import CausalLM, ModelCaches
 from kvjax.sched.host_tier import CopyOp
+from kvjax.sched.prefix_cache import PrefixCacheConfig
 from kvjax.state.gdn_pool import GDNStatePool
 from kvjax.state.registry import host_sharding
+
+
+def host_tier_config(prefix: PrefixCacheConfig | None, host_cache_bytes: int, model: CausalLM, *, page_size: int,
+                     dtype, cache_options: dict | None, mesh) -> PrefixCacheConfig | None:
+    """``prefix`` with a host tier of ``host_cache_bytes`` (checked by ``EngineOptions``; 0: unchanged), its page
+    and checkpoint bytes read from ``model``'s caches. ``ValueError`` (nothing built yet) for a host tier on a
+    mesh, or one too small for a page."""
+    if not host_cache_bytes or prefix is None:
+        return prefix
+    if mesh is not None:
+        raise ValueError("host_cache_bytes: the host tier runs on one device, not on a mesh (yet)")
+    page_bytes, slot_bytes, _ = cache_bytes_model(model, page_size=page_size, dtype=dtype,
+                                                  cache_options=cache_options)
+    if host_cache_bytes < page_bytes:
+        raise ValueError(f"host_cache_bytes={host_cache_bytes} holds no page ({page_bytes} bytes over every layer)")
+    return dataclasses.replace(prefix, host_bytes=int(host_cache_bytes), page_bytes=page_bytes,
+                               ckpt_bytes=slot_bytes if prefix.gdn else 0)
 
 
 def _bucket(n: int) -> int:

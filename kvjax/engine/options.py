@@ -79,6 +79,9 @@ class EngineOptions:
     - ``prefix_caching`` [False]: share cached prompt blocks between requests; ``prefix_checkpoints`` [``max_seqs``
       for a model with GDN layers]: GDN checkpoint slots; ``prefix_recycle`` ["keep_tail"]: what happens to a cached
       page SWA recycling frees (``"keep_tail"`` | ``"eager"``). The last two only with ``prefix_caching``.
+    - ``host_cache_bytes`` [0]: bytes of host memory for the prefix cache's host tier (0: none; only with
+      ``prefix_caching``, on one device): evicted pages and GDN checkpoints spill to pinned host memory and come
+      back on a hit (:mod:`kvjax.engine.host_tier`).
     - ``token_buckets``, ``row_buckets``, ``block_buckets`` [powers of two]: the bucket sets of ``T``, ``B`` and the
       block-table width, ascending and ending at ``max_num_batched_tokens`` / ``max_seqs`` / ``max_blocks_per_seq``
       (fewer buckets: fewer compilations, more padding).
@@ -100,6 +103,7 @@ class EngineOptions:
     prefix_caching: bool = False
     prefix_checkpoints: int | None = None
     prefix_recycle: str = "keep_tail"
+    host_cache_bytes: int = 0
     token_buckets: tuple[int, ...] | None = None
     row_buckets: tuple[int, ...] | None = None
     block_buckets: tuple[int, ...] | None = None
@@ -122,6 +126,12 @@ class EngineOptions:
             raise ValueError(f"prefix_recycle must be one of {RECYCLE_MODES}, got {self.prefix_recycle!r}")
         if not self.prefix_caching and (self.prefix_checkpoints is not None or self.prefix_recycle != "keep_tail"):
             raise ValueError("prefix_checkpoints / prefix_recycle need prefix_caching=True")
+        if not is_int(self.host_cache_bytes) or self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be an int >= 0 (bytes of host memory), got "
+                             f"{self.host_cache_bytes!r}")
+        if self.host_cache_bytes and not self.prefix_caching:
+            raise ValueError(f"host_cache_bytes={self.host_cache_bytes} needs prefix_caching=True (the host tier holds "
+                             "what the prefix cache evicts)")
 
     @property
     def burst(self) -> int:

@@ -412,6 +412,11 @@ class PrefixCache:
         self.host.evictions += 1
         self._delete_if_empty(e)
 
+    def plan_hits(self) -> tuple[int, int]:
+        """``(device, host)`` prompt tokens the admissions of the plan being built took from the cache (host: the
+        blocks loaded from the host tier)."""
+        return sum(d for d, _ in self._fresh.values()), sum(h for _, h in self._fresh.values())
+
     def take_copies(self) -> tuple:
         """The host tier's copies logged since the last call (:meth:`HostTier.take`), in order; ``()`` without
         a host tier. The engine executes them before dispatching the plan just scheduled; the plan's cache
