@@ -84,7 +84,8 @@ class TierRig(Rig):
         if slot >= 0:
             self.ckpt_state[slot] = self.pc.rows[row].parent
         self.progress[row] = done + n
-        self.policy.recycle(self.b, np.array([row]), np.array([done + n]))
+        self.policy.recycle(self.b, np.array([row]), np.array([done + n]))  # the next plan's first call
+        self.land()
         return n
 
     def check(self) -> None:
