@@ -230,3 +230,14 @@ def test_host_tier_arguments_are_checked(qwen):
     with pytest.raises(ValueError, match="not on a mesh"):
         Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=HOST, mesh=mesh)
     assert Engine(qwen, SMALL, prefix_caching=True).host_store is None
+
+
+def test_run_command_with_a_host_tier(capsys):
+    from kvjax.__main__ import main
+
+    rc = main(["run", "--requests", "4", "--scale", "0.004", "--memory-requests", "1.5", "--no-progress",
+               "--prefix-caching", "--host-cache-gb", "0.01", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "timely+prefix+host" in out and "identical tokens in every run and repeat: yes" in out
+    assert main(["run", "--host-cache-gb", "1"]) == 2
+    assert "--host-cache-gb needs --prefix-caching" in capsys.readouterr().err
