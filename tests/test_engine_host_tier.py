@@ -7,10 +7,14 @@ greedy decoding (for the engine).
 
 from __future__ import annotations
 
+import os
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kvjax
 from kvjax.engine.host_tier import HostStore
 from kvjax.models.interface import ModelCaches
 from kvjax.sched.host_tier import CopyOp
@@ -241,3 +245,72 @@ def test_run_command_with_a_host_tier(capsys):
     assert rc == 0 and "timely+prefix+host" in out and "identical tokens in every run and repeat: yes" in out
     assert main(["run", "--host-cache-gb", "1"]) == 2
     assert "--host-cache-gb needs --prefix-caching" in capsys.readouterr().err
+
+
+TIER_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(kvjax.__file__)), f)
+                   for f in ("sched/prefix_cache.py", "sched/host_tier.py", "engine/host_tier.py", "sched/blocks.py"))
+
+
+class TierInjected(Exception):
+    pass
+
+
+class TierFault:
+    """``sys.settrace``: counts the line events of the host tier's code (the cache's spills and loads, the
+    allocator, the store's copies) and raises ``exc`` at the ``at``-th."""
+
+    def __init__(self, at: int | None = None, exc: type[BaseException] = TierInjected) -> None:
+        self.at, self.exc, self.events = at, exc, 0
+
+    def __call__(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(TIER_FILES):
+            return None
+        if event == "line":
+            self.events += 1
+            if self.events == self.at:
+                raise self.exc(f"injected fault at tier event {self.at}")
+        return self
+
+
+def serve_turns(engine: Engine, fault: TierFault) -> tuple[list[list[list[int]]], int]:
+    """:func:`talk` through ``step()`` under ``fault`` (every step traced); returns the turns' outputs and how many
+    steps raised."""
+    rng, prompts, turns, raised = np.random.default_rng(4), conversations(), [], 0
+    for _ in range(TURNS):
+        ids = {engine.add_request(p, NEW, index=i): i for i, p in enumerate(prompts)}
+        got = [[] for _ in prompts]
+        while engine.has_unfinished():
+            sys.settrace(fault)
+            try:
+                outs = engine.step()
+            except (TierInjected, KeyboardInterrupt):
+                raised, outs = raised + 1, []
+            finally:
+                sys.settrace(None)
+            engine.check_integrity()
+            for out in outs:
+                assert out.position == len(got[ids[out.request_id]])
+                got[ids[out.request_id]] += out.tokens
+        turns.append(got)
+        prompts = [p + o + rng.integers(0, VOCAB, 3).tolist() for p, o in zip(prompts, got)]
+    return turns, raised
+
+
+def test_a_fault_at_any_line_of_the_tier(qwen, reference):
+    """A fault (an exception or ``KeyboardInterrupt``) at sampled line events of the host tier's code, over a run
+    that spills and loads: the step re-raises, the engine recovers, and the tokens are an uninterrupted run's
+    (``KVJAX_FULL_FAULTS=1``: 40 points instead of 6)."""
+    want, _ = reference
+    engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
+                    host_cache_bytes=HOST, decode_burst=4)
+    count = TierFault()
+    assert serve_turns(engine, count) == (want, 0)
+    finish(engine)
+    samples = 40 if os.environ.get("KVJAX_FULL_FAULTS") == "1" else 6
+    for k, n in enumerate(np.linspace(1, count.events, samples + 2)[1:-1].round().astype(int).tolist()):
+        fault = TierFault(n, KeyboardInterrupt if k % 2 else TierInjected)
+        got, raised = serve_turns(engine, fault)
+        assert got == want, f"a fault at tier event {n} of {count.events} changed the tokens"
+        assert raised == 1 or fault.events < n
+        finish(engine)
+    assert engine.num_recoveries >= samples - 1
