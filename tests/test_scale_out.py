@@ -204,15 +204,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_of_the_command_equal_one_process(tmp_path):
+@pytest.mark.parametrize("mesh", [[], ["--devices", "2"]], ids=["one engine per process", "one mesh"])
+def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
+    """Two processes give one process's tokens: each with its own engine on its share of the requests (data
+    parallel, the default), or both on one 2x1 mesh over their devices."""
     if INNER:
         pytest.skip("runs in the main test process")
-    run = [sys.executable, "-m", "kvjax", "run", "--requests", "3", "--scale", "0.01", "--repeats", "1",
+    run = [sys.executable, "-m", "kvjax", "run", "--requests", "3", "--scale", "0.01", "--repeats", "2",
            "--no-compile-cache"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     port = _free_port()
-    procs = [subprocess.Popen(run + ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id",
-                                     str(i), "--json", str(tmp_path / f"{i}.json")],
+    procs = [subprocess.Popen(run + mesh + ["--coordinator", f"localhost:{port}", "--num-processes", "2",
+                                            "--process-id", str(i), "--json", str(tmp_path / f"{i}.json")],
                               env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     try:
@@ -228,8 +231,14 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path):
     r = subprocess.run(run + ["--json", "-"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     one = json.loads(r.stdout)
-    assert (two["processes"], two["mesh"], one["mesh"]) == (2, [2, 1], None)
-    assert two["results"]["none"]["devices"] == 2
-    assert len(two["results"]["none"]["pages_used_device_peak"]) == 2  # one pool per device, recorded per step
+    assert (two["processes"], two["mesh"], one["mesh"]) == (2, [2, 1] if mesh else None, None)
     assert two["tokens_digest"] == one["tokens_digest"]
     assert two["results"]["none"]["generated_tokens"] == one["results"]["none"]["generated_tokens"] > 0
+    if mesh:
+        assert two["results"]["none"]["devices"] == 2
+        assert len(two["results"]["none"]["pages_used_device_peak"]) == 2  # one pool per device, each step
+    else:  # the figures of both engines, combined
+        per = two["results"]["none"]["generated_tokens_per_s_processes"]
+        assert len(per) == 2 and all(r > 0 for r in per)
+        assert two["results"]["none"]["generated_tokens_per_s"] == pytest.approx(sum(per), rel=1e-5)
+        assert two["results"]["none"]["wall_tokens_per_s"] > 0 and len(two["results"]["none"]["wall_s"]) == 2

@@ -9,8 +9,7 @@ step time — the host time the device waited for, see :mod:`kvjax.engine.metric
 generated identical tokens (greedy). The engine overlaps planning step N+1 with step N on the device
 (``--no-overlap``: the synchronous engine); ``--decode-burst K`` lets it run up to ``K`` decode steps per dispatch
 (:mod:`kvjax.engine.burst`). ``--prefix-caching`` adds both policies with prefix caching
-(``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens;
-``--host-cache-gb G`` one more, ``timely+prefix+host``, whose prefix cache spills to a host tier of ``G`` GB.
+(``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens.
 
 ``--mesh DATAxMODEL`` (or ``--devices N`` = ``--mesh Nx1``) runs the engine on a ``("data", "model")`` mesh
 (``Engine(mesh=...)``; on CPU, JAX is asked for that many host devices, at most 64): each data shard has the preset's
@@ -19,11 +18,13 @@ as one device). On a mesh the table adds tokens/s per device and each device's p
 ``devices``, ``generated_tokens_per_s_per_device``, ``pages_per_device``, ``pages_used_device_mean`` / ``_peak``).
 
 One process per GPU (or per host): ``--coordinator HOST:PORT --num-processes N --process-id I`` joins a
-``jax.distributed`` run (JAX's multi-controller runtime: NCCL between GPUs, gloo between CPU processes); the same
-command is started once per process, every process builds the same mesh over all processes' devices (default:
-all of them, data parallel) and serves the same steps, and only process 0 prints the table and writes
-``--json`` / ``--plot``. ``--local-devices`` picks the GPUs of this process (``jax.distributed``'s
-``local_device_ids``).
+``jax.distributed`` run (JAX's multi-controller runtime: NCCL between GPUs, gloo between CPU processes), the same
+command started once per process (:mod:`kvjax.cli.processes`). Without ``--mesh`` / ``--devices`` each process
+runs its own engine on its own device and serves its share of the requests (data parallel, the host work split
+over the processes); the table sums their figures (``wall_tokens_per_s``: every process's tokens over the slowest
+process's wall). With ``--mesh`` / ``--devices`` every process builds the same mesh over all processes' devices and
+serves the same steps. Only process 0 prints the table and writes ``--json`` / ``--plot``. ``--local-devices``
+picks the GPUs of this process (``jax.distributed``'s ``local_device_ids``; one per process for one engine each).
 
 Generated tokens/s is the steady-state rate: steps that compiled a new bucket shape are left out of both the
 tokens and the time (compilation is reported apart). Both runs share one compiled step.
@@ -64,6 +65,8 @@ from kvjax.cli import compile_cache
 from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_at_least, json_destination,
                             number_in, writable_file)
 from kvjax.cli.output import provenance, write_json
+from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
+                                  start_processes, wall_rate)
 from kvjax.sched.workload import cache_for, check_servable, seed_footprint, seed_workload
 
 
@@ -185,19 +188,6 @@ def build_model(p: Preset, *, seed: int = 0, mesh: jax.sharding.Mesh | None = No
     return init_random(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype))
 
 
-MAX_HOST_DEVICES = 64  # most CPU devices ``--mesh`` / ``--devices`` asks JAX for (each one is a thread pool)
-
-
-def parse_mesh(spec: str) -> tuple[int, int]:
-    """``"DxM"`` -> ``(D, M)``; ``UsageError`` naming a bad spec."""
-    try:
-        d, m = (int(x) for x in spec.lower().split("x"))
-        assert d >= 1 and m >= 1
-    except (ValueError, AssertionError):
-        raise UsageError(f"--mesh must be DATAxMODEL with ints >= 1 (e.g. 2x2), got {spec!r}") from None
-    return d, m
-
-
 def make_mesh(spec: str | None, processes: int = 1) -> jax.sharding.Mesh | None:
     """``"DxM"`` -> a ``("data", "model")`` mesh of the first ``D * M`` devices (of every process: the same mesh
     in each); ``UsageError`` for a bad spec or more devices than JAX sees, before anything is placed on them. On
@@ -222,35 +212,6 @@ def mesh_spec(args: argparse.Namespace) -> str | None:
     if args.mesh is not None and args.devices is not None:
         raise UsageError("give --mesh or --devices, not both")
     return args.mesh if args.devices is None else f"{args.devices}x1"
-
-
-def start_processes(args: argparse.Namespace) -> int:
-    """Join the multi-process run of ``--coordinator`` (``jax.distributed``, before any other JAX use): gloo
-    collectives between CPU processes, ``D * M / N`` host devices each on CPU. Returns the number of processes
-    (1 without ``--coordinator``); ``UsageError`` for an incomplete or inconsistent set of flags."""
-    flags = (args.coordinator, args.num_processes, args.process_id)
-    if all(f is None for f in flags):
-        if args.local_devices is not None:
-            raise UsageError("--local-devices needs --coordinator, --num-processes and --process-id")
-        return 1
-    if any(f is None for f in flags):
-        raise UsageError("a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and "
-                         "--process-id I")
-    n, i = args.num_processes, args.process_id
-    if i >= n:
-        raise UsageError(f"--process-id must be < --num-processes {n}, got {i}")
-    host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--coordinator must be HOST:PORT (port 1-65535), got {args.coordinator!r}")
-    spec = mesh_spec(args)
-    d, m = (n, 1) if spec is None else parse_mesh(spec)
-    if d * m % n:
-        raise UsageError(f"--mesh / --devices {spec}: the devices must split evenly over --num-processes {n}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes only; a GPU uses NCCL
-    jax.config.update("jax_num_cpu_devices", min(d * m // n, MAX_HOST_DEVICES))
-    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=n, process_id=i,
-                               local_device_ids=args.local_devices)
-    return n
 
 
 def check_device(preset: str, force: bool) -> None:
@@ -293,24 +254,26 @@ def burst_arg(text: str) -> int | str:
 
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
                overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
-               decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None,
-               host_cache_bytes: int = 0):
+               decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None, before_repeat=None):
     """Serve ``workload`` with one recycle policy ``repeats`` times on one engine (compiled during the first);
     returns (outputs, summary dict, per-step columns). The summary is the last repeat's
     :meth:`EngineMetrics.summary` with ``generated_tokens_per_s`` the median over the repeats,
     ``generated_tokens_per_s_repeats`` each repeat's, ``compile_time_s`` summed, ``wall_s`` each repeat's wall
-    time, and ``identical_repeats`` whether every repeat generated the same tokens; the columns are the last
-    repeat's."""
+    time, ``wall_tokens_per_s`` the generated tokens over a repeat's wall time (:func:`~kvjax.cli.processes.wall_rate`)
+    and ``identical_repeats`` whether every repeat generated the same tokens; the columns are the last repeat's.
+    ``before_repeat(name)``: called before each repeat's clock starts (a barrier of the processes)."""
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
                     block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
-                    decode_burst=decode_burst, host_cache_bytes=host_cache_bytes)
+                    decode_burst=decode_burst)
     name = name or recycle
     runs, first = [], None
     for r in range(repeats):
         engine.metrics.clear()
+        if before_repeat is not None:
+            before_repeat(f"{name} {r}")
         t0 = time.perf_counter()
         outs = _serve(engine, workload, f"{name} {r + 1}/{repeats}", progress)
         wall = time.perf_counter() - t0
@@ -327,7 +290,8 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
                    compile_time_s=sum(s["compile_time_s"] for _, s, _ in runs), wall_s=[w for _, _, w in runs],
                    identical_repeats=all(o == first for o, _, _ in runs), devices=devices,
                    generated_tokens_per_s_per_device=statistics.median(rates) / devices,
-                   pages_per_device=cache.num_pages)
+                   pages_per_device=cache.num_pages,
+                   wall_tokens_per_s=wall_rate(summary["generated_tokens"], [w for _, _, w in runs]))
     cols = engine.metrics.to_dict()
     return outs, summary, {k: cols[k] for k in ("pages_used", "running", "generated", "t_step", "t_exposed",
                                                 "compiled")}
@@ -337,14 +301,14 @@ def format_table(results: dict[str, dict], per_device: bool = False) -> str:
     """Fixed-width table, one line per policy, of ``{policy: run_policy summary}``: tokens/s is the median over the
     repeats, with their range beside it. ``per_device`` (a mesh): also tokens/s per device and the range over
     the devices of each one's peak page use (fraction of its pool; ``-`` where the engine did not record it)."""
-    head = (f"{'recycle':18} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
+    head = (f"{'recycle':15} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
             f"{'run peak':>8} {'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}"
             + (f" {'tok/s/dev':>9} {'dev util peak':>13}" if per_device else ""))
     lines = [head, "-" * len(head)]
     for name, s in results.items():
         rates = s.get("generated_tokens_per_s_repeats") or [s["generated_tokens_per_s"]]
         spread = f"{min(rates):.1f}-{max(rates):.1f}"
-        lines.append(f"{name:18} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
+        lines.append(f"{name:15} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
                      f"{s['steps']:6d} {s['running_mean']:8.2f} {s['running_peak']:8d} {s['preemptions']:7d} "
                      f"{s['page_util_mean']:9.3f} {s['page_util_peak']:9.3f} {100 * s['host_share']:6.1f} "
                      f"{s['compile_time_s']:9.1f}" + (_device_columns(s) if per_device else ""))
@@ -441,9 +405,6 @@ def build_parser() -> ArgumentParser:
                          "4096 tokens or more")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="also run both policies with prefix caching (keep_tail)")
-    ap.add_argument("--host-cache-gb", type=number_in(0, low_open=True), default=None,
-                    help="with --prefix-caching: one more run, timely with prefix caching and a host tier of this "
-                         "many GB (evicted blocks and GDN checkpoints spill to host memory; one device only)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device; --no-overlap: the synchronous engine")
     ap.add_argument("--decode-burst", metavar="K", type=burst_arg, default="auto",
@@ -457,8 +418,9 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--devices", type=int_at_least(1), help="run on N devices, data parallel (= --mesh Nx1)")
     ap.add_argument("--coordinator", metavar="HOST:PORT",
                     help="one process of a multi-process run (jax.distributed; start the same command once per "
-                         "process with its --process-id): the address of process 0; the mesh spans every "
-                         "process's devices (default: all of them, data parallel) and only process 0 prints")
+                         "process with its --process-id): the address of process 0. Without --mesh / --devices "
+                         "each process runs one engine on its share of the requests (data parallel); with them "
+                         "the mesh spans every process's devices. Only process 0 prints")
     ap.add_argument("--num-processes", type=int_at_least(1), help="processes of the multi-process run")
     ap.add_argument("--process-id", type=int_at_least(0), help="this process's index in the multi-process run")
     ap.add_argument("--local-devices", metavar="IDS", type=comma_list(int_at_least(0)),
@@ -474,13 +436,12 @@ def main(argv: list[str]) -> int:
     try:  # every check before any work: a bad value exits 2 with one line
         args = ap.parse_args(argv)
         spec = mesh_spec(args)
-        if args.host_cache_gb is not None and (not args.prefix_caching or spec is not None):
-            raise UsageError("--host-cache-gb needs --prefix-caching and one device (no --mesh / --devices)")
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
-        processes = start_processes(args)  # before any other JAX use
+        processes = start_processes(args, spec)  # before any other JAX use
+        per_process = processes > 1 and spec is None  # one engine per process (data parallel)
         if cache_dir is not None:  # before any compilation; the command's entry only (library code sets no globals)
             compile_cache.enable(cache_dir)
-        mesh = make_mesh(f"{len(jax.devices())}x1" if spec is None and processes > 1 else spec, processes)
+        mesh = make_mesh(spec, processes)
         check_device(args.preset, args.force)
         if args.plot:
             check_plot_path(args.plot)
@@ -496,6 +457,7 @@ def main(argv: list[str]) -> int:
             check_servable(workload, cache, attention_layout(p), max_num_batched_tokens=p.max_tokens,
                            pool="shared", recycle=recycle)
         model = build_model(p, seed=args.seed, mesh=mesh)
+        served = my_share(workload, processes) if per_process else workload
     except ValueError as e:
         return fail("run", e)
     leader = jax.process_index() == 0  # every process serves the same steps; process 0 reports them
@@ -518,24 +480,29 @@ def main(argv: list[str]) -> int:
           + ("" if processes == 1 else f"; {processes} processes"), file=out)
     outputs, results, columns = {}, {}, {}
     runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
-    host_bytes = 0 if args.host_cache_gb is None else int(args.host_cache_gb * 1e9)
-    runs += [("timely", True)] if host_bytes else []
-    for k, (recycle, cached) in enumerate(runs):
-        host = host_bytes if k == len(runs) - 1 and host_bytes else 0
-        name = recycle + ("+prefix" if cached else "") + ("+host" if host else "")
-        outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
+    for recycle, cached in runs:
+        name = recycle + ("+prefix" if cached else "")
+        outputs[name], results[name], columns[name] = run_policy(model, served, cache, p, recycle,
                                                                  progress=args.progress if leader else False,
                                                                  overlap=args.overlap,
                                                                  prefix_caching=cached, mesh=mesh,
                                                                  decode_burst=args.decode_burst,
-                                                                 repeats=args.repeats, name=name,
-                                                                 host_cache_bytes=host)
+                                                                 before_repeat=barrier if per_process else None,
+                                                                 repeats=args.repeats, name=name)
+    if per_process:  # every request's tokens and the processes' figures, in every process
+        outputs = {k: gather_outputs(v, len(workload), processes) for k, v in outputs.items()}
+        results = {k: combine(v, args.repeats) for k, v in results.items()}
     same = all(o == outputs["none"] for o in outputs.values()) and all(r["identical_repeats"] for r in results.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
     none_rates, timely_rates = (results[k]["generated_tokens_per_s_repeats"] for k in ("none", "timely"))
     print(format_table(results, per_device=mesh is not None), file=out)
     if mesh is not None:
         print(device_lines(results, mesh), file=out)
+    if per_process:
+        for name, s in results.items():
+            each = ", ".join(f"{r:.0f}" for r in s["generated_tokens_per_s_processes"])
+            print(f"# {name}: one engine per process, {s['generated_tokens_per_s']:.1f} tok/s summed ({each}); "
+                  f"{s['wall_tokens_per_s']:.1f} tok/s over the slowest process's wall", file=out)
     print(f"timely / none: {gain:.2f}x generated tokens/s (medians of {args.repeats}; "
           f"{min(timely_rates) / max(none_rates):.2f}-{max(timely_rates) / min(none_rates):.2f}x over the repeats' "
           f"extremes), "
