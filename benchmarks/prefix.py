@@ -18,6 +18,14 @@ runs in its own process: the warm-ups compile side by side, the timed runs go on
 generated the same tokens as ``none`` (float32; ``divergence`` says where they first differ otherwise). Ratios
 vs ``none``: ``computed_ratio`` (prompt tokens computed by ``none`` / by this policy) and ``speedup``
 (tokens/s).
+
+Host tier (issue #37; ``--cases "host tier"``): :data:`TIER_FACTOR` times more conversations than the device cache
+holds (``TIER_FACTOR * MEMORY_REQUESTS`` conversations, pages for ``MEMORY_REQUESTS`` mean-length requests), the
+device-only cache ``timely+keep_tail`` (anchor) against ``timely+keep_tail+host`` at the same device memory with a
+host tier of :data:`HOST_MEMORY` times the device budget. Extra columns: ``served_host`` (prompt tokens loaded from
+the host tier), ``bytes_out`` / ``bytes_in`` (moved each way), ``copy_share`` (host time issuing the copies /
+``Engine.step`` time, the copies' exposed host part) and ``copy_sync_share`` (one more repeat with every copy
+waited for, device included: copy time / that repeat's wall; an upper bound of the copies' exposed device time).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ CONVERSATIONS, TURNS = 8, 5
 FIRST_LEN, MESSAGE_LEN, OUTPUT_LEN = 2048, 128, 4
 MEMORY_REQUESTS = 6.0  # pages for this many mean-length requests on every KV head (without recycling)
 REPEATS = 3  # timed runs of the workload per policy (same engine, cache cleared between): the median wall
+TIER_FACTOR = 4  # host tier case: conversations per mean-length request the device pages hold
+HOST_MEMORY = 8.0  # host tier case: host bytes as a multiple of the device cache budget
 
 
 def _serve_timed(engine, workload) -> tuple[list, list, float]:
@@ -44,8 +54,9 @@ def _serve_timed(engine, workload) -> tuple[list, list, float]:
 
 
 def _build(p, conversations: int, turns: int, first_len: int, message_len: int, output_len: int,
-           memory_requests: float):
-    """The float32 model, the workload and the fixed-memory setup every policy shares."""
+           memory_requests: float, host_memory: float = 0.0):
+    """The float32 model, the workload and the fixed-memory setup every policy shares (``host_memory``: the host
+    tier policy's host bytes as a multiple of the device budget)."""
     from kvjax.cli.run import build_model
     from kvjax.experiments.prefix_runs import make_setup
     from kvjax.sched.workload import multi_turn_workload
@@ -54,7 +65,7 @@ def _build(p, conversations: int, turns: int, first_len: int, message_len: int, 
     workload = multi_turn_workload(conversations, turns=turns, first_len=first_len, message_len=message_len,
                                    output_len=output_len, vocab=p.vocab, seed=0)
     setup = make_setup(model, {"multi-turn": workload}, page_size=p.page_size, memory_requests=memory_requests,
-                       max_seqs=min(p.max_seqs, conversations), max_tokens=p.max_tokens)
+                       max_seqs=min(p.max_seqs, conversations), max_tokens=p.max_tokens, host_memory=host_memory)
     return model, workload, setup
 
 
@@ -72,7 +83,8 @@ def _policy_run(name: str, model, workload, setup, turns: int, turn=contextlib.n
 
     policy, burst = _split(name)
     engine = policy_engine(model, setup, policy, token_buckets=(setup.max_seqs, setup.max_tokens), decode_burst=burst)
-    warm = _serve_timed(engine, workload[:turns])[2]
+    # a host tier copies only once the device cache is full: its warm-up serves everything (copies compiled)
+    warm = _serve_timed(engine, workload if engine.host_store is not None else workload[:turns])[2]
     engine.clear_prefix_cache()
     before = len(engine.metrics)
     walls = []
@@ -87,10 +99,20 @@ def _policy_run(name: str, model, workload, setup, turns: int, turn=contextlib.n
                 raise AssertionError(f"{policy}: repeat {i} of the same workload generated other tokens")
             walls.append(wall)
     wall = statistics.median(walls)
+    copy_sync_share = float("nan")
+    if engine.host_store is not None:  # one more repeat, every copy waited for: its device time bounded
+        with turn():
+            engine.host_store.sync = True
+            sync_wall = _serve_timed(engine, workload)[2]
+            engine.host_store.sync = False
+        engine.clear_prefix_cache()
+        copy_sync_share = engine.host_store.stats.t_sync / sync_wall
     row = _row("multi-turn", policy, setup, prompts, steps=s["steps"], generated=s["generated_tokens"],
                served=s["prefix_hit_tokens"], computed=s["prefill_tokens"], preemptions=s["preemptions"],
                cached_pages_mean=s["cached_pages_mean"], page_util_peak=s["page_util_peak"],
-               tokens_per_s=s["generated_tokens"] / wall)
+               tokens_per_s=s["generated_tokens"] / wall, served_host=s["prefix_hit_tokens_host"],
+               bytes_out=s["host_bytes_out"], bytes_in=s["host_bytes_in"])
+    row.update(copy_share=s["copy_share"], copy_sync_share=copy_sync_share)
     row.update(impl=name, ok=engine.is_idle(), wall_s=wall, warmup_s=warm, outputs=outputs,
                median_ms=1e3 * wall / max(s["generated_tokens"], 1),
                total_tokens_per_s=(row["prompt_tokens"] + s["generated_tokens"]) / wall,
@@ -155,22 +177,25 @@ def _parallel_rows(policies: list[str], args: tuple, timeout_s: float) -> dict[s
 
 
 def measure(p, conversations: int, turns: int, first_len: int, message_len: int, output_len: int,
-            memory_requests: float, parallel: bool = False, timeout_s: float = 900.0) -> list[dict]:
-    """One row per policy; see the module docstring. ``parallel``: one spawned process per policy, warm-ups
+            memory_requests: float, parallel: bool = False, timeout_s: float = 900.0, names: list[str] | None = None,
+            host_memory: float = 0.0) -> list[dict]:
+    """One row per policy of ``names`` (default: every policy of :data:`POLICIES`, and two with single steps; the
+    first is the anchor); see the module docstring. ``parallel``: one spawned process per policy, warm-ups
     (compilation) side by side, timed runs one at a time; otherwise every policy in turn in this process."""
     from engine import divergence
 
     from kvjax.experiments.prefix_runs import POLICIES
 
-    names = list(POLICIES) + [f"{policy} burst=1" for policy in ("prefix", "timely+keep_tail")]
-    args = (p, conversations, turns, first_len, message_len, output_len, memory_requests)
+    if names is None:
+        names = list(POLICIES) + [f"{policy} burst=1" for policy in ("prefix", "timely+keep_tail")]
+    args = (p, conversations, turns, first_len, message_len, output_len, memory_requests, host_memory)
     if parallel:
         by_policy = _parallel_rows(names, args, timeout_s)
     else:
         model, workload, setup = _build(*args)
         by_policy = {name: _policy_run(name, model, workload, setup, turns) for name in names}
     outputs = {policy: row.pop("outputs") for policy, row in by_policy.items()}
-    anchor = next(iter(POLICIES))
+    anchor = names[0]
     base, base_out = by_policy[anchor], outputs[anchor]
     rows = []
     for policy in names:
@@ -183,7 +208,10 @@ def measure(p, conversations: int, turns: int, first_len: int, message_len: int,
               f"  prompt {row['prompt_tokens']:6d}  computed {row['computed']:6d} ({row['computed_ratio']:.2f}x fewer)"
               f"  hit {row['hit_rate']:.2f}  gen tok/s {row['tokens_per_s']:8.1f} ({row['speedup']:.2f}x)"
               f"  all tok/s {row['total_tokens_per_s']:9.1f}  preempt {row['preemptions']}"
-              f"  identical {row['identical']}  warm-up {row['warmup_s']:.0f} s", flush=True)
+              f"  identical {row['identical']}  warm-up {row['warmup_s']:.0f} s"
+              + (f"  from host {row['served_host']}  GB out {row['bytes_out'] / 1e9:.2f} in {row['bytes_in'] / 1e9:.2f}"
+                 f"  copy {row['copy_share']:.1%} (waited {row['copy_sync_share']:.1%})" if row["host_bytes"] else ""),
+              flush=True)
     return rows
 
 
@@ -198,5 +226,14 @@ def cases(small: bool = False) -> list[RunCase]:
         p, args = PRESETS["gpu"], (CONVERSATIONS, TURNS, FIRST_LEN, MESSAGE_LEN, OUTPUT_LEN, MEMORY_REQUESTS)
     shapes = dict(preset="small" if small else "gpu", dtype="float32", conversations=args[0], turns=args[1],
                   first_len=args[2], message_len=args[3], output_len=args[4], memory_requests=args[5])
+    from kvjax.experiments.prefix_runs import HOST_POLICY
+
+    tier_args = (32, 3, 40, 8, 4, 8.0) if small else (round(TIER_FACTOR * args[5]), *args[1:])
+    tier = ["timely+keep_tail", HOST_POLICY]
+    tier_shapes = dict(shapes, conversations=tier_args[0], host_memory=HOST_MEMORY)
     return [RunCase(f"prefix multi-turn {shapes['preset']} preset", "kvjax.engine.engine.Engine(prefix_caching=True)",
-                    shapes, lambda: measure(p, *args, parallel=not small), anchor="none")]
+                    shapes, lambda: measure(p, *args, parallel=not small), anchor="none"),
+            RunCase(f"prefix host tier multi-turn {shapes['preset']} preset",
+                    "kvjax.engine.engine.Engine(prefix_caching=True, host_cache_bytes=N)", tier_shapes,
+                    lambda: measure(p, *tier_args, parallel=not small, names=tier, host_memory=HOST_MEMORY),
+                    anchor="timely+keep_tail")]

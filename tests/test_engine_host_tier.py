@@ -35,7 +35,7 @@ def test_copies_match_a_numpy_replay(rng):
         np.float32)
     caches = ModelCaches(pages={k: jnp.asarray(v) for k, v in pages.items()},
                          gdn=GDNStatePool(conv=jnp.asarray(conv), ssm=jnp.asarray(ssm)))
-    store = HostStore()
+    store = HostStore(chunk=3)
     host_p, host_c, next_id = {}, {}, 0
     for _ in range(12):
         ops = []
@@ -76,7 +76,7 @@ def test_copies_match_a_numpy_replay(rng):
         np.testing.assert_array_equal(np.asarray(caches.gdn.ssm), ssm)
     assert store.stats.pages_out > 0 and store.stats.pages_in > 0 and store.stats.bytes_in > 0
     caches = store.apply(caches, [_op("drop", (), sorted(host_p), (), sorted(host_c))])
-    assert not store.batches and store.bytes_held == 0 and not store.where
+    assert not store.chunks and store.bytes_held == 0 and not store.where
 
 
 # ---- the engine with a host tier ----------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_tokens_equal_the_device_only_cache(qwen, reference, overlap, burst):
     assert 0 <= s["copy_share"] < 1 and s["preemptions"] > 0
     assert engine.host_store.stats.pages_in == engine.scheduler.prefix.host.pages_in
     finish(engine)
-    assert engine.scheduler.prefix.host.used_bytes == 0 and not engine.host_store.batches
+    assert engine.scheduler.prefix.host.used_bytes == 0 and not engine.host_store.chunks
 
 
 def test_a_small_host_budget_evicts_and_keeps_the_tokens(qwen, reference):
@@ -215,7 +215,7 @@ def test_a_fault_inside_the_copies_recovers(qwen, reference, monkeypatch):
     with pytest.raises(Injected):
         talk(engine, conversations())
     assert engine.num_recoveries == 1 and engine.scheduler.prefix.host.used_bytes == 0
-    assert not engine.host_store.batches
+    assert not engine.host_store.chunks
     monkeypatch.setattr(host_tier.HostStore, "_in", real)
     engine.clear_prefix_cache()
     engine.check_integrity()
