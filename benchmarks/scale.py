@@ -9,13 +9,15 @@ Usage (repo root)::
 
 Sections (``--only``, default all, in this order):
 
-- ``dp``: ``kvjax run``'s workload of the ``gpu`` preset (``--smoke``: ``cpu``, cut down), both recycle policies,
-  on one device and on ``--devices G`` (a ``Gx1`` mesh, the same pages per device), in this process
+- ``dp``: ``kvjax run``'s workload of the ``gpu`` preset with G times its requests (``--smoke``: ``cpu``, cut down),
+  both recycle policies, on one device and on ``--devices G`` (a ``Gx1`` mesh, the same pages per device), in this
+  process
   (:func:`kvjax.cli.run.run_policy`, the command's own code): tok/s (median over ``--repeats``), per device, the
   ratio to one device and whether the tokens equal one device's.
-- ``procs``: the same ``--devices G`` run as G processes of ``python -m kvjax run --coordinator ...`` (one device
-  each, ``--local-devices i`` on GPUs) started by this script: tok/s against the single-controller run and its
-  tokens (digest) against it.
+- ``procs``: the same workload served by G processes of ``python -m kvjax run --coordinator ...`` started by this
+  script, one engine per process on its own device (``--local-devices i`` on GPUs) and its share of the requests:
+  tok/s (summed, and ``wall_tokens_per_s``: all tokens over the slowest process's wall) against one device and the
+  single-controller run, its tokens (digest) against theirs.
 - ``tp``: the ``tp`` preset's model (a dense 3.7B Qwen3.5, bf16; ``--smoke``: its head counts at a tiny width, f32)
   in steady decode at ``--rows`` rows (64), ``recycle="timely"``, 512-token prompts: one device, ``--mesh 1xG``
   (tensor parallel) and ``--mesh Gx1`` (data parallel, rows / G per device): ms per step (wall over ``--steps``
@@ -79,12 +81,18 @@ def dp_preset(smoke: bool):
     return dataclasses.replace(PRESETS["cpu"], requests=4, scale=0.01) if smoke else PRESETS["gpu"]
 
 
+def dp_requests(g: int, smoke: bool) -> int:
+    """Requests of the data-parallel runs: the preset's per device (G devices serve G times the work of one, and
+    one device serves the same workload at its own concurrency)."""
+    return dp_preset(smoke).requests * g
+
+
 def dp_section(g: int, repeats: int, smoke: bool) -> dict:
     """Both policies on one device and on a ``Gx1`` mesh: the rows, and each mesh run's tokens per policy."""
     from kvjax.cli.run import build_model, run_policy, tokens_digest
     from kvjax.sched.workload import cache_for, seed_workload
 
-    p = dp_preset(smoke)
+    p = dataclasses.replace(dp_preset(smoke), requests=dp_requests(g, smoke))
     workload = seed_workload(p.requests, scale=p.scale, vocab=p.vocab, seed=0)
     cache = cache_for(workload, num_kv_heads=p.kv_heads, page_size=p.page_size, full_requests=p.memory_requests,
                       max_seqs=p.max_seqs)
@@ -101,6 +109,7 @@ def dp_section(g: int, repeats: int, smoke: bool) -> dict:
             rows.append(dict(run=f"{'one device' if devices == 1 else f'--devices {devices}'} {recycle}",
                              recycle=recycle, devices=devices, tokens_per_s=s["generated_tokens_per_s"],
                              tokens_per_s_repeats=s["generated_tokens_per_s_repeats"],
+                             wall_tokens_per_s=s["wall_tokens_per_s"],
                              tokens_per_s_per_device=s["generated_tokens_per_s_per_device"],
                              ms_per_step=1e3 * s["step_time_median_s"], host_share=s["host_share"],
                              tokens_per_step=s["generated_tokens_per_step"], ratio=s["generated_tokens_per_s"] / rate,
@@ -125,7 +134,8 @@ def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: s
     """G processes of ``kvjax run`` on one device each (``Gx1``): tok/s and tokens against the single controller."""
     import jax
 
-    argv = ["--preset", "cpu", "--requests", "4", "--scale", "0.01"] if smoke else ["--preset", "gpu"]
+    argv = (["--preset", "cpu", "--scale", "0.01"] if smoke else ["--preset", "gpu"]) + ["--requests",
+                                                                                   str(dp_requests(g, smoke))]
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -158,6 +168,10 @@ def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: s
         rows.append(dict(run=f"{g} processes {recycle}", recycle=recycle, devices=g,
                          tokens_per_s=s["generated_tokens_per_s"],
                          tokens_per_s_repeats=s["generated_tokens_per_s_repeats"],
+                         tokens_per_s_processes=s.get("generated_tokens_per_s_processes"),
+                         wall_tokens_per_s=s.get("wall_tokens_per_s"),
+                         wall_ratio=s["wall_tokens_per_s"] / od["wall_tokens_per_s"]
+                         if od and s.get("wall_tokens_per_s") else None,
                          ms_per_step=1e3 * s["step_time_median_s"], host_share=s["host_share"],
                          vs_single_controller=s["generated_tokens_per_s"] / sc["tokens_per_s"] if sc else None,
                          ratio=s["generated_tokens_per_s"] / od["tokens_per_s"] if od else None,
