@@ -506,6 +506,7 @@ class Engine:
                                f"{[r for s in scheds for r in s.running]}, waiting="
                                f"{sum(len(s.waiting) for s in scheds)}, preempted={sum(len(s.preempted) for s in scheds)}")
         copies = self._host_copies(scheds)
+        copies_compiled = copies.pop("compiled")
         t1 = time.perf_counter()
         if idle_since is None and self._device_idle():
             idle_since = t1
@@ -551,7 +552,7 @@ class Engine:
             cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
             burst=max(p.burst for p in plans),
             computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
-            pages_free=self.total_pages - used, compiled=self.num_traces > traces0,
+            pages_free=self.total_pages - used, compiled=self.num_traces > traces0 or copies_compiled,
             pages_used_devices=() if self.mesh is None else device_pages_used(scheds),
             t_schedule=t1 - t0 - copies["t_copy"], t_inputs=t2 - t1, t_dispatch=t3 - t2, **copies,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
@@ -562,20 +563,21 @@ class Engine:
     def _host_copies(self, scheds: list[Scheduler]) -> dict:
         """Execute the prefix caches' host-tier copies of the plans just scheduled, before their step is dispatched
         (:mod:`kvjax.engine.host_tier`: in order on the device, their transfers overlapping the step in flight);
-        returns the step record's host-tier fields."""
+        returns the step record's host-tier fields and ``compiled`` (a copy was compiled)."""
         t = time.perf_counter()
         if not self.prefix_caching:
-            return dict(t_copy=0.0)
+            return dict(t_copy=0.0, compiled=False)
         with TraceAnnotation("kvjax.host_copies"):
             hits = sum(s.prefix.plan_hits()[1] for s in scheds)
             ops = [s.prefix.take_copies() for s in scheds]  # () without a host tier
             store = self.host_store
             if store is None:
-                return dict(t_copy=time.perf_counter() - t)
-            out0, in0 = store.stats.bytes_out, store.stats.bytes_in
+                return dict(t_copy=time.perf_counter() - t, compiled=False)
+            out0, in0, traces0 = store.stats.bytes_out, store.stats.bytes_in, store.traces
             self.caches = store.apply(self.caches, ops[0])  # one device: one scheduler
         return dict(prefix_hit_tokens_host=hits, host_bytes_out=store.stats.bytes_out - out0,
-                    host_bytes_in=store.stats.bytes_in - in0, t_copy=time.perf_counter() - t)
+                    host_bytes_in=store.stats.bytes_in - in0, t_copy=time.perf_counter() - t,
+                    compiled=store.traces > traces0)
 
     def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[StepOutput]:
         """Read ``flight``'s tokens (waiting for its device work), apply them, and return their outputs."""

@@ -128,15 +128,22 @@ class HostStore:
         self._host = host_sharding(device)  # ValueError where the platform has no pinned_host memory
         self._device = SingleDeviceSharding(device, memory_kind="device")
         self.chunk = chunk
-        self._gather = jax.jit(gather, static_argnums=(3,), out_shardings=self._host)
-        self._scatter_pages = jax.jit(scatter_pages, donate_argnums=(0,))
-        self._scatter_state = jax.jit(scatter_state, donate_argnums=(0,))
+        self.traces = 0  # compilations of the copies (each jitted function traces once per shape)
+        self._gather = jax.jit(self._counted(gather), static_argnums=(3,), out_shardings=self._host)
+        self._scatter_pages = jax.jit(self._counted(scatter_pages), donate_argnums=(0,))
+        self._scatter_state = jax.jit(self._counted(scatter_state), donate_argnums=(0,))
         self.chunks: dict[int, dict] = {}  # chunk id -> host arrays (a page chunk or one GDN state)
         self.live: collections.Counter = collections.Counter()  # chunk id -> host ids mapping into it
         self.where: dict[tuple[str, int], tuple[int, int]] = {}  # ("p" | "c", host id) -> (chunk id, row)
         self._next = 0
         self.stats = CopyStats()
         self.sync = False
+
+    def _counted(self, fn):
+        def traced(*args):
+            self.traces += 1
+            return fn(*args)
+        return traced
 
     @property
     def bytes_held(self) -> int:

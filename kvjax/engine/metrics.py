@@ -50,7 +50,7 @@ class StepRecord:
     preemptions: int  # preemptions that happened while planning this step
     pages_used: int  # pages in use after allocation (all pools)
     pages_free: int  # pages free after allocation (all pools)
-    compiled: bool  # the device step was traced and compiled during this step (a new bucket shape)
+    compiled: bool  # the device step (or a host-tier copy) was traced and compiled during this step (a new shape)
     t_schedule: float  # seconds (host wall clock; see the module docstring for each phase)
     t_inputs: float  # seconds
     t_dispatch: float  # seconds
