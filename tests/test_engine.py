@@ -17,79 +17,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
+from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import RequestTooLongError
-from kvjax.models.common.checkpoint import assign_params
-from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
 
-VOCAB = 61
-BUDGET = 16  # tokens per step: below the longest prompt, so prefill is chunked
-# 2 block buckets (8, 16 blocks of 4 tokens); max_seqs 4 -> one row bucket; budget 16 -> one token bucket
-SMALL = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)  # forces preemption
-
-
-def qwen_swa_model(seed: int = 0):
-    """Tiny 2-layer Qwen3.5 (GDN + gated attention) whose KV head 0 is SWA (window 6, 2 sinks); all params random."""
-    config = Qwen3_5Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-        layer_types=("linear_attention", "full_attention"),
-        attention=AttentionConfig(4, 2, 16, window=(6, 0), sinks=(2, 0)),
-        gdn=GDNConfig(2, 4, 8, 8, 4), rope_theta=10000.0, partial_rotary_factor=0.5,
-    )
-    model = init_random(config, seed=seed)
-    rng = np.random.default_rng(seed)
-    values = {p: 0.3 * rng.standard_normal(v.get_value().shape) for p, v in nnx.to_flat_state(nnx.state(model))}
-    return assign_params(model, values)
-
+from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events
+from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek_config
 
 @pytest.fixture(scope="module")
 def qwen():
     return qwen_swa_model()
-
-
-def greedy_oracle(model, prompts, max_new: int) -> list[list[int]]:
-    """Greedy decoding by full-sequence ``model.logits`` (no cache). Causal, so right padding to one fixed
-    length changes no logit at a real position (and compiles once)."""
-    lens = [len(p) for p in prompts]
-    width = -(-(max(lens) + max_new) // 8) * 8
-    ids = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = p
-    fwd = nnx.jit(lambda m, x: m.logits(x))
-    out = [[] for _ in prompts]
-    for _ in range(max_new):
-        logits = np.asarray(fwd(model, jnp.asarray(ids)))
-        for i in range(len(prompts)):
-            tok = int(np.argmax(logits[i, lens[i] - 1]))
-            out[i].append(tok)
-            ids[i, lens[i]] = tok
-            lens[i] += 1
-    return out
-
-
-def random_prompts(rng, lengths) -> list[list[int]]:
-    return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
-
-
-def step_events(engine: Engine) -> list:
-    """One ``engine.step()``, its :class:`StepOutput` s checked (at least one token each; a request's outputs,
-    held ones from earlier steps first, continue each other's positions) and turned into per-token
-    :class:`TokenEvent` s."""
-    outs = engine.step()
-    nxt: dict[int, int] = {}
-    for out in outs:
-        assert out.tokens and nxt.get(out.request_id, out.position) == out.position, outs
-        nxt[out.request_id] = out.position + len(out.tokens)
-    return [ev for out in outs for ev in out.events()]
-
-
-def assert_idle(engine: Engine) -> None:
-    engine.check_integrity()
-    assert engine.is_idle()
-    s = engine.scheduler
-    assert s.slots.num_free == engine.cache_config.max_seqs
-    assert sum(s.blocks.free_pages()) == engine.cache_config.num_pages
 
 
 @pytest.fixture(scope="module")
@@ -232,18 +169,6 @@ def test_no_recompilation_after_warmup_over_500_steps(qwen):
     assert len({r.bucket_blocks for r in recs}) == 2 and len({r.decode_only for r in recs}) == 2
     assert len({r.num_seqs for r in recs}) >= 3 and sum(r.preemptions for r in recs) > 0
     assert_idle(engine)
-
-
-def tiny_deepseek_config():
-    """The tiny DeepSeek-V3.2 (MLA + DSA indexer, top-6) the engine tests serve."""
-    from kvjax.models.deepseek import DeepseekConfig
-
-    return DeepseekConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
-        q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
-        index_n_heads=4, index_head_dim=16, index_topk=6, max_position_embeddings=64,
-        rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
-    )
 
 
 def test_greedy_engine_matches_uncached_oracle_deepseek():

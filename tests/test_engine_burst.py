@@ -16,11 +16,10 @@ from flax import nnx
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.sched.plan import build_plan
-from test_engine import (BUDGET, SMALL, assert_idle, greedy_oracle, qwen_swa_model, random_prompts, step_events,
-                         tiny_deepseek_config)
-from test_engine_faults import POINTS, Injected, _arm
-from test_engine_overlap import truncate_at
-from test_sched_scheduler import sched_with
+from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events, truncate_at
+from helpers.faults import POINTS, Injected, arm
+from helpers.models import qwen_swa_model, tiny_deepseek_config
+from helpers.sched import sched_with
 
 NEW = 11  # not a multiple of the bursts below: requests end inside a burst
 K = 4
@@ -243,7 +242,7 @@ def test_fault_during_a_burst_recovers_by_recompute(qwen, case, monkeypatch, poi
     while not (eng._inflight and eng._inflight[-1].plans[0].burst > 1):
         collect(step_events(eng))
     with monkeypatch.context() as m:
-        _arm(m, eng, point, Injected)
+        arm(m, eng, point, Injected)
         with pytest.raises(Injected):
             while True:
                 collect(step_events(eng))

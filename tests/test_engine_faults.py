@@ -2,7 +2,7 @@
 point of a step leaves an engine that recovers by itself (preemption by recompute) with unchanged outputs.
 
 Oracle: the same engine's uninterrupted greedy run, itself checked against uncached greedy decoding
-(``greedy_oracle`` of ``test_engine``). One engine per mode (overlapped, the default, and synchronous; one
+(``greedy_oracle`` of ``helpers.engine``). One engine per mode (overlapped, the default, and synchronous; one
 bucket set, one compile each) serves every test here; each test ends with the engine idle (every slot and page
 free, ``check_integrity``). In overlap mode every fault point has a step in flight.
 """
@@ -12,20 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvjax.engine.engine as engine_mod
-from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
-from kvjax.sched.request import Request, RowTable
-from test_engine import VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts, step_events
+from helpers.engine import SMALL, assert_idle, greedy_oracle, make_engine, random_prompts, step_events
+from helpers.faults import POINTS, Injected, arm
+from helpers.models import VOCAB, qwen_swa_model
 
-CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)  # small: forces preemption
 NEW = 8
-
-
-def make_engine(model, **kw) -> Engine:
-    """One token, row and block bucket, no decode path: a single compile per greedy / sampling mode."""
-    return Engine(model, CACHE, recycle="timely", max_num_batched_tokens=16, token_buckets=(16,),
-                  row_buckets=(4,), block_buckets=(16,), use_decode_path=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +93,7 @@ def test_bad_index_queues_nothing(engine, case, index):
 @pytest.mark.parametrize("eos", [VOCAB, -1, 2.0, True])
 def test_eos_outside_vocab_rejected(model, eos):
     with pytest.raises(ValueError, match="eos_token_id"):
-        Engine(model, CACHE, eos_token_id=eos)
+        Engine(model, SMALL, eos_token_id=eos)
 
 
 # ---- item 2: concurrent consumers ---------------------------------------------------------------------------
@@ -151,55 +143,6 @@ def test_manual_requests_keep_their_events_while_a_stream_steps(engine, case):
 # ---- item 3: a fault anywhere in a step ---------------------------------------------------------------------
 
 
-class Injected(Exception):
-    pass
-
-
-def _arm(monkeypatch, engine: Engine, point: str, exc: type[BaseException]) -> None:
-    """Make ``point`` of the next step raise ``exc`` once."""
-    fired = []
-
-    def once():
-        if not fired:
-            fired.append(1)
-            raise exc("injected fault")
-
-    if point == "before device":
-        real = engine.runner.pack
-        monkeypatch.setattr(engine.runner, "pack", lambda *a, **k: (once(), real(*a, **k))[1])
-    elif point == "inside device":  # after the caches were donated: their buffers are gone
-        real_call = engine.runner.step
-        monkeypatch.setattr(engine.runner, "step", lambda *a: (real_call(*a), once())[0])
-    elif point == "after device":  # the step's tokens are read; before the scheduler applies them
-        real_resolve = engine.scheduler.resolve
-        monkeypatch.setattr(engine.scheduler, "resolve", lambda *a, **k: (once(), real_resolve(*a, **k))[1])
-    elif point == "inside update":  # after some requests of the step took their tokens, before the rest
-        real_resolve, real_rows = Request.resolve, RowTable.resolve
-        calls = []
-
-        def resolve(self, token):  # a request off the scheduler's row table (finished, left it)
-            out = real_resolve(self, token)
-            calls.append(1)
-            if len(calls) == 2:
-                once()
-            return out
-
-        def resolve_rows(self, slots, tokens):  # the running rows, all at once
-            out = real_rows(self, slots, tokens)
-            calls.append(1)
-            if len(calls) == 2 or len(slots) > 1:
-                once()
-            return out
-
-        monkeypatch.setattr(Request, "resolve", resolve)
-        monkeypatch.setattr(RowTable, "resolve", resolve_rows)
-    else:
-        raise AssertionError(point)
-
-
-POINTS = ["before device", "inside device", "after device", "inside update"]
-
-
 @pytest.mark.parametrize("exc", [Injected, KeyboardInterrupt])
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("at_step", [3, 9])
@@ -217,7 +160,7 @@ def test_fault_in_a_step_recovers_by_recompute(engine, case, monkeypatch, point,
     for _ in range(at_step):
         collect(step_events(engine))
     with monkeypatch.context() as m:
-        _arm(m, engine, point, exc)
+        arm(m, engine, point, exc)
         with pytest.raises(exc, match="injected"):
             while True:
                 collect(step_events(engine))
@@ -234,7 +177,7 @@ def test_fault_in_a_step_recovers_by_recompute(engine, case, monkeypatch, point,
 def test_fault_inside_generate_leaves_a_working_engine(engine, case, monkeypatch, point):
     prompts, expect = case
     with monkeypatch.context() as m:
-        _arm(m, engine, point, Injected)
+        arm(m, engine, point, Injected)
         with pytest.raises(Injected):
             engine.generate(prompts, NEW)
     assert_idle(engine)  # the interrupted call's requests were aborted
@@ -251,7 +194,7 @@ def test_fault_while_resolving_a_finishing_step_forgets_the_finished_request(eng
     ids = [engine.add_request(p, 1, index=i) for i, p in enumerate(prompts)]
     got = {}
     with monkeypatch.context() as m:
-        _arm(m, engine, "inside update", Injected)
+        arm(m, engine, "inside update", Injected)
         with pytest.raises(Injected):
             while engine.has_unfinished():
                 got.update({ev.request_id: ev.token for ev in step_events(engine)})
@@ -272,4 +215,4 @@ def test_fault_while_resolving_a_finishing_step_forgets_the_finished_request(eng
                                       (dict(token_buckets=(4.0, 16)), r"token_buckets")])
 def test_bad_bucket_sets_are_named(model, kw, match):
     with pytest.raises(ValueError, match=match):
-        Engine(model, CACHE, max_num_batched_tokens=16, **kw)
+        Engine(model, SMALL, max_num_batched_tokens=16, **kw)

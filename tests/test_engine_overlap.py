@@ -18,8 +18,8 @@ from flax import nnx
 from kvjax.config import CacheConfig
 from kvjax.engine import sizing
 from kvjax.engine.engine import Engine
-from test_engine import (BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model, random_prompts,
-                         step_events, tiny_deepseek_config)
+from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events, truncate_at
+from helpers.models import qwen_swa_model, tiny_deepseek_config
 
 NEW = 8
 
@@ -45,10 +45,6 @@ def spy_schedule(engine: Engine) -> list[bool]:
     real = sched.schedule
     sched.schedule = lambda *a: (seen.append(sched.has_unresolved()), real(*a))[1]
     return seen
-
-
-def truncate_at(out: list[int], eos: int) -> list[int]:
-    return out[: out.index(eos) + 1] if eos in out else out
 
 
 def stream_all(engine: Engine, prompts, **kw) -> tuple[list[list[int]], list]:

@@ -19,8 +19,9 @@ from kvjax.engine import sizing
 from kvjax.engine.engine import Engine
 from kvjax.state import gdn_checkpoints, gdn_pool
 from kvjax.config import GDNConfig
-from test_engine import BUDGET, SMALL, VOCAB, assert_idle, greedy_oracle, qwen_swa_model, tiny_deepseek_config
-from test_engine_faults import POINTS, Injected, _arm
+from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle
+from helpers.faults import POINTS, Injected, arm
+from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek_config
 
 NEW = 6
 
@@ -135,7 +136,7 @@ def test_fault_clears_the_cache_and_recovers(qwen, case, monkeypatch, point):
     engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True)
     assert engine.generate(prompts[:4], NEW) == expect[:4]
     with monkeypatch.context() as m:
-        _arm(m, engine, point, Injected)
+        arm(m, engine, point, Injected)
         with pytest.raises(Injected):
             engine.generate(prompts, NEW)
     assert engine.scheduler.prefix.cached_pages() == 0  # the caches were rebuilt: nothing cached survives

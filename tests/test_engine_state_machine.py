@@ -22,35 +22,38 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
-from test_engine import VOCAB, qwen_swa_model, step_events
-from test_engine_faults import POINTS, Injected, make_engine
-from test_engine_transaction import FaultAt
-
-CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)
-SHARED: dict = {}  # the engine of each mode and the alone-run outputs, reused by every example
-
-
-def shared_engine(overlap: bool, burst: int = 1) -> Engine:
-    engines = SHARED.setdefault("engines", {})
-    if (overlap, burst) not in engines:
-        engines[overlap, burst] = make_engine(SHARED["model"] if "model" in SHARED else qwen_swa_model(),
-                                              overlap=overlap, decode_burst=burst)
-        SHARED["model"] = engines[overlap, burst].model
-        SHARED.setdefault("alone", {})
-    return engines[overlap, burst]
-
+from helpers.engine import make_engine, step_events
+from helpers.faults import POINTS, FaultAt, Injected
+from helpers.models import VOCAB, qwen_swa_model
 
 ROWS, WIDTH = 32, 40  # oracle batch: fixed shape, one compile (prompts <= 30 tokens + 8 new <= 40)
 
 
-def run_alone(engine: Engine, keys: list[tuple[tuple, int]]) -> dict:
+class Shared:
+    """What every example of the module reuses: the model, one engine per mode and the alone-run outputs."""
+
+    def __init__(self) -> None:
+        self.model = qwen_swa_model()
+        self.engines: dict[tuple[bool, int], Engine] = {}
+        self.alone: dict[tuple[tuple, int], list[int]] = {}
+        self.logits = nnx.jit(lambda m, x: m.logits(x))
+
+    def engine(self, overlap: bool, burst: int = 1) -> Engine:
+        if (overlap, burst) not in self.engines:
+            self.engines[overlap, burst] = make_engine(self.model, overlap=overlap, decode_burst=burst)
+        return self.engines[overlap, burst]
+
+
+@pytest.fixture(scope="module")
+def shared() -> Shared:
+    return Shared()
+
+
+def run_alone(shared: Shared, keys: list[tuple[tuple, int]]) -> dict:
     """``{(prompt, max_new): tokens}`` of greedy decoding by whole-sequence ``model.logits`` (no cache, no
     batching effects: causal, each row alone), computed for the keys not known yet."""
-    todo = sorted({k for k in keys if k not in SHARED["alone"]})
-    if "logits" not in SHARED:
-        SHARED["logits"] = nnx.jit(lambda m, x: m.logits(x))
+    todo = sorted({k for k in keys if k not in shared.alone})
     for i in range(0, len(todo), ROWS):
         chunk = todo[i: i + ROWS]
         ids = np.zeros((ROWS, WIDTH), np.int32)
@@ -59,20 +62,19 @@ def run_alone(engine: Engine, keys: list[tuple[tuple, int]]) -> dict:
             ids[r, : len(p)] = p
         out = [[] for _ in chunk]
         for _ in range(max(n for _, n in chunk)):
-            logits = np.asarray(SHARED["logits"](engine.model, jnp.asarray(ids)))
+            logits = np.asarray(shared.logits(shared.model, jnp.asarray(ids)))
             for r, (_, n) in enumerate(chunk):
                 if len(out[r]) < n:
                     tok = int(np.argmax(logits[r, lens[r] - 1]))
                     out[r].append(tok)
                     ids[r, lens[r]] = tok
                     lens[r] += 1
-        SHARED["alone"].update(zip(chunk, out))
-    return SHARED["alone"]
+        shared.alone.update(zip(chunk, out))
+    return shared.alone
 
 
 def arm(engine: Engine, point: str, exc: type[BaseException]):
     """Make ``point`` of the next step raise ``exc`` once; returns (undo, fired list)."""
-    import kvjax.engine.engine as engine_mod
     from kvjax.sched.request import Request
 
     fired: list = []
@@ -126,11 +128,13 @@ class EngineMachine(RuleBasedStateMachine):
     OVERLAP = True
     BURST = 1
 
-    def __init__(self):
+    def __init__(self, shared: Shared):
         super().__init__()
-        self.engine = shared_engine(self.OVERLAP, self.BURST)
+        self.shared = shared
+        self.engine = shared.engine(self.OVERLAP, self.BURST)
         assert self.engine.is_idle()
         self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
+        self.consumer_runs: list = []  # (prompt, max_new, tokens) of the concurrent consumers' requests
 
     # ---- helpers -----------------------------------------------------------------------------------------
     def collect(self, events) -> None:
@@ -213,7 +217,7 @@ class EngineMachine(RuleBasedStateMachine):
                         (out_a, out_b)[k][ev.index].append(ev.token)
         for p, got in [*zip(a, out_a), *zip(b, out_b)]:
             assert len(got) == max_new
-            SHARED.setdefault("consumer_runs", []).append((p, max_new, got))
+            self.consumer_runs.append((p, max_new, got))
 
     @invariant()
     def integrity(self):
@@ -227,8 +231,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert eng.is_idle() and not eng.outputs.held
         runs = [(r["prompt"], r["max_new"], r["tokens"]) for r in self.reqs.values() if not r["aborted"]]
         assert all(r["finished"] for r in self.reqs.values() if not r["aborted"])
-        runs += SHARED.pop("consumer_runs", [])
-        alone = run_alone(eng, [(p, n) for p, n, _ in runs])
+        runs += self.consumer_runs
+        alone = run_alone(self.shared, [(p, n) for p, n, _ in runs])
         for p, n, got in runs:
             assert got == alone[p, n], (p, n)
 
@@ -243,12 +247,12 @@ class BurstEngineMachine(EngineMachine):
 
 @pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine],
                          ids=["overlap", "sync", "burst"])
-def test_engine_state_machine(machine):
+def test_engine_state_machine(machine, shared):
     # derandomized: the coverage checks below (preemptions, faults, full bursts) hold for every run, not most runs
-    run_state_machine_as_test(machine, settings=settings(
+    run_state_machine_as_test(lambda: machine(shared), settings=settings(
         max_examples=25, stateful_step_count=25, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    eng = shared_engine(machine.OVERLAP, machine.BURST)
+    eng = shared.engine(machine.OVERLAP, machine.BURST)
     # one bucket set, greedy only: a single compile for every example (and one for the burst steps)
     assert eng.num_traces == (1 if machine.BURST == 1 else 2)
     assert max(r.burst for r in eng.metrics.records) == machine.BURST  # bursts ran, at their full length

@@ -13,19 +13,17 @@ over the whole step, the first and last included); ``KVJAX_FULL_FAULTS=1`` sweep
 
 from __future__ import annotations
 
-import inspect
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-import kvjax
 from kvjax.engine.engine import Engine
-from test_engine import BUDGET, SMALL, qwen_swa_model, random_prompts
+from helpers.engine import BUDGET, SMALL, random_prompts
+from helpers.faults import FaultAt, Injected
+from helpers.models import qwen_swa_model
 
-KVJAX_DIR = os.path.dirname(os.path.abspath(kvjax.__file__))
 SAMPLES = 80  # injection points per mode in CI
 FAULT_STEP = 3  # the step (0-based, counting step() calls) a fault interrupts
 NEW = 7
@@ -36,36 +34,6 @@ MODES = {
     "prefix": dict(overlap=True, decode_burst=4, prefix_caching=True),
     "mesh": dict(overlap=True, decode_burst=4, mesh="1x1"),
 }
-
-
-class Injected(Exception):
-    pass
-
-
-class FaultAt:
-    """A ``sys.settrace`` tracer counting the ``line`` and ``call`` events of frames in kvjax's own files; with
-    ``at`` set it raises ``exc`` at that event (the tracer then stops, as Python disables a tracer that raised).
-    A generator's ``call`` events (each resumption, and its close, where Python ignores an exception) are not
-    counted; its lines are."""
-
-    def __init__(self, at: int | None = None, exc: type[BaseException] = Injected) -> None:
-        self.at, self.exc, self.events = at, exc, 0
-
-    def __call__(self, frame, event, arg):
-        if not frame.f_code.co_filename.startswith(KVJAX_DIR):
-            return None
-        if event == "line" or (event == "call" and not frame.f_code.co_flags & inspect.CO_GENERATOR):
-            self.events += 1
-            if self.events == self.at:
-                raise self.exc(f"injected fault at event {self.at}")
-        return self
-
-    def run(self, fn):
-        sys.settrace(self)
-        try:
-            return fn()
-        finally:
-            sys.settrace(None)
 
 
 def _engine(model, mode: str) -> Engine:

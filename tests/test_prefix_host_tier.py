@@ -20,7 +20,7 @@ from kvjax.config import AttentionConfig
 from kvjax.errors import OutOfPagesError
 from kvjax.sched.host_tier import HostTier
 from kvjax.sched.prefix_cache import PrefixCacheConfig
-from test_prefix_cache import Rig
+from helpers.prefix import Rig
 
 PAGE_BYTES, CKPT_BYTES = 10, 7
 

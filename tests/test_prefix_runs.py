@@ -16,7 +16,7 @@ from kvjax.experiments import engine_runs as er
 from kvjax.experiments import prefix_runs as pr
 from kvjax.experiments.size import Size
 from kvjax.sched.workload import multi_turn_workload, system_prompt_workload
-from test_engine import greedy_oracle
+from helpers.engine import greedy_oracle
 
 VOCAB = 128
 

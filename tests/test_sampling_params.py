@@ -27,7 +27,8 @@ from kvjax.engine import Engine, SamplingParams
 from kvjax.engine import sampling
 from kvjax.models.loading import GenerationConfig
 from kvjax.sched.request import MAX_STOP_IDS
-from test_engine import BUDGET, SMALL, VOCAB, assert_idle, qwen_swa_model, random_prompts, tiny_deepseek_config
+from helpers.engine import BUDGET, SMALL, assert_idle, random_prompts
+from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek_config
 
 ALPHA = 1e-3  # significance of each chi-square test
 NEW = 9

@@ -10,12 +10,8 @@ from kvjax.errors import RequestTooLongError, SlotExhaustedError
 from kvjax.sched import Scheduler, Status
 from kvjax.sched.plan import bucket, seq_buckets, token_buckets
 
-ATT = AttentionConfig(4, 2, 8, window=(6, 0), sinks=(2, 0))
+from helpers.sched import ATT, sched_with
 
-
-def sched_with(num_pages=64, page_size=4, max_seqs=4, max_blocks=16, budget=16, **kw) -> Scheduler:
-    cache = CacheConfig(page_size=page_size, num_pages=num_pages, max_seqs=max_seqs, max_blocks_per_seq=max_blocks)
-    return Scheduler(cache, kw.pop("att", ATT), max_num_batched_tokens=budget, **kw)
 
 
 def fake_sample(plan) -> np.ndarray:

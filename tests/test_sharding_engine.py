@@ -29,7 +29,7 @@ from kvjax.engine.engine import Engine
 from kvjax.inputs import StepInputs
 from kvjax.errors import InvalidPlanError
 from kvjax.sched.blocks import BlockAllocator
-from test_engine import step_events
+from helpers.engine import step_events
 
 INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")

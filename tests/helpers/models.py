@@ -32,6 +32,13 @@ def random_model(config: Qwen3_5Config, seed: int, dtype=jnp.float32) -> Qwen3_5
     return assign_params(model, values)
 
 
+def qwen_swa_model(seed: int = 0) -> Qwen3_5ForCausalLM:
+    """Tiny 2-layer Qwen3.5 (GDN + gated attention) whose KV head 0 is SWA (window 6, 2 sinks); all params random
+    (the model the engine tests serve)."""
+    return random_model(tiny_config(window=(6, 0), sinks=(2, 0), layer_types=("linear_attention", "full_attention")),
+                        seed)
+
+
 def tiny_deepseek_config(rope_dim: int = 8) -> DeepseekConfig:
     """The tiny DeepSeek-V3.2 (MLA + DSA indexer, top-6) the engine tests serve; ``rope_dim=16`` gives shapes the
     Triton-tiled MLA kernels take (powers of two >= 16)."""

@@ -1,0 +1,75 @@
+"""Engine-test helpers: the small cache and token budget the engine tests serve with, the uncached greedy oracle,
+random prompts, a checked step, the idle check and EOS truncation."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.config import CacheConfig
+from kvjax.engine.engine import Engine
+
+from helpers.models import VOCAB
+
+BUDGET = 16  # tokens per step: below the longest prompt, so prefill is chunked
+# 2 block buckets (8, 16 blocks of 4 tokens); max_seqs 4 -> one row bucket; budget 16 -> one token bucket
+SMALL = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=16)  # forces preemption
+
+
+def greedy_oracle(model, prompts, max_new: int) -> list[list[int]]:
+    """Greedy decoding by full-sequence ``model.logits`` (no cache). Causal, so right padding to one fixed
+    length changes no logit at a real position (and compiles once)."""
+    lens = [len(p) for p in prompts]
+    width = -(-(max(lens) + max_new) // 8) * 8
+    ids = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    fwd = nnx.jit(lambda m, x: m.logits(x))
+    out = [[] for _ in prompts]
+    for _ in range(max_new):
+        logits = np.asarray(fwd(model, jnp.asarray(ids)))
+        for i in range(len(prompts)):
+            tok = int(np.argmax(logits[i, lens[i] - 1]))
+            out[i].append(tok)
+            ids[i, lens[i]] = tok
+            lens[i] += 1
+    return out
+
+
+def random_prompts(rng, lengths) -> list[list[int]]:
+    """One prompt of random token ids (``0..VOCAB-1``) per length."""
+    return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+def step_events(engine: Engine) -> list:
+    """One ``engine.step()``, its :class:`StepOutput` s checked (at least one token each; a request's outputs,
+    held ones from earlier steps first, continue each other's positions) and turned into per-token
+    :class:`TokenEvent` s."""
+    outs = engine.step()
+    nxt: dict[int, int] = {}
+    for out in outs:
+        assert out.tokens and nxt.get(out.request_id, out.position) == out.position, outs
+        nxt[out.request_id] = out.position + len(out.tokens)
+    return [ev for out in outs for ev in out.events()]
+
+
+def assert_idle(engine: Engine) -> None:
+    """Nothing running or queued, every slot and page free, the scheduler's invariants hold."""
+    engine.check_integrity()
+    assert engine.is_idle()
+    s = engine.scheduler
+    assert s.slots.num_free == engine.cache_config.max_seqs
+    assert sum(s.blocks.free_pages()) == engine.cache_config.num_pages
+
+
+def make_engine(model, **kw) -> Engine:
+    """An engine on :data:`SMALL` with one token, row and block bucket and no decode path: a single compile per
+    greedy / sampling mode."""
+    return Engine(model, SMALL, recycle="timely", max_num_batched_tokens=16, token_buckets=(16,),
+                  row_buckets=(4,), block_buckets=(16,), use_decode_path=False, **kw)
+
+
+def truncate_at(out: list[int], eos: int) -> list[int]:
+    """``out`` up to and including its first ``eos`` (all of it without one)."""
+    return out[: out.index(eos) + 1] if eos in out else out
