@@ -314,3 +314,26 @@ def test_a_fault_at_any_line_of_the_tier(qwen, reference):
         assert raised == 1 or fault.events < n
         finish(engine)
     assert engine.num_recoveries >= samples - 1
+
+
+def test_the_copies_cause_no_silent_recompilation(qwen):
+    """Every backend compilation of a run with a host tier is a traced step shape or a traced copy: the copies'
+    committed outputs do not make the step compile again for arguments committed differently."""
+    from jax import monitoring
+
+    compiles, counting = [], [True]
+
+    def listen(event, duration, **kw):
+        if counting[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
+                        host_cache_bytes=HOST, decode_burst=4)
+        compiles.clear()
+        talk(engine, conversations())
+    finally:
+        counting[0] = False
+    assert engine.host_store.traces > 0
+    assert len(compiles) == engine.num_traces + engine.host_store.traces

@@ -219,8 +219,10 @@ class Engine:
                                 max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(o.cache_options or {}))
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
                              max_traces=o.max_traces)
-        self.caches = self._init_caches()
         self.host_store = HostStore() if prefix is not None and prefix.host_bytes else None  # the host tier's data
+        if self.host_store is not None:  # every step argument committed alike (see _init_caches)
+            self.runner.no_tokens = self.host_store.on_device(self.runner.no_tokens)
+        self.caches = self._init_caches()
         self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
         self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self.outputs = Outputs()  # what each request was given; the consumers' queues
@@ -228,7 +230,10 @@ class Engine:
         self.metrics = EngineMetrics()
 
     def _init_caches(self):  # on a mesh: num_pages per device, leading data / model axes
-        return self.runner.init_caches(self.model, **self._cache_args)
+        caches = self.runner.init_caches(self.model, **self._cache_args)
+        if self.host_store is not None:  # committed to the device as the copies' outputs are: one step trace key
+            caches = self.host_store.on_device(caches)
+        return caches
 
     @property
     def total_pages(self) -> int:

@@ -139,6 +139,11 @@ class HostStore:
         self.stats = CopyStats()
         self.sync = False
 
+    def on_device(self, caches: ModelCaches) -> ModelCaches:
+        """``caches`` committed to the device (no copy): the copies' outputs are (their inputs include committed
+        chunks), and a jitted step compiles again for committed arguments after uncommitted ones."""
+        return jax.device_put(caches, self._device)
+
     def _counted(self, fn):
         def traced(*args):
             self.traces += 1
