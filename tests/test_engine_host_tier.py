@@ -84,7 +84,8 @@ def test_copies_match_a_numpy_replay(rng):
 import jax  # noqa: E402
 
 from kvjax.engine.engine import Engine  # noqa: E402
-from test_engine import BUDGET, SMALL, VOCAB, greedy_oracle, qwen_swa_model  # noqa: E402
+from helpers.engine import BUDGET, SMALL, greedy_oracle  # noqa: E402
+from helpers.models import VOCAB, qwen_swa_model  # noqa: E402
 
 HOST = 1 << 20  # bytes: far more than the tiny model's cache (the device pool is what runs short)
 TURNS, NEW = 3, 4
