@@ -67,7 +67,10 @@ its own requests' prompts). With GDN layers the pool gets
 ``prefix_checkpoints`` extra slots (default ``max_seqs``) holding the recurrent state at cached block
 boundaries; the plan names the copies and the jitted step does them (:mod:`kvjax.state.gdn_checkpoints`). A
 fault clears the cache (the caches are rebuilt). ``metrics.summary()`` reports ``prefix_hit_tokens`` and
-``prefill_tokens``.
+``prefill_tokens``. ``host_cache_bytes=N`` adds a host tier (:mod:`kvjax.engine.host_tier`): what the cache evicts
+spills to pinned host memory and comes back on a hit; each plan's copies are issued before its step is dispatched,
+their transfers overlapping the step in flight (``summary()``: ``prefix_hit_tokens_host``, ``host_bytes_out`` /
+``_in``, ``copy_share``).
 
 Models in the package: Qwen3.5 (:mod:`kvjax.models.qwen3_5`: GDN slots + head-wise K/V pages; SWA heads
 recycle) and DeepSeek-V3.2 (:mod:`kvjax.models.deepseek`: MLA latent + DSA indexer caches, one latent head).

@@ -28,6 +28,16 @@ recycling plus this rule for recycled pages that are cached):
 - ``keep_tail``: the cache keeps it if it lies in the window tail of an anchor below it (the SWA pages a match
   ending at that anchor needs), and lets go of the rest.
 
+Host tier (``PrefixCacheConfig.host_bytes > 0``; :mod:`kvjax.sched.host_tier`). Eviction spills instead of
+dropping: a reclaimed idle page becomes a host copy of that head's block (``_Entry.host``), an evicted checkpoint a
+host checkpoint (``_Entry.hckpt``); the tier's budget evicts its least recently used entries' copies. A match
+counts host copies as present when fresh device pages (and, for the final checkpoint, a slot) can be had;
+:meth:`PrefixCache.attach` then fills the row's holes with fresh pages and logs the loads. Each head of a block is
+on the device, on the host or in flight (logged, not yet executed by the engine), never two at once. Checkpoint
+slots that the plan being built restores or saves are *busy*: not evicted before :meth:`PrefixCache.begin_plan`
+(the copies of a plan run before its step, so evicting one would overwrite or spill it too early).
+:meth:`PrefixCache.take_copies` hands the plan's copy log to the engine.
+
 Scheduler integration (one row = one GDN slot; :class:`~kvjax.sched.scheduler.Scheduler` does this): at admission
 ``m = cache.match(prompt)`` then ``ckpt = cache.attach(row, m, prompt)`` (the scheduler sets ``num_computed =
 m.num_tokens`` and allocates only the blocks after the match; the engine copies checkpoint ``ckpt`` into the row's
