@@ -543,6 +543,75 @@ lost = eng_setup.memory_pages - eng_setup.cache("prefix").num_pages
 lines.append(f"- Checkpoints: {eng_setup.num_checkpoints} GDN checkpoint slots of {eng_setup.slot_bytes} B cost the "
              f"engine runs {lost} of {eng_setup.memory_pages} pages ({eng_setup.page_bytes} B each).")
 display(Markdown("\\n".join(lines)))"""),
+    new_markdown_cell("""\
+## 3. A host tier under the prefix cache
+
+With many more conversations than the device cache holds, the device cache evicts a conversation's history
+before its next turn arrives, and the turn recomputes it. With a host tier (`Engine(prefix_caching=True,
+host_cache_bytes=N)`, policy `timely+keep_tail+host`) an evicted page (every layer and role of one KV head's
+block) or GDN checkpoint is copied to host memory instead, and a later match loads it back into a fresh device
+page or checkpoint slot before the step that reads it. The device memory is the same as `timely+keep_tail`'s; the
+sweep below varies the host memory (a multiple of the device cache's bytes) on a multi-turn workload with
+four times as many conversations as the device pages hold."""),
+    new_code_cell("""\
+import dataclasses
+import matplotlib.pyplot as plt
+from kvjax.sched.workload import multi_turn_workload
+
+T = SIZE.pick(small=dict(turns=3, first_len=48, message_len=8, output_len=4),
+              gpu=dict(turns=4, first_len=512, message_len=64, output_len=16))
+mean_len = T["first_len"] + (T["turns"] - 1) * (T["message_len"] + T["output_len"]) / 2 + T["output_len"]
+conversations = int(4 * CFG["sim"]["memory_requests"])  # 4x the mean-length requests the device pages hold
+tier_wl = multi_turn_workload(conversations, vocab=VOCAB, seed=1, **T)
+tier_setup = prefix_runs.make_setup(model, {"multi-turn": tier_wl}, **CFG["sim"])
+HOST = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # host bytes / device cache bytes
+tier_rows = [prefix_runs.scheduler_run(tier_setup, att, "multi-turn", p) for p in ("timely", "timely+keep_tail")]
+for h in HOST:
+    setup_h = dataclasses.replace(tier_setup, host_bytes=int(h * tier_setup.budget_bytes))
+    row = prefix_runs.scheduler_run(setup_h, att, "multi-turn", prefix_runs.HOST_POLICY)
+    tier_rows.append(dict(row, host_memory=h))
+print(f"{conversations} conversations of {T['turns']} turns (mean request {mean_len:.0f} tokens); device budget "
+      f"{tier_setup.budget_bytes} B ({tier_setup.memory_pages} pages without checkpoints)")
+print(prefix_runs.format_rows(tier_rows, prefix_runs.COLUMNS + ("host_bytes", "served_host", "bytes_out", "bytes_in")))
+dev_only = tier_rows[1]
+assert tier_rows[-1]["computed"] < dev_only["computed"] and tier_rows[-1]["served_host"] > 0
+assert all(r["generated"] == dev_only["generated"] for r in tier_rows)"""),
+    new_code_cell("""\
+fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+xs = [r["host_memory"] for r in tier_rows[2:]]
+ax[0].plot(xs, [r["hit_rate"] for r in tier_rows[2:]], "o-", label="device + host tier")
+ax[0].axhline(dev_only["hit_rate"], color="gray", ls="--", label="device only (timely+keep_tail)")
+ax[0].set(xscale="log", xlabel="host memory / device cache bytes", ylabel="prompt hit rate")
+ax[1].plot(xs, [r["computed"] for r in tier_rows[2:]], "o-", label="device + host tier")
+ax[1].axhline(dev_only["computed"], color="gray", ls="--", label="device only")
+ax[1].axhline(tier_rows[0]["computed"], color="k", ls=":", label="no cache (timely)")
+ax[1].set(xscale="log", xlabel="host memory / device cache bytes", ylabel="prompt tokens computed")
+ax[1].legend(fontsize=8)
+fig.suptitle("multi-turn, 4x more conversations than the device holds: the same device memory")
+fig.tight_layout()"""),
+    new_markdown_cell("""\
+The toy model through the engine: the same multi-turn shape, device-only cache against the host tier at the
+same device memory (host memory 8x the device cache). The tokens must be identical (greedy, f32): a loaded page
+holds exactly the bytes that were spilled, and every copy lands before the step that reads it."""),
+    new_code_cell("""\
+ET = SIZE.pick(small=dict(turns=3, first_len=24, message_len=8, output_len=4),
+               gpu=dict(turns=3, first_len=128, message_len=16, output_len=8))
+eng_tier_wl = multi_turn_workload(int(4 * CFG["eng"]["memory_requests"]), vocab=VOCAB, seed=2, **ET)
+eng_tier_setup = prefix_runs.make_setup(model, {"multi-turn": eng_tier_wl}, host_memory=8.0, **CFG["eng"])
+eng_tier = prefix_runs.engine_runs(model, eng_tier_setup, policies=("timely+keep_tail", prefix_runs.HOST_POLICY))
+print(prefix_runs.format_rows(eng_tier, prefix_runs.COLUMNS + ("served_host", "bytes_out", "bytes_in")))
+dev, host = eng_tier
+assert dev["outputs"] == host["outputs"] and host["served_host"] > 0 and host["computed"] < dev["computed"]
+best = min(tier_rows[2:], key=lambda r: r["computed"])
+display(Markdown(
+    f"- **Simulation**: device only, the cache serves {dev_only['hit_rate']:.0%} of the prompt tokens and "
+    f"{dev_only['computed']} are computed; with a host tier of {best['host_memory']:g}x the device bytes "
+    f"{best['hit_rate']:.0%} are served ({best['served_host']} of them from the host) and {best['computed']} computed "
+    f"({dev_only['computed'] / max(best['computed'], 1):.1f}x fewer), moving {best['bytes_out'] / 1e6:.1f} MB to the "
+    f"host and {best['bytes_in'] / 1e6:.1f} MB back.\\n"
+    f"- **Engine**: identical tokens; prompt tokens computed {dev['computed']} (device only) vs {host['computed']} "
+    f"with the host tier ({host['served_host']} served from the host; {host['bytes_out'] / 1e6:.2f} MB out, "
+    f"{host['bytes_in'] / 1e6:.2f} MB in)."))"""),
 ]
 
 
