@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis import settings
 
 from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.errors import OutOfPagesError
@@ -18,7 +17,7 @@ from kvjax.sched import prefix_cache as pcm
 from kvjax.sched.blocks import SHARED, BlockAllocator
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
 
-from helpers.prefix import Rig
+from helpers.prefix import PrefixMachine, Rig
 
 
 def test_config_errors():
@@ -120,69 +119,8 @@ def test_hash_collision_is_never_a_hit(rng, monkeypatch):
     r.check()
 
 
-class CacheMachine(RuleBasedStateMachine):
+class CacheMachine(PrefixMachine):
     """Random requests over a few shared prefixes, chunked compute, recycling, eviction, finishes and clears."""
-
-    def __init__(self):
-        super().__init__()
-        self.rig = None
-
-    @initialize(data=st.data())
-    def setup(self, data):
-        h = data.draw(st.integers(1, 3))
-        window = [data.draw(st.sampled_from([0, 0, 3, 6, 11])) for _ in range(h)]
-        sinks = [data.draw(st.integers(0, 4)) if w else 0 for w in window]
-        gdn = data.draw(st.booleans())
-        self.rig = Rig(AttentionConfig(h, h, 8, window=tuple(window), sinks=tuple(sinks)),
-                       ps=data.draw(st.sampled_from([1, 2, 4])), pages=h * data.draw(st.integers(12, 40)),
-                       max_seqs=3, blocks=40, gdn=gdn, num_checkpoints=data.draw(st.integers(1, 4)) if gdn else 0,
-                       recycle=data.draw(st.sampled_from(["eager", "keep_tail"])))
-        rng = np.random.default_rng(data.draw(st.integers(0, 99)))
-        self.bases = [rng.integers(1, 9, 30) for _ in range(3)]
-
-    @rule(data=st.data())
-    @precondition(lambda self: self.rig is not None and len(self.rig.progress) < 3)
-    def start(self, data):
-        base = data.draw(st.sampled_from(self.bases))
-        # at most 40 tokens: a row has 40 blocks, and pages may hold one token
-        cut, tail = data.draw(st.integers(1, 30)), data.draw(st.lists(st.integers(1, 9), max_size=10))
-        prompt = np.concatenate([base[:cut], np.array(tail, np.int64)])
-        row = min(set(range(1, 4)) - set(self.rig.progress))
-        if not self.rig.b.can_fit(0):
-            return
-        self.rig.start(row, prompt)
-
-    @rule(data=st.data())
-    @precondition(lambda self: self.rig is not None and self.rig.progress)
-    def compute(self, data):
-        row = data.draw(st.sampled_from(sorted(self.rig.progress)))
-        if self.rig.progress[row] == len(self.rig.prompts[row]):
-            return self.rig.finish(row)
-        try:
-            self.rig.step(row, data.draw(st.integers(1, 9)))
-        except OutOfPagesError:  # preempt by recompute
-            self.rig.finish(row)
-
-    @rule()
-    @precondition(lambda self: self.rig is not None and not self.rig.progress)
-    def clear(self):
-        self.rig.pc.clear()
-        assert self.rig.b.free_pages() == [self.rig.cache_cfg.num_pages]
-
-    @invariant()
-    def consistent(self):
-        if self.rig is not None:
-            self.rig.check()
-
-    def teardown(self):
-        if self.rig is None:
-            return
-        for row in list(self.rig.progress):
-            self.rig.finish(row)
-        self.rig.pc.clear()
-        self.rig.check()
-        assert self.rig.b.free_pages() == [self.rig.cache_cfg.num_pages] and (self.rig.b.tables == -1).all()
-        assert self.rig.pc.checkpoints_used() == 0 and not self.rig.pc.entries
 
 
 TestCacheMachine = CacheMachine.TestCase

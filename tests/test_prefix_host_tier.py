@@ -14,13 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax.config import AttentionConfig
-from kvjax.errors import OutOfPagesError
 from kvjax.sched.host_tier import HostTier
 from kvjax.sched.prefix_cache import PrefixCacheConfig
-from helpers.prefix import Rig
+from helpers.prefix import PrefixMachine, Rig
 
 PAGE_BYTES, CKPT_BYTES = 10, 7
 
@@ -150,69 +148,13 @@ def test_without_a_host_tier_nothing_is_logged(rng):
     assert r.pc.host is None and r.pc.take_copies() == ()
 
 
-class TwoTierMachine(RuleBasedStateMachine):
+class TwoTierMachine(PrefixMachine):
     """Random requests over a few shared prefixes on a small device pool and a small host budget."""
 
-    def __init__(self):
-        super().__init__()
-        self.rig = None
+    PAGES, BASES = (8, 24), 4
 
-    @initialize(data=st.data())
-    def setup(self, data):
-        h = data.draw(st.integers(1, 3))
-        window = [data.draw(st.sampled_from([0, 0, 3, 6, 11])) for _ in range(h)]
-        sinks = [data.draw(st.integers(0, 4)) if w else 0 for w in window]
-        gdn = data.draw(st.booleans())
-        self.rig = TierRig(AttentionConfig(h, h, 8, window=tuple(window), sinks=tuple(sinks)),
-                           ps=data.draw(st.sampled_from([1, 2, 4])), pages=h * data.draw(st.integers(8, 24)),
-                           max_seqs=3, blocks=40, gdn=gdn, host_pages=h * data.draw(st.integers(0, 20)),
-                           num_checkpoints=data.draw(st.integers(1, 3)) if gdn else 0,
-                           recycle=data.draw(st.sampled_from(["eager", "keep_tail"])))
-        rng = np.random.default_rng(data.draw(st.integers(0, 99)))
-        self.bases = [rng.integers(1, 9, 30) for _ in range(4)]
-
-    @rule(data=st.data())
-    @precondition(lambda self: self.rig is not None and len(self.rig.progress) < 3)
-    def start(self, data):
-        base = data.draw(st.sampled_from(self.bases))
-        cut, tail = data.draw(st.integers(1, 30)), data.draw(st.lists(st.integers(1, 9), max_size=10))
-        prompt = np.concatenate([base[:cut], np.array(tail, np.int64)])
-        row = min(set(range(1, 4)) - set(self.rig.progress))
-        self.rig.start(row, prompt)
-
-    @rule(data=st.data())
-    @precondition(lambda self: self.rig is not None and self.rig.progress)
-    def compute(self, data):
-        row = data.draw(st.sampled_from(sorted(self.rig.progress)))
-        if self.rig.progress[row] == len(self.rig.prompts[row]):
-            return self.rig.finish(row)
-        try:
-            self.rig.step(row, data.draw(st.integers(1, 9)))
-        except OutOfPagesError:  # preempt by recompute (the allocator changed nothing)
-            self.rig.land()
-            self.rig.finish(row)
-
-    @rule()
-    @precondition(lambda self: self.rig is not None and not self.rig.progress)
-    def clear(self):
-        self.rig.pc.clear()
-        self.rig.land()
-        assert not self.rig.host and not self.rig.host_ckpt and self.rig.pc.host.used_bytes == 0
-
-    @invariant()
-    def consistent(self):
-        if self.rig is not None:
-            self.rig.check()
-
-    def teardown(self):
-        if self.rig is None:
-            return
-        for row in list(self.rig.progress):
-            self.rig.finish(row)
-        self.rig.pc.clear()
-        self.rig.land()
-        self.rig.check()
-        assert self.rig.b.free_pages() == [self.rig.cache_cfg.num_pages] and not self.rig.host
+    def make_rig(self, data, att, **kw) -> TierRig:
+        return TierRig(att, host_pages=att.num_kv_heads * data.draw(st.integers(0, 20)), **kw)
 
 
 TestTwoTierMachine = TwoTierMachine.TestCase
