@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvjax
+from helpers.engine import BUDGET, SMALL, greedy_oracle
+from helpers.models import VOCAB, qwen_swa_model
+from kvjax.engine.engine import Engine
 from kvjax.engine.host_tier import HostStore
 from kvjax.models.interface import ModelCaches
 from kvjax.sched.host_tier import CopyOp
@@ -80,12 +84,6 @@ def test_copies_match_a_numpy_replay(rng):
 
 
 # ---- the engine with a host tier ----------------------------------------------------------------------------
-
-import jax  # noqa: E402
-
-from kvjax.engine.engine import Engine  # noqa: E402
-from helpers.engine import BUDGET, SMALL, greedy_oracle  # noqa: E402
-from helpers.models import VOCAB, qwen_swa_model  # noqa: E402
 
 HOST = 1 << 20  # bytes: far more than the tiny model's cache (the device pool is what runs short)
 TURNS, NEW = 3, 4
