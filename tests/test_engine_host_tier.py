@@ -233,6 +233,7 @@ def test_host_tier_arguments_are_checked(qwen):
     with pytest.raises(ValueError, match="not on a mesh"):
         Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=HOST, mesh=mesh)
     assert Engine(qwen, SMALL, prefix_caching=True).host_store is None
+    assert "host tier of 0.50 GiB" in Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=1 << 29).describe()
 
 
 def test_run_command_with_a_host_tier(capsys):

@@ -258,8 +258,9 @@ class Engine:
 
     def _describe_prefix(self) -> str:
         pc = self.scheduler.prefix
+        host = f" and a host tier of {pc.config.host_bytes / 2**30:.2f} GiB" if pc is not None and pc.host else ""
         return "" if pc is None else (f", prefix caching {pc.config.recycle} with {pc.config.num_checkpoints} "
-                                      "checkpoints")
+                                      f"checkpoints{host}")
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prompt block and GDN checkpoint (blocks that running requests hold stay theirs);
