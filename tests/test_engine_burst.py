@@ -316,3 +316,27 @@ def test_metrics_count_sub_steps(qwen, case):
     for key in ("generated_tokens_per_step", "running_mean"):
         assert abs(many[key] / one[key] - 1) < 0.15, (key, one[key], many[key])
     assert many["tokens_per_dispatch"] > many["generated_tokens_per_step"]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_burst_ready_agrees_with_the_plan_it_predicts(seed):
+    """``burst_ready(K)`` (asked of every data shard before a mesh step) says whether ``schedule(K)`` then returns a
+    burst: the same answer although the question recycles. With timely recycling and a tight pool, the pages a
+    running request's window gives back can let a queued request in: asked before recycling, admission looked
+    impossible, so a shard promised a burst and then planned a prompt (the 2-GPU crash of a burst step holding
+    prompt tokens)."""
+    rng = np.random.default_rng(seed)
+    s = sched_with(num_pages=24, max_seqs=6, recycle="timely")
+    for _ in range(10):
+        s.add_request(rng.integers(1, 50, int(rng.integers(3, 12))), int(rng.integers(4, 24)))
+    bursts = 0
+    for _ in range(400):
+        if not s.has_unfinished():
+            break
+        ready = s.burst_ready(K)
+        plan = s.schedule(K)
+        assert ready == (plan.burst_len is not None), (s.step, ready, plan.burst_len, len(s.waiting))
+        bursts += plan.burst_len is not None
+        s.update(plan, rng.integers(1, 50, plan.seq_lens.shape[0] * plan.burst))
+        s.check_integrity()
+    assert not s.has_unfinished() and bursts > 0

@@ -301,7 +301,7 @@ class Scheduler:
     def _burst_sizes(self, burst: int) -> np.ndarray | None:
         """``i64[R]``: the sub-steps of each running row in a decode burst of up to ``burst`` (pages checked, not
         allocated), or None where a burst does not apply (recycling done either way)."""
-        if burst < 2 or not self.running or self._admissible():
+        if burst < 2 or not self.running:
             return None
         t, rows = self.rows, self._running_slots()  # i64[R]
         done = t.num_computed[rows]  # i64[R]
@@ -310,7 +310,11 @@ class Scheduler:
         n = np.minimum(burst, t.max_tokens[rows] - t.num_tokens[rows])  # i64[R]: sub-steps that sample a token
         if n.max() < 2:  # every row ends within one sub-step
             return None
+        # recycle first, as every step does: admission is judged on the pages left after it (judged before, a
+        # page the recycling frees could let a queued request in at the next call, and the answer would change)
         self.recycle_policy.recycle(self.blocks, rows, done)
+        if self._admissible():
+            return None
         return n if self.blocks.rows_fit(rows, done + n) else None
 
     def _schedule_burst(self, burst: int) -> StepPlan | None:
