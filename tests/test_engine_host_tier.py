@@ -17,7 +17,8 @@ import pytest
 
 import kvjax
 from helpers.engine import BUDGET, SMALL, greedy_oracle
-from helpers.models import VOCAB, qwen_swa_model
+from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek
+from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.host_tier import HostStore
 from kvjax.models.interface import ModelCaches
@@ -337,3 +338,19 @@ def test_the_copies_cause_no_silent_recompilation(qwen):
         counting[0] = False
     assert engine.host_store.traces > 0
     assert len(compiles) == engine.num_traces + engine.host_store.traces
+
+
+def test_deepseek_latent_and_indexer_pages_through_the_host():
+    """A model without GDN layers (no checkpoints): its latent and indexer pages spill and come back, and the
+    tokens equal the device-only cache's (max_position_embeddings 64 bounds the conversations)."""
+    model = tiny_deepseek()
+    cache = CacheConfig(page_size=4, num_pages=24, max_seqs=4, max_blocks_per_seq=16)
+    kw = dict(max_num_batched_tokens=BUDGET, use_decode_path=False, cache_options={"indexer_fp8": False},
+              prefix_caching=True, decode_burst=1)
+    first = conversations(seed=8, n=5)
+    want = talk(Engine(model, cache, **kw), first)
+    engine = Engine(model, cache, host_cache_bytes=HOST, **kw)
+    assert talk(engine, first) == want
+    s = engine.metrics.summary()
+    assert s["prefix_hit_tokens_host"] > 0 and engine.scheduler.prefix.host.ckpts_out == 0
+    finish(engine)
