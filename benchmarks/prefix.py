@@ -77,8 +77,10 @@ def _split(name: str) -> tuple[str, int | str]:
 
 def _policy_run(name: str, model, workload, setup, turns: int, turn=contextlib.nullcontext) -> dict:
     """One policy's row (with its ``outputs``): build its engine, warm it up on one conversation (compiles every
-    shape the run uses; ``warmup_s``), then serve the whole workload :data:`REPEATS` times while holding
-    ``turn()`` (counts from the first, the median wall; every repeat must generate the same tokens)."""
+    shape the run uses; ``warmup_s``; with a host tier the whole workload, so that the copies compile too), then
+    serve the whole workload :data:`REPEATS` times while holding ``turn()`` (counts from the first, the median
+    wall; every repeat must generate the same tokens) and, with a host tier, once more with every copy waited
+    for (``copy_sync_share``)."""
     from kvjax.experiments.prefix_runs import _row, policy_engine
 
     policy, burst = _split(name)
@@ -98,15 +100,14 @@ def _policy_run(name: str, model, workload, setup, turns: int, turn=contextlib.n
             elif got != outputs:
                 raise AssertionError(f"{policy}: repeat {i} of the same workload generated other tokens")
             walls.append(wall)
-    wall = statistics.median(walls)
-    copy_sync_share = float("nan")
-    if engine.host_store is not None:  # one more repeat, every copy waited for: its device time bounded
-        with turn():
+        copy_sync_share = float("nan")
+        if engine.host_store is not None:  # one more repeat, every copy waited for: its device time bounded
             engine.host_store.sync = True
             sync_wall = _serve_timed(engine, workload)[2]
             engine.host_store.sync = False
-        engine.clear_prefix_cache()
-        copy_sync_share = engine.host_store.stats.t_sync / sync_wall
+            engine.clear_prefix_cache()
+            copy_sync_share = engine.host_store.stats.t_sync / sync_wall
+    wall = statistics.median(walls)
     row = _row("multi-turn", policy, setup, prompts, steps=s["steps"], generated=s["generated_tokens"],
                served=s["prefix_hit_tokens"], computed=s["prefill_tokens"], preemptions=s["preemptions"],
                cached_pages_mean=s["cached_pages_mean"], page_util_peak=s["page_util_peak"],
