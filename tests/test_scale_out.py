@@ -242,3 +242,32 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
         assert len(per) == 2 and all(r > 0 for r in per)
         assert two["results"]["none"]["generated_tokens_per_s"] == pytest.approx(sum(per), rel=1e-5)
         assert two["results"]["none"]["wall_tokens_per_s"] > 0 and len(two["results"]["none"]["wall_s"]) == 2
+
+
+def test_device_drawn_weights_follow_the_init_distributions():
+    """The hashed draw of ``init_random_on_device``: projections N(0, 1/fan_in), embeddings N(0, 0.02^2), A_log the
+    log of U(0.01, 16), dt_bias 1, norms 0, within the sampling error of the sizes drawn; different seeds differ."""
+    from kvjax.models.qwen3_5 import init_random_on_device
+
+    config = cli_run.model_config(dataclasses.replace(tiny_tp(), hidden=256, intermediate=512, vocab=1024))
+    flat = dict(nnx.to_flat_state(nnx.state(init_random_on_device(config, seed=1, dtype=jnp.float32), nnx.Param)))
+    other = dict(nnx.to_flat_state(nnx.state(init_random_on_device(config, seed=2, dtype=jnp.float32), nnx.Param)))
+    seen = set()
+    for path, var in flat.items():
+        x = np.asarray(var.get_value(), np.float64)
+        name = str(path[-1])
+        if name == "kernel" and x.size > 4096:
+            std = 1 / np.sqrt(x.shape[0])
+            assert abs(x.mean()) < 5 * std / np.sqrt(x.size) and abs(x.std() / std - 1) < 0.03, path
+            assert abs(np.mean(np.abs(x) < std) - 0.6827) < 0.01, path  # normal, not uniform: 68% within 1 std
+            assert not np.array_equal(x, np.asarray(other[path].get_value())), path
+            seen.add("kernel")
+        elif name == "embed_tokens":
+            assert abs(x.std() / 0.02 - 1) < 0.03, path
+            seen.add("embed")
+        elif name == "A_log":
+            assert np.log(0.01) <= x.min() and x.max() <= np.log(16) and len(np.unique(x)) == x.size, path
+            seen.add("A_log")
+        elif name == "dt_bias":
+            assert (x == 1).all(), path
+    assert seen == {"kernel", "embed", "A_log"}

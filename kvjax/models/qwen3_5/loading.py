@@ -40,6 +40,21 @@ def _distribution(path: tuple, shape: tuple[int, ...]) -> tuple[str, float, floa
     return "constant", 0.0, 0.0  # biases and zero-centred RMSNorm scales
 
 
+def _hashed_uniform(shape: tuple[int, ...], stream: int, which: int) -> jax.Array:  # f32[shape] in (0, 1]
+    """Uniform floats in ``(0, 1]``, each a hash (the murmur3 finaliser) of its element's linear index, ``stream``
+    and ``which``: traceable, elementwise, the same values however the array is sharded."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride % 2**32)
+        stride *= shape[axis]
+    x = index * np.uint32(2) + np.uint32(which) + np.uint32(stream * 0x9E3779B1 % 2**32)
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x = (x ^ (x >> np.uint32(shift))) * np.uint32(mult)
+    x = x ^ (x >> np.uint32(16))
+    return ((x >> np.uint32(8)).astype(jnp.float32) + 1.0) * np.float32(2.0**-24)
+
+
 def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Qwen3_5ForCausalLM:
     """A randomly initialised model, drawn on the host with numpy (fast: no per-shape device compiles).
 
@@ -60,22 +75,26 @@ def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Q
 
 def init_random_on_device(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.bfloat16,
                           mesh: Mesh | None = None) -> Qwen3_5ForCausalLM | ShardedModel:
-    """A randomly initialised model drawn by one jitted call on the devices (:func:`init_random`'s distributions,
-    ``jax.random`` values): for models of billions of parameters, whose numpy draw and host -> device copy would
-    take minutes. ``mesh``: a :class:`~kvjax.models.sharding.ShardedModel` whose devices draw only their own
-    shards (every process of a multi-process mesh must call it alike). The values depend on ``seed`` and the
-    parameter's path only: the model is the same on one device and on any mesh (not :func:`init_random`'s)."""
+    """A randomly initialised model drawn by one jitted call on the devices (:func:`init_random`'s distributions):
+    for models of billions of parameters, whose numpy draw and host -> device copy would take minutes. ``mesh``: a
+    :class:`~kvjax.models.sharding.ShardedModel` whose devices draw only their own shards (every process of a
+    multi-process mesh must call it alike). Each value is a hash of ``seed``, the parameter's path and the
+    element's index (:func:`_hashed_uniform`; elementwise, so XLA compiles it in moments and each device computes
+    its shard's indices): the model is the same on one device and on any mesh (not :func:`init_random`'s)."""
     dtype = check_param_dtype(dtype)
     model = abstract_model(lambda: Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
-    key = jax.random.key(seed)
 
     def draw(path: tuple, shape: tuple[int, ...]) -> jax.Array:  # traceable: this parameter's global value
         kind, a, b = _distribution(path, shape)
-        k = jax.random.fold_in(key, zlib.crc32("/".join(map(str, path)).encode()) & 0x7FFFFFFF)
-        if kind == "normal":
-            return (a + b * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-        if kind == "log_uniform":
-            return jnp.log(jax.random.uniform(k, shape, jnp.float32, a, b)).astype(dtype)
+        stream = zlib.crc32(f"{seed}/{'/'.join(map(str, path))}".encode())
+        if kind == "normal":  # Box-Muller on two hashed uniforms
+            u1, u2 = _hashed_uniform(shape, stream, 0), _hashed_uniform(shape, stream, 1)
+            z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * np.pi * u2)
+            return (a + b * z).astype(dtype)
+        if kind == "log_uniform":  # a few values per layer (A_log): drawn on the host, exact on every mesh
+            with jax.ensure_compile_time_eval():  # computed now, a constant of the traced draw
+                u = np.asarray(_hashed_uniform(shape, stream, 0))
+            return jnp.asarray(np.log(a + (b - a) * u.astype(np.float64)), dtype)
         return jnp.full(shape, a, dtype)
 
     if mesh is not None:
