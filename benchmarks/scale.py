@@ -19,9 +19,10 @@ Sections (``--only``, default all, in this order):
   tok/s (summed, and ``wall_tokens_per_s``: all tokens over the slowest process's wall) against one device and the
   single-controller run, its tokens (digest) against theirs.
 - ``tp``: the ``tp`` preset's model (a dense 3.7B Qwen3.5, bf16; ``--smoke``: its head counts at a tiny width, f32)
-  in steady decode at ``--rows`` rows (64), ``recycle="timely"``, 512-token prompts: one device, ``--mesh 1xG``
-  (tensor parallel) and ``--mesh Gx1`` (data parallel, rows / G per device): ms per step (wall over ``--steps``
-  steps), tok/s, ratio to one device, whether every row's first tokens equal one device's (bf16: they may not).
+  in steady decode at ``--rows`` rows (64), ``recycle="timely"``, 512-token prompts, the engine's default decode
+  bursts: one device, ``--mesh 1xG`` (tensor parallel) and ``--mesh Gx1`` (data parallel, rows / G per device): ms
+  per decode sub-step (wall over ``--steps`` steps), tok/s, ratio to one device, whether every row's first tokens
+  equal one device's (bf16: they may not).
 - ``profile``: a trace of ``--profile-steps`` decode steps of the ``tp`` runs named by ``--profile`` (default
   ``1xG``; also ``one``, ``Gx1``), written under ``--trace-dir`` and summed by kernel class (``trace_kernels.py``:
   collectives vs GEMMs vs the rest) per GPU and per step, with the collectives' share. Without ``tp`` in
@@ -146,14 +147,16 @@ def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: s
         cmd = [sys.executable, "-m", "kvjax", "run", *argv, "--repeats", str(repeats), "--no-compile-cache",
                "--coordinator", f"localhost:{port}", "--num-processes", str(g), "--process-id", str(i),
                "--json", os.path.join(workdir, f"procs_{i}.json")] + (["--local-devices", str(i)] if gpu else [])
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        log = open(os.path.join(workdir, f"procs_{i}.log"), "w")  # a file, not a pipe: no process blocks on it
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True))
     try:
-        logs = [p.communicate(timeout=540)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=540)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        logs = [open(os.path.join(workdir, f"procs_{i}.log")).read() for i in range(g)]
     wall = time.perf_counter() - t0
     codes = [p.returncode for p in procs]
     if codes[0] != 0 or not os.path.exists(os.path.join(workdir, "procs_0.json")):
@@ -211,8 +214,7 @@ def tp_engine(p, mesh, rows: int, prompt_len: int, new_tokens: int, budget: int)
                         max_blocks_per_seq=blocks)
     model = build_model(p, seed=0, mesh=mesh)
     eng = Engine(model, cache, mesh=mesh, recycle="timely", max_num_batched_tokens=budget,
-                 token_buckets=tuple(sorted({per, budget})), row_buckets=(per,), block_buckets=(blocks,),
-                 decode_burst=1)
+                 token_buckets=tuple(sorted({per, budget})), row_buckets=(per,), block_buckets=(blocks,))
     rng = np.random.default_rng(0)
     for i in range(rows):
         eng.add_request(rng.integers(0, p.vocab, prompt_len), new_tokens, index=i)
@@ -248,9 +250,11 @@ def steady_decode(eng, rows: int, n: int, tokens: dict) -> dict:
     recs = eng.metrics.records[k:]
     if any(r.compiled or r.num_seqs != rows for r in recs):
         raise RuntimeError(f"steps left steady decode: {[(r.num_seqs, r.compiled) for r in recs]}")
-    return dict(ms_per_step=1e3 * wall / n, tokens_per_s=rows * n / wall,
-                host_ms=1e3 * statistics.median(r.t_step - r.t_wait for r in recs),
-                exposed_ms=1e3 * statistics.median(r.t_exposed for r in recs),
+    sub_steps = sum(r.burst for r in recs)  # decode sub-steps (the engine's default bursts run several per step)
+    return dict(ms_per_step=1e3 * wall / sub_steps, tokens_per_s=sum(r.computed for r in recs) / wall,
+                sub_steps_per_dispatch=sub_steps / len(recs),
+                host_ms=1e3 * statistics.median((r.t_step - r.t_wait) / r.burst for r in recs),
+                exposed_ms=1e3 * statistics.median(r.t_exposed / r.burst for r in recs),
                 compile_s=sum(r.t_step for r in eng.metrics.records if r.compiled))
 
 
@@ -260,13 +264,16 @@ def profile_engine(eng, steps: int, trace_dir: str, tokens: dict) -> dict:
     from trace_kernels import kernel_time_by_class
 
     jax.block_until_ready(eng.caches)
+    k = len(eng.metrics)
     jax.profiler.start_trace(trace_dir)
     try:
         _steps(eng, steps, tokens)
         jax.block_until_ready(eng.caches)
     finally:
         jax.profiler.stop_trace()
-    return dict(trace_dir=trace_dir, steps=steps, **kernel_time_by_class(trace_dir, steps))
+    recs = eng.metrics.records[k:]
+    sub_steps = round(steps * sum(r.burst for r in recs) / max(len(recs), 1))  # decode sub-steps traced
+    return dict(trace_dir=trace_dir, steps=steps, sub_steps=sub_steps, **kernel_time_by_class(trace_dir, sub_steps))
 
 
 def tp_configs(g: int) -> dict[str, tuple[int, int] | None]:
@@ -281,7 +288,9 @@ def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], pr
     p = tp_preset(smoke)
     prompt = 16 if smoke else TP_PROMPT
     budget = 64 if smoke else 2048
-    new_tokens = n + profile_steps + 60 + (rows * prompt) // budget
+    from kvjax.engine.options import AUTO_BURST
+
+    new_tokens = (n + profile_steps + 60) * AUTO_BURST + (rows * prompt) // budget  # decode bursts of AUTO_BURST
     out, first, base = [], None, None
     for name, shape in ((k, v) for k, v in tp_configs(g).items() if k in runs):
         mesh = None if shape is None else _mesh(*shape)
