@@ -78,3 +78,22 @@ def project() -> set[str]:
 @pytest.mark.parametrize("path", _modules("engine", "sched"), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_mixins_in_engine_and_sched(path, project):
     assert inherited_classes(path.read_text(), project) == [], f"{path.name}: compose instead of inheriting"
+
+
+def global_device_indexing(source: str) -> list[int]:
+    """Lines that index ``jax.devices()`` (``jax.devices()[0]``)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "devices"
+            and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "jax"]
+
+
+def test_no_module_picks_a_device_from_the_global_list():
+    """In a multi-process run ``jax.devices()[0]`` is process 0's device, which no other process can address (its
+    ``memory_stats()`` raises): a module asks for ``jax.local_devices()`` (process 1 of the first 2-GPU run of
+    ``kvjax run --coordinator`` died on it and left process 0 at its barrier). A mesh over every process's
+    devices still takes ``jax.devices()`` whole."""
+    assert global_device_indexing("import jax\nd = jax.devices()[0]\nm = jax.devices()\n") == [2]
+    found = {str(p.relative_to(ROOT)): lines for p in sorted(ROOT.rglob("*.py"))
+             if (lines := global_device_indexing(p.read_text()))}
+    assert not found, found

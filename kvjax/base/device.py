@@ -49,7 +49,7 @@ NAMED = {
 
 def current_device() -> DeviceKind:
     """The :class:`DeviceKind` of JAX's default device."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     if dev.platform != "gpu":
         return DeviceKind(dev.platform if dev.platform in ("cpu", "tpu") else "cpu")
     cc = getattr(dev, "compute_capability", None)

@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
         return fail("info", e)
     info = collect(None if args.device == "current" else NAMED[args.device])
     if args.json:
-        device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+        device = f"{jax.local_devices()[0].device_kind} ({jax.default_backend()})"
         write_json(args.json, {"meta": provenance("info", argv, device=device, seed=None), **info})
         if args.json == "-":
             return 0

@@ -134,7 +134,7 @@ def check_sizes(p: Preset) -> None:
     kv = p.layer_types.count(_A) * 2 * pages * p.page_size * p.head_dim * jnp.dtype(p.dtype).itemsize
     params = param_bytes(p)
     what = f"--requests {p.requests} --scale {p.scale:g} --memory-requests {p.memory_requests:g}"
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     limit = (stats or {}).get("bytes_limit")
     if limit is None:  # device memory is host memory
         check_memory(host + kv + params, what)
@@ -464,7 +464,7 @@ def main(argv: list[str]) -> int:
     if cache_note and leader:
         print(cache_note, file=sys.stderr)
     out = open(os.devnull, "w") if not leader else sys.stderr if args.json == "-" else sys.stdout  # '-': JSON alone
-    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    device = f"{jax.local_devices()[0].device_kind} ({jax.default_backend()})"
     prompt_lens = [int(w.prompt.size) for w in workload]
     out_lens = [w.max_new_tokens for w in workload]
     print(f"# kvjax run --preset {args.preset} on {device}: "

@@ -124,7 +124,7 @@ class HostStore:
     own copies, and adds that time to ``stats.t_sync``."""
 
     def __init__(self, device: jax.Device | None = None, chunk: int = 16) -> None:
-        device = device or jax.devices()[0]
+        device = device or jax.local_devices()[0]
         self._host = host_sharding(device)  # ValueError where the platform has no pinned_host memory
         self._device = SingleDeviceSharding(device, memory_kind="device")
         self.chunk = chunk

@@ -115,7 +115,7 @@ class Runner:
         if sharded is None:
             graphdef, params = nnx.split(model)
             self.data_size, self.model_size = 1, 1
-            platform = jax.devices()[0].platform
+            platform = jax.local_devices()[0].platform
         else:
             graphdef, params = sharded.graphdef, sharded.params
             self.data_size, self.model_size = sharded.data_size, sharded.model_size

@@ -13,7 +13,7 @@ one budget (the pages are what is left after every slot).
 
 Budget: ``memory_fraction`` (default 0.9, like vLLM's ``gpu_memory_utilization`` but of the memory still free
 after the parameters) of the device's free memory, ``bytes_limit - bytes_in_use`` of
-``jax.devices()[0].memory_stats()``; a fixed :data:`CPU_BUDGET` where the device reports no limit (CPU).
+``jax.local_devices()[0].memory_stats()``; a fixed :data:`CPU_BUDGET` where the device reports no limit (CPU).
 The pages are what the budget holds after ``max_seqs + 1`` state slots; ``max_blocks_per_seq`` covers
 ``max_seq_len`` tokens (at most what the pool could give one sequence on every KV head).
 """
@@ -82,7 +82,7 @@ def check_memory_fraction(value: Any) -> float:
 def memory_budget(memory_fraction: float, device: Any = None) -> tuple[int, str]:
     """``(bytes, where from)``: ``memory_fraction`` of ``device``'s free memory (default: the first device),
     or :data:`CPU_BUDGET` where it reports no limit."""
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]
     stats = _memory_stats(device)
     limit = stats.get("bytes_limit")
     if not limit:
@@ -102,7 +102,7 @@ def _memory_stats(device: Any) -> dict:
 def device_memory(device: Any = None) -> int:
     """Bytes a cache may at most take on ``device`` (default: the first device): its memory limit, or the host's
     physical memory where it reports none (CPU)."""
-    limit = _memory_stats(device if device is not None else jax.devices()[0]).get("bytes_limit")
+    limit = _memory_stats(device if device is not None else jax.local_devices()[0]).get("bytes_limit")
     return int(limit) if limit else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -143,7 +143,7 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
     hold the state slots and one page per KV head.
     """
     memory_fraction = check_memory_fraction(DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]
     kind = "cpu" if device.platform == "cpu" else "accelerator"
     max_seqs = default_max_seqs(device) if max_seqs is None else max_seqs
     max_seq_len = MAX_SEQ_LEN[kind] if max_seq_len is None else max_seq_len
@@ -170,5 +170,5 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
 
 def default_max_seqs(device: Any = None) -> int:
     """:data:`MAX_SEQS` of ``device``'s platform (default: the first device)."""
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]
     return MAX_SEQS["cpu" if device.platform == "cpu" else "accelerator"]

@@ -202,7 +202,7 @@ def create_caches(specs: Iterable[CacheSpec], num_pages: int, *, sharding=None) 
 
 def host_sharding(device: jax.Device | None = None, memory_kind: str = HOST_MEMORY_KIND) -> SingleDeviceSharding:
     """Sharding that places arrays in ``memory_kind`` of ``device``; ``ValueError`` where the platform lacks it."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     kinds = sorted(m.kind for m in device.addressable_memories())
     if memory_kind not in kinds:
         raise ValueError(
