@@ -25,7 +25,7 @@ import sys
 CLASSES = ("collective", "gemm", "copy", "other")
 _PATTERNS = (
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
-                              r"collective[-_]?permute|cross[-_]?device", re.I)),
+                              r"collective[-_]?permute|cross[-_]?device|^psum_", re.I)),  # psum_*: XLA's own
     ("gemm", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|matmul|\bdot\b|dot[-_]fusion|_dot_|^dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy[-_]?engine", re.I)),
 )

@@ -37,6 +37,7 @@ def trace_kernels():
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
     ("all-gather-start.3", "collective"),
     ("reduce_scatter_fusion", "collective"),
+    ("psum_1857_0_fusion_1", "collective"),  # XLA's all-reduce of a shard_map psum on two H100s (HISTORY run 72)
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
     ("nvjet_tst_128x64_64x8_1x2_h_bz_TNN", "gemm"),
     ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8", "gemm"),
