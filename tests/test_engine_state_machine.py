@@ -8,8 +8,8 @@ inside a ``stream`` loop) while the manually added requests keep running. After 
 queue invariants hold (``Engine.check_integrity``). At the end every request that was not aborted has exactly
 the tokens of the same request run alone (greedy), every event had the right position / finished flag, and
 the engine is idle. It runs with the overlapped engine (the default: faults then hit with a step in flight),
-the synchronous one and the overlapped one with decode bursts of 4; one engine per mode (one compile, two with
-bursts) serves every example.
+the synchronous one, the overlapped one with decode bursts of 4, and that one with prefix caching over a host tier
+(evicted blocks spill to host memory); one engine per mode (one compile, two with bursts) serves every example.
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ class Shared:
 
     def __init__(self) -> None:
         self.model = qwen_swa_model()
-        self.engines: dict[tuple[bool, int], Engine] = {}
+        self.engines: dict[tuple[bool, int, int], Engine] = {}
         self.alone: dict[tuple[tuple, int], list[int]] = {}
         self.logits = nnx.jit(lambda m, x: m.logits(x))
 
-    def engine(self, overlap: bool, burst: int = 1) -> Engine:
-        if (overlap, burst) not in self.engines:
-            self.engines[overlap, burst] = make_engine(self.model, overlap=overlap, decode_burst=burst)
-        return self.engines[overlap, burst]
+    def engine(self, overlap: bool, burst: int = 1, host: int = 0) -> Engine:
+        """The engine of a mode; ``host > 0``: with prefix caching and a host tier of that many bytes."""
+        if (overlap, burst, host) not in self.engines:
+            tier = dict(prefix_caching=True, host_cache_bytes=host) if host else {}
+            self.engines[overlap, burst, host] = make_engine(self.model, overlap=overlap, decode_burst=burst, **tier)
+        return self.engines[overlap, burst, host]
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +129,13 @@ max_news = st.integers(1, 8)
 class EngineMachine(RuleBasedStateMachine):
     OVERLAP = True
     BURST = 1
+    HOST = 0  # bytes of a host tier under a prefix cache (0: no prefix caching)
 
     def __init__(self, shared: Shared):
         super().__init__()
         self.shared = shared
-        self.engine = shared.engine(self.OVERLAP, self.BURST)
+        self.engine = shared.engine(self.OVERLAP, self.BURST, self.HOST)
+        self.engine.clear_prefix_cache()  # every example starts from the same state (no-op without caching)
         assert self.engine.is_idle()
         self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
         self.consumer_runs: list = []  # (prompt, max_new, tokens) of the concurrent consumers' requests
@@ -228,6 +232,7 @@ class EngineMachine(RuleBasedStateMachine):
         while eng.has_unfinished():
             self.collect(step_events(eng))
         self.collect(step_events(eng) if eng.outputs.held else [])
+        eng.clear_prefix_cache()  # cached pages count as used (no-op without caching)
         assert eng.is_idle() and not eng.outputs.held
         runs = [(r["prompt"], r["max_new"], r["tokens"]) for r in self.reqs.values() if not r["aborted"]]
         assert all(r["finished"] for r in self.reqs.values() if not r["aborted"])
@@ -245,15 +250,22 @@ class BurstEngineMachine(EngineMachine):
     BURST = 4  # decode bursts of up to 4 sub-steps (kvjax/engine/burst.py)
 
 
-@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine],
-                         ids=["overlap", "sync", "burst"])
+class HostTierEngineMachine(EngineMachine):
+    BURST = 4
+    HOST = 1 << 20  # prefix caching whose evictions spill to a host tier (kvjax/engine/host_tier.py)
+
+
+@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine, HostTierEngineMachine],
+                         ids=["overlap", "sync", "burst", "host-tier"])
 def test_engine_state_machine(machine, shared):
     # derandomized: the coverage checks below (preemptions, faults, full bursts) hold for every run, not most runs
     run_state_machine_as_test(lambda: machine(shared), settings=settings(
         max_examples=25, stateful_step_count=25, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    eng = shared.engine(machine.OVERLAP, machine.BURST)
+    eng = shared.engine(machine.OVERLAP, machine.BURST, machine.HOST)
     # one bucket set, greedy only: a single compile for every example (and one for the burst steps)
     assert eng.num_traces == (1 if machine.BURST == 1 else 2)
     assert max(r.burst for r in eng.metrics.records) == machine.BURST  # bursts ran, at their full length
     assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
+    if machine.HOST:  # evicted blocks went to the host (loads: tests/test_engine_host_tier.py)
+        assert sum(r.host_bytes_out for r in eng.metrics.records) > 0
