@@ -209,9 +209,9 @@ def test_fault_while_resolving_a_finishing_step_forgets_the_finished_request(eng
     assert_idle(engine)
 
 
-@pytest.mark.parametrize("kw,match", [(dict(token_buckets=(16, 8)), r"token_buckets.*max_num_batched_tokens=16"),
+@pytest.mark.parametrize("kw,match", [(dict(token_buckets=(16, 8)), r"token_buckets.*max_num_batched_tokens.*\(16, 8\)"),
                                       (dict(row_buckets=(2,)), r"row_buckets.*max_seqs=4"),
-                                      (dict(block_buckets=(0, 16)), r"block_buckets.*max_blocks_per_seq=16"),
+                                      (dict(block_buckets=(0, 16)), r"block_buckets.*max_blocks_per_seq.*\(0, 16\)"),
                                       (dict(token_buckets=(4.0, 16)), r"token_buckets")])
 def test_bad_bucket_sets_are_named(model, kw, match):
     with pytest.raises(ValueError, match=match):

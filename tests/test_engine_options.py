@@ -43,7 +43,8 @@ def test_auto_burst_resolves_and_options_are_frozen():
     ("decode_burst", 0, "decode_burst must be 'auto' or an int in"),
     ("decode_burst", "8", "decode_burst must be 'auto'"),
     ("max_traces", 0, "max_traces must be None or an int"),
-    ("token_buckets", (32, 16), r"token_buckets must be None or ascending ints >= 1, got \(32, 16\)"),
+    ("token_buckets", (32, 16), r"token_buckets must be None or ascending ints >= 1 ending at "
+                                r"max_num_batched_tokens, got \(32, 16\)"),
     ("row_buckets", 4, "row_buckets must be None or ascending ints"),
     ("prefix_recycle", "lazy", "prefix_recycle must be one of"),
     ("prefix_checkpoints", 2, "prefix_checkpoints / prefix_recycle need prefix_caching=True"),

@@ -39,16 +39,21 @@ def check_burst(value: Any) -> int:
     return int(value)
 
 
+BUCKET_ENDS = {"token_buckets": "max_num_batched_tokens", "row_buckets": "max_seqs",
+               "block_buckets": "max_blocks_per_seq"}  # what each bucket set must end at (checked by the engine)
+
+
 def check_buckets(name: str, values: Sequence[int] | None) -> tuple[int, ...] | None:
     """``None``, or ``values`` as a tuple of ascending distinct ints >= 1 (``ValueError`` naming ``name``)."""
     if values is None:
         return None
+    what = f"{name} must be None or ascending ints >= 1 ending at {BUCKET_ENDS[name]}"
     try:
         out = tuple(values)
     except TypeError:
-        raise ValueError(f"{name} must be None or ascending ints >= 1, got {values!r}") from None
+        raise ValueError(f"{what}, got {values!r}") from None
     if (not out or any(not is_int(v) or v < 1 for v in out) or list(out) != sorted(set(out))):
-        raise ValueError(f"{name} must be None or ascending ints >= 1, got {out}")
+        raise ValueError(f"{what}, got {out}")
     return tuple(int(v) for v in out)
 
 
