@@ -245,10 +245,11 @@ def test_memory_fraction_with_a_cache_config_is_refused(qwen):
 
 
 def test_packed_inputs_round_trip_aligned(qwen, case):
-    """One packed i32 buffer per step: every field starts at a multiple of 256 bytes (kernel operands must be
-    aligned: a Triton kernel refused a misaligned slice on the H100) and unpacks, inside a jit, to exactly the
-    plan's arrays (``temperature`` and ``top_p`` bit for bit, ``counters`` = ``seq_lens``)."""
-    from kvjax.engine.inputs import PACK_ALIGN, pack_plan
+    """One packed i32 buffer per step, one row per data shard: every field starts at a multiple of 256 bytes (kernel
+    operands must be aligned: a Triton kernel refused a misaligned slice on the H100) and unpacks, inside a jit, to
+    exactly each shard's plan arrays (``temperature`` and ``top_p`` bit for bit, ``counters`` = ``seq_lens``; page
+    ids made local to each head's pool by ``page_base``)."""
+    from kvjax.engine.inputs import PACK_ALIGN, pack_plans
 
     prompts, _ = case
     eng = qwen_engine(qwen, False)
@@ -257,32 +258,43 @@ def test_packed_inputs_round_trip_aligned(qwen, case):
     plan = eng.scheduler.schedule()
     rng = np.random.default_rng(0)
     B = plan.seq_lens.shape[0]
-    sampling = dict(seeds=rng.integers(0, 2**31 - 1, B, dtype=np.int32),
-                    streams=rng.integers(0, 99, B, dtype=np.int32),
-                    temperature=rng.uniform(0.1, 3, B).astype(np.float32),
-                    top_k=rng.integers(0, 40, B, dtype=np.int32), top_p=rng.uniform(0.1, 1, B).astype(np.float32))
-    buf, layout = pack_plan(plan, sampling, checkpoints=True, decode_only=False)
-    assert PACK_ALIGN * buf.itemsize % 256 == 0
-    expect = {**{n: getattr(plan, n) for n, _ in layout.fields if hasattr(plan, n)}, **sampling,
-              "temperature": sampling["temperature"].view(np.int32), "top_p": sampling["top_p"].view(np.int32)}
-    off = 0
-    for name, shape in layout.fields:  # each field's values start at the next 256-byte boundary
-        n = int(np.prod(shape))
-        np.testing.assert_array_equal(buf[off: off + n], np.asarray(expect[name]).astype(np.int32).ravel(), name)
-        off += -(-n // PACK_ALIGN) * PACK_ALIGN
-    assert off == buf.size
-    inputs, rows, copies = jax.jit(layout.unpack)(buf)
-    host = plan
-    for name in ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
-                 "block_tables", "slot_mapping", "logits_indices"):
-        np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), np.asarray(getattr(host, name)), name)
-    assert inputs.decode_only is False
-    np.testing.assert_array_equal(np.asarray(rows.temperature), sampling["temperature"])
-    np.testing.assert_array_equal(np.asarray(rows.top_k), sampling["top_k"])
-    np.testing.assert_array_equal(np.asarray(rows.top_p), sampling["top_p"])
-    np.testing.assert_array_equal(np.asarray(rows.seeds), sampling["seeds"])
-    np.testing.assert_array_equal(np.asarray(rows.streams), sampling["streams"])
-    np.testing.assert_array_equal(np.asarray(rows.counters), plan.seq_lens)
-    np.testing.assert_array_equal(np.asarray(rows.prev_index), plan.prev_index)
-    np.testing.assert_array_equal(np.asarray(copies.restore), plan.ckpt_restore)
-    np.testing.assert_array_equal(np.asarray(copies.save), plan.ckpt_save)
+    samplings = [dict(seeds=rng.integers(0, 2**31 - 1, B, dtype=np.int32),
+                      streams=rng.integers(0, 99, B, dtype=np.int32),
+                      temperature=rng.uniform(0.1, 3, B).astype(np.float32),
+                      top_k=rng.integers(0, 40, B, dtype=np.int32), top_p=rng.uniform(0.1, 1, B).astype(np.float32))
+                 for _ in range(2)]
+    ps = eng.cache_config.page_size
+    held = [plan.block_tables[:, h][plan.block_tables[:, h] >= 0] for h in range(plan.block_tables.shape[1])]
+    page_base = np.array([h.min() if h.size else 0 for h in held], np.int64)  # as if each head had its own pool
+    assert page_base.any()
+    buf, layout = pack_plans([plan, plan], samplings, checkpoints=True, decode_only=False, page_base=page_base,
+                             page_size=ps)
+    assert buf.shape[0] == 2 and PACK_ALIGN * buf.itemsize % 256 == 0
+    bt = np.where(plan.block_tables >= 0, plan.block_tables - page_base[:, None], -1)
+    sm = np.where(plan.slot_mapping >= 0, plan.slot_mapping - page_base * ps, -1)
+    for d, sampling in enumerate(samplings):
+        expect = {**{n: getattr(plan, n) for n, _ in layout.fields if hasattr(plan, n)}, **sampling,
+                  "block_tables": bt, "slot_mapping": sm,
+                  "temperature": sampling["temperature"].view(np.int32), "top_p": sampling["top_p"].view(np.int32)}
+        off = 0
+        for name, shape in layout.fields:  # each field's values start at the next 256-byte boundary
+            n = int(np.prod(shape))
+            np.testing.assert_array_equal(buf[d, off: off + n], np.asarray(expect[name]).astype(np.int32).ravel(), name)
+            off += -(-n // PACK_ALIGN) * PACK_ALIGN
+        assert off == buf.shape[1]
+        inputs, rows, copies = jax.jit(layout.unpack)(buf[d])
+        for name in ("token_ids", "positions", "cu_seqlens", "seq_lens", "gdn_slots", "has_initial_state",
+                     "logits_indices"):
+            np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), np.asarray(getattr(plan, name)), name)
+        np.testing.assert_array_equal(np.asarray(inputs.block_tables), bt)
+        np.testing.assert_array_equal(np.asarray(inputs.slot_mapping), sm)
+        assert inputs.decode_only is False
+        np.testing.assert_array_equal(np.asarray(rows.temperature), sampling["temperature"])
+        np.testing.assert_array_equal(np.asarray(rows.top_k), sampling["top_k"])
+        np.testing.assert_array_equal(np.asarray(rows.top_p), sampling["top_p"])
+        np.testing.assert_array_equal(np.asarray(rows.seeds), sampling["seeds"])
+        np.testing.assert_array_equal(np.asarray(rows.streams), sampling["streams"])
+        np.testing.assert_array_equal(np.asarray(rows.counters), plan.seq_lens)
+        np.testing.assert_array_equal(np.asarray(rows.prev_index), plan.prev_index)
+        np.testing.assert_array_equal(np.asarray(copies.restore), plan.ckpt_restore)
+        np.testing.assert_array_equal(np.asarray(copies.save), plan.ckpt_save)

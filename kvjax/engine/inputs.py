@@ -3,9 +3,9 @@
 
 ``SampleInputs``: the engine step's per-row sampling arrays and ``prev_index`` (tokens taken from the previous
 step's sampled tokens on the device). ``CheckpointCopies``: the GDN checkpoint copies of a prefix-caching
-step. :func:`pack_plan` packs all three from a scheduler plan into one ``i32[N]`` host buffer, which the call of
-the jitted step moves in one host -> device copy (:class:`kvjax.engine.runner.Runner`); the step unpacks it
-(:meth:`PackLayout.unpack`, slices only).
+step. :func:`pack_plans` packs all three from the data shards' plans into one ``i32[D, N]`` host buffer, which
+the call of the jitted step moves in one host -> device copy (:class:`kvjax.engine.runner.Runner`); the step
+unpacks it (:meth:`PackLayout.unpack`, slices only).
 """
 
 from __future__ import annotations
@@ -95,44 +95,71 @@ def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
                         for p in plans))
 
 
-def pack_plan(plan: StepPlan, sampling: dict[str, np.ndarray], *, decode_only: bool = False,
-              checkpoints: bool = False, burst: int = 1, page_size: int = 0) -> tuple[np.ndarray, PackLayout]:
-    """One ``i32[N]`` host buffer holding every input of the plan's step, and its :class:`PackLayout`.
+def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, decode_only: bool = False,
+               checkpoints: bool = False, burst: int = 1, page_size: int = 0,
+               page_base: np.ndarray | None = None) -> tuple[np.ndarray, PackLayout]:
+    """One ``i32[D, N]`` host buffer, row ``d`` holding every input of the step of data shard ``d``'s plan (the
+    plans padded to one shape: :meth:`kvjax.engine.runner.Runner.shape`), and its :class:`PackLayout`. Each field is
+    stacked over the shards and written once (no per-shard packing).
 
-    ``sampling``: ``seeds``, ``streams`` i32[B], ``temperature`` f32[B] and optionally ``top_k`` i32[B] and
-    ``top_p`` f32[B] (:meth:`SamplingTable.rows`; absent: 0 and 1.0, off). Every layout packs all five, so
-    whether a step uses top-k / top-p changes no trace.
-    ``decode_only``: the step's static flag (:func:`decode_only` of every data shard's plan). ``checkpoints``: also
-    pack the plan's GDN checkpoint copies (``ckpt_restore`` / ``ckpt_save``). A decode burst's plan
-    (``burst_len``) also packs ``burst_len``, and its layout carries ``burst`` (the sub-steps the device runs, the
-    engine's burst: one trace whatever the rows' lengths) and the cache's ``page_size``."""
-    arrays = [(name, getattr(plan, name)) for name in DEVICE_FIELDS]
-    B = plan.seq_lens.shape[0]
-    top_k = sampling.get("top_k")
-    top_p = sampling.get("top_p")
-    arrays += [("seeds", sampling["seeds"]), ("streams", sampling["streams"]),
-               ("temperature", np.asarray(sampling["temperature"], np.float32).view(np.int32)),
-               ("top_k", np.zeros(B, np.int32) if top_k is None else top_k),
-               ("top_p", (np.ones(B, np.float32) if top_p is None else np.asarray(top_p, np.float32)).view(np.int32)),
-               ("prev_index", plan.prev_index)]
+    ``samplings``: per plan, ``seeds``, ``streams`` i32[B], ``temperature`` f32[B] and optionally ``top_k`` i32[B] and
+    ``top_p`` f32[B] (:meth:`SamplingTable.rows`; absent: 0 and 1.0, off). Every layout packs all five, so whether a
+    step uses top-k / top-p changes no trace.
+    ``decode_only``: the step's static flag (:func:`decode_only` of every plan). ``checkpoints``: also pack the plans'
+    GDN checkpoint copies (``ckpt_restore`` / ``ckpt_save``). ``burst > 1`` (a decode burst step, some plan has
+    ``burst_len``): every plan packs ``burst_len`` (a plan without one, empty or of single decodes, runs one sub-step
+    per row; a plan with prompt tokens is an ``AssertionError``), and the layout carries ``burst`` (the sub-steps
+    the device runs: one trace whatever the rows' lengths) and the cache's ``page_size``. ``page_base``
+    (``i64[Hkv]``, the first global page id of each KV head's pool, pages split over ``"model"``): the tables' and
+    slot mapping's page ids become local to each head's pool."""
+    if burst > 1 and page_size < 1:
+        raise ValueError(f"a decode burst of {burst} sub-steps needs the cache's page_size, got {page_size}")
+    longest = max(p.burst for p in plans)
+    if longest > burst:
+        raise ValueError(f"a decode burst of up to {longest} sub-steps needs burst >= that; got burst={burst}")
+
+    def field(name: str, dtype=np.int32) -> np.ndarray:  # [D, ...]: the plans' field, stacked
+        return np.stack([np.asarray(getattr(p, name)) for p in plans]).astype(dtype, copy=False)
+
+    def rows(name: str, default: float, dtype) -> np.ndarray:  # [D, B]: a sampling column, stacked
+        B = plans[0].seq_lens.shape[0]
+        return np.stack([np.asarray(s[name], dtype) if s.get(name) is not None else np.full(B, default, dtype)
+                         for s in samplings])
+
+    arrays = {name: field(name) for name in DEVICE_FIELDS}
+    if page_base is not None and page_base.any():  # global page ids -> each head's pool's local ids
+        arrays["block_tables"], arrays["slot_mapping"] = local_page_ids(arrays["block_tables"],
+                                                                        arrays["slot_mapping"], page_base, page_size)
+    arrays.update(seeds=rows("seeds", 0, np.int32), streams=rows("streams", 0, np.int32),
+                  temperature=rows("temperature", 0.0, np.float32).view(np.int32), top_k=rows("top_k", 0, np.int32),
+                  top_p=rows("top_p", 1.0, np.float32).view(np.int32), prev_index=field("prev_index"))
     if checkpoints:
-        arrays += [("ckpt_restore", plan.ckpt_restore), ("ckpt_save", plan.ckpt_save)]
-    if plan.burst_len is None:
-        burst = 1
-    else:
-        if not plan.burst <= burst or page_size < 1:
-            raise ValueError(f"a decode burst of up to {plan.burst} sub-steps needs burst >= that and the cache's "
-                             f"page_size; got burst={burst}, page_size={page_size}")
-        arrays.append(("burst_len", plan.burst_len))
-    arrays = [(name, np.asarray(a)) for name, a in arrays]
-    sizes = [-(-a.size // PACK_ALIGN) * PACK_ALIGN for _, a in arrays]
-    buf = np.zeros(sum(sizes), np.int32)
+        arrays.update(ckpt_restore=field("ckpt_restore"), ckpt_save=field("ckpt_save"))
+    if burst > 1:
+        for p in plans:
+            if p.burst_len is None and p.num_tokens != p.num_seqs:
+                raise AssertionError(f"step {p.step}: a plan with prompt tokens in a burst step")
+        arrays["burst_len"] = np.stack([p.burst_len if p.burst_len is not None else (p.query_lens > 0)
+                                        for p in plans]).astype(np.int32)
+    D = len(plans)
+    sizes = {name: -(-(a.size // D) // PACK_ALIGN) * PACK_ALIGN for name, a in arrays.items()}
+    buf = np.zeros((D, sum(sizes.values())), np.int32)
     off = 0
-    for (_, a), n in zip(arrays, sizes):
-        buf[off: off + a.size] = a.ravel()
-        off += n
-    return buf, PackLayout(tuple((name, a.shape) for name, a in arrays), bool(decode_only), checkpoints, burst,
-                           page_size if burst > 1 else 0)
+    for name, a in arrays.items():
+        buf[:, off: off + a.size // D] = a.reshape(D, -1)
+        off += sizes[name]
+    return buf, PackLayout(tuple((name, a.shape[1:]) for name, a in arrays.items()), bool(decode_only), checkpoints,
+                           burst, page_size if burst > 1 else 0)
+
+
+def local_page_ids(block_tables: np.ndarray, slot_mapping: np.ndarray, page_base: np.ndarray, page_size: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``(block_tables, slot_mapping)`` (``i32[..., B, Hkv, nblk]``, ``i32[..., T, Hkv]``) with each KV head's page ids
+    made local to its pool (``page_base``: ``i64[Hkv]``, the first global page id of each head's pool); ``-1``
+    stays ``-1``."""
+    bt = np.where(block_tables >= 0, block_tables - page_base[:, None], -1).astype(np.int32)
+    sm = np.where(slot_mapping >= 0, slot_mapping - page_base * page_size, -1).astype(np.int32)
+    return bt, sm
 
 
 class SamplingTable:

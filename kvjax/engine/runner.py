@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.engine import sampling
 from kvjax.engine.burst import pad_tokens, run_burst
-from kvjax.engine.inputs import PackLayout, decode_only, pack_plan
+from kvjax.engine.inputs import PackLayout, decode_only, local_page_ids, pack_plans
 from kvjax.engine.step import TraceCounter
 from kvjax.inputs import DEVICE_FIELDS, StepInputs
 from kvjax.models.interface import ModelCaches
@@ -207,28 +207,17 @@ class Runner:
 
     def pack(self, plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, page_base: np.ndarray,
              page_size: int, use_decode_path: bool, checkpoints: bool) -> tuple[np.ndarray | jax.Array, PackLayout]:
-        """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays:
-        ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over ``"data"`` on a mesh, and the layout.
-
-        In a burst step (some plan has ``burst_len``), a data shard's plan without one (an empty plan, or single
-        decodes) runs one sub-step per row. Page ids become local to each device's pool (``page_base``:
-        ``i64[Hkv]``, the first global page id of each KV head's pool)."""
+        """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays
+        (:func:`~kvjax.engine.inputs.pack_plans`): ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over
+        ``"data"`` on a mesh, and the layout. A burst step (some plan has ``burst_len``) runs ``self.burst``
+        sub-steps. Page ids become local to each device's pool (``page_base``: ``i64[Hkv]``, the first global page id
+        of each KV head's pool)."""
         burst = self.burst if any(p.burst_len is not None for p in plans) else 1
-        flag = decode_only(plans, use_decode_path)
-        bufs, layout = [], None
-        for plan, rows in zip(plans, samplings):
-            if burst > 1 and plan.burst_len is None:
-                if plan.num_tokens != plan.num_seqs:
-                    raise AssertionError(f"step {plan.step}: a plan with prompt tokens in a burst step")
-                plan = dataclasses.replace(plan, burst_len=(plan.query_lens > 0).astype(np.int32))
-            if page_base.any():
-                plan = _local_pages(plan, page_base, page_size)
-            buf, layout = pack_plan(plan, rows, decode_only=flag, checkpoints=checkpoints, burst=burst,
-                                    page_size=page_size)
-            bufs.append(buf)
+        buf, layout = pack_plans(plans, samplings, decode_only=decode_only(plans, use_decode_path),
+                                 checkpoints=checkpoints, burst=burst, page_size=page_size, page_base=page_base)
         if self.sharded is None:
-            return bufs[0], layout
-        return jax.device_put(np.stack(bufs), self._buf_sharding), layout
+            return buf[0], layout
+        return jax.device_put(buf, self._buf_sharding), layout
 
     def device_inputs(self, plans: Sequence[StepPlan], page_base: np.ndarray, num_pages: int, page_size: int,
                       use_decode_path: bool) -> list[tuple[StepInputs, np.ndarray | None]]:
@@ -238,17 +227,10 @@ class Runner:
         groups = page_base // num_pages if page_base.any() else None
         out = []
         for plan in plans:
-            if page_base.any():
-                plan = _local_pages(plan, page_base, page_size)
             host = {name: np.asarray(getattr(plan, name), np.bool_ if name == "has_initial_state" else np.int32)
                     for name in DEVICE_FIELDS}
+            if page_base.any():
+                host["block_tables"], host["slot_mapping"] = local_page_ids(host["block_tables"],
+                                                                            host["slot_mapping"], page_base, page_size)
             out.append((StepInputs(**host, decode_only=flag), groups))
         return out
-
-
-def _local_pages(plan: StepPlan, page_base: np.ndarray, page_size: int) -> StepPlan:
-    """``plan`` with each KV head's page ids local to its device's pool."""
-    bt, sm = plan.block_tables, plan.slot_mapping
-    return dataclasses.replace(
-        plan, block_tables=np.where(bt >= 0, bt - page_base[None, :, None], -1).astype(np.int32),
-        slot_mapping=np.where(sm >= 0, sm - page_base[None, :] * page_size, -1).astype(np.int32))
