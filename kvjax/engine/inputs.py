@@ -118,13 +118,19 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     if longest > burst:
         raise ValueError(f"a decode burst of up to {longest} sub-steps needs burst >= that; got burst={burst}")
 
-    def field(name: str, dtype=np.int32) -> np.ndarray:  # [D, ...]: the plans' field, stacked
-        return np.stack([np.asarray(getattr(p, name)) for p in plans]).astype(dtype, copy=False)
+    B = plans[0].seq_lens.shape[0]
 
-    def rows(name: str, default: float, dtype) -> np.ndarray:  # [D, B]: a sampling column, stacked
-        B = plans[0].seq_lens.shape[0]
-        return np.stack([np.asarray(s[name], dtype) if s.get(name) is not None else np.full(B, default, dtype)
-                         for s in samplings])
+    D = len(plans)
+
+    def stack(arrays: list) -> np.ndarray:  # [D, ...]; one shard: its array as it is (no D axis, no copy)
+        return np.asarray(arrays[0]) if D == 1 else np.stack(arrays)
+
+    def field(name: str) -> np.ndarray:  # [D, ...]: the plans' field (written into the int32 buffer as it is)
+        return stack([getattr(p, name) for p in plans])
+
+    def rows(name: str, default: float, dtype) -> np.ndarray:  # [D, B]: a sampling column
+        return stack([np.asarray(s[name], dtype) if s.get(name) is not None else np.full(B, default, dtype)
+                      for s in samplings])
 
     arrays = {name: field(name) for name in DEVICE_FIELDS}
     if page_base is not None and page_base.any():  # global page ids -> each head's pool's local ids
@@ -139,17 +145,15 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
         for p in plans:
             if p.burst_len is None and p.num_tokens != p.num_seqs:
                 raise AssertionError(f"step {p.step}: a plan with prompt tokens in a burst step")
-        arrays["burst_len"] = np.stack([p.burst_len if p.burst_len is not None else (p.query_lens > 0)
-                                        for p in plans]).astype(np.int32)
-    D = len(plans)
+        arrays["burst_len"] = stack([p.burst_len if p.burst_len is not None else (p.query_lens > 0) for p in plans])
+    shapes = {name: a.shape if D == 1 else a.shape[1:] for name, a in arrays.items()}
     sizes = {name: -(-(a.size // D) // PACK_ALIGN) * PACK_ALIGN for name, a in arrays.items()}
     buf = np.zeros((D, sum(sizes.values())), np.int32)
     off = 0
     for name, a in arrays.items():
         buf[:, off: off + a.size // D] = a.reshape(D, -1)
         off += sizes[name]
-    return buf, PackLayout(tuple((name, a.shape[1:]) for name, a in arrays.items()), bool(decode_only), checkpoints,
-                           burst, page_size if burst > 1 else 0)
+    return buf, PackLayout(tuple(shapes.items()), bool(decode_only), checkpoints, burst, page_size if burst > 1 else 0)
 
 
 def local_page_ids(block_tables: np.ndarray, slot_mapping: np.ndarray, page_base: np.ndarray, page_size: int
