@@ -79,6 +79,7 @@ recycle) and DeepSeek-V3.2 (:mod:`kvjax.models.deepseek`: MLA latent + DSA index
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -464,20 +465,23 @@ class Engine:
         error, a ``KeyboardInterrupt``) is re-raised after :meth:`_recover` has brought the engine back to a state
         derived from the requests' resolved tokens, and the next calls give the outputs of an uninterrupted run.
         """
-        self.outputs.begin()
-        try:
+        with self._transaction():
             outs = self._step() if self.has_unfinished() or (self._inflight and not self.outputs.held) else []
             return self.outputs.take_held() + outs
-        except BaseException:
-            self._recover()
-            raise
 
     def _stream_step(self) -> None:
         """One step run by a stream consumer (a transaction, as :meth:`step`): its outputs go to their streams,
         those of requests no stream owns are held for the next :meth:`step`."""
+        with self._transaction():
+            self.outputs.hold(self._step())
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """The block is one step: the outputs router records what it delivers, and a fault anywhere inside is
+        re-raised after :meth:`_recover`."""
         self.outputs.begin()
         try:
-            self.outputs.hold(self._step())
+            yield
         except BaseException:
             self._recover()
             raise
