@@ -216,3 +216,15 @@ def as_tuple(values: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
     if len(out) != n:
         raise ValueError(f"{name} has {len(out)} entries, expected {n}: {out!r}")
     return out
+
+
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's names -> kvjax's two kinds
+
+
+def check_kv_cache_dtype(value: object) -> str:
+    """``kv_cache_dtype`` as vLLM names it: ``"auto"`` (K/V pages in the cache dtype) or ``"fp8"`` / ``"fp8_e4m3"``
+    (float8_e4m3fn pages with per-page f32 scales); returns ``"auto"`` or ``"fp8"``, ``ValueError`` naming the value
+    otherwise (``"fp8_e5m2"`` included: kvjax has no e5m2 pages)."""
+    if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {value!r}")
+    return KV_CACHE_DTYPES[value]

@@ -41,3 +41,18 @@ def dequantize_fp8_blockwise(
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match q shape {tuple(q.shape)}")
     qb = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, n // nb)
     return (qb * scale[..., None].astype(jnp.float32)).reshape(q.shape)
+
+
+def pow2_scale(
+    amax: jax.Array,  # f32[...] >= 0: the largest magnitude a scale must cover
+) -> jax.Array:  # f32[...]: 2**e, the smallest power of two with amax <= 448 * 2**e; 0 where amax == 0
+    """Power-of-two fp8 scale (the GQA fp8 pages, :mod:`kvjax.state.kv_fp8`): ``amax / scale`` lies in ``(224, 448]``.
+
+    Exact (``frexp``, no division): ``amax = m 2**k`` with ``m`` in ``[0.5, 1)`` gives ``2**(k - 9)`` when
+    ``512 m <= 448`` (``m <= 0.875``), else ``2**(k - 8)``. Rescaling e4m3 values between two such scales is a
+    shift of their exponents, exact for every value that stays in e4m3's normal range.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    m, k = jnp.frexp(amax)
+    e = jnp.where(m <= FP8_MAX / 512.0, k - 9, k - 8)
+    return jnp.where(amax > 0, jnp.ldexp(jnp.ones_like(amax), e), 0.0)

@@ -27,8 +27,15 @@ implementation that :data:`TABLE` (its backend table) chooses for ``impl``, with
        scale=...,       # Python float (default D**-0.5 already applied)
        window=...,      # i32[Hkv] (0 = full attention)
        sinks=...,       # i32[Hkv]
+       [k_scale=..., v_scale=...],  # f32[P] each, fp8 pages only
        [interpret=...]) # bool, kernels only (added by the table)
     -> o: [T, Hq, D] in q's dtype
+
+fp8 pages (``float8_e4m3fn``, :mod:`kvjax.state.kv_cache`'s fill rule) come with one f32 scale per page,
+``k_scale`` / ``v_scale`` ``f32[P]`` (a page is one KV head's block, so per page = per page and KV head); the
+pages read as ``q * scale``. The normalised call carries ``k_scale`` / ``v_scale`` only for fp8 pages, so a call
+over float pages is the same as before; no kernel takes fp8 pages yet (each backend's check declines them), so
+``impl="auto"`` runs the reference, which dequantises the gathered pages and attends in float32.
 
 Every implementation (reference or kernel) takes that normalised call, and so does every backend's
 ``unsupported()`` check. Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
@@ -56,7 +63,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.base.checks import INT32_MAX, check_cu_seqlens, check_float, check_int32, check_seq_lens
+from kvjax.base.checks import INT32_MAX, check_array, check_cu_seqlens, check_float, check_int32, check_seq_lens
+from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.base.ragged import token_rows
 from kvjax.ops.backends import Backend, BackendTable, on_gpu, on_hopper
 from kvjax.pallas.paged import decode, prefill, prefill_mgpu
@@ -104,11 +112,14 @@ def paged_attention_reference(
     scale: float,
     window: jax.Array,  # i32[Hkv]
     sinks: jax.Array,  # i32[Hkv]
+    k_scale: jax.Array | None = None,  # f32[P]: fp8 pages only
+    v_scale: jax.Array | None = None,  # f32[P]
 ) -> jax.Array:  # [T, Hq, D]
     """Float32 pure-jnp oracle of :func:`paged_attention` (normalised kernel-contract arguments).
 
     For each query token: find its row, gather that row's pages per KV head (holes read page 0 and are
-    masked out), apply the causal / window / sink mask and a masked softmax in float32.
+    masked out; fp8 pages are dequantised with their pages' scales), apply the causal / window / sink mask and a
+    masked softmax in float32.
     """
     t_total = q.shape[0]
     num_rows, hkv, max_blocks = block_tables.shape
@@ -127,8 +138,12 @@ def paged_attention_reference(
     def one_token(args):
         q_tok, b, pos, real = args
         pages = safe_tables[b]  # i32[Hkv, max_blocks]
-        k = k_pages[pages].reshape(hkv, max_blocks * page_size, -1)  # [Hkv, L, D]
-        v = v_pages[pages].reshape(hkv, max_blocks * page_size, -1)
+        k, v = k_pages[pages], v_pages[pages]  # [Hkv, max_blocks, page_size, D]
+        if k_scale is not None:
+            k = k.astype(jnp.float32) * k_scale[pages][..., None, None]
+            v = v.astype(jnp.float32) * v_scale[pages][..., None, None]
+        k = k.reshape(hkv, max_blocks * page_size, -1)  # [Hkv, L, D]
+        v = v.reshape(hkv, max_blocks * page_size, -1)
         block_ok = jnp.repeat(present[b], page_size, axis=-1)  # bool[Hkv, L]
         mask = _visible(pos, key_pos, window, sinks) & block_ok & real
         return _attend_one(q_tok, k, v, mask, scale)
@@ -231,6 +246,8 @@ def paged_attention(
     scale: float | None = None,
     window: int | jax.Array = 0,  # int | i32[Hkv]
     sinks: int | jax.Array = 0,  # int | i32[Hkv]
+    k_scale: jax.Array | None = None,  # f32[P]: per-page scales of fp8 (float8_e4m3fn) k_pages, else None
+    v_scale: jax.Array | None = None,  # f32[P]: the same for v_pages
     impl: str = "auto",
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal attention of new tokens over head-wise paged K/V (see the module docstring).
@@ -248,8 +265,7 @@ def paged_attention(
     the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
     check_float("q", q, rank=3)
-    check_float("k_pages", k_pages, rank=3)
-    check_float("v_pages", v_pages, shape=k_pages.shape)
+    fp8 = check_pages(k_pages, v_pages, k_scale, v_scale)
     check_int32("block_tables", block_tables, rank=3)
     num_rows, hkv, _ = block_tables.shape
     check_int32("seq_lens", seq_lens, shape=(num_rows,))
@@ -267,21 +283,57 @@ def paged_attention(
     args = (q, k_pages, v_pages, block_tables, seq_lens)
     kwargs = dict(cu_seqlens=cu_seqlens, scale=_normalise_scale(scale, d), window=_per_kv_head("window", window, hkv),
                   sinks=_per_kv_head("sinks", sinks, hkv))
+    if fp8:
+        kwargs.update(k_scale=k_scale, v_scale=v_scale)
     return TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+
+
+def check_pages(k_pages, v_pages, k_scale, v_scale) -> bool:
+    """Whether the pages are fp8; ``ValueError`` naming the argument for pages of other shapes or dtypes, fp8
+    pages other than float8_e4m3fn or without both scales, scales beside float pages, or scales not ``f32[P]``."""
+    fp8 = hasattr(k_pages, "dtype") and jnp.dtype(k_pages.dtype).itemsize == 1
+    if not fp8:
+        check_float("k_pages", k_pages, rank=3)
+        check_float("v_pages", v_pages, shape=k_pages.shape)
+        given = [n for n, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} go with float8_e4m3fn pages, but k_pages are {k_pages.dtype}")
+        return False
+    check_array("k_pages", k_pages, rank=3, dtypes=[FP8_DTYPE])
+    check_array("v_pages", v_pages, shape=k_pages.shape, dtypes=[FP8_DTYPE])
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            raise ValueError(f"fp8 pages need {name} (f32[P] per-page scales, P={k_pages.shape[0]}), got None")
+        check_array(name, x, shape=(k_pages.shape[0],), dtypes=[jnp.float32])
+    return True
+
+
+def _float_pages(unsupported):
+    """A kernel's check that first declines fp8 pages (no paged kernel reads them yet)."""
+    def check(*args, **kwargs):
+        if "k_scale" in kwargs:
+            return "fp8 pages: not in this kernel yet"
+        return unsupported(*args, **kwargs)
+
+    check.__name__ = check.__qualname__ = f"float_pages_{getattr(unsupported, '__name__', 'check')}"
+    return check
 
 
 
 def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 32, hkv: int = 8, d: int = 128,
-             dtype=jnp.bfloat16) -> tuple[tuple, dict]:
+             dtype=jnp.bfloat16, fp8: bool = False) -> tuple[tuple, dict]:
     """A normalised call of ``rows`` rows of ``context`` positions (``tokens`` new tokens in all) as
     ``jax.ShapeDtypeStruct`` s: what the backend table's ``unsupported()`` checks read."""
     max_blocks = -(-context // page_size)
     sds = jax.ShapeDtypeStruct
-    pages = sds((rows * hkv * max_blocks, page_size, d), dtype)
+    num_pages = rows * hkv * max_blocks
+    pages = sds((num_pages, page_size, d), FP8_DTYPE if fp8 else dtype)
     args = (sds((tokens, hq, d), dtype), pages, pages, sds((rows, hkv, max_blocks), jnp.int32),
             sds((rows,), jnp.int32))
     kwargs = dict(cu_seqlens=sds((rows + 1,), jnp.int32), scale=d ** -0.5, window=sds((hkv,), jnp.int32),
                   sinks=sds((hkv,), jnp.int32))
+    if fp8:
+        kwargs.update(k_scale=sds((num_pages,), jnp.float32), v_scale=sds((num_pages,), jnp.float32))
     return args, kwargs
 
 
@@ -290,13 +342,13 @@ TABLE = BackendTable(
     paged_attention_reference,
     (
         Backend("mosaic", prefill_mgpu.paged_prefill_mgpu, priority=30, device=on_hopper,
-                unsupported=prefill_mgpu.unsupported,
+                unsupported=_float_pages(prefill_mgpu.unsupported),
                 note="prefill ahead of the Triton prefill kernel, pages 64/128 (RESULTS.md, Paged attention prefill)"),
         Backend("prefill", prefill.paged_prefill, priority=20, device=on_gpu,
-                unsupported=prefill.unsupported,
+                unsupported=_float_pages(prefill.unsupported),
                 note="one program per (query tile, KV head): each page read once per tile, not once per token"),
         Backend("pallas", decode.paged_decode, priority=10, device=on_gpu,
-                unsupported=decode.unsupported,
+                unsupported=_float_pages(decode.unsupported),
                 note="split-KV decode, exact on any batch: the GPU fallback (RESULTS.md, Paged attention decode)"),
     ),
     examples={
@@ -304,5 +356,6 @@ TABLE = BackendTable(
         "prefill T=4096 H=32 D=128 page 64 bf16": lambda: _example(4096, 1, 64, context=4096, hkv=32),
         "prefill T=4096 H=32 D=128 page 16 bf16": lambda: _example(4096, 1, 16, context=4096, hkv=32),
         "mixed T=512 B=64 Hq=32 Hkv=8 D=128 page 64 bf16": lambda: _example(512, 64, 64, context=4096),
+        "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 fp8": lambda: _example(64, 64, 16, context=4096, fp8=True),
     },
 )

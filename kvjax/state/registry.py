@@ -6,7 +6,8 @@ Each attention kind owns its cache layout (DESIGN.md, "DSA"): a spec declares ``
 the specs come in, and named ``<role>_caches_<layer>``.
 
 - :class:`GQACacheSpec`: roles ``key``, ``value``, each ``[P, page_size, head_dim]`` single-head pages shared
-  by the layer's KV heads;
+  by the layer's KV heads; with ``dtype=float8_e4m3fn`` also ``key_scale``, ``value_scale`` ``f32[P]``, one scale
+  per page (:mod:`kvjax.state.kv_fp8`);
 - :class:`MLACacheSpec`: role ``key`` ``[P, page_size, kv_lora_rank + rope_dim]``;
 - :class:`DSACacheSpec`: roles ``key``, ``key_scale``, ``key_rope``, ``indexer``, ``indexer_scale`` (see
   :mod:`kvjax.state.dsa_cache`).
@@ -58,13 +59,19 @@ def _float_dtype(spec: object, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GQACacheSpec:
-    """GQA/MHA layer: single-head K and V page pools (all KV heads of the layer draw from one pool)."""
+    """GQA/MHA layer: single-head K and V page pools (all KV heads of the layer draw from one pool).
+
+    ``dtype=jnp.float8_e4m3fn`` (:data:`FP8_DTYPE`) makes block-wise fp8 pages: roles ``key`` / ``value`` f8e4m3
+    ``[P, page_size, D]`` plus ``key_scale`` / ``value_scale`` ``f32[P]``. A page belongs to one KV head of one
+    sequence (single-head pages), so one scale per page *is* one scale per (page, KV head): the block is the
+    page's ``page_size x D`` values of one head. Other fp8 formats are refused.
+    """
 
     layer: int  # layer index (cache names and order)
     num_kv_heads: int  # Hkv: rows per sequence in the head-wise block table (not part of the pool shape)
     page_size: int  # tokens per page
     head_dim: int  # D
-    dtype: jnp.dtype = jnp.bfloat16  # page dtype
+    dtype: jnp.dtype = jnp.bfloat16  # page dtype (float8_e4m3fn: quantised pages with per-page scales)
 
     kind = "gqa"
 
@@ -73,10 +80,23 @@ class GQACacheSpec:
         for name in ("num_kv_heads", "page_size", "head_dim"):
             _positive_int(self, name)
         _float_dtype(self, "dtype")
+        dtype = jnp.dtype(self.dtype)
+        if dtype.itemsize == 1 and dtype != jnp.dtype(FP8_DTYPE):
+            raise ValueError(f"GQACacheSpec.dtype: fp8 pages are {jnp.dtype(FP8_DTYPE).name} (with per-page "
+                             f"scales), got {dtype.name}")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the pages are fp8 with per-page scales (roles ``key_scale`` / ``value_scale``)."""
+        return jnp.dtype(self.dtype) == jnp.dtype(FP8_DTYPE)
 
     def layout(self, num_pages: int) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (num_pages, self.page_size, self.head_dim)
-        return {"key": jax.ShapeDtypeStruct(shape, self.dtype), "value": jax.ShapeDtypeStruct(shape, self.dtype)}
+        out = {"key": jax.ShapeDtypeStruct(shape, self.dtype), "value": jax.ShapeDtypeStruct(shape, self.dtype)}
+        if self.fp8:
+            out.update(key_scale=jax.ShapeDtypeStruct((num_pages,), jnp.float32),
+                       value_scale=jax.ShapeDtypeStruct((num_pages,), jnp.float32))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

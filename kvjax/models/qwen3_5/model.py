@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.config import AttentionConfig, GDNConfig
+from kvjax.base.fp8 import FP8_DTYPE
+from kvjax.config import AttentionConfig, GDNConfig, check_kv_cache_dtype
 from kvjax.models.common.checkpoint import abstract_model
 from kvjax.models.common.layers import Linear
 from kvjax.models.common.parallel import ShardPlan, TensorParallel, check_divisible, embed, gather_vocab
@@ -47,6 +48,7 @@ from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.layers import TextModel
 from kvjax.sched.blocks import placed_layout
 from kvjax.state import gdn_pool
+from kvjax.state.kv_cache import FP8_ROLES
 from kvjax.state.registry import GQACacheSpec, cache_name, create_caches
 
 
@@ -168,14 +170,19 @@ class Qwen3_5ForCausalLM(nnx.Module):
         """The full-attention layers' KV heads with their per-head ``window``/``sinks`` (one block table each)."""
         return self.config.attention
 
-    def init_caches(self, *, num_pages: int, page_size: int, max_seqs: int, dtype=jnp.float32) -> ModelCaches:
+    def init_caches(self, *, num_pages: int, page_size: int, max_seqs: int, dtype=jnp.float32,
+                    kv_cache_dtype: str = "auto") -> ModelCaches:
         """Zeroed caches: ``gdn``, a GDN pool with ``max_seqs + 1`` slots (slot 0 = PAD; ``[0, S+1, ...]`` for
         an attention-only model); ``pages``, ``key_caches_<l>`` / ``value_caches_<l> [P, page_size, D]`` per
-        KV-head page pool of each full-attention layer ``l`` (page/conv dtype ``dtype``; SSM state always f32)."""
+        KV-head page pool of each full-attention layer ``l`` (page/conv dtype ``dtype``; SSM state always f32).
+        ``kv_cache_dtype="fp8"`` (vLLM's name; ``"fp8_e4m3"`` too): float8_e4m3fn pages plus ``key_scale_caches_<l>``
+        / ``value_scale_caches_<l>`` ``f32[P]`` (one scale per page; :mod:`kvjax.state.kv_cache`); ``"auto"``:
+        pages of ``dtype``."""
         c = self.config
         a = c.attention
+        page_dtype = FP8_DTYPE if check_kv_cache_dtype(kv_cache_dtype) == "fp8" else dtype
         specs = [GQACacheSpec(layer=i, num_kv_heads=a.num_kv_heads, page_size=page_size, head_dim=a.head_dim,
-                              dtype=dtype) for i in c.attention_layers]
+                              dtype=page_dtype) for i in c.attention_layers]
         return ModelCaches(
             pages=create_caches(specs, num_pages),
             gdn=gdn_pool.create(c.gdn, len(c.gdn_layers), max_seqs, conv_dtype=dtype),
@@ -192,7 +199,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
         and decode tokens).
         """
         from kvjax.ops.attention import paged_attention
-        from kvjax.state.kv_cache import write_kv
+        from kvjax.state.kv_cache import write_kv_cache
 
         c = self.config
         x = embed(self.model.embed_tokens[...], inputs.token_ids, self.tp)  # [T, H]
@@ -212,11 +219,14 @@ class Qwen3_5ForCausalLM(nnx.Module):
             else:
                 attn = layer.self_attn
                 q, gate, k, v = attn.project(h, cos, sin)
-                kname, vname = cache_name("key", li), cache_name("value", li)
-                kv[kname], kv[vname] = write_kv(kv[kname], kv[vname], k, v, inputs.slot_mapping)
+                names = {r: cache_name(r, li) for r in FP8_ROLES if cache_name(r, li) in kv}
+                pages = write_kv_cache({r: kv[n] for r, n in names.items()}, k, v, inputs.slot_mapping,
+                                       cu_seqlens=inputs.cu_seqlens)
+                kv.update({n: pages[r] for r, n in names.items()})
                 o = paged_attention(
-                    q, kv[kname], kv[vname], inputs.block_tables, inputs.seq_lens, cu_seqlens=inputs.cu_seqlens,
-                    scale=c.attention.head_dim ** -0.5, window=window, sinks=sinks,
+                    q, pages["key"], pages["value"], inputs.block_tables, inputs.seq_lens,
+                    cu_seqlens=inputs.cu_seqlens, scale=c.attention.head_dim ** -0.5, window=window, sinks=sinks,
+                    k_scale=pages.get("key_scale"), v_scale=pages.get("value_scale"),
                 )
                 y = attn.finish(o, gate)
             x = layer.mlp_block(x + y)
