@@ -19,6 +19,10 @@ generated the same tokens as ``none`` (float32; ``divergence`` says where they f
 vs ``none``: ``computed_ratio`` (prompt tokens computed by ``none`` / by this policy) and ``speedup``
 (tokens/s).
 
+Long answers (``--cases "long answers"``): the same conversations answering :data:`LONG_OUTPUT_LEN` tokens a turn,
+so decode is a real share of the work: where the default decode bursts can pay beside prefix caching (the
+``burst=1`` rows are the same policies with single steps).
+
 Host tier (issue #37; ``--cases "host tier"``): :data:`TIER_FACTOR` times more conversations than the device cache
 holds (``TIER_FACTOR * MEMORY_REQUESTS`` conversations, pages for ``MEMORY_REQUESTS`` mean-length requests), the
 device-only cache ``timely+keep_tail`` (anchor) against ``timely+keep_tail+host`` at the same device memory with a
@@ -39,6 +43,7 @@ from case import RunCase
 
 CONVERSATIONS, TURNS = 8, 5
 FIRST_LEN, MESSAGE_LEN, OUTPUT_LEN = 2048, 128, 4
+LONG_OUTPUT_LEN = 128  # the long-answers case: decode a real share of the tokens, where decode bursts pay
 MEMORY_REQUESTS = 6.0  # pages for this many mean-length requests on every KV head (without recycling)
 REPEATS = 3  # timed runs of the workload per policy (same engine, cache cleared between): the median wall
 TIER_FACTOR = 4  # host tier case: conversations per mean-length request the device pages hold
@@ -232,8 +237,12 @@ def cases(small: bool = False) -> list[RunCase]:
     tier_args = (32, 3, 40, 8, 4, 8.0) if small else (round(TIER_FACTOR * args[5]), *args[1:])
     tier = ["timely+keep_tail", HOST_POLICY]
     tier_shapes = dict(shapes, conversations=tier_args[0], host_memory=HOST_MEMORY)
+    long_args = (*args[:4], 8 if small else LONG_OUTPUT_LEN, args[5])
     return [RunCase(f"prefix multi-turn {shapes['preset']} preset", "kvjax.engine.engine.Engine(prefix_caching=True)",
                     shapes, lambda: measure(p, *args, parallel=not small), anchor="none"),
+            RunCase(f"prefix multi-turn long answers {shapes['preset']} preset",
+                    "kvjax.engine.engine.Engine(prefix_caching=True)", dict(shapes, output_len=long_args[4]),
+                    lambda: measure(p, *long_args, parallel=not small), anchor="none"),
             RunCase(f"prefix host tier multi-turn {shapes['preset']} preset",
                     "kvjax.engine.engine.Engine(prefix_caching=True, host_cache_bytes=N)", tier_shapes,
                     lambda: measure(p, *tier_args, parallel=not small, names=tier, host_memory=HOST_MEMORY),

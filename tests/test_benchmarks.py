@@ -34,7 +34,8 @@ def bench():
 def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
     runner, _, _ = bench
     out = tmp_path / "bench.json"
-    one_each = ("gdn decode", "conv decode", "paged decode", "mla decode", "swiglu", "engine", "prefix", "scheduler")
+    one_each = ("gdn decode", "conv decode", "paged decode", "mla decode", "swiglu", "engine", "prefix multi-turn small",
+                "prefix host tier", "scheduler")  # (the long-answers prefix case is the first one's code again)
     report = runner.run_subjects(list(runner.SUBJECTS), small=True, impls=("reference",), rounds=1, calls=1,
                                  out=str(out), only=one_each)
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(report["rows"], default=str))
