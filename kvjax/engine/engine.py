@@ -2,78 +2,31 @@
 
 One step (``overlap=True``, the default)::
 
-    plan = scheduler.schedule(burst)     # host: recycle, admit/preempt, allocate pages, padded arrays (N+1)
-    buf, layout = runner.pack([plan], ...)   # every input packed in one i32 host buffer (copied by the call)
+    plan = scheduler.schedule(burst)         # host: recycle, admit / preempt, pages; padded arrays of step N+1
+    buf, layout = runner.pack([plan], ...)   # every input in one i32 host buffer
     tokens, caches = runner.step(caches, buf, tokens_of_step_N, layout, greedy_only)  # async dispatch
-    scheduler.advance(plan)              # host: requests advance, sampled tokens reserved (values unknown)
-    scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; outputs of step N
+    scheduler.advance(plan)                  # requests move on; sampled tokens reserved, values unknown
+    scheduler.resolve(plan_N, device_get(tokens_of_step_N))   # waits for step N only; step N's outputs
 
-The host never waits for step N's tokens before planning step N+1: a decode row's input is the token step N
-samples, which the plan names by row (``StepPlan.prev_index``) and the jitted step takes from step N's sampled
-array on the device. ``max_new_tokens`` is known in advance (the request finishes when its last token is
-reserved); eos, aborts and preemption act one step late: a request that sampled eos at step N may run one more
-row at N+1, whose token is dropped and never delivered. Step N's tokens are delivered by the call that dispatches
-N+1: :meth:`Engine.step` returns one :class:`~kvjax.engine.outputs.StepOutput` per request (its new tokens),
-:meth:`Engine.stream` yields one :class:`~kvjax.engine.outputs.TokenEvent` per token. Outputs equal the
-synchronous engine's (``overlap=False``: dispatch, wait, resolve in one call), token for token: sampling keys
-depend only on (seed, prompt index, tokens so far).
+A decode row's input is the token step N samples, named by row (``StepPlan.prev_index``) and read on the device:
+the host never waits for it before planning, so eos, aborts and preemption act one step late (a token computed
+after eos is dropped); the tokens equal ``overlap=False``'s. Decode bursts (``decode_burst``,
+:mod:`kvjax.engine.burst`) run up to ``K`` decode sub-steps per dispatch.
 
-Decode bursts (``decode_burst``, default ``"auto"`` = 8 sub-steps): when every running request decodes and no
-queued one could be admitted, one plan covers up to ``K`` decode sub-steps per row and one dispatch runs them all
-(:mod:`kvjax.engine.burst`): the host's schedule, input transfer and update are paid once per ``K`` tokens of each
-row. Same tokens again; metrics count sub-steps (:mod:`kvjax.engine.metrics`). ``decode_burst=1``: single steps.
+The engine holds the requests' outputs (:mod:`kvjax.engine.outputs`), the device caches (donated to every step)
+and one :class:`~kvjax.engine.runner.Runner` (the step, on one device or a mesh); slots, pages and block tables
+belong to :class:`kvjax.sched.Scheduler` (one per data shard); the model is seen only through
+:class:`kvjax.models.interface.CausalLM`. Options: :class:`~kvjax.engine.options.EngineOptions`; cache sizing
+:mod:`kvjax.engine.sizing`; prefix caching's host tier :mod:`kvjax.engine.host_tier`; metrics
+:mod:`kvjax.engine.metrics`. The contracts (overlap, bursts, sampling, outputs, faults, prefix caching, meshes,
+profiling phases) are in docs/contracts.md, "Models and engine"; where the engine sits in docs/architecture.md.
 
-The engine owns nothing the scheduler owns: GDN slots, pages and block tables come only from
-:class:`kvjax.sched.Scheduler`. It talks to the model only through :class:`kvjax.models.interface.CausalLM`
-(``attention_layout()`` for the scheduler, ``init_caches``, ``forward_step``, ``vocab_size``). The device caches
-are created once (``model.init_caches``) and donated to every step (each step's caches are the previous step's
-output, so steps run in dispatch order and pages or slots freed on the host are reused only by later steps).
-Each engine builds its own device step once (:class:`kvjax.engine.runner.Runner`, the same step on one device
-and on any mesh); it compiles once per ``(T, B, max_blocks, decode_only, burst)`` bucket of the plan (and per
-greedy / sampling mode), the same in both modes; :attr:`Engine.num_traces` counts this engine's compilations. Without a ``CacheConfig`` the
-cache is sized from the model and a memory budget (:mod:`kvjax.engine.sizing`; :meth:`Engine.describe`).
+Use::
 
-On a mesh (``Engine(model, cache, mesh=Mesh(devices, ("data", "model")))``, :mod:`kvjax.engine.runner`): one
-scheduler per data shard (its own slots, pages and prefix cache; a request goes to the shard with the fewest
-unfinished requests), plans padded to one bucket and packed into one ``i32[D, N]`` transfer, the same step per
-device under ``shard_map``, the tokens resharded to every device; bursts run when every data shard can burst.
-Without a ``CacheConfig`` the cache is sized per device.
-
-Use from a script or notebook::
-
-    engine = Engine(model)                                      # cache sized from the free device memory
-    engine = Engine(model, CacheConfig(page_size=16, num_pages=512, max_seqs=8, max_blocks_per_seq=64),
-                    recycle="timely")
-    outs = engine.generate(prompts, max_new_tokens=64)          # list[list[int]], greedy
-    outs = engine.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=64))
-    for ev in engine.stream(prompts, max_new_tokens=64):        # TokenEvent per generated token
+    engine = Engine(model)                                   # cache sized from the free device memory
+    outs = engine.generate(prompts, max_new_tokens=64)       # list[list[int]], greedy
+    for ev in engine.stream(prompts, SamplingParams(temperature=0.7, max_tokens=64)):  # a TokenEvent per token
         if ev.index == 3 and ev.position > 10: engine.abort(ev.request_id)
-    engine.metrics.summary()                                    # per-step records -> aggregates
-
-Requests: :class:`~kvjax.engine.sampling.SamplingParams` (temperature, top-k / top-p, seed, ``max_tokens``, stop
-ids; one for all prompts or one per prompt), or the short form ``max_new_tokens`` with ``temperature=`` and
-``seed=``. A request ends at ``max_tokens`` or at the first sampled token among the engine's ``eos_token_ids``
-(default: the model's ``generation_config``) and its own ``stop_token_ids``. Top-k / top-p run on the device
-inside the step (:func:`kvjax.engine.sampling.sample`), compiled into every sampling trace.
-
-Profiling: each step's host phases are ``jax.profiler.TraceAnnotation`` s (``kvjax.schedule``, ``kvjax.inputs``,
-``kvjax.dispatch``, ``kvjax.advance``, ``kvjax.wait``, ``kvjax.update``), so a trace taken with
-``jax.profiler.trace(logdir)`` shows them in TensorBoard / XProf next to the device's work.
-
-Prefix caching (``prefix_caching=True``, opt-in; :mod:`kvjax.sched.prefix_cache`): full prompt blocks are
-shared between requests through the page pool, for the engine's lifetime (a later ``generate`` / ``stream``
-reuses what earlier calls computed; :meth:`Engine.clear_prefix_cache` drops it; on a mesh each data shard caches
-its own requests' prompts). With GDN layers the pool gets
-``prefix_checkpoints`` extra slots (default ``max_seqs``) holding the recurrent state at cached block
-boundaries; the plan names the copies and the jitted step does them (:mod:`kvjax.state.gdn_checkpoints`). A
-fault clears the cache (the caches are rebuilt). ``metrics.summary()`` reports ``prefix_hit_tokens`` and
-``prefill_tokens``. ``host_cache_bytes=N`` adds a host tier (:mod:`kvjax.engine.host_tier`): what the cache evicts
-spills to pinned host memory and comes back on a hit; each plan's copies are issued before its step is dispatched,
-their transfers overlapping the step in flight (``summary()``: ``prefix_hit_tokens_host``, ``host_bytes_out`` /
-``_in``, ``copy_share``).
-
-Models in the package: Qwen3.5 (:mod:`kvjax.models.qwen3_5`: GDN slots + head-wise K/V pages; SWA heads
-recycle) and DeepSeek-V3.2 (:mod:`kvjax.models.deepseek`: MLA latent + DSA indexer caches, one latent head).
 """
 
 from __future__ import annotations
