@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_gdn_kernels import GPU_LENS, TOL, check_pool_op, check_public_kernel, make_inputs, make_pool, rel_err
 
+from helpers.gdn import GPU_LENS, TOL, check_pool_op, check_public_kernel, make_inputs, make_pool, rel_err
 from kvjax.ops import gdn, gdn_on_pool
 from kvjax.state import gdn_pool
 

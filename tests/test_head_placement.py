@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import test_step_qwen3_5 as qwen_step
+from helpers.models import random_model
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.models.qwen3_5 import Qwen3_5Config
 from kvjax.sched.blocks import BlockAllocator, head_placement, placed_layout
@@ -87,7 +87,7 @@ def _toy(window, sinks, kv_heads=4, seed=5):
         attention=AttentionConfig(2 * kv_heads, kv_heads, 8, window=window, sinks=sinks),
         gdn=GDNConfig(4, 8, 8, 8, 4), rope_theta=10000.0, partial_rotary_factor=0.5, attention_bias=True,
     )
-    return qwen_step.random_model(cfg, seed=seed)
+    return random_model(cfg, seed=seed)
 
 
 def test_placed_parameters_compute_the_same_function():

@@ -24,7 +24,7 @@ from kvjax.models.deepseek import DeepseekConfig  # noqa: E402
 from kvjax.models.deepseek.loading import from_hf as deepseek_from_hf  # noqa: E402
 from kvjax.models.qwen3_5 import Qwen3_5Config, init_random  # noqa: E402
 from kvjax.state.registry import DSACacheSpec, GQACacheSpec, MLACacheSpec  # noqa: E402
-from test_qwen3_5 import saved_hf_model, write_ckpt  # noqa: E402
+from helpers.hf import saved_hf_model, write_ckpt  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,40 +18,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from safetensors.numpy import load_file, save_file  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
+from helpers.hf import VOCAB, hf_config, saved_hf_model, write_ckpt  # noqa: E402
 from kvjax.errors import CheckpointError  # noqa: E402
 from kvjax.models import load_pretrained  # noqa: E402
 from kvjax.models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from kvjax.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM  # noqa: E402
 
 TOL = 1e-4  # f32 max abs logit difference (issue 7)
-VOCAB = 97
-
-
-def hf_config(**overrides):
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        tie_word_embeddings=False,
-    )
-    kw.update(overrides)
-    return transformers.Qwen3_5TextConfig(**kw)
-
-
-def saved_hf_model(tmp_path, seed: int, **overrides):
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3_5ForCausalLM(hf_config(**overrides)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.2))
-    path = tmp_path / "ckpt"
-    hf.save_pretrained(path)
-    return hf, path
 
 
 def test_logits_match_hf(tmp_path, rng):
@@ -122,14 +97,6 @@ def saved(tmp_path_factory):
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     return config, load_file(os.path.join(path, "model.safetensors"))
-
-
-def write_ckpt(path, config, tensors):
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    return path
 
 
 def test_missing_tensor_is_named(tmp_path, saved):

@@ -16,10 +16,11 @@ import sys
 
 import pytest
 
+pytest.importorskip("torch")  # helpers.hf builds the checkpoint with torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from test_qwen3_5 import VOCAB, saved_hf_model  # noqa: E402
+from helpers.hf import VOCAB, saved_hf_model  # noqa: E402
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

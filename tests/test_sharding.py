@@ -23,19 +23,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import test_step_qwen3_5 as qwen_step
-from kvjax.config import AttentionConfig, GDNConfig
+from helpers.models import MESH_FAMILIES as FAMILIES
+from helpers.models import VOCAB, mesh_deepseek_model, mesh_qwen_model
+from helpers.planner import MAX_SEQS, NUM_PAGES, PAGE, Planner
 from kvjax.engine.step import make_step
-from kvjax.models.deepseek import DeepseekConfig, DeepseekV32
-from kvjax.models.qwen3_5 import Qwen3_5Config
 from kvjax.models.sharding import ShardedModel, shard_model
 
 INNER = os.environ.get("KVJAX_SHARDING_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_sharding_on_8_cpu_devices")
 TOL = 1e-5
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
-PAGE, NUM_PAGES, MAX_SEQS = qwen_step.PAGE, qwen_step.NUM_PAGES, qwen_step.MAX_SEQS
-VOCAB = 61  # prime: padded to 62 / 64 on 2 / 4 model devices
 
 
 def test_sharding_on_8_cpu_devices():
@@ -46,34 +43,6 @@ def test_sharding_on_8_cpu_devices():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
                        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-
-
-def qwen_model():
-    cfg = Qwen3_5Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, layer_types=("linear_attention", "full_attention"),
-        attention=AttentionConfig(8, 4, 16, window=(5, 0, 6, 0), sinks=(1, 0, 0, 0)), gdn=GDNConfig(4, 8, 8, 8, 4),
-        rope_theta=10000.0, partial_rotary_factor=0.5,
-    )
-    return qwen_step.random_model(cfg, seed=5)
-
-
-def deepseek_model():
-    cfg = DeepseekConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=4,
-        index_head_dim=16, index_topk=5, rope_parameters=(("rope_theta", 10000.0), ("rope_type", "default")),
-        mlp_layer_types=("dense", "sparse"), moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=2, topk_group=1, n_shared_experts=1,
-    )
-    model = DeepseekV32(cfg, rngs=nnx.Rngs(7))
-    rng = np.random.default_rng(7)
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # norms and biases away from 1 / 0
-        if var[...].ndim == 1:
-            var[...] = var[...] + 0.3 * rng.standard_normal(var[...].shape).astype(np.float32)
-    return model
-
-
-FAMILIES = {"qwen3_5": qwen_model, "deepseek": deepseek_model}
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +60,12 @@ def _caches(model, **kw):
     return model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, max_seqs=MAX_SEQS, **kw)
 
 
-def _run(family, model, params, step1, sharded: ShardedModel, rng, monkeypatch):
+def _run(family, model, params, step1, sharded: ShardedModel, rng):
     """Drive D independent batches through the sharded step and D single-device steps; compare every step."""
-    monkeypatch.setattr(qwen_step, "T_BUCKETS", (16,))  # one token bucket: every data shard's plan has T = 16
     a = model.attention_layout()
     d_size = sharded.data_size
-    planners = [qwen_step.Planner(rng, a.num_kv_heads, a.window, a.sinks) for _ in range(d_size)]
+    # one token bucket: every data shard's plan has T = 16
+    planners = [Planner(rng, a.num_kv_heads, a.window, a.sinks, t_buckets=(16,)) for _ in range(d_size)]
     lengths = [rng.integers(10, 15, 3) for _ in range(d_size)]
     seqs = [[rng.integers(0, VOCAB, n).astype(np.int32) for n in ls] for ls in lengths]
     chunks = [[4, 3], [5], [2, 2, 2]]
@@ -168,12 +137,12 @@ def _check_caches(sharded: ShardedModel, caches, refs, last):
 @inner
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{m}" for d, m in MESHES])
-def test_sharded_step_equals_one_device(family, shape, built, rng, monkeypatch):
+def test_sharded_step_equals_one_device(family, shape, built, rng):
     model, params, step1 = built[family]
     d, m = shape
     mesh = jax.make_mesh(shape, ("data", "model"), devices=jax.devices()[: d * m])
     sharded = shard_model(model, mesh)
-    caches = _run(family, model, params, step1, sharded, rng, monkeypatch)
+    caches = _run(family, model, params, step1, sharded, rng)
     total = sum(x.nbytes for x in jax.tree.leaves(caches))
     share = d * m if sharded.plan.pages_over_model else d  # DeepSeek's latent pages: replicated over "model"
     for dev in mesh.devices.ravel():
@@ -188,10 +157,10 @@ def test_sharded_step_equals_one_device(family, shape, built, rng, monkeypatch):
 def test_indivisible_head_count_is_named():
     mesh = jax.make_mesh((1, 8), ("data", "model"))
     with pytest.raises(ValueError, match="num_key_value_heads=4 is not divisible by the 'model' mesh axis size 8"):
-        shard_model(qwen_model(), mesh)
+        shard_model(mesh_qwen_model(), mesh)
     mesh = jax.make_mesh((1, 3), ("data", "model"), devices=jax.devices()[:3])
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by the 'model' mesh axis size 3"):
-        shard_model(deepseek_model(), mesh)
+        shard_model(mesh_deepseek_model(), mesh)
 
 
 def _save_qwen(model, path) -> None:
@@ -231,7 +200,7 @@ def test_load_pretrained_on_a_mesh_places_each_shard(tmp_path):
     """``load_pretrained(path, mesh=)`` gives the parameters ``shard_model`` gives, each shard on its device."""
     from kvjax.models import load_pretrained
 
-    model = qwen_model()
+    model = mesh_qwen_model()
     _save_qwen(model, str(tmp_path / "ckpt"))
     mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
     loaded = load_pretrained(tmp_path / "ckpt", mesh=mesh, window=model.config.attention.window,

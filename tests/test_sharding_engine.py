@@ -30,6 +30,7 @@ from kvjax.inputs import StepInputs
 from kvjax.errors import InvalidPlanError
 from kvjax.sched.blocks import BlockAllocator
 from helpers.engine import step_events
+from helpers.models import MESH_FAMILIES, VOCAB, mesh_qwen_model
 
 INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")
@@ -150,10 +151,8 @@ def test_validate_pages_unique_per_pool():
 
 @pytest.mark.parametrize("mesh", ["2x2", (2, 2), np.zeros((1, 1))])
 def test_a_mesh_that_is_not_a_mesh_is_refused(mesh):
-    import test_sharding as ts
-
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
-        Engine(ts.qwen_model(), _cache(8), mesh=mesh)
+        Engine(mesh_qwen_model(), _cache(8), mesh=mesh)
 
 
 def test_cli_mesh_usage_errors(capsys):
@@ -198,11 +197,9 @@ def test_mesh_steps_hold_no_zero_sized_array():
     array. A full-width ``zeros.at[:B].set(tokens)`` lowers to a scatter with an empty index constant, which
     ``shard_map`` passes into the manual computation as a zero-sized operand, and XLA's GPU compile of that
     crashes on two GPUs (the CPU compile does not, so the lowering is what this test reads)."""
-    import test_sharding as ts
-
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))
     for burst in (1, 4):
-        engine = Engine(ts.qwen_model(), _cache(PAGES["qwen3_5"]), mesh=mesh, decode_burst=burst, **ENGINE_ARGS)
+        engine = Engine(mesh_qwen_model(), _cache(PAGES["qwen3_5"]), mesh=mesh, decode_burst=burst, **ENGINE_ARGS)
         step, texts = engine.runner.step, {}
 
         def lowering_step(caches, buf, prev, layout, greedy_only, step=step, texts=texts):
@@ -211,7 +208,7 @@ def test_mesh_steps_hold_no_zero_sized_array():
             return step(caches, buf, prev, layout, greedy_only)
 
         engine.runner.step = lowering_step
-        engine.generate(_prompts(ts.VOCAB)[:4], 6)
+        engine.generate(_prompts(VOCAB)[:4], 6)
         assert any(layout.burst == burst for layout in texts), f"burst {burst}: no such step ran"
         for layout, text in texts.items():
             assert "tensor<0x" not in text, f"burst {burst}, {layout.fields[:2]}: a zero-sized array in the step"
@@ -225,10 +222,8 @@ def test_engine_matrix_equals_the_synchronous_engine(family):
     single-device engine without bursts or caching, compiles each step shape once per greedy / sampling mode,
     keeps its allocators consistent and holds total / N of the caches per device (total / D for DeepSeek's
     latent pages, replicated over ``"model"``)."""
-    import test_sharding as ts
-
-    model = ts.FAMILIES[family]()
-    prompts = _prompts(ts.VOCAB)
+    model = MESH_FAMILIES[family]()
+    prompts = _prompts(VOCAB)
     recycle = "timely" if family == "qwen3_5" else "none"
     one = Engine(model, _cache(PAGES[family]), recycle=recycle, overlap=False, decode_burst=1, **ENGINE_ARGS)
     want = _scenario(one, prompts)
@@ -269,21 +264,17 @@ def _worker(process_id: int, port: int, out: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
-    import test_sharding as ts
-
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    engine = Engine(ts.qwen_model(), _cache(PAGES["qwen3_5"] // 2), mesh=mesh, recycle="timely", **ENGINE_ARGS)
+    engine = Engine(mesh_qwen_model(), _cache(PAGES["qwen3_5"] // 2), mesh=mesh, recycle="timely", **ENGINE_ARGS)
     with open(out, "w") as f:
-        json.dump(_scenario(engine, _prompts(ts.VOCAB), (1.0,)), f)
+        json.dump(_scenario(engine, _prompts(VOCAB), (1.0,)), f)
     jax.distributed.shutdown()
 
 
 def test_two_processes_equal_one_process(tmp_path):
     if INNER:
         pytest.skip("runs in the main test process")
-    import test_sharding as ts
-
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / f"{i}.json")],
@@ -296,7 +287,7 @@ def test_two_processes_equal_one_process(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    want = _scenario(Engine(ts.qwen_model(), _cache(PAGES["qwen3_5"]), recycle="timely", **ENGINE_ARGS), _prompts(ts.VOCAB),
+    want = _scenario(Engine(mesh_qwen_model(), _cache(PAGES["qwen3_5"]), recycle="timely", **ENGINE_ARGS), _prompts(VOCAB),
                      (1.0,))
     for i in range(2):
         got = {int(k): v for k, v in json.loads((tmp_path / f"{i}.json").read_text()).items()}
@@ -304,5 +295,4 @@ def test_two_processes_equal_one_process(tmp_path):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    sys.path.insert(0, HERE)
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,6 +1,6 @@
 """Step parity for the toy Qwen3.5: chunked prefill + decode through the jitted ``step`` equals ``model.logits``.
 
-The test drives its own tiny host-side planner (independent of ``kvjax.sched``): sequences of different lengths
+The test drives a tiny host-side planner (``helpers.planner``, independent of ``kvjax.sched``): sequences of different lengths
 share each step (prefill chunks of different sizes mixed with decode tokens), rows are shuffled every step,
 GDN slots are random (never the row index), pages come from a shuffled shared free list, and with SWA heads
 blocks that leave the window are recycled (table entry -1, page returned and reused by other heads/rows).
@@ -15,144 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.inputs import StepInputs
+from helpers.models import random_model, tiny_config
+from helpers.planner import MAX_SEQS, NUM_PAGES, PAGE, T_BUCKETS, Planner
 from kvjax.engine.step import make_step
-from kvjax.models.common.checkpoint import assign_params
 from kvjax.errors import InvalidPlanError
-from kvjax.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, init_random
-from kvjax.config import AttentionConfig, GDNConfig
+from kvjax.inputs import StepInputs
 
 TOL = 1e-4  # f32: max abs logit difference
-PAGE = 4
-NUM_PAGES = 48
-MAX_SEQS = 6
-MAX_BLOCKS = 12
-ROWS = 4  # batch bucket (one row is padding at least part of the time)
 POISON = 8192.0  # exact in bf16 too; far outside any activation
-T_BUCKETS = (8, 32)  # token buckets: decode-ish steps and prefill steps
-
-
-FOUR_LAYERS = ("linear_attention", "full_attention", "linear_attention", "full_attention")
-
-
-def tiny_config(window=(), sinks=(), layer_types=FOUR_LAYERS) -> Qwen3_5Config:
-    return Qwen3_5Config(
-        vocab_size=61, hidden_size=32, intermediate_size=48, layer_types=layer_types,
-        attention=AttentionConfig(4, 2, 16, window=window, sinks=sinks),
-        gdn=GDNConfig(2, 4, 8, 8, 4), rope_theta=10000.0, partial_rotary_factor=0.5,
-    )
-
-
-def random_model(config: Qwen3_5Config, seed: int) -> Qwen3_5ForCausalLM:
-    """A model whose every parameter (norm scales included) is random, so no term can hide."""
-    model = init_random(config, seed=seed)
-    rng = np.random.default_rng(seed)
-    values = {p: 0.3 * rng.standard_normal(v.get_value().shape) for p, v in nnx.to_flat_state(nnx.state(model))}
-    return assign_params(model, values)
-
-
-class Planner:
-    """Minimal host planner: head-wise tables, shared shuffled free list, optional SWA recycling."""
-
-    def __init__(self, rng, hkv: int, window, sinks):
-        self.rng = rng
-        self.hkv = hkv
-        self.window, self.sinks = list(window) or [0] * hkv, list(sinks) or [0] * hkv
-        self.free = list(rng.permutation(NUM_PAGES))
-        self.tables: dict[int, np.ndarray] = {}
-        self.slots = dict()
-        self.free_slots = list(rng.permutation(np.arange(1, MAX_SEQS + 1)))
-        self.done: dict[int, int] = {}  # tokens already computed
-        self.recycled = 0
-        self.reused = 0  # recycled pages handed out again (to any head / row)
-        self.was_recycled: set[int] = set()
-        self.signatures = set()  # (token bucket, decode_only) of every plan: one trace each
-
-    def add(self, sid: int):
-        self.tables[sid] = np.full((self.hkv, MAX_BLOCKS), -1, np.int32)
-        self.slots[sid] = int(self.free_slots.pop())
-        self.done[sid] = 0
-
-    def finish(self, sid: int):
-        for page in self.tables.pop(sid).ravel():
-            if page >= 0:
-                self.free.append(int(page))
-        self.free_slots.append(self.slots.pop(sid))
-
-    def plan(self, work: list[tuple[int, np.ndarray]]) -> tuple[StepInputs, list[tuple[int, int]]]:
-        """work: [(sid, new token ids)] -> StepInputs (bucketed, rows shuffled; a decode step's live rows first, in
-        shuffled order) and [(sid, logits position)]."""
-        # a decode_only step: one token per row, every row continuing its state, live rows first (the contract)
-        decode = all(len(t) == 1 and self.done[sid] > 0 for sid, t in work)
-        rows = list(self.rng.permutation(len(work) if decode else ROWS))[: len(work)]
-        order = sorted(range(len(work)), key=lambda i: rows[i])  # row order
-        total = sum(len(t) for _, t in work)
-        t_pad = next(b for b in T_BUCKETS if b >= total)
-        tok = np.zeros(t_pad, np.int32)
-        pos = np.zeros(t_pad, np.int32)
-        smap = np.full((t_pad, self.hkv), -1, np.int32)
-        cu = np.zeros(ROWS + 1, np.int32)
-        seq_lens = np.zeros(ROWS, np.int32)
-        slots = np.zeros(ROWS, np.int32)
-        has_init = np.zeros(ROWS, bool)
-        tables = np.full((ROWS, self.hkv, MAX_BLOCKS), -1, np.int32)
-        logits_idx = np.zeros(ROWS, np.int32)
-        expect = []
-        row_of = {rows[i]: i for i in range(len(work))}
-        t = 0
-        for r in range(ROWS):
-            cu[r] = t
-            if r not in row_of:
-                continue
-            sid, new = work[row_of[r]]
-            start, n = self.done[sid], len(new)
-            table = self.tables[sid]
-            for p in range(start, start + n):
-                for h in range(self.hkv):
-                    blk = p // PAGE
-                    if table[h, blk] < 0:
-                        table[h, blk] = self.free.pop()
-                        self.reused += int(table[h, blk]) in self.was_recycled
-                    smap[t + p - start, h] = table[h, blk] * PAGE + p % PAGE
-            tok[t:t + n] = new
-            pos[t:t + n] = np.arange(start, start + n)
-            seq_lens[r], slots[r], has_init[r] = start + n, self.slots[sid], start > 0
-            tables[r] = table
-            logits_idx[r] = t + n - 1
-            expect.append((r, sid, start + n - 1))
-            t += n
-        cu[ROWS] = t
-        inputs = StepInputs.from_numpy(
-            decode_only=decode, token_ids=tok, positions=pos, cu_seqlens=cu, seq_lens=seq_lens, gdn_slots=slots,
-            has_initial_state=has_init, block_tables=tables, slot_mapping=smap, logits_indices=logits_idx,
-        )
-        inputs.validate(num_pages=NUM_PAGES, page_size=PAGE, max_slots=MAX_SEQS + 1)
-        self.signatures.add((t_pad, inputs.decode_only))
-        for sid, new in work:
-            self.done[sid] += len(new)
-        return inputs, expect
-
-    def recycle(self):
-        """Free SWA blocks no future query can see (outside window, no sink, not the block being written).
-
-        Freed pages go to the end of the (otherwise shuffled) free list, so they are handed out next.
-        """
-        freed = []
-        for sid, table in self.tables.items():
-            n = self.done[sid]
-            for h in range(self.hkv):
-                w, s = self.window[h], self.sinks[h]
-                if w == 0:
-                    continue
-                for blk in range(MAX_BLOCKS):
-                    first, last = blk * PAGE, blk * PAGE + PAGE - 1
-                    if table[h, blk] >= 0 and last <= n - w and first >= s and blk != (n - 1) // PAGE:
-                        freed.append(int(table[h, blk]))
-                        table[h, blk] = -1
-                        self.recycled += 1
-        self.was_recycled.update(freed)
-        self.rng.shuffle(self.free)
-        self.free.extend(self.rng.permutation(freed).tolist())
 
 
 def run_schedule(model, rng, seqs, chunks, *, window=(), sinks=(), step_fn=None, params=None):

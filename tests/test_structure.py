@@ -97,3 +97,30 @@ def test_no_module_picks_a_device_from_the_global_list():
     found = {str(p.relative_to(ROOT)): lines for p in sorted(ROOT.rglob("*.py"))
              if (lines := global_device_indexing(p.read_text()))}
     assert not found, found
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def imports_of(source: str, modules: set[str]) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import (``import x``, ``from x import y``, at any depth) of a module whose top-level
+    name is in ``modules``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in modules]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in modules:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_no_test_module_imports_another():
+    """Shared test pieces live in ``tests/helpers/`` (or ``conftest.py`` fixtures), never in a test module: one that
+    lends its helpers cannot change them for its own tests without breaking the borrowers, and a borrower ends up
+    patching the lender's globals."""
+    names = {p.stem for p in TESTS.glob("test_*.py")} | {"conftest"}
+    assert imports_of("import test_a as a\ndef f():\n    from test_b.c import d\nimport helpers.x\n",
+                      {"test_a", "test_b"}) == [(1, "test_a"), (3, "test_b.c")]
+    found = {str(p.relative_to(TESTS)): hits for p in sorted(TESTS.rglob("*.py"))
+             if (hits := imports_of(p.read_text(), names))}
+    assert not found, found
