@@ -8,6 +8,7 @@ argument never leaves a request behind.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Sequence
 
@@ -83,9 +84,24 @@ def check_cache_dtype(value: Any, params: Any) -> Any:
     except TypeError:
         raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None, got {value!r}") from None
     if dtype.name not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None, got {dtype.name} (fp8 pages exist "
-                         "only for the DSA roles, through cache_options)")
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None, got {dtype.name} (fp8 K/V pages: "
+                         "kv_cache_dtype='fp8'; DeepSeek's fp8 DSA cache: cache_options)")
     return dtype
+
+
+def cache_options(model: CausalLM, options: dict | None, kv_cache_dtype: str) -> dict:
+    """The keyword arguments the engine gives ``model.init_caches`` beside the geometry and dtype: ``options``
+    plus ``kv_cache_dtype`` unless it is ``"auto"``; ``ValueError`` when the model's ``init_caches`` takes no
+    ``kv_cache_dtype`` (fp8 K/V pages are GQA pages)."""
+    out = dict(options or {})
+    if kv_cache_dtype == "auto":
+        return out
+    if "kv_cache_dtype" not in inspect.signature(model.init_caches).parameters:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {type(model).__name__}.init_caches takes no "
+                         "kv_cache_dtype (fp8 K/V pages are GQA pages, e.g. Qwen3.5's; DeepSeek stores its latent "
+                         "in fp8 with cache_options={'kind': 'dsa'})")
+    out["kv_cache_dtype"] = kv_cache_dtype
+    return out
 
 
 def check_prompts(prompts: Any, vocab_size: int) -> list[np.ndarray]:

@@ -45,8 +45,8 @@ from flax import nnx
 from jax.profiler import TraceAnnotation
 
 from kvjax.config import CacheConfig, is_int
-from kvjax.engine.args import (check_cache_dtype, check_eos, check_index, check_prompt, check_prompts, prefix_config,
-                               set_buckets, stop_ids)
+from kvjax.engine.args import (cache_options, check_cache_dtype, check_eos, check_index, check_prompt, check_prompts,
+                               prefix_config, set_buckets, stop_ids)
 from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
 from kvjax.engine.host_tier import HostStore, host_tier_config
 from kvjax.engine.inputs import SamplingTable
@@ -122,6 +122,7 @@ class Engine:
         params = nnx.state(model) if sharded is None else sharded.params
         cache_dtype = check_cache_dtype(o.cache_dtype, params)
         local = model if sharded is None else sharded.local  # what one device holds
+        cache_opts = cache_options(local, o.cache_options, o.kv_cache_dtype)  # init_caches' extra keywords
         self.cache_sizing: CacheSizing | None = None
         device = None if sharded is None else sharded.mesh.devices.flat[0]
         prefix = prefix_config(model, o.prefix_caching, o.prefix_checkpoints, o.prefix_recycle,
@@ -129,17 +130,17 @@ class Engine:
         num_ckpts = prefix.num_checkpoints if prefix is not None else 0
         if cache_config is None:
             self.cache_sizing = size_cache(local, dtype=cache_dtype, memory_fraction=o.memory_fraction,
-                                           cache_options=o.cache_options, num_checkpoints=num_ckpts, device=device)
+                                           cache_options=cache_opts, num_checkpoints=num_ckpts, device=device)
             cache_config = self.cache_sizing.cache_config
             logger.info("kvjax engine: %s", self.cache_sizing.describe())
         else:
             if o.memory_fraction is not None:
                 raise ValueError(f"memory_fraction={o.memory_fraction!r} sizes the cache only without a cache_config; "
                                  "got both")
-            check_cache_fits(local, cache_config, num_ckpts, cache_dtype, o.cache_options, device)
+            check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device)
         self.cache_config = cache_config
         prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size,
-                                  dtype=cache_dtype, cache_options=o.cache_options, mesh=self.mesh)
+                                  dtype=cache_dtype, cache_options=cache_opts, mesh=self.mesh)
         self.overlap = o.overlap
         eos_token_id = o.eos_token_id
         if isinstance(eos_token_id, str) and eos_token_id == "auto":
@@ -173,7 +174,7 @@ class Engine:
         self.debug = o.debug
         self.use_decode_path = o.use_decode_path
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
-                                max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **(o.cache_options or {}))
+                                max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **cache_opts)
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
                              max_traces=o.max_traces)
         self.host_store = HostStore() if prefix is not None and prefix.host_bytes else None  # the host tier's data

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvjax.config import INT32_MAX, is_int
+from kvjax.config import INT32_MAX, check_kv_cache_dtype, is_int
 from kvjax.sched.prefix_cache import RECYCLE_MODES
 
 MAX_BURST = 64
@@ -78,6 +78,10 @@ class EngineOptions:
     - ``cache_dtype`` [the parameters' float dtype]: K/V (or latent) pages and conv state: float32, bfloat16 or
       float16 (the GDN state is always float32).
     - ``cache_options`` [None]: extra keyword arguments of ``model.init_caches`` (e.g. ``{"indexer_fp8": False}``).
+    - ``kv_cache_dtype`` ["auto"]: vLLM's option: ``"auto"`` (K/V pages in ``cache_dtype``) or ``"fp8"`` /
+      ``"fp8_e4m3"`` (float8_e4m3fn K/V pages with one f32 scale per page, about half the bytes, so about twice
+      the pages in the default sizing; :mod:`kvjax.state.kv_cache`); stored as ``"auto"`` or ``"fp8"``. Models
+      whose ``init_caches`` takes ``kv_cache_dtype`` (Qwen3.5).
     - ``eos_token_id`` ["auto"]: a token id or up to 8 of them that end a request when sampled (delivered);
       ``None``: every request runs to its ``max_tokens``; ``"auto"``: ``model.generation_config.eos_token_ids``
       where the model has one (``load_pretrained`` attaches it), else ``None``.
@@ -104,6 +108,7 @@ class EngineOptions:
     memory_fraction: float | None = None
     cache_dtype: Any = None
     cache_options: dict | None = None
+    kv_cache_dtype: str = "auto"
     eos_token_id: int | Sequence[int] | str | None = "auto"
     prefix_caching: bool = False
     prefix_checkpoints: int | None = None
@@ -127,6 +132,10 @@ class EngineOptions:
         if self.cache_options is not None and not isinstance(self.cache_options, dict):
             raise ValueError(f"cache_options must be None or a dict of init_caches keyword arguments, got "
                              f"{self.cache_options!r}")
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
+        if self.cache_options and "kv_cache_dtype" in self.cache_options:
+            raise ValueError(f"cache_options={self.cache_options!r}: give kv_cache_dtype as its own setting "
+                             "(kv_cache_dtype='fp8'), not in cache_options")
         if self.prefix_recycle not in RECYCLE_MODES:
             raise ValueError(f"prefix_recycle must be one of {RECYCLE_MODES}, got {self.prefix_recycle!r}")
         if not self.prefix_caching and (self.prefix_checkpoints is not None or self.prefix_recycle != "keep_tail"):
