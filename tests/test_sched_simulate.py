@@ -102,3 +102,25 @@ def test_simulate_progress_hook_counts_every_generated_token():
     hooked = simulate(w, cache, att, max_num_batched_tokens=64, pool="shared", recycle="timely", progress=seen.append)
     plain = simulate(w, cache, att, max_num_batched_tokens=64, pool="shared", recycle="timely")
     assert hooked == plain and len(seen) == plain.steps and sum(seen) == plain.generated == sum(x.max_new_tokens for x in w)
+
+
+def test_fp8_pages_fit_twice_the_pages_and_run_more_requests(capsys):
+    """``--kv-cache-dtype fp8``: the same page memory holds ``bf16 bytes / fp8 bytes`` times the pages (K and V of
+    ``--head-dim`` values (default 256), 2 bytes each against 1 plus one f32 scale per page), and with pages the binding limit
+    (no recycling, 2 full requests of memory) more requests run at once and more tokens come per step."""
+    args = ["--requests", "8", "--scale", "0.01", "--window", "16", "--page-size", "4", "--max-tokens", "64",
+            "--memory-requests", "2", "--swa-fraction", "0.5", "--max-seqs", "8", "--pool", "shared", "--json", "-"]
+    docs = {}
+    for kind in ("auto", "fp8"):
+        assert main(args + ["--kv-cache-dtype", kind]) == 0
+        docs[kind] = json.loads(capsys.readouterr().out)
+    auto, fp8 = docs["auto"]["config"]["num_pages"], docs["fp8"]["config"]["num_pages"]
+    assert fp8 == auto * (2 * 4 * 256 * 2) // (2 * (4 * 256 + 4))
+    assert fp8 > 1.9 * auto
+    for r8, r16 in zip(docs["fp8"]["results"], docs["auto"]["results"]):
+        assert r8["recycle"] == r16["recycle"]
+        if r8["recycle"] == "none":
+            assert r8["peak_concurrency"] > r16["peak_concurrency"]
+            assert r8["tokens_per_step"] > r16["tokens_per_step"]
+    assert main(args[:-2] + ["--head-dim", "64"]) == 2  # --head-dim alone would change nothing: refused
+    assert "--head-dim sizes fp8 pages" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import numpy as np
 from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_at_least, json_destination,
                             number_in)
 from kvjax.cli.output import provenance, write_json
+from kvjax.config import KV_CACHE_DTYPES, CacheConfig
 from kvjax.errors import UsageError
 from kvjax.sched.blocks import POOLS
 from kvjax.sched.prefix_cache import PrefixCacheConfig
@@ -26,8 +27,8 @@ from kvjax.sched.recycle import RECYCLE_POLICIES
 from kvjax.sched.simulate import (PLACEMENTS, check_servable_sharded, format_prefix_table, format_table, simulate,
                                   simulate_prefix)
 from kvjax.sched.workload import (SEED_OUTPUT_MEAN, SEED_PROMPT_MEAN, cache_for, check_servable, few_shot_workload,
-                                  multi_turn_workload, seed_footprint, seed_workload, swa_layout,
-                                  system_prompt_workload)
+                                  kv_page_bytes, multi_turn_workload, same_memory, seed_footprint, seed_workload,
+                                  swa_layout, system_prompt_workload)
 
 
 PREFIX_WORKLOADS = {  # name -> (requests, scale, seed, spread) -> workload; lengths scale with --scale (1: seed-sized)
@@ -71,13 +72,25 @@ def prefix_lengths(workload: str, requests: int, scale: float, spread: float) ->
     raise ValueError(f"unknown workload {workload!r}; known: {sorted(PREFIX_WORKLOADS)}")
 
 
+def _page_ratio(args: argparse.Namespace) -> float:
+    """Pages of ``--kv-cache-dtype`` per page of the default (bf16) pages in the same page memory."""
+    return (kv_page_bytes(args.page_size, args.head_dim) /
+            kv_page_bytes(args.page_size, args.head_dim, args.kv_cache_dtype))
+
+
+def page_memory(args: argparse.Namespace, cache: CacheConfig) -> CacheConfig:
+    """``cache`` (``--memory-requests`` in bf16 pages) with the pages of ``--kv-cache-dtype`` the same bytes hold."""
+    return same_memory(cache, kv_page_bytes(args.page_size, args.head_dim),
+                       kv_page_bytes(args.page_size, args.head_dim, args.kv_cache_dtype))
+
+
 def prefix_footprint(args: argparse.Namespace) -> int:
     """Host bytes that ``simulate --prefix-caching`` needs, estimated from the arguments alone: the workload's
     token arrays (prompt and output, and the loop's copy), the prefix cache's per-block entries, the block tables,
     page lists and slots (the terms that grow with the arguments)."""
     n, mean, longest, _ = prefix_lengths(args.workload, args.requests, args.scale, args.spread)
     blocks = -(-longest // args.page_size)
-    pages = math.ceil(args.memory_requests * -(-mean // args.page_size)) * args.kv_heads
+    pages = math.ceil(args.memory_requests * _page_ratio(args) * -(-mean // args.page_size)) * args.kv_heads
     return int(n * (20 * mean + 1024)  # int32 prompt + int64 tokens per request, Python objects
                + n * -(-mean // args.page_size) * 256  # hash-chained cache entries per prompt block
                + pages * 64  # owners, free lists, reference counts
@@ -105,6 +118,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--page-size", type=int_at_least(1), default=64, help="tokens per page")
     p.add_argument("--memory-requests", type=number_in(0, low_open=True), default=8.0,
                    help="page memory = this many mean-length requests on every head without recycling")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                   help="K/V page format at the same page memory: auto (bf16 pages) or fp8 / fp8_e4m3 (fp8 pages with "
+                        "one f32 scale each: about twice the pages)")
+    p.add_argument("--head-dim", type=int_at_least(1), default=256,
+                   help="head dimension of the K/V pages (sizes fp8 pages against bf16 ones, and --page-bytes' "
+                        "default)")
     p.add_argument("--max-seqs", type=int_at_least(1), default=64, help="most requests running at once (rows)")
     p.add_argument("--max-tokens", type=int_at_least(1), default=2048, help="token budget per step")
     p.add_argument("--recycle", type=comma_list(sorted(RECYCLE_POLICIES)), default=["none", "timely"],
@@ -137,7 +156,8 @@ def build_parser() -> ArgumentParser:
                         "and checkpoints spill to host memory and come back on a hit)")
     p.add_argument("--page-bytes", type=int_at_least(1), default=None,
                    help="bytes of one KV head's page over every layer, for --host-cache-gb (default: a Qwen3.5-like "
-                        "8 attention layers, K and V of 256 dims in bf16: 8192 x --page-size)")
+                        "8 attention layers, K and V of --head-dim dims in bf16 (8192 x --page-size at 256) or fp8 "
+                        "with their scales)")
     p.add_argument("--ckpt-bytes", type=int_at_least(1), default=24 * 16 * 128 * 128 * 4,
                    help="bytes of one GDN checkpoint over every GDN layer, for --host-cache-gb (default: 24 layers "
                         "of 16 f32 128x128 states)")
@@ -154,6 +174,9 @@ _IGNORED_WITH_PREFIX = {"recycle": "--prefix-caching always recycles timely",
 def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
     """Refuse a flag the chosen mode would silently ignore."""
     given = p.given(argv)
+    if "head_dim" in given and args.kv_cache_dtype == "auto" and args.host_cache_gb is None:
+        raise UsageError("--head-dim sizes fp8 pages and the host tier's pages: it needs --kv-cache-dtype fp8 or "
+                         "--host-cache-gb")
     if not args.prefix_caching:
         if given & {"host_cache_gb", "page_bytes", "ckpt_bytes"}:
             raise UsageError("--host-cache-gb / --page-bytes / --ckpt-bytes need --prefix-caching (the host tier "
@@ -172,6 +195,10 @@ def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) ->
         raise UsageError(f"--spread applies to the seed workload only, not --workload {args.workload}")
     if args.host_cache_gb is None and given & {"page_bytes", "ckpt_bytes"}:
         raise UsageError("--page-bytes / --ckpt-bytes size the host tier: they need --host-cache-gb")
+
+
+def _kind(args: argparse.Namespace) -> str:
+    return "fp8 " if args.kv_cache_dtype != "auto" else ""
 
 
 def _bar(total: int, enabled: bool | None, desc: str):
@@ -208,8 +235,8 @@ def _prefix_main(args: argparse.Namespace, argv: list[str]) -> int:
     check_memory(prefix_footprint(args), f"--prefix-caching --workload {args.workload} --requests {args.requests} "
                                          f"--scale {args.scale:g} --max-seqs {args.max_seqs}")
     workload = PREFIX_WORKLOADS[args.workload](args.requests, args.scale, args.seed, args.spread)
-    cache = cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
-                      full_requests=args.memory_requests, max_seqs=args.max_seqs)
+    cache = page_memory(args, cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
+                                        full_requests=args.memory_requests, max_seqs=args.max_seqs))
     attention = swa_layout(args.kv_heads, args.swa_fraction[0], args.window, args.sinks)
     check_servable(workload, cache, attention, max_num_batched_tokens=args.max_tokens, pool="shared",
                    recycle="timely")
@@ -221,7 +248,8 @@ def _prefix_main(args: argparse.Namespace, argv: list[str]) -> int:
             for mode in PREFIX_MODES]
     if args.host_cache_gb is not None:
         tier = PrefixCacheConfig(args.max_seqs, True, "keep_tail", host_bytes=int(args.host_cache_gb * 1e9),
-                                 page_bytes=args.page_bytes or 8192 * args.page_size, ckpt_bytes=args.ckpt_bytes)
+                                 page_bytes=args.page_bytes or 8 * kv_page_bytes(args.page_size, args.head_dim,
+                                                                                 args.kv_cache_dtype), ckpt_bytes=args.ckpt_bytes)
         jobs.append(("prefix cache keep_tail + host tier", lambda progress: simulate_prefix(
             workload, cache, attention, max_num_batched_tokens=args.max_tokens, seed=args.seed,
             check_every=args.check_every, progress=progress, prefix=tier)))
@@ -233,7 +261,7 @@ def _prefix_main(args: argparse.Namespace, argv: list[str]) -> int:
                                    results=[dataclasses.asdict(r) for r in results]))
     if args.json != "-":
         print(f"# prefix caching, workload {args.workload}: {len(workload)} requests, mean prompt "
-              f"{np.mean([w.prompt.size for w in workload]):.0f} tokens; {cache.num_pages} pages of "
+              f"{np.mean([w.prompt.size for w in workload]):.0f} tokens; {cache.num_pages} {_kind(args)}pages of "
               f"{args.page_size}; swa fraction {args.swa_fraction[0]:g}; timely recycling")
         print(format_prefix_table(results))
     return 0
@@ -250,13 +278,13 @@ def main(argv: list[str]) -> int:
         if args.prefix_caching:
             return _prefix_main(args, argv)
         host, _ = seed_footprint(args.requests, scale=args.scale, spread=args.spread, num_kv_heads=args.kv_heads,
-                                 page_size=args.page_size, full_requests=args.memory_requests,
+                                 page_size=args.page_size, full_requests=args.memory_requests * _page_ratio(args),
                                  max_seqs=args.max_seqs)
         check_memory(host, f"--requests {args.requests} --scale {args.scale:g} --max-seqs {args.max_seqs} "
                            f"--memory-requests {args.memory_requests:g}")
         workload = seed_workload(args.requests, scale=args.scale, spread=args.spread, seed=args.seed)
-        cache = cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
-                          full_requests=args.memory_requests, max_seqs=args.max_seqs)
+        cache = page_memory(args, cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
+                                            full_requests=args.memory_requests, max_seqs=args.max_seqs))
         shardings = [(m, place) for m in dict.fromkeys(args.model_shards)
                      for place in (args.placement if m > 1 else args.placement[:1])]
         runs = [(swa_layout(args.kv_heads, frac, args.window, args.sinks), m, place, pool, recycle)
@@ -290,7 +318,8 @@ def main(argv: list[str]) -> int:
     if args.json != "-":
         print(f"# {args.requests} requests, mean prompt {config['mean_prompt']:.0f} / output "
               f"{config['mean_output']:.0f} tokens; {args.kv_heads} KV heads, window {args.window}, sinks "
-              f"{args.sinks}; {cache.num_pages} pages of {args.page_size} ({args.memory_requests:g} full requests); "
+              f"{args.sinks}; {cache.num_pages} {_kind(args)}pages of {args.page_size} ({args.memory_requests:g} full "
+              f"requests in bf16 pages); "
               f"max_seqs {args.max_seqs}, {args.max_tokens} tokens/step")
         print(format_table(results))
     return 0

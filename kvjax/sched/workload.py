@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from kvjax.config import AttentionConfig, CacheConfig
+from kvjax.config import AttentionConfig, CacheConfig, check_kv_cache_dtype
 from kvjax.sched.scheduler import Scheduler
 
 SEED_PROMPT_MEAN = 10_599  # 1,356,656 input tokens / 128 prompts
@@ -68,6 +68,24 @@ def cache_for(workload: list[RequestSpec], *, num_kv_heads: int, page_size: int,
     longest = max(w.total_len for w in workload)
     return CacheConfig(page_size=page_size, num_pages=pages, max_seqs=max_seqs,
                        max_blocks_per_seq=-(-longest // page_size))
+
+
+FP8_SCALE_BYTES = 4  # one f32 scale per fp8 page (kvjax.state.kv_cache)
+
+
+def kv_page_bytes(page_size: int, head_dim: int, kv_cache_dtype: str = "auto", *, dtype_bytes: int = 2) -> int:
+    """Bytes of one KV head's K and V pages in one attention layer: ``2 * page_size * head_dim * dtype_bytes``
+    (``"auto"``: pages of a ``dtype_bytes`` float), or ``2 * (page_size * head_dim + 4)`` for ``"fp8"`` /
+    ``"fp8_e4m3"`` (one byte a value plus the page's f32 scale)."""
+    if check_kv_cache_dtype(kv_cache_dtype) == "fp8":
+        return 2 * (page_size * head_dim + FP8_SCALE_BYTES)
+    return 2 * page_size * head_dim * dtype_bytes
+
+
+def same_memory(cache: CacheConfig, page_bytes: int, new_page_bytes: int) -> CacheConfig:
+    """``cache`` with as many pages of ``new_page_bytes`` as its ``num_pages`` pages of ``page_bytes`` take (rounded
+    down): fixed page memory, other pages (fp8 pages: about twice as many)."""
+    return dataclasses.replace(cache, num_pages=cache.num_pages * page_bytes // new_page_bytes)
 
 
 def _pages_for(mean_len: float, *, num_kv_heads: int, page_size: int, full_requests: float) -> int:
