@@ -2,6 +2,7 @@
 
 ``scale = amax(|x|) / 448`` over each ``block`` consecutive values, ``q = x / scale`` rounded to e4m3 (a block of
 zeros gets scale 0 and quantises to 0, never NaN); dequantise ``q * scale``. Lives in :mod:`kvjax.base`, below both.
+The GQA fp8 pages (:mod:`kvjax.state.kv_cache`) take power-of-two page scales instead (:func:`pow2_scale`).
 """
 
 from __future__ import annotations
