@@ -172,12 +172,22 @@ def index_topk(scores: jax.Array, topk: int) -> jax.Array:
     return idx
 
 
-def _sparse_attend(q, rows, valid, rank, scale):
-    """q f32[B, H, R+r], rows f32[B, K, R+r], valid bool[B, K] -> f32[B, H, R]; no visible key -> 0."""
+def _selected(block_tables, seq_lens, topk_indices, page_size):
+    """Where the selected positions ``i32[B, K]`` live: page i32[B, K] (0 where none), offset i32[B, K] and
+    valid bool[B, K] (a page exists and the position is ``< seq_lens``)."""
+    page, off = _page_of(block_tables, topk_indices, page_size)
+    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
+    return jnp.maximum(page, 0), off, valid
+
+
+def _sparse_attend(q_latent, q_rope, rows, valid, scale):
+    """q_latent [B, H, R], q_rope [B, H, r], rows f32[B, K, R+r], valid bool[B, K] -> [B, H, R] in q_latent's
+    dtype (float32 math); no visible key -> 0."""
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
     rows = jnp.where(valid[..., None], rows, 0.0)
     s = jnp.einsum("bhd,bkd->bhk", q, rows) * scale
     p, _ = masked_softmax(s, valid[:, None, :])
-    return jnp.einsum("bhk,bkr->bhr", p, rows[..., :rank])
+    return jnp.einsum("bhk,bkr->bhr", p, rows[..., :q_latent.shape[-1]]).astype(q_latent.dtype)
 
 
 def _check_scale(scale) -> None:
@@ -211,12 +221,8 @@ def sparse_mla_decode_reference(
     scale: float,
 ) -> jax.Array:  # [B, H, R] in q_latent's dtype
     """Float32 oracle of :func:`sparse_mla_decode`."""
-    rank = q_latent.shape[-1]
-    page, off = _page_of(block_tables, topk_indices, latent_pages.shape[1])
-    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
-    rows = latent_pages[jnp.maximum(page, 0), off].astype(jnp.float32)  # [B, K, R+r]
-    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
-    return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
+    page, off, valid = _selected(block_tables, seq_lens, topk_indices, latent_pages.shape[1])
+    return _sparse_attend(q_latent, q_rope, latent_pages[page, off].astype(jnp.float32), valid, scale)
 
 
 def sparse_mla_decode(
@@ -257,14 +263,10 @@ def sparse_mla_decode_fp8_reference(
     scale: float,
 ) -> jax.Array:  # [B, H, R] in q_latent's dtype
     """Float32 oracle of :func:`sparse_mla_decode_fp8` (arguments already validated)."""
-    rank = q_latent.shape[-1]
-    page, off = _page_of(block_tables, topk_indices, key.shape[1])
-    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
-    pg = jnp.maximum(page, 0)
-    rows = jnp.concatenate([dequantize_fp8_blockwise(key[pg, off], key_scale[pg, off]),
-                            key_rope[pg, off].astype(jnp.float32)], axis=-1)
-    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
-    return _sparse_attend(q, rows, valid, rank, scale).astype(q_latent.dtype)
+    page, off, valid = _selected(block_tables, seq_lens, topk_indices, key.shape[1])
+    rows = jnp.concatenate([dequantize_fp8_blockwise(key[page, off], key_scale[page, off]),
+                            key_rope[page, off].astype(jnp.float32)], axis=-1)  # f32[B, K, R+r]
+    return _sparse_attend(q_latent, q_rope, rows, valid, scale)
 
 
 def sparse_mla_decode_fp8(

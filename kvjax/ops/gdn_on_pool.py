@@ -53,50 +53,44 @@ GATED_DECODE_OP = "gated_delta_decode_pool"
 
 
 # ---------------------------------------------------------------------------------------------- references
-def _pool_reference(op_reference, q, k, v, g, beta, ssm, *, layer, slot_ids, has_initial_state, cu_seqlens,
-                    scale, use_qk_l2norm):
-    num_slots = ssm.shape[1]
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-    live = live_slots(slot_ids, num_slots)
-    idx = slot_index(slot_ids, num_slots)  # out of range: read as zeros, writes dropped
-    read = live if has_initial_state is None else live & has_initial_state
-    init = jnp.where(read[:, None, None, None], ssm.at[layer, idx].get(mode="fill", fill_value=0.0), 0.0)
-    o, final = op_reference(
-        q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=init, scale=scale, use_qk_l2norm=use_qk_l2norm
-    )
-    t = jnp.arange(q.shape[0], dtype=jnp.int32)
-    row = count_le(cu_seqlens, t) - 1
-    in_batch = (row >= 0) & (row < slot_ids.shape[0])
-    row_live = in_batch & live[jnp.clip(row, 0, slot_ids.shape[0] - 1)]
-    o = jnp.where(row_live[:, None, None], o, jnp.zeros_like(o))
-    return o, ssm.at[layer, idx].set(final, mode="drop")
+def _pool_reference(op_reference, name: str):
+    """The oracle of a pool op named ``name``: gather the initial states, run ``op_reference`` (a reference of
+    :mod:`kvjax.ops.gdn`), scatter the final states."""
+
+    def reference(
+        q: jax.Array,  # [T, Hk, K]
+        k: jax.Array,  # [T, Hk, K]
+        v: jax.Array,  # [T, Hv, V]
+        g: jax.Array,  # f32[T, Hv] log-decay
+        beta: jax.Array,  # [T, Hv]
+        ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+        *, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,  # the normalised call
+    ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+        num_slots = ssm.shape[1]
+        if cu_seqlens is None:
+            cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+        live = live_slots(slot_ids, num_slots)
+        idx = slot_index(slot_ids, num_slots)  # out of range: read as zeros, writes dropped
+        read = live if has_initial_state is None else live & has_initial_state
+        init = jnp.where(read[:, None, None, None], ssm.at[layer, idx].get(mode="fill", fill_value=0.0), 0.0)
+        o, final = op_reference(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=init, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
+        t = jnp.arange(q.shape[0], dtype=jnp.int32)
+        row = count_le(cu_seqlens, t) - 1
+        in_batch = (row >= 0) & (row < slot_ids.shape[0])
+        row_live = in_batch & live[jnp.clip(row, 0, slot_ids.shape[0] - 1)]
+        o = jnp.where(row_live[:, None, None], o, jnp.zeros_like(o))
+        return o, ssm.at[layer, idx].set(final, mode="drop")
+
+    reference.__name__ = reference.__qualname__ = name
+    reference.__doc__ = (f"Oracle: gather the initial states, run ``{op_reference.__name__}``, scatter the final "
+                         "ones.")
+    return reference
 
 
-def gdn_prefill_pool_reference(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay
-    beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    **kw,  # layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm (the normalised call)
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
-    """Oracle: gather the initial states, run ``chunk_gated_delta_rule_reference``, scatter the final ones."""
-    return _pool_reference(gdn.chunk_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
-
-
-def gdn_decode_pool_reference(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay
-    beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    **kw,  # layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm (the normalised call)
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
-    """Oracle: gather the initial states, run ``recurrent_gated_delta_rule_reference``, scatter the final ones."""
-    return _pool_reference(gdn.recurrent_gated_delta_rule_reference, q, k, v, g, beta, ssm, **kw)
+gdn_prefill_pool_reference = _pool_reference(gdn.chunk_gated_delta_rule_reference, "gdn_prefill_pool_reference")
+gdn_decode_pool_reference = _pool_reference(gdn.recurrent_gated_delta_rule_reference, "gdn_decode_pool_reference")
 
 
 # ---------------------------------------------------------------------------------------------- public ops
