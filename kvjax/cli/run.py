@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
+from kvjax.config import KV_CACHE_DTYPES, AttentionConfig, CacheConfig, GDNConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import UsageError
 from kvjax.cli import compile_cache
@@ -67,7 +67,7 @@ from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_
 from kvjax.cli.output import provenance, write_json
 from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
                                   start_processes, wall_rate)
-from kvjax.sched.workload import cache_for, check_servable, seed_footprint, seed_workload
+from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_footprint, seed_workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,7 @@ class Preset:
     row_buckets: tuple[int, ...] | None
     needs_gpu: bool = False  # refused where JAX sees no GPU (unless --force)
     device_init: bool = False  # random weights drawn by a jitted call on the devices (sharded over a mesh)
+    kv_cache_dtype: str = "auto"  # K/V pages: "auto" (dtype) or "fp8" (fp8 pages, the same page memory)
 
 
 _G, _A = "linear_attention", "full_attention"
@@ -265,6 +266,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
+                    kv_cache_dtype=p.kv_cache_dtype,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
                     block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
                     decode_burst=decode_burst)
@@ -390,6 +392,9 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--memory-requests", type=number_in(0, low_open=True),
                     help="override the preset's page memory, in full-length requests without recycling "
                          f"({_per_preset('memory_requests')})")
+    ap.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES),
+                    help="K/V pages: auto (the preset's dtype) or fp8 / fp8_e4m3 (fp8 pages with one f32 scale each, "
+                         "Engine(kv_cache_dtype=)) in the same page memory, so about twice the pages (default: auto)")
     ap.add_argument("--seed", type=int_at_least(0, 2**31 - 1), default=0, help="seed of the weights and workload")
     ap.add_argument("--repeats", type=int_at_least(1, 100), default=3,
                     help="serve the workload this many times per policy (one compilation) and report the median "
@@ -447,12 +452,16 @@ def main(argv: list[str]) -> int:
             check_plot_path(args.plot)
         overrides = {k: v for k, v in (("requests", args.requests), ("scale", args.scale),
                                        ("swa_fraction", args.swa_fraction),
-                                       ("memory_requests", args.memory_requests)) if v is not None}
+                                       ("memory_requests", args.memory_requests),
+                                       ("kv_cache_dtype", args.kv_cache_dtype)) if v is not None}
         p = dataclasses.replace(PRESETS[args.preset], **overrides)
         check_sizes(p)
         workload = seed_workload(p.requests, scale=p.scale, vocab=p.vocab, seed=args.seed)
         cache = cache_for(workload, num_kv_heads=p.kv_heads, page_size=p.page_size,
                           full_requests=p.memory_requests, max_seqs=p.max_seqs)
+        size = jnp.dtype(p.dtype).itemsize
+        cache = same_memory(cache, kv_page_bytes(p.page_size, p.head_dim, dtype_bytes=size),
+                            kv_page_bytes(p.page_size, p.head_dim, p.kv_cache_dtype, dtype_bytes=size))
         for recycle in RECYCLES:  # the engine's scheduler: shared pool, the preset's token budget
             check_servable(workload, cache, attention_layout(p), max_num_batched_tokens=p.max_tokens,
                            pool="shared", recycle=recycle)
@@ -472,7 +481,8 @@ def main(argv: list[str]) -> int:
           f"{p.kv_heads} KV heads of which {round(p.swa_fraction * p.kv_heads)} SWA (window {p.window}, sinks "
           f"{p.sinks}), {p.dtype}", file=out)
     print(f"# {p.requests} requests, prompt {np.mean(prompt_lens):.0f} / output {np.mean(out_lens):.0f} tokens "
-          f"on average; {cache.num_pages} pages of {p.page_size} tokens per layer ({p.memory_requests:g} full "
+          f"on average; {cache.num_pages} {'' if p.kv_cache_dtype == 'auto' else 'fp8 '}pages of {p.page_size} "
+          f"tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
           f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst}; "
           f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
