@@ -106,3 +106,28 @@ def test_greedy_tokens_over_fp8_pages_agree_with_the_oracle():
         same += sum(int(a == b) for g, w in zip(got, want) for a, b in zip(g, w))
         total += sum(len(w) for w in want)
     assert same / total >= TOKEN_SHARE, (same, total)
+
+
+def test_run_flag_keeps_the_page_memory(monkeypatch, capsys):
+    """``kvjax run --kv-cache-dtype fp8``: the engines get ``kv_cache_dtype="fp8"`` and as many fp8 pages as the
+    preset's page memory holds (f32 pages on the cpu preset: 4 bytes a value against 1 plus a scale per page)."""
+    import kvjax.cli.run as cli_run
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(model, workload, cache, p, recycle, **kw):
+        seen[p.kv_cache_dtype] = cache.num_pages
+        raise Stop
+
+    monkeypatch.setattr(cli_run, "build_model", lambda *a, **k: None)
+    monkeypatch.setattr(cli_run, "run_policy", record)
+    for flag in ([], ["--kv-cache-dtype", "fp8"]):
+        with pytest.raises(Stop):
+            cli_run.main(["--requests", "2", "--repeats", "1", "--no-compile-cache"] + flag)
+    p = cli_run.PRESETS["cpu"]
+    assert seen["fp8"] == seen["auto"] * (2 * p.page_size * p.head_dim * 4) // (2 * (p.page_size * p.head_dim + 4))
+    assert cli_run.main(["--kv-cache-dtype", "fp8_e5m2"]) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err
