@@ -152,8 +152,7 @@ class BackendTable:
         Raises :class:`UnknownImplError` for an unknown name, or a named backend that cannot run here or cannot
         take this call (the message says why).
         """
-        if not isinstance(impl, str):
-            raise UnknownImplError(f"{self.op}: impl must be a string, got {impl!r}")
+        named = self._named(impl)
         if impl == "reference":
             return "reference", self.reference
         device = device or current_device()
@@ -162,15 +161,7 @@ class BackendTable:
                 if b.reason(device, args, kwargs) is None:
                     return b.name, _bind(b, interpret=False)
             return "reference", self.reference
-        name, _, mode = impl.partition(":")
-        if impl == "interpret":
-            name, mode = PRIMARY, "interpret"
-        if mode not in ("", "interpret"):
-            raise UnknownImplError(f"{self.op}: impl {impl!r} is not 'NAME' or 'NAME:interpret'")
-        b = self.backend(name)
-        interpret = mode == "interpret"
-        if interpret and not b.interpretable:
-            raise UnknownImplError(f"{self.op}: backend {name!r} has no interpret mode")
+        b, interpret = named
         why = b.shape_reason(args, kwargs) if interpret else b.reason(device, args, kwargs)
         if why is not None:
             raise UnknownImplError(f"{self.op}: impl={impl!r} cannot take this call: {why}")
@@ -178,10 +169,15 @@ class BackendTable:
 
     def validate_impl(self, impl: str) -> None:
         """Reject an impl name that can never resolve (before any tracing); shape checks happen at call time."""
+        self._named(impl)
+
+    def _named(self, impl: str) -> tuple[Backend, bool] | None:
+        """``(backend, interpret)`` that ``impl`` names (``None`` for ``"auto"`` / ``"reference"``);
+        :class:`UnknownImplError` for a name that can never resolve."""
         if not isinstance(impl, str):
             raise UnknownImplError(f"{self.op}: impl must be a string, got {impl!r}")
         if impl in ("auto", "reference"):
-            return
+            return None
         name, _, mode = impl.partition(":")
         if impl == "interpret":
             name, mode = PRIMARY, "interpret"
@@ -190,6 +186,7 @@ class BackendTable:
         b = self.backend(name)
         if mode == "interpret" and not b.interpretable:
             raise UnknownImplError(f"{self.op}: backend {name!r} has no interpret mode")
+        return b, mode == "interpret"
 
     def __call__(self, impl: str, *args, **kwargs):
         """Run the normalised call with the implementation :meth:`choose` picks for ``impl``."""
