@@ -9,7 +9,8 @@ step time — the host time the device waited for, see :mod:`kvjax.engine.metric
 generated identical tokens (greedy). The engine overlaps planning step N+1 with step N on the device
 (``--no-overlap``: the synchronous engine); ``--decode-burst K`` lets it run up to ``K`` decode steps per dispatch
 (:mod:`kvjax.engine.burst`). ``--prefix-caching`` adds both policies with prefix caching
-(``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens.
+(``keep_tail``, ``max_seqs`` GDN checkpoints beside the same pages); all runs must give identical tokens;
+``--host-cache-gb G`` one more, ``timely+prefix+host``, whose prefix cache spills to a host tier of ``G`` GB.
 
 ``--mesh DATAxMODEL`` (or ``--devices N`` = ``--mesh Nx1``) runs the engine on a ``("data", "model")`` mesh
 (``Engine(mesh=...)``; on CPU, JAX is asked for that many host devices, at most 64): each data shard has the preset's
@@ -255,7 +256,8 @@ def burst_arg(text: str) -> int | str:
 
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
                overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
-               decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None, before_repeat=None):
+               decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None, before_repeat=None,
+               host_cache_bytes: int = 0):
     """Serve ``workload`` with one recycle policy ``repeats`` times on one engine (compiled during the first);
     returns (outputs, summary dict, per-step columns). The summary is the last repeat's
     :meth:`EngineMetrics.summary` with ``generated_tokens_per_s`` the median over the repeats,
@@ -269,7 +271,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
                     kv_cache_dtype=p.kv_cache_dtype,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
                     block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
-                    decode_burst=decode_burst)
+                    decode_burst=decode_burst, host_cache_bytes=host_cache_bytes)
     name = name or recycle
     runs, first = [], None
     for r in range(repeats):
@@ -303,14 +305,14 @@ def format_table(results: dict[str, dict], per_device: bool = False) -> str:
     """Fixed-width table, one line per policy, of ``{policy: run_policy summary}``: tokens/s is the median over the
     repeats, with their range beside it. ``per_device`` (a mesh): also tokens/s per device and the range over
     the devices of each one's peak page use (fraction of its pool; ``-`` where the engine did not record it)."""
-    head = (f"{'recycle':15} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
+    head = (f"{'recycle':18} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
             f"{'run peak':>8} {'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}"
             + (f" {'tok/s/dev':>9} {'dev util peak':>13}" if per_device else ""))
     lines = [head, "-" * len(head)]
     for name, s in results.items():
         rates = s.get("generated_tokens_per_s_repeats") or [s["generated_tokens_per_s"]]
         spread = f"{min(rates):.1f}-{max(rates):.1f}"
-        lines.append(f"{name:15} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
+        lines.append(f"{name:18} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
                      f"{s['steps']:6d} {s['running_mean']:8.2f} {s['running_peak']:8d} {s['preemptions']:7d} "
                      f"{s['page_util_mean']:9.3f} {s['page_util_peak']:9.3f} {100 * s['host_share']:6.1f} "
                      f"{s['compile_time_s']:9.1f}" + (_device_columns(s) if per_device else ""))
@@ -410,6 +412,9 @@ def build_parser() -> ArgumentParser:
                          "4096 tokens or more")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="also run both policies with prefix caching (keep_tail)")
+    ap.add_argument("--host-cache-gb", type=number_in(0, low_open=True), default=None,
+                    help="with --prefix-caching: one more run, timely with prefix caching and a host tier of this "
+                         "many GB (evicted blocks and GDN checkpoints spill to host memory; one device only)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device; --no-overlap: the synchronous engine")
     ap.add_argument("--decode-burst", metavar="K", type=burst_arg, default="auto",
@@ -441,6 +446,8 @@ def main(argv: list[str]) -> int:
     try:  # every check before any work: a bad value exits 2 with one line
         args = ap.parse_args(argv)
         spec = mesh_spec(args)
+        if args.host_cache_gb is not None and (not args.prefix_caching or spec is not None):
+            raise UsageError("--host-cache-gb needs --prefix-caching and one device (no --mesh / --devices)")
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)
@@ -490,15 +497,19 @@ def main(argv: list[str]) -> int:
           + ("" if processes == 1 else f"; {processes} processes"), file=out)
     outputs, results, columns = {}, {}, {}
     runs = [(r, False) for r in RECYCLES] + ([(r, True) for r in RECYCLES] if args.prefix_caching else [])
-    for recycle, cached in runs:
-        name = recycle + ("+prefix" if cached else "")
+    host_bytes = 0 if args.host_cache_gb is None else int(args.host_cache_gb * 1e9)
+    runs += [("timely", True)] if host_bytes else []
+    for k, (recycle, cached) in enumerate(runs):
+        host = host_bytes if k == len(runs) - 1 and host_bytes else 0
+        name = recycle + ("+prefix" if cached else "") + ("+host" if host else "")
         outputs[name], results[name], columns[name] = run_policy(model, served, cache, p, recycle,
                                                                  progress=args.progress if leader else False,
                                                                  overlap=args.overlap,
                                                                  prefix_caching=cached, mesh=mesh,
                                                                  decode_burst=args.decode_burst,
                                                                  before_repeat=barrier if per_process else None,
-                                                                 repeats=args.repeats, name=name)
+                                                                 repeats=args.repeats, name=name,
+                                                                 host_cache_bytes=host)
     if per_process:  # every request's tokens and the processes' figures, in every process
         outputs = {k: gather_outputs(v, len(workload), processes) for k, v in outputs.items()}
         results = {k: combine(v, args.repeats) for k, v in results.items()}
