@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -30,6 +29,8 @@ import kvjax.cli.run as cli_run
 from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
 from kvjax.sched.blocks import BlockAllocator
+
+from helpers.procs import free_port, run_processes
 
 INNER = os.environ.get("KVJAX_SCALE_OUT_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_tp_preset_on_8_cpu_devices")
@@ -198,12 +199,6 @@ def test_tiny_tp_model_on_meshes_equals_one_device():
 # ---------------------------------------------------------------------------------------------- two processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mesh", [[], ["--devices", "2"]], ids=["one engine per process", "one mesh"])
 def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
     """Two processes give one process's tokens: each with its own engine on its share of the requests (data
@@ -212,22 +207,14 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
         pytest.skip("runs in the main test process")
     run = [sys.executable, "-m", "kvjax", "run", "--requests", "3", "--scale", "0.01", "--repeats", "2",
            "--no-compile-cache"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    port = _free_port()
-    procs = [subprocess.Popen(run + mesh + ["--coordinator", f"localhost:{port}", "--num-processes", "2",
-                                            "--process-id", str(i), "--json", str(tmp_path / f"{i}.json")],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    port = free_port()
+    logs = run_processes([run + mesh + ["--coordinator", f"localhost:{port}", "--num-processes", "2",
+                                        "--process-id", str(i), "--json", str(tmp_path / f"{i}.json")]
+                          for i in range(2)], cwd=REPO)
     assert "recycle" in logs[0] and "recycle" not in logs[1]  # only process 0 prints the table
     assert not (tmp_path / "1.json").exists()  # ... and writes the JSON
     two = json.loads((tmp_path / "0.json").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = subprocess.run(run + ["--json", "-"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     one = json.loads(r.stdout)

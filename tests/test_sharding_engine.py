@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -31,6 +30,7 @@ from kvjax.errors import InvalidPlanError
 from kvjax.sched.blocks import BlockAllocator
 from helpers.engine import step_events
 from helpers.models import MESH_FAMILIES, VOCAB, mesh_qwen_model
+from helpers.procs import free_port, run_processes
 
 INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")
@@ -253,12 +253,6 @@ def test_engine_matrix_equals_the_synchronous_engine(family):
 # ---------------------------------------------------------------------------------------------- two processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _worker(process_id: int, port: int, out: str) -> None:
     """One of two processes (2 CPU devices each) serving the scenario on a global 2x2 mesh."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -275,18 +269,9 @@ def _worker(process_id: int, port: int, out: str) -> None:
 def test_two_processes_equal_one_process(tmp_path):
     if INNER:
         pytest.skip("runs in the main test process")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / f"{i}.json")],
-                              env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    port = free_port()
+    run_processes([[sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / f"{i}.json")]
+                   for i in range(2)], cwd=HERE)
     want = _scenario(Engine(mesh_qwen_model(), _cache(PAGES["qwen3_5"]), recycle="timely", **ENGINE_ARGS), _prompts(VOCAB),
                      (1.0,))
     for i in range(2):
