@@ -116,10 +116,8 @@ def combine(summary: dict, repeats: int) -> dict:
     out = dict(summary)
     for j, k in enumerate(keys):
         col = every[:, j]
-        out[k] = float(col.sum() if k in SUMMED else col.max() if k in MAXED else col.mean())
-        if k in ("generated_tokens", "computed_tokens", "prefill_tokens", "running_peak", "preemptions", "steps",
-                 "sub_steps", "prefix_hit_tokens"):
-            out[k] = int(round(out[k]))
+        value = float(col.sum() if k in SUMMED else col.max() if k in MAXED else col.mean())
+        out[k] = int(round(value)) if isinstance(summary.get(k), int) else value  # counts stay ints
     walls = every[:, n: n + repeats].max(0)  # f64[repeats]: the slowest process of each repeat
     rates = every[:, n + repeats:].sum(0)  # f64[repeats]: the processes' rates, summed
     out["wall_s"] = walls.tolist()

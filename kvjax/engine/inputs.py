@@ -118,9 +118,7 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     if longest > burst:
         raise ValueError(f"a decode burst of up to {longest} sub-steps needs burst >= that; got burst={burst}")
 
-    B = plans[0].seq_lens.shape[0]
-
-    D = len(plans)
+    B, D = plans[0].seq_lens.shape[0], len(plans)
 
     def stack(arrays: list) -> np.ndarray:  # [D, ...]; one shard: its array as it is (no D axis, no copy)
         return np.asarray(arrays[0]) if D == 1 else np.stack(arrays)
