@@ -41,8 +41,8 @@ recompile).
 
 from __future__ import annotations
 
-import functools
 import numbers
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,28 +102,42 @@ def _initial_or_zeros(initial_state, num_seqs: int, hv: int, kd: int, vd: int):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
-def recurrent_gated_delta_rule_reference(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]; None = zeros
-    scale: float,
-    use_qk_l2norm: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, final state f32[N, Hv, K, V])
+def _reference(scan: Callable, name: str) -> Callable:
+    """A float32 reference of the ops' call form (module docstring) around ``scan(q, k, v, g, beta, cu_seqlens,
+    init) -> (o f32[T, Hv, V], final f32[N, Hv, K, V])``, which gets q / k prepared (:func:`_prepare_qk`: f32,
+    optional l2norm, q scaled, expanded to the value heads), v / g / beta in f32 and the initial states (zeros
+    for ``None``). Jitted with ``use_qk_l2norm`` static; the docstring is ``scan``'s."""
+
+    def reference(
+        q: jax.Array,  # [T, Hk, K]
+        k: jax.Array,  # [T, Hk, K]
+        v: jax.Array,  # [T, Hv, V]
+        g: jax.Array,  # f32[T, Hv] log-decay
+        beta: jax.Array,  # [T, Hv]
+        *,
+        cu_seqlens: jax.Array,  # i32[N+1]
+        initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]; None = zeros
+        scale: float,
+        use_qk_l2norm: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, final state f32[N, Hv, K, V])
+        hv, vd = v.shape[1:]
+        cu_seqlens = jnp.asarray(cu_seqlens)
+        init = _initial_or_zeros(initial_state, cu_seqlens.shape[0] - 1, hv, k.shape[-1], vd)
+        q, k = _prepare_qk(q, k, hv, scale, use_qk_l2norm)  # f32[T, Hv, K]
+        f32 = (x.astype(jnp.float32) for x in (v, g, beta))
+        o, final = scan(q, k, *f32, cu_seqlens, init)
+        return o.astype(v.dtype), final
+
+    reference.__name__ = reference.__qualname__ = name
+    reference.__doc__ = scan.__doc__
+    return jax.jit(reference, static_argnames=("use_qk_l2norm",))
+
+
+def _recurrent_scan(q, k, v, g, beta, cu_seqlens, init):
     """Stepwise gated delta rule over a ragged batch (see the module docstring for the contract)."""
-    num_tokens, hv, vd = v.shape
-    kd = k.shape[-1]
-    cu_seqlens = jnp.asarray(cu_seqlens)
-    num_seqs = cu_seqlens.shape[0] - 1
-    q, k = _prepare_qk(q, k, hv, scale, use_qk_l2norm)  # f32[T, Hv, K]
-    seq, pos, valid = _token_sequences(cu_seqlens, num_tokens)
+    num_seqs = init.shape[0]
+    seq, pos, valid = _token_sequences(cu_seqlens, v.shape[0])
     is_last = valid & (pos == cu_seqlens[seq + 1] - cu_seqlens[seq] - 1)
-    init = _initial_or_zeros(initial_state, num_seqs, hv, kd, vd)  # f32[N, Hv, K, V]
 
     def step(carry, xs):
         state, final = carry  # f32[Hv, K, V], f32[N, Hv, K, V]
@@ -136,9 +150,12 @@ def recurrent_gated_delta_rule_reference(
         final = final.at[jnp.where(last, n, num_seqs)].set(s, mode="drop")
         return (jnp.where(ok, s, state), final), o_t
 
-    xs = (q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), seq, pos, valid, is_last)
-    (_, final), o = lax.scan(step, (jnp.zeros((hv, kd, vd), jnp.float32), init), xs)
-    return o.astype(v.dtype), final
+    xs = (q, k, v, g, beta, seq, pos, valid, is_last)
+    (_, final), o = lax.scan(step, (jnp.zeros(init.shape[1:], jnp.float32), init), xs)
+    return o, final
+
+
+recurrent_gated_delta_rule_reference = _reference(_recurrent_scan, "recurrent_gated_delta_rule_reference")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -185,19 +202,7 @@ def _solve_unit_lower(lower, rhs):
     return lax.fori_loop(0, rhs.shape[-2], row, jnp.zeros_like(rhs))
 
 
-@functools.partial(jax.jit, static_argnames=("use_qk_l2norm",))
-def chunk_gated_delta_rule_reference(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]; None = zeros
-    scale: float,
-    use_qk_l2norm: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, final state f32[N, Hv, K, V])
+def _chunk_scan(q, k, v, g, beta, cu_seqlens, init):
     """Chunked (WY/UT-form) gated delta rule over a ragged batch (see the module docstring for the contract).
 
     Phase 1, all chunks at once: within a chunk (positions ``i, j``; ``G = cumsum(g)``), with
@@ -208,16 +213,13 @@ def chunk_gated_delta_rule_reference(
         V' = U - W S;   O = exp(G) q S + (q k^T * D) V';   S = exp(G_last) S + (exp(G_last - G) k)^T V'
     """
     num_tokens, hv, vd = v.shape
-    kd = k.shape[-1]
-    cu_seqlens = jnp.asarray(cu_seqlens)
-    num_seqs = cu_seqlens.shape[0] - 1
+    num_seqs = init.shape[0]
     c = CHUNK_SIZE
-    q, k = _prepare_qk(q, k, hv, scale, use_qk_l2norm)  # f32[T, Hv, K]
     dest, num_chunks, c_seq, first, last = _chunk_layout(cu_seqlens, num_tokens, c)
 
     # [C, Hv, c, ...]; padding rows are zero (k = v = beta = g = 0), so they neither read nor change S.
-    qc, kc, vc = (_to_chunks(x, dest, num_chunks, c).transpose(0, 2, 1, 3) for x in (q, k, v.astype(jnp.float32)))
-    gc, bc = (_to_chunks(x.astype(jnp.float32), dest, num_chunks, c).transpose(0, 2, 1) for x in (g, beta))
+    qc, kc, vc = (_to_chunks(x, dest, num_chunks, c).transpose(0, 2, 1, 3) for x in (q, k, v))
+    gc, bc = (_to_chunks(x, dest, num_chunks, c).transpose(0, 2, 1) for x in (g, beta))
 
     g_cum = jnp.cumsum(gc, axis=-1)  # f32[C, Hv, c]
     causal = jnp.tril(jnp.ones((c, c), bool))
@@ -232,8 +234,6 @@ def chunk_gated_delta_rule_reference(
     k_dec = kc * jnp.exp(g_cum[..., -1:] - g_cum)[..., None]
     chunk_decay = jnp.exp(g_cum[..., -1])[..., None, None]  # f32[C, Hv, 1, 1]
 
-    init = _initial_or_zeros(initial_state, num_seqs, hv, kd, vd)
-
     def step(carry, xs):
         state, final = carry  # f32[Hv, K, V], f32[N, Hv, K, V]
         u_c, w_c, attn_c, q_c, k_c, decay_c, n, is_first, is_last = xs
@@ -245,14 +245,16 @@ def chunk_gated_delta_rule_reference(
         return (s, final), o_c
 
     xs = (u, w, attn, q_dec, k_dec, chunk_decay, c_seq, first, last)
-    (_, final), oc = lax.scan(step, (jnp.zeros((hv, kd, vd), jnp.float32), init), xs)
+    (_, final), oc = lax.scan(step, (jnp.zeros(init.shape[1:], jnp.float32), init), xs)
     o_packed = oc.transpose(0, 2, 1, 3).reshape(num_chunks * c, hv, vd)
-    o = o_packed.at[dest].get(mode="fill", fill_value=0.0)
-    return o.astype(v.dtype), final
+    return o_packed.at[dest].get(mode="fill", fill_value=0.0), final
+
+
+chunk_gated_delta_rule_reference = _reference(_chunk_scan, "chunk_gated_delta_rule_reference")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Public ops: host validation, then the backend table.
+# Host validation of the ops' arguments.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -302,56 +304,6 @@ def validate_gdn_args(
     return float(scale)
 
 
-def _run(table: BackendTable, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl):
-    scale = validate_gdn_args(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
-    args = (q, k, v, g, beta)
-    kwargs = dict(cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
-    return table.choose(impl, args, kwargs)[1](*args, **kwargs)
-
-
-def chunk_gated_delta_rule(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay (<= 0)
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """Gated delta rule over a ragged batch, chunked form (prefill).
-
-    Returns ``(o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])``; see the module docstring for the
-    semantics and the kernel contract. ``scale`` defaults to ``K ** -0.5``. Raises ``ValueError`` naming the
-    offending argument (ranks, dtypes, head counts, ``cu_seqlens`` int32) and ``UnknownImplError`` for an
-    ``impl`` that is not available here.
-    """
-    return _run(CHUNK_TABLE, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
-
-
-def recurrent_gated_delta_rule(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay (<= 0)
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """Gated delta rule over a ragged batch, stepwise form (decode, verification).
-
-    Same arguments, results and errors as :func:`chunk_gated_delta_rule`.
-    """
-    return _run(RECURRENT_TABLE, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Backend tables.
 # ----------------------------------------------------------------------------------------------------------
@@ -395,3 +347,50 @@ RECURRENT_TABLE = BackendTable(
         "decode N=8 H=8 K=V=96": lambda: example_call(8, 8, 8, kd=96, vd=96),
     },
 )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public ops: host validation, then the backend table.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _op(table: BackendTable, doc: str) -> Callable:
+    """The public op of ``table``: :func:`validate_gdn_args`, then the backend ``impl`` names (one call form)."""
+
+    def op(
+        q: jax.Array,  # [T, Hk, K]
+        k: jax.Array,  # [T, Hk, K]
+        v: jax.Array,  # [T, Hv, V]
+        g: jax.Array,  # f32[T, Hv] log-decay (<= 0)
+        beta: jax.Array,  # [T, Hv]
+        *,
+        cu_seqlens: jax.Array,  # i32[N+1]
+        initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]
+        scale: float | None = None,
+        use_qk_l2norm: bool = False,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, jax.Array]:
+        scale = validate_gdn_args(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
+        args = (q, k, v, g, beta)
+        kwargs = dict(cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale,
+                      use_qk_l2norm=bool(use_qk_l2norm))
+        return table.choose(impl, args, kwargs)[1](*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = table.op
+    op.__doc__ = doc
+    return op
+
+
+chunk_gated_delta_rule = _op(CHUNK_TABLE, """Gated delta rule over a ragged batch, chunked form (prefill).
+
+    Returns ``(o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])``; see the module docstring for the
+    semantics and the kernel contract. ``scale`` defaults to ``K ** -0.5``. Raises ``ValueError`` naming the
+    offending argument (ranks, dtypes, head counts, ``cu_seqlens`` int32) and ``UnknownImplError`` for an
+    ``impl`` that is not available here.
+    """)
+
+recurrent_gated_delta_rule = _op(RECURRENT_TABLE, """Gated delta rule over a ragged batch, stepwise form (decode,
+    verification).
+
+    Same arguments, results and errors as :func:`chunk_gated_delta_rule`.
+    """)
