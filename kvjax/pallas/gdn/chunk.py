@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as plt
 from kvjax.base.device import is_pow2, next_pow2
 from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
-                                     head_cols, load, run_on_initial_state, run_on_slot_pool, store, tile_mask)
+                                     head_cols, load, on_initial_state, on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import prepare
 
 CHUNK = 64
@@ -476,45 +476,11 @@ def chunk_gated_delta_rule_pool(
     return o[:num_tokens], pool
 
 
-def chunk_gated_delta_rule_pallas(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Kernel of ``kvjax.ops.chunk_gated_delta_rule`` (backend ``"pallas"``): ``(o: [T, Hv, V], final: f32[N,
-    Hv, K, V])``."""
-    return run_on_initial_state(chunk_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens,
-                                initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                interpret=interpret)
+chunk_gated_delta_rule_pallas = on_initial_state(
+    chunk_gated_delta_rule_pool,
+    """Kernel of ``kvjax.ops.chunk_gated_delta_rule`` (backend ``"pallas"``): ``(o: [T, Hv, V], final: f32[N, Hv,
+    K, V])``.""")
 
-
-def gdn_prefill_pool_pallas(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]
-    has_initial_state: jax.Array,  # bool[N]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
-    """Backend ``"pallas"`` of ``gdn_prefill_pool``: the chunked kernels on the flattened slot pool."""
-    return run_on_slot_pool(
-        chunk_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        interpret=interpret,
-    )
+gdn_prefill_pool_pallas = on_slot_pool(
+    chunk_gated_delta_rule_pool,
+    """Backend ``"pallas"`` of ``gdn_prefill_pool``: the chunked kernels on the flattened slot pool.""")

@@ -4,8 +4,8 @@ The chunked and recurrent kernels read and write states in a *pool* ``f32[R, Hv,
 ``rows[n]``, with per-row ``flags[n]``: bit 0 (:data:`FLAG_HAS_INITIAL`) = read the initial state (else start
 from zeros), bit 1 (:data:`FLAG_LIVE`) = the row is live (else it is padding: nothing read, computed or
 written, and its tokens' outputs are zero). For the public ops the pool is ``initial_state``
-(:func:`state_as_pool`); for the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` it is the flattened
-``[L * (S + 1)]`` slots (:func:`run_on_slot_pool`).
+(:func:`state_as_pool`, :func:`on_initial_state`); for the slot-addressed GDN pool ``f32[L, S+1, Hv, K, V]`` it
+is the flattened ``[L * (S + 1)]`` slots (:func:`on_slot_pool`).
 
 Head dims. Triton blocks are powers of two; a kernel takes any K and V (like fla's) by loading a head dim as a
 block of ``next_pow2(K)`` lanes (:func:`head_cols`) or value columns in blocks that may overrun V
@@ -95,25 +95,31 @@ def store(ref, idx: tuple, value: jax.Array, mask: jax.Array | None, **kwargs) -
         plt.store(ref.at[idx], value, mask=mask, **kwargs)
 
 
-def run_on_initial_state(
-    kernel: Callable,  # a pool kernel: (q, k, v, g, beta, pool, *, cu_seqlens, rows, flags, scale, ...)
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
-    """Run a pool kernel for the public ops' call form (``initial_state`` or ``None`` = zeros;
-    :func:`state_as_pool`): the final states are the pool it returns."""
-    pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
-    return kernel(q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
-                  use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+def on_initial_state(pool_kernel: Callable, doc: str) -> Callable:
+    """The backend-table entry of a public gated-delta-rule op (``kvjax.ops.gdn``'s call form, ``initial_state``
+    or ``None`` = zeros) running ``pool_kernel`` (``(q, k, v, g, beta, pool, *, cu_seqlens, rows, flags, scale,
+    use_qk_l2norm, interpret)``) on :func:`state_as_pool`'s pool: the final states are the pool it returns."""
+
+    def entry(
+        q: jax.Array,  # [T, Hk, K]
+        k: jax.Array,  # [T, Hk, K]
+        v: jax.Array,  # [T, Hv, V]
+        g: jax.Array,  # f32[T, Hv]
+        beta: jax.Array,  # [T, Hv]
+        *,
+        cu_seqlens: jax.Array,  # i32[N+1]
+        initial_state: jax.Array | None,  # f32[N, Hv, K, V]
+        scale: float,
+        use_qk_l2norm: bool,
+        interpret: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
+        pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2],
+                                          v.shape[2])
+        return pool_kernel(q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
+                           use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+
+    entry.__doc__ = doc
+    return entry
 
 
 def state_as_pool(
@@ -151,29 +157,36 @@ def slot_rows_and_flags(
     return rows.astype(jnp.int32), flags.astype(jnp.int32)
 
 
-def run_on_slot_pool(
-    kernel: Callable,  # a pool kernel: (q, k, v, g, beta, pool, *, cu_seqlens, rows, flags, scale, ...)
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]
-    has_initial_state: jax.Array | None,  # bool[N]
-    cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool,
-    **static,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
-    """Run a pool kernel on the slot-addressed GDN pool: flatten ``[L, S+1]`` to pool rows, run, reshape."""
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-    rows, flags = slot_rows_and_flags(ssm, layer, slot_ids, has_initial_state)
-    flat = ssm.reshape(ssm.shape[0] * ssm.shape[1], *ssm.shape[2:])
-    o, flat = kernel(q, k, v, g, beta, flat, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
-                     use_qk_l2norm=use_qk_l2norm, interpret=interpret, **static)
-    return o, flat.reshape(ssm.shape)
+def on_slot_pool(pool_kernel: Callable, doc: str, *, one_token_flag: bool = False) -> Callable:
+    """The backend-table entry of a slot-pool GDN op (``kvjax.ops.gdn_on_pool``'s call form) running
+    ``pool_kernel`` on the slot-addressed GDN pool: ``[L, S+1]`` flattened to pool rows
+    (:func:`slot_rows_and_flags`), run, reshaped back. ``cu_seqlens=None`` is one token per row; with
+    ``one_token_flag`` the kernel is also told so (``one_token_per_row=``)."""
+
+    def entry(
+        q: jax.Array,  # [T, Hk, K]
+        k: jax.Array,  # [T, Hk, K]
+        v: jax.Array,  # [T, Hv, V]
+        g: jax.Array,  # f32[T, Hv]
+        beta: jax.Array,  # [T, Hv]
+        ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+        *,
+        layer: int | jax.Array,  # i32[]
+        slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
+        has_initial_state: jax.Array | None,  # bool[N]; None = every live row reads its slot
+        cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
+        scale: float,
+        use_qk_l2norm: bool,
+        interpret: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+        static = dict(one_token_per_row=cu_seqlens is None) if one_token_flag else {}
+        if cu_seqlens is None:
+            cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+        rows, flags = slot_rows_and_flags(ssm, layer, slot_ids, has_initial_state)
+        flat = ssm.reshape(ssm.shape[0] * ssm.shape[1], *ssm.shape[2:])
+        o, flat = pool_kernel(q, k, v, g, beta, flat, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
+                              use_qk_l2norm=use_qk_l2norm, interpret=interpret, **static)
+        return o, flat.reshape(ssm.shape)
+
+    entry.__doc__ = doc
+    return entry

@@ -53,6 +53,19 @@ def _channel_mask(d0, block_d: int, dim: int):
     return None if dim % block_d == 0 else d0 + jnp.arange(block_d) < dim
 
 
+def _row_program(layer_ref, slots_ref, x_ref, pool_in_ref, block_d: int):
+    """A (row, channel block) program's place: ``(row, channels, channel mask, layer, slot, live)``; a row is
+    live iff its slot is in ``1..S`` (else it is padding)."""
+    row, db = pl.program_id(0), pl.program_id(1)
+    d0 = pl.multiple_of(db * block_d, block_d)
+    ds = pl.ds(d0, block_d)
+    dmask = _channel_mask(d0, block_d, x_ref.shape[1])
+    slot = slots_ref[row]
+    layer = layer_ref[0]
+    live = (slot >= 1) & (slot < pool_in_ref.shape[1])
+    return row, ds, dmask, layer, slot, live
+
+
 def _weights(w_ref, b_ref, ds, dmask, width):
     w = [_load(w_ref.at[ds, jnp.int32(j)], dmask, 0.0).astype(jnp.float32) for j in range(width)]
     b = None if b_ref is None else _load(b_ref.at[ds], dmask, 0.0).astype(jnp.float32)
@@ -76,14 +89,7 @@ def _update_kernel(*refs, width: int, block_d: int, has_bias: bool, activation):
     else:
         layer_ref, slots_ref, x_ref, w_ref, pool_in_ref, y_ref, pool_ref = refs
         b_ref = None
-    b, db = pl.program_id(0), pl.program_id(1)
-    dim = x_ref.shape[1]
-    d0 = pl.multiple_of(db * block_d, block_d)
-    ds = pl.ds(d0, block_d)
-    dmask = _channel_mask(d0, block_d, dim)
-    slot = slots_ref[b]
-    layer = layer_ref[0]
-    live = (slot >= 1) & (slot < pool_in_ref.shape[1])
+    b, ds, dmask, layer, slot, live = _row_program(layer_ref, slots_ref, x_ref, pool_in_ref, block_d)
 
     @pl.when(live)
     def _():
@@ -168,14 +174,7 @@ def _final_state_kernel(layer_ref, cu_ref, slots_ref, read_ref, x_ref, y_ref, po
 
     ``y_ref`` is not read: it only orders this kernel after the ``y`` kernel (see the module docstring)."""
     del y_ref
-    n, db = pl.program_id(0), pl.program_id(1)
-    dim = x_ref.shape[1]
-    d0 = pl.multiple_of(db * block_d, block_d)
-    ds = pl.ds(d0, block_d)
-    dmask = _channel_mask(d0, block_d, dim)
-    slot = slots_ref[n]
-    layer = layer_ref[0]
-    live = (slot >= 1) & (slot < pool_in_ref.shape[1])
+    n, ds, dmask, layer, slot, live = _row_program(layer_ref, slots_ref, x_ref, pool_in_ref, block_d)
 
     @pl.when(live)
     def _():

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import is_pow2, next_pow2
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, L2NORM_EPS, col_block, head_cols, load,
-                                     run_on_initial_state, run_on_slot_pool, store, tile_mask)
+                                     on_initial_state, on_slot_pool, store, tile_mask)
 
 BLOCK_V = 64  # value columns per program (the fastest measured; RESULTS.md, "GDN decode")
 
@@ -343,47 +343,14 @@ def gated_delta_decode_slots(
 
 
 # ---------------------------------------------------------------------------------------- backend-table entries
-def recurrent_gated_delta_rule_pallas(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    *,
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
-    """Kernel of ``kvjax.ops.recurrent_gated_delta_rule`` (backend ``"pallas"``)."""
-    return run_on_initial_state(recurrent_gated_delta_rule_pool, q, k, v, g, beta, cu_seqlens=cu_seqlens,
-                                initial_state=initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                interpret=interpret)
+recurrent_gated_delta_rule_pallas = on_initial_state(
+    recurrent_gated_delta_rule_pool,
+    """Kernel of ``kvjax.ops.recurrent_gated_delta_rule`` (backend ``"pallas"``).""")
 
-
-def gdn_decode_pool_pallas(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]
-    has_initial_state: jax.Array | None,  # bool[N]
-    cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm)
-    """Backend ``"pallas"`` of ``gdn_decode_pool``: the rows/flags kernel on the flattened pool (any call)."""
-    return run_on_slot_pool(
-        recurrent_gated_delta_rule_pool, q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
-        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        interpret=interpret, one_token_per_row=cu_seqlens is None,
-    )
+gdn_decode_pool_pallas = on_slot_pool(
+    recurrent_gated_delta_rule_pool,
+    """Backend ``"pallas"`` of ``gdn_decode_pool``: the rows/flags kernel on the flattened pool (any call).""",
+    one_token_flag=True)
 
 
 def gdn_decode_slots_pallas(
