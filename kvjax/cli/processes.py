@@ -5,7 +5,7 @@ gloo between CPU processes), started once per process with ``--coordinator HOST:
 Two ways to use the processes' devices:
 
 - **One engine per process** (no ``--mesh`` / ``--devices``): data parallelism the way vLLM and SGLang run it, one
-  independent engine per device. Process ``i`` serves requests ``i, i + N, ...`` of the workload on its own device
+  independent engine per device. Each process serves its share of the workload's requests (:func:`shares`: equal tokens) on its own device
   with its own scheduler, so the host work of each step is spread over the processes' CPU cores. The processes
   meet only at a barrier before each repeat (so their walls overlap) and at the end, when process 0 gathers every
   request's tokens and each process's figures (:func:`combine`).
@@ -16,6 +16,7 @@ Two ways to use the processes' devices:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from typing import Sequence
 
@@ -72,9 +73,33 @@ def start_processes(args: argparse.Namespace, spec: str | None) -> int:
     return n
 
 
+def shares(workload: Sequence, processes: int) -> list[list[int]]:
+    """Which requests of ``workload`` each process serves (one engine per process): its indices, in workload order.
+    Requests chained by ``after`` stay in one process; chains go, largest first, to the process with the fewest
+    tokens (prompt + output) so far, so the processes finish together (a round-robin split leaves the slowest
+    process's wall, which the run's rate is over, longer). Deterministic: every process computes the same."""
+    root = []
+    for i, w in enumerate(workload):
+        after = getattr(w, "after", -1)
+        root.append(root[after] if 0 <= after < i else i)
+    chains: dict[int, list[int]] = {}
+    for i, r in enumerate(root):
+        chains.setdefault(r, []).append(i)
+    cost = {r: sum(workload[i].total_len for i in idx) for r, idx in chains.items()}
+    load, out = [0] * processes, [[] for _ in range(processes)]
+    for r in sorted(chains, key=lambda r: (-cost[r], r)):
+        p = min(range(processes), key=lambda p: (load[p], p))
+        load[p] += cost[r]
+        out[p].extend(chains[r])
+    return [sorted(o) for o in out]
+
+
 def my_share(workload: Sequence, processes: int) -> list:
-    """This process's requests of ``workload`` (one engine per process): ``i, i + N, ...``."""
-    return list(workload[jax.process_index()::processes])
+    """This process's requests of ``workload`` (its :func:`shares`), ``after`` renumbered to the share's order."""
+    mine = shares(workload, processes)[jax.process_index()]
+    local = {g: j for j, g in enumerate(mine)}
+    return [dataclasses.replace(w, after=local[w.after]) if getattr(w, "after", -1) >= 0 else w
+            for w in (workload[g] for g in mine)]
 
 
 def barrier(name: str) -> None:
@@ -84,12 +109,12 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def gather_outputs(mine: list[list[int]], total: int, processes: int) -> list[list[int]]:
-    """Every request's tokens, in workload order, from each process's ``mine`` (its :func:`my_share`); the same
-    list in every process."""
+def gather_outputs(mine: list[list[int]], share: list[list[int]]) -> list[list[int]]:
+    """Every request's tokens, in workload order, from each process's ``mine`` (its requests' tokens, in the order
+    of its part of ``share``, :func:`shares`); the same list in every process."""
     from jax.experimental import multihost_utils
 
-    rows = -(-total // processes)
+    rows = max(len(s) for s in share)
     width = max((len(o) for o in mine), default=0)
     width = int(np.max(multihost_utils.process_allgather(np.asarray([width], np.int32))))
     buf = np.full((rows, width + 1), -1, np.int32)  # i32[rows, 1 + width]: length, then the tokens
@@ -97,8 +122,11 @@ def gather_outputs(mine: list[list[int]], total: int, processes: int) -> list[li
         buf[r, 0] = len(out)
         buf[r, 1: 1 + len(out)] = out
     every = np.asarray(multihost_utils.process_allgather(buf))  # i32[N, rows, 1 + width]
-    return [every[j % processes, j // processes, 1: 1 + every[j % processes, j // processes, 0]].tolist()
-            for j in range(total)]
+    tokens: list[list[int]] = [[] for _ in range(sum(len(s) for s in share))]
+    for p, idx in enumerate(share):
+        for r, g in enumerate(idx):
+            tokens[g] = every[p, r, 1: 1 + every[p, r, 0]].tolist()
+    return tokens
 
 
 def combine(summary: dict, repeats: int) -> dict:

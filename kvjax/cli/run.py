@@ -67,7 +67,7 @@ from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_
                             number_in, writable_file)
 from kvjax.cli.output import provenance, write_json
 from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
-                                  start_processes, wall_rate)
+                                  shares, start_processes, wall_rate)
 from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_footprint, seed_workload
 
 
@@ -511,7 +511,8 @@ def main(argv: list[str]) -> int:
                                                                  repeats=args.repeats, name=name,
                                                                  host_cache_bytes=host)
     if per_process:  # every request's tokens and the processes' figures, in every process
-        outputs = {k: gather_outputs(v, len(workload), processes) for k, v in outputs.items()}
+        share = shares(workload, processes)
+        outputs = {k: gather_outputs(v, share) for k, v in outputs.items()}
         results = {k: combine(v, args.repeats) for k, v in results.items()}
     same = all(o == outputs["none"] for o in outputs.values()) and all(r["identical_repeats"] for r in results.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]
