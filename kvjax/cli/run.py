@@ -68,6 +68,7 @@ from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_
 from kvjax.cli.output import provenance, write_json
 from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
                                   shares, start_processes, wall_rate)
+from kvjax.sched.drafter import MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_footprint, seed_workload
 
 
@@ -257,21 +258,22 @@ def burst_arg(text: str) -> int | str:
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
                overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
                decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None, before_repeat=None,
-               host_cache_bytes: int = 0):
+               host_cache_bytes: int = 0, speculative: SpeculativeConfig | None = None):
     """Serve ``workload`` with one recycle policy ``repeats`` times on one engine (compiled during the first);
     returns (outputs, summary dict, per-step columns). The summary is the last repeat's
     :meth:`EngineMetrics.summary` with ``generated_tokens_per_s`` the median over the repeats,
     ``generated_tokens_per_s_repeats`` each repeat's, ``compile_time_s`` summed, ``wall_s`` each repeat's wall
     time, ``wall_tokens_per_s`` the generated tokens over a repeat's wall time (:func:`~kvjax.cli.processes.wall_rate`)
     and ``identical_repeats`` whether every repeat generated the same tokens; the columns are the last repeat's.
-    ``before_repeat(name)``: called before each repeat's clock starts (a barrier of the processes)."""
+    ``before_repeat(name)``: called before each repeat's clock starts (a barrier of the processes). ``speculative``:
+    the engine's speculative decoding (``Engine(speculative=)``; the summary then has its acceptance figures)."""
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
                     kv_cache_dtype=p.kv_cache_dtype,
                     token_buckets=p.token_buckets, row_buckets=p.row_buckets,
                     block_buckets=(cache.max_blocks_per_seq,), prefix_caching=prefix_caching, mesh=mesh,
-                    decode_burst=decode_burst, host_cache_bytes=host_cache_bytes)
+                    decode_burst=decode_burst, host_cache_bytes=host_cache_bytes, speculative=speculative)
     name = name or recycle
     runs, first = [], None
     for r in range(repeats):
@@ -323,6 +325,22 @@ def _device_columns(s: dict) -> str:
     peaks = s.get("page_util_device_peak")
     spread = f"{min(peaks):.3f}-{max(peaks):.3f}" if peaks else "-"
     return f" {s['generated_tokens_per_s_per_device']:9.1f} {spread:>13}"
+
+
+def spec_lines(results: dict[str, dict]) -> str:
+    """Per policy, speculative decoding's figures: drafts proposed and accepted, the acceptance rate (overall and per
+    draft position), tokens per verification row and per verification step."""
+    lines = []
+    for name, s in results.items():
+        if "drafts_proposed" not in s:
+            lines.append(f"# {name}: speculative: no drafts proposed")
+            continue
+        per = " ".join(f"{r:.2f}" for r in s["acceptance_rate_per_position"])
+        lines.append(f"# {name}: speculative: {s['drafts_proposed']} drafts proposed, {s['drafts_accepted']} accepted "
+                     f"(rate {s['acceptance_rate']:.3f}; per position {per}); {s['tokens_per_verify_row']:.2f} "
+                     f"tokens per verify row, {s['tokens_per_verify_step']:.2f} per verify step "
+                     f"({s['verify_steps']} verify steps)")
+    return "\n".join(lines)
 
 
 def device_lines(results: dict[str, dict], mesh: jax.sharding.Mesh) -> str:
@@ -420,6 +438,12 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--decode-burst", metavar="K", type=burst_arg, default="auto",
                     help="up to K decode steps per dispatch when every running request decodes and none could be "
                          "admitted (Engine(decode_burst=K)); 'auto' = 8; 1 = single steps")
+    ap.add_argument("--speculative", choices=METHODS,
+                    help="speculative decoding (Engine(speculative=)): decoding rows verify up to "
+                         "--num-draft-tokens drafts per step (ngram: prompt lookup); runs synchronously, no bursts; "
+                         "one device")
+    ap.add_argument("--num-draft-tokens", metavar="K", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
+                    help=f"with --speculative: drafts per verification row at most (1..{MAX_DRAFT_TOKENS}; default 4)")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache: a later run loads the compiled steps from DIR instead "
                          f"of compiling them again (default: ${compile_cache.ENV}, else ~/.cache/kvjax/jax)")
@@ -448,6 +472,12 @@ def main(argv: list[str]) -> int:
         spec = mesh_spec(args)
         if args.host_cache_gb is not None and (not args.prefix_caching or spec is not None):
             raise UsageError("--host-cache-gb needs --prefix-caching and one device (no --mesh / --devices)")
+        if args.num_draft_tokens is not None and args.speculative is None:
+            raise UsageError("--num-draft-tokens needs --speculative")
+        if args.speculative is not None and spec is not None:
+            raise UsageError("--speculative runs on one device (no --mesh / --devices)")
+        speculative = None if args.speculative is None else SpeculativeConfig(
+            args.speculative, num_draft_tokens=args.num_draft_tokens or 4)
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)
@@ -491,8 +521,10 @@ def main(argv: list[str]) -> int:
           f"on average; {cache.num_pages} {'' if p.kv_cache_dtype == 'auto' else 'fp8 '}pages of {p.page_size} "
           f"tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
-          f"{'on' if args.overlap else 'off'}; decode burst {args.decode_burst}; "
-          f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
+          f"{'on' if args.overlap and speculative is None else 'off'}; decode burst "
+          f"{args.decode_burst if speculative is None else 1}; "
+          + ("" if speculative is None else f"speculative {speculative.method} K={speculative.num_draft_tokens}; ")
+          + f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
           + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)")
           + ("" if processes == 1 else f"; {processes} processes"), file=out)
     outputs, results, columns = {}, {}, {}
@@ -509,7 +541,7 @@ def main(argv: list[str]) -> int:
                                                                  decode_burst=args.decode_burst,
                                                                  before_repeat=barrier if per_process else None,
                                                                  repeats=args.repeats, name=name,
-                                                                 host_cache_bytes=host)
+                                                                 host_cache_bytes=host, speculative=speculative)
     if per_process:  # every request's tokens and the processes' figures, in every process
         share = shares(workload, processes)
         outputs = {k: gather_outputs(v, share) for k, v in outputs.items()}
@@ -520,6 +552,8 @@ def main(argv: list[str]) -> int:
     print(format_table(results, per_device=mesh is not None), file=out)
     if mesh is not None:
         print(device_lines(results, mesh), file=out)
+    if speculative is not None:
+        print(spec_lines(results), file=out)
     if per_process:
         for name, s in results.items():
             each = ", ".join(f"{r:.0f}" for r in s["generated_tokens_per_s_processes"])
@@ -534,6 +568,8 @@ def main(argv: list[str]) -> int:
         write_json(args.json, {"meta": provenance("run", argv, device=device, seed=args.seed),
                                "preset": args.preset, "config": dataclasses.asdict(p), "overlap": args.overlap,
                                "decode_burst": args.decode_burst, "repeats": args.repeats,
+                               "speculative": None if speculative is None else
+                               {"method": speculative.method, "num_draft_tokens": speculative.num_draft_tokens},
                                "mesh": None if mesh is None else [mesh.shape["data"], mesh.shape["model"]],
                                "compile_cache": cache_dir, "num_pages": cache.num_pages,
                                "max_blocks_per_seq": cache.max_blocks_per_seq,

@@ -54,11 +54,13 @@ from kvjax.engine.options import EngineOptions
 from kvjax.engine.sampling import SamplingParams, call_params
 from kvjax.engine.runner import Runner, engine_model
 from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
+from kvjax.engine.verify import verify_stats
 from kvjax.engine.sizing import CacheSizing, check_cache_fits, default_max_seqs, size_cache
 from kvjax.models.interface import CausalLM
 from kvjax.models.sharding import ShardedModel
 from kvjax.sched.plan import StepPlan
 from kvjax.errors import RequestTooLongError
+from kvjax.sched.drafter import make_drafter
 from kvjax.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -114,8 +116,11 @@ class Engine:
                             f"{[f.name for f in dataclasses.fields(EngineOptions)]}")
         o = dataclasses.replace(options or EngineOptions(), **settings)
         self.options = o
-        self.decode_burst = o.burst
+        self.decode_burst = 1 if o.speculative is not None else o.burst  # verification steps are single steps
+        self.drafter = None if o.speculative is None else make_drafter(o.speculative)  # kvjax.sched.drafter
         sharded = engine_model(model, mesh)
+        if o.speculative is not None and sharded is not None:
+            raise ValueError("speculative decoding on a mesh is not supported yet: give speculative=None or no mesh")
         self.model, self.sharded = model, sharded
         self.mesh = None if sharded is None else sharded.mesh
         self.data_shards = 1 if sharded is None else sharded.data_size
@@ -141,7 +146,7 @@ class Engine:
         self.cache_config = cache_config
         prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size,
                                   dtype=cache_dtype, cache_options=cache_opts, mesh=self.mesh)
-        self.overlap = o.overlap
+        self.overlap = o.overlap and o.speculative is None  # a step's drafts need the previous step's tokens
         eos_token_id = o.eos_token_id
         if isinstance(eos_token_id, str) and eos_token_id == "auto":
             generation = getattr(model, "generation_config", None)
@@ -176,7 +181,8 @@ class Engine:
         self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
                                 max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **cache_opts)
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
-                             max_traces=o.max_traces)
+                             max_traces=o.max_traces,
+                             spec=0 if o.speculative is None else o.speculative.num_draft_tokens)
         self.host_store = HostStore() if prefix is not None and prefix.host_bytes else None  # the host tier's data
         if self.host_store is not None:  # every step argument committed alike (see _init_caches)
             self.runner.no_tokens = self.host_store.on_device(self.runner.no_tokens)
@@ -467,7 +473,7 @@ class Engine:
             burst = self.decode_burst
             if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
                 burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
-            plans = [s.schedule(burst) for s in scheds]
+            plans = [s.schedule(burst, self.drafter) for s in scheds]
         if not any(p.num_seqs for p in plans):
             raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
                                f"{[r for s in scheds for r in s.running]}, waiting="
@@ -555,6 +561,8 @@ class Engine:
         with TraceAnnotation("kvjax.update"):
             for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
                 sched.resolve(plan, row)
+                if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
+                    flight.record.update(verify_stats(plan, row))
             self._inflight.popleft()
             outs = [out for sched, plan in zip(self.schedulers, flight.plans)
                     for out in self.outputs.collect_plan(sched, plan)]

@@ -34,6 +34,7 @@ class SampleInputs:
     top_p: jax.Array  # f32[B]: then the smallest set reaching this probability mass; 1.0 = off
     prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this index; -1 = token_ids[t]
     burst_len: jax.Array | None = None  # i32[B]: a decode burst's sub-steps of each row (kvjax.engine.burst)
+    draft_len: jax.Array | None = None  # i32[B]: a verification step's drafts of each row (kvjax.engine.verify)
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +62,7 @@ class PackLayout:
     checkpoints: bool
     burst: int = 1  # a decode burst's sub-steps (its ``burst_len`` packed too; see kvjax.engine.burst)
     page_size: int = 0  # the cache's page size (a burst computes its sub-steps' slot mapping)
+    spec: int = 0  # K of a verification step (its ``draft_len`` packed too; see kvjax.engine.verify); 0: none
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of packed field ``name`` (``KeyError`` if the layout has none)."""
@@ -81,7 +83,8 @@ class PackLayout:
         inputs = StepInputs(**{f: out[f] for f in DEVICE_FIELDS}, decode_only=self.decode_only)
         rows = SampleInputs(seeds=out["seeds"], streams=out["streams"], counters=out["seq_lens"],
                             temperature=out["temperature"], top_k=out["top_k"], top_p=out["top_p"],
-                            prev_index=out["prev_index"], burst_len=out.get("burst_len"))
+                            prev_index=out["prev_index"], burst_len=out.get("burst_len"),
+                            draft_len=out.get("draft_len"))
         copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
         return inputs, rows, copies
 
@@ -97,7 +100,7 @@ def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
 
 def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, decode_only: bool = False,
                checkpoints: bool = False, burst: int = 1, page_size: int = 0,
-               page_base: np.ndarray | None = None) -> tuple[np.ndarray, PackLayout]:
+               page_base: np.ndarray | None = None, spec: int = 0) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[D, N]`` host buffer, row ``d`` holding every input of the step of data shard ``d``'s plan (the
     plans padded to one shape: :meth:`kvjax.engine.runner.Runner.shape`), and its :class:`PackLayout`. Each field is
     stacked over the shards and written once (no per-shard packing).
@@ -111,7 +114,8 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     per row; a plan with prompt tokens is an ``AssertionError``), and the layout carries ``burst`` (the sub-steps
     the device runs: one trace whatever the rows' lengths) and the cache's ``page_size``. ``page_base``
     (``i64[Hkv]``, the first global page id of each KV head's pool, pages split over ``"model"``): the tables' and
-    slot mapping's page ids become local to each head's pool."""
+    slot mapping's page ids become local to each head's pool. ``spec`` (K > 0, a verification step): every plan packs
+    ``draft_len`` (zeros for a plan without one)."""
     if burst > 1 and page_size < 1:
         raise ValueError(f"a decode burst of {burst} sub-steps needs the cache's page_size, got {page_size}")
     longest = max(p.burst for p in plans)
@@ -144,6 +148,8 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
             if p.burst_len is None and p.num_tokens != p.num_seqs:
                 raise AssertionError(f"step {p.step}: a plan with prompt tokens in a burst step")
         arrays["burst_len"] = stack([p.burst_len if p.burst_len is not None else (p.query_lens > 0) for p in plans])
+    if spec:
+        arrays["draft_len"] = stack([p.draft_len if p.draft_len is not None else np.zeros(B, np.int32) for p in plans])
     shapes = {name: a.shape if D == 1 else a.shape[1:] for name, a in arrays.items()}
     sizes = {name: -(-(a.size // D) // PACK_ALIGN) * PACK_ALIGN for name, a in arrays.items()}
     buf = np.zeros((D, sum(sizes.values())), np.int32)
@@ -151,7 +157,8 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     for name, a in arrays.items():
         buf[:, off: off + a.size // D] = a.reshape(D, -1)
         off += sizes[name]
-    return buf, PackLayout(tuple(shapes.items()), bool(decode_only), checkpoints, burst, page_size if burst > 1 else 0)
+    return buf, PackLayout(tuple(shapes.items()), bool(decode_only), checkpoints, burst, page_size if burst > 1 else 0,
+                           int(spec))
 
 
 def local_page_ids(block_tables: np.ndarray, slot_mapping: np.ndarray, page_base: np.ndarray, page_size: int

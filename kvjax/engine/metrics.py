@@ -70,6 +70,13 @@ class StepRecord:
     host_bytes_out: int = 0  # bytes the step's host-tier copies moved device -> host (spills)
     host_bytes_in: int = 0  # bytes they moved host -> device (loads)
     t_copy: float = 0.0  # seconds issuing the step's host-tier copies (before its dispatch; in t_dispatch's call)
+    # speculative decoding (kvjax.engine.verify), a verification step's: rows with drafts, drafts verified, drafts
+    # accepted, and per draft position j (0-based): rows verifying a draft there, rows accepting it; 0 / () otherwise
+    verify_rows: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    drafts_proposed_at: tuple[int, ...] = ()
+    drafts_accepted_at: tuple[int, ...] = ()
 
     @property
     def t_host(self) -> float:
@@ -78,7 +85,8 @@ class StepRecord:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
-NUMERIC = tuple(f for f in FIELDS if f != "pages_used_devices")  # one number per record
+TUPLES = ("pages_used_devices", "drafts_proposed_at", "drafts_accepted_at")
+NUMERIC = tuple(f for f in FIELDS if f not in TUPLES)  # one number per record
 
 
 def device_pages_used(schedulers: Sequence[Any]) -> tuple[int, ...]:
@@ -202,7 +210,30 @@ class EngineMetrics:
             "shapes": len({(r.bucket_tokens, r.bucket_rows, r.bucket_blocks, r.decode_only, r.burst > 1)
                            for r in recs}),
             **_per_device(recs, sub, pages),
+            **_speculative(recs, col),
         }
+
+
+def _speculative(recs: list[StepRecord], col: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Speculative decoding's figures where some record verified drafts (else nothing): ``verify_steps``,
+    ``drafts_proposed``, ``drafts_accepted``, ``acceptance_rate`` (accepted / proposed),
+    ``acceptance_rate_per_position`` (position ``j``: rows accepting a draft there / rows verifying one there),
+    ``tokens_per_verify_row`` (tokens a verification row gains: 1 + its accepted drafts, averaged) and
+    ``tokens_per_verify_step`` (tokens generated per verification step)."""
+    verify = col["verify_rows"] > 0
+    if not verify.any():
+        return {}
+    width = max(len(r.drafts_proposed_at) for r in recs)
+    at = np.zeros((2, width), np.int64)
+    for r in recs:
+        at[0, : len(r.drafts_proposed_at)] += np.asarray(r.drafts_proposed_at, np.int64)
+        at[1, : len(r.drafts_accepted_at)] += np.asarray(r.drafts_accepted_at, np.int64)
+    proposed, accepted, rows = (float(col[c].sum()) for c in ("drafts_proposed", "drafts_accepted", "verify_rows"))
+    return {"verify_steps": int(verify.sum()), "drafts_proposed": int(proposed), "drafts_accepted": int(accepted),
+            "acceptance_rate": _ratio(accepted, proposed),
+            "acceptance_rate_per_position": [_ratio(a, p) for p, a in zip(*at.tolist())],
+            "tokens_per_verify_row": _ratio(rows + accepted, rows),
+            "tokens_per_verify_step": float(col["generated"][verify].mean())}
 
 
 def _per_device(recs: list[StepRecord], sub: np.ndarray, pages: int) -> dict[str, Any]:

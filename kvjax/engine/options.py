@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvjax.config import INT32_MAX, check_kv_cache_dtype, is_int
+from kvjax.sched.drafter import SpeculativeConfig
 from kvjax.sched.prefix_cache import RECYCLE_MODES
 
 MAX_BURST = 64
@@ -97,6 +98,12 @@ class EngineOptions:
     - ``use_decode_path`` [True]: all-decode steps run the decode kernels (``StepInputs.decode_only``).
     - ``debug`` [False]: validate every step's inputs on the host before running it (slow).
     - ``max_traces`` [None]: fail (``AssertionError``) if the device step compiles more than this many times.
+    - ``speculative`` [None]: speculative decoding: ``"ngram"`` (prompt lookup, K = 4), a
+      :class:`~kvjax.sched.drafter.SpeculativeConfig` (method, ``num_draft_tokens`` K, n-gram sizes) or a
+      :class:`~kvjax.sched.drafter.Drafter` object; stored as a ``SpeculativeConfig`` or ``None``. Decoding rows
+      verify up to K drafts in one step (:mod:`kvjax.engine.verify`); the engine then runs synchronously and without
+      decode bursts (a step's drafts continue the previous step's accepted tokens), whatever ``overlap`` and
+      ``decode_burst`` say; not on a mesh (refused by the engine).
     """
 
     overlap: bool = True
@@ -120,8 +127,10 @@ class EngineOptions:
     use_decode_path: bool = True
     debug: bool = False
     max_traces: int | None = None
+    speculative: Any = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         for name in ("overlap", "prefix_caching", "use_decode_path", "debug"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         check_burst(self.decode_burst)

@@ -33,6 +33,7 @@ from kvjax.engine import sampling
 from kvjax.engine.burst import pad_tokens, run_burst
 from kvjax.engine.inputs import PackLayout, decode_only, local_page_ids, pack_plans
 from kvjax.engine.step import TraceCounter
+from kvjax.engine.verify import verify_step
 from kvjax.inputs import DEVICE_FIELDS, StepInputs
 from kvjax.models.interface import ModelCaches
 from kvjax.models.sharding import DATA, MODEL, ShardedModel, shard_map, shard_model
@@ -108,9 +109,10 @@ class Runner:
     """
 
     def __init__(self, model: Any, sharded: ShardedModel | None, *, max_seqs: int, burst: int,
-                 max_traces: int | None = None) -> None:
+                 max_traces: int | None = None, spec: int = 0) -> None:
         self.sharded = sharded
         self.max_seqs, self.burst = max_seqs, burst
+        self.spec = spec  # K of speculative decoding's verification steps (kvjax.engine.verify); 0: none
         self.counter = TraceCounter("engine step", max_traces)
         if sharded is None:
             graphdef, params = nnx.split(model)
@@ -129,7 +131,11 @@ class Runner:
 
         def step(leaves, caches, buf, prev_tokens, layout: PackLayout, greedy_only: bool):
             self.counter.count(f"T={layout.shape('token_ids')[-1]}, B={layout.shape('seq_lens')[-1]}, "
-                               f"decode_only={layout.decode_only}, burst={layout.burst}")
+                               f"decode_only={layout.decode_only}, burst={layout.burst}, spec={layout.spec}")
+            if layout.spec:
+                if sharded is not None:
+                    raise NotImplementedError("speculative decoding on a mesh")
+                return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only)
             if sharded is None:
                 return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
                                    unroll=unroll)
@@ -210,11 +216,14 @@ class Runner:
         """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays
         (:func:`~kvjax.engine.inputs.pack_plans`): ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over
         ``"data"`` on a mesh, and the layout. A burst step (some plan has ``burst_len``) runs ``self.burst``
-        sub-steps. Page ids become local to each device's pool (``page_base``: ``i64[Hkv]``, the first global page id
+        sub-steps; a verification step (some plan has ``draft_len``) packs its drafts (``layout.spec = K``). Page ids
+        become local to each device's pool (``page_base``: ``i64[Hkv]``, the first global page id
         of each KV head's pool)."""
         burst = self.burst if any(p.burst_len is not None for p in plans) else 1
+        spec = self.spec if any(p.draft_len is not None for p in plans) else 0
         buf, layout = pack_plans(plans, samplings, decode_only=decode_only(plans, use_decode_path),
-                                 checkpoints=checkpoints, burst=burst, page_size=page_size, page_base=page_base)
+                                 checkpoints=checkpoints, burst=burst, page_size=page_size, page_base=page_base,
+                                 spec=spec)
         if self.sharded is None:
             return buf[0], layout
         return jax.device_put(buf, self._buf_sharding), layout

@@ -210,3 +210,66 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
         scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled)
     return jnp.where(on, drawn.astype(jnp.int32), greedy)
+
+
+def verify_tokens(logits: jax.Array, drafts: jax.Array, draft_len: jax.Array, keys: jax.Array,
+                  temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, greedy_only: bool
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Speculative decoding's acceptance: which drafts a verification row keeps and the token after them.
+
+    Args:
+      logits: f32[B, J, V], the target's logits after each of row ``b``'s ``J = K + 1`` positions (its last
+        known token, then its drafts).
+      drafts: i32[B, K], the drafts (``drafts[b, j]`` was fed at position ``j + 1``); ``draft_len``: i32[B], how many
+        of them are real (0: an ordinary row, which just samples at position 0).
+      keys: key[B, J], the row's key at each position (:func:`row_keys` with the position's token count, the
+        counter an ordinary step samples that token with).
+      temperature, top_k, top_p: the rows' sampling parameters (f32[B], i32[B], f32[B]); ``greedy_only``
+        (static): every row is greedy.
+    Returns ``(tokens i32[B, J], accepted i32[B])``: ``accepted[b] = a``, the drafts kept; ``tokens[b, :a]`` are
+    those drafts and ``tokens[b, a]`` the target's next token.
+
+    Greedy rows keep the longest prefix of drafts equal to the argmax, then take the argmax. Sampling rows use
+    rejection sampling with a point-mass proposal (Leviathan et al. 2023, Chen et al. 2023): draft ``d`` at
+    position ``j`` is kept with probability ``p_j(d)`` (``p_j``: the row's tempered, top-k / top-p filtered
+    distribution, as :func:`sample` draws from); at the first rejection the token is drawn from ``p_j`` without
+    ``d``, renormalised; with every draft kept it is drawn from ``p_a`` (the draw :func:`sample` makes with that
+    key). Each emitted token is then distributed as ``p`` given the tokens before it: the target distribution.
+    The acceptance uniform and the residual draw use ``fold_in(key, 1)`` and ``fold_in(key, 2)``.
+    """
+    B, J, V = logits.shape
+    K = J - 1
+    j = jnp.arange(J, dtype=jnp.int32)
+    real = j[None, :K] < draft_len[:, None]  # bool[B, K]
+    if greedy_only:
+        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[B, J]
+        keep = real & (drafts == target[:, :K])
+        return target, jnp.cumprod(keep, axis=1).sum(1).astype(jnp.int32)
+    flat = logits.reshape(B * J, V).astype(jnp.float32)
+    rep = lambda x: jnp.repeat(x, J)  # noqa: E731  [B] -> [B * J]
+    t, k, p = rep(temperature), rep(top_k), rep(top_p)
+    fkeys = keys.reshape(B * J)
+    full = sample(flat, fkeys, t, k, p).reshape(B, J)  # i32[B, J]: the ordinary draw (argmax for greedy rows)
+    on = temperature > 0  # bool[B]
+    safe_t = jnp.where(t > 0, t, 1.0)
+    scaled = flat / safe_t[:, None]  # f32[B * J, V]
+    used = (t > 0) & (((k > 0) & (k < V)) | (p < 1.0))
+    threshold = jax.lax.cond(used.any(), lambda x: filter_threshold(x, k, p),
+                             lambda x: jnp.full(B * J, -jnp.inf, jnp.float32), scaled)
+    masked = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf).reshape(B, J, V)
+    logp = jax.nn.log_softmax(masked[:, :K], axis=-1)  # f32[B, K, V]
+    d = jnp.clip(drafts, 0, V - 1)
+    p_d = jnp.exp(jnp.take_along_axis(logp, d[..., None], axis=-1)[..., 0])  # f32[B, K]
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(fkeys).reshape(B, J)[:, :K]
+    greedy_keep = drafts == jnp.argmax(logits[:, :K], axis=-1)
+    keep = real & jnp.where(on[:, None], u < p_d, greedy_keep)  # bool[B, K]
+    accepted = jnp.cumprod(keep, axis=1).sum(1).astype(jnp.int32)  # i32[B]
+    resid = jnp.where(jax.nn.one_hot(d, V, dtype=jnp.bool_), -jnp.inf, masked[:, :K])  # f32[B, K, V]
+    rkeys = jax.vmap(lambda key: jax.random.fold_in(key, 2))(keys[:, :K].reshape(B * K))
+    resampled = jax.vmap(jax.random.categorical)(rkeys, resid.reshape(B * K, V)).reshape(B, K).astype(jnp.int32)
+    pad = jnp.zeros((B, 1), jnp.int32)
+    dpad, rpad = jnp.concatenate([drafts, pad], 1), jnp.concatenate([resampled, pad], 1)  # i32[B, J]
+    a = accepted[:, None]
+    rejected = (j[None, :] == a) & (a < draft_len[:, None]) & on[:, None]  # the position of a sampling row's rejection
+    tokens = jnp.where(j[None, :] < a, dpad, jnp.where(rejected, rpad, full))
+    return tokens.astype(jnp.int32), accepted

@@ -98,6 +98,7 @@ class StepPlan:
     step: int  # scheduler step that produced this plan
     burst_len: np.ndarray | None = None  # i32[B]: a decode burst's sub-steps of each row (0 padding); None: 1 step
     stride: int = 0  # a burst's sub-step stride in the sampled tokens (``max_seqs``); 0: ``B``
+    draft_len: np.ndarray | None = None  # i32[B]: a verification step's drafts of each row (its last tokens); None
 
     @property
     def token_stride(self) -> int:
@@ -120,13 +121,17 @@ class StepPlan:
 def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, blocks: BlockAllocator,
                t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...], *,
                restore: dict[int, int] | None = None, save: dict[int, int] | None = None,
-               prefix_hit_tokens: int = 0, burst: np.ndarray | None = None, stride: int = 0) -> StepPlan:
+               prefix_hit_tokens: int = 0, burst: np.ndarray | None = None, stride: int = 0,
+               drafts: np.ndarray | None = None) -> StepPlan:
     """Lay out the requests bound to rows ``slots`` (``i64[nseq]``, in plan-row order) with ``n[b]`` tokens
     each this step (``i64[nseq]``; blocks already allocated) as a padded plan, reading their state from
     ``rows``. ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring). ``burst``
     (``i64[nseq]``, rows of one token each): a decode burst, row ``b`` running ``burst[b]`` sub-steps (its blocks
-    allocated for them; the tables cover them; ``stride``: its sampled-token stride, ``max_seqs``). Raises ``ValueError`` if a row would feed a reserved token of a
-    step older than the previous one."""
+    allocated for them; the tables cover them; ``stride``: its sampled-token stride, ``max_seqs``). ``drafts``
+    (``i64[nseq]``, speculative decoding): row ``b``'s last ``drafts[b]`` tokens are draft tokens written in its
+    row of ``rows.tokens`` past ``num_tokens`` (counted in ``n``); the row samples when it computes through them
+    and the plan's ``draft_len`` says how many (see "Verification" in :mod:`kvjax.sched.spec`). Raises
+    ``ValueError`` if a row would feed a reserved token of a step older than the previous one."""
     nseq = len(slots)
     start = rows.num_computed[slots]  # i64[nseq]: first position computed this step
     num_tokens = rows.num_tokens[slots]  # i64[nseq]
@@ -156,7 +161,8 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
     token_ids = np.zeros(T, np.int32)
     token_ids[:ntok] = rows.tokens[tok_slot, pos]  # reserved tokens read as their placeholder 0
     prev_index = np.full(T, -1, np.int32)
-    reserved = np.flatnonzero(pos >= num_resolved[tok_row])  # i64[K]: tokens whose value a step samples
+    # i64[K]: tokens whose value a step samples (drafts, past num_tokens, are known)
+    reserved = np.flatnonzero((pos >= num_resolved[tok_row]) & (pos < num_tokens[tok_row]))
     if reserved.size:
         k = pos[reserved] - num_resolved[tok_row[reserved]]  # i64[K]: index among the row's reserved tokens
         src = rows.pend_step[tok_slot[reserved], k]
@@ -184,7 +190,12 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
     logits_indices = np.zeros(B, np.int32)
     logits_indices[:nseq] = cu[1: nseq + 1] - 1
     sample_mask = np.zeros(B, bool)
-    sample_mask[:nseq] = start + n == num_tokens
+    extra = np.zeros(nseq, np.int64) if drafts is None else np.asarray(drafts, np.int64)  # i64[nseq]
+    sample_mask[:nseq] = start + n == num_tokens + extra
+    draft_len = None
+    if drafts is not None:
+        draft_len = np.zeros(B, np.int32)
+        draft_len[:nseq] = extra
     request_ids = tuple(rows.request_id[slots].tolist())
     ckpt_restore, ckpt_save = np.full(B, -1, np.int32), np.full(B, -1, np.int32)
     for ckpt, chosen in ((ckpt_restore, restore), (ckpt_save, save)):
@@ -198,7 +209,8 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
                     prev_index=prev_index, ckpt_restore=ckpt_restore, ckpt_save=ckpt_save,
                     prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill,
                     request_ids=request_ids, num_tokens=ntok,
-                    num_seqs=nseq, step=step, burst_len=burst_len, stride=int(stride) if burst is not None else 0)
+                    num_seqs=nseq, step=step, burst_len=burst_len, stride=int(stride) if burst is not None else 0,
+                    draft_len=draft_len)
 
 
 def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) -> StepPlan:
@@ -225,4 +237,5 @@ def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) ->
         slot_mapping=toks(plan.slot_mapping, -1), logits_indices=rows(plan.logits_indices, 0),
         sample_mask=rows(plan.sample_mask, False), query_lens=rows(plan.query_lens, 0),
         prev_index=toks(plan.prev_index, -1), ckpt_restore=rows(plan.ckpt_restore, -1),
-        ckpt_save=rows(plan.ckpt_save, -1), burst_len=None if plan.burst_len is None else rows(plan.burst_len, 0))
+        ckpt_save=rows(plan.ckpt_save, -1), burst_len=None if plan.burst_len is None else rows(plan.burst_len, 0),
+        draft_len=None if plan.draft_len is None else rows(plan.draft_len, 0))

@@ -57,7 +57,9 @@ from typing import Sequence
 import numpy as np
 
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
+from kvjax.sched import spec
 from kvjax.sched.blocks import BlockAllocator
+from kvjax.sched.drafter import Drafter
 from kvjax.sched.integrity import check_scheduler
 from kvjax.sched.ledger import Ledger
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
@@ -127,6 +129,7 @@ class Scheduler:
         self.step = 0
         self._next_id = 0
         self.num_preemptions = 0
+        self.spec_stats = spec.SpecStats()  # speculative decoding's counts (drafts proposed, accepted)
         self.ledger = Ledger(self.rows, self.requests, self)  # plans between schedule and their tokens
 
     # ---- requests ------------------------------------------------------------------------------------------
@@ -181,15 +184,23 @@ class Scheduler:
 
     # ---- applying a step (the ledger) ----------------------------------------------------------------------
     def advance(self, plan: StepPlan) -> list[Request]:
-        """:meth:`Ledger.advance`: the host-known half of the latest plan; returns the requests that finished."""
+        """:meth:`Ledger.advance`: the host-known half of the latest plan; returns the requests that finished (a
+        verification plan: :func:`kvjax.sched.spec.advance`)."""
+        if plan.draft_len is not None:
+            return spec.advance(self, plan)
         return self.ledger.advance(plan)
 
     def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
-        """:meth:`Ledger.resolve`: the oldest advanced plan's sampled tokens; returns the requests that finished."""
+        """:meth:`Ledger.resolve`: the oldest advanced plan's sampled tokens; returns the requests that finished (a
+        verification plan: :func:`kvjax.sched.spec.resolve`, ``sampled`` its ``i32[B * (K + 2)]`` result)."""
+        if plan.draft_len is not None:
+            return spec.resolve(self, plan, sampled)
         return self.ledger.resolve(plan, sampled)
 
     def update(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
         """:meth:`Ledger.update`: ``advance`` and ``resolve`` at once (the synchronous engine, simulations)."""
+        if plan.draft_len is not None:
+            return self.advance(plan) + self.resolve(plan, sampled)
         return self.ledger.update(plan, sampled)
 
     def new_tokens(self, plan: StepPlan, sent: np.ndarray) -> tuple[np.ndarray, np.ndarray, list | None]:
@@ -212,6 +223,7 @@ class Scheduler:
         fresh.t_buckets, fresh.b_buckets, fresh.blk_buckets = self.t_buckets, self.b_buckets, self.blk_buckets
         fresh.step, fresh._next_id = self.step, self._next_id
         fresh.num_preemptions, fresh.prefix_hit_tokens = self.num_preemptions, self.prefix_hit_tokens
+        fresh.spec_stats = self.spec_stats
         running = {id(r) for r in self.running}
         seen: set[int] = set()
         for req in [*self.running, *self.preempted, *self.waiting, *self.requests.values()]:
@@ -233,24 +245,34 @@ class Scheduler:
             fresh.requests[new.request_id] = new
         return fresh
 
-    def schedule(self, burst: int = 1) -> StepPlan:
+    def schedule(self, burst: int = 1, drafter: Drafter | None = None) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring).
 
         ``burst > 1``: when every running request decodes and no queued request could be admitted now (no free
         slot, or not the pages of its first chunk), a decode burst: each row runs
         ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
-        otherwise (or if those pages are short) an ordinary plan."""
+        otherwise (or if those pages are short) an ordinary plan. ``drafter`` (speculative decoding; not with a
+        burst, and only with every earlier plan resolved): the decoding rows verify its drafts, a verification
+        plan (``draft_len`` set; :mod:`kvjax.sched.spec`)."""
         if self.prefix is not None:
             self.prefix.begin_plan()
         if burst > 1:
+            if drafter is not None:
+                raise ValueError("schedule: speculative drafts and decode bursts do not combine")
             plan = self._schedule_burst(burst)
             if plan is not None:
                 return plan
+        drafts = None
+        if drafter is not None:
+            if self.ledger.unresolved:
+                raise ValueError("schedule: drafting needs every earlier plan resolved (a draft continues the "
+                                 "request's known tokens)")
+            drafts = spec.propose(self, drafter)
         budget = self.max_num_batched_tokens
-        slots = counts = np.zeros(0, np.int64)  # i64[nseq] each: the plan rows' slots and tokens
+        slots = counts = extra = np.zeros(0, np.int64)  # i64[nseq] each: the plan rows' slots, tokens and drafts
         preempted = False
         if self.running:
-            slots, counts, preempted = self._schedule_running()
+            slots, counts, extra, preempted = self._schedule_running(drafts)
             budget -= int(counts.sum())
         admitted: list[tuple[int, int]] = []  # (slot, tokens)
         restore: dict[int, int] = {}
@@ -277,6 +299,7 @@ class Scheduler:
         if admitted:
             new_slots, new_counts = np.array(admitted, np.int64).T
             slots, counts = np.concatenate([slots, new_slots]), np.concatenate([counts, new_counts])
+            extra = np.concatenate([extra, np.zeros(len(admitted), np.int64)])
         save: dict[int, int] = {}
         if self.prefix is not None:  # the blocks this step completes; entries only later plans can match
             t = self.rows
@@ -287,7 +310,8 @@ class Scheduler:
                     save[int(t.request_id[slot])] = ckpt
         self.prefix_hit_tokens += hits
         plan = build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets, self.b_buckets,
-                          self.blk_buckets, restore=restore, save=save, prefix_hit_tokens=hits)
+                          self.blk_buckets, restore=restore, save=save, prefix_hit_tokens=hits,
+                          drafts=extra if drafter is not None and extra.any() else None)
         self.ledger.planned = plan
         self.step += 1
         return plan
@@ -355,10 +379,12 @@ class Scheduler:
             self._run_slots = (self.running.version, slots)
         return slots
 
-    def _schedule_running(self) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _schedule_running(self, drafts: dict[int, np.ndarray] | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """Recycle, then give every running request (in order) its tokens under the budget and the pages they
-        need, preempting from the tail when pages are short. Returns (i64[k] slots, i64[k] tokens, preempted) of
-        the rows scheduled. Vectorised over the rows: when the pages of every row that crosses a block boundary
+        need, preempting from the tail when pages are short. Returns (i64[k] slots, i64[k] tokens, i64[k] drafts,
+        preempted) of the rows scheduled (``drafts``: {slot: draft tokens}, taken where they fit,
+        :func:`kvjax.sched.spec.fit_drafts`; a row's tokens count its drafts). Vectorised over the rows: when the pages of every row that crosses a block boundary
         fit at once, one call allocates them all; otherwise the rows allocate one by one, preempting."""
         blocks, t = self.blocks, self.rows
         rows = self._running_slots()  # i64[R]
@@ -368,6 +394,8 @@ class Scheduler:
         if self.prefix is not None:
             for i in np.flatnonzero(done < t.prompt_len[rows]).tolist():
                 cap[i] = self._chunk(self.running[i], int(done[i]), int(cap[i]))
+        extra = spec.fit_drafts(self, drafts, rows, cap) if drafts else np.zeros(len(rows), np.int64)  # i64[R]
+        cap = cap + extra
         before = np.cumsum(cap) - cap
         n = np.maximum(np.minimum(cap, self.max_num_batched_tokens - before), 0)  # i64[R]
         upto = done + n  # i64[R]: tokens each row covers after this step
@@ -377,7 +405,7 @@ class Scheduler:
         if grow.size and not blocks.allocate_rows(rows[grow], upto[grow]):
             preempted = self._allocate_in_order(list(self.running), grow, need, upto)
         k = min(len(self.running), int(np.count_nonzero(n)))
-        return rows[:k], n[:k], preempted
+        return rows[:k], n[:k], extra[:k], preempted
 
     def _allocate_in_order(self, running: list[Request], grow: np.ndarray, need: np.ndarray,
                            upto: np.ndarray) -> bool:

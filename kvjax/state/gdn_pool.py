@@ -29,6 +29,7 @@ tokens' outputs are zero.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,9 @@ class GDNStatePool:
 
     conv: jax.Array  # [L, S+1, conv_dim, W-1]: the last W-1 conv inputs of each slot (oldest first)
     ssm: jax.Array  # f32[L, S+1, Hv, K, V]: recurrent state of each slot
+    # a verification step's per-position states while its forward runs (kvjax.state.gdn_spec.VerifyStates: the
+    # GDN layers record into it, the step commits the accepted ones and drops it); None otherwise
+    spec: Any = None
 
     @property
     def num_layers(self) -> int:

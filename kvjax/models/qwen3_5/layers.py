@@ -94,14 +94,17 @@ class GatedDeltaNet(nnx.Module):
         each live row continuing its state (a ``decode_only`` step has no fresh row): the conv update, then
         :func:`~kvjax.state.gdn_pool.gated_delta_decode` of one :class:`~kvjax.ops.gdn_on_pool.GatedDecodeCall`
         (the packed conv output; the kernel projects the gates from ``x`` itself); outputs are scattered back
-        to token order.
+        to token order. A verification step (speculative decoding: ``pool.spec`` set, never ``decode_only``) also
+        records each verification row's states after every position (:func:`kvjax.state.gdn_spec.record`).
         """
         from kvjax.ops.gdn_on_pool import GatedDecodeCall
-        from kvjax.state.gdn_pool import conv_decode, conv_prefill, gated_delta_decode, gdn_prefill
+        from kvjax.state import gdn_spec
+        from kvjax.state.gdn_pool import conv_decode, conv_prefill, gated_delta_decode, gather, gdn_prefill
 
         slots, has_init, cu = inputs.gdn_slots, inputs.has_initial_state, inputs.cu_seqlens
         weight = self.conv_weight[...]
         if decode_only:
+            assert pool.spec is None, "a verification step has rows of several tokens: not decode_only"
             t = x.shape[0]
             rows_are_tokens = t == cu.shape[0] - 1  # live rows first, one token each: token b is row b's
             xr = x if rows_are_tokens else x[jnp.clip(cu[:-1], 0, t - 1)]  # [B, H] (padding rows: ignored)
@@ -112,15 +115,18 @@ class GatedDeltaNet(nnx.Module):
             o, pool = gated_delta_decode(call, pool)
             y = self._out(o, self._z(xr))  # [B, H]
             return (y if rows_are_tokens else y[token_rows(cu, t)]), pool
+        conv_in = self.in_proj_qkv(x)  # [T, conv_dim]
+        before = None if pool.spec is None else gather(pool, layer, slots, has_init)  # a verification step's rows
         mixed, pool = conv_prefill(
-            self.in_proj_qkv(x), weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init,
-            cu_seqlens=cu,
+            conv_in, weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init, cu_seqlens=cu,
         )
         q, k, v, g, beta, z = self._split(x, mixed)
         o, pool = gdn_prefill(
             q, k, v, g, beta, pool, layer=layer, slot_ids=slots, has_initial_state=has_init, cu_seqlens=cu,
             use_qk_l2norm=True,
         )
+        if before is not None:  # the states after each verification position (speculative decoding's rollback)
+            pool = gdn_spec.record(pool, layer, conv_in, before[0], k, v, g, beta, before[1], use_qk_l2norm=True)
         return self._out(o, z), pool
 
 

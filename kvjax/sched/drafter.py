@@ -1,0 +1,112 @@
+"""Speculative decoding's drafters (host side, numpy): what proposes the tokens a verification step checks.
+
+A :class:`Drafter` looks at a running request's tokens (prompt and resolved outputs) and proposes up to
+``max_drafts`` next tokens; the engine runs them with the request's last token through the model in one ragged
+step and keeps the longest prefix the target model agrees with (:mod:`kvjax.sched.spec`, :mod:`kvjax.engine.verify`).
+A drafter is deterministic: its proposal is a point mass, which is what the rejection sampling of
+:mod:`kvjax.engine.sampling` assumes (``q(d) = 1``).
+
+- :class:`NgramDrafter`: prompt lookup (n-gram) drafting, no weights: find the request's last ``n`` tokens
+  earlier in its own tokens (the longest ``n`` from ``max_ngram`` down to ``min_ngram`` that occurs; its latest
+  occurrence) and propose the tokens that followed it.
+- :class:`SpeculativeConfig`: the engine's ``speculative=`` setting (method, ``num_draft_tokens`` = ``K``, n-gram
+  sizes), validated when built; :func:`make_drafter` builds its drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from kvjax.config import is_int
+
+MAX_DRAFT_TOKENS = 16  # K at most (a verification row is K + 1 tokens; the step compiles per K)
+METHODS = ("ngram",)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft tokens for one request at a time (host side)."""
+
+    num_draft_tokens: int  # K: drafts per verification at most
+
+    def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
+        """``tokens``: i32[n], the request's known tokens (prompt, then its resolved outputs, the last one not yet
+        computed); returns i32[<= max_drafts] proposed next tokens (possibly none)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: the continuation of the latest earlier occurrence of the request's last n-gram.
+
+    ``num_draft_tokens``: K; ``max_ngram`` / ``min_ngram``: the n-gram sizes tried, longest first."""
+
+    def __init__(self, num_draft_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.num_draft_tokens, self.max_ngram, self.min_ngram = int(num_draft_tokens), int(max_ngram), int(min_ngram)
+
+    def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        n_tok = tokens.shape[0]
+        k = min(int(max_drafts), self.num_draft_tokens)
+        if k <= 0:
+            return np.zeros(0, np.int32)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            # windows starting at 0 .. n_tok - n - 1: every earlier occurrence (not the suffix itself)
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [n_tok - n, n]
+            hits = np.flatnonzero((windows == tokens[n_tok - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start: start + k].astype(np.int32)
+        return np.zeros(0, np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """``Engine(speculative=...)``: how the engine drafts and verifies.
+
+    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`); ``num_draft_tokens`` [4]: K, drafts per
+    verification row at most, an int in ``[1, MAX_DRAFT_TOKENS]``; ``max_ngram`` [3] / ``min_ngram`` [1]: the
+    n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a ready :class:`Drafter`
+    object instead of ``method``'s (its ``num_draft_tokens`` must equal K). ``ValueError`` names a bad field."""
+
+    method: str = "ngram"
+    num_draft_tokens: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+    drafter: Any = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got "
+                             f"{self.num_draft_tokens!r}")
+        if not is_int(self.min_ngram) or not is_int(self.max_ngram) or not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need ints 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram!r}, "
+                             f"max_ngram={self.max_ngram!r}")
+        if self.drafter is not None and (not isinstance(self.drafter, Drafter)
+                                         or self.drafter.num_draft_tokens != self.num_draft_tokens):
+            raise ValueError(f"drafter must implement kvjax.sched.drafter.Drafter with num_draft_tokens="
+                             f"{self.num_draft_tokens}, got {self.drafter!r:.80}")
+
+    @classmethod
+    def of(cls, value: Any) -> "SpeculativeConfig | None":
+        """``None``, a method name (``"ngram"``: its defaults), a :class:`SpeculativeConfig`, or a
+        :class:`Drafter` object (K = its ``num_draft_tokens``), as a config (``ValueError`` otherwise)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            return cls(method=value)
+        if isinstance(value, Drafter):
+            return cls(num_draft_tokens=value.num_draft_tokens, drafter=value)
+        raise ValueError(f"speculative must be None, one of {METHODS}, a SpeculativeConfig or a Drafter, "
+                         f"got {value!r:.80}")
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter:
+    """The drafter ``config`` names (its ``drafter`` object where given)."""
+    if config.drafter is not None:
+        return config.drafter
+    return NgramDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram)

@@ -1,0 +1,168 @@
+"""Speculative decoding, host side: drafts into a plan, and a verification step's accepted tokens into the requests.
+
+Verification. Before planning, every running request that decodes (prompt computed, one token to compute, none
+reserved) may get up to ``K`` draft tokens from the engine's :class:`~kvjax.sched.drafter.Drafter`
+(:func:`propose`), at most ``max_tokens - num_tokens - 1`` so that the accepted drafts and the token sampled after
+them never pass ``max_new_tokens``. The drafts are written into the request's row of the scheduler's
+:class:`~kvjax.sched.request.RowTable` *past* ``num_tokens`` (scratch space: nothing counts them, so a preemption,
+an abort or a fault never sees them) and the row is planned as ``1 + k`` tokens (its last token and the drafts),
+an ordinary ragged row: pages are allocated for all of them and its K/V written. :func:`fit_drafts` drops drafts
+that would not fit the step's token budget or pages (speculation never preempts a request).
+
+A verification plan (``StepPlan.draft_len``, :mod:`kvjax.sched.plan`) is applied in the ledger's two halves:
+:func:`advance` counts the tokens that are certain (prompt chunks, each verification row's first token) as
+computed and reserves nothing; :func:`resolve` takes the step's ``i32[B, K + 2]`` result (row ``b``: the target's
+token after each of its ``1 + k`` positions, then the number ``a`` of drafts accepted), counts ``a`` more tokens
+as computed, and gives the request the ``a + 1`` tokens ``t_0 .. t_a`` (the accepted drafts and the target's
+token after them) through the row table's burst path (``reserve_burst`` / ``resolve_burst``: stop ids end the
+request at the first one, later tokens dropped; ``max_new_tokens`` finishes it). The rejected drafts' K/V stay in
+pages past ``num_computed``: never attended (``seq_lens`` stops before them) and overwritten by the next step.
+Recycling and the prefix cache see ``num_computed`` only, so they never see a rejected token.
+
+Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
+verification step before planning the next (``overlap`` off) and runs no decode bursts with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from kvjax.sched.drafter import Drafter
+from kvjax.sched.plan import StepPlan
+from kvjax.sched.request import Status
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counts over every verification step applied (:func:`resolve`)."""
+
+    steps: int = 0  # verification steps (plans with at least one draft)
+    rows: int = 0  # verification rows (rows with drafts)
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of those, accepted
+    proposed_at: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # i64[K]: by position
+    accepted_at: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # i64[K]
+
+
+def propose(sched: Any, drafter: Drafter) -> dict[int, np.ndarray]:
+    """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; see the module
+    docstring)."""
+    t = sched.rows
+    slots = np.array([r.slot for r in sched.running], np.int64)  # i64[R]
+    if not slots.size:
+        return {}
+    nt, done = t.num_tokens[slots], t.num_computed[slots]
+    room = np.minimum(t.max_tokens[slots] - nt - 1, drafter.num_draft_tokens)  # i64[R]
+    ok = (done >= t.prompt_len[slots]) & (t.num_pending[slots] == 0) & (nt - done == 1) & (room > 0)
+    out = {}
+    for i in np.flatnonzero(ok).tolist():
+        slot = int(slots[i])
+        d = np.asarray(drafter.propose(t.tokens[slot, : nt[i]], int(room[i])), np.int64)[: int(room[i])]
+        if d.size:
+            out[slot] = d
+    return out
+
+
+def fit_drafts(sched: Any, drafts: dict[int, np.ndarray], rows: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """``i64[R]``: the drafts each running row (``rows``: i64[R] slots, ``cap``: i64[R] tokens each would compute
+    without drafts) takes this step, written into the row table past ``num_tokens``: all of ``drafts`` where every
+    row's tokens fit the token budget and the pages the rows need fit at once; the budget trims them from the
+    last row; where the pages do not fit, none."""
+    extra = np.array([drafts[s].size if s in drafts else 0 for s in rows.tolist()], np.int64)
+    if not extra.any():
+        return extra
+    left = sched.max_num_batched_tokens - int(cap.sum())
+    extra = np.minimum(extra, np.maximum(left - (np.cumsum(extra) - extra), 0))
+    t = sched.rows
+    if not extra.any() or not sched.blocks.rows_fit(rows, t.num_computed[rows] + cap + extra):
+        return np.zeros_like(extra)
+    for i in np.flatnonzero(extra).tolist():
+        s, k = int(rows[i]), int(extra[i])
+        t.tokens[s, t.num_tokens[s]: t.num_tokens[s] + k] = drafts[s][:k]
+    return extra
+
+
+def advance(sched: Any, plan: StepPlan) -> list:
+    """The host-known half of a verification plan (the latest schedule()'s): the certain tokens count as computed,
+    nothing is reserved. Returns ``[]`` (no request finishes before its tokens are known)."""
+    ledger = sched.ledger
+    if plan is not ledger.planned:
+        raise ValueError(f"advance() needs the plan of the latest schedule(), not yet advanced; got the plan of step "
+                         f"{getattr(plan, 'step', plan)!r}")
+    ledger.planned = None
+    t, n = sched.rows, plan.num_seqs
+    slots = plan.gdn_slots[:n].astype(np.int64)  # i64[n]
+    rids = np.fromiter(plan.request_ids, np.int64, n)  # i64[n]
+    ledger.unresolved.append((plan, slots, rids))
+    live = t.request_id[slots] == rids  # bool[n]
+    certain = (plan.query_lens[:n] - plan.draft_len[:n]).astype(np.int64)  # i64[n]
+    t.num_computed[slots[live]] += certain[live]
+    return []
+
+
+def resolve(sched: Any, plan: StepPlan, result: np.ndarray) -> list:
+    """Apply a verification step's result (``result``: its flat ``i32[B * (K + 2)]``, see the module docstring)
+    to the oldest advanced plan; returns the requests that finished. ``ValueError`` (nothing changed) unless
+    ``plan`` is that plan and ``result`` has the shape and token ids in ``[0, 2**31)`` where rows sample."""
+    ledger = sched.ledger
+    if not ledger.unresolved or plan is not ledger.unresolved[0][0]:
+        raise ValueError(f"resolve() takes the oldest advanced plan, got the plan of step "
+                         f"{getattr(plan, 'step', plan)!r}")
+    _, slots, rids = ledger.unresolved[0]
+    B, n = plan.seq_lens.shape[0], plan.num_seqs
+    result = np.asarray(result)
+    if result.ndim != 1 or result.size % B or result.size // B < 2 or not np.issubdtype(result.dtype, np.integer):
+        raise ValueError(f"a verification result must be int[B * (K + 2)] with B={B}, got {result.shape} "
+                         f"{result.dtype}")
+    grid = result.reshape(B, -1)[:n].astype(np.int64)  # i64[n, K + 2]
+    J = grid.shape[1] - 1
+    k = plan.draft_len[:n].astype(np.int64)  # i64[n]
+    if (k > J - 1).any():
+        raise ValueError(f"step {plan.step}: drafts {k.max()} exceed the result's K={J - 1}")
+    a = np.clip(grid[:, J], 0, k)  # i64[n]: drafts accepted
+    toks = grid[:, :J]
+    sample = plan.sample_mask[:n]
+    bad = sample[:, None] & (np.arange(J) <= a[:, None]) & ((toks < 0) | (toks > np.iinfo(np.int32).max))
+    if bad.any():
+        raise ValueError(f"step {plan.step}: sampled token ids outside [0, 2**31): {toks[bad][:4]}")
+    _record(sched, plan, k, a)
+    t = sched.rows
+    live = t.request_id[slots] == rids  # bool[n]: still running there
+    t.num_computed[slots[live]] += a[live]
+    rows = np.flatnonzero(live & sample)  # i64[m]
+    finished = []
+    if rows.size:
+        counts = a[rows] + 1  # i64[m]: tokens each row takes
+        rs = slots[rows]
+        t.reserve_burst(rs, rows, counts, B, plan.step)
+        got = np.where(np.arange(J) < counts[:, None], toks[rows], -1)  # i64[m, J]
+        first = t.resolve_burst(rs, plan.step, rows, B, got)
+        assert first is not None, "a verification row's reserved tokens are not its own"
+        done = (first < J) | (t.num_tokens[rs] >= t.max_tokens[rs])  # bool[m]: eos or max_new_tokens
+        for slot in rs[done].tolist():
+            req = t.requests[slot]
+            sched.finish(req)
+            finished.append(req)
+    ledger.unresolved.popleft()
+    return [r for r in finished if r.status is Status.FINISHED]
+
+
+def _record(sched: Any, plan: StepPlan, k: np.ndarray, a: np.ndarray) -> None:
+    """Count the plan's drafts (``k``: i64[n]) and accepted drafts (``a``: i64[n]) in ``sched.spec_stats``."""
+    s = sched.spec_stats
+    if not k.any():
+        return
+    K = int(k.max())
+    if s.proposed_at.size < K:
+        s.proposed_at = np.concatenate([s.proposed_at, np.zeros(K - s.proposed_at.size, np.int64)])
+        s.accepted_at = np.concatenate([s.accepted_at, np.zeros(K - s.accepted_at.size, np.int64)])
+    j = np.arange(K)
+    s.steps += 1
+    s.rows += int((k > 0).sum())
+    s.proposed += int(k.sum())
+    s.accepted += int(a.sum())
+    s.proposed_at[:K] += (j[None, :] < k[:, None]).sum(0)
+    s.accepted_at[:K] += (j[None, :] < a[:, None]).sum(0)

@@ -1,0 +1,109 @@
+"""Speculative decoding (``Engine(speculative=...)``): greedy tokens identical to non-speculative decoding.
+
+Oracles: uncached greedy decoding (``greedy_oracle``) and the plain engine. Models: the tiny f32 Qwen3.5 with an SWA
+head (GDN + conv state rollback; timely recycling on a pool small enough to preempt) and the tiny DeepSeek-V3.2 (MLA
++ DSA). Drafters: prompt lookup (n-gram; on random models most drafts are rejected) and an oracle drafter that
+proposes the true greedy continuation with one token corrupted at a random position, so that rows accept every
+number of drafts from 0 to K (the rollback to each position is exercised).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax.config import CacheConfig
+from kvjax.engine.engine import Engine
+from kvjax.sched.drafter import SpeculativeConfig
+from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts
+from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek_config
+
+NEW = 13
+
+
+class OracleDrafter:
+    """Proposes the expected continuation of a known prompt (``expect``: prompt tuple -> outputs), with the token at
+    a random draft position replaced by another one half of the time (so acceptance runs 0..K)."""
+
+    def __init__(self, prompts, expect, k: int, seed: int = 0) -> None:
+        self.num_draft_tokens = k
+        self.table = {tuple(p): list(e) for p, e in zip(prompts, expect)}
+        self.rng = np.random.default_rng(seed)
+        self.proposed = 0
+
+    def propose(self, tokens, max_drafts):
+        tokens = list(np.asarray(tokens).tolist())
+        for p, e in self.table.items():
+            if tuple(tokens[: len(p)]) == p:
+                done = len(tokens) - len(p)
+                d = e[done: done + max_drafts]
+                if d and self.rng.random() < 0.5:
+                    j = int(self.rng.integers(len(d)))
+                    d[j] = (d[j] + 1 + int(self.rng.integers(VOCAB - 1))) % VOCAB
+                self.proposed += len(d)
+                return np.asarray(d, np.int32)
+        raise AssertionError(f"unknown prompt {tokens[:8]}")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return qwen_swa_model()
+
+
+@pytest.fixture(scope="module")
+def case(qwen):
+    prompts = random_prompts(np.random.default_rng(33), (23, 9, 37, 3, 18, 30, 12))
+    return prompts, greedy_oracle(qwen, prompts, NEW)
+
+
+def spec_engine(model, speculative, **kw) -> Engine:
+    return Engine(model, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, speculative=speculative, **kw)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_greedy_ngram_equals_oracle_qwen(qwen, case, K):
+    prompts, expect = case
+    eng = spec_engine(qwen, SpeculativeConfig(num_draft_tokens=K), debug=True)
+    assert not eng.overlap and eng.decode_burst == 1
+    assert eng.generate(prompts, NEW) == expect
+    s = eng.metrics.summary()
+    assert s["drafts_proposed"] > 0 and s["preemptions"] > 0
+    assert_idle(eng)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_greedy_partial_acceptance_equals_oracle_qwen(qwen, case, K):
+    """Rows accept 0..K drafts: the GDN and conv states after exactly the accepted tokens (a wrong rollback shows
+    in the next tokens)."""
+    prompts, expect = case
+    drafter = OracleDrafter(prompts, expect, K, seed=K)
+    eng = spec_engine(qwen, drafter, debug=True)
+    assert eng.generate(prompts, NEW) == expect
+    s = eng.metrics.summary()
+    assert 0 < s["drafts_proposed"] <= drafter.proposed  # the budget trims some
+    assert 0.3 < s["acceptance_rate"] < 1.0
+    per = s["acceptance_rate_per_position"]
+    assert len(per) == K and all(0 <= r <= 1 for r in per)
+    assert s["tokens_per_verify_row"] > 1.0
+    assert sum(r.generated for r in eng.metrics.records) == len(prompts) * NEW
+    # every acceptance count 0..K happened, so every rollback position was taken
+    assert eng.scheduler.spec_stats.accepted_at[K - 1] > 0
+    assert eng.scheduler.spec_stats.proposed_at[0] > eng.scheduler.spec_stats.accepted_at[0]
+    assert_idle(eng)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_greedy_equals_oracle_deepseek(K):
+    from kvjax.models.deepseek import DeepseekV32
+
+    model = nnx.jit(lambda: DeepseekV32(tiny_deepseek_config(), rngs=nnx.Rngs(5)))()
+    prompts = random_prompts(np.random.default_rng(6), (21, 4, 13, 26, 8))
+    expect = greedy_oracle(model, prompts, 7)
+    cache = CacheConfig(page_size=4, num_pages=20, max_seqs=4, max_blocks_per_seq=8)
+    for drafter in (SpeculativeConfig(num_draft_tokens=K), OracleDrafter(prompts, expect, K, seed=K)):
+        eng = Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET,
+                     cache_options={"indexer_fp8": False}, speculative=drafter, debug=True)
+        assert eng.generate(prompts, 7) == expect
+        assert eng.metrics.summary()["drafts_proposed"] > 0
+        assert_idle(eng)
