@@ -1,6 +1,7 @@
 """Block-wise fp8 GQA pages: the cache spec and its roles, the quantising write and its fill rule, the paged
 attention reference over fp8 pages (against float pages, with a bound derived from e4m3's 3 mantissa bits), the
-backend table declining fp8 pages for every kernel, and bad inputs."""
+backend table's choice for fp8 pages (the Triton kernels take them, the Mosaic GPU kernel declines them), and bad
+inputs. The kernels over fp8 pages against this reference: ``tests/test_paged_attention_kernels.py``."""
 
 from __future__ import annotations
 
@@ -286,25 +287,27 @@ def test_fp8_pages_error_against_float_pages_is_bounded(rng):
     assert err32.max() > 4 * np.abs(outs["bf16"] - outs["f32"]).max()  # fp8 is coarser than bf16 (measurably)
 
 
-# ------------------------------------------------------------------------------------------------ kernels decline
+# ------------------------------------------------------------------------------------------------ kernels choice
 
 
-def _fp8_call():
-    return TABLE.examples["decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 fp8"]()
-
-
-def test_every_kernel_declines_fp8_pages_and_auto_takes_the_reference():
+def test_triton_kernels_take_fp8_pages_and_mosaic_declines_them():
+    """On Hopper, fp8 decode goes to the split-KV kernel and fp8 prefill to the Triton prefill kernel (the Mosaic GPU
+    kernel, first for bf16 prefill at pages of 64, declines fp8 pages by name); on a CPU auto takes the reference."""
     hopper = DeviceKind(platform="gpu", compute_capability="9.0", num_sms=132)
-    args, kwargs = _fp8_call()
+    cpu = DeviceKind(platform="cpu")
+    for page in (16, 64):
+        args, kwargs = TABLE.examples[f"decode B=64 L=4096 Hq=32 Hkv=8 D=128 page {page} fp8"]()
+        assert TABLE.choose("auto", args, kwargs, device=hopper)[0] == "pallas"
+        assert TABLE.choose("auto", args, kwargs, device=cpu)[0] == "reference"
+        assert TABLE.choose("interpret", args, kwargs, device=cpu)[0] == "interpret"
+    args, kwargs = TABLE.examples["prefill T=4096 H=32 D=128 page 64 fp8"]()
     reasons = dict(TABLE.explain(args, kwargs, device=hopper))
-    assert set(reasons) == {b.name for b in TABLE.backends} | {"reference"}
-    assert all(reasons[b.name] == "fp8 pages: not in this kernel yet" for b in TABLE.backends)
-    assert TABLE.choose("auto", args, kwargs, device=hopper)[0] == "reference"
-    for impl in ["interpret"] + [f"{b.name}:interpret" for b in TABLE.backends]:
-        with pytest.raises(UnknownImplError, match="fp8 pages"):
-            TABLE.choose(impl, args, kwargs, device=hopper)
-    bf16_args, bf16_kwargs = TABLE.examples["decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 bf16"]()
-    assert TABLE.choose("auto", bf16_args, bf16_kwargs, device=hopper)[0] == "pallas"  # float pages: unchanged
+    assert reasons["mosaic"].startswith("fp8 pages: not in this kernel") and reasons["prefill"] is None
+    assert TABLE.choose("auto", args, kwargs, device=hopper)[0] == "prefill"
+    with pytest.raises(UnknownImplError, match="fp8 pages"):
+        TABLE.choose("mosaic:interpret", args, kwargs, device=cpu)
+    bf16_args, bf16_kwargs = TABLE.examples["prefill T=4096 H=32 D=128 page 64 bf16"]()
+    assert TABLE.choose("auto", bf16_args, bf16_kwargs, device=hopper)[0] == "mosaic"  # float pages: unchanged
     assert "k_scale" not in bf16_kwargs
 
 

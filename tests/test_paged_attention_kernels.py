@@ -6,6 +6,10 @@ attend are either holes (-1) or still in the table but filled with NaN, the unwr
 and every unused page are NaN. CPU runs use interpret mode on small shapes; the ``gpu`` grid covers random
 page permutations, holes, windows straddling page edges, sinks, GQA 1/4/8, page sizes 16/64 (and 128 for the
 prefill load paths), lengths 1..8k.
+
+fp8 pages (float8_e4m3fn, one power-of-two f32 scale per page): the same batches quantised page by page, NaN pages
+keeping a NaN scale, so a kernel that reads a scale it must not read fails too. Kernel and reference read the same
+fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`_fp8_bound`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvjax.base.device import NAMED
+from kvjax.base.fp8 import FP8_DTYPE, pow2_scale
 from kvjax.errors import UnknownImplError
 from kvjax.ops import attention
 from kvjax.ops.attention import paged_attention_reference
@@ -79,6 +84,58 @@ def _ref(args, kwargs):
     q, k, v, table, ctx = args
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     return paged_attention_reference(f32(q), f32(k), f32(v), table, ctx, **kwargs)
+
+
+def _fp8(args):
+    """The batch of ``args`` over fp8 pages: ``(q, k8, v8, table, ctx)`` and ``dict(k_scale=, v_scale=)``.
+
+    Each page is quantised with its power-of-two scale (:func:`kvjax.base.fp8.pow2_scale` of its finite max, as
+    the cache write does); NaN stays NaN (an unwritten tail), and a page that is all NaN (unused, or below a window)
+    gets scale NaN: reading its scale would poison the output.
+    """
+    q, k, v, table, ctx = args
+
+    def quantise(x):
+        x = np.asarray(x, np.float32)
+        amax = np.where(np.isnan(x), 0.0, np.abs(x)).max(axis=(1, 2))  # f32[P]
+        s = np.asarray(pow2_scale(jnp.asarray(amax)))
+        page = jnp.asarray(x / np.where(s > 0, s, 1.0)[:, None, None]).astype(FP8_DTYPE)
+        return page, jnp.asarray(np.where(np.isnan(x).all(axis=(1, 2)), np.nan, s), jnp.float32)
+
+    (k8, k_scale), (v8, v_scale) = quantise(k), quantise(v)
+    return (q, k8, v8, table, ctx), dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def _ref_fp8(args, scales, kwargs):
+    """The float32 reference over the fp8 pages (it dequantises them) and, for :func:`_fp8_bound`, the same
+    attention of ``|v|``."""
+    q, k8, v8, table, ctx = args
+    ref = paged_attention_reference(q.astype(jnp.float32), k8, v8, table, ctx, **kwargs, **scales)
+    k = k8.astype(jnp.float32) * scales["k_scale"][:, None, None]
+    v = v8.astype(jnp.float32) * scales["v_scale"][:, None, None]
+    abs_v = paged_attention_reference(q.astype(jnp.float32), k, jnp.abs(v), table, ctx, **kwargs)
+    return np.asarray(ref), np.asarray(abs_v), float(np.nanmax(np.abs(np.asarray(v))))
+
+
+def _fp8_bound(ref, abs_v, v_max, dtype):
+    """Per-element bound on ``|kernel - reference|`` over the same fp8 pages.
+
+    Both read identical values: an e4m3 value is exact in bf16 / f16 / f32, the scales are powers of two (the key
+    scale times the softmax scale and the value scale times a probability are exact), and bf16 x bf16 products are
+    exact in the f32 accumulator. What a bf16 kernel rounds is each probability (``p * s_v`` to bf16, relative
+    ``u = 2**-8``: an output error of at most ``u sum p |v| / sum p``, ``abs_v``) and the output itself (``u |o|``).
+    ``2**-12 max|v|`` covers f32 summation order and exp2 against exp. An f32 kernel rounds nothing of the kind:
+    only that last term."""
+    u = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0
+    return u * (abs_v + np.abs(ref)) + 2.0 ** -12 * v_max
+
+
+def _check_fp8(out, ref, abs_v, v_max, dtype):
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), "kernel output has NaN/inf"
+    err = np.abs(out - ref)
+    bound = _fp8_bound(ref, abs_v, v_max, dtype)
+    assert (err <= bound).all(), (float(err.max()), float((err - bound).max()))
 
 
 def _rel_err(out, ref):
@@ -313,6 +370,93 @@ def test_rejects_unsupported_shapes(rng):
         paged_prefill.paged_prefill(*args, **kw, interpret=True)
 
 
+# ---------------------------------------------------------------- fp8 pages (CPU, interpret mode)
+
+# head 0 full, head 1 SWA with sinks, head 2 SWA without (windows straddling pages of 16 and 64)
+_FP8_HEADS = dict(hkv=3, window=[0, 40, 70], sinks=[0, 4, 0])
+
+
+def _fp8_batch(rng, *, page_size, ctx, new, dtype, hq=6, d=32, **extra):
+    """A :func:`_build` batch over fp8 pages with :data:`_FP8_HEADS`: (args, scales, kwargs, (ref, abs_v, v_max))."""
+    args, kw = _build(rng, hq=hq, d=d, page_size=page_size, ctx=ctx, new=new, dtype=dtype, **_FP8_HEADS, **extra)
+    args, scales = _fp8(args)
+    return args, scales, kw, _ref_fp8(args, scales, kw)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_decode_interpret_fp8_pages(rng, page_size, dtype):
+    # decode rows over fp8 pages: a long row whose SWA pages below the window are recycled (-1) or NaN, short rows,
+    # a 1-token row; GQA 2; one split and several (empty ones included); padding tokens get 0
+    args, scales, kw, (ref, abs_v, v_max) = _fp8_batch(rng, page_size=page_size, ctx=[300, 70, 1, 140],
+                                                        new=[1, 1, 1, 1], dtype=dtype)
+    table = np.asarray(args[3])
+    dead = table[0, [1, 2], [1, 0]]  # SWA pages below the window: recycled (-1) or NaN, scale included
+    assert ((dead == -1) | np.isnan(np.asarray(scales["k_scale"])[dead])).all() and (table[0, 0, :4] >= 0).all()
+    assert (table[0] == -1).any() or page_size == 64
+    assert args[1].dtype == FP8_DTYPE and np.isnan(np.asarray(scales["v_scale"])).any()  # poisoned scales exist
+    for splits, block_k in ((1, 64), (5, page_size)):
+        out = decode.paged_decode(*args, **kw, **scales, interpret=True, num_splits=splits, block_k=block_k)
+        _check_fp8(out, ref, abs_v, v_max, dtype)
+    assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("kv_load", ["page", "gather"])
+def test_prefill_interpret_fp8_pages(rng, page_size, kv_load):
+    # mixed batch over fp8 pages: chunked prefill over a cached prefix, a whole prompt, decode rows, an empty
+    # padding row; full / SWA-with-sinks / SWA heads, NaN tails; both load paths, split and fused key loops,
+    # two pages per key block at page 16, page ids one step ahead (bf16 q, as served)
+    args, scales, kw, (ref, abs_v, v_max) = _fp8_batch(rng, page_size=page_size, ctx=[200, 30, 70, 9, 0],
+                                                        new=[21, 30, 1, 1, 0], dtype=jnp.bfloat16)
+    dead = np.asarray(args[3])[0, [1, 2], [1, 0]]  # SWA pages below the window: recycled (-1) or NaN, scale too
+    assert ((dead == -1) | np.isnan(np.asarray(scales["k_scale"])[dead])).all()
+    variants = [dict(fused_loop=False), dict(fused_loop=True)]
+    if kv_load == "page":
+        variants.append(dict(page_ids="carry"))
+    for cfg in variants:
+        out = paged_prefill.paged_prefill(*args, **kw, **scales, interpret=True, block_q=32,
+                                          block_k=max(32, page_size), kv_load=kv_load, **cfg)
+        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
+    assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
+
+
+def test_prefill_interpret_fp8_pages_f32_is_exact(rng):
+    # with f32 q the kernel converts e4m3 to f32: the reference's arithmetic up to summation order
+    args, scales, kw, (ref, abs_v, v_max) = _fp8_batch(rng, page_size=16, ctx=[90, 33, 5], new=[29, 33, 1],
+                                                        dtype=jnp.float32)
+    out = paged_prefill.paged_prefill(*args, **kw, **scales, interpret=True, block_q=16, block_k=32)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_public_op_fp8_pages_runs_the_triton_kernels(rng):
+    # through paged_attention: impl="interpret" (decode kernel) and "prefill:interpret" read the fp8 pages;
+    # the Mosaic GPU kernel declines them by name
+    args, scales, kw, (ref, abs_v, v_max) = _fp8_batch(rng, page_size=16, ctx=[70, 20, 3], new=[9, 20, 1],
+                                                        dtype=jnp.bfloat16)
+    call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"], **scales)
+    for impl in ("interpret", "prefill:interpret"):
+        _check_fp8(attention.paged_attention(*args, **call, impl=impl), ref, abs_v, v_max, jnp.bfloat16)
+    with pytest.raises(UnknownImplError, match="mosaic:interpret.*fp8 pages"):
+        attention.paged_attention(*args, **call, impl="mosaic:interpret")
+
+
+def test_kernels_refuse_fp8_pages_without_scales(rng):
+    # direct kernel calls (the op checks first): fp8 pages need both scales, float pages take none, K and V agree
+    args, scales, kw, _ = _fp8_batch(rng, page_size=16, ctx=[20], new=[3], dtype=jnp.bfloat16)
+    q, k8, v8, table, ctx = args
+    for kernel, name in ((decode.paged_decode, "pallas paged_decode"),
+                         (paged_prefill.paged_prefill, "pallas paged_prefill")):
+        with pytest.raises(ValueError, match=f"{name}: fp8 pages need v_scale"):
+            kernel(*args, **kw, k_scale=scales["k_scale"], interpret=True)
+        with pytest.raises(ValueError, match="k_scale must be f32"):
+            kernel(*args, **kw, k_scale=scales["k_scale"][:-1], v_scale=scales["v_scale"], interpret=True)
+        with pytest.raises(ValueError, match="k_scale and v_scale go with float8_e4m3fn pages"):
+            kernel(q, k8.astype(jnp.bfloat16), v8.astype(jnp.bfloat16), table, ctx, **kw, **scales, interpret=True)
+        with pytest.raises(ValueError, match="both be float8_e4m3fn or both float"):
+            kernel(q, k8, v8.astype(jnp.bfloat16), table, ctx, **kw, **scales, interpret=True)
+
+
 # ---------------------------------------------------------------- GPU grid
 
 _GPU_CTX = [1, 15, 16, 17, 300, 1000, 4099, 8192]
@@ -434,3 +578,65 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     assert len(q) >= 64 * len(ctx)  # the table's "auto" takes the Mosaic kernel for this batch on Hopper
     assert attention.TABLE.choose("auto", args, kw)[0] == "mosaic"
     assert _rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_decode_fp8_grid(rng, group, page_size):
+    # the compiled split-KV kernel over fp8 pages (e4m3 loads converted to bf16 on the GPU): lengths 1..8k, a full
+    # head beside a SWA head with sinks whose dead pages are holes or NaN (scales too), against the f32 reference
+    # over the same fp8 pages, per element within _fp8_bound
+    hkv = 2
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=_GPU_CTX,
+                      new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
+                      dtype=jnp.bfloat16)
+    args, scales = _fp8(args)
+    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+    for splits, block_k in ((None, None), (1, 128), (7, 64)):
+        out = decode.paged_decode(*args, **kw, **scales, num_splits=splits, block_k=block_k)
+        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
+    assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("kv_load", ["page", "gather"])
+def test_gpu_prefill_fp8_grid(rng, kv_load, page_size):
+    # the compiled Triton prefill kernel over fp8 pages: mixed batch (decode rows, prefill, chunked prefill, a
+    # padding row), SWA head with sinks beside a full head, poisoned holes inside the full head's walk, NaN tails
+    hkv, group = 2, 4
+    ctx, new = [8192, 300, 700, 17, 5000, 0, 64], [1, 300, 129, 1, 1, 0, 64]
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                      window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
+    q, k, v, table, seq_lens = args
+    table = np.asarray(table).copy()
+    for b, col in ((1, 1), (2, 3)):  # poisoned holes in the unmasked middle of full head 1
+        k = k.at[table[b, 1, col]].set(jnp.nan)
+        v = v.at[table[b, 1, col]].set(jnp.nan)
+        table[b, 1, col] = -1
+    args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
+    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+    variants = [dict(), dict(block_k=128, fused_loop=False)]
+    if kv_load == "page":
+        variants.append(dict(block_k=max(64, page_size), page_ids="carry"))
+    for cfg in variants:
+        out = paged_prefill.paged_prefill(*args, **kw, **scales, kv_load=kv_load, **cfg)
+        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_auto_fp8_is_the_triton_kernels(rng):
+    # paged_attention over fp8 pages on the GPU: auto takes the decode kernel for a decode batch and the Triton
+    # prefill kernel for a prefill batch with pages of 64 (where bf16 pages take the Mosaic GPU kernel on Hopper)
+    hkv = 2
+    for ctx, new, name in (([3000, 1], [1, 1], "kvjax_paged_decode_fp8"),
+                           ([4096, 200], [4096, 200], "kvjax_paged_prefill_fp8")):
+        args, kw = _build(rng, hq=8, hkv=hkv, d=128, page_size=64, ctx=ctx, new=new, window=[0, 256],
+                          sinks=[0, 4], dtype=jnp.bfloat16, extra_tokens=0, tail_fill=0.0)
+        args, scales = _fp8(args)
+        ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+        call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"], **scales)
+        text = str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a, **call))(*args))
+        assert name in text, name
+        _check_fp8(attention.paged_attention(*args, **call), ref, abs_v, v_max, jnp.bfloat16)

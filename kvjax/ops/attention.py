@@ -34,20 +34,26 @@ implementation that :data:`TABLE` (its backend table) chooses for ``impl``, with
 fp8 pages (``float8_e4m3fn``, :mod:`kvjax.state.kv_cache`'s fill rule) come with one f32 scale per page,
 ``k_scale`` / ``v_scale`` ``f32[P]`` (a page is one KV head's block, so per page = per page and KV head); the
 pages read as ``q * scale``. The normalised call carries ``k_scale`` / ``v_scale`` only for fp8 pages, so a call
-over float pages is the same as before; no kernel takes fp8 pages yet (each backend's check declines them), so
-``impl="auto"`` runs the reference, which dequantises the gathered pages and attends in float32.
+over float pages is the same as before. The two Triton kernels (``"prefill"``, ``"pallas"``) read fp8 pages:
+they load the page bytes, convert them to q's dtype, multiply each logit by its page's key scale and each
+probability by its page's value scale before ``P V`` (f32 accumulation); the Mosaic GPU kernel declines them.
+The reference dequantises the gathered pages and attends in float32.
 
 Every implementation (reference or kernel) takes that normalised call, and so does every backend's
 ``unsupported()`` check. Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
 the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged attention prefill"):
 
 - ``"mosaic"``: the Mosaic GPU prefill kernel (:mod:`kvjax.pallas.paged.prefill_mgpu`), Hopper only; pages of
-  64 / 128 tokens, head_dim 64 / 128, bf16 / f16, and ``T >= 64 B``. It reads whole pages, so the unwritten
-  tail of a row's last page must hold finite values (kvjax pools start zeroed), never NaN;
+  64 / 128 tokens, head_dim 64 / 128, bf16 / f16 (no fp8 pages), and ``T >= 64 B``. It reads whole pages, so the
+  unwritten tail of a row's last page must hold finite values (kvjax pools start zeroed), never NaN;
 - ``"prefill"``: the ragged prefill kernel in the Pallas Triton lowering (:mod:`kvjax.pallas.paged.prefill`),
-  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``);
+  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``); float or fp8 pages;
 - ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those
-  power-of-two shapes; what ``impl="interpret"`` runs;
+  power-of-two shapes, float or fp8 pages; what ``impl="interpret"`` runs;
+
+fp8 pages on a GPU need the Triton lowering's e4m3 conversion, which it has from sm_89 (Ada, Hopper) on; on an
+older GPU (A100) compiling a Triton kernel over fp8 pages raises ``NotImplementedError`` ("cannot cast from
+float8_e4m3fn"): use ``impl="reference"`` there.
 - ``"reference"``: :func:`paged_attention_reference`, always.
 
 Page ids outside ``[0, P)`` other than ``-1`` are a caller bug (the scheduler's debug path validates plans);
@@ -308,18 +314,6 @@ def check_pages(k_pages, v_pages, k_scale, v_scale) -> bool:
     return True
 
 
-def _float_pages(unsupported):
-    """A kernel's check that first declines fp8 pages (no paged kernel reads them yet)."""
-    def check(*args, **kwargs):
-        if "k_scale" in kwargs:
-            return "fp8 pages: not in this kernel yet"
-        return unsupported(*args, **kwargs)
-
-    check.__name__ = check.__qualname__ = f"float_pages_{getattr(unsupported, '__name__', 'check')}"
-    return check
-
-
-
 def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 32, hkv: int = 8, d: int = 128,
              dtype=jnp.bfloat16, fp8: bool = False) -> tuple[tuple, dict]:
     """A normalised call of ``rows`` rows of ``context`` positions (``tokens`` new tokens in all) as
@@ -342,13 +336,13 @@ TABLE = BackendTable(
     paged_attention_reference,
     (
         Backend("mosaic", prefill_mgpu.paged_prefill_mgpu, priority=30, device=on_hopper,
-                unsupported=_float_pages(prefill_mgpu.unsupported),
+                unsupported=prefill_mgpu.unsupported,
                 note="prefill ahead of the Triton prefill kernel, pages 64/128 (RESULTS.md, Paged attention prefill)"),
         Backend("prefill", prefill.paged_prefill, priority=20, device=on_gpu,
-                unsupported=_float_pages(prefill.unsupported),
+                unsupported=prefill.unsupported,
                 note="one program per (query tile, KV head): each page read once per tile, not once per token"),
         Backend("pallas", decode.paged_decode, priority=10, device=on_gpu,
-                unsupported=_float_pages(decode.unsupported),
+                unsupported=decode.unsupported,
                 note="split-KV decode, exact on any batch: the GPU fallback (RESULTS.md, Paged attention decode)"),
     ),
     examples={
@@ -357,5 +351,7 @@ TABLE = BackendTable(
         "prefill T=4096 H=32 D=128 page 16 bf16": lambda: _example(4096, 1, 16, context=4096, hkv=32),
         "mixed T=512 B=64 Hq=32 Hkv=8 D=128 page 64 bf16": lambda: _example(512, 64, 64, context=4096),
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 fp8": lambda: _example(64, 64, 16, context=4096, fp8=True),
+        "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 64 fp8": lambda: _example(64, 64, 64, context=4096, fp8=True),
+        "prefill T=4096 H=32 D=128 page 64 fp8": lambda: _example(4096, 1, 64, context=4096, hkv=32, fp8=True),
     },
 )

@@ -12,6 +12,11 @@ hold a visible key are the *sink pages* ``[0, n_sink)`` and the *window pages* `
 Kernels walk the *virtual page list* ``v = 0 .. n_sink + hi - lo - 1`` mapped to table column
 ``v if v < n_sink else lo + v - n_sink``, so every page they touch can hold an attendable key, and each
 page is visited once. Nothing here reads the block table: holes are masked by the kernels themselves.
+
+fp8 pages (:func:`page_scales`): the Triton kernels load the float8_e4m3fn page bytes and convert them to q's
+dtype (exact: every e4m3 value is a bf16 / f16 / f32 value), multiply each ``q . k`` logit by its page's key
+scale and each probability by its page's value scale before the ``P V`` product (the softmax sums take the
+unscaled probabilities); the scales are powers of two (:mod:`kvjax.state.kv_cache`), so both products are exact.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.base.device import is_pow2
+from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.base.ragged import count_le
 
 
@@ -127,3 +133,38 @@ def triton_shape_reason(
     if not is_pow2(page_size):
         return f"needs a power-of-two page_size, got {page_size}"
     return None
+
+
+def page_scales(
+    k_pages: jax.Array,  # [P, page_size, D]: float, or float8_e4m3fn
+    v_pages: jax.Array,  # [P, page_size, D]
+    k_scale: jax.Array | None,  # f32[P] for fp8 pages, else None
+    v_scale: jax.Array | None,  # f32[P] for fp8 pages, else None
+    *,
+    kernel: str,
+) -> tuple[bool, jax.Array, jax.Array]:  # (fp8, f32[P] or f32[1], f32[P] or f32[1])
+    """Whether a Triton paged kernel reads fp8 pages, and the two scale arrays it is handed.
+
+    fp8 pages are float8_e4m3fn ``k_pages`` / ``v_pages`` with ``k_scale`` / ``v_scale`` ``f32[P]`` (one scale per
+    single-head page); float pages take no scales and are handed an unread ``f32[1]`` each, so the kernel's
+    signature does not change. ``ValueError`` naming ``kernel`` and the argument otherwise (the op checks the
+    same first; this guards direct kernel calls).
+    """
+    fp8 = [jnp.dtype(x.dtype) == FP8_DTYPE for x in (k_pages, v_pages)]
+    if fp8[0] != fp8[1]:
+        raise ValueError(f"{kernel}: k_pages and v_pages must both be float8_e4m3fn or both float, got "
+                         f"{k_pages.dtype} and {v_pages.dtype}")
+    if not fp8[0]:
+        given = [n for n, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is not None]
+        if given:
+            raise ValueError(f"{kernel}: {' and '.join(given)} go with float8_e4m3fn pages, got {k_pages.dtype} pages")
+        one = jnp.ones((1,), jnp.float32)
+        return False, one, one
+    num_pages = k_pages.shape[0]
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            raise ValueError(f"{kernel}: fp8 pages need {name} (f32[P] per-page scales, P={num_pages}), got None")
+        if tuple(x.shape) != (num_pages,) or x.dtype != jnp.float32:
+            raise ValueError(f"{kernel}: {name} must be f32[{num_pages}] (one scale per page), got "
+                             f"{x.dtype}{list(x.shape)}")
+    return True, k_scale, v_scale

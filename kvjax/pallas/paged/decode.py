@@ -7,6 +7,12 @@ virtual page list of :mod:`kvjax.pallas.paged.common` (sink pages + window pages
 writes an f32 partial output and its log-sum-exp, merged by :func:`kvjax.pallas.split_kv.merge_splits` (an
 empty split, or a padding token, weighs 0, never NaN).
 
+fp8 pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``): the kernel loads the page bytes (1 byte a
+value; no dequantised copy of the cache exists anywhere), converts them to q's dtype, multiplies each logit of a
+key by its page's key scale (folded with the softmax scale into one per-key factor) and each probability by its
+page's value scale before the ``P V`` product; accumulation stays f32. A key's two scales are loaded with it,
+per key like its page id, so a hole's or a masked key's scale is never read.
+
 The kernel is exact for *any* ragged batch (it re-reads a row's pages once per query token), so it is the
 ``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
 runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
@@ -34,8 +40,10 @@ _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run 
 
 def _decode_kernel(
     q_ref,  # [T*Hq, D]
-    k_ref,  # [P*page_size, D]
+    k_ref,  # [P*page_size, D] (float or float8_e4m3fn)
     v_ref,  # [P*page_size, D]
+    ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
+    vs_ref,  # f32[P]: value scale per page
     bt_ref,  # i32[B*Hkv*max_blocks]
     row_ref,  # i32[T]
     pos_ref,  # i32[T]
@@ -54,6 +62,7 @@ def _decode_kernel(
     max_blocks: int,
     num_kv_heads: int,
     num_splits: int,
+    fp8: bool,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
@@ -95,17 +104,23 @@ def _decode_kernel(
         kv_rows = jnp.where(ok, page, 0) * page_size + j_off
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
-        return k, v, ok
+        if not fp8:
+            return k, v, ok, scale, None
+        safe = jnp.where(ok, page, 0)
+        k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)  # f32[block_k]: each key's page scale
+        v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
+        return k.astype(q.dtype), v.astype(q.dtype), ok, (scale * k_sc)[None, :], v_sc[None, :]
 
-    def update(k, v, ok, acc, m, l):
-        sc = plgpu.dot(q, k, trans_b=True) * scale  # f32[rows, block_k]
+    def update(k, v, ok, k_factor, v_factor, acc, m, l):
+        sc = plgpu.dot(q, k, trans_b=True) * k_factor  # f32[rows, block_k]
         sc = jnp.where(ok[None, :], sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        pv = p if v_factor is None else p * v_factor  # fp8: the value scale on the probabilities (l unscaled)
+        acc = acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v)
         return acc, m_new, l
 
     def body(c, carry):
@@ -129,8 +144,10 @@ def _decode_kernel(
 
 def _decode_call(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
+    k_pages: jax.Array,  # [P, page_size, D] (float or float8_e4m3fn)
     v_pages: jax.Array,  # [P, page_size, D]
+    k_scale: jax.Array,  # f32[P] (fp8 pages) or f32[1] (float pages: unread)
+    v_scale: jax.Array,  # f32[P] or f32[1]
     block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
     row: jax.Array,  # i32[T]
     pos: jax.Array,  # i32[T]
@@ -145,6 +162,7 @@ def _decode_call(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    fp8: bool,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
     t_total, hq, d = q.shape
@@ -154,7 +172,7 @@ def _decode_call(
     rows = max(16, next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -167,11 +185,12 @@ def _decode_call(
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode_s{num_splits}_bk{block_k}",
+        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}",
     )(
         q.reshape(t_total * hq, d),
         k_pages.reshape(num_pages * page_size, d),
         v_pages.reshape(num_pages * page_size, d),
+        k_scale, v_scale,
         block_tables.reshape(-1),
         row, pos, lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
     )
@@ -192,7 +211,8 @@ def unsupported(
     **static,  # cu_seqlens, scale, window, sinks: any value is fine
 ) -> str | None:
     """Why :func:`paged_decode` cannot take this normalised call (shapes only), or None: it takes any batch
-    with a power-of-two ``head_dim >= 16`` and a power-of-two ``page_size``."""
+    with a power-of-two ``head_dim >= 16`` and a power-of-two ``page_size``, float or fp8 pages (``k_scale`` /
+    ``v_scale`` in ``static``)."""
     return common.triton_shape_reason(q, k_pages)
 
 
@@ -216,6 +236,8 @@ def paged_decode(
     scale: float,
     window: jax.Array,  # i32[Hkv]
     sinks: jax.Array,  # i32[Hkv]
+    k_scale: jax.Array | None = None,  # f32[P]: fp8 (float8_e4m3fn) pages only
+    v_scale: jax.Array | None = None,  # f32[P]
     interpret: bool = False,
     num_splits: int | None = None,
     block_k: int | None = None,
@@ -226,8 +248,9 @@ def paged_decode(
 
     Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
-    ``num_stages`` 4. ``ValueError`` for shapes :func:`unsupported` rejects. Reads only; tokens that belong to
-    no row get output 0.
+    ``num_stages`` 4. ``ValueError`` for shapes :func:`unsupported` rejects and for fp8 pages without their
+    scales (:func:`kvjax.pallas.paged.common.page_scales`). fp8 pages read as ``page * scale`` (module doc).
+    Reads only; tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
     hkv, max_blocks = block_tables.shape[1:]
@@ -236,6 +259,7 @@ def paged_decode(
     reason = unsupported(q, k_pages, v_pages, block_tables, seq_lens)
     if reason:
         raise ValueError(f"pallas paged_decode {reason}")
+    fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="pallas paged_decode")
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
     if num_splits is None:
@@ -244,7 +268,7 @@ def paged_decode(
     lo, n_sink, n_pages = common.page_ranges(pos, pos, real, window, sinks, page_size=page_size,
                                              max_blocks=max_blocks)
     return _decode_call(
-        q, k_pages, v_pages, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
+        q, k_pages, v_pages, k_scale, v_scale, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
         scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or 4, interpret=interpret,
+        num_stages=num_stages or 4, fp8=fp8, interpret=interpret,
     )

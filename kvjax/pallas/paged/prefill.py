@@ -16,6 +16,13 @@ id, one QK^T sub-product per page) or as a gathered key block (``"gather"``: per
 loop skips the per-element mask on blocks every row of the tile sees fully (split loops, or one loop that picks
 the mask per block); the softmax scale is applied after the row max, so each score costs one FMA before exp2.
 
+fp8 pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``): K/V are loaded as page bytes (1 byte a
+value, no dequantised copy of the cache) and converted to q's dtype; the raw ``q . k`` scores of a key are
+multiplied by its page's key scale, and the probabilities by its page's value scale before the ``P V`` product
+(the softmax sums take the unscaled probabilities); f32 accumulation. The scales come as a vector over the
+block's keys (one per key, the same for the keys of one page), loaded under the keys' mask, so the scale of a
+hole or a masked key is never read.
+
 It is the ``"prefill"`` backend of ``kvjax.ops.paged_attention``: any GPU, batches with more tokens than rows
 (:func:`unsupported`); on Hopper the table prefers the Mosaic GPU kernel of :mod:`kvjax.pallas.paged.prefill_mgpu`
 where that one fits. The kernel itself is exact for any batch.
@@ -37,12 +44,13 @@ _NEG_INF = float("-inf")
 _LOG2E = 1.4426950408889634
 
 
-def _online_update(carry, scores, values, biases, qk_scale: float):
+def _online_update(carry, scores, values, biases, qk_scale: float, v_scales=None):
     """One online-softmax step over key sub-blocks (same rows, one running max for all of them).
 
     ``scores``: raw ``q . k`` f32[rows, n_i] with masked keys at -inf; ``biases``: f32[rows] 0 / -inf per
     sub-block (-inf: a hole page) or None. The scale is applied after the row max (one FMA per score), softmax
-    in base 2.
+    in base 2. ``v_scales`` (fp8 pages): per sub-block f32[n_i], each key's value scale, applied to the
+    probabilities of the ``P V`` product only (``l`` sums the unscaled ones).
     """
     acc, m, l = carry
     blk = None
@@ -56,18 +64,21 @@ def _online_update(carry, scores, values, biases, qk_scale: float):
     alpha = jnp.exp2(m - m_safe)
     acc = acc * alpha[:, None]
     l = l * alpha
-    for s, v, bias in zip(scores, values, biases):
+    for s, v, bias, v_sc in zip(scores, values, biases, v_scales or [None] * len(values)):
         shift = m_safe if bias is None else m_safe - bias  # +inf for a hole: every p is 0
         p = jnp.exp2(s * qk_scale - shift[:, None])
         l = l + jnp.sum(p, axis=1)
-        acc = acc + plgpu.dot(p.astype(v.dtype), v)
+        pv = p if v_sc is None else p * v_sc[None, :]
+        acc = acc + plgpu.dot(pv.astype(v.dtype), v)
     return acc, m_new, l
 
 
 def _prefill_kernel(
     q_ref,  # [T*Hq, D]
-    k_ref,  # [P*page_size, D]
+    k_ref,  # [P*page_size, D] (float or float8_e4m3fn)
     v_ref,  # [P*page_size, D]
+    ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
+    vs_ref,  # f32[P]: value scale per page
     bt_ref,  # i32[B*Hkv*max_blocks]
     tile_row_ref,  # i32[NT]
     tile_tok_ref,  # i32[NT]: first token of the tile
@@ -90,6 +101,7 @@ def _prefill_kernel(
     loop: str,
     kv_load: str,
     page_ids: str,
+    fp8: bool,
 ):
     h = pl.program_id(0)
     tile = pl.num_programs(1) - 1 - pl.program_id(1)  # the last (longest-walk) tiles of every head launch first
@@ -155,9 +167,15 @@ def _prefill_kernel(
         in_range = vp < n_pages
         return jnp.where(in_range, bt_ref[bt_base + jnp.where(in_range, col, 0)], -1)
 
+    def dequant(k, v, page, ok):  # fp8 pages: K, V in q's dtype and their keys' scales (f32[n] each)
+        safe = jnp.where(ok, page, 0)
+        k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)
+        v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
+        return k.astype(q.dtype), v.astype(q.dtype), k_sc, v_sc
+
     def page_block(c, carry, mode: str, pages):
         # one contiguous [page_size, D] load per page at a scalar page id: no per-key address math
-        scores, values, biases = [], [], []
+        scores, values, biases, v_scales = [], [], [], []
         for i, page in enumerate(pages):
             col = column(c * pages_per_block + i)
             ok = page >= 0  # a hole is never read: uniform mask on the load
@@ -170,14 +188,21 @@ def _prefill_kernel(
             else:
                 k = plgpu.load(k_ref.at[pl.ds(start, page_size), :], mask=ok, other=0.0)
                 v = plgpu.load(v_ref.at[pl.ds(start, page_size), :], mask=ok, other=0.0)
+            v_sc = None
+            if fp8:  # the page's scales once per key (a vector load at one address, under the keys' mask)
+                keys_ok = jnp.broadcast_to(ok, (page_size,)) if mode == "unmasked" else k_ok
+                k, v, k_sc, v_sc = dequant(k, v, jnp.broadcast_to(page, (page_size,)), keys_ok)
             s = plgpu.dot(q, k, trans_b=True)  # f32[rows, page_size]
+            if fp8:
+                s = s * k_sc[None, :]
             if mode != "unmasked":
                 s = mask_scores(c, s, kpos, k_ok, mode, key_bias=False)
             # a hole page: p = 0 (a per-row vector: the Triton lowering rejects a scalar select of -inf)
             biases.append(None if mode == "masked" else jnp.where(jnp.broadcast_to(ok, (rows,)), 0.0, _NEG_INF))
             scores.append(s)
             values.append(v)
-        return _online_update(carry, scores, values, biases, qk_scale)
+            v_scales.append(v_sc)
+        return _online_update(carry, scores, values, biases, qk_scale, v_scales)
 
     def page_step(c, carry, mode: str):  # page ids loaded in the step that uses them
         pages = [load_page_id(c * pages_per_block + i, mode) for i in range(pages_per_block)]
@@ -206,8 +231,14 @@ def _prefill_kernel(
         kv_rows = jnp.where(k_ok, page, 0) * page_size + j_off
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=k_ok[:, None], other=0.0)
-        s = mask_scores(c, plgpu.dot(q, k, trans_b=True), kpos, k_ok, mode, key_bias=True)
-        return _online_update(carry, [s], [v], [None], qk_scale)
+        v_sc = None
+        if fp8:
+            k, v, k_sc, v_sc = dequant(k, v, page, k_ok)
+        s = plgpu.dot(q, k, trans_b=True)
+        if fp8:
+            s = s * k_sc[None, :]
+        s = mask_scores(c, s, kpos, k_ok, mode, key_bias=True)
+        return _online_update(carry, [s], [v], [None], qk_scale, [v_sc])
 
     step = page_step if kv_load == "page" else gather_step
     head_dim = q.shape[-1]
@@ -237,7 +268,8 @@ def unsupported(
 ) -> str | None:
     """Why the ``"prefill"`` backend declines this normalised call, or None: the shapes of
     :func:`kvjax.pallas.paged.common.triton_shape_reason`, and more tokens than rows (``T <= B`` is a
-    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`)."""
+    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`). Float or fp8 pages
+    (``k_scale`` / ``v_scale`` in ``static``)."""
     t_total, num_rows = q.shape[0], block_tables.shape[0]
     if t_total <= num_rows:
         return f"needs more tokens than rows, got a decode-shaped batch (T={t_total} <= B={num_rows})"
@@ -272,6 +304,8 @@ def paged_prefill(
     scale: float,
     window: jax.Array,  # i32[Hkv]
     sinks: jax.Array,  # i32[Hkv]
+    k_scale: jax.Array | None = None,  # f32[P]: fp8 (float8_e4m3fn) pages only
+    v_scale: jax.Array | None = None,  # f32[P]
     interpret: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -285,7 +319,8 @@ def paged_prefill(
 
     Normalised ``kvjax.ops.paged_attention`` call; tokens of no row get output 0. ``ValueError`` for shapes
     :func:`kvjax.pallas.paged.common.triton_shape_reason` rejects (the kernel takes decode-shaped batches too;
-    only the backend table sends them elsewhere). Tuning knobs:
+    only the backend table sends them elsewhere) and for fp8 pages without their scales
+    (:func:`kvjax.pallas.paged.common.page_scales`); fp8 pages read as ``page * scale`` (module doc). Tuning knobs:
     ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``kv_load``: ``"page"`` loads
     each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
     a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
@@ -316,6 +351,7 @@ def paged_prefill(
     reason = common.triton_shape_reason(q, k_pages)
     if reason:
         raise ValueError(f"pallas paged_prefill {reason}")
+    fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="pallas paged_prefill")
     for name, val in (("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
@@ -333,7 +369,7 @@ def paged_prefill(
     kernel = functools.partial(
         _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, kv_load=kv_load,
-        loop="fused" if fused_loop else "split", page_ids=page_ids,
+        loop="fused" if fused_loop else "split", page_ids=page_ids, fp8=fp8,
     )
     o = pl.pallas_call(
         kernel,
@@ -341,11 +377,12 @@ def paged_prefill(
         grid=(hkv, t_row.shape[0]),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_prefill_{kv_load}_bq{rows}_bk{block_k}",
+        name=f"kvjax_paged_prefill{'_fp8' if fp8 else ''}_{kv_load}_bq{rows}_bk{block_k}",
     )(
         q.reshape(t_total * hq, d),
         k_pages.reshape(num_pages * page_size, d),
         v_pages.reshape(num_pages * page_size, d),
+        k_scale, v_scale,
         block_tables.reshape(-1),
         t_row, t_tok, t_len, t_pos,
         lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,

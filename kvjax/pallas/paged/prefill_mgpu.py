@@ -26,7 +26,10 @@ Unlike the Triton kernel, the copy engine moves whole pages: the unwritten tail 
 zeroed and only ever hold written K/V, so they satisfy this; NaN there would propagate (``0 * NaN``).
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``head_dim`` 64 or 128, pages of 64 or 128 tokens, bf16
-or f16 q/K/V. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
+or f16 q/K/V. fp8 pages are not read here (:func:`unsupported` declines them; the Triton prefill kernel takes
+them): the TMA copies would land e4m3 bytes in shared memory, and the bf16 wgmma operands would need a
+conversion pass through registers into a second swizzled slot per stage, with the scales applied per slot half.
+The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
 deadlock).
@@ -310,8 +313,10 @@ def unsupported(
     seq_lens: jax.Array,  # i32[B]
     **static,  # cu_seqlens, scale, window, sinks: any value is fine
 ) -> str | None:
-    """Why the ``"mosaic"`` backend declines this normalised call, or None: :func:`shape_reason`, and fewer
-    than ``BLOCK_Q`` tokens per row on average (``T < 64 B``)."""
+    """Why the ``"mosaic"`` backend declines this normalised call, or None: fp8 pages (``k_scale`` given),
+    :func:`shape_reason`, and fewer than ``BLOCK_Q`` tokens per row on average (``T < 64 B``)."""
+    if static.get("k_scale") is not None:
+        return "fp8 pages: not in this kernel (the Triton prefill kernel reads them)"
     t_total, num_rows = q.shape[0], block_tables.shape[0]
     if t_total < BLOCK_Q * num_rows:
         return f"needs T >= {BLOCK_Q} B tokens (one {BLOCK_Q}-token box per row), got T={t_total}, B={num_rows}"
