@@ -3,14 +3,20 @@ prefill, each beside its anchor.
 
 Usage: ``python benchmarks/runner.py attention`` (GPU; bf16, jit-compiled, K/V pages a random permutation).
 
-- decode, B=64, L=4096, Hq=32, Hkv=8, D=128, page 16 (1 GiB of K/V pages, far over L2); anchor: JAX's own
-  ``jax.experimental.pallas.ops.gpu.paged_attention`` on the same K/V in its layout (``[Hkv, P, page, D]``
-  plus one table per sequence). Bytes: K + V read.
+- decode, B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (1 GiB of bf16 K/V pages, far over L2);
+  anchor: JAX's own ``jax.experimental.pallas.ops.gpu.paged_attention`` on the same K/V in its layout
+  (``[Hkv, P, page, D]`` plus one table per sequence). Bytes: K + V read.
+- the same decode over fp8 pages (``... fp8``: the bf16 pages quantised page by page with power-of-two scales, as
+  the cache write does); anchor: the bf16-pages batch through ``impl="auto"`` (``bf16 pages``, timed, not
+  compared: ``vs anchor`` is the speed-up over bf16 pages in the same run). Bytes: the fp8 pages (1 byte a value)
+  plus their f32 scales (one per page for K and one for V).
 - head-wise SWA decode, B=32, L=8192, KV heads 0-3 full, 4-7 window 512 + 4 sinks, their pages below the window
   recycled (-1); anchor: the same batch with every head full (``whole row``: the bytes of a kernel that masks the
-  window without skipping pages). Bytes: the pages visited only.
-- prefill, one causal sequence T=4096, H=32, D=128, pages of 64, 128 and 16; anchors: ``jax.nn.
-  dot_product_attention(implementation="cudnn")`` and JAX's Pallas Triton ``mha`` on the contiguous problem.
+  window without skipping pages). Bytes: the pages visited only (and their scales, for the fp8 case, whose whole
+  row is over the same fp8 pages).
+- prefill, one causal sequence T=4096, H=32, D=128, pages of 64, 128 and 16, bf16 and fp8 pages; anchors: ``jax.nn.
+  dot_product_attention(implementation="cudnn")`` and JAX's Pallas Triton ``mha`` on the contiguous bf16 problem
+  (not compared for fp8 pages: the reference reads the quantised values).
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import functools
 from case import Case, Setup
 
 DECODE = (64, 4096, 32, 8, 128, 16)  # B, L, Hq, Hkv, D, page
+DECODE_PAGES = (16, 64)
 SWA = (32, 8192, 32, 8, 128, 16)
 WINDOW, SINKS = 512, 4
 PREFILL = (4096, 32, 128)  # T, H, D
 PREFILL_PAGES = (64, 128, 16)
-SMALL = dict(decode=(4, 64, 4, 2, 32, 16), swa=(2, 128, 4, 2, 32, 16), window=32, prefill=(128, 2, 32), pages=(16,))
+SMALL = dict(decode=(4, 64, 4, 2, 32, 16), swa=(2, 128, 4, 2, 32, 16), window=32, prefill=(128, 2, 32), pages=(16,),
+             decode_pages=(16,))
+SCALE_BYTES = 4  # one f32 scale per fp8 page (K and V each)
 
 
 def _on_gpu() -> bool:
@@ -33,14 +42,42 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _paged(q, kp, vp, bt, sl, cu, window, sinks):
-    """Setup over one paged batch: the public op per impl and its float32 reference."""
+def kv_bytes(tokens: int, d: int, page: int, fp8: bool) -> int:
+    """Bytes of K + V for ``tokens`` positions of one KV head in pages of ``page``: 2 bytes a value for bf16
+    pages; 1 byte a value plus one f32 scale per page (K and V each) for fp8 pages."""
+    if not fp8:
+        return tokens * d * 2 * 2
+    return 2 * (tokens * d + -(-tokens // page) * SCALE_BYTES)
+
+
+def _quantise(pages):
+    """bf16[P, page, D] pages as fp8 pages with one power-of-two scale per page, as the cache write stores them:
+    (f8e4m3[P, page, D], f32[P])."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.base.fp8 import FP8_DTYPE, pow2_scale
+
+    @jax.jit
+    def quantise(x):
+        s = pow2_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 2)))  # f32[P]
+        return (x.astype(jnp.float32) / jnp.where(s > 0, s, 1.0)[:, None, None]).astype(FP8_DTYPE), s
+
+    return quantise(pages)
+
+
+def _paged(q, kp, vp, bt, sl, cu, window, sinks, scales=None):
+    """Setup over one paged batch: the public op per impl and its float32 reference. ``scales``: ``(k_scale,
+    v_scale)`` f32[P] each, for fp8 pages."""
     import jax
 
     from kvjax.ops import paged_attention
 
+    extra = {} if scales is None else dict(zip(("k_scale", "v_scale"), scales))
+
     def op(impl):
-        return jax.jit(lambda *a: paged_attention(*a, cu_seqlens=cu, window=window, sinks=sinks, impl=impl))
+        return jax.jit(lambda *a: paged_attention(*a, cu_seqlens=cu, window=window, sinks=sinks, impl=impl,
+                                                  **extra))
 
     def run(impl: str):
         f = op(impl)
@@ -63,11 +100,18 @@ def _decode_batch(b, l, hq, hkv, d, ps, seed):
     return q, kp, vp, bt, anchor_bt, jnp.full((b,), l, jnp.int32), jnp.arange(b + 1, dtype=jnp.int32)
 
 
-def _decode_setup(shape) -> Setup:
+def _decode_setup(shape, fp8: bool = False) -> Setup:
     import jax
 
     b, l, hq, hkv, d, ps = shape
     q, kp, vp, bt, anchor_bt, sl, cu = _decode_batch(*shape, seed=1)
+    if fp8:  # the same batch over fp8 pages; anchor: the bf16 pages through auto (the kernel fp8 replaces)
+        (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
+        setup = _paged(q, kp8, vp8, bt, sl, cu, 0, 0, scales=(ks, vs))
+        bf16 = jax.jit(lambda *a: _paged_auto(*a, cu=cu))
+        setup.anchors["bf16 pages"] = lambda: lambda: bf16(q, kp, vp, bt, sl)
+        setup.unchecked = ("bf16 pages",)  # other values (unquantised pages): timed, not compared
+        return setup
     setup = _paged(q, kp, vp, bt, sl, cu, 0, 0)
     if _on_gpu():
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
@@ -89,7 +133,7 @@ def swa_pages(l: int, ps: int, window: int, sinks: int) -> int:
     return (l - 1) // ps - lo + 1 + len(sink_pages)
 
 
-def _swa_setup(shape, window: int) -> Setup:
+def _swa_setup(shape, window: int, fp8: bool = False) -> Setup:
     import jax
     import jax.numpy as jnp
 
@@ -100,20 +144,25 @@ def _swa_setup(shape, window: int) -> Setup:
     snk = jnp.array([0] * half + [SINKS] * (hkv - half), jnp.int32)  # i32[Hkv]
     col = jnp.arange(l // ps)[None, None, :]
     dead = (win[None, :, None] > 0) & ((col + 1) * ps <= l - win[None, :, None]) & (col * ps >= snk[None, :, None])
-    setup = _paged(q, kp, vp, jnp.where(dead, -1, bt), sl, cu, win, snk)  # pages below the window recycled
-    whole = jax.jit(lambda *a: _paged_auto(*a, cu=cu))
+    scales = None
+    if fp8:  # fp8 pages for both: the bytes-prediction ratio over fp8 pages
+        (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
+        scales = (ks, vs)
+    setup = _paged(q, kp, vp, jnp.where(dead, -1, bt), sl, cu, win, snk, scales)  # pages below the window recycled
+    whole = jax.jit(lambda *a: _paged_auto(*a, cu=cu, scales=scales))
     setup.anchors["whole row"] = lambda: lambda: whole(q, kp, vp, bt, sl)
     setup.unchecked = ("whole row",)  # a different computation (no window): timed, not compared
     return setup
 
 
-def _paged_auto(q, kp, vp, bt, sl, *, cu):
+def _paged_auto(q, kp, vp, bt, sl, *, cu, scales=None):
     from kvjax.ops import paged_attention
 
-    return paged_attention(q, kp, vp, bt, sl, cu_seqlens=cu, impl="auto")
+    k_scale, v_scale = scales or (None, None)
+    return paged_attention(q, kp, vp, bt, sl, cu_seqlens=cu, impl="auto", k_scale=k_scale, v_scale=v_scale)
 
 
-def _prefill_setup(t: int, h: int, d: int, ps: int) -> Setup:
+def _prefill_setup(t: int, h: int, d: int, ps: int, fp8: bool = False) -> Setup:
     import jax
     import jax.numpy as jnp
 
@@ -123,8 +172,14 @@ def _prefill_setup(t: int, h: int, d: int, ps: int) -> Setup:
     perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * blocks).astype(jnp.int32)
     pages = lambda x: jnp.zeros((h * blocks, ps, d), x.dtype).at[perm].set(  # noqa: E731
         jnp.swapaxes(x, 0, 1).reshape(h * blocks, ps, d))  # page bt[0, hh, j] holds x[j*ps:(j+1)*ps, hh]
-    setup = _paged(q, pages(k), pages(v), perm.reshape(1, h, blocks), jnp.array([t], jnp.int32),
-                   jnp.array([0, t], jnp.int32), 0, 0)
+    kp, vp, scales = pages(k), pages(v), None
+    if fp8:
+        (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
+        scales = (ks, vs)
+    setup = _paged(q, kp, vp, perm.reshape(1, h, blocks), jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32),
+                   0, 0, scales)
+    if fp8:  # the anchors read the unquantised bf16 values: timed, not compared
+        setup.unchecked = ("cudnn", "jax mha")
     if _on_gpu():
         from jax.experimental.pallas.ops.gpu import attention as jattn
 
@@ -139,24 +194,41 @@ def _prefill_setup(t: int, h: int, d: int, ps: int) -> Setup:
 
 
 def cases(small: bool = False) -> list[Case]:
-    """Decode, SWA decode and prefill (one case per page size); ``small``: tiny shapes (CPU smoke run)."""
+    """Decode (bf16 and fp8 pages, per page size), SWA decode (bf16 and fp8) and prefill (bf16 and fp8, per page
+    size); ``small``: tiny shapes (CPU smoke run). A case over fp8 pages is named ``... fp8`` (the bf16 one keeps
+    its name)."""
     dec, swa = (SMALL["decode"], SMALL["swa"]) if small else (DECODE, SWA)
     window = SMALL["window"] if small else WINDOW
     (t, h, d), pages = (SMALL["prefill"], SMALL["pages"]) if small else (PREFILL, PREFILL_PAGES)
-    b, l, hq, hkv, dd, ps = dec
-    out = [Case(f"paged decode B={b} L={l} Hq={hq} Hkv={hkv} page={ps}", "kvjax.ops.paged_attention",
-                dict(B=b, L=l, Hq=hq, Hkv=hkv, D=dd, page=ps), ("pallas", "auto"),
-                functools.partial(_decode_setup, dec), anchor="jax paged_attention", bytes=b * hkv * l * dd * 4)]
+    decode_pages = SMALL["decode_pages"] if small else DECODE_PAGES
+    out = []
+    for ps in decode_pages:
+        b, l, hq, hkv, dd, _ = dec
+        shape = (b, l, hq, hkv, dd, ps)
+        name = f"paged decode B={b} L={l} Hq={hq} Hkv={hkv} page={ps}"
+        shapes = dict(B=b, L=l, Hq=hq, Hkv=hkv, D=dd, page=ps)
+        out.append(Case(name, "kvjax.ops.paged_attention", shapes, ("pallas", "auto"),
+                        functools.partial(_decode_setup, shape), anchor="jax paged_attention",
+                        bytes=b * hkv * kv_bytes(l, dd, ps, fp8=False)))
+        out.append(Case(f"{name} fp8", "kvjax.ops.paged_attention", dict(shapes, pages="fp8"), ("pallas", "auto"),
+                        functools.partial(_decode_setup, shape, fp8=True), anchor="bf16 pages",
+                        bytes=b * hkv * kv_bytes(l, dd, ps, fp8=True)))
     b, l, hq, hkv, dd, ps = swa
+    shapes = dict(B=b, L=l, Hq=hq, Hkv=hkv, D=dd, page=ps, window=window, sinks=SINKS, swa_heads=hkv // 2)
     visited = (hkv // 2) * swa_pages(l, ps, 0, 0) + (hkv - hkv // 2) * swa_pages(l, ps, window, SINKS)
-    out.append(Case(f"paged SWA decode B={b} L={l} window={window}", "kvjax.ops.paged_attention",
-                    dict(B=b, L=l, Hq=hq, Hkv=hkv, D=dd, page=ps, window=window, sinks=SINKS, swa_heads=hkv // 2),
-                    ("pallas", "auto"), functools.partial(_swa_setup, swa, window), anchor="whole row",
-                    bytes=b * visited * ps * dd * 4))
-    out += [Case(f"paged prefill T={t} H={h} page={ps}", "kvjax.ops.paged_attention",
-                 dict(T=t, H=h, D=d, page=ps, causal=True), ("pallas", "mosaic", "auto"),
-                 functools.partial(_prefill_setup, t, h, d, ps), anchor="cudnn",
-                 flops=4 * (t * (t + 1) // 2) * d * h) for ps in pages]
+    for fp8 in (False, True):
+        out.append(Case(f"paged SWA decode B={b} L={l} window={window}" + (" fp8" if fp8 else ""),
+                        "kvjax.ops.paged_attention", dict(shapes, pages="fp8") if fp8 else shapes, ("pallas", "auto"),
+                        functools.partial(_swa_setup, swa, window, fp8=fp8), anchor="whole row",
+                        bytes=b * kv_bytes(visited * ps, dd, ps, fp8=fp8)))
+    for ps in pages:
+        for fp8 in (False, True):
+            out.append(Case(f"paged prefill T={t} H={h} page={ps}" + (" fp8" if fp8 else ""),
+                            "kvjax.ops.paged_attention",
+                            dict(T=t, H=h, D=d, page=ps, causal=True, **({"pages": "fp8"} if fp8 else {})),
+                            ("pallas", "prefill", "mosaic", "auto"),
+                            functools.partial(_prefill_setup, t, h, d, ps, fp8),
+                            anchor="cudnn", flops=4 * (t * (t + 1) // 2) * d * h))
     return out
 
 

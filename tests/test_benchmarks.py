@@ -58,7 +58,7 @@ def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
 
 def test_interpret_is_checked_against_the_reference(bench):
     runner, _, _ = bench
-    (case,) = [c for c in runner.subject_cases("attention", small=True) if "SWA" in c.name]
+    (case,) = [c for c in runner.subject_cases("attention", small=True) if "SWA" in c.name and "fp8" not in c.name]
     rows = runner.run_case(case, "attention", runner.Run(small=True, impls=("reference", "interpret"), rounds=1,
                                                           calls=1, anchors=None))
     by = {r["impl"]: r for r in rows}
