@@ -37,19 +37,14 @@ median tokens/s and its range over the repeats, so the noise of a figure is visi
 none) turns on JAX's persistent compilation cache, so a second run loads the compiled steps instead of compiling
 them again (:mod:`kvjax.cli.compile_cache`).
 
-Presets: ``cpu`` (default; f32, small enough for a laptop CPU), ``gpu`` (bf16, a larger model and workload for
-one accelerator) and ``tp`` (bf16, a dense Qwen3.5 of 3.7B parameters sized for tensor parallelism, with room for
-pages on one 80 GB GPU, 64 rows; its weights are drawn by one jitted call on the devices, each device drawing its
-shards). ``gpu`` and ``tp`` are refused where JAX sees no GPU unless ``--force``. Each uses few bucket shapes (one
-block-table width, one row count, two token counts) so that each run compiles about three times.
+Presets (``--preset``: ``cpu``, ``gpu``, ``tp``; the toy model each builds and the checks before any work) are
+:mod:`kvjax.cli.presets`; the table, device lines, token digest and plot are :mod:`kvjax.cli.report`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import os
 import statistics
 import sys
@@ -59,136 +54,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import KV_CACHE_DTYPES, AttentionConfig, CacheConfig, GDNConfig
+from kvjax.config import KV_CACHE_DTYPES, CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.errors import UsageError
 from kvjax.cli import compile_cache
-from kvjax.cli.args import (ArgumentParser, check_memory, comma_list, fail, int_at_least, json_destination,
-                            number_in, writable_file)
+from kvjax.cli.args import (ArgumentParser, comma_list, fail, int_at_least, json_destination, number_in,
+                            writable_file)
 from kvjax.cli.output import provenance, write_json
+from kvjax.cli.presets import (ATTENTION, PRESETS, Preset, attention_layout, build_model, check_device,
+                               check_sizes, model_config, param_bytes)
+from kvjax.cli.report import check_plot_path, device_lines, format_table, save_plot, tokens_digest
 from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
                                   shares, start_processes, wall_rate)
 from kvjax.sched.drafter import MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
-from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_footprint, seed_workload
+from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_workload
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    # model
-    vocab: int
-    hidden: int
-    intermediate: int
-    layer_types: tuple[str, ...]
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    gdn: tuple[int, int, int, int]  # Hk, Hv, K, V
-    dtype: str
-    # workload and memory
-    requests: int
-    scale: float  # of the seed's mean lengths (10,599 prompt / 4,054 output tokens)
-    swa_fraction: float
-    window: int
-    sinks: int
-    page_size: int
-    memory_requests: float  # page memory = this many mean-length requests on every head without recycling
-    max_seqs: int
-    max_tokens: int  # token budget per step
-    token_buckets: tuple[int, ...] | None  # None: the scheduler's powers of two
-    row_buckets: tuple[int, ...] | None
-    needs_gpu: bool = False  # refused where JAX sees no GPU (unless --force)
-    device_init: bool = False  # random weights drawn by a jitted call on the devices (sharded over a mesh)
-    kv_cache_dtype: str = "auto"  # K/V pages: "auto" (dtype) or "fp8" (fp8 pages, the same page memory)
-
-
-_G, _A = "linear_attention", "full_attention"
-PRESETS = {
-    "cpu": Preset(vocab=512, hidden=64, intermediate=128, layer_types=(_G, _G, _G, _A), q_heads=8, kv_heads=4,
-                  head_dim=32, gdn=(2, 4, 16, 16), dtype="float32", requests=16, scale=0.02, swa_fraction=0.75,
-                  window=32, sinks=4, page_size=16, memory_requests=3.0, max_seqs=8, max_tokens=128,
-                  token_buckets=(16, 128), row_buckets=(8,)),
-    "gpu": Preset(vocab=32768, hidden=1024, intermediate=3072, layer_types=(_G, _G, _G, _A) * 2, q_heads=16,
-                  kv_heads=4, head_dim=128, gdn=(4, 8, 128, 128), dtype="bfloat16", requests=32, scale=0.1,
-                  swa_fraction=0.75, window=128, sinks=4, page_size=64, memory_requests=4.0, max_seqs=16,
-                  max_tokens=1024, token_buckets=(16, 1024), row_buckets=(16,), needs_gpu=True),
-    # a dense Qwen3.5 of 3.7B parameters (7.46 GB in bf16) where tensor parallelism can pay: one H100 holds it with
-    # room for pages; decode runs at 64 rows
-    "tp": Preset(vocab=32768, hidden=4096, intermediate=12288, layer_types=(_G, _G, _G, _A) * 4, q_heads=32,
-                 kv_heads=8, head_dim=128, gdn=(16, 32, 128, 128), dtype="bfloat16", requests=64, scale=0.1,
-                 swa_fraction=0.75, window=128, sinks=4, page_size=64, memory_requests=32.0, max_seqs=64,
-                 max_tokens=2048, token_buckets=(64, 2048), row_buckets=(64,), needs_gpu=True, device_init=True),
-}
+# presets and report names stay importable from here (tests, benchmarks)
+__all__ = ["PRESETS", "Preset", "build_model", "build_parser", "check_device", "device_lines", "format_table",
+           "main", "model_config", "param_bytes", "run_policy", "tokens_digest"]
 
 
 RECYCLES = ("none", "timely")
-
-
-def attention_layout(p: Preset) -> AttentionConfig:
-    """The attention layers' KV heads: the first ``round(swa_fraction * kv_heads)`` SWA, the rest full."""
-    return AttentionConfig.with_swa_fraction(p.q_heads, p.kv_heads, p.head_dim, swa_fraction=p.swa_fraction,
-                                             window=p.window, sinks=p.sinks)
-
-
-def check_sizes(p: Preset) -> None:
-    """Raise :class:`UsageError` before any work if the workload, the scheduler and the K/V pages of preset ``p``
-    would not fit this machine (host memory, and device memory where JAX reports a limit)."""
-    host, pages = seed_footprint(p.requests, scale=p.scale, num_kv_heads=p.kv_heads, page_size=p.page_size,
-                                 full_requests=p.memory_requests, max_seqs=p.max_seqs)
-    kv = p.layer_types.count(_A) * 2 * pages * p.page_size * p.head_dim * jnp.dtype(p.dtype).itemsize
-    params = param_bytes(p)
-    what = f"--requests {p.requests} --scale {p.scale:g} --memory-requests {p.memory_requests:g}"
-    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    limit = (stats or {}).get("bytes_limit")
-    if limit is None:  # device memory is host memory
-        check_memory(host + kv + params, what)
-    else:
-        check_memory(host, what)
-        check_memory(kv + params, f"{what} ({pages} K/V pages per layer and {params / 1e9:.2f} GB of parameters)",
-                     limit, "device memory")
-
-
-def check_plot_path(path: str) -> None:
-    """Raise :class:`UsageError` if matplotlib is missing or cannot write ``path``'s format (by its suffix)."""
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
-    suffix = os.path.splitext(path)[1][1:].lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in formats:
-        raise UsageError(f"--plot {path!r}: matplotlib cannot write .{suffix} files (use one of "
-                         f"{', '.join(sorted(formats))})")
-
-
-def model_config(p: Preset):
-    """The toy Qwen3.5's config: ``swa_fraction`` of the KV heads sliding-window (window, sinks)."""
-    from kvjax.models.qwen3_5 import Qwen3_5Config
-
-    return Qwen3_5Config(vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
-                         layer_types=p.layer_types, attention=attention_layout(p), gdn=GDNConfig(*p.gdn, 4),
-                         rope_theta=10000.0)
-
-
-def param_bytes(p: Preset) -> int:
-    """Bytes of preset ``p``'s parameters (from the model's shapes; nothing is allocated)."""
-    from flax import nnx
-
-    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
-
-    config, dtype = model_config(p), jnp.dtype(p.dtype)
-    shapes = jax.eval_shape(lambda: nnx.state(Qwen3_5ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-
-
-def build_model(p: Preset, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None):
-    """Random-weight toy Qwen3.5 of preset ``p`` (:func:`model_config`): drawn with numpy on the host, or, for a
-    ``device_init`` preset, by one jitted call on the devices (a :class:`~kvjax.models.sharding.ShardedModel` over
-    ``mesh`` if given, each device drawing its own shards; the same weights on one device and on any mesh)."""
-    from kvjax.models.qwen3_5 import init_random, init_random_on_device
-
-    if p.device_init:
-        return init_random_on_device(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype), mesh=mesh)
-    return init_random(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype))
 
 
 def make_mesh(spec: str | None, processes: int = 1) -> jax.sharding.Mesh | None:
@@ -215,15 +102,6 @@ def mesh_spec(args: argparse.Namespace) -> str | None:
     if args.mesh is not None and args.devices is not None:
         raise UsageError("give --mesh or --devices, not both")
     return args.mesh if args.devices is None else f"{args.devices}x1"
-
-
-def check_device(preset: str, force: bool) -> None:
-    """Raise :class:`UsageError` for a ``needs_gpu`` preset (``gpu``, ``tp``) where JAX sees no GPU (unless
-    ``force``): its bf16 model and workload would run for hours on a CPU."""
-    backend = jax.default_backend()
-    if PRESETS[preset].needs_gpu and backend != "gpu" and not force:
-        raise UsageError(f"--preset {preset} needs a GPU and JAX sees only {backend} devices (its bf16 model and "
-                         "workload would run for hours here): use --preset cpu, or add --force to run it anyway")
 
 
 def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[list[int]]:
@@ -303,30 +181,6 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
                                                 "compiled")}
 
 
-def format_table(results: dict[str, dict], per_device: bool = False) -> str:
-    """Fixed-width table, one line per policy, of ``{policy: run_policy summary}``: tokens/s is the median over the
-    repeats, with their range beside it. ``per_device`` (a mesh): also tokens/s per device and the range over
-    the devices of each one's peak page use (fraction of its pool; ``-`` where the engine did not record it)."""
-    head = (f"{'recycle':18} {'tok/s':>9} {'tok/s range':>17} {'tok/step':>8} {'steps':>6} {'run mean':>8} "
-            f"{'run peak':>8} {'preempt':>7} {'util mean':>9} {'util peak':>9} {'host %':>6} {'compile s':>9}"
-            + (f" {'tok/s/dev':>9} {'dev util peak':>13}" if per_device else ""))
-    lines = [head, "-" * len(head)]
-    for name, s in results.items():
-        rates = s.get("generated_tokens_per_s_repeats") or [s["generated_tokens_per_s"]]
-        spread = f"{min(rates):.1f}-{max(rates):.1f}"
-        lines.append(f"{name:18} {s['generated_tokens_per_s']:9.1f} {spread:>17} {s['generated_tokens_per_step']:8.2f} "
-                     f"{s['steps']:6d} {s['running_mean']:8.2f} {s['running_peak']:8d} {s['preemptions']:7d} "
-                     f"{s['page_util_mean']:9.3f} {s['page_util_peak']:9.3f} {100 * s['host_share']:6.1f} "
-                     f"{s['compile_time_s']:9.1f}" + (_device_columns(s) if per_device else ""))
-    return "\n".join(lines)
-
-
-def _device_columns(s: dict) -> str:
-    peaks = s.get("page_util_device_peak")
-    spread = f"{min(peaks):.3f}-{max(peaks):.3f}" if peaks else "-"
-    return f" {s['generated_tokens_per_s_per_device']:9.1f} {spread:>13}"
-
-
 def spec_lines(results: dict[str, dict]) -> str:
     """Per policy, speculative decoding's figures: drafts proposed and accepted, the acceptance rate (overall and per
     draft position), tokens per verification row and per verification step."""
@@ -341,52 +195,6 @@ def spec_lines(results: dict[str, dict]) -> str:
                      f"tokens per verify row, {s['tokens_per_verify_step']:.2f} per verify step "
                      f"({s['verify_steps']} verify steps)")
     return "\n".join(lines)
-
-
-def device_lines(results: dict[str, dict], mesh: jax.sharding.Mesh) -> str:
-    """Per policy, each device's pages in use (mean / peak over the steps, of its pool's ``pages_per_device``),
-    devices named ``(data, model)``; a pool shared by the ``"model"`` axis (a latent cache) is named
-    ``(data, *)``."""
-    d, m = mesh.shape["data"], mesh.shape["model"]
-    lines = []
-    for name, s in results.items():
-        means, peaks = s.get("pages_used_device_mean"), s.get("pages_used_device_peak")
-        if not means:
-            lines.append(f"# {name}: pages per device not recorded by this engine")
-            continue
-        shards = len(means) // d
-        cells = [f"({i // shards},{i % shards if shards == m else '*'}) {mean:.0f}/{peak}"
-                 for i, (mean, peak) in enumerate(zip(means, peaks))]
-        lines.append(f"# {name}: pages used per device, mean/peak of {s['pages_per_device']}: " + ", ".join(cells))
-    return "\n".join(lines)
-
-
-def tokens_digest(outputs: list[list[int]]) -> str:
-    """A short hash of a run's generated tokens (equal digests: equal tokens, e.g. across processes or meshes)."""
-    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
-
-
-def save_plot(path: str, columns: dict[str, dict], num_pages: int) -> None:
-    """Write a PNG of pages in use and running requests per step, one line per policy (``columns`` as
-    returned by :func:`run_policy`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, col in columns.items():
-        ax1.plot(col["pages_used"], label=f"recycle={name}")
-        ax2.plot(col["running"], label=f"recycle={name}")
-    ax1.axhline(num_pages, color="k", lw=0.8, ls="--", label="pages")
-    ax1.set_ylabel("pages in use")
-    ax2.set_ylabel("running requests")
-    ax2.set_xlabel("engine step")
-    ax1.legend()
-    ax1.set_title("kvjax run: page memory in use, recycle none vs timely")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _per_preset(field: str) -> str:
@@ -514,7 +322,7 @@ def main(argv: list[str]) -> int:
     prompt_lens = [int(w.prompt.size) for w in workload]
     out_lens = [w.max_new_tokens for w in workload]
     print(f"# kvjax run --preset {args.preset} on {device}: "
-          f"toy Qwen3.5 {len(p.layer_types)} layers ({p.layer_types.count(_A)} attention), hidden {p.hidden}, "
+          f"toy Qwen3.5 {len(p.layer_types)} layers ({p.layer_types.count(ATTENTION)} attention), hidden {p.hidden}, "
           f"{p.kv_heads} KV heads of which {round(p.swa_fraction * p.kv_heads)} SWA (window {p.window}, sinks "
           f"{p.sinks}), {p.dtype}", file=out)
     print(f"# {p.requests} requests, prompt {np.mean(prompt_lens):.0f} / output {np.mean(out_lens):.0f} tokens "
