@@ -1,11 +1,11 @@
 """The host tier of the prefix cache: a byte budget, ids, LRU order and the copy log of spilled blocks.
 
-With a host tier the prefix cache (:mod:`kvjax.sched.prefix_cache`) does not drop what it evicts from the
-device: an idle cached page (one head's block, every layer and role) or a GDN checkpoint is *spilled* to host
-memory and gets a host id; a later match may use it, and attaching it *loads* it back into a fresh device page
-(checkpoint slot). A block's head is on the device (``entry.pages[h] >= 0``), on the host (``entry.host[h] >=
-0``) or in flight (a copy of this log not yet executed), never two of these at once: the cache moves its record
-when it logs the copy.
+With a host tier the prefix cache (:mod:`kvjax.sched.prefix_cache`; its host side :mod:`kvjax.sched.prefix_host`)
+does not drop what it evicts from the device: an idle cached page (one head's block, every layer and role) or a
+GDN checkpoint is *spilled* to host memory and gets a host id; a later match may use it, and attaching it *loads*
+it back into a fresh device page (checkpoint slot). A block's head is on the device (``entry.pages[h] >= 0``), on
+the host (``entry.host[h] >= 0``) or in flight (a copy of this log not yet executed), never two of these at once:
+the cache moves its record when it logs the copy.
 
 This module holds what the cache needs on the host side, in numpy and Python only (no data moves here): the
 budget (``capacity_bytes``; a page costs ``page_bytes``, a checkpoint ``ckpt_bytes``), fresh host ids (never
