@@ -248,9 +248,10 @@ def paged_decode(
 
     Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
-    ``num_stages`` 4. ``ValueError`` for shapes :func:`unsupported` rejects and for fp8 pages without their
-    scales (:func:`kvjax.pallas.paged.common.page_scales`). fp8 pages read as ``page * scale`` (module doc).
-    Reads only; tokens that belong to no row get output 0.
+    ``num_stages`` 4 (fp8 pages: 2, RESULTS.md "Paged attention decode"). ``ValueError`` for shapes
+    :func:`unsupported` rejects and for fp8 pages without their scales
+    (:func:`kvjax.pallas.paged.common.page_scales`). fp8 pages read as ``page * scale`` (module doc). Reads only;
+    tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
     hkv, max_blocks = block_tables.shape[1:]
@@ -270,5 +271,5 @@ def paged_decode(
     return _decode_call(
         q, k_pages, v_pages, k_scale, v_scale, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
         scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or 4, fp8=fp8, interpret=interpret,
+        num_stages=num_stages or (2 if fp8 else 4), fp8=fp8, interpret=interpret,
     )
