@@ -8,8 +8,9 @@ log before the engine dispatches the plan's step, in log order:
   checkpoint slots, whose outputs are placed in ``pinned_host`` memory (``out_shardings``): *chunks* of
   ``chunk`` pages ``{name: [chunk, page_size, ...]}`` and one ``{"conv", "ssm": [L, 1, ...]}`` per checkpoint;
   each host id maps to (chunk, row).
-- ``in`` (load): per source chunk, the chunk goes to the device (``jax.device_put``) and one jitted scatter with
-  the caches donated writes the named rows into their device pages (a checkpoint: into its GDN slot).
+- ``in`` (load): the source chunks go to the device in one ``jax.device_put`` and one jitted scatter with the
+  caches donated writes the named rows into their device pages; the checkpoints likewise (one transfer, one
+  scatter into their GDN slots). Issuing a call per chunk cost more host time than the bytes took to move.
 - ``drop``: host ids forgotten; a chunk no id maps to any more is released.
 
 Ordering and overlap. Every copy takes the caches the previous dispatch returned and the step takes what the
@@ -22,8 +23,8 @@ stays on the device's critical path is the gather / scatter of the pages concern
 their bytes) and the host time spent issuing the copies (the engine's ``t_copy``).
 
 Shapes: a spill's chunk and checkpoint counts are padded to powers of two (padding gathers page / slot 0), a
-load's rows to the chunk (padding scatters nowhere), so the gather compiles a handful of times and each scatter
-once. One device only (a mesh engine refuses a host tier).
+load's chunk and checkpoint counts too (padding repeats the first and scatters nowhere), so each copy compiles a
+handful of times. One device only (a mesh engine refuses a host tier).
 """
 
 from __future__ import annotations
@@ -84,19 +85,22 @@ def gather(caches: ModelCaches, pages: jax.Array, ckpts: jax.Array, chunk: int) 
     return chunks, states
 
 
-def scatter_pages(caches: ModelCaches, chunk: dict, src: jax.Array, dst: jax.Array) -> ModelCaches:
-    """``caches`` with rows ``src`` (i32[chunk]) of a page chunk written to device pages ``dst`` (i32[chunk]); an
-    out-of-range destination writes nothing (traceable)."""
-    pages = {name: x.at[dst].set(chunk[name][src], mode="drop") for name, x in caches.pages.items()}
+def scatter_pages(caches: ModelCaches, chunks: list[dict], src: jax.Array, dst: jax.Array) -> ModelCaches:
+    """``caches`` with rows ``src`` (i32[n]: row ``k * chunk + i`` is row ``i`` of ``chunks[k]``) of the page chunks
+    written to device pages ``dst`` (i32[n]); an out-of-range destination writes nothing (traceable)."""
+    pages = {name: x.at[dst].set(jnp.concatenate([c[name] for c in chunks])[src], mode="drop")
+             for name, x in caches.pages.items()}
     return dataclasses.replace(caches, pages=pages)
 
 
-def scatter_state(caches: ModelCaches, state: dict, slot: jax.Array) -> ModelCaches:
-    """``caches`` with a GDN state ``{"conv", "ssm": [L, 1, ...]}`` written to slot ``slot`` (i32[1]) of every
-    GDN layer (traceable)."""
+def scatter_states(caches: ModelCaches, states: list[dict], slots: jax.Array) -> ModelCaches:
+    """``caches`` with GDN states ``{"conv", "ssm": [L, 1, ...]}`` written to slots ``slots`` (i32[len(states)]) of
+    every GDN layer; an out-of-range slot writes nothing (traceable)."""
     pool = caches.gdn
-    return dataclasses.replace(caches, gdn=GDNStatePool(conv=pool.conv.at[:, slot].set(state["conv"]),
-                                                        ssm=pool.ssm.at[:, slot].set(state["ssm"])))
+    conv = jnp.concatenate([x["conv"] for x in states], axis=1)
+    ssm = jnp.concatenate([x["ssm"] for x in states], axis=1)
+    return dataclasses.replace(caches, gdn=GDNStatePool(conv=pool.conv.at[:, slots].set(conv, mode="drop"),
+                                                        ssm=pool.ssm.at[:, slots].set(ssm, mode="drop")))
 
 
 @dataclasses.dataclass
@@ -131,7 +135,7 @@ class HostStore:
         self.traces = 0  # compilations of the copies (each jitted function traces once per shape)
         self._gather = jax.jit(self._counted(gather), static_argnums=(3,), out_shardings=self._host)
         self._scatter_pages = jax.jit(self._counted(scatter_pages), donate_argnums=(0,))
-        self._scatter_state = jax.jit(self._counted(scatter_state), donate_argnums=(0,))
+        self._scatter_states = jax.jit(self._counted(scatter_states), donate_argnums=(0,))
         self.chunks: dict[int, dict] = {}  # chunk id -> host arrays (a page chunk or one GDN state)
         self.live: collections.Counter = collections.Counter()  # chunk id -> host ids mapping into it
         self.where: dict[tuple[str, int], tuple[int, int]] = {}  # ("p" | "c", host id) -> (chunk id, row)
@@ -210,22 +214,34 @@ class HostStore:
             c, i = self.where.pop(("p", h))
             rows[c][0].append(i)
             rows[c][1].append(d)
-        for c, (src, dst) in rows.items():
-            chunk = jax.device_put(self.chunks[c], self._device)  # asynchronous host -> device transfer
-            caches = self._scatter_pages(caches, chunk, _pad(src, self.chunk, 0), _pad(dst, self.chunk, num_pages))
-            self.stats.bytes_in += sum(x.nbytes for x in jax.tree.leaves(self.chunks[c]))
-            self.stats.calls += 1
-            self._release(c, len(src))
-        for h, d in zip(op.ckpts_host.tolist(), op.ckpts_dev.tolist()):
-            c, _ = self.where.pop(("c", h))
-            state = jax.device_put(self.chunks[c], self._device)
-            caches = self._scatter_state(caches, state, np.array([d], np.int32))
-            self.stats.bytes_in += sum(x.nbytes for x in jax.tree.leaves(self.chunks[c]))
-            self.stats.calls += 1
-            self._release(c)
+        if rows:  # every chunk of the load in one transfer and one scatter (chunk count padded to a power of two)
+            ids = list(rows)
+            chunks = self._to_device(ids)
+            n = _bucket(len(ids))
+            src = np.concatenate([k * self.chunk + np.asarray(rows[c][0], np.int32) for k, c in enumerate(ids)])
+            dst = np.concatenate([np.asarray(rows[c][1], np.int32) for c in ids])
+            caches = self._scatter_pages(caches, chunks + [chunks[0]] * (n - len(ids)),
+                                         _pad(src, n * self.chunk, 0), _pad(dst, n * self.chunk, num_pages))
+            for c in ids:
+                self._release(c, len(rows[c][0]))
+        if op.num_ckpts:  # every checkpoint of the load in one transfer and one scatter
+            ids = [self.where.pop(("c", h))[0] for h in op.ckpts_host.tolist()]
+            states = self._to_device(ids)
+            n = _bucket(len(ids))
+            num_slots = caches.gdn.ssm.shape[1]
+            caches = self._scatter_states(caches, states + [states[0]] * (n - len(ids)),
+                                          _pad(op.ckpts_dev, n, num_slots))
+            for c in ids:
+                self._release(c)
         self.stats.pages_in += op.num_pages
         self.stats.ckpts_in += op.num_ckpts
         return caches
+
+    def _to_device(self, ids: list[int]) -> list[dict]:
+        """Host chunks ``ids`` on the device: one asynchronous host -> device transfer of all of them."""
+        self.stats.bytes_in += sum(x.nbytes for c in ids for x in jax.tree.leaves(self.chunks[c]))
+        self.stats.calls += 1
+        return jax.device_put([self.chunks[c] for c in ids], self._device)
 
     def _release(self, c: int, n: int = 1) -> None:
         self.live[c] -= n
