@@ -5,8 +5,9 @@ gloo between CPU processes), started once per process with ``--coordinator HOST:
 Two ways to use the processes' devices:
 
 - **One engine per process** (no ``--mesh`` / ``--devices``): data parallelism the way vLLM and SGLang run it, one
-  independent engine per device. Each process serves its share of the workload's requests (:func:`shares`: equal tokens) on its own device
-  with its own scheduler, so the host work of each step is spread over the processes' CPU cores. The processes
+  independent engine per device. Each process serves its share of the workload's requests (:func:`shares`: about
+  equal tokens) on its own device with its own scheduler, so the host work of each step is spread over the
+  processes' CPU cores. The processes
   meet only at a barrier before each repeat (so their walls overlap) and at the end, when process 0 gathers every
   request's tokens and each process's figures (:func:`combine`).
 - **One mesh over every process's devices** (``--mesh`` / ``--devices``): every process runs the same engine on the
