@@ -62,15 +62,8 @@ class Ledger:
         """Apply the host-known half of the latest plan: requests advance by their tokens and reserve the token
         the plan samples for them; those that reach ``max_new_tokens`` finish (slot and pages freed). Returns
         them. ``ValueError`` (nothing changed) unless ``plan`` is the latest schedule()'s, not yet advanced."""
-        if plan is not self.planned:
-            raise ValueError(f"advance() needs the plan of the latest schedule(), not yet advanced; got the plan of "
-                             f"step {getattr(plan, 'step', plan)!r}")
-        self.planned = None
         t, nseq = self.rows, plan.num_seqs
-        slots = plan.gdn_slots[:nseq].astype(np.int64)  # i64[nseq]
-        rids = np.fromiter(plan.request_ids, np.int64, nseq)  # i64[nseq]
-        self.unresolved.append((plan, slots, rids))
-        live = t.request_id[slots] == rids  # bool[nseq]: still running (not aborted between schedule and now)
+        slots, live = self.take(plan)
         sample = plan.sample_mask[:nseq]  # bool[nseq]
         steps = plan.query_lens[:nseq] if plan.burst_len is None else plan.burst_len[:nseq]  # i32[nseq]
         if live.all():  # the usual case: no masking
@@ -88,6 +81,20 @@ class Ledger:
         for req in finished:
             self.transitions.finish(req)
         return finished
+
+    def take(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Move the latest plan from scheduled to unresolved (the first part of every ``advance``): returns its
+        rows' slots (i64[nseq]) and which rows are still running (bool[nseq]: not aborted between schedule and
+        now). ``ValueError`` (nothing changed) unless ``plan`` is the latest schedule()'s, not yet advanced."""
+        if plan is not self.planned:
+            raise ValueError(f"advance() needs the plan of the latest schedule(), not yet advanced; got the plan of "
+                             f"step {getattr(plan, 'step', plan)!r}")
+        self.planned = None
+        nseq = plan.num_seqs
+        slots = plan.gdn_slots[:nseq].astype(np.int64)  # i64[nseq]
+        rids = np.fromiter(plan.request_ids, np.int64, nseq)  # i64[nseq]
+        self.unresolved.append((plan, slots, rids))
+        return slots, self.rows.request_id[slots] == rids
 
     def resolve(self, plan: StepPlan, sampled: np.ndarray) -> list[Request]:
         """Give the tokens ``plan`` reserved their sampled values (``sampled: int[>= num_seqs]``, row ``b``'s

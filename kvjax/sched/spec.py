@@ -88,16 +88,8 @@ def fit_drafts(sched: Any, drafts: dict[int, np.ndarray], rows: np.ndarray, cap:
 def advance(sched: Any, plan: StepPlan) -> list:
     """The host-known half of a verification plan (the latest schedule()'s): the certain tokens count as computed,
     nothing is reserved. Returns ``[]`` (no request finishes before its tokens are known)."""
-    ledger = sched.ledger
-    if plan is not ledger.planned:
-        raise ValueError(f"advance() needs the plan of the latest schedule(), not yet advanced; got the plan of step "
-                         f"{getattr(plan, 'step', plan)!r}")
-    ledger.planned = None
     t, n = sched.rows, plan.num_seqs
-    slots = plan.gdn_slots[:n].astype(np.int64)  # i64[n]
-    rids = np.fromiter(plan.request_ids, np.int64, n)  # i64[n]
-    ledger.unresolved.append((plan, slots, rids))
-    live = t.request_id[slots] == rids  # bool[n]
+    slots, live = sched.ledger.take(plan)  # i64[n], bool[n]
     certain = (plan.query_lens[:n] - plan.draft_len[:n]).astype(np.int64)  # i64[n]
     t.num_computed[slots[live]] += certain[live]
     return []
