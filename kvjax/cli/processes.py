@@ -95,9 +95,10 @@ def shares(workload: Sequence, processes: int) -> list[list[int]]:
     return [sorted(o) for o in out]
 
 
-def my_share(workload: Sequence, processes: int) -> list:
-    """This process's requests of ``workload`` (its :func:`shares`), ``after`` renumbered to the share's order."""
-    mine = shares(workload, processes)[jax.process_index()]
+def my_share(workload: Sequence, share: list[list[int]]) -> list:
+    """This process's requests of ``workload`` (its part of ``share``, :func:`shares`), ``after`` renumbered to the
+    share's order."""
+    mine = share[jax.process_index()]
     local = {g: j for j, g in enumerate(mine)}
     return [dataclasses.replace(w, after=local[w.after]) if getattr(w, "after", -1) >= 0 else w
             for w in (workload[g] for g in mine)]

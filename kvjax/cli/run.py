@@ -311,7 +311,8 @@ def main(argv: list[str]) -> int:
             check_servable(workload, cache, attention_layout(p), max_num_batched_tokens=p.max_tokens,
                            pool="shared", recycle=recycle)
         model = build_model(p, seed=args.seed, mesh=mesh)
-        served = my_share(workload, processes) if per_process else workload
+        share = shares(workload, processes) if per_process else None
+        served = my_share(workload, share) if per_process else workload
     except ValueError as e:
         return fail("run", e)
     leader = jax.process_index() == 0  # every process serves the same steps; process 0 reports them
@@ -351,7 +352,6 @@ def main(argv: list[str]) -> int:
                                                                  repeats=args.repeats, name=name,
                                                                  host_cache_bytes=host, speculative=speculative)
     if per_process:  # every request's tokens and the processes' figures, in every process
-        share = shares(workload, processes)
         outputs = {k: gather_outputs(v, share) for k, v in outputs.items()}
         results = {k: combine(v, args.repeats) for k, v in results.items()}
     same = all(o == outputs["none"] for o in outputs.values()) and all(r["identical_repeats"] for r in results.values())
