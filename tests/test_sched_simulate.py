@@ -115,7 +115,8 @@ def test_fp8_pages_fit_twice_the_pages_and_run_more_requests(capsys):
         assert main(args + ["--kv-cache-dtype", kind]) == 0
         docs[kind] = json.loads(capsys.readouterr().out)
     auto, fp8 = docs["auto"]["config"]["num_pages"], docs["fp8"]["config"]["num_pages"]
-    assert fp8 == auto * (2 * 4 * 256 * 2) // (2 * (4 * 256 + 4))
+    fit = auto * (2 * 4 * 256 * 2) // (2 * (4 * 256 + 4))
+    assert fp8 == fit - fit % 4  # rounded down to a multiple of the 4 KV heads (the partitioned pool's shares)
     assert fp8 > 1.9 * auto
     for r8, r16 in zip(docs["fp8"]["results"], docs["auto"]["results"]):
         assert r8["recycle"] == r16["recycle"]
@@ -124,3 +125,9 @@ def test_fp8_pages_fit_twice_the_pages_and_run_more_requests(capsys):
             assert r8["tokens_per_step"] > r16["tokens_per_step"]
     assert main(args[:-2] + ["--head-dim", "64"]) == 2  # --head-dim alone would change nothing: refused
     assert "--head-dim sizes fp8 pages" in capsys.readouterr().err
+    pools = [a for i, a in enumerate(args) if a != "--pool" and (i == 0 or args[i - 1] != "--pool")]
+    for memory in ("2", "3"):  # every pool policy (the default) at page counts whose fp8 fit is not a multiple of 4
+        assert main(pools[:pools.index("--memory-requests") + 1] + [memory] +
+                    pools[pools.index("--memory-requests") + 2:] + ["--kv-cache-dtype", "fp8", "--head-dim", "100"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["config"]["num_pages"] % 4 == 0 and {r["pool"] for r in doc["results"]} == {"shared", "partitioned"}

@@ -79,9 +79,12 @@ def _page_ratio(args: argparse.Namespace) -> float:
 
 
 def page_memory(args: argparse.Namespace, cache: CacheConfig) -> CacheConfig:
-    """``cache`` (``--memory-requests`` in bf16 pages) with the pages of ``--kv-cache-dtype`` the same bytes hold."""
-    return same_memory(cache, kv_page_bytes(args.page_size, args.head_dim),
-                       kv_page_bytes(args.page_size, args.head_dim, args.kv_cache_dtype))
+    """``cache`` (``--memory-requests`` in bf16 pages) with the pages of ``--kv-cache-dtype`` the same bytes hold,
+    rounded down to a multiple of ``--kv-heads`` (the partitioned pool gives each head an equal share; every pool
+    policy of a comparison gets the same pages)."""
+    fit = same_memory(cache, kv_page_bytes(args.page_size, args.head_dim),
+                      kv_page_bytes(args.page_size, args.head_dim, args.kv_cache_dtype))
+    return dataclasses.replace(fit, num_pages=fit.num_pages - fit.num_pages % args.kv_heads)
 
 
 def prefix_footprint(args: argparse.Namespace) -> int:
