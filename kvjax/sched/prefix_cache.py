@@ -292,6 +292,8 @@ class PrefixCache:
     def _drop(self, e: Entry, need: list[int] | None = None) -> int:
         """Uncache the idle pages of ``e`` (only in pools with ``need > 0``, counting down); delete ``e`` when
         it holds no page any more. Returns pages freed."""
+        if e.pages.max() < 0:  # nothing on the device (a host-tier entry): nothing to drop, nothing to delete
+            return 0
         b = self.blocks
         h = np.flatnonzero(e.pages >= 0)
         idle = h[b.refs[e.pages[h]] == 0]
