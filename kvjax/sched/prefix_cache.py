@@ -220,6 +220,7 @@ class PrefixCache:
         heads = np.flatnonzero((e.pages < 0) & (pages >= 0) & (self.blocks.owner_row[np.maximum(pages, 0)] == row))
         if len(heads):
             e.pages[heads] = self.blocks.share(row, heads, np.full(len(heads), e.depth))
+            e.resident += len(heads)
             spilled = heads[e.host[heads] >= 0]
             if len(spilled):  # the row recomputed blocks the host tier holds: the device copy replaces them
                 self.host.drop(e.host[spilled], np.zeros(0, np.int64))
@@ -272,7 +273,7 @@ class PrefixCache:
         pages of any entry."""
         need = list(need)
         for leaves_only in (True, False):
-            for e in list(self.entries.values()):
+            for e in [e for e in self.entries.values() if e.resident]:  # host-tier entries hold no page
                 if not any(n > 0 for n in need):
                     return
                 if (leaves_only and e.children) or self.entries.get(e.key) is not e:
@@ -292,7 +293,7 @@ class PrefixCache:
     def _drop(self, e: Entry, need: list[int] | None = None) -> int:
         """Uncache the idle pages of ``e`` (only in pools with ``need > 0``, counting down); delete ``e`` when
         it holds no page any more. Returns pages freed."""
-        if e.pages.max() < 0:  # nothing on the device (a host-tier entry): nothing to drop, nothing to delete
+        if not e.resident:  # nothing on the device (a host-tier entry): nothing to drop, nothing to delete
             return 0
         b = self.blocks
         h = np.flatnonzero(e.pages >= 0)
@@ -311,6 +312,7 @@ class PrefixCache:
         for p in e.pages[idle].tolist():
             del self.page_entry[p]
         e.pages[idle] = -1
+        e.resident -= len(idle)
         self.delete_if_empty(e)
         return freed
 
@@ -371,6 +373,7 @@ class PrefixCache:
                     e.depth >= recycle_stop((e.near + 1) * self.ps, int(b.window[h]), self.ps):
                 continue
             e.pages[h] = -1
+            e.resident -= 1
             del self.page_entry[p]
             drop.append((e, p))
         freed = b.uncache(np.array([p for _, p in drop], np.int64)) if drop else 0
@@ -391,6 +394,9 @@ class PrefixCache:
                     if p in seen or self.page_entry.get(p) != key or not b.cached[p] or b.owner_head[p] != h:
                         raise AssertionError(f"entry at depth {e.depth}: page {p} of head {h} is not its own")
                     seen[p] = key
+            if e.resident != int((e.pages >= 0).sum()):
+                raise AssertionError(f"entry at depth {e.depth}: resident {e.resident} != its "
+                                     f"{(e.pages >= 0).sum()} pages")
             if e.children != children.get(key, 0) or ((e.pages < 0).all() and (e.host < 0).all() and not e.children):
                 raise AssertionError(f"entry at depth {e.depth}: children {e.children} != {children.get(key, 0)}, "
                                      f"or no page")

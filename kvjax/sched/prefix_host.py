@@ -61,6 +61,7 @@ def load(cache: PrefixCache, row: int, match: PrefixMatch) -> tuple[int, int]:
     pages = cache.blocks.attach_new(row, heads, blks)
     for h, b, p in zip(heads.tolist(), blks.tolist(), pages.tolist()):
         chain[b].pages[h] = p
+        chain[b].resident += 1
         cache.page_entry[p] = chain[b].key
     ckpt, ck_dev, ck_host = match.checkpoint, [], []
     if match.ckpt_host >= 0:

@@ -73,14 +73,17 @@ class PrefixMatch:
 
 class Entry:
     """One cached prompt block: its key, parent key, depth (block index), tokens, one page per KV head (``-1``:
-    none), its GDN checkpoint slot, its host copies (host tier), children count and anchor bookkeeping."""
+    none) and how many are set (``resident``), its GDN checkpoint slot, its host copies (host tier), children
+    count and anchor bookkeeping."""
 
-    __slots__ = ("key", "parent", "depth", "tokens", "pages", "ckpt", "children", "anchor", "near", "host", "hckpt")
+    __slots__ = ("key", "parent", "depth", "tokens", "pages", "resident", "ckpt", "children", "anchor", "near", "host",
+                 "hckpt")
 
     def __init__(self, key: int, parent: int, depth: int, tokens: np.ndarray, pages: np.ndarray) -> None:
         self.key, self.parent, self.depth = key, parent, depth
         self.tokens = tokens  # i32[page_size]
         self.pages = pages  # i64[H_kv]; -1 where the cache holds no page for that head
+        self.resident = int((pages >= 0).sum())  # heads with a page on the device (kept equal by every writer)
         self.ckpt = -1  # GDN checkpoint slot, -1 none
         self.host = np.full_like(pages, -1)  # i64[H_kv]: host id of a head's spilled page (host tier), -1 none
         self.hckpt = -1  # host id of the spilled checkpoint, -1 none
