@@ -302,7 +302,7 @@ def test_triton_kernels_take_fp8_pages_and_mosaic_declines_them():
         assert TABLE.choose("interpret", args, kwargs, device=cpu)[0] == "interpret"
     args, kwargs = TABLE.examples["prefill T=4096 H=32 D=128 page 64 fp8"]()
     reasons = dict(TABLE.explain(args, kwargs, device=hopper))
-    assert reasons["mosaic"].startswith("fp8 pages: not in this kernel") and reasons["prefill"] is None
+    assert reasons["mosaic"].startswith("fp8 pages: not taken by the table") and reasons["prefill"] is None
     assert TABLE.choose("auto", args, kwargs, device=hopper)[0] == "prefill"
     with pytest.raises(UnknownImplError, match="fp8 pages"):
         TABLE.choose("mosaic:interpret", args, kwargs, device=cpu)

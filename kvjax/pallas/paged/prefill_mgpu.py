@@ -26,9 +26,16 @@ Unlike the Triton kernel, the copy engine moves whole pages: the unwritten tail 
 zeroed and only ever hold written K/V, so they satisfy this; NaN there would propagate (``0 * NaN``).
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``head_dim`` 64 or 128, pages of 64 or 128 tokens, bf16
-or f16 q/K/V. fp8 pages are not read here (:func:`unsupported` declines them; the Triton prefill kernel takes
-them): the TMA copies would land e4m3 bytes in shared memory, and the bf16 wgmma operands would need a
-conversion pass through registers into a second swizzled slot per stage, with the scales applied per slot half.
+or f16 q/K/V, or fp8 K/V pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``, one scale per page) with
+bf16 or f16 q. fp8 pages: the TMA copies land the e4m3 bytes in the ring (half the bytes of bf16 pages); each
+consumer converts a slot e4m3 -> f16 (one ``cvt.rn.f16x2.e4m3x2`` per two values; every e4m3 value is exact in
+f16) through registers into its own swizzled f16 buffer, released to the producer as soon as it is converted,
+and runs both products in f16 (q converted once per tile; a normal bf16 value is exact in f16), accumulating in
+f32. The key scales of the slot's (one or two) pages multiply the logits per key column; the value scales reach
+the probabilities relative to a running reference scale (the largest value scale of the walk so far, a power of
+two like them, so a probability is never multiplied by a tiny scale before its f16 cast), the accumulator being
+kept in units of that reference and rescaled, exactly, when it grows. The backend table does not take this path
+yet (:func:`unsupported` declines fp8 pages, the Triton prefill kernel takes them): call the kernel directly.
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
@@ -51,8 +58,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.pallas.paged import common
-from kvjax.pallas.mgpu_common import cast, interpret_params, iota, produce_ring, swizzled
+from kvjax.pallas.mgpu_common import SWIZZLE, cast, interpret_params, iota, produce_ring, swizzled
 
 BLOCK_Q = 64  # query tokens per consumer warpgroup (one wgmma M tile)
 BLOCK_K = 128  # keys per step: one page of 128 or two pages of 64 (one shared-memory slot)
@@ -66,8 +74,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 def _kernel(
     q_ref,  # [T, Hq, D] (T >= 64)
-    k_ref,  # [P, page_size, D]
+    k_ref,  # [P, page_size, D] (q's dtype, or float8_e4m3fn)
     v_ref,  # [P, page_size, D]
+    ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
+    vs_ref,  # f32[P]: value scale per page
     bt_ref,  # i32[B*Hkv*max_blocks]
     tile_row_ref,  # i32[NT]
     tile_tok_ref,  # i32[NT]
@@ -79,7 +89,7 @@ def _kernel(
     win_ref,  # i32[Hkv]
     sink_ref,  # i32[Hkv]
     o_ref,  # [T, Hq, D]
-    smem,  # (q tiles (swizzled), q / out staging (plain rows), K ring, V ring)
+    smem,  # (q tiles (swizzled), q / out staging (plain rows), K ring, V ring[, f16 K/V buffer per consumer (fp8)])
     full_barriers,  # (K slot loaded, V slot loaded, q staged): a slot takes one arrival per page
     free_barriers,  # (K slot free, V slot free): one arrival per consumer
     sched,  # consumer schedule barrier
@@ -90,9 +100,10 @@ def _kernel(
     max_blocks: int,
     num_kv_heads: int,
     stages: int,
+    fp8: bool,
     interpret: bool,
 ):
-    q_smem, io_smem, k_smem, v_smem = smem
+    q_smem, io_smem, k_smem, v_smem, *kv16_smem = smem
     k_full, v_full, q_full = full_barriers
     k_free, v_free = free_barriers
     tile = lax.axis_index("tile")
@@ -113,7 +124,8 @@ def _kernel(
     bt_base = (b * num_kv_heads + kvh) * max_blocks
     num_tokens = q_ref.shape[0]
     head_dim = q_smem.shape[-1]
-    dtype = q_smem.dtype
+    dtype = q_smem.dtype  # the products' operands: q's dtype, f16 over fp8 pages
+    out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
     n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
 
@@ -121,6 +133,9 @@ def _kernel(
         col = lax.select(s < n_sink, s, lo + s - n_sink)
         page = bt_ref[bt_base + jnp.minimum(col, max_blocks - 1)]
         return col * page_size, jnp.where(s < n_pages, page, -1)
+
+    def page_scale(ref, page):  # f32 scale of an fp8 page; 0 for a hole (never read)
+        return jnp.where(page >= 0, ref[jnp.maximum(page, 0)], 0.0)
 
     def sync_schedule():
         plgpu.barrier_arrive(sched)
@@ -143,9 +158,10 @@ def _kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), head], stage, q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
             if interpret:
-                q_smem.at[wg][...] = stage[...]
+                q_smem.at[wg][...] = stage[...].astype(dtype)
             else:
-                q_smem.at[wg][...] = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                q_rows = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                q_smem.at[wg][...] = q_rows if dtype == out_dtype else q_rows.astype(jnp.float32).astype(dtype)
                 plgpu.commit_smem()
 
         qpos = (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret)  # position of each box row
@@ -157,9 +173,24 @@ def _kernel(
             def _():
                 plgpu.barrier_wait(k_full.at[lax.rem(j + 1, jnp.int32(stages))])
 
+        def per_column(values):  # f32[BLOCK_Q, BLOCK_K]: each key column's value of its slot half's page
+            if per_slot == 1:
+                return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
+            return jnp.where(kcol < page_size, values[0], values[1])
+
+        def converted(ring, slot):  # fp8: the slot as f16 in this consumer's buffer (the ring slot is then free)
+            buf = kv16_smem[0].at[wg]
+            if interpret:
+                buf[...] = ring[slot].astype(dtype)
+            else:
+                x = plgpu.load(ring.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                buf[...] = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+            return buf
+
         def step(j, carry):
             slot = lax.rem(j, jnp.int32(stages))
-            k0s, needs, fulls = [], [], []
+            k0s, needs, fulls, pages = [], [], [], []
             for i in range(per_slot):
                 k0, page = page_at(j * per_slot + i)
                 k1 = k0 + page_size - 1
@@ -167,23 +198,31 @@ def _kernel(
                 needs.append(valid & (k0 <= pb) & ((w == 0) | (k1 > pa - w) | (k0 < sk)))
                 fulls.append(valid & (k1 <= pa) & ((w == 0) | (k0 > pb - w) | (k1 < sk)))
                 k0s.append(jnp.where(valid, k0, _FAR))
+                pages.append(page)
             needed = (n_rows > 0) & functools.reduce(jnp.logical_or, needs)
             full = functools.reduce(jnp.logical_and, fulls)
 
             def compute(carry):
-                acc, m_i, l_i = carry
+                acc, m_i, l_i, *v_ref = carry
+                k_op = k_smem.at[slot]
+                if fp8:
+                    k_op = converted(k_smem, slot)
+                    plgpu.barrier_arrive(k_free.at[slot])
 
                 def qk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_op, (1, 0)))
                     sync_schedule()
                     return acc_ref[...]
 
                 if interpret:  # the interpreter has no transposed wgmma operand: the same product in jnp
-                    qk = jnp.dot(q_smem[wg], k_smem[slot].T, preferred_element_type=jnp.float32)
+                    qk = jnp.dot(q_smem[wg], k_op[...].T, preferred_element_type=jnp.float32)
                     sync_schedule()
                 else:
                     qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                if fp8:
+                    qk = qk * per_column([page_scale(ks_ref, page) for page in pages])
+                else:
+                    plgpu.barrier_arrive(k_free.at[slot])
 
                 def mask(x):
                     kpos = kcol + k0s[0]
@@ -199,23 +238,35 @@ def _kernel(
                 alpha = jnp.exp2(m_i - m_use)
                 p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
+                if fp8:  # value scales relative to the running reference (module doc)
+                    v_scales = [page_scale(vs_ref, page) for page in pages]
+                    ref_new = functools.reduce(jnp.maximum, v_scales, v_ref[0])
+                    ref_safe = jnp.where(ref_new > 0, ref_new, 1.0)
+                    p = p * (per_column(v_scales) / ref_safe)
+                    alpha = alpha * (v_ref[0] / ref_safe)
+                    v_ref = [ref_new]
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_full.at[slot])
+                v_op = v_smem.at[slot]
+                if fp8:
+                    v_op = converted(v_smem, slot)
+                    plgpu.barrier_arrive(v_free.at[slot])
                 plgpu.barrier_wait(sched)
 
                 if interpret:  # the interpreter's wgmma takes no register operand and has no run_state
-                    acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+                    acc = acc + jnp.dot(p16, v_op[...], preferred_element_type=jnp.float32)
                     wait_next_k(j)
                 else:
                     def pv_product(acc_ref):  # accumulates into the running accumulator
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        plgpu.wgmma(acc_ref, p16, v_op)
                         wait_next_k(j)
 
                     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
+                if not fp8:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i, *v_ref
 
             def skip(carry):
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -232,16 +283,19 @@ def _kernel(
         m_i = cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout, interpret)
         l_i = cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row_layout, interpret)
         acc = cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
+        v_ref = [jnp.float32(0.0)] if fp8 else []  # fp8: the largest value scale so far (the accumulator's unit)
 
         @pl.when(n_steps > 0)
         def _():
             plgpu.barrier_wait(k_full.at[0])
 
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        acc, m_i, l_i, *v_ref = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, *v_ref))
         pl.when(wg == 0)(sync_schedule)
         l_safe = jnp.where(l_i > 0, l_i, 1.0)  # tokens that see no key (padding spans) get 0
-        out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+        if fp8:
+            l_safe = l_safe / v_ref[0]  # l_i > 0 implies a visited page, so a reference scale > 0
+        out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
 
         @pl.when(n_rows > 0)
         def _():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
@@ -294,14 +348,17 @@ def shape_reason(
     k_pages: jax.Array,  # [P, page_size, D]
     v_pages: jax.Array,  # [P, page_size, D]
 ) -> str | None:
-    """What this kernel cannot take in these shapes / dtypes (``"needs page_size in ..., got ..."``), or None."""
+    """What this kernel cannot take in these shapes / dtypes (``"needs page_size in ..., got ..."``), or None:
+    bf16 or f16 q with K/V pages of q's dtype or float8_e4m3fn."""
     page_size, d = k_pages.shape[1], q.shape[-1]
     if page_size not in SUPPORTED_PAGE_SIZES:
         return f"needs page_size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
     if d not in SUPPORTED_HEAD_DIMS:
         return f"needs head_dim in {SUPPORTED_HEAD_DIMS}, got {d}"
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        return f"needs bf16 or f16 q/K/V of one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype not in (q.dtype, FP8_DTYPE) or (
+            v_pages.dtype != k_pages.dtype):
+        return (f"needs bf16 or f16 q with K/V pages of q's dtype or float8_e4m3fn, got {q.dtype}, {k_pages.dtype}, "
+                f"{v_pages.dtype}")
     return None
 
 
@@ -316,7 +373,7 @@ def unsupported(
     """Why the ``"mosaic"`` backend declines this normalised call, or None: fp8 pages (``k_scale`` given),
     :func:`shape_reason`, and fewer than ``BLOCK_Q`` tokens per row on average (``T < 64 B``)."""
     if static.get("k_scale") is not None:
-        return "fp8 pages: not in this kernel (the Triton prefill kernel reads them)"
+        return "fp8 pages: not taken by the table until measured (the Triton prefill kernel reads them)"
     t_total, num_rows = q.shape[0], block_tables.shape[0]
     if t_total < BLOCK_Q * num_rows:
         return f"needs T >= {BLOCK_Q} B tokens (one {BLOCK_Q}-token box per row), got T={t_total}, B={num_rows}"
@@ -335,13 +392,17 @@ def paged_prefill_mgpu(
     scale: float,
     window: jax.Array,  # i32[Hkv]
     sinks: jax.Array,  # i32[Hkv]
+    k_scale: jax.Array | None = None,  # f32[P]: fp8 (float8_e4m3fn) pages only
+    v_scale: jax.Array | None = None,  # f32[P]
     stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
-    finite values, see the module doc). ``stages``: shared-memory slots of 128 keys (default 2).
-    ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0.
+    finite values, see the module doc). fp8 pages read as ``page * scale`` (products in f16, module doc).
+    ``stages``: shared-memory slots of 128 keys (default 2). ``interpret`` runs the Mosaic GPU interpreter on the
+    CPU. Reads only; tokens of no row get 0. ``ValueError`` for what :func:`shape_reason` rejects and for fp8 pages
+    without their scales (:func:`kvjax.pallas.paged.common.page_scales`).
     """
     t_total, hq, d = q.shape
     page_size = k_pages.shape[1]
@@ -349,6 +410,7 @@ def paged_prefill_mgpu(
     reason = shape_reason(q, k_pages, v_pages)
     if reason:
         raise ValueError(f"paged_prefill_mgpu {reason}")
+    fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="paged_prefill_mgpu")
     stages = stages or 2
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
@@ -357,14 +419,18 @@ def paged_prefill_mgpu(
         page_size=page_size, max_blocks=max_blocks,
     )
     num_tiles = t_row.shape[0]
-    tiled = swizzled(q.dtype)
+    dtype = jnp.float16 if fp8 else q.dtype  # the products' operands
+    tiled = swizzled(dtype)
+    ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
+    ring = (plgpu.TilingTransform((8, ring_swizzle // k_pages.dtype.itemsize)), plgpu.SwizzleTransform(ring_swizzle))
     per_slot = BLOCK_K // page_size
     scratch = (
         (
-            plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), q.dtype, transforms=tiled),
+            plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), dtype, transforms=tiled),
             plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), q.dtype),  # plain rows: TMA copies at any row offset
-            plgpu.SMEM((stages, BLOCK_K, d), q.dtype, transforms=tiled),
-            plgpu.SMEM((stages, BLOCK_K, d), q.dtype, transforms=tiled),
+            plgpu.SMEM((stages, BLOCK_K, d), k_pages.dtype, transforms=ring),
+            plgpu.SMEM((stages, BLOCK_K, d), k_pages.dtype, transforms=ring),
+            *([plgpu.SMEM((_CONSUMERS, BLOCK_K, d), dtype, transforms=tiled)] if fp8 else []),  # converted K / V
         ),
         (
             plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
@@ -376,7 +442,7 @@ def paged_prefill_mgpu(
     )
     kernel = functools.partial(
         _kernel, scale=scale, group=hq // hkv, page_size=page_size, max_blocks=max_blocks, num_kv_heads=hkv,
-        stages=stages, interpret=interpret,
+        stages=stages, fp8=fp8, interpret=interpret,
     )
     q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
     out = plgpu.kernel(
@@ -390,7 +456,7 @@ def paged_prefill_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
     )(
-        q_in, k_pages, v_pages, block_tables.reshape(-1), t_row, t_tok, t_len, t_pos,
+        q_in, k_pages, v_pages, k_scale, v_scale, block_tables.reshape(-1), t_row, t_tok, t_len, t_pos,
         lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
     )
     return out[:t_total]
