@@ -1,0 +1,171 @@
+"""fp8 (e4m3) page kernels beside bf16 pages, in one process (issue #35): the split-KV decode kernel's ``fp8_dot``
+variants and the prefill kernels over fp8 pages, with the copy rate of the same bytes measured in the same run.
+
+Usage (GPU): ``python benchmarks/fp8_variants.py [--only decode|prefill] [--stages 2,3]`` (``benchmarks/`` finds
+its own imports; ``kvjax`` on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and
+device time (profiler), both medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16
+pages, the kernel's bytes over its time against an XLA copy of the same bytes (read + written) timed in the same
+run, and the max error against the float32 reference.
+
+- decode, B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (the bf16 and fp8 batches of
+  ``benchmarks/attention.py``): bf16 pages through ``auto`` (the split-KV kernel), then the split-KV kernel over
+  the fp8 pages for each ``fp8_dot`` of :data:`kvjax.pallas.paged.decode.FP8_DOTS` (``"q"`` is today's default)
+  and each ``num_stages`` of ``--stages``. Bytes: the pages read (fp8: 1 byte a value plus one f32 scale per page
+  for K and V). Error: max ``|out - reference|`` over the same fp8 pages (bf16 q, unquantised), beside the
+  largest output.
+- prefill, one causal sequence T=4096, H=32, D=128, pages of 64 and 128: bf16 pages through ``auto`` (the Mosaic
+  GPU kernel), fp8 pages through ``auto`` (the Triton prefill kernel today) and through the Mosaic GPU kernel
+  called directly (fp8 path: e4m3 ring, f16 products). TFLOP/s of the causal problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+DECODE = (64, 4096, 32, 8, 128)  # B, L, Hq, Hkv, D
+DECODE_PAGES = (16, 64)
+PREFILL = (4096, 32, 128)  # T, H, D
+PREFILL_PAGES = (64, 128)
+
+
+def _err(out, ref) -> str:
+    import numpy as np
+
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.isfinite(out).all():
+        return "NON-FINITE"
+    return f"{float(np.abs(out - ref).max()):.2e} (max |ref| {float(np.abs(ref).max()):.2f})"
+
+
+def _report(title: str, times: dict, base: str, *, nbytes: dict, copy: dict, flops: int = 0, errs: dict) -> None:
+    print(f"\n## {title}")
+    print("| kernel | wall ms | device ms | vs bf16 (wall) | GB/s (wall) | vs copy of its bytes | TFLOP/s | max err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for name, t in times.items():
+        wall, dev = t["wall_ms"], t["device_ms"]
+        nb = nbytes.get(name, 0)
+        gbs = f"{nb / wall / 1e6:.0f}" if nb else ""
+        vs_copy = f"{(nb / wall) / (copy[nb]['bytes'] / copy[nb]['wall_ms']):.1%}" if nb else ""
+        tf = f"{flops / wall / 1e9:.0f}" if flops else ""
+        dev_s = f"{dev:.4f}" if dev is not None else "-"
+        print(f"| {name} | {wall:.4f} | {dev_s} | {times[base]['wall_ms'] / wall:.2f}x | {gbs} | {vs_copy} | {tf} | "
+              f"{errs.get(name, '')} |")
+    for nb, c in copy.items():
+        dev = f", device {c['device_ms']:.4f} ms" if c["device_ms"] is not None else ""
+        print(f"copy of {nb / 1e6:.1f} MB read + written: wall {c['wall_ms']:.4f} ms ({c['bytes'] / c['wall_ms'] / 1e6:.0f} "
+              f"GB/s){dev}")
+
+
+def decode_part(stages: tuple[int, ...]) -> None:
+    import jax
+
+    import timing
+    from attention import _decode_batch, _paged_auto, _quantise, kv_bytes
+
+    from kvjax.ops import paged_attention
+    from kvjax.pallas.paged import decode
+
+    b, l, hq, hkv, d = DECODE
+    for ps in DECODE_PAGES:
+        q, kp, vp, bt, _, sl, cu = _decode_batch(b, l, hq, hkv, d, ps, seed=1)
+        (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
+        zeros = jax.numpy.zeros((hkv,), jax.numpy.int32)
+        bf16 = jax.jit(lambda *a: _paged_auto(*a, cu=cu))
+        runners = {"bf16 pages (auto)": lambda: bf16(q, kp, vp, bt, sl)}
+        calls = {}
+        for fp8_dot in decode.FP8_DOTS:
+            for st in stages:
+                calls[f"fp8 {fp8_dot} stages={st}"] = jax.jit(functools.partial(
+                    decode.paged_decode, cu_seqlens=cu, scale=d ** -0.5, window=zeros, sinks=zeros, fp8_dot=fp8_dot,
+                    num_stages=st))
+        for name, f in calls.items():
+            runners[name] = lambda _f=f: _f(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
+        ref = jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl="reference", **kw))
+        ref8, ref16 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs), ref(q, kp, vp, bt, sl)
+        errs = {"bf16 pages (auto)": _err(runners["bf16 pages (auto)"](), ref16)}
+        for name in calls:
+            try:
+                errs[name] = _err(runners[name](), ref8)
+            except Exception as e:  # a variant the compiler rejects is reported, the others still run
+                errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
+                del runners[name]
+        nb16, nb8 = b * hkv * kv_bytes(l, d, ps, fp8=False), b * hkv * kv_bytes(l, d, ps, fp8=True)
+        nbytes = {name: (nb16 if name.startswith("bf16") else nb8) for name in runners}
+        times = timing.interleaved(runners, rounds=5, n=20, device_rounds=2)
+        copy = {nb: timing.xla_copy(nb) for nb in (nb16, nb8)}
+        _report(f"decode B={b} L={l} Hq={hq} Hkv={hkv} D={d} page={ps}", times, "bf16 pages (auto)",
+                nbytes=nbytes, copy=copy, errs=errs)
+        for name in errs:
+            if name not in runners:
+                print(f"{name}: {errs[name]}")
+        del q, kp, vp, kp8, vp8, runners, calls
+
+
+def prefill_part() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import timing
+    from attention import _quantise
+
+    from kvjax.ops import paged_attention
+    from kvjax.pallas.paged import prefill_mgpu
+
+    t, h, d = PREFILL
+    flops = 4 * (t * (t + 1) // 2) * d * h
+    for ps in PREFILL_PAGES:
+        keys = jax.random.split(jax.random.key(3), 4)
+        q, k, v = (jax.random.normal(kk, (t, h, d), jnp.bfloat16) for kk in keys[:3])  # bf16[T, H, D]
+        blocks = t // ps
+        perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * blocks).astype(jnp.int32)
+        pages = lambda x: jnp.zeros((h * blocks, ps, d), x.dtype).at[perm].set(  # noqa: E731
+            jnp.swapaxes(x, 0, 1).reshape(h * blocks, ps, d))
+        kp, vp = pages(k), pages(v)
+        (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
+        bt, sl, cu = perm.reshape(1, h, blocks), jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32)
+        zeros = jnp.zeros((h,), jnp.int32)
+        op = lambda impl: jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl=impl, **kw))  # noqa: E731
+        auto, ref = op("auto"), op("reference")
+        mgpu = jax.jit(lambda *a, **kw: prefill_mgpu.paged_prefill_mgpu(
+            *a, cu_seqlens=cu, scale=d ** -0.5, window=zeros, sinks=zeros, **kw))
+        runners = {
+            "bf16 pages (auto: mosaic)": lambda: auto(q, kp, vp, bt, sl),
+            "fp8 pages (auto: Triton prefill)": lambda: auto(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs),
+            "fp8 pages (mosaic, f16 products)": lambda: mgpu(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs),
+        }
+        ref8 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
+        errs = {"bf16 pages (auto: mosaic)": _err(runners["bf16 pages (auto: mosaic)"](), ref(q, kp, vp, bt, sl))}
+        for name in list(runners)[1:]:
+            try:
+                errs[name] = _err(runners[name](), ref8)
+            except Exception as e:
+                errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+                print(f"{name}: {errs[name]}")
+                del runners[name]
+        times = timing.interleaved(runners, rounds=5, n=10, device_rounds=2)
+        _report(f"prefill T={t} H={h} D={d} page={ps} (causal, {flops / 1e9:.1f} GFLOP)", times,
+                "bf16 pages (auto: mosaic)", nbytes={}, copy={}, flops=flops, errs=errs)
+        del q, k, v, kp, vp, kp8, vp8, runners
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("decode", "prefill"), default=None)
+    p.add_argument("--stages", default="2,3", help="num_stages of the fp8 decode variants (comma-separated)")
+    args = p.parse_args(argv)
+    import jax
+
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    if args.only in (None, "decode"):
+        decode_part(tuple(int(x) for x in args.stages.split(",")))
+    if args.only in (None, "prefill"):
+        prefill_part()
+
+
+if __name__ == "__main__":
+    main()
