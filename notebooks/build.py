@@ -321,6 +321,41 @@ display(Markdown(
     f"{res[worst]['correct'][near].mean():.0%} of the queries whose store token is at most {k_worst} tokens back are "
     f"answered, {res[worst]['correct'][far].mean():.0%} of those more than {k_worst + CFG['page']} tokens back "
     f"(right panel)."))'''),
+    new_markdown_cell("""\
+## fp8 (e4m3) pages, alone and with timely recycling
+
+The same engine with `kv_cache_dtype="fp8"`: every attention layer's K/V pages are stored in e4m3 with one
+power-of-two f32 scale per single-head page (1 byte a value instead of the model's 4 here, 2 in bf16), so the same
+page memory holds twice the bf16 pages. The answers over fp8 pages are compared with those over the model's
+float pages (same prompts, same chunked prefill), without recycling and with timely recycling (which must not
+change a token over fp8 pages either)."""),
+    new_code_cell('''\
+from kvjax.engine.engine import Engine
+
+
+def engine_fp8_answers(recycle):
+    eng = Engine(model, cache, recycle=recycle, max_num_batched_tokens=CFG["budget"], use_decode_path=False,
+                 token_buckets=(CFG["budget"],), row_buckets=(cache.max_seqs,),
+                 block_buckets=(cache.max_blocks_per_seq,), kv_cache_dtype="fp8")
+    out = eng.generate([p for p in prompts], 1, progress=False)
+    assert eng.is_idle(), "engine not idle after generate()"
+    return np.array([o[0] for o in out], np.int32)
+
+
+fp8 = {name: engine_fp8_answers(name) for name in ("none", "timely")}
+assert np.array_equal(fp8["timely"], fp8["none"]), "timely recycling changed a token over fp8 pages"
+agree = float((fp8["none"] == res["none"]["pred"]).mean())
+acc8 = {name: float((pred == answers).mean()) for name, pred in fp8.items()}
+accs8 = {"none (float pages)": res["none"]["accuracy"], "timely (float pages)": res["timely"]["accuracy"],
+         "none (fp8 pages)": acc8["none"], "timely (fp8 pages)": acc8["timely"]}
+by_dist8 = {"float pages": tasks.accuracy_by_distance(res["none"]["correct"], dist, edges),
+            "fp8 pages": tasks.accuracy_by_distance(fp8["none"] == answers, dist, edges)}
+fig = plots.accuracy_figure(accs8, by_dist8, edges, chance=chance)
+display(Markdown(
+    f"Over fp8 pages the engine answers **{acc8['none']:.1%}** of the {len(prompts)} queries (float pages: "
+    f"{res['none']['accuracy']:.1%}); {agree:.1%} of its answers are the float pages' answers. Timely recycling "
+    f"over fp8 pages generates exactly the tokens of no recycling ({int((fp8['timely'] != fp8['none']).sum())} "
+    "differ)."))'''),
 ]
 
 TOUR = [
