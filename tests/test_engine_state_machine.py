@@ -10,6 +10,13 @@ the tokens of the same request run alone (greedy), every event had the right pos
 the engine is idle. It runs with the overlapped engine (the default: faults then hit with a step in flight),
 the synchronous one, the overlapped one with decode bursts of 4, and that one with prefix caching over a host tier
 (evicted blocks spill to host memory); one engine per mode (one compile, two with bursts) serves every example.
+
+Speculative decoding (``SpecEngineMachine``, and with prefix caching over a host tier): a rule switches the engine's
+drafter between none, prompt lookup (n-gram) and an oracle drafter (the alone run's continuation, one token
+corrupted half of the time, so rows accept every count 0..K), each with K in {1, 2, 4} drafts per row (the engine is
+built for K = 4: the verification step compiles once and shorter drafts fit it). After every rule the pages a row
+holds never pass what its tokens and one verification row need, and the acceptance counts are prefixes (a draft is
+accepted only after every draft before it); the tokens must still equal the alone run's.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvjax.engine.engine import Engine
+from kvjax.sched.drafter import NgramDrafter, SpeculativeConfig
 from helpers.engine import make_engine, step_events
 from helpers.faults import POINTS, FaultAt, Injected
 from helpers.models import VOCAB, qwen_swa_model
@@ -35,16 +43,20 @@ class Shared:
 
     def __init__(self) -> None:
         self.model = qwen_swa_model()
-        self.engines: dict[tuple[bool, int, int], Engine] = {}
+        self.engines: dict[tuple[bool, int, int, int], Engine] = {}
         self.alone: dict[tuple[tuple, int], list[int]] = {}
         self.logits = nnx.jit(lambda m, x: m.logits(x))
 
-    def engine(self, overlap: bool, burst: int = 1, host: int = 0) -> Engine:
-        """The engine of a mode; ``host > 0``: with prefix caching and a host tier of that many bytes."""
-        if (overlap, burst, host) not in self.engines:
+    def engine(self, overlap: bool, burst: int = 1, host: int = 0, spec: int = 0) -> Engine:
+        """The engine of a mode; ``host > 0``: with prefix caching and a host tier of that many bytes; ``spec > 0``:
+        speculative decoding with up to that many drafts per row."""
+        key = (overlap, burst, host, spec)
+        if key not in self.engines:
             tier = dict(prefix_caching=True, host_cache_bytes=host) if host else {}
-            self.engines[overlap, burst, host] = make_engine(self.model, overlap=overlap, decode_burst=burst, **tier)
-        return self.engines[overlap, burst, host]
+            if spec:
+                tier["speculative"] = SpeculativeConfig(num_draft_tokens=spec)
+            self.engines[key] = make_engine(self.model, overlap=overlap, decode_burst=burst, **tier)
+        return self.engines[key]
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +142,13 @@ class EngineMachine(RuleBasedStateMachine):
     OVERLAP = True
     BURST = 1
     HOST = 0  # bytes of a host tier under a prefix cache (0: no prefix caching)
+    SPEC = 0  # K of speculative decoding (0: off)
+    EXAMPLES = 25  # hypothesis examples of 25 rules each
 
     def __init__(self, shared: Shared):
         super().__init__()
         self.shared = shared
-        self.engine = shared.engine(self.OVERLAP, self.BURST, self.HOST)
+        self.engine = shared.engine(self.OVERLAP, self.BURST, self.HOST, self.SPEC)
         self.engine.clear_prefix_cache()  # every example starts from the same state (no-op without caching)
         assert self.engine.is_idle()
         self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
@@ -153,9 +167,13 @@ class EngineMachine(RuleBasedStateMachine):
     def live(self) -> list[int]:
         return sorted(rid for rid, r in self.reqs.items() if not r["aborted"] and not r["finished"])
 
+    def will_run(self, keys: list[tuple[tuple, int]]) -> None:
+        """Requests ``(prompt, max_new)`` about to be added (the speculative machine's oracle drafter needs them)."""
+
     # ---- rules -------------------------------------------------------------------------------------------
     @rule(prompt=prompts, max_new=max_news)
     def add(self, prompt, max_new):
+        self.will_run([(prompt, max_new)])
         rid = self.engine.add_request(list(prompt), max_new, index=len(self.reqs))
         self.reqs[rid] = dict(prompt=prompt, max_new=max_new, tokens=[], finished=False, aborted=False)
 
@@ -204,6 +222,7 @@ class EngineMachine(RuleBasedStateMachine):
           max_new=max_news, nested=st.booleans())
     def two_consumers(self, a, b, max_new, nested):
         eng = self.engine
+        self.will_run([(p, max_new) for p in a + b])
         out_a, out_b = [[] for _ in a], [[] for _ in b]
         if nested:  # generate inside a stream loop
             for ev in eng.stream([list(p) for p in a], max_new):
@@ -255,16 +274,82 @@ class HostTierEngineMachine(EngineMachine):
     HOST = 1 << 20  # prefix caching whose evictions spill to a host tier (kvjax/engine/host_tier.py)
 
 
-@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine, HostTierEngineMachine],
-                         ids=["overlap", "sync", "burst", "host-tier"])
+class AloneDrafter:
+    """Drafts the alone run's continuation of the request (``alone``: ``{(prompt, max_new): tokens}``, read when
+    drafting; the longest known prompt that starts the request's tokens), the token at a random draft position
+    replaced half of the time; none for an unknown prompt."""
+
+    def __init__(self, alone: dict, k: int, seed: int) -> None:
+        self.num_draft_tokens, self.alone, self.rng = k, alone, np.random.default_rng(seed)
+
+    def propose(self, tokens, max_drafts):
+        tokens = tuple(np.asarray(tokens).tolist())
+        # a longer run of the same prompt continues a shorter one (greedy): the longest prompt, then the longest run
+        known = [(p, toks) for (p, _), toks in self.alone.items() if tokens[: len(p)] == p]
+        if not known:
+            return np.zeros(0, np.int32)
+        p, toks = max(known, key=lambda pt: (len(pt[0]), len(pt[1])))
+        done = len(tokens) - len(p)
+        d = list(toks[done: done + min(max_drafts, self.num_draft_tokens)])
+        if d and self.rng.random() < 0.5:
+            j = int(self.rng.integers(len(d)))
+            d[j] = (d[j] + 1 + int(self.rng.integers(VOCAB - 1))) % VOCAB
+        return np.asarray(d, np.int32)
+
+
+class SpecEngineMachine(EngineMachine):
+    """Speculative decoding (synchronous whatever ``OVERLAP`` says; no bursts), the drafter switched by a rule."""
+
+    SPEC = 4
+    EXAMPLES = 15  # its examples compute the alone runs of their requests first
+
+    def __init__(self, shared: Shared):
+        super().__init__(shared)
+        self.engine.pipeline.drafter = AloneDrafter(shared.alone, self.SPEC, seed=0)  # until a rule switches it
+
+    def will_run(self, keys):
+        run_alone(self.shared, keys)
+
+    @rule(method=st.sampled_from(["off", "ngram", "alone"]), k=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+    def speculate(self, method, k, seed):
+        """Drafts from now on: none, prompt lookup, or the alone run's (corrupted half of the time); K = ``k``."""
+        self.engine.pipeline.drafter = {"off": None, "ngram": NgramDrafter(k),
+                                        "alone": AloneDrafter(self.shared.alone, k, seed)}[method]
+
+    @invariant()
+    def verification_bounds(self):
+        """A row holds no page past its tokens and one verification row; acceptance is by prefix."""
+        sched = self.engine.scheduler
+        for r in sched.running:
+            need = sched.blocks.blocks_for(max(r.num_tokens, r.num_computed + 1 + self.SPEC))
+            assert sched.blocks.num_blocks[r.slot] <= need, (r, sched.blocks.num_blocks[r.slot], need)
+        st_ = sched.spec_stats
+        assert (st_.accepted_at <= st_.proposed_at).all() and (np.diff(st_.accepted_at) <= 0).all(), st_
+        assert st_.accepted == st_.accepted_at.sum() <= st_.proposed == st_.proposed_at.sum(), st_
+
+
+class SpecHostTierEngineMachine(SpecEngineMachine):
+    HOST = 1 << 20
+
+
+@pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine, HostTierEngineMachine,
+                                     SpecEngineMachine, SpecHostTierEngineMachine],
+                         ids=["overlap", "sync", "burst", "host-tier", "spec", "spec-host-tier"])
 def test_engine_state_machine(machine, shared):
     # derandomized: the coverage checks below (preemptions, faults, full bursts) hold for every run, not most runs
     run_state_machine_as_test(lambda: machine(shared), settings=settings(
-        max_examples=25, stateful_step_count=25, deadline=None, derandomize=True, database=None,
+        max_examples=machine.EXAMPLES, stateful_step_count=25, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    eng = shared.engine(machine.OVERLAP, machine.BURST, machine.HOST)
-    # one bucket set, greedy only: a single compile for every example (and one for the burst steps)
-    assert eng.num_traces == (1 if machine.BURST == 1 else 2)
+    eng = shared.engine(machine.OVERLAP, machine.BURST, machine.HOST, machine.SPEC)
+    # one bucket set, greedy only: a single compile for every example (and one for the burst or verification steps)
+    assert eng.num_traces == (1 if machine.BURST == 1 and not machine.SPEC else 2)
+    if machine.SPEC:  # verification steps ran; rows accepted none, some and all K of their drafts
+        assert not eng.overlap and eng.decode_burst == 1
+        recs = [r for r in eng.metrics.records if r.verify_rows]
+        assert sum(r.drafts_accepted for r in recs) < sum(r.drafts_proposed for r in recs)
+        assert sum(r.drafts_accepted_at[machine.SPEC - 1] for r in recs if len(r.drafts_accepted_at) == machine.SPEC)
+        assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
+        return
     assert max(r.burst for r in eng.metrics.records) == machine.BURST  # bursts ran, at their full length
     assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
     if machine.HOST:  # evicted blocks went to the host (loads: tests/test_engine_host_tier.py)
