@@ -3,8 +3,10 @@
 Modules, one concept each: ``slots`` (GDN slot allocator), ``blocks`` (head-wise page allocator and block tables,
 pool policies ``shared`` / ``partitioned``), ``recycle`` (the SWA recycle rule and policies ``none`` / ``timely``),
 ``prefix_cache`` (the opt-in prefix cache: hash-chained prompt blocks, reference-counted shared pages, GDN
-checkpoint slots, head-wise matches), ``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler``, ``workload`` and ``simulate`` (the
-capacity simulator behind ``python -m kvjax simulate``; its command line is :mod:`kvjax.cli.simulate`).
+checkpoint slots, head-wise matches), ``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler`` (with
+``admission``: which queued requests start; ``burst``: decode-burst plans; ``rebuild``: a fresh scheduler after a
+fault), ``workload`` and ``simulate`` (the capacity simulator behind ``python -m kvjax simulate``; its command line
+is :mod:`kvjax.cli.simulate`).
 
 Bad input raises a ``ValueError`` (most often a :class:`kvjax.errors.KvjaxError`) naming the value, before
 anything changes; integers may be Python or numpy ints.

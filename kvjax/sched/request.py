@@ -6,7 +6,7 @@ token whose value is not known yet, so the next step can already be planned with
 *resolves* it with the sampled value (``resolve``). ``append`` does both at once (the synchronous case).
 
 Where the state lives. A request that is not running keeps its tokens, counters and reserved tokens in the
-:class:`Request` object. While it runs (from the scheduler's ``_start`` to its ``_release``) it is *bound* to a
+:class:`Request` object. While it runs (from the scheduler's ``start`` to its ``release``) it is *bound* to a
 row of the scheduler's :class:`RowTable` (row = its GDN slot): the table's arrays hold its tokens, counters and
 reserved tokens, so that a step reads and updates every running request with a few numpy operations, and the
 object's attributes (``num_tokens``, ``num_computed``, ``token_ids``, ``pending`` …) read and write that row.

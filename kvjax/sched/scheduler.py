@@ -11,13 +11,14 @@ later).
    tokens are short, the most recently admitted running request is preempted (slot and pages freed, progress
    dropped, requeued at the front) until they fit — possibly the request itself;
 3. if nothing was preempted, admits preempted then waiting requests while the budget, a free slot and the
-   pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow;
+   pages for their first chunk (keeping ``watermark`` of each pool free unless nothing runs) allow
+   (:mod:`kvjax.sched.admission`);
 4. returns a :class:`~kvjax.sched.plan.StepPlan`.
 
-``schedule(burst=K)`` first tries a decode burst (every running request decoding, no queued request that step 3
-would admit now; with prefix caching the admission check counts no cache hit, so a burst may delay an admission
-by up to ``K`` sub-steps): one plan of up to ``K`` sub-steps per row, pages allocated for all of them,
-one reserved token per sub-step (see "Decode bursts" in :mod:`kvjax.sched.plan`); else the steps above.
+``schedule(burst=K)`` first tries a decode burst (:mod:`kvjax.sched.burst`: every running request decoding, no
+queued request that step 3 would admit now): one plan of up to ``K`` sub-steps per row, pages allocated for all of
+them, one reserved token per sub-step; else the steps above. ``rebuilt()`` (after a fault) is
+:mod:`kvjax.sched.rebuild`.
 
 Applying a step has two halves (the scheduler's :class:`~kvjax.sched.ledger.Ledger`), so that the next step can be planned while this one
 runs (the engine's overlap mode): ``advance(plan)`` applies what the host knows without the sampled tokens — every
@@ -29,12 +30,12 @@ and the plan can still be resolved), then gives each reserved token its value; a
 there and any token reserved after it (a step it ran one step too long) is dropped. ``update(plan, sampled)`` is
 both at once (the synchronous engine, simulations). ``rollback()`` forgets every reserved, unresolved token after
 a fault (their requests are preempted: recomputed later). Every way into RUNNING (admission, resume,
-``add_request(..., running=True)``) goes through ``_start`` which takes a slot; every way out (finish, abort,
-preemption) goes through ``_release`` which frees the slot and all pages.
+``add_request(..., running=True)``) goes through ``start`` which takes a slot; every way out (finish, abort,
+preemption) goes through ``release`` which frees the slot and all pages.
 
 Host cost. The running requests' hot state (tokens, counters, reserved tokens) lives in ``self.rows``, a
-:class:`~kvjax.sched.request.RowTable` indexed by GDN slot; ``_start`` binds a request to its slot's row and
-``_release`` unbinds it (its :class:`Request` attributes read and write the row meanwhile). A steady decode step
+:class:`~kvjax.sched.request.RowTable` indexed by GDN slot; ``start`` binds a request to its slot's row and
+``release`` unbinds it (its :class:`Request` attributes read and write the row meanwhile). A steady decode step
 (recycling, budget, page allocation, plan, ``advance``, ``resolve``) is a fixed number of numpy operations on
 the running rows' slots; Python loops run only over rows that change state (admission, preemption, finishing,
 eos, prefill chunks with prefix caching).
@@ -44,7 +45,7 @@ request's prompt against the cache and attaches the matched blocks to its row (`
 match; the plan's ``ckpt_restore`` names the GDN checkpoint the step copies into its slot first); prefill chunks
 end at the cache's checkpoint stops; at the end of ``schedule`` every scheduled prompt publishes the blocks this
 step completes (the plan's ``ckpt_save`` names the checkpoint slot its state is copied into after the step).
-Entries published by a plan are matched only by later plans, whose device steps run after it. ``_release`` lets
+Entries published by a plan are matched only by later plans, whose device steps run after it. ``release`` lets
 the cache forget the row first; ``rollback`` clears the cache (a lost step's pages and checkpoints were never
 written). ``recycle="timely"`` becomes the cache's :class:`~kvjax.sched.prefix_cache.CachedRecycle`.
 """
@@ -58,12 +59,15 @@ import numpy as np
 
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.sched import spec
+from kvjax.sched.admission import admit, chunk
+from kvjax.sched.burst import burst_sizes, schedule_burst
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.drafter import Drafter
 from kvjax.sched.integrity import check_scheduler
 from kvjax.sched.ledger import Ledger
 from kvjax.sched.plan import StepPlan, build_plan, pow2_buckets, seq_buckets, token_buckets
 from kvjax.sched.prefix_cache import PrefixCache, PrefixCacheConfig
+from kvjax.sched.rebuild import rebuild
 from kvjax.sched.recycle import RecyclePolicy, check_fits, make_recycle_policy
 from kvjax.sched.request import Request, RowTable, RunningList, Status, check_request
 from kvjax.sched.slots import SlotAllocator
@@ -155,7 +159,7 @@ class Scheduler:
                    self.recycle_policy.frees_swa_blocks)  # before Request allocates max_new_tokens
         req = Request(request_id, prompt, max_new_tokens, eos_token_id)
         if running:
-            self._start(req)
+            self.start(req)
         else:
             self.waiting.append(req)
         self.requests[req.request_id] = req
@@ -170,7 +174,7 @@ class Scheduler:
             raise ValueError(f"unknown request id {request_id}")
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            self.release(req)
         elif req.status is not Status.FINISHED:
             (self.waiting if req.status is Status.WAITING else self.preempted).remove(req)
         req.status = Status.ABORTED
@@ -213,43 +217,17 @@ class Scheduler:
 
     def rebuilt(self) -> "Scheduler":
         """A fresh scheduler with this one's configuration, buckets and counters holding this one's requests, for
-        when a fault may have left this one's state half-changed (an allocator, the prefix cache or the row table
-        interrupted part-way). Only the requests are read: each keeps its prompt and its resolved tokens (the one
-        source of truth; reserved tokens and cached progress are dropped, :meth:`Request.resumed`). Those not done
-        are queued to be recomputed: running ones first (preempted, in admission order, counted as preemptions),
-        then the preempted, then the waiting; a request whose tokens are all resolved and complete is left out.
-        The prefix cache starts empty; slots, pages and the step counter's plans in flight are forgotten."""
+        when a fault may have left this one's state half-changed: :func:`kvjax.sched.rebuild.rebuild` (the requests
+        not done are queued to be recomputed, running ones first; the prefix cache starts empty)."""
         fresh = Scheduler(self.cache, self.attention, **self._options)
-        fresh.t_buckets, fresh.b_buckets, fresh.blk_buckets = self.t_buckets, self.b_buckets, self.blk_buckets
-        fresh.step, fresh._next_id = self.step, self._next_id
-        fresh.num_preemptions, fresh.prefix_hit_tokens = self.num_preemptions, self.prefix_hit_tokens
-        fresh.spec_stats = self.spec_stats
-        running = {id(r) for r in self.running}
-        seen: set[int] = set()
-        for req in [*self.running, *self.preempted, *self.waiting, *self.requests.values()]:
-            if req.request_id in seen or req.request_id not in self.requests or req.status is Status.ABORTED:
-                continue
-            seen.add(req.request_id)
-            new = Request.resumed(req)
-            if new.complete:
-                new.status = Status.FINISHED
-                continue
-            if id(req) in running or req.status is not Status.WAITING:
-                new.status = Status.PREEMPTED
-                if id(req) in running or req.status is Status.FINISHED:
-                    new.num_preemptions += 1
-                    fresh.num_preemptions += 1
-                fresh.preempted.append(new)
-            else:
-                fresh.waiting.append(new)
-            fresh.requests[new.request_id] = new
-        return fresh
+        fresh._next_id = self._next_id
+        return rebuild(self, fresh)
 
     def schedule(self, burst: int = 1, drafter: Drafter | None = None) -> StepPlan:
         """Pick this step's work, allocate its pages, and return its plan (see the module docstring).
 
         ``burst > 1``: when every running request decodes and no queued request could be admitted now (no free
-        slot, or not the pages of its first chunk), a decode burst: each row runs
+        slot, or not the pages of its first chunk), a decode burst (:mod:`kvjax.sched.burst`): each row runs
         ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
         otherwise (or if those pages are short) an ordinary plan. ``drafter`` (speculative decoding; not with a
         burst, and only with every earlier plan resolved): the decoding rows verify its drafts, a verification
@@ -259,9 +237,9 @@ class Scheduler:
         if burst > 1:
             if drafter is not None:
                 raise ValueError("schedule: speculative drafts and decode bursts do not combine")
-            plan = self._schedule_burst(burst)
+            plan = schedule_burst(self, burst)
             if plan is not None:
-                return plan
+                return self._planned(plan)
         drafts = None
         if drafter is not None:
             if self.ledger.unresolved:
@@ -274,32 +252,13 @@ class Scheduler:
         if self.running:
             slots, counts, extra, preempted = self._schedule_running(drafts)
             budget -= int(counts.sum())
-        admitted: list[tuple[int, int]] = []  # (slot, tokens)
-        restore: dict[int, int] = {}
+        restore: dict[int, int] = {}  # request id -> GDN checkpoint restored into its slot first
         hits = 0
-        while not preempted and budget > 0 and (self.preempted or self.waiting) \
-                and len(self.running) < self.cache.max_seqs:
-            queue = self.preempted if self.preempted else self.waiting
-            req = queue[0]
-            reserve = self.watermark if self.running else 0.0
-            if self.prefix is not None:
-                n = self._admit_cached(req, budget, reserve, restore)
-                if n is None:
-                    break
-                hits += req.num_computed
-            else:
-                n = self._first_chunk(req, budget, reserve)
-                if n is None:
-                    break
-                self._start(req)
-                self.blocks.allocate(req.slot, n)
-            queue.popleft()
-            admitted.append((req.slot, n))
-            budget -= n
-        if admitted:
-            new_slots, new_counts = np.array(admitted, np.int64).T
-            slots, counts = np.concatenate([slots, new_slots]), np.concatenate([counts, new_counts])
-            extra = np.concatenate([extra, np.zeros(len(admitted), np.int64)])
+        if not preempted:
+            new_slots, new_counts, restore, hits = admit(self, budget)
+            if new_slots.size:
+                slots, counts = np.concatenate([slots, new_slots]), np.concatenate([counts, new_counts])
+                extra = np.concatenate([extra, np.zeros(new_slots.size, np.int64)])
         save: dict[int, int] = {}
         if self.prefix is not None:  # the blocks this step completes; entries only later plans can match
             t = self.rows
@@ -309,9 +268,13 @@ class Scheduler:
                 if ckpt >= 0:
                     save[int(t.request_id[slot])] = ckpt
         self.prefix_hit_tokens += hits
-        plan = build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets, self.b_buckets,
-                          self.blk_buckets, restore=restore, save=save, prefix_hit_tokens=hits,
-                          drafts=extra if drafter is not None and extra.any() else None)
+        return self._planned(build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets,
+                                        self.b_buckets, self.blk_buckets, restore=restore, save=save,
+                                        prefix_hit_tokens=hits,
+                                        drafts=extra if drafter is not None and extra.any() else None))
+
+    def _planned(self, plan: StepPlan) -> StepPlan:
+        """``plan`` becomes the latest (the one ``advance`` / ``update`` take next); the step counter moves on."""
         self.ledger.planned = plan
         self.step += 1
         return plan
@@ -320,57 +283,9 @@ class Scheduler:
         """Whether :meth:`schedule` ``(burst)`` would return a decode burst now, or this scheduler has nothing to
         run (its plan is empty, which fits a burst step of other data shards). Recycles out-of-window blocks, as
         every ``schedule`` does first; changes nothing else."""
-        return not self.has_unfinished() or self._burst_sizes(burst) is not None
+        return not self.has_unfinished() or burst_sizes(self, burst) is not None
 
-    def _burst_sizes(self, burst: int) -> np.ndarray | None:
-        """``i64[R]``: the sub-steps of each running row in a decode burst of up to ``burst`` (pages checked, not
-        allocated), or None where a burst does not apply (recycling done either way)."""
-        if burst < 2 or not self.running:
-            return None
-        t, rows = self.rows, self._running_slots()  # i64[R]
-        done = t.num_computed[rows]  # i64[R]
-        if (t.num_tokens[rows] - done != 1).any():  # a row still has prompt tokens to compute
-            return None
-        n = np.minimum(burst, t.max_tokens[rows] - t.num_tokens[rows])  # i64[R]: sub-steps that sample a token
-        if n.max() < 2:  # every row ends within one sub-step
-            return None
-        # recycle first, as every step does: admission is judged on the pages left after it (judged before, a
-        # page the recycling frees could let a queued request in at the next call, and the answer would change)
-        self.recycle_policy.recycle(self.blocks, rows, done)
-        if self._admissible():
-            return None
-        return n if self.blocks.rows_fit(rows, done + n) else None
-
-    def _schedule_burst(self, burst: int) -> StepPlan | None:
-        """The decode-burst plan of :meth:`schedule`, or None (nothing changed but recycling) where it does not
-        apply."""
-        n = self._burst_sizes(burst)
-        if n is None:
-            return None
-        t, rows = self.rows, self._running_slots()  # i64[R]
-        allocated = self.blocks.allocate_rows(rows, t.num_computed[rows] + n)
-        assert allocated, "rows_fit and allocate_rows disagree"
-        plan = build_plan(self.step, rows, np.ones(len(rows), np.int64), t, self.blocks, self.t_buckets,
-                          self.b_buckets, self.blk_buckets, burst=n, stride=self.cache.max_seqs)
-        self.ledger.planned = plan
-        self.step += 1
-        return plan
-
-    def _admissible(self) -> bool:
-        """A queued request would be admitted by an ordinary step now (a free slot and its first chunk's pages,
-        within the budget the running rows' decodes leave)."""
-        queue = self.preempted or self.waiting
-        if not queue or len(self.running) >= self.cache.max_seqs:
-            return False
-        return self._first_chunk(queue[0], self.max_num_batched_tokens - len(self.running), self.watermark) is not None
-
-    def _first_chunk(self, req: Request, budget: int, reserve: float) -> int | None:
-        """Tokens of ``req``'s first chunk within ``budget`` (no prefix caching), or None if its pages do not fit
-        while keeping ``reserve`` of each pool free."""
-        n = min(req.num_tokens, budget)
-        return n if self.blocks.can_fit(self.blocks.blocks_for(n), reserve) else None
-
-    def _running_slots(self) -> np.ndarray:
+    def running_slots(self) -> np.ndarray:
         """i64[R] (read-only): the slots of ``running``, in order; rebuilt only when ``running`` changed."""
         version, slots = self._run_slots
         if version != self.running.version:
@@ -387,13 +302,13 @@ class Scheduler:
         :func:`kvjax.sched.spec.fit_drafts`; a row's tokens count its drafts). Vectorised over the rows: when the pages of every row that crosses a block boundary
         fit at once, one call allocates them all; otherwise the rows allocate one by one, preempting."""
         blocks, t = self.blocks, self.rows
-        rows = self._running_slots()  # i64[R]
+        rows = self.running_slots()  # i64[R]
         done = t.num_computed[rows]  # i64[R]
         self.recycle_policy.recycle(blocks, rows, done)
         cap = t.num_tokens[rows] - done  # i64[R]: tokens left to compute
         if self.prefix is not None:
             for i in np.flatnonzero(done < t.prompt_len[rows]).tolist():
-                cap[i] = self._chunk(self.running[i], int(done[i]), int(cap[i]))
+                cap[i] = chunk(self, self.running[i], int(done[i]), int(cap[i]))
         extra = spec.fit_drafts(self, drafts, rows, cap) if drafts else np.zeros(len(rows), np.int64)  # i64[R]
         cap = cap + extra
         before = np.cumsum(cap) - cap
@@ -428,48 +343,20 @@ class Scheduler:
             self.blocks.allocate(req.slot, int(upto[i]))
         return preempted
 
-    def _chunk(self, req: Request, start: int, budget: int) -> int:
-        """Tokens of ``req`` to compute this step from ``start``: what is left, within the budget, ending at the
-        prefix cache's next checkpoint stop."""
-        n = min(req.num_tokens - start, budget)
-        stop = self.prefix.next_stop(req.slot, start) if self.prefix is not None else None
-        return min(n, stop - start) if stop is not None else n
-
-    def _admit_cached(self, req: Request, budget: int, reserve: float, restore: dict[int, int]) -> int | None:
-        """Start ``req`` (head of its queue) on its cached prefix: attach the matched blocks, allocate its first
-        chunk, note the checkpoint to restore. Returns the chunk's tokens, or None (nothing changed) if its pages
-        do not fit."""
-        status = req.status
-        self._start(req)
-        prompt = req.token_ids[: req.prompt_len]
-        match = self.prefix.match(prompt)
-        ckpt = self.prefix.attach(req.slot, match, prompt)
-        start = match.num_tokens
-        n = self._chunk(req, start, budget)
-        if not self.blocks.can_fit(self.blocks.blocks_for(start + n) - int(self.blocks.num_blocks[req.slot]),
-                                   reserve):
-            self.running.remove(req)
-            self._release(req)
-            req.status = status
-            return None
-        req.num_computed = start
-        self.blocks.allocate(req.slot, start + n)
-        if ckpt >= 0:
-            restore[req.request_id] = ckpt
-        return n
-
     def clear_prefix_cache(self) -> int:
         """Drop every cached block and checkpoint (pages rows still hold go with their rows); returns pages
         freed. No-op without prefix caching."""
         return self.prefix.clear() if self.prefix is not None else 0
 
     # ---- transitions ---------------------------------------------------------------------------------------
-    def _start(self, req: Request) -> None:
+    def start(self, req: Request) -> None:
+        """Transition: ``req`` takes a free slot (and its row) and runs; ``SlotExhaustedError`` if none is free."""
         self.rows.bind(req, self.slots.allocate())  # sets req.slot
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def _release(self, req: Request) -> None:
+    def release(self, req: Request) -> None:
+        """Transition: running ``req`` (out of the running list) gives back its slot, its row and all its pages."""
         slot = req.slot
         self.rows.unbind(req)
         if self.prefix is not None:
@@ -483,7 +370,7 @@ class Scheduler:
         is resolved."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self._release(req)
+            self.release(req)
         elif req.status is Status.PREEMPTED:
             self.preempted.remove(req)
         req.status = Status.FINISHED
@@ -494,7 +381,7 @@ class Scheduler:
         """Transition: preempt running ``req`` by recompute (slot and pages freed, progress dropped, requeued
         first)."""
         self.running.remove(req)
-        self._release(req)
+        self.release(req)
         self.requeue(req)
 
     def requeue(self, req: Request) -> None:

@@ -1,0 +1,52 @@
+"""Decode bursts on the host: whether a step can be one, and its plan.
+
+A burst (``schedule(burst=K)``) applies when every running request decodes (no prompt token left to compute), at
+least one row may sample two more tokens, and no queued request could be admitted now (:func:`admission.admissible
+<kvjax.sched.admission.admissible>`; with prefix caching that check counts no cache hit, so a burst may delay an
+admission by up to ``K`` sub-steps). Its plan gives each running row ``min(K, tokens it may still sample)``
+sub-steps in one step, with the pages of all of them allocated at once and one reserved token per sub-step (see
+"Decode bursts" in :mod:`kvjax.sched.plan`). The recycle policy runs first, as in every step, so admission is judged
+on the pages left after it.
+
+These functions are the :class:`~kvjax.sched.scheduler.Scheduler`'s own (``sched`` is one).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.sched.admission import admissible
+from kvjax.sched.plan import StepPlan, build_plan
+
+
+def burst_sizes(sched: Scheduler, burst: int) -> np.ndarray | None:
+    """``i64[R]``: the sub-steps of each running row in a decode burst of up to ``burst`` (pages checked, not
+    allocated), or None where a burst does not apply (recycling done either way)."""
+    if burst < 2 or not sched.running:
+        return None
+    t, rows = sched.rows, sched.running_slots()  # i64[R]
+    done = t.num_computed[rows]  # i64[R]
+    if (t.num_tokens[rows] - done != 1).any():  # a row still has prompt tokens to compute
+        return None
+    n = np.minimum(burst, t.max_tokens[rows] - t.num_tokens[rows])  # i64[R]: sub-steps that sample a token
+    if n.max() < 2:  # every row ends within one sub-step
+        return None
+    # recycle first, as every step does: admission is judged on the pages left after it (judged before, a page the
+    # recycling frees could let a queued request in at the next call, and the answer would change)
+    sched.recycle_policy.recycle(sched.blocks, rows, done)
+    if admissible(sched):
+        return None
+    return n if sched.blocks.rows_fit(rows, done + n) else None
+
+
+def schedule_burst(sched: Scheduler, burst: int) -> StepPlan | None:
+    """The decode-burst plan of ``sched.schedule(burst)`` (its pages allocated; the ledger's latest plan), or None
+    (nothing changed but recycling) where a burst does not apply."""
+    n = burst_sizes(sched, burst)
+    if n is None:
+        return None
+    t, rows = sched.rows, sched.running_slots()  # i64[R]
+    allocated = sched.blocks.allocate_rows(rows, t.num_computed[rows] + n)
+    assert allocated, "rows_fit and allocate_rows disagree"
+    return build_plan(sched.step, rows, np.ones(len(rows), np.int64), t, sched.blocks, sched.t_buckets,
+                      sched.b_buckets, sched.blk_buckets, burst=n, stride=sched.cache.max_seqs)
