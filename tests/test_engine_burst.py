@@ -239,7 +239,7 @@ def test_fault_during_a_burst_recovers_by_recompute(qwen, case, monkeypatch, poi
             got[ev.request_id].append(ev.token)
             assert ev.position == len(got[ev.request_id]) - 1
 
-    while not (eng._inflight and eng._inflight[-1].plans[0].burst > 1):
+    while not (eng.pipeline.inflight and eng.pipeline.inflight[-1].plans[0].burst > 1):
         collect(step_events(eng))
     with monkeypatch.context() as m:
         arm(m, eng, point, Injected)

@@ -13,10 +13,12 @@ the host never waits for it before planning, so eos, aborts and preemption act o
 after eos is dropped); the tokens equal ``overlap=False``'s. Decode bursts (``decode_burst``,
 :mod:`kvjax.engine.burst`) run up to ``K`` decode sub-steps per dispatch.
 
-The engine holds the requests' outputs (:mod:`kvjax.engine.outputs`), the device caches (donated to every step)
-and one :class:`~kvjax.engine.runner.Runner` (the step, on one device or a mesh); slots, pages and block tables
-belong to :class:`kvjax.sched.Scheduler` (one per data shard); the model is seen only through
-:class:`kvjax.models.interface.CausalLM`. Options: :class:`~kvjax.engine.options.EngineOptions`; cache sizing
+The engine holds the requests' outputs (:mod:`kvjax.engine.outputs`), the device caches (donated to every step),
+one :class:`~kvjax.engine.runner.Runner` (the step, on one device or a mesh) and one
+:class:`~kvjax.engine.pipeline.StepPipeline` (the steps dispatched and not yet read, and how one is); slots, pages
+and block tables belong to :class:`kvjax.sched.Scheduler` (one per data shard); the model is seen only through
+:class:`kvjax.models.interface.CausalLM`. Options: :class:`~kvjax.engine.options.EngineOptions`, checked and
+resolved by :mod:`kvjax.engine.setup`; call arguments :mod:`kvjax.engine.calls`; cache sizing
 :mod:`kvjax.engine.sizing`; prefix caching's host tier :mod:`kvjax.engine.host_tier`; metrics
 :mod:`kvjax.engine.metrics`. The contracts (overlap, bursts, sampling, outputs, faults, prefix caching, meshes,
 profiling phases) are in docs/contracts.md, "Models and engine"; where the engine sits in docs/architecture.md.
@@ -31,51 +33,29 @@ Use::
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import logging
-import time
-import warnings
 from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.profiler import TraceAnnotation
 
 from kvjax.config import CacheConfig, is_int
-from kvjax.engine.args import (cache_options, check_cache_dtype, check_eos, check_index, check_prompt, check_prompts,
-                               prefix_config, set_buckets, stop_ids)
+from kvjax.engine.args import check_index, check_prompt, set_buckets, stop_ids
+from kvjax.engine.calls import Call, check_call, is_text, progress_bar
 from kvjax.engine.outputs import Outputs, StepOutput, TokenEvent, Tracked
-from kvjax.engine.host_tier import HostStore, host_tier_config
-from kvjax.engine.inputs import SamplingTable
+from kvjax.engine.host_tier import HostStore
 from kvjax.engine.options import EngineOptions
 from kvjax.engine.sampling import SamplingParams, call_params
-from kvjax.engine.runner import Runner, engine_model
-from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
-from kvjax.engine.verify import verify_stats
-from kvjax.engine.sizing import CacheSizing, check_cache_fits, default_max_seqs, size_cache
+from kvjax.engine.runner import Runner
+from kvjax.engine.metrics import EngineMetrics
+from kvjax.engine.pipeline import StepPipeline
+from kvjax.engine.setup import settle
 from kvjax.models.interface import CausalLM
-from kvjax.models.sharding import ShardedModel
-from kvjax.sched.plan import StepPlan
 from kvjax.errors import RequestTooLongError
-from kvjax.sched.drafter import make_drafter
 from kvjax.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Flight:
-    """A dispatched step whose sampled tokens have not been read yet."""
-
-    plans: list[StepPlan]  # one per data shard
-    tokens: jax.Array  # i32[max_seqs * decode_burst] (i32[D, max_seqs] on a mesh): sampled tokens, on the device
-    record: dict  # the StepRecord fields known at dispatch
-
-
-# ---------------------------------------------------------------------------------------------- engine
 
 
 class Engine:
@@ -102,75 +82,32 @@ class Engine:
     def __init__(self, model: CausalLM, cache_config: CacheConfig | None = None, *,
                  mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None, options: EngineOptions | None = None,
                  **settings: Any) -> None:
-        if cache_config is not None and not isinstance(cache_config, CacheConfig):
-            raise ValueError(f"cache_config must be a CacheConfig or None, got {type(cache_config).__name__}")
-        if not isinstance(model, ShardedModel) and (not isinstance(model, CausalLM)
-                                                    or not isinstance(model, nnx.Module)):
-            raise ValueError(f"model must be an nnx.Module implementing kvjax.models.interface.CausalLM, got "
-                             f"{type(model).__name__}")
-        if options is not None and not isinstance(options, EngineOptions):
-            raise ValueError(f"options must be an EngineOptions or None, got {type(options).__name__}")
-        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(EngineOptions)})
-        if unknown:
-            raise TypeError(f"Engine got unknown settings {unknown}; settings are EngineOptions fields: "
-                            f"{[f.name for f in dataclasses.fields(EngineOptions)]}")
-        o = dataclasses.replace(options or EngineOptions(), **settings)
-        self.options = o
+        setup = settle(model, cache_config, mesh, tokenizer, options, settings)
+        o = self.options = setup.options
         self.decode_burst = 1 if o.speculative is not None else o.burst  # verification steps are single steps
-        self.drafter = None if o.speculative is None else make_drafter(o.speculative)  # kvjax.sched.drafter
-        sharded = engine_model(model, mesh)
-        if o.speculative is not None and sharded is not None:
-            raise ValueError("speculative decoding on a mesh is not supported yet: give speculative=None or no mesh")
-        self.model, self.sharded = model, sharded
+        self.drafter = setup.drafter  # kvjax.sched.drafter
+        self.model, self.sharded = model, setup.sharded
+        sharded = setup.sharded
         self.mesh = None if sharded is None else sharded.mesh
         self.data_shards = 1 if sharded is None else sharded.data_size
-        params = nnx.state(model) if sharded is None else sharded.params
-        cache_dtype = check_cache_dtype(o.cache_dtype, params)
-        local = model if sharded is None else sharded.local  # what one device holds
-        cache_opts = cache_options(local, o.cache_options, o.kv_cache_dtype)  # init_caches' extra keywords
-        self.cache_sizing: CacheSizing | None = None
-        device = None if sharded is None else sharded.mesh.devices.flat[0]
-        prefix = prefix_config(model, o.prefix_caching, o.prefix_checkpoints, o.prefix_recycle,
-                                cache_config.max_seqs if cache_config is not None else default_max_seqs(device))
-        num_ckpts = prefix.num_checkpoints if prefix is not None else 0
-        if cache_config is None:
-            self.cache_sizing = size_cache(local, dtype=cache_dtype, memory_fraction=o.memory_fraction,
-                                           cache_options=cache_opts, num_checkpoints=num_ckpts, device=device)
-            cache_config = self.cache_sizing.cache_config
+        self.cache_config = cache_config = setup.cache_config
+        self.cache_sizing = setup.cache_sizing  # how the cache was sized (None: given)
+        if self.cache_sizing is not None:
             logger.info("kvjax engine: %s", self.cache_sizing.describe())
-        else:
-            if o.memory_fraction is not None:
-                raise ValueError(f"memory_fraction={o.memory_fraction!r} sizes the cache only without a cache_config; "
-                                 "got both")
-            check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device)
-        self.cache_config = cache_config
-        prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size,
-                                  dtype=cache_dtype, cache_options=cache_opts, mesh=self.mesh)
         self.overlap = o.overlap and o.speculative is None  # a step's drafts need the previous step's tokens
-        eos_token_id = o.eos_token_id
-        if isinstance(eos_token_id, str) and eos_token_id == "auto":
-            generation = getattr(model, "generation_config", None)
-            eos_token_id = None if generation is None else generation.eos_token_ids
-        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
-                                          and callable(getattr(tokenizer, "decode", None))):
-            raise ValueError(f"tokenizer must have encode(text) -> ids and decode(ids) -> text (a transformers "
-                             f"tokenizer, e.g. kvjax.models.load_tokenizer), got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer  # text prompts in, text out of generate (load_tokenizer); None: ids only
-        self.eos_token_ids = check_eos(eos_token_id, int(model.vocab_size))  # tuple[int, ...]: end every request
+        self.eos_token_ids = setup.eos_token_ids  # tuple[int, ...]: end every request
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first (None: none)
         self.attention = (model if sharded is None else sharded).attention_layout()  # on a mesh: the placed heads
-        max_num_batched_tokens = o.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(256, cache_config.max_seqs)
-        page_shards = sharded.model_size if sharded is not None and sharded.plan.pages_over_model else 1
-        self.schedulers = [Scheduler(cache_config, self.attention, max_num_batched_tokens=max_num_batched_tokens,
+        prefix = setup.prefix
+        self.schedulers = [Scheduler(cache_config, self.attention, max_num_batched_tokens=setup.max_num_batched_tokens,
                                      pool=o.pool, recycle=o.recycle, watermark=o.watermark, prefix_cache=prefix,
-                                     page_shards=page_shards) for _ in range(self.data_shards)]
+                                     page_shards=setup.page_shards) for _ in range(self.data_shards)]
         self.scheduler = self.schedulers[0]  # the scheduler (of data shard 0 on a mesh); a new object after a fault
         self.prefix_caching = prefix is not None
-        set_buckets(self.schedulers, cache_config, max_num_batched_tokens, o.token_buckets, o.row_buckets,
+        set_buckets(self.schedulers, cache_config, setup.max_num_batched_tokens, o.token_buckets, o.row_buckets,
                     o.block_buckets)
-        if sharded is not None and page_shards > 1:  # the allocator's pools are the devices' pools
+        if sharded is not None and setup.page_shards > 1:  # the allocator's pools are the devices' pools
             owners = [sharded.head_owner(h) for h in range(self.attention.num_kv_heads)]
             assert (self.scheduler.blocks.page_base == np.asarray(owners) * cache_config.num_pages).all()
         self._next_id = 0  # request ids over all data shards
@@ -178,8 +115,7 @@ class Engine:
         self.pool = o.pool
         self.debug = o.debug
         self.use_decode_path = o.use_decode_path
-        self._cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
-                                max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **cache_opts)
+        self._cache_args = setup.cache_args
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
                              max_traces=o.max_traces,
                              spec=0 if o.speculative is None else o.speculative.num_draft_tokens)
@@ -187,11 +123,14 @@ class Engine:
         if self.host_store is not None:  # every step argument committed alike (see _init_caches)
             self.runner.no_tokens = self.host_store.on_device(self.runner.no_tokens)
         self.caches = self._init_caches()
-        self._sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in self.schedulers]
-        self._inflight: collections.deque[_Flight] = collections.deque()  # dispatched, tokens not read
         self.outputs = Outputs()  # what each request was given; the consumers' queues
         self.num_recoveries = 0  # faults recovered from (see step)
         self.metrics = EngineMetrics()
+        self.pipeline = StepPipeline(self.runner, cache_config, self.attention, self.metrics,
+                                     data_shards=self.data_shards, decode_burst=self.decode_burst,
+                                     drafter=self.drafter, overlap=self.overlap, prefix_caching=self.prefix_caching,
+                                     use_decode_path=self.use_decode_path, debug=self.debug,
+                                     vocab_size=self.vocab_size, on_mesh=self.mesh is not None)
 
     def _init_caches(self):  # on a mesh: num_pages per device, leading data / model axes
         caches = self.runner.init_caches(self.model, **self._cache_args)
@@ -320,17 +259,11 @@ class Engine:
         """
         return self._stream(self._check_call(prompts, params, max_new_tokens, temperature, seed), progress)
 
-    def _check_call(self, prompts, params, max_new_tokens, temperature, seed) -> list:
-        """``[(prompt i32[L], SamplingParams, stop ids)]`` of a ``generate`` / ``stream`` call, every argument
-        checked (text prompts encoded by the engine's tokenizer first)."""
-        if self._is_text(prompts):
-            prompts = [list(self.tokenizer.encode(text)) for text in prompts]
-        checked = check_prompts(prompts, self.vocab_size)
-        plist = call_params(len(checked), params, max_new_tokens, temperature, seed)
-        return [(prompt, p, stop_ids(self.eos_token_ids, p, self.vocab_size, f"stop_token_ids of prompt {i}"))
-                for i, (prompt, p) in enumerate(zip(checked, plist))]
+    def _check_call(self, prompts, params, max_new_tokens, temperature, seed) -> list[Call]:
+        return check_call(prompts, params, max_new_tokens, temperature, seed, tokenizer=self.tokenizer,
+                          vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
 
-    def _stream(self, calls: list, progress: bool | None) -> Iterator[TokenEvent]:
+    def _stream(self, calls: list[Call], progress: bool | None) -> Iterator[TokenEvent]:
         ids = []
         try:
             for i, (p, params, stops) in enumerate(calls):
@@ -343,7 +276,7 @@ class Engine:
                 self.abort(rid)
             raise
         box = self.outputs.open_stream(ids)
-        bar = self._progress_bar(int(sum(params.max_tokens for _, params, _ in calls)), progress)
+        bar = progress_bar(int(sum(params.max_tokens for _, params, _ in calls)), progress)
         try:
             while box or any(rid in self.outputs.tracked for rid in ids):
                 if not box:
@@ -379,32 +312,7 @@ class Engine:
         out: list[list[int]] = [[] for _ in range(len(calls))]
         for ev in self._stream(calls, progress):
             out[ev.index].append(ev.token)
-        return [self.tokenizer.decode(ids) for ids in out] if self._is_text(prompts) else out
-
-    def _is_text(self, prompts: Any) -> bool:
-        """``prompts`` are strings (``ValueError`` without a tokenizer, or when strings and token ids mix)."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            return False
-        text = [isinstance(p, str) for p in prompts]
-        if not any(text):
-            return False
-        if not all(text):
-            raise ValueError("prompts must be all strings (with a tokenizer) or all token-id sequences, not a mix")
-        if self.tokenizer is None:
-            raise ValueError("text prompts need Engine(..., tokenizer=...) (e.g. kvjax.models.load_tokenizer(path)); "
-                             "or pass token ids")
-        return True
-
-    @staticmethod
-    def _progress_bar(total: int, progress: bool | None):
-        if progress is False or (progress is None and total < 4096):
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            warnings.warn("progress bar requested but tqdm is not installed", stacklevel=3)
-            return None
-        return tqdm(total=total, unit="tok", desc="generate")
+        return [self.tokenizer.decode(ids) for ids in out] if is_text(prompts, self.tokenizer) else out
 
     # ---- one step --------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -426,7 +334,7 @@ class Engine:
         derived from the requests' resolved tokens, and the next calls give the outputs of an uninterrupted run.
         """
         with self._transaction():
-            outs = self._step() if self.has_unfinished() or (self._inflight and not self.outputs.held) else []
+            outs = self._step() if self.has_unfinished() or (self.pipeline.inflight and not self.outputs.held) else []
             return self.outputs.take_held() + outs
 
     def _stream_step(self) -> None:
@@ -446,138 +354,13 @@ class Engine:
             self._recover()
             raise
 
-    def _device_idle(self) -> bool:
-        """Everything dispatched has finished (non-blocking)."""
-        return not self._inflight or self._inflight[-1].tokens.is_ready()
-
     def _step(self) -> list[StepOutput]:
-        t0 = time.perf_counter()
-        dispatched = None
-        if any(s.has_unfinished() for s in self.schedulers) or not self._inflight:
-            dispatched = self._dispatch(t0)
-        if not self._inflight or (dispatched is not None and self.overlap and len(self._inflight) == 1):
-            return []
-        start = t0 if dispatched is None else time.perf_counter()
-        idle = dispatched is None and self._device_idle()
-        return self._resolve(self._inflight[0], start, idle)
-
-    def _dispatch(self, t0: float) -> _Flight:
-        """Schedule (every data shard), build inputs and dispatch one step; returns it (also queued in
-        ``_inflight``)."""
-        scheds = self.schedulers
-        idle_since = t0 if self._device_idle() else None
-        preempt0 = sum(s.num_preemptions for s in scheds)
-        if self.caches is None:  # lost to a fault in an earlier step
+        """:meth:`StepPipeline.step` on the engine's schedulers, caches (rebuilt first if a fault lost them), host
+        store and outputs."""
+        if self.caches is None:
             self.caches = self._init_caches()
-        with TraceAnnotation("kvjax.schedule"):  # the step's phases in a profiler trace (cheap when none runs)
-            burst = self.decode_burst
-            if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
-                burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
-            plans = [s.schedule(burst, self.drafter) for s in scheds]
-        if not any(p.num_seqs for p in plans):
-            raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
-                               f"{[r for s in scheds for r in s.running]}, waiting="
-                               f"{sum(len(s.waiting) for s in scheds)}, preempted={sum(len(s.preempted) for s in scheds)}")
-        copies = self._host_copies(scheds)
-        copies_compiled = copies.pop("compiled")
-        t1 = time.perf_counter()
-        if idle_since is None and self._device_idle():
-            idle_since = t1
-        c = self.cache_config
-        page_base = self.scheduler.blocks.page_base
-        with TraceAnnotation("kvjax.inputs"):
-            shaped = self.runner.shape(plans)
-            samplings = [table.rows(p, self.outputs.tracked) for table, p in zip(self._sampling, shaped)]
-            greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
-            buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
-                                           use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
-            if self.debug:
-                for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
-                                                                self.use_decode_path):
-                    inputs.validate(num_pages=c.num_pages, page_size=c.page_size, max_slots=c.max_seqs + 1,
-                                    vocab_size=self.vocab_size, attention=self.attention,
-                                    shared_pages=self.prefix_caching, page_groups=groups)
-            prev = self._inflight[-1] if self._inflight else None
-            for d, plan in enumerate(plans):
-                if (plan.prev_index >= 0).any() and (prev is None or prev.plans[d].step != plan.step - 1):
-                    raise AssertionError(f"step {plan.step} feeds tokens of a step that is not the one in flight")
-        t2 = time.perf_counter()
-        if idle_since is None and self._device_idle():
-            idle_since = t2
-        traces0 = self.num_traces
-        prev_tokens = self.runner.no_tokens if prev is None else prev.tokens
-        with TraceAnnotation("kvjax.dispatch"):
-            tokens, self.caches = self.runner.step(self.caches, buf, prev_tokens, layout, greedy_only)
-        t3 = time.perf_counter()
-        with TraceAnnotation("kvjax.advance"):
-            for sched, plan in zip(scheds, plans):
-                sched.advance(plan)
-        used = sum(s.blocks.used_pages() for s in scheds)
-        record = dict(
-            step=plans[0].step, num_tokens=sum(p.num_tokens for p in plans),
-            num_seqs=sum(p.num_seqs for p in plans), bucket_tokens=int(shaped[0].token_ids.shape[0]),
-            bucket_rows=int(shaped[0].seq_lens.shape[0]), bucket_blocks=int(shaped[0].block_tables.shape[2]),
-            decode_only=layout.decode_only, running=sum(len(s.running) for s in scheds),
-            waiting=sum(len(s.waiting) + len(s.preempted) for s in scheds),
-            preemptions=sum(s.num_preemptions for s in scheds) - preempt0, pages_used=used,
-            prefix_hit_tokens=sum(p.prefix_hit_tokens for p in plans),
-            prefill_tokens=sum(p.prefill_tokens for p in plans),
-            cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
-            burst=max(p.burst for p in plans),
-            computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
-            pages_free=self.total_pages - used, compiled=self.num_traces > traces0 or copies_compiled,
-            pages_used_devices=() if self.mesh is None else device_pages_used(scheds),
-            t_schedule=t1 - t0 - copies["t_copy"], t_inputs=t2 - t1, t_dispatch=t3 - t2, **copies,
-            t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
-        flight = _Flight(plans, tokens, record)
-        self._inflight.append(flight)
-        return flight
-
-    def _host_copies(self, scheds: list[Scheduler]) -> dict:
-        """Execute the prefix caches' host-tier copies of the plans just scheduled, before their step is dispatched
-        (:mod:`kvjax.engine.host_tier`: in order on the device, their transfers overlapping the step in flight);
-        returns the step record's host-tier fields and ``compiled`` (a copy was compiled)."""
-        t = time.perf_counter()
-        if not self.prefix_caching:
-            return dict(t_copy=0.0, compiled=False)
-        with TraceAnnotation("kvjax.host_copies"):
-            hits = sum(s.prefix.plan_hits()[1] for s in scheds)
-            ops = [s.prefix.take_copies() for s in scheds]  # () without a host tier
-            store = self.host_store
-            if store is None:
-                return dict(t_copy=time.perf_counter() - t, compiled=False)
-            out0, in0, traces0 = store.stats.bytes_out, store.stats.bytes_in, store.traces
-            self.caches = store.apply(self.caches, ops[0])  # one device: one scheduler
-        return dict(prefix_hit_tokens_host=hits, host_bytes_out=store.stats.bytes_out - out0,
-                    host_bytes_in=store.stats.bytes_in - in0, t_copy=time.perf_counter() - t,
-                    compiled=store.traces > traces0)
-
-    def _resolve(self, flight: _Flight, start: float, idle: bool) -> list[StepOutput]:
-        """Read ``flight``'s tokens (waiting for its device work), apply them, and return their outputs."""
-        t4 = time.perf_counter()
-        with TraceAnnotation("kvjax.wait"):
-            tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
-        t5 = time.perf_counter()
-        with TraceAnnotation("kvjax.update"):
-            for sched, plan, row in zip(self.schedulers, flight.plans, tokens.reshape(len(flight.plans), -1)):
-                sched.resolve(plan, row)
-                if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
-                    flight.record.update(verify_stats(plan, row))
-            self._inflight.popleft()
-            outs = [out for sched, plan in zip(self.schedulers, flight.plans)
-                    for out in self.outputs.collect_plan(sched, plan)]
-        t6 = time.perf_counter()
-        # device idle after the wait when nothing else is in flight (from ``start`` if already idle then)
-        exposed = 0.0 if self._inflight else t6 - (start if idle else t5)
-        self._record(flight, generated=sum(len(out.tokens) for out in outs), t_wait=t5 - t4, t_update=t6 - t5,
-                     t_part=t6 - start, t_exposed=exposed)
+        outs, self.caches = self.pipeline.step(self.schedulers, self.caches, self.host_store, self.outputs)
         return outs
-
-    def _record(self, flight: _Flight, *, generated: int, t_wait: float, t_update: float, t_part: float,
-                t_exposed: float) -> None:
-        r = flight.record
-        self.metrics.append(StepRecord(**{**r, "generated": generated, "t_wait": t_wait, "t_update": t_update,
-                                          "t_step": r["t_step"] + t_part, "t_exposed": r["t_exposed"] + t_exposed}))
 
     def _recover(self) -> None:
         """After a fault at any point of a step: re-derive the engine's state from one source of truth, the
@@ -589,7 +372,7 @@ class Engine:
         (seed, prompt index, tokens so far), so the recomputed tokens are the ones an uninterrupted run gives."""
         self.num_recoveries += 1
         self.outputs.rollback()
-        lost, self._inflight = list(self._inflight), collections.deque()
+        self.pipeline.drop()
         self.caches = None
         if self.host_store is not None:  # its spilled blocks belong to the prefix cache that starts over
             self.host_store = HostStore()
@@ -597,8 +380,6 @@ class Engine:
         self.scheduler = self.schedulers[0]
         self.outputs.rebind({rid: req for s in self.schedulers for rid, req in s.requests.items()})
         self.outputs.hold(self.outputs.collect(list(self.outputs.tracked)))
-        for f in lost:  # their device work counts; their tokens are lost
-            self._record(f, generated=0, t_wait=0.0, t_update=0.0, t_part=0.0, t_exposed=0.0)
 
     # ---- invariants ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
