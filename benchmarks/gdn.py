@@ -207,7 +207,7 @@ def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list
         q, k, v = (jnp.asarray(x, bf) for x in (q, k, v))
         g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
         scale = 128 ** -0.5
-        ro, rf = gdn.chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, scale=scale)
+        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
         runners = {"auto": jax.jit(lambda q, k, v, g, b, h: gdn.chunk_gated_delta_rule(
             q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl="auto"))}
         if variants:

@@ -93,9 +93,10 @@ def run_prefill(rng, lens, *, dim, width, dtype, state_dtype, activation, with_b
     args = dict(layer=layer, slot_ids=jnp.asarray(slots), has_initial_state=jnp.asarray(has_init),
                 cu_seqlens=jnp.asarray(cu), activation=activation)
     old = np.asarray(pool.conv, np.float32)
-    ry, rconv = conv.conv_prefill_pool_reference(x, w, b, pool.conv, **args)
+    call = conv.ConvPoolCall(x, w, b, **args)
+    ry, rconv = conv.conv_prefill_pool_reference(call, pool.conv)
     if tuning:
-        y, new = conv_prefill_slots(x, w, b, jnp.array(pool.conv), interpret=impl == "interpret", **args, **tuning)
+        y, new = conv_prefill_slots(call, jnp.array(pool.conv), interpret=impl == "interpret", **tuning)
     else:
         y, out = gdn_pool.conv_prefill(x, w, b, pool, impl=impl, **args)
         new = out.conv
@@ -119,11 +120,10 @@ def run_decode(rng, batch, *, dim, width, dtype, state_dtype, activation, with_b
     x = jnp.asarray(x, dtype)
     w, b = weights(rng, dim, width, with_bias)
     old = np.asarray(pool.conv, np.float32)
-    ry, rconv = conv.conv_decode_pool_reference(x, w, b, pool.conv, layer=layer, slot_ids=jnp.asarray(slots),
-                                                     activation=activation)
+    call = conv.ConvPoolCall(x, w, b, layer, jnp.asarray(slots), activation=activation)
+    ry, rconv = conv.conv_decode_pool_reference(call, pool.conv)
     if tuning:
-        y, new = conv_update_slots(x, w, b, jnp.array(pool.conv), layer=layer, slot_ids=jnp.asarray(slots),
-                                   activation=activation, interpret=impl == "interpret", **tuning)
+        y, new = conv_update_slots(call, jnp.array(pool.conv), interpret=impl == "interpret", **tuning)
     else:
         ssm0 = np.asarray(pool.ssm)
         y, out = gdn_pool.conv_decode(x, w, b, pool, layer=layer, slot_ids=jnp.asarray(slots), activation=activation,
@@ -149,9 +149,8 @@ def test_reference_path_matches_the_conv_op(rng):
     init = np.where((live & has_init)[:, None, None], c[1, np.where(live, slots, 1)], 0.0)
     ry, rfinal = conv.causal_conv1d(jnp.nan_to_num(x), w, b, cu_seqlens=jnp.asarray(cu),
                                     initial_state=jnp.asarray(init), impl="reference")
-    y, new = conv.conv_prefill_pool_reference(x, w, b, pool.conv, layer=1, slot_ids=jnp.asarray(slots),
-                                                   has_initial_state=jnp.asarray(has_init),
-                                                   cu_seqlens=jnp.asarray(cu), activation="silu")
+    call = conv.ConvPoolCall(x, w, b, 1, jnp.asarray(slots), jnp.asarray(has_init), jnp.asarray(cu), "silu")
+    y, new = conv.conv_prefill_pool_reference(call, pool.conv)
     tok_live = np.repeat(live, np.diff(cu))
     np.testing.assert_allclose(np.asarray(y)[: cu[-1]][tok_live], np.asarray(ry)[: cu[-1]][tok_live], rtol=1e-6,
                                atol=1e-6)

@@ -18,6 +18,7 @@ import pytest
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
 from kvjax.ops import gdn_on_pool
+from kvjax.ops.gdn import DeltaRuleCall
 from kvjax.state import gdn_pool
 from kvjax.state.gdn_pool import GDNStatePool
 
@@ -54,9 +55,9 @@ def reference(qkv, x, w_a, w_b, a_log, dt_bias, ssm, *, hk, layer, slot_ids, sca
     beta = jnp.asarray(1.0 / (1.0 + np.exp(-b)), jnp.float32).astype(qkv.dtype)
     cols = np.split(np.arange(qkv.shape[1]), [hk * kd, 2 * hk * kd])
     q, k, v = (jnp.asarray(np.asarray(qkv)[:, c]).reshape(rows, -1, d) for c, d in zip(cols, (kd, kd, vd)))
-    return gdn_on_pool.gdn_decode_pool_reference(q, k, v, jnp.asarray(g, jnp.float32), beta, ssm, layer=layer,
-                                               slot_ids=jnp.asarray(slot_ids), has_initial_state=None,
-                                               cu_seqlens=None, scale=scale, use_qk_l2norm=True)
+    call = DeltaRuleCall(q, k, v, jnp.asarray(g, jnp.float32), beta, scale=scale, slot_ids=jnp.asarray(slot_ids),
+                         layer=layer, use_qk_l2norm=True)
+    return gdn_on_pool.gdn_decode_pool_reference(call, ssm)
 
 
 def check(rng, impl, *, rows, hk, hv, kd, vd, dtype, num_slots, hidden=32):

@@ -57,17 +57,16 @@ def test_slot_and_recurrent_kernels_value_blocks_overrunning_v_interpret(rng):
     pool, rows, flags = state_as_pool(s0, 3, 2, 12, 80)
     o, f = recurrent_gated_delta_rule_pool(q, k, v, g, beta, pool, cu_seqlens=cu, rows=rows, flags=flags,
                                            scale=0.25, use_qk_l2norm=True, block_v=64, interpret=True)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
-                                                      scale=0.25, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True),
+                                                      s0)
     assert rel_err(o, ro) <= 1e-5 and rel_err(f, rf) <= 1e-5
     q, k, v, g, beta, _, _ = make_inputs(rng, [1] * 4, 1, 2, 12, 80, jnp.float32)
     ssm = make_pool(rng, 2, 5, 2, 12, 80).ssm
     slots = jnp.asarray([3, 0, 1, 5], jnp.int32)
     o, new = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(ssm, copy=True), slot_ids=slots, layer=1,
                                               scale=0.3, use_qk_l2norm=True, block_v=64, interpret=True)
-    ro, rnew = gdn_on_pool.gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=1, slot_ids=slots,
-                                                   has_initial_state=None, cu_seqlens=None, scale=0.3,
-                                                   use_qk_l2norm=True)
+    ro, rnew = gdn_on_pool.gdn_decode_pool_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, scale=0.3, slot_ids=slots, layer=1, use_qk_l2norm=True), ssm)
     assert rel_err(o, ro) <= 1e-5
     np.testing.assert_allclose(np.asarray(new), np.asarray(rnew), rtol=1e-5, atol=1e-5)
 

@@ -7,6 +7,8 @@ float32 inputs, <= 2e-2 for bfloat16 inputs (the issue's acceptance bounds).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,8 +47,8 @@ def test_chunk_pool_kernel_interpret(rng):
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
         flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0.at[1].set(0),
-                                                      scale=0.25, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0.at[1].set(0))
     assert rel_err(o, ro) <= TOL[jnp.float32] and rel_err(pool, rf) <= TOL[jnp.float32]
 
 
@@ -63,8 +65,8 @@ def test_chunk_pool_kernel_padding_rows_interpret(rng):
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(4, dtype=jnp.int32),
         flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True)
     init = s0.at[2].set(0.0)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
-                                                      scale=0.25, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), init)
     live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[3]))
     ro = jnp.where(live_tok[:, None, None], ro, 0)  # padding row 3's tokens and outside tokens: zero
     assert rel_err(o, ro) <= TOL[jnp.bfloat16]
@@ -88,8 +90,8 @@ def test_chunk_parallel_pool_kernel_interpret(rng, dtype, kd, vd):
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
         flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, segment_chunks=1, transition_block=16,
         scan_block=16, interpret=True)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0.at[1].set(0),
-                                                      scale=0.25, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0.at[1].set(0))
     live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[4]))
     ro = jnp.where(live_tok[:, None, None], ro, 0)
     assert rel_err(o, ro) <= TOL[dtype] and rel_err(pool[:4], rf[:4]) <= TOL[dtype]
@@ -119,8 +121,8 @@ def test_recurrent_update_order_interpret(rng):
     pool, rows, flags = state_as_pool(s0, 3, 2, 16, 32)
     o, f = recurrent_gated_delta_rule_pool(q, k, v, g, beta, pool, cu_seqlens=cu, rows=rows, flags=flags,
                                            scale=0.25, use_qk_l2norm=True, interpret=True)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0,
-                                                      scale=0.25, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0)
     assert rel_err(o, ro) <= 1e-5 and rel_err(f, rf) <= 1e-5
 
 
@@ -136,9 +138,9 @@ def test_decode_slots_kernel_interpret(rng):
     o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True),
                                               slot_ids=jnp.asarray(slots), layer=1, scale=0.3, use_qk_l2norm=True,
                                               block_v=16, interpret=True)
-    ro, rssm = gdn_on_pool.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, layer=1, slot_ids=jnp.asarray(slots),
-                                                   has_initial_state=None, cu_seqlens=None, scale=0.3,
-                                                   use_qk_l2norm=True)
+    ro, rssm = gdn_on_pool.gdn_decode_pool_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, scale=0.3, slot_ids=jnp.asarray(slots), layer=1, use_qk_l2norm=True),
+        pool.ssm)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(ssm, rssm) <= 1e-5
     assert np.all(np.asarray(o[1], np.float32) == 0) and np.all(np.asarray(o[3], np.float32) == 0)
     untouched = [s for s in range(8) if s not in (5, 2, 7)]
@@ -155,8 +157,8 @@ def test_kernels_match_hugging_face(rng):
         t(q), t(k), t(v), t(g), t(beta), initial_state=torch.from_numpy(np.array(s0)),
         output_final_state=True, use_qk_l2norm_in_kernel=True)
     for kind in ("chunk", "recurrent"):
-        o, f = KERNELS[kind](q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=16 ** -0.5,
-                             use_qk_l2norm=True, interpret=True)
+        o, f = KERNELS[kind](gdn.DeltaRuleCall(q, k, v, g, beta, cu, 16 ** -0.5, use_qk_l2norm=True), s0,
+                             interpret=True)
         assert rel_err(o, ho[0].numpy()) <= 1e-4
         assert rel_err(f, hf_state.numpy()) <= 1e-4
 
@@ -288,31 +290,31 @@ def test_tables_choose_as_documented(rng):
     h100, a100, cpu = NAMED["h100"], NAMED["a100"], NAMED["cpu"]
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [1, 1, 1], 1, 2, 16, 16, jnp.bfloat16)
     ssm = jnp.zeros((2, 5, 2, 16, 16), jnp.float32)
-    args = (q, k, v, g, beta, ssm)
-    call = dict(layer=1, slot_ids=jnp.asarray([1, 0, 3], jnp.int32), has_initial_state=None, cu_seqlens=None,
-                scale=0.25, use_qk_l2norm=True)
+    call = gdn.DeltaRuleCall(q, k, v, g, beta, scale=0.25, slot_ids=jnp.asarray([1, 0, 3], jnp.int32), layer=1,
+                             use_qk_l2norm=True)
+    args = (call, ssm)
     table = gdn_on_pool.DECODE_TABLE
-    assert _auto(table, args, call, h100) == ("slots", {"slots": None, "pallas": None, "reference": None})
-    assert _auto(table, args, call, a100)[0] == "slots"
-    name, why = _auto(table, args, {**call, "cu_seqlens": cu}, h100)
+    assert _auto(table, args, {}, h100) == ("slots", {"slots": None, "pallas": None, "reference": None})
+    assert _auto(table, args, {}, a100)[0] == "slots"
+    name, why = _auto(table, (replace(call, cu_seqlens=cu), ssm), {}, h100)
     assert name == "pallas" and "one token per row" in why["slots"]
-    name, why = _auto(table, args, {**call, "has_initial_state": jnp.ones(3, jnp.bool_)}, h100)
+    name, why = _auto(table, (replace(call, has_initial_state=jnp.ones(3, jnp.bool_)), ssm), {}, h100)
     assert name == "pallas" and "has_initial_state=None" in why["slots"]
-    name, why = _auto(table, args, {**call, "layer": jnp.int32(1)}, h100)
+    name, why = _auto(table, (replace(call, layer=jnp.int32(1)), ssm), {}, h100)
     assert name == "pallas" and "static Python-int layer" in why["slots"]
-    odd = (q[..., :12], k[..., :12], v, g, beta, ssm[..., :12, :])
-    assert _auto(table, odd, call, h100) == ("slots", {"slots": None, "pallas": None, "reference": None})
-    name, why = _auto(table, args, call, cpu)
+    odd = (replace(call, q=q[..., :12], k=k[..., :12]), ssm[..., :12, :])
+    assert _auto(table, odd, {}, h100) == ("slots", {"slots": None, "pallas": None, "reference": None})
+    name, why = _auto(table, args, {}, cpu)
     assert name == "reference" and all("needs a GPU" in why[b] for b in ("slots", "pallas"))
 
-    public = dict(cu_seqlens=cu, initial_state=s0, scale=0.25, use_qk_l2norm=True)
+    public = gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True)
     for t in (gdn.CHUNK_TABLE, gdn.RECURRENT_TABLE):
-        assert _auto(t, (q, k, v, g, beta), public, h100)[0] == "pallas"
-        assert _auto(t, (q[..., :12], k[..., :12], v, g, beta), public, h100)[0] == "pallas"
-        assert _auto(t, (q, k, v, g, beta), public, cpu)[0] == "reference"
-    prefill = {**call, "has_initial_state": jnp.ones(3, jnp.bool_), "cu_seqlens": cu, "layer": jnp.int32(1)}
-    assert _auto(gdn_on_pool.PREFILL_TABLE, args, prefill, h100)[0] == "pallas"
-    assert _auto(gdn_on_pool.PREFILL_TABLE, args, prefill, cpu)[0] == "reference"
+        assert _auto(t, (public, s0), {}, h100)[0] == "pallas"
+        assert _auto(t, (replace(public, q=q[..., :12], k=k[..., :12]), None), {}, h100)[0] == "pallas"
+        assert _auto(t, (public, s0), {}, cpu)[0] == "reference"
+    prefill = (replace(call, has_initial_state=jnp.ones(3, jnp.bool_), cu_seqlens=cu, layer=jnp.int32(1)), ssm)
+    assert _auto(gdn_on_pool.PREFILL_TABLE, prefill, {}, h100)[0] == "pallas"
+    assert _auto(gdn_on_pool.PREFILL_TABLE, prefill, {}, cpu)[0] == "reference"
 
     expected_gpu = {"gdn_decode_pool": {"decode B=128 H=32, int layer": "slots"},
                     "causal_conv1d": "reference", "causal_conv1d_update": "reference"}
@@ -375,8 +377,8 @@ def test_chunk_pool_kernel_gpu(rng, dtype):
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
                                        use_qk_l2norm=True)
     init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
-                                                      scale=0.1, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.1, use_qk_l2norm=True), init)
     assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype]
 
 
@@ -399,8 +401,8 @@ def test_chunk_parallel_kernel_gpu(rng, dtype, segment_chunks):
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
                                        use_qk_l2norm=True, segment_chunks=segment_chunks)
     init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens=cu, initial_state=init,
-                                                      scale=0.1, use_qk_l2norm=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.1, use_qk_l2norm=True), init)
     assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype]
 
 
@@ -450,8 +452,7 @@ def test_decode_slot_kernel_gpu(rng, dtype, l2, hk, kd):
     slots[3] = num_slots + 1  # out of range: padding too
     kw = dict(slot_ids=jnp.asarray(slots), layer=1, scale=kd ** -0.5, use_qk_l2norm=l2)
     o, ssm = recurrent_gated_delta_rule_slots(q, k, v, g, beta, jnp.array(pool.ssm, copy=True), **kw)
-    ro, rssm = gdn_on_pool.gdn_decode_pool_reference(q, k, v, g, beta, pool.ssm, has_initial_state=None,
-                                                   cu_seqlens=None, **kw)
+    ro, rssm = gdn_on_pool.gdn_decode_pool_reference(gdn.DeltaRuleCall(q, k, v, g, beta, **kw), pool.ssm)
     assert o.dtype == v.dtype and ssm.dtype == jnp.float32
     assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)
     assert rel_err(ssm, rssm) <= 1e-5, rel_err(ssm, rssm)

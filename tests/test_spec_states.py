@@ -12,7 +12,7 @@ import pytest
 
 from kvjax.config import GDNConfig
 from kvjax.ops.conv import causal_conv1d_reference
-from kvjax.ops.gdn import recurrent_gated_delta_rule_reference
+from kvjax.ops.gdn import DeltaRuleCall, recurrent_gated_delta_rule_reference
 from kvjax.ops.spec_states import verify_conv_states, verify_ssm_states
 from kvjax.sched.drafter import NgramDrafter, SpeculativeConfig
 from kvjax.state import gdn_pool, gdn_spec
@@ -46,8 +46,8 @@ def test_ssm_states_equal_the_recurrent_reference_over_each_prefix(l2):
     for b, n in enumerate(lens):
         for j in range(n):
             s = slice(int(cu[b]), int(cu[b]) + j + 1)
-            _, final = recurrent_gated_delta_rule_reference(q[s], k[s], v[s], g[s], beta[s], cu_seqlens=jnp.array(
-                [0, j + 1], jnp.int32), initial_state=init[b: b + 1], scale=1.0, use_qk_l2norm=l2)
+            _, final = recurrent_gated_delta_rule_reference(DeltaRuleCall(q[s], k[s], v[s], g[s], beta[s], jnp.array(
+                [0, j + 1], jnp.int32), 1.0, use_qk_l2norm=l2), init[b: b + 1])
             np.testing.assert_allclose(got[b, j], np.asarray(final[0]), atol=ATOL, rtol=1e-5)
 
 

@@ -25,10 +25,12 @@ Both have only their reference (no kernel; :data:`CONV_TABLE`, :data:`UPDATE_TAB
 in float32.
 
 On the GDN conv pool ``conv: [L, S+1, D, W-1]`` (slot convention of :mod:`kvjax.base.slots`: padding rows,
-slot ids outside ``1..S``, read and write nothing and get ``y = 0``; slot 0 is never written)::
+slot ids outside ``1..S``, read and write nothing and get ``y = 0``; slot 0 is never written) a call is one
+:class:`ConvPoolCall` (built once, checked once by :func:`check_pool_call`, handed down unchanged)::
 
-    conv_prefill_pool:    fn(x, weight, bias, conv, *, layer, slot_ids, has_initial_state, cu_seqlens, activation)
-    conv_decode_pool:     fn(x, weight, bias, conv, *, layer, slot_ids, activation)
+    conv_prefill_pool:    fn(call, conv)   # call: x [T, D], weight, bias, layer, slot_ids i32[N],
+                                           #       has_initial_state bool[N], cu_seqlens i32[N+1], activation
+    conv_decode_pool:     fn(call, conv)   # call: x [B, D], weight, bias, layer, slot_ids i32[B], activation
         -> (y, new conv)
 
 Reference = the fused XLA path (gather by slot, reference above, scatter). Backend ``"pallas"`` =
@@ -38,6 +40,7 @@ faster than XLA's and prefill a near tie (RESULTS.md, "Causal conv1d on the pool
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -199,6 +202,24 @@ def causal_conv1d_update(
 
 
 # ---------------------------------------------------------------------------------------------- on the GDN pool
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ConvPoolCall:
+    """One conv call on the GDN conv pool, built once (the pool functions of :mod:`kvjax.state.gdn_pool`) and
+    handed unchanged to the op's check, its backend table and the chosen kernel; the pool array goes beside it.
+    ``cu_seqlens`` (with ``has_initial_state``) makes it a prefill call; ``None``: decode, one token per row. A
+    pytree: ``activation`` is static, every other field a leaf."""
+
+    x: jax.Array  # [T, D] prefill, [B, D] decode
+    weight: jax.Array  # [D, W]
+    bias: jax.Array | None  # [D]
+    layer: int | jax.Array  # the GDN layer (a Python int, or i32[])
+    slot_ids: jax.Array  # i32[N]  outside 1..S = padding row
+    has_initial_state: jax.Array | None = None  # bool[N] prefill: read the slot's state (else zeros)
+    cu_seqlens: jax.Array | None = None  # i32[N+1] prefill; None = decode
+    activation: str | None = dataclasses.field(default="silu", metadata=dict(static=True))
+
+
 def _pool_rows(conv_pool, layer, slot_ids, has_initial_state):
     num_slots = conv_pool.shape[1]
     live = live_slots(slot_ids, num_slots)
@@ -209,118 +230,84 @@ def _pool_rows(conv_pool, layer, slot_ids, has_initial_state):
 
 
 def conv_prefill_pool_reference(
-    x: jax.Array,  # [T, D]
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
+    call: ConvPoolCall,  # a prefill call
     conv_pool: jax.Array,  # [L, S+1, D, W-1]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]
-    has_initial_state: jax.Array,  # bool[N]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    activation: str | None,
 ) -> tuple[jax.Array, jax.Array]:  # (y [T, D], new conv pool)
     """Oracle (and the fused-XLA path): gather the initial states, ``causal_conv1d_reference``, zero the
     padding rows' outputs, scatter the final states (slot 0 and out-of-range ids dropped)."""
-    live, idx, init = _pool_rows(conv_pool, layer, slot_ids, has_initial_state)
-    y, final = causal_conv1d_reference(x, weight, bias, cu_seqlens=cu_seqlens, initial_state=init,
-                                       activation=activation)
+    x, slot_ids, cu_seqlens = call.x, call.slot_ids, call.cu_seqlens
+    live, idx, init = _pool_rows(conv_pool, call.layer, slot_ids, call.has_initial_state)
+    y, final = causal_conv1d_reference(x, call.weight, call.bias, cu_seqlens=cu_seqlens, initial_state=init,
+                                       activation=call.activation)
     row = jnp.clip(count_le(cu_seqlens, jnp.arange(x.shape[0], dtype=jnp.int32)) - 1, 0, slot_ids.shape[0] - 1)
     y = jnp.where(live[row][:, None], y, jnp.zeros((), y.dtype))
-    return y, conv_pool.at[layer, idx].set(final.astype(conv_pool.dtype), mode="drop")
+    return y, conv_pool.at[call.layer, idx].set(final.astype(conv_pool.dtype), mode="drop")
 
 
 def conv_decode_pool_reference(
-    x: jax.Array,  # [B, D]
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
+    call: ConvPoolCall,  # a decode call
     conv_pool: jax.Array,  # [L, S+1, D, W-1]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[B]
-    activation: str | None,
 ) -> tuple[jax.Array, jax.Array]:  # (y [B, D], new conv pool)
     """Oracle (and the fused-XLA path): gather by slot, ``causal_conv1d_update_reference``, scatter back."""
-    live, idx, state = _pool_rows(conv_pool, layer, slot_ids, None)
-    y, new = causal_conv1d_update_reference(x, state, weight, bias, activation=activation)
+    live, idx, state = _pool_rows(conv_pool, call.layer, call.slot_ids, None)
+    y, new = causal_conv1d_update_reference(call.x, state, call.weight, call.bias, activation=call.activation)
     y = jnp.where(live[:, None], y, jnp.zeros((), y.dtype))
-    return y, conv_pool.at[layer, idx].set(new, mode="drop")
+    return y, conv_pool.at[call.layer, idx].set(new, mode="drop")
 
 
-def validate_pool_args(
-    x: jax.Array,  # [T, D] (prefill) or [B, D] (decode)
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
-    conv_pool: jax.Array,  # [L, S+1, D, W-1]
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]
-    activation: str | None,
-    impl: str,
-    cu_seqlens: jax.Array | None = None,  # i32[N+1]; None = decode (one token per row)
-    has_initial_state: jax.Array | None = None,  # bool[N] (prefill)
-) -> None:
-    """Host-side (trace-time) check of a conv pool op's arguments: ranks, dtypes, the pool's per-slot shape
+def check_pool_call(call: ConvPoolCall, conv_pool: jax.Array, impl: str, *, prefill: bool) -> None:
+    """Host-side (trace-time) check of a conv pool op's call: ranks, dtypes, the pool's per-slot shape
     ``(D, W-1)``, ``slot_ids`` i32[N] (host values by :func:`kvjax.base.slots.check_slot_ids`), an int
-    ``layer`` in range, for prefill ``cu_seqlens`` and ``has_initial_state``; ``impl`` a string. Raises
-    ``ValueError`` (``InvalidPlanError`` for slot ids) naming the argument."""
+    ``layer`` in range, for prefill ``cu_seqlens`` and ``has_initial_state`` (decode: neither); ``impl`` a
+    string. Raises ``ValueError`` (``InvalidPlanError`` for slot ids) naming the argument."""
+    if not isinstance(call, ConvPoolCall):
+        raise ValueError(f"call must be a ConvPoolCall, got {type(call).__name__}")
+    x, weight, slot_ids, cu_seqlens = call.x, call.weight, call.slot_ids, call.cu_seqlens
+    if prefill and cu_seqlens is None:
+        raise ValueError("conv_prefill_pool needs cu_seqlens (i32[N+1]) and has_initial_state (bool[N])")
+    if not prefill and (cu_seqlens is not None or call.has_initial_state is not None):
+        raise ValueError("conv_decode_pool takes one token per row, every live row reading its state: "
+                         "cu_seqlens and has_initial_state must be None")
     check_array("x", x, rank=2)
-    _check_weights(weight, bias, x.shape[1], activation)
+    _check_weights(weight, call.bias, x.shape[1], call.activation)
     check_float("pool.conv", conv_pool, rank=4)
     if conv_pool.shape[2:] != (x.shape[1], weight.shape[1] - 1):
         raise ValueError(f"pool.conv has per-slot shape {conv_pool.shape[2:]}, expected "
                          f"(D={x.shape[1]}, W-1={weight.shape[1] - 1}) from x {x.shape} and weight {weight.shape}")
     rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     check_int32("slot_ids", slot_ids, shape=(rows,))
-    fixed = static_layer(layer)
+    fixed = static_layer(call.layer)
     if fixed is not None and not 0 <= fixed < conv_pool.shape[0]:
-        raise ValueError(f"layer={layer} out of range for a GDN pool of {conv_pool.shape[0]} layers")
+        raise ValueError(f"layer={call.layer} out of range for a GDN pool of {conv_pool.shape[0]} layers")
     if isinstance(slot_ids, np.ndarray):
         check_slot_ids(slot_ids, conv_pool.shape[1] - 1)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, x.shape[0])
-        check_array("has_initial_state", has_initial_state, shape=(rows,), dtypes=[jnp.bool_])
+        check_array("has_initial_state", call.has_initial_state, shape=(rows,), dtypes=[jnp.bool_])
     _check_impl(impl)
 
 
 def conv_prefill_pool(
-    x: jax.Array,  # [T, D]  (D = conv_dim)
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
+    call: ConvPoolCall,  # x [T, D], weight, bias, layer, slot_ids i32[N], has_initial_state, cu_seqlens
     conv_pool: jax.Array,  # [L, S+1, D, W-1]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
-    has_initial_state: jax.Array,  # bool[N]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    activation: str | None = "silu",
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:  # (y [T, D] in x's dtype, new conv pool)
     """Varlen causal conv1d starting from each live row's conv state ``conv_pool[layer, slot]`` (zeros where
     not ``has_initial_state``), final states written back there (slot 0 never). Padding rows read and write
     nothing and their tokens get ``y = 0``. ``ValueError`` / ``InvalidPlanError`` name a bad argument."""
-    validate_pool_args(x, weight, bias, conv_pool, layer, slot_ids, activation, impl, cu_seqlens, has_initial_state)
-    args = (x, weight, bias, conv_pool)
-    kwargs = dict(layer=layer, slot_ids=slot_ids, has_initial_state=has_initial_state, cu_seqlens=cu_seqlens,
-                  activation=activation)
-    return CONV_PREFILL_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    check_pool_call(call, conv_pool, impl, prefill=True)
+    return CONV_PREFILL_TABLE.choose(impl, (call, conv_pool), {})[1](call, conv_pool)
 
 
 def conv_decode_pool(
-    x: jax.Array,  # [B, D]
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
+    call: ConvPoolCall,  # x [B, D], weight, bias, layer, slot_ids i32[B]
     conv_pool: jax.Array,  # [L, S+1, D, W-1]
-    *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
-    activation: str | None = "silu",
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:  # (y [B, D] in x's dtype, new conv pool)
     """One token per row: conv with the row's state from ``conv_pool[layer, slot]``, the shifted state written
     back. Padding rows read and write nothing and get ``y = 0``."""
-    validate_pool_args(x, weight, bias, conv_pool, layer, slot_ids, activation, impl)
-    args, kwargs = (x, weight, bias, conv_pool), dict(layer=layer, slot_ids=slot_ids, activation=activation)
-    return CONV_DECODE_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    check_pool_call(call, conv_pool, impl, prefill=False)
+    return CONV_DECODE_TABLE.choose(impl, (call, conv_pool), {})[1](call, conv_pool)
 
 
 # ---------------------------------------------------------------------------------------------- backend tables
@@ -333,10 +320,9 @@ def _example(tokens: int, rows: int, dim: int, *, pool: bool, prefill: bool):
             return (x, weight, None), dict(cu_seqlens=sds((rows + 1,), jnp.int32), initial_state=None,
                                            activation="silu")
         return (x, sds((rows, dim, 3), jnp.bfloat16), weight, None), dict(activation="silu")
-    kwargs = dict(layer=sds((), jnp.int32), slot_ids=sds((rows,), jnp.int32), activation="silu")
-    if prefill:
-        kwargs.update(has_initial_state=sds((rows,), jnp.bool_), cu_seqlens=sds((rows + 1,), jnp.int32))
-    return (x, weight, None, sds((8, rows + 9, dim, 3), jnp.bfloat16)), kwargs
+    call = ConvPoolCall(x, weight, None, sds((), jnp.int32), sds((rows,), jnp.int32),
+                        sds((rows,), jnp.bool_) if prefill else None, sds((rows + 1,), jnp.int32) if prefill else None)
+    return (call, sds((8, rows + 9, dim, 3), jnp.bfloat16)), {}
 
 
 CONV_TABLE = BackendTable(CONV_OP, causal_conv1d_reference, (), examples={

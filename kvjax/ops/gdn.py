@@ -15,20 +15,22 @@ token bucket) get ``o_t = 0``. An empty sequence writes no outputs and returns i
 
 Kernel contract
 ---------------
-The public ops validate their arguments on the host (at trace time), resolve ``scale`` to a Python float and
-then call the implementation their backend table (:data:`CHUNK_TABLE`, :data:`RECURRENT_TABLE`) chooses for
-``impl`` with exactly::
+A call of the family is one :class:`DeltaRuleCall` (the arrays q / k / v / g / beta, ``cu_seqlens``, ``scale``,
+``use_qk_l2norm`` and, for the slot-pool ops of :mod:`kvjax.ops.gdn_on_pool`, the pool addressing), built once
+and handed down unchanged beside its state. The public ops build it from their arguments, check it on the host (at
+trace time, :func:`check_call`: ``scale`` resolved to a Python float) and call the implementation their backend
+table (:data:`CHUNK_TABLE`, :data:`RECURRENT_TABLE`) chooses for ``impl`` with exactly::
 
-    fn(q, k, v, g, beta, *, cu_seqlens, initial_state, scale, use_qk_l2norm)   # kernels also get interpret=
+    fn(call, initial_state)   # kernels also get interpret=
 
-    q, k:          [T, Hk, K]  float (same dtype as v)
-    v:             [T, Hv, V]  float, Hv % Hk == 0
-    g:             f32[T, Hv]  log-decay
-    beta:          [T, Hv]     float
-    cu_seqlens:    i32[N+1]    may be traced; non-decreasing, within [0, T] (not checked on device)
-    initial_state: f32[N, Hv, K, V] or None (None = zeros)
-    scale:         Python float (static)
-    use_qk_l2norm: Python bool (static)
+    call.q, call.k:      [T, Hk, K]  float (same dtype as v)
+    call.v:              [T, Hv, V]  float, Hv % Hk == 0
+    call.g:              f32[T, Hv]  log-decay
+    call.beta:           [T, Hv]     float
+    call.cu_seqlens:     i32[N+1]    may be traced; non-decreasing, within [0, T] (not checked on device)
+    call.scale:          Python float
+    call.use_qk_l2norm:  Python bool (static)
+    initial_state:       f32[N, Hv, K, V] or None (None = zeros)
     returns (o: [T, Hv, V] in v's dtype, final_state: f32[N, Hv, K, V])
 
 Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.recurrent`: any CUDA GPU,
@@ -36,11 +38,12 @@ any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` 
 reference. The references
 (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST`` matmuls (no
 TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does not
-recompile).
+recompile; ``scale=None`` is ``K ** -0.5``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Callable
 
@@ -60,6 +63,28 @@ CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6  # Hugging Face / fla l2norm epsilon (added to the squared norm)
 
 _HI = lax.Precision.HIGHEST
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeltaRuleCall:
+    """One gated-delta-rule call: built once where the values are (a public op, the slot pool's functions, a
+    model layer) and handed unchanged to the op's check, its backend table and the chosen kernel; the state goes
+    beside it (``initial_state`` for the ops of this module, the pool's ``ssm`` for :mod:`kvjax.ops.gdn_on_pool`).
+    A pytree: ``use_qk_l2norm`` is static, every other field a leaf (``None`` where unused). Checked by
+    :func:`check_call` / :func:`kvjax.ops.gdn_on_pool.check_pool_call`, which resolve ``scale``."""
+
+    q: jax.Array  # [T, Hk, K]
+    k: jax.Array  # [T, Hk, K]
+    v: jax.Array  # [T, Hv, V]
+    g: jax.Array  # f32[T, Hv] log-decay (<= 0)
+    beta: jax.Array  # [T, Hv]
+    cu_seqlens: jax.Array | None = None  # i32[N+1]; None = one token per row (slot-pool ops)
+    scale: float | None = None  # query scale; None = K ** -0.5
+    slot_ids: jax.Array | None = None  # i32[N] slot-pool ops: each row's slot, outside 1..S = padding row
+    has_initial_state: jax.Array | None = None  # bool[N] slot-pool ops; None = every live row reads its slot
+    layer: int | jax.Array | None = None  # slot-pool ops: the GDN layer (a Python int, or i32[])
+    use_qk_l2norm: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def _einsum(spec: str, *xs):
@@ -103,34 +128,29 @@ def _initial_or_zeros(initial_state, num_seqs: int, hv: int, kd: int, vd: int):
 
 
 def _reference(scan: Callable, name: str) -> Callable:
-    """A float32 reference of the ops' call form (module docstring) around ``scan(q, k, v, g, beta, cu_seqlens,
-    init) -> (o f32[T, Hv, V], final f32[N, Hv, K, V])``, which gets q / k prepared (:func:`_prepare_qk`: f32,
-    optional l2norm, q scaled, expanded to the value heads), v / g / beta in f32 and the initial states (zeros
-    for ``None``). Jitted with ``use_qk_l2norm`` static; the docstring is ``scan``'s."""
+    """A float32 reference of the ops' call form ``(call, initial_state)`` (module docstring) around ``scan(q, k,
+    v, g, beta, cu_seqlens, init) -> (o f32[T, Hv, V], final f32[N, Hv, K, V])``, which gets q / k prepared
+    (:func:`_prepare_qk`: f32, optional l2norm, q scaled, expanded to the value heads), v / g / beta in f32 and
+    the initial states (zeros for ``None``). Jitted (``call.use_qk_l2norm`` is static); the docstring is
+    ``scan``'s."""
 
     def reference(
-        q: jax.Array,  # [T, Hk, K]
-        k: jax.Array,  # [T, Hk, K]
-        v: jax.Array,  # [T, Hv, V]
-        g: jax.Array,  # f32[T, Hv] log-decay
-        beta: jax.Array,  # [T, Hv]
-        *,
-        cu_seqlens: jax.Array,  # i32[N+1]
+        call: DeltaRuleCall,
         initial_state: jax.Array | None = None,  # f32[N, Hv, K, V]; None = zeros
-        scale: float,
-        use_qk_l2norm: bool = False,
     ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, final state f32[N, Hv, K, V])
-        hv, vd = v.shape[1:]
-        cu_seqlens = jnp.asarray(cu_seqlens)
-        init = _initial_or_zeros(initial_state, cu_seqlens.shape[0] - 1, hv, k.shape[-1], vd)
-        q, k = _prepare_qk(q, k, hv, scale, use_qk_l2norm)  # f32[T, Hv, K]
-        f32 = (x.astype(jnp.float32) for x in (v, g, beta))
+        v = call.v
+        hv, vd, kd = v.shape[1], v.shape[2], call.k.shape[-1]
+        cu_seqlens = jnp.asarray(call.cu_seqlens)
+        init = _initial_or_zeros(initial_state, cu_seqlens.shape[0] - 1, hv, kd, vd)
+        scale = kd ** -0.5 if call.scale is None else call.scale
+        q, k = _prepare_qk(call.q, call.k, hv, scale, call.use_qk_l2norm)  # f32[T, Hv, K]
+        f32 = (x.astype(jnp.float32) for x in (v, call.g, call.beta))
         o, final = scan(q, k, *f32, cu_seqlens, init)
         return o.astype(v.dtype), final
 
     reference.__name__ = reference.__qualname__ = name
     reference.__doc__ = scan.__doc__
-    return jax.jit(reference, static_argnames=("use_qk_l2norm",))
+    return jax.jit(reference)
 
 
 def _recurrent_scan(q, k, v, g, beta, cu_seqlens, init):
@@ -258,25 +278,14 @@ chunk_gated_delta_rule_reference = _reference(_chunk_scan, "chunk_gated_delta_ru
 # ----------------------------------------------------------------------------------------------------------
 
 
-def validate_gdn_args(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    initial_state: jax.Array | None,  # f32[N, Hv, K, V]
-    scale: float | None,
-    use_qk_l2norm: bool,
-    impl: str,
-) -> float:
-    """Host-side (trace-time) check of the gated-delta-rule op arguments; returns the resolved ``scale``.
-
-    Checks ranks, dtypes and shapes against the kernel contract (module docstring), ``cu_seqlens`` values
-    when they are a host ``np.ndarray``, and that ``use_qk_l2norm`` is a bool and ``impl`` a string. Raises
-    ``ValueError`` naming the offending argument. ``scale=None`` resolves to ``K ** -0.5``. Shared by the
-    slot-pool ops in :mod:`kvjax.ops.gdn_on_pool`.
-    """
+def check_tokens(call: DeltaRuleCall, cu_seqlens: jax.Array, impl: str) -> float:
+    """Host-side (trace-time) check of a call's token side against the kernel contract (module docstring) with
+    ``cu_seqlens`` (i32[N+1]; values when they are a host ``np.ndarray``): ranks, dtypes, shapes and head counts,
+    ``use_qk_l2norm`` a bool, ``impl`` a string. Returns the resolved ``scale`` (``None``: ``K ** -0.5``).
+    ``ValueError`` names the argument. Shared by the slot-pool ops (:mod:`kvjax.ops.gdn_on_pool`)."""
+    if not isinstance(call, DeltaRuleCall):
+        raise ValueError(f"call must be a DeltaRuleCall, got {type(call).__name__}")
+    q, k, v = call.q, call.k, call.v
     check_float("q", q, rank=3)
     check_array("k", k, shape=tuple(q.shape), dtypes=[q.dtype])
     check_float("v", v, rank=3)
@@ -287,21 +296,31 @@ def validate_gdn_args(
         raise ValueError(f"v has {v.shape[0]} tokens but q has {num_tokens} (v shape {tuple(v.shape)})")
     if hv % hk:
         raise ValueError(f"v has Hv={hv} value heads, not a multiple of q/k's Hk={hk} heads")
-    check_array("g", g, shape=(num_tokens, hv), dtypes=[jnp.float32])
-    check_float("beta", beta, shape=(num_tokens, hv))
+    check_array("g", call.g, shape=(num_tokens, hv), dtypes=[jnp.float32])
+    check_float("beta", call.beta, shape=(num_tokens, hv))
     check_cu_seqlens(cu_seqlens, num_tokens)
-    if initial_state is not None:
-        num_seqs = cu_seqlens.shape[0] - 1
-        check_array("initial_state", initial_state, shape=(num_seqs, hv, kd, v.shape[2]), dtypes=[jnp.float32])
-    if not isinstance(use_qk_l2norm, (bool, np.bool_)):
-        raise ValueError(f"use_qk_l2norm must be a Python bool, got {use_qk_l2norm!r}")
+    if not isinstance(call.use_qk_l2norm, (bool, np.bool_)):
+        raise ValueError(f"use_qk_l2norm must be a Python bool, got {call.use_qk_l2norm!r}")
     if not isinstance(impl, str):
         raise ValueError(f"impl must be a string, got {impl!r}")
+    scale = call.scale
     if scale is None:
         return float(kd) ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not np.isfinite(scale):
         raise ValueError(f"scale must be a finite Python number or None, got {scale!r}")
     return float(scale)
+
+
+def check_call(call: DeltaRuleCall, initial_state: jax.Array | None, impl: str) -> DeltaRuleCall:
+    """Host-side (trace-time) check of a public op's call (:func:`check_tokens` with ``call.cu_seqlens``, then
+    ``initial_state`` ``f32[N, Hv, K, V]`` or ``None``); returns the call with ``scale`` a Python float and
+    ``use_qk_l2norm`` a bool. ``ValueError`` names the argument."""
+    scale = check_tokens(call, call.cu_seqlens, impl)
+    if initial_state is not None:
+        hv, kd, vd = call.v.shape[1], call.q.shape[2], call.v.shape[2]
+        check_array("initial_state", initial_state, shape=(call.cu_seqlens.shape[0] - 1, hv, kd, vd),
+                    dtypes=[jnp.float32])
+    return dataclasses.replace(call, scale=scale, use_qk_l2norm=bool(call.use_qk_l2norm))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -310,14 +329,14 @@ def validate_gdn_args(
 
 
 def example_call(num_tokens: int, num_seqs: int, heads: int, kd: int = 128, vd: int = 128):
-    """A representative normalised call (bf16 q/k/v/beta, f32 g and state, l2norm in the kernel)."""
-    sds = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    args = (sds((num_tokens, heads, kd), bf16), sds((num_tokens, heads, kd), bf16), sds((num_tokens, heads, vd), bf16),
-            sds((num_tokens, heads), jnp.float32), sds((num_tokens, heads), bf16))
-    kwargs = dict(cu_seqlens=sds((num_seqs + 1,), jnp.int32), initial_state=sds((num_seqs, heads, kd, vd), jnp.float32),
-                  scale=kd ** -0.5, use_qk_l2norm=True)
-    return args, kwargs
+    """A representative call ``((call, initial_state), {})``: bf16 q/k/v/beta, f32 g and state, l2norm in the
+    kernel."""
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    call = DeltaRuleCall(sds((num_tokens, heads, kd), bf16), sds((num_tokens, heads, kd), bf16),
+                         sds((num_tokens, heads, vd), bf16), sds((num_tokens, heads), jnp.float32),
+                         sds((num_tokens, heads), bf16), cu_seqlens=sds((num_seqs + 1,), jnp.int32),
+                         scale=kd ** -0.5, use_qk_l2norm=True)
+    return (call, sds((num_seqs, heads, kd, vd), jnp.float32)), {}
 
 
 CHUNK_TABLE = BackendTable(
@@ -355,7 +374,8 @@ RECURRENT_TABLE = BackendTable(
 
 
 def _op(table: BackendTable, doc: str) -> Callable:
-    """The public op of ``table``: :func:`validate_gdn_args`, then the backend ``impl`` names (one call form)."""
+    """The public op of ``table``: its arguments made one :class:`DeltaRuleCall`, :func:`check_call`, then the
+    backend ``impl`` names."""
 
     def op(
         q: jax.Array,  # [T, Hk, K]
@@ -370,11 +390,9 @@ def _op(table: BackendTable, doc: str) -> Callable:
         use_qk_l2norm: bool = False,
         impl: str = "auto",
     ) -> tuple[jax.Array, jax.Array]:
-        scale = validate_gdn_args(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, impl)
-        args = (q, k, v, g, beta)
-        kwargs = dict(cu_seqlens=cu_seqlens, initial_state=initial_state, scale=scale,
-                      use_qk_l2norm=bool(use_qk_l2norm))
-        return table.choose(impl, args, kwargs)[1](*args, **kwargs)
+        call = check_call(DeltaRuleCall(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm=use_qk_l2norm),
+                          initial_state, impl)
+        return table.choose(impl, (call, initial_state), {})[1](call, initial_state)
 
     op.__name__ = op.__qualname__ = table.op
     op.__doc__ = doc

@@ -4,13 +4,14 @@ Slot ids follow :mod:`kvjax.base.slots`: slot 0 is the PAD sentinel, never writt
 padding row (:func:`~kvjax.base.slots.slot_index` maps it out of range, read as zeros, writes dropped);
 :func:`~kvjax.base.slots.check_slot_ids` checks host values.
 
-Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]`` and the slot ``slot_ids[n]``. Padding rows
-read and write nothing and their tokens' outputs are zero. A live row starts from ``ssm[layer, slot]`` when
-``has_initial_state[n]`` (else from zeros) and its final state is written back there.
+A call is one :class:`~kvjax.ops.gdn.DeltaRuleCall` with the pool addressing set (``slot_ids``, ``layer``,
+``has_initial_state``), beside the array ``ssm``. Batch row ``n`` owns the tokens ``cu_seqlens[n]:cu_seqlens[n+1]``
+(``cu_seqlens=None``: token ``n``) and the slot ``slot_ids[n]``. Padding rows read and write nothing and their
+tokens' outputs are zero. A live row starts from ``ssm[layer, slot]`` when ``has_initial_state[n]`` (``None``:
+every live row does; else from zeros) and its final state is written back there.
 
 - :func:`gdn_prefill_pool`: the chunked gated delta rule (:data:`PREFILL_TABLE`).
-- :func:`gdn_decode_pool`: the stepwise one (:data:`DECODE_TABLE`); ``cu_seqlens=None`` = one token per row,
-  ``has_initial_state=None`` = every live row continues its state.
+- :func:`gdn_decode_pool`: the stepwise one (:data:`DECODE_TABLE`).
 - :func:`gated_delta_decode_pool`: Qwen3.5's decode step, one :class:`GatedDecodeCall` (the packed conv
   output ``q | k | v``, the hidden state, the gate parameters, the slot ids) and the array
   (:data:`GATED_DECODE_TABLE`): the slot kernel reads the columns and projects and computes the gates
@@ -19,9 +20,8 @@ read and write nothing and their tokens' outputs are zero. A live row starts fro
   inputs are the raw projections, so its reference computes the gates as the kernel does); the model's prefill
   path imports them from here rather than keeping a second copy.
 
-The first two return ``(o: [T, Hv, V], new ssm)`` and take ``(q, k, v, g, beta, ssm, *, layer, slot_ids,
-has_initial_state, cu_seqlens, scale, use_qk_l2norm)`` as their normalised call (kernels also ``interpret=``);
-the gated decode's normalised call is ``(call, ssm)``.
+Each returns ``(o: [T, Hv, V], new ssm)`` and its normalised call is ``(call, ssm)`` (kernels also
+``interpret=``), checked once by :func:`check_pool_call` (the gated decode's by :func:`validate_gated_call`).
 The oracle of each is the composition ``gather -> reference op of`` :mod:`kvjax.ops.gdn` ``-> scatter``.
 Backends (Pallas, Triton lowering, any CUDA GPU, any K and V): ``"pallas"`` runs the rows/flags
 kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and takes every call; decode also has
@@ -43,6 +43,7 @@ from kvjax.base.checks import check_array, check_float, check_int32
 from kvjax.base.ragged import count_le
 from kvjax.base.slots import check_slot_ids, live_slots, slot_index, static_layer
 from kvjax.ops import gdn
+from kvjax.ops.gdn import DeltaRuleCall
 from kvjax.ops.backends import Backend, BackendTable
 from kvjax.pallas.gdn import chunk as chunk_kernels
 from kvjax.pallas.gdn import recurrent as recurrent_kernels
@@ -58,30 +59,25 @@ def _pool_reference(op_reference, name: str):
     :mod:`kvjax.ops.gdn`), scatter the final states."""
 
     def reference(
-        q: jax.Array,  # [T, Hk, K]
-        k: jax.Array,  # [T, Hk, K]
-        v: jax.Array,  # [T, Hv, V]
-        g: jax.Array,  # f32[T, Hv] log-decay
-        beta: jax.Array,  # [T, Hv]
+        call: DeltaRuleCall,  # with slot_ids, layer (has_initial_state, cu_seqlens may be None)
         ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-        *, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,  # the normalised call
     ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
-        num_slots = ssm.shape[1]
+        num_slots, slot_ids = ssm.shape[1], call.slot_ids
+        cu_seqlens = call.cu_seqlens
         if cu_seqlens is None:
-            cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+            cu_seqlens = jnp.arange(call.q.shape[0] + 1, dtype=jnp.int32)
         live = live_slots(slot_ids, num_slots)
         idx = slot_index(slot_ids, num_slots)  # out of range: read as zeros, writes dropped
-        read = live if has_initial_state is None else live & has_initial_state
-        init = jnp.where(read[:, None, None, None], ssm.at[layer, idx].get(mode="fill", fill_value=0.0), 0.0)
-        o, final = op_reference(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=init, scale=scale, use_qk_l2norm=use_qk_l2norm
-        )
-        t = jnp.arange(q.shape[0], dtype=jnp.int32)
+        read = live if call.has_initial_state is None else live & call.has_initial_state
+        init = jnp.where(read[:, None, None, None], ssm.at[call.layer, idx].get(mode="fill", fill_value=0.0), 0.0)
+        o, final = op_reference(DeltaRuleCall(call.q, call.k, call.v, call.g, call.beta, cu_seqlens, call.scale,
+                                              use_qk_l2norm=call.use_qk_l2norm), init)
+        t = jnp.arange(call.q.shape[0], dtype=jnp.int32)
         row = count_le(cu_seqlens, t) - 1
         in_batch = (row >= 0) & (row < slot_ids.shape[0])
         row_live = in_batch & live[jnp.clip(row, 0, slot_ids.shape[0] - 1)]
         o = jnp.where(row_live[:, None, None], o, jnp.zeros_like(o))
-        return o, ssm.at[layer, idx].set(final, mode="drop")
+        return o, ssm.at[call.layer, idx].set(final, mode="drop")
 
     reference.__name__ = reference.__qualname__ = name
     reference.__doc__ = (f"Oracle: gather the initial states, run ``{op_reference.__name__}``, scatter the final "
@@ -94,104 +90,66 @@ gdn_decode_pool_reference = _pool_reference(gdn.recurrent_gated_delta_rule_refer
 
 
 # ---------------------------------------------------------------------------------------------- public ops
-def validate_pool_args(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]
-    has_initial_state: jax.Array | None,  # bool[N]
-    cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
-    scale: float | None,
-    use_qk_l2norm: bool,
-    impl: str,
-) -> float:
-    """Host-side (trace-time) check of a pool op's arguments; returns the resolved ``scale``.
+def check_pool_call(call: DeltaRuleCall, ssm: jax.Array, impl: str) -> DeltaRuleCall:
+    """Host-side (trace-time) check of a pool op's call; returns it with ``scale`` a Python float, ``layer`` a
+    Python int where it is static and ``use_qk_l2norm`` a bool.
 
-    The checks of :func:`kvjax.ops.gdn.validate_gdn_args`, the array's shape and dtype, ``layer`` (a Python int
-    in range, or an i32 scalar), ``slot_ids`` i32[N] (host values also by :func:`check_slot_ids`),
-    ``has_initial_state`` bool[N]. ``ValueError`` (``InvalidPlanError`` for slot ids) names the argument.
+    :func:`kvjax.ops.gdn.check_tokens` (``cu_seqlens=None``: one token per row, ``T == N``), the array's shape
+    and dtype (``f32[L, S+1, Hv, K, V]``), ``layer`` (a Python int in range, or an i32 scalar), ``slot_ids``
+    i32[N] (host values also by :func:`check_slot_ids`), ``has_initial_state`` bool[N] or ``None``.
+    ``ValueError`` (``InvalidPlanError`` for slot ids) names the argument.
     """
+    if not isinstance(call, DeltaRuleCall):
+        raise ValueError(f"call must be a DeltaRuleCall, got {type(call).__name__}")
+    q, v, slot_ids, layer, cu_seqlens = call.q, call.v, call.slot_ids, call.layer, call.cu_seqlens
+    if slot_ids is None or layer is None:
+        raise ValueError("a pool op's call needs slot_ids and layer")
     if cu_seqlens is None:
         if q.shape[0] != slot_ids.shape[0]:
             raise ValueError(f"without cu_seqlens decode takes one token per row: q has {q.shape[0]} tokens, "
                              f"slot_ids {slot_ids.shape[0]} rows")
         cu_seqlens = np.arange(slot_ids.shape[0] + 1, dtype=np.int32)
-    scale = gdn.validate_gdn_args(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, impl)
+    scale = gdn.check_tokens(call, cu_seqlens, impl)
     hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
     check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32], shape=(None, None, hv, kd, vd))
     num_seqs = cu_seqlens.shape[0] - 1
     check_int32("slot_ids", slot_ids, shape=(num_seqs,))
-    if has_initial_state is not None:
-        check_array("has_initial_state", has_initial_state, shape=(num_seqs,), dtypes=[jnp.bool_])
+    if call.has_initial_state is not None:
+        check_array("has_initial_state", call.has_initial_state, shape=(num_seqs,), dtypes=[jnp.bool_])
     num_layers, num_slots = ssm.shape[:2]
-    if static_layer(layer) is not None:
-        if not 0 <= layer < num_layers:
+    fixed = static_layer(layer)
+    if fixed is not None:
+        if not 0 <= fixed < num_layers:
             raise ValueError(f"layer={layer} out of range for a GDN pool of {num_layers} layers")
     else:
         check_int32("layer", layer, rank=0)
     if isinstance(slot_ids, np.ndarray):  # host values: free to check (device code cannot raise)
         check_slot_ids(slot_ids, num_slots - 1)
-    return scale
-
-
-def _run(table, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale, use_qk_l2norm,
-         impl):
-    scale = validate_pool_args(q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
-                               use_qk_l2norm, impl)
-    fixed = static_layer(layer)
-    args = (q, k, v, g, beta, ssm)
-    kwargs = dict(layer=layer if fixed is None else fixed, slot_ids=slot_ids, has_initial_state=has_initial_state,
-                  cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=bool(use_qk_l2norm))
-    return table.choose(impl, args, kwargs)[1](*args, **kwargs)
+    return dataclasses.replace(call, scale=scale, layer=layer if fixed is None else fixed,
+                               use_qk_l2norm=bool(call.use_qk_l2norm))
 
 
 def gdn_prefill_pool(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay
-    beta: jax.Array,  # [T, Hv]
+    call: DeltaRuleCall,  # q / k / v / g / beta [T, ...], cu_seqlens i32[N+1], slot_ids i32[N], layer, ...
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int | jax.Array,  # GDN layer index (int, or i32[])
-    slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
-    has_initial_state: jax.Array,  # bool[N]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, new ssm f32[L, S+1, Hv, K, V])
     """Chunked gated delta rule (prefill / extend) on the SSM array; returns ``(o, ssm)`` with every live row's
-    final state written at ``ssm[layer, slot_ids[n]]`` (slot 0 never). Errors: see :func:`validate_pool_args`;
-    ``UnknownImplError`` for an ``impl`` that cannot run here or take this call."""
-    return _run(PREFILL_TABLE, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
-                use_qk_l2norm, impl)
+    final state written at ``ssm[call.layer, call.slot_ids[n]]`` (slot 0 never). Errors: see
+    :func:`check_pool_call`; ``UnknownImplError`` for an ``impl`` that cannot run here or take this call."""
+    call = check_pool_call(call, ssm, impl)
+    return PREFILL_TABLE.choose(impl, (call, ssm), {})[1](call, ssm)
 
 
 def gdn_decode_pool(
-    q: jax.Array,  # [T, Hk, K]  (T = B: one token per row, unless cu_seqlens is given)
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
+    call: DeltaRuleCall,  # q / k / v / g / beta [T, ...] (T = N without cu_seqlens), slot_ids i32[N], layer, ...
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer: int | jax.Array,
-    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
-    has_initial_state: jax.Array | None = None,  # bool[B]; None = every live row continues its state
-    cu_seqlens: jax.Array | None = None,  # i32[B+1] (a few tokens per row, verification); None = one each
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, new ssm f32[L, S+1, Hv, K, V])
     """Stepwise gated delta rule (decode, verification) on the SSM array; same contract as
     :func:`gdn_prefill_pool`. Padding rows cost no state traffic."""
-    return _run(DECODE_TABLE, q, k, v, g, beta, ssm, layer, slot_ids, has_initial_state, cu_seqlens, scale,
-                use_qk_l2norm, impl)
+    call = check_pool_call(call, ssm, impl)
+    return DECODE_TABLE.choose(impl, (call, ssm), {})[1](call, ssm)
 
 
 def qwen_gates(
@@ -262,14 +220,13 @@ def gated_delta_decode_pool_reference(
     hv, kd, vd = ssm.shape[2:]
     q, k, v = split_packed(call.qkv, hv, kd, vd)
     g, beta = qwen_gates(*gate_projections(call.x, call.w_a, call.w_b), call.a_log, call.dt_bias, call.qkv.dtype)
-    return gdn_decode_pool_reference(q, k, v, g, beta, ssm, layer=call.layer, slot_ids=call.slot_ids,
-                                     has_initial_state=None, cu_seqlens=None, scale=call.scale,
-                                     use_qk_l2norm=call.use_qk_l2norm)
+    return gdn_decode_pool_reference(DeltaRuleCall(q, k, v, g, beta, scale=call.scale, slot_ids=call.slot_ids,
+                                                   layer=call.layer, use_qk_l2norm=call.use_qk_l2norm), ssm)
 
 
 def validate_gated_call(call: GatedDecodeCall, ssm: jax.Array, impl: str) -> None:
     """Host-side check of a :func:`gated_delta_decode_pool` call (the packed widths against the pool's heads,
-    the gate inputs, then :func:`validate_pool_args` on the split call). ``ValueError`` names the argument."""
+    the gate inputs, then :func:`check_pool_call` on the split call). ``ValueError`` names the argument."""
     if not isinstance(call, GatedDecodeCall):
         raise ValueError(f"call must be a GatedDecodeCall, got {type(call).__name__}")
     check_array("pool.ssm", ssm, rank=5, dtypes=[jnp.float32])
@@ -284,8 +241,8 @@ def validate_gated_call(call: GatedDecodeCall, ssm: jax.Array, impl: str) -> Non
     check_float("dt_bias", call.dt_bias, shape=(hv,))
     g = jax.ShapeDtypeStruct((qkv.shape[0], hv), jnp.float32)
     beta = jax.ShapeDtypeStruct((qkv.shape[0], hv), qkv.dtype)
-    validate_pool_args(q, k, v, g, beta, ssm, call.layer, call.slot_ids, None, None, call.scale,
-                       call.use_qk_l2norm, impl)
+    check_pool_call(DeltaRuleCall(q, k, v, g, beta, scale=call.scale, slot_ids=call.slot_ids, layer=call.layer,
+                                  use_qk_l2norm=call.use_qk_l2norm), ssm, impl)
 
 
 def gated_delta_decode_pool(
@@ -305,16 +262,13 @@ def gated_delta_decode_pool(
 
 # ---------------------------------------------------------------------------------------------- backend tables
 def _example(num_tokens: int, rows: int, heads: int, *, ragged: bool, layer_traced: bool = False):
-    """A representative normalised call: bf16 q/k/v/beta, K = V = 128, a pool of ``rows + 9`` slots."""
+    """A representative call ``((call, ssm), {})``: bf16 q/k/v/beta, K = V = 128, a pool of ``rows + 9`` slots."""
     sds = jax.ShapeDtypeStruct
-    args, kw = gdn.example_call(num_tokens, rows, heads)
-    ssm = sds((1, rows + 9, heads, 128, 128), jnp.float32)
-    kwargs = dict(
-        layer=sds((), jnp.int32) if layer_traced else 0, slot_ids=sds((rows,), jnp.int32),
-        has_initial_state=sds((rows,), jnp.bool_) if ragged else None, cu_seqlens=kw["cu_seqlens"] if ragged else None,
-        scale=kw["scale"], use_qk_l2norm=True,
-    )
-    return (*args, ssm), kwargs
+    (call, _), _ = gdn.example_call(num_tokens, rows, heads)
+    call = dataclasses.replace(call, cu_seqlens=call.cu_seqlens if ragged else None,
+                               slot_ids=sds((rows,), jnp.int32), has_initial_state=sds((rows,), jnp.bool_) if ragged
+                               else None, layer=sds((), jnp.int32) if layer_traced else 0)
+    return (call, sds((1, rows + 9, heads, 128, 128), jnp.float32)), {}
 
 
 def _gated_example(rows: int, hk: int, hv: int, hidden: int = 1024):

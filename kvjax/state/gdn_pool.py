@@ -29,7 +29,7 @@ tokens' outputs are zero.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from kvjax.base.slots import slot_index
 from kvjax.config import GDNConfig
 from kvjax.ops import conv as conv_ops
 from kvjax.ops import gdn_on_pool
+from kvjax.ops.gdn import DeltaRuleCall
 
 __all__ = ["GDNStatePool", "conv_decode", "conv_prefill", "create", "gated_delta_decode", "gather", "gdn_decode",
            "gdn_prefill", "reset", "scatter"]
@@ -169,65 +170,54 @@ def _ssm_of(pool):
     raise ValueError(f"pool must be a GDNStatePool or its ssm array, got {type(pool).__name__}")
 
 
-def gdn_prefill(
-    q: jax.Array,  # [T, Hk, K]
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv] log-decay
-    beta: jax.Array,  # [T, Hv]
-    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated by the kernels); or the bare ssm array
-    *,
-    layer: int | jax.Array,  # GDN layer index (int, or traced i32[])
-    slot_ids: jax.Array,  # i32[N]  0 = padding row
-    has_initial_state: jax.Array,  # bool[N]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    impl: str = "auto",
-) -> tuple[jax.Array, GDNStatePool | jax.Array]:
-    """Chunked gated delta rule (prefill / extend) on the pool; returns ``(o: [T, Hv, V], pool)``.
+def _delta_rule_on_pool(op: Callable, name: str, doc: str) -> Callable:
+    """The pool function of the slot-pool op ``op(call, ssm, impl)`` of :mod:`kvjax.ops.gdn_on_pool`: its arguments
+    made one :class:`~kvjax.ops.gdn.DeltaRuleCall`, ``op`` run on the pool's ``ssm``, the pool returned with it
+    replaced."""
 
-    ``pool`` may be the :class:`GDNStatePool` (returned with its ``ssm`` replaced, ``conv`` untouched) or
-    its bare ``ssm`` array (returned as the updated array).
+    def on_pool(
+        q: jax.Array,  # [T, Hk, K]  (T = N without cu_seqlens: one token per row)
+        k: jax.Array,  # [T, Hk, K]
+        v: jax.Array,  # [T, Hv, V]
+        g: jax.Array,  # f32[T, Hv] log-decay
+        beta: jax.Array,  # [T, Hv]
+        pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated by the kernels); or the bare ssm array
+        *,
+        layer: int | jax.Array,  # GDN layer index (int, or traced i32[])
+        slot_ids: jax.Array,  # i32[N]  0 = padding row
+        has_initial_state: jax.Array | None = None,  # bool[N]; None = every live row continues its state
+        cu_seqlens: jax.Array | None = None,  # i32[N+1]; None = one token per row
+        scale: float | None = None,
+        use_qk_l2norm: bool = False,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, GDNStatePool | jax.Array]:
+        ssm, rewrap = _ssm_of(pool)
+        call = DeltaRuleCall(q, k, v, g, beta, cu_seqlens, scale, slot_ids, has_initial_state, layer,
+                             use_qk_l2norm=use_qk_l2norm)
+        o, ssm = op(call, ssm, impl)
+        return o, rewrap(ssm)
 
-    Reads ``pool.ssm[layer, slot_ids[n]]`` for rows with ``has_initial_state``, writes every live row's final
-    state there in one in-place update (slot 0 never touched). The kernels donate ``pool.ssm``: use the returned
-    pool.
-    See :func:`kvjax.ops.gdn_on_pool.gdn_prefill_pool` for errors and implementations.
-    """
-    ssm, rewrap = _ssm_of(pool)
-    o, ssm = gdn_on_pool.gdn_prefill_pool(q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
-                                        has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
-                                        use_qk_l2norm=use_qk_l2norm, impl=impl)
-    return o, rewrap(ssm)
+    on_pool.__name__ = on_pool.__qualname__ = name
+    on_pool.__doc__ = doc
+    return on_pool
 
 
-def gdn_decode(
-    q: jax.Array,  # [T, Hk, K]  (T = B: one token per row, unless cu_seqlens is given)
-    k: jax.Array,  # [T, Hk, K]
-    v: jax.Array,  # [T, Hv, V]
-    g: jax.Array,  # f32[T, Hv]
-    beta: jax.Array,  # [T, Hv]
-    pool: GDNStatePool | jax.Array,  # ssm f32[L, S+1, Hv, K, V] (donated by the kernels); or the bare ssm array
-    *,
-    layer: int | jax.Array,
-    slot_ids: jax.Array,  # i32[B]  0 = padding row
-    has_initial_state: jax.Array | None = None,  # bool[B]; None = every live row continues its state
-    cu_seqlens: jax.Array | None = None,  # i32[B+1] (a few tokens per row, verification); None = one each
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    impl: str = "auto",
-) -> tuple[jax.Array, GDNStatePool | jax.Array]:
-    """Stepwise gated delta rule (decode) on the pool; same contract as :func:`gdn_prefill`.
+gdn_prefill = _delta_rule_on_pool(gdn_on_pool.gdn_prefill_pool, "gdn_prefill", """Chunked gated delta rule (prefill /
+    extend) on the pool; returns ``(o: [T, Hv, V], pool)``.
 
-    Padding rows cost no state traffic. With ``cu_seqlens=None``, ``has_initial_state=None`` and an int
-    ``layer`` the kernel indexes the pool by slot id directly (no XLA op before or after it).
-    """
-    ssm, rewrap = _ssm_of(pool)
-    o, ssm = gdn_on_pool.gdn_decode_pool(q, k, v, g, beta, ssm, layer=layer, slot_ids=slot_ids,
-                                       has_initial_state=has_initial_state, cu_seqlens=cu_seqlens, scale=scale,
-                                       use_qk_l2norm=use_qk_l2norm, impl=impl)
-    return o, rewrap(ssm)
+    ``pool`` may be the :class:`GDNStatePool` (returned with its ``ssm`` replaced, ``conv`` untouched) or its bare
+    ``ssm`` array (returned as the updated array). Reads ``pool.ssm[layer, slot_ids[n]]`` for rows with
+    ``has_initial_state``, writes every live row's final state there in one in-place update (slot 0 never
+    touched). The kernels donate ``pool.ssm``: use the returned pool. See
+    :func:`kvjax.ops.gdn_on_pool.gdn_prefill_pool` for errors and implementations.
+    """)
+
+gdn_decode = _delta_rule_on_pool(gdn_on_pool.gdn_decode_pool, "gdn_decode", """Stepwise gated delta rule (decode) on
+    the pool; same contract as :func:`gdn_prefill`.
+
+    Padding rows cost no state traffic. With ``cu_seqlens=None``, ``has_initial_state=None`` and an int ``layer``
+    the kernel indexes the pool by slot id directly (no XLA op before or after it).
+    """)
 
 
 def gated_delta_decode(
@@ -273,9 +263,8 @@ def conv_prefill(
     Pallas on the GPU (RESULTS.md, "Causal conv1d on the pool"), the reference elsewhere.
     """
     _check_pool(pool)
-    y, new = conv_ops.conv_prefill_pool(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids,
-                                    has_initial_state=has_initial_state, cu_seqlens=cu_seqlens,
-                                    activation=activation, impl=impl)
+    call = conv_ops.ConvPoolCall(x, weight, bias, layer, slot_ids, has_initial_state, cu_seqlens, activation)
+    y, new = conv_ops.conv_prefill_pool(call, pool.conv, impl)
     return y, dataclasses.replace(pool, conv=new)
 
 
@@ -294,7 +283,7 @@ def conv_decode(
     Padding rows read and write nothing and get ``y = 0``. Returns ``(y: [B, D], pool)``; the kernels donate ``pool.conv``.
     ``impl`` as in :func:`conv_prefill` (``"pallas"``: :func:`kvjax.pallas.gdn.conv.conv_update_slots`)."""
     _check_pool(pool)
-    y, new = conv_ops.conv_decode_pool(x, weight, bias, pool.conv, layer=layer, slot_ids=slot_ids,
-                                   activation=activation, impl=impl)
+    y, new = conv_ops.conv_decode_pool(conv_ops.ConvPoolCall(x, weight, bias, layer, slot_ids, activation=activation),
+                                       pool.conv, impl)
     return y, dataclasses.replace(pool, conv=new)
 

@@ -42,9 +42,9 @@ KERNELS = {"chunk": chunk_gated_delta_rule_pallas, "recurrent": recurrent_gated_
 def check_public_kernel(rng, kind, lens, hk, hv, kd, vd, dtype, *, l2, init, interpret, pad_tokens=3):
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=pad_tokens,
                                            unit_qk=not l2)
-    kw = dict(cu_seqlens=cu, initial_state=s0 if init else None, scale=kd ** -0.5, use_qk_l2norm=l2)
-    o, f = KERNELS[kind](q, k, v, g, beta, interpret=interpret, **kw)
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(q, k, v, g, beta, **kw)
+    call, init_state = gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=l2), s0 if init else None
+    o, f = KERNELS[kind](call, init_state, interpret=interpret)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(call, init_state)
     assert o.shape == ro.shape and o.dtype == v.dtype and f.shape == rf.shape and f.dtype == jnp.float32
     assert rel_err(o, ro) <= TOL[dtype], rel_err(o, ro)
     assert rel_err(f, rf) <= TOL[dtype], rel_err(f, rf)

@@ -96,27 +96,17 @@ def store(ref, idx: tuple, value: jax.Array, mask: jax.Array | None, **kwargs) -
 
 
 def on_initial_state(pool_kernel: Callable, doc: str) -> Callable:
-    """The backend-table entry of a public gated-delta-rule op (``kvjax.ops.gdn``'s call form, ``initial_state``
-    or ``None`` = zeros) running ``pool_kernel`` (``(q, k, v, g, beta, pool, *, cu_seqlens, rows, flags, scale,
-    use_qk_l2norm, interpret)``) on :func:`state_as_pool`'s pool: the final states are the pool it returns."""
+    """The backend-table entry ``entry(call, initial_state, *, interpret)`` of a public gated-delta-rule op
+    (``kvjax.ops.gdn``'s call form: ``call`` a ``DeltaRuleCall``, ``initial_state`` f32[N, Hv, K, V] or ``None`` =
+    zeros) running ``pool_kernel`` (``(q, k, v, g, beta, pool, *, cu_seqlens, rows, flags, scale, use_qk_l2norm,
+    interpret)``) on :func:`state_as_pool`'s pool: the final states are the pool it returns."""
 
-    def entry(
-        q: jax.Array,  # [T, Hk, K]
-        k: jax.Array,  # [T, Hk, K]
-        v: jax.Array,  # [T, Hv, V]
-        g: jax.Array,  # f32[T, Hv]
-        beta: jax.Array,  # [T, Hv]
-        *,
-        cu_seqlens: jax.Array,  # i32[N+1]
-        initial_state: jax.Array | None,  # f32[N, Hv, K, V]
-        scale: float,
-        use_qk_l2norm: bool,
-        interpret: bool = False,
-    ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
-        pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2],
-                                          v.shape[2])
-        return pool_kernel(q, k, v, g, beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
-                           use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    def entry(call: Any, initial_state: jax.Array | None, *, interpret: bool = False
+              ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], final f32[N, Hv, K, V])
+        q, v, cu_seqlens = call.q, call.v, call.cu_seqlens
+        pool, rows, flags = state_as_pool(initial_state, cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
+        return pool_kernel(q, call.k, v, call.g, call.beta, pool, cu_seqlens=cu_seqlens, rows=rows, flags=flags,
+                           scale=call.scale, use_qk_l2norm=call.use_qk_l2norm, interpret=interpret)
 
     entry.__doc__ = doc
     return entry
@@ -158,34 +148,23 @@ def slot_rows_and_flags(
 
 
 def on_slot_pool(pool_kernel: Callable, doc: str, *, one_token_flag: bool = False) -> Callable:
-    """The backend-table entry of a slot-pool GDN op (``kvjax.ops.gdn_on_pool``'s call form) running
-    ``pool_kernel`` on the slot-addressed GDN pool: ``[L, S+1]`` flattened to pool rows
-    (:func:`slot_rows_and_flags`), run, reshaped back. ``cu_seqlens=None`` is one token per row; with
+    """The backend-table entry ``entry(call, ssm, *, interpret)`` of a slot-pool GDN op (``kvjax.ops.gdn_on_pool``'s
+    call form: ``call`` a ``DeltaRuleCall`` with ``slot_ids``, ``layer``, ``has_initial_state``; ``ssm`` f32[L, S+1,
+    Hv, K, V]) running ``pool_kernel`` on the slot-addressed GDN pool: ``[L, S+1]`` flattened to pool rows
+    (:func:`slot_rows_and_flags`), run, reshaped back. ``call.cu_seqlens=None`` is one token per row; with
     ``one_token_flag`` the kernel is also told so (``one_token_per_row=``)."""
 
-    def entry(
-        q: jax.Array,  # [T, Hk, K]
-        k: jax.Array,  # [T, Hk, K]
-        v: jax.Array,  # [T, Hv, V]
-        g: jax.Array,  # f32[T, Hv]
-        beta: jax.Array,  # [T, Hv]
-        ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
-        *,
-        layer: int | jax.Array,  # i32[]
-        slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
-        has_initial_state: jax.Array | None,  # bool[N]; None = every live row reads its slot
-        cu_seqlens: jax.Array | None,  # i32[N+1]; None = one token per row
-        scale: float,
-        use_qk_l2norm: bool,
-        interpret: bool = False,
-    ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+    def entry(call: Any, ssm: jax.Array, *, interpret: bool = False
+              ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V], new ssm f32[L, S+1, Hv, K, V])
+        cu_seqlens = call.cu_seqlens
         static = dict(one_token_per_row=cu_seqlens is None) if one_token_flag else {}
         if cu_seqlens is None:
-            cu_seqlens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-        rows, flags = slot_rows_and_flags(ssm, layer, slot_ids, has_initial_state)
+            cu_seqlens = jnp.arange(call.q.shape[0] + 1, dtype=jnp.int32)
+        rows, flags = slot_rows_and_flags(ssm, call.layer, call.slot_ids, call.has_initial_state)
         flat = ssm.reshape(ssm.shape[0] * ssm.shape[1], *ssm.shape[2:])
-        o, flat = pool_kernel(q, k, v, g, beta, flat, cu_seqlens=cu_seqlens, rows=rows, flags=flags, scale=scale,
-                              use_qk_l2norm=use_qk_l2norm, interpret=interpret, **static)
+        o, flat = pool_kernel(call.q, call.k, call.v, call.g, call.beta, flat, cu_seqlens=cu_seqlens, rows=rows,
+                              flags=flags, scale=call.scale, use_qk_l2norm=call.use_qk_l2norm, interpret=interpret,
+                              **static)
         return o, flat.reshape(ssm.shape)
 
     entry.__doc__ = doc

@@ -17,8 +17,8 @@ neither read nor written and its outputs are zero. Everything is computed in flo
   race. The per-token metadata (position in its sequence, slot to read) is one small fused XLA op with static
   shapes (``count_le`` broadcast compare, no ``searchsorted`` scan).
 
-Both wrappers take the normalised call of the pool ops ``conv_prefill_pool`` / ``conv_decode_pool``
-(:mod:`kvjax.ops.conv`, backend ``"pallas"``) plus launch tuning.
+Both wrappers take the normalised call ``(call, conv)`` of the pool ops ``conv_prefill_pool`` / ``conv_decode_pool``
+(:mod:`kvjax.ops.conv`, backend ``"pallas"``; ``call`` a ``ConvPoolCall``) plus launch tuning.
 """
 
 from __future__ import annotations
@@ -254,40 +254,31 @@ def _layer_array(layer) -> jax.Array:  # i32[1]
     return jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_d", "num_warps", "interpret"),
-                   donate_argnames=("conv",))
+@functools.partial(jax.jit, static_argnames=("block_d", "num_warps", "interpret"), donate_argnames=("conv",))
 def conv_update_slots(
-    x: jax.Array,  # [B, D]  one token per row
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
+    call,  # kvjax.ops.conv.ConvPoolCall (decode): x [B, D] one token per row, weight [D, W], bias [D] | None,
+    #        layer (int or i32[]), slot_ids i32[B] (outside 1..S = padding row); static activation
     conv: jax.Array,  # [L, S+1, D, W-1]  GDN conv pool, donated, updated in place
     *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
-    activation: str | None = "silu",
     block_d: int = 256,
     num_warps: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (y [B, D] in x's dtype, conv pool)
     """Decode conv update straight on the pool: row ``b`` uses and shifts the state at ``conv[layer,
     slot_ids[b]]``. Padding rows: nothing read or written, ``y = 0``."""
-    return _update_call(x, weight, bias, conv, _layer_array(layer), slot_ids, activation=activation,
-                        block_d=_block(x.shape[1], block_d), num_warps=num_warps, interpret=interpret)
+    x = call.x
+    return _update_call(x, call.weight, call.bias, conv, _layer_array(call.layer), call.slot_ids,
+                        activation=call.activation, block_d=_block(x.shape[1], block_d), num_warps=num_warps,
+                        interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_t", "block_d", "num_warps", "interpret"),
+@functools.partial(jax.jit, static_argnames=("block_t", "block_d", "num_warps", "interpret"),
                    donate_argnames=("conv",))
 def conv_prefill_slots(
-    x: jax.Array,  # [T, D]
-    weight: jax.Array,  # [D, W]
-    bias: jax.Array | None,  # [D]
+    call,  # kvjax.ops.conv.ConvPoolCall (prefill): x [T, D], weight [D, W], bias [D] | None, layer, slot_ids
+    #        i32[N] (outside 1..S = padding row), has_initial_state bool[N], cu_seqlens i32[N+1]; static activation
     conv: jax.Array,  # [L, S+1, D, W-1]  GDN conv pool, donated, updated in place
     *,
-    layer: int | jax.Array,  # i32[]
-    slot_ids: jax.Array,  # i32[N]  outside 1..S = padding row
-    has_initial_state: jax.Array,  # bool[N]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    activation: str | None = "silu",
     block_t: int = 32,
     block_d: int = 128,
     num_warps: int = 4,
@@ -296,11 +287,12 @@ def conv_prefill_slots(
     """Varlen causal conv1d starting from ``conv[layer, slot_ids[n]]`` where ``has_initial_state[n]`` (else
     zeros); each live row's final state is written back there. Padding rows and tokens outside every
     sequence: ``y = 0``, nothing read or written."""
+    x, slot_ids, cu_seqlens = call.x, call.slot_ids, call.cu_seqlens
     num_tokens, dim = x.shape
-    tok_pos, tok_slot, read = prefill_metadata(cu_seqlens, slot_ids, has_initial_state, num_tokens,
+    tok_pos, tok_slot, read = prefill_metadata(cu_seqlens, slot_ids, call.has_initial_state, num_tokens,
                                                conv.shape[1])
     return _prefill_calls(
-        x, weight, bias, conv, _layer_array(layer), tok_pos, tok_slot, cu_seqlens, slot_ids, read,
-        activation=activation, block_t=_block(max(num_tokens, 1), block_t), block_d=_block(dim, block_d),
+        x, call.weight, call.bias, conv, _layer_array(call.layer), tok_pos, tok_slot, cu_seqlens, slot_ids, read,
+        activation=call.activation, block_t=_block(max(num_tokens, 1), block_t), block_d=_block(dim, block_d),
         num_warps=num_warps, interpret=interpret,
     )

@@ -354,52 +354,28 @@ gdn_decode_pool_pallas = on_slot_pool(
 
 
 def gdn_decode_slots_pallas(
-    q: jax.Array,  # [B, Hk, K]
-    k: jax.Array,  # [B, Hk, K]
-    v: jax.Array,  # [B, Hv, V]
-    g: jax.Array,  # f32[B, Hv]
-    beta: jax.Array,  # [B, Hv]
+    call,  # kvjax.ops.gdn.DeltaRuleCall: q / k [B, Hk, K], v [B, Hv, V], g f32[B, Hv], beta [B, Hv], slot_ids i32[B]
     ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
     *,
-    layer: int,
-    slot_ids: jax.Array,  # i32[B]
-    has_initial_state: None,
-    cu_seqlens: None,
-    scale: float,
-    use_qk_l2norm: bool,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [B, Hv, V], new ssm)
     """Backend ``"slots"`` of ``gdn_decode_pool``: :func:`recurrent_gated_delta_rule_slots` (the calls
     :func:`decode_slots_unsupported` accepts)."""
-    del has_initial_state, cu_seqlens
-    return recurrent_gated_delta_rule_slots(q, k, v, g, beta, ssm, slot_ids=slot_ids, layer=layer, scale=scale,
-                                            use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    return recurrent_gated_delta_rule_slots(call.q, call.k, call.v, call.g, call.beta, ssm, slot_ids=call.slot_ids,
+                                            layer=call.layer, scale=call.scale, use_qk_l2norm=call.use_qk_l2norm,
+                                            interpret=interpret)
 
 
-def decode_slots_unsupported(
-    q,  # [B, Hk, K]
-    k,  # [B, Hk, K]
-    v,  # [B, Hv, V]
-    g,  # f32[B, Hv]
-    beta,  # [B, Hv]
-    ssm,  # f32[L, S+1, Hv, K, V]
-    *,
-    layer,
-    slot_ids,  # i32[B]
-    has_initial_state,  # bool[B] | None
-    cu_seqlens,  # i32[B+1] | None
-    scale: float,
-    use_qk_l2norm: bool,
-) -> str | None:
+def decode_slots_unsupported(call, ssm) -> str | None:  # a DeltaRuleCall of gdn_decode_pool, f32[L, S+1, Hv, K, V]
     """Why the slot decode kernel cannot take a ``gdn_decode_pool`` call, or ``None``: it needs one token per
     row (``cu_seqlens=None``), every live row continuing its state (``has_initial_state=None``) and a static
     Python-int ``layer`` (any K, V)."""
-    del q, k, v, g, beta, ssm, slot_ids, scale, use_qk_l2norm
-    if cu_seqlens is not None:
+    del ssm
+    if call.cu_seqlens is not None:
         return "the slot decode kernel takes one token per row (cu_seqlens=None)"
-    if has_initial_state is not None:
+    if call.has_initial_state is not None:
         return "the slot decode kernel continues every live row's state (has_initial_state=None)"
-    return _layer_unsupported(layer)
+    return _layer_unsupported(call.layer)
 
 
 def _layer_unsupported(layer) -> str | None:
