@@ -1,7 +1,10 @@
 """GDN benchmark cases: decode and chunked prefill on the slot pool (``kvjax.state.gdn_pool``) vs fla.
 
 Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (the torch half,
-``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below).
+``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below). Issue 38 on
+FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
+a side) and ``python benchmarks/gdn.py prep [OUT.json] [shape indices]`` (old vs new preparation kernel, then the
+whole pool kernel with each: :func:`prep_compare`).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -270,6 +273,132 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Issue 38: preparation-kernel program shapes (kvjax.pallas.gdn.prep), old ("head") vs new, one process.
+# ---------------------------------------------------------------------------------------------------------
+
+PREP_SWEEP = {  # prepare() / pool-kernel keyword arguments; "head" is today's default (the old kernel)
+    "head": dict(prep_form="head"),
+    "group": dict(prep_form="group"),
+    "group c2 s2": dict(prep_form="group", prep_chunks=2, prep_num_stages=2),
+    "group c4 s2": dict(prep_form="group", prep_chunks=4, prep_num_stages=2),
+    "group c4 s3": dict(prep_form="group", prep_chunks=4, prep_num_stages=3),
+}
+PREP_SHAPES = [0, 1, 2, 3, 4]  # FLASHQLA_SHAPES indices of the whole-op comparison (the five with an anchor)
+
+
+def _bf16_recipe(index: int):
+    """FlashQLA's recipe at ``FLASHQLA_SHAPES[index]`` as device arrays (bf16 q / k / v)."""
+    import jax.numpy as jnp
+
+    seqlens, hk, hv = FLASHQLA_SHAPES[index]
+    q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    return (q, k, v, jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)), (seqlens, hk, hv)
+
+
+def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s: float = 330.0,
+                 interpret: bool = False) -> dict:
+    """Old vs new preparation kernel in one process, wall clock (``timing.interleaved``, no profiler per config).
+
+    1. Every :data:`PREP_SWEEP` variant of :func:`kvjax.pallas.gdn.prep.prepare` alone at
+       ``FLASHQLA_SHAPES[sweep_shape]`` (1 x 32768, 16 / 32 by default: the prep kernel's 16384 chunk-heads),
+       its outputs against the ``"head"`` form's (max abs difference); a variant that fails to compile is reported
+       and skipped. The fastest new variant is the candidate.
+    2. The whole pool kernel (``chunk_gated_delta_rule_pool``, chunk parallelism as ``auto`` picks it) with the
+       old and the candidate prep at every shape of ``shapes``: wall ms, errors of ``o`` and the final state
+       against the f32 chunked reference, FlashQLA's published H200 time; then one profiled block of 10 calls
+       per side at the sweep shape for the per-kernel split. Stops starting new shapes past ``budget_s``.
+    ``interpret``: the kernels in Pallas interpret mode (a CPU smoke run of the script on small shapes)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from kvjax.ops import gdn
+    from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.common import state_as_pool
+    from kvjax.pallas.gdn.prep import prepare
+
+    import timing
+
+    t_start = time.perf_counter()
+    scale = 128 ** -0.5
+    out: dict = {"device": str(jax.devices()[0].device_kind), "prep": [], "op": []}
+    print("device:", out["device"], "jax", jax.__version__, flush=True)
+
+    (q, k, v, g, beta, h0, cu), spec = _bf16_recipe(sweep_shape)
+    calls, base = {}, None
+    for name, kw in PREP_SWEEP.items():
+        fn = jax.jit(lambda q, k, v, g, b, kw=kw: prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False,
+                                                          chunk=CHUNK, interpret=interpret, **kw))
+        t0 = time.perf_counter()
+        try:
+            res = jax.block_until_ready(fn(q, k, v, g, beta))
+        except Exception as e:  # a variant Triton cannot compile: report it, time the others
+            print(f"prep {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            out["prep"].append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        if base is None:
+            base = res
+        diff = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                   for a, b in zip(res[2:], base[2:]))
+        calls[name] = lambda fn=fn: fn(q, k, v, g, beta)
+        out["prep"].append({"variant": name, "kwargs": kw, "max_abs_diff_vs_head": diff,
+                            "compile_s": time.perf_counter() - t0})
+    times = timing.interleaved(calls, rounds=5, n=20, device_rounds=0)
+    print(f"\nprep kernel alone at {_shape_name(*spec)} (wall ms, median of 5 interleaved rounds of 20 calls)")
+    for row in out["prep"]:
+        if row["variant"] in times:
+            row["wall_ms"] = times[row["variant"]]["wall_ms"]
+            print(f"  {row['variant']:>14}  {row['wall_ms']:.4f} ms  max|diff| vs head {row['max_abs_diff_vs_head']:.2e}"
+                  f"  (compile {row['compile_s']:.1f} s)", flush=True)
+    new = [r for r in out["prep"] if "wall_ms" in r and r["variant"] != "head"]
+    best = min(new, key=lambda r: r["wall_ms"]) if new else {"variant": "head", "kwargs": PREP_SWEEP["head"]}
+    out["candidate"] = best["variant"]
+    print(f"candidate: {best['variant']} {best['kwargs']}", flush=True)
+
+    header = "| shape | old ms | new ms | old / new | err o old / new | err state old / new | FlashQLA H200 ms |"
+    table = [header, "|---|---:|---:|---:|---|---|---:|"]
+    for i in shapes if shapes is not None else PREP_SHAPES:
+        if time.perf_counter() - t_start > budget_s:
+            print(f"budget of {budget_s:.0f} s spent: shape {i} and later not run", flush=True)
+            break
+        (q, k, v, g, beta, h0, cu), spec = _bf16_recipe(i)
+        seqlens, hk, hv = spec
+        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
+        sides = {"old": PREP_SWEEP["head"], "new": best["kwargs"]}
+        runners, row = {}, {"shape": _shape_name(*spec), "index": i}
+        for side, kw in sides.items():
+            def fn(q, k, v, g, b, h, kw=kw):
+                pool, prow, flags = state_as_pool(h, len(seqlens), hv, 128, 128)
+                return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
+                                                   scale=scale, interpret=interpret, **kw)
+            fn = jax.jit(fn)
+            o, f = fn(q, k, v, g, beta, h0)
+            row[f"err_o_{side}"], row[f"err_state_{side}"] = timing.rel_err(o, ro), timing.rel_err(f, rf)
+            runners[side] = lambda fn=fn: fn(q, k, v, g, beta, h0)
+        times = timing.interleaved(runners, rounds=5, n=20, device_rounds=0)
+        for side in sides:
+            row[f"{side}_ms"] = times[side]["wall_ms"]
+        if i == sweep_shape:
+            for side, fn in runners.items():
+                recs = timing.kernel_records(lambda fn=fn: timing.block([fn() for _ in range(10)]))
+                row[f"{side}_kernels_ms"] = {n: t / 10 / 1e6 for n, (c, t) in recs["names"].items() if t / 10 / 1e6 > 0.002}
+                print(f"  {side} kernels (device ms per call): " + " ".join(
+                    f"{n}={t:.3f}" for n, t in row[f"{side}_kernels_ms"].items()), flush=True)
+        anchor = FLASHQLA_H200_MS.get(i)
+        table.append(f"| {row['shape']} | {row['old_ms']:.4f} | {row['new_ms']:.4f} | {row['old_ms'] / row['new_ms']:.2f}x"
+                     f" | {row['err_o_old']:.1e} / {row['err_o_new']:.1e} | {row['err_state_old']:.1e} / "
+                     f"{row['err_state_new']:.1e} | {anchor if anchor else ''} |")
+        out["op"].append(row)
+        print(table[-1], flush=True)
+    print(f"\nwhole pool kernel, old prep ('head') vs new ({best['variant']}), wall ms "
+          f"({time.perf_counter() - t_start:.0f} s in all):")
+    print("\n".join(table), flush=True)
+    return out
+
+
 if __name__ == "__main__":
     import json
     import os
@@ -278,7 +407,10 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     side = sys.argv[1] if len(sys.argv) > 1 else "jax"
     only = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
-    out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
+    if side == "prep":
+        out = prep_compare(shapes=only)
+    else:
+        out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as fh:
             json.dump(out, fh, indent=1)

@@ -74,6 +74,47 @@ def test_chunk_pool_kernel_padding_rows_interpret(rng):
     np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
+@pytest.mark.parametrize("dtype,hk,hv,kd,vd,prep_chunks", [(jnp.float32, 1, 2, 16, 16, 3),
+                                                             (jnp.bfloat16, 2, 4, 16, 16, 2),
+                                                             (jnp.bfloat16, 1, 3, 24, 20, 1)])
+def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks):
+    """The preparation kernel's "group" form (one program per block of chunks and key head, its value heads in
+    turn): the pool kernel against the recurrent reference (chunks shared by sequences, a row without initial
+    state, leading tokens outside every sequence, blocks of chunks that do not divide the chunk count, K / V not
+    powers of two), and every prepared quantity equal to the "head" form's."""
+    from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.prep import prepare
+
+    lens = [70, 1, 0, 150, 3]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=5)
+    cu = cu + 2
+    flags = jnp.asarray([3, 2, 3, 3, 3], jnp.int32)
+    kw = dict(prep_form="group", prep_chunks=prep_chunks, prep_num_stages=2)
+    o, pool = chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True, **kw)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0.at[1].set(0))
+    live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[5]))
+    ro = jnp.where(live_tok[:, None, None], ro, 0)
+    assert rel_err(o, ro) <= TOL[dtype] and rel_err(pool, rf) <= TOL[dtype]
+    chunk = CHUNK // 2 if dtype == jnp.float32 else CHUNK
+    common = dict(scale=0.25, use_qk_l2norm=True, chunk=chunk, interpret=True)
+    head = prepare(q, k, v, g, beta, cu, prep_form="head", **common)
+    group = prepare(q, k, v, g, beta, cu, **kw, **common)
+    for name, a, b in zip(("q", "k", "w", "u", "a", "qf", "kf", "gl"), head, group):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+def test_prep_options_validated():
+    from kvjax.pallas.gdn.prep import check_prep_options
+
+    for bad, match in [(("rows", 1, 1), "prep_form.*'rows'"), (("group", 0, 1), "prep_chunks.*0"),
+                       (("group", 2, 0), "prep_num_stages.*0")]:
+        with pytest.raises(ValueError, match=match):
+            check_prep_options(*bad)
+
+
 @pytest.mark.parametrize("dtype,kd,vd", [(jnp.float32, 16, 16), (jnp.bfloat16, 16, 16), (jnp.float32, 24, 20)])
 def test_chunk_parallel_pool_kernel_interpret(rng, dtype, kd, vd):
     """Chunk parallelism (segments of one chunk: transition, scan and sequential kernels over the pieces)

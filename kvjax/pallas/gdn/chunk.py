@@ -391,7 +391,8 @@ def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep_num_warps",
-                     "inverse_dtype", "segment_chunks", "transition_block", "scan_block", "interpret"),
+                     "inverse_dtype", "prep_form", "prep_chunks", "prep_num_stages", "segment_chunks",
+                     "transition_block", "scan_block", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -412,6 +413,9 @@ def chunk_gated_delta_rule_pool(
     num_stages: int | None = None,
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
+    prep_form: str = "head",
+    prep_chunks: int = 1,
+    prep_num_stages: int = 1,
     segment_chunks: int | None = None,
     transition_block: int | None = None,
     scan_block: int = 32,
@@ -422,6 +426,11 @@ def chunk_gated_delta_rule_pool(
     ``inverse_dtype``: operands of the 10 matmuls of the in-kernel inverse for bf16 inputs, ``"bf16"`` (default:
     measured faster than ``"tf32"`` with the same output error; RESULTS.md, "GDN chunked prefill"); float32
     inputs always use full f32.
+
+    ``prep_form`` / ``prep_chunks`` / ``prep_num_stages``: program shape of the preparation kernel
+    (:func:`kvjax.pallas.gdn.prep.prepare`: ``"head"`` = one program per chunk and value head, ``"group"`` = one
+    per block of ``prep_chunks`` chunks and key head, sharing q / k and their products between the key head's
+    value heads) and its pipeline stages; the results do not depend on them.
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
@@ -454,7 +463,8 @@ def chunk_gated_delta_rule_pool(
         raise ValueError(f"inverse_dtype must be 'tf32' or 'bf16', got {inverse_dtype!r}")
     qp, kp, w, u, a, qf, kf, gl = prepare(
         q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=chunk,
-        prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret,
+        prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, prep_form=prep_form, prep_chunks=prep_chunks,
+        prep_num_stages=prep_num_stages, interpret=interpret,
     )
     if segment_chunks is None:
         segment_chunks = auto_segment_chunks(rows.shape[0], hv, w.shape[0])

@@ -11,6 +11,15 @@ the raw q and k rows.
 the segment cumulative decay and the inverse included); :func:`prepare` only adds the segment ids and padding.
 It reads q / k / v rows as power-of-two blocks of lanes and writes ``w`` / ``u`` at their true K / V (masked
 where K or V is not a power of two, :mod:`kvjax.pallas.gdn.common`).
+
+Work per (chunk, value head) at ``C = 64``, ``K = V = 128`` (bf16): the products ``q k^T``, ``k k^T`` (1 MFLOP
+each), the inverse (10 dependent ``64^3`` products, 5.2 MFLOP), ``w`` and ``u`` (1 MFLOP each); 48 KB read
+(q, k, v rows) and 41 KB written (w, u, A, row factors). Program shapes (:data:`PREP_FORMS`): ``"head"``, one
+program per (chunk, value head), reads q / k once per value head and forms ``q k^T`` / ``k k^T`` for each;
+``"group"``, one program per (block of ``prep_chunks`` chunks, key head), reads q / k once per key head, forms
+the two products once and runs the per-value-head part (decay, ``A``, inverse, ``w``, ``u``) for the key
+head's ``Hv / Hk`` value heads; its loop over chunks lets Triton's pipeliner (``num_stages > 1``) load the next
+chunk's rows while this one computes.
 """
 
 from __future__ import annotations
@@ -29,13 +38,38 @@ from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import L2NORM_EPS, f32_precision, head_cols, load, store, tile_mask
 from kvjax.pallas.gdn.common import dot as _dot
 
+SUB = 16  # diagonal block size of the in-kernel inverse
+PREP_FORMS = ("head", "group")  # program = (chunk, value head) | (block of chunks, key head)
+
 
 def _dot_t(a, b, *, precision):
     """``a @ b.T`` with float32 accumulation."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-SUB = 16  # diagonal block size of the in-kernel inverse
+def _unit_lower_inverse(
+    lmat: jax.Array,  # f32[C, C]  strictly lower
+    mm,
+    chunk: int,
+) -> jax.Array:  # f32[C, C]
+    """``(I + lmat)^-1`` without a row loop: with ``D`` the 16x16 block diagonal of ``lmat`` and ``E`` the rest,
+    ``I + L = (I + D)(I + F)`` with ``F = (I + D)^-1 E``; ``D`` is nilpotent of order 16 and ``F`` of order
+    ``C / 16``, so both inverses are finite products ``(I - X)(I + X^2)(I + X^4)...`` (10 products at C = 64)."""
+    ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    eye = (ri == ci).astype(jnp.float32)
+    diag = (ri // SUB) == (ci // SUB)
+    power = -jnp.where(diag, lmat, 0.0)
+    inv_d = eye + power
+    for _ in range(int(np.log2(SUB)) - 1):
+        power = mm(power, power)
+        inv_d = inv_d + mm(inv_d, power)
+    power = -mm(inv_d, jnp.where(diag, 0.0, lmat))  # -F
+    inv_f = eye + power
+    for _ in range(int(np.log2(chunk // SUB)) - 1):
+        power = mm(power, power)
+        inv_f = inv_f + mm(inv_f, power)
+    return mm(inv_f, inv_d)
 
 
 def _prep_kernel(
@@ -54,25 +88,28 @@ def _prep_kernel(
     *,
     group: int,
     chunk: int,
+    form: str,
+    chunks_per_program: int,
     scale: float,
     use_qk_l2norm: bool,
     precision,
     inv_precision,
 ):
-    """One (chunk, value head): the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row
-    factors, with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row factors applied
-    to the f32 products, so no normalised copy of q / k is ever written).
+    """Form ``"head"``: program ``(c, h)`` = chunk ``c``, value head ``h``. Form ``"group"``: program ``(p, hk)``
+    = chunks ``[p * chunks_per_program, ...)`` (up to the last one), key head ``hk`` and its ``group`` value
+    heads. Per chunk: the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row factors,
+    with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row factors applied to the f32
+    products, so no normalised copy of q / k is ever written).
 
     Segment cumulative decay without a scan: ``gc_i = sum_{j <= i, seg_j = seg_i} g_j`` (a masked row sum of
     the ``[C, C]`` same-segment mask) and ``gl_i = sum_{seg_j = seg_i} g_j``. Row factors: ``qf = |q|^-1
     scale exp(gc)`` and ``kf = |k|^-1 exp(gl - gc)`` (0 outside every sequence).
-
-    The inverse needs no row loop and no slicing: with ``D`` the 16x16 block diagonal of ``L`` and ``E`` the
-    rest, ``I + L = (I + D)(I + F)`` with ``F = (I + D)^-1 E``; ``D`` is nilpotent of order 16 and ``F`` of
-    order ``C / 16``, so both inverses are finite products ``(I - X)(I + X^2)(I + X^4)...`` (10 matmuls).
     """
-    c, h = pl.program_id(0), pl.program_id(1)
-    hk = h // group
+    p, x = pl.program_id(0), pl.program_id(1)
+    if form == "head":
+        hk, heads = x // group, [x]
+    else:
+        hk, heads = x, [x * group + j for j in range(group)]
     dt = w_ref.dtype
     dot = functools.partial(_dot, precision=precision)
     if inv_precision == "bf16":  # one bf16 pass per product of the inverse (bf16 operands, f32 accumulation)
@@ -80,57 +117,61 @@ def _prep_kernel(
             return _dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), precision=None)
     else:
         mm = functools.partial(_dot, precision=inv_precision)
-    full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     kd, vd = q_ref.shape[2], v_ref.shape[2]
     (kc, kmask), (vc, vmask) = head_cols(kd), head_cols(vd)
     k_lanes = tile_mask((chunk, next_pow2(kd)), None, kmask)  # bool[C, Kp] | None
     v_lanes = tile_mask((chunk, next_pow2(vd)), None, vmask)  # bool[C, Vp] | None
-    seg = seg_ref[full]
-    g = g_ref[full, h]
-    beta = b_ref[full, h]
-    q = load(q_ref, (full, hk, kc), k_lanes)
-    k = load(k_ref, (full, hk, kc), k_lanes)
-    ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
-    keep = same & (ri >= ci)
-    gc = jnp.sum(jnp.where(keep, g[None, :], 0.0), axis=1)  # f32[C]
-    gl = jnp.sum(jnp.where(same, g[None, :], 0.0), axis=1)
-    if use_qk_l2norm:
-        qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
-        rq = lax.rsqrt(jnp.sum(qf32 * qf32, axis=1) + L2NORM_EPS)
-        rk = lax.rsqrt(jnp.sum(kf32 * kf32, axis=1) + L2NORM_EPS)
+
+    def one_chunk(c):
+        full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        seg = seg_ref[full]
+        q = load(q_ref, (full, hk, kc), k_lanes)
+        k = load(k_ref, (full, hk, kc), k_lanes)
+        ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+        ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+        same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
+        keep = same & (ri >= ci)
+        in_seq = seg >= 0
+        if use_qk_l2norm:
+            qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
+            rq = lax.rsqrt(jnp.sum(qf32 * qf32, axis=1) + L2NORM_EPS)
+            rk = lax.rsqrt(jnp.sum(kf32 * kf32, axis=1) + L2NORM_EPS)
+        else:
+            rq = rk = jnp.ones((chunk,), jnp.float32)
+        qk = _dot_t(q, k, precision=precision) * (rq * scale)[:, None] * rk[None, :]
+        kk = _dot_t(k, k, precision=precision) * rk[:, None] * rk[None, :]
+        for h in heads:
+            g = g_ref[full, h]
+            beta = b_ref[full, h]
+            gc = jnp.sum(jnp.where(keep, g[None, :], 0.0), axis=1)  # f32[C]
+            gl = jnp.sum(jnp.where(same, g[None, :], 0.0), axis=1)
+            qf_ref[c, h, :] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
+            kf_ref[c, h, :] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
+            gl_ref[c, h, :] = gl
+            decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
+            a_ref[c, h, :, :] = (qk * decay).astype(dt)
+            lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
+            tinv = _unit_lower_inverse(lmat, mm, chunk).astype(dt)
+            kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
+            store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
+            vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
+            store(u_ref, (c, h, slice(None), vc), dot(tinv, vb).astype(dt), v_lanes)
+
+    if chunks_per_program == 1:
+        one_chunk(p)
     else:
-        rq = rk = jnp.ones((chunk,), jnp.float32)
-    in_seq = seg >= 0
-    qf_ref[c, h, :] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
-    kf_ref[c, h, :] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
-    gl_ref[c, h, :] = gl
-    decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
-    qk = _dot_t(q, k, precision=precision) * (rq * scale)[:, None] * rk[None, :]
-    a_ref[c, h, :, :] = (qk * decay).astype(dt)
-    kk = _dot_t(k, k, precision=precision) * rk[:, None] * rk[None, :]
-    lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
-    eye = (ri == ci).astype(jnp.float32)
-    diag = (ri // SUB) == (ci // SUB)
-    power = -jnp.where(diag, lmat, 0.0)
-    inv_d = eye + power
-    for _ in range(int(np.log2(SUB)) - 1):
-        power = mm(power, power)
-        inv_d = inv_d + mm(inv_d, power)
-    power = -mm(inv_d, jnp.where(diag, 0.0, lmat))  # -F
-    inv_f = eye + power
-    for _ in range(int(np.log2(chunk // SUB)) - 1):
-        power = mm(power, power)
-        inv_f = inv_f + mm(inv_f, power)
-    tinv = mm(inv_f, inv_d).astype(dt)
-    kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
-    store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
-    vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
-    store(u_ref, (c, h, slice(None), vc), dot(tinv, vb).astype(dt), v_lanes)
+        first = p * chunks_per_program
+        count = jnp.minimum(chunks_per_program, w_ref.shape[0] - first)
+
+        def body(i, carry):
+            one_chunk(first + i)
+            return carry
+
+        lax.fori_loop(0, count, body, 0)
 
 
-def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps, inverse_dtype, interpret):
+def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps, inverse_dtype, form,
+               chunks_per_program, num_stages, interpret):
     tp, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     nc = tp // chunk
@@ -144,8 +185,14 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
         inv_precision = "bf16"
     else:
         inv_precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32
-    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, scale=scale,
-                               use_qk_l2norm=use_qk_l2norm, precision=precision, inv_precision=inv_precision)
+    if form == "head":
+        chunks_per_program = 1
+        grid = (nc, hv)
+    else:
+        grid = (pl.cdiv(nc, chunks_per_program), hk)
+    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, form=form,
+                               chunks_per_program=chunks_per_program, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               precision=precision, inv_precision=inv_precision)
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
     return pl.pallas_call(
         kernel,
@@ -155,11 +202,21 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
             jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dt),
             rowf, rowf, rowf,
         ),
-        grid=(nc, hv),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        grid=grid,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_chunk_prep",
     )(seg, q, k, v, g, beta)
+
+
+def check_prep_options(form: str, chunks_per_program: int, num_stages: int) -> None:
+    """Reject preparation options that name no kernel configuration (``ValueError`` naming the bad value)."""
+    if form not in PREP_FORMS:
+        raise ValueError(f"prep_form must be one of {PREP_FORMS}, got {form!r}")
+    if not (isinstance(chunks_per_program, int) and chunks_per_program >= 1):
+        raise ValueError(f"prep_chunks must be a positive int, got {chunks_per_program!r}")
+    if not (isinstance(num_stages, int) and num_stages >= 1):
+        raise ValueError(f"prep_num_stages must be a positive int, got {num_stages!r}")
 
 
 def prepare(
@@ -175,15 +232,22 @@ def prepare(
     chunk: int,
     prep_num_warps: int = 4,
     inverse_dtype: str = "bf16",
+    prep_form: str = "head",
+    prep_chunks: int = 1,
+    prep_num_stages: int = 1,
     interpret: bool = False,
 ):
     """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
+
+    ``prep_form`` / ``prep_chunks`` / ``prep_num_stages``: the program shape (:data:`PREP_FORMS`), the chunks
+    per program of the ``"group"`` form and Triton's pipeline stages (the results do not depend on them).
 
     Returns ``(q, k, w, u, a, qf, kf, gl)``: q / k padded to ``Tp = NC * C`` tokens but otherwise *raw* (the
     sequential kernels scale their rows by ``qf`` / ``kf``), ``w: [NC, Hv, C, K]``, ``u: [NC, Hv, C, V]``,
     ``a: [NC, Hv, C, C]`` in the input dtype and ``qf, kf, gl: f32[NC, Hv, C]``. Everything is computed by
     :func:`_prep_kernel`; only the segment ids and the padding are XLA.
     """
+    check_prep_options(prep_form, prep_chunks, prep_num_stages)
     num_tokens = q.shape[0]
     num_chunks = -(-num_tokens // chunk)
     tp = num_chunks * chunk
@@ -201,5 +265,6 @@ def prepare(
     bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
     w, u, a, qf, kf, gl = _prep_call(
         seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        num_warps=prep_num_warps, inverse_dtype=inverse_dtype, interpret=interpret)
+        num_warps=prep_num_warps, inverse_dtype=inverse_dtype, form=prep_form, chunks_per_program=prep_chunks,
+        num_stages=prep_num_stages, interpret=interpret)
     return qp, kp, w, u, a, qf, kf, gl
