@@ -1,7 +1,8 @@
-"""fp8 (e4m3) page kernels beside bf16 pages, in one process (issue #35): the split-KV decode kernel's ``fp8_dot``
-variants and the prefill kernels over fp8 pages, with the copy rate of the same bytes measured in the same run.
+"""fp8 (e4m3) page kernels beside bf16 pages, in one process (issue #35): the split-KV decode kernel over fp8 pages
+at its default and each ``--stages``, and the prefill kernels over fp8 pages, with the copy rate of the same bytes
+measured in the same run.
 
-Usage (GPU): ``python benchmarks/fp8_variants.py [--only decode|prefill] [--stages 2,3]`` (``benchmarks/`` finds
+Usage (GPU): ``python benchmarks/fp8_variants.py [--only decode|prefill] [--stages 3]`` (``benchmarks/`` finds
 its own imports; ``kvjax`` on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and
 device time (profiler), both medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16
 pages, the kernel's bytes over its time against an XLA copy of the same bytes (read + written) timed in the same
@@ -9,10 +10,9 @@ run, and the max error against the float32 reference.
 
 - decode, B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (the bf16 and fp8 batches of
   ``benchmarks/attention.py``): bf16 pages through ``auto`` (the split-KV kernel), then the split-KV kernel over
-  the fp8 pages for each ``fp8_dot`` of :data:`kvjax.pallas.paged.decode.FP8_DOTS` (``"q"`` is today's default)
-  and each ``num_stages`` of ``--stages``. Bytes: the pages read (fp8: 1 byte a value plus one f32 scale per page
-  for K and V). Error: max ``|out - reference|`` over the same fp8 pages (bf16 q, unquantised), beside the
-  largest output.
+  the fp8 pages at its default ``num_stages`` and at each of ``--stages``. Bytes: the pages read (fp8: 1 byte a
+  value plus one f32 scale per page for K and V). Error: max ``|out - reference|`` over the same fp8 pages, beside
+  the largest output.
 - prefill, one causal sequence T=4096, H=32, D=128, pages of 64 and 128: bf16 pages through ``auto`` (the Mosaic
   GPU kernel), fp8 pages through ``auto`` (the Triton prefill kernel today) and through the Mosaic GPU kernel
   called directly (fp8 path: e4m3 ring, f16 products). TFLOP/s of the causal problem.
@@ -78,11 +78,9 @@ def decode_part(stages: tuple[int, ...]) -> None:
         bf16 = jax.jit(lambda *a: _paged_auto(*a, cu=cu))
         runners = {"bf16 pages (auto)": lambda: bf16(q, kp, vp, bt, sl)}
         calls = {}
-        for fp8_dot in decode.FP8_DOTS:
-            for st in stages:
-                calls[f"fp8 {fp8_dot} stages={st}"] = jax.jit(functools.partial(
-                    decode.paged_decode, cu_seqlens=cu, scale=d ** -0.5, window=zeros, sinks=zeros, fp8_dot=fp8_dot,
-                    num_stages=st))
+        for st in (None, *stages):
+            calls["fp8 (default)" if st is None else f"fp8 stages={st}"] = jax.jit(functools.partial(
+                decode.paged_decode, cu_seqlens=cu, scale=d ** -0.5, window=zeros, sinks=zeros, num_stages=st))
         for name, f in calls.items():
             runners[name] = lambda _f=f: _f(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
         ref = jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl="reference", **kw))
@@ -91,7 +89,7 @@ def decode_part(stages: tuple[int, ...]) -> None:
         for name in calls:
             try:
                 errs[name] = _err(runners[name](), ref8)
-            except Exception as e:  # a variant the compiler rejects is reported, the others still run
+            except Exception as e:  # a setting the compiler rejects is reported, the others still run
                 errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
                 del runners[name]
         nb16, nb8 = b * hkv * kv_bytes(l, d, ps, fp8=False), b * hkv * kv_bytes(l, d, ps, fp8=True)
@@ -156,13 +154,14 @@ def prefill_part() -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("decode", "prefill"), default=None)
-    p.add_argument("--stages", default="2,3", help="num_stages of the fp8 decode variants (comma-separated)")
+    p.add_argument("--stages", default="3", help="num_stages of the fp8 decode kernel beside its default (2), "
+                   "comma-separated; empty: the default only")
     args = p.parse_args(argv)
     import jax
 
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     if args.only in (None, "decode"):
-        decode_part(tuple(int(x) for x in args.stages.split(",")))
+        decode_part(tuple(int(x) for x in args.stages.split(",") if x.strip()))
     if args.only in (None, "prefill"):
         prefill_part()
 

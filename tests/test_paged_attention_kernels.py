@@ -9,17 +9,14 @@ prefill load paths), lengths 1..8k.
 
 fp8 pages (float8_e4m3fn, one power-of-two f32 scale per page): the same batches quantised page by page, NaN pages
 keeping a NaN scale, so a kernel that reads a scale it must not read fails too. Kernel and reference read the same
-fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`_fp8_bound`). The decode
-kernel's other ``fp8_dot`` variants (products in f16, or on e4m3 with q and the probabilities quantised) are checked
-the same way, with each variant's own rounding of the probabilities in the bound, and for the e4m3 variants
-against the reference over q quantised independently (:func:`_quantised_q`).
+fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`_fp8_bound`); the Mosaic
+GPU prefill kernel's fp8 path (f16 products) with its own rounding of the probabilities in the bound.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -131,7 +128,7 @@ def _fp8_bound(ref, abs_v, v_max, dtype, p_round=None, n_keys=0):
     ``2**-12 max|v|`` covers f32 summation order and exp2 against exp. An f32 kernel rounds nothing of the kind:
     only that last term.
 
-    ``p_round = (rel, sub)`` (the decode kernel's ``fp8_dot`` variants, :data:`_P_ROUND`): each probability is
+    ``p_round = (rel, sub)`` (the Mosaic GPU prefill kernel's fp8 path, :data:`_P_ROUND_F16`): each probability is
     rounded to relative ``rel``, and by at most ``sub max|v|`` absolute per key where it falls below its type's
     normal range (``n_keys`` keys at most; ``sum p >= 1``); the output is still rounded to q's dtype."""
     u = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0
@@ -139,11 +136,11 @@ def _fp8_bound(ref, abs_v, v_max, dtype, p_round=None, n_keys=0):
     return rel * abs_v + u * np.abs(ref) + (2.0 ** -12 + n_keys * sub) * v_max
 
 
-# fp8_dot variant -> (relative rounding of a probability, absolute rounding per key in units of max|v|). The variants
-# cast ``p * s_v / s_ref`` (``s_ref``: the largest value scale so far, a power of two with ``448 s_ref < 2 max|v|``)
-# to f16 (half an ulp 2**-11; below 2**-14 spacing 2**-24: 2**-25 * 448 s_ref < 2**-24 max|v|) or, times 256, to
-# e4m3 (2**-4; below 2**-6 spacing 2**-9: 2**-10 / 256 * 448 s_ref < 2**-17 max|v|).
-_P_ROUND = {"f16": (2.0 ** -11, 2.0 ** -24), "e4m3_qk": (2.0 ** -11, 2.0 ** -24), "e4m3": (2.0 ** -4, 2.0 ** -17)}
+# (relative rounding of a probability, absolute rounding per key in units of max|v|) of the Mosaic GPU prefill
+# kernel's fp8 path: it casts ``p * s_v / s_ref`` (``s_ref``: the largest value scale so far, a power of two with
+# ``448 s_ref < 2 max|v|``) to f16 (half an ulp 2**-11; below 2**-14 spacing 2**-24: 2**-25 * 448 s_ref < 2**-24
+# max|v|).
+_P_ROUND_F16 = (2.0 ** -11, 2.0 ** -24)
 
 
 def _check_fp8(out, ref, abs_v, v_max, dtype, **bound):
@@ -152,16 +149,6 @@ def _check_fp8(out, ref, abs_v, v_max, dtype, **bound):
     err = np.abs(out - ref)
     bound = _fp8_bound(ref, abs_v, v_max, dtype, **bound)
     assert (err <= bound).all(), (float(err.max()), float((err - bound).max()))
-
-
-def _quantised_q(q):
-    """q (float[T, Hq, D]) quantised to e4m3 per row and read back, independently of the kernel: the scale is the
-    smallest power of two ``s`` with ``max|row| <= 448 s``; ml_dtypes rounds."""
-    x = np.asarray(q, np.float32)
-    amax = np.abs(x).max(-1, keepdims=True)
-    s = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / 448.0)), 0.0).astype(np.float32)
-    q8 = (x / np.where(s > 0, s, 1.0)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return jnp.asarray(q8 * s)
 
 
 def _rel_err(out, ref):
@@ -281,7 +268,7 @@ def test_prefill_mosaic_interpret_fp8_pages(rng):
     args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
     out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, **scales, interpret=True)
-    _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND["f16"], n_keys=max(ctx))
+    _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(ctx))
     assert np.all(np.asarray(out[-2:], np.float32) == 0)  # tokens of no row
     with pytest.raises(ValueError, match="paged_prefill_mgpu: fp8 pages need v_scale"):
         paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, k_scale=scales["k_scale"], interpret=True)
@@ -451,42 +438,6 @@ def test_decode_interpret_fp8_pages(rng, page_size, dtype):
         out = decode.paged_decode(*args, **kw, **scales, interpret=True, num_splits=splits, block_k=block_k)
         _check_fp8(out, ref, abs_v, v_max, dtype)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
-
-
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_decode_interpret_fp8_dot_variants(rng, page_size):
-    # the fp8_dot variants of the decode kernel over the batch above (bf16 q, as served): "f16" and "e4m3_qk" round
-    # the probabilities to f16, "e4m3" to e4m3; the e4m3 variants against the reference over q quantised per row.
-    # The last page of row 0's full head holds 8x larger values: its value scale is the largest, met last (one split)
-    ctx = [300, 70, 1, 140]
-    args, kw = _build(rng, hq=6, d=32, page_size=page_size, ctx=ctx, new=[1, 1, 1, 1], dtype=jnp.bfloat16,
-                      **_FP8_HEADS)
-    q, k, v, table, seq_lens = args
-    v = v.at[int(table[0, 0, (ctx[0] - 1) // page_size])].multiply(8.0)
-    args, scales = _fp8((q, k, v, table, seq_lens))
-    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
-    q_hat = _quantised_q(args[0])
-    q8, q_scale = decode.quantize_q(args[0])
-    np.testing.assert_array_equal(np.asarray(q8, np.float32) * np.asarray(q_scale)[..., None], np.asarray(q_hat))
-    ref_q_hat = _ref_fp8((q_hat, *args[1:]), scales, kw)
-    errs = {}
-    for fp8_dot, p_round in _P_ROUND.items():
-        r, a, vm = ref_q_hat if fp8_dot.startswith("e4m3") else (ref, abs_v, v_max)
-        out = decode.paged_decode(*args, **kw, **scales, interpret=True, num_splits=1, block_k=64, fp8_dot=fp8_dot)
-        _check_fp8(out, r, a, vm, jnp.bfloat16, p_round=p_round, n_keys=max(ctx))
-        assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
-        errs[fp8_dot] = float(np.abs(np.asarray(out, np.float32) - r).max())
-    assert errs["e4m3"] > 2 * errs["e4m3_qk"]  # e4m3 probabilities are measurably coarser than f16 ones
-
-
-def test_decode_fp8_dot_refuses_bad_values(rng):
-    args, scales, kw, _ = _fp8_batch(rng, page_size=16, ctx=[20], new=[1], dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="fp8_dot must be one of"):
-        decode.paged_decode(*args, **kw, **scales, interpret=True, fp8_dot="bf16")
-    q, k8, v8, table, ctx = args
-    with pytest.raises(ValueError, match="fp8_dot='f16' goes with float8_e4m3fn pages"):
-        decode.paged_decode(q, k8.astype(jnp.bfloat16), v8.astype(jnp.bfloat16), table, ctx, **kw, interpret=True,
-                            fp8_dot="f16")
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -693,7 +644,7 @@ def test_gpu_prefill_mosaic_fp8_grid(rng, group, page_size):
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
     for stages in (None, 3) if page_size == 64 else (None,):
         out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, **scales, stages=stages)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND["f16"], n_keys=max(ctx))
+        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(ctx))
         assert float(np.abs(np.asarray(out, np.float32)[int(kw["cu_seqlens"][-1]):]).max()) == 0.0
 
 
@@ -713,25 +664,6 @@ def test_gpu_decode_fp8_grid(rng, group, page_size):
     for splits, block_k in ((None, None), (1, 128), (7, 64)):
         out = decode.paged_decode(*args, **kw, **scales, num_splits=splits, block_k=block_k)
         _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
-    assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [16, 64])
-@pytest.mark.parametrize("fp8_dot", ["f16", "e4m3", "e4m3_qk"])
-def test_gpu_decode_fp8_dot_grid(rng, fp8_dot, page_size):
-    # the compiled fp8_dot variants of the split-KV kernel: the batch of test_gpu_decode_fp8_grid at GQA 4, against
-    # the f32 reference over the same fp8 pages (and, for the e4m3 variants, q quantised per row)
-    hkv, ctx = 2, _GPU_CTX
-    args, kw = _build(rng, hq=4 * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=[1] * len(ctx),
-                      window=[0, 100 if page_size == 16 else 65], sinks=[0, 4], dtype=jnp.bfloat16)
-    args, scales = _fp8(args)
-    if fp8_dot.startswith("e4m3"):
-        args = (_quantised_q(args[0]).astype(jnp.bfloat16), *args[1:])  # exact: 4 significant bits fit bf16
-    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
-    for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(*args, **kw, **scales, num_splits=splits, block_k=block_k, fp8_dot=fp8_dot)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND[fp8_dot], n_keys=max(ctx))
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
 

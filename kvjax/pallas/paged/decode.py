@@ -8,32 +8,19 @@ writes an f32 partial output and its log-sum-exp, merged by :func:`kvjax.pallas.
 empty split, or a padding token, weighs 0, never NaN).
 
 fp8 pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``): the kernel loads the page bytes (1 byte a
-value; no dequantised copy of the cache exists anywhere), multiplies each logit of a key by its page's key scale
-(folded with the softmax scale into one per-key factor) and weighs each value by its page's value scale through
-the probabilities of the ``P V`` product; accumulation stays f32. A key's two scales are loaded with it, per key
-like its page id, so a hole's or a masked key's scale is never read. Where the products run is ``fp8_dot``
-(:data:`FP8_DOTS`):
-
-- ``"q"``: K and V converted to q's dtype (bf16: on sm_90 Triton converts e4m3 -> f16 -> bf16, three
-  instructions per two values); the value scale multiplies the probabilities before their cast.
-- ``"f16"``: K, V and q in f16 (e4m3 -> f16 is one ``cvt.rn.f16x2.e4m3x2`` per two values; every e4m3 value and
-  every normal bf16 q value is exact in f16).
-- ``"e4m3"``: tensor-core products on the e4m3 bytes themselves: q quantised to e4m3 per query row (outside the
-  kernel, one power-of-two scale per row, :func:`quantize_q`), the probabilities quantised to e4m3 (times 256,
-  so that only ``p < 2**-14`` leaves e4m3's normal range) before ``P V``.
-- ``"e4m3_qk"``: ``q K^T`` on e4m3 as ``"e4m3"``, ``P V`` in f16 as ``"f16"``.
-
-For every variant but ``"q"`` the value scales reach the probabilities relative to a running reference scale
-(the largest value scale of the walk so far, a power of two like them), so a probability is never multiplied by
-a tiny page scale before its 16- or 8-bit cast: the accumulator is kept in units of that reference and rescaled
-when it grows (exactly: powers of two), like the running max of the softmax.
+value; no dequantised copy of the cache exists anywhere), converts them to q's dtype, multiplies each logit of a
+key by its page's key scale (folded with the softmax scale into one per-key factor) and each probability by its
+page's value scale before the ``P V`` product; accumulation stays f32. A key's two scales are loaded with it,
+per key like its page id, so a hole's or a masked key's scale is never read.
 
 The kernel is exact for *any* ragged batch (it re-reads a row's pages once per query token), so it is the
 ``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
 runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
 :mod:`kvjax.pallas.paged.prefill_mgpu`).
 Measured and not kept: fixed-size splits (``balanced``), tied on full heads and never ahead on SWA heads; a
-manual register prefetch of the next block, block_k 32, 8 warps.
+manual register prefetch of the next block, block_k 32, 8 warps; over fp8 pages, products in f16 (one conversion
+instruction per two e4m3 values instead of three) and e4m3 tensor-core products (q quantised per row, ``P V`` on
+e4m3 or f16), each slower than the conversion to q's dtype (RESULTS.md "fp8 (e4m3) pages").
 """
 
 from __future__ import annotations
@@ -46,14 +33,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kvjax.base.device import next_pow2
-from kvjax.base.fp8 import FP8_DTYPE, pow2_scale
 from kvjax.pallas.paged import common
 from kvjax.pallas.split_kv import merge_splits
 
 _NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on H100/H200)
-FP8_DOTS = ("q", "f16", "e4m3", "e4m3_qk")  # where the products over fp8 pages run (module doc)
-_P_E4M3 = 256.0  # probabilities (<= 1) times this before their e4m3 cast ("e4m3"): normal down to p = 2**-14
 
 
 def _decode_kernel(
@@ -62,7 +46,6 @@ def _decode_kernel(
     v_ref,  # [P*page_size, D]
     ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
     vs_ref,  # f32[P]: value scale per page
-    qs_ref,  # f32[T*Hq]: q's scale per row (fp8_dot "e4m3" / "e4m3_qk"; else f32[1], never read)
     bt_ref,  # i32[B*Hkv*max_blocks]
     row_ref,  # i32[T]
     pos_ref,  # i32[T]
@@ -82,7 +65,6 @@ def _decode_kernel(
     num_kv_heads: int,
     num_splits: int,
     fp8: bool,
-    fp8_dot: str,
 ):
     t = pl.program_id(0)
     h = pl.program_id(1)
@@ -107,17 +89,6 @@ def _decode_kernel(
     q_rows = (t * num_kv_heads + h) * group + g
     q_ok = g < group
     q = plgpu.load(q_ref.at[jnp.where(q_ok, q_rows, 0)[:, None], cols[None, :]], mask=q_ok[:, None], other=0.0)
-    relative_v = fp8 and fp8_dot != "q"  # value scales relative to a running reference (module doc)
-    k_dtype = v_dtype = q.dtype
-    qk_scale = scale
-    if relative_v:
-        k_dtype = FP8_DTYPE if fp8_dot.startswith("e4m3") else jnp.float16
-        v_dtype = FP8_DTYPE if fp8_dot == "e4m3" else jnp.float16
-        if k_dtype == jnp.float16:
-            q = q.astype(jnp.float16)
-        else:  # q arrives quantised: its row scales join the softmax scale
-            q_sc = plgpu.load(qs_ref.at[jnp.where(q_ok, q_rows, 0)], mask=q_ok, other=0.0)
-            qk_scale = (scale * q_sc)[:, None]
 
     j = jnp.arange(block_k, dtype=jnp.int32)
     j_page = j // page_size
@@ -140,9 +111,9 @@ def _decode_kernel(
         safe = jnp.where(ok, page, 0)
         k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)  # f32[block_k]: each key's page scale
         v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
-        return k.astype(k_dtype), v.astype(v_dtype), ok, qk_scale * k_sc[None, :], v_sc
+        return k.astype(q.dtype), v.astype(q.dtype), ok, (scale * k_sc)[None, :], v_sc[None, :]
 
-    def update(k, v, ok, k_factor, v_sc, acc, m, l, v_ref=None):
+    def update(k, v, ok, k_factor, v_factor, acc, m, l):
         sc = plgpu.dot(q, k, trans_b=True) * k_factor  # f32[rows, block_k]
         sc = jnp.where(ok[None, :], sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -150,16 +121,9 @@ def _decode_kernel(
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        if not relative_v:  # float pages, or fp8 with the value scale on the probabilities (l unscaled)
-            pv = p if v_sc is None else p * v_sc[None, :]
-            return acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v), m_new, l
-        ref_new = jnp.maximum(v_ref, jnp.max(v_sc))  # powers of two: the ratios below are exact
-        ref_safe = jnp.where(ref_new > 0, ref_new, 1.0)
-        pv = p * (v_sc / ref_safe)[None, :]  # <= p: a probability is never scaled up past 1
-        if v.dtype == FP8_DTYPE:
-            pv = pv * _P_E4M3
-        acc = acc * (alpha * (v_ref / ref_safe))[:, None] + plgpu.dot(pv.astype(v.dtype), v)
-        return acc, m_new, l, ref_new
+        pv = p if v_factor is None else p * v_factor  # fp8: the value scale on the probabilities (l unscaled)
+        acc = acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v)
+        return acc, m_new, l
 
     def body(c, carry):
         return update(*load_block(c), *carry)
@@ -168,11 +132,7 @@ def _decode_kernel(
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _NEG_INF, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    if relative_v:  # the accumulator in units of the reference value scale (and of the probabilities' e4m3 factor)
-        acc, m, l, v_ref = jax.lax.fori_loop(0, n_iter, body, (acc, m, l, jnp.float32(0.0)))
-        acc = acc * (v_ref / _P_E4M3 if v_dtype == FP8_DTYPE else v_ref)
-    else:
-        acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
+    acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if num_splits == 1:
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
@@ -190,7 +150,6 @@ def _decode_call(
     v_pages: jax.Array,  # [P, page_size, D]
     k_scale: jax.Array,  # f32[P] (fp8 pages) or f32[1] (float pages: unread)
     v_scale: jax.Array,  # f32[P] or f32[1]
-    q_scale: jax.Array,  # f32[T, Hq] (fp8_dot "e4m3" / "e4m3_qk": q is e4m3) or f32[1] (unread)
     block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
     row: jax.Array,  # i32[T]
     pos: jax.Array,  # i32[T]
@@ -206,10 +165,8 @@ def _decode_call(
     num_warps: int,
     num_stages: int,
     fp8: bool,
-    fp8_dot: str,
-    out_dtype,
     interpret: bool,
-) -> jax.Array:  # [T, Hq, D] (out_dtype)
+) -> jax.Array:  # [T, Hq, D]
     t_total, hq, d = q.shape
     num_pages, page_size, _ = k_pages.shape
     hkv, max_blocks = block_tables.shape[1:]
@@ -217,10 +174,10 @@ def _decode_call(
     rows = max(16, next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8, fp8_dot=fp8_dot,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
     if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((t_total * hq, d), out_dtype)
+        out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
     else:
         n_part = t_total * hkv * num_splits * group
         out_shape = (jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32))
@@ -230,12 +187,12 @@ def _decode_call(
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode{_variant_name(fp8, fp8_dot)}_s{num_splits}_bk{block_k}",
+        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}",
     )(
         q.reshape(t_total * hq, d),
         k_pages.reshape(num_pages * page_size, d),
         v_pages.reshape(num_pages * page_size, d),
-        k_scale, v_scale, q_scale.reshape(-1),
+        k_scale, v_scale,
         block_tables.reshape(-1),
         row, pos, lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
     )
@@ -244,24 +201,7 @@ def _decode_call(
     o_part, lse = res
     o_part = o_part.reshape(t_total, hkv, num_splits, group, d)
     lse = lse.reshape(t_total, hkv, num_splits, group)
-    return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(out_dtype)
-
-
-def _variant_name(fp8: bool, fp8_dot: str) -> str:
-    if not fp8:
-        return ""
-    return "_fp8" if fp8_dot == "q" else f"_fp8_{fp8_dot}"
-
-
-def quantize_q(
-    q: jax.Array,  # [T, Hq, D] float
-) -> tuple[jax.Array, jax.Array]:  # (f8e4m3[T, Hq, D], f32[T, Hq])
-    """q quantised to e4m3 per (token, head) row with a power-of-two scale (:func:`kvjax.base.fp8.pow2_scale` of
-    the row's max, so ``|q| / scale <= 448``; an all-zero row gets scale 0 and quantises to 0): what the
-    ``"e4m3"`` and ``"e4m3_qk"`` variants feed their ``q K^T`` products."""
-    x = q.astype(jnp.float32)
-    s = pow2_scale(jnp.max(jnp.abs(x), axis=-1))
-    return (x / jnp.where(s > 0, s, 1.0)[..., None]).astype(FP8_DTYPE), s
+    return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
 
 
 def unsupported(
@@ -285,8 +225,7 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("scale", "interpret", "num_splits", "block_k", "num_warps", "num_stages", "fp8_dot"),
+    jax.jit, static_argnames=("scale", "interpret", "num_splits", "block_k", "num_warps", "num_stages"),
 )
 def paged_decode(
     q: jax.Array,  # [T, Hq, D]
@@ -306,7 +245,6 @@ def paged_decode(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_dot: str = "q",
 ) -> jax.Array:  # [T, Hq, D]
     """Split-KV paged attention of every query token (normalised ``kvjax.ops.paged_attention`` call).
 
@@ -314,9 +252,8 @@ def paged_decode(
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
     ``num_stages`` 4 (fp8 pages: 2, RESULTS.md "Paged attention decode"). ``ValueError`` for shapes
     :func:`unsupported` rejects and for fp8 pages without their scales
-    (:func:`kvjax.pallas.paged.common.page_scales`). fp8 pages read as ``page * scale`` (module doc); ``fp8_dot``
-    (fp8 pages only, one of :data:`FP8_DOTS`) picks where their products run, default ``"q"`` (q's dtype). Reads
-    only; tokens that belong to no row get output 0 (in q's dtype).
+    (:func:`kvjax.pallas.paged.common.page_scales`). fp8 pages read as ``page * scale`` (module doc). Reads only;
+    tokens that belong to no row get output 0.
     """
     t_total = q.shape[0]
     hkv, max_blocks = block_tables.shape[1:]
@@ -326,14 +263,6 @@ def paged_decode(
     if reason:
         raise ValueError(f"pallas paged_decode {reason}")
     fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="pallas paged_decode")
-    if fp8_dot not in FP8_DOTS:
-        raise ValueError(f"pallas paged_decode: fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
-    if fp8_dot != "q" and not fp8:
-        raise ValueError(f"pallas paged_decode: fp8_dot={fp8_dot!r} goes with float8_e4m3fn pages, got "
-                         f"{k_pages.dtype} pages")
-    q_in, q_scale = q, jnp.ones((1,), jnp.float32)
-    if fp8_dot.startswith("e4m3"):
-        q_in, q_scale = quantize_q(q)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
     if num_splits is None:
@@ -342,8 +271,7 @@ def paged_decode(
     lo, n_sink, n_pages = common.page_ranges(pos, pos, real, window, sinks, page_size=page_size,
                                              max_blocks=max_blocks)
     return _decode_call(
-        q_in, k_pages, v_pages, k_scale, v_scale, q_scale, block_tables, row, pos, lo, n_sink, n_pages, window,
-        sinks, scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or (2 if fp8 else 4), fp8=fp8, fp8_dot=fp8_dot, out_dtype=q.dtype,
-        interpret=interpret,
+        q, k_pages, v_pages, k_scale, v_scale, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
+        scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
+        num_stages=num_stages or (2 if fp8 else 4), fp8=fp8, interpret=interpret,
     )
