@@ -280,7 +280,9 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
 PREP_SWEEP = {  # prepare() / pool-kernel keyword arguments; "head" is today's default (the old kernel)
     "head": dict(prep_form="head"),
     "group": dict(prep_form="group"),
-    "group c2 s2": dict(prep_form="group", prep_chunks=2, prep_num_stages=2),
+    "group w8": dict(prep_form="group", prep_num_warps=8),
+    "group c2": dict(prep_form="group", prep_chunks=2),  # 2 chunks unrolled
+    "group c2 s2": dict(prep_form="group", prep_chunks=2, prep_num_stages=2),  # a loop, pipelined
     "group c4 s2": dict(prep_form="group", prep_chunks=4, prep_num_stages=2),
     "group c4 s3": dict(prep_form="group", prep_chunks=4, prep_num_stages=3),
 }
@@ -297,7 +299,7 @@ def _bf16_recipe(index: int):
     return (q, k, v, jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)), (seqlens, hk, hv)
 
 
-def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s: float = 330.0,
+def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s: float = 300.0,
                  interpret: bool = False) -> dict:
     """Old vs new preparation kernel in one process, wall clock (``timing.interleaved``, no profiler per config).
 

@@ -74,14 +74,15 @@ def test_chunk_pool_kernel_padding_rows_interpret(rng):
     np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
-@pytest.mark.parametrize("dtype,hk,hv,kd,vd,prep_chunks", [(jnp.float32, 1, 2, 16, 16, 3),
-                                                             (jnp.bfloat16, 2, 4, 16, 16, 2),
-                                                             (jnp.bfloat16, 1, 3, 24, 20, 1)])
-def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks):
+@pytest.mark.parametrize("dtype,hk,hv,kd,vd,prep_chunks,stages", [(jnp.float32, 1, 2, 16, 16, 3, 2),
+                                                                    (jnp.bfloat16, 2, 4, 16, 16, 3, 1),
+                                                                    (jnp.bfloat16, 1, 3, 24, 20, 1, 1)])
+def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks, stages):
     """The preparation kernel's "group" form (one program per block of chunks and key head, its value heads in
-    turn): the pool kernel against the recurrent reference (chunks shared by sequences, a row without initial
-    state, leading tokens outside every sequence, blocks of chunks that do not divide the chunk count, K / V not
-    powers of two), and every prepared quantity equal to the "head" form's."""
+    turn; chunks in a loop with 2 stages, unrolled with 1): the pool kernel against the recurrent reference
+    (chunks shared by sequences, a row without initial state, leading tokens outside every sequence, blocks of
+    chunks that do not divide the chunk count, K / V not powers of two), and every prepared quantity equal to
+    the "head" form's."""
     from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.prep import prepare
 
@@ -89,7 +90,7 @@ def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks):
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=5)
     cu = cu + 2
     flags = jnp.asarray([3, 2, 3, 3, 3], jnp.int32)
-    kw = dict(prep_form="group", prep_chunks=prep_chunks, prep_num_stages=2)
+    kw = dict(prep_form="group", prep_chunks=prep_chunks, prep_num_stages=stages)
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
         flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True, **kw)

@@ -18,8 +18,8 @@ each), the inverse (10 dependent ``64^3`` products, 5.2 MFLOP), ``w`` and ``u`` 
 program per (chunk, value head), reads q / k once per value head and forms ``q k^T`` / ``k k^T`` for each;
 ``"group"``, one program per (block of ``prep_chunks`` chunks, key head), reads q / k once per key head, forms
 the two products once and runs the per-value-head part (decay, ``A``, inverse, ``w``, ``u``) for the key
-head's ``Hv / Hk`` value heads; its loop over chunks lets Triton's pipeliner (``num_stages > 1``) load the next
-chunk's rows while this one computes.
+head's ``Hv / Hk`` value heads; several chunks per program are unrolled (the independent chains interleave) or, with
+``num_stages > 1``, a loop whose next chunk's rows Triton's pipeliner loads while this one computes.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def _prep_kernel(
     chunk: int,
     form: str,
     chunks_per_program: int,
+    unroll: bool,
     scale: float,
     use_qk_l2norm: bool,
     precision,
@@ -97,7 +98,8 @@ def _prep_kernel(
 ):
     """Form ``"head"``: program ``(c, h)`` = chunk ``c``, value head ``h``. Form ``"group"``: program ``(p, hk)``
     = chunks ``[p * chunks_per_program, ...)`` (up to the last one), key head ``hk`` and its ``group`` value
-    heads. Per chunk: the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row factors,
+    heads; the chunks unrolled (``unroll``; the last program recomputes the last chunk for the missing ones,
+    writing the same values) or a loop. Per chunk: the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row factors,
     with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row factors applied to the f32
     products, so no normalised copy of q / k is ever written).
 
@@ -157,17 +159,19 @@ def _prep_kernel(
             vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
             store(u_ref, (c, h, slice(None), vc), dot(tinv, vb).astype(dt), v_lanes)
 
+    first = p * chunks_per_program
     if chunks_per_program == 1:
         one_chunk(p)
+    elif unroll:  # one basic block: the chunks' independent chains interleave; the last program may redo a chunk
+        for i in range(chunks_per_program):
+            one_chunk(jnp.minimum(first + i, w_ref.shape[0] - 1))
     else:
-        first = p * chunks_per_program
-        count = jnp.minimum(chunks_per_program, w_ref.shape[0] - first)
 
         def body(i, carry):
             one_chunk(first + i)
             return carry
 
-        lax.fori_loop(0, count, body, 0)
+        lax.fori_loop(0, jnp.minimum(chunks_per_program, w_ref.shape[0] - first), body, 0)
 
 
 def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps, inverse_dtype, form,
@@ -191,7 +195,8 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
     else:
         grid = (pl.cdiv(nc, chunks_per_program), hk)
     kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, form=form,
-                               chunks_per_program=chunks_per_program, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               chunks_per_program=chunks_per_program, unroll=num_stages == 1, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm,
                                precision=precision, inv_precision=inv_precision)
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
     return pl.pallas_call(
@@ -240,7 +245,9 @@ def prepare(
     """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
 
     ``prep_form`` / ``prep_chunks`` / ``prep_num_stages``: the program shape (:data:`PREP_FORMS`), the chunks
-    per program of the ``"group"`` form and Triton's pipeline stages (the results do not depend on them).
+    per program of the ``"group"`` form and Triton's pipeline stages: with 1 stage a program's chunks are
+    unrolled (their independent chains interleave), with more they are a loop for Triton's pipeliner (the
+    results do not depend on them).
 
     Returns ``(q, k, w, u, a, qf, kf, gl)``: q / k padded to ``Tp = NC * C`` tokens but otherwise *raw* (the
     sequential kernels scale their rows by ``qf`` / ``kf``), ``w: [NC, Hv, C, K]``, ``u: [NC, Hv, C, V]``,
