@@ -20,6 +20,7 @@ from kvjax.models.common.checkpoint import (TensorSource, abstract_model, assign
                                             load_safetensors)
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
+from kvjax.models.qwen3_5.mtp import Qwen3_5MTP, attach
 from kvjax.models.sharding import ShardedModel
 
 
@@ -126,10 +127,13 @@ def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, 
     """Load an HF Qwen3.5 checkpoint directory (``Qwen3_5ForCausalLM`` or the text tower of the multimodal
     ``Qwen3_5ForConditionalGeneration``). Raises :class:`CheckpointError` naming a missing, mis-shaped,
     non-float, non-finite (unless ``check_finite=False``) or unexpected tensor, or a non-float ``dtype``; the
-    model is returned only when every parameter is loaded. ``window``/``sinks`` (per KV head) turn on SWA heads
-    in the full-attention layers (research option; HF parity needs them off). ``mesh`` (a ``("data", "model")``
-    ``jax.sharding.Mesh``): a :class:`kvjax.models.sharding.ShardedModel` instead, each parameter's shards
-    placed from host memory directly on their devices."""
+    model is returned only when every parameter is loaded. A checkpoint's ``mtp.*`` tensors (its
+    multi-token-prediction layers) are loaded too, checked alike, and kept beside the model: read them with
+    :func:`kvjax.models.qwen3_5.mtp.mtp_of` (``None`` without them; host values, also with ``mesh``).
+    ``window``/``sinks`` (per KV head) turn on SWA heads in the full-attention layers and the MTP layers
+    (research option; HF parity needs them off). ``mesh`` (a ``("data", "model")`` ``jax.sharding.Mesh``): a
+    :class:`kvjax.models.sharding.ShardedModel` instead, each parameter's shards placed from host memory
+    directly on their devices."""
     dtype = check_param_dtype(dtype)
     cfg = Qwen3_5Config.from_hf(config)
     if window or sinks:
@@ -155,11 +159,45 @@ def load(path: str | os.PathLike, config: dict[str, Any], *, dtype=jnp.float32, 
             values[p] = src.take(name, shape[::-1]).T
         else:
             values[p] = src.take(name, shape)
-    extra = src.unused(ignore_prefixes=("mtp.", "model.visual.", "model.mtp."))
+    mtp = _load_mtp(src, cfg, config, dtype)
+    extra = src.unused(ignore_prefixes=("model.visual.", "model.mtp."))
     if model.config.tie_word_embeddings:
         extra = [e for e in extra if e != "lm_head.weight"]
     if extra:
         raise CheckpointError(f"checkpoint has tensors the config does not describe: {extra[:8]}")
     if mesh is not None:
-        return ShardedModel(model, values, mesh)
-    return assign_params(model, values)
+        return attach(ShardedModel(model, values, mesh), mtp)
+    return attach(assign_params(model, values), mtp)
+
+
+def _mtp_num_layers(config: dict[str, Any], names: list[str]) -> int:
+    """MTP layer count: the config's ``mtp_num_hidden_layers`` (Qwen3.5) or ``num_nextn_predict_layers``
+    (Qwen3-Next), else one more than the highest ``mtp.layers.<i>`` of the checkpoint."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        value = text.get(key, config.get(key))
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"config key {key!r} must be an int >= 0, got {value!r}")
+            return value
+    found = [int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.") and n.split(".")[2].isdigit()]
+    return max(found, default=-1) + 1
+
+
+def _load_mtp(src: TensorSource, cfg: Qwen3_5Config, config: dict[str, Any], dtype) -> Qwen3_5MTP | None:
+    """The checkpoint's ``mtp.*`` tensors as :class:`~kvjax.models.qwen3_5.mtp.Qwen3_5MTP` (host values), or
+    ``None`` without any; a missing or mis-shaped MTP tensor is a :class:`CheckpointError`, and any ``mtp.*``
+    tensor the MTP layers do not describe is left unused (refused by the caller)."""
+    names = sorted(n for n in src.tensors if n.startswith("mtp."))
+    if not names:
+        return None
+    n = _mtp_num_layers(config, names)
+    if n == 0:
+        return None  # the config says none: every mtp.* tensor is refused as undescribed
+    mtp = abstract_model(lambda: Qwen3_5MTP(cfg, num_layers=n, rngs=nnx.Rngs(0), dtype=dtype))
+    values = {}
+    for p, var in nnx.to_flat_state(nnx.state(mtp, nnx.Param)):
+        name, transposed = _hf_name(("mtp", *p))
+        shape = tuple(var.get_value().shape)
+        values[p] = src.take(name, shape[::-1]).T if transposed else src.take(name, shape)
+    return assign_params(mtp, values)

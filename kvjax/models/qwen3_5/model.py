@@ -94,7 +94,11 @@ class Qwen3_5ForCausalLM(nnx.Module):
         return nnx.merge(graphdef, nnx.state(self))
 
     def _head(self, h: jax.Array) -> jax.Array:  # [..., H] -> f32[..., vocab]
-        h = self.model.norm(h)
+        return self.project_vocab(self.model.norm(h))
+
+    def project_vocab(self, h: jax.Array) -> jax.Array:  # [..., H] final-normed -> f32[..., vocab]
+        """The LM head alone (tied to the embeddings or not), on final-normed hidden states; the MTP layers
+        (:mod:`kvjax.models.qwen3_5.mtp`) share it."""
         if self.lm_head is None:
             out = jnp.matmul(h, self.model.embed_tokens[...].T, precision=jax.lax.Precision.HIGHEST)
         else:
@@ -106,6 +110,11 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     def logits(self, input_ids: jax.Array) -> jax.Array:  # i32[B, T] -> f32[B, T, vocab]
         """Full-sequence forward without a cache (positions ``0..T-1``): the oracle for the cached step."""
+        return self.project_vocab(self.hidden_states(input_ids))
+
+    def hidden_states(self, input_ids: jax.Array) -> jax.Array:  # i32[B, T] -> [B, T, H]
+        """Final-normed hidden states of full sequences without a cache (the LM head's input; what the MTP
+        layers take as the main model's hidden state)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be i32[B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
@@ -120,7 +129,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
             else:
                 y = layer.self_attn.full(h, cos, sin)
             x = layer.mlp_block(x + y)
-        return self._head(x)
+        return self.model.norm(x)
 
     # ----------------------------------------------------- serving (kvjax.models.interface.CausalLM)
 
@@ -189,7 +198,22 @@ class Qwen3_5ForCausalLM(nnx.Module):
         )
 
     def forward_step(self, caches: ModelCaches, inputs) -> tuple[jax.Array, ModelCaches]:
-        """One ragged step (prefill chunks and decode tokens mixed); returns ``(f32[B, vocab], new caches)``.
+        """One ragged step (prefill chunks and decode tokens mixed); returns ``(f32[B, vocab], new caches)``
+        (see :meth:`_trunk`)."""
+        x, caches = self._trunk(caches, inputs)
+        return self._head(x[inputs.logits_indices]), caches
+
+    def forward_step_hidden(self, caches: ModelCaches, inputs) -> tuple[jax.Array, jax.Array, ModelCaches]:
+        """:meth:`forward_step` that also returns every step token's final-normed hidden state: ``(logits
+        f32[B, vocab] at logits_indices, hidden [T, H], new caches)`` (the MTP drafter's input,
+        :func:`kvjax.models.qwen3_5.mtp.mtp_propose`)."""
+        x, caches = self._trunk(caches, inputs)
+        h = self.model.norm(x)  # [T, H]
+        return self.project_vocab(h[inputs.logits_indices]), h, caches
+
+    def _trunk(self, caches: ModelCaches, inputs) -> tuple[jax.Array, ModelCaches]:
+        """The layers of one ragged step (prefill chunks and decode tokens mixed): ``(x [T, H] before the final
+        norm, new caches)``.
 
         Reads and writes GDN states at ``inputs.gdn_slots`` (zeros where ``has_initial_state`` is false; slot 0
         never written), writes new K/V by ``inputs.slot_mapping`` and attends through ``inputs.block_tables``
@@ -230,5 +254,4 @@ class Qwen3_5ForCausalLM(nnx.Module):
                 )
                 y = attn.finish(o, gate)
             x = layer.mlp_block(x + y)
-        logits = self._head(x[inputs.logits_indices])
-        return logits, ModelCaches(pages=kv, gdn=pool)
+        return x, ModelCaches(pages=kv, gdn=pool)

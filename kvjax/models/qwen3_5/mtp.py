@@ -1,0 +1,290 @@
+"""Multi-token prediction (MTP) layers of Qwen3.5 / Qwen3-Next checkpoints and the greedy MTP drafter.
+
+The published architecture (vLLM's ``qwen3_next_mtp`` / ``qwen3_5_mtp``; checkpoint keys ``mtp.*``). For a
+position ``t`` with the main model's final-normed hidden state ``h_t`` (the LM head's input) and the token
+``x_{t+1}`` that follows it::
+
+    u = fc([pre_fc_norm_embedding(embed(x_{t+1})) | pre_fc_norm_hidden(h_t)])   # Linear 2H -> H, no bias
+    u = u + attn(input_layernorm(u))              # one gated full-attention decoder layer of the main
+    u = u + mlp(post_attention_layernorm(u))      # model's kind, at RoPE position t, over its own K/V
+    g_t = norm(u)                                 # the MTP hidden state, fed back by the next draft step
+    logits = lm_head(g_t)                         # the main model's head (shared): predicts x_{t+2}
+
+Every norm is the zero-centred RMSNorm of the main model (scale ``1 + weight``); ``embed`` and ``lm_head`` are the
+main model's (the checkpoint has no MTP copy of either). The MTP layer's attention has the main model's
+attention layout (its KV heads, ``window`` / ``sinks``), so it is addressed by the same head-wise block tables.
+
+**The MTP cache.** The MTP layer keeps K/V of its own (the seed's ``initialize_mtp_kv_cache``): one GQA page pool
+per MTP layer, made by :func:`init_mtp_caches` through :mod:`kvjax.state.registry` like the main model's and
+named ``<role>_caches_<L + i>`` (``L`` = the main model's layer count: the MTP layers come after its layers, as
+vLLM numbers them). It has as many pages as the main model's pools and is addressed by the *same* block tables and
+slot mappings: position ``t`` of a row holds, in the MTP pool, the MTP layer's K/V of the pair ``(h_t, x_{t+1})``
+in the page where the main pool holds the main layers' K/V of ``x_t``. So the scheduler's pages, recycling (SWA
+heads: the MTP layer has the same windows) and prefix caching serve both without anything of their own.
+
+**Drafting** (:func:`mtp_propose`, vLLM's one-MTP-layer loop). After a main-model step (a prefill chunk, a
+decode token, or a verification of ``x_n, d_1 .. d_K`` whose first ``a`` drafts were accepted) the MTP layer
+runs once over the step's tokens (a ragged *catch-up* step: ``(h_t, x_{t+1})`` at every position, writing their
+K/V), then the output at each row's last accepted position ``p`` gives the first draft (for position
+``p + 2``); each further draft step ``k`` runs one token per row at position ``p + k``: the previous draft and the
+previous MTP hidden state ``g``. Every pass writes its K/V before attending, a query attends positions up to its
+own, and the catch-ups tile every position with the true pairs, so keys left by rejected drafts or by draft steps
+are always overwritten before a later query can read them.
+
+Full-sequence forward without a cache: :meth:`Qwen3_5MTP.dense` (training, and the oracle of the paged step).
+Loading: :func:`kvjax.models.qwen3_5.loading.load` reads the ``mtp.*`` tensors when the checkpoint has them and
+keeps the module beside (not inside) the model's parameters: :func:`mtp_of`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.base.fp8 import FP8_DTYPE
+from kvjax.config import check_kv_cache_dtype
+from kvjax.inputs import StepInputs
+from kvjax.models.common.checkpoint import abstract_model, assign_params, check_param_dtype
+from kvjax.models.common.layers import Linear, RMSNorm
+from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
+from kvjax.models.qwen3_5.config import Qwen3_5Config
+from kvjax.models.qwen3_5.layers import DecoderLayer
+from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
+from kvjax.state.kv_cache import FP8_ROLES
+from kvjax.state.registry import GQACacheSpec, cache_name, create_caches
+
+
+class Qwen3_5MTP(nnx.Module):
+    """The MTP layers of a Qwen3.5 model (parameter paths mirror the checkpoint's ``mtp.*`` names:
+    ``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``layers.<i>.*``, ``norm``)."""
+
+    def __init__(self, config: Qwen3_5Config, *, num_layers: int = 1, rngs: nnx.Rngs, dtype=jnp.float32):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"Qwen3_5MTP num_layers must be an int >= 1, got {num_layers!r}")
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.fc = Linear(2 * h, h, rngs=rngs, dtype=dtype)  # kernel [2H, H]: [embedding | hidden] -> H
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(config, "full_attention", rngs=rngs, dtype=dtype)
+                                for _ in range(num_layers)])
+        self.norm = RMSNorm(h, eps, zero_centered=True, dtype=dtype)
+        inv_freq, _ = rope_inv_freq(
+            config.attention.head_dim,
+            {"rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
+        )
+        self._inv_freq = tuple(float(f) for f in inv_freq)  # static, f32-exact (the main model's RoPE)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def first_layer(self) -> int:
+        """Layer index of MTP layer 0 in cache names: the main model's layer count."""
+        return self.config.num_layers
+
+    def combine(self, model: Qwen3_5ForCausalLM, next_ids: jax.Array, hidden: jax.Array) -> jax.Array:
+        """``fc([norm_e(embed(next_ids)) | norm_h(hidden)])``: i32[...], [..., H] -> [..., H]."""
+        _check_model(model, self)
+        emb = model.model.embed_tokens[...][next_ids]  # [..., H]
+        e = self.pre_fc_norm_embedding(emb)
+        g = self.pre_fc_norm_hidden(hidden.astype(emb.dtype))
+        return self.fc(jnp.concatenate([e, g], axis=-1))
+
+    def logits(self, model: Qwen3_5ForCausalLM, g: jax.Array) -> jax.Array:  # [..., H] -> f32[..., vocab]
+        """The main model's LM head on MTP hidden states (already normed by ``self.norm``)."""
+        return model.project_vocab(g)
+
+    def _cos_sin(self, positions: jax.Array):
+        return rope_cos_sin(positions, jnp.asarray(self._inv_freq, jnp.float32))
+
+    def dense(self, model: Qwen3_5ForCausalLM, hidden: jax.Array, next_ids: jax.Array, *,
+              layer: int = 0) -> jax.Array:
+        """Full sequences without a cache: ``hidden [B, T, H]`` (the main model's hidden states at positions
+        ``0..T-1``) and ``next_ids i32[B, T]`` (the token after each position) -> MTP hidden states ``[B, T, H]``
+        (after ``norm``; :meth:`logits` of position ``t`` predicts the token at ``t + 2``)."""
+        if hidden.ndim != 3 or next_ids.shape != hidden.shape[:2]:
+            raise ValueError(f"dense needs hidden [B, T, H] and next_ids i32[B, T], got {tuple(hidden.shape)} and "
+                             f"{tuple(next_ids.shape)}")
+        lay = self.layers[layer]
+        u = self.combine(model, next_ids, hidden)
+        cos, sin = self._cos_sin(jnp.arange(hidden.shape[1], dtype=jnp.int32))
+        u = lay.mlp_block(u + lay.self_attn.full(lay.input_layernorm(u), cos, sin))
+        return self.norm(u)
+
+    def step(
+        self,
+        model: Qwen3_5ForCausalLM,
+        pages: dict[str, jax.Array],  # the MTP caches: {<role>_caches_<first_layer + i>: [P, page_size, ...]}
+        hidden: jax.Array,  # [T, H]: hidden state of each token (main model's or the previous MTP step's)
+        next_ids: jax.Array,  # i32[T]: token following each position
+        positions: jax.Array,  # i32[T]
+        *,
+        cu_seqlens: jax.Array,  # i32[B+1]
+        seq_lens: jax.Array,  # i32[B]: context length of each row including these tokens
+        block_tables: jax.Array,  # i32[B, Hkv, max_blocks]: the main model's tables
+        slot_mapping: jax.Array,  # i32[T, Hkv]; -1 = skip
+        layer: int = 0,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:  # (MTP hidden states [T, H], new pages)
+        """One ragged step of MTP layer ``layer`` on its paged K/V: writes these tokens' K/V by
+        ``slot_mapping``, attends through ``block_tables`` with the main model's per-KV-head window / sinks
+        (the same semantics as the main model's attention layers: :func:`kvjax.ops.attention.paged_attention`)."""
+        from kvjax.ops.attention import paged_attention
+        from kvjax.state.kv_cache import write_kv_cache
+
+        _check_model(model, self)
+        a = self.config.attention
+        lay = self.layers[layer]
+        li = self.first_layer + layer
+        names = {r: cache_name(r, li) for r in FP8_ROLES if cache_name(r, li) in pages}
+        if "key" not in names:
+            raise ValueError(f"MTP layer {layer} needs caches {cache_name('key', li)!r} / {cache_name('value', li)!r} "
+                             f"(init_mtp_caches); got {sorted(pages)}")
+        u = self.combine(model, next_ids, hidden)  # [T, H]
+        cos, sin = self._cos_sin(positions)
+        q, gate, k, v = lay.self_attn.project(lay.input_layernorm(u), cos, sin)
+        own = write_kv_cache({r: pages[n] for r, n in names.items()}, k, v, slot_mapping, cu_seqlens=cu_seqlens)
+        o = paged_attention(
+            q, own["key"], own["value"], block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=a.head_dim ** -0.5,
+            window=jnp.asarray(a.window, jnp.int32), sinks=jnp.asarray(a.sinks, jnp.int32),
+            k_scale=own.get("key_scale"), v_scale=own.get("value_scale"),
+        )
+        u = lay.mlp_block(u + lay.self_attn.finish(o, gate))
+        return self.norm(u), {**pages, **{n: own[r] for r, n in names.items()}}
+
+
+def _check_model(model, mtp: Qwen3_5MTP) -> None:
+    if getattr(model, "tp", None) is not None:
+        raise NotImplementedError("the MTP layers run on a single-device model (no tensor-parallel shard)")
+    c, m = model.config, mtp.config
+    if (c.hidden_size, c.vocab_size, c.attention) != (m.hidden_size, m.vocab_size, m.attention):
+        raise ValueError(f"MTP layers built for hidden {m.hidden_size}, vocab {m.vocab_size}, attention {m.attention}; "
+                         f"the model has {c.hidden_size}, {c.vocab_size}, {c.attention}")
+
+
+def init(config: Qwen3_5Config, *, num_layers: int = 1, seed: int = 0, dtype=jnp.float32) -> Qwen3_5MTP:
+    """Random MTP layers for a toy model, drawn on the host with numpy: projections ``N(0, 1/fan_in)``, biases and
+    the zero-centred norm scales 0 (the Hugging Face init of the main model's layers)."""
+    dtype = check_param_dtype(dtype)
+    mtp = abstract_model(lambda: Qwen3_5MTP(config, num_layers=num_layers, rngs=nnx.Rngs(0), dtype=dtype))
+    rng = np.random.default_rng(seed)
+    values = {}
+    for path, var in nnx.to_flat_state(nnx.state(mtp, nnx.Param)):
+        shape = tuple(var.get_value().shape)
+        values[path] = (rng.normal(0.0, 1.0 / np.sqrt(shape[0]), shape) if str(path[-1]) == "kernel"
+                        else np.zeros(shape))
+    return assign_params(mtp, values)
+
+
+def init_mtp_caches(mtp: Qwen3_5MTP, *, num_pages: int, page_size: int, dtype=jnp.float32,
+                    kv_cache_dtype: str = "auto") -> dict[str, jax.Array]:
+    """Zeroed MTP caches: ``key_caches_<l>`` / ``value_caches_<l>`` ``[P, page_size, D]`` for each MTP layer
+    ``l = first_layer + i`` (``num_pages`` = the main model's page count: the same block tables address both);
+    ``kv_cache_dtype="fp8"``: float8_e4m3fn pages plus ``key_scale_caches_<l>`` / ``value_scale_caches_<l>``
+    ``f32[P]``, as :meth:`Qwen3_5ForCausalLM.init_caches`."""
+    a = mtp.config.attention
+    page_dtype = FP8_DTYPE if check_kv_cache_dtype(kv_cache_dtype) == "fp8" else dtype
+    specs = [GQACacheSpec(layer=mtp.first_layer + i, num_kv_heads=a.num_kv_heads, page_size=page_size,
+                          head_dim=a.head_dim, dtype=page_dtype) for i in range(mtp.num_layers)]
+    return create_caches(specs, num_pages)
+
+
+def draft_slots(
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
+    positions: jax.Array,  # i32[B]
+    ok: jax.Array,  # bool[B]: rows that write
+    page_size: int,
+) -> jax.Array:  # i32[B, Hkv]: page * page_size + offset of each row's position per KV head; -1 = skip
+    """Slot mapping of one token per row at ``positions``; ``-1`` where the row does not write, the position lies
+    past the table or its block is a hole."""
+    max_blocks = block_tables.shape[2]
+    blk = positions // page_size
+    inside = ok & (positions >= 0) & (blk < max_blocks)
+    page = jnp.take_along_axis(block_tables, jnp.clip(blk, 0, max_blocks - 1)[:, None, None], axis=2)[..., 0]
+    return jnp.where(inside[:, None] & (page >= 0), page * page_size + (positions % page_size)[:, None], -1)
+
+
+def mtp_propose(
+    model: Qwen3_5ForCausalLM,
+    mtp: Qwen3_5MTP,
+    pages: dict[str, jax.Array],  # the MTP caches (init_mtp_caches)
+    hidden: jax.Array,  # [T, H]: the main model's final-normed hidden state of each step token
+    inputs: StepInputs,  # that main-model step's inputs; logits_indices = each row's last accepted token
+    sampled: jax.Array,  # i32[B]: the token at position (last accepted + 1) of each row
+    *,
+    num_draft: int,
+) -> tuple[jax.Array, dict[str, jax.Array]]:  # (drafts i32[B, K], new MTP pages)
+    """Greedy drafts of ``num_draft`` tokens per row from the MTP layer (see the module docstring).
+
+    ``hidden`` and ``inputs`` are a main-model step's (:meth:`Qwen3_5ForCausalLM.forward_step_hidden`): a
+    prefill chunk, decode tokens or a verification of ``K + 1`` tokens per row, with ``inputs.logits_indices``
+    pointing at each row's last *accepted* token (position ``p``) and ``sampled[b]`` the token that follows it:
+    the token the main model sampled there (the bonus token after a verification), or, for a prefill chunk that
+    does not end its prompt, the prompt's next token. The catch-up step pairs every step token with the step's
+    next token (``sampled`` at the last accepted one); the tokens after it in a row pair with rejected drafts
+    and their K/V is overwritten before anything reads it. ``drafts[b, k]`` is the draft for position
+    ``p + 2 + k``; rows without tokens get ``-1``. Draft step ``k`` writes the K/V of position ``p + k``
+    (``k = 1 .. K-1``): the caller's block tables must have those pages (vLLM's lookahead slots), else the write
+    is skipped and the draft attends without it (a worse draft, never a wrong output: drafts are verified).
+    """
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+        raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
+    if mtp.num_layers != 1:
+        raise NotImplementedError(f"mtp_propose drafts with one MTP layer (Qwen3.5, Qwen3-Next); this one has "
+                                  f"{mtp.num_layers}")
+    t, b = hidden.shape[0], inputs.seq_lens.shape[0]
+    if inputs.token_ids.shape != (t,):
+        raise ValueError(f"hidden has {t} tokens, inputs.token_ids shape {tuple(inputs.token_ids.shape)}")
+    if sampled.shape != (b,):
+        raise ValueError(f"sampled must be i32[B={b}], got shape {tuple(sampled.shape)}")
+    cu, last = inputs.cu_seqlens, inputs.logits_indices
+    live = cu[1:] > cu[:-1]  # bool[B]
+    ids = inputs.token_ids
+    nxt = jnp.concatenate([ids[1:], ids[-1:]])  # i32[T]: the step's next token
+    nxt = nxt.at[jnp.where(live, last, t)].set(sampled.astype(nxt.dtype), mode="drop")
+    g, pages = mtp.step(model, pages, hidden, nxt, inputs.positions, cu_seqlens=cu, seq_lens=inputs.seq_lens,
+                        block_tables=inputs.block_tables, slot_mapping=inputs.slot_mapping)
+    g = g[last]  # [B, H]
+    tok = jnp.argmax(mtp.logits(model, g), axis=-1).astype(jnp.int32)  # i32[B]
+    drafts = [tok]
+    page_size = pages[cache_name("key", mtp.first_layer)].shape[1]
+    room = inputs.block_tables.shape[2] * page_size
+    p0 = inputs.positions[last]  # i32[B]
+    one = jnp.arange(b + 1, dtype=jnp.int32)  # one token per row
+    for k in range(1, num_draft):
+        pos = p0 + k
+        ok = live & (pos < room)
+        g, pages = mtp.step(
+            model, pages, g, tok, pos, cu_seqlens=one, seq_lens=jnp.where(ok, pos + 1, 0),
+            block_tables=inputs.block_tables, slot_mapping=draft_slots(inputs.block_tables, pos, ok, page_size),
+        )
+        tok = jnp.argmax(mtp.logits(model, g), axis=-1).astype(jnp.int32)
+        drafts.append(tok)
+    return jnp.where(live[:, None], jnp.stack(drafts, axis=1), -1), pages
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttachedMTP:
+    """A loaded model's MTP layers, held beside its parameters (a static attribute: not part of the model's
+    parameter tree, so its sharding plan, ``with_swa`` and the engine's step are unchanged). Read it with
+    :func:`mtp_of`; split it (``nnx.split``) to pass its parameters into a jitted step."""
+
+    module: Qwen3_5MTP
+
+
+def attach(model, mtp: Qwen3_5MTP | None):
+    """Keep ``mtp`` beside ``model`` (``model.mtp``); returns ``model``."""
+    model.mtp = None if mtp is None else AttachedMTP(mtp)
+    return model
+
+
+def mtp_of(model) -> Qwen3_5MTP | None:
+    """The MTP layers loaded with ``model`` (:func:`kvjax.models.load_pretrained` of a checkpoint with ``mtp.*``
+    tensors), else ``None``."""
+    held = getattr(model, "mtp", None)
+    return None if held is None else held.module
