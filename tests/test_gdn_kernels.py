@@ -107,13 +107,42 @@ def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks, stag
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
-def test_prep_options_validated():
+@pytest.mark.parametrize("dtype,kd,vd,segment_chunks", [(jnp.float32, 24, 20, 0), (jnp.bfloat16, 16, 16, 1)])
+def test_seq_group_form_interpret(rng, dtype, kd, vd, segment_chunks):
+    """The sequential kernel's "group" form (a key head's value heads in one program, one state each), whole
+    sequences and chunk-parallel segments, against the recurrent reference: chunks shared by sequences, a row
+    without initial state, a padding row (untouched), leading tokens outside every sequence, K / V that the value
+    blocks do not divide."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+
+    lens = [70, 1, 0, 150, 3]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 3, kd, vd, dtype, pad_tokens=5)
+    cu = cu + 2
+    flags = jnp.asarray([3, 2, 3, 3, 0], jnp.int32)
+    o, pool = chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, seq_form="group", prep_form="group",
+        segment_chunks=segment_chunks, transition_block=16, scan_block=16, interpret=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0.at[1].set(0))
+    live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[4]))
+    ro = jnp.where(live_tok[:, None, None], ro, 0)
+    assert rel_err(o, ro) <= TOL[dtype] and rel_err(pool[:4], rf[:4]) <= TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(pool[4]), np.asarray(s0[4]), err_msg="padding row written")
+
+
+def test_prep_and_seq_options_validated(rng):
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.prep import check_prep_options
 
     for bad, match in [(("rows", 1, 1), "prep_form.*'rows'"), (("group", 0, 1), "prep_chunks.*0"),
                        (("group", 2, 0), "prep_num_stages.*0")]:
         with pytest.raises(ValueError, match=match):
             check_prep_options(*bad)
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [3], 1, 2, 16, 16, jnp.float32)
+    with pytest.raises(ValueError, match="seq_form.*'rows'"):
+        chunk_gated_delta_rule_pool(q, k, v, g, beta, s0, cu_seqlens=cu, rows=jnp.arange(1, dtype=jnp.int32),
+                                    flags=jnp.full((1,), 3, jnp.int32), scale=0.25, seq_form="rows", interpret=True)
 
 
 @pytest.mark.parametrize("dtype,kd,vd", [(jnp.float32, 16, 16), (jnp.bfloat16, 16, 16), (jnp.float32, 24, 20)])
@@ -418,6 +447,30 @@ def test_chunk_pool_kernel_gpu(rng, dtype):
     o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
                                        use_qk_l2norm=True)
+    init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.1, use_qk_l2norm=True), init)
+    assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("forms", [dict(prep_form="group"), dict(prep_form="group", prep_chunks=3),
+                                   dict(prep_form="group", prep_chunks=4, prep_num_stages=2),
+                                   dict(prep_form="group", seq_form="group"),
+                                   dict(prep_form="group", seq_form="group", segment_chunks=4)])
+def test_group_forms_gpu(rng, dtype, forms):
+    """The "group" forms of the preparation and sequential kernels (issue 38) compiled, on the issue's ragged
+    grid with every third row starting from zeros, against the recurrent reference."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, dtype, pad_tokens=70)
+    cu = cu + 7
+    n = len(GPU_LENS)
+    flags = jnp.asarray(np.where(np.arange(n) % 3 == 1, 2, 3), jnp.int32)
+    o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
+                                       rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=0.1,
+                                       use_qk_l2norm=True, **forms)
     init = jnp.where((np.arange(n) % 3 == 1)[:, None, None, None], 0.0, s0)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.1, use_qk_l2norm=True), init)
