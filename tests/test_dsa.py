@@ -11,8 +11,22 @@ import torch
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
 from kvjax.ops import dsa, mla
+from kvjax.pallas.split_kv import Tiles
 
 FP8_MAX = 448.0
+
+
+def _sparse_call(q, qr, *rest, scale, splits=None):
+    """A sparse op's positional arguments ``(q, qr, *cache, tables, lens, topk)`` as a kernel's normalised call
+    ``(call, *cache)``."""
+    *cache, tables, lens, topk = rest
+    call = mla.MLADecodeCall(q, qr, tables, lens, scale=scale, num_kv_splits=splits, topk_indices=topk)
+    return (call, *cache)
+
+
+def _indexer_call(q, w, index_k, index_scale, tables, lens, *, cu_seqlens, scale):
+    """``indexer_scores``' positional arguments as a kernel's normalised call ``(call, index_k, index_scale)``."""
+    return dsa.IndexerCall(q, w, tables, lens, cu_seqlens, scale=scale), index_k, index_scale
 
 
 def _quant_np(x, block=128):
@@ -237,12 +251,13 @@ def _sparse_case(rng, lens, h, page_size, max_blocks, k, dtype):
 
 @pytest.mark.parametrize("splits, block_n", [(1, 16), (3, 32)])
 def test_sparse_pallas_interpret_matches_reference(rng, splits, block_n):
-    from kvjax.pallas.mla.decode import sparse_mla_decode_pallas
+    from kvjax.pallas.mla.decode import mla_decode_pallas
 
     args = _sparse_case(rng, [70, 9, 33, 0], h=3, page_size=16, max_blocks=5, k=40, dtype=jnp.bfloat16)
     want = dsa.sparse_mla_decode(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args],
                                  scale=0.05, impl="reference")
-    got = sparse_mla_decode_pallas(*args, scale=0.05, num_kv_splits=splits, block_n=block_n, interpret=True)
+    got = mla_decode_pallas(*_sparse_call(*args, scale=0.05, splits=splits), tiles=Tiles(block_n=block_n),
+                            interpret=True)
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[-1], 0.0)  # nothing selected
@@ -258,9 +273,9 @@ def test_sparse_pallas_gpu(rng, h):
     want = dsa.sparse_mla_decode(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args],
                                  scale=0.05, impl="reference")
     for splits in (None, 1, 4):
-        from kvjax.pallas.mla.decode import sparse_mla_decode_pallas
+        from kvjax.pallas.mla.decode import mla_decode_pallas
 
-        got = np.asarray(sparse_mla_decode_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
+        got = np.asarray(mla_decode_pallas(*_sparse_call(*args, scale=0.05, splits=splits)), np.float32)
         assert np.isfinite(got).all()
         assert np.linalg.norm(got - np.asarray(want)) / np.linalg.norm(np.asarray(want)) <= 2e-2
 
@@ -374,7 +389,8 @@ def test_indexer_pallas_interpret_matches_reference(rng, block, ppp, q_dtype):
     args, cu = _indexer_case(rng, [70, 9, 33, 1, 80], [3, 9, 1, 1, 2], hi=6, di=128, page_size=16,
                              max_blocks=5, block=block, pad_tokens=2, q_dtype=q_dtype)
     want = dsa.indexer_scores(*args, cu_seqlens=cu, scale=scale, impl="reference")
-    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale, pages_per_program=ppp, interpret=True)
+    got = indexer_scores_pallas(*_indexer_call(*args, cu_seqlens=cu, scale=scale), pages_per_program=ppp,
+                                interpret=True)
     assert np.isneginf(np.asarray(got)[-2:]).all()  # padding tokens
     assert np.isneginf(np.asarray(got)[0, :16]).all()  # the hole in row 0
     overlap = _check_indexer(got, want, _bf16_bound(args, cu, scale), topk=12)
@@ -391,9 +407,11 @@ def test_indexer_dispatch_and_kernel_validation(rng):
     assert "reference" in dsa.INDEXER_TABLE.available()
     q, w, kq, ks, tables, lens = args
     with pytest.raises(ValueError, match="page_size"):  # Triton tiles need powers of two >= 16
-        indexer_scores_pallas(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1, interpret=True)
-    assert unsupported(q, w, kq, ks) is None and "float8_e4m3fn" in unsupported(q, w, kq.astype(jnp.float32), ks)
-    assert "page_size" in unsupported(q, w, kq[:, :8], ks[:, :8])
+        indexer_scores_pallas(*_indexer_call(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1),
+                              interpret=True)
+    call = dsa.IndexerCall(q, w, tables, lens, cu, scale=0.1)
+    assert unsupported(call, kq, ks) is None and "float8_e4m3fn" in unsupported(call, kq.astype(jnp.float32), ks)
+    assert "page_size" in unsupported(call, kq[:, :8], ks[:, :8])
     with pytest.raises(UnknownImplError, match="page_size"):  # the op names the kernel's limits
         dsa.indexer_scores(q, w, kq[:, :8], ks[:, :8], tables, lens, cu_seqlens=cu, scale=0.1, impl="interpret")
 
@@ -410,7 +428,7 @@ def test_indexer_pallas_gpu(rng):
                              q_dtype=jnp.bfloat16)
     with jax.default_matmul_precision("highest"):  # no TF32 in the f32 reference
         want = dsa.indexer_scores(*args, cu_seqlens=cu, scale=scale, impl="reference")
-    got = indexer_scores_pallas(*args, cu_seqlens=cu, scale=scale)
+    got = indexer_scores_pallas(*_indexer_call(*args, cu_seqlens=cu, scale=scale))
     overlap = _check_indexer(got, want, _bf16_bound(args, cu, scale), topk=2048)
     assert overlap >= 0.99
 
@@ -436,7 +454,8 @@ def test_sparse_fp8_pallas_interpret_matches_reference(rng, splits, block_n):
     key, ks, rope = _fp8_roles((q, qr, pages))
     args = (q, qr, key, ks, rope, tables, lens, idx)
     want = np.asarray(dsa.sparse_mla_decode_fp8(*args, scale=0.05, impl="reference"))
-    got = sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits, block_n=block_n, interpret=True)
+    got = sparse_mla_decode_fp8_pallas(*_sparse_call(*args, scale=0.05, splits=splits), tiles=Tiles(block_n=block_n),
+                                       interpret=True)
     assert got.dtype == q.dtype
     got = np.asarray(got)
     assert np.isfinite(got).all()
@@ -454,19 +473,21 @@ def test_sparse_fp8_kernel_validation(rng):
                                                    dtype=jnp.float32)
     key, ks, rope = _fp8_roles((q, qr, pages))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        sparse_mla_decode_fp8_pallas(q, qr, key.astype(jnp.float32), ks, rope, tables, lens, idx, scale=0.1,
-                                     interpret=True)
+        sparse_mla_decode_fp8_pallas(*_sparse_call(q, qr, key.astype(jnp.float32), ks, rope, tables, lens, idx,
+                                                   scale=0.1), interpret=True)
     with pytest.raises(ValueError, match="powers of two"):  # 512 / 64 scales = 8-wide groups
-        sparse_mla_decode_fp8_pallas(q, qr, key, jnp.ones((*key.shape[:2], 64)), rope, tables, lens, idx,
-                                     scale=0.1, interpret=True)
+        sparse_mla_decode_fp8_pallas(*_sparse_call(q, qr, key, jnp.ones((*key.shape[:2], 64)), rope, tables, lens,
+                                                   idx, scale=0.1), interpret=True)
     with pytest.raises(ValueError, match="not a multiple"):
         dsa.sparse_mla_decode_fp8(q, qr, key, jnp.ones((*key.shape[:2], 3)), rope, tables, lens, idx, scale=0.1)
     with pytest.raises(ValueError, match="powers of two"):  # the op names the kernel's limits too
         dsa.sparse_mla_decode_fp8(q, qr, key, jnp.ones((*key.shape[:2], 64)), rope, tables, lens, idx, scale=0.1,
                                   impl="interpret")
-    assert unsupported(q, qr, key, ks) is None
-    assert "powers of two" in unsupported(q, qr, key, jnp.ones((*key.shape[:2], 64)))
-    assert "float8_e4m3fn" in unsupported(q, qr, key.astype(jnp.float32), ks)
+    assert unsupported(*_sparse_call(q, qr, key, ks, rope, tables, lens, idx, scale=0.1)) is None
+    wide = _sparse_call(q, qr, key, jnp.ones((*key.shape[:2], 64)), rope, tables, lens, idx, scale=0.1)
+    assert "powers of two" in unsupported(*wide)
+    assert "float8_e4m3fn" in unsupported(*_sparse_call(q, qr, key.astype(jnp.float32), ks, rope, tables, lens, idx,
+                                                        scale=0.1))
 
 
 @pytest.mark.gpu
@@ -482,7 +503,7 @@ def test_sparse_fp8_pallas_gpu(rng, h):
         want = np.asarray(dsa.sparse_mla_decode_fp8(q.astype(jnp.float32), qr.astype(jnp.float32), *args[2:],
                                                     scale=0.05, impl="reference"))
     for splits in (None, 1, 4):
-        got = np.asarray(sparse_mla_decode_fp8_pallas(*args, scale=0.05, num_kv_splits=splits), np.float32)
+        got = np.asarray(sparse_mla_decode_fp8_pallas(*_sparse_call(*args, scale=0.05, splits=splits)), np.float32)
         assert np.isfinite(got).all()
         assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 2e-2  # bf16 output on top of 1e-2
 
@@ -495,7 +516,7 @@ def _sparse_fp8_call(h, dtype=jnp.float8_e4m3fn, scales=4, b=32, context=8192, t
     args = (sds((b, h, 512), jnp.bfloat16), sds((b, h, 64), jnp.bfloat16), sds(pages + (512,), dtype),
             sds(pages + (scales,), jnp.float32), sds(pages + (64,), jnp.bfloat16),
             sds((b, 1, context // 64), jnp.int32), sds((b,), jnp.int32), sds((b, topk), jnp.int32))
-    return args, dict(scale=0.07)
+    return _sparse_call(*args, scale=0.07), {}
 
 
 def _auto(table, call, device):
@@ -539,4 +560,4 @@ def test_explicit_dsa_impl_that_cannot_take_the_call_raises(rng):
     with pytest.raises(UnknownImplError, match="no implementation 'mosaic'"):
         dsa.sparse_mla_decode(q, qr, pages, tables, lens, idx, scale=0.1, impl="mosaic")
     with pytest.raises(UnknownImplError, match="needs a GPU"):
-        dsa.SPARSE_TABLE.choose("pallas", (q, qr, pages, tables, lens, idx), dict(scale=0.1), NAMED["cpu"])
+        dsa.SPARSE_TABLE.choose("pallas", _sparse_call(q, qr, pages, tables, lens, idx, scale=0.1), {}, NAMED["cpu"])

@@ -10,8 +10,14 @@ import pytest
 from kvjax.base.device import NAMED, current_device
 from kvjax.errors import UnknownImplError
 from kvjax.ops import mla
+from kvjax.pallas.split_kv import Tiles
 
 RANK, ROPE = 512, 64
+
+
+def _call(q, qr, pages, tables, lens, *, scale, splits=None, topk=None):
+    """The public op's positional arguments as a kernel's normalised call ``(call, latent_pages)``."""
+    return mla.MLADecodeCall(q, qr, tables, lens, scale=scale, num_kv_splits=splits, topk_indices=topk), pages
 
 
 def _paged_latent(rng, lens, page_size, max_blocks, *, extra_pages=3, dtype=np.float32):
@@ -134,7 +140,7 @@ def _decode_args(b=2, h=4, page_size=8, max_blocks=3, num_pages=6):
     [
         (lambda a: (a[0][0],) + a[1:], "q_latent must have rank 3"),
         (lambda a: (a[0], a[1][:, :2]) + a[2:], "q_rope must have shape"),
-        (lambda a: a[:2] + (a[2][..., :RANK],) + a[3:], "latent_pages last dim"),
+        (lambda a: a[:2] + (a[2][..., :RANK],) + a[3:], r"latent_pages must have shape \('\*', '\*', 576\)"),
         (lambda a: a[:3] + (a[3].astype(jnp.float32),) + a[4:], "block_tables must have dtype"),
         (lambda a: a[:3] + (jnp.zeros((2, 2, 3), jnp.int32),) + a[4:], r"block_tables must have shape \(2, 1"),
         (lambda a: a[:4] + (a[4][:1],), "seq_lens must have shape"),
@@ -153,6 +159,26 @@ def test_decode_validation_scalars():
         mla.mla_decode(*args, scale=0.0, impl="reference")
     with pytest.raises(ValueError, match="num_kv_splits must be None or an int >= 1"):
         mla.mla_decode(*args, scale=0.1, num_kv_splits=0, impl="reference")
+
+
+def test_call_is_a_pytree_with_static_options(rng):
+    """The call's arrays are its leaves (``topk_indices=None`` adds none), ``scale`` / ``num_kv_splits`` are static
+    (a new value is a new tree structure, so a jitted kernel retraces) and are checked when the call is built."""
+    q, qr, pages, tables, lens = _random_decode(rng, [5, 9], h=4, page_size=8, max_blocks=2, dtype=jnp.bfloat16)
+    call, _ = _call(q, qr, pages, tables, lens, scale=1, splits=3)
+    leaves, tree = jax.tree.flatten(call)
+    assert [x is y for x, y in zip(leaves, (q, qr, tables, lens))] == [True] * 4 and len(leaves) == 4
+    assert call.scale == 1.0 and isinstance(call.scale, float)
+    assert jax.tree.unflatten(tree, leaves) == call
+    assert jax.tree.structure(_call(q, qr, pages, tables, lens, scale=0.5, splits=3)[0]) != tree
+    topk = jnp.asarray(rng.integers(0, 5, (2, 3)), jnp.int32)
+    assert len(jax.tree.leaves(_call(q, qr, pages, tables, lens, scale=1, topk=topk)[0])) == 5
+    for bad in (0.0, -1.0, True, "0.1", float("nan")):
+        with pytest.raises(ValueError, match="scale must be a positive"):
+            mla.MLADecodeCall(q, qr, tables, lens, scale=bad)
+    for bad in (0, True, 2.0, 2**31):
+        with pytest.raises(ValueError, match="num_kv_splits must be None or an int"):
+            mla.MLADecodeCall(q, qr, tables, lens, scale=0.1, num_kv_splits=bad)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -174,7 +200,7 @@ def _rel_err(got, want):
 
 def _oracle(q, qr, pages, tables, lens, scale):
     f32 = lambda x: x.astype(jnp.float32)
-    return mla.mla_decode_reference(f32(q), f32(qr), f32(pages), tables, lens, scale=scale)
+    return mla.mla_decode_reference(*_call(f32(q), f32(qr), f32(pages), tables, lens, scale=scale))
 
 
 @pytest.mark.parametrize("splits, block_n", [(1, None), (8, 128), (3, 32)])
@@ -189,7 +215,8 @@ def test_pallas_interpret_matches_reference(rng, splits, block_n):
     if block_n is None:
         got = mla.mla_decode(*args, scale=scale, num_kv_splits=splits, impl="interpret")
     else:
-        got = mla_decode_pallas(*args, scale=scale, num_kv_splits=splits, block_n=block_n, interpret=True)
+        got = mla_decode_pallas(*_call(*args, scale=scale, splits=splits), tiles=Tiles(block_n=block_n),
+                                interpret=True)
     assert got.dtype == jnp.bfloat16 and got.shape == (6, 5, RANK)
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -219,8 +246,8 @@ def test_lse_merge_is_exact_and_stage1_matches(rng):
     lens, page_size, splits, scale = [7, 130, 64, 1], 32, 3, 0.05
     q, qr, pages, tables, lens_a = _random_decode(rng, lens, h=16, page_size=page_size, max_blocks=5,
                                                   dtype=jnp.float32)
-    full_o, full_lse = mla.mla_decode_reference(q, qr, pages, tables, lens_a, scale=scale, return_lse=True)
-    parts = [mla.mla_decode_reference(q, qr, pages, jnp.asarray(t), lens_a, scale=scale, return_lse=True)
+    full_o, full_lse = mla.mla_decode_reference(*_call(q, qr, pages, tables, lens_a, scale=scale), return_lse=True)
+    parts = [mla.mla_decode_reference(*_call(q, qr, pages, jnp.asarray(t), lens_a, scale=scale), return_lse=True)
              for t in _split_tables(np.asarray(tables), lens, page_size, splits)]
     o_parts = jnp.stack([p[0] for p in parts], 1)  # [B, S, H, R]
     lse_parts = jnp.stack([p[1] for p in parts], 1)  # [B, S, H]
@@ -257,7 +284,7 @@ def test_mosaic_interpret_matches_reference(rng):
     tables = tables.at[2, 0, 1].set(-1)  # tokens 64..127 of row 2 are not attendable
     want = np.asarray(_oracle(q, qr, pages, tables, lens_a, 0.06))
     for splits in (1, 3):
-        got = mla_decode_mgpu(q, qr, pages, tables, lens_a, scale=0.06, num_kv_splits=splits, interpret=True)
+        got = mla_decode_mgpu(*_call(q, qr, pages, tables, lens_a, scale=0.06, splits=splits), interpret=True)
         assert got.dtype == jnp.bfloat16 and got.shape == (4, h, RANK)
         got = np.asarray(got, np.float32)
         assert np.isfinite(got).all()
@@ -275,13 +302,12 @@ def test_mosaic_rejects_unsupported_shapes(rng):
     assert shape_limits(q, qr, pages64) is None
     assert shape_limits(q, qr, pages64.astype(jnp.float32)) == "a bf16 or f16 latent cache, got float32"
     with pytest.raises(ValueError, match="page_size a multiple of 64, got 32"):
-        mla_decode_mgpu(q, qr, pages, tables, lens, scale=0.1)
+        mla_decode_mgpu(*_call(q, qr, pages, tables, lens, scale=0.1))
     # the backend table's check: the same limits, and at most 16 heads declined (the Pallas kernel is faster)
-    assert unsupported(q, qr, pages, tables, lens, scale=0.1, num_kv_splits=None) == \
-        "needs page_size a multiple of 64, got 32"
-    assert "H = 4 <= 16 heads" in unsupported(q, qr, pages64, tables, lens, scale=0.1, num_kv_splits=None)
+    assert unsupported(*_call(q, qr, pages, tables, lens, scale=0.1)) == "needs page_size a multiple of 64, got 32"
+    assert "H = 4 <= 16 heads" in unsupported(*_call(q, qr, pages64, tables, lens, scale=0.1))
     q17, qr17 = jnp.zeros((1, 17, RANK), jnp.bfloat16), jnp.zeros((1, 17, ROPE), jnp.bfloat16)
-    assert unsupported(q17, qr17, pages64, tables, lens, scale=0.1, num_kv_splits=None) is None
+    assert unsupported(*_call(q17, qr17, pages64, tables, lens, scale=0.1)) is None
 
 
 def test_mosaic_num_kv_splits_choice():
@@ -298,11 +324,7 @@ def test_mosaic_num_kv_splits_choice():
 
 
 def _decode_call(h, page_size=64, dtype=jnp.bfloat16, b=128, context=4096):
-    sds = jax.ShapeDtypeStruct
-    blocks = context // page_size
-    args = (sds((b, h, RANK), dtype), sds((b, h, ROPE), dtype), sds((b * blocks, page_size, RANK + ROPE), dtype),
-            sds((b, 1, blocks), jnp.int32), sds((b,), jnp.int32))
-    return args, dict(scale=0.07, num_kv_splits=None)
+    return mla.example_call(b, h, context, page_size=page_size, dtype=dtype)
 
 
 def test_table_chooses_as_documented():
@@ -345,15 +367,15 @@ def test_explicit_impl_that_cannot_take_the_call_raises(rng):
         mla.mla_decode(*args, scale=0.1, impl="triton:interpret")
     with pytest.raises(UnknownImplError, match="no implementation 'cuda'"):
         mla.mla_decode(*args, scale=0.1, impl="cuda")
-    kw = dict(scale=0.1, num_kv_splits=None)
+    call = _call(*args, scale=0.1)
     with pytest.raises(UnknownImplError, match="needs a Hopper GPU"):
-        mla.TABLE.choose("mosaic", args, kw, NAMED["a100"])
+        mla.TABLE.choose("mosaic", call, {}, NAMED["a100"])
     with pytest.raises(UnknownImplError, match="needs a GPU"):
-        mla.TABLE.choose("pallas", args, kw, NAMED["cpu"])
+        mla.TABLE.choose("pallas", call, {}, NAMED["cpu"])
     # 64 heads: the Mosaic kernel's interpreter may take the call (same contract as the Pallas kernel)
     q64 = jnp.zeros((2, 64, RANK), jnp.bfloat16), jnp.zeros((2, 64, ROPE), jnp.bfloat16)
-    assert mla.TABLE.choose("mosaic:interpret", q64 + args[2:], kw)[0] == "mosaic:interpret"
-    assert mla.TABLE.choose("interpret", args, kw)[0] == "interpret"
+    assert mla.TABLE.choose("mosaic:interpret", _call(*q64, *args[2:], scale=0.1), {})[0] == "mosaic:interpret"
+    assert mla.TABLE.choose("interpret", call, {})[0] == "interpret"
 
 
 @pytest.mark.gpu
@@ -373,7 +395,7 @@ def test_kernels_gpu_long_mixed(rng, impl, h):
 
             with pytest.raises(UnknownImplError, match="heads"):
                 mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
-            got = mla_decode_mgpu(*args, scale=0.07, num_kv_splits=splits)
+            got = mla_decode_mgpu(*_call(*args, scale=0.07, splits=splits))
         else:
             got = mla.mla_decode(*args, scale=0.07, num_kv_splits=splits, impl=impl)
         assert np.isfinite(np.asarray(got, np.float32)).all()
@@ -384,11 +406,11 @@ def test_kernels_gpu_long_mixed(rng, impl, h):
         from kvjax.pallas.mla.decode import mla_decode_pallas as fn
     else:
         from kvjax.triton.mla_decode import mla_decode_triton as fn
-    got = fn(*args, scale=0.07, num_kv_splits=3, block_n=32)
+    got = fn(*_call(*args, scale=0.07, splits=3), tiles=Tiles(block_n=32))
     assert _rel_err(got, want) <= 2e-2, (impl, h, 32)
     # 128 rows across two pages per step; 2 stages and fewer heads per program to fit shared memory
-    got = fn(*args, scale=0.07, num_kv_splits=3, block_n=128, block_h=16 if h == 16 else 32,
-             num_warps=4 if h == 16 else 8, num_stages=2)
+    got = fn(*_call(*args, scale=0.07, splits=3), tiles=Tiles(block_n=128, block_h=16 if h == 16 else 32,
+                                                               num_warps=4 if h == 16 else 8, num_stages=2))
     assert _rel_err(got, want) <= 2e-2, (impl, h, 128)
 
 
@@ -453,9 +475,9 @@ def test_triton_tiles_decline_other_head_dims(rng, rank, rope, page_size):
     q = jnp.asarray(rng.standard_normal((2, 4, rank)), jnp.float32)
     qr = jnp.asarray(rng.standard_normal((2, 4, rope)), jnp.float32)
     args = (q, qr, pages, tables, jnp.asarray(lens))
-    why = dict(mla.TABLE.explain(args, dict(scale=0.1, num_kv_splits=None), NAMED["h100"]))
+    why = dict(mla.TABLE.explain(_call(*args, scale=0.1), {}, NAMED["h100"]))
     assert "power-of-two" in why["pallas"] and why["mosaic"] is not None and why["triton"] is not None
-    assert mla.TABLE.choose("auto", args, dict(scale=0.1, num_kv_splits=None), NAMED["h100"])[0] == "reference"
+    assert mla.TABLE.choose("auto", _call(*args, scale=0.1), {}, NAMED["h100"])[0] == "reference"
     for impl in ("interpret", "pallas"):  # off a GPU "pallas" names the device first
         with pytest.raises(UnknownImplError, match="power-of-two" if impl == "interpret" else "power-of-two|GPU"):
             mla.mla_decode(*args, scale=0.1, impl=impl)

@@ -19,10 +19,14 @@ scales + ``bf16[P, page_size, r]`` rope key. Positions map to pages through ``bl
 Each kernel op validates on the host and runs what its backend table chooses for ``impl``
 (:mod:`kvjax.ops.backends`): :data:`INDEXER_TABLE`, :data:`SPARSE_TABLE`, :data:`SPARSE_FP8_TABLE`, each a
 ``"pallas"`` kernel of :mod:`kvjax.pallas.mla` (Triton lowering, any GPU) over the float32 reference. A named
-kernel that cannot take the call raises :class:`~kvjax.errors.UnknownImplError` with the reason.
+kernel that cannot take the call raises :class:`~kvjax.errors.UnknownImplError` with the reason. The sparse
+decode ops build one :class:`~kvjax.ops.mla.MLADecodeCall` (``topk_indices`` set) and hand it, with the cache,
+to the chosen implementation: ``fn(call, latent_pages)`` / ``fn(call, key, key_scale, key_rope)``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +35,9 @@ from kvjax.base.checks import check_array, check_cu_seqlens, check_float, check_
 from kvjax.base.fp8 import dequantize_fp8_blockwise
 from kvjax.base.softmax import masked_softmax
 from kvjax.ops.backends import Backend, BackendTable, on_gpu
+from kvjax.ops.mla import MLADecodeCall, check_call, check_scale, example_call, page_of
 from kvjax.pallas.mla import decode as mla_pallas
 from kvjax.pallas.mla import dsa_indexer, dsa_sparse
-
-
-def _page_of(block_tables, positions, page_size):
-    """``block_tables i32[B, 1, mb]``, ``positions i32[B, K]`` -> page i32[B, K] (-1 where none), offset."""
-    mb = block_tables.shape[-1]
-    blk = positions // page_size
-    ok = (positions >= 0) & (blk < mb)
-    page = jnp.take_along_axis(block_tables[:, 0, :], jnp.clip(blk, 0, mb - 1), axis=1)
-    return jnp.where(ok, page, -1), positions % page_size
 
 
 def indexer_rope(
@@ -79,38 +75,50 @@ def _token_rows(cu_seqlens, seq_lens, t):
     return row, pos, valid
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class IndexerCall:
+    """One lightning-indexer call: built once by :func:`indexer_scores` and handed unchanged to its backend table
+    and the chosen implementation, the indexer cache (``index_k``, ``index_scale``) beside it. A pytree: the
+    arrays are leaves, ``scale`` is static (checked here)."""
+
+    q: jax.Array  # [T, Hi, Di] roped indexer queries
+    weights: jax.Array  # f32[T, Hi] per-head weights (n_heads**-0.5 applied)
+    block_tables: jax.Array  # i32[B, 1, max_blocks]
+    seq_lens: jax.Array  # i32[B], context length including this step's tokens
+    cu_seqlens: jax.Array  # i32[B+1]
+    scale: float = dataclasses.field(metadata=dict(static=True))  # index_head_dim**-0.5 in DeepSeek-V3.2
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale", check_scale(self.scale))
+
+
 def indexer_scores_reference(
-    q: jax.Array,  # [T, Hi, Di] roped indexer queries
-    weights: jax.Array,  # f32[T, Hi] per-head weights (n_heads**-0.5 applied)
+    call: IndexerCall,
     index_k: jax.Array,  # [P, page_size, Di] indexer keys (f8e4m3 with scales, or any float)
     index_scale: jax.Array | None,  # f32[P, page_size, Di // block] | None (no scaling)
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B], context length including this step's tokens
-    *,
-    cu_seqlens: jax.Array,  # i32[B+1]
-    scale: float,
 ) -> jax.Array:  # f32[T, max_blocks * page_size]
     """Float32 oracle of :func:`indexer_scores` (arguments already validated)."""
-    t = q.shape[0]
-    b = block_tables.shape[0]
+    t = call.q.shape[0]
+    b = call.block_tables.shape[0]
     page_size = index_k.shape[1]
-    length = block_tables.shape[-1] * page_size
+    length = call.block_tables.shape[-1] * page_size
     pos_all = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    page, off = _page_of(block_tables, pos_all, page_size)
+    page, off = page_of(call.block_tables, pos_all, page_size)
     keys = index_k[jnp.maximum(page, 0), off].astype(jnp.float32)  # [B, L, Di]
     if index_scale is not None:
         keys = dequantize_fp8_blockwise(keys, index_scale[jnp.maximum(page, 0), off])
     present = page >= 0
     keys = jnp.where(present[..., None], keys, 0.0)
-    row, pos, valid = _token_rows(cu_seqlens, seq_lens, t)
+    row, pos, valid = _token_rows(call.cu_seqlens, call.seq_lens, t)
 
     def one(qt, wt, r, p, ok):
         s = jnp.maximum(jnp.einsum("hd,ld->hl", qt.astype(jnp.float32), keys[r]), 0.0)
-        score = jnp.einsum("h,hl->l", wt.astype(jnp.float32), s) * scale
+        score = jnp.einsum("h,hl->l", wt.astype(jnp.float32), s) * call.scale
         visible = present[r] & (jnp.arange(length) <= p) & ok
         return jnp.where(visible, score, -jnp.inf)
 
-    return jax.lax.map(lambda a: one(*a), (q, weights, row, pos, valid))
+    return jax.lax.map(lambda a: one(*a), (call.q, call.weights, row, pos, valid))
 
 
 def indexer_scores(
@@ -132,7 +140,8 @@ def indexer_scores(
     (``kvjax.pallas.mla.dsa_indexer``) multiplies bf16 queries by the exactly decoded fp8 keys with f32
     accumulation; the reference is f32 throughout. The kernel takes only fp8 keys whose page size and
     scale-group width are powers of two >= 16 (it would round other float keys to bf16): ``impl="auto"`` runs
-    the reference for the others.
+    the reference for the others. Builds one :class:`IndexerCall`; the implementation gets
+    ``(call, index_k, index_scale)``.
     """
     check_float("q", q, rank=3)
     t, hi, di = q.shape
@@ -148,10 +157,8 @@ def indexer_scores(
     check_int32("cu_seqlens", cu_seqlens, shape=(b + 1,))
     check_cu_seqlens(cu_seqlens, t)
     check_seq_lens(seq_lens, block_tables.shape[-1] * index_k.shape[1])
-    _check_scale(scale)
-    args = (q, weights, index_k, index_scale, block_tables, seq_lens)
-    kwargs = dict(cu_seqlens=cu_seqlens, scale=float(scale))
-    return INDEXER_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    call = IndexerCall(q, weights, block_tables, seq_lens, cu_seqlens, scale=scale)
+    return INDEXER_TABLE.choose(impl, (call, index_k, index_scale), {})[1](call, index_k, index_scale)
 
 
 def index_topk(scores: jax.Array, topk: int) -> jax.Array:
@@ -172,57 +179,31 @@ def index_topk(scores: jax.Array, topk: int) -> jax.Array:
     return idx
 
 
-def _selected(block_tables, seq_lens, topk_indices, page_size):
-    """Where the selected positions ``i32[B, K]`` live: page i32[B, K] (0 where none), offset i32[B, K] and
+def _selected(call: MLADecodeCall, page_size: int):
+    """Where the call's selected positions ``i32[B, K]`` live: page i32[B, K] (0 where none), offset i32[B, K] and
     valid bool[B, K] (a page exists and the position is ``< seq_lens``)."""
-    page, off = _page_of(block_tables, topk_indices, page_size)
-    valid = (page >= 0) & (topk_indices < seq_lens[:, None])
+    page, off = page_of(call.block_tables, call.topk_indices, page_size)
+    valid = (page >= 0) & (call.topk_indices < call.seq_lens[:, None])
     return jnp.maximum(page, 0), off, valid
 
 
-def _sparse_attend(q_latent, q_rope, rows, valid, scale):
-    """q_latent [B, H, R], q_rope [B, H, r], rows f32[B, K, R+r], valid bool[B, K] -> [B, H, R] in q_latent's
-    dtype (float32 math); no visible key -> 0."""
-    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
+def _sparse_attend(call: MLADecodeCall, rows, valid):
+    """The call's queries over rows f32[B, K, R+r] where valid bool[B, K] -> [B, H, R] in q_latent's dtype (float32
+    math); no visible key -> 0."""
+    q = jnp.concatenate([call.q_latent, call.q_rope], axis=-1).astype(jnp.float32)
     rows = jnp.where(valid[..., None], rows, 0.0)
-    s = jnp.einsum("bhd,bkd->bhk", q, rows) * scale
+    s = jnp.einsum("bhd,bkd->bhk", q, rows) * call.scale
     p, _ = masked_softmax(s, valid[:, None, :])
-    return jnp.einsum("bhk,bkr->bhr", p, rows[..., :q_latent.shape[-1]]).astype(q_latent.dtype)
-
-
-def _check_scale(scale) -> None:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
-
-
-def _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices):
-    check_float("q_latent", q_latent, rank=3)
-    b, h, _ = q_latent.shape
-    check_float("q_rope", q_rope, rank=3)
-    if q_rope.shape[:2] != (b, h):
-        raise ValueError(f"q_rope must have shape ({b}, {h}, rope_dim), got {tuple(q_rope.shape)}")
-    check_int32("block_tables", block_tables, rank=3)
-    if block_tables.shape[:2] != (b, 1):
-        raise ValueError(f"block_tables must have shape ({b}, 1, max_blocks), got {tuple(block_tables.shape)}")
-    check_int32("seq_lens", seq_lens, shape=(b,))
-    check_int32("topk_indices", topk_indices, rank=2)
-    if topk_indices.shape[0] != b:
-        raise ValueError(f"topk_indices must have shape ({b}, topk), got {tuple(topk_indices.shape)}")
+    return jnp.einsum("bhk,bkr->bhr", p, rows[..., :call.q_latent.shape[-1]]).astype(call.q_latent.dtype)
 
 
 def sparse_mla_decode_reference(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call: MLADecodeCall,  # topk_indices i32[B, K] set
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    topk_indices: jax.Array,  # i32[B, K]; -1 = none
-    *,
-    scale: float,
 ) -> jax.Array:  # [B, H, R] in q_latent's dtype
     """Float32 oracle of :func:`sparse_mla_decode`."""
-    page, off, valid = _selected(block_tables, seq_lens, topk_indices, latent_pages.shape[1])
-    return _sparse_attend(q_latent, q_rope, latent_pages[page, off].astype(jnp.float32), valid, scale)
+    page, off, valid = _selected(call, latent_pages.shape[1])
+    return _sparse_attend(call, latent_pages[page, off].astype(jnp.float32), valid)
 
 
 def sparse_mla_decode(
@@ -241,32 +222,24 @@ def sparse_mla_decode(
     Returns ``o: [B, H, R]`` in ``q_latent``'s dtype; a row with no selected position gives 0.
     Duplicate indices would count twice (top-k never produces them).
     """
-    _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
-    check_float("latent_pages", latent_pages, rank=3,
-                shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
+    call = MLADecodeCall(q_latent, q_rope, block_tables, seq_lens, scale=scale, topk_indices=topk_indices)
+    check_call(call)
+    check_float("latent_pages", latent_pages, rank=3, shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
     check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1])
-    _check_scale(scale)
-    args, kwargs = (q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices), dict(scale=float(scale))
-    return SPARSE_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    return SPARSE_TABLE.choose(impl, (call, latent_pages), {})[1](call, latent_pages)
 
 
 def sparse_mla_decode_fp8_reference(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call: MLADecodeCall,  # topk_indices i32[B, K] set
     key: jax.Array,  # f8e4m3[P, page_size, R]
     key_scale: jax.Array,  # f32[P, page_size, R // block]
     key_rope: jax.Array,  # bf16[P, page_size, r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    topk_indices: jax.Array,  # i32[B, K]; -1 = none
-    *,
-    scale: float,
 ) -> jax.Array:  # [B, H, R] in q_latent's dtype
     """Float32 oracle of :func:`sparse_mla_decode_fp8` (arguments already validated)."""
-    page, off, valid = _selected(block_tables, seq_lens, topk_indices, key.shape[1])
+    page, off, valid = _selected(call, key.shape[1])
     rows = jnp.concatenate([dequantize_fp8_blockwise(key[page, off], key_scale[page, off]),
                             key_rope[page, off].astype(jnp.float32)], axis=-1)  # f32[B, K, R+r]
-    return _sparse_attend(q_latent, q_rope, rows, valid, scale)
+    return _sparse_attend(call, rows, valid)
 
 
 def sparse_mla_decode_fp8(
@@ -290,17 +263,16 @@ def sparse_mla_decode_fp8(
     rope widths that are powers of two >= 16, and at most 16 heads, where it beats the reference (RESULTS.md,
     "DSA sparse decode"), so ``impl="auto"`` runs it on a GPU exactly at <= 16 heads.
     """
-    _validate_sparse(q_latent, q_rope, block_tables, seq_lens, topk_indices)
+    call = MLADecodeCall(q_latent, q_rope, block_tables, seq_lens, scale=scale, topk_indices=topk_indices)
+    check_call(call)
     check_array("key", key, rank=3, shape=(None, None, q_latent.shape[-1]))
     check_array("key_scale", key_scale, rank=3, shape=tuple(key.shape[:2]) + (None,))
     if key.shape[-1] % key_scale.shape[-1]:
         raise ValueError(f"key_scale has {key_scale.shape[-1]} scales per token; {key.shape[-1]} is not a multiple")
     check_array("key_rope", key_rope, rank=3, shape=tuple(key.shape[:2]) + (q_rope.shape[-1],))
     check_seq_lens(seq_lens, block_tables.shape[-1] * key.shape[1])
-    _check_scale(scale)
-    args = (q_latent, q_rope, key, key_scale, key_rope, block_tables, seq_lens, topk_indices)
-    kwargs = dict(scale=float(scale))
-    return SPARSE_FP8_TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    roles = (key, key_scale, key_rope)
+    return SPARSE_FP8_TABLE.choose(impl, (call,) + roles, {})[1](call, *roles)
 
 
 _SDS = jax.ShapeDtypeStruct
@@ -311,61 +283,42 @@ def _indexer_example(t: int, b: int, context: int, page_size: int = 64, key_dtyp
     blocks = context // page_size
     pages = (b * blocks, page_size)
     scales = _SDS(pages + (dim // 128,), jnp.float32) if key_dtype == jnp.float8_e4m3fn else None
-    args = (_SDS((t, heads, dim), jnp.bfloat16), _SDS((t, heads), jnp.float32), _SDS(pages + (dim,), key_dtype),
-            scales, _SDS((b, 1, blocks), jnp.int32), _SDS((b,), jnp.int32))
-    return args, dict(cu_seqlens=_SDS((b + 1,), jnp.int32), scale=dim ** -0.5)
+    call = IndexerCall(_SDS((t, heads, dim), jnp.bfloat16), _SDS((t, heads), jnp.float32), _SDS((b, 1, blocks),
+                       jnp.int32), _SDS((b,), jnp.int32), _SDS((b + 1,), jnp.int32), scale=dim ** -0.5)
+    return (call, _SDS(pages + (dim,), key_dtype), scales), {}
 
 
-def _sparse_example(b: int, h: int, context: int, topk: int = 2048, fp8: bool = False,
-                    page_size: int = 64) -> tuple[tuple, dict]:
-    blocks = context // page_size
-    pages = (b * blocks, page_size)
-    q = (_SDS((b, h, 512), jnp.bfloat16), _SDS((b, h, 64), jnp.bfloat16))
-    cache = ((_SDS(pages + (512,), jnp.float8_e4m3fn), _SDS(pages + (4,), jnp.float32),
-              _SDS(pages + (64,), jnp.bfloat16)) if fp8 else (_SDS(pages + (576,), jnp.bfloat16),))
-    rows = (_SDS((b, 1, blocks), jnp.int32), _SDS((b,), jnp.int32), _SDS((b, topk), jnp.int32))
-    return q + cache + rows, dict(scale=192 ** -0.5)
+def _fp8_example(b: int, h: int, context: int, topk: int = 2048) -> tuple[tuple, dict]:
+    """:func:`kvjax.ops.mla.example_call` (sparse) over the fp8 ``key`` roles instead of bf16 latent pages."""
+    (call, pages), _ = example_call(b, h, context, topk=topk)
+    rows = tuple(pages.shape[:2])
+    return (call, _SDS(rows + (512,), jnp.float8_e4m3fn), _SDS(rows + (4,), jnp.float32),
+            _SDS(rows + (64,), jnp.bfloat16)), {}
 
 
-INDEXER_TABLE = BackendTable(
-    "indexer_scores",
-    indexer_scores_reference,
-    (
-        Backend("pallas", dsa_indexer.indexer_scores_pallas, priority=10, device=on_gpu,
-                unsupported=dsa_indexer.unsupported,
-                note="scores + top-k ahead of the jnp reference (RESULTS.md, DSA sparse decode and indexer)"),
-    ),
-    examples={
-        "decode B=32 L=8192 64x128 fp8 keys page 64": lambda: _indexer_example(32, 32, 8192),
-        "prefill T=512 L=4096 64x128 f32 keys page 64": lambda: _indexer_example(512, 1, 4096,
-                                                                                 key_dtype=jnp.float32),
-    },
+def _pallas_table(op: str, reference, kernel, unsupported, note: str, examples: dict) -> BackendTable:
+    """A table of one ``"pallas"`` kernel (Triton lowering, any GPU) over the float32 reference."""
+    return BackendTable(op, reference, (Backend("pallas", kernel, priority=10, device=on_gpu,
+                                                unsupported=unsupported, note=note),), examples=examples)
+
+
+INDEXER_TABLE = _pallas_table(
+    "indexer_scores", indexer_scores_reference, dsa_indexer.indexer_scores_pallas, dsa_indexer.unsupported,
+    "scores + top-k ahead of the jnp reference (RESULTS.md, DSA sparse decode and indexer)",
+    {"decode B=32 L=8192 64x128 fp8 keys page 64": lambda: _indexer_example(32, 32, 8192),
+     "prefill T=512 L=4096 64x128 f32 keys page 64": lambda: _indexer_example(512, 1, 4096, key_dtype=jnp.float32)},
 )
 
-SPARSE_TABLE = BackendTable(
-    "sparse_mla_decode",
-    sparse_mla_decode_reference,
-    (
-        Backend("pallas", mla_pallas.sparse_mla_decode_pallas, priority=10, device=on_gpu,
-                unsupported=mla_pallas.sparse_unsupported,
-                note="top-k 2048: at least the jnp reference (RESULTS.md, DSA sparse decode and indexer)"),
-    ),
-    examples={
-        "decode B=32 L=32768 H=16 top-2048 page 64 bf16": lambda: _sparse_example(32, 16, 32768),
-        "decode B=32 L=32768 H=128 top-2048 page 64 bf16": lambda: _sparse_example(32, 128, 32768),
-    },
+SPARSE_TABLE = _pallas_table(
+    "sparse_mla_decode", sparse_mla_decode_reference, mla_pallas.mla_decode_pallas, mla_pallas.unsupported,
+    "top-k 2048: at least the jnp reference (RESULTS.md, DSA sparse decode and indexer)",
+    {"decode B=32 L=32768 H=16 top-2048 page 64 bf16": lambda: example_call(32, 16, 32768, topk=2048),
+     "decode B=32 L=32768 H=128 top-2048 page 64 bf16": lambda: example_call(32, 128, 32768, topk=2048)},
 )
 
-SPARSE_FP8_TABLE = BackendTable(
-    "sparse_mla_decode_fp8",
-    sparse_mla_decode_fp8_reference,
-    (
-        Backend("pallas", dsa_sparse.sparse_mla_decode_fp8_pallas, priority=10, device=on_gpu,
-                unsupported=dsa_sparse.unsupported,
-                note="ahead of the jnp path at few heads (RESULTS.md, DSA sparse decode and indexer)"),
-    ),
-    examples={
-        "decode B=32 L=8192 H=16 top-2048 fp8 keys page 64": lambda: _sparse_example(32, 16, 8192, fp8=True),
-        "decode B=32 L=8192 H=128 top-2048 fp8 keys page 64": lambda: _sparse_example(32, 128, 8192, fp8=True),
-    },
+SPARSE_FP8_TABLE = _pallas_table(
+    "sparse_mla_decode_fp8", sparse_mla_decode_fp8_reference, dsa_sparse.sparse_mla_decode_fp8_pallas,
+    dsa_sparse.unsupported, "ahead of the jnp path at few heads (RESULTS.md, DSA sparse decode and indexer)",
+    {"decode B=32 L=8192 H=16 top-2048 fp8 keys page 64": lambda: _fp8_example(32, 16, 8192),
+     "decode B=32 L=8192 H=128 top-2048 fp8 keys page 64": lambda: _fp8_example(32, 128, 8192)},
 )

@@ -12,18 +12,11 @@ folds ``W_UK`` into the query (``q_latent = q_nope @ W_UK[h]``, :func:`absorb_qu
 head over the single latent head (an MQA with K = the whole 576-wide row and V = its first ``R`` values);
 ``W_UV`` is applied to the ``R``-wide output afterwards (:func:`absorb_output`).
 
-Kernel contract. :func:`mla_decode` validates on the host and runs the implementation that :data:`TABLE` (its
-backend table) chooses for ``impl``, with exactly::
-
-    fn(q_latent,       # [B, H, R]   (bf16 / f16 / f32)
-       q_rope,         # [B, H, r]
-       latent_pages,   # [P, page_size, R + r]
-       block_tables,   # i32[B, 1, max_blocks]; -1 = no page (positions not attendable, never read)
-       seq_lens,       # i32[B]; 0 = padding row (output 0)
-       scale=...,          # Python float
-       num_kv_splits=...,  # int | None (None: the implementation chooses)
-       [interpret=...])    # bool, kernels only (added by the table)
-    -> o: [B, H, R] in q_latent's dtype
+Kernel contract. :func:`mla_decode` builds one :class:`MLADecodeCall` from its arguments, checks it once
+(:func:`check_call`) and runs the implementation that :data:`TABLE` (its backend table) chooses for ``impl``,
+with exactly ``fn(call, latent_pages[, interpret=...]) -> o: [B, H, R]`` in ``q_latent``'s dtype
+(``interpret``: kernels only, bound by the table). The DSA ops of :mod:`kvjax.ops.dsa` hand down the same call
+with ``topk_indices`` set.
 
 Backends (``impl="auto"`` takes the first that accepts, else the reference): ``"mosaic"``
 (:mod:`kvjax.pallas.mla.decode_mgpu`, Hopper, R = 512, r = 64, pages of 64k tokens, a 16-bit cache, more than
@@ -34,6 +27,8 @@ Backends (``impl="auto"`` takes the first that accepts, else the reference): ``"
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -47,73 +42,102 @@ from kvjax.pallas.mla import decode_mgpu as mla_mosaic
 from kvjax.triton import mla_decode_unsupported as triton_unsupported
 
 
-def _gather_latent(latent_pages, block_tables, length):
-    """f32[B, length, R+r] rows of positions 0..length-1 and bool[B, length] page-present mask."""
-    page_size = latent_pages.shape[1]
-    pos = jnp.arange(length)
-    page = block_tables[:, 0, pos // page_size]  # i32[B, length]
-    present = page >= 0
-    rows = latent_pages[jnp.maximum(page, 0), pos % page_size]  # [B, length, R+r]
-    return rows.astype(jnp.float32), present
+def check_scale(scale) -> float:
+    """A softmax scale: a positive Python number (not a bool), returned as a float; ``ValueError`` otherwise."""
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
+    return float(scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLADecodeCall:
+    """One absorbed MLA decode call, dense or DSA-sparse: built once by the public op (:func:`mla_decode`,
+    :func:`kvjax.ops.dsa.sparse_mla_decode`, :func:`~kvjax.ops.dsa.sparse_mla_decode_fp8`) and handed unchanged to
+    :func:`check_call`, the op's backend table and the chosen kernel; the latent cache goes beside it
+    (``latent_pages``, or the fp8 DSA ``key`` roles). A pytree: the arrays are leaves (``topk_indices`` ``None``
+    for a dense call), ``scale`` and ``num_kv_splits`` static, checked here."""
+
+    q_latent: jax.Array  # [B, H, R]  absorbed query (q_nope @ W_UK), bf16 / f16 / f32
+    q_rope: jax.Array  # [B, H, r]  roped query, q_latent's dtype
+    block_tables: jax.Array  # i32[B, 1, max_blocks]; -1 = no page (positions not attendable, never read)
+    seq_lens: jax.Array  # i32[B]; 0 = padding row (output 0)
+    scale: float = dataclasses.field(metadata=dict(static=True))  # softmax scale, a positive Python float
+    topk_indices: jax.Array | None = None  # i32[B, K] DSA: the positions attended, -1 = none; None = all (dense)
+    num_kv_splits: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # None: the kernel's
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale", check_scale(self.scale))
+        n = self.num_kv_splits
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= INT32_MAX):
+            raise ValueError(f"num_kv_splits must be None or an int >= 1 and <= {INT32_MAX}, got {n!r}")
+
+
+def check_call(call: MLADecodeCall) -> None:
+    """Host-side check of a call's arrays (``ValueError`` naming the argument): ``q_latent [B, H, R]`` and
+    ``q_rope [B, H, r]`` of one float dtype, ``block_tables i32[B, 1, max_blocks]``, ``seq_lens i32[B]`` and
+    ``topk_indices i32[B, K]``. The op then checks its cache (rows ``R + r`` wide, or the fp8 roles) and the
+    host values of ``seq_lens`` against the positions the table covers (``check_seq_lens``)."""
+    check_float("q_latent", call.q_latent, rank=3)
+    b, h, _ = call.q_latent.shape
+    check_float("q_rope", call.q_rope, rank=3)
+    if call.q_rope.shape[:2] != (b, h):
+        raise ValueError(f"q_rope must have shape ({b}, {h}, rope_dim) like q_latent, got {tuple(call.q_rope.shape)}")
+    if call.q_rope.dtype != call.q_latent.dtype:
+        raise ValueError(f"q_rope dtype {call.q_rope.dtype} differs from q_latent dtype {call.q_latent.dtype}")
+    check_int32("block_tables", call.block_tables, rank=3)
+    if call.block_tables.shape[:2] != (b, 1):
+        raise ValueError(f"block_tables must have shape ({b}, 1, max_blocks) (one latent head), got "
+                         f"{tuple(call.block_tables.shape)}")
+    check_int32("seq_lens", call.seq_lens, shape=(b,))
+    if call.topk_indices is not None:
+        check_int32("topk_indices", call.topk_indices, rank=2)
+        if call.topk_indices.shape[0] != b:
+            raise ValueError(f"topk_indices must have shape ({b}, topk), got {tuple(call.topk_indices.shape)}")
+
+
+def page_of(
+    block_tables: jax.Array,  # i32[B, 1, max_blocks]
+    positions: jax.Array,  # i32[B, K]; < 0 = none
+    page_size: int,
+) -> tuple[jax.Array, jax.Array]:  # (page i32[B, K], -1 where none; offset i32[B, K])
+    """Where positions live in the paged cache: their page (``-1`` for a hole, a negative position or one past
+    the table) and their row within it."""
+    mb = block_tables.shape[-1]
+    blk = positions // page_size
+    ok = (positions >= 0) & (blk < mb)
+    page = jnp.take_along_axis(block_tables[:, 0, :], jnp.clip(blk, 0, mb - 1), axis=1)
+    return jnp.where(ok, page, -1), positions % page_size
+
+
+def _gather_latent(latent_pages, block_tables):
+    """f32[B, L, R+r] rows of every position the table covers (``L = max_blocks * page_size``) and bool[B, L]
+    page-present mask."""
+    b, page_size = block_tables.shape[0], latent_pages.shape[1]
+    length = block_tables.shape[-1] * page_size
+    page, off = page_of(block_tables, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)), page_size)
+    return latent_pages[jnp.maximum(page, 0), off].astype(jnp.float32), page >= 0
 
 
 def mla_decode_reference(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call: MLADecodeCall,  # dense: topk_indices None
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
     *,
-    scale: float,
-    num_kv_splits: int | None = None,
     return_lse: bool = False,
 ):
-    """Float32 oracle of :func:`mla_decode` (``num_kv_splits`` is accepted and ignored).
+    """Float32 oracle of :func:`mla_decode` (``call.num_kv_splits`` is ignored).
 
     Returns ``o: [B, H, R]`` in ``q_latent``'s dtype, or ``(o, lse f32[B, H])`` with ``return_lse``.
     """
-    del num_kv_splits
-    rank = q_latent.shape[-1]
-    length = block_tables.shape[-1] * latent_pages.shape[1]
-    rows, present = _gather_latent(latent_pages, block_tables, length)
-    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)  # [B, H, R+r]
-    visible = present & (jnp.arange(length)[None, :] < seq_lens[:, None])  # bool[B, L]
+    rank = call.q_latent.shape[-1]
+    rows, present = _gather_latent(latent_pages, call.block_tables)  # f32[B, L, R+r], bool[B, L]
+    q = jnp.concatenate([call.q_latent, call.q_rope], axis=-1).astype(jnp.float32)  # [B, H, R+r]
+    visible = present & (jnp.arange(rows.shape[1])[None, :] < call.seq_lens[:, None])  # bool[B, L]
     rows = jnp.where(visible[..., None], rows, 0.0)  # garbage past the length cannot leak
-    s = jnp.einsum("bhd,bld->bhl", q, rows) * scale
-    mask = visible[:, None, :]  # [B, 1, L]
-    p, lse = masked_softmax(s, mask)
-    o = jnp.einsum("bhl,bld->bhd", p, rows[..., :rank]).astype(q_latent.dtype)
+    s = jnp.einsum("bhd,bld->bhl", q, rows) * call.scale
+    p, lse = masked_softmax(s, visible[:, None, :])
+    o = jnp.einsum("bhl,bld->bhd", p, rows[..., :rank]).astype(call.q_latent.dtype)
     return (o, lse) if return_lse else o
-
-
-def _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale, num_kv_splits) -> None:
-    check_float("q_latent", q_latent, rank=3)
-    b, h, rank = q_latent.shape
-    check_float("q_rope", q_rope, rank=3)
-    if q_rope.shape[:2] != (b, h):
-        raise ValueError(f"q_rope must have shape ({b}, {h}, rope_dim) like q_latent, got {tuple(q_rope.shape)}")
-    if q_rope.dtype != q_latent.dtype:
-        raise ValueError(f"q_rope dtype {q_rope.dtype} differs from q_latent dtype {q_latent.dtype}")
-    check_float("latent_pages", latent_pages, rank=3)
-    width = rank + q_rope.shape[-1]
-    if latent_pages.shape[-1] != width:
-        raise ValueError(
-            f"latent_pages last dim must be kv_lora_rank + rope_dim = {rank} + {q_rope.shape[-1]} = {width}, "
-            f"got shape {tuple(latent_pages.shape)}"
-        )
-    check_int32("block_tables", block_tables, rank=3)
-    if block_tables.shape[:2] != (b, 1):
-        raise ValueError(
-            f"block_tables must have shape ({b}, 1, max_blocks) (one latent head), got {tuple(block_tables.shape)}"
-        )
-    check_int32("seq_lens", seq_lens, shape=(b,))
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale must be a positive Python float, got {scale!r}")
-    if num_kv_splits is not None and (
-        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= INT32_MAX
-    ):
-        raise ValueError(f"num_kv_splits must be None or an int >= 1 and <= {INT32_MAX}, got {num_kv_splits!r}")
-    check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1], device=True)
 
 
 def mla_decode(
@@ -137,10 +161,11 @@ def mla_decode(
     ``"NAME:interpret"`` (:mod:`kvjax.ops.backends`); a named kernel that cannot take the call raises
     :class:`~kvjax.errors.UnknownImplError` with the reason.
     """
-    _validate_decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, scale, num_kv_splits)
-    args = (q_latent, q_rope, latent_pages, block_tables, seq_lens)
-    kwargs = dict(scale=float(scale), num_kv_splits=num_kv_splits)
-    return TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    call = MLADecodeCall(q_latent, q_rope, block_tables, seq_lens, scale=scale, num_kv_splits=num_kv_splits)
+    check_call(call)
+    check_float("latent_pages", latent_pages, rank=3, shape=(None, None, q_latent.shape[-1] + q_rope.shape[-1]))
+    check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1], device=True)
+    return TABLE.choose(impl, (call, latent_pages), {})[1](call, latent_pages)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -211,7 +236,7 @@ def mla_prefill_reference(
     check_seq_lens(seq_lens, block_tables.shape[-1] * latent_pages.shape[1])
     rank = w_uk.shape[-1]
     length = block_tables.shape[-1] * latent_pages.shape[1]
-    rows, present = _gather_latent(latent_pages, block_tables, length)  # [B, L, R+r]
+    rows, present = _gather_latent(latent_pages, block_tables)  # [B, L, R+r]
     rows = jnp.where((present & (jnp.arange(length)[None, :] < seq_lens[:, None]))[..., None], rows, 0.0)
     kv_c, k_pe = rows[..., :rank], rows[..., rank:]
     k_nope = jnp.einsum("hnr,blr->bhln", w_uk.astype(jnp.float32), kv_c)  # [B, H, L, nope]
@@ -234,13 +259,16 @@ def mla_prefill_reference(
     return o.astype(q_nope.dtype)
 
 
-def _example(b: int, h: int, context: int, page_size: int = 64, dtype=jnp.bfloat16,
-             rank: int = 512, rope: int = 64) -> tuple[tuple, dict]:
+def example_call(b: int, h: int, context: int, *, page_size: int = 64, dtype=jnp.bfloat16, rank: int = 512,
+                 rope: int = 64, topk: int | None = None) -> tuple[tuple, dict]:
+    """A representative call ``((call, latent_pages), {})`` of ``b`` rows of ``context`` positions, ``h`` heads
+    (DSA-sparse over ``topk`` listed positions when given)."""
     sds = jax.ShapeDtypeStruct
     blocks = context // page_size
-    args = (sds((b, h, rank), dtype), sds((b, h, rope), dtype), sds((b * blocks, page_size, rank + rope), dtype),
-            sds((b, 1, blocks), jnp.int32), sds((b,), jnp.int32))
-    return args, dict(scale=(128 + rope) ** -0.5, num_kv_splits=None)
+    call = MLADecodeCall(sds((b, h, rank), dtype), sds((b, h, rope), dtype), sds((b, 1, blocks), jnp.int32),
+                         sds((b,), jnp.int32), scale=(128 + rope) ** -0.5,
+                         topk_indices=None if topk is None else sds((b, topk), jnp.int32))
+    return (call, sds((b * blocks, page_size, rank + rope), dtype)), {}
 
 
 TABLE = BackendTable(
@@ -258,10 +286,10 @@ TABLE = BackendTable(
                 note="jax-triton baseline, never ahead of the best Hopper kernel (RESULTS.md, MLA decode)"),
     ),
     examples={
-        "decode B=128 L=4096 H=16 page 64 bf16": lambda: _example(128, 16, 4096),
-        "decode B=128 L=4096 H=128 page 64 bf16": lambda: _example(128, 128, 4096),
-        "decode B=8 L=1024 H=128 page 16 f32": lambda: _example(8, 128, 1024, page_size=16, dtype=jnp.float32),
-        "decode B=8 L=1024 H=16 R=96 page 16 bf16 (not a Triton tile)": lambda: _example(8, 16, 1024, page_size=16,
-                                                                                         rank=96),
+        "decode B=128 L=4096 H=16 page 64 bf16": lambda: example_call(128, 16, 4096),
+        "decode B=128 L=4096 H=128 page 64 bf16": lambda: example_call(128, 128, 4096),
+        "decode B=8 L=1024 H=128 page 16 f32": lambda: example_call(8, 128, 1024, page_size=16, dtype=jnp.float32),
+        "decode B=8 L=1024 H=16 R=96 page 16 bf16 (not a Triton tile)": lambda: example_call(8, 16, 1024,
+                                                                                             page_size=16, rank=96),
     },
 )

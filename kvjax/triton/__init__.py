@@ -28,7 +28,7 @@ def unsupported(*args, **kwargs) -> str | None:
     return None
 
 
-def mla_decode_unsupported(q_latent, q_rope, latent_pages, *args, **kwargs) -> str | None:
+def mla_decode_unsupported(call, latent_pages) -> str | None:  # kvjax.ops.mla.MLADecodeCall, [P, page_size, R + r]
     """Backend-table check of :func:`kvjax.triton.mla_decode.mla_decode_triton`: :func:`unsupported`, then the
     Triton tile limits it shares with the Pallas kernel (:func:`kvjax.pallas.split_kv.tile_reason`)."""
-    return unsupported() or tile_reason(q_latent, q_rope, latent_pages)
+    return unsupported() or tile_reason(call, latent_pages)

@@ -2,9 +2,9 @@
 
 The same algorithm as :mod:`kvjax.pallas.mla.decode` (one program per head group, KV split and sequence;
 ``block_n`` latent rows per step, contiguous within a page or gathered through the block table, each read
-once; f32 split outputs + lse merged by the shared host side :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`),
-written directly in Triton so the benchmark can compare the Pallas lowering against it on one GPU, with the same
-tile defaults. A registered backend of :func:`kvjax.ops.mla.mla_decode` (``impl="triton"``) that ``auto`` never
+once; f32 split outputs + lse merged by the shared host side :func:`kvjax.pallas.split_kv.split_kv_inputs` /
+:func:`~kvjax.pallas.split_kv.split_kv_output`), written directly in Triton so the benchmark can compare the
+Pallas lowering against it on one GPU, with the same tile defaults. A registered backend of :func:`kvjax.ops.mla.mla_decode` (``impl="triton"``) that ``auto`` never
 takes: on Hopper the Mosaic GPU kernel beats it above 16 heads and the Pallas kernel ties or beats it at 16
 (RESULTS.md, "MLA decode"); elsewhere it was not measured.
 
@@ -22,7 +22,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from kvjax.pallas.split_kv import STATIC_ARGNAMES, default_tiles, split_kv_inputs, split_kv_output
+from kvjax.pallas.split_kv import STATIC_ARGNAMES, Tiles, default_tiles, split_kv_inputs, split_kv_output
 
 
 @triton.jit
@@ -95,49 +95,37 @@ def _mla_stage1_kernel(
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def mla_decode_triton(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall (dense): q_latent [B, H, R], q_rope [B, H, r],
+    #        block_tables i32[B, 1, max_blocks], seq_lens i32[B]; static scale, num_kv_splits
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
     *,
-    scale: float,
-    num_kv_splits: int | None = None,
-    block_h: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: Tiles = Tiles(),
     interpret: bool = False,
 ) -> jax.Array:
     """Split-KV MLA decode in Triton (GPU only). Returns ``o: [B, H, R]`` in ``q_latent``'s dtype."""
     if interpret:
         raise ValueError("the Triton MLA kernel has no interpret mode; use impl='interpret' (Pallas)")
-    b, h, rank = q_latent.shape
-    rope = q_rope.shape[-1]
+    b, h, rank = call.q_latent.shape
     _, page_size, _ = latent_pages.shape
-    tiles = default_tiles(h, page_size)
-    block_h = block_h or tiles["block_h"]
-    block_n = block_n or tiles["block_n"]
-    num_warps = num_warps or tiles["num_warps"]
-    num_stages = num_stages or tiles["num_stages"]
-    max_blocks = block_tables.shape[-1]
+    tiles = default_tiles(h, page_size, chosen=tiles)
+    max_blocks = call.block_tables.shape[-1]
 
     def stage1(q, qr, num_splits, out_dtype):
         hp = q.shape[1]
         return jt.triton_call(
-            q, qr, latent_pages, block_tables, seq_lens,
+            q, qr, latent_pages, call.block_tables, call.seq_lens,
             kernel=_mla_stage1_kernel,
             out_shape=[
                 jax.ShapeDtypeStruct((b, num_splits, hp, rank), out_dtype),
                 jax.ShapeDtypeStruct((b, num_splits, hp), jnp.float32),
             ],
-            grid=(hp // block_h, num_splits, b),
-            num_warps=num_warps,
-            num_stages=num_stages,
-            SCALE=float(scale), HP=hp, R=rank, ROPE=rope, PS=page_size, MAX_BLOCKS=max_blocks,
-            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n,
+            grid=(hp // tiles.block_h, num_splits, b),
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+            SCALE=call.scale, HP=hp, R=rank, ROPE=call.q_rope.shape[-1], PS=page_size, MAX_BLOCKS=max_blocks,
+            NUM_SPLITS=num_splits, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
         )
 
-    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h,
-                           max_steps=max_blocks * page_size // block_n, num_kv_splits=num_kv_splits)
-    return split_kv_output(*stage1(q, qr, splits, stage_dtype), q_latent)
+    q, qr, splits, stage_dtype = split_kv_inputs(call, dtype=latent_pages.dtype, block_h=tiles.block_h,
+                                                 max_steps=max_blocks * page_size // tiles.block_n)
+    return split_kv_output(*stage1(q, qr, splits, stage_dtype), call)

@@ -10,9 +10,11 @@ softmax). It writes the split's normalised f32 output and its log-sum-exp. A seq
 the splits of a short one may be empty (output 0, lse ``-inf``, no NaN). Holes (``-1``) and positions past
 ``seq_lens`` are masked: their bytes are never loaded.
 
-Stage 2 and the host side (head padding, split choice, merge) are :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`;
-tile defaults are :func:`kvjax.pallas.split_kv.default_tiles`. Its tiles are Triton blocks, powers of two >= 16:
-:func:`unsupported` / :func:`sparse_unsupported` decline other ``R``, ``r`` and page sizes (``impl="auto"`` then
+Stage 2 and the host side (head padding, split choice, merge) are :func:`kvjax.pallas.split_kv.split_kv_inputs` /
+:func:`~kvjax.pallas.split_kv.split_kv_output`; tile defaults are :func:`kvjax.pallas.split_kv.default_tiles`; the
+pieces of stage 1 shared with the fp8 DSA kernel are :mod:`kvjax.pallas.mla.common`. One entry,
+:func:`mla_decode_pallas`, takes the dense and the sparse call (``call.topk_indices``). Its tiles are Triton
+blocks, powers of two >= 16: :func:`unsupported` declines other ``R``, ``r`` and page sizes (``impl="auto"`` then
 runs the reference; a named ``impl`` raises with the reason). On a Hopper GPU above 16 heads the backend table
 of :func:`kvjax.ops.mla.mla_decode` takes the Mosaic GPU kernel instead (:mod:`kvjax.pallas.mla.decode_mgpu`).
 """
@@ -26,8 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
-                                   pad_positions, split_kv_inputs, split_kv_output, tile_reason)
+from kvjax.pallas.mla.common import gather_rows, softmax_step, split_steps, stage1_layout
+from kvjax.pallas.split_kv import (LN2, MASK_INIT, STATIC_ARGNAMES, Tiles, default_tiles, pad_positions,
+                                   split_kv_inputs, split_kv_output, tile_reason)
 
 
 def _stage1_kernel(
@@ -47,15 +50,12 @@ def _stage1_kernel(
     # o_ref [block_h, R] (f32 split output, or the final dtype with one split), lse_ref f32[block_h]
     split, b = pl.program_id(1), pl.program_id(2)
     page_size = latent_ref.shape[1]
-    max_blocks = tables_ref.shape[1]
     block_h, rank = q_ref.shape
     rope = qr_ref.shape[1]
 
     seq_len = lens_ref[b]
-    n_steps = topk_ref.shape[1] // block_n if sparse else pl.cdiv(seq_len, block_n)
-    per_split = pl.cdiv(n_steps, num_splits)
-    start = split * per_split
-    end = jnp.minimum(start + per_split, n_steps)
+    start, end = split_steps(topk_ref.shape[1] // block_n if sparse else pl.cdiv(seq_len, block_n), split,
+                             num_splits)
 
     q = q_ref[...]
     qr = qr_ref[...]
@@ -64,13 +64,8 @@ def _stage1_kernel(
     rcols = rank + jnp.arange(rope, dtype=jnp.int32)
 
     def step(acc, m, l, kv, kr, valid):
-        # base-2 online softmax: logits pre-scaled by log2(e) so exp2 (a single ex2 instruction) does the work
         s = plgpu.dot(q, kv, trans_b=True) + plgpu.dot(qr, kr, trans_b=True)  # f32[block_h, block_n]
-        s = jnp.where(valid[None, :], s * (scale * LOG2E), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l = softmax_step(s, valid, m, l, scale)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(kv.dtype), kv)
         return acc, m_new, l
 
@@ -90,11 +85,7 @@ def _stage1_kernel(
             pos = topk_ref[b, pl.ds(j * block_n, block_n)]
         else:
             pos = j * block_n + offs
-        pos_ok = (pos >= 0) & (pos < seq_len)
-        pos = jnp.where(pos_ok, pos, 0)
-        page = tables_ref[b, jnp.minimum(pos // page_size, max_blocks - 1)]
-        valid = pos_ok & (page >= 0)  # bool[block_n]
-        page, off = jnp.maximum(page, 0)[:, None], (pos % page_size)[:, None]
+        page, off, valid = gather_rows(tables_ref, b, pos, seq_len, page_size)
         kv = plgpu.load(latent_ref.at[page, off, cols[None, :]],
                         mask=jnp.broadcast_to(valid[:, None], (block_n, rank)), other=0.0)
         kr = plgpu.load(latent_ref.at[page, off, rcols[None, :]],
@@ -119,133 +110,64 @@ def _stage1_call(q, qr, latent, tables, lens, topk=None, *, scale, num_splits, b
     """Stage 1 over ``q [B, Hp, R]``, ``qr [B, Hp, r]`` (heads padded to whole groups of ``block_h``): split outputs
     ``[B, S, Hp, R]`` (``out_dtype``; default q's dtype with one split, f32 with several) and f32 lse ``[B, S, Hp]``."""
     b, h, rank = q.shape
-    rope = qr.shape[-1]
-    groups = h // block_h
     block_n = block_n or latent.shape[1]
     sparse = topk is not None
     out_dtype = out_dtype or (q.dtype if num_splits == 1 else jnp.float32)
     kernel = functools.partial(_stage1_kernel, scale=scale, num_splits=num_splits, block_n=block_n,
                                sparse=sparse)
+    grid, query_specs, out_specs, out_shape = stage1_layout(b, h, rank, qr.shape[-1], block_h=block_h,
+                                                            num_splits=num_splits, out_dtype=out_dtype)
     whole = pl.no_block_spec  # the kernel indexes these itself
-    in_specs = [whole, whole] + ([whole] if sparse else []) + [
-        pl.BlockSpec((None, block_h, rank), lambda g, s, i: (i, g, 0)),
-        pl.BlockSpec((None, block_h, rope), lambda g, s, i: (i, g, 0)),
-        whole,
-    ]
-    args = (tables, lens) + ((topk,) if sparse else ()) + (q, qr, latent)
     return pl.pallas_call(
         kernel,
-        grid=(groups, num_splits, b),  # head groups vary fastest: they share each page through L2
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, block_h, rank), lambda g, s, i: (i, s, g, 0)),
-            pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, num_splits, h, rank), out_dtype),
-            jax.ShapeDtypeStruct((b, num_splits, h), jnp.float32),
-        ],
+        grid=grid,
+        in_specs=[whole, whole] + ([whole] if sparse else []) + query_specs + [whole],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_sparse_decode_stage1" if sparse else "mla_decode_stage1",
-    )(*args)
-
-
-def _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk, *, scale, num_kv_splits, block_h,
-            block_n, num_warps, num_stages, interpret):
-    page_size = latent_pages.shape[1]
-    tiles = default_tiles(q_latent.shape[1], page_size, sparse=topk is not None)
-    block_h = block_h or tiles["block_h"]
-    block_n = block_n or tiles["block_n"]
-    num_warps = num_warps or tiles["num_warps"]
-    num_stages = num_stages or tiles["num_stages"]
-    if topk is not None:
-        topk = pad_positions(topk, block_n)
-    steps = (topk.shape[1] if topk is not None else block_tables.shape[-1] * page_size) // block_n
-
-    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=latent_pages.dtype, block_h=block_h,
-                                                 max_steps=steps, num_kv_splits=num_kv_splits)
-    o, lse = _stage1_call(q, qr, latent_pages, block_tables[:, 0, :], seq_lens, topk, scale=scale,
-                          num_splits=splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret, out_dtype=stage_dtype)
-    return split_kv_output(o, lse, q_latent)
+    )(*(tables, lens) + ((topk,) if sparse else ()) + (q, qr, latent))
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def mla_decode_pallas(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall: q_latent [B, H, R], q_rope [B, H, r], block_tables i32[B, 1, max_blocks],
+    #        seq_lens i32[B], topk_indices i32[B, K] (sparse) or None (dense); static scale, num_kv_splits
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
     *,
-    scale: float,
-    num_kv_splits: int | None = None,
-    block_h: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: Tiles = Tiles(),
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, R] in q_latent's dtype
-    """Split-KV MLA decode (see module doc), the contract of :func:`kvjax.ops.mla.mla_decode`. Reads only.
+    """Split-KV MLA decode (see module doc), dense or DSA-sparse over the ``K`` listed positions (``block_n`` per
+    step; positions ``< 0`` or ``>= seq_lens`` and holes are masked, never loaded): the contract of
+    :func:`kvjax.ops.mla.mla_decode` / :func:`kvjax.ops.dsa.sparse_mla_decode`. Reads only.
 
-    Tuning (static, defaults from :func:`kvjax.pallas.split_kv.default_tiles`): ``block_h`` query heads per
-    program, ``block_n`` tokens per step (a divisor of the page size reads contiguous rows; larger values
-    gather rows through the block table), warps, pipeline stages.
+    ``tiles`` (static, defaults from :func:`kvjax.pallas.split_kv.default_tiles`): ``block_h`` query heads per
+    program, ``block_n`` tokens per step (a dense walk reads contiguous rows when it divides the page size and
+    gathers rows through the block table otherwise), warps, pipeline stages.
     """
-    return _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, None, scale=scale,
-                   num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
-def sparse_mla_decode_pallas(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
-    latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    topk_indices: jax.Array,  # i32[B, K]; -1 = none
-    *,
-    scale: float,
-    num_kv_splits: int | None = None,
-    block_h: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [B, H, R] in q_latent's dtype
-    """DSA sparse MLA decode: the same split-KV kernel over the ``K`` listed positions (``block_n`` per step).
-
-    Positions ``< 0`` or ``>= seq_lens`` and holes are masked (never loaded). Reads only.
-    """
-    return _decode(q_latent, q_rope, latent_pages, block_tables, seq_lens, topk_indices, scale=scale,
-                   num_kv_splits=num_kv_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages, interpret=interpret)
+    page_size = latent_pages.shape[1]
+    topk = call.topk_indices
+    tiles = default_tiles(call.q_latent.shape[1], page_size, topk is not None, tiles)
+    if topk is not None:
+        topk = pad_positions(topk, tiles.block_n)
+    steps = (topk.shape[1] if topk is not None else call.block_tables.shape[-1] * page_size) // tiles.block_n
+    q, qr, splits, stage_dtype = split_kv_inputs(call, dtype=latent_pages.dtype, block_h=tiles.block_h,
+                                                 max_steps=steps)
+    o, lse = _stage1_call(q, qr, latent_pages, call.block_tables[:, 0, :], call.seq_lens, topk, scale=call.scale,
+                          num_splits=splits, block_h=tiles.block_h, block_n=tiles.block_n,
+                          num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret,
+                          out_dtype=stage_dtype)
+    return split_kv_output(o, lse, call)
 
 
 def unsupported(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall (dense or sparse)
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    *args,  # block_tables, seq_lens
-    **static,  # scale, num_kv_splits
 ) -> str | None:
-    """Backend-table check of :func:`mla_decode_pallas` (``mla_decode``'s normalised call): ``R`` and ``r``
-    powers of two >= 16, and the default step (:func:`kvjax.pallas.split_kv.default_tiles`: 32 rows or a whole
-    page) a power of two >= 16; else the reason."""
-    del args, static
-    return tile_reason(q_latent, q_rope, latent_pages)
-
-
-def sparse_unsupported(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
-    latent_pages: jax.Array,  # [P, page_size, R + r]
-    *args,  # block_tables, seq_lens, topk_indices
-    **static,  # scale
-) -> str | None:
-    """Backend-table check of :func:`sparse_mla_decode_pallas`: ``R`` and ``r`` powers of two >= 16 (its steps
-    gather 64 listed rows, whatever the page size); else the reason."""
-    del args, static
-    return tile_reason(q_latent, q_rope, latent_pages, sparse=True)
+    """Backend-table check of :func:`mla_decode_pallas` (the call of ``mla_decode`` / ``sparse_mla_decode``):
+    ``R`` and ``r`` powers of two >= 16, and the default step (:func:`kvjax.pallas.split_kv.default_tiles`: 32
+    rows or a whole page; a sparse step gathers 64 listed rows, whatever the page size) a power of two >= 16;
+    else the reason."""
+    return tile_reason(call, latent_pages)

@@ -24,8 +24,8 @@ latent caches start zeroed and hold only written rows, so they satisfy this.
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``R = 512``, ``r = 64``, pages a multiple of 64 tokens,
 a bf16 or f16 latent cache (:func:`shape_limits`). :func:`unsupported`, the backend table's check, also declines
 16 heads or fewer, where 48 of the 64 rows of the head tile are padding and the Pallas Triton kernel is faster
-(RESULTS.md, "MLA decode"). The
-host side (head padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`, with one split
+(RESULTS.md, "MLA decode"). The host side (head padding, split choice, merge) is
+:func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`, with one split
 once the CTAs fill the SMs. The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and
 blocks those threads in barrier waits: it needs ``NPROC >= 4`` (:func:`kvjax.pallas.mgpu_common.interpret_params`).
 """
@@ -254,47 +254,38 @@ def shape_limits(
 
 
 def unsupported(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall (dense): q_latent [B, H, R], q_rope [B, H, r], ...
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array | None = None,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array | None = None,  # i32[B]
-    **static,  # scale, num_kv_splits: any value
 ) -> str | None:
-    """The backend table's check of :func:`kvjax.ops.mla.mla_decode`'s normalised call: :func:`shape_limits`,
-    and at most 16 heads declined (the Pallas Triton kernel is faster there, module doc)."""
-    del block_tables, seq_lens, static
-    why = shape_limits(q_latent, q_rope, latent_pages)
+    """The backend table's check of :func:`kvjax.ops.mla.mla_decode`'s call: :func:`shape_limits`, and at most
+    16 heads declined (the Pallas Triton kernel is faster there, module doc)."""
+    why = shape_limits(call.q_latent, call.q_rope, latent_pages)
     if why:
         return f"needs {why}"
-    if q_latent.shape[1] < MIN_HEADS:
-        return (f"H = {q_latent.shape[1]} <= {MIN_HEADS - 1} heads: the Pallas Triton kernel is faster there "
+    if call.q_latent.shape[1] < MIN_HEADS:
+        return (f"H = {call.q_latent.shape[1]} <= {MIN_HEADS - 1} heads: the Pallas Triton kernel is faster there "
                 f"(RESULTS.md, MLA decode)")
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_kv_splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "interpret"))
 def mla_decode_mgpu(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall (dense): q_latent [B, H, R], q_rope [B, H, r],
+    #        block_tables i32[B, 1, max_blocks], seq_lens i32[B]; static scale, num_kv_splits
     latent_pages: jax.Array,  # [P, page_size, R + r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
     *,
-    scale: float,
-    num_kv_splits: int | None = None,
     stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, R]
     """Split-KV MLA decode (Mosaic GPU, see the module doc); same contract as
-    :func:`kvjax.pallas.mla.decode.mla_decode_pallas` except that rows of a page past ``seq_lens`` are read
-    (they must be finite). Any head count (padded to 64); ``ValueError`` outside :func:`shape_limits`.
+    :func:`kvjax.pallas.mla.decode.mla_decode_pallas` (dense) except that rows of a page past ``seq_lens`` are
+    read (they must be finite). Any head count (padded to 64); ``ValueError`` outside :func:`shape_limits`.
     ``stages``: shared-memory tile slots (2 fit beside q in 227 KB). Reads only.
     """
-    b = q_latent.shape[0]
+    b = call.q_latent.shape[0]
     page_size = latent_pages.shape[1]
-    max_blocks = block_tables.shape[-1]
-    reason = shape_limits(q_latent, q_rope, latent_pages)
+    max_blocks = call.block_tables.shape[-1]
+    reason = shape_limits(call.q_latent, call.q_rope, latent_pages)
     if reason:
         raise ValueError(f"mla_decode_mgpu needs {reason}")
     if stages < 1:
@@ -319,7 +310,7 @@ def mla_decode_mgpu(
             plgpu.Barrier(),
             plgpu.Barrier(),
         )
-        kernel = functools.partial(_kernel, scale=scale, num_splits=splits, page_size=page_size,
+        kernel = functools.partial(_kernel, scale=call.scale, num_splits=splits, page_size=page_size,
                                    max_blocks=max_blocks, stages=stages, interpret=interpret)
         return plgpu.kernel(
             kernel,
@@ -335,9 +326,8 @@ def mla_decode_mgpu(
             # row reductions stay inside a warp: the 2 KB cross-warp reduction scratch would not fit beside the ring
             compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
             interpret=interpret_params() if interpret else None,
-        )(ql, qr, latent_pages, block_tables.reshape(-1), seq_lens)
+        )(ql, qr, latent_pages, call.block_tables.reshape(-1), call.seq_lens)
 
-    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=dtype, block_h=BLOCK_H,
-                           max_steps=max_blocks * page_size // BLOCK_N, num_kv_splits=num_kv_splits,
-                           one_cta_per_sm=True)
-    return split_kv_output(*stage1(q, qr, splits, stage_dtype), q_latent)
+    q, qr, splits, stage_dtype = split_kv_inputs(call, dtype=dtype, block_h=BLOCK_H,
+                                                 max_steps=max_blocks * page_size // BLOCK_N, one_cta_per_sm=True)
+    return split_kv_output(*stage1(q, qr, splits, stage_dtype), call)

@@ -140,36 +140,26 @@ def _tile_limits(index_k, index_scale) -> str | None:
 
 
 def unsupported(
-    q: jax.Array,  # [T, Hi, Di]
-    weights: jax.Array,  # f32[T, Hi]
+    call,  # kvjax.ops.dsa.IndexerCall: q [T, Hi, Di], weights f32[T, Hi], ...
     index_k: jax.Array,  # [P, page_size, Di]
     index_scale: jax.Array | None,  # f32[P, page_size, G] | None
-    *rest,  # block_tables, seq_lens
-    **static,  # cu_seqlens, scale
 ) -> str | None:
-    """The backend table's check of :func:`kvjax.ops.dsa.indexer_scores`'s normalised call: fp8 keys (other
-    float keys would be rounded to bf16; the reference keeps them in f32) and :func:`_tile_limits`."""
-    del q, weights, rest, static
+    """The backend table's check of :func:`kvjax.ops.dsa.indexer_scores`'s call: fp8 keys (other float keys
+    would be rounded to bf16; the reference keeps them in f32) and :func:`_tile_limits`."""
+    del call
     if index_k.dtype != jnp.float8_e4m3fn:
         return f"float8_e4m3fn keys (it rounds other keys to bf16), got {index_k.dtype}"
     why = _tile_limits(index_k, index_scale)
     return None if why is None else f"needs {why}"
 
 
-_STATIC = ("scale", "pages_per_program", "num_warps", "num_stages", "interpret")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=("pages_per_program", "num_warps", "num_stages", "interpret"))
 def indexer_scores_pallas(
-    q: jax.Array,  # [T, Hi, Di] roped indexer queries
-    weights: jax.Array,  # f32[T, Hi] per-head weights
+    call,  # kvjax.ops.dsa.IndexerCall: q [T, Hi, Di] roped indexer queries, weights f32[T, Hi],
+    #        block_tables i32[B, 1, max_blocks], seq_lens i32[B], cu_seqlens i32[B+1]; static scale
     index_k: jax.Array,  # f8e4m3 (or float) [P, page_size, Di]
     index_scale: jax.Array | None,  # f32[P, page_size, Di // block] | None
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
     *,
-    cu_seqlens: jax.Array,  # i32[B+1]
-    scale: float,
     pages_per_program: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -180,29 +170,30 @@ def indexer_scores_pallas(
     Needs ``page_size`` and ``Di // G`` (``G`` scales per token) to be powers of two >= 16; raises
     ``ValueError`` otherwise. ``pages_per_program`` defaults to :func:`default_pages_per_program`.
     """
-    t, hi, di = q.shape
+    t, hi, di = call.q.shape
     page_size = index_k.shape[1]
     why = _tile_limits(index_k, index_scale)
     if why:
         raise ValueError(f"indexer kernel needs {why}")
     if index_scale is None:
         index_scale = jnp.ones(index_k.shape[:2] + (1,), jnp.float32)
-    tables = block_tables[:, 0, :]
+    tables = call.block_tables[:, 0, :]
     max_blocks = tables.shape[1]
     ppp = pages_per_program or default_pages_per_program(t, max_blocks, num_sms())
 
+    cu_seqlens = call.cu_seqlens
     tok = jnp.arange(t, dtype=jnp.int32)
     rows = token_rows(cu_seqlens, t)
-    pos = seq_lens[rows] - (cu_seqlens[rows + 1] - tok)
+    pos = call.seq_lens[rows] - (cu_seqlens[rows + 1] - tok)
     pos = jnp.where(tok < cu_seqlens[-1], pos, -1).astype(jnp.int32)
 
     hp = max(16, 1 << (hi - 1).bit_length())
-    qb = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, hp - hi), (0, 0)))
-    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, hp - hi)))
+    qb = jnp.pad(call.q.astype(jnp.bfloat16), ((0, 0), (0, hp - hi), (0, 0)))
+    w = jnp.pad(call.weights.astype(jnp.float32), ((0, 0), (0, hp - hi)))
     fp8_bits = index_k.dtype == jnp.float8_e4m3fn
     keys = jax.lax.bitcast_convert_type(index_k, jnp.uint8) if fp8_bits else index_k
     out = _indexer_call(rows.astype(jnp.int32), pos, tables, qb, w, keys, index_scale.astype(jnp.float32),
-                        scale=scale, pages_per_program=ppp, fp8_bits=fp8_bits, num_warps=num_warps,
+                        scale=call.scale, pages_per_program=ppp, fp8_bits=fp8_bits, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret)
     length = max_blocks * page_size
     return out if out.shape[1] == length else out[:, :length]

@@ -12,7 +12,9 @@ the scales are applied outside the products, so the dequantisation adds no round
   bf16 (as the bf16 kernel does), one ``[block_h, w]`` f32 accumulator per group.
 
 Positions ``< 0`` or ``>= seq_lens`` and holes are masked (their bytes are never loaded). The host side (head
-padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` / :func:`~kvjax.pallas.split_kv.split_kv_output`.
+padding, split choice, merge) is :func:`kvjax.pallas.split_kv.split_kv_inputs` /
+:func:`~kvjax.pallas.split_kv.split_kv_output`; the split's steps, the row gather, the online-softmax step and the
+``pallas_call`` layout are those of the bf16 kernel (:mod:`kvjax.pallas.mla.common`).
 
 Against the jnp reference path of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8` it is faster at 16 heads and ties
 or trails at 128 (RESULTS.md, "DSA sparse decode"): :func:`unsupported`, the backend table's check, therefore
@@ -30,8 +32,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.base.device import is_pow2
 from kvjax.pallas.mla.dsa_indexer import decode_e4m3_bits
-from kvjax.pallas.split_kv import (LN2, LOG2E, MASK_INIT, STATIC_ARGNAMES, default_tiles,
-                                   pad_positions, split_kv_inputs, split_kv_output)
+from kvjax.pallas.mla.common import gather_rows, softmax_step, split_steps, stage1_layout
+from kvjax.pallas.split_kv import (LN2, MASK_INIT, STATIC_ARGNAMES, Tiles, default_tiles, pad_positions,
+                                   split_kv_inputs, split_kv_output)
 
 MAX_HEADS = 16  # more heads: not faster than the jnp path (module doc)
 
@@ -56,14 +59,10 @@ def _sparse_fp8_kernel(
     page_size, rank = key_ref.shape[1], key_ref.shape[2]
     groups = kscale_ref.shape[2]
     width = rank // groups
-    max_blocks = tables_ref.shape[1]
     block_h, rope = qr_ref.shape
 
     seq_len = lens_ref[b]
-    n_steps = topk_ref.shape[1] // block_n
-    per_split = pl.cdiv(n_steps, num_splits)
-    start = split * per_split
-    end = jnp.minimum(start + per_split, n_steps)
+    start, end = split_steps(topk_ref.shape[1] // block_n, split, num_splits)
 
     qs = [q_ref[:, pl.ds(g * width, width)] for g in range(groups)]
     qr = qr_ref[...]
@@ -74,11 +73,7 @@ def _sparse_fp8_kernel(
     def body(j, carry):
         accs, m, l = carry[:groups], carry[groups], carry[groups + 1]
         pos = topk_ref[b, pl.ds(j * block_n, block_n)]
-        pos_ok = (pos >= 0) & (pos < seq_len)
-        pos = jnp.where(pos_ok, pos, 0)
-        page = tables_ref[b, jnp.minimum(pos // page_size, max_blocks - 1)]
-        valid = pos_ok & (page >= 0)  # bool[block_n]
-        page, off = jnp.maximum(page, 0)[:, None], (pos % page_size)[:, None]
+        page, off, valid = gather_rows(tables_ref, b, pos, seq_len, page_size)
         kr = plgpu.load(rope_ref.at[page, off, rcols[None, :]],
                         mask=jnp.broadcast_to(valid[:, None], (block_n, rope)), other=0.0)
         sc = plgpu.load(kscale_ref.at[page, off, gcols[None, :]],
@@ -92,11 +87,7 @@ def _sparse_fp8_kernel(
             sg = jnp.sum(jnp.where(gcols[None, :] == g, sc, 0.0), axis=1)  # f32[block_n]
             s += plgpu.dot(qs[g], kg, trans_b=True) * sg[None, :]
             tiles.append((kg, sg))
-        s = jnp.where(valid[None, :], s * (scale * LOG2E), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l = softmax_step(s, valid, m, l, scale)
         accs = tuple(acc * alpha[:, None] + plgpu.dot((p * sg[None, :]).astype(jnp.bfloat16), kg)
                      for acc, (kg, sg) in zip(accs, tiles))
         return (*accs, m_new, l)
@@ -117,26 +108,16 @@ def _sparse_fp8_kernel(
 def _sparse_fp8_call(q, qr, key, kscale, krope, tables, lens, topk, *, scale, num_splits, block_h, block_n,
                      num_warps, num_stages, out_dtype, interpret):
     b, h, rank = q.shape
-    rope = qr.shape[-1]
     kernel = functools.partial(_sparse_fp8_kernel, scale=scale, num_splits=num_splits, block_n=block_n)
+    grid, query_specs, out_specs, out_shape = stage1_layout(b, h, rank, qr.shape[-1], block_h=block_h,
+                                                            num_splits=num_splits, out_dtype=out_dtype)
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
-        grid=(h // block_h, num_splits, b),
-        in_specs=[
-            whole, whole, whole,
-            pl.BlockSpec((None, block_h, rank), lambda g, s, i: (i, g, 0)),
-            pl.BlockSpec((None, block_h, rope), lambda g, s, i: (i, g, 0)),
-            whole, whole, whole,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, block_h, rank), lambda g, s, i: (i, s, g, 0)),
-            pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, num_splits, h, rank), out_dtype),
-            jax.ShapeDtypeStruct((b, num_splits, h), jnp.float32),
-        ],
+        grid=grid,
+        in_specs=[whole, whole, whole] + query_specs + [whole, whole, whole],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dsa_sparse_decode_fp8_stage1",
@@ -155,68 +136,51 @@ def _tile_limits(key, key_scale, q_rope) -> str | None:
 
 
 def unsupported(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall (sparse): q_latent [B, H, R], q_rope [B, H, r], ...
     key: jax.Array,  # [P, page_size, R]
     key_scale: jax.Array,  # f32[P, page_size, R // w]
-    *rest,  # key_rope, block_tables, seq_lens, topk_indices
-    **static,  # scale
+    key_rope: jax.Array,  # bf16[P, page_size, r]
 ) -> str | None:
-    """The backend table's check of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8`'s normalised call:
-    :func:`_tile_limits`, and more than ``MAX_HEADS`` heads declined (not faster than the jnp path there)."""
-    del rest, static
-    why = _tile_limits(key, key_scale, q_rope)
+    """The backend table's check of :func:`kvjax.ops.dsa.sparse_mla_decode_fp8`'s call: :func:`_tile_limits`,
+    and more than ``MAX_HEADS`` heads declined (not faster than the jnp path there)."""
+    del key_rope
+    why = _tile_limits(key, key_scale, call.q_rope)
     if why:
         return why
-    if q_latent.shape[1] > MAX_HEADS:
-        return (f"H = {q_latent.shape[1]} > {MAX_HEADS} heads: not faster than the jnp path there "
+    if call.q_latent.shape[1] > MAX_HEADS:
+        return (f"H = {call.q_latent.shape[1]} > {MAX_HEADS} heads: not faster than the jnp path there "
                 f"(RESULTS.md, DSA sparse decode)")
     return None
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def sparse_mla_decode_fp8_pallas(
-    q_latent: jax.Array,  # [B, H, R]
-    q_rope: jax.Array,  # [B, H, r]
+    call,  # kvjax.ops.mla.MLADecodeCall: q_latent [B, H, R], q_rope [B, H, r], block_tables i32[B, 1, max_blocks],
+    #        seq_lens i32[B], topk_indices i32[B, K] (-1 = none); static scale, num_kv_splits
     key: jax.Array,  # f8e4m3[P, page_size, R]
     key_scale: jax.Array,  # f32[P, page_size, R // w]
     key_rope: jax.Array,  # bf16[P, page_size, r]
-    block_tables: jax.Array,  # i32[B, 1, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    topk_indices: jax.Array,  # i32[B, K]; -1 = none
     *,
-    scale: float,
-    num_kv_splits: int | None = None,
-    block_h: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: Tiles = Tiles(),
     interpret: bool = False,
 ) -> jax.Array:
     """Sparse MLA decode over the DSA fp8 key roles (see module doc). Returns ``o: [B, H, R]`` in
     ``q_latent``'s dtype; a row with no selected position gives 0.
 
-    Tiles default to :func:`kvjax.pallas.split_kv.default_tiles` (sparse). Needs fp8 ``key``, a scale-group
+    ``tiles`` default to :func:`kvjax.pallas.split_kv.default_tiles` (sparse). Needs fp8 ``key``, a scale-group
     width ``R // G`` and a rope width that are powers of two >= 16; raises ``ValueError`` otherwise.
     """
-    why = _tile_limits(key, key_scale, q_rope)
+    why = _tile_limits(key, key_scale, call.q_rope)
     if why:
         raise ValueError(f"sparse_mla_decode_fp8_pallas: {why}")
-    tiles = default_tiles(q_latent.shape[1], key.shape[1], sparse=True)
-    block_h = block_h or tiles["block_h"]
-    block_n = block_n or tiles["block_n"]
-    num_warps = num_warps or tiles["num_warps"]
-    num_stages = num_stages or tiles["num_stages"]
-    topk = pad_positions(topk_indices, block_n)
+    tiles = default_tiles(call.q_latent.shape[1], key.shape[1], True, tiles)
+    topk = pad_positions(call.topk_indices, tiles.block_n)
     keys = jax.lax.bitcast_convert_type(key, jnp.uint8)  # decoded in-kernel (see dsa_indexer)
-
-    def stage1(q, qr, num_splits, out_dtype):
-        return _sparse_fp8_call(q, qr, keys, key_scale.astype(jnp.float32), key_rope, block_tables[:, 0, :],
-                                seq_lens, topk, scale=scale, num_splits=num_splits, block_h=block_h,
-                                block_n=block_n, num_warps=num_warps, num_stages=num_stages, out_dtype=out_dtype,
-                                interpret=interpret)
-
-    q, qr, splits, stage_dtype = split_kv_inputs(q_latent, q_rope, dtype=jnp.bfloat16, block_h=block_h,
-                           max_steps=topk.shape[1] // block_n, num_kv_splits=num_kv_splits,
-                           out_dtype=q_latent.dtype)
-    return split_kv_output(*stage1(q, qr, splits, stage_dtype), q_latent)
+    q, qr, splits, stage_dtype = split_kv_inputs(call, dtype=jnp.bfloat16, block_h=tiles.block_h,
+                                                 max_steps=topk.shape[1] // tiles.block_n,
+                                                 out_dtype=call.q_latent.dtype)
+    o, lse = _sparse_fp8_call(q, qr, keys, key_scale.astype(jnp.float32), key_rope, call.block_tables[:, 0, :],
+                              call.seq_lens, topk, scale=call.scale, num_splits=splits, block_h=tiles.block_h,
+                              block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                              out_dtype=stage_dtype, interpret=interpret)
+    return split_kv_output(o, lse, call)
