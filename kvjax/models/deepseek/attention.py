@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 attention: MLA with the DSA lightning indexer (HF ``DeepseekV32Attention``), whole sequences
-(the oracle) and one cached ragged step over the paged latent + indexer caches; :class:`StepMeta` is the step's
-per-token metadata. Semantics: :mod:`kvjax.models.deepseek.model`.
+(the oracle, with the cache's rounding :class:`CacheRounding`) and one cached ragged step over the paged latent +
+indexer caches; :class:`StepMeta` is the step's per-token metadata. Semantics: :mod:`kvjax.models.deepseek.model`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ _HI = jax.lax.Precision.HIGHEST
 def fp8_roundtrip(x: jax.Array, block: int) -> jax.Array:  # f32[..., N] -> f32[..., N]
     """``x`` as the DSA cache stores and reads it back: blockwise fp8 e4m3 (one f32 scale per ``block``)."""
     return dequantize_fp8_blockwise(*quantize_fp8_blockwise(x, block))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRounding:
+    """Which DSA cache roundings the full-sequence oracle applies, so that it computes what a cached step over
+    caches of the same kind computes; built once by :meth:`~kvjax.models.deepseek.model.DeepseekV32.logits` and
+    handed unchanged to every layer (a static, hashable value). The default rounds nothing (HF's computation)."""
+
+    indexer_fp8: bool = False  # indexer keys through the fp8 quantisation of the ``indexer`` role
+    latent_fp8: bool = False  # ``kv_c`` through fp8 and ``k_rope`` through bf16 (the DSA ``key`` roles)
 
 
 class LayerNorm(nnx.Module):
@@ -142,8 +152,8 @@ class Attention(nnx.Module):
         self.c = c
         self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, rngs=rngs, dtype=dtype)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, dtype=dtype)
-        self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, bias=c.attention_bias, rngs=rngs, dtype=dtype)
+        self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * c.mla.qk_head_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.mla.latent_dim, bias=c.attention_bias, rngs=rngs, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, dtype=dtype)
         self.kv_b_proj = Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
                                 rngs=rngs, dtype=dtype)
@@ -156,7 +166,7 @@ class Attention(nnx.Module):
         latent ``kv_c [..., R]`` and roped shared ``k_rope [..., r]``."""
         c = self.c
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
+        q = self.q_b_proj(q_resid).reshape(*x.shape[:-1], c.num_attention_heads, c.mla.qk_head_dim)
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         q_rope = apply_rope(q_rope, cos, sin, interleaved=True)
         ckv = self.kv_a_proj_with_mqa(x)
@@ -169,15 +179,13 @@ class Attention(nnx.Module):
         x: jax.Array,  # [B, T, D]
         cos: jax.Array,  # f32[B, T, r/2]
         sin: jax.Array,  # f32[B, T, r/2]
-        *,
-        indexer_fp8: bool = False,
-        latent_fp8: bool = False,
+        rounding: CacheRounding = CacheRounding(),
     ) -> jax.Array:  # [B, T, D]
         """Full causal sequence ``x: [B, T, D]`` (cos/sin ``f32[B, T, r/2]``) -> ``[B, T, D]``."""
         c = self.c
         b, t, _ = x.shape
         q_resid, q_nope, q_rope, kv_c, k_rope = self._project(x, cos, sin)
-        if latent_fp8:
+        if rounding.latent_fp8:
             kv_c = fp8_roundtrip(kv_c, c.quant_block).astype(x.dtype)
             k_rope = k_rope.astype(jnp.bfloat16).astype(x.dtype)
         kv = self.kv_b_proj(kv_c).reshape(b, t, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
@@ -186,7 +194,7 @@ class Attention(nnx.Module):
              + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, precision=_HI)).astype(jnp.float32) * c.softmax_scale
 
         iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
-        if indexer_fp8:
+        if rounding.indexer_fp8:
             ik = fp8_roundtrip(ik, c.quant_block)
         causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
         iscores = self.indexer.scores(iq, ik[:, None], iw)  # [B, T, S]

@@ -97,14 +97,6 @@ class DeepseekConfig:
         return dict(self.rope_parameters)
 
     @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
     def mla(self) -> MLAConfig:
         return MLAConfig(self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim,
                          self.qk_nope_head_dim, self.v_head_dim, self.q_lora_rank)
@@ -122,7 +114,7 @@ class DeepseekConfig:
     @property
     def softmax_scale(self) -> float:
         """``qk_head_dim**-0.5``, times ``yarn_get_mscale(factor, mscale_all_dim)**2`` (HF yarn_apply_mscale)."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.mla.qk_head_dim ** -0.5
         rp = self.rope
         if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
             factor = float(rp["factor"])

@@ -10,7 +10,7 @@ from flax import nnx
 
 from kvjax.models.common.layers import MLP, RMSNorm
 from kvjax.models.common.parallel import reduce
-from kvjax.models.deepseek.attention import Attention, StepMeta
+from kvjax.models.deepseek.attention import Attention, CacheRounding, StepMeta
 from kvjax.models.deepseek.config import DeepseekConfig
 
 _HI = jax.lax.Precision.HIGHEST
@@ -86,17 +86,10 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
-    def __call__(
-        self,
-        x: jax.Array,  # [B, T, D]
-        cos: jax.Array,  # f32[B, T, r/2]
-        sin: jax.Array,  # f32[B, T, r/2]
-        *,
-        indexer_fp8: bool = False,
-        latent_fp8: bool = False,
-    ) -> jax.Array:  # [B, T, D]
-        """Pre-norm residual block over a full causal sequence (HF ``DeepseekV32DecoderLayer``)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rounding: CacheRounding) -> jax.Array:
+        """Pre-norm residual block over a full causal sequence (HF ``DeepseekV32DecoderLayer``): ``x [B, T, D]``,
+        ``cos`` / ``sin`` ``f32[B, T, r/2]`` -> ``[B, T, D]`` (see :meth:`Attention.__call__`)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rounding)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def step(

@@ -38,8 +38,8 @@ def _param_values(config: DeepseekConfig, src: TensorSource) -> dict[tuple, np.n
         a, an = (*p, "self_attn"), f"{n}.self_attn"
         linear((*a, "q_a_proj"), f"{an}.q_a_proj", c.hidden_size, c.q_lora_rank, c.attention_bias)
         vector((*a, "q_a_layernorm", "weight"), f"{an}.q_a_layernorm.weight", c.q_lora_rank)
-        linear((*a, "q_b_proj"), f"{an}.q_b_proj", c.q_lora_rank, c.num_attention_heads * c.qk_head_dim)
-        linear((*a, "kv_a_proj_with_mqa"), f"{an}.kv_a_proj_with_mqa", c.hidden_size, c.latent_dim,
+        linear((*a, "q_b_proj"), f"{an}.q_b_proj", c.q_lora_rank, c.num_attention_heads * c.mla.qk_head_dim)
+        linear((*a, "kv_a_proj_with_mqa"), f"{an}.kv_a_proj_with_mqa", c.hidden_size, c.mla.latent_dim,
                c.attention_bias)
         vector((*a, "kv_a_layernorm", "weight"), f"{an}.kv_a_layernorm.weight", c.kv_lora_rank)
         linear((*a, "kv_b_proj"), f"{an}.kv_b_proj", c.kv_lora_rank,

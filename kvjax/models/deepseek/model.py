@@ -54,7 +54,7 @@ from kvjax.config import AttentionConfig
 from kvjax.models.common.layers import Linear, RMSNorm
 from kvjax.models.common.parallel import ShardPlan, TensorParallel, check_divisible, embed, gather_vocab
 from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
-from kvjax.models.deepseek.attention import StepMeta
+from kvjax.models.deepseek.attention import CacheRounding, StepMeta
 from kvjax.models.deepseek.config import DeepseekConfig
 from kvjax.models.deepseek.layers import DecoderLayer
 from kvjax.models.interface import ModelCaches
@@ -112,8 +112,9 @@ class DeepseekV32(nnx.Module):
         b, t = input_ids.shape
         x = self.embed_tokens[...][input_ids]
         cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
+        rounding = CacheRounding(indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
         for layer in self.layers:
-            x = layer(x, cos, sin, indexer_fp8=indexer_fp8, latent_fp8=latent_fp8)
+            x = layer(x, cos, sin, rounding)
         return self._head(x)
 
     # ----------------------------------------------------- serving (kvjax.models.interface.CausalLM)
@@ -152,7 +153,7 @@ class DeepseekV32(nnx.Module):
 
     def attention_layout(self) -> AttentionConfig:
         """One latent head of width ``kv_lora_rank + qk_rope_head_dim``: one block table per row (MLA)."""
-        return AttentionConfig(1, 1, self.config.latent_dim)
+        return AttentionConfig(1, 1, self.config.mla.latent_dim)
 
     def init_caches(self, *, num_pages: int, page_size: int, kind: str = "mla", dtype=jnp.float32,
                     indexer_fp8: bool = True, max_seqs: int | None = None) -> ModelCaches:
@@ -191,8 +192,8 @@ class DeepseekV32(nnx.Module):
         """One ragged step over the paged caches (pure: returns new caches; jit with caches donated).
 
         ``caches``: from :meth:`init_caches` (``pages``: ``<role>_caches_<layer>``). ``inputs``: a
-        :class:`kvjax.inputs.StepInputs` (reads ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``, ``block_tables i32[B, 1, max_blocks]``,
-        ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]`` (``N = B`` in the StepInputs contract; any ``N``
+        :class:`kvjax.inputs.StepInputs` (reads ``token_ids``, ``positions``, ``cu_seqlens``, ``seq_lens``,
+        ``block_tables i32[B, 1, max_blocks]``, ``slot_mapping i32[T, 1]``, ``logits_indices i32[N]`` (``N = B`` in the StepInputs contract; any ``N``
         works); GDN fields are unused). This step's latents and indexer keys are written first; token ``t`` of
         row ``b`` then attends to the positions ``<= positions[t]`` of row ``b`` that its indexer selects
         (:func:`kvjax.ops.dsa.indexer_scores`, :func:`~kvjax.ops.dsa.index_topk`, absorbed
