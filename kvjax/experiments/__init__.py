@@ -10,6 +10,8 @@ Modules, one concept each:
   engine with the toy Qwen3.5;
 - ``tasks``: a synthetic key-value retrieval task, a short optax training loop, accuracy under recycle
   policies, and a deliberately lossy policy (:class:`~kvjax.experiments.tasks.EvictEarly`);
+- ``mtp_train``: an MTP head (:mod:`kvjax.models.qwen3_5.mtp`) trained on that task with the main model frozen,
+  and its two-ahead acceptance;
 - ``tour``: one small random case per public op, run under every implementation usable here; the benchmark list;
 - ``plots``: matplotlib figures used by the notebooks.
 
