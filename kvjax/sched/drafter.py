@@ -9,8 +9,10 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
 - :class:`NgramDrafter`: prompt lookup (n-gram) drafting, no weights: find the request's last ``n`` tokens
   earlier in its own tokens (the longest ``n`` from ``max_ngram`` down to ``min_ngram`` that occurs; its latest
   occurrence) and propose the tokens that followed it.
+- :class:`PacedDrafter`: a drafter with the step-cost rule that shortens or turns off the drafts where they do not
+  pay (large batches; :func:`kvjax.sched.spec.draft_length`).
 - :class:`SpeculativeConfig`: the engine's ``speculative=`` setting (method, ``num_draft_tokens`` = ``K``, n-gram
-  sizes), validated when built; :func:`make_drafter` builds its drafter.
+  sizes, ``flat_tokens`` of the rule), validated when built; :func:`make_drafter` builds its drafter.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from kvjax.config import is_int
 
 MAX_DRAFT_TOKENS = 16  # K at most (a verification row is K + 1 tokens; the step compiles per K)
 METHODS = ("ngram",)
+# The rule's default flat region of the step-cost model (tokens a step computes at about the cost of one): a bf16
+# weight read feeds two FLOPs per token, and accelerators of this generation do a few hundred FLOPs per byte read, so
+# a decode step stays memory-bound up to a few hundred tokens. A setting to measure (benchmarks/spec.py), not a figure.
+FLAT_TOKENS = 256
 
 
 @runtime_checkable
@@ -62,6 +68,19 @@ class NgramDrafter:
         return np.zeros(0, np.int32)
 
 
+class PacedDrafter:
+    """``drafter`` under the rule that picks, every step, the draft length that pays (0: none) from the step-cost
+    model with a flat region of ``flat_tokens`` tokens and the acceptance measured so far
+    (:func:`kvjax.sched.spec.draft_length`, applied by :func:`kvjax.sched.spec.propose`)."""
+
+    def __init__(self, drafter: Drafter, flat_tokens: int) -> None:
+        self.drafter, self.flat_tokens = drafter, int(flat_tokens)
+        self.num_draft_tokens = drafter.num_draft_tokens
+
+    def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
+        return self.drafter.propose(tokens, max_drafts)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """``Engine(speculative=...)``: how the engine drafts and verifies.
@@ -69,13 +88,17 @@ class SpeculativeConfig:
     Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`); ``num_draft_tokens`` [4]: K, drafts per
     verification row at most, an int in ``[1, MAX_DRAFT_TOKENS]``; ``max_ngram`` [3] / ``min_ngram`` [1]: the
     n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a ready :class:`Drafter`
-    object instead of ``method``'s (its ``num_draft_tokens`` must equal K). ``ValueError`` names a bad field."""
+    object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens`` [:data:`FLAT_TOKENS`]:
+    the flat region of the step-cost model of the rule that shortens or turns off drafts where they do not pay (an
+    int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`). ``ValueError`` names a bad
+    field."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
     drafter: Any = None
+    flat_tokens: int | None = FLAT_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -90,6 +113,8 @@ class SpeculativeConfig:
                                          or self.drafter.num_draft_tokens != self.num_draft_tokens):
             raise ValueError(f"drafter must implement kvjax.sched.drafter.Drafter with num_draft_tokens="
                              f"{self.num_draft_tokens}, got {self.drafter!r:.80}")
+        if self.flat_tokens is not None and (not is_int(self.flat_tokens) or self.flat_tokens < 1):
+            raise ValueError(f"flat_tokens must be None or an int >= 1, got {self.flat_tokens!r}")
 
     @classmethod
     def of(cls, value: Any) -> "SpeculativeConfig | None":
@@ -106,7 +131,8 @@ class SpeculativeConfig:
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
-    """The drafter ``config`` names (its ``drafter`` object where given)."""
-    if config.drafter is not None:
-        return config.drafter
-    return NgramDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram)
+    """The drafter ``config`` names (its ``drafter`` object where given), paced by the rule unless ``flat_tokens``
+    is ``None``."""
+    drafter = config.drafter if config.drafter is not None else \
+        NgramDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram)
+    return drafter if config.flat_tokens is None else PacedDrafter(drafter, config.flat_tokens)

@@ -19,6 +19,18 @@ request at the first one, later tokens dropped; ``max_new_tokens`` finishes it).
 pages past ``num_computed``: never attended (``seq_lens`` stops before them) and overwritten by the next step.
 Recycling and the prefix cache see ``num_computed`` only, so they never see a rejected token.
 
+When it pays (:func:`draft_length`, with a :class:`~kvjax.sched.drafter.PacedDrafter`, the engine's default). The
+step-cost model: a step computing ``T`` tokens costs ``max(T, F)`` (``F`` = ``flat_tokens``: below it the step is
+bound by reading the weights and pages, which a token more does not change; above it, by compute, per token). With
+``R`` rows that decode, ``T0`` tokens the running rows compute without drafts (prompt chunks, one per decoding row)
+and ``k`` drafts a row, a verification step costs ``max(T0 + R k, F)`` and keeps ``T0 + R (g(k) - 1)`` tokens,
+``g(k) = 1 + p_0 + .. + p_{k-1}`` the expected tokens a verification row gains (``p_j``: the measured rate at which
+rows with a draft at position ``j`` accepted it and every draft before it; 1 before any such row was measured).
+Each step drafts the ``k`` in ``0..K`` that keeps the most tokens per cost (the longest among equals): in the flat
+region drafts are free (``k = K``); past it a draft costs a token and gains ``p_j < 1``, so once a step is
+compute-bound it drafts only while every draft has been accepted. Decoding alone (``T0 = R``) it drafts while
+``R (k + 1) <= g(k) F`` for some ``k``: speculation turns off above ``R = g(K) F / (K + 1)`` rows or so.
+
 Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
 verification step before planning the next (``overlap`` off) and runs no decode bursts with it.
 """
@@ -30,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.sched.drafter import Drafter
+from kvjax.sched.drafter import Drafter, PacedDrafter
 from kvjax.sched.plan import StepPlan
 from kvjax.sched.request import Status
 
@@ -47,16 +59,39 @@ class SpecStats:
     accepted_at: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # i64[K]
 
 
+def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens: int, flat_tokens: int) -> int:
+    """The drafts per row in ``0..num_draft_tokens`` (K) that keep the most tokens per step cost (the longest among
+    equals; see the module docstring): ``rows`` that decode, ``base_tokens`` the running rows compute without
+    drafts, ``stats`` the acceptance so far, ``flat_tokens`` the cost model's flat region."""
+    K = int(num_draft_tokens)
+    if rows <= 0 or K <= 0:
+        return 0
+    prop, acc = np.zeros(K), np.zeros(K)
+    m = min(K, stats.proposed_at.size)
+    prop[:m], acc[:m] = stats.proposed_at[:m], stats.accepted_at[:m]
+    p = np.where(prop > 0, acc / np.maximum(prop, 1), 1.0)  # f64[K]: rate of accepting drafts 0..j
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])  # f64[K + 1]: g(k)
+    cost = np.maximum(base_tokens + rows * np.arange(K + 1), flat_tokens).astype(np.float64)
+    value = (base_tokens + rows * (gain - 1.0)) / cost
+    return int(np.flatnonzero(value >= value.max() * (1 - 1e-12))[-1])
+
+
 def propose(sched: Any, drafter: Drafter) -> dict[int, np.ndarray]:
-    """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; see the module
-    docstring)."""
+    """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; a
+    :class:`~kvjax.sched.drafter.PacedDrafter` at most :func:`draft_length`'s; see the module docstring)."""
     t = sched.rows
     slots = np.array([r.slot for r in sched.running], np.int64)  # i64[R]
     if not slots.size:
         return {}
     nt, done = t.num_tokens[slots], t.num_computed[slots]
-    room = np.minimum(t.max_tokens[slots] - nt - 1, drafter.num_draft_tokens)  # i64[R]
+    room = t.max_tokens[slots] - nt - 1  # i64[R]
     ok = (done >= t.prompt_len[slots]) & (t.num_pending[slots] == 0) & (nt - done == 1) & (room > 0)
+    K = drafter.num_draft_tokens
+    if isinstance(drafter, PacedDrafter):
+        base = min(int((nt - done).sum()), sched.max_num_batched_tokens)
+        K = draft_length(int(ok.sum()), base, sched.spec_stats, K, drafter.flat_tokens)
+    room = np.minimum(room, K)
+    ok &= room > 0
     out = {}
     for i in np.flatnonzero(ok).tolist():
         slot = int(slots[i])
