@@ -268,7 +268,7 @@ def test_prefill_mosaic_interpret_fp8_pages(rng):
     args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
     out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, **scales, interpret=True)
-    _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(ctx))
+    _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(MOSAIC_CTX))
     assert np.all(np.asarray(out[-2:], np.float32) == 0)  # tokens of no row
     with pytest.raises(ValueError, match="paged_prefill_mgpu: fp8 pages need v_scale"):
         paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, k_scale=scales["k_scale"], interpret=True)
@@ -582,6 +582,26 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
         assert _rel_err(out, ref) <= 2e-2, cfg
 
 
+MOSAIC_CTX = [8192, 300, 700, 17, 5000, 0, 64, 129]  # the Mosaic grids' batch: context and new tokens per row
+MOSAIC_NEW = [1, 300, 129, 1, 1, 0, 64, 129]
+
+
+def _mosaic_batch(rng, group: int, page_size: int):
+    """The Mosaic GPU grids' batch: decode rows, prefill, chunked prefill with a cached prefix, a padding row, a SWA
+    head with sinks next to a full head, poisoned (NaN) holes inside the full head's walk, large finite tails.
+    Returns ``(q, k, v, table, seq_lens), kw``; ``table`` is numpy."""
+    hkv = 2
+    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=MOSAIC_CTX, new=MOSAIC_NEW,
+                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    q, k, v, table, seq_lens = args
+    table = np.asarray(table).copy()
+    for b, col in ((1, 1), (2, 3)):
+        k = k.at[table[b, 0, col]].set(jnp.nan)
+        v = v.at[table[b, 0, col]].set(jnp.nan)
+        table[b, 0, col] = -1
+    return (q, k, v, table, seq_lens), kw
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
@@ -591,17 +611,8 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     # walk, pages below the window recycled or NaN, tails of last pages finite but large (read, weight 0)
     from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
-    hkv = 2
-    ctx = [8192, 300, 700, 17, 5000, 0, 64, 129]
-    new = [1, 300, 129, 1, 1, 0, 64, 129]
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
-                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
-    q, k, v, table, seq_lens = args
-    table = np.asarray(table).copy()
-    for b, col in ((1, 1), (2, 3)):
-        k = k.at[table[b, 0, col]].set(jnp.nan)
-        v = v.at[table[b, 0, col]].set(jnp.nan)
-        table[b, 0, col] = -1
+    ctx, new = MOSAIC_CTX, MOSAIC_NEW
+    (q, k, v, table, seq_lens), kw = _mosaic_batch(rng, group, page_size)
     args = (q, k, v, jnp.asarray(table), seq_lens)
     ref = _ref(args, kw)
     cu = np.asarray(kw["cu_seqlens"])
@@ -628,23 +639,13 @@ def test_gpu_prefill_mosaic_fp8_grid(rng, group, page_size):
     # f32 reference over the same fp8 pages per element (probabilities rounded to f16)
     from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
-    hkv = 2
-    ctx = [8192, 300, 700, 17, 5000, 0, 64, 129]
-    new = [1, 300, 129, 1, 1, 0, 64, 129]
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
-                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
-    q, k, v, table, seq_lens = args
-    table = np.asarray(table).copy()
-    for b, col in ((1, 1), (2, 3)):
-        k = k.at[table[b, 0, col]].set(jnp.nan)
-        v = v.at[table[b, 0, col]].set(jnp.nan)
-        table[b, 0, col] = -1
+    (q, k, v, table, seq_lens), kw = _mosaic_batch(rng, group, page_size)
     v = v.at[table[4, 0, 30]].multiply(8.0)
     args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
     for stages in (None, 3) if page_size == 64 else (None,):
         out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, **scales, stages=stages)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(ctx))
+        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(MOSAIC_CTX))
         assert float(np.abs(np.asarray(out, np.float32)[int(kw["cu_seqlens"][-1]):]).max()) == 0.0
 
 
