@@ -390,3 +390,28 @@ def test_propose_rejects_bad_arguments(toy):
     mismatched = mtp_lib.init(other.config.with_swa((3, 0)))
     with pytest.raises(ValueError, match="MTP layers built for"):
         mismatched.combine(model, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 32)))
+
+
+def test_fp8_mtp_pages_track_float_pages(toy, rng):
+    """fp8 MTP pages (per-page scales, kv_cache_dtype="fp8"): a prefill step then a one-token step read back
+    close to the float pages' result (e4m3 keeps 3 mantissa bits), and the quantisation is really there."""
+    model, mtp, main, _, step, _ = toy
+    seqs = [rng.integers(0, 61, n).astype(np.int32) for n in (14, 7)]
+    out = {}
+    for kind in ("auto", "fp8"):
+        caches = model.init_caches(num_pages=NUM_PAGES, page_size=PAGE, max_seqs=6)
+        planner = Planner(np.random.default_rng(1), 2, (6, 0), (1, 0))
+        for i in range(2):
+            planner.add(i)
+        pages = mtp_lib.init_mtp_caches(mtp, num_pages=NUM_PAGES, page_size=PAGE, kv_cache_dtype=kind)
+        got = []
+        for work in ([(i, s[:-1]) for i, s in enumerate(seqs)], [(i, s[-1:]) for i, s in enumerate(seqs)]):
+            inputs, expect = planner.plan(work)
+            _, h, caches = main(model, caches, inputs)
+            nxt = np.roll(np.asarray(inputs.token_ids), -1)
+            g, pages = step(model, mtp, pages, h, jnp.asarray(nxt), inputs)
+            got.append(np.asarray(g)[np.asarray(inputs.logits_indices)[[r for r, _, _ in expect]]])
+        out[kind] = np.concatenate(got)
+    scale = np.abs(out["auto"]).max()
+    err = np.abs(out["fp8"] - out["auto"]).max()
+    assert 0 < err < 0.1 * scale, (err, scale)
