@@ -277,13 +277,14 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
 # Issue 38: preparation-kernel program shapes (kvjax.pallas.gdn.prep), old ("head") vs new, one process.
 # ---------------------------------------------------------------------------------------------------------
 
-PREP_SWEEP = {  # prepare() / pool-kernel keyword arguments; "head" is today's default (the old kernel)
-    "head": dict(prep_form="head"),
-    "group": dict(prep_form="group"),
-    "group w8": dict(prep_form="group", prep_num_warps=8),
-    "group c2": dict(prep_form="group", prep_chunks=2),  # 2 chunks unrolled
-    "group c2 s2": dict(prep_form="group", prep_chunks=2, prep_num_stages=2),  # a loop, pipelined
-    "group c4 s2": dict(prep_form="group", prep_chunks=4, prep_num_stages=2),
+PREP_SWEEP = {  # PrepConfig keyword arguments (kvjax.pallas.gdn.prep); "head" is today's default (the old kernel)
+    "head": dict(),
+    "group": dict(form="group"),
+    "group w8": dict(form="group", num_warps=8),
+    "group c2": dict(form="group", chunks=2),  # 2 chunks unrolled
+    "group c4 s2": dict(form="group", chunks=4, num_stages=2),  # a loop of 4, pipelined
+    "group paired": dict(form="group", paired=True),
+    "group c2 paired": dict(form="group", chunks=2, paired=True),
 }
 PREP_SHAPES = [2, 3, 4, 1, 0]  # FLASHQLA_SHAPES indices of the whole-op comparison (the five with an anchor)
 
@@ -313,9 +314,9 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
                  interpret: bool = False) -> dict:
     """Old vs new preparation kernel in one process, wall clock (``timing.interleaved``, no profiler per config).
 
-    1. Every :data:`PREP_SWEEP` variant of :func:`kvjax.pallas.gdn.prep.prepare` alone at
+    1. Every :data:`PREP_SWEEP` configuration of :func:`kvjax.pallas.gdn.prep.prepare` alone at
        ``FLASHQLA_SHAPES[sweep_shape]`` (1 x 32768, 16 / 32 by default: the prep kernel's 16384 chunk-heads),
-       its outputs against the ``"head"`` form's (max abs difference); a variant that fails to compile is reported
+       its outputs against the ``"head"`` form's (largest relative L2 difference of w, u, A and the row factors); a variant that fails to compile is reported
        and skipped. The fastest new variant is the candidate.
     2. The whole pool kernel (``chunk_gated_delta_rule_pool``, chunk parallelism as ``auto`` picks it) with the
        old prep, the candidate prep, and (where ``Hv > Hk``) the candidate prep with the grouped sequential kernel
@@ -326,12 +327,11 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
     import time
 
     import jax
-    import jax.numpy as jnp
 
     from kvjax.ops import gdn
     from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.common import state_as_pool
-    from kvjax.pallas.gdn.prep import prepare
+    from kvjax.pallas.gdn.prep import PrepConfig, prepare
 
     import timing
 
@@ -344,7 +344,7 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
     calls, base = {}, None
     for name, kw in PREP_SWEEP.items():
         fn = jax.jit(lambda q, k, v, g, b, kw=kw: prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False,
-                                                          chunk=CHUNK, interpret=interpret, **kw))
+                                                          chunk=CHUNK, config=PrepConfig(**kw), interpret=interpret))
         t0 = time.perf_counter()
         try:
             res = jax.block_until_ready(fn(q, k, v, g, beta))
@@ -354,17 +354,16 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
             continue
         if base is None:
             base = res
-        diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                   for a, b in zip(res[2:], base[2:]))
+        diff = max(_device_rel_err(a, b) for a, b in zip(res[2:], base[2:]))
         calls[name] = lambda fn=fn: fn(q, k, v, g, beta)
-        out["prep"].append({"variant": name, "kwargs": kw, "max_abs_diff_vs_head": diff,
+        out["prep"].append({"variant": name, "kwargs": kw, "rel_diff_vs_head": diff,
                             "compile_s": time.perf_counter() - t0})
     times = timing.interleaved(calls, rounds=5, n=20, device_rounds=0)
     print(f"\nprep kernel alone at {_shape_name(*spec)} (wall ms, median of 5 interleaved rounds of 20 calls)")
     for row in out["prep"]:
         if row["variant"] in times:
             row["wall_ms"] = times[row["variant"]]["wall_ms"]
-            print(f"  {row['variant']:>14}  {row['wall_ms']:.4f} ms  max|diff| vs head {row['max_abs_diff_vs_head']:.2e}"
+            print(f"  {row['variant']:>14}  {row['wall_ms']:.4f} ms  rel. diff vs head {row['rel_diff_vs_head']:.1e}"
                   f"  (compile {row['compile_s']:.1f} s)", flush=True)
     new = [r for r in out["prep"] if "wall_ms" in r and r["variant"] != "head"]
     best = min(new, key=lambda r: r["wall_ms"]) if new else {"variant": "head", "kwargs": PREP_SWEEP["head"]}
@@ -382,9 +381,9 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
         (q, k, v, g, beta, h0, cu), spec = _bf16_recipe(i)
         seqlens, hk, hv = spec
         ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
-        sides = {"old": PREP_SWEEP["head"], "new": best["kwargs"]}
+        sides = {"old": {}, "new": dict(prep=PrepConfig(**best["kwargs"]))}
         if hv > hk:  # the grouped sequential kernel differs from the per-head one only with Hv > Hk
-            sides["new+seq"] = dict(best["kwargs"], seq_form="group")
+            sides["new+seq"] = dict(sides["new"], seq_form="group")
         runners, row = {}, {"shape": _shape_name(*spec), "index": i}
         for side, kw in sides.items():
             def fn(q, k, v, g, b, h, kw=kw):

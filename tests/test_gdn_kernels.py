@@ -7,10 +7,12 @@ float32 inputs, <= 2e-2 for bfloat16 inputs (the issue's acceptance bounds).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 import torch
@@ -74,26 +76,27 @@ def test_chunk_pool_kernel_padding_rows_interpret(rng):
     np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]), err_msg="padding row written")
 
 
-@pytest.mark.parametrize("dtype,hk,hv,kd,vd,prep_chunks,stages", [(jnp.float32, 1, 2, 16, 16, 3, 2),
-                                                                    (jnp.bfloat16, 2, 4, 16, 16, 3, 1),
-                                                                    (jnp.bfloat16, 1, 3, 24, 20, 1, 1)])
-def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks, stages):
+@pytest.mark.parametrize("dtype,hk,hv,kd,vd,chunks,stages,paired", [(jnp.float32, 1, 2, 16, 16, 3, 2, False),
+                                                                      (jnp.bfloat16, 2, 4, 16, 16, 3, 1, True),
+                                                                      (jnp.bfloat16, 1, 3, 24, 20, 1, 1, False),
+                                                                      (jnp.float32, 1, 2, 24, 20, 1, 1, True)])
+def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, chunks, stages, paired):
     """The preparation kernel's "group" form (one program per block of chunks and key head, its value heads in
-    turn; chunks in a loop with 2 stages, unrolled with 1): the pool kernel against the recurrent reference
-    (chunks shared by sequences, a row without initial state, leading tokens outside every sequence, blocks of
-    chunks that do not divide the chunk count, K / V not powers of two), and every prepared quantity equal to
-    the "head" form's."""
+    turn; chunks in a loop with 2 stages, unrolled with 1) and the paired inverse products: the pool kernel
+    against the recurrent reference (chunks shared by sequences, a row without initial state, leading tokens
+    outside every sequence, blocks of chunks that do not divide the chunk count, K / V not powers of two); every
+    prepared quantity equal to the "head" form's (to rounding where the inverse's products are paired)."""
     from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.prep import prepare
+    from kvjax.pallas.gdn.prep import PrepConfig, prepare
 
     lens = [70, 1, 0, 150, 3]
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=5)
     cu = cu + 2
     flags = jnp.asarray([3, 2, 3, 3, 3], jnp.int32)
-    kw = dict(prep_form="group", prep_chunks=prep_chunks, prep_num_stages=stages)
+    config = PrepConfig(form="group", chunks=chunks, num_stages=stages, paired=paired)
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
-        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, interpret=True, **kw)
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, prep=config, interpret=True)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0.at[1].set(0))
     live_tok = (np.arange(q.shape[0]) >= int(cu[0])) & (np.arange(q.shape[0]) < int(cu[5]))
@@ -101,10 +104,27 @@ def test_prep_group_form_interpret(rng, dtype, hk, hv, kd, vd, prep_chunks, stag
     assert rel_err(o, ro) <= TOL[dtype] and rel_err(pool, rf) <= TOL[dtype]
     chunk = CHUNK // 2 if dtype == jnp.float32 else CHUNK
     common = dict(scale=0.25, use_qk_l2norm=True, chunk=chunk, interpret=True)
-    head = prepare(q, k, v, g, beta, cu, prep_form="head", **common)
-    group = prepare(q, k, v, g, beta, cu, **kw, **common)
+    head = prepare(q, k, v, g, beta, cu, config=PrepConfig(), **common)
+    group = prepare(q, k, v, g, beta, cu, config=config, **common)
     for name, a, b in zip(("q", "k", "w", "u", "a", "qf", "kf", "gl"), head, group):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        if paired and name in ("w", "u"):  # the inverse's products associate differently: rounding only
+            assert rel_err(b, a) <= (1e-6 if dtype == jnp.float32 else 1e-2), name
+        else:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+def test_paired_inverse_is_the_inverse(rng):
+    """The paired-product inverse of a random unit lower triangular ``I + L`` (chunks of 32 and 64) against
+    numpy's, float32 products."""
+    from kvjax.pallas.gdn.common import dot
+    from kvjax.pallas.gdn.prep import _unit_lower_inverse_paired
+
+    mm = functools.partial(dot, precision=lax.Precision.HIGHEST)
+    for chunk in (32, 64):
+        lmat = np.tril(rng.uniform(-0.3, 0.3, (chunk, chunk)), -1).astype(np.float32)
+        want = np.linalg.inv(np.eye(chunk) + lmat.astype(np.float64))
+        got = np.asarray(_unit_lower_inverse_paired(jnp.asarray(lmat), mm, chunk), np.float64)
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)), chunk
 
 
 @pytest.mark.parametrize("dtype,kd,vd,segment_chunks", [(jnp.float32, 24, 20, 0), (jnp.bfloat16, 16, 16, 1)])
@@ -114,6 +134,7 @@ def test_seq_group_form_interpret(rng, dtype, kd, vd, segment_chunks):
     without initial state, a padding row (untouched), leading tokens outside every sequence, K / V that the value
     blocks do not divide."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.prep import PrepConfig
 
     lens = [70, 1, 0, 150, 3]
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 3, kd, vd, dtype, pad_tokens=5)
@@ -121,7 +142,7 @@ def test_seq_group_form_interpret(rng, dtype, kd, vd, segment_chunks):
     flags = jnp.asarray([3, 2, 3, 3, 0], jnp.int32)
     o, pool = chunk_gated_delta_rule_pool(
         q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(5, dtype=jnp.int32),
-        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, seq_form="group", prep_form="group",
+        flags=flags, scale=0.25, use_qk_l2norm=True, block_v=16, seq_form="group", prep=PrepConfig(form="group"),
         segment_chunks=segment_chunks, transition_block=16, scan_block=16, interpret=True)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.25, use_qk_l2norm=True), s0.at[1].set(0))
@@ -133,12 +154,13 @@ def test_seq_group_form_interpret(rng, dtype, kd, vd, segment_chunks):
 
 def test_prep_and_seq_options_validated(rng):
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.prep import check_prep_options
+    from kvjax.pallas.gdn.prep import PrepConfig
 
-    for bad, match in [(("rows", 1, 1), "prep_form.*'rows'"), (("group", 0, 1), "prep_chunks.*0"),
-                       (("group", 2, 0), "prep_num_stages.*0")]:
+    for bad, match in [(dict(form="rows"), "form.*'rows'"), (dict(chunks=0), "chunks.*0"),
+                       (dict(num_stages=0), "num_stages.*0"), (dict(num_warps=True), "num_warps.*True"),
+                       (dict(inverse_dtype="fp8"), "inverse_dtype.*'fp8'"), (dict(paired=1), "paired.*1")]:
         with pytest.raises(ValueError, match=match):
-            check_prep_options(*bad)
+            PrepConfig(**bad)
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [3], 1, 2, 16, 16, jnp.float32)
     with pytest.raises(ValueError, match="seq_form.*'rows'"):
         chunk_gated_delta_rule_pool(q, k, v, g, beta, s0, cu_seqlens=cu, rows=jnp.arange(1, dtype=jnp.int32),
@@ -455,14 +477,18 @@ def test_chunk_pool_kernel_gpu(rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("forms", [dict(prep_form="group"), dict(prep_form="group", prep_chunks=3),
-                                   dict(prep_form="group", prep_chunks=4, prep_num_stages=2),
-                                   dict(prep_form="group", seq_form="group"),
-                                   dict(prep_form="group", seq_form="group", segment_chunks=4)])
+@pytest.mark.parametrize("forms", [dict(prep=dict(form="group")), dict(prep=dict(form="group", chunks=3)),
+                                   dict(prep=dict(form="group", chunks=4, num_stages=2)),
+                                   dict(prep=dict(form="group", paired=True)), dict(prep=dict(paired=True)),
+                                   dict(prep=dict(form="group"), seq_form="group"),
+                                   dict(prep=dict(form="group"), seq_form="group", segment_chunks=4)])
 def test_group_forms_gpu(rng, dtype, forms):
-    """The "group" forms of the preparation and sequential kernels (issue 38) compiled, on the issue's ragged
-    grid with every third row starting from zeros, against the recurrent reference."""
+    """The "group" forms of the preparation and sequential kernels and the paired inverse (issue 38) compiled, on
+    the issue's ragged grid with every third row starting from zeros, against the recurrent reference."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.prep import PrepConfig
+
+    forms = dict(forms, prep=PrepConfig(**forms["prep"]))
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, dtype, pad_tokens=70)
     cu = cu + 7

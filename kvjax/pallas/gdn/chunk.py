@@ -56,7 +56,7 @@ from kvjax.base.device import is_pow2, next_pow2
 from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
                                      head_cols, load, on_initial_state, on_slot_pool, store, tile_mask)
-from kvjax.pallas.gdn.prep import prepare
+from kvjax.pallas.gdn.prep import PrepConfig, prepare
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
@@ -402,9 +402,8 @@ def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep_num_warps",
-                     "inverse_dtype", "prep_form", "prep_chunks", "prep_num_stages", "seq_form", "segment_chunks",
-                     "transition_block", "scan_block", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "seq_form",
+                     "segment_chunks", "transition_block", "scan_block", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -423,11 +422,7 @@ def chunk_gated_delta_rule_pool(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    prep_num_warps: int = 4,
-    inverse_dtype: str = "bf16",
-    prep_form: str = "head",
-    prep_chunks: int = 1,
-    prep_num_stages: int = 1,
+    prep: PrepConfig = PrepConfig(),
     seq_form: str = "head",
     segment_chunks: int | None = None,
     transition_block: int | None = None,
@@ -436,14 +431,8 @@ def chunk_gated_delta_rule_pool(
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
-    ``inverse_dtype``: operands of the 10 matmuls of the in-kernel inverse for bf16 inputs, ``"bf16"`` (default:
-    measured faster than ``"tf32"`` with the same output error; RESULTS.md, "GDN chunked prefill"); float32
-    inputs always use full f32.
-
-    ``prep_form`` / ``prep_chunks`` / ``prep_num_stages``: program shape of the preparation kernel
-    (:func:`kvjax.pallas.gdn.prep.prepare`: ``"head"`` = one program per chunk and value head, ``"group"`` = one
-    per block of ``prep_chunks`` chunks and key head, sharing q / k and their products between the key head's
-    value heads) and its pipeline stages; the results do not depend on them. ``seq_form``: program shape of the
+    ``prep``: how the preparation kernel runs (:class:`kvjax.pallas.gdn.prep.PrepConfig`: program shape,
+    chunks per program, stages, warps, the inverse's operand dtype and product pairing). ``seq_form``: program shape of the
     sequential kernel, ``"head"`` (one value head) or ``"group"`` (a key head's value heads, one state each: the
     raw q / k rows loaded once per chunk for all of them, their independent state chains interleaved; the value
     block is chosen as for ``"head"``, so it has ``Hk / Hv`` as many programs).
@@ -475,14 +464,11 @@ def chunk_gated_delta_rule_pool(
     block_v = min(block_v, next_pow2(vd))
     if not is_pow2(block_v):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    if inverse_dtype not in ("tf32", "bf16"):
-        raise ValueError(f"inverse_dtype must be 'tf32' or 'bf16', got {inverse_dtype!r}")
     if seq_form not in SEQ_FORMS:
         raise ValueError(f"seq_form must be one of {SEQ_FORMS}, got {seq_form!r}")
     qp, kp, w, u, a, qf, kf, gl = prepare(
         q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=chunk,
-        prep_num_warps=prep_num_warps, inverse_dtype=inverse_dtype, prep_form=prep_form, prep_chunks=prep_chunks,
-        prep_num_stages=prep_num_stages, interpret=interpret,
+        config=prep, interpret=interpret,
     )
     if segment_chunks is None:
         segment_chunks = auto_segment_chunks(rows.shape[0], hv, w.shape[0])

@@ -14,16 +14,18 @@ where K or V is not a power of two, :mod:`kvjax.pallas.gdn.common`).
 
 Work per (chunk, value head) at ``C = 64``, ``K = V = 128`` (bf16): the products ``q k^T``, ``k k^T`` (1 MFLOP
 each), the inverse (10 dependent ``64^3`` products, 5.2 MFLOP), ``w`` and ``u`` (1 MFLOP each); 48 KB read
-(q, k, v rows) and 41 KB written (w, u, A, row factors). Program shapes (:data:`PREP_FORMS`): ``"head"``, one
+(q, k, v rows) and 41 KB written (w, u, A, row factors). Program shapes (:class:`PrepConfig`): ``"head"``, one
 program per (chunk, value head), reads q / k once per value head and forms ``q k^T`` / ``k k^T`` for each;
-``"group"``, one program per (block of ``prep_chunks`` chunks, key head), reads q / k once per key head, forms
-the two products once and runs the per-value-head part (decay, ``A``, inverse, ``w``, ``u``) for the key
-head's ``Hv / Hk`` value heads; several chunks per program are unrolled (the independent chains interleave) or, with
-``num_stages > 1``, a loop whose next chunk's rows Triton's pipeliner loads while this one computes.
+``"group"``, one program per (block of chunks, key head), reads q / k once per key head, forms the two
+products once and runs the per-value-head part (decay, ``A``, inverse, ``w``, ``u``) for the key head's
+``Hv / Hk`` value heads; several chunks per program are unrolled (the independent chains interleave) or, with
+``num_stages > 1``, a loop whose next chunk's rows Triton's pipeliner loads while this one computes. With
+``paired``, each doubling level of the inverse is one product of twice the width instead of two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +42,42 @@ from kvjax.pallas.gdn.common import dot as _dot
 
 SUB = 16  # diagonal block size of the in-kernel inverse
 PREP_FORMS = ("head", "group")  # program = (chunk, value head) | (block of chunks, key head)
+INVERSE_DTYPES = ("bf16", "tf32")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepConfig:
+    """How the preparation kernel runs (the prepared quantities do not depend on it, up to rounding).
+
+    ``form``: :data:`PREP_FORMS`, one program per (chunk, value head) or per (block of ``chunks`` chunks, key
+    head), the latter reading q / k once and forming ``q k^T`` / ``k k^T`` once for the key head's value heads.
+    ``chunks`` (form ``"group"``): chunks per program, unrolled with ``num_stages == 1`` (their independent
+    chains interleave), else a loop Triton's pipeliner stages over ``num_stages``. ``num_warps``: Triton warps.
+    ``inverse_dtype``: operands of the inverse's products for bf16 inputs, ``"bf16"`` (one bf16 pass; measured
+    faster than ``"tf32"`` with the same output error, RESULTS.md "GDN chunked prefill") or ``"tf32"`` (float32
+    inputs always take the other products' precision). ``paired``: the inverse's doubling levels form their two
+    independent products ``P Q`` and ``P P`` as one product ``P [Q | P]`` (columns interleaved): 7 dependent
+    products instead of 10 at ``C = 64``, one of them twice as wide.
+    """
+
+    form: str = "head"
+    chunks: int = 1
+    num_stages: int = 1
+    num_warps: int = 4
+    inverse_dtype: str = "bf16"
+    paired: bool = False
+
+    def __post_init__(self):
+        if self.form not in PREP_FORMS:
+            raise ValueError(f"PrepConfig.form must be one of {PREP_FORMS}, got {self.form!r}")
+        for name in ("chunks", "num_stages", "num_warps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"PrepConfig.{name} must be a positive int, got {value!r}")
+        if self.inverse_dtype not in INVERSE_DTYPES:
+            raise ValueError(f"PrepConfig.inverse_dtype must be one of {INVERSE_DTYPES}, got {self.inverse_dtype!r}")
+        if not isinstance(self.paired, bool):
+            raise ValueError(f"PrepConfig.paired must be a bool, got {self.paired!r}")
 
 
 def _dot_t(a, b, *, precision):
@@ -72,6 +110,47 @@ def _unit_lower_inverse(
     return mm(inv_f, inv_d)
 
 
+def _interleave(a: jax.Array, b: jax.Array) -> jax.Array:  # [M, 2N]
+    """Columns of ``a`` and ``b`` [M, N] interleaved (``a`` even, ``b`` odd): ``x @ _interleave(a, b) =
+    _interleave(x @ a, x @ b)`` (a join in Triton)."""
+    return jnp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1])
+
+
+def _deinterleave(r: jax.Array) -> tuple[jax.Array, jax.Array]:  # two [M, N]
+    """The inverse of :func:`_interleave` (a split in Triton)."""
+    a, b = jnp.unstack(r.reshape(r.shape[0], r.shape[1] // 2, 2), axis=-1)
+    return a, b
+
+
+def _geometric(p: jax.Array, q: jax.Array, levels: int, mm) -> jax.Array:  # f32[C, C]
+    """``sum_{k < 2^levels} p^k q`` for a nilpotent ``p`` (f32[C, C]) by doubling: ``q <- q + p q``,
+    ``p <- p p``, the two products of a level as one ``p [q | p]``; the last level forms ``p q`` only."""
+    for j in range(levels):
+        if j == levels - 1:
+            return q + mm(p, q)
+        pq, pp = _deinterleave(mm(p, _interleave(q, p)))
+        q, p = q + pq, pp
+    return q
+
+
+def _unit_lower_inverse_paired(
+    lmat: jax.Array,  # f32[C, C]  strictly lower
+    mm,
+    chunk: int,
+) -> jax.Array:  # f32[C, C]
+    """:func:`_unit_lower_inverse`'s factorisation with paired products: ``X = -D``, ``(I + D)^-1 = sum_{k<16}
+    X^k = sum_{k<8} (X^2)^k (I + X)``; ``Y = -(I + D)^-1 E``, ``T = sum_{k < C/16} Y^k (I + D)^-1``. At C = 64:
+    ``X^2``, two paired levels and one plain one, then ``Y``, one paired level and one plain one."""
+    ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    eye = (ri == ci).astype(jnp.float32)
+    diag = (ri // SUB) == (ci // SUB)
+    x = -jnp.where(diag, lmat, 0.0)
+    inv_d = _geometric(mm(x, x), eye + x, int(np.log2(SUB)) - 1, mm)
+    y = -mm(inv_d, jnp.where(diag, 0.0, lmat))
+    return _geometric(y, inv_d, int(np.log2(chunk // SUB)), mm)
+
+
 def _prep_kernel(
     seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
     q_ref,  # [Tp, Hk, K]  raw q
@@ -91,6 +170,7 @@ def _prep_kernel(
     form: str,
     chunks_per_program: int,
     unroll: bool,
+    paired: bool,
     scale: float,
     use_qk_l2norm: bool,
     precision,
@@ -153,7 +233,8 @@ def _prep_kernel(
             decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
             a_ref[c, h, :, :] = (qk * decay).astype(dt)
             lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
-            tinv = _unit_lower_inverse(lmat, mm, chunk).astype(dt)
+            inverse = _unit_lower_inverse_paired if paired else _unit_lower_inverse
+            tinv = inverse(lmat, mm, chunk).astype(dt)
             kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
             store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
             vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
@@ -174,8 +255,7 @@ def _prep_kernel(
         lax.fori_loop(0, jnp.minimum(chunks_per_program, w_ref.shape[0] - first), body, 0)
 
 
-def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps, inverse_dtype, form,
-               chunks_per_program, num_stages, interpret):
+def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, config: PrepConfig, interpret):
     tp, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     nc = tp // chunk
@@ -185,18 +265,15 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
     # mode, where TF32 does not exist) or one bf16 pass (T is rounded to bf16 right after, as in fla)
     if dt == jnp.float32:
         inv_precision = precision
-    elif inverse_dtype == "bf16":
+    elif config.inverse_dtype == "bf16":
         inv_precision = "bf16"
     else:
         inv_precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32
-    if form == "head":
-        chunks_per_program = 1
-        grid = (nc, hv)
-    else:
-        grid = (pl.cdiv(nc, chunks_per_program), hk)
-    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, form=form,
-                               chunks_per_program=chunks_per_program, unroll=num_stages == 1, scale=scale,
-                               use_qk_l2norm=use_qk_l2norm,
+    chunks_per_program = 1 if config.form == "head" else config.chunks
+    grid = (nc, hv) if config.form == "head" else (pl.cdiv(nc, chunks_per_program), hk)
+    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, form=config.form,
+                               chunks_per_program=chunks_per_program, unroll=config.num_stages == 1,
+                               paired=config.paired, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                precision=precision, inv_precision=inv_precision)
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
     return pl.pallas_call(
@@ -208,20 +285,10 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, num_warps,
             rowf, rowf, rowf,
         ),
         grid=grid,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gdn_chunk_prep",
     )(seg, q, k, v, g, beta)
-
-
-def check_prep_options(form: str, chunks_per_program: int, num_stages: int) -> None:
-    """Reject preparation options that name no kernel configuration (``ValueError`` naming the bad value)."""
-    if form not in PREP_FORMS:
-        raise ValueError(f"prep_form must be one of {PREP_FORMS}, got {form!r}")
-    if not (isinstance(chunks_per_program, int) and chunks_per_program >= 1):
-        raise ValueError(f"prep_chunks must be a positive int, got {chunks_per_program!r}")
-    if not (isinstance(num_stages, int) and num_stages >= 1):
-        raise ValueError(f"prep_num_stages must be a positive int, got {num_stages!r}")
 
 
 def prepare(
@@ -235,26 +302,20 @@ def prepare(
     scale: float,
     use_qk_l2norm: bool,
     chunk: int,
-    prep_num_warps: int = 4,
-    inverse_dtype: str = "bf16",
-    prep_form: str = "head",
-    prep_chunks: int = 1,
-    prep_num_stages: int = 1,
+    config: PrepConfig = PrepConfig(),
     interpret: bool = False,
 ):
     """State-independent per-chunk quantities (see the module docstring); all chunks and heads in parallel.
 
-    ``prep_form`` / ``prep_chunks`` / ``prep_num_stages``: the program shape (:data:`PREP_FORMS`), the chunks
-    per program of the ``"group"`` form and Triton's pipeline stages: with 1 stage a program's chunks are
-    unrolled (their independent chains interleave), with more they are a loop for Triton's pipeliner (the
-    results do not depend on them).
+    ``config``: how the kernel runs (:class:`PrepConfig`).
 
     Returns ``(q, k, w, u, a, qf, kf, gl)``: q / k padded to ``Tp = NC * C`` tokens but otherwise *raw* (the
     sequential kernels scale their rows by ``qf`` / ``kf``), ``w: [NC, Hv, C, K]``, ``u: [NC, Hv, C, V]``,
     ``a: [NC, Hv, C, C]`` in the input dtype and ``qf, kf, gl: f32[NC, Hv, C]``. Everything is computed by
     :func:`_prep_kernel`; only the segment ids and the padding are XLA.
     """
-    check_prep_options(prep_form, prep_chunks, prep_num_stages)
+    if not isinstance(config, PrepConfig):
+        raise ValueError(f"config must be a PrepConfig, got {config!r}")
     num_tokens = q.shape[0]
     num_chunks = -(-num_tokens // chunk)
     tp = num_chunks * chunk
@@ -271,7 +332,6 @@ def prepare(
     gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
     bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
     w, u, a, qf, kf, gl = _prep_call(
-        seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        num_warps=prep_num_warps, inverse_dtype=inverse_dtype, form=prep_form, chunks_per_program=prep_chunks,
-        num_stages=prep_num_stages, interpret=interpret)
+        seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
+        interpret=interpret)
     return qp, kp, w, u, a, qf, kf, gl
