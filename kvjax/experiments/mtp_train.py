@@ -48,19 +48,13 @@ def train_mtp(model: Qwen3_5ForCausalLM, task: RetrievalTask, *, steps: int = 30
     import jax.numpy as jnp
     from flax import nnx
 
+    from kvjax.experiments.tasks import optimizer
     from kvjax.models.qwen3_5.mtp import init
 
-    try:
-        import optax
-    except ImportError:
-        raise ImportError("kvjax.experiments.mtp_train needs optax, an optional dependency: "
-                          "pip install 'kvjax[notebooks]' (or pip install optax)") from None
-    if steps < 1 or batch < 1:
-        raise ValueError(f"steps and batch must be >= 1, got {steps}, {batch}")
+    optax, opt = optimizer("kvjax.experiments.mtp_train", steps=steps, batch=batch, lr=lr, warmup=warmup)
     two_ahead(task, np.zeros((1, 3), np.int32), np.zeros((1, 3), bool), on=on)  # validates `on` first
     main_def, main_params = nnx.split(model)
     graphdef, params = nnx.split(mtp if mtp is not None else init(model.config, seed=seed))
-    opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps), steps), weight_decay=0.01)
     opt_state = opt.init(params)
 
     def loss_fn(p, frozen, x, nxt, tgt, w):

@@ -118,6 +118,21 @@ def task_model(task: RetrievalTask, *, window: Sequence[int], sinks: Sequence[in
     return init_random(cfg, seed=seed)
 
 
+def optimizer(who: str, *, steps: int, batch: int, lr: float, warmup: int):
+    """``(optax, AdamW)`` with a warm-up cosine schedule to ``lr`` over ``steps`` (weight decay 0.01), the toy
+    trainings' optimizer; ``who`` names the caller in the error when optax (optional) is missing. ``ValueError``
+    for ``steps`` or ``batch`` below 1."""
+    try:
+        import optax
+    except ImportError:
+        raise ImportError(f"{who} needs optax, an optional dependency: "
+                          "pip install 'kvjax[notebooks]' (or pip install optax)") from None
+    if steps < 1 or batch < 1:
+        raise ValueError(f"steps and batch must be >= 1, got {steps}, {batch}")
+    return optax, optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps), steps),
+                              weight_decay=0.01)
+
+
 def train(model: Qwen3_5ForCausalLM, task: RetrievalTask, *, steps: int, batch: int = 32, lr: float = 1e-2,
           warmup: int = 30, seed: int = 0) -> tuple[Qwen3_5ForCausalLM, dict[str, np.ndarray]]:
     """Train ``model`` on fresh batches of ``task`` (AdamW, warmup-cosine, loss on answer tokens only).
@@ -129,15 +144,8 @@ def train(model: Qwen3_5ForCausalLM, task: RetrievalTask, *, steps: int, batch: 
     import jax.numpy as jnp
     from flax import nnx
 
-    try:
-        import optax
-    except ImportError:
-        raise ImportError("kvjax.experiments.tasks.train needs optax, an optional dependency: "
-                          "pip install 'kvjax[notebooks]' (or pip install optax)") from None
-    if steps < 1 or batch < 1:
-        raise ValueError(f"steps and batch must be >= 1, got {steps}, {batch}")
+    optax, opt = optimizer("kvjax.experiments.tasks.train", steps=steps, batch=batch, lr=lr, warmup=warmup)
     graphdef, params = nnx.split(model)
-    opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps), steps), weight_decay=0.01)
     opt_state = opt.init(params)
 
     def loss_fn(p, x, t, m):
