@@ -152,6 +152,34 @@ def test_seq_group_form_interpret(rng, dtype, kd, vd, segment_chunks):
     np.testing.assert_array_equal(np.asarray(pool[4]), np.asarray(s0[4]), err_msg="padding row written")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_group_forms_lower_to_triton(dtype):
+    """Every preparation / sequential program shape (issue 38) lowers to Triton IR for CUDA without a GPU (the
+    Pallas-to-Triton lowering rules: joins, splits, unrolled chunks, tuple loop carries), K = V = 128."""
+    from jax import export
+
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.common import state_as_pool
+    from kvjax.pallas.gdn.prep import PrepConfig
+
+    t, hk, hv, d = 512, 2, 4, 128
+    sds = jax.ShapeDtypeStruct
+    args = (sds((t, hk, d), dtype), sds((t, hk, d), dtype), sds((t, hv, d), dtype), sds((t, hv), jnp.float32),
+            sds((t, hv), dtype), sds((2, hv, d, d), jnp.float32))
+    cu = jnp.asarray([0, 100, t], jnp.int32)
+    configs = [dict(prep=PrepConfig(form="group", chunks=3)), dict(prep=PrepConfig(form="group", chunks=4, num_stages=2)),
+               dict(prep=PrepConfig(form="group", paired=True)), dict(prep=PrepConfig(paired=True)),
+               dict(seq_form="group"), dict(seq_form="group", segment_chunks=2)]
+    for kw in configs:
+        def fn(q, k, v, g, b, h, kw=kw):
+            pool, rows, flags = state_as_pool(h, 2, hv, d, d)
+            return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=rows, flags=flags,
+                                               scale=0.1, **kw)
+        exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        assert exported.mlir_module().count("xla.gpu.triton") >= 2, kw
+
+
 def test_prep_and_seq_options_validated(rng):
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.prep import PrepConfig

@@ -122,13 +122,14 @@ def _deinterleave(r: jax.Array) -> tuple[jax.Array, jax.Array]:  # two [M, N]
     return a, b
 
 
-def _geometric(p: jax.Array, q: jax.Array, levels: int, mm) -> jax.Array:  # f32[C, C]
+def _geometric(p: jax.Array, q: jax.Array, levels: int, mm, operand) -> jax.Array:  # f32[C, C]
     """``sum_{k < 2^levels} p^k q`` for a nilpotent ``p`` (f32[C, C]) by doubling: ``q <- q + p q``,
-    ``p <- p p``, the two products of a level as one ``p [q | p]``; the last level forms ``p q`` only."""
+    ``p <- p p``, the two products of a level as one ``p [q | p]`` (joined in the products' operand dtype,
+    ``operand``); the last level forms ``p q`` only."""
     for j in range(levels):
         if j == levels - 1:
             return q + mm(p, q)
-        pq, pp = _deinterleave(mm(p, _interleave(q, p)))
+        pq, pp = _deinterleave(mm(p, _interleave(operand(q), operand(p))))
         q, p = q + pq, pp
     return q
 
@@ -137,6 +138,7 @@ def _unit_lower_inverse_paired(
     lmat: jax.Array,  # f32[C, C]  strictly lower
     mm,
     chunk: int,
+    operand=lambda x: x,
 ) -> jax.Array:  # f32[C, C]
     """:func:`_unit_lower_inverse`'s factorisation with paired products: ``X = -D``, ``(I + D)^-1 = sum_{k<16}
     X^k = sum_{k<8} (X^2)^k (I + X)``; ``Y = -(I + D)^-1 E``, ``T = sum_{k < C/16} Y^k (I + D)^-1``. At C = 64:
@@ -146,9 +148,9 @@ def _unit_lower_inverse_paired(
     eye = (ri == ci).astype(jnp.float32)
     diag = (ri // SUB) == (ci // SUB)
     x = -jnp.where(diag, lmat, 0.0)
-    inv_d = _geometric(mm(x, x), eye + x, int(np.log2(SUB)) - 1, mm)
+    inv_d = _geometric(mm(x, x), eye + x, int(np.log2(SUB)) - 1, mm, operand)
     y = -mm(inv_d, jnp.where(diag, 0.0, lmat))
-    return _geometric(y, inv_d, int(np.log2(chunk // SUB)), mm)
+    return _geometric(y, inv_d, int(np.log2(chunk // SUB)), mm, operand)
 
 
 def _prep_kernel(
@@ -195,9 +197,15 @@ def _prep_kernel(
     dt = w_ref.dtype
     dot = functools.partial(_dot, precision=precision)
     if inv_precision == "bf16":  # one bf16 pass per product of the inverse (bf16 operands, f32 accumulation)
+        def operand(x):
+            return x.astype(jnp.bfloat16)
+
         def mm(a, b):
-            return _dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), precision=None)
+            return _dot(operand(a), operand(b), precision=None)
     else:
+        def operand(x):
+            return x
+
         mm = functools.partial(_dot, precision=inv_precision)
     kd, vd = q_ref.shape[2], v_ref.shape[2]
     (kc, kmask), (vc, vmask) = head_cols(kd), head_cols(vd)
@@ -233,8 +241,10 @@ def _prep_kernel(
             decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
             a_ref[c, h, :, :] = (qk * decay).astype(dt)
             lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
-            inverse = _unit_lower_inverse_paired if paired else _unit_lower_inverse
-            tinv = inverse(lmat, mm, chunk).astype(dt)
+            if paired:
+                tinv = _unit_lower_inverse_paired(lmat, mm, chunk, operand).astype(dt)
+            else:
+                tinv = _unit_lower_inverse(lmat, mm, chunk).astype(dt)
             kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
             store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
             vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
