@@ -3,8 +3,8 @@
 Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (the torch half,
 ``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below). Issue 38 on
 FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
-a side) and ``python benchmarks/gdn.py prep [OUT.json] [shape indices]`` (old vs new preparation kernel, then the
-whole pool kernel with each: :func:`prep_compare`).
+a side) and ``python benchmarks/gdn.py prep [OUT.json] [shape indices] [candidate]`` (old vs new preparation
+kernel, then the whole pool kernel with each: :func:`prep_compare`).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -280,7 +280,6 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
 PREP_SWEEP = {  # PrepConfig keyword arguments (kvjax.pallas.gdn.prep); "head" is today's default (the old kernel)
     "head": dict(),
     "group": dict(form="group"),
-    "group w8": dict(form="group", num_warps=8),
     "group c2": dict(form="group", chunks=2),  # 2 chunks unrolled
     "group c4 s2": dict(form="group", chunks=4, num_stages=2),  # a loop of 4, pipelined
     "group paired": dict(form="group", paired=True),
@@ -311,7 +310,7 @@ def _device_rel_err(a, b) -> float:
 
 
 def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s: float = 300.0,
-                 interpret: bool = False) -> dict:
+                 candidate: str | None = None, interpret: bool = False) -> dict:
     """Old vs new preparation kernel in one process, wall clock (``timing.interleaved``, no profiler per config).
 
     1. Every :data:`PREP_SWEEP` configuration of :func:`kvjax.pallas.gdn.prep.prepare` alone at
@@ -323,7 +322,8 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
        (``seq_form="group"``) at every shape of ``shapes``: wall ms, errors of ``o`` and the final state against
        the f32 chunked reference, FlashQLA's published H200 time; one profiled block of 10 calls per side at the
        sweep shape for the per-kernel split. Stops starting new shapes past ``budget_s``.
-    ``interpret``: the kernels in Pallas interpret mode (a CPU smoke run of the script on small shapes)."""
+    ``candidate``: a :data:`PREP_SWEEP` name to compare without the sweep (step 1 skipped). ``interpret``: the
+    kernels in Pallas interpret mode (a CPU smoke run of the script on small shapes)."""
     import time
 
     import jax
@@ -342,7 +342,7 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
 
     (q, k, v, g, beta, h0, cu), spec = _bf16_recipe(sweep_shape)
     calls, base = {}, None
-    for name, kw in PREP_SWEEP.items():
+    for name, kw in PREP_SWEEP.items() if candidate is None else ():
         fn = jax.jit(lambda q, k, v, g, b, kw=kw: prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False,
                                                           chunk=CHUNK, config=PrepConfig(**kw), interpret=interpret))
         t0 = time.perf_counter()
@@ -358,7 +358,7 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
         calls[name] = lambda fn=fn: fn(q, k, v, g, beta)
         out["prep"].append({"variant": name, "kwargs": kw, "rel_diff_vs_head": diff,
                             "compile_s": time.perf_counter() - t0})
-    times = timing.interleaved(calls, rounds=5, n=20, device_rounds=0)
+    times = timing.interleaved(calls, rounds=5, n=20, device_rounds=0) if calls else {}
     print(f"\nprep kernel alone at {_shape_name(*spec)} (wall ms, median of 5 interleaved rounds of 20 calls)")
     for row in out["prep"]:
         if row["variant"] in times:
@@ -367,6 +367,8 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
                   f"  (compile {row['compile_s']:.1f} s)", flush=True)
     new = [r for r in out["prep"] if "wall_ms" in r and r["variant"] != "head"]
     best = min(new, key=lambda r: r["wall_ms"]) if new else {"variant": "head", "kwargs": PREP_SWEEP["head"]}
+    if candidate is not None:
+        best = {"variant": candidate, "kwargs": PREP_SWEEP[candidate]}
     out["candidate"] = best["variant"]
     print(f"candidate: {best['variant']} {best['kwargs']}", flush=True)
 
@@ -436,7 +438,7 @@ if __name__ == "__main__":
     side = sys.argv[1] if len(sys.argv) > 1 else "jax"
     only = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
     if side == "prep":
-        out = prep_compare(shapes=only)
+        out = prep_compare(shapes=only, candidate=sys.argv[4] if len(sys.argv) > 4 else None)
     else:
         out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
