@@ -315,8 +315,8 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
 
     1. Every :data:`PREP_SWEEP` configuration of :func:`kvjax.pallas.gdn.prep.prepare` alone at
        ``FLASHQLA_SHAPES[sweep_shape]`` (1 x 32768, 16 / 32 by default: the prep kernel's 16384 chunk-heads),
-       its outputs against the ``"head"`` form's (largest relative L2 difference of w, u, A and the row factors); a variant that fails to compile is reported
-       and skipped. The fastest new variant is the candidate.
+       its outputs against the ``"head"`` form's (largest relative L2 difference of w, u, A and the row factors);
+       a variant that fails to compile is reported and skipped. The fastest new variant is the candidate.
     2. The whole pool kernel (``chunk_gated_delta_rule_pool``, chunk parallelism as ``auto`` picks it) with the
        old prep, the candidate prep, and (where ``Hv > Hk``) the candidate prep with the grouped sequential kernel
        (``seq_form="group"``) at every shape of ``shapes``: wall ms, errors of ``o`` and the final state against
@@ -407,7 +407,8 @@ def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s
         if i == sweep_shape:
             for side, fn in runners.items():
                 recs = timing.kernel_records(lambda fn=fn: timing.block([fn() for _ in range(10)]))
-                row[f"{side}_kernels_ms"] = {n: t / 10 / 1e6 for n, (c, t) in recs["names"].items() if t / 10 / 1e6 > 0.002}
+                row[f"{side}_kernels_ms"] = {n: t / 10 / 1e6 for n, (c, t) in recs["names"].items()
+                                             if t / 10 / 1e6 > 0.002}
                 print(f"  {side} kernels (device ms per call): " + " ".join(
                     f"{n}={t:.3f}" for n, t in row[f"{side}_kernels_ms"].items()), flush=True)
         anchor = FLASHQLA_H200_MS.get(i)

@@ -167,7 +167,8 @@ def test_group_forms_lower_to_triton(dtype):
     args = (sds((t, hk, d), dtype), sds((t, hk, d), dtype), sds((t, hv, d), dtype), sds((t, hv), jnp.float32),
             sds((t, hv), dtype), sds((2, hv, d, d), jnp.float32))
     cu = jnp.asarray([0, 100, t], jnp.int32)
-    configs = [dict(prep=PrepConfig(form="group", chunks=3)), dict(prep=PrepConfig(form="group", chunks=4, num_stages=2)),
+    configs = [dict(prep=PrepConfig(form="group", chunks=3)),
+               dict(prep=PrepConfig(form="group", chunks=4, num_stages=2)),
                dict(prep=PrepConfig(form="group", paired=True)), dict(prep=PrepConfig(paired=True)),
                dict(seq_form="group"), dict(seq_form="group", segment_chunks=2)]
     for kw in configs:

@@ -111,12 +111,12 @@ def _chunk_kernel(
 ):
     """Program ``(n, h, vb)`` (form ``"head"``: value head ``h``) or ``(n, hk, vb)`` (form ``"group"``: the
     ``group`` value heads of key head ``hk``, one state each, the raw q / k rows loaded once per chunk)."""
-    n, x, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, head_id, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
     if form == "head":
-        hk, heads = x // group, [x]
+        hk, heads = head_id // group, [head_id]
     else:
-        hk, heads = x, [x * group + j for j in range(group)]
+        hk, heads = head_id, [head_id * group + j for j in range(group)]
     kd, vd = pool_in_ref.shape[2], pool_in_ref.shape[3]
     kc, kmask = head_cols(kd)
     vs, vmask = col_block(vb, block_v, vd)
@@ -432,10 +432,10 @@ def chunk_gated_delta_rule_pool(
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
     ``prep``: how the preparation kernel runs (:class:`kvjax.pallas.gdn.prep.PrepConfig`: program shape,
-    chunks per program, stages, warps, the inverse's operand dtype and product pairing). ``seq_form``: program shape of the
-    sequential kernel, ``"head"`` (one value head) or ``"group"`` (a key head's value heads, one state each: the
-    raw q / k rows loaded once per chunk for all of them, their independent state chains interleaved; the value
-    block is chosen as for ``"head"``, so it has ``Hk / Hv`` as many programs).
+    chunks per program, stages, warps, the inverse's operand dtype and product pairing). ``seq_form``: program
+    shape of the sequential kernel, ``"head"`` (one value head) or ``"group"`` (a key head's value heads, one
+    state each: the raw q / k rows loaded once per chunk for all of them, their independent state chains
+    interleaved; the value block is chosen as for ``"head"``, so it has ``Hk / Hv`` as many programs).
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.

@@ -181,19 +181,19 @@ def _prep_kernel(
     """Form ``"head"``: program ``(c, h)`` = chunk ``c``, value head ``h``. Form ``"group"``: program ``(p, hk)``
     = chunks ``[p * chunks_per_program, ...)`` (up to the last one), key head ``hk`` and its ``group`` value
     heads; the chunks unrolled (``unroll``; the last program recomputes the last chunk for the missing ones,
-    writing the same values) or a loop. Per chunk: the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row factors,
-    with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row factors applied to the f32
-    products, so no normalised copy of q / k is ever written).
+    writing the same values) or a loop. Per chunk: the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``,
+    ``A`` and the row factors, with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row
+    factors applied to the f32 products, so no normalised copy of q / k is ever written).
 
     Segment cumulative decay without a scan: ``gc_i = sum_{j <= i, seg_j = seg_i} g_j`` (a masked row sum of
     the ``[C, C]`` same-segment mask) and ``gl_i = sum_{seg_j = seg_i} g_j``. Row factors: ``qf = |q|^-1
     scale exp(gc)`` and ``kf = |k|^-1 exp(gl - gc)`` (0 outside every sequence).
     """
-    p, x = pl.program_id(0), pl.program_id(1)
+    p, head_id = pl.program_id(0), pl.program_id(1)
     if form == "head":
-        hk, heads = x // group, [x]
+        hk, heads = head_id // group, [head_id]
     else:
-        hk, heads = x, [x * group + j for j in range(group)]
+        hk, heads = head_id, [head_id * group + j for j in range(group)]
     dt = w_ref.dtype
     dot = functools.partial(_dot, precision=precision)
     if inv_precision == "bf16":  # one bf16 pass per product of the inverse (bf16 operands, f32 accumulation)
