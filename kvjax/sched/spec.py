@@ -22,14 +22,18 @@ Recycling and the prefix cache see ``num_computed`` only, so they never see a re
 When it pays (:func:`draft_length`, with a :class:`~kvjax.sched.drafter.PacedDrafter`, the engine's default). The
 step-cost model: a step computing ``T`` tokens costs ``max(T, F)`` (``F`` = ``flat_tokens``: below it the step is
 bound by reading the weights and pages, which a token more does not change; above it, by compute, per token). With
-``R`` rows that decode, ``T0`` tokens the running rows compute without drafts (prompt chunks, one per decoding row)
-and ``k`` drafts a row, a verification step costs ``max(T0 + R k, F)`` and keeps ``T0 + R (g(k) - 1)`` tokens,
+``R`` rows that decode and ``T0`` tokens the running rows compute without drafts (prompt chunks, one per decoding
+row), ``k`` drafts a row add ``max(T0 + R k, F) - max(T0, F)`` to the step's cost and gain ``R (g(k) - 1)`` tokens,
 ``g(k) = 1 + p_0 + .. + p_{k-1}`` the expected tokens a verification row gains (``p_j``: the measured rate at which
-rows with a draft at position ``j`` accepted it and every draft before it; 1 before any such row was measured).
-Each step drafts the ``k`` in ``0..K`` that keeps the most tokens per cost (the longest among equals): in the flat
-region drafts are free (``k = K``); past it a draft costs a token and gains ``p_j < 1``, so once a step is
-compute-bound it drafts only while every draft has been accepted. Decoding alone (``T0 = R``) it drafts while
-``R (k + 1) <= g(k) F`` for some ``k``: speculation turns off above ``R = g(K) F / (K + 1)`` rows or so.
+rows with a draft at position ``j`` accepted it and every draft before it; 1 before any such row was measured). A
+gained token is worth what plain decoding pays for one: ``max(R, F) / R`` (a decode step of ``R`` rows costs
+``max(R, F)``). Each step drafts the ``k`` in ``0..K`` with the largest saving ``R (g(k) - 1) max(R, F) / R -
+(max(T0 + R k, F) - max(T0, F))`` (the longest among equals): drafts that fit the flat region are free (``k = K``);
+beside a prompt chunk that makes the step compute-bound they cost a token each and save flat decode steps; once
+``R >= F`` (decoding itself is compute-bound) a draft costs a token and saves ``p_j < 1``, so speculation drafts
+only while every draft has been accepted. Decoding alone (``T0 = R``) the first draft pays while
+``2 R <= (1 + p_0) F``, and no longer draft pays when it does not: speculation turns off above ``R = (1 + p_0) F /
+2`` rows.
 
 Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
 verification step before planning the next (``overlap`` off) and runs no decode bursts with it.
@@ -60,9 +64,9 @@ class SpecStats:
 
 
 def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens: int, flat_tokens: int) -> int:
-    """The drafts per row in ``0..num_draft_tokens`` (K) that keep the most tokens per step cost (the longest among
-    equals; see the module docstring): ``rows`` that decode, ``base_tokens`` the running rows compute without
-    drafts, ``stats`` the acceptance so far, ``flat_tokens`` the cost model's flat region."""
+    """The drafts per row in ``0..num_draft_tokens`` (K) that save the most step cost (the longest among equals; see
+    the module docstring): ``rows`` that decode, ``base_tokens`` the running rows compute without drafts, ``stats``
+    the acceptance so far, ``flat_tokens`` the cost model's flat region."""
     K = int(num_draft_tokens)
     if rows <= 0 or K <= 0:
         return 0
@@ -70,10 +74,10 @@ def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens
     m = min(K, stats.proposed_at.size)
     prop[:m], acc[:m] = stats.proposed_at[:m], stats.accepted_at[:m]
     p = np.where(prop > 0, acc / np.maximum(prop, 1), 1.0)  # f64[K]: rate of accepting drafts 0..j
-    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])  # f64[K + 1]: g(k)
-    cost = np.maximum(base_tokens + rows * np.arange(K + 1), flat_tokens).astype(np.float64)
-    value = (base_tokens + rows * (gain - 1.0)) / cost
-    return int(np.flatnonzero(value >= value.max() * (1 - 1e-12))[-1])
+    gained = rows * np.concatenate([[0.0], np.cumsum(p)])  # f64[K + 1]: R (g(k) - 1)
+    extra = np.maximum(base_tokens + rows * np.arange(K + 1), flat_tokens) - max(base_tokens, flat_tokens)
+    saving = gained * max(rows, flat_tokens) / rows - extra
+    return int(np.flatnonzero(saving >= saving.max() - 1e-9 * max(rows, flat_tokens))[-1])
 
 
 def propose(sched: Any, drafter: Drafter) -> dict[int, np.ndarray]:
