@@ -12,6 +12,8 @@ Modules, one concept each:
   policies, and a deliberately lossy policy (:class:`~kvjax.experiments.tasks.EvictEarly`);
 - ``mtp_train``: an MTP head (:mod:`kvjax.models.qwen3_5.mtp`) trained on that task with the main model frozen,
   and its two-ahead acceptance;
+- ``spec_runs``: speculative decoding on a model that accepts drafts: a copy task and its trained toy, engine runs
+  priced with the step-cost model, a drafter whose acceptance is lowered at will;
 - ``tour``: one small random case per public op, run under every implementation usable here; the benchmark list;
 - ``plots``: matplotlib figures used by the notebooks.
 

@@ -1,0 +1,182 @@
+"""Speculative decoding on a model that accepts drafts: a copy task, its trained toy, and engine runs side by side.
+
+Task (:class:`CopyTask`). A sequence is ``BOS``, up to ``max_prefix`` random tokens (a context the answer ignores,
+e.g. a system prompt shared by requests), then a random pattern of ``period`` distinct tokens repeated to ``length``
+(``period`` uniform in ``[min_period, max_period]``); the loss is on every token after the pattern's first period,
+which copies the token ``period`` back. A model that learns it (an induction head: find the current token one period
+back, emit the one after it) answers by copying its prompt, so prompt-lookup (n-gram) drafts are what it would say:
+their acceptance is the model's copy accuracy. The trained toy (:func:`copy_model`, trained by
+:func:`kvjax.experiments.tasks.train`) is a Qwen3.5 of attention layers and a GDN layer (whose state a rejected
+draft rolls back), full rotary embeddings.
+
+Runs (:func:`spec_run`): one engine per (rows, speculation) serving ``requests`` copy prompts greedily; generated
+tokens/s in steps that did not compile, and speculation's figures (acceptance per draft position, tokens per
+verification step). :class:`NoisyDrafter` lowers the acceptance at will (each draft token replaced with a given
+probability), to see where speculation stops paying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from kvjax.sched.drafter import FLAT_TOKENS
+
+if TYPE_CHECKING:
+    from kvjax.config import CacheConfig
+    from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyTask:
+    """Token layout: 0 = ``BOS``, pattern tokens ``1..vocab-1`` (distinct within a period)."""
+
+    vocab: int = 64
+    length: int = 64  # tokens per training sequence
+    min_period: int = 3
+    max_period: int = 16
+    max_prefix: int = 0  # random tokens before the pattern, 0..max_prefix
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_period <= self.max_period < self.vocab:
+            raise ValueError(f"need 1 <= min_period <= max_period < vocab, got {self}")
+        if self.max_prefix < 0 or self.length < 2 * self.max_period + 2 + self.max_prefix:
+            raise ValueError(f"length={self.length} must hold BOS, a prefix of {self.max_prefix} and two periods of "
+                             f"{self.max_period}")
+
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``n`` sequences: tokens ``i32[n, length]``, next-token targets ``i32[n, length]``, loss mask
+        ``bool[n, length]`` (where the next token copies one a period back) and the periods ``i64[n]``."""
+        x = np.zeros((n, self.length), np.int32)
+        mask = np.zeros((n, self.length), bool)
+        periods = rng.integers(self.min_period, self.max_period + 1, n)
+        starts = 1 + rng.integers(0, self.max_prefix + 1, n)
+        for i, (p, s) in enumerate(zip(periods.tolist(), starts.tolist())):
+            x[i, 1:s] = rng.integers(1, self.vocab, s - 1)
+            x[i, s:] = np.resize(rng.permutation(self.vocab - 1)[:p] + 1, self.length - s)
+            mask[i, s + p - 1: -1] = True
+        return x, np.roll(x, -1, axis=1), mask, periods
+
+    def prompts(self, rng: np.random.Generator, n: int, pattern_len: int, prefix: np.ndarray | None = None
+                ) -> list[np.ndarray]:
+        """``n`` prompts: ``BOS``, ``prefix`` (i32[P], shared by all; none by default), then ``pattern_len`` tokens of
+        a pattern repeated at least twice; each ``i32[1 + P + pattern_len]``."""
+        hi = min(self.max_period, pattern_len // 2)
+        if hi < self.min_period:
+            raise ValueError(f"pattern_len={pattern_len} holds no two periods of {self.min_period}")
+        head = np.concatenate([[0], np.zeros(0) if prefix is None else np.asarray(prefix)]).astype(np.int32)
+        return [np.concatenate([head, np.resize(rng.permutation(self.vocab - 1)[:p] + 1, pattern_len)]).astype(np.int32)
+                for p in rng.integers(self.min_period, hi + 1, n).tolist()]
+
+
+def copy_model(task: CopyTask, *, hidden: int = 64, layer_types: Sequence[str] = ("full_attention", "full_attention",
+               "linear_attention"), heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+               window: Sequence[int] = (), sinks: Sequence[int] = (), seed: int = 0,
+               dtype: Any = None) -> Qwen3_5ForCausalLM:
+    """A randomly initialised toy Qwen3.5 for ``task``: full rotary embeddings (the copy head finds the previous
+    token by position), GDN layers of 2 key / 4 value heads of ``head_dim``, per-KV-head ``window`` / ``sinks``
+    (SWA heads; empty: every head full)."""
+    import jax.numpy as jnp
+
+    from kvjax.config import AttentionConfig, GDNConfig
+    from kvjax.models.qwen3_5 import Qwen3_5Config, init_random
+
+    cfg = Qwen3_5Config(vocab_size=task.vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                        layer_types=tuple(layer_types),
+                        attention=AttentionConfig(heads, kv_heads, head_dim, window=tuple(window), sinks=tuple(sinks)),
+                        gdn=GDNConfig(2, 4, head_dim, head_dim, 4), rope_theta=10_000.0, partial_rotary_factor=1.0)
+    return init_random(cfg, seed=seed, dtype=jnp.float32 if dtype is None else dtype)
+
+
+def copy_accuracy(model: Qwen3_5ForCausalLM, task: CopyTask, rng: np.random.Generator, n: int = 64) -> float:
+    """Teacher-forced accuracy of ``model`` on the copied tokens of ``n`` fresh sequences (no cache)."""
+    import jax.numpy as jnp
+
+    x, t, m, _ = task.sample(rng, n)
+    pred = np.asarray(jnp.argmax(model.logits(jnp.asarray(x)), axis=-1))
+    return float(((pred == t) & m).sum() / m.sum())
+
+
+class NoisyDrafter:
+    """``drafter``'s drafts with each token replaced by another with probability ``rate`` (seeded): an acceptance
+    knob. The proposal stays a point mass (what the engine's rejection sampling assumes)."""
+
+    def __init__(self, drafter: Any, rate: float, vocab: int, seed: int = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must lie in [0, 1], got {rate!r}")
+        self.drafter, self.rate, self.vocab = drafter, float(rate), int(vocab)
+        self.num_draft_tokens = drafter.num_draft_tokens
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
+        d = np.asarray(self.drafter.propose(tokens, max_drafts), np.int32).copy()
+        hit = self.rng.random(d.size) < self.rate
+        d[hit] = (d[hit] + self.rng.integers(1, self.vocab, int(hit.sum()))) % self.vocab
+        return d
+
+
+def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, *, rows: int,
+             speculative: Any = None, cache: CacheConfig | None = None, recycle: str = "none",
+             prefix_caching: bool = False, page_size: int = 16, max_num_batched_tokens: int | None = None,
+             warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS) -> dict:
+    """Serve ``prompts`` greedily (``max_new`` tokens each) on an engine of ``rows`` rows with ``speculative``
+    (``Engine(speculative=)``; ``None``: plain decoding), ``recycle`` and ``prefix_caching``, on ``cache`` (default:
+    pages of ``page_size`` for every row at once). With ``warmup``, the same prompts run once first on the same engine
+    (every step shape compiles there; the prefix cache is cleared after it) and the timed pass is the second.
+    ``one_shape``: every step padded to one token, row and block bucket, no decode path (fewest compiles: CPU runs).
+
+    Returns ``outputs`` (token lists), ``tok_s`` (generated tokens / wall seconds of the timed pass), ``steps``
+    (model sub-steps: a decode burst counts its sub-steps), ``tokens_per_step``, ``prompt_tokens_computed``,
+    ``running_mean``, ``tok_per_cost`` (generated tokens per unit of the step-cost model ``max(T, flat_tokens)``
+    summed over the sub-steps, ``T`` the tokens each computed; one unit = one token of compute-bound work;
+    :mod:`kvjax.sched.spec`), and the speculative figures (``acceptance_rate``,
+    ``acceptance_rate_per_position``, ``tokens_per_verify_row``, ``tokens_per_verify_step``, ``verify_steps``,
+    ``drafts_proposed``, ``drafts_accepted``)."""
+    from kvjax.config import CacheConfig
+    from kvjax.engine.engine import Engine
+
+    if cache is None:
+        longest = max(len(p) for p in prompts) + max_new + 16  # + a verification row's drafts past the end
+        blocks = -(-longest // page_size)
+        cache = CacheConfig(page_size=page_size, num_pages=rows * blocks + 1, max_seqs=rows, max_blocks_per_seq=blocks)
+    budget = max_num_batched_tokens or max(256, rows * 8)
+    shape = dict(token_buckets=(budget,), row_buckets=(cache.max_seqs,), block_buckets=(cache.max_blocks_per_seq,),
+                 use_decode_path=False) if one_shape else {}
+    eng = Engine(model, cache, recycle=recycle, max_num_batched_tokens=budget, speculative=speculative,
+                 prefix_caching=prefix_caching, **shape)
+    prompts = [np.asarray(p, np.int32) for p in prompts]
+    if warmup:
+        eng.generate(prompts, max_new, progress=False)
+        eng.clear_prefix_cache()
+    start = len(eng.metrics.records)
+    t0 = time.perf_counter()
+    outputs = eng.generate(prompts, max_new, progress=False)
+    wall = time.perf_counter() - t0
+    eng.clear_prefix_cache()
+    if not eng.is_idle():
+        raise AssertionError("engine not idle after generate(): slots or pages leaked")
+    recs = eng.metrics.records[start:]
+    gen = sum(r.generated for r in recs)
+    steps = sum(r.burst for r in recs)  # model sub-steps (a decode burst runs several in one engine step)
+    cost = sum(r.burst * max((r.num_tokens if r.computed < 0 else r.computed) / r.burst, flat_tokens) for r in recs)
+    out = dict(outputs=outputs, rows=rows, tok_s=gen / wall, steps=steps, tokens_per_step=gen / max(steps, 1),
+               prompt_tokens_computed=sum(r.prefill_tokens for r in recs), tok_per_cost=gen / max(cost, 1),
+               running_mean=float(np.mean([r.running for r in recs])), wall_s=wall)
+    verify = [r for r in recs if r.verify_rows]
+    out.update(verify_steps=len(verify), drafts_proposed=sum(r.drafts_proposed for r in verify),
+               drafts_accepted=sum(r.drafts_accepted for r in verify))
+    if verify:
+        width = max(len(r.drafts_proposed_at) for r in verify)
+        at = np.zeros((2, width), np.int64)
+        for r in verify:
+            at[0, : len(r.drafts_proposed_at)] += r.drafts_proposed_at
+            at[1, : len(r.drafts_accepted_at)] += r.drafts_accepted_at
+        vrows = sum(r.verify_rows for r in verify)
+        out.update(acceptance_rate=out["drafts_accepted"] / max(out["drafts_proposed"], 1),
+                   acceptance_rate_per_position=[float(a / p) if p else float("nan") for p, a in zip(*at)],
+                   tokens_per_verify_row=(vrows + out["drafts_accepted"]) / vrows,
+                   tokens_per_verify_step=sum(r.generated for r in verify) / len(verify))
+    return out
