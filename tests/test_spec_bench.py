@@ -32,3 +32,36 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
             assert 0.0 <= r["acceptance_rate"] <= 1.0
             assert 1.0 <= r["tokens_per_verify_row"] <= 1 + max(bench.SMOKE["ks"])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows, default=float))
+
+
+def test_copy_task_sequences_copy_a_period_back():
+    import numpy as np
+    import pytest
+
+    from kvjax.experiments.spec_runs import CopyTask, NoisyDrafter
+    from kvjax.sched.drafter import NgramDrafter
+
+    task = CopyTask(vocab=40, length=50, min_period=3, max_period=9, max_prefix=12)
+    x, t, m, periods = task.sample(np.random.default_rng(0), 64)
+    assert x.shape == t.shape == m.shape == (64, 50) and (x[:, 0] == 0).all() and (x[:, 1:] > 0).all()
+    np.testing.assert_array_equal(t[:, :-1], x[:, 1:])
+    for row, mask, p in zip(x, m, periods.tolist()):
+        idx = np.flatnonzero(mask)
+        assert idx.size >= 50 - 2 - 12 - 2 * 9 and idx[-1] == 48  # copies run to the end
+        np.testing.assert_array_equal(row[idx + 1], row[idx + 1 - p])  # each target is the token a period back
+        start = idx[0] + 1 - p  # the pattern's first token: distinct tokens over a period
+        assert len(set(row[start: start + p].tolist())) == p and 0 <= start - 1 <= 12
+    prefix = np.arange(5, 12)
+    for prompt in task.prompts(np.random.default_rng(1), 8, 20, prefix=prefix):
+        assert prompt.shape == (28,) and prompt[0] == 0 and (prompt[1:8] == prefix).all()
+        body = prompt[8:]
+        p = next(q for q in range(1, 11) if (body[q:] == body[:-q]).all())  # periodic, at least twice over
+        assert 3 <= p <= 9 and len(set(body[:p].tolist())) == p
+    for bad in (dict(min_period=0), dict(max_period=40), dict(length=19), dict(max_prefix=-1)):
+        with pytest.raises(ValueError):
+            CopyTask(**{**dict(vocab=40, length=50, min_period=3, max_period=9), **bad})
+    toks = np.array([0, 4, 5, 6, 7, 4, 5, 6, 7, 4], np.int32)
+    inner = NgramDrafter(4)
+    assert NoisyDrafter(inner, 0.0, 40).propose(toks, 4).tolist() == inner.propose(toks, 4).tolist() == [5, 6, 7, 4]
+    noisy = NoisyDrafter(inner, 1.0, 40, seed=3).propose(toks, 4)
+    assert noisy.shape == (4,) and (noisy != [5, 6, 7, 4]).all() and ((0 <= noisy) & (noisy < 40)).all()
