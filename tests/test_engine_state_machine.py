@@ -14,7 +14,8 @@ the synchronous one, the overlapped one with decode bursts of 4, and that one wi
 Speculative decoding (``SpecEngineMachine``, and with prefix caching over a host tier): a rule switches the engine's
 drafter between none, prompt lookup (n-gram) and an oracle drafter (the alone run's continuation, one token
 corrupted half of the time, so rows accept every count 0..K), each with K in {1, 2, 4} drafts per row (the engine is
-built for K = 4: the verification step compiles once and shorter drafts fit it). After every rule the pages a row
+built for K = 4: the verification step compiles once and shorter drafts fit it), alone or paced by the rule that
+shortens drafts where they do not pay (``PacedDrafter``). After every rule the pages a row
 holds never pass what its tokens and one verification row need, and the acceptance counts are prefixes (a draft is
 accepted only after every draft before it); the tokens must still equal the alone run's.
 """
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvjax.engine.engine import Engine
-from kvjax.sched.drafter import NgramDrafter, SpeculativeConfig
+from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig
 from helpers.engine import make_engine, step_events
 from helpers.faults import POINTS, FaultAt, Injected
 from helpers.models import VOCAB, qwen_swa_model
@@ -310,11 +311,15 @@ class SpecEngineMachine(EngineMachine):
     def will_run(self, keys):
         run_alone(self.shared, keys)
 
-    @rule(method=st.sampled_from(["off", "ngram", "alone"]), k=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
-    def speculate(self, method, k, seed):
-        """Drafts from now on: none, prompt lookup, or the alone run's (corrupted half of the time); K = ``k``."""
-        self.engine.pipeline.drafter = {"off": None, "ngram": NgramDrafter(k),
-                                        "alone": AloneDrafter(self.shared.alone, k, seed)}[method]
+    @rule(method=st.sampled_from(["off", "ngram", "alone"]), k=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99),
+          flat=st.sampled_from([None, 1, 6]))
+    def speculate(self, method, k, seed, flat):
+        """Drafts from now on: none, prompt lookup, or the alone run's (corrupted half of the time); K = ``k``;
+        ``flat``: paced by the rule with that flat region (drafts shortened or off step by step)."""
+        drafter = {"off": None, "ngram": NgramDrafter(k), "alone": AloneDrafter(self.shared.alone, k, seed)}[method]
+        if drafter is not None and flat is not None:
+            drafter = PacedDrafter(drafter, flat)
+        self.engine.pipeline.drafter = drafter
 
     @invariant()
     def verification_bounds(self):

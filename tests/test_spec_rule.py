@@ -1,12 +1,12 @@
 """The rule that shortens or turns off speculation where it does not pay (``sched/spec.draft_length``, applied to a
 :class:`PacedDrafter`, the engine's default).
 
-Step-cost model: a step of ``T`` tokens costs ``max(T, F)``; a gained token is worth ``max(R, F) / R`` (what plain
-decoding of ``R`` rows pays for one). Checked against break-even rows derived by hand (K = 1, decoding alone: drafting
-pays while ``2 R <= (1 + p) F``; beside a compute-bound prompt chunk while ``p max(R, F) >= R``), the flat and
-compute-bound limits, the measured acceptance rates it reads, and through the engine: with ``F = 1`` (every token
-costs) speculation stops as soon as a rejection was measured; with a large ``F`` every decoding step drafts; greedy
-tokens equal the oracle either way.
+Step-cost model: a step of ``T`` tokens costs ``max(T, F)``; a gained token is worth ``c``, decoding's cost per token at
+its best draft length. Checked against break-even rows derived by hand (K = 1, decoding alone: drafting pays while
+``2 R <= (1 + p) F``; beside a compute-bound prompt chunk while ``p c >= 1``), the flat and compute-bound limits, the
+measured acceptance rates it reads, and through the engine: with ``F = 1`` (every token costs) speculation stops as
+soon as a rejection was measured; with a large ``F`` every decoding step drafts; greedy tokens equal the oracle either
+way.
 """
 
 from __future__ import annotations
@@ -31,17 +31,18 @@ def stats(proposed, accepted) -> SpecStats:
 @pytest.mark.parametrize("p_num, p_den", [(0, 5), (1, 4), (3, 5), (7, 8)])
 @pytest.mark.parametrize("flat", [16, 64, 256])
 def test_one_draft_pays_below_the_break_even_rows(p_num, p_den, flat):
-    """K = 1. Decoding alone (T0 = R <= F): a draft adds max(2R, F) - F and saves p F, so it pays while
-    2 R <= (1 + p) F. Beside a prompt chunk that fills the step past F (T0 >= F): it adds R and saves p max(R, F),
-    so it pays while R <= p max(R, F), i.e. R <= p F (ties draft)."""
+    """K = 1. Decoding alone (T0 = R): one draft costs max(2R, F) for (1 + p) R tokens against max(R, F) for R, so it
+    pays while 2 R <= (1 + p) F. Beside a prompt chunk that fills the step past F: it adds R cost units and gains p R
+    tokens worth c = min(max(R, F), max(2R, F) / (1 + p)) / R each, so it pays while p c >= 1 (ties draft)."""
     s = stats([p_den], [p_num])
+    p = p_num / p_den
     rows = np.arange(1, 2 * flat + 1)
     got = np.array([draft_length(int(r), int(r), s, 1, flat) for r in rows])
     want = (2 * rows * p_den <= (p_den + p_num) * flat).astype(int)
     np.testing.assert_array_equal(got, want)
     got = np.array([draft_length(int(r), int(r) + 2 * flat, s, 1, flat) for r in rows])
-    want = (rows * p_den <= p_num * np.maximum(rows, flat)).astype(int)
-    np.testing.assert_array_equal(got, want)
+    c = np.minimum(np.maximum(rows, flat), np.maximum(2 * rows, flat) / (1 + p)) / rows
+    np.testing.assert_array_equal(got, (p * c >= 1 - 1e-12).astype(int))
 
 
 def random_stats(rng, K: int) -> SpecStats:
@@ -72,7 +73,7 @@ def test_flat_region_drafts_everything_and_compute_bound_steps_only_sure_drafts(
 def test_measured_rates_and_the_optimistic_prior():
     # position 0 always accepted, position 1 never: the second draft gains nothing, costs a token past F
     s = stats([10, 10], [10, 0])
-    assert draft_length(8, 8, s, 2, 16) == 1  # cost max(8 + 8k, 16): k = 1 free and saves 8 tokens of 2 each
+    assert draft_length(8, 8, s, 2, 16) == 1  # cost max(8 + 8k, 16): 16 for 8, 16 for 16, 24 for 16 tokens
     assert draft_length(8, 8, s, 2, 24) == 2  # k = 2 still in the flat region: drafted (the longest among equals)
     # nothing measured yet: every draft is taken to be accepted (speculation starts, then measures)
     assert draft_length(100, 100, SpecStats(), 4, 1) == 4

@@ -22,18 +22,16 @@ Recycling and the prefix cache see ``num_computed`` only, so they never see a re
 When it pays (:func:`draft_length`, with a :class:`~kvjax.sched.drafter.PacedDrafter`, the engine's default). The
 step-cost model: a step computing ``T`` tokens costs ``max(T, F)`` (``F`` = ``flat_tokens``: below it the step is
 bound by reading the weights and pages, which a token more does not change; above it, by compute, per token). With
-``R`` rows that decode and ``T0`` tokens the running rows compute without drafts (prompt chunks, one per decoding
-row), ``k`` drafts a row add ``max(T0 + R k, F) - max(T0, F)`` to the step's cost and gain ``R (g(k) - 1)`` tokens,
-``g(k) = 1 + p_0 + .. + p_{k-1}`` the expected tokens a verification row gains (``p_j``: the measured rate at which
-rows with a draft at position ``j`` accepted it and every draft before it; 1 before any such row was measured). A
-gained token is worth what plain decoding pays for one: ``max(R, F) / R`` (a decode step of ``R`` rows costs
-``max(R, F)``). Each step drafts the ``k`` in ``0..K`` with the largest saving ``R (g(k) - 1) max(R, F) / R -
-(max(T0 + R k, F) - max(T0, F))`` (the longest among equals): drafts that fit the flat region are free (``k = K``);
-beside a prompt chunk that makes the step compute-bound they cost a token each and save flat decode steps; once
-``R >= F`` (decoding itself is compute-bound) a draft costs a token and saves ``p_j < 1``, so speculation drafts
-only while every draft has been accepted. Decoding alone (``T0 = R``) the first draft pays while
-``2 R <= (1 + p_0) F``, and no longer draft pays when it does not: speculation turns off above ``R = (1 + p_0) F /
-2`` rows.
+``R`` rows that decode, ``g(k) = 1 + p_0 + .. + p_{k-1}`` the expected tokens a verification row with ``k`` drafts
+gains (``p_j``: the measured rate at which rows with a draft at position ``j`` accepted it and every draft before
+it; 1 before any such row was measured), decoding costs ``c = min_k max(R (k + 1), F) / (R g(k))`` per token at the
+best draft length (``k = 0``: plain decoding). In a step where the running rows compute ``T0`` tokens without drafts
+(prompt chunks, one per decoding row), ``k`` drafts a row add ``max(T0 + R k, F) - max(T0, F)`` to its cost and gain
+``R (g(k) - 1)`` tokens worth ``c`` each; each step drafts the ``k`` in ``0..K`` with the largest saving (the
+longest among equals). Decoding alone (``T0 = R``) that is the ``k`` with the fewest cost units per token; beside a
+prompt chunk drafts are priced against decoding's cost; once ``R >= F`` (decoding compute-bound, ``c = 1``) a draft
+costs a token and saves ``p_j < 1``, so only drafts every row has accepted are kept. Decoding alone the first draft
+pays while ``2 R <= (1 + p_0) F``: speculation turns off above ``R = (1 + p_0) F / 2`` rows.
 
 Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
 verification step before planning the next (``overlap`` off) and runs no decode bursts with it.
@@ -74,9 +72,11 @@ def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens
     m = min(K, stats.proposed_at.size)
     prop[:m], acc[:m] = stats.proposed_at[:m], stats.accepted_at[:m]
     p = np.where(prop > 0, acc / np.maximum(prop, 1), 1.0)  # f64[K]: rate of accepting drafts 0..j
-    gained = rows * np.concatenate([[0.0], np.cumsum(p)])  # f64[K + 1]: R (g(k) - 1)
-    extra = np.maximum(base_tokens + rows * np.arange(K + 1), flat_tokens) - max(base_tokens, flat_tokens)
-    saving = gained * max(rows, flat_tokens) / rows - extra
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])  # f64[K + 1]: g(k)
+    k = np.arange(K + 1)
+    per_token = float((np.maximum(rows * (k + 1), flat_tokens) / (rows * gain)).min())  # decoding's best cost
+    extra = np.maximum(base_tokens + rows * k, flat_tokens) - max(base_tokens, flat_tokens)
+    saving = rows * (gain - 1.0) * per_token - extra
     return int(np.flatnonzero(saving >= saving.max() - 1e-9 * max(rows, flat_tokens))[-1])
 
 
