@@ -32,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvjax.engine.engine import Engine
 from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig
+from kvjax.sched.spec import SpecStats
 from helpers.engine import make_engine, step_events
 from helpers.faults import POINTS, FaultAt, Injected
 from helpers.models import VOCAB, qwen_swa_model
@@ -307,6 +308,9 @@ class SpecEngineMachine(EngineMachine):
     def __init__(self, shared: Shared):
         super().__init__(shared)
         self.engine.pipeline.drafter = AloneDrafter(shared.alone, self.SPEC, seed=0)  # until a rule switches it
+        # the engine is shared by the examples: each starts from no drafting history, so that a paced drafter's
+        # choices (which read the counts) and the counts' checks depend on this example's steps only
+        self.engine.scheduler.spec_stats = SpecStats()
 
     def will_run(self, keys):
         run_alone(self.shared, keys)
