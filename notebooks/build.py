@@ -649,6 +649,287 @@ display(Markdown(
     f"{host['bytes_in'] / 1e6:.2f} MB in)."))"""),
 ]
 
+SPECULATIVE = [
+    new_markdown_cell("""\
+# Speculative decoding: where it pays against recycling and prefix caching at fixed memory
+
+Speculative decoding (`Engine(speculative="ngram")`, issue 36) runs each decoding row's last token and up to K
+drafted tokens through the model in one ragged step and keeps the longest prefix of drafts the model agrees with, plus
+the model's own next token: a row gains `1 + accepted` tokens per step instead of one. It pays where a step's time
+hardly depends on how many tokens it computes (decoding a small batch reads every weight and page once whatever the
+batch), and costs where the step is compute-bound. Recycling and prefix caching, at the same page memory, let more
+rows run at once, which pushes the step towards compute-bound: the two kinds of saving compete.
+
+The measure throughout is the engine's **step-cost model**: a step computing `T` tokens costs `max(T, F)` (flat up to
+`F` tokens, then one unit per token), the model the engine's rule uses to shorten or turn off drafts
+(`kvjax.sched.spec.draft_length`). Runs count their real steps and tokens and price them with it; CPU wall times
+would say nothing about a GPU (`benchmarks/spec.py` measures tokens/s there). Set `KVJAX_NB_SIZE=gpu` for the
+full-size run."""),
+    new_code_cell(SETUP + '''
+import matplotlib.pyplot as plt
+from tqdm import tqdm
+from kvjax.config import CacheConfig
+from kvjax.experiments import spec_runs, tasks
+from kvjax.sched.drafter import FLAT_TOKENS, NgramDrafter, SpeculativeConfig
+from kvjax.sched.spec import SpecStats, draft_length'''),
+    new_markdown_cell("""\
+## 1. The step-cost model and the rule
+
+Decoding alone with `R` rows, acceptance `a` per draft (independent) and `k` drafts a row: a verification step costs
+`max(R (k + 1), F)` for `R g(k)` tokens (`g(k) = 1 + a + .. + a^k`), plain decoding `max(R, F)` for `R`. The rule
+drafts, each step, the `k <= K` that saves the most cost, a gained token being worth decoding's cost per token at its
+best draft length (decoding alone: the `k` with the fewest cost units per token), with the acceptance it has
+measured so far. Below: the predicted gain in tokens per cost over
+plain decoding (the rule's draft length; thin lines: K = 4 always), and the draft length the rule picks."""),
+    new_code_cell('''\
+def expected_gain(alpha, k):
+    """Tokens a verification row gains with k drafts, each accepted with probability alpha independently."""
+    return sum(alpha ** j for j in range(k + 1))
+
+
+def rule_stats(alpha, K, rows=1000):
+    """Spec counts as if `rows` rows each verified K drafts with acceptance alpha per position."""
+    j = np.arange(K)
+    return SpecStats(proposed_at=np.full(K, rows, np.int64),
+                     accepted_at=np.round(rows * alpha ** (j + 1)).astype(np.int64))
+
+
+def predicted(R, alpha, K, F, paced=True):
+    """Decoding alone: tokens per cost of speculation over plain decoding (the step-cost model max(T, F)), with the
+    rule's draft length (paced) or always K."""
+    k = draft_length(R, R, rule_stats(alpha, K), K, F) if paced else K
+    return (R * expected_gain(alpha, k) / max(R * (k + 1), F)) / (R / max(R, F)), k
+
+
+F = FLAT_TOKENS
+ALPHAS, KS = (0.5, 0.7, 0.9), (2, 4, 8)
+R = np.unique(np.geomspace(1, 4 * F, 60).astype(int))
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+for alpha, color in zip(ALPHAS, ("C0", "C1", "C2")):
+    for K, style in zip(KS, (":", "--", "-")):
+        axes[0].plot(R, [predicted(r, alpha, K, F)[0] for r in R], style, color=color, label=f"a={alpha}, K={K}")
+    axes[0].plot(R, [predicted(r, alpha, 4, F, paced=False)[0] for r in R], color=color, lw=0.8, alpha=0.5)
+axes[0].axhline(1, color="k", lw=0.5)
+axes[0].set(xscale="log", xlabel="rows decoding", ylabel="tokens per cost vs plain decoding",
+            title=f"step-cost model max(T, F={F}): the rule's draft length (thin: K=4 always)")
+axes[0].legend(fontsize=7, ncol=3)
+for alpha, color in zip(ALPHAS, ("C0", "C1", "C2")):
+    axes[1].plot(R, [predicted(r, alpha, 8, F)[1] for r in R], color=color, label=f"a={alpha}")
+axes[1].set(xscale="log", xlabel="rows decoding", ylabel="drafts per row the rule picks (K=8)",
+            title="the rule shortens drafts, then turns them off")
+axes[1].legend()
+plt.tight_layout()'''),
+    new_code_cell('''\
+off = {a: next(int(r) for r in range(1, 8 * F) if predicted(r, a, 8, F)[1] == 0) for a in ALPHAS}
+peak = {a: predicted(1, a, 8, F)[0] for a in ALPHAS}
+display(Markdown(
+    f"With F = {F} tokens of flat step cost, a verification row of K + 1 tokens is free while the step stays under F: "
+    f"at a few rows speculation multiplies tokens per step by the expected gain "
+    + ", ".join(f"{peak[a]:.1f}x at acceptance {a}" for a in ALPHAS) + " (K = 8). "
+    "Past the flat region each draft costs a token and gains less than one, so the rule shortens drafts and then "
+    "turns them off: decoding alone, the first draft stops paying above (1 + a) F / 2 rows, "
+    + ", ".join(f"{off[a]} rows at a = {a}" for a in ALPHAS)
+    + ". Always drafting K (thin lines) is slower than plain decoding past that point."))'''),
+    new_markdown_cell("""\
+## 2. A model that accepts drafts: the copy toy
+
+Prompt lookup proposes what followed the request's last n-gram earlier in its own tokens, so it is accepted by a
+model that continues its prompt. The toy (`kvjax.experiments.spec_runs.copy_model`, trained here with optax) learns
+to continue a repeated random pattern after a random prefix (an induction head: find the current token one period
+back, emit the one after it); its teacher-forced copy accuracy bounds the acceptance. KV head 0 is a SWA head (the
+window covers the longest period twice), KV head 1 a full head, so timely recycling frees pages."""),
+    new_code_cell('''\
+CFG = SIZE.pick(
+    small=dict(task=dict(vocab=48, length=72, min_period=3, max_period=10, max_prefix=16), window=(16, 0),
+               sinks=(1, 0), steps=1200, lr=6e-3, requests=32, prefix=16, pattern=20, max_new=24, page=8,
+               memory_rows=6, max_seqs=16, budget=64, flat=32),
+    gpu=dict(task=dict(vocab=128, length=256, min_period=8, max_period=32, max_prefix=64), window=(64, 0),
+             sinks=(4, 0), steps=2000, lr=3e-3, requests=256, prefix=64, pattern=64, max_new=128, page=16,
+             memory_rows=32, max_seqs=128, budget=1024, flat=256))
+task = spec_runs.CopyTask(**CFG["task"])
+layers = SIZE.pick(small=("full_attention", "full_attention"),
+                   gpu=("full_attention", "full_attention", "linear_attention"))
+model0 = spec_runs.copy_model(task, layer_types=layers, window=CFG["window"], sinks=CFG["sinks"])
+model, hist = tasks.train(model0, task, steps=CFG["steps"], batch=32, lr=CFG["lr"])
+acc = spec_runs.copy_accuracy(model, task, np.random.default_rng(1))
+print(f"{task}; layers {layers}, KV head windows {CFG['window']}")
+print(f"teacher-forced copy accuracy {acc:.3f} (last 50 training batches {hist['accuracy'][-50:].mean():.3f})")
+assert acc >= 0.7, f"the copy toy copies only {acc:.0%} of the tokens"'''),
+    new_markdown_cell("""\
+## 3. Fixed page memory: each memory policy with and without speculation
+
+Every request shares a prompt prefix (a system prompt: prefix-cache hits) and then copies its own pattern. The page
+pool holds `memory_rows` requests without recycling; up to `max_seqs` rows may run if pages allow. Each policy runs
+plain decoding (the engine's defaults, decode bursts counted as their sub-steps), speculation with K = 2 and 4 under
+the rule (`flat_tokens = F`), and K = 4 with the rule off. Greedy decoding in float32: every run must generate the
+same tokens."""),
+    new_code_cell('''\
+rng = np.random.default_rng(2)
+shared = rng.integers(1, task.vocab, CFG["prefix"])  # a prompt prefix every request shares (a system prompt)
+prompts = task.prompts(rng, CFG["requests"], CFG["pattern"], prefix=shared)
+longest = len(prompts[0]) + CFG["max_new"]
+blocks = -(-(longest + 8) // CFG["page"])
+heads = model.config.attention.num_kv_heads
+cache = CacheConfig(page_size=CFG["page"], num_pages=CFG["memory_rows"] * blocks * heads, max_seqs=CFG["max_seqs"],
+                    max_blocks_per_seq=blocks)
+Fnb = CFG["flat"]
+
+
+def run(recycle, prefix, speculative):
+    return spec_runs.spec_run(model, prompts, CFG["max_new"], rows=cache.max_seqs, cache=cache, recycle=recycle,
+                              prefix_caching=prefix, speculative=speculative, max_num_batched_tokens=CFG["budget"],
+                              warmup=False, one_shape=True, flat_tokens=Fnb)
+
+
+SPECS = {"plain": None,
+         "K=2": SpeculativeConfig(num_draft_tokens=2, flat_tokens=Fnb),
+         "K=4": SpeculativeConfig(num_draft_tokens=4, flat_tokens=Fnb),
+         "K=4 rule off": SpeculativeConfig(num_draft_tokens=4, flat_tokens=None)}
+MEMORY = [("none", False), ("timely", False), ("none", True), ("timely", True)]
+runs = {}
+for (recycle, prefix), name in tqdm([(m, s) for m in MEMORY for s in SPECS], desc="engine runs", mininterval=10):
+    runs[recycle, prefix, name] = run(recycle, prefix, SPECS[name])
+base = runs["none", False, "plain"]
+for key, r in runs.items():  # greedy, float32: no policy changes a token
+    assert r["outputs"] == base["outputs"], key
+
+
+def label(recycle, prefix):
+    return f"recycle={recycle}" + (" + prefix cache" if prefix else "")
+
+
+print(f"{len(prompts)} prompts of {len(prompts[0])} tokens ({CFG['prefix']} shared), {CFG['max_new']} new each; "
+      f"{cache.num_pages} pages of {cache.page_size} (pages for {CFG['memory_rows']} requests without recycling), "
+      f"up to {cache.max_seqs} rows; cost model F = {Fnb}")
+print(f"{'memory policy':32} {'drafts':13} {'rows':>5} {'steps':>6} {'tok/step':>8} {'prompt computed':>15} "
+      f"{'accept':>6} {'tok/cost':>8} {'vs plain':>8}")
+for (recycle, prefix, name), r in runs.items():
+    plain = runs[recycle, prefix, "plain"]
+    acc_s = f"{r['acceptance_rate']:.2f}" if r["verify_steps"] else "-"
+    print(f"{label(recycle, prefix):32} {name:13} {r['running_mean']:5.1f} {r['steps']:6d} {r['tokens_per_step']:8.2f} "
+          f"{r['prompt_tokens_computed']:15d} {acc_s:>6} {r['tok_per_cost']:8.3f} "
+          f"{r['tok_per_cost'] / plain['tok_per_cost']:7.2f}x")'''),
+    new_code_cell('''\
+fig, ax = plt.subplots(figsize=(10, 4))
+width = 0.8 / len(SPECS)
+for i, name in enumerate(SPECS):
+    vals = [runs[m + (name,)]["tok_per_cost"] / base["tok_per_cost"] for m in MEMORY]
+    ax.bar(np.arange(len(MEMORY)) + (i - (len(SPECS) - 1) / 2) * width, vals, width, label=name)
+ax.set_xticks(np.arange(len(MEMORY)), [label(*m) for m in MEMORY])
+ax.axhline(1, color="k", lw=0.5)
+ax.set(ylabel="tokens per cost vs recycle=none, plain", title=f"fixed page memory; step-cost model max(T, {Fnb})")
+ax.legend()
+plt.tight_layout()'''),
+    new_code_cell('''\
+def gain(m, name):
+    return runs[m + (name,)]["tok_per_cost"] / runs[m + ("plain",)]["tok_per_cost"]
+
+
+best = max(runs, key=lambda k: runs[k]["tok_per_cost"])
+rows_of = {m: runs[m + ("plain",)]["running_mean"] for m in MEMORY}
+display(Markdown(
+    f"At the same page memory, timely recycling keeps {rows_of['timely', False]:.1f} rows running on average against "
+    f"{rows_of['none', False]:.1f} without recycling, and the prefix cache computes "
+    f"{runs['none', True, 'plain']['prompt_tokens_computed']} prompt tokens instead of "
+    f"{base['prompt_tokens_computed']}. Speculation (K = 4, acceptance "
+    f"{runs['none', False, 'K=4']['acceptance_rate']:.2f}) multiplies tokens per cost by "
+    f"{gain(('none', False), 'K=4'):.2f}x with few rows (no recycling) and by {gain(('timely', True), 'K=4'):.2f}x "
+    f"with recycling and the prefix cache, whose larger batches bring the step past the flat region sooner; always "
+    f"drafting K there gives {gain(('timely', True), 'K=4 rule off'):.2f}x. The best combination here: "
+    f"{label(*best[:2])} with {best[2]} ({runs[best]['tok_per_cost'] / base['tok_per_cost']:.2f}x "
+    f"recycle=none plain decoding)."))'''),
+    new_markdown_cell("""\
+## 4. Acceptance and draft length
+
+The acceptance is lowered on purpose by corrupting each draft token with a probability (`spec_runs.NoisyDrafter`)
+under recycling and the prefix cache; beside the measured gain, the cost model's prediction for decoding alone at the
+run's mean rows."""),
+    new_code_cell('''\
+RATES, KS2 = (0.0, 0.3, 0.6), (1, 2, 4)
+m = ("timely", True)
+sweep = {}
+for rate, K in tqdm([(r, k) for r in RATES for k in KS2], desc="acceptance sweep", mininterval=10):
+    drafter = spec_runs.NoisyDrafter(NgramDrafter(K), rate, task.vocab, seed=K)
+    r = run(*m, SpeculativeConfig(num_draft_tokens=K, drafter=drafter, flat_tokens=Fnb))
+    assert r["outputs"] == base["outputs"], (rate, K)
+    sweep[rate, K] = r
+plain = runs[m + ("plain",)]
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+for K in KS2:
+    pts = sorted((sweep[r, K]["acceptance_rate"], sweep[r, K]["tok_per_cost"] / plain["tok_per_cost"],
+                  sweep[r, K]["tokens_per_verify_row"]) for r in RATES)
+    axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"K={K} (measured)")
+    axes[0].plot([p[0] for p in pts], [predicted(max(1, round(plain["running_mean"])), p[0], K, Fnb)[0] for p in pts],
+                 "x:", color=axes[0].lines[-1].get_color(), label=f"K={K} (cost model, decode only)")
+    axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"K={K}")
+axes[0].axhline(1, color="k", lw=0.5)
+axes[0].set(xlabel="measured acceptance rate", ylabel="tokens per cost vs plain",
+            title=f"{label(*m)}: speculation's gain by acceptance and K")
+axes[0].legend(fontsize=7)
+axes[1].set(xlabel="measured acceptance rate", ylabel="tokens per verification row", title="what a row gains")
+axes[1].legend()
+plt.tight_layout()'''),
+    new_code_cell('''\
+lo = min(sweep, key=lambda k: sweep[k]["acceptance_rate"])
+hi_k = max(KS2, key=lambda K: sweep[0.0, K]["tok_per_cost"])
+worst = min(sweep, key=lambda k: sweep[k]["tok_per_cost"])
+display(Markdown(
+    f"With recycling and the prefix cache ({plain['running_mean']:.1f} rows on average), speculation's gain follows "
+    f"the acceptance: at {sweep[0.0, hi_k]['acceptance_rate']:.2f} (undisturbed prompt lookup) K = {hi_k} gives "
+    f"{sweep[0.0, hi_k]['tok_per_cost'] / plain['tok_per_cost']:.2f}x, at {sweep[lo]['acceptance_rate']:.2f} "
+    f"(K = {lo[1]}, {lo[0]:.0%} of the draft tokens corrupted) "
+    f"{sweep[lo]['tok_per_cost'] / plain['tok_per_cost']:.2f}x; "
+    f"the least of the sweep is {sweep[worst]['tok_per_cost'] / plain['tok_per_cost']:.2f}x (K = {worst[1]}, "
+    f"{worst[0]:.0%} corrupted). Longer drafts gain more per verification row while the acceptance holds "
+    f"(right), and the measured gain stays below the decode-only prediction because prompt chunks share the "
+    f"steps."))'''),
+    new_markdown_cell("""\
+## 5. Batch size: where the rule turns speculation off
+
+The same policy (timely recycling and the prefix cache) with page memory for more and more requests (twice as many
+requests as rows, the token budget growing with the rows): plain decoding, K = 4 under the rule and K = 4 always."""),
+    new_code_cell('''\
+ROWS = SIZE.pick(small=(4, 12, 32, 48), gpu=(16, 64, 128, 256, 512))
+m = ("timely", True)
+by_rows = {}
+for rows_n, name in tqdm([(n, s) for n in ROWS for s in ("plain", "K=4", "K=4 rule off")], desc="rows sweep",
+                         mininterval=10):
+    wl = task.prompts(np.random.default_rng(rows_n), 2 * rows_n, CFG["pattern"], prefix=shared)
+    c = CacheConfig(page_size=CFG["page"], num_pages=rows_n * blocks * heads, max_seqs=rows_n,
+                    max_blocks_per_seq=blocks)
+    by_rows[rows_n, name] = spec_runs.spec_run(model, wl, CFG["max_new"], rows=rows_n, cache=c, recycle=m[0],
+                                               prefix_caching=m[1], speculative=SPECS[name],
+                                               max_num_batched_tokens=max(CFG["budget"], 8 * rows_n), warmup=False,
+                                               one_shape=True, flat_tokens=Fnb)
+    assert by_rows[rows_n, name]["outputs"] == by_rows[rows_n, "plain"]["outputs"], (rows_n, name)
+fig, ax = plt.subplots(figsize=(7, 4))
+for name in ("K=4", "K=4 rule off"):
+    ax.plot(ROWS, [by_rows[n, name]["tok_per_cost"] / by_rows[n, "plain"]["tok_per_cost"] for n in ROWS], "o-",
+            label=name + " (measured)")
+alpha_run = np.mean([by_rows[n, "K=4 rule off"]["acceptance_rate"] for n in ROWS])
+ax.plot(ROWS, [predicted(n, alpha_run, 4, Fnb)[0] for n in ROWS], "x:", label=f"cost model, a={alpha_run:.2f}")
+ax.plot(ROWS, [predicted(n, alpha_run, 4, Fnb, paced=False)[0] for n in ROWS], "+:",
+        label="cost model, K=4 always")
+ax.axhline(1, color="k", lw=0.5)
+ax.axvline((1 + alpha_run) * Fnb / 2, color="gray", ls="--", lw=0.8)
+ax.set(xscale="log", xlabel="rows (page memory for that many requests)", ylabel="tokens per cost vs plain",
+       title=f"{label(*m)}: speculation by batch size, F = {Fnb}")
+ax.legend(fontsize=8)
+plt.tight_layout()'''),
+    new_code_cell('''\
+big, small_r = max(ROWS), min(ROWS)
+g_small = by_rows[small_r, "K=4"]["tok_per_cost"] / by_rows[small_r, "plain"]["tok_per_cost"]
+g_big = by_rows[big, "K=4"]["tok_per_cost"] / by_rows[big, "plain"]["tok_per_cost"]
+g_big_off = by_rows[big, "K=4 rule off"]["tok_per_cost"] / by_rows[big, "plain"]["tok_per_cost"]
+display(Markdown(
+    f"With page memory for {small_r} requests speculation (K = 4) gives {g_small:.2f}x plain decoding's tokens per "
+    f"cost; with memory for {big} it gives {g_big:.2f}x under the rule and {g_big_off:.2f}x drafting K always. The "
+    f"rule's turn-off point, (1 + a) F / 2 = {(1 + alpha_run) * Fnb / 2:.0f} rows at the measured acceptance "
+    f"{alpha_run:.2f} (dashed line), is where more memory (recycling, the prefix cache) stops leaving speculation "
+    f"anything to gain: below it speculation and the memory savings multiply; above it the batch already fills the "
+    f"step and drafts only cost."))'''),
+]
+
 
 def _notebook(cells) -> nbformat.NotebookNode:
     nb = new_notebook(cells=cells)
@@ -658,7 +939,7 @@ def _notebook(cells) -> nbformat.NotebookNode:
 
 
 NOTEBOOKS = {"recycle_policies.ipynb": RECYCLE, "quality_under_recycling.ipynb": QUALITY,
-             "kernels_tour.ipynb": TOUR, "prefix_reuse.ipynb": PREFIX}
+             "kernels_tour.ipynb": TOUR, "prefix_reuse.ipynb": PREFIX, "speculative.ipynb": SPECULATIVE}
 
 
 MAX_TEXT = 4000  # characters a text output keeps (its head and tail); longer text is cut in the middle
