@@ -277,9 +277,9 @@ class HostTierEngineMachine(EngineMachine):
 
 
 class AloneDrafter:
-    """Drafts the alone run's continuation of the request (``alone``: ``{(prompt, max_new): tokens}``, read when
-    drafting; the longest known prompt that starts the request's tokens), the token at a random draft position
-    replaced half of the time; none for an unknown prompt."""
+    """Drafts the alone run's continuation of the request (``alone``: ``{(prompt, max_new): tokens}`` of this
+    example's requests, read when drafting; the longest known prompt that starts the request's tokens), the token at a
+    random draft position replaced half of the time; none for an unknown prompt."""
 
     def __init__(self, alone: dict, k: int, seed: int) -> None:
         self.num_draft_tokens, self.alone, self.rng = k, alone, np.random.default_rng(seed)
@@ -307,20 +307,22 @@ class SpecEngineMachine(EngineMachine):
 
     def __init__(self, shared: Shared):
         super().__init__(shared)
-        self.engine.pipeline.drafter = AloneDrafter(shared.alone, self.SPEC, seed=0)  # until a rule switches it
+        self.alone: dict = {}  # this example's requests' alone runs (another example's prompts would change drafts)
+        self.engine.pipeline.drafter = AloneDrafter(self.alone, self.SPEC, seed=0)  # until a rule switches it
         # the engine is shared by the examples: each starts from no drafting history, so that a paced drafter's
         # choices (which read the counts) and the counts' checks depend on this example's steps only
         self.engine.scheduler.spec_stats = SpecStats()
 
     def will_run(self, keys):
-        run_alone(self.shared, keys)
+        alone = run_alone(self.shared, keys)
+        self.alone.update({key: alone[key] for key in keys})
 
     @rule(method=st.sampled_from(["off", "ngram", "alone"]), k=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99),
           flat=st.sampled_from([None, 1, 6]))
     def speculate(self, method, k, seed, flat):
         """Drafts from now on: none, prompt lookup, or the alone run's (corrupted half of the time); K = ``k``;
         ``flat``: paced by the rule with that flat region (drafts shortened or off step by step)."""
-        drafter = {"off": None, "ngram": NgramDrafter(k), "alone": AloneDrafter(self.shared.alone, k, seed)}[method]
+        drafter = {"off": None, "ngram": NgramDrafter(k), "alone": AloneDrafter(self.alone, k, seed)}[method]
         if drafter is not None and flat is not None:
             drafter = PacedDrafter(drafter, flat)
         self.engine.pipeline.drafter = drafter
