@@ -3,10 +3,11 @@
 Usage (GPU): ``python benchmarks/spec.py [--rows 1,16,64] [--json out.json]`` (``kvjax`` on ``PYTHONPATH``);
 ``--smoke``: a CPU run of seconds (tiny task, the toy untrained; ``tests/test_spec_bench.py``).
 
-Model: the copy toy of :mod:`kvjax.experiments.spec_runs` (a Qwen3.5 of two attention layers and a GDN layer, float32),
-trained once at the start with optax on the copy task at the length it serves (prompt + answer), so its answers copy
-its prompt and prompt-lookup drafts are what it says. Its teacher-forced copy accuracy is printed: the acceptance to
-expect.
+Model: the copy toy of :mod:`kvjax.experiments.spec_runs` (float32): two attention layers trained once at the start
+with optax on the copy task at the length it serves (prompt + answer), so its answers copy its prompt and
+prompt-lookup drafts are what it says, then a GDN layer appended that changes no logit but runs in every step (its
+state recorded per draft and rolled back: the hybrid's verification cost). Its teacher-forced copy accuracy is
+printed: the acceptance to expect.
 
 Runs: for each row count (``--rows``), ``waves`` times as many copy prompts (at least ``min_requests``) of
 ``prompt_len`` tokens, ``max_new`` generated tokens each, pages for every row: plain decoding (the engine's defaults:
@@ -34,11 +35,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 FULL = dict(task=dict(vocab=128, length=224, min_period=8, max_period=48), hidden=64, steps=2000, lr=3e-3,
-            layers=("full_attention", "full_attention", "linear_attention"), prompt_len=64, max_new=128, waves=2,
-            min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
-# CPU smoke: one attention layer, untrained (steps=0), one step shape per engine (compiles dominate on a CPU)
+            layers=("full_attention", "full_attention"), idle=("linear_attention",), prompt_len=64, max_new=128,
+            waves=2, min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
+# CPU smoke: one attention layer and an idle GDN one, untrained (steps=0), one step shape per engine (compiles
+# dominate on a CPU)
 SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), hidden=32, steps=0, lr=3e-3,
-             layers=("full_attention",), prompt_len=13, max_new=6, waves=1, min_requests=1, rows=(1, 3), ks=(2,),
+             layers=("full_attention",), idle=("linear_attention",), prompt_len=13, max_new=6, waves=1, min_requests=1,
+             rows=(1, 3), ks=(2,),
              one_shape=True)
 
 
@@ -98,7 +101,8 @@ def main(argv=None) -> dict:
             acc = spec_runs.copy_accuracy(model, task, np.random.default_rng(1))
             print(f"copy toy trained {cfg['steps']} steps in {time.perf_counter() - t0:.1f} s: teacher-forced copy "
                   f"accuracy {acc:.3f}, loss {hist['loss'][-20:].mean():.4f}")
-        print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+        model = spec_runs.with_idle_layers(model, cfg["idle"])
+        print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; layers {model.config.layer_types}", flush=True)
         rows_out = []
         print("\n| rows | mode | tok/s | vs plain | model | steps | tok/step | acceptance | per position | "
               "tok/verify row | tok/verify step | verify steps | identical |")

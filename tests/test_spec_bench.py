@@ -66,3 +66,24 @@ def test_copy_task_sequences_copy_a_period_back():
     assert NoisyDrafter(inner, 0.0, 40).propose(toks, 4).tolist() == inner.propose(toks, 4).tolist() == [5, 6, 7, 4]
     noisy = NoisyDrafter(inner, 1.0, 40, seed=3).propose(toks, 4)
     assert noisy.shape == (4,) and (noisy != [5, 6, 7, 4]).all() and ((0 <= noisy) & (noisy < 40)).all()
+
+
+def test_idle_layers_change_no_logit():
+    """The appended GDN layer (zero output projections) leaves every logit of the attention-only model as it was,
+    while its own weights stay random (its state updates are real work)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from kvjax.experiments.spec_runs import CopyTask, copy_model, with_idle_layers
+
+    task = CopyTask(vocab=32, length=24, min_period=3, max_period=6)
+    model = copy_model(task, hidden=32, layer_types=("full_attention", "full_attention"), seed=3)
+    hybrid = with_idle_layers(model)
+    assert hybrid.config.layer_types == ("full_attention", "full_attention", "linear_attention")
+    x, *_ = task.sample(np.random.default_rng(5), 6)
+    np.testing.assert_array_equal(np.asarray(hybrid.logits(jnp.asarray(x))), np.asarray(model.logits(jnp.asarray(x))))
+    gdn = {p[-2:]: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(hybrid, nnx.Param))
+           if p[:3] == ("model", "layers", 2)}
+    assert not gdn["out_proj", "kernel"].any() and not gdn["down_proj", "kernel"].any()
+    assert gdn["in_proj_qkv", "kernel"].std() > 0

@@ -5,9 +5,10 @@ e.g. a system prompt shared by requests), then a random pattern of ``period`` di
 (``period`` uniform in ``[min_period, max_period]``); the loss is on every token after the pattern's first period,
 which copies the token ``period`` back. A model that learns it (an induction head: find the current token one period
 back, emit the one after it) answers by copying its prompt, so prompt-lookup (n-gram) drafts are what it would say:
-their acceptance is the model's copy accuracy. The trained toy (:func:`copy_model`, trained by
-:func:`kvjax.experiments.tasks.train`) is a Qwen3.5 of attention layers and a GDN layer (whose state a rejected
-draft rolls back), full rotary embeddings.
+their acceptance is the model's copy accuracy. The toy (:func:`copy_model`) is a Qwen3.5 with full rotary
+embeddings, trained by :func:`kvjax.experiments.tasks.train` on attention layers only (the full-sequence forward
+then differentiates on every device: the GDN ops' kernels have no gradient); :func:`with_idle_layers` appends a GDN
+layer that changes no logit but runs in every serving step (its state kept, recorded per draft, rolled back).
 
 Runs (:func:`spec_run`): one engine per (rows, speculation) serving ``requests`` copy prompts greedily; generated
 tokens/s in steps that did not compile, and speculation's figures (acceptance per draft position, tokens per
@@ -89,6 +90,33 @@ def copy_model(task: CopyTask, *, hidden: int = 64, layer_types: Sequence[str] =
                         attention=AttentionConfig(heads, kv_heads, head_dim, window=tuple(window), sinks=tuple(sinks)),
                         gdn=GDNConfig(2, 4, head_dim, head_dim, 4), rope_theta=10_000.0, partial_rotary_factor=1.0)
     return init_random(cfg, seed=seed, dtype=jnp.float32 if dtype is None else dtype)
+
+
+def with_idle_layers(model: Qwen3_5ForCausalLM, layer_types: Sequence[str] = ("linear_attention",),
+                     seed: int = 1) -> Qwen3_5ForCausalLM:
+    """``model`` with layers of ``layer_types`` appended that change nothing: random weights, except their output
+    projections (the mixer's and the MLP's) are zero, so every logit is ``model``'s exactly while the serving step
+    still runs them (a GDN layer keeps, records and rolls back its state). For training on an attention-only layout
+    (whose full-sequence forward differentiates on every device) and serving a Qwen3.5-like hybrid."""
+    import dataclasses as dc
+
+    from flax import nnx
+
+    from kvjax.models.common.checkpoint import assign_params
+    from kvjax.models.qwen3_5 import init_random
+
+    n = len(model.config.layer_types)
+    cfg = dc.replace(model.config, layer_types=tuple(model.config.layer_types) + tuple(layer_types))
+    dtype = model.lm_head.kernel.get_value().dtype
+    out = init_random(cfg, seed=seed, dtype=dtype)
+    trained = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    values = {}
+    for p, v in nnx.to_flat_state(nnx.state(out, nnx.Param)):
+        value = trained.get(p, np.asarray(v.get_value()))
+        if p[:2] == ("model", "layers") and p[2] >= n and p[-2] in ("out_proj", "o_proj", "down_proj"):
+            value = np.zeros_like(value)
+        values[p] = value
+    return assign_params(out, values)
 
 
 def copy_accuracy(model: Qwen3_5ForCausalLM, task: CopyTask, rng: np.random.Generator, n: int = 64) -> float:
