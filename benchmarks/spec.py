@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(task=dict(vocab=128, length=224, min_period=8, max_period=48), hidden=64, steps=2000, lr=3e-3,
+FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=16), hidden=64, steps=2000, lr=1e-2,
             layers=("full_attention", "full_attention"), idle=("linear_attention",), prompt_len=64, max_new=128,
             waves=2, min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
 # CPU smoke: one attention layer and an idle GDN one, untrained (steps=0), one step shape per engine (compiles

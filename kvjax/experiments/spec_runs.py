@@ -169,7 +169,9 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
     if cache is None:
         longest = max(len(p) for p in prompts) + max_new + 16  # + a verification row's drafts past the end
         blocks = -(-longest // page_size)
-        cache = CacheConfig(page_size=page_size, num_pages=rows * blocks + 1, max_seqs=rows, max_blocks_per_seq=blocks)
+        heads = model.config.attention.num_kv_heads  # head-wise tables: a block of a row takes a page per KV head
+        cache = CacheConfig(page_size=page_size, num_pages=rows * blocks * heads + 1, max_seqs=rows,
+                            max_blocks_per_seq=blocks)
     budget = max_num_batched_tokens or max(256, rows * 8)
     shape = dict(token_buckets=(budget,), row_buckets=(cache.max_seqs,), block_buckets=(cache.max_blocks_per_seq,),
                  use_decode_path=False) if one_shape else {}
