@@ -3,8 +3,7 @@
 Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (the torch half,
 ``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below). Issue 38 on
 FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
-a side) and ``python benchmarks/gdn.py prep [OUT.json] [shape indices] [candidate]`` (old vs new preparation
-kernel, then the whole pool kernel with each: :func:`prep_compare`).
+a side).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -273,163 +272,6 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Issue 38: preparation-kernel program shapes (kvjax.pallas.gdn.prep), old ("head") vs new, one process.
-# ---------------------------------------------------------------------------------------------------------
-
-PREP_SWEEP = {  # PrepConfig keyword arguments (kvjax.pallas.gdn.prep); "head" is today's default (the old kernel)
-    "head": dict(),
-    "group": dict(form="group"),
-    "group c2": dict(form="group", chunks=2),  # 2 chunks unrolled
-    "group c4 s2": dict(form="group", chunks=4, num_stages=2),  # a loop of 4, pipelined
-    "group paired": dict(form="group", paired=True),
-    "group c2 paired": dict(form="group", chunks=2, paired=True),
-}
-PREP_SHAPES = [2, 3, 4, 1, 0]  # FLASHQLA_SHAPES indices of the whole-op comparison (the five with an anchor)
-
-
-def _bf16_recipe(index: int):
-    """FlashQLA's recipe at ``FLASHQLA_SHAPES[index]`` as device arrays (bf16 q / k / v)."""
-    import jax.numpy as jnp
-
-    seqlens, hk, hv = FLASHQLA_SHAPES[index]
-    q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
-    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    return (q, k, v, jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)), (seqlens, hk, hv)
-
-
-def _device_rel_err(a, b) -> float:
-    """``|a - b| / |b|`` (L2) computed on the device in float32 (the 1e-3-level errors of these shapes; no
-    gigabyte host copies), ``nan`` if ``a`` holds a non-finite value."""
-    import jax.numpy as jnp
-
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    if not bool(jnp.all(jnp.isfinite(a))):
-        return float("nan")
-    return float(jnp.linalg.norm((a - b).ravel()) / jnp.maximum(jnp.linalg.norm(b.ravel()), 1e-30))
-
-
-def prep_compare(sweep_shape: int = 2, shapes: list[int] | None = None, budget_s: float = 300.0,
-                 candidate: str | None = None, interpret: bool = False) -> dict:
-    """Old vs new preparation kernel in one process, wall clock (``timing.interleaved``, no profiler per config).
-
-    1. Every :data:`PREP_SWEEP` configuration of :func:`kvjax.pallas.gdn.prep.prepare` alone at
-       ``FLASHQLA_SHAPES[sweep_shape]`` (1 x 32768, 16 / 32 by default: the prep kernel's 16384 chunk-heads),
-       its outputs against the ``"head"`` form's (largest relative L2 difference of w, u, A and the row factors);
-       a variant that fails to compile is reported and skipped. The fastest new variant is the candidate.
-    2. The whole pool kernel (``chunk_gated_delta_rule_pool``, chunk parallelism as ``auto`` picks it) with the
-       old prep, the candidate prep, and (where ``Hv > Hk``) the candidate prep with the grouped sequential kernel
-       (``seq_form="group"``) at every shape of ``shapes``: wall ms, errors of ``o`` and the final state against
-       the f32 chunked reference, FlashQLA's published H200 time; one profiled block of 10 calls per side at the
-       sweep shape for the per-kernel split. Stops starting new shapes past ``budget_s``.
-    ``candidate``: a :data:`PREP_SWEEP` name to compare without the sweep (step 1 skipped). ``interpret``: the
-    kernels in Pallas interpret mode (a CPU smoke run of the script on small shapes)."""
-    import time
-
-    import jax
-
-    from kvjax.ops import gdn
-    from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.common import state_as_pool
-    from kvjax.pallas.gdn.prep import PrepConfig, prepare
-
-    import timing
-
-    t_start = time.perf_counter()
-    scale = 128 ** -0.5
-    out: dict = {"device": str(jax.devices()[0].device_kind), "prep": [], "op": []}
-    print("device:", out["device"], "jax", jax.__version__, flush=True)
-
-    (q, k, v, g, beta, h0, cu), spec = _bf16_recipe(sweep_shape)
-    calls, base = {}, None
-    for name, kw in PREP_SWEEP.items() if candidate is None else ():
-        fn = jax.jit(lambda q, k, v, g, b, kw=kw: prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False,
-                                                          chunk=CHUNK, config=PrepConfig(**kw), interpret=interpret))
-        t0 = time.perf_counter()
-        try:
-            res = jax.block_until_ready(fn(q, k, v, g, beta))
-        except Exception as e:  # a variant Triton cannot compile: report it, time the others
-            print(f"prep {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            out["prep"].append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            continue
-        if base is None:
-            base = res
-        diff = max(_device_rel_err(a, b) for a, b in zip(res[2:], base[2:]))
-        calls[name] = lambda fn=fn: fn(q, k, v, g, beta)
-        out["prep"].append({"variant": name, "kwargs": kw, "rel_diff_vs_head": diff,
-                            "compile_s": time.perf_counter() - t0})
-    times = timing.interleaved(calls, rounds=5, n=20, device_rounds=0) if calls else {}
-    print(f"\nprep kernel alone at {_shape_name(*spec)} (wall ms, median of 5 interleaved rounds of 20 calls)")
-    for row in out["prep"]:
-        if row["variant"] in times:
-            row["wall_ms"] = times[row["variant"]]["wall_ms"]
-            print(f"  {row['variant']:>14}  {row['wall_ms']:.4f} ms  rel. diff vs head {row['rel_diff_vs_head']:.1e}"
-                  f"  (compile {row['compile_s']:.1f} s)", flush=True)
-    new = [r for r in out["prep"] if "wall_ms" in r and r["variant"] != "head"]
-    best = min(new, key=lambda r: r["wall_ms"]) if new else {"variant": "head", "kwargs": PREP_SWEEP["head"]}
-    if candidate is not None:
-        best = {"variant": candidate, "kwargs": PREP_SWEEP[candidate]}
-    out["candidate"] = best["variant"]
-    print(f"candidate: {best['variant']} {best['kwargs']}", flush=True)
-
-    names = {"old": "old", "new": f"prep {best['variant']}", "new+seq": f"prep {best['variant']} + seq group"}
-    header = ("| shape | " + " | ".join(f"{names[s]} ms" for s in names) + " | old / best | err o (each) "
-              "| err state (each) | FlashQLA H200 ms |")
-    table = [header, "|---|" + "---:|" * (len(names) + 1) + "---|---|---:|"]
-    for i in shapes if shapes is not None else PREP_SHAPES:
-        if time.perf_counter() - t_start > budget_s:
-            print(f"budget of {budget_s:.0f} s spent: shape {i} and later not run", flush=True)
-            break
-        (q, k, v, g, beta, h0, cu), spec = _bf16_recipe(i)
-        seqlens, hk, hv = spec
-        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
-        sides = {"old": {}, "new": dict(prep=PrepConfig(**best["kwargs"]))}
-        if hv > hk:  # the grouped sequential kernel differs from the per-head one only with Hv > Hk
-            sides["new+seq"] = dict(sides["new"], seq_form="group")
-        runners, row = {}, {"shape": _shape_name(*spec), "index": i}
-        for side, kw in sides.items():
-            def fn(q, k, v, g, b, h, kw=kw):
-                pool, prow, flags = state_as_pool(h, len(seqlens), hv, 128, 128)
-                return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
-                                                   scale=scale, interpret=interpret, **kw)
-            fn = jax.jit(fn)
-            try:
-                o, f = fn(q, k, v, g, beta, h0)
-            except Exception as e:  # report, time the other sides
-                print(f"{row['shape']} {side}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                row[f"error_{side}"] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            row[f"err_o_{side}"], row[f"err_state_{side}"] = _device_rel_err(o, ro), _device_rel_err(f, rf)
-            runners[side] = lambda fn=fn: fn(q, k, v, g, beta, h0)
-        times = timing.interleaved(runners, rounds=5, n=20, device_rounds=0)
-        for side in runners:
-            row[f"{side}_ms"] = times[side]["wall_ms"]
-        if i == sweep_shape:
-            for side, fn in runners.items():
-                recs = timing.kernel_records(lambda fn=fn: timing.block([fn() for _ in range(10)]))
-                row[f"{side}_kernels_ms"] = {n: t / 10 / 1e6 for n, (c, t) in recs["names"].items()
-                                             if t / 10 / 1e6 > 0.002}
-                print(f"  {side} kernels (device ms per call): " + " ".join(
-                    f"{n}={t:.3f}" for n, t in row[f"{side}_kernels_ms"].items()), flush=True)
-        anchor = FLASHQLA_H200_MS.get(i)
-        got = [s for s in names if f"{s}_ms" in row]
-        best_new = min((row[f"{s}_ms"] for s in got if s != "old"), default=None)
-        ratio = f"{row['old_ms'] / best_new:.2f}x" if "old_ms" in row and best_new else ""
-
-        def cell(key, fmt):
-            return " / ".join(format(row[f"{key}_{s}"], fmt) if f"{key}_{s}" in row else "-" for s in got)
-
-        table.append(f"| {row['shape']} | " + " | ".join(f"{row[f'{s}_ms']:.4f}" if f"{s}_ms" in row else "-"
-                                                          for s in names)
-                     + f" | {ratio} | {cell('err_o', '.1e')} | {cell('err_state', '.1e')} | {anchor or ''} |")
-        out["op"].append(row)
-        print(table[-1], flush=True)
-    print(f"\nwhole pool kernel (chunk parallelism as auto picks it), wall ms, one process "
-          f"({time.perf_counter() - t_start:.0f} s in all):")
-    print("\n".join(table), flush=True)
-    return out
-
-
 if __name__ == "__main__":
     import json
     import os
@@ -438,10 +280,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     side = sys.argv[1] if len(sys.argv) > 1 else "jax"
     only = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
-    if side == "prep":
-        out = prep_compare(shapes=only, candidate=sys.argv[4] if len(sys.argv) > 4 else None)
-    else:
-        out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
+    out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as fh:
             json.dump(out, fh, indent=1)

@@ -9,8 +9,7 @@ intra-chunk quantity is masked to pairs of tokens of the same sequence ("segment
    ``T = (I + tril(beta k k^T decay, -1))^-1``, ``w = T (beta exp(gc) k)``, ``u = T (beta v)``, the causal
    intra-chunk scores ``A = (q k^T) * decay`` and per-token row factors ``qf = |q|^-1 scale exp(gc)``,
    ``kf = |k|^-1 exp(g_last - gc)`` (the l2norm folded in: no normalised copy of q / k exists).
-2. ``_chunk_kernel`` (one program per (sequence row, value head, block of value columns); with
-   ``seq_form="group"`` per (sequence row, key head, block), the key head's value heads side by side): walks
+2. ``_chunk_kernel`` (one program per (sequence row, value head, block of value columns)): walks
    the row's chunks in order with the state slice ``S: f32[K, block_v]`` in registers::
 
        v_new = u - w S;   o = (qf * q) S + A v_new;   S = exp(g_last) S + (kf * k)^T v_new
@@ -63,7 +62,6 @@ MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives thi
 FLAG_MORE = 4  # segment flag (chunk parallelism): the segment is not its sequence's last
 CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when rows * Hv is at most this ...
 CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
-SEQ_FORMS = ("head", "group")  # sequential program = (row, value head, value block) | (row, key head, value block)
 
 
 def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
@@ -104,19 +102,14 @@ def _chunk_kernel(
     pool_ref,  # f32[R, Hv, K, V]
     *,
     group: int,
-    form: str,
     chunk: int,
     block_v: int,
     precision,
 ):
-    """Program ``(n, h, vb)`` (form ``"head"``: value head ``h``) or ``(n, hk, vb)`` (form ``"group"``: the
-    ``group`` value heads of key head ``hk``, one state each, the raw q / k rows loaded once per chunk)."""
-    n, head_id, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    """Program ``(n, h, vb)``: sequence row ``n``, value head ``h``, value block ``vb``."""
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = pl.num_programs(0)
-    if form == "head":
-        hk, heads = head_id // group, [head_id]
-    else:
-        hk, heads = head_id, [head_id * group + j for j in range(group)]
+    hk = h // group
     kd, vd = pool_in_ref.shape[2], pool_in_ref.shape[3]
     kc, kmask = head_cols(kd)
     vs, vmask = col_block(vb, block_v, vd)
@@ -124,10 +117,10 @@ def _chunk_kernel(
     start, end, lo, hi, live, read = _row_range(cu_ref, flags_ref, n, num_seqs, o_ref.shape[0])
     row = rows_ref[n]
     state_mask = tile_mask((kp, block_v), kmask, vmask)
-    s0 = tuple(plt.load(
+    s0 = plt.load(
         pool_in_ref.at[row, h, kc, vs], mask=tile_mask((kp, block_v), kmask, vmask, jnp.full((kp, block_v), read)),
         other=0.0,
-    ) for h in heads)
+    )
     dt = w_ref.dtype
     mm = functools.partial(dot, precision=precision)
     idx = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -135,45 +128,41 @@ def _chunk_kernel(
     k_lanes = tile_mask((chunk, kp), None, kmask)  # bool[C, Kp] | None
     v_lanes = tile_mask((chunk, block_v), None, vmask)  # bool[C, block_v] | None
 
-    def step(c, states):  # states: one f32[Kp, block_v] per head
+    def step(c, s):  # s: f32[Kp, block_v]
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         q, k = load(q_ref, (rs, hk, kc), k_lanes), load(k_ref, (rs, hk, kc), k_lanes)
         r = c * chunk + idx
         in_seq = (r >= start) & (r < end) & live
         own = (r >= lo) & (r < hi)
-        out = []
-        for h, s in zip(heads, states):
-            u, w = load(u_ref, (c, h, slice(None), vs), v_lanes), load(w_ref, (c, h, slice(None), kc), k_lanes)
-            qf, a, kf = qf_ref[c, h, :], a_ref[c, h, :, :], kf_ref[c, h, :]
-            decay = _chunk_decay(gl_ref, c, h, start, end, live, chunk)
-            sb = s.astype(dt)
-            v_new = u.astype(jnp.float32) - mm(w, sb)
-            v_new = jnp.where(in_seq[:, None], v_new, 0.0)
-            vb_ = v_new.astype(dt)
-            qg = (q.astype(jnp.float32) * qf[:, None]).astype(dt)
-            o = mm(qg, sb) + mm(a, vb_)
-            o = jnp.where(in_seq[:, None], o, 0.0)
-            plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=tile_mask((chunk, block_v), None, vmask,
-                                                                                  own[:, None]))
-            kg = (k.astype(jnp.float32) * jnp.where(in_seq, kf, 0.0)[:, None]).astype(dt)
-            out.append(s * decay + mm(kg, vb_, contract_a=0))
-        return tuple(out)
+        u, w = load(u_ref, (c, h, slice(None), vs), v_lanes), load(w_ref, (c, h, slice(None), kc), k_lanes)
+        qf, a, kf = qf_ref[c, h, :], a_ref[c, h, :, :], kf_ref[c, h, :]
+        decay = _chunk_decay(gl_ref, c, h, start, end, live, chunk)
+        sb = s.astype(dt)
+        v_new = u.astype(jnp.float32) - mm(w, sb)
+        v_new = jnp.where(in_seq[:, None], v_new, 0.0)
+        vb_ = v_new.astype(dt)
+        qg = (q.astype(jnp.float32) * qf[:, None]).astype(dt)
+        o = mm(qg, sb) + mm(a, vb_)
+        o = jnp.where(in_seq[:, None], o, 0.0)
+        plt.store(o_ref.at[rs, h, vs], o.astype(o_ref.dtype), mask=tile_mask((chunk, block_v), None, vmask,
+                                                                              own[:, None]))
+        kg = (k.astype(jnp.float32) * jnp.where(in_seq, kf, 0.0)[:, None]).astype(dt)
+        return s * decay + mm(kg, vb_, contract_a=0)
 
-    states = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, step, s0)
+    s = lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, step, s0)
 
     @pl.when(live)
     def _():
-        for h, s in zip(heads, states):
-            store(pool_ref, (row, h, kc, vs), s, state_mask)
+        store(pool_ref, (row, h, kc, vs), s, state_mask)
 
 
-def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v, seq_form,
-                num_warps, num_stages, interpret):
+def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v, num_warps,
+                num_stages, interpret):
     tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     precision = f32_precision(interpret) if w.dtype == jnp.float32 else None
     kernel = functools.partial(
-        _chunk_kernel, group=hv // hk, form=seq_form, chunk=chunk, block_v=block_v, precision=precision
+        _chunk_kernel, group=hv // hk, chunk=chunk, block_v=block_v, precision=precision
     )
     return pl.pallas_call(
         kernel,
@@ -181,7 +170,7 @@ def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out
             jax.ShapeDtypeStruct((tp, hv, vd), out_dtype),
             jax.ShapeDtypeStruct(pool.shape, jnp.float32),
         ),
-        grid=(rows.shape[0], hv if seq_form == "head" else hk, pl.cdiv(vd, block_v)),
+        grid=(rows.shape[0], hv, pl.cdiv(vd, block_v)),
         input_output_aliases={11: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -344,7 +333,7 @@ def _scan_kernel(
 
 
 def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segment_chunks, out_dtype, block_v,
-             seq_form, transition_block, scan_block, num_warps, num_stages, interpret):
+             transition_block, scan_block, num_warps, num_stages, interpret):
     """The sequential part with chunk parallelism: transition kernel (every segment's ``M``, ``B``), scan
     kernel (every segment's start state), the sequential kernel over segments, the final states to the pool."""
     tp, hk, kd = q.shape
@@ -382,7 +371,7 @@ def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segmen
     seg_live = (seg_flags & FLAG_LIVE) != 0
     seg_flags = jnp.where(seg_live, FLAG_LIVE | FLAG_HAS_INITIAL, 0).astype(jnp.int32)
     o, ends = _chunk_call(q, k, w, u, a, qf, kf, gl, starts, seg_cu, jnp.arange(num_segs, dtype=jnp.int32),
-                          seg_flags, out_dtype=out_dtype, block_v=block_v, seq_form=seq_form, num_warps=num_warps,
+                          seg_flags, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
                           num_stages=num_stages, interpret=interpret)
     live = (flags & FLAG_LIVE) != 0
     pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(ends[last], mode="drop")
@@ -402,8 +391,7 @@ def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "seq_form",
-                     "segment_chunks", "transition_block", "scan_block", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "segment_chunks", "transition_block", "scan_block", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -423,7 +411,6 @@ def chunk_gated_delta_rule_pool(
     num_warps: int = 4,
     num_stages: int | None = None,
     prep: PrepConfig = PrepConfig(),
-    seq_form: str = "head",
     segment_chunks: int | None = None,
     transition_block: int | None = None,
     scan_block: int = 32,
@@ -431,11 +418,8 @@ def chunk_gated_delta_rule_pool(
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
-    ``prep``: how the preparation kernel runs (:class:`kvjax.pallas.gdn.prep.PrepConfig`: program shape,
-    chunks per program, stages, warps, the inverse's operand dtype and product pairing). ``seq_form``: program
-    shape of the sequential kernel, ``"head"`` (one value head) or ``"group"`` (a key head's value heads, one
-    state each: the raw q / k rows loaded once per chunk for all of them, their independent state chains
-    interleaved; the value block is chosen as for ``"head"``, so it has ``Hk / Hv`` as many programs).
+    ``prep``: how the preparation kernel runs (:class:`kvjax.pallas.gdn.prep.PrepConfig`: warps, the inverse's
+    operand dtype).
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
@@ -464,8 +448,6 @@ def chunk_gated_delta_rule_pool(
     block_v = min(block_v, next_pow2(vd))
     if not is_pow2(block_v):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    if seq_form not in SEQ_FORMS:
-        raise ValueError(f"seq_form must be one of {SEQ_FORMS}, got {seq_form!r}")
     qp, kp, w, u, a, qf, kf, gl = prepare(
         q, k, v, g, beta, cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk=chunk,
         config=prep, interpret=interpret,
@@ -479,13 +461,13 @@ def chunk_gated_delta_rule_pool(
                           next_pow2(vd))
         o, pool = _cp_call(
             qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, segment_chunks=segment_chunks,
-            out_dtype=v.dtype, block_v=block_v, seq_form=seq_form, transition_block=transition_block,
+            out_dtype=v.dtype, block_v=block_v, transition_block=transition_block,
             scan_block=scan_block, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     else:
         o, pool = _chunk_call(
             qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
-            seq_form=seq_form, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     return o[:num_tokens], pool
 

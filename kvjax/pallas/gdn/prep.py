@@ -14,13 +14,10 @@ where K or V is not a power of two, :mod:`kvjax.pallas.gdn.common`).
 
 Work per (chunk, value head) at ``C = 64``, ``K = V = 128`` (bf16): the products ``q k^T``, ``k k^T`` (1 MFLOP
 each), the inverse (10 dependent ``64^3`` products, 5.2 MFLOP), ``w`` and ``u`` (1 MFLOP each); 48 KB read
-(q, k, v rows) and 41 KB written (w, u, A, row factors). Program shapes (:class:`PrepConfig`): ``"head"``, one
-program per (chunk, value head), reads q / k once per value head and forms ``q k^T`` / ``k k^T`` for each;
-``"group"``, one program per (block of chunks, key head), reads q / k once per key head, forms the two
-products once and runs the per-value-head part (decay, ``A``, inverse, ``w``, ``u``) for the key head's
-``Hv / Hk`` value heads; several chunks per program are unrolled (the independent chains interleave) or, with
-``num_stages > 1``, a loop whose next chunk's rows Triton's pipeliner loads while this one computes. With
-``paired``, each doubling level of the inverse is one product of twice the width instead of two.
+(q, k, v rows) and 41 KB written (w, u, A, row factors). One program per (chunk, key head): it reads q / k once,
+forms ``q k^T`` / ``k k^T`` once and runs the per-value-head part (decay, ``A``, inverse, ``w``, ``u``) for the
+key head's ``Hv / Hk`` value heads (RESULTS.md "GDN chunked prefill, FlashQLA recipe" holds the program shapes
+measured against it).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from kvjax.pallas.gdn.common import L2NORM_EPS, f32_precision, head_cols, load, 
 from kvjax.pallas.gdn.common import dot as _dot
 
 SUB = 16  # diagonal block size of the in-kernel inverse
-PREP_FORMS = ("head", "group")  # program = (chunk, value head) | (block of chunks, key head)
 INVERSE_DTYPES = ("bf16", "tf32")
 
 
@@ -49,35 +45,19 @@ INVERSE_DTYPES = ("bf16", "tf32")
 class PrepConfig:
     """How the preparation kernel runs (the prepared quantities do not depend on it, up to rounding).
 
-    ``form``: :data:`PREP_FORMS`, one program per (chunk, value head) or per (block of ``chunks`` chunks, key
-    head), the latter reading q / k once and forming ``q k^T`` / ``k k^T`` once for the key head's value heads.
-    ``chunks`` (form ``"group"``): chunks per program, unrolled with ``num_stages == 1`` (their independent
-    chains interleave), else a loop Triton's pipeliner stages over ``num_stages``. ``num_warps``: Triton warps.
-    ``inverse_dtype``: operands of the inverse's products for bf16 inputs, ``"bf16"`` (one bf16 pass; measured
-    faster than ``"tf32"`` with the same output error, RESULTS.md "GDN chunked prefill") or ``"tf32"`` (float32
-    inputs always take the other products' precision). ``paired``: the inverse's doubling levels form their two
-    independent products ``P Q`` and ``P P`` as one product ``P [Q | P]`` (columns interleaved): 7 dependent
-    products instead of 10 at ``C = 64``, one of them twice as wide.
+    ``num_warps``: Triton warps. ``inverse_dtype``: operands of the inverse's products for bf16 inputs,
+    ``"bf16"`` (one bf16 pass; measured faster than ``"tf32"`` with the same output error, RESULTS.md "GDN chunked
+    prefill") or ``"tf32"`` (float32 inputs always take the other products' precision).
     """
 
-    form: str = "head"
-    chunks: int = 1
-    num_stages: int = 1
     num_warps: int = 4
     inverse_dtype: str = "bf16"
-    paired: bool = False
 
     def __post_init__(self):
-        if self.form not in PREP_FORMS:
-            raise ValueError(f"PrepConfig.form must be one of {PREP_FORMS}, got {self.form!r}")
-        for name in ("chunks", "num_stages", "num_warps"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"PrepConfig.{name} must be a positive int, got {value!r}")
+        if not (isinstance(self.num_warps, int) and not isinstance(self.num_warps, bool) and self.num_warps >= 1):
+            raise ValueError(f"PrepConfig.num_warps must be a positive int, got {self.num_warps!r}")
         if self.inverse_dtype not in INVERSE_DTYPES:
             raise ValueError(f"PrepConfig.inverse_dtype must be one of {INVERSE_DTYPES}, got {self.inverse_dtype!r}")
-        if not isinstance(self.paired, bool):
-            raise ValueError(f"PrepConfig.paired must be a bool, got {self.paired!r}")
 
 
 def _dot_t(a, b, *, precision):
@@ -110,49 +90,6 @@ def _unit_lower_inverse(
     return mm(inv_f, inv_d)
 
 
-def _interleave(a: jax.Array, b: jax.Array) -> jax.Array:  # [M, 2N]
-    """Columns of ``a`` and ``b`` [M, N] interleaved (``a`` even, ``b`` odd): ``x @ _interleave(a, b) =
-    _interleave(x @ a, x @ b)`` (a join in Triton)."""
-    return jnp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1])
-
-
-def _deinterleave(r: jax.Array) -> tuple[jax.Array, jax.Array]:  # two [M, N]
-    """The inverse of :func:`_interleave` (a split in Triton)."""
-    a, b = jnp.unstack(r.reshape(r.shape[0], r.shape[1] // 2, 2), axis=-1)
-    return a, b
-
-
-def _geometric(p: jax.Array, q: jax.Array, levels: int, mm, operand) -> jax.Array:  # f32[C, C]
-    """``sum_{k < 2^levels} p^k q`` for a nilpotent ``p`` (f32[C, C]) by doubling: ``q <- q + p q``,
-    ``p <- p p``, the two products of a level as one ``p [q | p]`` (joined in the products' operand dtype,
-    ``operand``); the last level forms ``p q`` only."""
-    for j in range(levels):
-        if j == levels - 1:
-            return q + mm(p, q)
-        pq, pp = _deinterleave(mm(p, _interleave(operand(q), operand(p))))
-        q, p = q + pq, pp
-    return q
-
-
-def _unit_lower_inverse_paired(
-    lmat: jax.Array,  # f32[C, C]  strictly lower
-    mm,
-    chunk: int,
-    operand=lambda x: x,
-) -> jax.Array:  # f32[C, C]
-    """:func:`_unit_lower_inverse`'s factorisation with paired products: ``X = -D``, ``(I + D)^-1 = sum_{k<16}
-    X^k = sum_{k<8} (X^2)^k (I + X)``; ``Y = -(I + D)^-1 E``, ``T = sum_{k < C/16} Y^k (I + D)^-1``. At C = 64:
-    ``X^2``, two paired levels and one plain one, then ``Y``, one paired level and one plain one."""
-    ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    eye = (ri == ci).astype(jnp.float32)
-    diag = (ri // SUB) == (ci // SUB)
-    x = -jnp.where(diag, lmat, 0.0)
-    inv_d = _geometric(mm(x, x), eye + x, int(np.log2(SUB)) - 1, mm, operand)
-    y = -mm(inv_d, jnp.where(diag, 0.0, lmat))
-    return _geometric(y, inv_d, int(np.log2(chunk // SUB)), mm, operand)
-
-
 def _prep_kernel(
     seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
     q_ref,  # [Tp, Hk, K]  raw q
@@ -169,100 +106,67 @@ def _prep_kernel(
     *,
     group: int,
     chunk: int,
-    form: str,
-    chunks_per_program: int,
-    unroll: bool,
-    paired: bool,
     scale: float,
     use_qk_l2norm: bool,
     precision,
     inv_precision,
 ):
-    """Form ``"head"``: program ``(c, h)`` = chunk ``c``, value head ``h``. Form ``"group"``: program ``(p, hk)``
-    = chunks ``[p * chunks_per_program, ...)`` (up to the last one), key head ``hk`` and its ``group`` value
-    heads; the chunks unrolled (``unroll``; the last program recomputes the last chunk for the missing ones,
-    writing the same values) or a loop. Per chunk: the segment decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``,
-    ``A`` and the row factors, with whole-chunk matmuls on the *raw* q / k (the l2norm and ``scale`` are per-row
-    factors applied to the f32 products, so no normalised copy of q / k is ever written).
+    """Program ``(c, hk)`` = chunk ``c``, key head ``hk`` and its ``group`` value heads. Per chunk: the segment
+    decay, ``L``, ``T = (I + L)^-1``, ``w``, ``u``, ``A`` and the row factors, with whole-chunk matmuls on the *raw*
+    q / k (the l2norm and ``scale`` are per-row factors applied to the f32 products, so no normalised copy of q / k
+    is ever written).
 
     Segment cumulative decay without a scan: ``gc_i = sum_{j <= i, seg_j = seg_i} g_j`` (a masked row sum of
     the ``[C, C]`` same-segment mask) and ``gl_i = sum_{seg_j = seg_i} g_j``. Row factors: ``qf = |q|^-1
     scale exp(gc)`` and ``kf = |k|^-1 exp(gl - gc)`` (0 outside every sequence).
     """
-    p, head_id = pl.program_id(0), pl.program_id(1)
-    if form == "head":
-        hk, heads = head_id // group, [head_id]
-    else:
-        hk, heads = head_id, [head_id * group + j for j in range(group)]
+    c, hk = pl.program_id(0), pl.program_id(1)
+    heads = [hk * group + j for j in range(group)]
     dt = w_ref.dtype
     dot = functools.partial(_dot, precision=precision)
     if inv_precision == "bf16":  # one bf16 pass per product of the inverse (bf16 operands, f32 accumulation)
-        def operand(x):
-            return x.astype(jnp.bfloat16)
-
         def mm(a, b):
-            return _dot(operand(a), operand(b), precision=None)
+            return _dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), precision=None)
     else:
-        def operand(x):
-            return x
-
         mm = functools.partial(_dot, precision=inv_precision)
     kd, vd = q_ref.shape[2], v_ref.shape[2]
     (kc, kmask), (vc, vmask) = head_cols(kd), head_cols(vd)
     k_lanes = tile_mask((chunk, next_pow2(kd)), None, kmask)  # bool[C, Kp] | None
     v_lanes = tile_mask((chunk, next_pow2(vd)), None, vmask)  # bool[C, Vp] | None
 
-    def one_chunk(c):
-        full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        seg = seg_ref[full]
-        q = load(q_ref, (full, hk, kc), k_lanes)
-        k = load(k_ref, (full, hk, kc), k_lanes)
-        ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-        ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-        same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
-        keep = same & (ri >= ci)
-        in_seq = seg >= 0
-        if use_qk_l2norm:
-            qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
-            rq = lax.rsqrt(jnp.sum(qf32 * qf32, axis=1) + L2NORM_EPS)
-            rk = lax.rsqrt(jnp.sum(kf32 * kf32, axis=1) + L2NORM_EPS)
-        else:
-            rq = rk = jnp.ones((chunk,), jnp.float32)
-        qk = _dot_t(q, k, precision=precision) * (rq * scale)[:, None] * rk[None, :]
-        kk = _dot_t(k, k, precision=precision) * rk[:, None] * rk[None, :]
-        for h in heads:
-            g = g_ref[full, h]
-            beta = b_ref[full, h]
-            gc = jnp.sum(jnp.where(keep, g[None, :], 0.0), axis=1)  # f32[C]
-            gl = jnp.sum(jnp.where(same, g[None, :], 0.0), axis=1)
-            qf_ref[c, h, :] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
-            kf_ref[c, h, :] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
-            gl_ref[c, h, :] = gl
-            decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
-            a_ref[c, h, :, :] = (qk * decay).astype(dt)
-            lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
-            if paired:
-                tinv = _unit_lower_inverse_paired(lmat, mm, chunk, operand).astype(dt)
-            else:
-                tinv = _unit_lower_inverse(lmat, mm, chunk).astype(dt)
-            kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
-            store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
-            vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
-            store(u_ref, (c, h, slice(None), vc), dot(tinv, vb).astype(dt), v_lanes)
-
-    first = p * chunks_per_program
-    if chunks_per_program == 1:
-        one_chunk(p)
-    elif unroll:  # one basic block: the chunks' independent chains interleave; the last program may redo a chunk
-        for i in range(chunks_per_program):
-            one_chunk(jnp.minimum(first + i, w_ref.shape[0] - 1))
+    full = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    seg = seg_ref[full]
+    q = load(q_ref, (full, hk, kc), k_lanes)
+    k = load(k_ref, (full, hk, kc), k_lanes)
+    ri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
+    keep = same & (ri >= ci)
+    in_seq = seg >= 0
+    if use_qk_l2norm:
+        qf32, kf32 = q.astype(jnp.float32), k.astype(jnp.float32)
+        rq = lax.rsqrt(jnp.sum(qf32 * qf32, axis=1) + L2NORM_EPS)
+        rk = lax.rsqrt(jnp.sum(kf32 * kf32, axis=1) + L2NORM_EPS)
     else:
-
-        def body(i, carry):
-            one_chunk(first + i)
-            return carry
-
-        lax.fori_loop(0, jnp.minimum(chunks_per_program, w_ref.shape[0] - first), body, 0)
+        rq = rk = jnp.ones((chunk,), jnp.float32)
+    qk = _dot_t(q, k, precision=precision) * (rq * scale)[:, None] * rk[None, :]
+    kk = _dot_t(k, k, precision=precision) * rk[:, None] * rk[None, :]
+    for h in heads:
+        g = g_ref[full, h]
+        beta = b_ref[full, h]
+        gc = jnp.sum(jnp.where(keep, g[None, :], 0.0), axis=1)  # f32[C]
+        gl = jnp.sum(jnp.where(same, g[None, :], 0.0), axis=1)
+        qf_ref[c, h, :] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
+        kf_ref[c, h, :] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
+        gl_ref[c, h, :] = gl
+        decay = jnp.exp(jnp.where(keep, gc[:, None] - gc[None, :], -jnp.inf))  # f32[C, C]
+        a_ref[c, h, :, :] = (qk * decay).astype(dt)
+        lmat = jnp.where(ri > ci, kk * decay, 0.0) * beta[:, None]
+        tinv = _unit_lower_inverse(lmat, mm, chunk).astype(dt)
+        kb = (k.astype(jnp.float32) * (rk * beta * jnp.exp(gc))[:, None]).astype(dt)
+        store(w_ref, (c, h, slice(None), kc), dot(tinv, kb).astype(dt), k_lanes)
+        vb = (load(v_ref, (full, h, vc), v_lanes).astype(jnp.float32) * beta[:, None]).astype(dt)
+        store(u_ref, (c, h, slice(None), vc), dot(tinv, vb).astype(dt), v_lanes)
 
 
 def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, config: PrepConfig, interpret):
@@ -279,11 +183,7 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, config: Pr
         inv_precision = "bf16"
     else:
         inv_precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32
-    chunks_per_program = 1 if config.form == "head" else config.chunks
-    grid = (nc, hv) if config.form == "head" else (pl.cdiv(nc, chunks_per_program), hk)
-    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, form=config.form,
-                               chunks_per_program=chunks_per_program, unroll=config.num_stages == 1,
-                               paired=config.paired, scale=scale, use_qk_l2norm=use_qk_l2norm,
+    kernel = functools.partial(_prep_kernel, group=hv // hk, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                precision=precision, inv_precision=inv_precision)
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
     return pl.pallas_call(
@@ -294,8 +194,8 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, config: Pr
             jax.ShapeDtypeStruct((nc, hv, chunk, chunk), dt),
             rowf, rowf, rowf,
         ),
-        grid=grid,
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        grid=(nc, hk),
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_chunk_prep",
     )(seg, q, k, v, g, beta)
