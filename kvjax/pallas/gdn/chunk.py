@@ -130,13 +130,13 @@ def _chunk_kernel(
 
     def step(c, s):  # s: f32[Kp, block_v]
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        q, k = load(q_ref, (rs, hk, kc), k_lanes), load(k_ref, (rs, hk, kc), k_lanes)
+        u, w = load(u_ref, (c, h, slice(None), vs), v_lanes), load(w_ref, (c, h, slice(None), kc), k_lanes)
+        q, qf, a = load(q_ref, (rs, hk, kc), k_lanes), qf_ref[c, h, :], a_ref[c, h, :, :]
+        k, kf = load(k_ref, (rs, hk, kc), k_lanes), kf_ref[c, h, :]
+        decay = _chunk_decay(gl_ref, c, h, start, end, live, chunk)
         r = c * chunk + idx
         in_seq = (r >= start) & (r < end) & live
         own = (r >= lo) & (r < hi)
-        u, w = load(u_ref, (c, h, slice(None), vs), v_lanes), load(w_ref, (c, h, slice(None), kc), k_lanes)
-        qf, a, kf = qf_ref[c, h, :], a_ref[c, h, :, :], kf_ref[c, h, :]
-        decay = _chunk_decay(gl_ref, c, h, start, end, live, chunk)
         sb = s.astype(dt)
         v_new = u.astype(jnp.float32) - mm(w, sb)
         v_new = jnp.where(in_seq[:, None], v_new, 0.0)
@@ -391,7 +391,8 @@ def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "segment_chunks", "transition_block", "scan_block", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "segment_chunks",
+                     "transition_block", "scan_block", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
