@@ -149,7 +149,10 @@ def test_metrics_count_drafts_by_position(qwen, shared):
     (["run", "--num-draft-tokens", "2"], "--num-draft-tokens needs --speculative"),
     (["run", "--speculative", "ngram", "--devices", "1"], "one device"),
     (["run", "--speculative", "ngram", "--num-draft-tokens", "0"], "num-draft-tokens"),
-    (["run", "--speculative", "mtp"], "speculative"),
+    (["run", "--speculative", "mtp"], "add --mtp"),
+    (["run", "--mtp"], "--speculative mtp only"),
+    (["run", "--flat-tokens", "64"], "--flat-tokens needs --speculative"),
+    (["run", "--speculative", "ngram", "--flat-tokens", "0"], "flat-tokens"),
 ])
 def test_run_flags_refused_up_front(argv, message, capsys):
     with pytest.raises(SystemExit) as err:

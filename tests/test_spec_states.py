@@ -104,7 +104,8 @@ def test_ngram_drafter():
 def test_speculative_config_checks():
     assert SpeculativeConfig.of("ngram") == SpeculativeConfig()
     assert SpeculativeConfig.of(None) is None
-    for bad in (dict(method="mtp"), dict(num_draft_tokens=0), dict(num_draft_tokens=17), dict(min_ngram=3, max_ngram=2),
+    assert SpeculativeConfig.of("mtp") == SpeculativeConfig(method="mtp")
+    for bad in (dict(method="eagle"), dict(num_draft_tokens=0), dict(num_draft_tokens=17), dict(min_ngram=3, max_ngram=2),
                 dict(drafter=object())):
         with pytest.raises(ValueError):
             SpeculativeConfig(**bad)

@@ -66,7 +66,8 @@ from kvjax.cli.presets import (ATTENTION, PRESETS, Preset, attention_layout, bui
 from kvjax.cli.report import check_plot_path, device_lines, format_table, save_plot, tokens_digest
 from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
                                   shares, start_processes, wall_rate)
-from kvjax.sched.drafter import MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
+from kvjax.models.qwen3_5 import mtp as mtp_lib
+from kvjax.sched.drafter import FLAT_TOKENS, MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_workload
 
 
@@ -131,6 +132,11 @@ def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[l
 def burst_arg(text: str) -> int | str:
     """``--decode-burst``: ``auto`` or an int in [1, 64]."""
     return "auto" if text == "auto" else int_at_least(1, 64)(text)
+
+
+def flat_tokens_arg(text: str) -> int | None:
+    """``--flat-tokens``: ``none`` or an int >= 1."""
+    return None if text == "none" else int_at_least(1)(text)
 
 
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
@@ -248,10 +254,18 @@ def build_parser() -> ArgumentParser:
                          "admitted (Engine(decode_burst=K)); 'auto' = 8; 1 = single steps")
     ap.add_argument("--speculative", choices=METHODS,
                     help="speculative decoding (Engine(speculative=)): decoding rows verify up to "
-                         "--num-draft-tokens drafts per step (ngram: prompt lookup); runs synchronously, no bursts; "
+                         "--num-draft-tokens drafts per step (ngram: prompt lookup; mtp: the model's MTP layers, "
+                         "with --mtp); runs synchronously, no bursts; "
                          "one device")
     ap.add_argument("--num-draft-tokens", metavar="K", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                     help=f"with --speculative: drafts per verification row at most (1..{MAX_DRAFT_TOKENS}; default 4)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="give the toy random MTP layers (kvjax.models.qwen3_5.mtp; untrained: its drafts are "
+                         "rarely accepted), which --speculative mtp drafts with inside every step")
+    ap.add_argument("--flat-tokens", metavar="N|none", type=flat_tokens_arg, default=FLAT_TOKENS,
+                    help="with --speculative: the flat region of the step-cost rule that shortens or turns off drafts "
+                         f"where they do not pay (tokens a step computes at about the cost of one; default "
+                         f"{FLAT_TOKENS}); 'none': always up to K drafts")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache: a later run loads the compiled steps from DIR instead "
                          f"of compiling them again (default: ${compile_cache.ENV}, else ~/.cache/kvjax/jax)")
@@ -284,8 +298,14 @@ def main(argv: list[str]) -> int:
             raise UsageError("--num-draft-tokens needs --speculative")
         if args.speculative is not None and spec is not None:
             raise UsageError("--speculative runs on one device (no --mesh / --devices)")
+        if args.speculative == "mtp" and not args.mtp:
+            raise UsageError("--speculative mtp drafts with the model's MTP layers: add --mtp (the toy has none)")
+        if args.mtp and args.speculative != "mtp":
+            raise UsageError("--mtp serves --speculative mtp only")
+        if args.flat_tokens != FLAT_TOKENS and args.speculative is None:
+            raise UsageError("--flat-tokens needs --speculative")
         speculative = None if args.speculative is None else SpeculativeConfig(
-            args.speculative, num_draft_tokens=args.num_draft_tokens or 4)
+            args.speculative, num_draft_tokens=args.num_draft_tokens or 4, flat_tokens=args.flat_tokens)
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)
@@ -311,6 +331,8 @@ def main(argv: list[str]) -> int:
             check_servable(workload, cache, attention_layout(p), max_num_batched_tokens=p.max_tokens,
                            pool="shared", recycle=recycle)
         model = build_model(p, seed=args.seed, mesh=mesh)
+        if args.mtp:
+            mtp_lib.attach(model, mtp_lib.init(model.config, seed=args.seed, dtype=jnp.dtype(p.dtype)))
         share = shares(workload, processes) if per_process else None
         served = my_share(workload, share) if per_process else workload
     except ValueError as e:

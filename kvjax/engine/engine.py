@@ -118,7 +118,8 @@ class Engine:
         self._cache_args = setup.cache_args
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
                              max_traces=o.max_traces,
-                             spec=0 if o.speculative is None else o.speculative.num_draft_tokens)
+                             spec=0 if o.speculative is None else o.speculative.num_draft_tokens,
+                             head=setup.draft_head)
         self.host_store = HostStore() if prefix is not None and prefix.host_bytes else None  # the host tier's data
         if self.host_store is not None:  # every step argument committed alike (see _init_caches)
             self.runner.no_tokens = self.host_store.on_device(self.runner.no_tokens)

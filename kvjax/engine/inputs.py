@@ -35,6 +35,8 @@ class SampleInputs:
     prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this index; -1 = token_ids[t]
     burst_len: jax.Array | None = None  # i32[B]: a decode burst's sub-steps of each row (kvjax.engine.burst)
     draft_len: jax.Array | None = None  # i32[B]: a verification step's drafts of each row (kvjax.engine.verify)
+    next_ids: jax.Array | None = None  # i32[B]: the known token after each row's last step token; -1: the sampled
+    # one (steps of an engine that drafts on the device: kvjax.engine.drafting)
 
 
 @jax.tree_util.register_dataclass
@@ -84,7 +86,7 @@ class PackLayout:
         rows = SampleInputs(seeds=out["seeds"], streams=out["streams"], counters=out["seq_lens"],
                             temperature=out["temperature"], top_k=out["top_k"], top_p=out["top_p"],
                             prev_index=out["prev_index"], burst_len=out.get("burst_len"),
-                            draft_len=out.get("draft_len"))
+                            draft_len=out.get("draft_len"), next_ids=out.get("next_ids"))
         copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
         return inputs, rows, copies
 
@@ -100,7 +102,8 @@ def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
 
 def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, decode_only: bool = False,
                checkpoints: bool = False, burst: int = 1, page_size: int = 0,
-               page_base: np.ndarray | None = None, spec: int = 0) -> tuple[np.ndarray, PackLayout]:
+               page_base: np.ndarray | None = None, spec: int = 0,
+               next_ids: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[D, N]`` host buffer, row ``d`` holding every input of the step of data shard ``d``'s plan (the
     plans padded to one shape: :meth:`kvjax.engine.runner.Runner.shape`), and its :class:`PackLayout`. Each field is
     stacked over the shards and written once (no per-shard packing).
@@ -115,7 +118,8 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     the device runs: one trace whatever the rows' lengths) and the cache's ``page_size``. ``page_base``
     (``i64[Hkv]``, the first global page id of each KV head's pool, pages split over ``"model"``): the tables' and
     slot mapping's page ids become local to each head's pool. ``spec`` (K > 0, a verification step): every plan packs
-    ``draft_len`` (zeros for a plan without one)."""
+    ``draft_len`` (zeros for a plan without one). ``next_ids`` (an engine that drafts on the device): per plan
+    ``i32[B]``, the known token after each row's last step token (:func:`kvjax.sched.spec.next_tokens`)."""
     if burst > 1 and page_size < 1:
         raise ValueError(f"a decode burst of {burst} sub-steps needs the cache's page_size, got {page_size}")
     longest = max(p.burst for p in plans)
@@ -150,6 +154,8 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
         arrays["burst_len"] = stack([p.burst_len if p.burst_len is not None else (p.query_lens > 0) for p in plans])
     if spec:
         arrays["draft_len"] = stack([p.draft_len if p.draft_len is not None else np.zeros(B, np.int32) for p in plans])
+    if next_ids is not None:
+        arrays["next_ids"] = stack([np.asarray(x, np.int32) for x in next_ids])
     shapes = {name: a.shape if D == 1 else a.shape[1:] for name, a in arrays.items()}
     sizes = {name: -(-(a.size // D) // PACK_ALIGN) * PACK_ALIGN for name, a in arrays.items()}
     buf = np.zeros((D, sum(sizes.values())), np.int32)

@@ -98,7 +98,8 @@ class EngineOptions:
     - ``use_decode_path`` [True]: all-decode steps run the decode kernels (``StepInputs.decode_only``).
     - ``debug`` [False]: validate every step's inputs on the host before running it (slow).
     - ``max_traces`` [None]: fail (``AssertionError``) if the device step compiles more than this many times.
-    - ``speculative`` [None]: speculative decoding: ``"ngram"`` (prompt lookup, K = 4), a
+    - ``speculative`` [None]: speculative decoding: ``"ngram"`` (prompt lookup, K = 4), ``"mtp"`` (the model's MTP
+      layer drafts inside every step, K = 4: a Qwen3.5 model with MTP layers, :mod:`kvjax.engine.drafting`), a
       :class:`~kvjax.sched.drafter.SpeculativeConfig` (method, ``num_draft_tokens`` K, n-gram sizes) or a
       :class:`~kvjax.sched.drafter.Drafter` object; stored as a ``SpeculativeConfig`` or ``None``. Decoding rows
       verify up to K drafts in one step (:mod:`kvjax.engine.verify`); the engine then runs synchronously and without

@@ -26,9 +26,11 @@ from kvjax.engine.host_tier import HostStore
 from kvjax.engine.inputs import SamplingTable
 from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
 from kvjax.engine.outputs import Outputs, StepOutput
+from kvjax.engine.drafting import StepTokens
 from kvjax.engine.runner import Runner
 from kvjax.engine.verify import verify_stats
 from kvjax.models.interface import ModelCaches
+from kvjax.sched import spec
 from kvjax.sched.drafter import Drafter
 from kvjax.sched.plan import StepPlan
 from kvjax.sched.scheduler import Scheduler
@@ -41,6 +43,7 @@ class Flight:
     plans: list[StepPlan]  # one per data shard
     tokens: jax.Array  # i32[max_seqs * decode_burst] (i32[D, max_seqs] on a mesh): sampled tokens, on the device
     record: dict  # the StepRecord fields known at dispatch
+    drafts: jax.Array | None = None  # i32[B, K]: the MTP drafts the step made (kvjax.engine.drafting); None: none
 
 
 class StepPipeline:
@@ -114,7 +117,14 @@ class StepPipeline:
             raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
                                f"{[r for s in scheds for r in s.running]}, waiting="
                                f"{sum(len(s.waiting) for s in scheds)}, preempted={sum(len(s.preempted) for s in scheds)}")
-        caches, copies = self._host_copies(scheds, caches, host_store)
+
+        def probe() -> None:  # idle counts from the first probe that sees it
+            nonlocal idle_since
+            if idle_since is None and self.device_idle():
+                idle_since = time.perf_counter()
+
+        probe()  # before the copies and after each group of them: idle time beginning while they are issued counts
+        caches, copies = self._host_copies(scheds, caches, host_store, probe)
         copies_compiled = copies.pop("compiled")
         t1 = time.perf_counter()
         if idle_since is None and self.device_idle():
@@ -125,8 +135,10 @@ class StepPipeline:
             shaped = self.runner.shape(plans)
             samplings = [table.rows(p, outputs.tracked) for table, p in zip(self.sampling, shaped)]
             greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
+            nxt = [spec.next_tokens(s, p) for s, p in zip(scheds, shaped)] if self.runner.head is not None else None
             buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
-                                           use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching)
+                                           use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching,
+                                           next_ids=nxt)
             if self.debug:
                 for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
                                                                 self.use_decode_path):
@@ -144,6 +156,9 @@ class StepPipeline:
         prev_tokens = self.runner.no_tokens if prev is None else prev.tokens
         with TraceAnnotation("kvjax.dispatch"):
             tokens, caches = self.runner.step(caches, buf, prev_tokens, layout, greedy_only)
+        drafts = None
+        if isinstance(tokens, StepTokens):  # the MTP drafter's drafts beside the tokens
+            tokens, drafts = tokens
         t3 = time.perf_counter()
         with TraceAnnotation("kvjax.advance"):
             for sched, plan in zip(scheds, plans):
@@ -166,14 +181,15 @@ class StepPipeline:
             pages_used_devices=device_pages_used(scheds) if self.on_mesh else (),
             t_schedule=t1 - t0 - copies["t_copy"], t_inputs=t2 - t1, t_dispatch=t3 - t2, **copies,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
-        self.inflight.append(Flight(plans, tokens, record))
+        self.inflight.append(Flight(plans, tokens, record, drafts))
         return caches
 
-    def _host_copies(self, scheds: Sequence[Scheduler], caches: ModelCaches, host_store: HostStore | None
-                     ) -> tuple[ModelCaches, dict]:
+    def _host_copies(self, scheds: Sequence[Scheduler], caches: ModelCaches, host_store: HostStore | None,
+                     probe) -> tuple[ModelCaches, dict]:
         """Execute the prefix caches' host-tier copies of the plans just scheduled, before their step is dispatched
-        (:mod:`kvjax.engine.host_tier`: in order on the device, their transfers overlapping the step in flight);
-        returns the caches and the step record's host-tier fields with ``compiled`` (a copy was compiled)."""
+        (:mod:`kvjax.engine.host_tier`: in order on the device, their transfers overlapping the step in flight;
+        ``probe()`` after each group: the idleness probe); returns the caches and the step record's host-tier
+        fields with ``compiled`` (a copy was compiled)."""
         t = time.perf_counter()
         if not self.prefix_caching:
             return caches, dict(t_copy=0.0, compiled=False)
@@ -184,7 +200,7 @@ class StepPipeline:
             if store is None:
                 return caches, dict(t_copy=time.perf_counter() - t, compiled=False)
             out0, in0, traces0 = store.stats.bytes_out, store.stats.bytes_in, store.traces
-            caches = store.apply(caches, ops[0])  # one device: one scheduler
+            caches = store.apply(caches, ops[0], probe)  # one device: one scheduler
         return caches, dict(prefix_hit_tokens_host=hits, host_bytes_out=store.stats.bytes_out - out0,
                             host_bytes_in=store.stats.bytes_in - in0, t_copy=time.perf_counter() - t,
                             compiled=store.traces > traces0)
@@ -201,6 +217,10 @@ class StepPipeline:
                 sched.resolve(plan, row)
                 if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
                     flight.record.update(verify_stats(plan, row))
+                if flight.drafts is not None:  # the next plan's drafts (one data shard: no mesh with MTP)
+                    n = plan.num_seqs
+                    self.drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
+                                        np.fromiter(plan.request_ids, np.int64, n), np.asarray(flight.drafts))
             self.inflight.popleft()
             outs = [out for sched, plan in zip(scheds, flight.plans) for out in outputs.collect_plan(sched, plan)]
         t6 = time.perf_counter()

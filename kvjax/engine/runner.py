@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.engine import sampling
 from kvjax.engine.burst import pad_tokens, run_burst
+from kvjax.engine.drafting import Drafting, StepTokens, draft, head_caches
 from kvjax.engine.inputs import PackLayout, decode_only, local_page_ids, pack_plans
 from kvjax.engine.step import TraceCounter
 from kvjax.engine.verify import verify_step
@@ -43,7 +44,8 @@ from kvjax.state import gdn_checkpoints
 
 def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked: tuple, prev_tokens: jax.Array,
                 layout: PackLayout, greedy_only: bool, *, unroll: bool = True,
-                localize: Callable[[StepInputs], StepInputs] | None = None) -> tuple[jax.Array, ModelCaches]:
+                localize: Callable[[StepInputs], StepInputs] | None = None,
+                drafting: Drafting | None = None) -> tuple[jax.Array | StepTokens, ModelCaches]:
     """One engine step on one device's share (traceable).
 
     ``model_step(params, caches, inputs) -> (f32[B, vocab] logits, caches)``; ``unpacked``: the step's
@@ -54,7 +56,9 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
     ``lax.cond`` when the step has none). ``greedy_only`` (static): argmax only. ``unroll``: a burst's sub-steps
     as straight-line code (one CUDA graph) rather than a loop (faster to compile). ``localize``: this device's
     view of the inputs (its KV heads' table columns on a mesh). Returns ``(i32[R] tokens, caches)``: row ``b``'s
-    token of sub-step ``j`` at ``j * (R // layout.burst) + b``, zeros elsewhere.
+    token of sub-step ``j`` at ``j * (R // layout.burst) + b``, zeros elsewhere. ``drafting`` (an engine that drafts
+    on the device, no bursts): the model step gives its hidden states too and the MTP drafts follow the sampled
+    tokens: ``(StepTokens(tokens, drafts i32[B, K]), caches)`` (:mod:`kvjax.engine.drafting`).
     """
     inputs, rows, copies = unpacked
     if localize is not None:
@@ -73,11 +77,18 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
                          prev_tokens.shape[0] // layout.burst, unroll=unroll)
     if copies is not None and caches.gdn is not None:
         caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
-    logits, caches = model_step(params, caches, inputs)
+    if drafting is None:
+        logits, caches = model_step(params, caches, inputs)
+    else:
+        logits, hidden, caches = drafting.hidden_step(params, caches, inputs)
     if copies is not None and caches.gdn is not None:
         caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
     tokens = pick(logits, rows.counters)
-    return pad_tokens(tokens, prev_tokens.shape[0]), caches
+    out = pad_tokens(tokens, prev_tokens.shape[0])
+    if drafting is None:
+        return out, caches
+    drafts, caches = draft(drafting, params, caches, hidden, inputs, inputs.logits_indices, tokens, rows.next_ids)
+    return StepTokens(out, drafts), caches
 
 
 def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
@@ -109,10 +120,11 @@ class Runner:
     """
 
     def __init__(self, model: Any, sharded: ShardedModel | None, *, max_seqs: int, burst: int,
-                 max_traces: int | None = None, spec: int = 0) -> None:
+                 max_traces: int | None = None, spec: int = 0, head: Any = None) -> None:
         self.sharded = sharded
         self.max_seqs, self.burst = max_seqs, burst
         self.spec = spec  # K of speculative decoding's verification steps (kvjax.engine.verify); 0: none
+        self.head = head  # the MTP layers every step drafts K tokens with (kvjax.engine.drafting); None: none
         self.counter = TraceCounter("engine step", max_traces)
         if sharded is None:
             graphdef, params = nnx.split(model)
@@ -122,12 +134,30 @@ class Runner:
             graphdef, params = sharded.graphdef, sharded.params
             self.data_size, self.model_size = sharded.data_size, sharded.model_size
             platform = sharded.mesh.devices.flat[0].platform
-        # parameters passed as their flat leaves: no host walk of the tree per call
+        # parameters passed as their flat leaves: no host walk of the tree per call (the MTP layers' after the model's)
         self.params, param_def = jax.tree.flatten(params)
+        n_model = len(self.params)
         unroll = platform != "cpu"  # a GPU runs a burst as one graph; a CPU compiles a loop faster
 
+        def model_of(leaves: list):
+            return nnx.merge(graphdef, jax.tree.unflatten(param_def, leaves[:n_model]))
+
         def model_step(leaves: list, caches: ModelCaches, inputs: StepInputs):
-            return nnx.merge(graphdef, jax.tree.unflatten(param_def, leaves)).forward_step(caches, inputs)
+            return model_of(leaves).forward_step(caches, inputs)
+
+        drafting = None
+        if head is not None:
+            head_def, head_params = nnx.split(head)
+            head_leaves, head_tree = jax.tree.flatten(head_params)
+            self.params = self.params + head_leaves
+
+            def propose(leaves, caches: ModelCaches, hidden, inputs: StepInputs, sampled):
+                layers = nnx.merge(head_def, jax.tree.unflatten(head_tree, leaves[n_model:]))
+                drafts, pages = layers.propose(model_of(leaves), caches.pages, hidden, inputs, sampled, num_draft=spec)
+                return drafts, dataclasses.replace(caches, pages=pages)
+
+            drafting = Drafting(lambda leaves, caches, inputs: model_of(leaves).forward_step_hidden(caches, inputs),
+                                propose)
 
         def step(leaves, caches, buf, prev_tokens, layout: PackLayout, greedy_only: bool):
             self.counter.count(f"T={layout.shape('token_ids')[-1]}, B={layout.shape('seq_lens')[-1]}, "
@@ -135,10 +165,11 @@ class Runner:
             if layout.spec:
                 if sharded is not None:
                     raise NotImplementedError("speculative decoding on a mesh")
-                return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only)
+                return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
+                                   drafting=drafting)
             if sharded is None:
                 return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
-                                   unroll=unroll)
+                                   unroll=unroll, drafting=drafting)
             return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
@@ -155,12 +186,16 @@ class Runner:
 
     def init_caches(self, model: Any, **cache_args: Any) -> ModelCaches:
         """Zeroed caches (on a mesh: ``num_pages`` per device, leading data / model axes; see
-        :mod:`kvjax.models.sharding`)."""
-        return (self.sharded or model).init_caches(**cache_args)
+        :mod:`kvjax.models.sharding`); with MTP layers, their pools beside the model's."""
+        caches = (self.sharded or model).init_caches(**cache_args)
+        if self.head is None:
+            return caches
+        return dataclasses.replace(caches, pages={**caches.pages, **head_caches(self.head, cache_args)})
 
     def step(self, caches: ModelCaches, buf: np.ndarray | jax.Array, prev_tokens: jax.Array, layout: PackLayout,
-             greedy_only: bool) -> tuple[jax.Array, ModelCaches]:
-        """Dispatch one step (asynchronous); ``caches`` are donated: use only the returned ones."""
+             greedy_only: bool) -> tuple[jax.Array | StepTokens, ModelCaches]:
+        """Dispatch one step (asynchronous); ``caches`` are donated: use only the returned ones. With MTP layers
+        (``head``) the tokens come as :class:`~kvjax.engine.drafting.StepTokens` (with each row's drafts)."""
         return self._fn(self.params, caches, buf, prev_tokens, layout, greedy_only)
 
     def lower(self, caches: ModelCaches, buf: np.ndarray | jax.Array, prev_tokens: jax.Array, layout: PackLayout,
@@ -212,18 +247,22 @@ class Runner:
         return [pad_plan(p, T, B, nblk) for p in plans]
 
     def pack(self, plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, page_base: np.ndarray,
-             page_size: int, use_decode_path: bool, checkpoints: bool) -> tuple[np.ndarray | jax.Array, PackLayout]:
+             page_size: int, use_decode_path: bool, checkpoints: bool,
+             next_ids: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray | jax.Array, PackLayout]:
         """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays
         (:func:`~kvjax.engine.inputs.pack_plans`): ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over
         ``"data"`` on a mesh, and the layout. A burst step (some plan has ``burst_len``) runs ``self.burst``
         sub-steps; a verification step (some plan has ``draft_len``) packs its drafts (``layout.spec = K``). Page ids
         become local to each device's pool (``page_base``: ``i64[Hkv]``, the first global page id
-        of each KV head's pool)."""
+        of each KV head's pool). ``next_ids``: per plan ``i32[B]``, the known token after each row's step tokens
+        (a drafting runner: :func:`kvjax.sched.spec.next_tokens`)."""
         burst = self.burst if any(p.burst_len is not None for p in plans) else 1
         spec = self.spec if any(p.draft_len is not None for p in plans) else 0
+        if self.head is not None and next_ids is None:  # every drafting step packs them: -1, the sampled tokens
+            next_ids = [np.full(p.seq_lens.shape[0], -1, np.int32) for p in plans]
         buf, layout = pack_plans(plans, samplings, decode_only=decode_only(plans, use_decode_path),
                                  checkpoints=checkpoints, burst=burst, page_size=page_size, page_base=page_base,
-                                 spec=spec)
+                                 spec=spec, next_ids=next_ids)
         if self.sharded is None:
             return buf[0], layout
         return jax.device_put(buf, self._buf_sharding), layout

@@ -18,6 +18,7 @@ from flax import nnx
 
 from kvjax.config import CacheConfig
 from kvjax.engine.args import cache_options, check_cache_dtype, check_eos, prefix_config
+from kvjax.engine.drafting import check_head
 from kvjax.engine.host_tier import host_tier_config
 from kvjax.engine.options import EngineOptions
 from kvjax.engine.runner import engine_model
@@ -39,6 +40,7 @@ class EngineSetup:
     cache_args: dict  # init_caches' keywords: pages, page size, slots (with checkpoint slots), dtype, options
     prefix: PrefixCacheConfig | None  # prefix caching, with its host tier (None: off)
     drafter: Drafter | None  # speculative decoding's drafter (None: off)
+    draft_head: Any  # the MTP layers every step drafts with (speculative="mtp"; kvjax.engine.drafting); None: none
     eos_token_ids: tuple[int, ...]  # the ids that end every request
     max_num_batched_tokens: int  # the step's token budget
     page_shards: int  # model shards of the page pool (1 but on a mesh whose pages go over "model")
@@ -64,6 +66,7 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     sharded = engine_model(model, mesh)
     if o.speculative is not None and sharded is not None:
         raise ValueError("speculative decoding on a mesh is not supported yet: give speculative=None or no mesh")
+    head = check_head(model, sharded, o.speculative)
     params = nnx.state(model) if sharded is None else sharded.params
     cache_dtype = check_cache_dtype(o.cache_dtype, params)
     local = model if sharded is None else sharded.local  # what one device holds
@@ -99,5 +102,5 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     page_shards = sharded.model_size if sharded is not None and sharded.plan.pages_over_model else 1
     cache_args = dict(num_pages=cache_config.num_pages, page_size=cache_config.page_size,
                       max_seqs=cache_config.max_seqs + num_ckpts, dtype=cache_dtype, **cache_opts)
-    return EngineSetup(o, sharded, cache_config, sizing, cache_args, prefix, drafter, eos_token_ids,
+    return EngineSetup(o, sharded, cache_config, sizing, cache_args, prefix, drafter, head, eos_token_ids,
                        max_num_batched_tokens, page_shards)

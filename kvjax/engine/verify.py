@@ -13,7 +13,10 @@ GDN layers run it through the chunked kernel. :func:`verify_step`, inside the ji
    position into its slot (:func:`kvjax.state.gdn_spec.commit`): the state after exactly the accepted tokens;
 4. returns ``i32[B * (K + 2)]``: row ``b``'s tokens ``t_0 .. t_K`` then its accepted count ``a``
    (:func:`kvjax.sched.spec.resolve` reads it). The K/V of rejected drafts stay in their pages, past the row's
-   computed tokens: never attended, overwritten by later steps.
+   computed tokens: never attended, overwritten by later steps;
+5. with the MTP drafter (``drafting``, :mod:`kvjax.engine.drafting`): the model step gives its hidden states too,
+   and the MTP layer drafts the next ``K`` tokens after each row's last accepted position ``first + a`` and its
+   token ``t_a``; the step returns ``StepTokens(i32[B * (K + 2)], drafts i32[B, K])``.
 
 GDN checkpoint copies (prefix caching) run as in :func:`kvjax.engine.runner.device_step`.
 """
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.engine import sampling
+from kvjax.engine.drafting import Drafting, StepTokens, draft
 from kvjax.engine.inputs import PackLayout
 from kvjax.models.interface import ModelCaches
 from kvjax.sched.plan import StepPlan
@@ -35,11 +39,12 @@ from kvjax.state import gdn_checkpoints, gdn_spec
 
 
 def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tuple, prev_tokens: jax.Array,
-                layout: PackLayout, greedy_only: bool) -> tuple[jax.Array, ModelCaches]:
+                layout: PackLayout, greedy_only: bool, drafting: Drafting | None = None
+                ) -> tuple[jax.Array | StepTokens, ModelCaches]:
     """One verification step (traceable; see the module docstring). ``model_step(params, caches, inputs) ->
     (logits, caches)``; ``unpacked``: ``(StepInputs, SampleInputs with draft_len, CheckpointCopies | None)``;
     ``prev_tokens``: i32[R], the previous step's sampled tokens (fed where ``prev_index >= 0``); ``layout.spec``:
-    K (static). Returns ``(i32[B * (K + 2)], caches)``."""
+    K (static); ``drafting``: step 5. Returns ``(i32[B * (K + 2)], caches)``."""
     inputs, rows, copies = unpacked
     K = layout.spec
     J = K + 1
@@ -57,7 +62,11 @@ def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tup
         caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
     if gdn:
         caches = dataclasses.replace(caches, gdn=gdn_spec.attach(caches.gdn, first, count, J))
-    logits, caches = model_step(params, caches, dataclasses.replace(inputs, logits_indices=grid))  # f32[B, J, V]
+    at_grid = dataclasses.replace(inputs, logits_indices=grid)
+    if drafting is None:
+        logits, caches = model_step(params, caches, at_grid)  # f32[B, J, V]
+    else:
+        logits, hidden, caches = drafting.hidden_step(params, caches, at_grid)
     drafts = inputs.token_ids[jnp.clip(first[:, None] + 1 + j[:K], 0, T - 1)]  # i32[B, K]
     counters = inputs.positions[grid] + 1  # i32[B, J]: each position's token count (an ordinary step's counter)
     B = draft_len.shape[0]
@@ -68,7 +77,12 @@ def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tup
         caches = dataclasses.replace(caches, gdn=gdn_spec.commit(caches.gdn, inputs.gdn_slots, accepted))
     if copies is not None and gdn:
         caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
-    return jnp.concatenate([tokens, accepted[:, None]], axis=1).reshape(-1), caches
+    out = jnp.concatenate([tokens, accepted[:, None]], axis=1).reshape(-1)
+    if drafting is None:
+        return out, caches
+    bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]  # i32[B]: the token after the accepted
+    drafts, caches = draft(drafting, params, caches, hidden, inputs, first + accepted, bonus, rows.next_ids)
+    return StepTokens(out, drafts), caches
 
 
 def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:

@@ -4,7 +4,9 @@ Every model family (:mod:`kvjax.models.qwen3_5`, :mod:`kvjax.models.deepseek`) i
 satisfies :class:`CausalLM`; the engine talks to a model only through it (it never names a model class). Both
 families keep their device state in one :class:`ModelCaches` (paged roles by registry name, plus the per-slot
 GDN state pool where the model has recurrent layers), which a jitted step takes donated and returns updated.
-A step's inputs are a :class:`kvjax.inputs.StepInputs`, registered here as a pytree (its arrays are the leaves,
+A model that drafts for speculative decoding from multi-token-prediction layers (Qwen3.5 with its ``mtp.*``
+weights loaded) also offers ``forward_step_hidden`` and :func:`draft_head` (a :class:`DraftHead`). A step's
+inputs are a :class:`kvjax.inputs.StepInputs`, registered here as a pytree (its arrays are the leaves,
 ``decode_only`` is static), so every model and every jitted step sees it as one.
 """
 
@@ -80,3 +82,35 @@ class CausalLM(Protocol):
         """Full-sequence forward without a cache: ``i32[B, T]`` (positions ``0..T-1``) -> ``f32[B, T, vocab]``;
         the oracle of :meth:`forward_step`."""
         ...
+
+
+@runtime_checkable
+class DraftHead(Protocol):
+    """Multi-token-prediction layers held beside a model (:func:`draft_head`; Qwen3.5's MTP layer,
+    :class:`kvjax.models.qwen3_5.mtp.Qwen3_5MTP`): the drafter of ``speculative="mtp"``, run inside the jitted step
+    (an ``nnx.Module``: ``nnx.split`` gives its parameters). Its K/V pools live in :attr:`ModelCaches.pages` beside
+    the model's, named after the model's layers and addressed by the same block tables and slot mappings."""
+
+    def init_caches(self, *, num_pages: int, page_size: int, dtype: Any, kv_cache_dtype: str = "auto"
+                    ) -> dict[str, jax.Array]:
+        """Its zeroed page pools ``{<role>_caches_<layer>: [P, page_size, ...]}`` (names distinct from the
+        model's), ``num_pages`` as the model's."""
+        ...
+
+    def propose(self, model: Any, pages: dict[str, jax.Array], hidden: jax.Array, inputs: StepInputs,
+                sampled: jax.Array, *, num_draft: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """After a model step (``hidden [T, H]``: its final-normed hidden states, ``forward_step_hidden``;
+        ``inputs.logits_indices``: each row's last accepted token; ``sampled i32[B]``: the token after it): writes
+        its K/V of the step's tokens (the catch-up) and returns ``(drafts i32[B, num_draft], new pages)`` (``-1``
+        for rows without tokens)."""
+        ...
+
+
+def draft_head(model: Any) -> DraftHead | None:
+    """The MTP layers ``model`` drafts with (``model.mtp_head()`` of a model that has ``forward_step_hidden``),
+    or ``None`` when it has none (a DeepSeek model, a Qwen3.5 checkpoint without ``mtp.*`` weights)."""
+    get = getattr(model, "mtp_head", None)
+    if not callable(get) or not callable(getattr(model, "forward_step_hidden", None)):
+        return None
+    head = get()
+    return head if isinstance(head, DraftHead) else None

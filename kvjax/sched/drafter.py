@@ -9,6 +9,10 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
 - :class:`NgramDrafter`: prompt lookup (n-gram) drafting, no weights: find the request's last ``n`` tokens
   earlier in its own tokens (the longest ``n`` from ``max_ngram`` down to ``min_ngram`` that occurs; its latest
   occurrence) and propose the tokens that followed it.
+- :class:`StepDrafter`: drafts that come from the device step's output (``"mtp"``: the model's MTP layer drafts
+  inside the jitted step, :mod:`kvjax.engine.drafting`); the engine records each step's drafts here
+  (:meth:`StepDrafter.record`) and the next plan takes them (:meth:`StepDrafter.drafts_for`) instead of a host
+  ``propose``.
 - :class:`PacedDrafter`: a drafter with the step-cost rule that shortens or turns off the drafts where they do not
   pay (large batches; :func:`kvjax.sched.spec.draft_length`).
 - :class:`SpeculativeConfig`: the engine's ``speculative=`` setting (method, ``num_draft_tokens`` = ``K``, n-gram
@@ -25,7 +29,7 @@ import numpy as np
 from kvjax.config import is_int
 
 MAX_DRAFT_TOKENS = 16  # K at most (a verification row is K + 1 tokens; the step compiles per K)
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 # The rule's default flat region of the step-cost model (tokens a step computes at about the cost of one): a bf16
 # weight read feeds two FLOPs per token, and accelerators of this generation do a few hundred FLOPs per byte read, so
 # a decode step stays memory-bound up to a few hundred tokens. A setting to measure (benchmarks/spec.py), not a figure.
@@ -34,7 +38,11 @@ FLAT_TOKENS = 256
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft tokens for one request at a time (host side)."""
+    """Proposes draft tokens for one request at a time (host side).
+
+    A drafter whose drafts come from the device step instead (``from_step = True``: :class:`StepDrafter`) is not
+    asked to ``propose``: :func:`kvjax.sched.spec.propose` reads its ``drafts_for`` and the engine feeds it each
+    step's drafts through ``record``."""
 
     num_draft_tokens: int  # K: drafts per verification at most
 
@@ -68,6 +76,41 @@ class NgramDrafter:
         return np.zeros(0, np.int32)
 
 
+class StepDrafter:
+    """Drafts computed on the device by the step itself (``speculative="mtp"``: every jitted step also runs the
+    model's MTP layer and returns ``i32[B, K]`` drafts beside its tokens; :mod:`kvjax.engine.drafting`).
+
+    :meth:`record` keeps, per slot, the drafts of the request that ran there and its token count when they were
+    made (they continue exactly those tokens); :meth:`drafts_for` gives them to the next plan only while the
+    request and its token count are unchanged (a preempted, aborted or recomputed request gets new ones from the
+    step that recomputes it). ``propose`` proposes nothing (no host drafting)."""
+
+    from_step = True
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = int(num_draft_tokens)
+        self._held: dict[int, tuple[int, int, np.ndarray]] = {}  # slot -> (request id, num_tokens, i32[K] drafts)
+
+    def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
+        return np.zeros(0, np.int32)
+
+    def record(self, rows: Any, slots: np.ndarray, request_ids: np.ndarray, drafts: np.ndarray) -> None:
+        """After a step was resolved: ``drafts`` (i32[>= n, K]) of its rows' ``slots`` (i64[n]) and ``request_ids``
+        (i64[n]); ``rows``: the scheduler's row table (a row whose request left its slot is skipped)."""
+        live = rows.request_id[slots] == request_ids  # bool[n]
+        counts = rows.num_tokens[slots]  # i64[n]
+        for b in np.flatnonzero(live).tolist():
+            self._held[int(slots[b])] = (int(request_ids[b]), int(counts[b]), np.asarray(drafts[b], np.int64))
+
+    def drafts_for(self, slot: int, request_id: int, num_tokens: int, max_drafts: int) -> np.ndarray:
+        """i32[<= max_drafts]: the drafts recorded for this request at ``num_tokens`` tokens (none if stale)."""
+        held = self._held.get(int(slot))
+        if held is None or held[0] != request_id or held[1] != num_tokens or max_drafts <= 0:
+            return np.zeros(0, np.int32)
+        d = held[2][: min(int(max_drafts), self.num_draft_tokens)]
+        return d[: int(np.argmax(d < 0)) if (d < 0).any() else d.size].astype(np.int32)
+
+
 class PacedDrafter:
     """``drafter`` under the rule that picks, every step, the draft length that pays (0: none) from the step-cost
     model with a flat region of ``flat_tokens`` tokens and the acceptance measured so far
@@ -76,16 +119,26 @@ class PacedDrafter:
     def __init__(self, drafter: Drafter, flat_tokens: int) -> None:
         self.drafter, self.flat_tokens = drafter, int(flat_tokens)
         self.num_draft_tokens = drafter.num_draft_tokens
+        self.from_step = bool(getattr(drafter, "from_step", False))
 
     def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
         return self.drafter.propose(tokens, max_drafts)
+
+    def record(self, *args: Any) -> None:
+        """A step drafter's :meth:`StepDrafter.record`."""
+        self.drafter.record(*args)
+
+    def drafts_for(self, slot: int, request_id: int, num_tokens: int, max_drafts: int) -> np.ndarray:
+        """A step drafter's :meth:`StepDrafter.drafts_for`."""
+        return self.drafter.drafts_for(slot, request_id, num_tokens, max_drafts)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """``Engine(speculative=...)``: how the engine drafts and verifies.
 
-    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`); ``num_draft_tokens`` [4]: K, drafts per
+    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`: ``"ngram"`` prompt lookup on the host, ``"mtp"``
+    the model's MTP layer on the device, :class:`StepDrafter`; the engine checks that the model has one); ``num_draft_tokens`` [4]: K, drafts per
     verification row at most, an int in ``[1, MAX_DRAFT_TOKENS]``; ``max_ngram`` [3] / ``min_ngram`` [1]: the
     n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a ready :class:`Drafter`
     object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens`` [:data:`FLAT_TOKENS`]:
@@ -118,7 +171,7 @@ class SpeculativeConfig:
 
     @classmethod
     def of(cls, value: Any) -> "SpeculativeConfig | None":
-        """``None``, a method name (``"ngram"``: its defaults), a :class:`SpeculativeConfig`, or a
+        """``None``, a method name (``"ngram"`` / ``"mtp"``: its defaults), a :class:`SpeculativeConfig`, or a
         :class:`Drafter` object (K = its ``num_draft_tokens``), as a config (``ValueError`` otherwise)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -133,6 +186,10 @@ class SpeculativeConfig:
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter ``config`` names (its ``drafter`` object where given), paced by the rule unless ``flat_tokens``
     is ``None``."""
-    drafter = config.drafter if config.drafter is not None else \
-        NgramDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram)
+    if config.drafter is not None:
+        drafter = config.drafter
+    elif config.method == "mtp":
+        drafter = StepDrafter(config.num_draft_tokens)
+    else:
+        drafter = NgramDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram)
     return drafter if config.flat_tokens is None else PacedDrafter(drafter, config.flat_tokens)

@@ -97,11 +97,32 @@ def propose(sched: Any, drafter: Drafter) -> dict[int, np.ndarray]:
     room = np.minimum(room, K)
     ok &= room > 0
     out = {}
+    from_step = getattr(drafter, "from_step", False)
     for i in np.flatnonzero(ok).tolist():
         slot = int(slots[i])
-        d = np.asarray(drafter.propose(t.tokens[slot, : nt[i]], int(room[i])), np.int64)[: int(room[i])]
+        if from_step:  # drafts the device step made (kvjax.sched.drafter.StepDrafter)
+            d = drafter.drafts_for(slot, int(t.request_id[slot]), int(nt[i]), int(room[i])).astype(np.int64)
+        else:
+            d = np.asarray(drafter.propose(t.tokens[slot, : nt[i]], int(room[i])), np.int64)[: int(room[i])]
         if d.size:
             out[slot] = d
+    return out
+
+
+def next_tokens(sched: Any, plan: StepPlan) -> np.ndarray:
+    """``i32[B]``: for each row of ``plan`` (scheduled, not yet advanced), the known token that follows its last
+    token in the step: the prompt's next token where the row is a chunk that does not end its prompt (or its
+    known tokens), ``-1`` where the step samples it (the MTP drafter's catch-up pairs the row's last hidden state
+    with this token, or with the sampled one at ``-1``; :mod:`kvjax.engine.drafting`)."""
+    B, n = plan.seq_lens.shape[0], plan.num_seqs
+    out = np.full(B, -1, np.int32)
+    if not n:
+        return out
+    t = sched.rows
+    slots = plan.gdn_slots[:n].astype(np.int64)  # i64[n]
+    end = t.num_computed[slots] + plan.query_lens[:n]  # i64[n]: tokens known after the step's (drafts past them)
+    known = end < t.num_tokens[slots]
+    out[:n][known] = t.tokens[slots[known], end[known]]
     return out
 
 

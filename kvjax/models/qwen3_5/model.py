@@ -211,6 +211,12 @@ class Qwen3_5ForCausalLM(nnx.Module):
         h = self.model.norm(x)  # [T, H]
         return self.project_vocab(h[inputs.logits_indices]), h, caches
 
+    def mtp_head(self):
+        """The MTP layers loaded beside this model (:func:`kvjax.models.qwen3_5.mtp.attach`; a
+        :class:`~kvjax.models.interface.DraftHead`), or ``None``."""
+        held = getattr(self, "mtp", None)
+        return None if held is None else held.module
+
     def _trunk(self, caches: ModelCaches, inputs) -> tuple[jax.Array, ModelCaches]:
         """The layers of one ragged step (prefill chunks and decode tokens mixed): ``(x [T, H] before the final
         norm, new caches)``.

@@ -158,6 +158,22 @@ class Qwen3_5MTP(nnx.Module):
         return self.norm(u), {**pages, **{n: own[r] for r, n in names.items()}}
 
 
+    # ------------------------------------------------ the engine's drafter (kvjax.models.interface.DraftHead)
+
+    def init_caches(self, *, num_pages: int, page_size: int, dtype=jnp.float32, kv_cache_dtype: str = "auto"
+                    ) -> dict[str, jax.Array]:
+        """:func:`init_mtp_caches` of these layers."""
+        return init_mtp_caches(self, num_pages=num_pages, page_size=page_size, dtype=dtype,
+                               kv_cache_dtype=kv_cache_dtype)
+
+    def propose(self, model: Qwen3_5ForCausalLM, pages: dict[str, jax.Array], hidden: jax.Array,
+                inputs: StepInputs, sampled: jax.Array, *, num_draft: int
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:  # (drafts i32[B, K], new pages)
+        """:func:`mtp_propose` with these layers (``pages`` may hold the model's pools too: only this module's are
+        read and replaced)."""
+        return mtp_propose(model, self, pages, hidden, inputs, sampled, num_draft=num_draft)
+
+
 def _check_model(model, mtp: Qwen3_5MTP) -> None:
     if getattr(model, "tp", None) is not None:
         raise NotImplementedError("the MTP layers run on a single-device model (no tensor-parallel shard)")

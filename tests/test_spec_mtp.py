@@ -1,0 +1,199 @@
+"""Speculative decoding with the MTP drafter (``speculative="mtp"``, issue 36): the model's MTP layer drafts inside
+every jitted step and the next verification step checks its drafts.
+
+Exactness: greedy tokens identical to uncached greedy decoding (``greedy_oracle``) for K in {1, 2, 4} with timely
+recycling on a pool small enough to preempt, prefix caching (the MTP pools share the main pools' pages and block
+tables), aborts between steps and a fault inside a step; with a random MTP layer (drafts almost never accepted) and
+with one trained by :func:`kvjax.experiments.mtp_train.train_mtp` (drafts mostly accepted): acceptance changes the
+speed only. The trained layer's acceptance, read from the engine's metrics, is many times chance.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax.engine.engine import Engine
+from kvjax.models.qwen3_5 import mtp as mtp_lib
+from kvjax.sched import spec
+from kvjax.sched.drafter import SpeculativeConfig, StepDrafter, make_drafter
+from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events
+from helpers.faults import Injected, arm
+from helpers.models import VOCAB, qwen_swa_model, random_model, tiny_config, tiny_deepseek_config
+
+NEW = 12
+# one token, row and block bucket and no decode path: two traces per engine (an ordinary and a verification step)
+ONE_BUCKET = dict(token_buckets=(BUDGET,), row_buckets=(SMALL.max_seqs,), block_buckets=(SMALL.max_blocks_per_seq,),
+                  use_decode_path=False)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """The tiny f32 Qwen3.5 with an SWA head (window 6, 2 sinks) and random MTP layers attached."""
+    model = qwen_swa_model()
+    return mtp_lib.attach(model, mtp_lib.init(model.config, seed=11))
+
+
+@pytest.fixture(scope="module")
+def shared(qwen):
+    """Prompts sharing long prefixes (prefix-cache hits), chunked by the budget, and their greedy continuations."""
+    rng = np.random.default_rng(8)
+    base = random_prompts(rng, (17, 22))
+    prompts = [base[0] + random_prompts(rng, (n,))[0] for n in (3, 6)] + [base[1] + [5, 9]] + \
+        [base[0] + random_prompts(rng, (4,))[0], base[1] + random_prompts(rng, (7,))[0], base[1][:9]]
+    return prompts, greedy_oracle(qwen, prompts, NEW)
+
+
+def mtp_engine(model, K: int, **kw) -> Engine:
+    return Engine(model, SMALL, recycle="timely", max_num_batched_tokens=BUDGET,
+                  speculative=SpeculativeConfig(method="mtp", num_draft_tokens=K, flat_tokens=None), **ONE_BUCKET, **kw)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_greedy_equals_oracle_with_recycling_preemption_and_prefix_caching(qwen, shared, K):
+    prompts, expect = shared
+    eng = mtp_engine(qwen, K, prefix_caching=True, debug=K == 2)
+    assert not eng.overlap and eng.decode_burst == 1
+    assert eng.generate(prompts, NEW) == expect
+    s = eng.metrics.summary()
+    assert s["drafts_proposed"] > 0 and s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0
+    assert len(s["acceptance_rate_per_position"]) == K
+    assert eng.num_traces <= 3  # ordinary, verification (and the prefix cache's copies' variant)
+    mtp_pages = {n for n in eng.caches.pages if n.endswith(f"_{qwen.config.num_layers}")}
+    assert mtp_pages == {f"key_caches_{qwen.config.num_layers}", f"value_caches_{qwen.config.num_layers}"}
+    eng.clear_prefix_cache()
+    assert_idle(eng)
+
+
+def test_aborts_between_steps_and_a_fault_inside_one(qwen, shared, monkeypatch):
+    prompts, expect = shared
+    eng = mtp_engine(qwen, 2)
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    aborted = set()
+    for ev in eng.stream(prompts, NEW):
+        got[ev.index].append(ev.token)
+        if ev.index in (1, 4) and ev.position >= 3 and ev.request_id not in aborted:
+            eng.abort(ev.request_id)
+            aborted.add(ev.request_id)
+    for i, e in enumerate(expect):
+        assert got[i] == e[: len(got[i])] and (i in (1, 4) or got[i] == e)
+    assert len(aborted) == 2 and eng.metrics.summary()["drafts_proposed"] > 0
+    assert_idle(eng)
+
+    # the same engine: a fault after the step's caches were donated; recovery recomputes (fresh MTP pools too)
+    ids = [eng.add_request(p, NEW, index=i) for i, p in enumerate(prompts[:3])]
+    out = {rid: [] for rid in ids}
+    steps0 = eng.scheduler.spec_stats.steps
+    while eng.scheduler.spec_stats.steps < steps0 + 2:
+        for ev in step_events(eng):
+            out[ev.request_id].append(ev.token)
+    with monkeypatch.context() as m:
+        arm(m, eng, "inside device", Injected)
+        with pytest.raises(Injected):
+            while True:
+                for ev in step_events(eng):
+                    out[ev.request_id].append(ev.token)
+    while eng.has_unfinished():
+        for ev in step_events(eng):
+            out[ev.request_id].append(ev.token)
+    assert eng.num_recoveries == 1 and [out[rid] for rid in ids] == expect[:3]
+    assert_idle(eng)
+
+
+# ------------------------------------------------------------------------------------ a trained MTP layer
+
+
+class Successors:
+    """Chains ``x_{i+1} = perm[x_i]`` from a random start, for a fixed permutation of the tokens ``1..VOCAB-1``: a
+    task the tiny model and its MTP layer learn in a few optax steps (``sample`` as
+    :meth:`kvjax.experiments.tasks.RetrievalTask.sample`: tokens, next tokens, loss mask, unused)."""
+
+    def __init__(self, rng: np.random.Generator, length: int) -> None:
+        self.perm = np.zeros(VOCAB, np.int32)
+        self.perm[1:] = 1 + rng.permutation(VOCAB - 1)
+        self.length = length
+
+    def chains(self, starts: np.ndarray, length: int) -> np.ndarray:  # i32[n, length]
+        x = np.zeros((starts.size, length), np.int32)
+        x[:, 0] = starts
+        for i in range(1, length):
+            x[:, i] = self.perm[x[:, i - 1]]
+        return x
+
+    def sample(self, rng: np.random.Generator, n: int):
+        x = self.chains(rng.integers(1, VOCAB, n), self.length + 1)
+        return x[:, :-1], x[:, 1:], np.ones((n, self.length), bool), None
+
+
+def test_trained_mtp_layer_is_accepted_far_above_chance_and_exact():
+    """A model trained on :class:`Successors` and an MTP layer trained by ``train_mtp`` with it frozen: the engine's
+    acceptance rate (its metrics) is many times chance, and the tokens are the oracle's."""
+    pytest.importorskip("optax")
+    from kvjax.experiments.mtp_train import train_mtp
+    from kvjax.experiments.tasks import train
+
+    rng = np.random.default_rng(3)
+    task = Successors(rng, 16)
+    # attention only (an SWA head): the GDN layers' gradients cost most of a CPU training step
+    model = random_model(tiny_config(window=(6, 0), sinks=(2, 0), layer_types=("full_attention",)), seed=2)
+    model, h = train(model, task, steps=50, lr=2e-2, warmup=10, seed=5)
+    head, hist = train_mtp(model, task, steps=50, lr=2e-2, warmup=10, on="all", seed=4)
+    mtp_lib.attach(model, head)
+    prompts = [list(map(int, p)) for p in task.chains(rng.integers(1, VOCAB, 4), 5)]
+    expect = greedy_oracle(model, prompts, NEW)
+    eng = mtp_engine(model, 2)
+    assert eng.generate(prompts, NEW) == expect
+    s = eng.metrics.summary()
+    assert s["drafts_proposed"] > 10
+    assert s["acceptance_rate"] > 30 / VOCAB, (s, h["accuracy"][-10:].mean(), hist["accuracy"][-10:].mean())
+    assert s["tokens_per_verify_row"] > 1.5
+    assert_idle(eng)
+
+
+# --------------------------------------------------------------------------------- host side and refusals
+
+
+def test_step_drafts_continue_only_the_tokens_they_were_made_for(qwen, shared):
+    """The host keeps a step's drafts per slot for the request and token count they continue: a request that moved
+    on, left its slot or was replaced gets none; the rule still caps them."""
+    drafter = make_drafter(SpeculativeConfig(method="mtp", num_draft_tokens=3))
+    assert drafter.from_step and isinstance(drafter.drafter, StepDrafter)
+    assert drafter.propose(np.arange(5), 3).size == 0  # no host drafting
+
+    class Rows:
+        request_id = np.array([-1, 7, 8, 9])
+        num_tokens = np.array([0, 10, 12, 5])
+
+    drafter.record(Rows, np.array([1, 2, 3]), np.array([7, 8, 4]), np.array([[4, 5, 6], [1, -1, -1], [3, 3, 3]]))
+    assert drafter.drafts_for(1, 7, 10, 3).tolist() == [4, 5, 6]
+    assert drafter.drafts_for(1, 7, 10, 2).tolist() == [4, 5]
+    assert drafter.drafts_for(2, 8, 12, 3).tolist() == [1]  # -1: no draft there
+    assert drafter.drafts_for(1, 7, 11, 3).size == 0  # the request moved on
+    assert drafter.drafts_for(1, 6, 10, 3).size == 0  # another request in the slot
+    assert drafter.drafts_for(3, 9, 5, 3).size == 0  # recorded for request 4, which left before the record
+
+
+def test_next_tokens_are_the_prompts_next_token_or_sampled(qwen):
+    eng = mtp_engine(qwen, 2)
+    eng.add_request(list(range(1, 31)), 4)  # 30 tokens: chunks of 16 and 14
+    sched = eng.scheduler
+    plan = sched.schedule(1, eng.drafter)
+    assert plan.query_lens[0] == BUDGET
+    assert spec.next_tokens(sched, plan)[:2].tolist() == [BUDGET + 1, -1]
+
+
+def test_mtp_is_refused_without_mtp_layers():
+    from kvjax.models.deepseek import DeepseekV32
+
+    with pytest.raises(ValueError, match="MTP layers.*none"):
+        Engine(qwen_swa_model(), SMALL, speculative="mtp")
+    deepseek = nnx.eval_shape(lambda: DeepseekV32(tiny_deepseek_config(), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="DeepseekV32 has none"):
+        Engine(deepseek, SMALL, speculative="mtp")
+    model = mtp_lib.attach(qwen_swa_model(), None)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="mesh"):
+        Engine(model, SMALL, speculative="mtp", mesh=mesh)
