@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,20 +35,22 @@ def test_copies_match_a_numpy_replay(rng):
     """Random logs of spills, loads and drops (a load may read a spill of the same log) move exactly the named
     pages and checkpoint slots, in order; the host memory is released once every id is consumed or dropped."""
     P, S = 12, 6
-    pages = {"key_caches_1": rng.standard_normal((P, 4, 3)).astype(np.float32),
-             "value_caches_1": rng.standard_normal((P, 4, 3)).astype(np.float32)}
-    conv, ssm = rng.standard_normal((2, S, 5, 3)).astype(np.float32), rng.standard_normal((2, S, 2, 2, 2)).astype(
+    pages = {"key_caches_1": rng.standard_normal((P, 4, 3)).astype(np.float32),  # roles of several dtypes and
+             "value_caches_1": rng.standard_normal((P, 4, 3)).astype(jnp.bfloat16),  # shapes share a packed row
+             "key_fp8_caches_3": rng.standard_normal((P, 4, 2)).astype(jnp.float8_e4m3fn),
+             "key_scale_caches_3": rng.standard_normal(P).astype(np.float32)}
+    conv, ssm = rng.standard_normal((2, S, 5, 3)).astype(jnp.bfloat16), rng.standard_normal((2, S, 2, 2, 2)).astype(
         np.float32)
     caches = ModelCaches(pages={k: jnp.asarray(v) for k, v in pages.items()},
                          gdn=GDNStatePool(conv=jnp.asarray(conv), ssm=jnp.asarray(ssm)))
-    store = HostStore(chunk=3)
+    store = HostStore(chunk=2)
     host_p, host_c, next_id = {}, {}, 0
     for _ in range(12):
         ops = []
         for _ in range(int(rng.integers(1, 4))):
             kind = rng.choice(["out", "in", "drop"])
             if kind == "out":
-                pd = rng.choice(P, int(rng.integers(1, 5)), replace=False)
+                pd = rng.choice(P, int(rng.integers(1, 8)), replace=False)
                 cd = rng.choice(np.arange(1, S), int(rng.integers(0, 3)), replace=False)
                 ph, ch = np.arange(next_id, next_id + len(pd)), np.arange(next_id + len(pd), next_id + len(pd) + len(cd))
                 next_id += len(pd) + len(cd)
@@ -81,7 +84,7 @@ def test_copies_match_a_numpy_replay(rng):
         np.testing.assert_array_equal(np.asarray(caches.gdn.ssm), ssm)
     assert store.stats.pages_out > 0 and store.stats.pages_in > 0 and store.stats.bytes_in > 0
     caches = store.apply(caches, [_op("drop", (), sorted(host_p), (), sorted(host_c))])
-    assert not store.chunks and store.bytes_held == 0 and not store.where
+    assert not store.slabs and store.bytes_held == 0 and len(store.held()) == 0
 
 
 # ---- the engine with a host tier ----------------------------------------------------------------------------
@@ -146,7 +149,7 @@ def test_tokens_equal_the_device_only_cache(qwen, reference, overlap, burst):
     assert 0 <= s["copy_share"] < 1 and s["preemptions"] > 0
     assert engine.host_store.stats.pages_in == engine.scheduler.prefix.host.pages_in
     finish(engine)
-    assert engine.scheduler.prefix.host.used_bytes == 0 and not engine.host_store.chunks
+    assert engine.scheduler.prefix.host.used_bytes == 0 and not engine.host_store.slabs
 
 
 def test_a_small_host_budget_evicts_and_keeps_the_tokens(qwen, reference):
@@ -215,12 +218,45 @@ def test_a_fault_inside_the_copies_recovers(qwen, reference, monkeypatch):
     with pytest.raises(Injected):
         talk(engine, conversations())
     assert engine.num_recoveries == 1 and engine.scheduler.prefix.host.used_bytes == 0
-    assert not engine.host_store.chunks
+    assert not engine.host_store.slabs
     monkeypatch.setattr(host_tier.HostStore, "_in", real)
     engine.clear_prefix_cache()
     engine.check_integrity()
     assert talk(engine, conversations()) == want
     finish(engine)
+
+
+def test_idle_time_beginning_during_the_copies_is_exposed(qwen, reference, monkeypatch):
+    """Overlap mode: when the step in flight ends while a plan's copies are being issued, the device idles from
+    then on; ``t_exposed`` counts that time (the idleness probe runs between the groups of copies, not only after
+    them). Each log's first spill / load waits for the device; every later group of that log sleeps ``NAP``
+    first, device idle: the steps' ``t_exposed`` add up to at least the naps."""
+    nap, naps, state = 0.02, [], {"groups": 0, "probed": False}
+    real_apply = HostStore._apply
+
+    def apply(self, caches, ops, probe=None):
+        state.update(groups=0, probed=probe is not None)
+        return real_apply(self, caches, ops, probe)
+
+    def group(real):
+        def run(self, caches, op):
+            if state["groups"] == 0:
+                jax.block_until_ready(caches)  # the step in flight ends while the copies are issued
+            elif state["probed"]:
+                time.sleep(nap)
+                naps.append(nap)
+            state["groups"] += 1
+            return real(self, caches, op)
+        return run
+
+    monkeypatch.setattr(HostStore, "_apply", apply)
+    monkeypatch.setattr(HostStore, "_in", group(HostStore._in))
+    monkeypatch.setattr(HostStore, "_out", group(HostStore._out))
+    engine = Engine(qwen, SMALL, overlap=True, recycle="timely", max_num_batched_tokens=BUDGET,
+                    prefix_caching=True, host_cache_bytes=HOST, decode_burst=1)
+    assert talk(engine, conversations()) == reference[0]
+    exposed = sum(r.t_exposed for r in engine.metrics.records)
+    assert naps and exposed >= sum(naps), (exposed, len(naps))
 
 
 def test_host_tier_arguments_are_checked(qwen):

@@ -2,48 +2,53 @@
 
 The scheduler's prefix cache (:mod:`kvjax.sched.prefix_cache`, :mod:`kvjax.sched.host_tier`) decides what moves
 and logs it as :class:`~kvjax.sched.host_tier.CopyOp` groups with host ids; :class:`HostStore` executes a plan's
-log before the engine dispatches the plan's step, in log order:
+log before the engine dispatches the plan's step, in log order. The host data is held in *slabs*: byte arrays
+``u8[rows, row_bytes]`` in ``pinned_host`` memory, one row per page (the page of every paged role of every layer,
+each role's bytes bitcast and laid end to end: :func:`pack_pages`) or per GDN checkpoint (every GDN layer's conv
+and SSM state: :func:`pack_states`). Packing makes a copy's cost in host calls independent of the model's layer
+and role count: a spill makes one array per ``chunk`` pages (one per checkpoint), a load moves one array per slab
+it reads.
 
-- ``out`` (spill): one jitted gather of the named device pages (every paged role of every layer) and GDN
-  checkpoint slots, whose outputs are placed in ``pinned_host`` memory (``out_shardings``): *chunks* of
-  ``chunk`` pages ``{name: [chunk, page_size, ...]}`` and one ``{"conv", "ssm": [L, 1, ...]}`` per checkpoint;
-  each host id maps to (chunk, row).
-- ``in`` (load): the source chunks go to the device in one ``jax.device_put`` and one jitted scatter with the
-  caches donated writes the named rows into their device pages; the checkpoints likewise (one transfer, one
-  scatter into their GDN slots). Issuing a call per chunk cost more host time than the bytes took to move.
-- ``drop``: host ids forgotten; a chunk no id maps to any more is released.
+- ``out`` (spill): the named device pages and checkpoint slots are gathered, packed and placed in ``pinned_host``
+  memory (``out_shardings``) by a jitted call per power of two in the binary form of the spill's slab counts (a
+  spill of 13 page slabs: calls of 8, 4 and 1; the checkpoints ride along), so each count compiles once and only
+  the last page slab of a spill is padded (its missing rows gather page 0).
+- ``in`` (load): every slab the load reads goes to the device in one batched ``jax.device_put``, and one jitted
+  call with the caches donated unpacks the named rows and writes them into their device pages and checkpoint
+  slots (slab counts padded to powers of two by repeating a slab, destinations padded out of range: dropped).
+- ``drop``: host ids forgotten; a slab no id maps to any more is released.
+
+The bookkeeping is numpy: host id -> (slab, row) in one array indexed by id (ids are never reused), live rows per
+slab; no per-page Python loop. Nothing waits for the device: the spill's bytes land in host memory whenever the
+device gets there, and nothing reads them on the host.
 
 Ordering and overlap. Every copy takes the caches the previous dispatch returned and the step takes what the
 copies return, so on the device the copies run after the step in flight (step N) and before the step that needs
-them (N + 1): a spill reads a page before anything reuses it, a load lands before the step reads it. The
-device -> host and host -> device transfers themselves are asynchronous DMA: the spilled chunks leave the device
-while step N + 1 computes, and a load's chunks cross to the device while step N (which does not need it) still
-runs, because the engine plans and issues step N + 1 -- its copies included -- before it waits for step N. What
-stays on the device's critical path is the gather / scatter of the pages concerned (a device-memory copy of
-their bytes) and the host time spent issuing the copies (the engine's ``t_copy``).
+them (N + 1): a spill reads a page before anything reuses it, a load lands before the step reads it. A load's
+host -> device transfer is an asynchronous DMA issued while step N (which does not need it) still runs, because
+the engine plans and issues step N + 1 -- its copies included -- before it waits for step N. What stays on the
+device's critical path is the gather / scatter of the pages concerned and the spill's device -> host transfer
+(inside the gather's program); on the host's, the time spent issuing the copies (the engine's ``t_copy``).
 
-Shapes: a spill's chunk and checkpoint counts are padded to powers of two (padding gathers page / slot 0), a
-load's chunk and checkpoint counts too (padding repeats the first and scatters nowhere), so each copy compiles a
-handful of times. One device only (a mesh engine refuses a host tier).
+One device only (a mesh engine refuses a host tier).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import SingleDeviceSharding
 
 from kvjax.engine.sizing import cache_bytes_model
 from kvjax.models.interface import CausalLM, ModelCaches
 from kvjax.sched.host_tier import CopyOp
 from kvjax.sched.prefix_cache import PrefixCacheConfig
-from kvjax.state.gdn_pool import GDNStatePool
 from kvjax.state.registry import host_sharding
 
 
@@ -64,8 +69,14 @@ def host_tier_config(prefix: PrefixCacheConfig | None, host_cache_bytes: int, mo
                                ckpt_bytes=slot_bytes if prefix.gdn else 0)
 
 
+
 def _bucket(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _powers(n: int) -> list[int]:
+    """The powers of two of ``n``'s binary form, largest first (13 -> [8, 4, 1])."""
+    return [1 << b for b in reversed(range(int(n).bit_length())) if n >> b & 1]
 
 
 def _pad(x, n: int, value: int) -> np.ndarray:
@@ -74,40 +85,95 @@ def _pad(x, n: int, value: int) -> np.ndarray:
     return out
 
 
-def gather(caches: ModelCaches, pages: jax.Array, ckpts: jax.Array, chunk: int) -> tuple[list, list]:
-    """Device pages ``pages`` (i32[n * chunk]) of every paged role as ``n`` chunks ``{name: [chunk, page_size,
-    ...]}``, and GDN slots ``ckpts`` (i32[c]) of every GDN layer as ``c`` arrays ``{"conv", "ssm": [L, 1, ...]}``
-    (traceable; ``chunk`` static)."""
+def _to_bytes(x: jax.Array) -> jax.Array:
+    """``x`` (``[n, ...]``, any numeric dtype) as its bytes ``u8[n, bytes]`` (traceable)."""
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+
+
+def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Rows ``b`` (``u8[n, bytes]``) as ``dtype[n, *shape]`` (the inverse of :func:`_to_bytes`; traceable)."""
+    size = jnp.dtype(dtype).itemsize
+    return lax.bitcast_convert_type(b.reshape(b.shape[0], *shape, *((size,) if size > 1 else ())), dtype)
+
+
+def _layout(arrays: dict[str, jax.Array], axis: int) -> list[tuple[str, tuple[int, ...], object, int]]:
+    """``(name, row shape, dtype, bytes)`` of one row of each array (its index ``axis`` dropped), sorted by name:
+    the order rows are packed in."""
+    out = []
+    for name in sorted(arrays):
+        x = arrays[name]
+        shape = x.shape[:axis] + x.shape[axis + 1:]
+        out.append((name, shape, x.dtype, int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize))
+    return out
+
+
+def pack_pages(pages: dict[str, jax.Array], idx: jax.Array) -> jax.Array:
+    """Device pages ``idx`` (i32[n]) of every paged role ``{name: [P, page_size, ...]}`` as rows ``u8[n, row]``
+    (each role's bytes in name order; traceable)."""
+    return jnp.concatenate([_to_bytes(pages[name][idx]) for name, *_ in _layout(pages, 0)], axis=1)
+
+
+def unpack_pages(pages: dict[str, jax.Array], rows: jax.Array) -> dict[str, jax.Array]:
+    """Rows ``u8[n, row]`` of :func:`pack_pages` as ``{name: [n, page_size, ...]}`` shaped like ``pages``'."""
+    out, at = {}, 0
+    for name, shape, dtype, nbytes in _layout(pages, 0):
+        out[name] = _from_bytes(rows[:, at: at + nbytes], shape, dtype)
+        at += nbytes
+    return out
+
+
+def _states(gdn) -> dict[str, jax.Array]:
+    return {"conv": gdn.conv, "ssm": gdn.ssm}
+
+
+def pack_states(gdn, slots: jax.Array) -> jax.Array:
+    """GDN slots ``slots`` (i32[c]) of every GDN layer (conv ``[L, S+1, ...]``, ssm ``f32[L, S+1, ...]``) as rows
+    ``u8[c, row]`` (traceable)."""
+    return jnp.concatenate([_to_bytes(jnp.moveaxis(x[:, slots], 1, 0)) for x in (gdn.conv, gdn.ssm)], axis=1)
+
+
+def unpack_states(gdn, rows: jax.Array) -> dict[str, jax.Array]:
+    """Rows ``u8[c, row]`` of :func:`pack_states` as ``{"conv", "ssm": [L, c, ...]}``."""
+    out, at = {}, 0
+    for name, shape, dtype, nbytes in _layout(_states(gdn), 1):
+        out[name] = jnp.moveaxis(_from_bytes(rows[:, at: at + nbytes], shape, dtype), 0, 1)
+        at += nbytes
+    return out
+
+
+def gather(caches: ModelCaches, pages: jax.Array, slots: jax.Array, chunk: int) -> tuple[list, list]:
+    """Device pages ``pages`` (i32[n * chunk]) packed as ``n`` slabs ``u8[chunk, page row]``, and GDN slots
+    ``slots`` (i32[c]) as ``c`` slabs ``u8[1, checkpoint row]`` (traceable; ``chunk`` static)."""
     n = pages.shape[0] // chunk
-    chunks = [{name: x[pages[i * chunk: (i + 1) * chunk]] for name, x in caches.pages.items()} for i in range(n)]
-    states = [] if caches.gdn is None else [{"conv": caches.gdn.conv[:, ckpts[j: j + 1]],
-                                             "ssm": caches.gdn.ssm[:, ckpts[j: j + 1]]} for j in range(ckpts.shape[0])]
-    return chunks, states
+    rows = pack_pages(caches.pages, pages) if n else None
+    states = pack_states(caches.gdn, slots) if slots.shape[0] else None
+    return ([rows[i * chunk: (i + 1) * chunk] for i in range(n)],
+            [states[j: j + 1] for j in range(slots.shape[0])])
 
 
-def scatter_pages(caches: ModelCaches, chunks: list[dict], src: jax.Array, dst: jax.Array) -> ModelCaches:
-    """``caches`` with rows ``src`` (i32[n]: row ``k * chunk + i`` is row ``i`` of ``chunks[k]``) of the page chunks
-    written to device pages ``dst`` (i32[n]); an out-of-range destination writes nothing (traceable)."""
-    pages = {name: x.at[dst].set(jnp.concatenate([c[name] for c in chunks])[src], mode="drop")
-             for name, x in caches.pages.items()}
-    return dataclasses.replace(caches, pages=pages)
-
-
-def scatter_states(caches: ModelCaches, states: list[dict], slots: jax.Array) -> ModelCaches:
-    """``caches`` with GDN states ``{"conv", "ssm": [L, 1, ...]}`` written to slots ``slots`` (i32[len(states)]) of
-    every GDN layer; an out-of-range slot writes nothing (traceable)."""
-    pool = caches.gdn
-    conv = jnp.concatenate([x["conv"] for x in states], axis=1)
-    ssm = jnp.concatenate([x["ssm"] for x in states], axis=1)
-    return dataclasses.replace(caches, gdn=GDNStatePool(conv=pool.conv.at[:, slots].set(conv, mode="drop"),
-                                                        ssm=pool.ssm.at[:, slots].set(ssm, mode="drop")))
+def scatter(caches: ModelCaches, page_slabs: list, src: jax.Array, dst: jax.Array, state_slabs: list,
+            slots: jax.Array) -> ModelCaches:
+    """``caches`` with rows ``src`` (i32[n]: row ``k * chunk + i`` is row ``i`` of ``page_slabs[k]``) of the page
+    slabs written to device pages ``dst`` (i32[n]), and the checkpoint slabs (one row each) to GDN slots
+    ``slots`` (i32[len(state_slabs)]); an out-of-range destination writes nothing (traceable)."""
+    if page_slabs:
+        rows = unpack_pages(caches.pages, jnp.concatenate(page_slabs)[src])
+        caches = dataclasses.replace(caches, pages={name: x.at[dst].set(rows[name], mode="drop")
+                                                    for name, x in caches.pages.items()})
+    if state_slabs:
+        pool = caches.gdn
+        new = unpack_states(pool, jnp.concatenate(state_slabs))
+        caches = dataclasses.replace(caches, gdn=dataclasses.replace(
+            pool, conv=pool.conv.at[:, slots].set(new["conv"], mode="drop"),
+            ssm=pool.ssm.at[:, slots].set(new["ssm"], mode="drop")))
+    return caches
 
 
 @dataclasses.dataclass
 class CopyStats:
-    """What a :class:`HostStore` moved (cumulative): bytes each way (chunk padding included), pages and
-    checkpoints each way, copy calls, and ``t_sync``: seconds of copies waited for to the end
-    (:attr:`HostStore.sync`)."""
+    """What a :class:`HostStore` moved (cumulative): bytes each way (slab padding included: a load moves every
+    slab it reads whole), pages and checkpoints each way, host calls issued (jitted copies and batched
+    transfers), and ``t_sync``: seconds of copies waited for to the end (:attr:`HostStore.sync`)."""
 
     bytes_out: int = 0
     bytes_in: int = 0
@@ -122,30 +188,31 @@ class CopyStats:
 class HostStore:
     """Spilled prefix-cache blocks in ``pinned_host`` memory of ``device`` and the copies between tiers (see the
     module docstring). :meth:`apply` executes a plan's copy log on the caches; :attr:`stats` counts what moved;
-    :attr:`bytes_held` is the host memory the chunks hold. ``chunk``: pages per host chunk (a spill's pages are
-    gathered in chunks of this many, a load scatters one chunk per call: every copy has one of a few shapes).
-    ``sync = True`` (a measurement, not for serving): each :meth:`apply` first waits for the device, then for its
-    own copies, and adds that time to ``stats.t_sync``."""
+    :attr:`bytes_held` is the host memory the slabs hold. ``chunk``: pages per slab (a power of two; a spill packs
+    its pages in slabs of this many, a load moves every slab it reads whole). ``sync = True`` (a measurement, not
+    for serving): each :meth:`apply` first waits for the device, then for its own copies, and adds that time to
+    ``stats.t_sync``."""
 
     def __init__(self, device: jax.Device | None = None, chunk: int = 16) -> None:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"HostStore.chunk must be a power of two >= 1, got {chunk!r}")
         device = device or jax.local_devices()[0]
         self._host = host_sharding(device)  # ValueError where the platform has no pinned_host memory
         self._device = SingleDeviceSharding(device, memory_kind="device")
         self.chunk = chunk
         self.traces = 0  # compilations of the copies (each jitted function traces once per shape)
         self._gather = jax.jit(self._counted(gather), static_argnums=(3,), out_shardings=self._host)
-        self._scatter_pages = jax.jit(self._counted(scatter_pages), donate_argnums=(0,))
-        self._scatter_states = jax.jit(self._counted(scatter_states), donate_argnums=(0,))
-        self.chunks: dict[int, dict] = {}  # chunk id -> host arrays (a page chunk or one GDN state)
-        self.live: collections.Counter = collections.Counter()  # chunk id -> host ids mapping into it
-        self.where: dict[tuple[str, int], tuple[int, int]] = {}  # ("p" | "c", host id) -> (chunk id, row)
+        self._scatter = jax.jit(self._counted(scatter), donate_argnums=(0,))
+        self.slabs: dict[int, jax.Array] = {}  # slab id -> u8[rows, row bytes] in pinned_host memory
+        self.live: dict[int, int] = {}  # slab id -> host ids mapping into it
+        self._loc = np.full((0, 2), -1, np.int64)  # i64[ids, 2]: host id -> (slab, row); -1: not held
         self._next = 0
         self.stats = CopyStats()
         self.sync = False
 
     def on_device(self, caches: ModelCaches) -> ModelCaches:
         """``caches`` committed to the device (no copy): the copies' outputs are (their inputs include committed
-        chunks), and a jitted step compiles again for committed arguments after uncommitted ones."""
+        slabs), and a jitted step compiles again for committed arguments after uncommitted ones."""
         return jax.device_put(caches, self._device)
 
     def _counted(self, fn):
@@ -156,94 +223,111 @@ class HostStore:
 
     @property
     def bytes_held(self) -> int:
-        return sum(x.nbytes for c in self.chunks.values() for x in jax.tree.leaves(c))
+        return sum(x.nbytes for x in self.slabs.values())
 
-    def apply(self, caches: ModelCaches, ops: Sequence[CopyOp]) -> ModelCaches:
+    def held(self) -> np.ndarray:
+        """``i64[k]``: the host ids this store holds data for."""
+        return np.nonzero(self._loc[:, 0] >= 0)[0]
+
+    def apply(self, caches: ModelCaches, ops: Sequence[CopyOp],
+              probe: Callable[[], None] | None = None) -> ModelCaches:
         """Execute ``ops`` (a plan's copy log, in order) and return the caches to dispatch the plan's step with
-        (``caches`` is donated when a load writes it; use only the returned ones)."""
+        (``caches`` is donated when a load writes it; use only the returned ones). ``probe`` is called after each
+        group of copies is issued (the engine looks there whether the device has gone idle)."""
         if self.sync and ops:
             jax.block_until_ready(caches)
             t0 = time.perf_counter()
-            caches = self._apply(caches, ops)
-            jax.block_until_ready((caches, list(self.chunks.values())))
+            caches = self._apply(caches, ops, probe)
+            jax.block_until_ready((caches, list(self.slabs.values())))
             self.stats.t_sync += time.perf_counter() - t0
             return caches
-        return self._apply(caches, ops)
+        return self._apply(caches, ops, probe)
 
-    def _apply(self, caches: ModelCaches, ops: Sequence[CopyOp]) -> ModelCaches:
+    def _apply(self, caches: ModelCaches, ops: Sequence[CopyOp], probe: Callable[[], None] | None) -> ModelCaches:
         for op in ops:
             if op.kind == "out":
                 self._out(caches, op)
             elif op.kind == "in":
                 caches = self._in(caches, op)
             else:
-                for kind, ids in (("p", op.pages_host), ("c", op.ckpts_host)):
-                    for h in ids.tolist():
-                        self._release(self.where.pop((kind, h))[0])
+                self._release(np.concatenate([op.pages_host, op.ckpts_host]))
+            if probe is not None:
+                probe()
         return caches
 
-    def _new_chunk(self, arrays: dict) -> int:
-        c = self._next
-        self._next += 1
-        self.chunks[c] = arrays
-        self.stats.bytes_out += sum(x.nbytes for x in jax.tree.leaves(arrays))
-        return c
+    def _place(self, ids: np.ndarray, rows_per_slab: int) -> np.ndarray:
+        """Map host ids ``ids`` (i64[k]) to fresh slabs of ``rows_per_slab`` rows, in order; returns the slab ids."""
+        k = len(ids)
+        n = -(-k // rows_per_slab)
+        top = int(ids.max()) + 1 if k else 0
+        if top > len(self._loc):
+            grown = np.full((max(top, 2 * len(self._loc)), 2), -1, np.int64)
+            grown[: len(self._loc)] = self._loc
+            self._loc = grown
+        slab = self._next + np.arange(k) // rows_per_slab
+        self._loc[ids, 0], self._loc[ids, 1] = slab, np.arange(k) % rows_per_slab
+        for s, count in zip(range(self._next, self._next + n), np.bincount(slab - self._next, minlength=n).tolist()):
+            self.live[s] = count
+        self._next += n
+        return np.arange(self._next - n, self._next)
 
     def _out(self, caches: ModelCaches, op: CopyOp) -> None:
-        n = -(-op.num_pages // self.chunk)
-        pages = _pad(op.pages_dev, _bucket(n) * self.chunk if n else 0, 0)
-        ckpts = _pad(op.ckpts_dev, _bucket(op.num_ckpts) if op.num_ckpts else 0, 0)
-        chunks, states = self._gather(caches, pages, ckpts, self.chunk)
-        for i, h in enumerate(op.pages_host.tolist()):
-            if i % self.chunk == 0:
-                c = self._new_chunk(chunks[i // self.chunk])
-            self.where[("p", h)] = (c, i % self.chunk)
-            self.live[c] += 1
-        for j, h in enumerate(op.ckpts_host.tolist()):
-            c = self._new_chunk(states[j])
-            self.where[("c", h)] = (c, 0)
-            self.live[c] += 1
+        c = self.chunk
+        n = -(-op.num_pages // c)
+        page_slabs, state_slabs = self._place(op.pages_host, c), self._place(op.ckpts_host, 1)
+        rows = _pad(op.pages_dev, n * c, 0)  # the last slab's missing rows gather page 0
+        slots = op.ckpts_dev.astype(np.int32)
+        pages: list = []
+        states: list = []
+        calls_p, calls_c = _powers(n), _powers(op.num_ckpts)
+        at_p = at_c = 0
+        for i in range(max(len(calls_p), len(calls_c))):  # one call per power of two of each count
+            k = calls_p[i] if i < len(calls_p) else 0
+            m = calls_c[i] if i < len(calls_c) else 0
+            p, s = self._gather(caches, rows[at_p * c: (at_p + k) * c], slots[at_c: at_c + m], c)
+            pages += p
+            states += s
+            at_p, at_c = at_p + k, at_c + m
+            self.stats.calls += 1
+        for s, x in zip([*page_slabs.tolist(), *state_slabs.tolist()], pages + states):
+            self.slabs[s] = x
+            self.stats.bytes_out += x.nbytes
         self.stats.pages_out += op.num_pages
         self.stats.ckpts_out += op.num_ckpts
-        self.stats.calls += 1
 
     def _in(self, caches: ModelCaches, op: CopyOp) -> ModelCaches:
+        loc, cloc = self._loc[op.pages_host], self._loc[op.ckpts_host]
+        if (loc[:, 0] < 0).any() or (cloc[:, 0] < 0).any():
+            raise AssertionError("host tier: a load reads a host id this store does not hold")
+        ids, inv = np.unique(loc[:, 0], return_inverse=True)  # the page slabs the load reads
+        src = inv.reshape(-1) * self.chunk + loc[:, 1]
+        moved = jax.device_put([self.slabs[s] for s in ids.tolist()] + [self.slabs[s] for s in cloc[:, 0].tolist()],
+                               self._device)  # one batched host -> device transfer
+        self.stats.bytes_in += sum(x.nbytes for x in moved)
+        pages, states = moved[: len(ids)], moved[len(ids):]
+        # counts padded to powers of two (repeating a slab) so the scatter compiles a few times; padding writes
+        # nowhere (destinations out of range)
+        n, m = (_bucket(len(pages)) if pages else 0), (_bucket(len(states)) if states else 0)
         num_pages = next(iter(caches.pages.values())).shape[0]
-        rows: dict[int, tuple[list, list]] = collections.defaultdict(lambda: ([], []))
-        for h, d in zip(op.pages_host.tolist(), op.pages_dev.tolist()):
-            c, i = self.where.pop(("p", h))
-            rows[c][0].append(i)
-            rows[c][1].append(d)
-        if rows:  # every chunk of the load in one transfer and one scatter (chunk count padded to a power of two)
-            ids = list(rows)
-            chunks = self._to_device(ids)
-            n = _bucket(len(ids))
-            src = np.concatenate([k * self.chunk + np.asarray(rows[c][0], np.int32) for k, c in enumerate(ids)])
-            dst = np.concatenate([np.asarray(rows[c][1], np.int32) for c in ids])
-            caches = self._scatter_pages(caches, chunks + [chunks[0]] * (n - len(ids)),
-                                         _pad(src, n * self.chunk, 0), _pad(dst, n * self.chunk, num_pages))
-            for c in ids:
-                self._release(c, len(rows[c][0]))
-        if op.num_ckpts:  # every checkpoint of the load in one transfer and one scatter
-            ids = [self.where.pop(("c", h))[0] for h in op.ckpts_host.tolist()]
-            states = self._to_device(ids)
-            n = _bucket(len(ids))
-            num_slots = caches.gdn.ssm.shape[1]
-            caches = self._scatter_states(caches, states + [states[0]] * (n - len(ids)),
-                                          _pad(op.ckpts_dev, n, num_slots))
-            for c in ids:
-                self._release(c)
+        num_slots = caches.gdn.ssm.shape[1] if caches.gdn is not None else 0
+        caches = self._scatter(caches, pages + pages[:1] * (n - len(pages)), _pad(src, n * self.chunk, 0),
+                               _pad(op.pages_dev, n * self.chunk, num_pages), states + states[:1] * (m - len(states)),
+                               _pad(op.ckpts_dev, m, num_slots))
+        self.stats.calls += 2
+        self._release(np.concatenate([op.pages_host, op.ckpts_host]))
         self.stats.pages_in += op.num_pages
         self.stats.ckpts_in += op.num_ckpts
         return caches
 
-    def _to_device(self, ids: list[int]) -> list[dict]:
-        """Host chunks ``ids`` on the device: one asynchronous host -> device transfer of all of them."""
-        self.stats.bytes_in += sum(x.nbytes for c in ids for x in jax.tree.leaves(self.chunks[c]))
-        self.stats.calls += 1
-        return jax.device_put([self.chunks[c] for c in ids], self._device)
-
-    def _release(self, c: int, n: int = 1) -> None:
-        self.live[c] -= n
-        if self.live[c] <= 0:
-            del self.live[c], self.chunks[c]
+    def _release(self, ids: np.ndarray) -> None:
+        """Forget host ids ``ids`` (i64[k]); release the slabs no id maps to any more."""
+        if not len(ids):
+            return
+        slabs, counts = np.unique(self._loc[ids, 0], return_counts=True)
+        if (slabs < 0).any():
+            raise AssertionError("host tier: releasing a host id this store does not hold")
+        self._loc[ids] = -1
+        for s, k in zip(slabs.tolist(), counts.tolist()):
+            self.live[s] -= k
+            if self.live[s] <= 0:
+                del self.live[s], self.slabs[s]
