@@ -17,7 +17,8 @@ corrupted half of the time, so rows accept every count 0..K), each with K in {1,
 built for K = 4: the verification step compiles once and shorter drafts fit it), alone or paced by the rule that
 shortens drafts where they do not pay (``PacedDrafter``). After every rule the pages a row
 holds never pass what its tokens and one verification row need, and the acceptance counts are prefixes (a draft is
-accepted only after every draft before it); the tokens must still equal the alone run's.
+accepted only after every draft before it); the tokens must still equal the alone run's. ``MTPEngineMachine``: the
+same with ``speculative="mtp"`` (random MTP layers drafting inside every step) and prefix caching over a host tier.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvjax.engine.engine import Engine
-from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig
+from kvjax.models.qwen3_5 import mtp as mtp_lib
+from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, StepDrafter
 from kvjax.sched.spec import SpecStats
 from helpers.engine import make_engine, step_events
 from helpers.faults import POINTS, FaultAt, Injected
@@ -49,15 +51,19 @@ class Shared:
         self.alone: dict[tuple[tuple, int], list[int]] = {}
         self.logits = nnx.jit(lambda m, x: m.logits(x))
 
-    def engine(self, overlap: bool, burst: int = 1, host: int = 0, spec: int = 0) -> Engine:
+    def engine(self, overlap: bool, burst: int = 1, host: int = 0, spec: int = 0, mtp: bool = False) -> Engine:
         """The engine of a mode; ``host > 0``: with prefix caching and a host tier of that many bytes; ``spec > 0``:
-        speculative decoding with up to that many drafts per row."""
-        key = (overlap, burst, host, spec)
+        speculative decoding with up to that many drafts per row; ``mtp``: drafted by random MTP layers attached to
+        the same model (every step drafts on the device)."""
+        key = (overlap, burst, host, spec, mtp)
         if key not in self.engines:
             tier = dict(prefix_caching=True, host_cache_bytes=host) if host else {}
+            model = self.model
             if spec:
-                tier["speculative"] = SpeculativeConfig(num_draft_tokens=spec)
-            self.engines[key] = make_engine(self.model, overlap=overlap, decode_burst=burst, **tier)
+                tier["speculative"] = SpeculativeConfig(method="mtp" if mtp else "ngram", num_draft_tokens=spec)
+            if mtp:
+                model = mtp_lib.attach(qwen_swa_model(), mtp_lib.init(self.model.config, seed=5))
+            self.engines[key] = make_engine(model, overlap=overlap, decode_burst=burst, **tier)
         return self.engines[key]
 
 
@@ -145,12 +151,13 @@ class EngineMachine(RuleBasedStateMachine):
     BURST = 1
     HOST = 0  # bytes of a host tier under a prefix cache (0: no prefix caching)
     SPEC = 0  # K of speculative decoding (0: off)
+    MTP = False  # the drafts come from MTP layers inside the step
     EXAMPLES = 25  # hypothesis examples of 25 rules each
 
     def __init__(self, shared: Shared):
         super().__init__()
         self.shared = shared
-        self.engine = shared.engine(self.OVERLAP, self.BURST, self.HOST, self.SPEC)
+        self.engine = shared.engine(self.OVERLAP, self.BURST, self.HOST, self.SPEC, self.MTP)
         self.engine.clear_prefix_cache()  # every example starts from the same state (no-op without caching)
         assert self.engine.is_idle()
         self.reqs: dict[int, dict] = {}  # request id -> prompt, max_new, tokens, finished, aborted
@@ -343,23 +350,47 @@ class SpecHostTierEngineMachine(SpecEngineMachine):
     HOST = 1 << 20
 
 
+class MTPEngineMachine(SpecEngineMachine):
+    """``speculative="mtp"`` with prefix caching over a host tier: random MTP layers draft inside every step (their
+    pools share the main pools' pages, so preemption, aborts, recycling, faults and the host tier move them too);
+    a rule switches the host side between taking the step's drafts (K = ``k`` of the device's 4, paced or not) and
+    none."""
+
+    MTP = True
+    HOST = 1 << 20
+    EXAMPLES = 8
+
+    def __init__(self, shared: Shared):
+        super().__init__(shared)
+        self.engine.pipeline.drafter = StepDrafter(self.SPEC)
+
+    @rule(method=st.sampled_from(["off", "mtp"]), k=st.sampled_from([1, 2, 4]), flat=st.sampled_from([None, 1, 6]))
+    def speculate(self, method, k, flat):
+        drafter = None if method == "off" else StepDrafter(k)
+        if drafter is not None and flat is not None:
+            drafter = PacedDrafter(drafter, flat)
+        self.engine.pipeline.drafter = drafter
+
+
 @pytest.mark.parametrize("machine", [EngineMachine, SyncEngineMachine, BurstEngineMachine, HostTierEngineMachine,
-                                     SpecEngineMachine, SpecHostTierEngineMachine],
-                         ids=["overlap", "sync", "burst", "host-tier", "spec", "spec-host-tier"])
+                                     SpecEngineMachine, SpecHostTierEngineMachine, MTPEngineMachine],
+                         ids=["overlap", "sync", "burst", "host-tier", "spec", "spec-host-tier", "spec-mtp"])
 def test_engine_state_machine(machine, shared):
     # derandomized: the coverage checks below (preemptions, faults, full bursts) hold for every run, not most runs
     run_state_machine_as_test(lambda: machine(shared), settings=settings(
         max_examples=machine.EXAMPLES, stateful_step_count=25, deadline=None, derandomize=True, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    eng = shared.engine(machine.OVERLAP, machine.BURST, machine.HOST, machine.SPEC)
+    eng = shared.engine(machine.OVERLAP, machine.BURST, machine.HOST, machine.SPEC, machine.MTP)
     # one bucket set, greedy only: a single compile for every example (and one for the burst or verification steps)
     assert eng.num_traces == (1 if machine.BURST == 1 and not machine.SPEC else 2)
     if machine.SPEC:  # verification steps ran; rows accepted none, some and all K of their drafts
         assert not eng.overlap and eng.decode_burst == 1
         recs = [r for r in eng.metrics.records if r.verify_rows]
         assert sum(r.drafts_accepted for r in recs) < sum(r.drafts_proposed for r in recs)
-        assert sum(r.drafts_accepted_at[machine.SPEC - 1] for r in recs if len(r.drafts_accepted_at) == machine.SPEC)
         assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
+        if not machine.MTP:  # random MTP layers' drafts are rarely accepted
+            assert sum(r.drafts_accepted_at[machine.SPEC - 1] for r in recs
+                       if len(r.drafts_accepted_at) == machine.SPEC)
         return
     assert max(r.burst for r in eng.metrics.records) == machine.BURST  # bursts ran, at their full length
     assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0

@@ -217,7 +217,7 @@ class StepPipeline:
                 sched.resolve(plan, row)
                 if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
                     flight.record.update(verify_stats(plan, row))
-                if flight.drafts is not None:  # the next plan's drafts (one data shard: no mesh with MTP)
+                if flight.drafts is not None and getattr(self.drafter, "from_step", False):  # the next plan's drafts
                     n = plan.num_seqs
                     self.drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
                                         np.fromiter(plan.request_ids, np.int64, n), np.asarray(flight.drafts))
