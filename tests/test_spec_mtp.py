@@ -197,3 +197,17 @@ def test_mtp_is_refused_without_mtp_layers():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="mesh"):
         Engine(model, SMALL, speculative="mtp", mesh=mesh)
+
+
+def test_sizing_pays_for_the_mtp_pools(qwen):
+    """A page of an MTP engine's cache holds the MTP layer's K and V too (``Engine`` sizes and checks the cache
+    with them); slots and fixed bytes are the model's."""
+    from kvjax.engine.sizing import cache_bytes_model
+
+    a = qwen.config.attention
+    for dtype, fp8, item in ((jnp.float32, {}, 4), (jnp.float32, {"kv_cache_dtype": "fp8"}, 1)):
+        plain = cache_bytes_model(qwen, page_size=4, dtype=dtype, cache_options=fp8)
+        both = cache_bytes_model(qwen, page_size=4, dtype=dtype, cache_options=fp8, head=qwen.mtp_head())
+        scales = 2 * 4 if fp8 else 0  # f32 key / value scale per page
+        assert both[0] - plain[0] == 2 * 4 * a.head_dim * item + scales
+        assert both[1:] == plain[1:]

@@ -78,13 +78,13 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     num_ckpts = prefix.num_checkpoints if prefix is not None else 0
     if cache_config is None:
         sizing = size_cache(local, dtype=cache_dtype, memory_fraction=o.memory_fraction, cache_options=cache_opts,
-                            num_checkpoints=num_ckpts, device=device)
+                            num_checkpoints=num_ckpts, device=device, head=head)
         cache_config = sizing.cache_config
     else:
         if o.memory_fraction is not None:
             raise ValueError(f"memory_fraction={o.memory_fraction!r} sizes the cache only without a cache_config; "
                              "got both")
-        check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device)
+        check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device, head=head)
     prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size, dtype=cache_dtype,
                               cache_options=cache_opts, mesh=None if sharded is None else sharded.mesh)
     eos_token_id = o.eos_token_id

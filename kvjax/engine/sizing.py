@@ -107,11 +107,12 @@ def device_memory(device: Any = None) -> int:
 
 
 def check_cache_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, dtype: Any,
-                     cache_options: dict | None, device: Any = None) -> None:
+                     cache_options: dict | None, device: Any = None, head: Any = None) -> None:
     """``ValueError`` before anything is allocated when the caches of ``cache`` (with ``num_checkpoints`` GDN
     checkpoint slots; bytes from :func:`cache_bytes_model`) exceed the memory of one device
     (:func:`device_memory`)."""
-    page, slot, fixed = cache_bytes_model(model, page_size=cache.page_size, dtype=dtype, cache_options=cache_options)
+    page, slot, fixed = cache_bytes_model(model, page_size=cache.page_size, dtype=dtype, cache_options=cache_options,
+                                          head=head)
     need = page * cache.num_pages + slot * (cache.max_seqs + 1 + num_checkpoints) + fixed
     have = device_memory(device)
     if need > have:
@@ -120,12 +121,19 @@ def check_cache_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, 
                          f"{have / 2**30:.1f} GiB: lower num_pages, max_seqs or prefix_checkpoints")
 
 
-def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_options: dict | None = None
-                      ) -> tuple[int, int, int]:
-    """``(page_bytes, slot_bytes, fixed_bytes)`` of ``model``'s caches (see the module docstring)."""
+def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_options: dict | None = None,
+                      head: Any = None) -> tuple[int, int, int]:
+    """``(page_bytes, slot_bytes, fixed_bytes)`` of ``model``'s caches (see the module docstring); ``head``: MTP
+    layers (:class:`~kvjax.models.interface.DraftHead`) whose pools take pages beside the model's."""
+    def caches(num_pages: int, max_seqs: int):
+        main = model.init_caches(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs, dtype=dtype,
+                                 **(cache_options or {}))
+        return main if head is None else (main, head.init_caches(
+            num_pages=num_pages, page_size=page_size, dtype=dtype,
+            kv_cache_dtype=(cache_options or {}).get("kv_cache_dtype", "auto")))
+
     def total(num_pages: int, max_seqs: int) -> int:
-        shapes = jax.eval_shape(lambda: model.init_caches(num_pages=num_pages, page_size=page_size,
-                                                          max_seqs=max_seqs, dtype=dtype, **(cache_options or {})))
+        shapes = jax.eval_shape(lambda: caches(num_pages, max_seqs))
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
 
     base = total(1, 1)
@@ -135,11 +143,12 @@ def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_opti
 
 def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = None, page_size: int = PAGE_SIZE,
                max_seqs: int | None = None, max_seq_len: int | None = None, cache_options: dict | None = None,
-               device: Any = None, num_checkpoints: int = 0) -> CacheSizing:
+               device: Any = None, num_checkpoints: int = 0, head: Any = None) -> CacheSizing:
     """Size a :class:`CacheConfig` for ``model`` from a memory budget (see the module docstring).
 
     ``max_seqs`` / ``max_seq_len`` default to :data:`MAX_SEQS` / :data:`MAX_SEQ_LEN` of the platform (``cpu``
-    or ``accelerator``); ``num_checkpoints`` GDN checkpoint slots are paid for before the pages. Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
+    or ``accelerator``); ``num_checkpoints`` GDN checkpoint slots are paid for before the pages; ``head``: MTP layers whose pools a page
+    pays for too. Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
     hold the state slots and one page per KV head.
     """
     memory_fraction = check_memory_fraction(DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)
@@ -154,7 +163,7 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
             raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {v!r}")
     budget, source = memory_budget(memory_fraction, device)
     page_bytes, slot_bytes, fixed = cache_bytes_model(model, page_size=page_size, dtype=dtype,
-                                                      cache_options=cache_options)
+                                                      cache_options=cache_options, head=head)
     heads = model.attention_layout().num_kv_heads
     left = budget - slot_bytes * (max_seqs + 1 + num_checkpoints) - fixed
     num_pages = min(left // max(page_bytes, 1), INT32_MAX // page_size)
