@@ -15,6 +15,8 @@ GPU prefill kernel's fp8 path (f16 products) with its own rounding of the probab
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +26,7 @@ from kvjax.base.device import NAMED
 from kvjax.base.fp8 import FP8_DTYPE, pow2_scale
 from kvjax.errors import UnknownImplError
 from kvjax.ops import attention
-from kvjax.ops.attention import paged_attention_reference
+from kvjax.ops.attention import PagedAttentionCall, check_call, paged_attention_reference
 from kvjax.pallas.paged import decode
 from kvjax.pallas.paged import prefill as paged_prefill
 
@@ -81,10 +83,15 @@ def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.flo
     return args, kwargs
 
 
+def _call(args, kwargs, scales=None) -> PagedAttentionCall:
+    """The checked call of the batch ``args, kwargs`` (fp8 pages: with ``scales``), as the op hands it down."""
+    return check_call(PagedAttentionCall(*args, **kwargs, **(scales or {})))
+
+
 def _ref(args, kwargs):
     q, k, v, table, ctx = args
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return paged_attention_reference(f32(q), f32(k), f32(v), table, ctx, **kwargs)
+    return paged_attention_reference(_call((f32(q), f32(k), f32(v), table, ctx), kwargs))
 
 
 def _fp8(args):
@@ -111,10 +118,10 @@ def _ref_fp8(args, scales, kwargs):
     """The float32 reference over the fp8 pages (it dequantises them) and, for :func:`_fp8_bound`, the same
     attention of ``|v|``."""
     q, k8, v8, table, ctx = args
-    ref = paged_attention_reference(q.astype(jnp.float32), k8, v8, table, ctx, **kwargs, **scales)
+    ref = paged_attention_reference(_call((q.astype(jnp.float32), k8, v8, table, ctx), kwargs, scales))
     k = k8.astype(jnp.float32) * scales["k_scale"][:, None, None]
     v = v8.astype(jnp.float32) * scales["v_scale"][:, None, None]
-    abs_v = paged_attention_reference(q.astype(jnp.float32), k, jnp.abs(v), table, ctx, **kwargs)
+    abs_v = paged_attention_reference(_call((q.astype(jnp.float32), k, jnp.abs(v), table, ctx), kwargs))
     return np.asarray(ref), np.asarray(abs_v), float(np.nanmax(np.abs(np.asarray(v))))
 
 
@@ -165,7 +172,7 @@ def test_decode_interpret_matches_reference(rng):
                       window=[0, 20], sinks=[0, 4])
     ref = _ref(args, kw)
     for splits, block_k in ((1, 32), (3, 16)):
-        out = decode.paged_decode(*args, **kw, interpret=True, num_splits=splits, block_k=block_k)
+        out = decode.paged_decode(_call(args, kw), interpret=True, num_splits=splits, block_k=block_k)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
 
@@ -175,10 +182,10 @@ def test_prefill_interpret_mixed_batch(rng):
     args, kw = _build(rng, hq=4, hkv=2, d=32, page_size=8, ctx=[45, 13, 30, 9, 0], new=[19, 13, 1, 1, 0],
                       window=[11, 0], sinks=[3, 0])
     ref = _ref(args, kw)
-    out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=32, block_k=16)
+    out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=32, block_k=16)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     # the per-token decode kernel is exact on any batch too
-    out_d = decode.paged_decode(*args, **kw, interpret=True, block_k=16, num_splits=2)
+    out_d = decode.paged_decode(_call(args, kw), interpret=True, block_k=16, num_splits=2)
     np.testing.assert_allclose(np.asarray(out_d), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
@@ -200,17 +207,17 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
     ref = _ref(args, kw)
     assert np.isfinite(np.asarray(ref)).all()
     for fused_loop in (False, True):
-        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
+        out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=16, block_k=16, kv_load=kv_load,
                                           fused_loop=fused_loop)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     if kv_load == "page":  # page ids one step ahead, 2 pages per key block
-        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16, kv_load=kv_load,
+        out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=16, block_k=16, kv_load=kv_load,
                                           page_ids="carry")
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="kv_load"):
-        paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="tma")
+        paged_prefill.paged_prefill(_call(args, kw), interpret=True, kv_load="tma")
     with pytest.raises(ValueError, match="page_ids"):
-        paged_prefill.paged_prefill(*args, **kw, interpret=True, kv_load="gather", page_ids="carry")
+        paged_prefill.paged_prefill(_call(args, kw), interpret=True, kv_load="gather", page_ids="carry")
 
 
 def test_prefill_interpret_page_128(rng):
@@ -219,7 +226,7 @@ def test_prefill_interpret_page_128(rng):
                       sinks=[4])
     ref = _ref(args, kw)
     for cfg in (dict(), dict(page_ids="load", fused_loop=False)):  # default: ids one step ahead
-        out = paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=64, **cfg)
+        out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=64, **cfg)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0
 
@@ -241,11 +248,12 @@ def test_prefill_mosaic_interpret(rng):
     table[0, 0, 1] = -1
     args = (q, k, v, jnp.asarray(table), ctx)
     ref = _ref(args, kw)
-    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, interpret=True), np.float32)
+    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw), interpret=True), np.float32)
     assert _rel_err(out, ref) <= 1e-2
     assert np.all(out[-2:] == 0)  # tokens of no row
     with pytest.raises(ValueError, match="page_size"):
-        paged_prefill_mgpu.paged_prefill_mgpu(*args[:1], k[:, :32], v[:, :32], *args[3:], **kw, interpret=True)
+        small_pages = dataclasses.replace(_call(args, kw), k_pages=k[:, :32], v_pages=v[:, :32])
+        paged_prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
 
 
 def test_prefill_mosaic_interpret_fp8_pages(rng):
@@ -267,11 +275,9 @@ def test_prefill_mosaic_interpret_fp8_pages(rng):
     table[0, 0, 1] = -1
     args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
-    out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, **scales, interpret=True)
+    out = paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), interpret=True)
     _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(MOSAIC_CTX))
     assert np.all(np.asarray(out[-2:], np.float32) == 0)  # tokens of no row
-    with pytest.raises(ValueError, match="paged_prefill_mgpu: fp8 pages need v_scale"):
-        paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, k_scale=scales["k_scale"], interpret=True)
 
 
 def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
@@ -282,7 +288,7 @@ def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
                       dtype=jnp.bfloat16)
     monkeypatch.setenv("NPROC", "2")
     with pytest.raises(RuntimeError, match="NPROC=8"):
-        paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, interpret=True)
+        paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw), interpret=True)
 
 
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):
@@ -296,7 +302,7 @@ def test_prefill_interpret_padding_tokens_written_as_zero(rng):
     q = jnp.concatenate([nan, q, jnp.full((pad_back, 2, 16), jnp.nan, q.dtype)])
     kw = dict(kw, cu_seqlens=kw["cu_seqlens"] + pad_front)
     args = (q, k, v, table, ctx)
-    out = np.asarray(paged_prefill.paged_prefill(*args, **kw, interpret=True, block_q=16, block_k=16))
+    out = np.asarray(paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=16, block_k=16))
     ref = np.asarray(_ref(args, kw))
     assert np.all(out[:pad_front] == 0) and np.all(out[-pad_back:] == 0)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
@@ -306,15 +312,16 @@ def test_empty_splits_and_single_token_never_nan(rng):
     # far more splits than pages: most splits are empty; a 1-token sequence; GQA 8 (>16 padded rows not needed)
     args, kw = _build(rng, hq=8, hkv=1, d=16, page_size=16, ctx=[1, 3], new=[1, 1], window=[2], sinks=[1])
     ref = _ref(args, kw)
-    out = decode.paged_decode(*args, **kw, interpret=True, num_splits=8)
+    out = decode.paged_decode(_call(args, kw), interpret=True, num_splits=8)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
 def _auto_kernel_jaxpr(args, kw, device):
     """The table's ``auto`` choice on ``device`` for this call, and the jaxpr of that backend interpreted."""
-    name, _ = attention.TABLE.choose("auto", args, kw, device)
-    _, fn = attention.TABLE.choose(f"{name}:interpret", args, kw, device)
-    return name, str(jax.make_jaxpr(lambda *a: fn(*a, **kw))(*args))
+    call = _call(args, kw)
+    name, _ = attention.TABLE.choose("auto", (call,), {}, device)
+    _, fn = attention.TABLE.choose(f"{name}:interpret", (call,), {}, device)
+    return name, str(jax.make_jaxpr(fn)(call))
 
 
 def test_routing_is_static_on_shapes(rng):
@@ -331,12 +338,13 @@ def test_routing_is_static_on_shapes(rng):
 
 
 def _shapes(t, b, *, page_size, d=128, hq=32, hkv=8, max_blocks=64, dtype=jnp.bfloat16):
-    """A normalised call as ``jax.ShapeDtypeStruct`` s (what the table's checks read)."""
+    """A checked call ``((call,), {})``, its arrays ``jax.ShapeDtypeStruct`` s (what the table's checks read)."""
     sds = jax.ShapeDtypeStruct
     pages = sds((b * hkv * max_blocks, page_size, d), dtype)
-    args = (sds((t, hq, d), dtype), pages, pages, sds((b, hkv, max_blocks), jnp.int32), sds((b,), jnp.int32))
-    return args, dict(cu_seqlens=sds((b + 1,), jnp.int32), scale=d ** -0.5, window=sds((hkv,), jnp.int32),
-                      sinks=sds((hkv,), jnp.int32))
+    call = PagedAttentionCall(sds((t, hq, d), dtype), pages, pages, sds((b, hkv, max_blocks), jnp.int32),
+                              sds((b,), jnp.int32), sds((b + 1,), jnp.int32), sds((hkv,), jnp.int32),
+                              sds((hkv,), jnp.int32), scale=d ** -0.5)
+    return (call,), {}
 
 
 def test_table_chooses_as_documented():
@@ -404,9 +412,9 @@ def test_public_op_dispatches_to_kernel(rng):
 def test_rejects_unsupported_shapes(rng):
     args, kw = _build(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
     with pytest.raises(ValueError, match="head_dim"):
-        decode.paged_decode(*args, **kw, interpret=True)
+        decode.paged_decode(_call(args, kw), interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
-        paged_prefill.paged_prefill(*args, **kw, interpret=True)
+        paged_prefill.paged_prefill(_call(args, kw), interpret=True)
 
 
 # ---------------------------------------------------------------- fp8 pages (CPU, interpret mode)
@@ -435,7 +443,7 @@ def test_decode_interpret_fp8_pages(rng, page_size, dtype):
     assert (table[0] == -1).any() or page_size == 64
     assert args[1].dtype == FP8_DTYPE and np.isnan(np.asarray(scales["v_scale"])).any()  # poisoned scales exist
     for splits, block_k in ((1, 64), (5, page_size)):
-        out = decode.paged_decode(*args, **kw, **scales, interpret=True, num_splits=splits, block_k=block_k)
+        out = decode.paged_decode(_call(args, kw, scales), interpret=True, num_splits=splits, block_k=block_k)
         _check_fp8(out, ref, abs_v, v_max, dtype)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
@@ -454,7 +462,7 @@ def test_prefill_interpret_fp8_pages(rng, page_size, kv_load):
     if kv_load == "page":
         variants.append(dict(page_ids="carry"))
     for cfg in variants:
-        out = paged_prefill.paged_prefill(*args, **kw, **scales, interpret=True, block_q=32,
+        out = paged_prefill.paged_prefill(_call(args, kw, scales), interpret=True, block_q=32,
                                           block_k=max(32, page_size), kv_load=kv_load, **cfg)
         _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
@@ -464,7 +472,7 @@ def test_prefill_interpret_fp8_pages_f32_is_exact(rng):
     # with f32 q the kernel converts e4m3 to f32: the reference's arithmetic up to summation order
     args, scales, kw, (ref, abs_v, v_max) = _fp8_batch(rng, page_size=16, ctx=[90, 33, 5], new=[29, 33, 1],
                                                         dtype=jnp.float32)
-    out = paged_prefill.paged_prefill(*args, **kw, **scales, interpret=True, block_q=16, block_k=32)
+    out = paged_prefill.paged_prefill(_call(args, kw, scales), interpret=True, block_q=16, block_k=32)
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -480,20 +488,20 @@ def test_public_op_fp8_pages_runs_the_triton_kernels(rng):
         attention.paged_attention(*args, **call, impl="mosaic:interpret")
 
 
-def test_kernels_refuse_fp8_pages_without_scales(rng):
-    # direct kernel calls (the op checks first): fp8 pages need both scales, float pages take none, K and V agree
+def test_op_refuses_fp8_pages_without_scales_before_any_kernel(rng):
+    # the kernels trust the call (the op checks it once): fp8 pages need both scales, float pages take none, K and V
+    # agree; each impl that names a kernel is refused with the op's message, nothing is traced
     args, scales, kw, _ = _fp8_batch(rng, page_size=16, ctx=[20], new=[3], dtype=jnp.bfloat16)
     q, k8, v8, table, ctx = args
-    for kernel, name in ((decode.paged_decode, "pallas paged_decode"),
-                         (paged_prefill.paged_prefill, "pallas paged_prefill")):
-        with pytest.raises(ValueError, match=f"{name}: fp8 pages need v_scale"):
-            kernel(*args, **kw, k_scale=scales["k_scale"], interpret=True)
-        with pytest.raises(ValueError, match="k_scale must be f32"):
-            kernel(*args, **kw, k_scale=scales["k_scale"][:-1], v_scale=scales["v_scale"], interpret=True)
-        with pytest.raises(ValueError, match="k_scale and v_scale go with float8_e4m3fn pages"):
-            kernel(q, k8.astype(jnp.bfloat16), v8.astype(jnp.bfloat16), table, ctx, **kw, **scales, interpret=True)
-        with pytest.raises(ValueError, match="both be float8_e4m3fn or both float"):
-            kernel(q, k8, v8.astype(jnp.bfloat16), table, ctx, **kw, **scales, interpret=True)
+    bad = [(args, dict(k_scale=scales["k_scale"]), "fp8 pages need v_scale"),
+           (args, dict(scales, k_scale=scales["k_scale"][:-1]), "k_scale must have shape"),
+           ((q, k8.astype(jnp.bfloat16), v8.astype(jnp.bfloat16), table, ctx), scales,
+            "k_scale and v_scale go with float8_e4m3fn pages"),
+           ((q, k8, v8.astype(jnp.bfloat16), table, ctx), scales, "v_pages must have dtype")]
+    for impl in ("interpret", "prefill:interpret"):
+        for batch, given, match in bad:
+            with pytest.raises(ValueError, match=match):
+                attention.paged_attention(*batch, **kw, **given, impl=impl)
 
 
 # ---------------------------------------------------------------- GPU grid
@@ -512,7 +520,7 @@ def test_gpu_decode_grid(rng, group, page_size):
                       dtype=jnp.bfloat16)
     ref = _ref(args, kw)
     for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(*args, **kw, num_splits=splits, block_k=block_k)
+        out = decode.paged_decode(_call(args, kw), num_splits=splits, block_k=block_k)
         assert _rel_err(out, ref) <= 2e-2
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
@@ -529,7 +537,7 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
     ref = _ref(args, kw)
     # the Triton prefill kernel never reads past a row's last position: NaN tails must not matter (the Mosaic
     # kernel reads whole pages and is tested with finite tails in test_gpu_prefill_mosaic_grid)
-    out = paged_prefill.paged_prefill(*args, **kw)
+    out = paged_prefill.paged_prefill(_call(args, kw))
     assert _rel_err(out, ref) <= 2e-2
     # every real token of every row is right (none dropped or zero-filled)
     cu = np.asarray(kw["cu_seqlens"])
@@ -578,7 +586,7 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
         if page_size == 128:  # block_k = page_size: one contiguous [128, D] load per step
             variants += [dict(), dict(page_ids="load", num_warps=8, fused_loop=False)]
     for cfg in variants:
-        out = paged_prefill.paged_prefill(*args, **kw, kv_load=kv_load, **cfg)
+        out = paged_prefill.paged_prefill(_call(args, kw), kv_load=kv_load, **cfg)
         assert _rel_err(out, ref) <= 2e-2, cfg
 
 
@@ -617,7 +625,7 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     ref = _ref(args, kw)
     cu = np.asarray(kw["cu_seqlens"])
     for stages in (None, 2) if page_size == 64 else (None,):
-        out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, stages=stages)
+        out = paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw), stages=stages)
         assert _rel_err(out, ref) <= 2e-2, stages
         o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
         for b in range(len(ctx)):  # every real token of every row is right
@@ -626,7 +634,7 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
                 assert np.linalg.norm(o[seg] - r[seg]) <= 2e-2 * np.linalg.norm(r[seg]), (b, stages)
         assert float(np.abs(o[cu[-1]:]).max()) == 0.0  # padding tokens after the last row
     assert len(q) >= 64 * len(ctx)  # the table's "auto" takes the Mosaic kernel for this batch on Hopper
-    assert attention.TABLE.choose("auto", args, kw)[0] == "mosaic"
+    assert attention.TABLE.choose("auto", (_call(args, kw),), {})[0] == "mosaic"
     assert _rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2
 
 
@@ -644,7 +652,7 @@ def test_gpu_prefill_mosaic_fp8_grid(rng, group, page_size):
     args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
     for stages in (None, 3) if page_size == 64 else (None,):
-        out = paged_prefill_mgpu.paged_prefill_mgpu(*args, **kw, **scales, stages=stages)
+        out = paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), stages=stages)
         _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(MOSAIC_CTX))
         assert float(np.abs(np.asarray(out, np.float32)[int(kw["cu_seqlens"][-1]):]).max()) == 0.0
 
@@ -663,7 +671,7 @@ def test_gpu_decode_fp8_grid(rng, group, page_size):
     args, scales = _fp8(args)
     ref, abs_v, v_max = _ref_fp8(args, scales, kw)
     for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(*args, **kw, **scales, num_splits=splits, block_k=block_k)
+        out = decode.paged_decode(_call(args, kw, scales), num_splits=splits, block_k=block_k)
         _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
@@ -690,7 +698,7 @@ def test_gpu_prefill_fp8_grid(rng, kv_load, page_size):
     if kv_load == "page":
         variants.append(dict(block_k=max(64, page_size), page_ids="carry"))
     for cfg in variants:
-        out = paged_prefill.paged_prefill(*args, **kw, **scales, kv_load=kv_load, **cfg)
+        out = paged_prefill.paged_prefill(_call(args, kw, scales), kv_load=kv_load, **cfg)
         _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
 
 

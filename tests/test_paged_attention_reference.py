@@ -210,34 +210,34 @@ def test_dense_attention_reference_matches_oracle(rng):
 _SEEN: dict = {}  # what the spy backend and its unsupported() check received (reset by the test)
 
 
-def _spy_kernel(q, k_pages, v_pages, block_tables, seq_lens, *, cu_seqlens, scale, window, sinks, interpret):
-    _SEEN["kernel"] = dict(args=(q, k_pages, v_pages, block_tables, seq_lens), cu_seqlens=cu_seqlens, scale=scale,
-                           window=window, sinks=sinks, interpret=interpret)
-    return q
+def _spy_kernel(call, *, interpret):
+    _SEEN["kernel"] = dict(call=call, interpret=interpret)
+    return call.q
 
 
-def _spy_unsupported(q, k_pages, v_pages, block_tables, seq_lens, *, cu_seqlens, scale, window, sinks):
-    _SEEN["unsupported"] = dict(scale=scale, window=window, sinks=sinks)
+def _spy_unsupported(call):
+    _SEEN["unsupported"] = call
     return None
 
 
 def test_normalised_kernel_contract(rng, monkeypatch):
-    """The chosen kernel (and its unsupported() check) receives a float scale and i32[Hkv] window/sinks arrays."""
+    """The chosen kernel (and its unsupported() check) receives one checked PagedAttentionCall: a float scale and
+    i32[Hkv] window/sinks arrays beside the op's arrays."""
     batch = _make_batch(rng, group=1, page_size=4)
     spy = Backend("spy", _spy_kernel, priority=1, device=lambda device: None, unsupported=_spy_unsupported)
     monkeypatch.setattr(attn_mod, "TABLE", BackendTable("paged_attention", attn_mod.paged_attention_reference, (spy,)))
     _SEEN.clear()
     _run(batch, window=3, impl="spy")
-    seen = _SEEN["kernel"]
-    assert seen["interpret"] is False
-    assert type(seen["scale"]) is float and seen["scale"] == pytest.approx(32 ** -0.5)
+    seen, call = _SEEN["kernel"], _SEEN["kernel"]["call"]
+    assert seen["interpret"] is False and _SEEN["unsupported"] is call
+    assert isinstance(call, attn_mod.PagedAttentionCall) and call.k_scale is None and call.v_scale is None
+    assert type(call.scale) is float and call.scale == pytest.approx(32 ** -0.5)
     for name, want in (("window", [3, 3, 3, 3]), ("sinks", [0, 0, 0, 0])):
-        assert seen[name].dtype == jnp.int32 and seen[name].tolist() == want
-        assert _SEEN["unsupported"][name].tolist() == want
-    assert _SEEN["unsupported"]["scale"] == seen["scale"]
-    for got, want in zip(seen["args"], (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens)):
+        assert getattr(call, name).dtype == jnp.int32 and getattr(call, name).tolist() == want
+    for got, want in zip((call.q, call.k_pages, call.v_pages, call.block_tables, call.seq_lens),
+                         (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens)):
         np.testing.assert_array_equal(np.asarray(got), want)
-    np.testing.assert_array_equal(np.asarray(seen["cu_seqlens"]), batch.cu_seqlens)
+    np.testing.assert_array_equal(np.asarray(call.cu_seqlens), batch.cu_seqlens)
     _SEEN.clear()
     _run(batch, window=3, impl="spy:interpret")
     assert _SEEN["kernel"]["interpret"] is True

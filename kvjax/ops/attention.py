@@ -15,32 +15,21 @@ Semantics (DESIGN.md, "Pages and head-wise block tables", "Masks", "Ragged batch
   (``i - j < window[h]`` or ``j < sinks[h]``), ``window[h] == 0`` meaning full attention.
 - A query with no visible key (impossible for a valid plan) gets output 0, never NaN.
 
-Kernel contract. :func:`paged_attention` validates on the host and normalises its arguments, then runs the
-implementation that :data:`TABLE` (its backend table) chooses for ``impl``, with exactly::
-
-    fn(q,             # [T, Hq, D]  (bf16 / f16 / f32)
-       k_pages,       # [P, page_size, D]
-       v_pages,       # [P, page_size, D]
-       block_tables,  # i32[B, Hkv, max_blocks], -1 = hole
-       seq_lens,      # i32[B]
-       cu_seqlens=...,  # i32[B+1]
-       scale=...,       # Python float (default D**-0.5 already applied)
-       window=...,      # i32[Hkv] (0 = full attention)
-       sinks=...,       # i32[Hkv]
-       [k_scale=..., v_scale=...],  # f32[P] each, fp8 pages only
-       [interpret=...]) # bool, kernels only (added by the table)
-    -> o: [T, Hq, D] in q's dtype
+Kernel contract. :func:`paged_attention` builds one :class:`PagedAttentionCall` from its arguments, checks and
+normalises it once (:func:`check_call`: ``scale`` a Python float, default ``D**-0.5``; ``window`` / ``sinks``
+i32[Hkv]) and runs the implementation that :data:`TABLE` (its backend table) chooses for ``impl``, with exactly
+``fn(call[, interpret=...]) -> o: [T, Hq, D]`` in q's dtype (``interpret``: kernels only, bound by the table);
+every backend's ``unsupported(call)`` check reads the same call.
 
 fp8 pages (``float8_e4m3fn``, :mod:`kvjax.state.kv_cache`'s fill rule) come with one f32 scale per page,
 ``k_scale`` / ``v_scale`` ``f32[P]`` (a page is one KV head's block, so per page = per page and KV head); the
-pages read as ``q * scale``. The normalised call carries ``k_scale`` / ``v_scale`` only for fp8 pages, so a call
-over float pages is the same as before. The two Triton kernels (``"prefill"``, ``"pallas"``) read fp8 pages:
+pages read as ``page * scale``. The call carries ``k_scale`` / ``v_scale`` only for fp8 pages (``None`` for float
+pages). The two Triton kernels (``"prefill"``, ``"pallas"``) read fp8 pages:
 they load the page bytes, convert them to q's dtype, multiply each logit by its page's key scale and each
 probability by its page's value scale before ``P V`` (f32 accumulation); the Mosaic GPU kernel declines them.
 The reference dequantises the gathered pages and attends in float32.
 
-Every implementation (reference or kernel) takes that normalised call, and so does every backend's
-``unsupported()`` check. Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
+Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
 the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged attention prefill"):
 
 - ``"mosaic"``: the Mosaic GPU prefill kernel (:mod:`kvjax.pallas.paged.prefill_mgpu`), Hopper only; pages of
@@ -50,11 +39,11 @@ the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged at
   any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``); float or fp8 pages;
 - ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those
   power-of-two shapes, float or fp8 pages; what ``impl="interpret"`` runs;
+- ``"reference"``: :func:`paged_attention_reference`, always.
 
 fp8 pages on a GPU need the Triton lowering's e4m3 conversion, which it has from sm_89 (Ada, Hopper) on; on an
 older GPU (A100) compiling a Triton kernel over fp8 pages raises ``NotImplementedError`` ("cannot cast from
 float8_e4m3fn"): use ``impl="reference"`` there.
-- ``"reference"``: :func:`paged_attention_reference`, always.
 
 Page ids outside ``[0, P)`` other than ``-1`` are a caller bug (the scheduler's debug path validates plans);
 device code cannot raise, so the reference clamps them like any XLA gather.
@@ -62,6 +51,7 @@ device code cannot raise, so the reference clamps them like any XLA gather.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -77,6 +67,73 @@ from kvjax.pallas.paged import decode, prefill, prefill_mgpu
 
 _TOKENS_PER_MAP_STEP = 32  # tokens gathered at once by the reference (bounds its memory)
 _HIGHEST = jax.lax.Precision.HIGHEST  # true f32 matmuls (no TF32 on GPU): the reference is the oracle
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionCall:
+    """One paged-attention call: built once by the public op (:func:`paged_attention`) from its arguments,
+    normalised by :func:`check_call` and handed unchanged to the backend table's ``unsupported(call)`` checks and
+    to the chosen implementation (:func:`paged_attention_reference` or a kernel of :mod:`kvjax.pallas.paged`).
+    A pytree: the arrays are leaves (``k_scale`` / ``v_scale`` ``None`` for float pages), ``scale`` static.
+    Before :func:`check_call`, ``scale`` may be ``None`` (``D**-0.5``) and ``window`` / ``sinks`` ints."""
+
+    q: jax.Array  # [T, Hq, D] bf16 / f16 / f32: the new tokens of every row, token-major
+    k_pages: jax.Array  # [P, page_size, D] float, or float8_e4m3fn with k_scale
+    v_pages: jax.Array  # [P, page_size, D] k_pages' dtype
+    block_tables: jax.Array  # i32[B, Hkv, max_blocks]; -1 = hole (not attendable, never read)
+    seq_lens: jax.Array  # i32[B] context length including this step's tokens
+    cu_seqlens: jax.Array  # i32[B+1] query start offsets
+    window: jax.Array | int = 0  # i32[Hkv] (0 = full attention)
+    sinks: jax.Array | int = 0  # i32[Hkv]
+    k_scale: jax.Array | None = None  # f32[P] per-page scales of fp8 k_pages; None for float pages
+    v_scale: jax.Array | None = None  # f32[P] the same for v_pages
+    scale: float | None = dataclasses.field(default=None, metadata=dict(static=True))  # softmax scale
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (``k_pages.shape[1]``)."""
+        return self.k_pages.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """``Hkv``, the block tables' KV heads."""
+        return self.block_tables.shape[1]
+
+    @property
+    def max_blocks(self) -> int:
+        """Table columns per (row, KV head)."""
+        return self.block_tables.shape[2]
+
+
+def check_call(call: PagedAttentionCall) -> PagedAttentionCall:
+    """Host-side (trace-time) check of a call; returns it normalised: ``scale`` a Python float (``None``:
+    ``D**-0.5``), ``window`` / ``sinks`` i32[Hkv]. ``ValueError`` naming the argument for shapes and dtypes
+    (:func:`check_pages` for the pages and their scales), and for host (``np.ndarray``) values: ``cu_seqlens``
+    non-decreasing within ``[0, T]``, ``seq_lens`` within ``[0, max_blocks * page_size]``, ``window`` / ``sinks``
+    in ``[0, 2**31 - 1]`` (traced values cannot be checked)."""
+    if not isinstance(call, PagedAttentionCall):
+        raise ValueError(f"call must be a PagedAttentionCall, got {type(call).__name__}")
+    q, k_pages, block_tables = call.q, call.k_pages, call.block_tables
+    check_float("q", q, rank=3)
+    check_pages(k_pages, call.v_pages, call.k_scale, call.v_scale)
+    check_int32("block_tables", block_tables, rank=3)
+    num_rows, hkv, _ = block_tables.shape
+    check_int32("seq_lens", call.seq_lens, shape=(num_rows,))
+    check_int32("cu_seqlens", call.cu_seqlens, shape=(num_rows + 1,))
+    t_total, hq, d = q.shape
+    check_cu_seqlens(call.cu_seqlens, t_total)
+    check_seq_lens(call.seq_lens, block_tables.shape[2] * k_pages.shape[1])
+    if k_pages.shape[2] != d:
+        raise ValueError(f"k_pages head_dim {k_pages.shape[2]} != q head_dim {d} (q shape {tuple(q.shape)})")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(
+            f"q heads Hq={hq} must be a multiple of block_tables KV heads Hkv={hkv} "
+            f"(block_tables shape {tuple(block_tables.shape)})"
+        )
+    return dataclasses.replace(call, scale=_normalise_scale(call.scale, d),
+                               window=_per_kv_head("window", call.window, hkv),
+                               sinks=_per_kv_head("sinks", call.sinks, hkv))
 
 
 def _visible(q_pos, key_pos, window, sinks):
@@ -106,27 +163,17 @@ def _attend_one(q_tok, k, v, mask, scale):
     return o.reshape(hq, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def paged_attention_reference(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    *,
-    cu_seqlens: jax.Array,  # i32[B+1]
-    scale: float,
-    window: jax.Array,  # i32[Hkv]
-    sinks: jax.Array,  # i32[Hkv]
-    k_scale: jax.Array | None = None,  # f32[P]: fp8 pages only
-    v_scale: jax.Array | None = None,  # f32[P]
-) -> jax.Array:  # [T, Hq, D]
-    """Float32 pure-jnp oracle of :func:`paged_attention` (normalised kernel-contract arguments).
+@jax.jit
+def paged_attention_reference(call: PagedAttentionCall) -> jax.Array:  # [T, Hq, D] in q's dtype
+    """Float32 pure-jnp oracle of :func:`paged_attention` (a call :func:`check_call` normalised).
 
     For each query token: find its row, gather that row's pages per KV head (holes read page 0 and are
     masked out; fp8 pages are dequantised with their pages' scales), apply the causal / window / sink mask and a
     masked softmax in float32.
     """
+    q, k_pages, v_pages, block_tables = call.q, call.k_pages, call.v_pages, call.block_tables
+    seq_lens, cu_seqlens, window, sinks = call.seq_lens, call.cu_seqlens, call.window, call.sinks
+    k_scale, v_scale, scale = call.k_scale, call.v_scale, call.scale
     t_total = q.shape[0]
     num_rows, hkv, max_blocks = block_tables.shape
     page_size = k_pages.shape[1]
@@ -258,40 +305,19 @@ def paged_attention(
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal attention of new tokens over head-wise paged K/V (see the module docstring).
 
-    Validates shapes and dtypes on the host (``ValueError`` naming the argument), and host (``np.ndarray``)
-    values: ``cu_seqlens`` non-decreasing within ``[0, T]``, ``seq_lens`` within ``[0, max_blocks *
-    page_size]``, ``window`` / ``sinks`` in ``[0, 2**31 - 1]`` (traced values cannot be checked). Normalises
-    ``scale`` to a float (default ``D**-0.5``) and ``window``/``sinks`` to i32[Hkv], then runs what :data:`TABLE`
-    chooses for
-    ``impl``: ``"auto"`` (the first backend that runs here and accepts the shapes, else the reference),
-    ``"reference"``, a backend name (``"mosaic" | "prefill" | "pallas"``; :class:`UnknownImplError` naming the
-    reason if it cannot take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode)
-    or ``"NAME:interpret"``. Reads only; changes nothing. Jittable.
+    Builds one :class:`PagedAttentionCall` and checks it (:func:`check_call`: shapes and dtypes, ``ValueError``
+    naming the argument; host values of ``cu_seqlens``, ``seq_lens``, ``window`` and ``sinks``; ``scale`` a float,
+    default ``D**-0.5``; ``window`` / ``sinks`` i32[Hkv]), then runs what :data:`TABLE` chooses for ``impl``:
+    ``"auto"`` (the first backend that runs here and accepts the call, else the reference), ``"reference"``, a
+    backend name (``"mosaic" | "prefill" | "pallas"``; :class:`UnknownImplError` naming the reason if it cannot
+    take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode) or
+    ``"NAME:interpret"``. Reads only; changes nothing. Jittable.
     On a Hopper GPU a prefill-shaped batch may run the Mosaic GPU kernel, which reads whole pages of a row's walk:
     the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
-    check_float("q", q, rank=3)
-    fp8 = check_pages(k_pages, v_pages, k_scale, v_scale)
-    check_int32("block_tables", block_tables, rank=3)
-    num_rows, hkv, _ = block_tables.shape
-    check_int32("seq_lens", seq_lens, shape=(num_rows,))
-    check_int32("cu_seqlens", cu_seqlens, shape=(num_rows + 1,))
-    t_total, hq, d = q.shape
-    check_cu_seqlens(cu_seqlens, t_total)
-    check_seq_lens(seq_lens, block_tables.shape[2] * k_pages.shape[1])
-    if k_pages.shape[2] != d:
-        raise ValueError(f"k_pages head_dim {k_pages.shape[2]} != q head_dim {d} (q shape {tuple(q.shape)})")
-    if hkv < 1 or hq % hkv:
-        raise ValueError(
-            f"q heads Hq={hq} must be a multiple of block_tables KV heads Hkv={hkv} "
-            f"(block_tables shape {tuple(block_tables.shape)})"
-        )
-    args = (q, k_pages, v_pages, block_tables, seq_lens)
-    kwargs = dict(cu_seqlens=cu_seqlens, scale=_normalise_scale(scale, d), window=_per_kv_head("window", window, hkv),
-                  sinks=_per_kv_head("sinks", sinks, hkv))
-    if fp8:
-        kwargs.update(k_scale=k_scale, v_scale=v_scale)
-    return TABLE.choose(impl, args, kwargs)[1](*args, **kwargs)
+    call = check_call(PagedAttentionCall(q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens, window, sinks,
+                                         k_scale, v_scale, scale=scale))
+    return TABLE.choose(impl, (call,), {})[1](call)
 
 
 def check_pages(k_pages, v_pages, k_scale, v_scale) -> bool:
@@ -316,19 +342,17 @@ def check_pages(k_pages, v_pages, k_scale, v_scale) -> bool:
 
 def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 32, hkv: int = 8, d: int = 128,
              dtype=jnp.bfloat16, fp8: bool = False) -> tuple[tuple, dict]:
-    """A normalised call of ``rows`` rows of ``context`` positions (``tokens`` new tokens in all) as
-    ``jax.ShapeDtypeStruct`` s: what the backend table's ``unsupported()`` checks read."""
+    """A checked call ``((call,), {})`` of ``rows`` rows of ``context`` positions (``tokens`` new tokens in all),
+    its arrays ``jax.ShapeDtypeStruct`` s: what the backend table's ``unsupported()`` checks read."""
     max_blocks = -(-context // page_size)
     sds = jax.ShapeDtypeStruct
     num_pages = rows * hkv * max_blocks
     pages = sds((num_pages, page_size, d), FP8_DTYPE if fp8 else dtype)
-    args = (sds((tokens, hq, d), dtype), pages, pages, sds((rows, hkv, max_blocks), jnp.int32),
-            sds((rows,), jnp.int32))
-    kwargs = dict(cu_seqlens=sds((rows + 1,), jnp.int32), scale=d ** -0.5, window=sds((hkv,), jnp.int32),
-                  sinks=sds((hkv,), jnp.int32))
-    if fp8:
-        kwargs.update(k_scale=sds((num_pages,), jnp.float32), v_scale=sds((num_pages,), jnp.float32))
-    return args, kwargs
+    scales = sds((num_pages,), jnp.float32) if fp8 else None
+    call = PagedAttentionCall(sds((tokens, hq, d), dtype), pages, pages, sds((rows, hkv, max_blocks), jnp.int32),
+                              sds((rows,), jnp.int32), sds((rows + 1,), jnp.int32), sds((hkv,), jnp.int32),
+                              sds((hkv,), jnp.int32), scales, scales, scale=d ** -0.5)
+    return (call,), {}
 
 
 TABLE = BackendTable(

@@ -1,6 +1,10 @@
-"""Launch metadata shared by the paged-attention kernels, computed on device in jnp (static shapes): token
-positions, the query tile map of the prefill kernels, and the head-wise page walk; and the shape check of the
-two Pallas Triton kernels.
+"""What the paged-attention kernels share: launch metadata computed on device in jnp (static shapes: token
+positions, the query tile map of the prefill kernels, the head-wise page walk), the operands every kernel takes
+in one order (:func:`operands`), the scale vectors of fp8 pages and the shape check of the two Pallas Triton
+kernels. Every kernel entry takes the op's call (``kvjax.ops.attention.PagedAttentionCall``, checked by the op:
+``q [T, Hq, D]``, ``k_pages`` / ``v_pages [P, page_size, D]``, ``block_tables i32[B, Hkv, max_blocks]``,
+``seq_lens i32[B]``, ``cu_seqlens i32[B+1]``, ``window`` / ``sinks i32[Hkv]``, ``k_scale`` / ``v_scale f32[P]`` or
+``None``, static ``scale``) and hands it to these helpers unchanged.
 
 Head-wise page walk. For a query span ``[i0, i1]`` (absolute positions) and KV head ``h`` the pages that can
 hold a visible key are the *sink pages* ``[0, n_sink)`` and the *window pages* ``[lo, hi)``, with
@@ -25,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.base.device import is_pow2
-from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.base.ragged import count_le
 
 
@@ -101,33 +104,55 @@ def tile_map(cu_seqlens, seq_lens, num_tokens: int, block_q: int):
 
 
 def tile_walks(
-    cu_seqlens: jnp.ndarray,  # i32[B+1]
-    seq_lens: jnp.ndarray,  # i32[B]
-    window: jnp.ndarray,  # i32[Hkv]
-    sinks: jnp.ndarray,  # i32[Hkv]
-    *,
-    num_tokens: int,
+    call,  # kvjax.ops.attention.PagedAttentionCall: cu_seqlens, seq_lens, window, sinks, pages, block_tables
     tokens_per_tile: int,
-    page_size: int,
-    max_blocks: int,
-) -> tuple[jnp.ndarray, ...]:
+) -> tuple[tuple[jnp.ndarray, ...], tuple[jnp.ndarray, ...]]:
     """Launch metadata of the prefill kernels: the :func:`tile_map` and each (tile, KV head)'s page walk.
 
-    Returns ``(row, first token, length, first position): i32[NT]`` and ``(lo, n_sink, n_pages): i32[NT, Hkv]``.
+    Returns the spans ``(row, first token, length, first position): i32[NT]`` each and the walks
+    ``(lo, n_sink, n_pages): i32[NT, Hkv]`` each (:func:`operands` takes both).
     """
-    t_row, t_tok, t_len, t_pos, t_attends = tile_map(cu_seqlens, seq_lens, num_tokens, tokens_per_tile)
-    lo, n_sink, n_pages = page_ranges(t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), window, sinks,
-                                      page_size=page_size, max_blocks=max_blocks)
-    return t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages
+    t_row, t_tok, t_len, t_pos, t_attends = tile_map(call.cu_seqlens, call.seq_lens, call.q.shape[0], tokens_per_tile)
+    walks = page_ranges(t_pos, t_pos + t_len - 1, t_attends & (t_len > 0), call.window, call.sinks,
+                        page_size=call.page_size, max_blocks=call.max_blocks)
+    return (t_row, t_tok, t_len, t_pos), walks
 
 
-def triton_shape_reason(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-) -> str | None:
+def operands(
+    call,  # kvjax.ops.attention.PagedAttentionCall
+    kv: tuple[jax.Array, ...],  # (q, k, v, k_scale, v_scale) in the kernel's layout
+    spans: tuple[jnp.ndarray, ...],  # i32[N] each: the metadata of the kernel's query spans (tokens or tiles)
+    walks: tuple[jnp.ndarray, ...],  # (lo, n_sink, n_pages): i32[N, Hkv] each
+) -> tuple[jax.Array, ...]:
+    """The operands of every paged kernel, in their one order: ``kv``, the flat block table
+    ``i32[B*Hkv*max_blocks]``, ``spans``, the flat walks ``i32[N*Hkv]``, ``window``, ``sinks``."""
+    return (*kv, call.block_tables.reshape(-1), *spans, *(x.reshape(-1) for x in walks), call.window, call.sinks)
+
+
+def kernel_refs(refs: tuple, num_spans: int) -> tuple[tuple, tuple, tuple, tuple]:
+    """Inside a kernel: its refs, :func:`operands` in order then the kernel's outputs and scratch, split into
+    ``(q, k, v, k_scale, v_scale, block_tables)``, the ``num_spans`` span refs, the walk refs
+    ``(lo, n_sink, n_pages, window, sinks)`` (read with :func:`walk_at`) and the rest.
+
+    Refs: ``q [T*Hq, D]`` (Mosaic GPU: ``[T, Hq, D]``), ``k`` / ``v [P*page_size, D]`` (Mosaic GPU:
+    ``[P, page_size, D]``), float or float8_e4m3fn; ``k_scale`` / ``v_scale f32[P]`` (fp8 pages; else ``f32[1]``,
+    never read); ``block_tables i32[B*Hkv*max_blocks]``; spans ``i32[N]`` each; ``lo`` / ``n_sink`` / ``n_pages
+    i32[N*Hkv]``; ``window`` / ``sinks i32[Hkv]``."""
+    head, spans, walk = refs[:6], refs[6:6 + num_spans], refs[6 + num_spans:11 + num_spans]
+    return head, spans, walk, refs[11 + num_spans:]
+
+
+def walk_at(walk_refs: tuple, th: jax.Array, h: jax.Array) -> tuple[jax.Array, ...]:
+    """``(lo, n_sink, n_pages, window, sinks)``, i32[] each: the page walk of (span, KV head) ``th = span * Hkv +
+    h`` and KV head ``h``'s mask, read from the walk refs of :func:`kernel_refs`."""
+    lo_ref, nsink_ref, npages_ref, win_ref, sink_ref = walk_refs
+    return lo_ref[th], nsink_ref[th], npages_ref[th], win_ref[h], sink_ref[h]
+
+
+def triton_shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     """What the Pallas Triton paged kernels (decode and prefill) cannot take: they need a power-of-two
     ``head_dim >= 16`` and a power-of-two ``page_size`` (``"needs ..., got ..."``), else None."""
-    d, page_size = q.shape[-1], k_pages.shape[1]
+    d, page_size = call.q.shape[-1], call.page_size
     if d < 16 or not is_pow2(d):
         return f"needs a power-of-two head_dim >= 16, got {d}"
     if not is_pow2(page_size):
@@ -135,36 +160,11 @@ def triton_shape_reason(
     return None
 
 
-def page_scales(
-    k_pages: jax.Array,  # [P, page_size, D]: float, or float8_e4m3fn
-    v_pages: jax.Array,  # [P, page_size, D]
-    k_scale: jax.Array | None,  # f32[P] for fp8 pages, else None
-    v_scale: jax.Array | None,  # f32[P] for fp8 pages, else None
-    *,
-    kernel: str,
-) -> tuple[bool, jax.Array, jax.Array]:  # (fp8, f32[P] or f32[1], f32[P] or f32[1])
-    """Whether a Triton paged kernel reads fp8 pages, and the two scale arrays it is handed.
-
-    fp8 pages are float8_e4m3fn ``k_pages`` / ``v_pages`` with ``k_scale`` / ``v_scale`` ``f32[P]`` (one scale per
-    single-head page); float pages take no scales and are handed an unread ``f32[1]`` each, so the kernel's
-    signature does not change. ``ValueError`` naming ``kernel`` and the argument otherwise (the op checks the
-    same first; this guards direct kernel calls).
-    """
-    fp8 = [jnp.dtype(x.dtype) == FP8_DTYPE for x in (k_pages, v_pages)]
-    if fp8[0] != fp8[1]:
-        raise ValueError(f"{kernel}: k_pages and v_pages must both be float8_e4m3fn or both float, got "
-                         f"{k_pages.dtype} and {v_pages.dtype}")
-    if not fp8[0]:
-        given = [n for n, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is not None]
-        if given:
-            raise ValueError(f"{kernel}: {' and '.join(given)} go with float8_e4m3fn pages, got {k_pages.dtype} pages")
+def page_scales(call) -> tuple[bool, jax.Array, jax.Array]:  # (fp8, f32[P] or f32[1], f32[P] or f32[1])
+    """Whether a kernel reads fp8 pages (the call carries ``k_scale`` / ``v_scale`` ``f32[P]``, one scale per
+    single-head page), and the two scale arrays it is handed: float pages take no scales and are handed an unread
+    ``f32[1]`` each, so the kernel's operands do not change. The op checked the pages against their scales."""
+    if call.k_scale is None:
         one = jnp.ones((1,), jnp.float32)
         return False, one, one
-    num_pages = k_pages.shape[0]
-    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if x is None:
-            raise ValueError(f"{kernel}: fp8 pages need {name} (f32[P] per-page scales, P={num_pages}), got None")
-        if tuple(x.shape) != (num_pages,) or x.dtype != jnp.float32:
-            raise ValueError(f"{kernel}: {name} must be f32[{num_pages}] (one scale per page), got "
-                             f"{x.dtype}{list(x.shape)}")
-    return True, k_scale, v_scale
+    return True, call.k_scale, call.v_scale

@@ -41,21 +41,8 @@ _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run 
 
 
 def _decode_kernel(
-    q_ref,  # [T*Hq, D]
-    k_ref,  # [P*page_size, D] (float or float8_e4m3fn)
-    v_ref,  # [P*page_size, D]
-    ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
-    vs_ref,  # f32[P]: value scale per page
-    bt_ref,  # i32[B*Hkv*max_blocks]
-    row_ref,  # i32[T]
-    pos_ref,  # i32[T]
-    lo_ref,  # i32[T*Hkv]
-    nsink_ref,  # i32[T*Hkv]
-    npages_ref,  # i32[T*Hkv]
-    win_ref,  # i32[Hkv]
-    sink_ref,  # i32[Hkv]
-    o_ref,  # num_splits == 1: [T*Hq, D] (q dtype); else f32[T*Hkv*S*Gp, D]
-    *lse_refs,  # num_splits > 1: f32[T*Hkv*S*Gp]
+    *refs,  # common.operands (spans: row, pos i32[T] per token), then o_ref (num_splits == 1: [T*Hq, D] in q's
+    #         dtype; else f32[T*Hkv*S*Gp, D]) and, for num_splits > 1, lse_ref f32[T*Hkv*S*Gp]
     scale: float,
     group: int,
     rows: int,
@@ -66,17 +53,15 @@ def _decode_kernel(
     num_splits: int,
     fp8: bool,
 ):
+    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, pos_ref), walk, (o_ref, *lse_refs) = \
+        common.kernel_refs(refs, num_spans=2)
     t = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
     th = t * num_kv_heads + h
     b = row_ref[t]
     i = pos_ref[t]
-    lo = lo_ref[th]
-    n_sink = nsink_ref[th]
-    n_pages = npages_ref[th]
-    w = win_ref[h]
-    sk = sink_ref[h]
+    lo, n_sink, n_pages, w, sk = common.walk_at(walk, th, h)
     pages_per_block = block_k // page_size
 
     per_split = pl.cdiv(n_pages, num_splits)  # every walk cut into num_splits equal parts
@@ -145,21 +130,12 @@ def _decode_kernel(
 
 
 def _decode_call(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D] (float or float8_e4m3fn)
-    v_pages: jax.Array,  # [P, page_size, D]
+    call,  # kvjax.ops.attention.PagedAttentionCall
     k_scale: jax.Array,  # f32[P] (fp8 pages) or f32[1] (float pages: unread)
     v_scale: jax.Array,  # f32[P] or f32[1]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
-    row: jax.Array,  # i32[T]
-    pos: jax.Array,  # i32[T]
-    lo: jax.Array,  # i32[T, Hkv]
-    n_sink: jax.Array,  # i32[T, Hkv]
-    n_pages: jax.Array,  # i32[T, Hkv]
-    window: jax.Array,  # i32[Hkv]
-    sinks: jax.Array,  # i32[Hkv]
+    spans: tuple[jax.Array, jax.Array],  # (row, pos): i32[T] each
+    walks: tuple[jax.Array, jax.Array, jax.Array],  # (lo, n_sink, n_pages): i32[T, Hkv] each
     *,
-    scale: float,
     num_splits: int,
     block_k: int,
     num_warps: int,
@@ -167,13 +143,14 @@ def _decode_call(
     fp8: bool,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
+    q = call.q
     t_total, hq, d = q.shape
-    num_pages, page_size, _ = k_pages.shape
-    hkv, max_blocks = block_tables.shape[1:]
+    num_pages, page_size, _ = call.k_pages.shape
+    hkv, max_blocks = call.num_kv_heads, call.max_blocks
     group = hq // hkv
     rows = max(16, next_pow2(group))
     kernel = functools.partial(
-        _decode_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
+        _decode_kernel, scale=call.scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
     if num_splits == 1:
@@ -181,6 +158,8 @@ def _decode_call(
     else:
         n_part = t_total * hkv * num_splits * group
         out_shape = (jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32))
+    kv = (q.reshape(t_total * hq, d), call.k_pages.reshape(num_pages * page_size, d),
+          call.v_pages.reshape(num_pages * page_size, d), k_scale, v_scale)
     res = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -188,14 +167,7 @@ def _decode_call(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}",
-    )(
-        q.reshape(t_total * hq, d),
-        k_pages.reshape(num_pages * page_size, d),
-        v_pages.reshape(num_pages * page_size, d),
-        k_scale, v_scale,
-        block_tables.reshape(-1),
-        row, pos, lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
-    )
+    )(*common.operands(call, kv, spans, walks))
     if num_splits == 1:
         return res.reshape(t_total, hq, d)
     o_part, lse = res
@@ -204,18 +176,10 @@ def _decode_call(
     return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
 
 
-def unsupported(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    **static,  # cu_seqlens, scale, window, sinks: any value is fine
-) -> str | None:
-    """Why :func:`paged_decode` cannot take this normalised call (shapes only), or None: it takes any batch
-    with a power-of-two ``head_dim >= 16`` and a power-of-two ``page_size``, float or fp8 pages (``k_scale`` /
-    ``v_scale`` in ``static``)."""
-    return common.triton_shape_reason(q, k_pages)
+def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
+    """Why :func:`paged_decode` cannot take this call (shapes only), or None: it takes any batch with a
+    power-of-two ``head_dim >= 16`` and a power-of-two ``page_size``, float or fp8 pages."""
+    return common.triton_shape_reason(call)
 
 
 def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, pages_per_block: int) -> int:
@@ -224,54 +188,39 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
     return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "num_splits", "block_k", "num_warps", "num_stages"),
-)
+@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages"))
 def paged_decode(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks], -1 = hole
-    seq_lens: jax.Array,  # i32[B]
+    call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
-    cu_seqlens: jax.Array,  # i32[B+1]
-    scale: float,
-    window: jax.Array,  # i32[Hkv]
-    sinks: jax.Array,  # i32[Hkv]
-    k_scale: jax.Array | None = None,  # f32[P]: fp8 (float8_e4m3fn) pages only
-    v_scale: jax.Array | None = None,  # f32[P]
     interpret: bool = False,
     num_splits: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> jax.Array:  # [T, Hq, D]
-    """Split-KV paged attention of every query token (normalised ``kvjax.ops.paged_attention`` call).
+) -> jax.Array:  # [T, Hq, D] in q's dtype
+    """Split-KV paged attention of every query token: the contract of ``kvjax.ops.paged_attention``.
 
     Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
     ``num_stages`` 4 (fp8 pages: 2, RESULTS.md "Paged attention decode"). ``ValueError`` for shapes
-    :func:`unsupported` rejects and for fp8 pages without their scales
-    (:func:`kvjax.pallas.paged.common.page_scales`). fp8 pages read as ``page * scale`` (module doc). Reads only;
-    tokens that belong to no row get output 0.
+    :func:`unsupported` rejects and a ``block_k`` not a power of two. fp8 pages read as ``page * scale`` (module
+    doc). Reads only; tokens that belong to no row get output 0.
     """
-    t_total = q.shape[0]
-    hkv, max_blocks = block_tables.shape[1:]
-    page_size = k_pages.shape[1]
+    t_total = call.q.shape[0]
+    page_size = call.page_size
     block_k = max(block_k or 64, page_size)
-    reason = unsupported(q, k_pages, v_pages, block_tables, seq_lens)
+    reason = unsupported(call)
     if reason:
         raise ValueError(f"pallas paged_decode {reason}")
-    fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="pallas paged_decode")
+    fp8, k_scale, v_scale = common.page_scales(call)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
     if num_splits is None:
-        num_splits = default_num_splits(t_total, hkv, max_blocks, block_k // page_size)
-    row, pos, real = common.token_positions(cu_seqlens, seq_lens, t_total)
-    lo, n_sink, n_pages = common.page_ranges(pos, pos, real, window, sinks, page_size=page_size,
-                                             max_blocks=max_blocks)
+        num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size)
+    row, pos, real = common.token_positions(call.cu_seqlens, call.seq_lens, t_total)
+    walks = common.page_ranges(pos, pos, real, call.window, call.sinks, page_size=page_size,
+                               max_blocks=call.max_blocks)
     return _decode_call(
-        q, k_pages, v_pages, k_scale, v_scale, block_tables, row, pos, lo, n_sink, n_pages, window, sinks,
-        scale=scale, num_splits=num_splits, block_k=block_k, num_warps=num_warps or 4,
-        num_stages=num_stages or (2 if fp8 else 4), fp8=fp8, interpret=interpret,
+        call, k_scale, v_scale, (row, pos), walks, num_splits=num_splits, block_k=block_k,
+        num_warps=num_warps or 4, num_stages=num_stages or (2 if fp8 else 4), fp8=fp8, interpret=interpret,
     )

@@ -74,23 +74,8 @@ def _online_update(carry, scores, values, biases, qk_scale: float, v_scales=None
 
 
 def _prefill_kernel(
-    q_ref,  # [T*Hq, D]
-    k_ref,  # [P*page_size, D] (float or float8_e4m3fn)
-    v_ref,  # [P*page_size, D]
-    ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
-    vs_ref,  # f32[P]: value scale per page
-    bt_ref,  # i32[B*Hkv*max_blocks]
-    tile_row_ref,  # i32[NT]
-    tile_tok_ref,  # i32[NT]: first token of the tile
-    tile_len_ref,  # i32[NT]: tokens in the tile (0 = empty tile)
-    tile_pos_ref,  # i32[NT]: position of the first token
-    lo_ref,  # i32[NT*Hkv]
-    nsink_ref,  # i32[NT*Hkv]
-    npages_ref,  # i32[NT*Hkv]
-    win_ref,  # i32[Hkv]
-    sink_ref,  # i32[Hkv]
-    o_ref,  # [T*Hq, D]
-    *,
+    *refs,  # common.operands (spans: row, first token, length (0 = empty tile), first position: i32[NT] per
+    #         tile), then o_ref [T*Hq, D]
     scale: float,
     group: int,
     rows: int,
@@ -103,6 +88,8 @@ def _prefill_kernel(
     page_ids: str,
     fp8: bool,
 ):
+    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, (o_ref,) = common.kernel_refs(refs, num_spans=4)
+    tile_row_ref, tile_tok_ref, tile_len_ref, tile_pos_ref = tile_refs
     h = pl.program_id(0)
     tile = pl.num_programs(1) - 1 - pl.program_id(1)  # the last (longest-walk) tiles of every head launch first
     th = tile * num_kv_heads + h
@@ -111,11 +98,7 @@ def _prefill_kernel(
     n_tok = tile_len_ref[tile]
     i0 = tile_pos_ref[tile]
     i_last = i0 + n_tok - 1
-    lo = lo_ref[th]
-    n_sink = nsink_ref[th]
-    n_pages = npages_ref[th]
-    w = win_ref[h]
-    sk = sink_ref[h]
+    lo, n_sink, n_pages, w, sk = common.walk_at(walk, th, h)
     pages_per_block = block_k // page_size
     hq = num_kv_heads * group
 
@@ -258,22 +241,14 @@ def _prefill_kernel(
     plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=r_ok[:, None])
 
 
-def unsupported(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    **static,  # cu_seqlens, scale, window, sinks: any value is fine
-) -> str | None:
-    """Why the ``"prefill"`` backend declines this normalised call, or None: the shapes of
+def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
+    """Why the ``"prefill"`` backend declines this call, or None: the shapes of
     :func:`kvjax.pallas.paged.common.triton_shape_reason`, and more tokens than rows (``T <= B`` is a
-    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`). Float or fp8 pages
-    (``k_scale`` / ``v_scale`` in ``static``)."""
-    t_total, num_rows = q.shape[0], block_tables.shape[0]
+    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`). Float or fp8 pages."""
+    t_total, num_rows = call.q.shape[0], call.block_tables.shape[0]
     if t_total <= num_rows:
         return f"needs more tokens than rows, got a decode-shaped batch (T={t_total} <= B={num_rows})"
-    return common.triton_shape_reason(q, k_pages)
+    return common.triton_shape_reason(call)
 
 
 # Defaults per K/V load path, the fastest measured at T=4096, H=32, D=128 (RESULTS.md, "Paged attention prefill").
@@ -290,22 +265,11 @@ _DEFAULTS_LARGE_PAGE = dict(block_k=128, num_warps=8, num_stages=3, fused_loop=T
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "kv_load", "fused_loop",
-                     "page_ids"),
+    static_argnames=("interpret", "block_q", "block_k", "num_warps", "num_stages", "kv_load", "fused_loop", "page_ids"),
 )
 def paged_prefill(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks], -1 = hole
-    seq_lens: jax.Array,  # i32[B]
+    call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
-    cu_seqlens: jax.Array,  # i32[B+1]
-    scale: float,
-    window: jax.Array,  # i32[Hkv]
-    sinks: jax.Array,  # i32[Hkv]
-    k_scale: jax.Array | None = None,  # f32[P]: fp8 (float8_e4m3fn) pages only
-    v_scale: jax.Array | None = None,  # f32[P]
     interpret: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -314,13 +278,13 @@ def paged_prefill(
     kv_load: str = "auto",
     fused_loop: bool | None = None,
     page_ids: str | None = None,
-) -> jax.Array:  # [T, Hq, D]
+) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
-    Normalised ``kvjax.ops.paged_attention`` call; tokens of no row get output 0. ``ValueError`` for shapes
+    The contract of ``kvjax.ops.paged_attention``; tokens of no row get output 0. ``ValueError`` for shapes
     :func:`kvjax.pallas.paged.common.triton_shape_reason` rejects (the kernel takes decode-shaped batches too;
-    only the backend table sends them elsewhere) and for fp8 pages without their scales
-    (:func:`kvjax.pallas.paged.common.page_scales`); fp8 pages read as ``page * scale`` (module doc). Tuning knobs:
+    only the backend table sends them elsewhere) and for bad knobs; fp8 pages read as ``page * scale`` (module
+    doc). Tuning knobs:
     ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``kv_load``: ``"page"`` loads
     each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
     a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
@@ -333,9 +297,10 @@ def paged_prefill(
     pages joined into one operand, all tiles of one KV head launched together, masking every key block
     (``fast_path=False``).
     """
+    q = call.q
     t_total, hq, d = q.shape
-    num_pages, page_size, _ = k_pages.shape
-    num_rows, hkv, max_blocks = block_tables.shape
+    num_pages, page_size, _ = call.k_pages.shape
+    hkv = call.num_kv_heads
     group = hq // hkv
     if kv_load == "auto":
         kv_load = "page" if page_size >= _PAGE_MODE_MIN_PAGE else "gather"
@@ -348,10 +313,10 @@ def paged_prefill(
     num_stages = num_stages or tuned["num_stages"]
     fused_loop = tuned["fused_loop"] if fused_loop is None else fused_loop
     rows = max(block_q or 128, 16, next_pow2(group))
-    reason = common.triton_shape_reason(q, k_pages)
+    reason = common.triton_shape_reason(call)
     if reason:
         raise ValueError(f"pallas paged_prefill {reason}")
-    fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="pallas paged_prefill")
+    fp8, k_scale, v_scale = common.page_scales(call)
     for name, val in (("block_k", block_k), ("block_q", rows)):
         if val & (val - 1):
             raise ValueError(f"pallas paged_prefill needs a power-of-two {name}, got {val}")
@@ -361,30 +326,20 @@ def paged_prefill(
         raise ValueError(f"page_ids={page_ids!r} needs kv_load='page', got {kv_load!r}")
     if page_ids != "load":
         fused_loop = True
-    tokens_per_tile = rows // group
-    t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = common.tile_walks(
-        cu_seqlens, seq_lens, window, sinks, num_tokens=t_total, tokens_per_tile=tokens_per_tile,
-        page_size=page_size, max_blocks=max_blocks,
-    )
+    spans, walks = common.tile_walks(call, rows // group)
     kernel = functools.partial(
-        _prefill_kernel, scale=scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, kv_load=kv_load,
+        _prefill_kernel, scale=call.scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
+        max_blocks=call.max_blocks, num_kv_heads=hkv, kv_load=kv_load,
         loop="fused" if fused_loop else "split", page_ids=page_ids, fp8=fp8,
     )
+    kv = (q.reshape(t_total * hq, d), call.k_pages.reshape(num_pages * page_size, d),
+          call.v_pages.reshape(num_pages * page_size, d), k_scale, v_scale)
     o = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t_total * hq, d), q.dtype),
-        grid=(hkv, t_row.shape[0]),
+        grid=(hkv, spans[0].shape[0]),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_prefill{'_fp8' if fp8 else ''}_{kv_load}_bq{rows}_bk{block_k}",
-    )(
-        q.reshape(t_total * hq, d),
-        k_pages.reshape(num_pages * page_size, d),
-        v_pages.reshape(num_pages * page_size, d),
-        k_scale, v_scale,
-        block_tables.reshape(-1),
-        t_row, t_tok, t_len, t_pos,
-        lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
-    )
+    )(*common.operands(call, kv, spans, walks))
     return o.reshape(t_total, hq, d)  # every token is written: padding tokens and negative positions as 0

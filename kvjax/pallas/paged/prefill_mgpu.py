@@ -73,27 +73,12 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def _kernel(
-    q_ref,  # [T, Hq, D] (T >= 64)
-    k_ref,  # [P, page_size, D] (q's dtype, or float8_e4m3fn)
-    v_ref,  # [P, page_size, D]
-    ks_ref,  # f32[P]: key scale per page (fp8 pages; else f32[1], never read)
-    vs_ref,  # f32[P]: value scale per page
-    bt_ref,  # i32[B*Hkv*max_blocks]
-    tile_row_ref,  # i32[NT]
-    tile_tok_ref,  # i32[NT]
-    tile_len_ref,  # i32[NT]
-    tile_pos_ref,  # i32[NT]
-    lo_ref,  # i32[NT*Hkv]
-    nsink_ref,  # i32[NT*Hkv]
-    npages_ref,  # i32[NT*Hkv]
-    win_ref,  # i32[Hkv]
-    sink_ref,  # i32[Hkv]
-    o_ref,  # [T, Hq, D]
-    smem,  # (q tiles (swizzled), q / out staging (plain rows), K ring, V ring[, f16 K/V buffer per consumer (fp8)])
-    full_barriers,  # (K slot loaded, V slot loaded, q staged): a slot takes one arrival per page
-    free_barriers,  # (K slot free, V slot free): one arrival per consumer
-    sched,  # consumer schedule barrier
-    *,
+    *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
+    #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile), then o_ref
+    #         [T, Hq, D] and the scratch: smem (q tiles (swizzled), q / out staging (plain rows), K ring, V ring[, f16
+    #         K/V buffer per consumer (fp8)]), full barriers (K slot loaded, V slot loaded, q staged: a slot takes
+    #         one arrival per page), free barriers (K slot free, V slot free: one arrival per consumer), the
+    #         consumer schedule barrier
     scale: float,
     group: int,
     page_size: int,
@@ -103,6 +88,9 @@ def _kernel(
     fp8: bool,
     interpret: bool,
 ):
+    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, rest = common.kernel_refs(refs, num_spans=4)
+    tile_row_ref, tile_tok_ref, tile_len_ref, tile_pos_ref = tile_refs
+    o_ref, smem, full_barriers, free_barriers, sched = rest
     q_smem, io_smem, k_smem, v_smem, *kv16_smem = smem
     k_full, v_full, q_full = full_barriers
     k_free, v_free = free_barriers
@@ -116,11 +104,7 @@ def _kernel(
     tok0 = tile_tok_ref[tile]
     n_tok = tile_len_ref[tile]
     i0 = tile_pos_ref[tile]
-    lo = lo_ref[th]
-    n_sink = nsink_ref[th]
-    n_pages = npages_ref[th]
-    w = win_ref[kvh]
-    sk = sink_ref[kvh]
+    lo, n_sink, n_pages, w, sk = common.walk_at(walk, th, kvh)
     bt_base = (b * num_kv_heads + kvh) * max_blocks
     num_tokens = q_ref.shape[0]
     head_dim = q_smem.shape[-1]
@@ -343,13 +327,10 @@ def _kernel(
         produce_ring(n_steps, stages, issue, (k_free, v_free))
 
 
-def shape_reason(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-) -> str | None:
+def shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     """What this kernel cannot take in these shapes / dtypes (``"needs page_size in ..., got ..."``), or None:
     bf16 or f16 q with K/V pages of q's dtype or float8_e4m3fn."""
+    q, k_pages, v_pages = call.q, call.k_pages, call.v_pages
     page_size, d = k_pages.shape[1], q.shape[-1]
     if page_size not in SUPPORTED_PAGE_SIZES:
         return f"needs page_size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
@@ -362,63 +343,42 @@ def shape_reason(
     return None
 
 
-def unsupported(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
-    seq_lens: jax.Array,  # i32[B]
-    **static,  # cu_seqlens, scale, window, sinks: any value is fine
-) -> str | None:
-    """Why the ``"mosaic"`` backend declines this normalised call, or None: fp8 pages (``k_scale`` given),
+def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
+    """Why the ``"mosaic"`` backend declines this call, or None: fp8 pages (``k_scale`` given),
     :func:`shape_reason`, and fewer than ``BLOCK_Q`` tokens per row on average (``T < 64 B``)."""
-    if static.get("k_scale") is not None:
+    if call.k_scale is not None:
         return "fp8 pages: not taken by the table until measured (the Triton prefill kernel reads them)"
-    t_total, num_rows = q.shape[0], block_tables.shape[0]
+    t_total, num_rows = call.q.shape[0], call.block_tables.shape[0]
     if t_total < BLOCK_Q * num_rows:
         return f"needs T >= {BLOCK_Q} B tokens (one {BLOCK_Q}-token box per row), got T={t_total}, B={num_rows}"
-    return shape_reason(q, k_pages, v_pages)
+    return shape_reason(call)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "interpret"))
 def paged_prefill_mgpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [P, page_size, D]
-    v_pages: jax.Array,  # [P, page_size, D]
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks], -1 = hole
-    seq_lens: jax.Array,  # i32[B]
+    call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
-    cu_seqlens: jax.Array,  # i32[B+1]
-    scale: float,
-    window: jax.Array,  # i32[Hkv]
-    sinks: jax.Array,  # i32[Hkv]
-    k_scale: jax.Array | None = None,  # f32[P]: fp8 (float8_e4m3fn) pages only
-    v_scale: jax.Array | None = None,  # f32[P]
     stages: int | None = None,
     interpret: bool = False,
-) -> jax.Array:  # [T, Hq, D]
+) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
     finite values, see the module doc). fp8 pages read as ``page * scale`` (products in f16, module doc).
     ``stages``: shared-memory slots of 128 keys (default 2). ``interpret`` runs the Mosaic GPU interpreter on the
-    CPU. Reads only; tokens of no row get 0. ``ValueError`` for what :func:`shape_reason` rejects and for fp8 pages
-    without their scales (:func:`kvjax.pallas.paged.common.page_scales`).
+    CPU. Reads only; tokens of no row get 0. ``ValueError`` for what :func:`shape_reason` rejects.
     """
+    q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
-    page_size = k_pages.shape[1]
-    hkv, max_blocks = block_tables.shape[1:]
-    reason = shape_reason(q, k_pages, v_pages)
+    page_size = call.page_size
+    reason = shape_reason(call)
     if reason:
         raise ValueError(f"paged_prefill_mgpu {reason}")
-    fp8, k_scale, v_scale = common.page_scales(k_pages, v_pages, k_scale, v_scale, kernel="paged_prefill_mgpu")
+    fp8, k_scale, v_scale = common.page_scales(call)
     stages = stages or 2
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
-    t_row, t_tok, t_len, t_pos, lo, n_sink, n_pages = common.tile_walks(
-        cu_seqlens, seq_lens, window, sinks, num_tokens=t_total, tokens_per_tile=TILE_TOKENS,
-        page_size=page_size, max_blocks=max_blocks,
-    )
-    num_tiles = t_row.shape[0]
+    spans, walks = common.tile_walks(call, TILE_TOKENS)
+    num_tiles = spans[0].shape[0]
     dtype = jnp.float16 if fp8 else q.dtype  # the products' operands
     tiled = swizzled(dtype)
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
@@ -441,8 +401,8 @@ def paged_prefill_mgpu(
         plgpu.Barrier(num_arrivals=_CONSUMERS),
     )
     kernel = functools.partial(
-        _kernel, scale=scale, group=hq // hkv, page_size=page_size, max_blocks=max_blocks, num_kv_heads=hkv,
-        stages=stages, fp8=fp8, interpret=interpret,
+        _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, interpret=interpret,
     )
     q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
     out = plgpu.kernel(
@@ -455,8 +415,5 @@ def paged_prefill_mgpu(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
-    )(
-        q_in, k_pages, v_pages, k_scale, v_scale, block_tables.reshape(-1), t_row, t_tok, t_len, t_pos,
-        lo.reshape(-1), n_sink.reshape(-1), n_pages.reshape(-1), window, sinks,
-    )
+    )(*common.operands(call, (q_in, k_pages, call.v_pages, k_scale, v_scale), spans, walks))
     return out[:t_total]
