@@ -61,7 +61,20 @@ def _report(title: str, times: dict, base: str, *, nbytes: dict, copy: dict, flo
               f"GB/s){dev}")
 
 
+def _checked_call(q, kp, vp, bt, sl, cu, *, scales=None):
+    """The call ``paged_attention`` hands its kernels (full heads, softmax scale ``D**-0.5``), checked."""
+    from kvjax.ops.attention import PagedAttentionCall, check_call
+
+    k_scale, v_scale = scales or (None, None)
+    return check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, k_scale=k_scale, v_scale=v_scale))
+
+
 def decode_part(stages: tuple[int, ...]) -> None:
+    for ps in DECODE_PAGES:
+        _decode_page(ps, stages)
+
+
+def _decode_page(ps: int, stages: tuple[int, ...]) -> None:
     import jax
 
     import timing
@@ -71,40 +84,43 @@ def decode_part(stages: tuple[int, ...]) -> None:
     from kvjax.pallas.paged import decode
 
     b, l, hq, hkv, d = DECODE
-    for ps in DECODE_PAGES:
-        q, kp, vp, bt, _, sl, cu = _decode_batch(b, l, hq, hkv, d, ps, seed=1)
-        (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
-        zeros = jax.numpy.zeros((hkv,), jax.numpy.int32)
-        bf16 = jax.jit(lambda *a: _paged_auto(*a, cu=cu))
-        runners = {"bf16 pages (auto)": lambda: bf16(q, kp, vp, bt, sl)}
-        calls = {}
-        for st in (None, *stages):
-            calls["fp8 (default)" if st is None else f"fp8 stages={st}"] = jax.jit(functools.partial(
-                decode.paged_decode, cu_seqlens=cu, scale=d ** -0.5, window=zeros, sinks=zeros, num_stages=st))
-        for name, f in calls.items():
-            runners[name] = lambda _f=f: _f(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
-        ref = jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl="reference", **kw))
-        ref8, ref16 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs), ref(q, kp, vp, bt, sl)
-        errs = {"bf16 pages (auto)": _err(runners["bf16 pages (auto)"](), ref16)}
-        for name in calls:
-            try:
-                errs[name] = _err(runners[name](), ref8)
-            except Exception as e:  # a setting the compiler rejects is reported, the others still run
-                errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
-                del runners[name]
-        nb16, nb8 = b * hkv * kv_bytes(l, d, ps, fp8=False), b * hkv * kv_bytes(l, d, ps, fp8=True)
-        nbytes = {name: (nb16 if name.startswith("bf16") else nb8) for name in runners}
-        times = timing.interleaved(runners, rounds=5, n=20, device_rounds=2)
-        copy = {nb: timing.xla_copy(nb) for nb in (nb16, nb8)}
-        _report(f"decode B={b} L={l} Hq={hq} Hkv={hkv} D={d} page={ps}", times, "bf16 pages (auto)",
-                nbytes=nbytes, copy=copy, errs=errs)
-        for name in errs:
-            if name not in runners:
-                print(f"{name}: {errs[name]}")
-        del q, kp, vp, kp8, vp8, runners, calls
+    q, kp, vp, bt, _, sl, cu = _decode_batch(b, l, hq, hkv, d, ps, seed=1)
+    (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
+    call8 = _checked_call(q, kp8, vp8, bt, sl, cu, scales=(ks, vs))
+    bf16 = jax.jit(lambda *a: _paged_auto(*a, cu=cu))
+    runners = {"bf16 pages (auto)": lambda: bf16(q, kp, vp, bt, sl)}
+    calls = {}
+    for st in (None, *stages):
+        calls["fp8 (default)" if st is None else f"fp8 stages={st}"] = functools.partial(decode.paged_decode,
+                                                                                         num_stages=st)
+    for name, f in calls.items():
+        runners[name] = lambda _f=f: _f(call8)
+    ref = jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl="reference", **kw))
+    ref8, ref16 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs), ref(q, kp, vp, bt, sl)
+    errs = {"bf16 pages (auto)": _err(runners["bf16 pages (auto)"](), ref16)}
+    for name in calls:
+        try:
+            errs[name] = _err(runners[name](), ref8)
+        except Exception as e:  # a setting the compiler rejects is reported, the others still run
+            errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
+            del runners[name]
+    nb16, nb8 = b * hkv * kv_bytes(l, d, ps, fp8=False), b * hkv * kv_bytes(l, d, ps, fp8=True)
+    nbytes = {name: (nb16 if name.startswith("bf16") else nb8) for name in runners}
+    times = timing.interleaved(runners, rounds=5, n=20, device_rounds=2)
+    copy = {nb: timing.xla_copy(nb) for nb in (nb16, nb8)}
+    _report(f"decode B={b} L={l} Hq={hq} Hkv={hkv} D={d} page={ps}", times, "bf16 pages (auto)",
+            nbytes=nbytes, copy=copy, errs=errs)
+    for name in errs:
+        if name not in runners:
+            print(f"{name}: {errs[name]}")
 
 
 def prefill_part() -> None:
+    for ps in PREFILL_PAGES:
+        _prefill_page(ps)
+
+
+def _prefill_page(ps: int) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -116,39 +132,35 @@ def prefill_part() -> None:
 
     t, h, d = PREFILL
     flops = 4 * (t * (t + 1) // 2) * d * h
-    for ps in PREFILL_PAGES:
-        keys = jax.random.split(jax.random.key(3), 4)
-        q, k, v = (jax.random.normal(kk, (t, h, d), jnp.bfloat16) for kk in keys[:3])  # bf16[T, H, D]
-        blocks = t // ps
-        perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * blocks).astype(jnp.int32)
-        pages = lambda x: jnp.zeros((h * blocks, ps, d), x.dtype).at[perm].set(  # noqa: E731
-            jnp.swapaxes(x, 0, 1).reshape(h * blocks, ps, d))
-        kp, vp = pages(k), pages(v)
-        (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
-        bt, sl, cu = perm.reshape(1, h, blocks), jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32)
-        zeros = jnp.zeros((h,), jnp.int32)
-        op = lambda impl: jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl=impl, **kw))  # noqa: E731
-        auto, ref = op("auto"), op("reference")
-        mgpu = jax.jit(lambda *a, **kw: prefill_mgpu.paged_prefill_mgpu(
-            *a, cu_seqlens=cu, scale=d ** -0.5, window=zeros, sinks=zeros, **kw))
-        runners = {
-            "bf16 pages (auto: mosaic)": lambda: auto(q, kp, vp, bt, sl),
-            "fp8 pages (auto: Triton prefill)": lambda: auto(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs),
-            "fp8 pages (mosaic, f16 products)": lambda: mgpu(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs),
-        }
-        ref8 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
-        errs = {"bf16 pages (auto: mosaic)": _err(runners["bf16 pages (auto: mosaic)"](), ref(q, kp, vp, bt, sl))}
-        for name in list(runners)[1:]:
-            try:
-                errs[name] = _err(runners[name](), ref8)
-            except Exception as e:
-                errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-                print(f"{name}: {errs[name]}")
-                del runners[name]
-        times = timing.interleaved(runners, rounds=5, n=10, device_rounds=2)
-        _report(f"prefill T={t} H={h} D={d} page={ps} (causal, {flops / 1e9:.1f} GFLOP)", times,
-                "bf16 pages (auto: mosaic)", nbytes={}, copy={}, flops=flops, errs=errs)
-        del q, k, v, kp, vp, kp8, vp8, runners
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, k, v = (jax.random.normal(kk, (t, h, d), jnp.bfloat16) for kk in keys[:3])  # bf16[T, H, D]
+    blocks = t // ps
+    perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * blocks).astype(jnp.int32)
+    pages = lambda x: jnp.zeros((h * blocks, ps, d), x.dtype).at[perm].set(  # noqa: E731
+        jnp.swapaxes(x, 0, 1).reshape(h * blocks, ps, d))
+    kp, vp = pages(k), pages(v)
+    (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
+    bt, sl, cu = perm.reshape(1, h, blocks), jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32)
+    call8 = _checked_call(q, kp8, vp8, bt, sl, cu, scales=(ks, vs))
+    op = lambda impl: jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl=impl, **kw))  # noqa: E731
+    auto, ref = op("auto"), op("reference")
+    runners = {
+        "bf16 pages (auto: mosaic)": lambda: auto(q, kp, vp, bt, sl),
+        "fp8 pages (auto: Triton prefill)": lambda: auto(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs),
+        "fp8 pages (mosaic, f16 products)": lambda: prefill_mgpu.paged_prefill_mgpu(call8),
+    }
+    ref8 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
+    errs = {"bf16 pages (auto: mosaic)": _err(runners["bf16 pages (auto: mosaic)"](), ref(q, kp, vp, bt, sl))}
+    for name in list(runners)[1:]:
+        try:
+            errs[name] = _err(runners[name](), ref8)
+        except Exception as e:
+            errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
+            print(f"{name}: {errs[name]}")
+            del runners[name]
+    times = timing.interleaved(runners, rounds=5, n=10, device_rounds=2)
+    _report(f"prefill T={t} H={h} D={d} page={ps} (causal, {flops / 1e9:.1f} GFLOP)", times,
+            "bf16 pages (auto: mosaic)", nbytes={}, copy={}, flops=flops, errs=errs)
 
 
 def main(argv=None) -> None:
