@@ -1,7 +1,8 @@
 """Prefix caching on the engine (issue #19): a multi-turn workload served under every policy of
 :data:`kvjax.experiments.prefix_runs.POLICIES` at fixed memory, on the gpu-preset toy Qwen3.5 in float32.
 
-Usage: ``python benchmarks/runner.py prefix`` (one accelerator; ``--small``: a CPU smoke run of a few seconds).
+Usage: ``python benchmarks/runner.py prefix`` or ``python benchmarks/prefix.py [runner options]`` (one accelerator;
+``--small``: a CPU smoke run of a few seconds; ``--cases "host tier"``: the host tier case alone).
 
 Workload (:func:`kvjax.sched.workload.multi_turn_workload`): ``CONVERSATIONS`` conversations of ``TURNS`` turns;
 turn ``t + 1``'s prompt = turn ``t``'s prompt + the answer the model generated + a new message, arriving when
@@ -247,3 +248,13 @@ def cases(small: bool = False) -> list[RunCase]:
                     "kvjax.engine.engine.Engine(prefix_caching=True, host_cache_bytes=N)", tier_shapes,
                     lambda: measure(p, *tier_args, parallel=not small, names=tier, host_memory=HOST_MEMORY),
                     anchor="timely+keep_tail")]
+
+
+if __name__ == "__main__":  # python benchmarks/prefix.py [runner options]: these cases through the runner
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import runner
+
+    sys.exit(runner.subject_main("prefix", sys.argv[1:]))

@@ -260,6 +260,8 @@ def test_idle_time_beginning_during_the_copies_is_exposed(qwen, reference, monke
 
 
 def test_host_tier_arguments_are_checked(qwen):
+    with pytest.raises(ValueError, match="power of two"):
+        HostStore(chunk=3)
     with pytest.raises(ValueError, match="needs prefix_caching=True"):
         Engine(qwen, SMALL, host_cache_bytes=HOST)
     with pytest.raises(ValueError, match="must be an int >= 0"):

@@ -2,12 +2,12 @@
 
 The scheduler's prefix cache (:mod:`kvjax.sched.prefix_cache`, :mod:`kvjax.sched.host_tier`) decides what moves
 and logs it as :class:`~kvjax.sched.host_tier.CopyOp` groups with host ids; :class:`HostStore` executes a plan's
-log before the engine dispatches the plan's step, in log order. The host data is held in *slabs*: byte arrays
-``u8[rows, row_bytes]`` in ``pinned_host`` memory, one row per page (the page of every paged role of every layer,
-each role's bytes bitcast and laid end to end: :func:`pack_pages`) or per GDN checkpoint (every GDN layer's conv
-and SSM state: :func:`pack_states`). Packing makes a copy's cost in host calls independent of the model's layer
-and role count: a spill makes one array per ``chunk`` pages (one per checkpoint), a load moves one array per slab
-it reads.
+log before the engine dispatches the plan's step, in log order. The host data is held in *slabs*: arrays of
+unsigned words ``word[rows, row]`` in ``pinned_host`` memory, one row per page (the page of every paged role of
+every layer, each role's bits laid end to end: :func:`pack_pages`; ``word`` as wide as the narrowest role's dtype)
+or per GDN checkpoint (every GDN layer's conv and SSM state: :func:`pack_states`). Packing makes a copy's cost in
+host calls independent of the model's layer and role count: a spill makes one array per ``chunk`` pages (one per
+checkpoint), a load moves one array per slab it reads.
 
 - ``out`` (spill): the named device pages and checkpoint slots are gathered, packed and placed in ``pinned_host``
   memory (``out_shardings``) by a jitted call per power of two in the binary form of the spill's slab counts (a
@@ -85,40 +85,52 @@ def _pad(x, n: int, value: int) -> np.ndarray:
     return out
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-    """``x`` (``[n, ...]``, any numeric dtype) as its bytes ``u8[n, bytes]`` (traceable)."""
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+_WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-    """Rows ``b`` (``u8[n, bytes]``) as ``dtype[n, *shape]`` (the inverse of :func:`_to_bytes`; traceable)."""
-    size = jnp.dtype(dtype).itemsize
-    return lax.bitcast_convert_type(b.reshape(b.shape[0], *shape, *((size,) if size > 1 else ())), dtype)
+def _word(arrays) -> object:
+    """The unsigned word a packed row is made of: as wide as the narrowest dtype among ``arrays`` (a model whose
+    roles are all f32 packs u32 words, one per element; an fp8 role makes it bytes)."""
+    return _WORDS[min(x.dtype.itemsize for x in arrays)]
 
 
-def _layout(arrays: dict[str, jax.Array], axis: int) -> list[tuple[str, tuple[int, ...], object, int]]:
-    """``(name, row shape, dtype, bytes)`` of one row of each array (its index ``axis`` dropped), sorted by name:
+def _to_words(x: jax.Array, word) -> jax.Array:
+    """``x`` (``[n, ...]``, any numeric dtype at least as wide as ``word``) as words ``word[n, words]``
+    (traceable)."""
+    return lax.bitcast_convert_type(x, word).reshape(x.shape[0], -1)
+
+
+def _from_words(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Rows ``b`` (``word[n, words]``) as ``dtype[n, *shape]`` (the inverse of :func:`_to_words`; traceable)."""
+    ratio = jnp.dtype(dtype).itemsize // b.dtype.itemsize
+    return lax.bitcast_convert_type(b.reshape(b.shape[0], *shape, *((ratio,) if ratio > 1 else ())), dtype)
+
+
+def _layout(arrays: dict[str, jax.Array], axis: int, word) -> list[tuple[str, tuple[int, ...], object, int]]:
+    """``(name, row shape, dtype, words)`` of one row of each array (its index ``axis`` dropped), sorted by name:
     the order rows are packed in."""
     out = []
     for name in sorted(arrays):
         x = arrays[name]
         shape = x.shape[:axis] + x.shape[axis + 1:]
-        out.append((name, shape, x.dtype, int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize))
+        out.append((name, shape, x.dtype,
+                    int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize // jnp.dtype(word).itemsize))
     return out
 
 
 def pack_pages(pages: dict[str, jax.Array], idx: jax.Array) -> jax.Array:
-    """Device pages ``idx`` (i32[n]) of every paged role ``{name: [P, page_size, ...]}`` as rows ``u8[n, row]``
-    (each role's bytes in name order; traceable)."""
-    return jnp.concatenate([_to_bytes(pages[name][idx]) for name, *_ in _layout(pages, 0)], axis=1)
+    """Device pages ``idx`` (i32[n]) of every paged role ``{name: [P, page_size, ...]}`` as rows ``word[n, row]``
+    (each role's bits in name order, :func:`_word`; traceable)."""
+    word = _word(pages.values())
+    return jnp.concatenate([_to_words(pages[name][idx], word) for name, *_ in _layout(pages, 0, word)], axis=1)
 
 
 def unpack_pages(pages: dict[str, jax.Array], rows: jax.Array) -> dict[str, jax.Array]:
-    """Rows ``u8[n, row]`` of :func:`pack_pages` as ``{name: [n, page_size, ...]}`` shaped like ``pages``'."""
+    """Rows ``word[n, row]`` of :func:`pack_pages` as ``{name: [n, page_size, ...]}`` shaped like ``pages``'."""
     out, at = {}, 0
-    for name, shape, dtype, nbytes in _layout(pages, 0):
-        out[name] = _from_bytes(rows[:, at: at + nbytes], shape, dtype)
-        at += nbytes
+    for name, shape, dtype, size in _layout(pages, 0, rows.dtype):
+        out[name] = _from_words(rows[:, at: at + size], shape, dtype)
+        at += size
     return out
 
 
@@ -128,22 +140,23 @@ def _states(gdn) -> dict[str, jax.Array]:
 
 def pack_states(gdn, slots: jax.Array) -> jax.Array:
     """GDN slots ``slots`` (i32[c]) of every GDN layer (conv ``[L, S+1, ...]``, ssm ``f32[L, S+1, ...]``) as rows
-    ``u8[c, row]`` (traceable)."""
-    return jnp.concatenate([_to_bytes(jnp.moveaxis(x[:, slots], 1, 0)) for x in (gdn.conv, gdn.ssm)], axis=1)
+    ``word[c, row]`` (traceable)."""
+    word = _word(_states(gdn).values())
+    return jnp.concatenate([_to_words(jnp.moveaxis(x[:, slots], 1, 0), word) for x in (gdn.conv, gdn.ssm)], axis=1)
 
 
 def unpack_states(gdn, rows: jax.Array) -> dict[str, jax.Array]:
-    """Rows ``u8[c, row]`` of :func:`pack_states` as ``{"conv", "ssm": [L, c, ...]}``."""
+    """Rows ``word[c, row]`` of :func:`pack_states` as ``{"conv", "ssm": [L, c, ...]}``."""
     out, at = {}, 0
-    for name, shape, dtype, nbytes in _layout(_states(gdn), 1):
-        out[name] = jnp.moveaxis(_from_bytes(rows[:, at: at + nbytes], shape, dtype), 0, 1)
-        at += nbytes
+    for name, shape, dtype, size in _layout(_states(gdn), 1, rows.dtype):
+        out[name] = jnp.moveaxis(_from_words(rows[:, at: at + size], shape, dtype), 0, 1)
+        at += size
     return out
 
 
 def gather(caches: ModelCaches, pages: jax.Array, slots: jax.Array, chunk: int) -> tuple[list, list]:
-    """Device pages ``pages`` (i32[n * chunk]) packed as ``n`` slabs ``u8[chunk, page row]``, and GDN slots
-    ``slots`` (i32[c]) as ``c`` slabs ``u8[1, checkpoint row]`` (traceable; ``chunk`` static)."""
+    """Device pages ``pages`` (i32[n * chunk]) packed as ``n`` slabs ``word[chunk, page row]``, and GDN slots
+    ``slots`` (i32[c]) as ``c`` slabs ``word[1, checkpoint row]`` (traceable; ``chunk`` static)."""
     n = pages.shape[0] // chunk
     rows = pack_pages(caches.pages, pages) if n else None
     states = pack_states(caches.gdn, slots) if slots.shape[0] else None
@@ -203,7 +216,7 @@ class HostStore:
         self.traces = 0  # compilations of the copies (each jitted function traces once per shape)
         self._gather = jax.jit(self._counted(gather), static_argnums=(3,), out_shardings=self._host)
         self._scatter = jax.jit(self._counted(scatter), donate_argnums=(0,))
-        self.slabs: dict[int, jax.Array] = {}  # slab id -> u8[rows, row bytes] in pinned_host memory
+        self.slabs: dict[int, jax.Array] = {}  # slab id -> word[rows, row] in pinned_host memory
         self.live: dict[int, int] = {}  # slab id -> host ids mapping into it
         self._loc = np.full((0, 2), -1, np.int64)  # i64[ids, 2]: host id -> (slab, row); -1: not held
         self._next = 0

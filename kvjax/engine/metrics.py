@@ -19,8 +19,9 @@ Host time. ``t_host = t_step - t_wait``: everything the host does for the step (
 observed the device idle (everything dispatched finished) and has not dispatched yet. The host observes
 idleness exactly when it blocked on a step's tokens and nothing else is in flight (the synchronous engine: all
 of its host time is exposed), and otherwise through non-blocking ``is_ready()`` probes of the latest dispatched
-step at the start of a call, after scheduling and before the dispatch; the idle interval counts from the first
-probe that saw it, so ``t_exposed`` is a lower bound, exact to within one phase. With ``overlap=True`` the
+step at the start of a call, after scheduling, after each group of host-tier copies issued and before the
+dispatch; the idle interval counts from the first probe that saw it, so ``t_exposed`` is a lower bound, exact to
+within one phase (one group of copies). With ``overlap=True`` the
 host's work for step N+1 runs while step N computes: ``t_exposed`` stays near 0 while the device step takes
 longer than the host's part. Time outside ``Engine.step`` (the caller's own work between calls) is not counted.
 """
