@@ -5,7 +5,8 @@ Usage (GPU): ``python benchmarks/spec.py [--rows 1,16,64] [--json out.json]`` (`
 
 Model: the copy toy of :mod:`kvjax.experiments.spec_runs` (float32): two attention layers trained once at the start
 with optax on the copy task at the length it serves (prompt + answer), so its answers copy its prompt and
-prompt-lookup drafts are what it says, then a GDN layer appended that changes no logit but runs in every step (its
+prompt-lookup drafts are what it says, and an MTP layer trained ``mtp_steps`` optax steps on the same task with the
+toy frozen (``speculative="mtp"``; its teacher-forced two-ahead accuracy printed), then a GDN layer appended that changes no logit but runs in every step (its
 state recorded per draft and rolled back: the hybrid's verification cost). Its teacher-forced copy accuracy is
 printed: the acceptance to expect.
 
@@ -13,7 +14,8 @@ Runs: for each row count (``--rows``), ``waves`` times as many copy prompts (at 
 ``prompt_len`` tokens, ``max_new`` generated tokens each, pages for every row: plain decoding (the engine's defaults:
 overlap, decode bursts), then ``speculative=ngram`` with K = 2 and 4 under the engine's default rule
 (:func:`kvjax.sched.spec.draft_length`: drafts shortened or turned off where the step-cost model says they do not
-pay), and K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible). Each
+pay), K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible), and ``speculative=mtp`` with
+K = 2 and 4 under the rule (the MTP layer drafts inside every step). Each
 engine serves the prompts once to compile, then once timed. Columns: generated tokens/s (wall clock of the timed
 pass) and against plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft
 position), tokens per verification row and step, verification steps, and whether the tokens equal plain
@@ -34,12 +36,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=16), hidden=64, steps=2000, lr=1e-2,
+FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=16), hidden=64, steps=2000, lr=1e-2, mtp_steps=300,
             layers=("full_attention", "full_attention"), idle=("linear_attention",), prompt_len=64, max_new=128,
             waves=2, min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
 # CPU smoke: one attention layer and an idle GDN one, untrained (steps=0), one step shape per engine (compiles
 # dominate on a CPU)
-SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), hidden=32, steps=0, lr=3e-3,
+SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), hidden=32, steps=0, lr=3e-3, mtp_steps=0,
              layers=("full_attention",), idle=("linear_attention",), prompt_len=13, max_new=6, waves=1, min_requests=1,
              rows=(1, 3), ks=(2,),
              one_shape=True)
@@ -47,11 +49,12 @@ SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), hidden=
 
 def modes(ks) -> list[tuple[str, object]]:
     """(name, ``speculative=``) of each run at a row count: plain, ngram per K (paced), ngram at the largest K
-    unpaced."""
+    unpaced, then the MTP layers' drafts per K (paced)."""
     from kvjax.sched.drafter import SpeculativeConfig
 
     out = [("plain", None)] + [(f"ngram K={k}", SpeculativeConfig(num_draft_tokens=k)) for k in ks]
-    return out + [(f"ngram K={max(ks)} rule off", SpeculativeConfig(num_draft_tokens=max(ks), flat_tokens=None))]
+    out += [(f"ngram K={max(ks)} rule off", SpeculativeConfig(num_draft_tokens=max(ks), flat_tokens=None))]
+    return out + [(f"mtp K={k}", SpeculativeConfig(method="mtp", num_draft_tokens=k)) for k in ks]
 
 
 @contextlib.contextmanager
@@ -101,7 +104,12 @@ def main(argv=None) -> dict:
             acc = spec_runs.copy_accuracy(model, task, np.random.default_rng(1))
             print(f"copy toy trained {cfg['steps']} steps in {time.perf_counter() - t0:.1f} s: teacher-forced copy "
                   f"accuracy {acc:.3f}, loss {hist['loss'][-20:].mean():.4f}")
-        model = spec_runs.with_idle_layers(model, cfg["idle"])
+        t0 = time.perf_counter()
+        head, mtp_hist = spec_runs.copy_mtp(model, task, steps=cfg["mtp_steps"], lr=cfg["lr"])
+        mtp_acc = spec_runs.mtp_copy_accuracy(model, head, task, np.random.default_rng(2))
+        print(f"MTP layer {'trained ' + str(cfg['mtp_steps']) + ' steps' if mtp_hist else 'random'} in "
+              f"{time.perf_counter() - t0:.1f} s (toy frozen): teacher-forced two-ahead copy accuracy {mtp_acc:.3f}")
+        model = spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head)
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; layers {model.config.layer_types}", flush=True)
         rows_out = []
         print("\n| rows | mode | tok/s | vs plain | model | steps | tok/step | acceptance | per position | "
@@ -126,7 +134,7 @@ def main(argv=None) -> dict:
                 print(f"| {rows} | {name} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['model_vs_plain']:.2f}x | "
                       f"{r['steps']} | {r['tokens_per_step']:.1f} | {spec} | {r['verify_steps']} | {r['identical']} |",
                       flush=True)
-    report = dict(config={k: v for k, v in cfg.items()}, copy_accuracy=acc, rows=rows_out)
+    report = dict(config={k: v for k, v in cfg.items()}, copy_accuracy=acc, mtp_copy_accuracy=mtp_acc, rows=rows_out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=float)

@@ -14,6 +14,11 @@ Runs (:func:`spec_run`): one engine per (rows, speculation) serving ``requests``
 tokens/s in steps that did not compile, and speculation's figures (acceptance per draft position, tokens per
 verification step). :class:`NoisyDrafter` lowers the acceptance at will (each draft token replaced with a given
 probability), to see where speculation stops paying.
+
+MTP drafts (``speculative="mtp"``): :func:`copy_mtp` trains MTP layers for the toy (its attention layers frozen) with
+:func:`kvjax.experiments.mtp_train.train_mtp` on the copied tokens; :func:`mtp_copy_accuracy` is their teacher-forced
+two-ahead accuracy (the acceptance of a first draft to expect); :func:`attach_mtp` gives them to the served model (the
+one with idle layers: its hidden states are the trained model's).
 """
 
 from __future__ import annotations
@@ -210,3 +215,47 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
                    tokens_per_verify_row=(vrows + out["drafts_accepted"]) / vrows,
                    tokens_per_verify_step=sum(r.generated for r in verify) / len(verify))
     return out
+
+
+def copy_mtp(model: Qwen3_5ForCausalLM, task: CopyTask, *, steps: int, lr: float = 1e-2, batch: int = 32,
+             seed: int = 0) -> tuple[Any, dict[str, np.ndarray] | None]:
+    """MTP layers for the copy toy ``model`` (frozen; attention layers only, as :func:`copy_model` trains it):
+    ``steps`` optax steps of :func:`kvjax.experiments.mtp_train.train_mtp` on the tokens two ahead that copy the
+    pattern (``steps=0``: random layers). Returns ``(layers, training history or None)``."""
+    from kvjax.models.qwen3_5 import mtp as mtp_lib
+
+    if not steps:
+        return mtp_lib.init(model.config, seed=seed, dtype=model.model.embed_tokens[...].dtype), None
+    from kvjax.experiments.mtp_train import train_mtp
+
+    return train_mtp(model, task, steps=steps, batch=batch, lr=lr, warmup=min(30, steps // 2), seed=seed,
+                     on="answers")
+
+
+def mtp_copy_accuracy(model: Qwen3_5ForCausalLM, mtp: Any, task: CopyTask, rng: np.random.Generator,
+                      n: int = 64) -> float:
+    """Teacher-forced accuracy of the MTP layers ``mtp`` (no cache) on the copied tokens two ahead of ``n`` fresh
+    sequences: position ``t`` reads ``h_t`` and the true ``x_{t+1}`` and predicts ``x_{t+2}``."""
+    import jax.numpy as jnp
+
+    from kvjax.experiments.mtp_train import two_ahead
+
+    x, _, m, _ = task.sample(rng, n)
+    nxt, tgt, w = two_ahead(task, x, m)
+    hidden = model.hidden_states(jnp.asarray(x))[:, :-2]
+    pred = np.asarray(jnp.argmax(mtp.logits(model, mtp.dense(model, hidden, jnp.asarray(nxt))), axis=-1))
+    sel = w > 0
+    return float((pred[sel] == tgt[sel]).mean())
+
+
+def attach_mtp(model: Qwen3_5ForCausalLM, mtp: Any) -> Qwen3_5ForCausalLM:
+    """``model`` with ``mtp``'s parameters as its MTP layers (:func:`kvjax.models.qwen3_5.mtp.attach`), rebuilt for
+    ``model``'s config (their caches come after its layers: a model with idle layers appended has more); returns
+    ``model``."""
+    from flax import nnx
+
+    from kvjax.models.qwen3_5 import mtp as mtp_lib
+
+    layers = mtp_lib.init(model.config, num_layers=mtp.num_layers, dtype=mtp.fc.kernel[...].dtype)
+    nnx.update(layers, nnx.state(mtp))
+    return mtp_lib.attach(model, layers)
