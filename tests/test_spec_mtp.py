@@ -211,3 +211,17 @@ def test_sizing_pays_for_the_mtp_pools(qwen):
         scales = 2 * 4 if fp8 else 0  # f32 key / value scale per page
         assert both[0] - plain[0] == 2 * 4 * a.head_dim * item + scales
         assert both[1:] == plain[1:]
+
+
+def test_fp8_pages_give_the_plain_engines_tokens(qwen, shared):
+    """fp8 K/V pages (the MTP pools too, with their per-page scales): the MTP engine's tokens are the plain fp8
+    engine's (not the f32 oracle's)."""
+    prompts, _ = shared
+    plain = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, kv_cache_dtype="fp8", **ONE_BUCKET)
+    expect = plain.generate(prompts, NEW)
+    eng = mtp_engine(qwen, 2, kv_cache_dtype="fp8")
+    assert eng.caches.pages[f"key_caches_{qwen.config.num_layers}"].dtype == jnp.float8_e4m3fn
+    assert f"key_scale_caches_{qwen.config.num_layers}" in eng.caches.pages
+    assert eng.generate(prompts, NEW) == expect
+    assert eng.metrics.summary()["drafts_proposed"] > 0
+    assert_idle(eng)
