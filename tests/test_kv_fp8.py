@@ -1,6 +1,6 @@
 """Block-wise fp8 GQA pages: the cache spec and its roles, the quantising write and its fill rule, the paged
 attention reference over fp8 pages (against float pages, with a bound derived from e4m3's 3 mantissa bits), the
-backend table's choice for fp8 pages (the Triton kernels take them, the Mosaic GPU kernel declines them), and bad
+backend table's choice for fp8 pages (decode: the split-KV kernel; prefill: the Mosaic GPU kernel on Hopper), and bad
 inputs. The kernels over fp8 pages against this reference: ``tests/test_paged_attention_kernels.py``."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kvjax.base.device import DeviceKind
-from kvjax.errors import UnknownImplError
 from kvjax.ops.attention import TABLE, dense_attention_reference, paged_attention
 from kvjax.state.kv_cache import check_gqa_cache, dequantize_pages, write_kv_cache, write_kv_fp8
 from kvjax.state.registry import GQACacheSpec, cache_names, create_caches, create_host_caches, create_kv_cache
@@ -290,9 +289,9 @@ def test_fp8_pages_error_against_float_pages_is_bounded(rng):
 # ------------------------------------------------------------------------------------------------ kernels choice
 
 
-def test_triton_kernels_take_fp8_pages_and_mosaic_declines_them():
-    """On Hopper, fp8 decode goes to the split-KV kernel and fp8 prefill to the Triton prefill kernel (the Mosaic GPU
-    kernel, first for bf16 prefill at pages of 64, declines fp8 pages by name); on a CPU auto takes the reference."""
+def test_fp8_pages_choose_the_decode_and_mosaic_kernels():
+    """On Hopper, fp8 decode goes to the split-KV kernel and fp8 prefill at pages of 64 to the Mosaic GPU kernel, as
+    bf16 prefill does (the Triton prefill kernel could take it too); on a CPU auto takes the reference."""
     hopper = DeviceKind(platform="gpu", compute_capability="9.0", num_sms=132)
     cpu = DeviceKind(platform="cpu")
     for page in (16, 64):
@@ -302,10 +301,9 @@ def test_triton_kernels_take_fp8_pages_and_mosaic_declines_them():
         assert TABLE.choose("interpret", args, kwargs, device=cpu)[0] == "interpret"
     args, kwargs = TABLE.examples["prefill T=4096 H=32 D=128 page 64 fp8"]()
     reasons = dict(TABLE.explain(args, kwargs, device=hopper))
-    assert reasons["mosaic"].startswith("fp8 pages: not taken by the table") and reasons["prefill"] is None
-    assert TABLE.choose("auto", args, kwargs, device=hopper)[0] == "prefill"
-    with pytest.raises(UnknownImplError, match="fp8 pages"):
-        TABLE.choose("mosaic:interpret", args, kwargs, device=cpu)
+    assert reasons["mosaic"] is None and reasons["prefill"] is None
+    assert TABLE.choose("auto", args, kwargs, device=hopper)[0] == "mosaic"
+    assert TABLE.choose("auto", args, kwargs, device=cpu)[0] == "reference"
     bf16_args, bf16_kwargs = TABLE.examples["prefill T=4096 H=32 D=128 page 64 bf16"]()
     assert TABLE.choose("auto", bf16_args, bf16_kwargs, device=hopper)[0] == "mosaic"  # float pages: unchanged
     assert "k_scale" not in bf16_kwargs

@@ -26,14 +26,15 @@ fp8 pages (``float8_e4m3fn``, :mod:`kvjax.state.kv_cache`'s fill rule) come with
 pages read as ``page * scale``. The call carries ``k_scale`` / ``v_scale`` only for fp8 pages (``None`` for float
 pages). The two Triton kernels (``"prefill"``, ``"pallas"``) read fp8 pages:
 they load the page bytes, convert them to q's dtype, multiply each logit by its page's key scale and each
-probability by its page's value scale before ``P V`` (f32 accumulation); the Mosaic GPU kernel declines them.
+probability by its page's value scale before ``P V`` (f32 accumulation); the Mosaic GPU kernel converts them to f16
+for its products.
 The reference dequantises the gathered pages and attends in float32.
 
 Backends, in the order ``impl="auto"`` tries them (all exact on any batch they accept;
 the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged attention prefill"):
 
 - ``"mosaic"``: the Mosaic GPU prefill kernel (:mod:`kvjax.pallas.paged.prefill_mgpu`), Hopper only; pages of
-  64 / 128 tokens, head_dim 64 / 128, bf16 / f16 (no fp8 pages), and ``T >= 64 B``. It reads whole pages, so the
+  64 / 128 tokens, head_dim 64 / 128, bf16 / f16 pages or fp8 pages with bf16 / f16 q, and ``T >= 64 B``. It reads whole pages, so the
   unwritten tail of a row's last page must hold finite values (kvjax pools start zeroed), never NaN;
 - ``"prefill"``: the ragged prefill kernel in the Pallas Triton lowering (:mod:`kvjax.pallas.paged.prefill`),
   any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``); float or fp8 pages;

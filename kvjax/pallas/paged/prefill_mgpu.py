@@ -34,8 +34,9 @@ and runs both products in f16 (q converted once per tile; a normal bf16 value is
 f32. The key scales of the slot's (one or two) pages multiply the logits per key column; the value scales reach
 the probabilities relative to a running reference scale (the largest value scale of the walk so far, a power of
 two like them, so a probability is never multiplied by a tiny scale before its f16 cast), the accumulator being
-kept in units of that reference and rescaled, exactly, when it grows. The backend table does not take this path
-yet (:func:`unsupported` declines fp8 pages, the Triton prefill kernel takes them): call the kernel directly.
+kept in units of that reference and rescaled, exactly, when it grows. The backend table takes this path for fp8
+pages where the shapes allow it (measured faster than the Triton prefill kernel over fp8 pages: RESULTS.md, "fp8
+(e4m3) pages").
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
@@ -344,10 +345,8 @@ def shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
 
 
 def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
-    """Why the ``"mosaic"`` backend declines this call, or None: fp8 pages (``k_scale`` given),
-    :func:`shape_reason`, and fewer than ``BLOCK_Q`` tokens per row on average (``T < 64 B``)."""
-    if call.k_scale is not None:
-        return "fp8 pages: not taken by the table until measured (the Triton prefill kernel reads them)"
+    """Why the ``"mosaic"`` backend declines this call, or None: :func:`shape_reason`, and fewer than ``BLOCK_Q``
+    tokens per row on average (``T < 64 B``)."""
     t_total, num_rows = call.q.shape[0], call.block_tables.shape[0]
     if t_total < BLOCK_Q * num_rows:
         return f"needs T >= {BLOCK_Q} B tokens (one {BLOCK_Q}-token box per row), got T={t_total}, B={num_rows}"
