@@ -16,7 +16,8 @@ import pytest
 from kvjax.cli.main import main
 from kvjax.engine.engine import Engine
 from kvjax.sched.drafter import SpeculativeConfig
-from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events, truncate_at
+from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events,
+                            stream_aborting, truncate_at)
 from helpers.faults import Injected, arm
 from helpers.models import qwen_swa_model
 from helpers.spec import OracleDrafter
@@ -72,16 +73,7 @@ def test_stop_id_inside_accepted_drafts_ends_the_request(qwen, shared):
 def test_aborts_between_verification_steps(qwen, shared):
     prompts, expect = shared
     eng = engine(qwen, OracleDrafter(prompts, expect, K, seed=3))
-    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    aborted = set()
-    for ev in eng.stream(prompts, NEW):
-        got[ev.index].append(ev.token)
-        if ev.index in (1, 4) and ev.position >= 3 and ev.request_id not in aborted:
-            eng.abort(ev.request_id)
-            aborted.add(ev.request_id)
-    for i, e in enumerate(expect):
-        assert got[i] == e[: len(got[i])] and (i in (1, 4) or got[i] == e)
-    assert len(aborted) == 2
+    stream_aborting(eng, prompts, NEW, expect)
     assert_idle(eng)
 
 

@@ -73,3 +73,18 @@ def make_engine(model, **kw) -> Engine:
 def truncate_at(out: list[int], eos: int) -> list[int]:
     """``out`` up to and including its first ``eos`` (all of it without one)."""
     return out[: out.index(eos) + 1] if eos in out else out
+
+
+def stream_aborting(engine: Engine, prompts, max_new: int, expect, indices=(1, 4), after: int = 3) -> None:
+    """Stream ``prompts`` through ``engine``, aborting the requests at ``indices`` once they have ``after`` tokens;
+    every request's tokens must be a prefix of ``expect`` (the aborted ones) or all of it (the others)."""
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    aborted = set()
+    for ev in engine.stream(prompts, max_new):
+        got[ev.index].append(ev.token)
+        if ev.index in indices and ev.position >= after and ev.request_id not in aborted:
+            engine.abort(ev.request_id)
+            aborted.add(ev.request_id)
+    for i, e in enumerate(expect):
+        assert got[i] == e[: len(got[i])] and (i in indices or got[i] == e), i
+    assert len(aborted) == len(indices)
