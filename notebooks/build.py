@@ -743,8 +743,8 @@ CFG = SIZE.pick(
     small=dict(task=dict(vocab=48, length=72, min_period=3, max_period=10, max_prefix=16), window=(16, 0),
                sinks=(1, 0), steps=1200, lr=6e-3, requests=32, prefix=16, pattern=20, max_new=24, page=8,
                memory_rows=6, max_seqs=16, budget=64, flat=32),
-    gpu=dict(task=dict(vocab=128, length=256, min_period=8, max_period=32, max_prefix=64), window=(64, 0),
-             sinks=(4, 0), steps=2000, lr=3e-3, requests=256, prefix=64, pattern=64, max_new=128, page=16,
+    gpu=dict(task=dict(vocab=128, length=256, min_period=4, max_period=16, max_prefix=64), window=(64, 0),
+             sinks=(4, 0), steps=2000, lr=1e-2, requests=256, prefix=64, pattern=64, max_new=128, page=16,
              memory_rows=32, max_seqs=128, budget=1024, flat=256))
 task = spec_runs.CopyTask(**CFG["task"])
 model0 = spec_runs.copy_model(task, layer_types=("full_attention", "full_attention"), window=CFG["window"],
