@@ -16,7 +16,7 @@ import pytest
 from kvjax.cli.main import main
 from kvjax.engine.engine import Engine
 from kvjax.sched.drafter import SpeculativeConfig
-from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events,
+from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, prefix_sharing_prompts, step_events,
                             stream_aborting, truncate_at)
 from helpers.faults import Injected, arm
 from helpers.models import qwen_swa_model
@@ -35,9 +35,7 @@ def qwen():
 def shared(qwen):
     """Prompts sharing long prefixes (prefix-cache hits) and their greedy continuations."""
     rng = np.random.default_rng(7)
-    base = random_prompts(rng, (17, 22))
-    prompts = [base[0] + random_prompts(rng, (n,))[0] for n in (3, 6)] + [base[1] + [5, 9]] + \
-        [base[0] + random_prompts(rng, (4,))[0], base[1] + random_prompts(rng, (7,))[0], base[1][:9]]
+    prompts = prefix_sharing_prompts(rng)
     return prompts, greedy_oracle(qwen, prompts, NEW)
 
 

@@ -20,7 +20,7 @@ from kvjax.engine.engine import Engine
 from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched import spec
 from kvjax.sched.drafter import SpeculativeConfig, StepDrafter, make_drafter
-from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts, step_events,
+from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, prefix_sharing_prompts, step_events,
                             stream_aborting)
 from helpers.faults import Injected, arm
 from helpers.models import VOCAB, qwen_swa_model, random_model, tiny_config, tiny_deepseek_config
@@ -42,9 +42,7 @@ def qwen():
 def shared(qwen):
     """Prompts sharing long prefixes (prefix-cache hits), chunked by the budget, and their greedy continuations."""
     rng = np.random.default_rng(8)
-    base = random_prompts(rng, (17, 22))
-    prompts = [base[0] + random_prompts(rng, (n,))[0] for n in (3, 6)] + [base[1] + [5, 9]] + \
-        [base[0] + random_prompts(rng, (4,))[0], base[1] + random_prompts(rng, (7,))[0], base[1][:9]]
+    prompts = prefix_sharing_prompts(rng)
     return prompts, greedy_oracle(qwen, prompts, NEW)
 
 

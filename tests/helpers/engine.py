@@ -88,3 +88,11 @@ def stream_aborting(engine: Engine, prompts, max_new: int, expect, indices=(1, 4
     for i, e in enumerate(expect):
         assert got[i] == e[: len(got[i])] and (i in indices or got[i] == e), i
     assert len(aborted) == len(indices)
+
+
+def prefix_sharing_prompts(rng) -> list[list[int]]:
+    """Six prompts on two random bases of 17 and 22 tokens (prefix-cache hits): two and one more of the first with
+    their own tails, two of the second with tails, and a 9-token prefix of the second."""
+    base = random_prompts(rng, (17, 22))
+    return [base[0] + random_prompts(rng, (n,))[0] for n in (3, 6)] + [base[1] + [5, 9]] + \
+        [base[0] + random_prompts(rng, (4,))[0], base[1] + random_prompts(rng, (7,))[0], base[1][:9]]
