@@ -6,8 +6,9 @@ Usage (GPU): ``python benchmarks/spec.py [--rows 1,16,64] [--json out.json]`` (`
 Model: the copy toy of :mod:`kvjax.experiments.spec_runs` (float32): two attention layers trained once at the start
 with optax on the copy task at the length it serves (prompt + answer), so its answers copy its prompt and
 prompt-lookup drafts are what it says, and an MTP layer trained ``mtp_steps`` optax steps on the same task with the
-toy frozen (``speculative="mtp"``; its teacher-forced two-ahead accuracy printed), then a GDN layer appended that changes no logit but runs in every step (its
-state recorded per draft and rolled back: the hybrid's verification cost). Its teacher-forced copy accuracy is
+toy frozen (``speculative="mtp"``; its teacher-forced two-ahead accuracy printed), then a GDN layer appended that
+changes no logit but runs in every step (its state recorded per draft and rolled back: the hybrid's verification
+cost). Its teacher-forced copy accuracy is
 printed: the acceptance to expect.
 
 Runs: for each row count (``--rows``), ``waves`` times as many copy prompts (at least ``min_requests``) of
@@ -36,15 +37,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=16), hidden=64, steps=2000, lr=1e-2, mtp_steps=300,
-            layers=("full_attention", "full_attention"), idle=("linear_attention",), prompt_len=64, max_new=128,
-            waves=2, min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
+FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=16), hidden=64, steps=2000, lr=1e-2,
+            mtp_steps=300, layers=("full_attention", "full_attention"), idle=("linear_attention",), prompt_len=64,
+            max_new=128, waves=2, min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
 # CPU smoke: one attention layer and an idle GDN one, untrained (steps=0), one step shape per engine (compiles
 # dominate on a CPU)
 SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), hidden=32, steps=0, lr=3e-3, mtp_steps=0,
              layers=("full_attention",), idle=("linear_attention",), prompt_len=13, max_new=6, waves=1, min_requests=1,
-             rows=(1, 3), ks=(2,),
-             one_shape=True)
+             rows=(1, 3), ks=(2,), one_shape=True)
 
 
 def modes(ks) -> list[tuple[str, object]]:

@@ -146,9 +146,9 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
                device: Any = None, num_checkpoints: int = 0, head: Any = None) -> CacheSizing:
     """Size a :class:`CacheConfig` for ``model`` from a memory budget (see the module docstring).
 
-    ``max_seqs`` / ``max_seq_len`` default to :data:`MAX_SEQS` / :data:`MAX_SEQ_LEN` of the platform (``cpu``
-    or ``accelerator``); ``num_checkpoints`` GDN checkpoint slots are paid for before the pages; ``head``: MTP layers whose pools a page
-    pays for too. Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
+    ``max_seqs`` / ``max_seq_len`` default to :data:`MAX_SEQS` / :data:`MAX_SEQ_LEN` of the platform (``cpu`` or
+    ``accelerator``); ``num_checkpoints`` GDN checkpoint slots are paid for before the pages; ``head``: MTP layers whose
+    pools a page pays for too. Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
     hold the state slots and one page per KV head.
     """
     memory_fraction = check_memory_fraction(DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction)

@@ -34,8 +34,9 @@ Backends, in the order ``impl="auto"`` tries them (all exact on any batch they a
 the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged attention prefill"):
 
 - ``"mosaic"``: the Mosaic GPU prefill kernel (:mod:`kvjax.pallas.paged.prefill_mgpu`), Hopper only; pages of
-  64 / 128 tokens, head_dim 64 / 128, bf16 / f16 pages or fp8 pages with bf16 / f16 q, and ``T >= 64 B``. It reads whole pages, so the
-  unwritten tail of a row's last page must hold finite values (kvjax pools start zeroed), never NaN;
+  64 / 128 tokens, head_dim 64 / 128, bf16 / f16 pages or fp8 pages with bf16 / f16 q, and ``T >= 64 B``. It
+  reads whole pages, so the unwritten tail of a row's last page must hold finite values (kvjax pools start
+  zeroed), never NaN;
 - ``"prefill"``: the ragged prefill kernel in the Pallas Triton lowering (:mod:`kvjax.pallas.paged.prefill`),
   any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``); float or fp8 pages;
 - ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those

@@ -137,14 +137,14 @@ class PacedDrafter:
 class SpeculativeConfig:
     """``Engine(speculative=...)``: how the engine drafts and verifies.
 
-    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`: ``"ngram"`` prompt lookup on the host, ``"mtp"``
-    the model's MTP layer on the device, :class:`StepDrafter`; the engine checks that the model has one); ``num_draft_tokens`` [4]: K, drafts per
-    verification row at most, an int in ``[1, MAX_DRAFT_TOKENS]``; ``max_ngram`` [3] / ``min_ngram`` [1]: the
-    n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a ready :class:`Drafter`
-    object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens`` [:data:`FLAT_TOKENS`]:
-    the flat region of the step-cost model of the rule that shortens or turns off drafts where they do not pay (an
-    int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`). ``ValueError`` names a bad
-    field."""
+    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`: ``"ngram"`` prompt lookup on the host, ``"mtp"`` the
+    model's MTP layer on the device, :class:`StepDrafter`; the engine checks that the model has one);
+    ``num_draft_tokens`` [4]: K, drafts per verification row at most, an int in ``[1, MAX_DRAFT_TOKENS]``; ``max_ngram``
+    [3] / ``min_ngram`` [1]: the n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a
+    ready :class:`Drafter` object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens``
+    [:data:`FLAT_TOKENS`]: the flat region of the step-cost model of the rule that shortens or turns off drafts where
+    they do not pay (an int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`).
+    ``ValueError`` names a bad field."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
