@@ -27,6 +27,7 @@ from kvjax.base.fp8 import FP8_DTYPE, pow2_scale
 from kvjax.errors import UnknownImplError
 from kvjax.ops import attention
 from kvjax.ops.attention import PagedAttentionCall, check_call, paged_attention_reference
+from kvjax.pallas.paged import common as paged_common
 from kvjax.pallas.paged import decode
 from kvjax.pallas.paged import prefill as paged_prefill
 
@@ -504,6 +505,31 @@ def test_op_refuses_fp8_pages_without_scales_before_any_kernel(rng):
                 attention.paged_attention(*batch, **kw, **given, impl=impl)
 
 
+def test_shared_memory_fit_keeps_bf16_defaults_and_shrinks_wide_or_f32_tiles():
+    # the tuned bf16 head_dim-128 defaults are what was measured: the fit must leave them; float32 pages and
+    # head_dim 256 (a real Qwen3.5 head) must come under the budget by fewer stages, then smaller blocks
+    fit, budget = paged_common.fit_shared_memory, paged_common.SMEM_BUDGET
+
+    def planned(d, kv, q, bk, st, r):
+        return (st - 1) * 2 * bk * d * kv + r * d * q
+
+    for bk, st in ((128, 3), (64, 3)):  # prefill gather / page defaults, bf16, D=128
+        assert fit(head_dim=128, kv_itemsize=2, q_itemsize=2, block_k=bk, num_stages=st, rows=128,
+                   min_block_k=16, min_rows=16) == (bk, st, 128)
+    assert fit(head_dim=128, kv_itemsize=2, q_itemsize=2, block_k=64, num_stages=4, rows=16, min_block_k=16,
+               min_rows=16) == (64, 4, 16)  # decode default
+    for d, kv, q, bk, st, page in ((128, 4, 4, 128, 3, 16), (256, 2, 2, 128, 3, 64), (128, 4, 4, 64, 4, 16),
+                                   (256, 4, 4, 64, 4, 64)):
+        out = fit(head_dim=d, kv_itemsize=kv, q_itemsize=q, block_k=bk, num_stages=st, rows=128,
+                  min_block_k=page, min_rows=16)
+        assert planned(d, kv, q, *out) <= budget, (d, kv, out)
+        assert out[0] >= page and out[1] >= 2 and out[2] >= 16
+        assert out[1] < st or out[0] < bk  # it had to shrink something
+    # a knob the caller set stays
+    assert fit(head_dim=128, kv_itemsize=4, q_itemsize=4, block_k=128, num_stages=3, rows=128, min_block_k=16,
+               min_rows=16, fixed=("num_stages",))[1] == 3
+
+
 # ---------------------------------------------------------------- GPU grid
 
 _GPU_CTX = [1, 15, 16, 17, 300, 1000, 4099, 8192]
@@ -715,3 +741,17 @@ def test_gpu_public_op_auto_fp8_kernels(rng):
         call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"], **scales)
         assert attention.TABLE.choose("auto", (_call(args, kw, scales),), {})[0] == backend
         _check_fp8(attention.paged_attention(*args, **call), ref, abs_v, v_max, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("d, dtype", [(128, jnp.float32), (256, jnp.bfloat16)])
+def test_gpu_wide_or_f32_pages_launch(rng, d, dtype, page_size):
+    # float32 pages at head_dim 128 and bf16 at 256 (Qwen3.5's head) through the public op, decode and prefill
+    # batches: the tuned tiles would ask for more shared memory than a block has; the fitted ones run and agree
+    hkv, group = 2, 4
+    for ctx, new in (([1000, 17, 300], [1, 1, 1]), ([700, 0, 64], [129, 300, 64])):
+        args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new,
+                          window=[0, 100], sinks=[0, 4], dtype=dtype)
+        out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"])
+        assert _rel_err(out, _ref(args, kw)) <= (2e-2 if dtype == jnp.bfloat16 else 5e-3)

@@ -202,12 +202,14 @@ def paged_decode(
 
     Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
-    ``num_stages`` 4 (fp8 pages: 2, RESULTS.md "Paged attention decode"). ``ValueError`` for shapes
+    ``num_stages`` 4 (fp8 pages: 2, RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or
+    a wide head would not fit shared memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes
     :func:`unsupported` rejects and a ``block_k`` not a power of two. fp8 pages read as ``page * scale`` (module
     doc). Reads only; tokens that belong to no row get output 0.
     """
     t_total = call.q.shape[0]
     page_size = call.page_size
+    fixed = tuple(name for name, val in (("block_k", block_k), ("num_stages", num_stages)) if val is not None)
     block_k = max(block_k or 64, page_size)
     reason = unsupported(call)
     if reason:
@@ -215,6 +217,11 @@ def paged_decode(
     fp8, k_scale, v_scale = common.page_scales(call)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
+    group = call.q.shape[1] // call.num_kv_heads
+    block_k, num_stages, _ = common.fit_shared_memory(
+        head_dim=call.q.shape[-1], kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=call.q.dtype.itemsize,
+        block_k=block_k, num_stages=num_stages or (2 if fp8 else 4), rows=max(16, group),
+        min_block_k=max(page_size, 16), min_rows=max(16, group), fixed=fixed)
     if num_splits is None:
         num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size)
     row, pos, real = common.token_positions(call.cu_seqlens, call.seq_lens, t_total)
@@ -222,5 +229,5 @@ def paged_decode(
                                max_blocks=call.max_blocks)
     return _decode_call(
         call, k_scale, v_scale, (row, pos), walks, num_splits=num_splits, block_k=block_k,
-        num_warps=num_warps or 4, num_stages=num_stages or (2 if fp8 else 4), fp8=fp8, interpret=interpret,
+        num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, interpret=interpret,
     )

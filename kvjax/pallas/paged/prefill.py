@@ -289,7 +289,8 @@ def paged_prefill(
     each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
     a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
     Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``; ``"page"`` with pages of
-    >= 128 tokens: ``_DEFAULTS_LARGE_PAGE``). ``fused_loop``: one key loop that picks the mask per block at
+    >= 128 tokens: ``_DEFAULTS_LARGE_PAGE``), shrunk where float32 pages or a wide head would not fit shared
+    memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``fused_loop``: one key loop that picks the mask per block at
     run time instead of separate loops for the masked and unmasked blocks. ``page_ids`` (``kv_load="page"``;
     ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in the step
     that uses it, ``"carry"`` one step ahead, passed in the loop carry.
@@ -308,11 +309,17 @@ def paged_prefill(
         raise ValueError(f"kv_load must be 'auto', 'page' or 'gather', got {kv_load!r}")
     tuned = _DEFAULTS_LARGE_PAGE if kv_load == "page" and page_size >= _LARGE_PAGE else _DEFAULTS[kv_load]
     page_ids = page_ids or tuned["page_ids"]
+    fixed = tuple(name for name, val in (("block_k", block_k), ("num_stages", num_stages), ("rows", block_q))
+                  if val is not None)
     block_k = max(block_k or tuned["block_k"], page_size)
     num_warps = num_warps or tuned["num_warps"]
     num_stages = num_stages or tuned["num_stages"]
     fused_loop = tuned["fused_loop"] if fused_loop is None else fused_loop
-    rows = max(block_q or 128, 16, next_pow2(group))
+    min_rows = max(16, next_pow2(group))
+    rows = max(block_q or 128, min_rows)
+    block_k, num_stages, rows = common.fit_shared_memory(
+        head_dim=d, kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=q.dtype.itemsize, block_k=block_k,
+        num_stages=num_stages, rows=rows, min_block_k=max(page_size, 16), min_rows=min_rows, fixed=fixed)
     reason = common.triton_shape_reason(call)
     if reason:
         raise ValueError(f"pallas paged_prefill {reason}")
