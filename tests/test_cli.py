@@ -107,6 +107,8 @@ def test_simulate_refuses_sizes_this_machine_cannot_hold(argv, capsys, monkeypat
     (["--json", "/nonexistent-dir/run.json"], "--json: cannot write '/nonexistent-dir/run.json'"),
     (["--plot", "/nonexistent-dir/run.png"], "--plot"),
     (["--plot", "run.notaformat"], "cannot write .notaformat files"),
+    (["--flat-tokens", "256"], "--flat-tokens needs --speculative"),  # the default value, given: still refused
+    (["--flat-tokens", "none"], "--flat-tokens needs --speculative"),
 ])
 def test_run_bad_values_fail_before_any_work(argv, needle, capsys, no_run_work):
     line = one_line_error(capsys, cli_run.main, argv)

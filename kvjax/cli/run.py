@@ -262,7 +262,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--mtp", action="store_true",
                     help="give the toy random MTP layers (kvjax.models.qwen3_5.mtp; untrained: its drafts are "
                          "rarely accepted), which --speculative mtp drafts with inside every step")
-    ap.add_argument("--flat-tokens", metavar="N|none", type=flat_tokens_arg, default=FLAT_TOKENS,
+    ap.add_argument("--flat-tokens", metavar="N|none", type=flat_tokens_arg, default=argparse.SUPPRESS,
                     help="with --speculative: the flat region of the step-cost rule that shortens or turns off drafts "
                          f"where they do not pay (tokens a step computes at about the cost of one; default "
                          f"{FLAT_TOKENS}); 'none': always up to K drafts")
@@ -302,10 +302,11 @@ def main(argv: list[str]) -> int:
             raise UsageError("--speculative mtp drafts with the model's MTP layers: add --mtp (the toy has none)")
         if args.mtp and args.speculative != "mtp":
             raise UsageError("--mtp serves --speculative mtp only")
-        if args.flat_tokens != FLAT_TOKENS and args.speculative is None:
+        if hasattr(args, "flat_tokens") and args.speculative is None:  # given at all, even at its default value
             raise UsageError("--flat-tokens needs --speculative")
         speculative = None if args.speculative is None else SpeculativeConfig(
-            args.speculative, num_draft_tokens=args.num_draft_tokens or 4, flat_tokens=args.flat_tokens)
+            args.speculative, num_draft_tokens=args.num_draft_tokens or 4,
+            flat_tokens=getattr(args, "flat_tokens", FLAT_TOKENS))
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)
