@@ -404,10 +404,15 @@ class BlockAllocator:
         self.num_shared += len(pages)
         return pages
 
-    def uncache(self, pages: np.ndarray) -> int:
-        """The cache lets go of ``pages`` (i64[K], cached); those no table holds go back to the free list.
+    def uncache(self, pages: np.ndarray, keep_order: bool = False) -> int:
+        """The cache lets go of ``pages`` (i64[K], cached); those no table holds go back to the free list, in
+        increasing page id or, with ``keep_order``, in the given order (the pages must then be distinct).
         Returns pages freed."""
-        pages = np.unique(np.asarray(pages, np.int64))
+        pages = np.asarray(pages, np.int64)
+        if not keep_order:
+            pages = np.unique(pages)
+        elif len(np.unique(pages)) != len(pages):
+            raise DoubleFreeError(f"uncache: pages {pages.tolist()} are given twice")
         if not self.cached[pages].all():
             raise DoubleFreeError(f"uncache: pages {pages[~self.cached[pages]].tolist()} are not cached")
         self.cached[pages] = False

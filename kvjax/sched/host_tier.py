@@ -72,7 +72,7 @@ class HostTier:
         self.used_bytes = 0
         self._next_id = 0
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # entry keys holding host data
-        self.log: list[CopyOp] = []
+        self.log: list[tuple] = []  # (kind, then lists of i64 parts of pages_dev, pages_host, ckpts_dev, ckpts_host)
         self.bytes_out = self.bytes_in = self.pages_out = self.pages_in = self.ckpts_out = self.ckpts_in = 0
         self.evictions = 0
 
@@ -113,6 +113,22 @@ class HostTier:
         self._append("out", pages_dev, hp, ckpts_dev, hc)
         return hp, hc
 
+    def spill_pages(self, pages_dev: list[int]) -> range:
+        """:meth:`spill` of device pages only (``pages_dev``: a list of page ids); returns their host ids."""
+        n = len(pages_dev)
+        nbytes = n * self.page_bytes
+        if nbytes > self.capacity_bytes - self.used_bytes:
+            raise AssertionError(f"host tier: spilling {nbytes} bytes with {self.free_bytes()} free")
+        ids = range(self._next_id, self._next_id + n)
+        self._next_id += n
+        self.used_bytes += nbytes
+        self.bytes_out += nbytes
+        self.pages_out += n
+        if n:
+            self._append("out", np.array(pages_dev, np.int64), np.arange(ids.start, ids.stop, dtype=np.int64),
+                         _empty(), _empty())
+        return ids
+
     def load(self, pages_host: np.ndarray, pages_dev: np.ndarray, ckpts_host: np.ndarray,
              ckpts_dev: np.ndarray) -> None:
         """Log host copies loaded into device pages / checkpoint slots (``i64`` arrays, pairwise); their host
@@ -134,19 +150,27 @@ class HostTier:
     def _append(self, kind: str, pd: np.ndarray, ph: np.ndarray, cd: np.ndarray, ch: np.ndarray) -> None:
         if ph.size == 0 and ch.size == 0:
             return
-        if self.log and self.log[-1].kind == kind:  # consecutive copies of one kind form one group
-            last = self.log.pop()
-            pd, ph = np.concatenate([last.pages_dev, pd]), np.concatenate([last.pages_host, ph])
-            cd, ch = np.concatenate([last.ckpts_dev, cd]), np.concatenate([last.ckpts_host, ch])
-        self.log.append(CopyOp(kind, pd, ph, cd, ch))
+        if not self.log or self.log[-1][0] != kind:  # consecutive copies of one kind form one group
+            self.log.append((kind, [], [], [], []))
+        for parts, a in zip(self.log[-1][1:], (pd, ph, cd, ch)):
+            if a.size:
+                parts.append(a)
+
+    def _ops(self) -> tuple[CopyOp, ...]:
+        """The log as :class:`CopyOp` groups (each group's parts joined)."""
+        def join(parts: list) -> np.ndarray:
+            return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _empty()
+
+        return tuple(CopyOp(kind, *map(join, parts)) for kind, *parts in self.log)
 
     def take(self) -> tuple[CopyOp, ...]:
         """The copies logged since the last call, in order (the engine executes them before the step)."""
-        ops, self.log = tuple(self.log), []
+        ops, self.log = self._ops(), []
         return ops
 
     def pending(self) -> tuple[set[int], set[int]]:
         """``(device pages, checkpoint slots)`` that a logged, not yet taken load writes (in flight)."""
-        pages = {p for op in self.log if op.kind == "in" for p in op.pages_dev.tolist()}
-        ckpts = {c for op in self.log if op.kind == "in" for c in op.ckpts_dev.tolist()}
+        ops = self._ops()
+        pages = {p for op in ops if op.kind == "in" for p in op.pages_dev.tolist()}
+        ckpts = {c for op in ops if op.kind == "in" for c in op.ckpts_dev.tolist()}
         return pages, ckpts

@@ -40,6 +40,8 @@ it after that step); ``cache.release(row)`` before freeing the row; recycle with
 from __future__ import annotations
 
 import collections
+import heapq
+import operator
 
 import numpy as np
 
@@ -49,6 +51,8 @@ from kvjax.sched.host_tier import HostTier
 from kvjax.sched.prefix_index import (NO_ANCHOR, RECYCLE_MODES, ROOT, Entry, PrefixCacheConfig, PrefixMatch, Row,
                                       block_key)
 from kvjax.sched.recycle import first_recyclable_block, recyclable_ranges, recycle_stop
+
+_last_use = operator.attrgetter("used")
 
 __all__ = ["RECYCLE_MODES", "CachedRecycle", "PrefixCache", "PrefixCacheConfig", "PrefixMatch", "block_key"]
 
@@ -69,6 +73,7 @@ class PrefixCache:
         first = blocks.cache.max_seqs + 1
         self.checkpoint_slots = range(first, first + config.num_checkpoints)
         self.ckpt_free = list(reversed(self.checkpoint_slots))  # pop() -> lowest
+        self.ckpt_entry: dict[int, Entry] = {}  # held checkpoint slot -> the entry holding it
         self.rows: dict[int, Row] = {}
         self.first_kept = first_recyclable_block(blocks.sinks, self.ps)  # i64[H]: sink blocks below
         self.host = HostTier(config.host_bytes, config.page_bytes, config.ckpt_bytes) if config.host_bytes else None
@@ -77,6 +82,8 @@ class PrefixCache:
         self.hit_tokens_device = 0  # matched tokens attached from device pages only, all attaches
         self.hit_tokens_host = 0  # matched tokens of blocks that needed a load from the host tier
         self._fresh: dict[int, tuple[int, int]] = {}  # rows attached in this plan -> (device, host) hit tokens
+        self._clock = 0  # the latest Entry.used stamp (entries' order = their stamps' order)
+        self._new_leaves: list[Entry] | None = None  # during reclaim's first pass: entries deletions made leaves
 
     # ---- lookup --------------------------------------------------------------------------------------------
     def match(self, prompt: np.ndarray) -> PrefixMatch:
@@ -118,14 +125,23 @@ class PrefixCache:
         k = len(chain)
         if k == 0:
             return 0
-        missing = np.stack([(e.pages < 0) & ~(host & (e.host >= 0)) for e in chain], 1)  # bool[H, k]
-        loadable = host and prefix_host.checkpoint_loadable(self)
-        for m in range(k, 0, -1):
-            if self.config.gdn and chain[m - 1].ckpt < 0 and not (loadable and chain[m - 1].hckpt >= 0):
-                continue
-            if not (missing[:, :m] & self.needed(m)).any():
-                return m
-        return 0
+        pages = np.stack([e.pages for e in chain], 1)  # i64[H, k]
+        missing = pages < 0
+        if host:
+            missing &= np.stack([e.host for e in chain], 1) < 0
+        m = np.arange(1, k + 1)  # i64[k]: candidate match lengths
+        if self.config.gdn:
+            loadable = host and prefix_host.checkpoint_loadable(self)
+            m = m[[e.ckpt >= 0 or (loadable and e.hckpt >= 0) for e in chain]]
+        if len(m) == 0:
+            return 0
+        # bool[M, H, k]: block b of head h is missing and needed when resuming at m blocks (b < m)
+        b = np.arange(k)
+        stop = recycle_stop(m[:, None] * self.ps, self.blocks.window[None, :], self.ps)  # i64[M, H]
+        full = (self.blocks.window == 0)[:, None] | (b[None, :] < self.first_kept[:, None])  # bool[H, k]
+        bad = missing[None] & (full[None] | (b[None, None, :] >= stop[:, :, None])) & (b < m[:, None])[:, None, :]
+        ok = m[~bad.any(axis=(1, 2))]
+        return int(ok[-1]) if len(ok) else 0
 
     # ---- a request's life ----------------------------------------------------------------------------------
     def attach(self, row: int, match: PrefixMatch, prompt: np.ndarray) -> int:
@@ -137,7 +153,7 @@ class PrefixCache:
         m = match.num_tokens // self.ps
         self.blocks.attach(row, match.pages, match.cursor)
         for key in reversed(match.keys):  # most recent: the root (a leaf is evicted before its ancestors)
-            self.entries.move_to_end(key)
+            self._use(self.entries[key])
         limit = (np.asarray(prompt).size - 1) // self.ps
         if m < match.chain_blocks < limit:  # the prompt leaves the chain here: a branch point
             self._mark_anchor(self.entries[match.keys[-1]])
@@ -183,6 +199,7 @@ class PrefixCache:
                 heads = np.arange(self.blocks.num_heads)
                 e = Entry(key, r.parent, b, tok.astype(np.int32), self.blocks.share(row, heads, heads * 0 + b))
                 self.entries[key] = e
+                self._use(e)
                 parent = self.entries.get(r.parent)
                 if parent is not None:
                     parent.children += 1
@@ -190,7 +207,7 @@ class PrefixCache:
                         self._mark_anchor(parent)
             else:
                 self._fill_holes(row, e)
-                self.entries.move_to_end(key)
+                self._use(e)
             self.page_entry.update((p, key) for p in e.pages[e.pages >= 0].tolist())
             r.parent, r.published = key, b + 1
             if b + 1 == r.end:
@@ -200,6 +217,8 @@ class PrefixCache:
             e = self.entries[r.parent]
             if e.ckpt < 0:
                 e.ckpt = slot = self.take_checkpoint()
+                if slot >= 0:
+                    self.ckpt_entry[slot] = e
                 if slot >= 0 and e.hckpt >= 0:  # the fresh state replaces the host copy
                     self.host.drop(np.zeros(0, np.int64), np.array([e.hckpt], np.int64))
                     e.hckpt = -1
@@ -214,6 +233,12 @@ class PrefixCache:
         device, host = self._fresh.pop(row, (0, 0))
         self.hit_tokens_device -= device
         self.hit_tokens_host -= host
+
+    def _use(self, e: Entry) -> None:
+        """``e`` was just used: last in the LRU order of ``entries``, its ``used`` stamp the latest."""
+        self.entries.move_to_end(e.key)
+        self._clock += 1
+        e.used = self._clock
 
     def _fill_holes(self, row: int, e: Entry) -> None:
         pages = self.blocks.tables[row, :, e.depth]
@@ -238,8 +263,8 @@ class PrefixCache:
         """A free checkpoint slot, evicting (with a host tier: spilling) the least recently used one if none is
         free; -1 when every held slot is busy in this plan (host tier only)."""
         if not self.ckpt_free:  # evict the least recently used checkpoint; first those with one child (a
-            held = [e for e in self.entries.values()  # prompt went on past it: a past turn)
-                    if e.ckpt >= 0 and e.ckpt not in self.busy]
+            held = sorted((e for c, e in self.ckpt_entry.items()  # prompt went on past it: a past turn)
+                           if c not in self.busy), key=_last_use)
             if not held:
                 return -1
             victim = next((e for e in held if e.children == 1), held[0])
@@ -247,6 +272,7 @@ class PrefixCache:
                 _, (victim.hckpt,) = self.host.spill(np.zeros(0, np.int64), np.array([victim.ckpt], np.int64))
                 self.host.touch(victim.key)
             self.ckpt_free.append(victim.ckpt)
+            del self.ckpt_entry[victim.ckpt]
             victim.ckpt = -1
         slot = self.ckpt_free.pop()
         if self.host is not None:
@@ -270,51 +296,104 @@ class PrefixCache:
     def reclaim(self, need: list[int]) -> None:
         """Let go of idle pages until ``need[pool]`` have gone back to each pool's free list: least recently
         used leaf entries first, each chain from its leaf up (an entry left with no page is deleted), then idle
-        pages of any entry."""
+        pages of any entry.
+
+        As if each pass visited every entry holding a page when it began, in LRU order (a visit of an entry with
+        no idle page of a pool still short, or in the first pass one with children, changes nothing): a pass
+        visits only the entries holding such a page when it began (:meth:`_holding_idle`), in the first pass
+        those that are leaves by their turn (a heap by last use, fed as deletions make leaves). The pages go back
+        to the free lists at the end, in the order they were let go of (nothing in between reads the lists)."""
         need = list(need)
+        released: list[int] = []  # pages let go of, in order (each entry's sorted)
+        entries = self.entries
         for leaves_only in (True, False):
-            for e in [e for e in self.entries.values() if e.resident]:  # host-tier entries hold no page
-                if not any(n > 0 for n in need):
-                    return
-                if (leaves_only and e.children) or self.entries.get(e.key) is not e:
+            if not any(n > 0 for n in need):
+                break
+            held = self._holding_idle(need)  # list[Entry], LRU order
+            emptied: set[int] = set()  # keys of entries this pass left with no page
+            if leaves_only:
+                keys = {e.key for e in held}
+                heap = [(e.used, e.key) for e in held if not e.children]
+                self._new_leaves = []
+            else:
+                heap = [(e.used, e.key) for e in held]
+            heapq.heapify(heap)
+            now = 0  # last-use stamp of the entry visited last
+            while heap and any(n > 0 for n in need):
+                now, key = heapq.heappop(heap)
+                e = entries.get(key)
+                if e is None or (leaves_only and e.children) or not (e.resident or key in emptied):
                     continue
-                self._drop(e, need)
+                self._drop(e, need, released, emptied)
                 while leaves_only and any(n > 0 for n in need):
-                    gone = e.key not in self.entries  # deleted, or (host tier) left with host copies only
-                    if not gone and not (self.host is not None and (e.pages < 0).all()):
+                    gone = e.key not in entries  # deleted, or (host tier) left with host copies only
+                    if not gone and not (self.host is not None and e.resident == 0):
                         break
-                    e = self.entries.get(e.parent)  # its parent became a leaf: same last use, one block up
+                    e = entries.get(e.parent)  # its parent became a leaf: same last use, one block up
                     if e is None or e.children > (0 if gone else 1):
                         break
-                    self._drop(e, need)
+                    self._drop(e, need, released, emptied)
+                if leaves_only and self._new_leaves:  # leaves made by deletions: visited at their turn if later
+                    for x in self._new_leaves:
+                        if x.key in keys and x.used > now:
+                            heapq.heappush(heap, (x.used, x.key))
+                    self._new_leaves = []
+            self._new_leaves = None
+        if released:
+            self.blocks.uncache(np.array(released, np.int64), keep_order=True)
         if any(n > 0 for n in need):
             raise AssertionError(f"prefix cache: {need} idle pages not found")
 
-    def _drop(self, e: Entry, need: list[int] | None = None) -> int:
-        """Uncache the idle pages of ``e`` (only in pools with ``need > 0``, counting down); delete ``e`` when
-        it holds no page any more. Returns pages freed."""
-        if not e.resident:  # nothing on the device (a host-tier entry): nothing to drop, nothing to delete
-            return 0
+    def _holding_idle(self, need: list[int]) -> list[Entry]:
+        """The entries holding an idle page of a pool with ``need > 0``."""
         b = self.blocks
-        h = np.flatnonzero(e.pages >= 0)
-        idle = h[b.refs[e.pages[h]] == 0]
-        if need is not None:
-            pools = b.pool_of_head[idle]
-            keep = np.zeros(len(idle), bool)
-            for i, p in enumerate(pools.tolist()):
-                keep[i] = need[p] > 0
-                need[p] -= int(keep[i])
-            idle = idle[keep]
-        if self.host is not None and len(idle) and prefix_host.make_room(self, self.host.cost(len(idle), 0), e.key):
-            e.host[idle], _ = self.host.spill(e.pages[idle], np.zeros(0, np.int64))
+        idle = np.flatnonzero(b.cached & (b.refs == 0))  # i64[n]
+        if len(need) > 1:
+            idle = idle[np.asarray(need)[b.pool_of_head[b.owner_head[idle]]] > 0]
+        page_entry, entries = self.page_entry, self.entries  # pages let go of in this reclaim have no entry
+        return [entries[k] for k in {page_entry.get(p) for p in idle.tolist()} if k is not None]
+
+    def _drop(self, e: Entry, need: list[int], released: list[int], emptied: set[int]) -> None:
+        """Let go of the idle pages of ``e`` in pools with ``need > 0`` (counting down; with a host tier spilling
+        them), appending them to ``released`` (sorted; the caller uncaches them) and ``e``'s key to ``emptied`` if
+        it holds no page any more; delete ``e`` then if it holds nothing."""
+        if not e.resident:  # nothing on the device (a host-tier entry): nothing to drop, nothing to delete
+            return
+        b = self.blocks
+        refs = b.refs
+        pages = e.pages.tolist()
+        idle = [h for h, p in enumerate(pages) if p >= 0 and refs[p] == 0]
+        if not idle:
+            return
+        if len(need) > 1:
+            kept = []
+            for h in idle:
+                p = int(b.pool_of_head[h])
+                if need[p] > 0:
+                    need[p] -= 1
+                    kept.append(h)
+            idle = kept
+            if not idle:
+                return
+        elif need[0] < len(idle):
+            idle = idle[: max(need[0], 0)]
+            if not idle:
+                return
+        if len(need) == 1:
+            need[0] -= len(idle)
+        idle_pages = [pages[h] for h in idle]
+        if self.host is not None and prefix_host.make_room(self, self.host.cost(len(idle), 0), e.key):
+            e.host[idle] = self.host.spill_pages(idle_pages)
             self.host.touch(e.key)
-        freed = b.uncache(e.pages[idle]) if len(idle) else 0
-        for p in e.pages[idle].tolist():
-            del self.page_entry[p]
+        released += sorted(idle_pages)
+        page_entry = self.page_entry
+        for p in idle_pages:
+            del page_entry[p]
         e.pages[idle] = -1
         e.resident -= len(idle)
-        self.delete_if_empty(e)
-        return freed
+        if not e.resident:
+            emptied.add(e.key)
+            self.delete_if_empty(e)
 
     def delete_if_empty(self, e: Entry) -> None:
         """Delete ``e`` if it holds no page and has no children, then its parent likewise (an inner entry with
@@ -324,6 +403,7 @@ class PrefixCache:
             del self.entries[e.key]
             if e.ckpt >= 0:
                 self.ckpt_free.append(e.ckpt)
+                del self.ckpt_entry[e.ckpt]
             if e.hckpt >= 0:
                 self.host.drop(np.zeros(0, np.int64), np.array([e.hckpt], np.int64))
             if self.host is not None:
@@ -331,6 +411,8 @@ class PrefixCache:
             e = self.entries.get(e.parent)
             if e is not None:
                 e.children -= 1
+                if not e.children and self._new_leaves is not None:
+                    self._new_leaves.append(e)
 
     def clear(self) -> int:
         """Let go of every cached page and checkpoint (pages that rows still hold are freed with their rows).
@@ -345,6 +427,7 @@ class PrefixCache:
         self.entries.clear()
         self.page_entry.clear()
         self.ckpt_free = list(reversed(self.checkpoint_slots))
+        self.ckpt_entry.clear()
         self.busy.clear()
         return freed
 
@@ -402,11 +485,16 @@ class PrefixCache:
                                      f"or no page")
             if ((e.pages >= 0) & (e.host >= 0)).any() or (e.ckpt >= 0 and e.hckpt >= 0):
                 raise AssertionError(f"entry at depth {e.depth}: a block or checkpoint both on device and on host")
+        used = [e.used for e in self.entries.values()]
+        if any(a >= b for a, b in zip(used, used[1:])):
+            raise AssertionError("the entries' last-use stamps do not increase along their LRU order")
         if len(seen) != len(self.page_entry) or int(b.cached.sum()) != len(seen):
             raise AssertionError("a cached page belongs to no entry")
         ckpts = [e.ckpt for e in self.entries.values() if e.ckpt >= 0] + self.ckpt_free
         if sorted(ckpts) != list(self.checkpoint_slots):
             raise AssertionError(f"checkpoint slots held + free {sorted(ckpts)} != {list(self.checkpoint_slots)}")
+        if self.ckpt_entry != {e.ckpt: e for e in self.entries.values() if e.ckpt >= 0}:
+            raise AssertionError("ckpt_entry differs from the entries holding checkpoint slots")
         if self.host is not None:
             prefix_host.check(self)
 

@@ -25,7 +25,7 @@ from kvjax.sched.prefix_index import Entry, PrefixMatch
 
 def checkpoint_loadable(cache: PrefixCache) -> bool:
     """A device checkpoint slot can be had for a load now (free, or held and not busy in this plan)."""
-    return bool(cache.ckpt_free) or any(e.ckpt >= 0 and e.ckpt not in cache.busy for e in cache.entries.values())
+    return bool(cache.ckpt_free) or any(c not in cache.busy for c in cache.ckpt_entry)
 
 
 def loads_fit(cache: PrefixCache, chain: list[Entry], m: int) -> bool:
@@ -70,6 +70,7 @@ def load(cache: PrefixCache, row: int, match: PrefixMatch) -> tuple[int, int]:
         if ckpt < 0:
             raise AssertionError("prefix cache: no checkpoint slot for a load that match found loadable")
         chain[-1].ckpt, ck_dev, ck_host = ckpt, [ckpt], [match.ckpt_host]
+        cache.ckpt_entry[ckpt] = chain[-1]
     cache.host.load(ids, pages, np.array(ck_host, np.int64), np.array(ck_dev, np.int64))
     for e in chain:
         touch(cache, e)

@@ -74,10 +74,10 @@ class PrefixMatch:
 class Entry:
     """One cached prompt block: its key, parent key, depth (block index), tokens, one page per KV head (``-1``:
     none) and how many are set (``resident``), its GDN checkpoint slot, its host copies (host tier), children
-    count and anchor bookkeeping."""
+    count, anchor bookkeeping and its last-use stamp."""
 
     __slots__ = ("key", "parent", "depth", "tokens", "pages", "resident", "ckpt", "children", "anchor", "near", "host",
-                 "hckpt")
+                 "hckpt", "used")
 
     def __init__(self, key: int, parent: int, depth: int, tokens: np.ndarray, pages: np.ndarray) -> None:
         self.key, self.parent, self.depth = key, parent, depth
@@ -90,6 +90,7 @@ class Entry:
         self.children = 0  # cached entries whose parent is this one
         self.anchor = False
         self.near = NO_ANCHOR  # depth of the nearest anchor in this entry's subtree (itself included)
+        self.used = 0  # last-use stamp (PrefixCache: increasing along its LRU order)
 
 
 class Row:
