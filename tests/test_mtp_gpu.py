@@ -80,8 +80,10 @@ def test_gpu_propose_through_kernels_matches_full_sequence_mtp(rng):
         hid = np.zeros((1, 160, cfg.hidden_size), np.float32)
         nxt = np.zeros((1, 160), np.int32)
         hid[0, :n] = np.asarray(full(model, jnp.asarray(np.resize(p, 160)[None])))[0, :n]
+        # float32 products take TF32 on a GPU in both paths (the kernels' and XLA's dots; unit roundoff 2^-11 ~
+        # 4.9e-4): hidden states of O(1) after two layers agree to a few of those
         np.testing.assert_allclose(np.asarray(h)[inputs.cu_seqlens[b]:inputs.cu_seqlens[b + 1]], hid[0, :n],
-                                   atol=2e-4, rtol=0)
+                                   atol=3e-3, rtol=0)
         nxt[0, :n] = np.append(p[1:], follow[b])
         want = []
         for i in range(n - 1, n - 1 + k):

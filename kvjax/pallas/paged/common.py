@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from kvjax.base.device import is_pow2
 from kvjax.base.ragged import count_le
 
-SMEM_BUDGET = 160 * 1024  # bytes of shared memory the tuned defaults may plan for (an H100 / H200 block has 227 KiB)
+SMEM_BUDGET = 224 * 1024  # bytes of shared memory a kernel may plan for (an H100 / H200 block has 227 KiB)
 
 
 def token_positions(
@@ -166,19 +166,21 @@ def fit_shared_memory(*, head_dim: int, kv_itemsize: int, q_itemsize: int, block
                       rows: int, min_block_k: int, min_rows: int, fixed: tuple[str, ...] = ()
                       ) -> tuple[int, int, int]:
     """``(block_k, num_stages, rows)`` of a Triton paged kernel shrunk until its planned shared memory fits
-    :data:`SMEM_BUDGET`: the software pipeline keeps ``num_stages - 1`` K and V blocks of ``block_k x head_dim``
-    in flight, beside a ``rows x head_dim`` query tile. Stages go first (down to 2), then ``block_k`` (down to
-    ``min_block_k``), then ``rows`` (down to ``min_rows``); a knob named in ``fixed`` (set by the caller) is left
-    as it is. The tuned bf16 defaults at ``head_dim`` 128 fit unchanged; float32 pages or ``head_dim`` 256 take
-    fewer stages or smaller blocks instead of failing to launch."""
+    :data:`SMEM_BUDGET`: up to ``num_stages`` K and V blocks of ``block_k x head_dim`` in the software pipeline,
+    beside a ``rows x head_dim`` query tile. Stages go first (down to 2), then ``block_k`` (down to
+    ``min_block_k``), then the last stage (no pipelining), then ``rows`` (down to ``min_rows``); a knob named in
+    ``fixed`` (set by the caller) is left as it is. The tuned bf16 defaults at ``head_dim`` 128 fit unchanged;
+    float32 pages or ``head_dim`` 256 take fewer stages or smaller blocks instead of failing to launch."""
     def planned(bk: int, st: int, r: int) -> int:
-        return (st - 1) * 2 * bk * head_dim * kv_itemsize + r * head_dim * q_itemsize
+        return st * 2 * bk * head_dim * kv_itemsize + r * head_dim * q_itemsize
 
     while planned(block_k, num_stages, rows) > SMEM_BUDGET:
         if num_stages > 2 and "num_stages" not in fixed:
             num_stages -= 1
         elif block_k > min_block_k and "block_k" not in fixed:
             block_k //= 2
+        elif num_stages > 1 and "num_stages" not in fixed:
+            num_stages -= 1
         elif rows > min_rows and "rows" not in fixed:
             rows //= 2
         else:
