@@ -109,7 +109,7 @@ def test_recycle_options(rng, mode):
 
 
 def test_hash_collision_is_never_a_hit(rng, monkeypatch):
-    monkeypatch.setattr(pcm, "block_key", lambda parent, tokens: 7)  # every block collides
+    monkeypatch.setattr(pcm, "block_key_bytes", lambda parent, data: 7)  # every block collides
     r = Rig(AttentionConfig(2, 1, 8), gdn=False)
     a, b = rng.integers(1, 50, 13), rng.integers(50, 99, 13)
     r.run(1, a)

@@ -417,8 +417,8 @@ class BlockAllocator:
             raise DoubleFreeError(f"uncache: pages {pages[~self.cached[pages]].tolist()} are not cached")
         self.cached[pages] = False
         gone = pages[self.refs[pages] == 0]
-        for p in self.pool_of_head[self.owner_head[gone]].tolist():
-            self.idle[p] -= 1
+        for p, n in enumerate(np.bincount(self.pool_of_head[self.owner_head[gone]], minlength=len(self.idle)).tolist()):
+            self.idle[p] -= n
         return self._release(gone)
 
     def free_row(self, row: int) -> int:

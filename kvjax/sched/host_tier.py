@@ -72,7 +72,8 @@ class HostTier:
         self.used_bytes = 0
         self._next_id = 0
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # entry keys holding host data
-        self.log: list[tuple] = []  # (kind, then lists of i64 parts of pages_dev, pages_host, ckpts_dev, ckpts_host)
+        self.log: list[tuple] = []  # (kind, then the parts of pages_dev, pages_host, ckpts_dev, ckpts_host: i64 arrays
+        # or lists of ints) of each group of the log
         self.bytes_out = self.bytes_in = self.pages_out = self.pages_in = self.ckpts_out = self.ckpts_in = 0
         self.evictions = 0
 
@@ -124,9 +125,15 @@ class HostTier:
         self.used_bytes += nbytes
         self.bytes_out += nbytes
         self.pages_out += n
-        if n:
-            self._append("out", np.array(pages_dev, np.int64), np.arange(ids.start, ids.stop, dtype=np.int64),
-                         _empty(), _empty())
+        if n:  # extends the last group's list parts (joined by _ops)
+            if not self.log or self.log[-1][0] != "out":
+                self.log.append(("out", [], [], [], []))
+            _, pd, ph, _, _ = self.log[-1]
+            if not pd or not isinstance(pd[-1], list):
+                pd.append([])
+                ph.append([])
+            pd[-1].extend(pages_dev)
+            ph[-1].extend(ids)
         return ids
 
     def load(self, pages_host: np.ndarray, pages_dev: np.ndarray, ckpts_host: np.ndarray,
@@ -159,6 +166,7 @@ class HostTier:
     def _ops(self) -> tuple[CopyOp, ...]:
         """The log as :class:`CopyOp` groups (each group's parts joined)."""
         def join(parts: list) -> np.ndarray:
+            parts = [np.asarray(x, np.int64) for x in parts]
             return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _empty()
 
         return tuple(CopyOp(kind, *map(join, parts)) for kind, *parts in self.log)

@@ -49,7 +49,7 @@ from kvjax.sched import prefix_host
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.host_tier import HostTier
 from kvjax.sched.prefix_index import (NO_ANCHOR, RECYCLE_MODES, ROOT, Entry, PrefixCacheConfig, PrefixMatch, Row,
-                                      block_key)
+                                      block_key, block_key_bytes)
 from kvjax.sched.recycle import first_recyclable_block, recyclable_ranges, recycle_stop
 
 _last_use = operator.attrgetter("used")
@@ -90,11 +90,12 @@ class PrefixCache:
         """The longest usable cached prefix of ``prompt`` (``int[P]``); changes nothing."""
         prompt = np.asarray(prompt)
         limit = (prompt.size - 1) // self.ps
+        data, nb = np.ascontiguousarray(prompt, np.int32).tobytes(), 4 * self.ps  # the blocks' int32 bytes
         chain, parent = [], ROOT
         for b in range(limit):
-            tok = prompt[b * self.ps: (b + 1) * self.ps]
-            e = self.entries.get(block_key(parent, tok))
-            if e is None or e.parent != parent or not np.array_equal(e.tokens, tok):
+            tok = data[b * nb: (b + 1) * nb]
+            e = self.entries.get(block_key_bytes(parent, tok))
+            if e is None or e.parent != parent or e.tokens.tobytes() != tok:
                 break
             chain.append(e)
             parent = e.key
@@ -187,9 +188,10 @@ class PrefixCache:
         while not r.dead and r.published < upto:
             b = r.published
             tok = r.prompt[b * self.ps: (b + 1) * self.ps]
-            key = block_key(r.parent, tok)
+            data = r.data[4 * b * self.ps: 4 * (b + 1) * self.ps]
+            key = block_key_bytes(r.parent, data)
             e = self.entries.get(key)
-            if e is not None and (e.parent != r.parent or not np.array_equal(e.tokens, tok)):
+            if e is not None and (e.parent != r.parent or e.tokens.tobytes() != data):
                 r.dead = True  # hash collision: leave the other chain alone
                 break
             if e is None and r.parent != ROOT and r.parent not in self.entries:
@@ -382,14 +384,18 @@ class PrefixCache:
         if len(need) == 1:
             need[0] -= len(idle)
         idle_pages = [pages[h] for h in idle]
-        if self.host is not None and prefix_host.make_room(self, self.host.cost(len(idle), 0), e.key):
-            e.host[idle] = self.host.spill_pages(idle_pages)
-            self.host.touch(e.key)
+        host = self.host
+        if host is not None:
+            nbytes = len(idle) * host.page_bytes
+            if host.capacity_bytes - host.used_bytes >= nbytes or prefix_host.make_room(self, nbytes, e.key):
+                for h, i in zip(idle, host.spill_pages(idle_pages)):
+                    e.host[h] = i
+                host.touch(e.key)
         released += sorted(idle_pages)
-        page_entry = self.page_entry
-        for p in idle_pages:
+        page_entry, e_pages = self.page_entry, e.pages
+        for h, p in zip(idle, idle_pages):
             del page_entry[p]
-        e.pages[idle] = -1
+            e_pages[h] = -1
         e.resident -= len(idle)
         if not e.resident:
             emptied.add(e.key)
@@ -450,11 +456,13 @@ class PrefixCache:
         heads = heads[first]
         sel = b.cached[pages] & (b.refs[pages] == 0)
         drop = []
+        keep_tail, ps, window = self.config.recycle == "keep_tail", self.ps, b.window.tolist()
         for h, p in zip(heads[sel].tolist(), pages[sel].tolist()):
             e = self.entries[self.page_entry[p]]
-            if self.config.recycle == "keep_tail" and e.near != NO_ANCHOR and \
-                    e.depth >= recycle_stop((e.near + 1) * self.ps, int(b.window[h]), self.ps):
-                continue
+            if keep_tail and e.near != NO_ANCHOR:
+                end, w = (e.near + 1) * ps, window[h]  # recycle_stop(end, w, ps), in Python ints
+                if e.depth >= (min(max((end - w + 1) // ps, 0), end // ps) if w > 0 else 0):
+                    continue
             e.pages[h] = -1
             e.resident -= 1
             del self.page_entry[p]

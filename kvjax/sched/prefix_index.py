@@ -94,18 +94,24 @@ class Entry:
 
 
 class Row:
-    """A tracked request: its prompt, blocks published so far, the key they end at, the last reusable block
-    (``end``), the token counts where its state is checkpointed (``stops``)."""
+    """A tracked request: its prompt (and its int32 bytes, ``data``), blocks published so far, the key they end
+    at, the last reusable block (``end``), the token counts where its state is checkpointed (``stops``)."""
 
-    __slots__ = ("prompt", "published", "parent", "end", "stops", "dead")
+    __slots__ = ("prompt", "data", "published", "parent", "end", "stops", "dead")
 
     def __init__(self, prompt: np.ndarray, published: int, parent: int, end: int, stops: list[int]) -> None:
         self.prompt, self.published, self.parent, self.end, self.stops = prompt, published, parent, end, stops
+        self.data = np.ascontiguousarray(prompt, np.int32).tobytes()
         self.dead = False  # a hash collision stopped publishing
 
 
 def block_key(parent: int, tokens: np.ndarray) -> int:
     """64-bit key of a block: hash of (parent key, the block's tokens as int32)."""
+    return block_key_bytes(parent, np.ascontiguousarray(tokens, np.int32).tobytes())
+
+
+def block_key_bytes(parent: int, data: bytes) -> int:
+    """:func:`block_key` of the block whose int32 tokens are the bytes ``data``."""
     h = hashlib.blake2b(int(parent).to_bytes(8, "little"), digest_size=8)
-    h.update(np.ascontiguousarray(tokens, np.int32).tobytes())
+    h.update(data)
     return int.from_bytes(h.digest(), "little") or 1
