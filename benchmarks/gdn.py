@@ -3,8 +3,7 @@
 Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (the torch half,
 ``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below). Issue 38 on
 FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
-a side); ``python benchmarks/gdn.py prep [OUT.json] [shape indices]``: the preparation kernel's inverse forms
-(:func:`flashqla_prep`).
+a side).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -243,80 +242,6 @@ def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list
     return rows
 
 
-PREP_INVERSES = ("doubling", "blocks", "substitution")  # PrepConfig.inverse forms timed side by side
-
-
-def flashqla_prep(shapes: list[int] | None = None) -> list[dict]:
-    """Issue 38's inverse forms of the preparation kernel (``PrepConfig.inverse``) on FlashQLA's recipe, one process:
-    per shape and form the preparation kernel alone (``prepare``, jitted) and the whole pool kernel with it (chunk
-    parallelism as ``impl="auto"`` picks it), all runners interleaved; device ms from the profiler's kernel records,
-    the prep kernel's own time from the whole op's records; the op's errors against the chunked reference. Default
-    shapes: the five with a FlashQLA anchor."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvjax.ops import gdn
-    from kvjax.pallas.gdn.chunk import CHUNK as KERNEL_CHUNK
-    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.common import state_as_pool
-    from kvjax.pallas.gdn.prep import PrepConfig, prepare
-
-    import timing
-
-    rows = []
-    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES):
-        if (shapes is None and i not in FLASHQLA_H200_MS) or (shapes is not None and i not in shapes):
-            continue
-        q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
-        q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-        g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
-        scale = 128 ** -0.5
-        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
-        args = (q, k, v, g, beta, h0)
-        calls, errs = {}, {}
-        for inv in PREP_INVERSES:
-            config = PrepConfig(inverse=inv)
-
-            def op(q, k, v, g, b, h, config=config):
-                pool, prow, flags = state_as_pool(h, len(seqlens), hv, 128, 128)
-                return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
-                                                   scale=scale, prep=config)
-
-            def prep(q, k, v, g, b, h, config=config):
-                return prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False, chunk=KERNEL_CHUNK,
-                               config=config)[2:]
-
-            op, prep = jax.jit(op), jax.jit(prep)
-            o, f = op(*args)
-            errs[inv] = (timing.rel_err(o, ro), timing.rel_err(f, rf))
-            calls[f"op {inv}"] = (lambda fn=op: fn(*args))
-            calls[f"prep {inv}"] = (lambda fn=prep: fn(*args))
-        times = timing.interleaved(calls, rounds=5, n=20)
-        for inv in PREP_INVERSES:
-            recs = timing.kernel_records(lambda fn=calls[f"op {inv}"]: timing.block([fn() for _ in range(10)]))
-            kernel_ms = {name: t / 10 / 1e6 for name, (c, t) in recs["names"].items() if t / 10 / 1e6 > 0.002}
-            prep_in_op = sum(t for name, t in kernel_ms.items() if "gdn_chunk_prep" in name)
-            row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "inverse": inv,
-                   "op_device_ms": times[f"op {inv}"]["device_ms"], "op_wall_ms": times[f"op {inv}"]["wall_ms"],
-                   "prep_device_ms": times[f"prep {inv}"]["device_ms"], "prep_in_op_ms": prep_in_op,
-                   "err_o": errs[inv][0], "err_state": errs[inv][1], "kernel_ms": kernel_ms}
-            rows.append(row)
-            print(f"{row['shape']:>20} {inv:>12} op {row['op_device_ms'] or 0:.4f} (wall {row['op_wall_ms']:.4f}) "
-                  f"prep alone {row['prep_device_ms'] or 0:.4f} prep in op {prep_in_op:.4f} ms "
-                  f"err {row['err_o']:.1e}/{row['err_state']:.1e} " + " ".join(
-                      f"{n.replace('gdn_chunk', 'K')}={t:.3f}" for n, t in kernel_ms.items()), flush=True)
-    print("\n| shape | inverse | op device ms | prep alone ms | prep in op ms | op vs doubling | FlashQLA H200 ms | "
-          "err o / state |\n|---|---|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        base = next(b for b in rows if b["index"] == r["index"] and b["inverse"] == "doubling")
-        ratio = (r["op_device_ms"] / base["op_device_ms"]) if r["op_device_ms"] and base["op_device_ms"] else None
-        anchor = FLASHQLA_H200_MS.get(r["index"])
-        print(f"| {r['shape']} | {r['inverse']} | {r['op_device_ms'] or 0:.4f} | {r['prep_device_ms'] or 0:.4f} | "
-              f"{r['prep_in_op_ms']:.4f} | {'' if ratio is None else f'{ratio:.3f}'} | "
-              f"{'' if anchor is None else anchor} | {r['err_o']:.1e} / {r['err_state']:.1e} |")
-    return rows
-
-
 def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
     """fla's ``chunk_gated_delta_rule`` on the same recipe (q, k pre-normalised, no in-kernel l2norm),
     Triton's CUDA-graph timer and the torch timers."""
@@ -355,12 +280,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     side = sys.argv[1] if len(sys.argv) > 1 else "jax"
     only = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
-    if side == "fla":
-        out = flashqla_fla(only)
-    elif side == "prep":
-        out = flashqla_prep(only)
-    else:
-        out = flashqla_jax(variants=side != "auto", shapes=only)
+    out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as fh:
             json.dump(out, fh, indent=1)

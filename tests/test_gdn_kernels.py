@@ -100,22 +100,18 @@ def test_prep_key_head_programs_interpret(rng, dtype, hk, hv, kd, vd):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_to_triton(dtype):
     """The preparation, sequential, transition and scan kernels lower to Triton IR for CUDA without a GPU (the
-    Pallas-to-Triton lowering rules), K = V = 128, whole sequences and chunk-parallel segments, every inverse form
-    of the preparation kernel."""
+    Pallas-to-Triton lowering rules), K = V = 128, whole sequences and chunk-parallel segments."""
     from jax import export
 
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.common import state_as_pool
-    from kvjax.pallas.gdn.prep import PrepConfig
 
     t, hk, hv, d = 512, 2, 4, 128
     sds = jax.ShapeDtypeStruct
     args = (sds((t, hk, d), dtype), sds((t, hk, d), dtype), sds((t, hv, d), dtype), sds((t, hv), jnp.float32),
             sds((t, hv), dtype), sds((2, hv, d, d), jnp.float32))
     cu = jnp.asarray([0, 100, t], jnp.int32)
-    for kw, kernels in [(dict(segment_chunks=0), 2), (dict(segment_chunks=2), 4),
-                        (dict(segment_chunks=0, prep=PrepConfig(inverse="blocks")), 2),
-                        (dict(segment_chunks=0, prep=PrepConfig(inverse="substitution")), 2)]:
+    for kw, kernels in [(dict(segment_chunks=0), 2), (dict(segment_chunks=2), 4)]:
         def fn(q, k, v, g, b, h, kw=kw):
             pool, rows, flags = state_as_pool(h, 2, hv, d, d)
             return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=rows, flags=flags,
@@ -129,7 +125,7 @@ def test_prep_options_validated():
     from kvjax.pallas.gdn.prep import PrepConfig
 
     for bad, match in [(dict(num_warps=True), "num_warps.*True"), (dict(num_warps=0), "num_warps.*0"),
-                       (dict(inverse_dtype="fp8"), "inverse_dtype.*'fp8'"), (dict(inverse="lu"), "inverse.*'lu'")]:
+                       (dict(inverse_dtype="fp8"), "inverse_dtype.*'fp8'")]:
         with pytest.raises(ValueError, match=match):
             PrepConfig(**bad)
 
@@ -168,50 +164,17 @@ def prep_reference(q, k, v, g, beta, cu, *, chunk: int, l2: bool) -> tuple[np.nd
     return w, u
 
 
-@pytest.mark.parametrize("method,chunk", [("blocks", 64), ("substitution", 64), ("blocks", 32)])
-def test_block_inverse_matches_float64(rng, method, chunk):
-    """The block inverse (16 x 16 diagonal blocks, block forward substitution) of ``I + L`` with ``L`` built as in
-    the kernel (unit keys, beta in (0, 1), decays <= 1, two sequences in the chunk) against ``np.linalg.inv`` in
-    float64: relative error <= 1e-5 with full-f32 products."""
-    from jax import lax
-
-    from kvjax.pallas.gdn.prep import SUB, _block_unit_lower_inverse
-
-    kmat = rng.standard_normal((chunk, 32))
-    kmat /= np.linalg.norm(kmat, axis=1, keepdims=True)
-    seg = (np.arange(chunk) >= chunk // 3 + 5).astype(int)  # a sequence boundary inside a 16-row block
-    gc = np.cumsum(np.log(rng.uniform(0.6, 1.0, chunk)))
-    keep = (seg[:, None] == seg[None, :]) & np.tri(chunk, k=-1, dtype=bool)
-    beta = rng.uniform(0.05, 1.0, chunk)
-    lmat = np.where(keep, (kmat @ kmat.T) * np.exp(gc[:, None] - gc[None, :]), 0.0) * beta[:, None]
-    nb = chunk // SUB
-    blocks = {(i, j): jnp.asarray(lmat[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB], jnp.float32)
-              for i in range(nb) for j in range(i + 1)}
-
-    def mm(a, b):
-        return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
-
-    tb = _block_unit_lower_inverse(blocks, nb, mm, method)
-    got = np.zeros((chunk, chunk))
-    for (i, j), t in tb.items():
-        got[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB] = np.asarray(t)
-    assert set(tb) == set(blocks)
-    assert rel_err(got, np.linalg.inv(np.eye(chunk) + lmat)) <= 1e-5
-
-
-@pytest.mark.parametrize("inverse,dtype,hk,hv,kd,vd,chunk", [
-    ("blocks", jnp.bfloat16, 1, 2, 24, 20, 64), ("substitution", jnp.bfloat16, 2, 2, 16, 16, 64),
-    ("blocks", jnp.float32, 2, 2, 16, 16, 32), ("substitution", jnp.float32, 1, 2, 16, 16, 64)])
-def test_prep_inverse_forms_interpret(rng, inverse, dtype, hk, hv, kd, vd, chunk):
-    """The preparation kernel's ``w``, ``u`` with each inverse form against the float64 definitions: sequences
-    that start and end inside 16-row blocks, an empty one, leading tokens outside every sequence, 1 and 2 value
-    heads per key head, K / V not powers of two. Tolerance: the issue's (1e-4 float32 inputs, 2e-2 bf16)."""
-    from kvjax.pallas.gdn.prep import PrepConfig, prepare
+@pytest.mark.parametrize("dtype,hk,hv,kd,vd,chunk", [
+    (jnp.bfloat16, 1, 2, 24, 20, 64), (jnp.float32, 2, 2, 16, 16, 32)])
+def test_prep_matches_float64_interpret(rng, dtype, hk, hv, kd, vd, chunk):
+    """The preparation kernel's ``w``, ``u`` against the float64 definitions: sequences that start and end inside
+    a chunk, an empty one, leading tokens outside every sequence, 1 and 2 value heads per key head, K / V not
+    powers of two. Tolerance: the issue's (1e-4 float32 inputs, 2e-2 bf16)."""
+    from kvjax.pallas.gdn.prep import prepare
 
     q, k, v, g, beta, cu, _ = make_inputs(rng, [5, 0, 23, 40, 70], hk, hv, kd, vd, dtype, pad_tokens=5)
     cu = cu + 2
-    out = prepare(q, k, v, g, beta, cu, scale=0.3, use_qk_l2norm=True, chunk=chunk,
-                  config=PrepConfig(inverse=inverse), interpret=True)
+    out = prepare(q, k, v, g, beta, cu, scale=0.3, use_qk_l2norm=True, chunk=chunk, interpret=True)
     rw, ru = prep_reference(q, k, v, g, beta, cu, chunk=chunk, l2=True)
     assert out[2].shape == rw.shape and out[3].shape == ru.shape
     assert rel_err(out[2], rw) <= TOL[dtype] and rel_err(out[3], ru) <= TOL[dtype], (rel_err(out[2], rw),
@@ -551,27 +514,25 @@ def test_chunk_parallel_kernel_gpu(rng, dtype, segment_chunks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inverse", ["doubling", "blocks", "substitution"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prep_inverse_forms_gpu(rng, inverse, dtype):
-    """Every inverse form of the compiled preparation kernel at K = V = 128 on the issue's ragged grid: ``w``, ``u``
-    against the float64 definitions (at the pool kernel's chunk: 64 for bf16, 32 for float32), then the whole pool
-    kernel with it against the recurrent reference."""
+def test_prep_matches_float64_gpu(rng, dtype):
+    """The compiled preparation kernel at K = V = 128 on the issue's ragged grid: ``w``, ``u`` against the float64
+    definitions (at the pool kernel's chunk: 64 for bf16, 32 for float32), then the whole pool kernel against the
+    recurrent reference."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.prep import PrepConfig, prepare
+    from kvjax.pallas.gdn.prep import prepare
 
-    config = PrepConfig(inverse=inverse)
     q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, dtype, pad_tokens=70)
     cu = cu + 7
     chunk = 32 if dtype == jnp.float32 else 64
-    out = prepare(q, k, v, g, beta, cu, scale=0.1, use_qk_l2norm=True, chunk=chunk, config=config)
+    out = prepare(q, k, v, g, beta, cu, scale=0.1, use_qk_l2norm=True, chunk=chunk)
     rw, ru = prep_reference(q, k, v, g, beta, cu, chunk=chunk, l2=True)
     assert rel_err(out[2], rw) <= TOL[dtype] and rel_err(out[3], ru) <= TOL[dtype], (rel_err(out[2], rw),
                                                                                       rel_err(out[3], ru))
     n = len(GPU_LENS)
     o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=jnp.full((n,), 3, jnp.int32),
-                                       scale=0.1, use_qk_l2norm=True, prep=config)
+                                       scale=0.1, use_qk_l2norm=True)
     ro, rf = gdn.recurrent_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.1, use_qk_l2norm=True), s0)
     assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype], (rel_err(o, ro), rel_err(f, rf))

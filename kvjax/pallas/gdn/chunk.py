@@ -420,14 +420,14 @@ def chunk_gated_delta_rule_pool(
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
 
     ``prep``: how the preparation kernel runs (:class:`kvjax.pallas.gdn.prep.PrepConfig`: warps, the inverse's
-    form and operand dtype).
+    operand dtype).
 
     ``block_v=None`` picks the widest value block (64, 32, 16) that still gives >= 256 programs: the
     sequential kernel has only ``N * Hv * V / block_v`` programs and is latency-bound when they are few.
     Any K and V: the kernels pad them to power-of-two blocks and mask (:mod:`kvjax.pallas.gdn.common`).
     Float32 inputs take 3xTF32 products (``common.f32_precision``), chunks of 32 tokens and ``num_stages=1``
     (``num_stages=None``: 1 for float32 inputs, 2 otherwise): 3xTF32 operands are staged in shared memory, and at
-    K=192 with 64-token chunks and 2 stages compiling the kernels asked for 349 KiB of the H100's 227 KiB.
+    K=192 64-token chunks with 2 stages would need more of it than a Hopper thread block has.
 
     ``segment_chunks`` (chunk parallelism, for few long sequences): cut the stream into segments of this many
     chunks; a transition kernel computes every segment's affine state map ``S_end = M S_start + B`` in

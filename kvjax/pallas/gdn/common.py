@@ -35,8 +35,7 @@ FLAG_LIVE = 2
 def f32_precision(interpret: bool):
     """Precision of the products of float32 inputs in the chunked kernels: three TF32 passes on the GPU (tensor
     cores, relative error ~1e-6), full f32 in interpret mode (no TF32 there). Triton's full-f32 (ieee, FMA)
-    products of ``[64, 128]`` tiles took minutes to compile on an H100, and those of ``[64, 256]`` tiles did not
-    finish in 9 minutes."""
+    products of ``[64, 128]`` and wider tiles compile far too slowly to use."""
     return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
