@@ -21,7 +21,7 @@ from helpers.engine import BUDGET, SMALL, greedy_oracle
 from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
-from kvjax.engine.host_tier import HostStore
+from kvjax.engine.host_tier import HostStore, coalesce
 from kvjax.models.interface import ModelCaches
 from kvjax.sched.host_tier import CopyOp
 from kvjax.state.gdn_pool import GDNStatePool
@@ -47,7 +47,7 @@ def test_copies_match_a_numpy_replay(rng):
     host_p, host_c, next_id = {}, {}, 0
     for _ in range(12):
         ops = []
-        for _ in range(int(rng.integers(1, 4))):
+        for _ in range(int(rng.integers(1, 7))):
             kind = rng.choice(["out", "in", "drop"])
             if kind == "out":
                 pd = rng.choice(P, int(rng.integers(1, 8)), replace=False)
@@ -85,6 +85,25 @@ def test_copies_match_a_numpy_replay(rng):
     assert store.stats.pages_out > 0 and store.stats.pages_in > 0 and store.stats.bytes_in > 0
     caches = store.apply(caches, [_op("drop", (), sorted(host_p), (), sorted(host_c))])
     assert not store.slabs and store.bytes_held == 0 and len(store.held()) == 0
+
+
+def test_coalesce_joins_groups_only_where_no_page_changes_between(rng):
+    """:func:`coalesce`: spills separated by loads of other pages join (an admission's spill, load, the next one's
+    spill, load), a spill of a page a load before it wrote stays after that load, adjacent loads to one page stay
+    apart, drops go last; the joined groups hold the same copies."""
+    o1, i1, o2, i2 = _op("out", [1, 2], [10, 11]), _op("in", [5], [10]), _op("out", [3], [12], [2], [13]), \
+        _op("in", [6], [12], [2], [13])
+    got = coalesce([o1, i1, o2, _op("drop", (), [11]), i2])
+    assert [op.kind for op in got] == ["out", "in", "drop"]
+    assert got[0].pages_dev.tolist() == [1, 2, 3] and got[0].pages_host.tolist() == [10, 11, 12]
+    assert got[0].ckpts_dev.tolist() == [2] and got[1].pages_dev.tolist() == [5, 6]
+    assert got[1].ckpts_dev.tolist() == [2] and got[2].pages_host.tolist() == [11]
+    stay = [_op("out", [1], [0]), _op("in", [3], [0]), _op("out", [3], [1]), _op("in", [3], [1])]
+    assert [(op.kind, op.pages_dev.tolist()) for op in coalesce(stay)] == \
+        [("out", [1]), ("in", [3]), ("out", [3]), ("in", [3])]
+    k = int(rng.integers(2, 6))  # k admissions: spill k pages, load k others
+    log = [op for j in range(k) for op in (_op("out", [j], [2 * j]), _op("in", [10 + j], [2 * j]))]
+    assert [op.kind for op in coalesce(log)] == ["out", "in"]
 
 
 # ---- the engine with a host tier ----------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 The scheduler's prefix cache (:mod:`kvjax.sched.prefix_cache`, :mod:`kvjax.sched.host_tier`) decides what moves
 and logs it as :class:`~kvjax.sched.host_tier.CopyOp` groups with host ids; :class:`HostStore` executes a plan's
-log before the engine dispatches the plan's step, in log order. The host data is held in *slabs*: arrays of
-unsigned words ``word[rows, row]`` in ``pinned_host`` memory, one row per page (the page of every paged role of
-every layer, each role's bits laid end to end: :func:`pack_pages`; ``word`` as wide as the narrowest role's dtype)
-or per GDN checkpoint (every GDN layer's conv and SSM state: :func:`pack_states`). Packing makes a copy's cost in
+log before the engine dispatches the plan's step, in log order up to :func:`coalesce` (the same copies in fewer
+groups: every page and checkpoint slot still read and written in log order). The host data is held in *slabs*:
+arrays of unsigned words ``word[rows, row]`` in ``pinned_host`` memory, one row per page (the page of every paged
+role of every layer, each role's bits laid end to end: :func:`pack_pages`; ``word`` as wide as the narrowest role's
+dtype) or per GDN checkpoint (every GDN layer's conv and SSM state: :func:`pack_states`). Packing makes a copy's cost in
 host calls independent of the model's layer and role count: a spill makes one array per ``chunk`` pages (one per
 checkpoint), a load moves one array per slab it reads.
 
@@ -36,6 +37,7 @@ One device only (a mesh engine refuses a host tier).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -68,6 +70,47 @@ def host_tier_config(prefix: PrefixCacheConfig | None, host_cache_bytes: int, mo
     return dataclasses.replace(prefix, host_bytes=int(host_cache_bytes), page_bytes=page_bytes,
                                ckpt_bytes=slot_bytes if prefix.gdn else 0)
 
+
+
+def coalesce(ops: Sequence[CopyOp]) -> list[CopyOp]:
+    """The copies of ``ops`` (a log, in order) in fewer groups, each device page and checkpoint slot read and written
+    in the same order: a spill joins the last spill before it when the loads in between write none of the pages and
+    slots it reads; adjacent loads join when they write distinct pages and slots; drops (they read no device data,
+    and no later copy reads a dropped id) go last, in one group. A scheduler's log alternates spills and loads
+    (each admission's allocation spills, then its attach loads), so this saves most of the host calls."""
+    out: list[CopyOp] = []
+    drops: list[CopyOp] = []
+    for op in ops:
+        if op.kind == "drop":
+            drops.append(op)
+            continue
+        if op.kind == "in":
+            if out and out[-1].kind == "in" and _disjoint(out[-1], op):
+                out[-1] = _join(out[-1], op)
+            else:
+                out.append(op)
+            continue
+        i = len(out)
+        while i and out[i - 1].kind == "in" and _disjoint(out[i - 1], op):
+            i -= 1
+        if i and out[i - 1].kind == "out":
+            out[i - 1] = _join(out[i - 1], op)
+        else:
+            out.append(op)
+    if drops:
+        out.append(functools.reduce(_join, drops))
+    return out
+
+
+def _disjoint(a: CopyOp, b: CopyOp) -> bool:
+    """No device page or checkpoint slot of ``a`` is one of ``b``'s."""
+    return not (np.isin(a.pages_dev, b.pages_dev).any() or np.isin(a.ckpts_dev, b.ckpts_dev).any())
+
+
+def _join(a: CopyOp, b: CopyOp) -> CopyOp:
+    """One group of ``a``'s copies then ``b``'s (of one kind)."""
+    return CopyOp(a.kind, *(np.concatenate([getattr(a, f), getattr(b, f)])
+                            for f in ("pages_dev", "pages_host", "ckpts_dev", "ckpts_host")))
 
 
 def _bucket(n: int) -> int:
@@ -257,7 +300,7 @@ class HostStore:
         return self._apply(caches, ops, probe)
 
     def _apply(self, caches: ModelCaches, ops: Sequence[CopyOp], probe: Callable[[], None] | None) -> ModelCaches:
-        for op in ops:
+        for op in coalesce(ops):
             if op.kind == "out":
                 self._out(caches, op)
             elif op.kind == "in":
