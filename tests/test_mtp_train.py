@@ -48,3 +48,34 @@ def test_training_lifts_acceptance_well_above_chance(rng):
     for p, v in nnx.to_flat_state(nnx.state(model)):  # the main model stayed frozen
         np.testing.assert_array_equal(np.asarray(v.get_value()), frozen[p])
     assert not np.array_equal(np.asarray(mtp.fc.kernel[...]), np.asarray(start.fc.kernel[...]))
+
+
+def test_chained_draft_step_equals_the_dense_layer_on_its_own_inputs(rng):
+    """Draft step 2 of :func:`mtp_train.chained` at position ``t`` is what the MTP layer computes for the pair
+    ``(g1_{t-1}, x_{t+1})`` at ``t`` over step 1's keys at ``0..t-1``: the dense layer run on that sequence (step 1's
+    inputs before ``t``, step 2's at ``t``). Step 1 is the dense layer itself."""
+    import jax.numpy as jnp
+
+    from kvjax.experiments.spec_runs import CopyTask, copy_model
+
+    task = CopyTask(vocab=24, length=16, min_period=3, max_period=5)
+    model = copy_model(task, hidden=32, layer_types=("full_attention",), window=(5, 0), sinks=(1, 0),
+                       seed=int(rng.integers(100)))
+    layers = mtp_lib.init(model.config, seed=int(rng.integers(100)))
+    x, *_ = task.sample(rng, 3)
+    hidden = model.hidden_states(jnp.asarray(x))[:, :-1]  # [3, 15, H]
+    nxt = jnp.asarray(x[:, 1:])
+    g1, g2, g3 = mtp_train.chained(layers, model, hidden, nxt, 3)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(layers.dense(model, hidden, nxt)), rtol=1e-5, atol=1e-5)
+    for t in (1, 6, 14):  # inside and past the SWA head's window
+        h = jnp.concatenate([hidden[:, :t], g1[:, t - 1: t]], axis=1)
+        ref = layers.dense(model, h, nxt[:, : t + 1])[:, t]
+        np.testing.assert_allclose(np.asarray(g2[:, t]), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(g2), np.asarray(g3))  # step 3 reads step 2's states
+
+
+def test_train_mtp_checks_targets_and_depth():
+    model = tasks.task_model(TASK, window=(0,), sinks=(0,), hidden=16)
+    for bad in (dict(targets="truth"), dict(depth=0), dict(depth=True)):
+        with pytest.raises(ValueError, match="targets|depth"):
+            mtp_train.train_mtp(model, TASK, steps=1, **bad)

@@ -20,7 +20,10 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
     report = bench.main(["--smoke", "--json", str(out)])
     printed = capsys.readouterr().out
     rows = report["rows"]
-    want = [m for m, _ in bench.modes(bench.SMOKE["ks"])]
+    want = [m for m, *_ in bench.modes(bench.SMOKE["ks"])]
+    assert len(report["mtp_accuracy_per_step"]) == max(bench.SMOKE["ks"])
+    assert set(report["free_running"]) == {"agreement", "perfect", "first_error"}
+    assert "continue the prompt's period" in printed
     assert [(r["rows"], r["mode"]) for r in rows] == [(n, m) for n in bench.SMOKE["rows"] for m in want]
     for r in rows:
         assert r["identical"] is True, (r["rows"], r["mode"])  # greedy: speculation never changes a token
@@ -33,6 +36,24 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
             assert 0.0 <= r["acceptance_rate"] <= 1.0
             assert 1.0 <= r["tokens_per_verify_row"] <= 1 + max(bench.SMOKE["ks"])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows, default=float))
+
+
+def test_modes_table_expands_per_draft_length():
+    """A mode is one line of data: ``{k}`` expands over every K ("each") or the largest ("max"), with its Engine
+    settings."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import spec as bench
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("spec", None)
+    table = bench.MODES + (("mtp K={k} burst", dict(method="mtp"), dict(decode_burst=4), "each"),)
+    got = bench.modes((2, 4), table)
+    assert [m[0] for m in got] == ["plain", "ngram K=2", "ngram K=4", "ngram K=4 rule off", "mtp K=2", "mtp K=4",
+                                   "mtp K=2 burst", "mtp K=4 burst"]
+    assert got[0][1] is None and got[3][1].flat_tokens is None and got[5][1].method == "mtp"
+    assert [m[1].num_draft_tokens for m in got[1:]] == [2, 4, 4, 2, 4, 2, 4]
+    assert got[-1][2] == {"decode_burst": 4} and got[4][2] == {"decode_burst": 1}
 
 
 def test_copy_task_sequences_copy_a_period_back():
@@ -87,3 +108,33 @@ def test_idle_layers_change_no_logit():
            if p[:3] == ("model", "layers", 2)}
     assert not gdn["out_proj", "kernel"].any() and not gdn["down_proj", "kernel"].any()
     assert gdn["in_proj_qkv", "kernel"].std() > 0
+
+
+def test_free_running_scores_greedy_continuations_against_the_period():
+    """``greedy_generate`` is greedy decoding (a step-by-step loop over the full sequence is the reference);
+    ``free_running`` scores it against each prompt's periodic continuation; ``prompt_period`` finds the period."""
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+
+    from kvjax.experiments.spec_runs import CopyTask, copy_model, free_running, greedy_generate, prompt_period
+
+    assert prompt_period(np.array([0, 5, 6, 7, 5, 6, 7, 5])) == 3
+    assert prompt_period(np.array([9, 9, 4, 4, 4, 4]), start=2) == 1
+    with pytest.raises(ValueError, match="repeats no pattern"):
+        prompt_period(np.array([0, 1, 2, 3, 1, 2]))
+    task = CopyTask(vocab=16, length=24, min_period=2, max_period=4)
+    model = copy_model(task, hidden=32, layer_types=("full_attention",), seed=4)
+    prompts = task.prompts(np.random.default_rng(2), 6, 9)
+    gen = greedy_generate(model, prompts, 5)
+    for p, g in zip(prompts, gen):
+        seq = list(p)
+        for _ in range(5):
+            seq.append(int(jnp.argmax(model.logits(jnp.asarray([seq]))[0, -1])))
+        assert g.tolist() == seq[len(p):]
+    want = np.stack([np.resize(p[1:][: prompt_period(p)], 9 + 5)[9:] for p in prompts])
+    ok = gen == want
+    fr = free_running(model, prompts, 5)
+    assert fr["agreement"] == pytest.approx(ok.mean()) and fr["perfect"] == pytest.approx(ok.all(axis=1).mean())
+    first = [next((i for i in range(5) if not row[i]), 5) for row in ok]
+    assert fr["first_error"] == pytest.approx(np.mean(first) / 5)

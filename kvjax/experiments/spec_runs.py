@@ -9,6 +9,11 @@ their acceptance is the model's copy accuracy. The toy (:func:`copy_model`) is a
 embeddings, trained by :func:`kvjax.experiments.tasks.train` on attention layers only (the full-sequence forward
 then differentiates on every device: the GDN ops' kernels have no gradient); :func:`with_idle_layers` appends a GDN
 layer that changes no logit but runs in every serving step (its state kept, recorded per draft, rolled back).
+:func:`train_copy` builds and trains it from a recipe. Teacher-forced accuracy is not what drafts meet: served,
+the toy continues its own tokens, and after its first error it may leave the pattern, where no drafter follows it;
+:func:`free_running` measures the greedy continuation against the prompt's period (:func:`greedy_generate`, no
+cache). Periods up to 8 are learnt to near-perfect copying in a few thousand steps; periods to 16 stalled near
+0.8 (the toy learns period-specific offsets before a general induction head).
 
 Runs (:func:`spec_run`): one engine per (rows, speculation) serving ``requests`` copy prompts greedily; generated
 tokens/s in steps that did not compile, and speculation's figures (acceptance per draft position, tokens per
@@ -16,9 +21,11 @@ verification step). :class:`NoisyDrafter` lowers the acceptance at will (each dr
 probability), to see where speculation stops paying.
 
 MTP drafts (``speculative="mtp"``): :func:`copy_mtp` trains MTP layers for the toy (its attention layers frozen) with
-:func:`kvjax.experiments.mtp_train.train_mtp` on the copied tokens; :func:`mtp_copy_accuracy` is their teacher-forced
-two-ahead accuracy (the acceptance of a first draft to expect); :func:`attach_mtp` gives them to the served model (the
-one with idle layers: its hidden states are the trained model's).
+:func:`kvjax.experiments.mtp_train.train_mtp` on the copied tokens: by default on the toy's own greedy tokens
+(self-distillation) and with the second draft step chained on the layer's own hidden state, as the drafter runs it;
+:func:`mtp_copy_accuracy` is their teacher-forced two-ahead accuracy per chained draft step (the acceptance per draft
+position to expect); :func:`attach_mtp` gives them to the served model (the one with idle layers: its hidden states
+are the trained model's).
 """
 
 from __future__ import annotations
@@ -80,8 +87,8 @@ class CopyTask:
 
 def copy_model(task: CopyTask, *, hidden: int = 64, layer_types: Sequence[str] = ("full_attention", "full_attention",
                "linear_attention"), heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-               window: Sequence[int] = (), sinks: Sequence[int] = (), seed: int = 0,
-               dtype: Any = None) -> Qwen3_5ForCausalLM:
+               window: Sequence[int] = (), sinks: Sequence[int] = (), seed: int = 0, rope_theta: float = 10_000.0,
+               rotary: float = 1.0, dtype: Any = None) -> Qwen3_5ForCausalLM:
     """A randomly initialised toy Qwen3.5 for ``task``: full rotary embeddings (the copy head finds the previous
     token by position), GDN layers of 2 key / 4 value heads of ``head_dim``, per-KV-head ``window`` / ``sinks``
     (SWA heads; empty: every head full)."""
@@ -93,8 +100,21 @@ def copy_model(task: CopyTask, *, hidden: int = 64, layer_types: Sequence[str] =
     cfg = Qwen3_5Config(vocab_size=task.vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                         layer_types=tuple(layer_types),
                         attention=AttentionConfig(heads, kv_heads, head_dim, window=tuple(window), sinks=tuple(sinks)),
-                        gdn=GDNConfig(2, 4, head_dim, head_dim, 4), rope_theta=10_000.0, partial_rotary_factor=1.0)
+                        gdn=GDNConfig(2, 4, head_dim, head_dim, 4), rope_theta=rope_theta, partial_rotary_factor=rotary)
     return init_random(cfg, seed=seed, dtype=jnp.float32 if dtype is None else dtype)
+
+
+def train_copy(task: CopyTask, model: dict, train: dict) -> tuple[Qwen3_5ForCausalLM, dict[str, np.ndarray] | None]:
+    """The copy toy of a recipe: :func:`copy_model` of ``task`` with ``model``'s keyword arguments, trained by
+    :func:`kvjax.experiments.tasks.train` with ``train``'s (``steps``, ``lr``, ``batch``, ``warmup``; ``steps=0``:
+    untrained). Returns ``(model, training history or None)``."""
+    from kvjax.experiments import tasks
+
+    toy = copy_model(task, **model)
+    kw = {"batch": 32, "warmup": min(30, train["steps"] // 2), **train}
+    if not kw["steps"]:
+        return toy, None
+    return tasks.train(toy, task, **kw)
 
 
 def with_idle_layers(model: Qwen3_5ForCausalLM, layer_types: Sequence[str] = ("linear_attention",),
@@ -133,6 +153,56 @@ def copy_accuracy(model: Qwen3_5ForCausalLM, task: CopyTask, rng: np.random.Gene
     return float(((pred == t) & m).sum() / m.sum())
 
 
+def prompt_period(prompt: np.ndarray, start: int = 1) -> int:
+    """The smallest period of ``prompt[start:]`` (``i32[L]``; a pattern repeated at least twice: a period of at most
+    half of it); ``ValueError`` where there is none."""
+    body = np.asarray(prompt)[start:]
+    for q in range(1, len(body) // 2 + 1):
+        if (body[q:] == body[:-q]).all():
+            return q
+    raise ValueError(f"prompt[{start}:] repeats no pattern twice")
+
+
+def greedy_generate(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int) -> np.ndarray:
+    """i32[n, max_new]: each prompt (all of one length) continued greedily by ``model`` without a cache (the full
+    sequence recomputed per token: the oracle of the engine's greedy decoding, in one jitted loop)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    x = np.stack([np.asarray(p, np.int32) for p in prompts])
+    n, plen = x.shape
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(p, buf):
+        m = nnx.merge(graphdef, p)
+
+        def body(i, b):
+            nxt = jnp.argmax(m.logits(b)[:, i - 1], axis=-1).astype(b.dtype)
+            return b.at[:, i].set(nxt)
+
+        return jax.lax.fori_loop(plen, plen + max_new, body, buf)
+
+    buf = jnp.asarray(np.concatenate([x, np.zeros((n, max_new), np.int32)], axis=1))
+    return np.asarray(run(params, buf))[:, plen:]
+
+
+def free_running(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, start: int = 1) -> dict:
+    """How well ``model``'s free-running greedy continuation of copy prompts (:meth:`CopyTask.prompts`, one length,
+    the pattern from ``start``) follows each prompt's period over ``max_new`` tokens: ``agreement`` (share of
+    generated tokens equal to the periodic continuation at their position), ``perfect`` (share of sequences with no
+    error), ``first_error`` (mean share of the tokens generated before the first error, 1 for a perfect one).
+    Prompt lookup's drafts are accepted while the continuation stays periodic."""
+    gen = greedy_generate(model, prompts, max_new)
+    want = np.stack([np.resize(np.asarray(p)[start:][: prompt_period(p, start)],
+                               len(p) - start + max_new)[len(p) - start:] for p in prompts])
+    ok = gen == want
+    first = np.where(ok.all(axis=1), max_new, np.argmin(ok, axis=1))
+    return dict(agreement=float(ok.mean()), perfect=float(ok.all(axis=1).mean()),
+                first_error=float(first.mean() / max_new))
+
+
 class NoisyDrafter:
     """``drafter``'s drafts with each token replaced by another with probability ``rate`` (seeded): an acceptance
     knob. The proposal stays a point mass (what the engine's rejection sampling assumes)."""
@@ -154,12 +224,13 @@ class NoisyDrafter:
 def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, *, rows: int,
              speculative: Any = None, cache: CacheConfig | None = None, recycle: str = "none",
              prefix_caching: bool = False, page_size: int = 16, max_num_batched_tokens: int | None = None,
-             warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS) -> dict:
+             warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS, **settings: Any) -> dict:
     """Serve ``prompts`` greedily (``max_new`` tokens each) on an engine of ``rows`` rows with ``speculative``
     (``Engine(speculative=)``; ``None``: plain decoding), ``recycle`` and ``prefix_caching``, on ``cache`` (default:
     pages of ``page_size`` for every row at once). With ``warmup``, the same prompts run once first on the same engine
     (every step shape compiles there; the prefix cache is cleared after it) and the timed pass is the second.
     ``one_shape``: every step padded to one token, row and block bucket, no decode path (fewest compiles: CPU runs).
+    ``settings``: further :class:`~kvjax.engine.options.EngineOptions` fields by name (e.g. ``decode_burst``).
 
     Returns ``outputs`` (token lists), ``tok_s`` (generated tokens / wall seconds of the timed pass), ``steps``
     (model sub-steps: a decode burst counts its sub-steps), ``tokens_per_step``, ``prompt_tokens_computed``,
@@ -181,7 +252,7 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
     shape = dict(token_buckets=(budget,), row_buckets=(cache.max_seqs,), block_buckets=(cache.max_blocks_per_seq,),
                  use_decode_path=False) if one_shape else {}
     eng = Engine(model, cache, recycle=recycle, max_num_batched_tokens=budget, speculative=speculative,
-                 prefix_caching=prefix_caching, **shape)
+                 prefix_caching=prefix_caching, **shape, **settings)
     prompts = [np.asarray(p, np.int32) for p in prompts]
     if warmup:
         eng.generate(prompts, max_new, progress=False)
@@ -218,10 +289,12 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
 
 
 def copy_mtp(model: Qwen3_5ForCausalLM, task: CopyTask, *, steps: int, lr: float = 1e-2, batch: int = 32,
-             seed: int = 0) -> tuple[Any, dict[str, np.ndarray] | None]:
+             seed: int = 0, targets: str = "greedy", depth: int = 2) -> tuple[Any, dict[str, np.ndarray] | None]:
     """MTP layers for the copy toy ``model`` (frozen; attention layers only, as :func:`copy_model` trains it):
-    ``steps`` optax steps of :func:`kvjax.experiments.mtp_train.train_mtp` on the tokens two ahead that copy the
-    pattern (``steps=0``: random layers). Returns ``(layers, training history or None)``."""
+    ``steps`` optax steps of :func:`kvjax.experiments.mtp_train.train_mtp` on the copied positions two ahead
+    (``steps=0``: random layers). ``targets="greedy"``: self-distillation, the toy's own greedy tokens (what its
+    verification accepts; ``"data"``: the true ones); ``depth``: draft steps chained in the loss (the second draft
+    reads the MTP layer's own hidden state). Returns ``(layers, training history or None)``."""
     from kvjax.models.qwen3_5 import mtp as mtp_lib
 
     if not steps:
@@ -229,23 +302,31 @@ def copy_mtp(model: Qwen3_5ForCausalLM, task: CopyTask, *, steps: int, lr: float
     from kvjax.experiments.mtp_train import train_mtp
 
     return train_mtp(model, task, steps=steps, batch=batch, lr=lr, warmup=min(30, steps // 2), seed=seed,
-                     on="answers")
+                     on="answers", targets=targets, depth=depth)
 
 
 def mtp_copy_accuracy(model: Qwen3_5ForCausalLM, mtp: Any, task: CopyTask, rng: np.random.Generator,
-                      n: int = 64) -> float:
+                      n: int = 64, depth: int = 1, against: str = "data") -> float | list[float]:
     """Teacher-forced accuracy of the MTP layers ``mtp`` (no cache) on the copied tokens two ahead of ``n`` fresh
-    sequences: position ``t`` reads ``h_t`` and the true ``x_{t+1}`` and predicts ``x_{t+2}``."""
+    sequences: position ``t`` reads ``h_t`` and the true ``x_{t+1}`` and predicts ``x_{t+2}``. ``depth > 1``: a list,
+    the accuracy of each chained draft step ``1..depth`` (:func:`kvjax.experiments.mtp_train.chained`: step ``d``
+    reads step ``d-1``'s hidden state, as the drafter does). ``against``: ``"data"`` (the true token) or
+    ``"greedy"`` (the frozen model's own greedy token after ``x_{t+1}``: what its verification accepts)."""
     import jax.numpy as jnp
 
-    from kvjax.experiments.mtp_train import two_ahead
+    from kvjax.experiments.mtp_train import chained, two_ahead
 
+    if against not in ("data", "greedy"):
+        raise ValueError(f"against must be 'data' or 'greedy', got {against!r}")
     x, _, m, _ = task.sample(rng, n)
     nxt, tgt, w = two_ahead(task, x, m)
-    hidden = model.hidden_states(jnp.asarray(x))[:, :-2]
-    pred = np.asarray(jnp.argmax(mtp.logits(model, mtp.dense(model, hidden, jnp.asarray(nxt))), axis=-1))
+    full = model.hidden_states(jnp.asarray(x))
+    if against == "greedy":
+        tgt = np.asarray(jnp.argmax(model.project_vocab(full[:, 1:-1]), axis=-1))
     sel = w > 0
-    return float((pred[sel] == tgt[sel]).mean())
+    out = [float((np.asarray(jnp.argmax(mtp.logits(model, g), axis=-1))[sel] == tgt[sel]).mean())
+           for g in chained(mtp, model, full[:, :-2], jnp.asarray(nxt), depth)]
+    return out if depth > 1 else out[0]
 
 
 def attach_mtp(model: Qwen3_5ForCausalLM, mtp: Any) -> Qwen3_5ForCausalLM:
