@@ -1,26 +1,31 @@
 """Speculative decoding's speed on a model that accepts drafts (issue #36), in one process, side by side.
 
 Usage (GPU): ``python benchmarks/spec.py [--rows 1,16,64] [--json out.json]`` (``kvjax`` on ``PYTHONPATH``);
-``--smoke``: a CPU run of seconds (tiny task, the toy untrained; ``tests/test_spec_bench.py``).
+``--cpu``: the recipe at a reduced size (minutes on 2 CPU cores); ``--smoke``: a CPU run of seconds (tiny task, the
+toy untrained; ``tests/test_spec_bench.py``).
 
 Model: the copy toy of :mod:`kvjax.experiments.spec_runs` (float32): two attention layers trained once at the start
-with optax on the copy task at the length it serves (prompt + answer), so its answers copy its prompt and
-prompt-lookup drafts are what it says, and an MTP layer trained ``mtp_steps`` optax steps on the same task with the
-toy frozen (``speculative="mtp"``; its teacher-forced two-ahead accuracy printed), then a GDN layer appended that
-changes no logit but runs in every step (its state recorded per draft and rolled back: the hybrid's verification
-cost). Its teacher-forced copy accuracy is
-printed: the acceptance to expect.
+with optax on the copy task at the length it serves (prompt + answer; periods 4..8: the toy learns them to near
+perfect copying in a minute of a GPU, where periods to 16 left it at 0.83 teacher-forced and its free-running greedy
+continuation left the pattern after its first error), so its answers copy its prompt and prompt-lookup drafts are
+what it says. Printed: its teacher-forced copy accuracy and its free-running greedy agreement with the prompts'
+period (:func:`~kvjax.experiments.spec_runs.free_running`: the share of generated tokens that continue the period,
+of sequences without an error), the acceptance to expect. Then an MTP layer trained ``mtp["steps"]`` optax steps
+with the toy frozen on its own greedy tokens (self-distillation) with the second draft step chained on the layer's
+own hidden state (``speculative="mtp"``; its teacher-forced agreement per chained draft step printed), then a GDN
+layer appended that changes no logit but runs in every step (its state recorded per draft and rolled back: the
+hybrid's verification cost).
 
 Runs: for each row count (``--rows``), ``waves`` times as many copy prompts (at least ``min_requests``) of
-``prompt_len`` tokens, ``max_new`` generated tokens each, pages for every row: plain decoding (the engine's defaults:
-overlap, decode bursts), then ``speculative=ngram`` with K = 2 and 4 under the engine's default rule
-(:func:`kvjax.sched.spec.draft_length`: drafts shortened or turned off where the step-cost model says they do not
-pay), K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible), and ``speculative=mtp`` with
-K = 2 and 4 under the rule (the MTP layer drafts inside every step). Each
-engine serves the prompts once to compile, then once timed. Columns: generated tokens/s (wall clock of the timed
-pass) and against plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft
-position), tokens per verification row and step, verification steps, and whether the tokens equal plain
-decoding's (greedy: they must); ``model`` is the step-cost model's prediction from the run's own steps (tokens per
+``prompt_len`` tokens, ``max_new`` generated tokens each, pages for every row, each mode of :data:`MODES` (one line
+of data each): plain decoding (the engine's defaults: overlap, decode bursts), ``speculative=ngram`` with K = 2 and 4
+under the engine's default rule (:func:`kvjax.sched.spec.draft_length`: drafts shortened or turned off where the
+step-cost model says they do not pay), K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible), and
+``speculative=mtp`` with K = 2 and 4 under the rule (the MTP layer drafts inside every step). Each engine serves the
+prompts once to compile, then once timed. Columns: generated tokens/s (wall clock of the timed pass) and against
+plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft position),
+tokens per verification row and step, verification steps, and whether the tokens equal plain decoding's (greedy:
+they must); ``model`` is the step-cost model's prediction from the run's own steps (tokens per
 ``max(T, FLAT_TOKENS)`` against plain decoding's): where it and the measured ratio part, ``FLAT_TOKENS`` is off for
 this device and model. The rule's part: the paced K = 4 against the unpaced one at the larger row counts.
 """
@@ -37,24 +42,51 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=16), hidden=64, steps=2000, lr=1e-2,
-            mtp_steps=300, layers=("full_attention", "full_attention"), idle=("linear_attention",), prompt_len=64,
-            max_new=128, waves=2, min_requests=8, rows=(1, 16, 64), ks=(2, 4), one_shape=False)
+# GPU: the --cpu recipe (periods 4..8, lr 1e-2) at the served length with 2x the steps and batch (16x the copied
+# tokens seen): expected near-perfect copying, free-running agreement and n-gram / MTP acceptance near 1
+FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=8),
+            model=dict(hidden=64, layer_types=("full_attention", "full_attention")),
+            train=dict(steps=3000, lr=1e-2, batch=64), mtp=dict(steps=400, lr=1e-2, targets="greedy", depth=2),
+            idle=("linear_attention",), prompt_len=64, max_new=128, free_prompts=64, waves=2, min_requests=8,
+            rows=(1, 16, 64), ks=(2, 4), one_shape=False)
+# the recipe at a reduced size, found on 2 CPU cores (``--cpu``: minutes there)
+CPU = dict(task=dict(vocab=64, length=64, min_period=4, max_period=8),
+           model=dict(hidden=64, layer_types=("full_attention", "full_attention")),
+           train=dict(steps=1500, lr=1e-2, batch=32), mtp=dict(steps=300, lr=1e-2, targets="greedy", depth=2),
+           idle=("linear_attention",), prompt_len=32, max_new=32, free_prompts=64, waves=2, min_requests=4,
+           rows=(1, 4), ks=(2, 4), one_shape=True)
 # CPU smoke: one attention layer and an idle GDN one, untrained (steps=0), one step shape per engine (compiles
 # dominate on a CPU)
-SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), hidden=32, steps=0, lr=3e-3, mtp_steps=0,
-             layers=("full_attention",), idle=("linear_attention",), prompt_len=13, max_new=6, waves=1, min_requests=1,
-             rows=(1, 3), ks=(2,), one_shape=True)
+SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), model=dict(hidden=32,
+             layer_types=("full_attention",)), train=dict(steps=0), mtp=dict(steps=0), idle=("linear_attention",),
+             prompt_len=13, max_new=6, free_prompts=4, waves=1, min_requests=1, rows=(1, 3), ks=(2,), one_shape=True)
 
 
-def modes(ks) -> list[tuple[str, object]]:
-    """(name, ``speculative=``) of each run at a row count: plain, ngram per K (paced), ngram at the largest K
-    unpaced, then the MTP layers' drafts per K (paced)."""
+# The modes run at each row count, one line each: (name, ``SpeculativeConfig`` fields or None for plain decoding,
+# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"). MTP modes verify single
+# steps (decode_burst=1); a mode with bursts is one more line, e.g. ("mtp K={k} burst", dict(method="mtp"),
+# dict(decode_burst="auto"), "each").
+MODES = (
+    ("plain", None, {}, None),
+    ("ngram K={k}", dict(method="ngram"), {}, "each"),
+    ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None), {}, "max"),
+    ("mtp K={k}", dict(method="mtp"), dict(decode_burst=1), "each"),
+)
+
+
+def modes(ks, table=MODES) -> list[tuple[str, object, dict]]:
+    """(name, ``speculative=``, Engine settings) of each run at a row count, from ``table`` (:data:`MODES`) and the
+    draft lengths ``ks``."""
     from kvjax.sched.drafter import SpeculativeConfig
 
-    out = [("plain", None)] + [(f"ngram K={k}", SpeculativeConfig(num_draft_tokens=k)) for k in ks]
-    out += [(f"ngram K={max(ks)} rule off", SpeculativeConfig(num_draft_tokens=max(ks), flat_tokens=None))]
-    return out + [(f"mtp K={k}", SpeculativeConfig(method="mtp", num_draft_tokens=k)) for k in ks]
+    out = []
+    for name, fields, settings, which in table:
+        if fields is None:
+            out.append((name, None, dict(settings)))
+            continue
+        for k in ks if which == "each" else (max(ks),):
+            out.append((name.format(k=k), SpeculativeConfig(num_draft_tokens=k, **fields), dict(settings)))
+    return out
 
 
 @contextlib.contextmanager
@@ -78,39 +110,59 @@ def compile_cache():
                 jax.config.update(k, v)
 
 
+def build(cfg: dict) -> tuple[object, dict]:
+    """The served model of ``cfg``: the copy toy trained (``train``; none: untrained), its free-running greedy
+    agreement with the prompts' period, its MTP layer trained (``mtp``) and the idle layers appended. Prints each
+    figure; returns ``(model, figures)``."""
+    import numpy as np
+
+    from kvjax.experiments import spec_runs
+
+    task = spec_runs.CopyTask(**cfg["task"])
+    t0 = time.perf_counter()
+    model, hist = spec_runs.train_copy(task, cfg["model"], cfg["train"])
+    figures = dict(copy_accuracy=spec_runs.copy_accuracy(model, task, np.random.default_rng(1)))
+    state = f"trained {cfg['train']['steps']} steps" if hist else "untrained"
+    prompts = task.prompts(np.random.default_rng(3), cfg["free_prompts"], cfg["prompt_len"] - 1)
+    figures["free_running"] = spec_runs.free_running(model, prompts, cfg["max_new"])
+    fr = figures["free_running"]
+    print(f"copy toy {state} in {time.perf_counter() - t0:.1f} s: teacher-forced copy accuracy "
+          f"{figures['copy_accuracy']:.3f}; free-running greedy over {cfg['max_new']} tokens of {len(prompts)} "
+          f"prompts: {fr['agreement']:.3f} of the tokens continue the prompt's period, {fr['perfect']:.3f} of the "
+          f"sequences without an error, first error after {fr['first_error']:.3f} of the tokens on average")
+    t0 = time.perf_counter()
+    m = cfg["mtp"]
+    head, mtp_hist = spec_runs.copy_mtp(model, task, **m)
+    depth = max(cfg["ks"])
+    accs = spec_runs.mtp_copy_accuracy(model, head, task, np.random.default_rng(2), depth=depth, against="greedy")
+    figures["mtp_accuracy_per_step"] = accs
+    print(f"MTP layer {'trained ' + str(m['steps']) + ' steps' if mtp_hist else 'random'} in "
+          f"{time.perf_counter() - t0:.1f} s (toy frozen; {m.get('targets', 'greedy')} targets, {m.get('depth', 2)} "
+          f"chained steps in the loss): teacher-forced agreement with the toy's greedy token two ahead, per chained "
+          f"draft step: {', '.join(f'{a:.3f}' for a in accs)}")
+    return spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head), figures
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a CPU run of seconds")
+    ap.add_argument("--cpu", action="store_true", help="the recipe at a reduced size (minutes on a CPU)")
     ap.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,16,64)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    cfg = dict(SMOKE if args.smoke else FULL)
+    cfg = dict(SMOKE if args.smoke else CPU if args.cpu else FULL)
     if args.rows:
         cfg["rows"] = tuple(int(r) for r in args.rows.split(","))
 
     import jax
     import numpy as np
 
-    from kvjax.experiments import spec_runs, tasks
+    from kvjax.experiments import spec_runs
 
     with compile_cache():
-        task = spec_runs.CopyTask(**cfg["task"])
-        t0 = time.perf_counter()
-        model = spec_runs.copy_model(task, hidden=cfg["hidden"], layer_types=cfg["layers"])
-        acc = None  # untrained (the smoke run)
-        if cfg["steps"]:
-            model, hist = tasks.train(model, task, steps=cfg["steps"], batch=32, lr=cfg["lr"],
-                                      warmup=min(30, cfg["steps"] // 2))
-            acc = spec_runs.copy_accuracy(model, task, np.random.default_rng(1))
-            print(f"copy toy trained {cfg['steps']} steps in {time.perf_counter() - t0:.1f} s: teacher-forced copy "
-                  f"accuracy {acc:.3f}, loss {hist['loss'][-20:].mean():.4f}")
-        t0 = time.perf_counter()
-        head, mtp_hist = spec_runs.copy_mtp(model, task, steps=cfg["mtp_steps"], lr=cfg["lr"])
-        mtp_acc = spec_runs.mtp_copy_accuracy(model, head, task, np.random.default_rng(2))
-        print(f"MTP layer {'trained ' + str(cfg['mtp_steps']) + ' steps' if mtp_hist else 'random'} in "
-              f"{time.perf_counter() - t0:.1f} s (toy frozen): teacher-forced two-ahead copy accuracy {mtp_acc:.3f}")
-        model = spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head)
+        model, figures = build(cfg)
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; layers {model.config.layer_types}", flush=True)
+        task = spec_runs.CopyTask(**cfg["task"])
         rows_out = []
         print("\n| rows | mode | tok/s | vs plain | model | steps | tok/step | acceptance | per position | "
               "tok/verify row | tok/verify step | verify steps | identical |")
@@ -119,14 +171,14 @@ def main(argv=None) -> dict:
             n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
             prompts = task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
             base = None
-            for name, speculative in modes(cfg["ks"]):
+            for name, speculative, settings in modes(cfg["ks"]):
                 r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
-                                       one_shape=cfg["one_shape"])
+                                       one_shape=cfg["one_shape"], **settings)
                 outputs = r.pop("outputs")
                 if base is None:
                     base = dict(r, outputs=outputs)
                 r.update(mode=name, vs_plain=r["tok_s"] / base["tok_s"], identical=outputs == base["outputs"],
-                         model_vs_plain=r["tok_per_cost"] / base["tok_per_cost"], copy_accuracy=acc)
+                         model_vs_plain=r["tok_per_cost"] / base["tok_per_cost"])
                 rows_out.append(r)
                 per = ", ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_position", []))
                 spec = (f"{r['acceptance_rate']:.3f} | {per} | {r['tokens_per_verify_row']:.2f} | "
@@ -134,7 +186,7 @@ def main(argv=None) -> dict:
                 print(f"| {rows} | {name} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['model_vs_plain']:.2f}x | "
                       f"{r['steps']} | {r['tokens_per_step']:.1f} | {spec} | {r['verify_steps']} | {r['identical']} |",
                       flush=True)
-    report = dict(config={k: v for k, v in cfg.items()}, copy_accuracy=acc, mtp_copy_accuracy=mtp_acc, rows=rows_out)
+    report = dict(config={k: v for k, v in cfg.items()}, **figures, rows=rows_out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=float)
