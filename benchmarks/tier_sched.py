@@ -55,15 +55,16 @@ def _digest(h, plan, ops) -> None:
             h.update(np.ascontiguousarray(a, np.int64).tobytes())
 
 
-def run(workload, setup, attention, vocab: int, policy: str, burst: int = 8, seed: int = 0) -> dict:
-    """One overlapped serve of ``workload`` by the scheduler alone; times and the digest of its decisions."""
+def run(workload, setup, attention, vocab: int, policy: str, burst: int = 8, seed: int = 0, **options) -> dict:
+    """One overlapped serve of ``workload`` by the scheduler alone (``options``: more :class:`Scheduler` arguments,
+    e.g. ``pool``, ``page_shards``); times and the digest of its decisions."""
     from kvjax.experiments.prefix_runs import _arrivals, policy_modes
     from kvjax.sched.request import Status
     from kvjax.sched.scheduler import Scheduler
 
     recycle = policy_modes(policy)[0]
     sched = Scheduler(setup.cache(policy), attention, max_num_batched_tokens=setup.max_tokens, recycle=recycle,
-                      prefix_cache=setup.prefix_config(policy))
+                      prefix_cache=setup.prefix_config(policy), **options)
     rng = np.random.default_rng(seed)
     index: dict[int, int] = {}  # request id -> workload index
     live: dict = {}  # request id -> Request, until its answer is complete

@@ -303,17 +303,20 @@ class BlockAllocator:
         shared = owner == SHARED
         if ((~shared & (owner != rr)) | (self.owner_head[pages] != hh)).any():
             raise DoubleFreeError(f"pages {pages.tolist()} are not owned by the (row, head) freeing them")
-        sp, sidx = np.unique(pages[shared], return_index=True)
-        counts = np.bincount(np.searchsorted(sp, pages[shared]), minlength=len(sp))
-        if (self.refs[sp] < counts).any() or len(np.unique(pages[~shared])) != int((~shared).sum()):
+        sp, counts = np.unique(pages[shared], return_counts=True)
+        private = ~shared
+        if (self.refs[sp] < counts).any() or len(np.unique(pages[private])) != int(private.sum()):
             raise DoubleFreeError(f"pages {pages.tolist()} are freed more often than tables hold them")
-        freed = self._free_private(rr[~shared], hh[~shared], bb[~shared], pages[~shared])
+        freed = self._free_private(rr[private], hh[private], bb[private], pages[private]) if private.any() else 0
         self.tables[rr[shared], hh[shared], bb[shared]] = -1
         self.refs[sp] -= counts.astype(np.int32)
         gone = sp[self.refs[sp] == 0]
-        for p in self.pool_of_head[self.owner_head[gone[self.cached[gone]]]].tolist():
-            self.idle[p] += 1
-        return freed + self._release(gone[~self.cached[gone]])
+        cached = self.cached[gone]
+        if cached.any():
+            idle = np.bincount(self.pool_of_head[self.owner_head[gone[cached]]], minlength=len(self.idle))
+            for p, n in enumerate(idle.tolist()):
+                self.idle[p] += n
+        return freed + self._release(gone[~cached])
 
     def _free_private(self, rr: np.ndarray, hh: np.ndarray, bb: np.ndarray, pages: np.ndarray) -> int:
         if ((self.owner_row[pages] != rr) | (self.owner_head[pages] != hh)).any():
