@@ -737,24 +737,30 @@ Prompt lookup proposes what followed the request's last n-gram earlier in its ow
 model that continues its prompt. The toy (`kvjax.experiments.spec_runs.copy_model`, trained here with optax) learns
 to continue a repeated random pattern after a random prefix (an induction head: find the current token one period
 back, emit the one after it); its teacher-forced copy accuracy bounds the acceptance. KV head 0 is a SWA head (the
-window covers the longest period twice), KV head 1 a full head, so timely recycling frees pages."""),
+window covers the longest period twice), KV head 1 a full head, so timely recycling frees pages. Periods of up to 8
+tokens: with periods to 16 the toy copied about 0.8 of the tokens after the same training and its free-running
+greedy continuation left the pattern after its first error (`spec_runs.free_running` measures it), which no drafter
+predicts."""),
     new_code_cell('''\
 CFG = SIZE.pick(
-    small=dict(task=dict(vocab=48, length=72, min_period=3, max_period=10, max_prefix=16), window=(16, 0),
-               sinks=(1, 0), steps=1200, lr=6e-3, requests=32, prefix=16, pattern=20, max_new=24, page=8,
+    small=dict(task=dict(vocab=48, length=72, min_period=3, max_period=8, max_prefix=16), window=(16, 0),
+               sinks=(1, 0), steps=1200, lr=1e-2, requests=32, prefix=16, pattern=20, max_new=24, page=8,
                memory_rows=6, max_seqs=16, budget=64, flat=32),
-    gpu=dict(task=dict(vocab=128, length=256, min_period=4, max_period=16, max_prefix=64), window=(64, 0),
-             sinks=(4, 0), steps=2000, lr=1e-2, requests=256, prefix=64, pattern=64, max_new=128, page=16,
+    gpu=dict(task=dict(vocab=128, length=256, min_period=4, max_period=8, max_prefix=64), window=(64, 0),
+             sinks=(4, 0), steps=3000, lr=1e-2, requests=256, prefix=64, pattern=64, max_new=128, page=16,
              memory_rows=32, max_seqs=128, budget=1024, flat=256))
 task = spec_runs.CopyTask(**CFG["task"])
 model0 = spec_runs.copy_model(task, layer_types=("full_attention", "full_attention"), window=CFG["window"],
                               sinks=CFG["sinks"])
 model, hist = tasks.train(model0, task, steps=CFG["steps"], batch=32, lr=CFG["lr"])
 acc = spec_runs.copy_accuracy(model, task, np.random.default_rng(1))
+free = spec_runs.free_running(model, task.prompts(np.random.default_rng(5), 32, CFG["pattern"]), CFG["max_new"])
 # gpu: a GDN layer appended that changes no logit but is served (its state recorded per draft and rolled back)
 model = spec_runs.with_idle_layers(model, SIZE.pick(small=(), gpu=("linear_attention",)))
 print(f"{task}; layers {model.config.layer_types}, KV head windows {CFG['window']}")
-print(f"teacher-forced copy accuracy {acc:.3f} (last 50 training batches {hist['accuracy'][-50:].mean():.3f})")
+print(f"teacher-forced copy accuracy {acc:.3f} (last 50 training batches {hist['accuracy'][-50:].mean():.3f}); "
+      f"free-running greedy over {CFG['max_new']} tokens: {free['agreement']:.3f} of the tokens continue the "
+      f"prompt's period, {free['perfect']:.3f} of the sequences without an error")
 assert acc >= 0.7, f"the copy toy copies only {acc:.0%} of the tokens"'''),
     new_markdown_cell("""\
 ## 3. Fixed page memory: each memory policy with and without speculation
@@ -929,6 +935,57 @@ display(Markdown(
     f"{alpha_run:.2f} (dashed line), is where more memory (recycling, the prefix cache) stops leaving speculation "
     f"anything to gain: below it speculation and the memory savings multiply; above it the batch already fills the "
     f"step and drafts only cost."))'''),
+    new_markdown_cell("""\
+## 6. MTP drafts against prompt lookup
+
+The MTP layer (`speculative=SpeculativeConfig(method="mtp")`) drafts on the device inside every step from the
+model's own hidden state: no weights beyond one decoder layer, and no need for the answer to be in the prompt. Here
+it is trained for a few hundred optax steps on the frozen toy (`spec_runs.copy_mtp`): on the toy's own greedy tokens
+(self-distillation: what its verification accepts) and with the second draft step chained on the layer's own hidden
+state, as the drafter runs it. Against prompt lookup on the same prompts, without recycling or the prefix cache:
+acceptance per draft position and tokens per step (plain decoding's is the rows decoding)."""),
+    new_code_cell('''\
+MTP = SIZE.pick(small=dict(steps=200, rows=4, requests=8), gpu=dict(steps=400, rows=16, requests=64))
+head, mtp_hist = spec_runs.copy_mtp(model, task, steps=MTP["steps"], lr=CFG["lr"])
+mtp_acc = spec_runs.mtp_copy_accuracy(model, head, task, np.random.default_rng(4), depth=2, against="greedy")
+mtp_model = spec_runs.attach_mtp(model, head)
+print(f"MTP layer, {MTP['steps']} steps (toy frozen): teacher-forced agreement with the toy's greedy token two "
+      f"ahead {mtp_acc[0]:.3f} (first draft), {mtp_acc[1]:.3f} (second draft, chained)")
+wl = prompts[: MTP["requests"]]
+c = CacheConfig(page_size=CFG["page"], num_pages=MTP["rows"] * blocks * heads + 1, max_seqs=MTP["rows"],
+                max_blocks_per_seq=blocks)
+DRAFTERS = {"plain": None} | {f"{m} K={k}": SpeculativeConfig(method=m, num_draft_tokens=k, flat_tokens=None)
+                              for m in ("ngram", "mtp") for k in (2, 4)}
+by_drafter = {}
+for name, spec in tqdm(DRAFTERS.items(), desc="drafters", mininterval=10):
+    by_drafter[name] = spec_runs.spec_run(mtp_model, wl, CFG["max_new"], rows=MTP["rows"], cache=c,
+                                          speculative=spec, max_num_batched_tokens=CFG["budget"], warmup=False,
+                                          one_shape=True, flat_tokens=Fnb)
+    assert by_drafter[name]["outputs"] == by_drafter["plain"]["outputs"], name
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+for i, name in enumerate(n for n in DRAFTERS if n != "plain"):
+    per = by_drafter[name]["acceptance_rate_per_position"]
+    axes[0].bar(np.arange(len(per)) + (i - 1.5) * 0.2, per, 0.2, label=name)
+axes[0].set(xlabel="draft position", ylabel="acceptance (given the drafts before accepted)",
+            title="acceptance per draft position")
+axes[0].legend()
+names = list(DRAFTERS)
+axes[1].bar(names, [by_drafter[n]["tokens_per_step"] for n in names])
+axes[1].set(ylabel="generated tokens per step", title=f"{MTP['rows']} rows, K drafts always (rule off)")
+plt.tight_layout()'''),
+    new_code_cell('''\
+for name, r in by_drafter.items():
+    per = ", ".join(f"{a:.2f}" for a in r.get("acceptance_rate_per_position", []))
+    acc_s = f"{r['acceptance_rate']:.2f} ({per})" if r["verify_steps"] else "-"
+    print(f"{name:10} steps {r['steps']:4d}  tokens/step {r['tokens_per_step']:5.2f}  acceptance {acc_s}")
+best = max((n for n in DRAFTERS if n != "plain"), key=lambda n: by_drafter[n]["tokens_per_step"])
+display(Markdown(
+    f"On the trained toy, prompt lookup is accepted at {by_drafter['ngram K=4']['acceptance_rate']:.2f} and the MTP "
+    f"layer at {by_drafter['mtp K=4']['acceptance_rate']:.2f} (K = 4; first position "
+    f"{by_drafter['ngram K=4']['acceptance_rate_per_position'][0]:.2f} against "
+    f"{by_drafter['mtp K=4']['acceptance_rate_per_position'][0]:.2f}). The most tokens per step: {best} "
+    f"({by_drafter[best]['tokens_per_step']:.2f} against plain decoding's "
+    f"{by_drafter['plain']['tokens_per_step']:.2f})."))'''),
 ]
 
 
