@@ -23,6 +23,7 @@ from kvjax.sched.drafter import SpeculativeConfig, StepDrafter, make_drafter
 from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, prefix_sharing_prompts, step_events,
                             stream_aborting)
 from helpers.faults import Injected, arm
+from helpers.spec import Successors
 from helpers.models import VOCAB, qwen_swa_model, random_model, tiny_config, tiny_deepseek_config
 
 NEW = 12
@@ -55,12 +56,12 @@ def mtp_engine(model, K: int, **kw) -> Engine:
 def test_greedy_equals_oracle_with_recycling_preemption_and_prefix_caching(qwen, shared, K):
     prompts, expect = shared
     eng = mtp_engine(qwen, K, prefix_caching=True, debug=K == 2)
-    assert not eng.overlap and eng.decode_burst == 1
+    assert not eng.overlap and eng.decode_burst > 1  # verification bursts where every row decodes
     assert eng.generate(prompts, NEW) == expect
     s = eng.metrics.summary()
     assert s["drafts_proposed"] > 0 and s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0
     assert len(s["acceptance_rate_per_position"]) == K
-    assert eng.num_traces <= 3  # ordinary, verification (and the prefix cache's copies' variant)
+    assert eng.num_traces <= 4  # ordinary, verification, verification burst (and the prefix cache's copies' variant)
     mtp_pages = {n for n in eng.caches.pages if n.endswith(f"_{qwen.config.num_layers}")}
     assert mtp_pages == {f"key_caches_{qwen.config.num_layers}", f"value_caches_{qwen.config.num_layers}"}
     eng.clear_prefix_cache()
@@ -95,28 +96,6 @@ def test_aborts_between_steps_and_a_fault_inside_one(qwen, shared, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ a trained MTP layer
-
-
-class Successors:
-    """Chains ``x_{i+1} = perm[x_i]`` from a random start, for a fixed permutation of the tokens ``1..VOCAB-1``: a
-    task the tiny model and its MTP layer learn in a few optax steps (``sample`` as
-    :meth:`kvjax.experiments.tasks.RetrievalTask.sample`: tokens, next tokens, loss mask, unused)."""
-
-    def __init__(self, rng: np.random.Generator, length: int) -> None:
-        self.perm = np.zeros(VOCAB, np.int32)
-        self.perm[1:] = 1 + rng.permutation(VOCAB - 1)
-        self.length = length
-
-    def chains(self, starts: np.ndarray, length: int) -> np.ndarray:  # i32[n, length]
-        x = np.zeros((starts.size, length), np.int32)
-        x[:, 0] = starts
-        for i in range(1, length):
-            x[:, i] = self.perm[x[:, i - 1]]
-        return x
-
-    def sample(self, rng: np.random.Generator, n: int):
-        x = self.chains(rng.integers(1, VOCAB, n), self.length + 1)
-        return x[:, :-1], x[:, 1:], np.ones((n, self.length), bool), None
 
 
 def test_trained_mtp_layer_is_accepted_far_above_chance_and_exact():

@@ -1,6 +1,7 @@
 """Speculative decoding's MTP drafter inside the engine's jitted step (``speculative="mtp"``).
 
-With ``speculative="mtp"`` every step of the engine (prefill chunks, decode tokens, verifications) also drafts:
+With ``speculative="mtp"`` every step of the engine (prefill chunks, decode tokens, verifications, verification
+bursts) where the step-cost rule drafts (``PackLayout.draft``: some plan's ``spec_k > 0``) also drafts:
 the model step returns its final-normed hidden states beside the logits (``forward_step_hidden``), the step's
 tokens are sampled / verified as without drafting, then, in the same jitted call, the model's MTP layer
 (:class:`~kvjax.models.interface.DraftHead`, :mod:`kvjax.models.qwen3_5.mtp`) runs its catch-up over the step's

@@ -84,7 +84,8 @@ class Engine:
                  **settings: Any) -> None:
         setup = settle(model, cache_config, mesh, tokenizer, options, settings)
         o = self.options = setup.options
-        self.decode_burst = 1 if o.speculative is not None else o.burst  # verification steps are single steps
+        # a host drafter's verification steps are single steps; the MTP drafter's run in verification bursts
+        self.decode_burst = o.burst if o.speculative is None or getattr(setup.drafter, "from_step", False) else 1
         self.drafter = setup.drafter  # kvjax.sched.drafter
         self.model, self.sharded = model, setup.sharded
         sharded = setup.sharded

@@ -35,6 +35,8 @@ class SampleInputs:
     prev_index: jax.Array  # i32[T]: token t is the previous step's sampled token at this index; -1 = token_ids[t]
     burst_len: jax.Array | None = None  # i32[B]: a decode burst's sub-steps of each row (kvjax.engine.burst)
     draft_len: jax.Array | None = None  # i32[B]: a verification step's drafts of each row (kvjax.engine.verify)
+    spec_span: jax.Array | None = None  # i32[B]: a verification burst's positions allocated to each row
+    spec_cap: jax.Array | None = None  # i32[B]: the drafts a verification burst's later sub-steps verify at most
     next_ids: jax.Array | None = None  # i32[B]: the known token after each row's last step token; -1: the sampled
     # one (steps of an engine that drafts on the device: kvjax.engine.drafting)
 
@@ -65,6 +67,7 @@ class PackLayout:
     burst: int = 1  # a decode burst's sub-steps (its ``burst_len`` packed too; see kvjax.engine.burst)
     page_size: int = 0  # the cache's page size (a burst computes its sub-steps' slot mapping)
     spec: int = 0  # K of a verification step (its ``draft_len`` packed too; see kvjax.engine.verify); 0: none
+    draft: bool = False  # the step runs the MTP drafter (an engine that drafts on the device; kvjax.engine.drafting)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of packed field ``name`` (``KeyError`` if the layout has none)."""
@@ -86,7 +89,8 @@ class PackLayout:
         rows = SampleInputs(seeds=out["seeds"], streams=out["streams"], counters=out["seq_lens"],
                             temperature=out["temperature"], top_k=out["top_k"], top_p=out["top_p"],
                             prev_index=out["prev_index"], burst_len=out.get("burst_len"),
-                            draft_len=out.get("draft_len"), next_ids=out.get("next_ids"))
+                            draft_len=out.get("draft_len"), next_ids=out.get("next_ids"),
+                            spec_span=out.get("spec_span"), spec_cap=out.get("spec_cap"))
         copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
         return inputs, rows, copies
 
@@ -103,7 +107,7 @@ def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
 def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, decode_only: bool = False,
                checkpoints: bool = False, burst: int = 1, page_size: int = 0,
                page_base: np.ndarray | None = None, spec: int = 0,
-               next_ids: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, PackLayout]:
+               next_ids: Sequence[np.ndarray] | None = None, draft: bool = False) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[D, N]`` host buffer, row ``d`` holding every input of the step of data shard ``d``'s plan (the
     plans padded to one shape: :meth:`kvjax.engine.runner.Runner.shape`), and its :class:`PackLayout`. Each field is
     stacked over the shards and written once (no per-shard packing).
@@ -118,8 +122,11 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     the device runs: one trace whatever the rows' lengths) and the cache's ``page_size``. ``page_base``
     (``i64[Hkv]``, the first global page id of each KV head's pool, pages split over ``"model"``): the tables' and
     slot mapping's page ids become local to each head's pool. ``spec`` (K > 0, a verification step): every plan packs
-    ``draft_len`` (zeros for a plan without one). ``next_ids`` (an engine that drafts on the device): per plan
-    ``i32[B]``, the known token after each row's last step token (:func:`kvjax.sched.spec.next_tokens`)."""
+    ``draft_len`` (zeros for a plan without one); with ``burst > 1`` too (a verification burst, some plan has
+    ``spec_span``) every plan packs ``spec_span`` and ``spec_cap`` (its ``spec_k`` on its real rows) instead of
+    ``burst_len``. ``next_ids`` (an engine that drafts on the device): per plan ``i32[B]``, the known token after
+    each row's last step token (:func:`kvjax.sched.spec.next_tokens`). ``draft``: the layout's flag (the step runs
+    the MTP drafter)."""
     if burst > 1 and page_size < 1:
         raise ValueError(f"a decode burst of {burst} sub-steps needs the cache's page_size, got {page_size}")
     longest = max(p.burst for p in plans)
@@ -147,7 +154,11 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
                   top_p=rows("top_p", 1.0, np.float32).view(np.int32), prev_index=field("prev_index"))
     if checkpoints:
         arrays.update(ckpt_restore=field("ckpt_restore"), ckpt_save=field("ckpt_save"))
-    if burst > 1:
+    if burst > 1 and spec:
+        arrays["spec_span"] = stack([p.spec_span if p.spec_span is not None else np.zeros(B, np.int32)
+                                     for p in plans])
+        arrays["spec_cap"] = stack([np.where(p.query_lens > 0, p.spec_k, 0).astype(np.int32) for p in plans])
+    elif burst > 1:
         for p in plans:
             if p.burst_len is None and p.num_tokens != p.num_seqs:
                 raise AssertionError(f"step {p.step}: a plan with prompt tokens in a burst step")
@@ -164,7 +175,7 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
         buf[:, off: off + a.size // D] = a.reshape(D, -1)
         off += sizes[name]
     return buf, PackLayout(tuple(shapes.items()), bool(decode_only), checkpoints, burst, page_size if burst > 1 else 0,
-                           int(spec))
+                           int(spec), bool(draft))
 
 
 def local_page_ids(block_tables: np.ndarray, slot_mapping: np.ndarray, page_base: np.ndarray, page_size: int

@@ -174,7 +174,7 @@ class StepPipeline:
             prefix_hit_tokens=sum(p.prefix_hit_tokens for p in plans),
             prefill_tokens=sum(p.prefill_tokens for p in plans),
             cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
-            burst=max(p.burst for p in plans),
+            burst=max(max(p.burst, p.spec_steps) for p in plans),
             computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
             pages_free=sum(s.blocks.num_pages for s in scheds) - used,
             compiled=self.runner.num_traces > traces0 or copies_compiled,

@@ -34,7 +34,7 @@ from kvjax.engine.burst import pad_tokens, run_burst
 from kvjax.engine.drafting import Drafting, StepTokens, draft, head_caches
 from kvjax.engine.inputs import PackLayout, decode_only, local_page_ids, pack_plans
 from kvjax.engine.step import TraceCounter
-from kvjax.engine.verify import verify_step
+from kvjax.engine.verify import verify_burst, verify_step
 from kvjax.inputs import DEVICE_FIELDS, StepInputs
 from kvjax.models.interface import ModelCaches
 from kvjax.models.sharding import DATA, MODEL, ShardedModel, shard_map, shard_model
@@ -161,15 +161,20 @@ class Runner:
 
         def step(leaves, caches, buf, prev_tokens, layout: PackLayout, greedy_only: bool):
             self.counter.count(f"T={layout.shape('token_ids')[-1]}, B={layout.shape('seq_lens')[-1]}, "
-                               f"decode_only={layout.decode_only}, burst={layout.burst}, spec={layout.spec}")
+                               f"decode_only={layout.decode_only}, burst={layout.burst}, spec={layout.spec}, "
+                               f"draft={layout.draft}")
+            drafts = drafting if layout.draft else None  # the MTP layer runs where the rule drafts
             if layout.spec:
                 if sharded is not None:
                     raise NotImplementedError("speculative decoding on a mesh")
+                if layout.burst > 1:
+                    return verify_burst(model_step, leaves, caches, layout.unpack(buf), layout, greedy_only, drafting,
+                                        unroll=unroll)
                 return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
-                                   drafting=drafting)
+                                   drafting=drafts)
             if sharded is None:
                 return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
-                                   unroll=unroll, drafting=drafting)
+                                   unroll=unroll, drafting=drafts)
             return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
@@ -251,18 +256,22 @@ class Runner:
              next_ids: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray | jax.Array, PackLayout]:
         """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays
         (:func:`~kvjax.engine.inputs.pack_plans`): ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over
-        ``"data"`` on a mesh, and the layout. A burst step (some plan has ``burst_len``) runs ``self.burst``
-        sub-steps; a verification step (some plan has ``draft_len``) packs its drafts (``layout.spec = K``). Page ids
+        ``"data"`` on a mesh, and the layout. A burst step (some plan has ``burst_len``, or ``spec_span``: a
+        verification burst) runs ``self.burst`` sub-steps; a verification step (some plan has ``draft_len``) packs its
+        drafts (``layout.spec = K``); a runner with MTP layers drafts where some plan's ``spec_k > 0``. Page ids
         become local to each device's pool (``page_base``: ``i64[Hkv]``, the first global page id
         of each KV head's pool). ``next_ids``: per plan ``i32[B]``, the known token after each row's step tokens
         (a drafting runner: :func:`kvjax.sched.spec.next_tokens`)."""
-        burst = self.burst if any(p.burst_len is not None for p in plans) else 1
+        vburst = any(p.spec_span is not None for p in plans)
+        burst = self.burst if vburst or any(p.burst_len is not None for p in plans) else 1
         spec = self.spec if any(p.draft_len is not None for p in plans) else 0
         if self.head is not None and next_ids is None:  # every drafting step packs them: -1, the sampled tokens
             next_ids = [np.full(p.seq_lens.shape[0], -1, np.int32) for p in plans]
-        buf, layout = pack_plans(plans, samplings, decode_only=decode_only(plans, use_decode_path),
+        buf, layout = pack_plans(plans, samplings,
+                                 decode_only=decode_only(plans, use_decode_path) and not vburst,
                                  checkpoints=checkpoints, burst=burst, page_size=page_size, page_base=page_base,
-                                 spec=spec, next_ids=next_ids)
+                                 spec=spec, next_ids=next_ids,
+                                 draft=self.head is not None and any(p.spec_k > 0 for p in plans))
         if self.sharded is None:
             return buf[0], layout
         return jax.device_put(buf, self._buf_sharding), layout

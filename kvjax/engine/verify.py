@@ -19,6 +19,18 @@ GDN layers run it through the chunked kernel. :func:`verify_step`, inside the ji
    token ``t_a``; the step returns ``StepTokens(i32[B * (K + 2)], drafts i32[B, K])``.
 
 GDN checkpoint copies (prefix caching) run as in :func:`kvjax.engine.runner.device_step`.
+
+Verification bursts (:func:`verify_burst`, ``layout.burst = S > 1`` with ``layout.spec = K``; the MTP drafter,
+see "Verification bursts" in :mod:`kvjax.sched.spec`): ``S`` sub-steps of steps 1-3 and 5 in one dispatch. Each
+row carries its position ``p`` (its last token's), its ``K + 1`` tokens (last token, drafts) and its draft count
+``k``; sub-step ``j`` packs the live rows' ``1 + k`` tokens ragged on the plan's token axis (``K + 1`` per row
+within the budget; a new slot mapping from the block tables, which cover the row's ``spec_span`` positions),
+verifies them, and moves the row to ``p + a + 1`` with the bonus token and the ``K`` new drafts, the next ``k``
+being ``min(spec_cap, last allocated position - p)`` (trimmed to the token axis from the last row). A row past
+its allocation is padding from then on (no tokens, slot 0, nothing written). Returns ``StepTokens(i32[S * B * (K +
+2)], drafts i32[B, K])``: per sub-step and row ``t_0 .. t_k``, ``-1`` past them, then ``a`` (``-1``: the row did not
+run), and the drafts of each row's last sub-step. Sampling keys are those of single verification steps (each
+position's token count).
 """
 
 from __future__ import annotations
@@ -32,7 +44,9 @@ import numpy as np
 
 from kvjax.engine import sampling
 from kvjax.engine.drafting import Drafting, StepTokens, draft
+from kvjax.base.ragged import token_rows
 from kvjax.engine.inputs import PackLayout
+from kvjax.inputs import StepInputs
 from kvjax.models.interface import ModelCaches
 from kvjax.sched.plan import StepPlan
 from kvjax.state import gdn_checkpoints, gdn_spec
@@ -46,20 +60,32 @@ def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tup
     ``prev_tokens``: i32[R], the previous step's sampled tokens (fed where ``prev_index >= 0``); ``layout.spec``:
     K (static); ``drafting``: step 5. Returns ``(i32[B * (K + 2)], caches)``."""
     inputs, rows, copies = unpacked
-    K = layout.spec
-    J = K + 1
-    T = inputs.token_ids.shape[0]
     fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
-    draft_len = rows.draft_len  # i32[B]
+    gdn = caches.gdn is not None
+    if copies is not None and gdn:
+        caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
+    tokens, accepted, drafts, caches = _verify(model_step, params, caches, inputs, rows, rows.draft_len, layout.spec,
+                                               greedy_only, drafting)
+    if copies is not None and gdn:
+        caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
+    out = jnp.concatenate([tokens, accepted[:, None]], axis=1).reshape(-1)
+    return (out, caches) if drafting is None else (StepTokens(out, drafts), caches)
+
+
+def _verify(model_step: Callable, params, caches: ModelCaches, inputs: StepInputs, rows, draft_len: jax.Array,
+            K: int, greedy_only: bool, drafting: Drafting | None
+            ) -> tuple[jax.Array, jax.Array, jax.Array | None, ModelCaches]:
+    """Steps 1-3 and 5 of the module docstring on fed ``inputs`` whose rows end with ``draft_len`` (i32[B]) drafts:
+    ``(tokens i32[B, K + 1], accepted i32[B], drafts i32[B, K] or None without drafting, caches)``."""
+    J = K + 1
+    T = inputs.token_ids.shape[0]
     last = inputs.logits_indices  # i32[B]: each row's last token
     first = last - draft_len  # i32[B]: its first verification position
     j = jnp.arange(J, dtype=jnp.int32)
     grid = jnp.minimum(first[:, None] + j, last[:, None])  # i32[B, J]
     count = jnp.where(draft_len > 0, draft_len + 1, 0)  # i32[B]: verification positions
     gdn = caches.gdn is not None
-    if copies is not None and gdn:
-        caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
     if gdn:
         caches = dataclasses.replace(caches, gdn=gdn_spec.attach(caches.gdn, first, count, J))
     at_grid = dataclasses.replace(inputs, logits_indices=grid)
@@ -75,14 +101,89 @@ def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tup
                                               rows.top_k, rows.top_p, greedy_only)
     if gdn:
         caches = dataclasses.replace(caches, gdn=gdn_spec.commit(caches.gdn, inputs.gdn_slots, accepted))
-    if copies is not None and gdn:
-        caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
-    out = jnp.concatenate([tokens, accepted[:, None]], axis=1).reshape(-1)
     if drafting is None:
-        return out, caches
+        return tokens, accepted, None, caches
     bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]  # i32[B]: the token after the accepted
     drafts, caches = draft(drafting, params, caches, hidden, inputs, first + accepted, bonus, rows.next_ids)
-    return StepTokens(out, drafts), caches
+    return tokens, accepted, drafts, caches
+
+
+def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tuple, layout: PackLayout,
+                 greedy_only: bool, drafting: Drafting, *, unroll: bool = True) -> tuple[StepTokens, ModelCaches]:
+    """A verification burst (traceable; see "Verification bursts" in the module docstring): ``layout.burst``
+    sub-steps of :func:`_verify` with the MTP drafter, each row's drafts of sub-step ``j > 0`` the ones sub-step
+    ``j - 1`` made. ``unpacked``: the plan of sub-step 0 (every row its last token and ``draft_len`` drafts, the
+    token axis ``T`` holding ``K + 1`` tokens per row within the budget) with ``spec_span`` and ``spec_cap``.
+    ``unroll``: the sub-steps as straight-line code, else a ``lax.scan``. Returns ``(StepTokens(i32[S * B * (K + 2)],
+    drafts i32[B, K] made by each row's last sub-step), caches)``."""
+    inputs, rows, _ = unpacked  # a burst plan is all decodes: no checkpoint copy
+    K, S = layout.spec, layout.burst
+    J = K + 1
+    T = inputs.token_ids.shape[0]
+    cu = inputs.cu_seqlens
+    live = cu[1:] > cu[:-1]  # bool[B]
+    p = inputs.positions[jnp.clip(cu[:-1], 0, T - 1)]  # i32[B]: each row's last token's position
+    limit = p + rows.spec_span - 1  # i32[B]: the last position its pages cover and it may compute
+    j = jnp.arange(J, dtype=jnp.int32)
+    toks = jnp.where(j < 1 + rows.draft_len[:, None], inputs.token_ids[jnp.clip(cu[:-1, None] + j, 0, T - 1)], 0)
+    carry0 = (caches, p, toks, rows.draft_len, live)
+
+    def sub_step(carry):
+        caches, p, toks, k, live = carry
+        sub = _layout(inputs, p, toks, k, live, layout.page_size)
+        tokens, accepted, drafts, caches = _verify(model_step, params, caches, sub, rows, jnp.where(live, k, 0), K,
+                                                   greedy_only, drafting)
+        ran = live[:, None]
+        out = jnp.concatenate([jnp.where(ran & (j <= k[:, None]), tokens, -1),
+                               jnp.where(ran, accepted[:, None], -1)], axis=1)  # i32[B, J + 1]
+        bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)  # i32[B, 1]
+        toks = jnp.where(ran, jnp.concatenate([bonus, drafts], axis=1), toks)  # a row's drafts: from its last run
+        p = jnp.where(live, p + accepted + 1, p)
+        live = live & (p <= limit)
+        k = _trim(jnp.clip(jnp.minimum(rows.spec_cap, limit - p), 0, K), live, T)
+        return (caches, p, toks, k, live), out
+
+    if unroll:
+        outs, carry = [], carry0
+        for _ in range(S):
+            carry, out = sub_step(carry)
+            outs.append(out)
+        outs = jnp.stack(outs)
+    else:
+        carry, outs = jax.lax.scan(lambda c, _: sub_step(c), carry0, None, length=S)
+    drafts = jnp.where(carry0[4][:, None], carry[2][:, 1:], -1)  # i32[B, K]
+    return StepTokens(outs.reshape(-1), drafts), carry[0]
+
+
+def _trim(k: jax.Array, live: jax.Array, T: int) -> jax.Array:
+    """``k`` (i32[B] drafts of the live rows) trimmed from the last row so that every live row's ``1 + k`` tokens
+    fit ``T`` (as :func:`kvjax.sched.spec.fit_drafts` trims to the budget)."""
+    k = jnp.where(live, k, 0)
+    left = T - live.sum()
+    return jnp.minimum(k, jnp.maximum(left - (jnp.cumsum(k) - k), 0)).astype(jnp.int32)
+
+
+def _layout(inputs: StepInputs, p: jax.Array, toks: jax.Array, k: jax.Array, live: jax.Array,
+            page_size: int) -> StepInputs:
+    """A verification sub-step's inputs: each ``live`` row (bool[B]) its ``1 + k`` tokens ``toks[b, :1 + k]``
+    (i32[B, K + 1]) at positions ``p[b]..`` (i32[B]), packed ragged on ``inputs``' token axis (its block tables and
+    GDN slots; ``inputs``: sub-step 0's); other rows are padding (no tokens, GDN slot 0, no pages written)."""
+    T = inputs.token_ids.shape[0]
+    n = jnp.where(live, 1 + k, 0)  # i32[B]
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])  # i32[B + 1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    row = token_rows(cu, T)  # i32[T]
+    off = jnp.clip(t - cu[row], 0, toks.shape[1] - 1)
+    valid = t < cu[-1]  # bool[T]
+    pos = jnp.where(valid, p[row] + off, 0)  # i32[T]
+    bt = inputs.block_tables  # i32[B, Hkv, max_blocks]
+    blk = jnp.minimum(pos // page_size, bt.shape[2] - 1)
+    page = bt[row[:, None], jnp.arange(bt.shape[1])[None, :], blk[:, None]]  # i32[T, Hkv]
+    slots = jnp.where(valid[:, None] & (page >= 0), page * page_size + (pos % page_size)[:, None], -1)
+    return dataclasses.replace(
+        inputs, token_ids=jnp.where(valid, toks[row, off], 0), positions=pos, cu_seqlens=cu,
+        seq_lens=jnp.where(live, p + n, 0), gdn_slots=jnp.where(live, inputs.gdn_slots, 0), has_initial_state=live,
+        slot_mapping=slots.astype(jnp.int32), logits_indices=jnp.where(live, cu[1:] - 1, 0))
 
 
 def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
@@ -94,14 +195,19 @@ def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array)
 
 
 def verify_stats(plan: StepPlan, result: np.ndarray) -> dict[str, int | tuple[int, ...]]:
-    """The metrics of a resolved verification step (``result``: its ``i32[B * (K + 2)]``; see the module
-    docstring): ``verify_rows``, ``drafts_proposed``, ``drafts_accepted`` and, per draft position ``j < K``,
+    """The metrics of a resolved verification step or burst (``result``: its ``i32[B * (K + 2)]``, a burst's
+    ``i32[S * B * (K + 2)]``; see the module docstring), summed over a burst's sub-steps: ``verify_rows`` (rows
+    with drafts), ``drafts_proposed``, ``drafts_accepted`` and, per draft position ``j < K``,
     ``drafts_proposed_at`` / ``drafts_accepted_at``."""
-    B, n = plan.seq_lens.shape[0], plan.num_seqs
-    grid = np.asarray(result).reshape(B, -1)
-    K = grid.shape[1] - 2
-    k = plan.draft_len[:n].astype(np.int64)
-    a = np.clip(grid[:n, -1], 0, k)
+    B, n, S = plan.seq_lens.shape[0], plan.num_seqs, max(plan.spec_steps, 1)
+    grid = np.asarray(result).reshape(S, B, -1)[:, :n]
+    K = grid.shape[2] - 2
+    if plan.spec_steps:  # a burst marks each sub-step's unverified positions -1 (all of a row that did not run)
+        k = np.maximum((grid[..., : K + 1] >= 0).sum(2) - 1, 0)  # i64[S, n]
+    else:
+        k = np.broadcast_to(plan.draft_len[:n].astype(np.int64), (1, n))
+    a = np.clip(grid[..., -1], 0, k).reshape(-1)
+    k = k.reshape(-1)
     j = np.arange(K)
     return dict(verify_rows=int((k > 0).sum()), drafts_proposed=int(k.sum()), drafts_accepted=int(a.sum()),
                 drafts_proposed_at=tuple((j[None, :] < k[:, None]).sum(0).tolist()),

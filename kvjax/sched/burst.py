@@ -8,6 +8,9 @@ sub-steps in one step, with the pages of all of them allocated at once and one r
 "Decode bursts" in :mod:`kvjax.sched.plan`). The recycle policy runs first, as in every step, so admission is judged
 on the pages left after it.
 
+With a drafter whose drafts come from the device step (``"mtp"``) the burst is a verification burst where the rule
+drafts (:func:`schedule_verify_burst`; "Verification bursts" in :mod:`kvjax.sched.spec`).
+
 These functions are the :class:`~kvjax.sched.scheduler.Scheduler`'s own (``sched`` is one).
 """
 
@@ -15,13 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvjax.sched import spec
 from kvjax.sched.admission import admissible
-from kvjax.sched.plan import StepPlan, build_plan
+from kvjax.sched.drafter import Drafter
+from kvjax.sched.plan import StepPlan, bucket, build_plan, pad_plan
 
 
-def burst_sizes(sched: Scheduler, burst: int) -> np.ndarray | None:
-    """``i64[R]``: the sub-steps of each running row in a decode burst of up to ``burst`` (pages checked, not
-    allocated), or None where a burst does not apply (recycling done either way)."""
+def burst_sizes(sched: Scheduler, burst: int, per_step: int = 1) -> np.ndarray | None:
+    """``i64[R]``: the positions each running row may compute in a burst of up to ``burst`` sub-steps of up to
+    ``per_step`` positions each (a decode burst: 1, its sub-steps; a verification burst: ``K + 1``), at most the
+    tokens it may still sample (pages checked, not allocated; a verification burst whose pages are short takes the
+    positions of fewer sub-steps, at least 2), or None where a burst does not apply (recycling done either way)."""
     if burst < 2 or not sched.running:
         return None
     t, rows = sched.rows, sched.running_slots()  # i64[R]
@@ -36,7 +43,12 @@ def burst_sizes(sched: Scheduler, burst: int) -> np.ndarray | None:
     sched.recycle_policy.recycle(sched.blocks, rows, done)
     if admissible(sched):
         return None
-    return n if sched.blocks.rows_fit(rows, done + n) else None
+    left = t.max_tokens[rows] - t.num_tokens[rows]  # i64[R]: tokens each row may still sample
+    for steps in range(burst, 1, -1) if per_step > 1 else (burst,):  # a verification burst shortens to fit
+        n = np.minimum(steps * per_step, left)  # i64[R]
+        if sched.blocks.rows_fit(rows, done + n):
+            return n
+    return None
 
 
 def schedule_burst(sched: Scheduler, burst: int) -> StepPlan | None:
@@ -50,3 +62,25 @@ def schedule_burst(sched: Scheduler, burst: int) -> StepPlan | None:
     assert allocated, "rows_fit and allocate_rows disagree"
     return build_plan(sched.step, rows, np.ones(len(rows), np.int64), t, sched.blocks, sched.t_buckets,
                       sched.b_buckets, sched.blk_buckets, burst=n, stride=sched.cache.max_seqs)
+
+
+def schedule_verify_burst(sched: Scheduler, burst: int, drafter: Drafter) -> StepPlan | None:
+    """The verification-burst plan of ``sched.schedule(burst, drafter)`` with a drafter whose drafts come from the
+    device step (its pages allocated; the ledger's latest plan), a decode burst's plan where the rule drafts
+    nothing, or None (nothing changed but recycling) where a burst does not apply (see "Verification bursts" in
+    :mod:`kvjax.sched.spec`)."""
+    k = spec.rule_length(sched, drafter)
+    if k == 0:
+        return schedule_burst(sched, burst)
+    n = burst_sizes(sched, burst, k + 1)
+    if n is None:
+        return None
+    t, rows = sched.rows, sched.running_slots()  # i64[R]
+    allocated = sched.blocks.allocate_rows(rows, t.num_computed[rows] + n)
+    assert allocated, "rows_fit and allocate_rows disagree"
+    extra = spec.fit_drafts(sched, spec.propose(sched, drafter, k), rows, np.ones(len(rows), np.int64))
+    plan = build_plan(sched.step, rows, 1 + extra, t, sched.blocks, sched.t_buckets, sched.b_buckets,
+                      sched.blk_buckets, drafts=extra, spec_span=n, spec_k=k, spec_steps=burst)
+    B = plan.seq_lens.shape[0]  # every sub-step's tokens fit one bucket: K + 1 per row, within the budget
+    T = bucket(min(B * (drafter.num_draft_tokens + 1), sched.max_num_batched_tokens), sched.t_buckets)
+    return pad_plan(plan, T, B, plan.block_tables.shape[2])

@@ -34,6 +34,8 @@ Decode bursts. A plan with ``burst_len`` (every real row one decode token) runs 
 for row ``b`` in one device step: sub-step ``j`` feeds the token sub-step ``j - 1`` sampled, at the next
 position, and samples the step's token ``j * max_seqs + b`` (``StepPlan.token_stride``). The arrays above describe sub-step 0; the device advances
 them (:mod:`kvjax.engine.burst`). The blocks of every sub-step's position are allocated and the tables cover them.
+A verification burst (``spec_span``, with ``draft_len``) is a verification plan of sub-step 0 whose tables cover
+each row's ``spec_span`` positions ("Verification bursts" in :mod:`kvjax.sched.spec`).
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ class StepPlan:
     burst_len: np.ndarray | None = None  # i32[B]: a decode burst's sub-steps of each row (0 padding); None: 1 step
     stride: int = 0  # a burst's sub-step stride in the sampled tokens (``max_seqs``); 0: ``B``
     draft_len: np.ndarray | None = None  # i32[B]: a verification step's drafts of each row (its last tokens); None
+    spec_span: np.ndarray | None = None  # i32[B]: a verification burst's positions allocated to each row from its
+    # first (0 padding); None: not one (see "Verification bursts" in kvjax.sched.spec)
+    spec_k: int = 0  # the drafts per row the step-cost rule chose at this plan (0: none; kvjax.sched.spec)
+    spec_steps: int = 0  # a verification burst's sub-steps (its result: i32[spec_steps * B * (K + 2)]); 0: not one
 
     @property
     def token_stride(self) -> int:
@@ -122,7 +128,8 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
                t_buckets: tuple[int, ...], b_buckets: tuple[int, ...], blk_buckets: tuple[int, ...], *,
                restore: dict[int, int] | None = None, save: dict[int, int] | None = None,
                prefix_hit_tokens: int = 0, burst: np.ndarray | None = None, stride: int = 0,
-               drafts: np.ndarray | None = None) -> StepPlan:
+               drafts: np.ndarray | None = None, spec_span: np.ndarray | None = None, spec_k: int = 0,
+               spec_steps: int = 0) -> StepPlan:
     """Lay out the requests bound to rows ``slots`` (``i64[nseq]``, in plan-row order) with ``n[b]`` tokens
     each this step (``i64[nseq]``; blocks already allocated) as a padded plan, reading their state from
     ``rows``. ``restore`` / ``save``: {request id: checkpoint slot} (see the module docstring). ``burst``
@@ -130,7 +137,10 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
     allocated for them; the tables cover them; ``stride``: its sampled-token stride, ``max_seqs``). ``drafts``
     (``i64[nseq]``, speculative decoding): row ``b``'s last ``drafts[b]`` tokens are draft tokens written in its
     row of ``rows.tokens`` past ``num_tokens`` (counted in ``n``); the row samples when it computes through them
-    and the plan's ``draft_len`` says how many (see "Verification" in :mod:`kvjax.sched.spec`). Raises
+    and the plan's ``draft_len`` says how many (see "Verification" in :mod:`kvjax.sched.spec`). ``spec_span``
+    (``i64[nseq]``, with ``drafts``): a verification burst, row ``b``'s blocks allocated for ``spec_span[b]``
+    positions from its first this step (the tables cover them) in ``spec_steps`` sub-steps. ``spec_k``: the rule's
+    draft length. Raises
     ``ValueError`` if a row would feed a reserved token of a step older than the previous one."""
     nseq = len(slots)
     start = rows.num_computed[slots]  # i64[nseq]: first position computed this step
@@ -181,6 +191,11 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
         burst_len = np.zeros(B, np.int32)
         burst_len[:nseq] = burst
         span = seq_lens + np.maximum(burst_len - 1, 0)
+    span_len = None
+    if spec_span is not None:
+        span_len = np.zeros(B, np.int32)
+        span_len[:nseq] = spec_span
+        span = np.maximum(seq_lens, np.where(span_len > 0, seq_lens - query_lens + span_len, 0))
     nblk = bucket(max(int(-(-span.max() // ps)), 1), blk_buckets)
     block_tables = blocks.tables[gdn_slots, :, :nblk]  # fancy index: a copy; row 0 (PAD) is all -1
     slot_mapping = np.full((T, blocks.num_heads), -1, np.int32)
@@ -210,7 +225,8 @@ def build_plan(step: int, slots: np.ndarray, n: np.ndarray, rows: RowTable, bloc
                     prefix_hit_tokens=int(prefix_hit_tokens), prefill_tokens=prefill,
                     request_ids=request_ids, num_tokens=ntok,
                     num_seqs=nseq, step=step, burst_len=burst_len, stride=int(stride) if burst is not None else 0,
-                    draft_len=draft_len)
+                    draft_len=draft_len, spec_span=span_len, spec_k=int(spec_k),
+                    spec_steps=int(spec_steps) if spec_span is not None else 0)
 
 
 def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) -> StepPlan:
@@ -238,4 +254,5 @@ def pad_plan(plan: StepPlan, num_tokens: int, num_rows: int, num_blocks: int) ->
         sample_mask=rows(plan.sample_mask, False), query_lens=rows(plan.query_lens, 0),
         prev_index=toks(plan.prev_index, -1), ckpt_restore=rows(plan.ckpt_restore, -1),
         ckpt_save=rows(plan.ckpt_save, -1), burst_len=None if plan.burst_len is None else rows(plan.burst_len, 0),
-        draft_len=None if plan.draft_len is None else rows(plan.draft_len, 0))
+        draft_len=None if plan.draft_len is None else rows(plan.draft_len, 0),
+        spec_span=None if plan.spec_span is None else rows(plan.spec_span, 0))

@@ -60,7 +60,7 @@ import numpy as np
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.sched import spec
 from kvjax.sched.admission import admit, chunk
-from kvjax.sched.burst import burst_sizes, schedule_burst
+from kvjax.sched.burst import burst_sizes, schedule_burst, schedule_verify_burst
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.drafter import Drafter
 from kvjax.sched.integrity import check_scheduler
@@ -229,22 +229,27 @@ class Scheduler:
         ``burst > 1``: when every running request decodes and no queued request could be admitted now (no free
         slot, or not the pages of its first chunk), a decode burst (:mod:`kvjax.sched.burst`): each row runs
         ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
-        otherwise (or if those pages are short) an ordinary plan. ``drafter`` (speculative decoding; not with a
-        burst, and only with every earlier plan resolved): the decoding rows verify its drafts, a verification
-        plan (``draft_len`` set; :mod:`kvjax.sched.spec`)."""
+        otherwise (or if those pages are short) an ordinary plan. ``drafter`` (speculative decoding, only with every
+        earlier plan resolved): the decoding rows verify its drafts, a verification plan (``draft_len`` set;
+        :mod:`kvjax.sched.spec`); with ``burst > 1`` (a drafter whose drafts come from the device step only) a
+        verification burst where a burst applies and the rule drafts (``spec_span`` set), a decode burst where it
+        drafts nothing. A drafting plan's ``spec_k`` is the rule's draft length
+        (:func:`kvjax.sched.spec.rule_length`)."""
         if self.prefix is not None:
             self.prefix.begin_plan()
+        from_step = bool(getattr(drafter, "from_step", False))
+        if drafter is not None and self.ledger.unresolved:
+            raise ValueError("schedule: drafting needs every earlier plan resolved (a draft continues the "
+                             "request's known tokens)")
         if burst > 1:
-            if drafter is not None:
-                raise ValueError("schedule: speculative drafts and decode bursts do not combine")
-            plan = schedule_burst(self, burst)
+            if drafter is not None and not from_step:
+                raise ValueError("schedule: a host drafter's drafts and decode bursts do not combine (verification "
+                                 "bursts take a drafter whose drafts come from the device step)")
+            plan = schedule_burst(self, burst) if drafter is None else schedule_verify_burst(self, burst, drafter)
             if plan is not None:
                 return self._planned(plan)
         drafts = None
         if drafter is not None:
-            if self.ledger.unresolved:
-                raise ValueError("schedule: drafting needs every earlier plan resolved (a draft continues the "
-                                 "request's known tokens)")
             drafts = spec.propose(self, drafter)
         budget = self.max_num_batched_tokens
         slots = counts = extra = np.zeros(0, np.int64)  # i64[nseq] each: the plan rows' slots, tokens and drafts
@@ -271,7 +276,8 @@ class Scheduler:
         return self._planned(build_plan(self.step, slots, counts, self.rows, self.blocks, self.t_buckets,
                                         self.b_buckets, self.blk_buckets, restore=restore, save=save,
                                         prefix_hit_tokens=hits,
-                                        drafts=extra if drafter is not None and extra.any() else None))
+                                        drafts=extra if drafter is not None and extra.any() else None,
+                                        spec_k=spec.rule_length(self, drafter) if from_step else 0))
 
     def _planned(self, plan: StepPlan) -> StepPlan:
         """``plan`` becomes the latest (the one ``advance`` / ``update`` take next); the step counter moves on."""

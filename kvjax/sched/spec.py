@@ -34,7 +34,20 @@ costs a token and saves ``p_j < 1``, so only drafts every row has accepted are k
 pays while ``2 R <= (1 + p_0) F``: speculation turns off above ``R = (1 + p_0) F / 2`` rows.
 
 Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
-verification step before planning the next (``overlap`` off) and runs no decode bursts with it.
+verification step before planning the next (``overlap`` off). A host drafter (n-gram) runs no decode bursts.
+
+Verification bursts (a drafter whose drafts come from the device step, ``"mtp"``, with ``schedule(burst=S)``;
+:func:`kvjax.sched.burst.schedule_verify_burst`). Where a decode burst applies (every running row decodes, no
+queued request could be admitted) and the rule drafts with every running row decoding (:func:`rule_length` ``k >
+0``; ``k = 0`` gives a plain decode burst), the plan verifies each row's recorded drafts in sub-step 0 and lets the
+device run ``S`` sub-steps, each verifying up to ``k`` drafts the previous sub-step's MTP layer made
+(:func:`kvjax.engine.verify.verify_burst`). Each row's pages cover ``min(S (K + 1), tokens it may still sample)``
+positions (``StepPlan.spec_span``; those of fewer sub-steps, at least 2, where the pages are short), allocated at
+once; a row that reaches them or ``max_new_tokens`` stops writing. :func:`advance` counts each row's first token;
+:func:`resolve` takes the burst's ``i32[S * B * (K + 2)]`` (per sub-step and row: tokens ``t_0 .. t_k``, ``-1``
+past them, then ``a``; ``-1`` where the row did not run) and applies the sub-steps in order, each as a
+verification step whose first token (the previous sub-step's last) became computed; a row that ended takes no
+later sub-step's tokens. :class:`SpecStats` counts every sub-step.
 """
 
 from __future__ import annotations
@@ -80,9 +93,21 @@ def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens
     return int(np.flatnonzero(saving >= saving.max() - 1e-9 * max(rows, flat_tokens))[-1])
 
 
-def propose(sched: Any, drafter: Drafter) -> dict[int, np.ndarray]:
+def rule_length(sched: Any, drafter: Drafter) -> int:
+    """The drafts per row a step of ``sched`` verifies where its running rows all decode (a verification burst's
+    cap; an engine that drafts on the device drafts in a step only where this is ``> 0``): :func:`draft_length`
+    with every running row decoding under a :class:`~kvjax.sched.drafter.PacedDrafter`, else ``K``."""
+    K = drafter.num_draft_tokens
+    if not isinstance(drafter, PacedDrafter):
+        return int(K)
+    rows = len(sched.running)
+    return draft_length(rows, min(rows, sched.max_num_batched_tokens), sched.spec_stats, K, drafter.flat_tokens)
+
+
+def propose(sched: Any, drafter: Drafter, k: int | None = None) -> dict[int, np.ndarray]:
     """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; a
-    :class:`~kvjax.sched.drafter.PacedDrafter` at most :func:`draft_length`'s; see the module docstring)."""
+    :class:`~kvjax.sched.drafter.PacedDrafter` at most :func:`draft_length`'s, or ``k`` where given; see the module
+    docstring)."""
     t = sched.rows
     slots = np.array([r.slot for r in sched.running], np.int64)  # i64[R]
     if not slots.size:
@@ -90,8 +115,8 @@ def propose(sched: Any, drafter: Drafter) -> dict[int, np.ndarray]:
     nt, done = t.num_tokens[slots], t.num_computed[slots]
     room = t.max_tokens[slots] - nt - 1  # i64[R]
     ok = (done >= t.prompt_len[slots]) & (t.num_pending[slots] == 0) & (nt - done == 1) & (room > 0)
-    K = drafter.num_draft_tokens
-    if isinstance(drafter, PacedDrafter):
+    K = drafter.num_draft_tokens if k is None else int(k)
+    if isinstance(drafter, PacedDrafter) and k is None:
         base = min(int((nt - done).sum()), sched.max_num_batched_tokens)
         K = draft_length(int(ok.sum()), base, sched.spec_stats, K, drafter.flat_tokens)
     room = np.minimum(room, K)
@@ -156,50 +181,75 @@ def advance(sched: Any, plan: StepPlan) -> list:
 
 
 def resolve(sched: Any, plan: StepPlan, result: np.ndarray) -> list:
-    """Apply a verification step's result (``result``: its flat ``i32[B * (K + 2)]``, see the module docstring)
-    to the oldest advanced plan; returns the requests that finished. ``ValueError`` (nothing changed) unless
-    ``plan`` is that plan and ``result`` has the shape and token ids in ``[0, 2**31)`` where rows sample."""
+    """Apply a verification step's result (``result``: its flat ``i32[B * (K + 2)]``, or a verification burst's
+    ``i32[S * B * (K + 2)]``, see the module docstring) to the oldest advanced plan; returns the requests that
+    finished. ``ValueError`` (nothing changed) unless ``plan`` is that plan and ``result`` has the shape and token
+    ids in ``[0, 2**31)`` where rows sample."""
     ledger = sched.ledger
     if not ledger.unresolved or plan is not ledger.unresolved[0][0]:
         raise ValueError(f"resolve() takes the oldest advanced plan, got the plan of step "
                          f"{getattr(plan, 'step', plan)!r}")
     _, slots, rids = ledger.unresolved[0]
     B, n = plan.seq_lens.shape[0], plan.num_seqs
+    S = max(plan.spec_steps, 1)
     result = np.asarray(result)
-    if result.ndim != 1 or result.size % B or result.size // B < 2 or not np.issubdtype(result.dtype, np.integer):
-        raise ValueError(f"a verification result must be int[B * (K + 2)] with B={B}, got {result.shape} "
+    if (result.ndim != 1 or result.size % (S * B) or result.size // (S * B) < 2
+            or not np.issubdtype(result.dtype, np.integer)):
+        raise ValueError(f"a verification result must be int[{S} * B * (K + 2)] with B={B}, got {result.shape} "
                          f"{result.dtype}")
-    grid = result.reshape(B, -1)[:n].astype(np.int64)  # i64[n, K + 2]
-    J = grid.shape[1] - 1
-    k = plan.draft_len[:n].astype(np.int64)  # i64[n]
-    if (k > J - 1).any():
-        raise ValueError(f"step {plan.step}: drafts {k.max()} exceed the result's K={J - 1}")
-    a = np.clip(grid[:, J], 0, k)  # i64[n]: drafts accepted
-    toks = grid[:, :J]
+    grid = result.reshape(S, B, -1)[:, :n].astype(np.int64)  # i64[S, n, K + 2]
+    J = grid.shape[2] - 1
     sample = plan.sample_mask[:n]
-    bad = sample[:, None] & (np.arange(J) <= a[:, None]) & ((toks < 0) | (toks > np.iinfo(np.int32).max))
+    if plan.spec_steps:  # a burst: each sub-step's verified drafts are its tokens >= 0 but one; -1: it did not run
+        ran = grid[:, :, J] >= 0  # bool[S, n]
+        k = np.where(ran, (grid[:, :, :J] >= 0).sum(2) - 1, 0)  # i64[S, n]
+        a = np.where(ran, grid[:, :, J], -1)  # i64[S, n]
+        if (ran & ((a > k) | (k < 0))).any() or (ran[1:] & ~ran[:-1]).any():
+            raise ValueError(f"step {plan.step}: a verification burst's accepted counts exceed its drafts or a row "
+                             "runs after a sub-step it did not run")
+    else:
+        k = plan.draft_len[:n].astype(np.int64)[None]  # i64[1, n]
+        if (k > J - 1).any():
+            raise ValueError(f"step {plan.step}: drafts {k.max()} exceed the result's K={J - 1}")
+        a = np.clip(grid[:, :, J], 0, k)  # i64[1, n]: drafts accepted
+        ran = np.ones_like(a, bool)
+    toks = grid[:, :, :J]
+    bad = (sample & ran)[..., None] & (np.arange(J) <= a[..., None]) & ((toks < 0) | (toks > np.iinfo(np.int32).max))
     if bad.any():
         raise ValueError(f"step {plan.step}: sampled token ids outside [0, 2**31): {toks[bad][:4]}")
-    _record(sched, plan, k, a)
-    t = sched.rows
-    live = t.request_id[slots] == rids  # bool[n]: still running there
-    t.num_computed[slots[live]] += a[live]
-    rows = np.flatnonzero(live & sample)  # i64[m]
     finished = []
-    if rows.size:
-        counts = a[rows] + 1  # i64[m]: tokens each row takes
-        rs = slots[rows]
-        t.reserve_burst(rs, rows, counts, B, plan.step)
-        got = np.where(np.arange(J) < counts[:, None], toks[rows], -1)  # i64[m, J]
-        first = t.resolve_burst(rs, plan.step, rows, B, got)
-        assert first is not None, "a verification row's reserved tokens are not its own"
-        done = (first < J) | (t.num_tokens[rs] >= t.max_tokens[rs])  # bool[m]: eos or max_new_tokens
-        for slot in rs[done].tolist():
-            req = t.requests[slot]
-            sched.finish(req)
-            finished.append(req)
+    for s in range(S):
+        _record(sched, plan, k[s][ran[s]], a[s][ran[s]])
+        finished += _take(sched, plan, slots, rids, toks[s], a[s], ran[s] & sample, fed=s > 0)
     ledger.unresolved.popleft()
     return [r for r in finished if r.status is Status.FINISHED]
+
+
+def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks: np.ndarray, a: np.ndarray,
+          ran: np.ndarray, fed: bool) -> list:
+    """One verification (sub-)step's result applied to the plan's rows still running (``slots`` / ``rids``: i64[n]):
+    row ``b`` (where ``ran``, bool[n]) accepted ``a[b]`` drafts and takes ``toks[b, :a[b] + 1]`` (i64[n, K + 1]);
+    ``fed``: the token it took last (a burst's previous sub-step's) was computed first. Returns the requests that
+    ended (eos or ``max_new_tokens``)."""
+    t, B, J = sched.rows, plan.seq_lens.shape[0], toks.shape[1]
+    live = t.request_id[slots] == rids  # bool[n]: still running there
+    rows = np.flatnonzero(live & ran)  # i64[m]
+    if not rows.size:
+        return []
+    rs = slots[rows]
+    t.num_computed[rs] += a[rows] + int(fed)
+    counts = a[rows] + 1  # i64[m]: tokens each row takes
+    t.reserve_burst(rs, rows, counts, B, plan.step)
+    got = np.where(np.arange(J) < counts[:, None], toks[rows], -1)  # i64[m, J]
+    first = t.resolve_burst(rs, plan.step, rows, B, got)
+    assert first is not None, "a verification row's reserved tokens are not its own"
+    done = (first < J) | (t.num_tokens[rs] >= t.max_tokens[rs])  # bool[m]: eos or max_new_tokens
+    finished = []
+    for slot in rs[done].tolist():
+        req = t.requests[slot]
+        sched.finish(req)
+        finished.append(req)
+    return finished
 
 
 def _record(sched: Any, plan: StepPlan, k: np.ndarray, a: np.ndarray) -> None:

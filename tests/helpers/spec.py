@@ -1,4 +1,5 @@
-"""Speculative-decoding test helpers: a drafter whose drafts are the true continuation, corrupted half of the time."""
+"""Speculative-decoding test helpers: a drafter whose drafts are the true continuation, corrupted half of the time;
+a task an MTP layer learns in a few optax steps."""
 
 from __future__ import annotations
 
@@ -30,3 +31,25 @@ class OracleDrafter:
                 self.proposed += len(d)
                 return np.asarray(d, np.int32)
         raise AssertionError(f"unknown prompt {tokens[:8]}")
+
+
+class Successors:
+    """Chains ``x_{i+1} = perm[x_i]`` from a random start, for a fixed permutation of the tokens ``1..VOCAB-1``: a
+    task the tiny model and its MTP layer learn in a few optax steps (``sample`` as
+    :meth:`kvjax.experiments.tasks.RetrievalTask.sample`: tokens, next tokens, loss mask, unused)."""
+
+    def __init__(self, rng: np.random.Generator, length: int) -> None:
+        self.perm = np.zeros(VOCAB, np.int32)
+        self.perm[1:] = 1 + rng.permutation(VOCAB - 1)
+        self.length = length
+
+    def chains(self, starts: np.ndarray, length: int) -> np.ndarray:  # i32[n, length]
+        x = np.zeros((starts.size, length), np.int32)
+        x[:, 0] = starts
+        for i in range(1, length):
+            x[:, i] = self.perm[x[:, i - 1]]
+        return x
+
+    def sample(self, rng: np.random.Generator, n: int):
+        x = self.chains(rng.integers(1, VOCAB, n), self.length + 1)
+        return x[:, :-1], x[:, 1:], np.ones((n, self.length), bool), None
