@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# GPU: the --cpu recipe (periods 4..8, lr 1e-2) at the served length with 2x the steps and batch (16x the copied
+# GPU: the --cpu recipe (periods 4..8, lr 1e-2) at the served length with 2x the steps and batch (~14x the copied
 # tokens seen): expected near-perfect copying, free-running agreement and n-gram / MTP acceptance near 1
 FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=8),
             model=dict(hidden=64, layer_types=("full_attention", "full_attention")),
