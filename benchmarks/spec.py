@@ -143,7 +143,9 @@ def build(cfg: dict) -> tuple[object, dict]:
     return spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head), figures
 
 
-def main(argv=None) -> dict:
+def main(argv=None, table=None) -> dict:
+    """Run the benchmark (``argv``: the command line's arguments) with the modes of ``table`` (default :func:`modes`'
+    :data:`MODES`)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a CPU run of seconds")
     ap.add_argument("--cpu", action="store_true", help="the recipe at a reduced size (minutes on a CPU)")
@@ -171,7 +173,7 @@ def main(argv=None) -> dict:
             n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
             prompts = task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
             base = None
-            for name, speculative, settings in modes(cfg["ks"]):
+            for name, speculative, settings in (modes(cfg["ks"]) if table is None else modes(cfg["ks"], table)):
                 r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
                                        one_shape=cfg["one_shape"], **settings)
                 outputs = r.pop("outputs")
