@@ -21,7 +21,9 @@ Runs: for each row count (``--rows``), ``waves`` times as many copy prompts (at 
 of data each): plain decoding (the engine's defaults: overlap, decode bursts), ``speculative=ngram`` with K = 2 and 4
 under the engine's default rule (:func:`kvjax.sched.spec.draft_length`: drafts shortened or turned off where the
 step-cost model says they do not pay), K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible), and
-``speculative=mtp`` with K = 2 and 4 under the rule (the MTP layer drafts inside every step). Each engine serves the
+``speculative=mtp`` with K = 2 and 4 under the rule (the MTP layer drafts inside every step), in single verification
+steps and in verification bursts (one dispatch runs the engine's ``decode_burst`` verify-then-draft sub-steps; also
+16 sub-steps), and with the rule off (``--modes`` picks lines). Each engine serves the
 prompts once to compile, then once timed. Columns: generated tokens/s (wall clock of the timed pass) and against
 plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft position),
 tokens per verification row and step, verification steps, and whether the tokens equal plain decoding's (greedy:
@@ -63,14 +65,17 @@ SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), model=d
 
 
 # The modes run at each row count, one line each: (name, ``SpeculativeConfig`` fields or None for plain decoding,
-# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"). MTP modes verify single
-# steps (decode_burst=1); a mode with bursts is one more line, e.g. ("mtp K={k} burst", dict(method="mtp"),
-# dict(decode_burst="auto"), "each").
+# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"). "mtp K={k}" verifies in
+# single steps (decode_burst=1); "burst" lines verify in bursts of the engine's default length (an MTP engine's
+# default), "burst 16" in bursts of 16 sub-steps.
 MODES = (
     ("plain", None, {}, None),
     ("ngram K={k}", dict(method="ngram"), {}, "each"),
     ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None), {}, "max"),
     ("mtp K={k}", dict(method="mtp"), dict(decode_burst=1), "each"),
+    ("mtp K={k} burst", dict(method="mtp"), dict(decode_burst="auto"), "each"),
+    ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst="auto"), "max"),
+    ("mtp K={k} burst 16 rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst=16), "max"),
 )
 
 
@@ -143,15 +148,23 @@ def build(cfg: dict) -> tuple[object, dict]:
     return spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head), figures
 
 
-def main(argv=None, table=None) -> dict:
-    """Run the benchmark (``argv``: the command line's arguments) with the modes of ``table`` (default :func:`modes`'
-    :data:`MODES`)."""
+def main(argv=None) -> dict:
+    """Run the benchmark (``argv``: the command line's arguments)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a CPU run of seconds")
     ap.add_argument("--cpu", action="store_true", help="the recipe at a reduced size (minutes on a CPU)")
     ap.add_argument("--rows", default=None, help="row counts, comma-separated (default 1,16,64)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--modes", default=None, help="the lines of MODES to run, by name as written there ('{k}' "
+                    "unexpanded), comma-separated (default: every line)")
     args = ap.parse_args(argv)
+    table = MODES
+    if args.modes:
+        names = args.modes.split(",")
+        unknown = sorted(set(names) - {m[0] for m in MODES})
+        if unknown:
+            ap.error(f"--modes: no line {unknown[0]!r} in MODES (names: {', '.join(m[0] for m in MODES)})")
+        table = tuple(m for m in MODES if m[0] in names)
     cfg = dict(SMOKE if args.smoke else CPU if args.cpu else FULL)
     if args.rows:
         cfg["rows"] = tuple(int(r) for r in args.rows.split(","))
@@ -173,7 +186,7 @@ def main(argv=None, table=None) -> dict:
             n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
             prompts = task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
             base = None
-            for name, speculative, settings in (modes(cfg["ks"]) if table is None else modes(cfg["ks"], table)):
+            for name, speculative, settings in modes(cfg["ks"], table):
                 r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
                                        one_shape=cfg["one_shape"], **settings)
                 outputs = r.pop("outputs")
