@@ -207,29 +207,25 @@ def test_dense_attention_reference_matches_oracle(rng):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
-_SEEN: dict = {}  # what the spy backend and its unsupported() check received (reset by the test)
-
-
-def _spy_kernel(call, *, interpret):
-    _SEEN["kernel"] = dict(call=call, interpret=interpret)
-    return call.q
-
-
-def _spy_unsupported(call):
-    _SEEN["unsupported"] = call
-    return None
-
-
 def test_normalised_kernel_contract(rng, monkeypatch):
     """The chosen kernel (and its unsupported() check) receives one checked PagedAttentionCall: a float scale and
     i32[Hkv] window/sinks arrays beside the op's arrays."""
+    seen: dict = {}  # what the spy backend and its unsupported() check received
+
+    def spy_kernel(call, *, interpret):
+        seen["kernel"] = dict(call=call, interpret=interpret)
+        return call.q
+
+    def spy_unsupported(call):
+        seen["unsupported"] = call
+        return None
+
     batch = _make_batch(rng, group=1, page_size=4)
-    spy = Backend("spy", _spy_kernel, priority=1, device=lambda device: None, unsupported=_spy_unsupported)
+    spy = Backend("spy", spy_kernel, priority=1, device=lambda device: None, unsupported=spy_unsupported)
     monkeypatch.setattr(attn_mod, "TABLE", BackendTable("paged_attention", attn_mod.paged_attention_reference, (spy,)))
-    _SEEN.clear()
     _run(batch, window=3, impl="spy")
-    seen, call = _SEEN["kernel"], _SEEN["kernel"]["call"]
-    assert seen["interpret"] is False and _SEEN["unsupported"] is call
+    call = seen["kernel"]["call"]
+    assert seen["kernel"]["interpret"] is False and seen["unsupported"] is call
     assert isinstance(call, attn_mod.PagedAttentionCall) and call.k_scale is None and call.v_scale is None
     assert type(call.scale) is float and call.scale == pytest.approx(32 ** -0.5)
     for name, want in (("window", [3, 3, 3, 3]), ("sinks", [0, 0, 0, 0])):
@@ -238,9 +234,9 @@ def test_normalised_kernel_contract(rng, monkeypatch):
                          (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens)):
         np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(call.cu_seqlens), batch.cu_seqlens)
-    _SEEN.clear()
+    seen.clear()
     _run(batch, window=3, impl="spy:interpret")
-    assert _SEEN["kernel"]["interpret"] is True
+    assert seen["kernel"]["interpret"] is True
 
 
 def _args(rng, t=5, hq=4, hkv=2, d=8, p=6, ps=4, b=2, mb=3):
