@@ -6,7 +6,8 @@ running row decodes and no request could be admitted, ``S`` verification sub-ste
 Exactness: greedy tokens identical to uncached greedy decoding (``greedy_oracle``) for K in {1, 2, 4}, with a
 hybrid GDN / attention model and an MTP layer trained on :class:`~helpers.spec.Successors` (drafts mostly accepted:
 GDN states committed after accepted drafts inside the burst), with timely recycling on a pool small enough to
-preempt, with prefix caching, an abort and a fault inside a burst. The rule drafting nothing gives plain decode
+preempt, with prefix caching, an abort and a fault inside a burst; a burst's step record counts the positions and
+rows of every sub-step (as ``resolve`` applied them). The rule drafting nothing gives plain decode
 bursts with the MTP layer skipped. Sampling: the burst engine's tokens have the plain engine's distribution
 (chi-square, as ``test_spec_sampling.py``).
 """
@@ -73,19 +74,42 @@ def verify_bursts(eng: Engine) -> list:
     return [r for r in eng.metrics.records if r.burst > 1 and r.verify_rows > 0]
 
 
+def applied_counts(monkeypatch) -> dict[int, list[int]]:
+    """Spy on :func:`kvjax.sched.spec.resolve`'s counting: ``{step: [positions, rows]}`` it applied, summed over the
+    (sub-)steps of each plan (``1 + k`` positions for each row that ran with ``k`` drafts)."""
+    seen: dict[int, list[int]] = {}
+    real = spec._record
+
+    def record(sched, plan, k, a):
+        got = seen.setdefault(plan.step, [0, 0])
+        got[0] += int(k.size + k.sum())
+        got[1] += int(k.size)
+        real(sched, plan, k, a)
+
+    monkeypatch.setattr(spec, "_record", record)
+    return seen
+
+
 @pytest.mark.parametrize("K", [1, 2, 4])
-def test_greedy_equals_oracle_in_verification_bursts(trained, K):
+def test_greedy_equals_oracle_in_verification_bursts(trained, K, monkeypatch):
     model, prompts, expect = trained
     bursts = []
+    applied = applied_counts(monkeypatch)
     for prefix in (False, True):
+        applied.clear()
         eng = burst_engine(model, K, prefix_caching=prefix, debug=K == 2)
         assert eng.generate(prompts, NEW) == expect
         recs = verify_bursts(eng)
+        # a burst's record counts every sub-step's verified positions and rows (as resolve applied them)
+        for r in recs:
+            assert [r.computed, r.row_steps] == applied[r.step], r
+            assert r.computed == r.row_steps + r.drafts_proposed and r.generated <= r.computed, r
         assert recs and sum(r.drafts_accepted for r in recs) > 0
         bursts += recs
         s = eng.metrics.summary()
         assert s["preemptions"] > 0
         assert s["acceptance_rate"] > 0.5, s
+        assert s["running_mean"] <= CACHE.max_seqs, s  # per sub-step: a burst's rows, not its verified positions
         assert s["drafts_proposed"] == eng.scheduler.spec_stats.proposed
         assert s["drafts_accepted"] == eng.scheduler.spec_stats.accepted
         if prefix:

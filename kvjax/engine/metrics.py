@@ -6,7 +6,9 @@
 One record per device step, appended when its tokens have been read. A decode burst is one record of ``burst``
 sub-steps; :meth:`EngineMetrics.summary` counts per sub-step (tokens per step, running requests, page use), so
 its figures mean the same with and without bursts, and what ``kvjax simulate`` (one sub-step per step) predicts (a step whose tokens a fault lost is
-recorded with ``generated`` 0). Times are wall-clock seconds on the host, split into phases: ``t_schedule``
+recorded with ``generated`` 0). A verification burst's ``computed`` (every row's verified positions in every sub-step
+it ran) and ``row_steps`` come from its tokens when they are read (:func:`verify_burst_counts`; a fault that lost
+them leaves sub-step 0's plan's counts). Times are wall-clock seconds on the host, split into phases: ``t_schedule``
 (scheduler plan incl. recycling and page allocation), ``t_inputs`` (numpy plan -> device inputs, sampling rows),
 ``t_dispatch`` (the jitted call returning; includes tracing and compiling on a new shape), ``t_wait`` (blocked
 reading the step's sampled tokens), ``t_update`` (scheduler resolve, events). ``t_step`` is the step's share of
@@ -63,7 +65,12 @@ class StepRecord:
     prefill_tokens: int = 0  # tokens at prompt positions computed this step
     cached_pages: int = 0  # pages the prefix cache holds after scheduling (included in pages_used)
     burst: int = 1  # model sub-steps of the step (a decode burst: up to Engine(decode_burst=K))
-    computed: int = -1  # real tokens computed over all sub-steps (a burst's rows times their sub-steps); -1: num_tokens
+    # real tokens computed over all sub-steps (a decode burst's rows times their sub-steps; a verification burst's
+    # verified positions, 1 + drafts, of every row in every sub-step it ran); -1: num_tokens
+    computed: int = -1
+    # rows run summed over the sub-steps (each row for the sub-steps it ran); -1: not recorded (the summary takes
+    # ``running``, a burst's ``computed``)
+    row_steps: int = -1
     # pages in use after allocation on each device's pool, data shard-major (:func:`device_pages_used`); () = one
     # pool, not recorded
     pages_used_devices: tuple[int, ...] = ()
@@ -162,8 +169,8 @@ class EngineMetrics:
         sub = col["burst"]  # sub-steps of each record: the weight of its per-step figures
         computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
         # a burst runs every running request (its plan's rows), each for its own sub-steps: the requests running
-        # at each sub-step add up to the tokens it computed (``running`` is counted after the burst reserved them all)
-        running = np.where(sub > 1, computed, col["running"])
+        # at each sub-step add up to its row_steps (``running`` is counted after the burst reserved them all)
+        running = np.where(sub > 1, np.where(col["row_steps"] >= 0, col["row_steps"], computed), col["running"])
         warm = col["compiled"] == 0
         host = (col["t_step"] - col["t_wait"])[warm]
         exposed = col["t_exposed"][warm]
@@ -213,6 +220,16 @@ class EngineMetrics:
             **_per_device(recs, sub, pages),
             **_speculative(recs, col),
         }
+
+
+def verify_burst_counts(result: np.ndarray, rows: int, num_seqs: int, steps: int) -> tuple[int, int]:
+    """``(computed, row_steps)`` of a resolved verification burst (:func:`kvjax.engine.verify.verify_burst`'s
+    ``result``: i32[steps * rows * (K + 2)], per sub-step and row its verified tokens ``t_0 .. t_k``, ``-1`` past
+    them, then ``a``, ``-1`` where the row did not run): the positions its first ``num_seqs`` rows verified (``1 +
+    k`` per row and sub-step it ran) and the (row, sub-step) pairs that ran."""
+    grid = np.asarray(result).reshape(steps, rows, -1)[:, :num_seqs]  # i32[S, n, K + 2]
+    ran = grid[..., -1] >= 0  # bool[S, n]
+    return int(((grid[..., :-1] >= 0) & ran[..., None]).sum()), int(ran.sum())
 
 
 def _speculative(recs: list[StepRecord], col: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from jax.profiler import TraceAnnotation
 from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.engine.host_tier import HostStore
 from kvjax.engine.inputs import SamplingTable
-from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
+from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used, verify_burst_counts
 from kvjax.engine.outputs import Outputs, StepOutput
 from kvjax.engine.drafting import StepTokens
 from kvjax.engine.runner import Runner
@@ -176,6 +176,7 @@ class StepPipeline:
             cached_pages=sum(s.prefix.cached_pages() for s in scheds if s.prefix is not None),
             burst=max(max(p.burst, p.spec_steps) for p in plans),
             computed=sum(p.num_tokens if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
+            row_steps=sum(p.num_seqs if p.burst_len is None else int(p.burst_len[: p.num_seqs].sum()) for p in plans),
             pages_free=sum(s.blocks.num_pages for s in scheds) - used,
             compiled=self.runner.num_traces > traces0 or copies_compiled,
             pages_used_devices=device_pages_used(scheds) if self.on_mesh else (),
@@ -217,6 +218,11 @@ class StepPipeline:
                 sched.resolve(plan, row)
                 if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
                     flight.record.update(verify_stats(plan, row))
+                if plan.spec_steps:  # a verification burst: what every sub-step computed, not sub-step 0's plan
+                    computed, row_steps = verify_burst_counts(row, plan.seq_lens.shape[0], plan.num_seqs,
+                                                              plan.spec_steps)
+                    flight.record["computed"] += computed - plan.num_tokens
+                    flight.record["row_steps"] += row_steps - plan.num_seqs
                 if flight.drafts is not None and getattr(self.drafter, "from_step", False):  # the next plan's drafts
                     n = plan.num_seqs
                     self.drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
