@@ -18,7 +18,9 @@ built for K = 4: the verification step compiles once and shorter drafts fit it),
 shortens drafts where they do not pay (``PacedDrafter``). After every rule the pages a row
 holds never pass what its tokens and one verification row need, and the acceptance counts are prefixes (a draft is
 accepted only after every draft before it); the tokens must still equal the alone run's. ``MTPEngineMachine``: the
-same with ``speculative="mtp"`` (random MTP layers drafting inside every step) and prefix caching over a host tier.
+same with ``speculative="mtp"`` (the successor model of ``helpers.spec``, its trained MTP layer drafting inside every
+step: drafts kept and rejected), verification bursts of 4 sub-steps where a burst applies (plain decode bursts where no
+draft is taken) and prefix caching over a host tier; a burst's step record counts the positions every sub-step verified.
 """
 
 from __future__ import annotations
@@ -32,38 +34,45 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvjax.engine.engine import Engine
-from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, StepDrafter
 from kvjax.sched.spec import SpecStats
 from helpers.engine import make_engine, step_events
 from helpers.faults import POINTS, FaultAt, Injected
 from helpers.models import VOCAB, qwen_swa_model
+from helpers.spec import successor_model
 
 ROWS, WIDTH = 32, 40  # oracle batch: fixed shape, one compile (prompts <= 30 tokens + 8 new <= 40)
 
 
 class Shared:
-    """What every example of the module reuses: the model, one engine per mode and the alone-run outputs."""
+    """What every example of the module reuses: the models, one engine per mode and the alone-run outputs."""
 
     def __init__(self) -> None:
         self.model = qwen_swa_model()
-        self.engines: dict[tuple[bool, int, int, int], Engine] = {}
-        self.alone: dict[tuple[tuple, int], list[int]] = {}
+        self.trained = None  # the successor model with its trained MTP layer (helpers.spec), built on first use
+        self.engines: dict[tuple[bool, int, int, int, bool], Engine] = {}
+        self.alone: dict[bool, dict[tuple[tuple, int], list[int]]] = {False: {}, True: {}}  # by mtp
         self.logits = nnx.jit(lambda m, x: m.logits(x))
+
+    def model_of(self, mtp: bool):
+        """The random model, or (``mtp``) the successor model whose trained MTP layer drafts (mostly accepted)."""
+        if not mtp:
+            return self.model
+        if self.trained is None:
+            pytest.importorskip("optax")
+            self.trained = successor_model()[0]
+        return self.trained
 
     def engine(self, overlap: bool, burst: int = 1, host: int = 0, spec: int = 0, mtp: bool = False) -> Engine:
         """The engine of a mode; ``host > 0``: with prefix caching and a host tier of that many bytes; ``spec > 0``:
-        speculative decoding with up to that many drafts per row; ``mtp``: drafted by random MTP layers attached to
-        the same model (every step drafts on the device)."""
+        speculative decoding with up to that many drafts per row; ``mtp``: the successor model drafted by its
+        trained MTP layer (every step drafts on the device)."""
         key = (overlap, burst, host, spec, mtp)
         if key not in self.engines:
             tier = dict(prefix_caching=True, host_cache_bytes=host) if host else {}
-            model = self.model
             if spec:
                 tier["speculative"] = SpeculativeConfig(method="mtp" if mtp else "ngram", num_draft_tokens=spec)
-            if mtp:
-                model = mtp_lib.attach(qwen_swa_model(), mtp_lib.init(self.model.config, seed=5))
-            self.engines[key] = make_engine(model, overlap=overlap, decode_burst=burst, **tier)
+            self.engines[key] = make_engine(self.model_of(mtp), overlap=overlap, decode_burst=burst, **tier)
         return self.engines[key]
 
 
@@ -72,10 +81,11 @@ def shared() -> Shared:
     return Shared()
 
 
-def run_alone(shared: Shared, keys: list[tuple[tuple, int]]) -> dict:
+def run_alone(shared: Shared, keys: list[tuple[tuple, int]], mtp: bool = False) -> dict:
     """``{(prompt, max_new): tokens}`` of greedy decoding by whole-sequence ``model.logits`` (no cache, no
-    batching effects: causal, each row alone), computed for the keys not known yet."""
-    todo = sorted({k for k in keys if k not in shared.alone})
+    batching effects: causal, each row alone; ``mtp``: the successor model's), computed for the keys not known yet."""
+    model, known = shared.model_of(mtp), shared.alone[mtp]
+    todo = sorted({k for k in keys if k not in known})
     for i in range(0, len(todo), ROWS):
         chunk = todo[i: i + ROWS]
         ids = np.zeros((ROWS, WIDTH), np.int32)
@@ -84,15 +94,15 @@ def run_alone(shared: Shared, keys: list[tuple[tuple, int]]) -> dict:
             ids[r, : len(p)] = p
         out = [[] for _ in chunk]
         for _ in range(max(n for _, n in chunk)):
-            logits = np.asarray(shared.logits(shared.model, jnp.asarray(ids)))
+            logits = np.asarray(shared.logits(model, jnp.asarray(ids)))
             for r, (_, n) in enumerate(chunk):
                 if len(out[r]) < n:
                     tok = int(np.argmax(logits[r, lens[r] - 1]))
                     out[r].append(tok)
                     ids[r, lens[r]] = tok
                     lens[r] += 1
-        shared.alone.update(zip(chunk, out))
-    return shared.alone
+        known.update(zip(chunk, out))
+    return known
 
 
 def arm(engine: Engine, point: str, exc: type[BaseException]):
@@ -265,7 +275,7 @@ class EngineMachine(RuleBasedStateMachine):
         runs = [(r["prompt"], r["max_new"], r["tokens"]) for r in self.reqs.values() if not r["aborted"]]
         assert all(r["finished"] for r in self.reqs.values() if not r["aborted"])
         runs += self.consumer_runs
-        alone = run_alone(self.shared, [(p, n) for p, n, _ in runs])
+        alone = run_alone(self.shared, [(p, n) for p, n, _ in runs], self.MTP)
         for p, n, got in runs:
             assert got == alone[p, n], (p, n)
 
@@ -321,7 +331,7 @@ class SpecEngineMachine(EngineMachine):
         self.engine.scheduler.spec_stats = SpecStats()
 
     def will_run(self, keys):
-        alone = run_alone(self.shared, keys)
+        alone = run_alone(self.shared, keys, self.MTP)
         self.alone.update({key: alone[key] for key in keys})
 
     @rule(method=st.sampled_from(["off", "ngram", "alone"]), k=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99),
@@ -336,10 +346,12 @@ class SpecEngineMachine(EngineMachine):
 
     @invariant()
     def verification_bounds(self):
-        """A row holds no page past its tokens and one verification row; acceptance is by prefix."""
+        """A row holds no page past its tokens and one verification row (with bursts: one verification burst's span
+        from the computed token before its last); acceptance is by prefix."""
         sched = self.engine.scheduler
+        span = self.BURST * (self.SPEC + 1) - 1 if self.BURST > 1 else 1 + self.SPEC
         for r in sched.running:
-            need = sched.blocks.blocks_for(max(r.num_tokens, r.num_computed + 1 + self.SPEC))
+            need = sched.blocks.blocks_for(max(r.num_tokens, r.num_computed + span))
             assert sched.blocks.num_blocks[r.slot] <= need, (r, sched.blocks.num_blocks[r.slot], need)
         st_ = sched.spec_stats
         assert (st_.accepted_at <= st_.proposed_at).all() and (np.diff(st_.accepted_at) <= 0).all(), st_
@@ -351,12 +363,14 @@ class SpecHostTierEngineMachine(SpecEngineMachine):
 
 
 class MTPEngineMachine(SpecEngineMachine):
-    """``speculative="mtp"`` with prefix caching over a host tier: random MTP layers draft inside every step (their
-    pools share the main pools' pages, so preemption, aborts, recycling, faults and the host tier move them too);
-    a rule switches the host side between taking the step's drafts (K = ``k`` of the device's 4, paced or not) and
-    none."""
+    """``speculative="mtp"`` with verification bursts of 4 and prefix caching over a host tier: the successor model's
+    trained MTP layer drafts inside every step (mostly accepted, on these random prompts not always; its pools share
+    the main pools' pages, so preemption, aborts, recycling, faults and the host tier move them too); a rule switches
+    the host side between taking the step's drafts (K = ``k`` of the device's 4, paced or not: verification bursts,
+    and plain decode bursts where the rule drafts nothing) and none (plain decode bursts)."""
 
     MTP = True
+    BURST = 4
     HOST = 1 << 20
     EXAMPLES = 8
 
@@ -382,17 +396,23 @@ def test_engine_state_machine(machine, shared):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     eng = shared.engine(machine.OVERLAP, machine.BURST, machine.HOST, machine.SPEC, machine.MTP)
     # one bucket set, greedy only: a single compile for every example (and one for the burst or verification steps;
-    # with MTP layers, the ordinary and verification steps also without them, where the rule drafts nothing)
+    # with MTP layers, the ordinary and verification steps also without them, where the rule drafts nothing, and with
+    # bursts both verification bursts and plain decode bursts)
     traces = 1 if machine.BURST == 1 and not machine.SPEC else 2
-    assert traces <= eng.num_traces <= traces + 2 * machine.MTP
+    assert traces <= eng.num_traces <= traces + 2 * machine.MTP + 2 * (machine.MTP and machine.BURST > 1)
     if machine.SPEC:  # verification steps ran; rows accepted none, some and all K of their drafts
-        assert not eng.overlap and eng.decode_burst == 1
+        assert not eng.overlap and eng.decode_burst == machine.BURST
         recs = [r for r in eng.metrics.records if r.verify_rows]
         assert sum(r.drafts_accepted for r in recs) < sum(r.drafts_proposed for r in recs)
         assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0
-        if not machine.MTP:  # random MTP layers' drafts are rarely accepted
-            assert sum(r.drafts_accepted_at[machine.SPEC - 1] for r in recs
-                       if len(r.drafts_accepted_at) == machine.SPEC)
+        assert sum(r.drafts_accepted_at[machine.SPEC - 1] for r in recs if len(r.drafts_accepted_at) == machine.SPEC)
+        if machine.BURST > 1:  # verification bursts ran, rows several sub-steps each, with drafts kept and rejected
+            bursts = [r for r in recs if r.burst > 1]
+            assert 0 < sum(r.drafts_accepted for r in bursts) < sum(r.drafts_proposed for r in bursts)
+            assert any(r.verify_rows > r.num_seqs for r in bursts)
+            # their records count every sub-step: 1 + k positions for each row and sub-step it ran
+            assert all(r.computed == r.row_steps + r.drafts_proposed >= r.generated for r in bursts if r.generated)
+            assert any(r.burst > 1 and not r.verify_rows for r in eng.metrics.records)  # and plain decode bursts
         return
     assert max(r.burst for r in eng.metrics.records) == machine.BURST  # bursts ran, at their full length
     assert eng.scheduler.num_preemptions > 0 and eng.num_recoveries > 0

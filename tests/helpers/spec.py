@@ -53,3 +53,22 @@ class Successors:
     def sample(self, rng: np.random.Generator, n: int):
         x = self.chains(rng.integers(1, VOCAB, n), self.length + 1)
         return x[:, :-1], x[:, 1:], np.ones((n, self.length), bool), None
+
+
+def successor_model(seed: int = 3, steps: int = 40):
+    """The engine tests' hybrid tiny Qwen3.5 (GDN, then SWA attention: window 6, 2 sinks) trained on
+    :class:`Successors` (``steps`` optax steps), with an MTP layer trained on the same task attached: a model whose
+    MTP drafts are mostly, not always, accepted. Returns ``(model, task)`` (``task``'s chains: prompts it continues;
+    optax must be installed)."""
+    from kvjax.experiments.mtp_train import train_mtp
+    from kvjax.experiments.tasks import train
+    from kvjax.models.qwen3_5 import mtp as mtp_lib
+    from helpers.models import random_model, tiny_config
+
+    task = Successors(np.random.default_rng(seed), 12)
+    model = random_model(tiny_config(window=(6, 0), sinks=(2, 0), layer_types=("linear_attention", "full_attention")),
+                         seed=2)
+    model, _ = train(model, task, steps=steps, lr=2e-2, warmup=min(10, steps // 2), seed=5)
+    head, _ = train_mtp(model, task, steps=steps, lr=2e-2, warmup=min(10, steps // 2), on="all", seed=4)
+    mtp_lib.attach(model, head)
+    return model, task
