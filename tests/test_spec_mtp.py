@@ -20,9 +20,8 @@ from kvjax.engine.engine import Engine
 from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched import spec
 from kvjax.sched.drafter import SpeculativeConfig, StepDrafter, make_drafter
-from helpers.engine import (BUDGET, SMALL, assert_idle, greedy_oracle, prefix_sharing_prompts, step_events,
+from helpers.engine import (BUDGET, SMALL, assert_idle, fault_midway, greedy_oracle, prefix_sharing_prompts,
                             stream_aborting)
-from helpers.faults import Injected, arm
 from helpers.spec import Successors
 from helpers.models import VOCAB, qwen_swa_model, random_model, tiny_config, tiny_deepseek_config
 
@@ -76,22 +75,8 @@ def test_aborts_between_steps_and_a_fault_inside_one(qwen, shared, monkeypatch):
     assert_idle(eng)
 
     # the same engine: a fault after the step's caches were donated; recovery recomputes (fresh MTP pools too)
-    ids = [eng.add_request(p, NEW, index=i) for i, p in enumerate(prompts[:3])]
-    out = {rid: [] for rid in ids}
     steps0 = eng.scheduler.spec_stats.steps
-    while eng.scheduler.spec_stats.steps < steps0 + 2:
-        for ev in step_events(eng):
-            out[ev.request_id].append(ev.token)
-    with monkeypatch.context() as m:
-        arm(m, eng, "inside device", Injected)
-        with pytest.raises(Injected):
-            while True:
-                for ev in step_events(eng):
-                    out[ev.request_id].append(ev.token)
-    while eng.has_unfinished():
-        for ev in step_events(eng):
-            out[ev.request_id].append(ev.token)
-    assert eng.num_recoveries == 1 and [out[rid] for rid in ids] == expect[:3]
+    fault_midway(monkeypatch, eng, prompts[:3], NEW, expect[:3], lambda: eng.scheduler.spec_stats.steps >= steps0 + 2)
     assert_idle(eng)
 
 

@@ -96,3 +96,31 @@ def prefix_sharing_prompts(rng) -> list[list[int]]:
     base = random_prompts(rng, (17, 22))
     return [base[0] + random_prompts(rng, (n,))[0] for n in (3, 6)] + [base[1] + [5, 9]] + \
         [base[0] + random_prompts(rng, (4,))[0], base[1] + random_prompts(rng, (7,))[0], base[1][:9]]
+
+
+def fault_midway(monkeypatch, engine: Engine, prompts, max_new: int, expect, ready) -> None:
+    """Serve ``prompts`` on ``engine`` step by step until ``ready()`` holds, then fail the next step inside the
+    device call (``helpers.faults.Injected``), recover and finish: each request's tokens must be ``expect``'s and
+    the engine must have recovered once."""
+    import pytest
+
+    from helpers.faults import Injected, arm
+
+    ids = [engine.add_request(p, max_new, index=i) for i, p in enumerate(prompts)]
+    out = {rid: [] for rid in ids}
+
+    def step() -> None:
+        for ev in step_events(engine):
+            out[ev.request_id].append(ev.token)
+
+    while not ready():
+        assert engine.has_unfinished(), "the requests finished before the fault's moment came"
+        step()
+    with monkeypatch.context() as m:
+        arm(m, engine, "inside device", Injected)
+        with pytest.raises(Injected):
+            while True:
+                step()
+    while engine.has_unfinished():
+        step()
+    assert engine.num_recoveries == 1 and [out[rid] for rid in ids] == list(expect)
