@@ -264,8 +264,8 @@ def build_parser() -> ArgumentParser:
                          "rarely accepted), which --speculative mtp drafts with inside every step")
     ap.add_argument("--flat-tokens", metavar="N|none", type=flat_tokens_arg, default=argparse.SUPPRESS,
                     help="with --speculative: the flat region of the step-cost rule that shortens or turns off drafts "
-                         f"where they do not pay (tokens a step computes at about the cost of one; default "
-                         f"{FLAT_TOKENS}); 'none': always up to K drafts")
+                         "where they do not pay (tokens a step computes at about the cost of one); 'none': always up "
+                         f"to K drafts (default: {FLAT_TOKENS})")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache: a later run loads the compiled steps from DIR instead "
                          f"of compiling them again (default: ${compile_cache.ENV}, else ~/.cache/kvjax/jax)")
