@@ -201,9 +201,9 @@ def paged_decode(
     """Split-KV paged attention of every query token: the contract of ``kvjax.ops.paged_attention``.
 
     Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
-    :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4,
-    ``num_stages`` 4 (fp8 pages: 2, RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or
-    a wide head would not fit shared memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes
+    :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4, ``num_stages``
+    4 (fp8 pages: 2, RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or a wide head
+    would not fit shared memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes
     :func:`unsupported` rejects and a ``block_k`` not a power of two. fp8 pages read as ``page * scale`` (module
     doc). Reads only; tokens that belong to no row get output 0.
     """

@@ -282,21 +282,19 @@ def paged_prefill(
     """Ragged causal paged attention for any batch (prefill, chunked prefill, mixed prefill + decode).
 
     The contract of ``kvjax.ops.paged_attention``; tokens of no row get output 0. ``ValueError`` for shapes
-    :func:`kvjax.pallas.paged.common.triton_shape_reason` rejects (the kernel takes decode-shaped batches too;
-    only the backend table sends them elsewhere) and for bad knobs; fp8 pages read as ``page * scale`` (module
-    doc). Tuning knobs:
-    ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``kv_load``: ``"page"`` loads
-    each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product per page of
-    a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page size.
-    Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``; ``"page"`` with pages of
-    >= 128 tokens: ``_DEFAULTS_LARGE_PAGE``), shrunk where float32 pages or a wide head would not fit shared
-    memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``fused_loop``: one key loop that picks the mask per block at
-    run time instead of separate loops for the masked and unmasked blocks. ``page_ids`` (``kv_load="page"``;
-    ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each page id in the step
-    that uses it, ``"carry"`` one step ahead, passed in the loop carry.
-    Measured slower and removed: page ids two steps ahead or from a register chunk of the table, a key block's
-    pages joined into one operand, all tiles of one KV head launched together, masking every key block
-    (``fast_path=False``).
+    :func:`kvjax.pallas.paged.common.triton_shape_reason` rejects (the kernel takes decode-shaped batches too; only
+    the backend table sends them elsewhere) and for bad knobs; fp8 pages read as ``page * scale`` (module doc).
+    Tuning knobs: ``block_q`` counts query *rows* of a program (tokens x GQA group), default 128. ``kv_load``:
+    ``"page"`` loads each page as one contiguous ``[page_size, D]`` block at a scalar page id (one QK^T sub-product
+    per page of a key block), ``"gather"`` loads a key block through per-key row offsets; ``"auto"`` picks per page
+    size. Unset knobs take the measured defaults of the chosen path (``_DEFAULTS``; ``"page"`` with pages of >= 128
+    tokens: ``_DEFAULTS_LARGE_PAGE``), shrunk where float32 pages or a wide head would not fit shared memory
+    (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``fused_loop``: one key loop that picks the mask per
+    block at run time instead of separate loops for the masked and unmasked blocks. ``page_ids``
+    (``kv_load="page"``; ``"carry"`` implies one loop): ``"load"`` (the default below 128-token pages) reads each
+    page id in the step that uses it, ``"carry"`` one step ahead, passed in the loop carry. Measured slower and
+    removed: page ids two steps ahead or from a register chunk of the table, a key block's pages joined into one
+    operand, all tiles of one KV head launched together, masking every key block (``fast_path=False``).
     """
     q = call.q
     t_total, hq, d = q.shape
