@@ -117,9 +117,15 @@ class PrefixCache:
 
     def needed(self, m: int) -> np.ndarray:
         """bool[H, m]: the blocks each head needs when resuming at ``m`` blocks."""
-        b = np.arange(m)[None, :]
-        stop = recycle_stop(m * self.ps, self.blocks.window, self.ps)[:, None]
-        return (self.blocks.window[:, None] == 0) | (b < self.first_kept[:, None]) | (b >= stop)
+        return self.needed_at(np.array([m]), m)[0]
+
+    def needed_at(self, ms: np.ndarray, k: int) -> np.ndarray:
+        """bool[M, H, k]: block ``b`` of head ``h`` is needed when resuming at ``ms[i]`` blocks (``b < ms[i]``;
+        ``ms``: i64[M])."""
+        b = np.arange(k)
+        stop = recycle_stop(ms[:, None] * self.ps, self.blocks.window[None, :], self.ps)  # i64[M, H]
+        full = (self.blocks.window == 0)[:, None] | (b[None, :] < self.first_kept[:, None])  # bool[H, k]
+        return (full[None] | (b[None, None, :] >= stop[:, :, None])) & (b < ms[:, None])[:, None, :]
 
     def _longest(self, chain: list[Entry], host: bool) -> int:
         """The longest usable match over ``chain``; ``host``: blocks and checkpoints on the host tier count."""
@@ -136,11 +142,7 @@ class PrefixCache:
             m = m[[e.ckpt >= 0 or (loadable and e.hckpt >= 0) for e in chain]]
         if len(m) == 0:
             return 0
-        # bool[M, H, k]: block b of head h is missing and needed when resuming at m blocks (b < m)
-        b = np.arange(k)
-        stop = recycle_stop(m[:, None] * self.ps, self.blocks.window[None, :], self.ps)  # i64[M, H]
-        full = (self.blocks.window == 0)[:, None] | (b[None, :] < self.first_kept[:, None])  # bool[H, k]
-        bad = missing[None] & (full[None] | (b[None, None, :] >= stop[:, :, None])) & (b < m[:, None])[:, None, :]
+        bad = missing[None] & self.needed_at(m, k)  # bool[M, H, k]: missing and needed when resuming at m blocks
         ok = m[~bad.any(axis=(1, 2))]
         return int(ok[-1]) if len(ok) else 0
 
