@@ -103,28 +103,18 @@ class HostTier:
         """Log device pages ``pages_dev`` (i64[k]) and checkpoint slots ``ckpts_dev`` (i64[c]) copied to the
         host (the caller checked the budget); returns their host ids ``(i64[k], i64[c])``."""
         pages_dev, ckpts_dev = np.asarray(pages_dev, np.int64), np.asarray(ckpts_dev, np.int64)
+        self._charge(pages_dev.size, ckpts_dev.size)
         hp, hc = self.new_ids(pages_dev.size), self.new_ids(ckpts_dev.size)
-        nbytes = self.cost(pages_dev.size, ckpts_dev.size)
-        if nbytes > self.free_bytes():
-            raise AssertionError(f"host tier: spilling {nbytes} bytes with {self.free_bytes()} free")
-        self.used_bytes += nbytes
-        self.bytes_out += nbytes
-        self.pages_out += pages_dev.size
-        self.ckpts_out += ckpts_dev.size
         self._append("out", pages_dev, hp, ckpts_dev, hc)
         return hp, hc
 
     def spill_pages(self, pages_dev: list[int]) -> range:
-        """:meth:`spill` of device pages only (``pages_dev``: a list of page ids); returns their host ids."""
+        """:meth:`spill` of device pages only (``pages_dev``: a list of page ids; no numpy on the way, for the
+        reclaim loop's many small spills); returns their host ids."""
         n = len(pages_dev)
-        nbytes = n * self.page_bytes
-        if nbytes > self.capacity_bytes - self.used_bytes:
-            raise AssertionError(f"host tier: spilling {nbytes} bytes with {self.free_bytes()} free")
+        self._charge(n, 0)
         ids = range(self._next_id, self._next_id + n)
         self._next_id += n
-        self.used_bytes += nbytes
-        self.bytes_out += nbytes
-        self.pages_out += n
         if n:  # extends the last group's list parts (joined by _ops)
             if not self.log or self.log[-1][0] != "out":
                 self.log.append(("out", [], [], [], []))
@@ -135,6 +125,17 @@ class HostTier:
             pd[-1].extend(pages_dev)
             ph[-1].extend(ids)
         return ids
+
+    def _charge(self, pages: int, ckpts: int) -> None:
+        """Count a spill of ``pages`` pages and ``ckpts`` checkpoints (the caller checked the budget:
+        ``AssertionError`` if it does not fit)."""
+        nbytes = self.cost(pages, ckpts)
+        if nbytes > self.free_bytes():
+            raise AssertionError(f"host tier: spilling {nbytes} bytes with {self.free_bytes()} free")
+        self.used_bytes += nbytes
+        self.bytes_out += nbytes
+        self.pages_out += pages
+        self.ckpts_out += ckpts
 
     def load(self, pages_host: np.ndarray, pages_dev: np.ndarray, ckpts_host: np.ndarray,
              ckpts_dev: np.ndarray) -> None:
