@@ -44,6 +44,14 @@ def two_ahead(task: RetrievalTask, x: np.ndarray, mask: np.ndarray, *, on: str =
     return x[:, 1:-1], x[:, 2:], weights.astype(np.float32)
 
 
+def greedy_targets(model: Qwen3_5ForCausalLM, full: jax.Array) -> jax.Array:
+    """i32[n, L-2]: the model's own greedy token after ``x_{t+1}`` for ``t = 0 .. L-3`` (``full``: its hidden
+    states ``[n, L, H]``): what its verification accepts two ahead of ``h_t`` (the ``"greedy"`` labels)."""
+    import jax.numpy as jnp
+
+    return jnp.argmax(model.project_vocab(full[:, 1:-1]), axis=-1).astype(jnp.int32)
+
+
 def chained(mtp: Qwen3_5MTP, model: Qwen3_5ForCausalLM, hidden: jax.Array, next_ids: jax.Array,
             depth: int) -> list[jax.Array]:
     """The MTP layer's hidden states of draft steps ``1..depth`` over whole sequences, as the drafter chains them
@@ -116,7 +124,7 @@ def train_mtp(model: Qwen3_5ForCausalLM, task: RetrievalTask, *, steps: int = 30
         full = jax.lax.stop_gradient(main.hidden_states(x))  # [n, L, H]
         hidden = full[:, :-2]  # h_t, t = 0 .. L-3
         if targets == "greedy":  # the frozen model's own token after x_{t+1}
-            tgt = jnp.argmax(main.project_vocab(full[:, 1:-1]), axis=-1).astype(tgt.dtype)
+            tgt = greedy_targets(main, full).astype(tgt.dtype)
         m = nnx.merge(graphdef, p)
         total, acc = 0.0, None
         for g in chained(m, main, hidden, nxt, depth):

@@ -314,15 +314,15 @@ def mtp_copy_accuracy(model: Qwen3_5ForCausalLM, mtp: Any, task: CopyTask, rng: 
     ``"greedy"`` (the frozen model's own greedy token after ``x_{t+1}``: what its verification accepts)."""
     import jax.numpy as jnp
 
-    from kvjax.experiments.mtp_train import chained, two_ahead
+    from kvjax.experiments.mtp_train import LABELS, chained, greedy_targets, two_ahead
 
-    if against not in ("data", "greedy"):
-        raise ValueError(f"against must be 'data' or 'greedy', got {against!r}")
+    if against not in LABELS:
+        raise ValueError(f"against must be one of {LABELS}, got {against!r}")
     x, _, m, _ = task.sample(rng, n)
     nxt, tgt, w = two_ahead(task, x, m)
     full = model.hidden_states(jnp.asarray(x))
     if against == "greedy":
-        tgt = np.asarray(jnp.argmax(model.project_vocab(full[:, 1:-1]), axis=-1))
+        tgt = np.asarray(greedy_targets(model, full))
     sel = w > 0
     out = [float((np.asarray(jnp.argmax(mtp.logits(model, g), axis=-1))[sel] == tgt[sel]).mean())
            for g in chained(mtp, model, full[:, :-2], jnp.asarray(nxt), depth)]
