@@ -28,7 +28,7 @@ from kvjax.sched import spec
 from kvjax.sched.drafter import PacedDrafter, SpeculativeConfig, StepDrafter
 from helpers.engine import BUDGET, assert_idle, fault_midway, greedy_oracle, stream_aborting
 from helpers.models import VOCAB, random_model, tiny_config
-from helpers.spec import Successors
+from helpers.spec import successor_model
 
 NEW = 14
 BURST = 4
@@ -44,16 +44,8 @@ def trained():
     """A hybrid (GDN, then SWA attention) tiny model and its MTP layer trained on :class:`Successors`; prompts that
     share prefixes (chains from the same starts) and their greedy continuations."""
     pytest.importorskip("optax")
-    from kvjax.experiments.mtp_train import train_mtp
-    from kvjax.experiments.tasks import train
-
     rng = np.random.default_rng(3)
-    task = Successors(rng, 12)
-    model = random_model(tiny_config(window=(6, 0), sinks=(2, 0), layer_types=("linear_attention", "full_attention")),
-                         seed=2)
-    model, _ = train(model, task, steps=40, lr=2e-2, warmup=10, seed=5)
-    head, _ = train_mtp(model, task, steps=40, lr=2e-2, warmup=10, on="all", seed=4)
-    mtp_lib.attach(model, head)
+    model, task = successor_model(rng)
     starts = rng.integers(1, VOCAB, 3)
     chains = task.chains(np.repeat(starts, 2), 13)
     lens = (9, 13, 5, 11, 7, 6)

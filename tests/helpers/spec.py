@@ -55,17 +55,18 @@ class Successors:
         return x[:, :-1], x[:, 1:], np.ones((n, self.length), bool), None
 
 
-def successor_model(seed: int = 3, steps: int = 40):
+def successor_model(rng: np.random.Generator | int = 3, steps: int = 40):
     """The engine tests' hybrid tiny Qwen3.5 (GDN, then SWA attention: window 6, 2 sinks) trained on
     :class:`Successors` (``steps`` optax steps), with an MTP layer trained on the same task attached: a model whose
-    MTP drafts are mostly, not always, accepted. Returns ``(model, task)`` (``task``'s chains: prompts it continues;
-    optax must be installed)."""
+    MTP drafts are mostly, not always, accepted. ``rng``: the task's generator (or its seed; a caller drawing its
+    prompts from it after the task gets the same draws every time). Returns ``(model, task)`` (``task``'s chains:
+    prompts it continues; optax must be installed)."""
     from kvjax.experiments.mtp_train import train_mtp
     from kvjax.experiments.tasks import train
     from kvjax.models.qwen3_5 import mtp as mtp_lib
     from helpers.models import random_model, tiny_config
 
-    task = Successors(np.random.default_rng(seed), 12)
+    task = Successors(np.random.default_rng(rng) if isinstance(rng, int) else rng, 12)
     model = random_model(tiny_config(window=(6, 0), sinks=(2, 0), layer_types=("linear_attention", "full_attention")),
                          seed=2)
     model, _ = train(model, task, steps=steps, lr=2e-2, warmup=min(10, steps // 2), seed=5)
