@@ -33,19 +33,26 @@ def advance(inputs: StepInputs, tokens: jax.Array, go: jax.Array, page_size: int
     Their token becomes the sampled one at the next position, ``seq_lens`` grows by one, they have a state to
     read, and their slot mapping points at the new position's page on every head (``-1`` where the block is a
     hole). Other rows write nothing (slot mapping ``-1``, GDN slot 0)."""
-    T, B = inputs.token_ids.shape[0], inputs.seq_lens.shape[0]
+    T = inputs.token_ids.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
     row = token_rows(inputs.cu_seqlens, T)  # i32[T]: token's row (a compare, no loop: the step stays one graph)
     tgo = (t < inputs.cu_seqlens[-1]) & go[row]  # bool[T]
     pos = inputs.positions + tgo.astype(jnp.int32)  # i32[T]
-    bt = inputs.block_tables  # i32[B, Hkv, max_blocks]
-    blk = jnp.minimum(pos // page_size, bt.shape[2] - 1)
-    page = bt[row[:, None], jnp.arange(bt.shape[1])[None, :], blk[:, None]]  # i32[T, Hkv]
-    slots = jnp.where(tgo[:, None] & (page >= 0), page * page_size + (pos % page_size)[:, None], -1)
     return dataclasses.replace(
         inputs, token_ids=jnp.where(tgo, tokens[row], inputs.token_ids), positions=pos,
         seq_lens=inputs.seq_lens + go.astype(jnp.int32), has_initial_state=inputs.has_initial_state | go,
-        gdn_slots=jnp.where(go, inputs.gdn_slots, 0), slot_mapping=slots.astype(jnp.int32))
+        gdn_slots=jnp.where(go, inputs.gdn_slots, 0),
+        slot_mapping=slot_mapping(inputs.block_tables, row, pos, tgo, page_size))
+
+
+def slot_mapping(block_tables: jax.Array, row: jax.Array, pos: jax.Array, write: jax.Array,
+                 page_size: int) -> jax.Array:
+    """i32[T, Hkv]: where token ``t`` (of row ``row[t]`` at position ``pos[t]``, i32[T] each) writes its K/V on every
+    head, from ``block_tables`` (i32[B, Hkv, max_blocks]); ``-1`` where ``write`` (bool[T]) is off or the block is a
+    hole (traceable)."""
+    blk = jnp.minimum(pos // page_size, block_tables.shape[2] - 1)
+    page = block_tables[row[:, None], jnp.arange(block_tables.shape[1])[None, :], blk[:, None]]  # i32[T, Hkv]
+    return jnp.where(write[:, None] & (page >= 0), page * page_size + (pos % page_size)[:, None], -1).astype(jnp.int32)
 
 
 def run_burst(forward: Callable, pick: Callable, params, caches: ModelCaches, inputs: StepInputs,

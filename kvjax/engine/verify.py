@@ -42,9 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.engine import sampling
-from kvjax.engine.drafting import Drafting, StepTokens, draft
 from kvjax.base.ragged import token_rows
+from kvjax.engine import sampling
+from kvjax.engine.burst import slot_mapping
+from kvjax.engine.drafting import Drafting, StepTokens, draft
 from kvjax.engine.inputs import PackLayout
 from kvjax.inputs import StepInputs
 from kvjax.models.interface import ModelCaches
@@ -176,14 +177,10 @@ def _layout(inputs: StepInputs, p: jax.Array, toks: jax.Array, k: jax.Array, liv
     off = jnp.clip(t - cu[row], 0, toks.shape[1] - 1)
     valid = t < cu[-1]  # bool[T]
     pos = jnp.where(valid, p[row] + off, 0)  # i32[T]
-    bt = inputs.block_tables  # i32[B, Hkv, max_blocks]
-    blk = jnp.minimum(pos // page_size, bt.shape[2] - 1)
-    page = bt[row[:, None], jnp.arange(bt.shape[1])[None, :], blk[:, None]]  # i32[T, Hkv]
-    slots = jnp.where(valid[:, None] & (page >= 0), page * page_size + (pos % page_size)[:, None], -1)
     return dataclasses.replace(
         inputs, token_ids=jnp.where(valid, toks[row, off], 0), positions=pos, cu_seqlens=cu,
         seq_lens=jnp.where(live, p + n, 0), gdn_slots=jnp.where(live, inputs.gdn_slots, 0), has_initial_state=live,
-        slot_mapping=slots.astype(jnp.int32), logits_indices=jnp.where(live, cu[1:] - 1, 0))
+        slot_mapping=slot_mapping(inputs.block_tables, row, pos, valid, page_size), logits_indices=jnp.where(live, cu[1:] - 1, 0))
 
 
 def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
