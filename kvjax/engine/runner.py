@@ -34,7 +34,7 @@ from kvjax.engine.burst import pad_tokens, run_burst
 from kvjax.engine.drafting import Drafting, StepTokens, draft, head_caches
 from kvjax.engine.inputs import PackLayout, decode_only, local_page_ids, pack_plans
 from kvjax.engine.step import TraceCounter
-from kvjax.engine.verify import verify_burst, verify_step
+from kvjax.engine.verify import checkpoint_copy, verify_burst, verify_step
 from kvjax.inputs import DEVICE_FIELDS, StepInputs
 from kvjax.models.interface import ModelCaches
 from kvjax.models.sharding import DATA, MODEL, ShardedModel, shard_map, shard_model
@@ -76,25 +76,19 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
         return run_burst(model_step, pick, params, caches, inputs, rows.burst_len, layout.burst, layout.page_size,
                          prev_tokens.shape[0] // layout.burst, unroll=unroll)
     if copies is not None and caches.gdn is not None:
-        caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
+        caches = checkpoint_copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
     if drafting is None:
         logits, caches = model_step(params, caches, inputs)
     else:
         logits, hidden, caches = drafting.hidden_step(params, caches, inputs)
     if copies is not None and caches.gdn is not None:
-        caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
+        caches = checkpoint_copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
     tokens = pick(logits, rows.counters)
     out = pad_tokens(tokens, prev_tokens.shape[0])
     if drafting is None:
         return out, caches
     drafts, caches = draft(drafting, params, caches, hidden, inputs, inputs.logits_indices, tokens, rows.next_ids)
     return StepTokens(out, drafts), caches
-
-
-def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
-    """``caches`` with ``fn(caches.gdn, *args)`` applied where ``which`` (i32[B]) names any checkpoint."""
-    gdn = jax.lax.cond((which >= 0).any(), lambda g: fn(g, *args), lambda g: g, caches.gdn)
-    return dataclasses.replace(caches, gdn=gdn)
 
 
 def engine_model(model: Any, mesh: Mesh | None) -> ShardedModel | None:

@@ -65,11 +65,11 @@ def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tup
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
     gdn = caches.gdn is not None
     if copies is not None and gdn:
-        caches = _copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
+        caches = checkpoint_copy(caches, copies.restore, gdn_checkpoints.restore, copies.restore, inputs.gdn_slots)
     tokens, accepted, drafts, caches = _verify(model_step, params, caches, inputs, rows, rows.draft_len, layout.spec,
                                                greedy_only, drafting)
     if copies is not None and gdn:
-        caches = _copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
+        caches = checkpoint_copy(caches, copies.save, gdn_checkpoints.save, inputs.gdn_slots, copies.save)
     out = jnp.concatenate([tokens, accepted[:, None]], axis=1).reshape(-1)
     return (out, caches) if drafting is None else (StepTokens(out, drafts), caches)
 
@@ -183,10 +183,11 @@ def _layout(inputs: StepInputs, p: jax.Array, toks: jax.Array, k: jax.Array, liv
         slot_mapping=slot_mapping(inputs.block_tables, row, pos, valid, page_size), logits_indices=jnp.where(live, cu[1:] - 1, 0))
 
 
-def _copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
-    """``caches`` with ``fn(caches.gdn, *args)`` applied where ``which`` (i32[B]) names any checkpoint (the pool
-    carries no verification states then: restores run before :func:`~kvjax.state.gdn_spec.attach`, saves after
-    :func:`~kvjax.state.gdn_spec.commit`)."""
+def checkpoint_copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:
+    """``caches`` with ``fn(caches.gdn, *args)`` applied where ``which`` (i32[B]) names any checkpoint, skipped
+    under ``lax.cond`` otherwise: a step's GDN checkpoint restores and saves (:mod:`kvjax.state.gdn_checkpoints`;
+    in a verification step the pool carries no verification states then: restores run before
+    :func:`~kvjax.state.gdn_spec.attach`, saves after :func:`~kvjax.state.gdn_spec.commit`)."""
     gdn = jax.lax.cond((which >= 0).any(), lambda g: fn(g, *args), lambda g: g, caches.gdn)
     return dataclasses.replace(caches, gdn=gdn)
 
