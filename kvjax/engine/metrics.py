@@ -37,6 +37,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvjax.sched import spec
+from kvjax.sched.plan import StepPlan
+
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
@@ -222,14 +225,12 @@ class EngineMetrics:
         }
 
 
-def verify_burst_counts(result: np.ndarray, rows: int, num_seqs: int, steps: int) -> tuple[int, int]:
-    """``(computed, row_steps)`` of a resolved verification burst (:func:`kvjax.engine.verify.verify_burst`'s
-    ``result``: i32[steps * rows * (K + 2)], per sub-step and row its verified tokens ``t_0 .. t_k``, ``-1`` past
-    them, then ``a``, ``-1`` where the row did not run): the positions its first ``num_seqs`` rows verified (``1 +
-    k`` per row and sub-step it ran) and the (row, sub-step) pairs that ran."""
-    grid = np.asarray(result).reshape(steps, rows, -1)[:, :num_seqs]  # i32[S, n, K + 2]
-    ran = grid[..., -1] >= 0  # bool[S, n]
-    return int(((grid[..., :-1] >= 0) & ran[..., None]).sum()), int(ran.sum())
+def verify_burst_counts(plan: StepPlan, result: np.ndarray) -> tuple[int, int]:
+    """``(computed, row_steps)`` of a resolved verification burst (``result``: its ``i32[S * B * (K + 2)]``,
+    read by :func:`kvjax.sched.spec.verified`): the positions its real rows verified (``1 + k`` per row and
+    sub-step it ran) and the (row, sub-step) pairs that ran."""
+    _, k, _, ran = spec.verified(plan, result)
+    return int(((k + 1) * ran).sum()), int(ran.sum())
 
 
 def _speculative(recs: list[StepRecord], col: dict[str, np.ndarray]) -> dict[str, Any]:

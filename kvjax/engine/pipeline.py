@@ -219,8 +219,7 @@ class StepPipeline:
                 if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
                     flight.record.update(verify_stats(plan, row))
                 if plan.spec_steps:  # a verification burst: what every sub-step computed, not sub-step 0's plan
-                    computed, row_steps = verify_burst_counts(row, plan.seq_lens.shape[0], plan.num_seqs,
-                                                              plan.spec_steps)
+                    computed, row_steps = verify_burst_counts(plan, row)
                     flight.record["computed"] += computed - plan.num_tokens
                     flight.record["row_steps"] += row_steps - plan.num_seqs
                 if flight.drafts is not None and getattr(self.drafter, "from_step", False):  # the next plan's drafts

@@ -49,6 +49,7 @@ from kvjax.engine.drafting import Drafting, StepTokens, draft
 from kvjax.engine.inputs import PackLayout
 from kvjax.inputs import StepInputs
 from kvjax.models.interface import ModelCaches
+from kvjax.sched import spec
 from kvjax.sched.plan import StepPlan
 from kvjax.state import gdn_checkpoints, gdn_spec
 
@@ -197,16 +198,10 @@ def verify_stats(plan: StepPlan, result: np.ndarray) -> dict[str, int | tuple[in
     ``i32[S * B * (K + 2)]``; see the module docstring), summed over a burst's sub-steps: ``verify_rows`` (rows
     with drafts), ``drafts_proposed``, ``drafts_accepted`` and, per draft position ``j < K``,
     ``drafts_proposed_at`` / ``drafts_accepted_at``."""
-    B, n, S = plan.seq_lens.shape[0], plan.num_seqs, max(plan.spec_steps, 1)
-    grid = np.asarray(result).reshape(S, B, -1)[:, :n]
-    K = grid.shape[2] - 2
-    if plan.spec_steps:  # a burst marks each sub-step's unverified positions -1 (all of a row that did not run)
-        k = np.maximum((grid[..., : K + 1] >= 0).sum(2) - 1, 0)  # i64[S, n]
-    else:
-        k = np.broadcast_to(plan.draft_len[:n].astype(np.int64), (1, n))
-    a = np.clip(grid[..., -1], 0, k).reshape(-1)
-    k = k.reshape(-1)
-    j = np.arange(K)
+    toks, k, a, _ = spec.verified(plan, result)
+    k = np.maximum(k, 0).reshape(-1)  # i64[S * n]
+    a = np.clip(a.reshape(-1), 0, k)
+    j = np.arange(toks.shape[2] - 1)
     return dict(verify_rows=int((k > 0).sum()), drafts_proposed=int(k.sum()), drafts_accepted=int(a.sum()),
                 drafts_proposed_at=tuple((j[None, :] < k[:, None]).sum(0).tolist()),
                 drafts_accepted_at=tuple((j[None, :] < a[:, None]).sum(0).tolist()))

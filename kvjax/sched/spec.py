@@ -197,23 +197,15 @@ def resolve(sched: Any, plan: StepPlan, result: np.ndarray) -> list:
             or not np.issubdtype(result.dtype, np.integer)):
         raise ValueError(f"a verification result must be int[{S} * B * (K + 2)] with B={B}, got {result.shape} "
                          f"{result.dtype}")
-    grid = result.reshape(S, B, -1)[:, :n].astype(np.int64)  # i64[S, n, K + 2]
-    J = grid.shape[2] - 1
+    toks, k, a, ran = verified(plan, result)
+    J = toks.shape[2]
     sample = plan.sample_mask[:n]
-    if plan.spec_steps:  # a burst: each sub-step's verified drafts are its tokens >= 0 but one; -1: it did not run
-        ran = grid[:, :, J] >= 0  # bool[S, n]
-        k = np.where(ran, (grid[:, :, :J] >= 0).sum(2) - 1, 0)  # i64[S, n]
-        a = np.where(ran, grid[:, :, J], -1)  # i64[S, n]
+    if plan.spec_steps:
         if (ran & ((a > k) | (k < 0))).any() or (ran[1:] & ~ran[:-1]).any():
             raise ValueError(f"step {plan.step}: a verification burst's accepted counts exceed its drafts or a row "
                              "runs after a sub-step it did not run")
-    else:
-        k = plan.draft_len[:n].astype(np.int64)[None]  # i64[1, n]
-        if (k > J - 1).any():
-            raise ValueError(f"step {plan.step}: drafts {k.max()} exceed the result's K={J - 1}")
-        a = np.clip(grid[:, :, J], 0, k)  # i64[1, n]: drafts accepted
-        ran = np.ones_like(a, bool)
-    toks = grid[:, :, :J]
+    elif (k > J - 1).any():
+        raise ValueError(f"step {plan.step}: drafts {k.max()} exceed the result's K={J - 1}")
     bad = (sample & ran)[..., None] & (np.arange(J) <= a[..., None]) & ((toks < 0) | (toks > np.iinfo(np.int32).max))
     if bad.any():
         raise ValueError(f"step {plan.step}: sampled token ids outside [0, 2**31): {toks[bad][:4]}")
@@ -223,6 +215,24 @@ def resolve(sched: Any, plan: StepPlan, result: np.ndarray) -> list:
         finished += _take(sched, plan, slots, rids, toks[s], a[s], ran[s] & sample, fed=s > 0)
     ledger.unresolved.popleft()
     return [r for r in finished if r.status is Status.FINISHED]
+
+
+def verified(plan: StepPlan, result: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A verification step's or burst's result (of ``plan``, ``S = max(plan.spec_steps, 1)`` sub-steps; shape
+    unchecked) per sub-step and real row: ``(tokens i64[S, n, K + 1], drafts verified k i64[S, n], accepted a
+    i64[S, n], ran bool[S, n])``. A burst marks a sub-step's unverified positions ``-1`` (its drafts: the tokens
+    ``>= 0`` but one; ``a = -1`` and ``k = 0`` where the row did not run); a single step's drafts are its plan's
+    ``draft_len`` and ``a`` is clipped to ``0..k``."""
+    B, n, S = plan.seq_lens.shape[0], plan.num_seqs, max(plan.spec_steps, 1)
+    grid = np.asarray(result).reshape(S, B, -1)[:, :n].astype(np.int64)  # i64[S, n, K + 2]
+    J = grid.shape[2] - 1
+    toks = grid[:, :, :J]
+    if plan.spec_steps:
+        ran = grid[:, :, J] >= 0  # bool[S, n]
+        return toks, np.where(ran, (toks >= 0).sum(2) - 1, 0), np.where(ran, grid[:, :, J], -1), ran
+    k = plan.draft_len[:n].astype(np.int64)[None]  # i64[1, n]
+    a = np.clip(grid[:, :, J], 0, k)
+    return toks, k, a, np.ones_like(a, bool)
 
 
 def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks: np.ndarray, a: np.ndarray,
