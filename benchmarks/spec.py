@@ -23,7 +23,9 @@ under the engine's default rule (:func:`kvjax.sched.spec.draft_length`: drafts s
 step-cost model says they do not pay), K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible), and
 ``speculative=mtp`` with K = 2 and 4 under the rule (the MTP layer drafts inside every step), in single verification
 steps and in verification bursts (one dispatch runs the engine's ``decode_burst`` verify-then-draft sub-steps; also
-16 sub-steps), and with the rule off (``--modes`` picks lines). Each engine serves the
+16 and 32 sub-steps), with the rule off, and with the rule's flat region measured in the run (plain decoding runs
+first at every row count; its time per sub-step against the rows gives the region,
+:func:`~kvjax.experiments.spec_runs.flat_tokens_from`); ``--modes`` picks lines. Each engine serves the
 prompts once to compile, then once timed. Columns: generated tokens/s (wall clock of the timed pass) and against
 plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft position),
 tokens per verification row and step, verification steps, and whether the tokens equal plain decoding's (greedy:
@@ -65,30 +67,41 @@ SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), model=d
 
 
 # The modes run at each row count, one line each: (name, ``SpeculativeConfig`` fields or None for plain decoding,
-# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"). "mtp K={k}" verifies in
-# single steps (decode_burst=1); "burst" lines verify in bursts of the engine's default length (an MTP engine's
-# default), "burst 16" in bursts of 16 sub-steps.
+# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"[, the largest row count it
+# runs at]). "mtp K={k}" verifies in single steps (decode_burst=1); "burst" lines verify in bursts of the engine's
+# default length (an MTP engine's default), "burst 16" / "burst 32" in bursts of that many sub-steps. ``flat_tokens=
+# MEASURED``: the rule's flat region measured in this run from plain decoding's sub-step times at every row count
+# (:func:`kvjax.experiments.spec_runs.flat_tokens_from`; the default where they do not grow). "plain burst 32": plain
+# decoding in bursts as long as the longest verification bursts, at one row (where the dispatch is the cost).
+MEASURED = "measured"
 MODES = (
     ("plain", None, {}, None),
+    ("plain burst 32", None, dict(decode_burst=32), None, 1),
     ("ngram K={k}", dict(method="ngram"), {}, "each"),
     ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None), {}, "max"),
     ("mtp K={k}", dict(method="mtp"), dict(decode_burst=1), "each"),
     ("mtp K={k} burst", dict(method="mtp"), dict(decode_burst="auto"), "each"),
     ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst="auto"), "max"),
     ("mtp K={k} burst 16 rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst=16), "max"),
+    ("mtp K={k} burst 32 measured rule", dict(method="mtp", flat_tokens=MEASURED), dict(decode_burst=32), "max"),
 )
 
 
-def modes(ks, table=MODES) -> list[tuple[str, object, dict]]:
+def modes(ks, table=MODES, rows: int | None = None, flat_tokens: int | None = None) -> list[tuple[str, object, dict]]:
     """(name, ``speculative=``, Engine settings) of each run at a row count, from ``table`` (:data:`MODES`) and the
-    draft lengths ``ks``."""
-    from kvjax.sched.drafter import SpeculativeConfig
+    draft lengths ``ks``; with ``rows``, only the modes that run at that many rows; ``flat_tokens``: what
+    :data:`MEASURED` stands for (the default flat region where ``None``)."""
+    from kvjax.sched.drafter import FLAT_TOKENS, SpeculativeConfig
 
     out = []
-    for name, fields, settings, which in table:
+    for name, fields, settings, which, *cap in table:
+        if rows is not None and cap and rows > cap[0]:
+            continue
         if fields is None:
             out.append((name, None, dict(settings)))
             continue
+        if fields.get("flat_tokens") == MEASURED:
+            fields = dict(fields, flat_tokens=flat_tokens or FLAT_TOKENS)
         for k in ks if which == "each" else (max(ks),):
             out.append((name.format(k=k), SpeculativeConfig(num_draft_tokens=k, **fields), dict(settings)))
     return out
@@ -173,25 +186,41 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from kvjax.experiments import spec_runs
+    from kvjax.sched.drafter import FLAT_TOKENS
 
     with compile_cache():
         model, figures = build(cfg)
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; layers {model.config.layer_types}", flush=True)
         task = spec_runs.CopyTask(**cfg["task"])
         rows_out = []
+
+        def prompts_at(rows):
+            n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
+            return task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
+
+        # plain decoding first at every row count: the baseline of each, and the measured flat region
+        plain = {rows: spec_runs.spec_run(model, prompts_at(rows), cfg["max_new"], rows=rows,
+                                          one_shape=cfg["one_shape"]) for rows in cfg["rows"]}
+        flat = None
+        if len(set(cfg["rows"])) > 1:
+            flat = spec_runs.flat_tokens_from(list(plain), [r["wall_s"] / r["steps"] for r in plain.values()])
+        figures["flat_tokens_measured"] = flat
+        print("plain decoding, ms per sub-step: " + ", ".join(f"{r['wall_s'] / r['steps'] * 1e3:.3f} at {n} rows"
+                                                              for n, r in plain.items())
+              + f"; measured flat region {flat} tokens (the rule's default {FLAT_TOKENS})", flush=True)
         print("\n| rows | mode | tok/s | vs plain | model | steps | tok/step | acceptance | per position | "
               "tok/verify row | tok/verify step | verify steps | identical |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
         for rows in cfg["rows"]:
-            n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
-            prompts = task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
-            base = None
-            for name, speculative, settings in modes(cfg["ks"], table):
-                r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
-                                       one_shape=cfg["one_shape"], **settings)
+            prompts = prompts_at(rows)
+            base = plain[rows]
+            for name, speculative, settings in modes(cfg["ks"], table, rows, flat):
+                if name == "plain":
+                    r = dict(plain[rows])
+                else:
+                    r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
+                                           one_shape=cfg["one_shape"], **settings)
                 outputs = r.pop("outputs")
-                if base is None:
-                    base = dict(r, outputs=outputs)
                 r.update(mode=name, vs_plain=r["tok_s"] / base["tok_s"], identical=outputs == base["outputs"],
                          model_vs_plain=r["tok_per_cost"] / base["tok_per_cost"])
                 rows_out.append(r)

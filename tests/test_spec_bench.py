@@ -20,17 +20,24 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
     report = bench.main(["--smoke", "--json", str(out)])
     printed = capsys.readouterr().out
     rows = report["rows"]
-    want = [m for m, *_ in bench.modes(bench.SMOKE["ks"])]
+    want = {n: [m for m, *_ in bench.modes(bench.SMOKE["ks"], rows=n)] for n in bench.SMOKE["rows"]}
+    assert "plain burst 32" in want[1] and "plain burst 32" not in want[3]  # a mode's row cap
     assert len(report["mtp_accuracy_per_step"]) == max(bench.SMOKE["ks"])
     assert set(report["free_running"]) == {"agreement", "perfect", "first_error"}
     assert "continue the prompt's period" in printed
-    assert [(r["rows"], r["mode"]) for r in rows] == [(n, m) for n in bench.SMOKE["rows"] for m in want]
+    assert [(r["rows"], r["mode"]) for r in rows] == [(n, m) for n in bench.SMOKE["rows"] for m in want[n]]
+    flat = report["flat_tokens_measured"]
+    assert flat is None or flat >= 1
+    measured = next(r for r in rows if r["mode"].endswith("measured rule"))
+    assert measured["verify_steps"] >= 0
     for r in rows:
         assert r["identical"] is True, (r["rows"], r["mode"])  # greedy: speculation never changes a token
         assert r["tok_s"] > 0 and r["steps"] > 0 and r["tok_per_cost"] > 0
         assert f"| {r['rows']} | {r['mode']} |" in printed
         if r["mode"] == "plain":
             assert r["vs_plain"] == 1.0 == r["model_vs_plain"] and r["verify_steps"] == 0
+        elif r["mode"].startswith("plain") or r["mode"].endswith("measured rule"):  # no drafts, or the rule's choice
+            assert r["verify_steps"] >= 0
         else:  # the copy prompts repeat a pattern: prompt lookup always finds drafts
             assert r["verify_steps"] > 0 and 0 < r["drafts_proposed"]
             assert 0.0 <= r["acceptance_rate"] <= 1.0
@@ -47,13 +54,38 @@ def test_modes_table_expands_per_draft_length():
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("spec", None)
-    table = bench.MODES[:4] + (("mtp K={k} burst", dict(method="mtp"), dict(decode_burst=4), "each"),)
-    got = bench.modes((2, 4), table)
+    table = bench.MODES[:5] + (("mtp K={k} burst", dict(method="mtp"), dict(decode_burst=4), "each"),
+                               ("mtp K={k} measured", dict(method="mtp", flat_tokens=bench.MEASURED), {}, "max"))
+    got = bench.modes((2, 4), table, rows=2, flat_tokens=37)
     assert [m[0] for m in got] == ["plain", "ngram K=2", "ngram K=4", "ngram K=4 rule off", "mtp K=2", "mtp K=4",
-                                   "mtp K=2 burst", "mtp K=4 burst"]
+                                   "mtp K=2 burst", "mtp K=4 burst", "mtp K=4 measured"]
     assert got[0][1] is None and got[3][1].flat_tokens is None and got[5][1].method == "mtp"
-    assert [m[1].num_draft_tokens for m in got[1:]] == [2, 4, 4, 2, 4, 2, 4]
-    assert got[-1][2] == {"decode_burst": 4} and got[4][2] == {"decode_burst": 1}
+    assert [m[1].num_draft_tokens for m in got[1:]] == [2, 4, 4, 2, 4, 2, 4, 4]
+    assert got[-2][2] == {"decode_burst": 4} and got[4][2] == {"decode_burst": 1}
+    assert got[-1][1].flat_tokens == 37  # MEASURED: the run's measured region
+    from kvjax.sched.drafter import FLAT_TOKENS
+
+    assert bench.modes((4,), table[-1:])[0][1].flat_tokens == FLAT_TOKENS  # none measured: the default
+    one = [m[0] for m in bench.modes((4,), table, rows=1)]
+    assert one[:2] == ["plain", "plain burst 32"] and bench.modes((4,), table[1:2])[0][2] == {"decode_burst": 32}
+
+
+def test_flat_tokens_from_fits_the_sub_step_time():
+    """``flat_tokens_from``: the tokens at which a linear fit of the sub-step time doubles its intercept; ``None``
+    where the time does not grow; a clear error for too few row counts."""
+    import numpy as np
+    import pytest
+
+    from kvjax.experiments.spec_runs import flat_tokens_from
+
+    rng = np.random.default_rng(0)
+    a, b = rng.uniform(2e-4, 4e-4), rng.uniform(3e-6, 6e-6)
+    rows = [1, 16, 64]
+    assert flat_tokens_from(rows, [a + b * r for r in rows]) == round(a / b)
+    assert flat_tokens_from([1, 64], [a, a * 0.99]) is None
+    for bad_rows, times in (([8], [a]), ([4, 4], [a, a]), ([1, 2], [a])):
+        with pytest.raises(ValueError, match="distinct row counts"):
+            flat_tokens_from(bad_rows, times)
 
 
 def test_copy_task_sequences_copy_a_period_back():

@@ -162,8 +162,7 @@ class Runner:
                 if sharded is not None:
                     raise NotImplementedError("speculative decoding on a mesh")
                 if layout.burst > 1:
-                    return verify_burst(model_step, leaves, caches, layout.unpack(buf), layout, greedy_only, drafting,
-                                        unroll=unroll)
+                    return verify_burst(model_step, leaves, caches, layout.unpack(buf), layout, greedy_only, drafting)
                 return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
                                    drafting=drafts)
             if sharded is None:

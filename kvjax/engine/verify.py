@@ -111,13 +111,14 @@ def _verify(model_step: Callable, params, caches: ModelCaches, inputs: StepInput
 
 
 def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tuple, layout: PackLayout,
-                 greedy_only: bool, drafting: Drafting, *, unroll: bool = True) -> tuple[StepTokens, ModelCaches]:
+                 greedy_only: bool, drafting: Drafting) -> tuple[StepTokens, ModelCaches]:
     """A verification burst (traceable; see "Verification bursts" in the module docstring): ``layout.burst``
     sub-steps of :func:`_verify` with the MTP drafter, each row's drafts of sub-step ``j > 0`` the ones sub-step
     ``j - 1`` made. ``unpacked``: the plan of sub-step 0 (every row its last token and ``draft_len`` drafts, the
     token axis ``T`` holding ``K + 1`` tokens per row within the budget) with ``spec_span`` and ``spec_cap``.
-    ``unroll``: the sub-steps as straight-line code, else a ``lax.scan``. Returns ``(StepTokens(i32[S * B * (K + 2)],
-    drafts i32[B, K] made by each row's last sub-step), caches)``."""
+    The sub-steps run as a ``lax.scan`` (one sub-step compiled once, on every platform: straight-line sub-steps were
+    slower on a GPU and compiled 3x longer; benchmarks/RESULTS.md "Speculative decoding"). Returns
+    ``(StepTokens(i32[S * B * (K + 2)], drafts i32[B, K] made by each row's last sub-step), caches)``."""
     inputs, rows, _ = unpacked  # a burst plan is all decodes: no checkpoint copy
     K, S = layout.spec, layout.burst
     J = K + 1
@@ -145,14 +146,7 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
         k = _trim(jnp.clip(jnp.minimum(rows.spec_cap, limit - p), 0, K), live, T)
         return (caches, p, toks, k, live), out
 
-    if unroll:
-        outs, carry = [], carry0
-        for _ in range(S):
-            carry, out = sub_step(carry)
-            outs.append(out)
-        outs = jnp.stack(outs)
-    else:
-        carry, outs = jax.lax.scan(lambda c, _: sub_step(c), carry0, None, length=S)
+    carry, outs = jax.lax.scan(lambda c, _: sub_step(c), carry0, None, length=S)
     drafts = jnp.where(carry0[4][:, None], carry[2][:, 1:], -1)  # i32[B, K]
     return StepTokens(outs.reshape(-1), drafts), carry[0]
 

@@ -288,6 +288,24 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
     return out
 
 
+def flat_tokens_from(rows: Sequence[int], sub_step_s: Sequence[float]) -> int | None:
+    """The flat region of the speculation rule's step-cost model (``SpeculativeConfig(flat_tokens=)``,
+    :mod:`kvjax.sched.spec`) measured for one model on one device: plain decoding's seconds per sub-step
+    ``sub_step_s`` at each of ``rows`` (at least two distinct counts; a decode sub-step computes one token a row),
+    fitted as ``a + b T`` by least squares. The flat region is ``a / b`` tokens, where a step costs twice its fixed
+    part; ``None`` where the time does not grow with the tokens (``b <= 0``: flat over every measured count, so the
+    default region stands). ``ValueError`` for fewer than two distinct row counts or mismatched lengths."""
+    t = np.asarray(rows, np.float64)
+    y = np.asarray(sub_step_s, np.float64)
+    if t.shape != y.shape or t.ndim != 1 or np.unique(t).size < 2:
+        raise ValueError(f"flat_tokens_from needs times at >= 2 distinct row counts, got rows={list(rows)} and "
+                         f"{len(y)} times")
+    b, a = np.polyfit(t, y, 1)
+    if b <= 0 or a <= 0:
+        return None
+    return max(1, int(round(a / b)))
+
+
 def copy_mtp(model: Qwen3_5ForCausalLM, task: CopyTask, *, steps: int, lr: float = 1e-2, batch: int = 32,
              seed: int = 0, targets: str = "greedy", depth: int = 2) -> tuple[Any, dict[str, np.ndarray] | None]:
     """MTP layers for the copy toy ``model`` (frozen; attention layers only, as :func:`copy_model` trains it):
