@@ -17,19 +17,12 @@ The kernel is exact for *any* ragged batch (it re-reads a row's pages once per q
 ``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
 runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
 :mod:`kvjax.pallas.paged.prefill_mgpu`).
-``fp8_convert`` (default ``"cast"``): ``"cast"`` converts with ``astype``; Triton then runs the conversion in
-the dot operands' register layout: V, the ``k`` side of ``P V``, is read from shared memory one byte at a time
-(an 8-bit tile has no transposing ``ldmatrix`` on sm_90) and each pair of values takes three conversion
-instructions (e4m3 -> f16 -> bf16). ``"bits"`` (q bf16 or f16) places the e4m3 bits into the 16-bit pattern with
-integer operations and one exact multiply by a power of two (:func:`e4m3_bits`, inline PTX on the GPU), and
-converts V in its load layout (16-byte reads), so V reaches its operand as 16-bit values through shared memory
-with the transposing ``ldmatrix`` of the bf16 kernel (an even/odd split and join keeps Triton from moving the
-conversion back into the operand layout). Exact on the GPU; in interpret mode XLA flushes the subnormal
-intermediates, so e4m3 subnormals read as 0 there.
 Measured and not kept: fixed-size splits (``balanced``), tied on full heads and never ahead on SWA heads; a
 manual register prefetch of the next block, block_k 32, 8 warps; over fp8 pages, products in f16 (one conversion
 instruction per two e4m3 values instead of three) and e4m3 tensor-core products (q quantised per row, ``P V`` on
-e4m3 or f16), each slower than the conversion to q's dtype (RESULTS.md "fp8 (e4m3) pages").
+e4m3 or f16), each slower than the conversion to q's dtype, and a conversion by bit placement (no conversion
+instructions) with V converted in its load layout so that ``P V`` reads it with transposed ``ldmatrix`` instead of a
+byte-wise shared-memory gather: its SASS had neither, its time did not improve (RESULTS.md "fp8 (e4m3) pages").
 """
 
 from __future__ import annotations
@@ -61,8 +54,6 @@ def _decode_kernel(
     num_kv_heads: int,
     num_splits: int,
     fp8: bool,
-    fp8_convert: str,
-    interpret: bool,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, pos_ref), walk, (o_ref, *lse_refs) = \
         common.kernel_refs(refs, num_spans=2)
@@ -107,10 +98,6 @@ def _decode_kernel(
         safe = jnp.where(ok, page, 0)
         k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)  # f32[block_k]: each key's page scale
         v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
-        if fp8_convert == "bits":  # no inline PTX off the GPU: interpret runs the same bit placement in jnp
-            to = e4m3_bits if interpret else _e4m3_bits_asm
-            k, v = to(k, q.dtype), _split_join(to(v, q.dtype))  # V: converted in its load layout (module doc)
-            return k, v, ok, (scale * k_sc)[None, :], v_sc[None, :]
         return k.astype(q.dtype), v.astype(q.dtype), ok, (scale * k_sc)[None, :], v_sc[None, :]
 
     def update(k, v, ok, k_factor, v_factor, acc, m, l):
@@ -144,58 +131,6 @@ def _decode_kernel(
         plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
 
 
-FP8_CONVERTS = ("cast", "bits")  # how the kernel turns e4m3 page bytes into q's dtype (module doc)
-# q's dtype -> (left shift of the 7 exponent+mantissa bits, 2**(bias - 7) as the dtype's bits twice, PTX of the two
-# halves of a 32-bit word of 4 e4m3 bytes: hi (sign and top bits) and lo (the bits shifted into the low byte))
-_BITS = {
-    jnp.dtype(jnp.bfloat16): (4, 2.0 ** 120, "0x7B807B80", "bf16x2",
-                              "shr.b32 h, $2, 4; and.b32 h, h, 0x07070707; shl.b32 l, $2, 4; and.b32 l, l, 0xF0F0F0F0;"),
-    jnp.dtype(jnp.float16): (7, 2.0 ** 8, "0x5C005C00", "f16x2",
-                             "shr.b32 h, $2, 1; and.b32 h, h, 0x3F3F3F3F; shl.b32 l, $2, 7; and.b32 l, l, 0x80808080;"),
-}
-
-
-def e4m3_bits(
-    x: jax.Array,  # float8_e4m3fn[...]
-    dtype,  # bfloat16 or float16
-) -> jax.Array:  # dtype[...]: the same values
-    """e4m3 values as ``dtype`` by integer bit placement (``fp8_convert="bits"``, the jnp form the interpret mode
-    runs): the sign to bit 15, the 7 exponent and mantissa bits right below ``dtype``'s exponent field, which
-    reads ``x * 2**-(bias(dtype) - 7)`` for every finite e4m3 value (subnormals included), then one multiply by
-    that power of two (exact where subnormals are kept, as on the GPU; XLA on CPU flushes them, so e4m3 subnormals
-    read as 0 there). NaN (``0x7f``) is not kept (the cache write never stores it)."""
-    shift, offset = _BITS[jnp.dtype(dtype)][:2]
-    u = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16)
-    bits = ((u & 0x80) << 8) | ((u & 0x7F) << shift)
-    return jax.lax.bitcast_convert_type(bits, dtype) * jnp.asarray(offset, dtype)
-
-
-def _e4m3_bits_asm(
-    x: jax.Array,  # float8_e4m3fn[R, C] tile, C a multiple of 4
-    dtype,  # bfloat16 or float16
-) -> jax.Array:  # dtype[R, C]
-    """:func:`e4m3_bits` as PTX on 32-bit words of 4 bytes: shifts and masks, one ``lop3`` and two byte permutes
-    per word, then one ``fma.rn`` per 2 values (FMA pipe); no conversion instruction."""
-    _, _, two, kind, halves = _BITS[jnp.dtype(dtype)]
-    asm = ("{ .reg .b32 h, l, c, z; " + halves + " lop3.b32 h, $2, 0x80808080, h, 0xEA; "
-           f"prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; mov.b32 c, {two}; mov.b32 z, 0x80008000; "
-           f"fma.rn.{kind} $0, $0, c, z; fma.rn.{kind} $1, $1, c, z; }}")
-    (y,) = plgpu.elementwise_inline_asm(
-        asm, args=[jax.lax.bitcast_convert_type(x, jnp.uint8)], constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, dtype)])
-    return y
-
-
-def _split_join(
-    x: jax.Array,  # [R, C], C even
-) -> jax.Array:  # the same values, split into even and odd columns and joined back
-    """An identity Triton does not see through: it keeps the layout of ``x`` (the conversion stays where it runs)
-    instead of letting the dot operand's layout travel back to the byte tile's shared-memory read."""
-    r, c = x.shape
-    even, odd = jnp.unstack(x.reshape(r, c // 2, 2), axis=-1)
-    return jnp.stack([even, odd], axis=-1).reshape(r, c)
-
-
 def _decode_call(
     call,  # kvjax.ops.attention.PagedAttentionCall
     k_scale: jax.Array,  # f32[P] (fp8 pages) or f32[1] (float pages: unread)
@@ -208,7 +143,6 @@ def _decode_call(
     num_warps: int,
     num_stages: int,
     fp8: bool,
-    fp8_convert: str,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
     q = call.q
@@ -220,7 +154,6 @@ def _decode_call(
     kernel = functools.partial(
         _decode_kernel, scale=call.scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
-        fp8_convert=fp8_convert, interpret=interpret,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -235,7 +168,7 @@ def _decode_call(
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode{_variant_name(fp8, fp8_convert)}_s{num_splits}_bk{block_k}",
+        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}",
     )(*common.operands(call, kv, spans, walks))
     if num_splits == 1:
         return res.reshape(t_total, hq, d)
@@ -243,12 +176,6 @@ def _decode_call(
     o_part = o_part.reshape(t_total, hkv, num_splits, group, d)
     lse = lse.reshape(t_total, hkv, num_splits, group)
     return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
-
-
-def _variant_name(fp8: bool, fp8_convert: str) -> str:
-    if not fp8:
-        return ""
-    return "_fp8" if fp8_convert == "cast" else f"_fp8_{fp8_convert}"
 
 
 def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
@@ -263,8 +190,7 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
     return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages",
-                                                   "fp8_convert"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages"))
 def paged_decode(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
@@ -273,7 +199,6 @@ def paged_decode(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_convert: str = "cast",
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Split-KV paged attention of every query token: the contract of ``kvjax.ops.paged_attention``.
 
@@ -294,10 +219,6 @@ def paged_decode(
     fp8, k_scale, v_scale = common.page_scales(call)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
-    if fp8_convert not in FP8_CONVERTS:
-        raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {fp8_convert!r}")
-    if fp8 and fp8_convert == "bits" and jnp.dtype(call.q.dtype) not in _BITS:
-        raise ValueError(f"fp8_convert='bits' needs a bfloat16 or float16 q, got {call.q.dtype}")
     group = call.q.shape[1] // call.num_kv_heads
     block_k, num_stages, _ = common.fit_shared_memory(
         head_dim=call.q.shape[-1], kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=call.q.dtype.itemsize,
@@ -310,5 +231,5 @@ def paged_decode(
                                max_blocks=call.max_blocks)
     return _decode_call(
         call, k_scale, v_scale, (row, pos), walks, num_splits=num_splits, block_k=block_k,
-        num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, fp8_convert=fp8_convert, interpret=interpret,
+        num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, interpret=interpret,
     )
