@@ -191,6 +191,11 @@ def test_rule_length_is_the_rule_with_every_running_row_decoding(trained):
     sched.spec_stats.proposed_at = np.array([10, 10, 10, 10])
     sched.spec_stats.accepted_at = np.array([9, 6, 2, 1])
     assert spec.rule_length(sched, eng.drafter) == spec.draft_length(R, R, sched.spec_stats, 4, 8)
+    # disable_by_batch_size: no drafts (plain decode bursts) above the limit, the rule (or K) at and below it
+    for flat, limit, want in ((8, R - 1, 0), (8, R, spec.draft_length(R, R, sched.spec_stats, 4, 8)), (None, R - 1, 0),
+                              (None, R, 4)):
+        paced = PacedDrafter(eng.drafter.drafter, flat, limit)
+        assert spec.rule_length(sched, paced) == want, (flat, limit)
 
 
 VOCAB_SMALL = 7

@@ -143,6 +143,8 @@ def test_metrics_count_drafts_by_position(qwen, shared):
     (["run", "--mtp"], "--speculative mtp only"),
     (["run", "--flat-tokens", "64"], "--flat-tokens needs --speculative"),
     (["run", "--speculative", "ngram", "--flat-tokens", "0"], "flat-tokens"),
+    (["run", "--disable-by-batch-size", "4"], "--disable-by-batch-size needs --speculative"),
+    (["run", "--speculative", "ngram", "--disable-by-batch-size", "0"], "disable-by-batch-size"),
 ])
 def test_run_flags_refused_up_front(argv, message, capsys):
     with pytest.raises(SystemExit) as err:

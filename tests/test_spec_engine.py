@@ -49,6 +49,27 @@ def test_greedy_ngram_equals_oracle_qwen(qwen, case, K):
     assert_idle(eng)
 
 
+def test_disable_by_batch_size_drafts_only_at_few_rows(qwen, case):
+    """``disable_by_batch_size``: no step drafts while more requests run than the limit when its drafts are chosen
+    (before it admits new ones), so a decode-only step of more rows verifies nothing and no step verifies more
+    rows than the limit; steps at or below it draft; the tokens stay the oracle's."""
+    prompts, expect = case
+    limit = 2
+    drafter = OracleDrafter(prompts, expect, 2, seed=5)
+    eng = spec_engine(qwen, SpeculativeConfig(num_draft_tokens=2, drafter=drafter, disable_by_batch_size=limit),
+                      debug=True)
+    assert eng.generate(prompts, NEW) == expect
+    recs = eng.metrics.records
+    busy = [r for r in recs if r.running > limit and r.prefill_tokens == 0]  # decode-only steps, nothing admitted
+    assert busy and all(r.verify_rows == 0 for r in busy)
+    assert all(r.verify_rows <= limit for r in recs) and any(r.verify_rows > 0 for r in recs)
+    assert_idle(eng)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=0)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=2.0)
+
+
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_greedy_partial_acceptance_equals_oracle_qwen(qwen, case, K):
     """Rows accept 0..K drafts: the GDN and conv states after exactly the accepted tokens (a wrong rollback shows

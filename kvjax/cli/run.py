@@ -255,8 +255,8 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--speculative", choices=METHODS,
                     help="speculative decoding (Engine(speculative=)): decoding rows verify up to "
                          "--num-draft-tokens drafts per step (ngram: prompt lookup; mtp: the model's MTP layers, "
-                         "with --mtp); runs synchronously, no bursts; "
-                         "one device")
+                         "with --mtp); ngram runs synchronously without bursts, mtp verifies in bursts of "
+                         "--decode-burst sub-steps; one device")
     ap.add_argument("--num-draft-tokens", metavar="K", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                     help=f"with --speculative: drafts per verification row at most (1..{MAX_DRAFT_TOKENS}; default 4)")
     ap.add_argument("--mtp", action="store_true",
@@ -266,6 +266,9 @@ def build_parser() -> ArgumentParser:
                     help="with --speculative: the flat region of the step-cost rule that shortens or turns off drafts "
                          "where they do not pay (tokens a step computes at about the cost of one); 'none': always up "
                          f"to K drafts (default: {FLAT_TOKENS})")
+    ap.add_argument("--disable-by-batch-size", metavar="N", type=int_at_least(1), default=None,
+                    help="with --speculative: no drafts in a step while more than N requests run (vLLM's option; "
+                         "default: no limit)")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache: a later run loads the compiled steps from DIR instead "
                          f"of compiling them again (default: ${compile_cache.ENV}, else ~/.cache/kvjax/jax)")
@@ -304,9 +307,11 @@ def main(argv: list[str]) -> int:
             raise UsageError("--mtp serves --speculative mtp only")
         if hasattr(args, "flat_tokens") and args.speculative is None:  # given at all, even at its default value
             raise UsageError("--flat-tokens needs --speculative")
+        if args.disable_by_batch_size is not None and args.speculative is None:
+            raise UsageError("--disable-by-batch-size needs --speculative")
         speculative = None if args.speculative is None else SpeculativeConfig(
             args.speculative, num_draft_tokens=args.num_draft_tokens or 4,
-            flat_tokens=getattr(args, "flat_tokens", FLAT_TOKENS))
+            flat_tokens=getattr(args, "flat_tokens", FLAT_TOKENS), disable_by_batch_size=args.disable_by_batch_size)
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)

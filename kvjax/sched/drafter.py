@@ -114,10 +114,13 @@ class StepDrafter:
 class PacedDrafter:
     """``drafter`` under the rule that picks, every step, the draft length that pays (0: none) from the step-cost
     model with a flat region of ``flat_tokens`` tokens and the acceptance measured so far
-    (:func:`kvjax.sched.spec.draft_length`, applied by :func:`kvjax.sched.spec.propose`)."""
+    (:func:`kvjax.sched.spec.draft_length`, applied by :func:`kvjax.sched.spec.propose`; ``None``: up to K drafts),
+    and no drafts at all while more than ``disable_by_batch_size`` requests run (``None``: no such limit)."""
 
-    def __init__(self, drafter: Drafter, flat_tokens: int) -> None:
-        self.drafter, self.flat_tokens = drafter, int(flat_tokens)
+    def __init__(self, drafter: Drafter, flat_tokens: int | None, disable_by_batch_size: int | None = None) -> None:
+        self.drafter = drafter
+        self.flat_tokens = None if flat_tokens is None else int(flat_tokens)
+        self.disable_by_batch_size = disable_by_batch_size
         self.num_draft_tokens = drafter.num_draft_tokens
         self.from_step = bool(getattr(drafter, "from_step", False))
 
@@ -143,8 +146,11 @@ class SpeculativeConfig:
     [3] / ``min_ngram`` [1]: the n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a
     ready :class:`Drafter` object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens``
     [:data:`FLAT_TOKENS`]: the flat region of the step-cost model of the rule that shortens or turns off drafts where
-    they do not pay (an int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`).
-    ``ValueError`` names a bad field."""
+    they do not pay (an int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`);
+    ``disable_by_batch_size`` [None]: vLLM's option of that name: no drafts in a step while more than this many
+    requests run when its drafts are chosen (before it admits new ones; an int >= 1; ``None``: no limit), for a model and device where the rule's cost model does not price
+    a verification (a small model whose verification costs more than its tokens, benchmarks/RESULTS.md
+    "Speculative decoding"). ``ValueError`` names a bad field."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
@@ -152,6 +158,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     drafter: Any = None
     flat_tokens: int | None = FLAT_TOKENS
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -168,6 +175,9 @@ class SpeculativeConfig:
                              f"{self.num_draft_tokens}, got {self.drafter!r:.80}")
         if self.flat_tokens is not None and (not is_int(self.flat_tokens) or self.flat_tokens < 1):
             raise ValueError(f"flat_tokens must be None or an int >= 1, got {self.flat_tokens!r}")
+        if self.disable_by_batch_size is not None and (not is_int(self.disable_by_batch_size)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size must be None or an int >= 1, got {self.disable_by_batch_size!r}")
 
     @classmethod
     def of(cls, value: Any) -> "SpeculativeConfig | None":
@@ -185,11 +195,13 @@ class SpeculativeConfig:
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter ``config`` names (its ``drafter`` object where given), paced by the rule unless ``flat_tokens``
-    is ``None``."""
+    and ``disable_by_batch_size`` are both ``None``."""
     if config.drafter is not None:
         drafter = config.drafter
     elif config.method == "mtp":
         drafter = StepDrafter(config.num_draft_tokens)
     else:
         drafter = NgramDrafter(config.num_draft_tokens, config.max_ngram, config.min_ngram)
-    return drafter if config.flat_tokens is None else PacedDrafter(drafter, config.flat_tokens)
+    if config.flat_tokens is None and config.disable_by_batch_size is None:
+        return drafter
+    return PacedDrafter(drafter, config.flat_tokens, config.disable_by_batch_size)

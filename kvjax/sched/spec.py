@@ -31,7 +31,9 @@ best draft length (``k = 0``: plain decoding). In a step where the running rows 
 longest among equals). Decoding alone (``T0 = R``) that is the ``k`` with the fewest cost units per token; beside a
 prompt chunk drafts are priced against decoding's cost; once ``R >= F`` (decoding compute-bound, ``c = 1``) a draft
 costs a token and saves ``p_j < 1``, so only drafts every row has accepted are kept. Decoding alone the first draft
-pays while ``2 R <= (1 + p_0) F``: speculation turns off above ``R = (1 + p_0) F / 2`` rows.
+pays while ``2 R <= (1 + p_0) F``: speculation turns off above ``R = (1 + p_0) F / 2`` rows. The model prices
+tokens only; where a verification costs more than its tokens (a small model, whose verification sub-step runs several
+times the kernels of a decode sub-step), ``disable_by_batch_size`` (vLLM's option) turns drafts off above a row count.
 
 Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
 verification step before planning the next (``overlap`` off). A host drafter (n-gram) runs no decode bursts.
@@ -98,16 +100,20 @@ def rule_length(sched: Any, drafter: Drafter) -> int:
     cap; an engine that drafts on the device drafts in a step only where this is ``> 0``): :func:`draft_length`
     with every running row decoding under a :class:`~kvjax.sched.drafter.PacedDrafter`, else ``K``."""
     K = drafter.num_draft_tokens
+    rows = len(sched.running)
     if not isinstance(drafter, PacedDrafter):
         return int(K)
-    rows = len(sched.running)
+    if drafter.disable_by_batch_size is not None and rows > drafter.disable_by_batch_size:
+        return 0
+    if drafter.flat_tokens is None:
+        return int(K)
     return draft_length(rows, min(rows, sched.max_num_batched_tokens), sched.spec_stats, K, drafter.flat_tokens)
 
 
 def propose(sched: Any, drafter: Drafter, k: int | None = None) -> dict[int, np.ndarray]:
     """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; a
-    :class:`~kvjax.sched.drafter.PacedDrafter` at most :func:`draft_length`'s, or ``k`` where given; see the module
-    docstring)."""
+    :class:`~kvjax.sched.drafter.PacedDrafter` at most :func:`draft_length`'s and none while more than its
+    ``disable_by_batch_size`` requests run, or ``k`` where given; see the module docstring)."""
     t = sched.rows
     slots = np.array([r.slot for r in sched.running], np.int64)  # i64[R]
     if not slots.size:
@@ -117,8 +123,12 @@ def propose(sched: Any, drafter: Drafter, k: int | None = None) -> dict[int, np.
     ok = (done >= t.prompt_len[slots]) & (t.num_pending[slots] == 0) & (nt - done == 1) & (room > 0)
     K = drafter.num_draft_tokens if k is None else int(k)
     if isinstance(drafter, PacedDrafter) and k is None:
-        base = min(int((nt - done).sum()), sched.max_num_batched_tokens)
-        K = draft_length(int(ok.sum()), base, sched.spec_stats, K, drafter.flat_tokens)
+        cap = drafter.disable_by_batch_size
+        if cap is not None and slots.size > cap:
+            return {}
+        if drafter.flat_tokens is not None:
+            base = min(int((nt - done).sum()), sched.max_num_batched_tokens)
+            K = draft_length(int(ok.sum()), base, sched.spec_stats, K, drafter.flat_tokens)
     room = np.minimum(room, K)
     ok &= room > 0
     out = {}
