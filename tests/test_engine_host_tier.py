@@ -21,7 +21,7 @@ from helpers.engine import BUDGET, SMALL, greedy_oracle
 from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
-from kvjax.engine.host_tier import HostStore
+from kvjax.engine.host_tier import HostStore, coalesce
 from kvjax.models.interface import ModelCaches
 from kvjax.sched.host_tier import CopyOp
 from kvjax.state.gdn_pool import GDNStatePool
@@ -87,75 +87,23 @@ def test_copies_match_a_numpy_replay(rng):
     assert not store.slabs and store.bytes_held == 0 and len(store.held()) == 0
 
 
-def test_a_log_is_one_transfer_and_one_program_in_log_order(rng):
-    """The order rules inside one log: a spill of a page that an earlier load of the log wrote copies the loaded
-    data, a spill reads a page before a later load overwrites it, a load may read a copy spilled earlier in the
-    same log (pages and checkpoints), the last of two loads to one page wins. Each log costs at most one batched
-    transfer and one jitted call, and logs of one shape compile once."""
-    P, S = 10, 5
-    pages = {"key_caches_0": rng.standard_normal((P, 2, 3)).astype(np.float32)}
-    conv, ssm = (rng.standard_normal((1, S, 4)).astype(np.float32), rng.standard_normal((1, S, 2, 2)).astype(np.float32))
-    caches = ModelCaches(pages={k: jnp.asarray(v) for k, v in pages.items()},
-                         gdn=GDNStatePool(conv=jnp.asarray(conv), ssm=jnp.asarray(ssm)))
-    store = HostStore(chunk=2)
-    caches = store.apply(caches, [_op("out", [1, 2, 3], [0, 1, 2], [1], [3])])  # held: pages 1, 2, 3, slot 1
-    assert store.stats.calls == 1
-    want = {k: v.copy() for k, v in pages.items()}
-    calls = store.stats.calls
-    log = [_op("out", [4], [4], [2], [5]),  # page 4 and slot 2 before the load below overwrites them
-           _op("in", [4, 5], [0, 1], [2], [3]),  # held page 1 -> 4, page 2 -> 5, slot 1 -> 2
-           _op("out", [4], [6], [2], [7]),  # reads what the load wrote: held page 1, slot 1
-           _op("in", [6, 7], [4, 6], [3], [5]),  # this log's spills: old page 4 -> 6, old page 1 -> 7; old slot 2 -> 3
-           _op("in", [5], [2], (), ())]  # page 5 written again: held page 3 wins
-    caches = store.apply(caches, log)
-    assert store.stats.calls == calls + 2
-    k = "key_caches_0"
-    for dst, src in ((4, 1), (5, 3), (6, 4), (7, 1)):
-        want[k][dst] = pages[k][src]
-    np.testing.assert_array_equal(np.asarray(caches.pages[k]), want[k])
-    for x, ref in ((caches.gdn.conv, conv), (caches.gdn.ssm, ssm)):
-        np.testing.assert_array_equal(np.asarray(x)[:, [2, 3]], ref[:, [1, 2]])
-        np.testing.assert_array_equal(np.asarray(x)[:, [0, 1, 4]], ref[:, [0, 1, 4]])
-    assert store.held().tolist() == [7]  # the log's second checkpoint spill (old slot 1, through the load)
-    caches = store.apply(caches, [_op("in", (), (), [4], [7])])
-    np.testing.assert_array_equal(np.asarray(caches.gdn.conv)[:, 4], conv[:, 1])
-    assert not store.slabs and store.stats.calls == calls + 4
-    for pd, ids in (([0, 9], [8, 9, 10]), ([3, 8], [11, 12, 13])):  # the second round traces nothing new
-        traces = store.traces
-        caches = store.apply(caches, [_op("out", pd, ids[:2], [4], ids[2:])])
-        caches = store.apply(caches, [_op("in", [1, 2], ids[:2], [1], ids[2:])])
-    assert store.traces == traces and store.stats.calls == calls + 10
-    np.testing.assert_array_equal(np.asarray(caches.pages[k])[[1, 2]], np.asarray(caches.pages[k])[[3, 8]])
-
-
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_the_copy_program_writes_the_caches_in_place(rng, chunk):
-    """A log's jitted copy gathers from its input caches, then scatters into them (donated): the compiled program
-    holds no copy of a whole cache array (a device copy of every layer's pages per step), whatever the log's order
-    case -- a spill and loads of other pages, a spill of a page the log loaded, a load of a copy the log spilled,
-    loads or spills alone, one row or several."""
-    import re
-
-    P, S = 24, 6
-    caches = ModelCaches(pages={f"key_caches_{i}": jnp.asarray(rng.standard_normal((P, 4, 8)), jnp.float32)
-                                for i in range(2)},
-                         gdn=GDNStatePool(conv=jnp.asarray(rng.standard_normal((2, S, 8, 3)), jnp.float32),
-                                          ssm=jnp.asarray(rng.standard_normal((2, S, 2, 4, 4)), jnp.float32)))
-    shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(caches)}
-    logs = {"spill and loads": [_op("out", [7, 8], [20, 21], [3], [22]), _op("in", [9, 10], [0, 1], [4], [10])],
-            "spill of a loaded page": [_op("in", [9, 10], [0, 1], [4], [10]), _op("out", [9], [20], [4], [21])],
-            "load of a spilled copy": [_op("out", [7, 8], [20, 21], [3], [22]), _op("in", [9, 10], [20, 2], [4], [22])],
-            "one row each": [_op("out", [7], [20], [3], [21]), _op("in", [9], [20], [4], [21])],
-            "loads": [_op("in", [9, 10, 11], [0, 1, 2], [4, 5], [10, 11])],
-            "spill": [_op("out", [7], [20], [3], [21])]}
-    for name, log in logs.items():
-        store = HostStore(chunk=chunk)
-        store.apply(jax.tree.map(jnp.copy, caches), [_op("out", np.arange(10), np.arange(10), [1, 2], [10, 11])])
-        plan = store._plan(log, P, S)
-        text = store._copy.lower(*store._args(caches, plan, store._load(plan))).compile().as_text()
-        copies = [line for line in text.splitlines()
-                  if any(re.search(rf"= {re.escape(s)}\S* copy\(", line) for s in shapes)]
-        assert not copies, (name, copies)
+def test_coalesce_joins_groups_only_where_no_page_changes_between(rng):
+    """:func:`coalesce`: spills separated by loads of other pages join (an admission's spill, load, the next one's
+    spill, load), a spill of a page a load before it wrote stays after that load, adjacent loads to one page stay
+    apart, drops go last; the joined groups hold the same copies."""
+    o1, i1, o2, i2 = _op("out", [1, 2], [10, 11]), _op("in", [5], [10]), _op("out", [3], [12], [2], [13]), \
+        _op("in", [6], [12], [2], [13])
+    got = coalesce([o1, i1, o2, _op("drop", (), [11]), i2])
+    assert [op.kind for op in got] == ["out", "in", "drop"]
+    assert got[0].pages_dev.tolist() == [1, 2, 3] and got[0].pages_host.tolist() == [10, 11, 12]
+    assert got[0].ckpts_dev.tolist() == [2] and got[1].pages_dev.tolist() == [5, 6]
+    assert got[1].ckpts_dev.tolist() == [2] and got[2].pages_host.tolist() == [11]
+    stay = [_op("out", [1], [0]), _op("in", [3], [0]), _op("out", [3], [1]), _op("in", [3], [1])]
+    assert [(op.kind, op.pages_dev.tolist()) for op in coalesce(stay)] == \
+        [("out", [1]), ("in", [3]), ("out", [3]), ("in", [3])]
+    k = int(rng.integers(2, 6))  # k admissions: spill k pages, load k others
+    log = [op for j in range(k) for op in (_op("out", [j], [2 * j]), _op("in", [10 + j], [2 * j]))]
+    assert [op.kind for op in coalesce(log)] == ["out", "in"]
 
 
 # ---- the engine with a host tier ----------------------------------------------------------------------------
@@ -265,7 +213,7 @@ def test_aborts_while_blocks_are_in_flight(qwen, reference):
 
 
 def test_a_fault_inside_the_copies_recovers(qwen, reference, monkeypatch):
-    """A log with loads that fails after its copies were issued (the caches donated) is a fault of the step: the engine
+    """A load that fails after some of its copies ran (the caches half written) is a fault of the step: the engine
     recovers (caches, scheduler, prefix cache and host tier rebuilt) and gives the tokens of an uninterrupted run."""
     from kvjax.engine import host_tier
 
@@ -274,23 +222,23 @@ def test_a_fault_inside_the_copies_recovers(qwen, reference, monkeypatch):
     class Injected(Exception):
         pass
 
-    real, calls = host_tier.HostStore._run, []
+    real, calls = host_tier.HostStore._in, []
 
-    def failing(self, caches, plan, moved):
-        calls.append(plan.sizes[2])  # rows loaded
-        if sum(1 for x in calls if x) == 2 and plan.sizes[2]:
-            real(self, caches, plan, moved)
+    def failing(self, caches, op):
+        calls.append(1)
+        if len(calls) == 2:
+            real(self, caches, op)
             raise Injected("a copy failed mid-step")
-        return real(self, caches, plan, moved)
+        return real(self, caches, op)
 
-    monkeypatch.setattr(host_tier.HostStore, "_run", failing)
+    monkeypatch.setattr(host_tier.HostStore, "_in", failing)
     engine = Engine(qwen, SMALL, recycle="timely", max_num_batched_tokens=BUDGET, prefix_caching=True,
                     host_cache_bytes=HOST, decode_burst=1)
     with pytest.raises(Injected):
         talk(engine, conversations())
     assert engine.num_recoveries == 1 and engine.scheduler.prefix.host.used_bytes == 0
     assert not engine.host_store.slabs
-    monkeypatch.setattr(host_tier.HostStore, "_run", real)
+    monkeypatch.setattr(host_tier.HostStore, "_in", real)
     engine.clear_prefix_cache()
     engine.check_integrity()
     assert talk(engine, conversations()) == want
@@ -299,31 +247,30 @@ def test_a_fault_inside_the_copies_recovers(qwen, reference, monkeypatch):
 
 def test_idle_time_beginning_during_the_copies_is_exposed(qwen, reference, monkeypatch):
     """Overlap mode: when the step in flight ends while a plan's copies are being issued, the device idles from
-    then on; ``t_exposed`` counts that time (the idleness probe runs after each host call of the copies, not only
-    after all of them). A log's loads wait for the device after their transfer is issued; its jitted copy sleeps
-    ``NAP`` first, device idle: the steps' ``t_exposed`` add up to at least the naps."""
-    nap, naps, state = 0.02, [], {}
-    real_apply, real_load, real_run = HostStore._apply, HostStore._load, HostStore._run
+    then on; ``t_exposed`` counts that time (the idleness probe runs between the groups of copies, not only after
+    them). Each log's first spill / load waits for the device; every later group of that log sleeps ``NAP``
+    first, device idle: the steps' ``t_exposed`` add up to at least the naps."""
+    nap, naps, state = 0.02, [], {"groups": 0, "probed": False}
+    real_apply = HostStore._apply
 
     def apply(self, caches, ops, probe=None):
-        state.update(caches=caches, probed=probe is not None)
+        state.update(groups=0, probed=probe is not None)
         return real_apply(self, caches, ops, probe)
 
-    def load(self, plan):
-        moved = real_load(self, plan)
-        if moved:
-            jax.block_until_ready(state["caches"])  # the step in flight ends while the copies are issued
-        return moved
-
-    def run(self, caches, plan, moved):
-        if moved and state["probed"]:  # probed after the transfer: the device idles from there
-            time.sleep(nap)
-            naps.append(nap)
-        return real_run(self, caches, plan, moved)
+    def group(real):
+        def run(self, caches, op):
+            if state["groups"] == 0:
+                jax.block_until_ready(caches)  # the step in flight ends while the copies are issued
+            elif state["probed"]:
+                time.sleep(nap)
+                naps.append(nap)
+            state["groups"] += 1
+            return real(self, caches, op)
+        return run
 
     monkeypatch.setattr(HostStore, "_apply", apply)
-    monkeypatch.setattr(HostStore, "_load", load)
-    monkeypatch.setattr(HostStore, "_run", run)
+    monkeypatch.setattr(HostStore, "_in", group(HostStore._in))
+    monkeypatch.setattr(HostStore, "_out", group(HostStore._out))
     engine = Engine(qwen, SMALL, overlap=True, recycle="timely", max_num_batched_tokens=BUDGET,
                     prefix_caching=True, host_cache_bytes=HOST, decode_burst=1)
     assert talk(engine, conversations()) == reference[0]
