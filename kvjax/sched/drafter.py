@@ -148,9 +148,9 @@ class SpeculativeConfig:
     [:data:`FLAT_TOKENS`]: the flat region of the step-cost model of the rule that shortens or turns off drafts where
     they do not pay (an int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`);
     ``disable_by_batch_size`` [None]: vLLM's option of that name: no drafts in a step while more than this many
-    requests run when its drafts are chosen (before it admits new ones; an int >= 1; ``None``: no limit), for a model and device where the rule's cost model does not price
-    a verification (a small model whose verification costs more than its tokens, benchmarks/RESULTS.md
-    "Speculative decoding"). ``ValueError`` names a bad field."""
+    requests run when its drafts are chosen (before it admits new ones; an int >= 1; ``None``: no limit), for a
+    model and device where the rule's cost model does not price a verification (a small model whose verification
+    costs more than its tokens, benchmarks/RESULTS.md "Speculative decoding"). ``ValueError`` names a bad field."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
