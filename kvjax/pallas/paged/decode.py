@@ -17,13 +17,6 @@ The kernel is exact for *any* ragged batch (it re-reads a row's pages once per q
 ``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
 runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
 :mod:`kvjax.pallas.paged.prefill_mgpu`).
-``page_ids`` (default ``"load"``): how a block's page ids reach the address computation of its K / V copies.
-Triton gives the K and V tiles different load layouts (their shared-memory operands differ), so with ``"load"`` it
-re-reads the page ids once per layout; over fp8 pages at 2 stages two of those reads are plain global loads right
-before the next block's copies are issued (a global latency in series with every block). ``"prefetch"`` reads
-block ``c+1``'s page ids during block ``c`` and carries them in the loop (the reads land under a block's math);
-``"join"`` passes them through an identity Triton does not see through (:func:`_one_layout`) so it converts one
-read's register layout instead of reading again (at 3 stages every page-id read is an asynchronous copy).
 Measured and not kept: fixed-size splits (``balanced``), tied on full heads and never ahead on SWA heads; a
 manual register prefetch of the next block, block_k 32, 8 warps; over fp8 pages, products in f16 (one conversion
 instruction per two e4m3 values instead of three) and e4m3 tensor-core products (q quantised per row, ``P V`` on
@@ -61,7 +54,6 @@ def _decode_kernel(
     num_kv_heads: int,
     num_splits: int,
     fp8: bool,
-    page_ids: str,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, pos_ref), walk, (o_ref, *lse_refs) = \
         common.kernel_refs(refs, num_spans=2)
@@ -90,20 +82,11 @@ def _decode_kernel(
     j_off = j % page_size
     bt_base = (b * num_kv_heads + h) * max_blocks
 
-    def block_cols(c):  # block c's virtual pages: in-range mask and table columns, i32[block_k] each
+    def load_block(c):
         vp = start + c * pages_per_block + j_page
         in_range = vp < end
-        return in_range, jnp.where(vp < n_sink, vp, lo + vp - n_sink)
-
-    def load_pages(c):  # i32[block_k]: each key's page id, -1 out of range
-        in_range, col = block_cols(c)
+        col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
         page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
-        return _one_layout(page) if page_ids == "join" else page
-
-    def load_block(c, page=None):
-        in_range, col = block_cols(c)
-        if page is None:
-            page = load_pages(c)
         kpos = col * page_size + j_off
         visible = (kpos <= i) & ((w == 0) | (i - kpos < w) | (kpos < sk))
         ok = in_range & (page >= 0) & visible
@@ -132,19 +115,11 @@ def _decode_kernel(
     def body(c, carry):
         return update(*load_block(c), *carry)
 
-    def body_prefetch(c, carry):  # block c's page ids come in the carry; block c+1's are read before c's math
-        *state, page = carry
-        nxt = load_pages(c + 1)
-        return (*update(*load_block(c, page), *state), nxt)
-
     head_dim = q.shape[-1]
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _NEG_INF, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    if page_ids == "prefetch":
-        acc, m, l, _ = jax.lax.fori_loop(0, n_iter, body_prefetch, (acc, m, l, load_pages(0)))
-    else:
-        acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
+    acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if num_splits == 1:
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
@@ -154,21 +129,6 @@ def _decode_kernel(
         plgpu.store(o_ref.at[part_rows[:, None], cols[None, :]], out, mask=q_ok[:, None])
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
         plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
-
-
-PAGE_IDS = ("load", "prefetch", "join")  # how the kernel reads a block's page ids (module doc)
-
-
-def _one_layout(
-    x: jax.Array,  # i32[N], N even
-) -> jax.Array:  # the same values, split into even and odd entries and joined back
-    """An identity Triton does not see through: its users convert one register layout of ``x`` instead of
-    Triton re-reading ``x`` from global memory once per layout they need."""
-    n = x.shape[0]
-    if n % 2:
-        return x
-    even, odd = jnp.unstack(x.reshape(n // 2, 2), axis=-1)
-    return jnp.stack([even, odd], axis=-1).reshape(n)
 
 
 def _decode_call(
@@ -183,7 +143,6 @@ def _decode_call(
     num_warps: int,
     num_stages: int,
     fp8: bool,
-    page_ids: str,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
     q = call.q
@@ -194,7 +153,7 @@ def _decode_call(
     rows = max(16, next_pow2(group))
     kernel = functools.partial(
         _decode_kernel, scale=call.scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8, page_ids=page_ids,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -209,8 +168,7 @@ def _decode_call(
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}{'' if page_ids == 'load' else '_' + page_ids}"
-             f"_s{num_splits}_bk{block_k}",
+        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}",
     )(*common.operands(call, kv, spans, walks))
     if num_splits == 1:
         return res.reshape(t_total, hq, d)
@@ -232,8 +190,7 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, page
     return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages",
-                                                   "page_ids"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages"))
 def paged_decode(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
@@ -242,7 +199,6 @@ def paged_decode(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    page_ids: str = "load",
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Split-KV paged attention of every query token: the contract of ``kvjax.ops.paged_attention``.
 
@@ -250,8 +206,7 @@ def paged_decode(
     :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4, ``num_stages``
     4 (fp8 pages: 2, RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or a wide head
     would not fit shared memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes
-    :func:`unsupported` rejects, a ``block_k`` not a power of two and a ``page_ids`` not in :data:`PAGE_IDS`
-    (how a block's page ids are read, module doc; default ``"load"``). fp8 pages read as ``page * scale`` (module
+    :func:`unsupported` rejects and a ``block_k`` not a power of two. fp8 pages read as ``page * scale`` (module
     doc). Reads only; tokens that belong to no row get output 0.
     """
     t_total = call.q.shape[0]
@@ -264,8 +219,6 @@ def paged_decode(
     fp8, k_scale, v_scale = common.page_scales(call)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
-    if page_ids not in PAGE_IDS:
-        raise ValueError(f"page_ids must be one of {PAGE_IDS}, got {page_ids!r}")
     group = call.q.shape[1] // call.num_kv_heads
     block_k, num_stages, _ = common.fit_shared_memory(
         head_dim=call.q.shape[-1], kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=call.q.dtype.itemsize,
@@ -278,5 +231,5 @@ def paged_decode(
                                max_blocks=call.max_blocks)
     return _decode_call(
         call, k_scale, v_scale, (row, pos), walks, num_splits=num_splits, block_k=block_k,
-        num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, page_ids=page_ids, interpret=interpret,
+        num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, interpret=interpret,
     )
