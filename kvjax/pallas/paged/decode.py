@@ -22,7 +22,9 @@ manual register prefetch of the next block, block_k 32, 8 warps; over fp8 pages,
 instruction per two e4m3 values instead of three) and e4m3 tensor-core products (q quantised per row, ``P V`` on
 e4m3 or f16), each slower than the conversion to q's dtype, and a conversion by bit placement (no conversion
 instructions) with V converted in its load layout so that ``P V`` reads it with transposed ``ldmatrix`` instead of a
-byte-wise shared-memory gather: its SASS had neither, its time did not improve (RESULTS.md "fp8 (e4m3) pages").
+byte-wise shared-memory gather: its SASS had neither, its time did not improve; a block's page ids read one block
+ahead or in one layout for K and V (no synchronous page-id load before the next block's copies): slower
+(RESULTS.md "fp8 (e4m3) pages").
 """
 
 from __future__ import annotations
