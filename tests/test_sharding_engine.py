@@ -183,7 +183,8 @@ def test_mesh_engine_on_8_cpu_devices(family):
         pytest.skip("already inside the 8-device run")
     env = {**os.environ, "KVJAX_MESH_ENGINE_INNER": "1",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    tests = [f"{__file__}::test_engine_matrix_equals_the_synchronous_engine[{family}]"]
+    tests = [f"{__file__}::test_engine_matrix_equals_the_synchronous_engine[{family}]",
+             f"{__file__}::test_speculation_on_meshes_equals_plain_decoding[{family}]"]
     if family == "qwen3_5":
         tests.append(f"{__file__}::test_mesh_steps_hold_no_zero_sized_array")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
@@ -248,6 +249,47 @@ def test_engine_matrix_equals_the_synchronous_engine(family):
         share = d * m if engine.sharded.plan.pages_over_model else d
         for dev in mesh.devices.ravel():
             assert engine.sharded.device_nbytes(engine.caches, dev) == total // share
+
+
+@inner
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
+def test_speculation_on_meshes_equals_plain_decoding(family, monkeypatch):
+    """A host drafter (K = 2, the rule off: rows draft whenever they can; the oracle drafter of
+    ``helpers.spec``, so rows accept 0..K drafts) on 2x1 and 2x2 meshes with prefix caching, timely recycling
+    (Qwen3.5), preemption, an abort and a fault: the greedy tokens of the synchronous single-device engine without
+    speculation. Every data shard drafts for its own rows; a step where one shard verifies is a verification step
+    on every shard (``engine.verify.verification_plans``)."""
+    from kvjax.engine import pipeline, verify
+    from kvjax.sched.drafter import SpeculativeConfig
+    from helpers.spec import OracleDrafter
+
+    filled = []  # steps where a shard without drafts took part in another shard's verification
+
+    def spy(plans):
+        filled.append(len({p.draft_len is None for p in plans}) > 1)
+        return verify.verification_plans(plans)
+
+    monkeypatch.setattr(pipeline, "verification_plans", spy)
+    model = MESH_FAMILIES[family]()
+    prompts = _prompts(VOCAB)
+    recycle = "timely" if family == "qwen3_5" else "none"
+    one = Engine(model, _cache(PAGES[family]), recycle=recycle, overlap=False, decode_burst=1, **ENGINE_ARGS)
+    want = _scenario(one, prompts, (0.0,))
+    for d, m in ((2, 1), (2, 2)):
+        name = f"mesh {d}x{m}"
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[: d * m]).reshape(d, m), ("data", "model"))
+        drafter = OracleDrafter(prompts, [want[i] for i in range(len(prompts))], 2, seed=d * m)
+        engine = Engine(model, _cache(PAGES[family] // m if family == "qwen3_5" else PAGES[family]), mesh=mesh,
+                        recycle=recycle, prefix_caching=True, debug=True,
+                        speculative=SpeculativeConfig(num_draft_tokens=2, drafter=drafter, flat_tokens=None),
+                        **ENGINE_ARGS)
+        _arm_fault(engine, at=4)
+        assert _scenario(engine, prompts, (0.0,)) == want, name
+        s = engine.metrics.summary()
+        assert engine.num_recoveries == 1 and s["preemptions"] > 0, name
+        assert 0 < s["drafts_accepted"] < s["drafts_proposed"] <= drafter.proposed, (name, s)
+        assert any(filled), f"{name}: no step where one data shard verified and another did not"
+        filled.clear()
 
 
 # ---------------------------------------------------------------------------------------------- two processes

@@ -9,7 +9,6 @@ the tiny f32 Qwen3.5 with an SWA head. Drafts: the true continuation with a corr
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -104,13 +103,10 @@ def test_fault_mid_step_recovers(qwen, shared, monkeypatch, point):
     assert_idle(eng)
 
 
-def test_speculation_runs_synchronously_without_bursts_and_not_on_a_mesh(qwen):
+def test_speculation_runs_synchronously_without_bursts(qwen):
     eng = Engine(qwen, SMALL, speculative="ngram", overlap=True, decode_burst=8)
     assert (eng.overlap, eng.decode_burst) == (False, 1)
     assert eng.options.speculative == SpeculativeConfig()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    with pytest.raises(ValueError, match="mesh"):
-        Engine(qwen, SMALL, speculative="ngram", mesh=mesh)
     with pytest.raises(ValueError, match="speculative"):
         Engine(qwen, SMALL, speculative="mtp")
 
@@ -137,7 +133,7 @@ def test_metrics_count_drafts_by_position(qwen, shared):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "--num-draft-tokens", "2"], "--num-draft-tokens needs --speculative"),
-    (["run", "--speculative", "ngram", "--devices", "1"], "one device"),
+    (["run", "--speculative", "mtp", "--mtp", "--devices", "1"], "one device"),
     (["run", "--speculative", "ngram", "--num-draft-tokens", "0"], "num-draft-tokens"),
     (["run", "--speculative", "mtp"], "add --mtp"),
     (["run", "--mtp"], "--speculative mtp only"),

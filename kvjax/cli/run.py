@@ -256,7 +256,7 @@ def build_parser() -> ArgumentParser:
                     help="speculative decoding (Engine(speculative=)): decoding rows verify up to "
                          "--num-draft-tokens drafts per step (ngram: prompt lookup; mtp: the model's MTP layers, "
                          "with --mtp); ngram runs synchronously without bursts, mtp verifies in bursts of "
-                         "--decode-burst sub-steps; one device")
+                         "--decode-burst sub-steps, on one device")
     ap.add_argument("--num-draft-tokens", metavar="K", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                     help=f"with --speculative: drafts per verification row at most (1..{MAX_DRAFT_TOKENS}; default 4)")
     ap.add_argument("--mtp", action="store_true",
@@ -299,8 +299,8 @@ def main(argv: list[str]) -> int:
             raise UsageError("--host-cache-gb needs --prefix-caching and one device (no --mesh / --devices)")
         if args.num_draft_tokens is not None and args.speculative is None:
             raise UsageError("--num-draft-tokens needs --speculative")
-        if args.speculative is not None and spec is not None:
-            raise UsageError("--speculative runs on one device (no --mesh / --devices)")
+        if args.speculative == "mtp" and spec is not None:
+            raise UsageError("--speculative mtp runs on one device (no --mesh / --devices); ngram runs on a mesh")
         if args.speculative == "mtp" and not args.mtp:
             raise UsageError("--speculative mtp drafts with the model's MTP layers: add --mtp (the toy has none)")
         if args.mtp and args.speculative != "mtp":

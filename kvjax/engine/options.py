@@ -102,9 +102,10 @@ class EngineOptions:
       layer drafts inside every step, K = 4: a Qwen3.5 model with MTP layers, :mod:`kvjax.engine.drafting`), a
       :class:`~kvjax.sched.drafter.SpeculativeConfig` (method, ``num_draft_tokens`` K, n-gram sizes) or a
       :class:`~kvjax.sched.drafter.Drafter` object; stored as a ``SpeculativeConfig`` or ``None``. Decoding rows
-      verify up to K drafts in one step (:mod:`kvjax.engine.verify`); the engine then runs synchronously and without
-      decode bursts (a step's drafts continue the previous step's accepted tokens), whatever ``overlap`` and
-      ``decode_burst`` say; not on a mesh (refused by the engine).
+      verify up to K drafts in one step (:mod:`kvjax.engine.verify`); the engine then runs synchronously (a step's
+      drafts continue the previous step's accepted tokens), whatever ``overlap`` says, and a host drafter without
+      decode bursts (the MTP drafter verifies in bursts of ``decode_burst`` sub-steps). A host drafter runs on a mesh
+      too (every data shard's decoding rows verify in the same step); ``"mtp"`` runs on one device.
     """
 
     overlap: bool = True

@@ -28,7 +28,7 @@ from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used, v
 from kvjax.engine.outputs import Outputs, StepOutput
 from kvjax.engine.drafting import StepTokens
 from kvjax.engine.runner import Runner
-from kvjax.engine.verify import verify_stats
+from kvjax.engine.verify import spec_rows, sum_stats, verification_plans, verify_stats
 from kvjax.models.interface import ModelCaches
 from kvjax.sched import spec
 from kvjax.sched.drafter import Drafter
@@ -44,6 +44,7 @@ class Flight:
     tokens: jax.Array  # i32[max_seqs * decode_burst] (i32[D, max_seqs] on a mesh): sampled tokens, on the device
     record: dict  # the StepRecord fields known at dispatch
     drafts: jax.Array | None = None  # i32[B, K]: the MTP drafts the step made (kvjax.engine.drafting); None: none
+    verify: bool = False  # a verification step: its tokens in the verification layout (kvjax.engine.verify)
 
 
 class StepPipeline:
@@ -132,7 +133,7 @@ class StepPipeline:
         c = self.cache_config
         page_base = scheds[0].blocks.page_base
         with TraceAnnotation("kvjax.inputs"):
-            shaped = self.runner.shape(plans)
+            shaped = verification_plans(self.runner.shape(plans))  # one verifies: all do (one layout on a mesh)
             samplings = [table.rows(p, outputs.tracked) for table, p in zip(self.sampling, shaped)]
             greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
             nxt = [spec.next_tokens(s, p) for s, p in zip(scheds, shaped)] if self.runner.head is not None else None
@@ -182,7 +183,7 @@ class StepPipeline:
             pages_used_devices=device_pages_used(scheds) if self.on_mesh else (),
             t_schedule=t1 - t0 - copies["t_copy"], t_inputs=t2 - t1, t_dispatch=t3 - t2, **copies,
             t_exposed=t3 - idle_since if idle_since is not None else 0.0, t_step=time.perf_counter() - t0)
-        self.inflight.append(Flight(plans, tokens, record, drafts))
+        self.inflight.append(Flight(plans, tokens, record, drafts, verify=layout.spec > 0))
         return caches
 
     def _host_copies(self, scheds: Sequence[Scheduler], caches: ModelCaches, host_store: HostStore | None,
@@ -214,10 +215,13 @@ class StepPipeline:
             tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
         t5 = time.perf_counter()
         with TraceAnnotation("kvjax.update"):
+            stats = []
             for sched, plan, row in zip(scheds, flight.plans, tokens.reshape(len(flight.plans), -1)):
+                if flight.verify:  # the step's rows cut to this plan's (a shard without drafts: its t_0's)
+                    row = spec_rows(row, plan, flight.record["bucket_rows"])
                 sched.resolve(plan, row)
-                if plan.draft_len is not None:  # speculative decoding's counts (one data shard)
-                    flight.record.update(verify_stats(plan, row))
+                if plan.draft_len is not None:  # speculative decoding's counts, summed over the data shards
+                    stats.append(verify_stats(plan, row))
                 if plan.spec_steps:  # a verification burst: what every sub-step computed, not sub-step 0's plan
                     computed, row_steps = verify_burst_counts(plan, row)
                     flight.record["computed"] += computed - plan.num_tokens
@@ -226,6 +230,8 @@ class StepPipeline:
                     n = plan.num_seqs
                     self.drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
                                         np.fromiter(plan.request_ids, np.int64, n), np.asarray(flight.drafts))
+            if stats:
+                flight.record.update(sum_stats(stats))
             self.inflight.popleft()
             outs = [out for sched, plan in zip(scheds, flight.plans) for out in outputs.collect_plan(sched, plan)]
         t6 = time.perf_counter()

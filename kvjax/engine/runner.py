@@ -158,9 +158,7 @@ class Runner:
                                f"decode_only={layout.decode_only}, burst={layout.burst}, spec={layout.spec}, "
                                f"draft={layout.draft}")
             drafts = drafting if layout.draft else None  # the MTP layer runs where the rule drafts
-            if layout.spec:
-                if sharded is not None:
-                    raise NotImplementedError("speculative decoding on a mesh")
+            if layout.spec and sharded is None:
                 if layout.burst > 1:
                     return verify_burst(model_step, leaves, caches, layout.unpack(buf), layout, greedy_only, drafting)
                 return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
@@ -168,6 +166,8 @@ class Runner:
             if sharded is None:
                 return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
                                    unroll=unroll, drafting=drafts)
+            if layout.spec and layout.burst > 1:
+                raise NotImplementedError("verification bursts on a mesh (the MTP drafter runs on one device)")
             return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
@@ -219,8 +219,12 @@ class Runner:
 
         def local(leaves, caches, unpacked, prev):
             unpacked = jax.tree.map(lambda x: x[0], unpacked)  # this data shard's inputs
-            tokens, new = device_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
-                                      greedy_only, unroll=unroll, localize=localize)
+            if layout.spec:  # a verification step (host drafters: single steps, no MTP layers on a mesh)
+                tokens, new = verify_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
+                                          greedy_only, localize=localize)
+            else:
+                tokens, new = device_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
+                                          greedy_only, unroll=unroll, localize=localize)
             return tokens[None], sharded.global_caches(new)
 
         # the packed buffer is unpacked in the global view (slices of the data-sharded i32[D, N]: no communication),

@@ -64,8 +64,6 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     o = dataclasses.replace(options or EngineOptions(), **settings)
     drafter = None if o.speculative is None else make_drafter(o.speculative)
     sharded = engine_model(model, mesh)
-    if o.speculative is not None and sharded is not None:
-        raise ValueError("speculative decoding on a mesh is not supported yet: give speculative=None or no mesh")
     head = check_head(model, sharded, o.speculative)
     params = nnx.state(model) if sharded is None else sharded.params
     cache_dtype = check_cache_dtype(o.cache_dtype, params)

@@ -36,7 +36,7 @@ position's token count).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +55,17 @@ from kvjax.state import gdn_checkpoints, gdn_spec
 
 
 def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tuple, prev_tokens: jax.Array,
-                layout: PackLayout, greedy_only: bool, drafting: Drafting | None = None
+                layout: PackLayout, greedy_only: bool, drafting: Drafting | None = None,
+                localize: Callable[[StepInputs], StepInputs] | None = None
                 ) -> tuple[jax.Array | StepTokens, ModelCaches]:
     """One verification step (traceable; see the module docstring). ``model_step(params, caches, inputs) ->
     (logits, caches)``; ``unpacked``: ``(StepInputs, SampleInputs with draft_len, CheckpointCopies | None)``;
     ``prev_tokens``: i32[R], the previous step's sampled tokens (fed where ``prev_index >= 0``); ``layout.spec``:
-    K (static); ``drafting``: step 5. Returns ``(i32[B * (K + 2)], caches)``."""
+    K (static); ``drafting``: step 5; ``localize``: this device's view of the inputs on a mesh (as
+    :func:`kvjax.engine.runner.device_step`'s). Returns ``(i32[B * (K + 2)], caches)``."""
     inputs, rows, copies = unpacked
+    if localize is not None:
+        inputs = localize(inputs)
     fed = prev_tokens[jnp.clip(rows.prev_index, 0, prev_tokens.shape[0] - 1)]
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(rows.prev_index >= 0, fed, inputs.token_ids))
     gdn = caches.gdn is not None
@@ -199,3 +203,33 @@ def verify_stats(plan: StepPlan, result: np.ndarray) -> dict[str, int | tuple[in
     return dict(verify_rows=int((k > 0).sum()), drafts_proposed=int(k.sum()), drafts_accepted=int(a.sum()),
                 drafts_proposed_at=tuple((j[None, :] < k[:, None]).sum(0).tolist()),
                 drafts_accepted_at=tuple((j[None, :] < a[:, None]).sum(0).tolist()))
+
+
+def verification_plans(plans: Sequence[StepPlan]) -> list[StepPlan]:
+    """The data shards' shaped plans of one step (what is packed), where one verifies: every plan verifies (a plan
+    without drafts gets ``draft_len`` zeros: its rows are ordinary rows of the verification step, its result in the
+    verification layout; :func:`spec_rows` reads it back), since a mesh step has one layout for every shard. The
+    schedulers keep their own plans."""
+    if all(p.draft_len is None for p in plans) or all(p.draft_len is not None for p in plans):
+        return list(plans)
+    return [p if p.draft_len is not None else dataclasses.replace(p, draft_len=np.zeros(p.seq_lens.shape[0], np.int32))
+            for p in plans]
+
+
+def spec_rows(result: np.ndarray, plan: StepPlan, bucket_rows: int) -> np.ndarray:
+    """A data shard's verification result (``i32[S * R * (K + 2)]`` for the step's ``bucket_rows`` = ``R`` rows,
+    every shard's plan padded to them) cut to ``plan``'s own ``B`` rows: ``i32[S * B * (K + 2)]``; for a plan that
+    verifies nothing (``draft_len`` None: another shard's drafts made the step a verification) each row's token after
+    its last position, ``i32[B]``, as an ordinary step returns it."""
+    B = plan.seq_lens.shape[0]
+    grid = np.asarray(result).reshape(max(plan.spec_steps, 1), bucket_rows, -1)[:, :B]
+    return grid.reshape(-1) if plan.draft_len is not None else grid[0, :, 0]
+
+
+def sum_stats(stats: Sequence[dict]) -> dict[str, int | tuple[int, ...]]:
+    """:func:`verify_stats` of the data shards' plans of one step, summed (per draft position for the tuples)."""
+    out = dict(stats[0])
+    for s in stats[1:]:
+        for key, value in s.items():
+            out[key] = tuple(int(a + b) for a, b in zip(out[key], value)) if isinstance(value, tuple) else out[key] + value
+    return out
