@@ -1,6 +1,6 @@
 """Speculative decoding with the engine's other features: prefix caching (GDN checkpoints never taken from a rejected
 state), timely recycling and preemption, aborts, stop ids inside accepted drafts, faults mid-step; what it turns
-off (overlap, bursts) and refuses (a mesh); its metrics; the command line's flags.
+off (overlap, bursts) and refuses (the MTP drafter without MTP layers); its metrics; the command line's flags.
 
 Oracle: uncached greedy decoding (``greedy_oracle``), truncated after the first stop id where one is set. Model:
 the tiny f32 Qwen3.5 with an SWA head. Drafts: the true continuation with a corrupted token half of the time
@@ -133,7 +133,7 @@ def test_metrics_count_drafts_by_position(qwen, shared):
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "--num-draft-tokens", "2"], "--num-draft-tokens needs --speculative"),
-    (["run", "--speculative", "mtp", "--mtp", "--devices", "1"], "one device"),
+    (["run", "--speculative", "mtp", "--mtp", "--devices", "1", "--preset", "tp"], "drawn on the host"),
     (["run", "--speculative", "ngram", "--num-draft-tokens", "0"], "num-draft-tokens"),
     (["run", "--speculative", "mtp"], "add --mtp"),
     (["run", "--mtp"], "--speculative mtp only"),

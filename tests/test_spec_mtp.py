@@ -18,6 +18,7 @@ from flax import nnx
 
 from kvjax.engine.engine import Engine
 from kvjax.models.qwen3_5 import mtp as mtp_lib
+from kvjax.models.sharding import shard_model
 from kvjax.sched import spec
 from kvjax.sched.drafter import SpeculativeConfig, StepDrafter, make_drafter
 from helpers.engine import (BUDGET, SMALL, assert_idle, fault_midway, greedy_oracle, prefix_sharing_prompts,
@@ -148,10 +149,10 @@ def test_mtp_is_refused_without_mtp_layers():
     deepseek = nnx.eval_shape(lambda: DeepseekV32(tiny_deepseek_config(), rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="DeepseekV32 has none"):
         Engine(deepseek, SMALL, speculative="mtp")
-    model = mtp_lib.attach(qwen_swa_model(), None)
+    model = mtp_lib.attach(qwen_swa_model(), mtp_lib.init(qwen_swa_model().config, seed=1))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    with pytest.raises(ValueError, match="mesh"):
-        Engine(model, SMALL, speculative="mtp", mesh=mesh)
+    with pytest.raises(ValueError, match="ShardedModel has none"):  # its parameters leave the MTP layers out
+        Engine(shard_model(model, mesh), SMALL, speculative="mtp")
 
 
 def test_sizing_pays_for_the_mtp_pools(qwen):

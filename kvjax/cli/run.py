@@ -256,7 +256,7 @@ def build_parser() -> ArgumentParser:
                     help="speculative decoding (Engine(speculative=)): decoding rows verify up to "
                          "--num-draft-tokens drafts per step (ngram: prompt lookup; mtp: the model's MTP layers, "
                          "with --mtp); ngram runs synchronously without bursts, mtp verifies in bursts of "
-                         "--decode-burst sub-steps, on one device")
+                         "--decode-burst sub-steps; both run on a mesh (--mesh / --devices)")
     ap.add_argument("--num-draft-tokens", metavar="K", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                     help=f"with --speculative: drafts per verification row at most (1..{MAX_DRAFT_TOKENS}; default 4)")
     ap.add_argument("--mtp", action="store_true",
@@ -299,8 +299,9 @@ def main(argv: list[str]) -> int:
             raise UsageError("--host-cache-gb needs --prefix-caching and one device (no --mesh / --devices)")
         if args.num_draft_tokens is not None and args.speculative is None:
             raise UsageError("--num-draft-tokens needs --speculative")
-        if args.speculative == "mtp" and spec is not None:
-            raise UsageError("--speculative mtp runs on one device (no --mesh / --devices); ngram runs on a mesh")
+        if args.speculative == "mtp" and spec is not None and PRESETS[args.preset].device_init:
+            raise UsageError(f"--speculative mtp on a mesh needs a preset drawn on the host: --preset {args.preset}'s "
+                             "weights are drawn sharded on the devices, without MTP layers")
         if args.speculative == "mtp" and not args.mtp:
             raise UsageError("--speculative mtp drafts with the model's MTP layers: add --mtp (the toy has none)")
         if args.mtp and args.speculative != "mtp":
@@ -359,7 +360,7 @@ def main(argv: list[str]) -> int:
           f"tokens per layer ({p.memory_requests:g} full "
           f"requests without recycling); max_seqs {p.max_seqs}, {p.max_tokens} tokens/step; overlap "
           f"{'on' if args.overlap and speculative is None else 'off'}; decode burst "
-          f"{args.decode_burst if speculative is None else 1}; "
+          f"{1 if speculative is not None and speculative.method != 'mtp' else args.decode_burst}; "
           + ("" if speculative is None else f"speculative {speculative.method} K={speculative.num_draft_tokens}; ")
           + f"{args.repeats} repeat{'s' if args.repeats > 1 else ''} per policy"
           + ("" if mesh is None else f"; mesh {mesh.shape['data']}x{mesh.shape['model']} (data x model)")

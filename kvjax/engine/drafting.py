@@ -15,7 +15,14 @@ bonus token after a verification, the first output after a prompt's last chunk) 
 not end its prompt, the prompt's next token (``SampleInputs.next_ids``, :func:`kvjax.sched.spec.next_tokens`). The
 MTP pools sit in :attr:`~kvjax.models.interface.ModelCaches.pages` beside the model's and are addressed by the same
 block tables and slot mappings, so recycling, prefix caching (whose host tier copies every pool by name),
-preemption and aborts serve them unchanged. A key the MTP layer wrote for a rejected draft, a draft step or a
+preemption and aborts serve them unchanged.
+
+On a ``("data", "model")`` mesh (:mod:`kvjax.models.sharding`) the MTP layer is split like the model's own layers
+(:meth:`~kvjax.models.sharding.ShardedModel.shard_head`: its attention heads and MLP columns over ``"model"``, in the
+model's KV-head placement; ``fc`` and the norms replicated), its pools are created per device like the model's
+pages (a KV head's MTP pages on the device that holds its model pages), and every drafting step runs inside the
+step's ``shard_map`` for each data shard: ``StepTokens.drafts`` is ``i32[D, B, K]``, each shard's drafts for its own
+rows (recorded by that shard's :class:`~kvjax.sched.drafter.StepDrafter`). A key the MTP layer wrote for a rejected draft, a draft step or a
 prefix-cache block whose next token differs only changes later drafts, never a token: drafts are verified.
 """
 
@@ -54,13 +61,12 @@ def draft(drafting: Drafting, params: Any, caches: ModelCaches, hidden: jax.Arra
     return drafting.propose(params, caches, hidden, dataclasses.replace(inputs, logits_indices=last), after)
 
 
-def check_head(model: Any, sharded: Any, speculative: Any) -> DraftHead | None:
+def check_head(model: Any, speculative: Any) -> DraftHead | None:
     """The MTP layers an engine drafts with: ``None`` unless ``speculative`` is ``"mtp"`` without a drafter object;
-    ``ValueError`` naming the problem where the model has none or runs on a mesh."""
+    ``ValueError`` naming the problem where the model has none (on a mesh: give the model itself with ``mesh=``,
+    not a ``ShardedModel``, whose parameters leave its MTP layers out)."""
     if speculative is None or speculative.method != "mtp" or speculative.drafter is not None:
         return None
-    if sharded is not None:
-        raise ValueError("speculative='mtp' on a mesh is not supported: give no mesh")
     head = draft_head(model)
     if head is None:
         raise ValueError(f"speculative='mtp' drafts with the model's MTP layers, and this {type(model).__name__} has "

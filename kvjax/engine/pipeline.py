@@ -31,7 +31,8 @@ from kvjax.engine.runner import Runner
 from kvjax.engine.verify import spec_rows, sum_stats, verification_plans, verify_stats
 from kvjax.models.interface import ModelCaches
 from kvjax.sched import spec
-from kvjax.sched.drafter import Drafter
+from kvjax.sched.burst import burst_sizes
+from kvjax.sched.drafter import Drafter, shard_drafters
 from kvjax.sched.plan import StepPlan
 from kvjax.sched.scheduler import Scheduler
 
@@ -43,7 +44,7 @@ class Flight:
     plans: list[StepPlan]  # one per data shard
     tokens: jax.Array  # i32[max_seqs * decode_burst] (i32[D, max_seqs] on a mesh): sampled tokens, on the device
     record: dict  # the StepRecord fields known at dispatch
-    drafts: jax.Array | None = None  # i32[B, K]: the MTP drafts the step made (kvjax.engine.drafting); None: none
+    drafts: jax.Array | None = None  # i32[B, K] (i32[D, B, K] on a mesh): the MTP drafts the step made; None: none
     verify: bool = False  # a verification step: its tokens in the verification layout (kvjax.engine.verify)
 
 
@@ -70,11 +71,43 @@ class StepPipeline:
                  *, data_shards: int, decode_burst: int, drafter: Drafter | None, overlap: bool, prefix_caching: bool,
                  use_decode_path: bool, debug: bool, vocab_size: int, on_mesh: bool) -> None:
         self.runner, self.cache_config, self.attention, self.metrics = runner, cache_config, attention, metrics
+        self.data_shards = data_shards
         self.decode_burst, self.drafter, self.overlap = decode_burst, drafter, overlap
         self.prefix_caching, self.use_decode_path, self.debug = prefix_caching, use_decode_path, debug
         self.vocab_size, self.on_mesh = vocab_size, on_mesh
         self.sampling = [SamplingTable(cache_config.max_seqs + 1) for _ in range(data_shards)]
         self.inflight: collections.deque[Flight] = collections.deque()  # dispatched, tokens not read, oldest first
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """Speculative decoding's drafter (settable); each data shard schedules with its own of
+        :attr:`drafters` (:func:`kvjax.sched.drafter.shard_drafters`)."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self._drafter = drafter
+        self.drafters = shard_drafters(drafter, self.data_shards)
+
+    def _burst(self, scheds: Sequence[Scheduler]) -> int:
+        """The sub-steps every data shard's plan of this step may run: a burst step is one for every data shard
+        (a shard with nothing to run fits any), else single steps. With a drafter whose drafts come from the
+        device step, every shard that runs must get a burst of the same kind: a verification burst where its rule
+        drafts (:func:`kvjax.sched.spec.rule_length` > 0; its ``K + 1`` positions per sub-step fit), a decode burst
+        where it drafts nothing (as :func:`kvjax.sched.burst.schedule_verify_burst` decides)."""
+        burst = self.decode_burst
+        if len(scheds) == 1 or burst == 1:
+            return burst
+        busy = [(s, d) for s, d in zip(scheds, self.drafters) if s.has_unfinished()]
+        if self.drafter is None or not getattr(self.drafter, "from_step", False):
+            return burst if all(s.burst_ready(burst) for s, _ in busy) else 1
+        kinds = set()
+        for s, d in busy:
+            k = spec.rule_length(s, d)
+            if burst_sizes(s, burst, k + 1 if k else 1) is None:
+                return 1
+            kinds.add(k > 0)
+        return burst if len(kinds) <= 1 else 1
 
     def device_idle(self) -> bool:
         """Everything dispatched has finished (non-blocking)."""
@@ -110,10 +143,11 @@ class StepPipeline:
         idle_since = t0 if self.device_idle() else None
         preempt0 = sum(s.num_preemptions for s in scheds)
         with TraceAnnotation("kvjax.schedule"):  # the step's phases in a profiler trace (cheap when none runs)
-            burst = self.decode_burst
-            if len(scheds) > 1 and burst > 1 and not all(s.burst_ready(burst) for s in scheds):
-                burst = 1  # a burst step is one for every data shard (a shard with nothing to run fits any)
-            plans = [s.schedule(burst, self.drafter) for s in scheds]
+            burst = self._burst(scheds)
+            plans = [s.schedule(burst, d) for s, d in zip(scheds, self.drafters)]
+            if len(plans) > 1 and burst > 1:  # one layout for every shard: bursts of one kind (or empty plans)
+                kinds = {(p.spec_span is not None, p.burst_len is not None) for p in plans if p.num_seqs}
+                assert len(kinds) <= 1, f"data shards' plans of step {plans[0].step} mix burst kinds: {kinds}"
         if not any(p.num_seqs for p in plans):
             raise RuntimeError(f"engine stalled at step {plans[0].step}: nothing schedulable; running="
                                f"{[r for s in scheds for r in s.running]}, waiting="
@@ -216,7 +250,10 @@ class StepPipeline:
         t5 = time.perf_counter()
         with TraceAnnotation("kvjax.update"):
             stats = []
-            for sched, plan, row in zip(scheds, flight.plans, tokens.reshape(len(flight.plans), -1)):
+            D = len(flight.plans)
+            drafts = None if flight.drafts is None else np.asarray(flight.drafts).reshape(D, -1, self.runner.spec)
+            for d, (sched, plan, row, drafter) in enumerate(zip(scheds, flight.plans, tokens.reshape(D, -1),
+                                                                self.drafters)):
                 if flight.verify:  # the step's rows cut to this plan's (a shard without drafts: its t_0's)
                     row = spec_rows(row, plan, flight.record["bucket_rows"])
                 sched.resolve(plan, row)
@@ -226,10 +263,10 @@ class StepPipeline:
                     computed, row_steps = verify_burst_counts(plan, row)
                     flight.record["computed"] += computed - plan.num_tokens
                     flight.record["row_steps"] += row_steps - plan.num_seqs
-                if flight.drafts is not None and getattr(self.drafter, "from_step", False):  # the next plan's drafts
+                if flight.drafts is not None and getattr(drafter, "from_step", False):  # the next plan's drafts
                     n = plan.num_seqs
-                    self.drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
-                                        np.fromiter(plan.request_ids, np.int64, n), np.asarray(flight.drafts))
+                    drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
+                                   np.fromiter(plan.request_ids, np.int64, n), drafts[d])
             if stats:
                 flight.record.update(sum_stats(stats))
             self.inflight.popleft()

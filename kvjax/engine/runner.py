@@ -12,6 +12,8 @@ the previous step's sampled tokens, restores GDN checkpoints, runs the model onc
   packed into one ``i32[D, N]`` buffer placed over ``"data"`` with one ``device_put``; each device takes its KV
   heads' columns of the tables; the tokens ``i32[D, R]`` come out of ``shard_map`` over ``"data"`` and are
   resharded to every device (every process reads the same tokens). A ``1 x 1`` mesh is this path on one device.
+  MTP layers (``speculative="mtp"``) are split like the model's layers (:meth:`ShardedModel.local_head` /
+  :meth:`~ShardedModel.shard_head`, their leaves after the model's) and their drafts come back ``i32[D, B, K]``.
 
 ``R = max_seqs * burst``: row ``b``'s token of sub-step ``j`` is at ``j * max_seqs + b``
 (:attr:`kvjax.sched.plan.StepPlan.token_stride`), whatever the step's row bucket.
@@ -140,8 +142,14 @@ class Runner:
             return model_of(leaves).forward_step(caches, inputs)
 
         drafting = None
+        self.head_local = None  # the MTP layers one device runs (on a mesh: ShardedModel.local_head)
         if head is not None:
-            head_def, head_params = nnx.split(head)
+            if sharded is None:
+                self.head_local = head
+                head_def, head_params = nnx.split(head)
+            else:  # split over the mesh like the model's layers, parameters placed by the model's rules
+                self.head_local = sharded.local_head(head)
+                head_def, head_params = nnx.split(self.head_local)[0], sharded.shard_head(head)
             head_leaves, head_tree = jax.tree.flatten(head_params)
             self.params = self.params + head_leaves
 
@@ -166,9 +174,8 @@ class Runner:
             if sharded is None:
                 return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
                                    unroll=unroll, drafting=drafts)
-            if layout.spec and layout.burst > 1:
-                raise NotImplementedError("verification bursts on a mesh (the MTP drafter runs on one device)")
-            return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll)
+            return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll,
+                                 drafting if layout.spec and layout.burst > 1 else drafts)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
         if sharded is None:
@@ -185,7 +192,9 @@ class Runner:
     def init_caches(self, model: Any, **cache_args: Any) -> ModelCaches:
         """Zeroed caches (on a mesh: ``num_pages`` per device, leading data / model axes; see
         :mod:`kvjax.models.sharding`); with MTP layers, their pools beside the model's."""
-        caches = (self.sharded or model).init_caches(**cache_args)
+        if self.sharded is not None:
+            return self.sharded.init_caches(**cache_args, head=self.head_local)
+        caches = model.init_caches(**cache_args)
         if self.head is None:
             return caches
         return dataclasses.replace(caches, pages={**caches.pages, **head_caches(self.head, cache_args)})
@@ -203,7 +212,11 @@ class Runner:
         with self.counter.paused():
             return self._fn.lower(self.params, caches, buf, prev_tokens, layout, greedy_only)
 
-    def _on_mesh(self, model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll):
+    def _on_mesh(self, model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll, drafting):
+        """The step on the mesh: each device runs :func:`device_step` / :func:`verify_step` / :func:`verify_burst`
+        on its data shard's inputs (its KV heads' columns of the tables) under ``shard_map``; with ``drafting``
+        (the MTP layers, split like the model's) the tokens come as ``StepTokens`` whose drafts are ``i32[D, B,
+        K]``. The tokens (and drafts) are returned replicated."""
         sharded = self.sharded
         specs = sharded.cache_specs(caches)
         split_heads = sharded.plan.pages_over_model and sharded.model_size > 1
@@ -219,13 +232,17 @@ class Runner:
 
         def local(leaves, caches, unpacked, prev):
             unpacked = jax.tree.map(lambda x: x[0], unpacked)  # this data shard's inputs
-            if layout.spec:  # a verification step (host drafters: single steps, no MTP layers on a mesh)
-                tokens, new = verify_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
-                                          greedy_only, localize=localize)
+            caches = sharded.local_caches(caches)
+            if layout.spec and layout.burst > 1:  # a verification burst (the MTP drafter's): every shard's rows
+                tokens, new = verify_burst(model_step, leaves, caches, unpacked, layout, greedy_only, drafting,
+                                           localize=localize)
+            elif layout.spec:  # a verification step (rows of a shard without drafts: draft_len 0)
+                tokens, new = verify_step(model_step, leaves, caches, unpacked, prev[0], layout, greedy_only,
+                                          drafting=drafting, localize=localize)
             else:
-                tokens, new = device_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
-                                          greedy_only, unroll=unroll, localize=localize)
-            return tokens[None], sharded.global_caches(new)
+                tokens, new = device_step(model_step, leaves, caches, unpacked, prev[0], layout, greedy_only,
+                                          unroll=unroll, localize=localize, drafting=drafting)
+            return jax.tree.map(lambda x: x[None], tokens), sharded.global_caches(new)
 
         # the packed buffer is unpacked in the global view (slices of the data-sharded i32[D, N]: no communication),
         # so the per-device function takes typed arrays, as the model's own sharded step does
@@ -235,7 +252,9 @@ class Runner:
                                                                                     prev_tokens)
         # replicated, so that every process reads them: reshard (explicit mesh axes), constraint (auto axes)
         replicated = NamedSharding(sharded.mesh, P())
-        return jax.lax.with_sharding_constraint(jax.sharding.reshard(tokens, replicated), replicated), caches
+        tokens = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(jax.sharding.reshard(x, replicated),
+                                                                         replicated), tokens)
+        return tokens, caches
 
     # ---- inputs --------------------------------------------------------------------------------------------
     def shape(self, plans: Sequence[StepPlan]) -> list[StepPlan]:

@@ -64,7 +64,8 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     o = dataclasses.replace(options or EngineOptions(), **settings)
     drafter = None if o.speculative is None else make_drafter(o.speculative)
     sharded = engine_model(model, mesh)
-    head = check_head(model, sharded, o.speculative)
+    head = check_head(model, o.speculative)
+    head_local = head if sharded is None or head is None else sharded.local_head(head)  # what one device holds
     params = nnx.state(model) if sharded is None else sharded.params
     cache_dtype = check_cache_dtype(o.cache_dtype, params)
     local = model if sharded is None else sharded.local  # what one device holds
@@ -76,13 +77,13 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     num_ckpts = prefix.num_checkpoints if prefix is not None else 0
     if cache_config is None:
         sizing = size_cache(local, dtype=cache_dtype, memory_fraction=o.memory_fraction, cache_options=cache_opts,
-                            num_checkpoints=num_ckpts, device=device, head=head)
+                            num_checkpoints=num_ckpts, device=device, head=head_local)
         cache_config = sizing.cache_config
     else:
         if o.memory_fraction is not None:
             raise ValueError(f"memory_fraction={o.memory_fraction!r} sizes the cache only without a cache_config; "
                              "got both")
-        check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device, head=head)
+        check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device, head=head_local)
     prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size, dtype=cache_dtype,
                               cache_options=cache_opts, mesh=None if sharded is None else sharded.mesh)
     eos_token_id = o.eos_token_id

@@ -115,15 +115,20 @@ def _verify(model_step: Callable, params, caches: ModelCaches, inputs: StepInput
 
 
 def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tuple, layout: PackLayout,
-                 greedy_only: bool, drafting: Drafting) -> tuple[StepTokens, ModelCaches]:
+                 greedy_only: bool, drafting: Drafting, localize: Callable[[StepInputs], StepInputs] | None = None
+                 ) -> tuple[StepTokens, ModelCaches]:
     """A verification burst (traceable; see "Verification bursts" in the module docstring): ``layout.burst``
     sub-steps of :func:`_verify` with the MTP drafter, each row's drafts of sub-step ``j > 0`` the ones sub-step
     ``j - 1`` made. ``unpacked``: the plan of sub-step 0 (every row its last token and ``draft_len`` drafts, the
     token axis ``T`` holding ``K + 1`` tokens per row within the budget) with ``spec_span`` and ``spec_cap``.
     The sub-steps run as a ``lax.scan`` (one sub-step compiled once, on every platform: straight-line sub-steps were
     slower on a GPU and compiled 3x longer; benchmarks/RESULTS.md "Speculative decoding"). Returns
-    ``(StepTokens(i32[S * B * (K + 2)], drafts i32[B, K] made by each row's last sub-step), caches)``."""
+    ``(StepTokens(i32[S * B * (K + 2)], drafts i32[B, K] made by each row's last sub-step), caches)``. ``localize``:
+    this device's view of the inputs on a mesh (:func:`verify_step`'s); a data shard with nothing to run in another
+    shard's burst (an empty plan: no live row) runs every sub-step as padding, its result ``-1`` throughout."""
     inputs, rows, _ = unpacked  # a burst plan is all decodes: no checkpoint copy
+    if localize is not None:
+        inputs = localize(inputs)
     K, S = layout.spec, layout.burst
     J = K + 1
     T = inputs.token_ids.shape[0]

@@ -161,17 +161,41 @@ class ShardedModel:
         self.params = nnx.from_flat_state(placed)
         self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
         dtype = next(iter(flat.values())).get_value().dtype
+        local = self._local(lambda config: type(model_abstract)(config, rngs=nnx.Rngs(0), dtype=dtype))
+        local.tp = plan.tp if self.model_size > 1 else None
+        self.local = local
+        self.graphdef = nnx.split(local)[0]
+
+    def _local(self, build: Callable[[Any], nnx.Module]) -> nnx.Module:
+        """The abstract local module ``build(config)`` of this mesh (the plan's local config over several model
+        devices, its row-parallel projections and MLPs summing over ``"model"``; the global config over one)."""
         split = self.model_size > 1  # over one model device the local model is the model itself: no collective
-        local_config = plan.local_config if split else self.config
-        local = abstract_model(lambda: type(model_abstract)(local_config, rngs=nnx.Rngs(0), dtype=dtype))
+        local = abstract_model(lambda: build(self.plan.local_config if split else self.config))
         for path, module in nnx.iter_modules(local):
             name = str(path[-1]) if path else ""
             if split and ((isinstance(module, Linear) and name in ROW) or (name == "mlp"
                                                                              and hasattr(module, "reduce_axis"))):
                 module.reduce_axis = MODEL
-        local.tp = plan.tp if split else None
-        self.local = local
-        self.graphdef = nnx.split(local)[0]
+        return local
+
+    def local_head(self, head: nnx.Module) -> nnx.Module:
+        """The abstract local module of a draft head (the MTP layers of :class:`kvjax.models.interface.DraftHead`,
+        built as ``type(head)(config, num_layers=, rngs=, dtype=)``) each device runs, split like the model's own
+        layers: the local config (its attention's query / KV heads and MLP columns over ``"model"``), row-parallel
+        projections summed (its parameters: :meth:`shard_head`; its pools: :meth:`init_caches`)."""
+        dtype = next(iter(jax.tree.leaves(nnx.state(head)))).dtype
+        return self._local(lambda config: type(head)(config, num_layers=len(head.layers), rngs=nnx.Rngs(0),
+                                                     dtype=dtype))
+
+    def shard_head(self, head: nnx.Module) -> nnx.State:
+        """A draft head's global parameter state placed by :func:`param_spec` like the model's (``fc`` and the
+        norms replicated, attention heads and MLP columns over ``"model"``; the KV heads permuted by the plan's
+        ``kv_order`` like the model's, so the heads of its pools follow the model's block tables); the local module
+        that takes it: :meth:`local_head`."""
+        flat = list(nnx.to_flat_state(nnx.state(head)))
+        return nnx.from_flat_state([
+            (path, var.replace(jax.device_put(_prepare(path, np.asarray(var.get_value()), self.plan),
+                                              NamedSharding(self.mesh, param_spec(path))))) for path, var in flat])
 
     # ------------------------------------------------------------------------------------ description
 
@@ -209,11 +233,22 @@ class ShardedModel:
                                                            ssm=P(DATA, None, None, MODEL, None, None))
         return ModelCaches(pages={k: self._page_spec() for k in caches.pages}, gdn=gdn)
 
-    def init_caches(self, *, num_pages: int, page_size: int, **options: Any) -> ModelCaches:
+    def init_caches(self, *, num_pages: int, page_size: int, head: nnx.Module | None = None,
+                    **options: Any) -> ModelCaches:
         """Zeroed global caches, created in place on their devices: ``num_pages`` pages *per device* of each
-        paged role, and the options of the family's ``init_caches`` (``max_seqs``, ``dtype``, ...)."""
-        local = jax.eval_shape(lambda: self.local.init_caches(num_pages=num_pages, page_size=page_size,
-                                                              **options))
+        paged role, and the options of the family's ``init_caches`` (``max_seqs``, ``dtype``, ...). ``head``: a
+        local draft head (:meth:`local_head`) whose page pools join the model's, laid out like them (its KV heads'
+        pages on their model device)."""
+        def local_caches() -> ModelCaches:
+            caches = self.local.init_caches(num_pages=num_pages, page_size=page_size, **options)
+            if head is None:
+                return caches
+            pools = head.init_caches(num_pages=num_pages, page_size=page_size,
+                                     dtype=options.get("dtype", jnp.float32),
+                                     kv_cache_dtype=options.get("kv_cache_dtype", "auto"))
+            return dataclasses.replace(caches, pages={**caches.pages, **pools})
+
+        local = jax.eval_shape(local_caches)
         d, m = self.data_size, self.model_size
         lead = (d, m) if self.plan.pages_over_model else (d,)
         shapes = ModelCaches(

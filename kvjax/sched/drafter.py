@@ -12,7 +12,7 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
 - :class:`StepDrafter`: drafts that come from the device step's output (``"mtp"``: the model's MTP layer drafts
   inside the jitted step, :mod:`kvjax.engine.drafting`); the engine records each step's drafts here
   (:meth:`StepDrafter.record`) and the next plan takes them (:meth:`StepDrafter.drafts_for`) instead of a host
-  ``propose``.
+  ``propose`` (on a mesh, one per data shard: :func:`shard_drafters`).
 - :class:`PacedDrafter`: a drafter with the step-cost rule that shortens or turns off the drafts where they do not
   pay (large batches; :func:`kvjax.sched.spec.draft_length`).
 - :class:`SpeculativeConfig`: the engine's ``speculative=`` setting (method, ``num_draft_tokens`` = ``K``, n-gram
@@ -21,6 +21,7 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
@@ -191,6 +192,16 @@ class SpeculativeConfig:
             return cls(num_draft_tokens=value.num_draft_tokens, drafter=value)
         raise ValueError(f"speculative must be None, one of {METHODS}, a SpeculativeConfig or a Drafter, "
                          f"got {value!r:.80}")
+
+
+def shard_drafters(drafter: Drafter | None, n: int) -> list[Drafter | None]:
+    """The drafter of each of an engine's ``n`` data shards: ``drafter`` itself for one shard or a host drafter
+    (whose ``propose`` reads only the tokens it is given); for a drafter whose drafts come from the device step
+    (``from_step``) on several shards, an independent copy per shard (its own held drafts, the same settings), so
+    that each shard's scheduler reads the drafts its own step rows made: two shards' equal slot numbers never mix."""
+    if n == 1 or drafter is None or not getattr(drafter, "from_step", False):
+        return [drafter] * n
+    return [copy.deepcopy(drafter) for _ in range(n)]
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:

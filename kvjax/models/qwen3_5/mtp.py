@@ -31,6 +31,11 @@ previous MTP hidden state ``g``. Every pass writes its K/V before attending, a q
 own, and the catch-ups tile every position with the true pairs, so keys left by rejected drafts or by draft steps
 are always overwritten before a later query can read them.
 
+**On a mesh** (:meth:`kvjax.models.sharding.ShardedModel.local_head`): each device runs a local module of the
+local config, its attention heads and MLP columns split over ``"model"`` like the model's layers (the model's KV-head
+placement), the embedding lookup and LM head through the local model's ``tp`` (vocabulary-sharded), the attention
+masks of its own KV heads; its pools hold those heads' pages.
+
 Full-sequence forward without a cache: :meth:`Qwen3_5MTP.dense` (training, and the oracle of the paged step).
 Loading: :func:`kvjax.models.qwen3_5.loading.load` reads the ``mtp.*`` tensors when the checkpoint has them and
 keeps the module beside (not inside) the model's parameters: :func:`mtp_of`.
@@ -50,6 +55,7 @@ from kvjax.config import check_kv_cache_dtype
 from kvjax.inputs import StepInputs
 from kvjax.models.common.checkpoint import abstract_model, assign_params, check_param_dtype
 from kvjax.models.common.layers import Linear, RMSNorm
+from kvjax.models.common.parallel import embed
 from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.layers import DecoderLayer
@@ -91,7 +97,7 @@ class Qwen3_5MTP(nnx.Module):
     def combine(self, model: Qwen3_5ForCausalLM, next_ids: jax.Array, hidden: jax.Array) -> jax.Array:
         """``fc([norm_e(embed(next_ids)) | norm_h(hidden)])``: i32[...], [..., H] -> [..., H]."""
         _check_model(model, self)
-        emb = model.model.embed_tokens[...][next_ids]  # [..., H]
+        emb = embed(model.model.embed_tokens[...], next_ids, model.tp)  # [..., H]
         e = self.pre_fc_norm_embedding(emb)
         g = self.pre_fc_norm_hidden(hidden.astype(emb.dtype))
         return self.fc(jnp.concatenate([e, g], axis=-1))
@@ -149,9 +155,13 @@ class Qwen3_5MTP(nnx.Module):
         cos, sin = self._cos_sin(positions)
         q, gate, k, v = lay.self_attn.project(lay.input_layernorm(u), cos, sin)
         own = write_kv_cache({r: pages[n] for r, n in names.items()}, k, v, slot_mapping, cu_seqlens=cu_seqlens)
+        window, sinks = jnp.asarray(a.window, jnp.int32), jnp.asarray(a.sinks, jnp.int32)  # i32[Hkv] each
+        if model.tp is not None:  # this device's KV heads of the global masks (as the model's own layers)
+            window = model.tp.local(jnp.asarray(model.tp.kv_window or (0,) * model.tp.size, jnp.int32))
+            sinks = model.tp.local(jnp.asarray(model.tp.kv_sinks or (0,) * model.tp.size, jnp.int32))
         o = paged_attention(
             q, own["key"], own["value"], block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=a.head_dim ** -0.5,
-            window=jnp.asarray(a.window, jnp.int32), sinks=jnp.asarray(a.sinks, jnp.int32),
+            window=window, sinks=sinks,
             k_scale=own.get("key_scale"), v_scale=own.get("value_scale"),
         )
         u = lay.mlp_block(u + lay.self_attn.finish(o, gate))
@@ -175,9 +185,7 @@ class Qwen3_5MTP(nnx.Module):
 
 
 def _check_model(model, mtp: Qwen3_5MTP) -> None:
-    if getattr(model, "tp", None) is not None:
-        raise NotImplementedError("the MTP layers run on a single-device model (no tensor-parallel shard)")
-    c, m = model.config, mtp.config
+    c, m = model.config, mtp.config  # a device-local shard's: both local configs (kvjax.models.sharding.shard_head)
     if (c.hidden_size, c.vocab_size, c.attention) != (m.hidden_size, m.vocab_size, m.attention):
         raise ValueError(f"MTP layers built for hidden {m.hidden_size}, vocab {m.vocab_size}, attention {m.attention}; "
                          f"the model has {c.hidden_size}, {c.vocab_size}, {c.attention}")
