@@ -92,13 +92,14 @@ def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, lis
                 events = step_events(engine)
             except Injected:
                 continue
+            cut = False  # the aborted request's later tokens of this same step (speculation) are not kept
             for ev in events:
-                if ev.index == first + ABORT and aborted:
-                    continue  # a token the aborted request's last step gave with its third (speculation)
-                out[ev.index].append(ev.token)
+                if ev.index == first + ABORT and cut:
+                    continue
+                out[ev.index].append(ev.token)  # a token of a later step after the abort fails the check below
                 if ev.index == first + ABORT and ev.position == 2 and not aborted:
                     engine.abort(ev.request_id)
-                    aborted = True
+                    aborted = cut = True
         assert aborted and len(out[first + ABORT]) == 3
         engine.check_integrity()
     engine.clear_prefix_cache()

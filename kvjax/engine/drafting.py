@@ -22,8 +22,10 @@ On a ``("data", "model")`` mesh (:mod:`kvjax.models.sharding`) the MTP layer is 
 model's KV-head placement; ``fc`` and the norms replicated), its pools are created per device like the model's
 pages (a KV head's MTP pages on the device that holds its model pages), and every drafting step runs inside the
 step's ``shard_map`` for each data shard: ``StepTokens.drafts`` is ``i32[D, B, K]``, each shard's drafts for its own
-rows (recorded by that shard's :class:`~kvjax.sched.drafter.StepDrafter`). A key the MTP layer wrote for a rejected draft, a draft step or a
-prefix-cache block whose next token differs only changes later drafts, never a token: drafts are verified.
+rows (recorded by that shard's :class:`~kvjax.sched.drafter.StepDrafter`).
+
+A key the MTP layer wrote for a rejected draft, a draft step or a prefix-cache block whose next token differs only
+changes later drafts, never a token: drafts are verified.
 """
 
 from __future__ import annotations
