@@ -31,7 +31,6 @@ from kvjax.engine.runner import Runner
 from kvjax.engine.verify import spec_rows, sum_stats, verification_plans, verify_stats
 from kvjax.models.interface import ModelCaches
 from kvjax.sched import spec
-from kvjax.sched.burst import burst_sizes
 from kvjax.sched.drafter import Drafter, shard_drafters
 from kvjax.sched.plan import StepPlan
 from kvjax.sched.scheduler import Scheduler
@@ -90,24 +89,14 @@ class StepPipeline:
         self.drafters = shard_drafters(drafter, self.data_shards)
 
     def _burst(self, scheds: Sequence[Scheduler]) -> int:
-        """The sub-steps every data shard's plan of this step may run: a burst step is one for every data shard
-        (a shard with nothing to run fits any), else single steps. With a drafter whose drafts come from the
-        device step, every shard that runs must get a burst of the same kind: a verification burst where its rule
-        drafts (:func:`kvjax.sched.spec.rule_length` > 0; its ``K + 1`` positions per sub-step fit), a decode burst
-        where it drafts nothing (as :func:`kvjax.sched.burst.schedule_verify_burst` decides)."""
+        """The sub-steps every data shard's plan of this step may run: a burst step is one for every data shard,
+        of one kind (:meth:`Scheduler.burst_kind`: all decode bursts or all verification bursts; a shard with
+        nothing to run fits any), else single steps."""
         burst = self.decode_burst
         if len(scheds) == 1 or burst == 1:
             return burst
-        busy = [(s, d) for s, d in zip(scheds, self.drafters) if s.has_unfinished()]
-        if self.drafter is None or not getattr(self.drafter, "from_step", False):
-            return burst if all(s.burst_ready(burst) for s, _ in busy) else 1
-        kinds = set()
-        for s, d in busy:
-            k = spec.rule_length(s, d)
-            if burst_sizes(s, burst, k + 1 if k else 1) is None:
-                return 1
-            kinds.add(k > 0)
-        return burst if len(kinds) <= 1 else 1
+        kinds = {s.burst_kind(burst, d) for s, d in zip(scheds, self.drafters)} - {"idle"}
+        return burst if None not in kinds and len(kinds) <= 1 else 1
 
     def device_idle(self) -> bool:
         """Everything dispatched has finished (non-blocking)."""

@@ -51,6 +51,20 @@ def burst_sizes(sched: Scheduler, burst: int, per_step: int = 1) -> np.ndarray |
     return None
 
 
+def burst_kind(sched: Scheduler, burst: int, drafter: Drafter | None = None) -> str | None:
+    """The burst ``sched.schedule(burst, drafter)`` would return now: ``"idle"`` (nothing to run: an empty plan,
+    which fits any burst step of other data shards), ``"verify"`` (a verification burst: a drafter whose drafts
+    come from the device step, the rule drafting, its ``K + 1`` positions per sub-step fitting), ``"decode"`` (a
+    decode burst), or ``None`` (a single step). Recycles out-of-window blocks, as every ``schedule`` does first;
+    changes nothing else."""
+    if not sched.has_unfinished():
+        return "idle"
+    k = spec.rule_length(sched, drafter) if getattr(drafter, "from_step", False) else 0
+    if burst_sizes(sched, burst, k + 1 if k else 1) is None:
+        return None
+    return "verify" if k else "decode"
+
+
 def schedule_burst(sched: Scheduler, burst: int) -> StepPlan | None:
     """The decode-burst plan of ``sched.schedule(burst)`` (its pages allocated; the ledger's latest plan), or None
     (nothing changed but recycling) where a burst does not apply."""

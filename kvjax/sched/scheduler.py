@@ -60,7 +60,7 @@ import numpy as np
 from kvjax.config import INT32_MAX, AttentionConfig, CacheConfig, is_int
 from kvjax.sched import spec
 from kvjax.sched.admission import admit, chunk
-from kvjax.sched.burst import burst_sizes, schedule_burst, schedule_verify_burst
+from kvjax.sched.burst import burst_kind, schedule_burst, schedule_verify_burst
 from kvjax.sched.blocks import BlockAllocator
 from kvjax.sched.drafter import Drafter
 from kvjax.sched.integrity import check_scheduler
@@ -289,7 +289,11 @@ class Scheduler:
         """Whether :meth:`schedule` ``(burst)`` would return a decode burst now, or this scheduler has nothing to
         run (its plan is empty, which fits a burst step of other data shards). Recycles out-of-window blocks, as
         every ``schedule`` does first; changes nothing else."""
-        return not self.has_unfinished() or burst_sizes(self, burst) is not None
+        return self.burst_kind(burst) is not None
+
+    def burst_kind(self, burst: int, drafter: Drafter | None = None) -> str | None:
+        """What :meth:`schedule` ``(burst, drafter)`` would run now: :func:`kvjax.sched.burst.burst_kind`."""
+        return burst_kind(self, burst, drafter)
 
     def running_slots(self) -> np.ndarray:
         """i64[R] (read-only): the slots of ``running``, in order; rebuilt only when ``running`` changed."""

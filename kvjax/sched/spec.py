@@ -95,40 +95,42 @@ def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens
     return int(np.flatnonzero(saving >= saving.max() - 1e-9 * max(rows, flat_tokens))[-1])
 
 
-def rule_length(sched: Any, drafter: Drafter) -> int:
-    """The drafts per row a step of ``sched`` verifies where its running rows all decode (a verification burst's
-    cap; an engine that drafts on the device drafts in a step only where this is ``> 0``): :func:`draft_length`
-    with every running row decoding under a :class:`~kvjax.sched.drafter.PacedDrafter`, else ``K``."""
-    K = drafter.num_draft_tokens
-    rows = len(sched.running)
+def paced_length(sched: Any, drafter: Drafter, decoding: int, base_tokens: int) -> int:
+    """The drafts per row a step of ``sched`` may verify under ``drafter``: ``K``, but under a
+    :class:`~kvjax.sched.drafter.PacedDrafter` none while more than its ``disable_by_batch_size`` requests run, and
+    :func:`draft_length` for ``decoding`` rows beside ``base_tokens`` tokens where it has a flat region."""
+    K = int(drafter.num_draft_tokens)
     if not isinstance(drafter, PacedDrafter):
-        return int(K)
-    if drafter.disable_by_batch_size is not None and rows > drafter.disable_by_batch_size:
+        return K
+    if drafter.disable_by_batch_size is not None and len(sched.running) > drafter.disable_by_batch_size:
         return 0
     if drafter.flat_tokens is None:
-        return int(K)
-    return draft_length(rows, min(rows, sched.max_num_batched_tokens), sched.spec_stats, K, drafter.flat_tokens)
+        return K
+    return draft_length(decoding, base_tokens, sched.spec_stats, K, drafter.flat_tokens)
+
+
+def rule_length(sched: Any, drafter: Drafter) -> int:
+    """The drafts per row a step of ``sched`` verifies where its running rows all decode (a verification burst's
+    cap; an engine that drafts on the device drafts in a step only where this is ``> 0``): :func:`paced_length`
+    with every running row decoding."""
+    rows = len(sched.running)
+    return paced_length(sched, drafter, rows, min(rows, sched.max_num_batched_tokens))
 
 
 def propose(sched: Any, drafter: Drafter, k: int | None = None) -> dict[int, np.ndarray]:
-    """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; a
-    :class:`~kvjax.sched.drafter.PacedDrafter` at most :func:`draft_length`'s and none while more than its
-    ``disable_by_batch_size`` requests run, or ``k`` where given; see the module docstring)."""
+    """Drafts for ``sched``'s running requests that decode: {slot: i32[k]} (``k >= 1``; at most
+    :func:`paced_length`'s, or ``k`` where given; see the module docstring)."""
     t = sched.rows
-    slots = np.array([r.slot for r in sched.running], np.int64)  # i64[R]
+    slots = sched.running_slots()  # i64[R]
     if not slots.size:
         return {}
     nt, done = t.num_tokens[slots], t.num_computed[slots]
     room = t.max_tokens[slots] - nt - 1  # i64[R]
     ok = (done >= t.prompt_len[slots]) & (t.num_pending[slots] == 0) & (nt - done == 1) & (room > 0)
-    K = drafter.num_draft_tokens if k is None else int(k)
-    if isinstance(drafter, PacedDrafter) and k is None:
-        cap = drafter.disable_by_batch_size
-        if cap is not None and slots.size > cap:
-            return {}
-        if drafter.flat_tokens is not None:
-            base = min(int((nt - done).sum()), sched.max_num_batched_tokens)
-            K = draft_length(int(ok.sum()), base, sched.spec_stats, K, drafter.flat_tokens)
+    if k is None:
+        K = paced_length(sched, drafter, int(ok.sum()), min(int((nt - done).sum()), sched.max_num_batched_tokens))
+    else:
+        K = int(k)
     room = np.minimum(room, K)
     ok &= room > 0
     out = {}
