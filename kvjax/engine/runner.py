@@ -93,6 +93,24 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
     return StepTokens(out, drafts), caches
 
 
+def layout_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked: tuple, prev_tokens: jax.Array,
+                layout: PackLayout, greedy_only: bool, *, unroll: bool, drafting: Drafting | None,
+                localize: Callable[[StepInputs], StepInputs] | None = None
+                ) -> tuple[jax.Array | StepTokens, ModelCaches]:
+    """One device's step of whatever ``layout`` packs (traceable; on a mesh, one data shard's under ``shard_map``):
+    a verification burst (:func:`~kvjax.engine.verify.verify_burst`, always with the MTP ``drafting``), a
+    verification step (:func:`~kvjax.engine.verify.verify_step`) or an ordinary step or decode burst
+    (:func:`device_step`), the last two drafting where the rule drafts (``layout.draft``)."""
+    if layout.spec and layout.burst > 1:
+        return verify_burst(model_step, params, caches, unpacked, layout, greedy_only, drafting, localize=localize)
+    drafts = drafting if layout.draft else None  # the MTP layer runs where the rule drafts
+    if layout.spec:  # rows of a data shard without drafts: draft_len 0
+        return verify_step(model_step, params, caches, unpacked, prev_tokens, layout, greedy_only, drafting=drafts,
+                           localize=localize)
+    return device_step(model_step, params, caches, unpacked, prev_tokens, layout, greedy_only, unroll=unroll,
+                       localize=localize, drafting=drafts)
+
+
 def engine_model(model: Any, mesh: Mesh | None) -> ShardedModel | None:
     """The :class:`ShardedModel` an engine runs (``None`` on one device without a mesh): ``model`` itself if it is
     one, else ``shard_model(model, mesh)``. ``ValueError`` for a mesh that is not a ``("data", "model")``
@@ -165,17 +183,10 @@ class Runner:
             self.counter.count(f"T={layout.shape('token_ids')[-1]}, B={layout.shape('seq_lens')[-1]}, "
                                f"decode_only={layout.decode_only}, burst={layout.burst}, spec={layout.spec}, "
                                f"draft={layout.draft}")
-            drafts = drafting if layout.draft else None  # the MTP layer runs where the rule drafts
-            if layout.spec and sharded is None:
-                if layout.burst > 1:
-                    return verify_burst(model_step, leaves, caches, layout.unpack(buf), layout, greedy_only, drafting)
-                return verify_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
-                                   drafting=drafts)
             if sharded is None:
-                return device_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
-                                   unroll=unroll, drafting=drafts)
-            return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll,
-                                 drafting if layout.spec and layout.burst > 1 else drafts)
+                return layout_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
+                                   unroll=unroll, drafting=drafting)
+            return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll, drafting)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
         if sharded is None:
@@ -213,10 +224,10 @@ class Runner:
             return self._fn.lower(self.params, caches, buf, prev_tokens, layout, greedy_only)
 
     def _on_mesh(self, model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll, drafting):
-        """The step on the mesh: each device runs :func:`device_step` / :func:`verify_step` / :func:`verify_burst`
-        on its data shard's inputs (its KV heads' columns of the tables) under ``shard_map``; with ``drafting``
-        (the MTP layers, split like the model's) the tokens come as ``StepTokens`` whose drafts are ``i32[D, B,
-        K]``. The tokens (and drafts) are returned replicated."""
+        """The step on the mesh: each device runs :func:`layout_step` on its data shard's inputs (its KV heads'
+        columns of the tables) under ``shard_map``; with ``drafting`` (the MTP layers, split like the model's) the
+        tokens come as ``StepTokens`` whose drafts are ``i32[D, B, K]``. The tokens (and drafts) are returned
+        replicated."""
         sharded = self.sharded
         specs = sharded.cache_specs(caches)
         split_heads = sharded.plan.pages_over_model and sharded.model_size > 1
@@ -232,16 +243,8 @@ class Runner:
 
         def local(leaves, caches, unpacked, prev):
             unpacked = jax.tree.map(lambda x: x[0], unpacked)  # this data shard's inputs
-            caches = sharded.local_caches(caches)
-            if layout.spec and layout.burst > 1:  # a verification burst (the MTP drafter's): every shard's rows
-                tokens, new = verify_burst(model_step, leaves, caches, unpacked, layout, greedy_only, drafting,
-                                           localize=localize)
-            elif layout.spec:  # a verification step (rows of a shard without drafts: draft_len 0)
-                tokens, new = verify_step(model_step, leaves, caches, unpacked, prev[0], layout, greedy_only,
-                                          drafting=drafting, localize=localize)
-            else:
-                tokens, new = device_step(model_step, leaves, caches, unpacked, prev[0], layout, greedy_only,
-                                          unroll=unroll, localize=localize, drafting=drafting)
+            tokens, new = layout_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
+                                      greedy_only, unroll=unroll, drafting=drafting, localize=localize)
             return jax.tree.map(lambda x: x[None], tokens), sharded.global_caches(new)
 
         # the packed buffer is unpacked in the global view (slices of the data-sharded i32[D, N]: no communication),
