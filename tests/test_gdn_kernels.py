@@ -7,6 +7,7 @@ float32 inputs, <= 2e-2 for bfloat16 inputs (the issue's acceptance bounds).
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import jax
@@ -179,6 +180,99 @@ def test_prep_matches_float64_interpret(rng, dtype, hk, hv, kd, vd, chunk):
     assert out[2].shape == rw.shape and out[3].shape == ru.shape
     assert rel_err(out[2], rw) <= TOL[dtype] and rel_err(out[3], ru) <= TOL[dtype], (rel_err(out[2], rw),
                                                                                       rel_err(out[3], ru))
+
+
+def check_mosaic_prep(rng, lens, hk, hv, kd, vd, *, l2, lead, pad_tokens, interpret):
+    """The Mosaic GPU preparation kernel (``PrepConfig(kernel="mosaic")``): ``w``, ``u`` against the float64
+    definitions (the bf16 tolerance) and every output against the Triton kernel's, which rounds the same operands
+    to bf16: ``w``, ``u``, ``A`` to 1e-4 in the interpreter (the same products in jnp; a missing product of the
+    inverse is far above it, unlike against float64) and 1e-2 compiled (other accumulation orders can flip bf16
+    roundings of the inverse's operands), the f32 row factors to 1e-5, q / k padded alike."""
+    from kvjax.pallas.gdn.prep import PrepConfig, prepare
+
+    q, k, v, g, beta, cu, _ = make_inputs(rng, lens, hk, hv, kd, vd, jnp.bfloat16, pad_tokens=pad_tokens,
+                                          unit_qk=not l2)
+    cu = cu + lead
+    kw = dict(scale=kd ** -0.5, use_qk_l2norm=l2, chunk=64, interpret=interpret)
+    got = prepare(q, k, v, g, beta, cu, config=PrepConfig(kernel="mosaic"), **kw)
+    want = prepare(q, k, v, g, beta, cu, **kw)
+    rw, ru = prep_reference(q, k, v, g, beta, cu, chunk=64, l2=l2)
+    tol = TOL[jnp.bfloat16]
+    assert [x.shape for x in got] == [x.shape for x in want] and [x.dtype for x in got] == [x.dtype for x in want]
+    assert rel_err(got[2], rw) <= tol and rel_err(got[3], ru) <= tol, (rel_err(got[2], rw), rel_err(got[3], ru))
+    same_tol = 1e-4 if interpret else 1e-2
+    for name, i in (("w", 2), ("u", 3), ("a", 4)):
+        assert rel_err(got[i], want[i]) <= same_tol, (name, rel_err(got[i], want[i]))
+    for name, i in (("qf", 5), ("kf", 6), ("gl", 7)):
+        assert rel_err(got[i], want[i]) <= 1e-5, (name, rel_err(got[i], want[i]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("hk,hv,kd,vd,l2", [(2, 4, 64, 64, True), (1, 1, 128, 64, False)])
+def test_prep_mosaic_interpret(rng, hk, hv, kd, vd, l2):
+    """The Mosaic GPU preparation kernel under the Mosaic GPU interpreter (its products in jnp; the TMA copies,
+    barriers, shared-memory operand tiles and output copies as compiled): sequences that start and end inside a
+    chunk, an empty one, tokens outside every sequence at both ends, 2 value heads per key head (one CTA does both)
+    and 1, with and without the in-kernel l2norm."""
+    check_mosaic_prep(rng, [5, 0, 23, 40, 70], hk, hv, kd, vd, l2=l2, lead=2, pad_tokens=5, interpret=True)
+
+
+def test_prep_mosaic_through_pool_kernel_interpret(rng):
+    """The whole pool kernel with the Mosaic GPU preparation kernel (``prep=PrepConfig(kernel="mosaic")``) against
+    the recurrent reference: the prepared quantities reach the sequential kernel in the Triton kernel's form."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.prep import PrepConfig
+
+    lens = [70, 0, 50]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 2, 64, 64, jnp.bfloat16, pad_tokens=3)
+    o, pool = chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.arange(3, dtype=jnp.int32),
+        flags=jnp.full((3,), 3, jnp.int32), scale=0.125, use_qk_l2norm=True, block_v=32,
+        prep=PrepConfig(kernel="mosaic"), interpret=True)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.125, use_qk_l2norm=True), s0)
+    assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(pool, rf) <= TOL[jnp.bfloat16]
+
+
+def test_prep_mosaic_refusals(rng):
+    """What the Mosaic GPU preparation kernel refuses, with the reason, and the config's checks."""
+    from kvjax.pallas.gdn.prep import PrepConfig, prepare
+    from kvjax.pallas.gdn.prep_mgpu import shape_reason
+
+    def arrays(dtype=jnp.bfloat16, hk=2, hv=4, kd=64, vd=64):
+        q, k, v, *_ = make_inputs(rng, [64], hk, hv, kd, vd, dtype)
+        return q, k, v
+
+    assert shape_reason(*arrays(), chunk=64) is None
+    for args, chunk, match in [(arrays(jnp.float32), 64, "bf16.*float32"), (arrays(kd=96), 64, "K=96"),
+                               (arrays(vd=32), 64, "V=32"), (arrays(), 32, "chunk == 64, got 32"),
+                               (arrays(hk=1, hv=8), 64, "Hk=1, Hv=8"), (arrays(hk=2, hv=3), 64, "Hk=2, Hv=3")]:
+        assert re.search(match, shape_reason(*args, chunk=chunk)), (match, shape_reason(*args, chunk=chunk))
+    q, k, v, g, beta, cu, _ = make_inputs(rng, [40], 1, 1, 24, 24, jnp.bfloat16)
+    with pytest.raises(ValueError, match="prep_mgpu needs K and V in"):
+        prepare(q, k, v, g, beta, cu, scale=0.1, use_qk_l2norm=True, chunk=64, config=PrepConfig(kernel="mosaic"),
+                interpret=True)
+    for bad, match in [(dict(kernel="cuda"), "kernel.*'cuda'"),
+                       (dict(kernel="mosaic", inverse_dtype="tf32"), "inverse_dtype='bf16' only")]:
+        with pytest.raises(ValueError, match=match):
+            PrepConfig(**bad)
+
+
+def test_prep_mosaic_lowers_for_cuda():
+    """The Mosaic GPU preparation kernel lowers to a Mosaic GPU module for CUDA without a GPU (register layouts,
+    wgmma operands, TMA boxes), K = V = 128 with 2 value heads per key head and K = 64, V = 128 with 4."""
+    from jax import export
+
+    from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
+
+    sds = jax.ShapeDtypeStruct
+    for kd, vd, hk, hv, l2 in [(128, 128, 2, 4, True), (64, 128, 1, 4, False)]:
+        tp = 256
+        args = (sds((tp,), jnp.int32), sds((tp, hk, kd), jnp.bfloat16), sds((tp, hk, kd), jnp.bfloat16),
+                sds((tp, hv, vd), jnp.bfloat16), sds((tp, hv), jnp.float32), sds((tp, hv), jnp.float32))
+        fn = jax.jit(lambda *a, l2=l2: prep_mgpu_call(*a, chunk=64, scale=0.1, use_qk_l2norm=l2))
+        assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 
 @pytest.mark.parametrize("dtype,kd,vd", [(jnp.float32, 16, 16), (jnp.bfloat16, 16, 16), (jnp.float32, 24, 20)])
@@ -536,6 +630,27 @@ def test_prep_matches_float64_gpu(rng, dtype):
     ro, rf = gdn.recurrent_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.1, use_qk_l2norm=True), s0)
     assert rel_err(o, ro) <= TOL[dtype] and rel_err(f, rf) <= TOL[dtype], (rel_err(o, ro), rel_err(f, rf))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hk,hv,kd,vd,l2", [(2, 4, 128, 128, True), (2, 2, 64, 64, True), (1, 4, 128, 128, False)])
+def test_prep_mosaic_gpu(rng, hk, hv, kd, vd, l2):
+    """The compiled Mosaic GPU preparation kernel on the issue's ragged grid against the float64 definitions and the
+    Triton kernel (:func:`check_mosaic_prep`), then the whole pool kernel with it against the recurrent reference."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.prep import PrepConfig
+
+    check_mosaic_prep(rng, GPU_LENS, hk, hv, kd, vd, l2=l2, lead=7, pad_tokens=70, interpret=False)
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, hk, hv, kd, vd, jnp.bfloat16, pad_tokens=70,
+                                           unit_qk=not l2)
+    n = len(GPU_LENS)
+    o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
+                                       rows=jnp.arange(n, dtype=jnp.int32), flags=jnp.full((n,), 3, jnp.int32),
+                                       scale=kd ** -0.5, use_qk_l2norm=l2, prep=PrepConfig(kernel="mosaic"))
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=l2), s0)
+    assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
+                                                                                        rel_err(f, rf))
 
 
 @pytest.mark.gpu

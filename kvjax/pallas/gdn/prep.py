@@ -36,9 +36,11 @@ from kvjax.base.device import next_pow2
 from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import L2NORM_EPS, f32_precision, head_cols, load, store, tile_mask
 from kvjax.pallas.gdn.common import dot as _dot
+from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 
 SUB = 16  # diagonal block size of the in-kernel inverse
 INVERSE_DTYPES = ("bf16", "tf32")
+KERNELS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +49,24 @@ class PrepConfig:
 
     ``num_warps``: Triton warps. ``inverse_dtype``: operands of the inverse's products for bf16 inputs,
     ``"bf16"`` (one bf16 pass; measured faster than ``"tf32"`` with the same output error, RESULTS.md "GDN chunked
-    prefill") or ``"tf32"`` (float32 inputs always take the other products' precision).
+    prefill") or ``"tf32"`` (float32 inputs always take the other products' precision). ``kernel``: ``"triton"``
+    (:func:`_prep_kernel`) or ``"mosaic"`` (:mod:`kvjax.pallas.gdn.prep_mgpu`, Hopper wgmma: bf16 inputs, the
+    ``"bf16"`` inverse, the shapes its ``shape_reason`` accepts; ``num_warps`` does not apply).
     """
 
     num_warps: int = 4
     inverse_dtype: str = "bf16"
+    kernel: str = "triton"
 
     def __post_init__(self):
         if not (isinstance(self.num_warps, int) and not isinstance(self.num_warps, bool) and self.num_warps >= 1):
             raise ValueError(f"PrepConfig.num_warps must be a positive int, got {self.num_warps!r}")
         if self.inverse_dtype not in INVERSE_DTYPES:
             raise ValueError(f"PrepConfig.inverse_dtype must be one of {INVERSE_DTYPES}, got {self.inverse_dtype!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"PrepConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "mosaic" and self.inverse_dtype != "bf16":
+            raise ValueError(f"PrepConfig(kernel='mosaic') takes inverse_dtype='bf16' only, got {self.inverse_dtype!r}")
 
 
 def _dot_t(a, b, *, precision):
@@ -222,7 +231,8 @@ def prepare(
     Returns ``(q, k, w, u, a, qf, kf, gl)``: q / k padded to ``Tp = NC * C`` tokens but otherwise *raw* (the
     sequential kernels scale their rows by ``qf`` / ``kf``), ``w: [NC, Hv, C, K]``, ``u: [NC, Hv, C, V]``,
     ``a: [NC, Hv, C, C]`` in the input dtype and ``qf, kf, gl: f32[NC, Hv, C]``. Everything is computed by
-    :func:`_prep_kernel`; only the segment ids and the padding are XLA.
+    :func:`_prep_kernel` (or, with ``config.kernel="mosaic"``, :func:`kvjax.pallas.gdn.prep_mgpu.prep_mgpu_call`,
+    which raises ``ValueError`` for shapes it does not take); only the segment ids and the padding are XLA.
     """
     if not isinstance(config, PrepConfig):
         raise ValueError(f"config must be a PrepConfig, got {config!r}")
@@ -241,7 +251,11 @@ def prepare(
     qp, kp, vp = pad(q), pad(k), pad(v)
     gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
     bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
-    w, u, a, qf, kf, gl = _prep_call(
-        seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
-        interpret=interpret)
+    if config.kernel == "mosaic":
+        w, u, a, qf, kf, gl = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale,
+                                             use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    else:
+        w, u, a, qf, kf, gl = _prep_call(
+            seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,
+            interpret=interpret)
     return qp, kp, w, u, a, qf, kf, gl

@@ -1,0 +1,294 @@
+"""Preparation stage of the chunked gated delta rule as a Mosaic GPU kernel (Hopper: TMA copies, wgmma).
+
+Same inputs, outputs and arithmetic as :mod:`kvjax.pallas.gdn.prep`'s Triton kernel (``PrepConfig(kernel=
+"mosaic")`` picks this one): per global chunk of ``C = 64`` tokens and value head the segment cumulative decay
+``gc`` / ``gl``, ``A = (q k^T) * decay``, ``T = (I + L)^-1`` with ``L = tril(beta k k^T * decay, -1)``,
+``w = T (beta exp(gc) k)``, ``u = T (beta v)`` and the row factors ``qf``, ``kf``, on the raw q / k (the l2norm
+and ``scale`` are per-row / per-column factors of the f32 products).
+
+One CTA (one warpgroup) per (chunk, key head) and its ``Hv / Hk`` value heads. At entry it issues every TMA copy
+it will need into swizzled shared memory: the chunk's segment ids, q and k rows, and per value head the v rows
+and the (transposed) log-decay and beta rows, so the value heads' loads overlap the key head's products. All
+products are wgmma with f32 accumulators in registers: ``q k^T`` and ``k k^T`` (issued together), then per value
+head the inverse by doubling as in the Triton kernel (``(I + D)^-1`` of the 16x16 block diagonal by the products
+``(I - D)(I + D^2)(I + D^4)(I + D^8)``, then ``(I + F)^-1`` of the rest; the independent products of a step are
+issued together: 8 dependent steps for the 10 products), each product's left operand in registers (bf16, the
+wgmma layout of the previous accumulator) and its right operand stored to one shared 64x64 bf16 tile; ``w`` and
+``u`` (issued together) take ``T`` in bf16. Every operand is rounded to bf16 where the Triton kernel rounds it
+(``PrepConfig.inverse_dtype="bf16"``). ``A``, ``w``, ``u`` and the row factors go back by TMA from shared memory
+(``w`` through the tile that held ``beta exp(gc) k``, ``u`` through v's own tile).
+
+Row and column vectors: a per-token vector is a wgmma row vector (``Layout.WGMMA.reduce(1)``, broadcast along
+columns) or column vector (``reduce(0)``). The segment ids and the log-decay are loaded both ways from shared
+memory; ``|k_j|^2`` is the diagonal of ``k k^T`` (a row sum and a column sum of its masked diagonal) and ``gc``'s
+column form is the column sum of its masked diagonal, so no vector is ever transposed through memory.
+
+Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 MFLOP, once per key head), 10
+inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per key head and 16.5 KB (v, g, beta)
+per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
+
+Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
+no transposed or register wgmma operands), bf16 q / k / v, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of
+64 and at most ``MAX_GROUP`` value heads per key head (the value tiles of all of them are in shared memory).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kvjax.pallas.gdn.common import L2NORM_EPS
+from kvjax.pallas.mgpu_common import interpret_params, iota, swizzled
+
+CHUNK = 64  # tokens per chunk: one wgmma M tile of one warpgroup
+SUB = 16  # diagonal block size of the inverse (as the Triton kernel)
+SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_GROUP = 4  # value heads per key head (their v tiles share the CTA's shared memory)
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # f32[C] indexed by row, broadcast along columns
+_COL = plgpu.Layout.WGMMA.reduce(0)  # f32[C] indexed by column, broadcast along rows
+
+
+def shape_reason(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int) -> str | None:
+    """What this kernel cannot take (``"needs ..., got ..."``), or None: bf16 q / k / v, K and V in
+    ``SUPPORTED_HEAD_DIMS``, ``chunk == CHUNK``, ``Hv`` a multiple of ``Hk`` with at most ``MAX_GROUP`` value heads
+    per key head."""
+    if not (q.dtype == k.dtype == v.dtype == jnp.bfloat16):
+        return f"needs bf16 q / k / v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS or v.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"needs K and V in {SUPPORTED_HEAD_DIMS}, got K={q.shape[-1]}, V={v.shape[-1]}"
+    if chunk != CHUNK:
+        return f"needs chunk == {CHUNK}, got {chunk}"
+    hk, hv = q.shape[1], v.shape[1]
+    if hv % hk or hv // hk > MAX_GROUP:
+        return f"needs Hv a multiple of Hk with Hv / Hk <= {MAX_GROUP}, got Hk={hk}, Hv={hv}"
+    return None
+
+
+def _kernel(
+    seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
+    q_ref,  # bf16[Tp, Hk, K]  raw q
+    k_ref,  # bf16[Tp, Hk, K]  raw k
+    v_ref,  # bf16[Tp, Hv, V]
+    g_ref,  # f32[Hv, Tp]  log-decay (0 outside every sequence)
+    b_ref,  # f32[Hv, Tp]  beta (0 outside every sequence)
+    w_ref,  # bf16[NC, Hv, C, K]
+    u_ref,  # bf16[NC, Hv, C, V]
+    a_ref,  # bf16[NC, Hv, C, C]
+    qf_ref,  # f32[NC, Hv, C]
+    kf_ref,  # f32[NC, Hv, C]
+    gl_ref,  # f32[NC, Hv, C]
+    seg_s,  # i32[C]
+    q_s,  # bf16[C, K]  swizzled
+    k_s,  # bf16[C, K]  swizzled
+    v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u
+    g_s,  # f32[G, C]
+    b_s,  # f32[G, C]
+    kb_s,  # bf16[C, K]  swizzled: beta exp(gc) k, then w
+    a_s,  # bf16[C, C]  swizzled: A
+    vec_s,  # f32[3, C]  qf, kf, gl
+    op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products
+    qk_bar,  # barrier: seg, q, k loaded (3 arrivals)
+    v_bar,  # barriers [G]: v, g, beta of value head j loaded (3 arrivals)
+    *,
+    group: int,
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool,
+):
+    c = lax.axis_index("chunk")
+    hk = lax.axis_index("head")
+    chunk = CHUNK
+    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    kd, vd = q_s.shape[1], v_s.shape[2]
+
+    plgpu.copy_gmem_to_smem(seg_ref.at[rows], seg_s, qk_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, qk_bar)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, qk_bar)
+    for j in range(group):
+        h = hk * group + j
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_s.at[j], v_bar.at[j])
+        plgpu.copy_gmem_to_smem(g_ref.at[h, rows], g_s.at[j], v_bar.at[j])
+        plgpu.copy_gmem_to_smem(b_ref.at[h, rows], b_s.at[j], v_bar.at[j])
+
+    def vec(ref, layout):  # a per-token vector of shared memory as a row or column vector
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def tile(ref):  # a bf16 tile of shared memory in the wgmma layout
+        return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+    def bc_row(x, cols=chunk):  # row vector -> [C, cols]
+        return lax.broadcast_in_dim(x, (chunk, cols), [0])
+
+    def bc_col(x):  # column vector -> [C, C]
+        return lax.broadcast_in_dim(x, (chunk, chunk), [1])
+
+    def operand(a):  # a left operand: a bf16 shared-memory ref as is, an f32 array (an accumulator) in bf16
+        return a.astype(bf16) if a.dtype == f32 else a
+
+    def products(*pairs):  # f32 ``a @ b`` for each (a, b): a ref or array, b a ref (maybe transposed); together
+        if interpret:  # the interpreter has no transposed or register wgmma operands: the same products in jnp
+            out = []
+            for a, b, trans in pairs:
+                a = a.astype(bf16) if a.dtype == f32 else a[...]
+                b = b[...].T if trans else b[...]
+                out.append(jnp.dot(a, b, preferred_element_type=f32))
+            return out
+
+        def body(*accs):
+            for acc, (a, b, trans) in zip(accs, pairs):
+                plgpu.wgmma(acc, operand(a), plgpu.transpose_ref(b, (1, 0)) if trans else b)
+            return tuple(acc[...] for acc in accs)
+
+        shapes = [(chunk, b.shape[0] if trans else b.shape[1]) for _, b, trans in pairs]
+        return list(pl.run_scoped(body, *[plgpu.ACC(s, f32) for s in shapes]))
+
+    def stored(x):  # x (f32 [C, C]) as the right operand tile, in bf16
+        op_s[...] = x.astype(bf16)
+        plgpu.commit_smem()
+        return op_s, False
+
+    ri = iota((chunk, chunk), 0, interpret)
+    ci = iota((chunk, chunk), 1, interpret)
+    eye = ri == ci
+    eye_f = jnp.where(eye, 1.0, 0.0)
+    block_diag = (ri & ~(SUB - 1)) == (ci & ~(SUB - 1))
+
+    def inverse(lmat):  # f32[C, C] (I + lmat)^-1 of a strictly lower lmat, as prep._unit_lower_inverse
+        power = -jnp.where(block_diag, lmat, 0.0)
+        inv_d = eye_f + power
+        (power,) = products((power, *stored(power)))
+        steps = int(np.log2(SUB)) - 1
+        for i in range(steps):  # inv_d (I + power) and the next power^2 read the same stored power
+            b = stored(power)
+            if i < steps - 1:
+                xp, power = products((inv_d, *b), (power, *b))
+            else:
+                (xp,) = products((inv_d, *b))
+            inv_d = inv_d + xp
+        (power,) = products((inv_d, *stored(jnp.where(block_diag, 0.0, lmat))))
+        power = -power
+        inv_f = eye_f + power
+        steps = int(np.log2(chunk // SUB)) - 1
+        if steps:
+            (power,) = products((power, *stored(power)))
+        for i in range(steps):
+            b = stored(power)
+            if i < steps - 1:
+                xp, power = products((inv_f, *b), (power, *b))
+            else:
+                (xp,) = products((inv_f, *b))
+            inv_f = inv_f + xp
+        (tinv,) = products((inv_f, *stored(inv_d)))
+        return tinv
+
+    plgpu.barrier_wait(qk_bar)
+    seg_r, seg_c = vec(seg_s, _ROW), vec(seg_s, _COL)
+    in_seq = seg_r >= 0
+    same = (bc_row(seg_r) == bc_col(seg_c)) & bc_row(in_seq)
+    keep = same & (ri >= ci)
+    qk, kk = products((q_s, k_s, True), (k_s, k_s, True))
+    k_rows = tile(k_s).astype(f32)  # f32[C, K]
+    if use_qk_l2norm:
+        q_rows = tile(q_s).astype(f32)
+        rq = lax.rsqrt(jnp.sum(q_rows * q_rows, axis=1) + L2NORM_EPS)
+        kk_diag = jnp.where(eye, kk, 0.0)
+        rk = lax.rsqrt(jnp.sum(kk_diag, axis=1) + L2NORM_EPS)
+        rk_c = lax.rsqrt(jnp.sum(kk_diag, axis=0) + L2NORM_EPS)
+        qk = qk * bc_row(rq * scale) * bc_col(rk_c)
+        kk = kk * bc_row(rk) * bc_col(rk_c)
+    else:
+        rq = rk = jnp.ones((chunk,), f32) if interpret else plgpu.layout_cast(jnp.ones((chunk,), f32), _ROW)
+        qk = qk * scale
+
+    for j in range(group):
+        h = hk * group + j
+        plgpu.barrier_wait(v_bar.at[j])
+        g_c, beta = vec(g_s.at[j], _COL), vec(b_s.at[j], _ROW)
+        gc = jnp.sum(jnp.where(keep, bc_col(g_c), 0.0), axis=1)  # row vector
+        gl = jnp.sum(jnp.where(same, bc_col(g_c), 0.0), axis=1)
+        gc_c = jnp.sum(jnp.where(eye, bc_row(gc), 0.0), axis=0)  # gc as a column vector
+        decay = jnp.exp(jnp.where(keep, bc_row(gc) - bc_col(gc_c), -jnp.inf))  # f32[C, C]
+        if j:  # the previous head's output copies must have read a_s, vec_s and kb_s
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        vec_s.at[0][...] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
+        vec_s.at[1][...] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
+        vec_s.at[2][...] = gl
+        a_s[...] = (qk * decay).astype(bf16)
+        kb_s[...] = (k_rows * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
+        v_j = v_s.at[j]
+        v_j[...] = (tile(v_j).astype(f32) * bc_row(beta, vd)).astype(bf16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(a_s, a_ref.at[c, h])
+        for i, out in enumerate((qf_ref, kf_ref, gl_ref)):
+            plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
+        lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
+        tinv = inverse(lmat)
+        w, u = products((tinv, kb_s, False), (tinv, v_j, False))
+        kb_s[...] = w.astype(bf16)
+        v_j[...] = u.astype(bf16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(kb_s, w_ref.at[c, h])
+        plgpu.copy_smem_to_gmem(v_j, u_ref.at[c, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def prep_mgpu_call(
+    seg: jax.Array,  # i32[Tp]
+    q: jax.Array,  # bf16[Tp, Hk, K]
+    k: jax.Array,  # bf16[Tp, Hk, K]
+    v: jax.Array,  # bf16[Tp, Hv, V]
+    g: jax.Array,  # f32[Tp, Hv]  0 outside every sequence
+    beta: jax.Array,  # f32[Tp, Hv]  0 outside every sequence
+    *,
+    chunk: int,
+    scale: float,
+    use_qk_l2norm: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call
+    """The preparation kernel's outputs, as :func:`kvjax.pallas.gdn.prep._prep_call` (``Tp`` a multiple of
+    ``chunk``): ``w [NC, Hv, C, K]``, ``u [NC, Hv, C, V]``, ``a [NC, Hv, C, C]`` in bf16, ``qf, kf, gl: f32[NC, Hv,
+    C]``. ``ValueError`` for what :func:`shape_reason` rejects."""
+    reason = shape_reason(q, k, v, chunk=chunk)
+    if reason:
+        raise ValueError(f"prep_mgpu {reason}")
+    tp, hk, kd = q.shape
+    hv, vd = v.shape[1], v.shape[2]
+    group = hv // hk
+    nc = tp // chunk
+    bf16 = jnp.bfloat16
+    rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
+    scratch = (
+        plgpu.SMEM((chunk,), jnp.int32),
+        plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((group, chunk, vd), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((group, chunk), jnp.float32),
+        plgpu.SMEM((group, chunk), jnp.float32),
+        plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((3, chunk), jnp.float32),
+        plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
+        plgpu.Barrier(num_arrivals=3),
+        plgpu.Barrier(num_arrivals=3, num_barriers=group),
+    )
+    kernel = functools.partial(_kernel, group=group, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((nc, hv, chunk, kd), bf16),
+            jax.ShapeDtypeStruct((nc, hv, chunk, vd), bf16),
+            jax.ShapeDtypeStruct((nc, hv, chunk, chunk), bf16),
+            rowf, rowf, rowf,
+        ),
+        scratch_types=scratch,
+        grid=(nc, hk),
+        grid_names=("chunk", "head"),
+        interpret=interpret_params() if interpret else None,
+    )(seg, q, k, v, g.T, beta.T)
