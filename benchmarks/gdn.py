@@ -3,7 +3,8 @@
 Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (the torch half,
 ``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below). Issue 38 on
 FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
-a side).
+a side); ``python benchmarks/gdn.py prep-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU
+preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -272,6 +273,76 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
+PREP_KERNELS = ("triton", "mosaic")
+
+
+def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
+    """The preparation kernel alone (``kvjax.pallas.gdn.prep.prepare``) and the whole pool kernel
+    (``chunk_gated_delta_rule_pool``, chunk parallelism as the public op picks it) with each preparation kernel
+    (``PrepConfig(kernel="triton" | "mosaic")``), one process, interleaved timing, on FlashQLA's recipe at its five
+    shapes. Checks: the Mosaic prep's outputs against the Triton prep's, and each whole kernel's output / final
+    state against the chunked reference. Prints one table row per shape."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.ops import gdn
+    from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.common import state_as_pool
+    from kvjax.pallas.gdn.prep import PrepConfig, prepare
+
+    import timing
+
+    rows = []
+    header = (f"{'shape':>20} {'prep triton':>12} {'prep mosaic':>12} {'x':>6} {'whole triton':>13} "
+              f"{'whole mosaic':>13} {'x':>6}  errors (mosaic prep vs triton prep; whole o / state vs reference)")
+    print(header, flush=True)
+    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
+        if shapes is not None and i not in shapes:
+            continue
+        q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
+        bf = jnp.bfloat16
+        q, k, v = (jnp.asarray(x, bf) for x in (q, k, v))
+        g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
+        scale = 128 ** -0.5
+        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
+        runners, outs = {}, {}
+        for kernel in PREP_KERNELS:
+            cfg = PrepConfig(kernel=kernel)
+            runners[f"prep {kernel}"] = jax.jit(lambda q, k, v, g, b, h, cfg=cfg: prepare(
+                q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False, chunk=CHUNK, config=cfg)[2:])
+
+            def whole(q, k, v, g, b, h, cfg=cfg):
+                pool, prow, flags = state_as_pool(h, len(seqlens), hv, 128, 128)
+                return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
+                                                   scale=scale, prep=cfg)
+            runners[f"whole {kernel}"] = jax.jit(whole)
+        args = (q, k, v, g, beta, h0)
+        for name, fn in runners.items():
+            outs[name] = fn(*args)
+        row = {"shape": _shape_name(seqlens, hk, hv), "index": i}
+        for j, name in enumerate(("w", "u", "a", "qf", "kf", "gl")):
+            row[f"err_prep_{name}"] = timing.rel_err(outs["prep mosaic"][j], outs["prep triton"][j])
+        for kernel in PREP_KERNELS:
+            o, f = outs[f"whole {kernel}"]
+            row[f"err_o_{kernel}"], row[f"err_state_{kernel}"] = timing.rel_err(o, ro), timing.rel_err(f, rf)
+        times = timing.interleaved({n: (lambda fn=fn: fn(*args)) for n, fn in runners.items()}, rounds=5, n=20)
+        for name, t in times.items():
+            row[f"{name} wall_ms"], row[f"{name} device_ms"] = t["wall_ms"], t["device_ms"]
+        rows.append(row)
+
+        def ms(name):  # device time where the profiler has it, else wall time
+            return row[f"{name} device_ms"] or row[f"{name} wall_ms"]
+
+        prep_err = max(row[f"err_prep_{n}"] for n in ("w", "u", "a", "qf", "kf", "gl"))
+        print(f"{row['shape']:>20} {ms('prep triton'):>12.4f} {ms('prep mosaic'):>12.4f} "
+              f"{ms('prep triton') / ms('prep mosaic'):>6.2f} {ms('whole triton'):>13.4f} {ms('whole mosaic'):>13.4f} "
+              f"{ms('whole triton') / ms('whole mosaic'):>6.2f}  prep {prep_err:.1e}; triton "
+              f"{row['err_o_triton']:.1e}/{row['err_state_triton']:.1e}, mosaic {row['err_o_mosaic']:.1e}/"
+              f"{row['err_state_mosaic']:.1e}", flush=True)
+        print("   wall ms: " + ", ".join(f"{n} {row[f'{n} wall_ms']:.4f}" for n in runners), flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import os
@@ -280,7 +351,12 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     side = sys.argv[1] if len(sys.argv) > 1 else "jax"
     only = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
-    out = flashqla_fla(only) if side == "fla" else flashqla_jax(variants=side != "auto", shapes=only)
+    if side == "fla":
+        out = flashqla_fla(only)
+    elif side == "prep-mgpu":
+        out = flashqla_prep_mgpu(only)
+    else:
+        out = flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as fh:
             json.dump(out, fh, indent=1)
