@@ -273,15 +273,18 @@ def flashqla_fla(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
-PREP_KERNELS = ("triton", "mosaic")
+PREP_VARIANTS = {  # name: PrepConfig keyword arguments (value_heads=1 only where a key head has several)
+    "triton": dict(), "mosaic": dict(kernel="mosaic"), "mosaic vh1": dict(kernel="mosaic", value_heads=1)}
 
 
 def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     """The preparation kernel alone (``kvjax.pallas.gdn.prep.prepare``) and the whole pool kernel
     (``chunk_gated_delta_rule_pool``, chunk parallelism as the public op picks it) with each preparation kernel
-    (``PrepConfig(kernel="triton" | "mosaic")``), one process, interleaved timing, on FlashQLA's recipe at its five
-    shapes. Checks: the Mosaic prep's outputs against the Triton prep's, and each whole kernel's output / final
-    state against the chunked reference. Prints one table row per shape."""
+    (:data:`PREP_VARIANTS`: Triton, Mosaic GPU with a key head's value heads per CTA, and one per CTA), one process,
+    interleaved timing, on FlashQLA's recipe at its five shapes. Checks: each Mosaic prep's outputs against the
+    Triton prep's (the largest relative error of w, u, A, qf, kf, gl), each whole kernel's output / final state
+    against the chunked reference. Prints one line per shape and variant: device ms (wall ms where the profiler
+    has no device records) of the prep and the whole kernel, and Triton's time over it."""
     import jax
     import jax.numpy as jnp
 
@@ -293,9 +296,8 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     import timing
 
     rows = []
-    header = (f"{'shape':>20} {'prep triton':>12} {'prep mosaic':>12} {'x':>6} {'whole triton':>13} "
-              f"{'whole mosaic':>13} {'x':>6}  errors (mosaic prep vs triton prep; whole o / state vs reference)")
-    print(header, flush=True)
+    print(f"{'shape':>20} {'prep':>11} {'ms':>8} {'x':>5} {'whole ms':>9} {'x':>5}  errors: prep vs triton prep; "
+          "whole o / state vs reference", flush=True)
     for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
         if shapes is not None and i not in shapes:
             continue
@@ -305,41 +307,38 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
         g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
         scale = 128 ** -0.5
         ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
-        runners, outs = {}, {}
-        for kernel in PREP_KERNELS:
-            cfg = PrepConfig(kernel=kernel)
-            runners[f"prep {kernel}"] = jax.jit(lambda q, k, v, g, b, h, cfg=cfg: prepare(
+        variants = {n: PrepConfig(**kw) for n, kw in PREP_VARIANTS.items() if kw.get("value_heads", 0) < hv // hk}
+        runners = {}
+        for name, cfg in variants.items():
+            runners[f"prep {name}"] = jax.jit(lambda q, k, v, g, b, h, cfg=cfg: prepare(
                 q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False, chunk=CHUNK, config=cfg)[2:])
 
             def whole(q, k, v, g, b, h, cfg=cfg):
                 pool, prow, flags = state_as_pool(h, len(seqlens), hv, 128, 128)
                 return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
                                                    scale=scale, prep=cfg)
-            runners[f"whole {kernel}"] = jax.jit(whole)
+            runners[f"whole {name}"] = jax.jit(whole)
         args = (q, k, v, g, beta, h0)
-        for name, fn in runners.items():
-            outs[name] = fn(*args)
-        row = {"shape": _shape_name(seqlens, hk, hv), "index": i}
-        for j, name in enumerate(("w", "u", "a", "qf", "kf", "gl")):
-            row[f"err_prep_{name}"] = timing.rel_err(outs["prep mosaic"][j], outs["prep triton"][j])
-        for kernel in PREP_KERNELS:
-            o, f = outs[f"whole {kernel}"]
-            row[f"err_o_{kernel}"], row[f"err_state_{kernel}"] = timing.rel_err(o, ro), timing.rel_err(f, rf)
+        outs = {name: fn(*args) for name, fn in runners.items()}
         times = timing.interleaved({n: (lambda fn=fn: fn(*args)) for n, fn in runners.items()}, rounds=5, n=20)
-        for name, t in times.items():
-            row[f"{name} wall_ms"], row[f"{name} device_ms"] = t["wall_ms"], t["device_ms"]
-        rows.append(row)
 
         def ms(name):  # device time where the profiler has it, else wall time
-            return row[f"{name} device_ms"] or row[f"{name} wall_ms"]
+            return times[name]["device_ms"] or times[name]["wall_ms"]
 
-        prep_err = max(row[f"err_prep_{n}"] for n in ("w", "u", "a", "qf", "kf", "gl"))
-        print(f"{row['shape']:>20} {ms('prep triton'):>12.4f} {ms('prep mosaic'):>12.4f} "
-              f"{ms('prep triton') / ms('prep mosaic'):>6.2f} {ms('whole triton'):>13.4f} {ms('whole mosaic'):>13.4f} "
-              f"{ms('whole triton') / ms('whole mosaic'):>6.2f}  prep {prep_err:.1e}; triton "
-              f"{row['err_o_triton']:.1e}/{row['err_state_triton']:.1e}, mosaic {row['err_o_mosaic']:.1e}/"
-              f"{row['err_state_mosaic']:.1e}", flush=True)
-        print("   wall ms: " + ", ".join(f"{n} {row[f'{n} wall_ms']:.4f}" for n in runners), flush=True)
+        for name in variants:
+            o, f = outs[f"whole {name}"]
+            row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "prep": name,
+                   "err_prep": max(timing.rel_err(a, b) for a, b in zip(outs[f"prep {name}"], outs["prep triton"])),
+                   "err_o": timing.rel_err(o, ro), "err_state": timing.rel_err(f, rf)}
+            for part in ("prep", "whole"):
+                row[f"{part}_wall_ms"] = times[f"{part} {name}"]["wall_ms"]
+                row[f"{part}_device_ms"] = times[f"{part} {name}"]["device_ms"]
+            rows.append(row)
+            print(f"{row['shape']:>20} {name:>11} {ms('prep ' + name):>8.4f} "
+                  f"{ms('prep triton') / ms('prep ' + name):>5.2f} {ms('whole ' + name):>9.4f} "
+                  f"{ms('whole triton') / ms('whole ' + name):>5.2f}  {row['err_prep']:.1e}; "
+                  f"{row['err_o']:.1e} / {row['err_state']:.1e}   (wall {row['prep_wall_ms']:.4f} / "
+                  f"{row['whole_wall_ms']:.4f})", flush=True)
     return rows
 
 

@@ -182,7 +182,7 @@ def test_prep_matches_float64_interpret(rng, dtype, hk, hv, kd, vd, chunk):
                                                                                       rel_err(out[3], ru))
 
 
-def check_mosaic_prep(rng, lens, hk, hv, kd, vd, *, l2, lead, pad_tokens, interpret):
+def check_mosaic_prep(rng, lens, hk, hv, kd, vd, *, l2, lead, pad_tokens, interpret, value_heads=0):
     """The Mosaic GPU preparation kernel (``PrepConfig(kernel="mosaic")``): ``w``, ``u`` against the float64
     definitions (the bf16 tolerance) and every output against the Triton kernel's, which rounds the same operands
     to bf16: ``w``, ``u``, ``A`` to 1e-4 in the interpreter (the same products in jnp; a missing product of the
@@ -194,7 +194,7 @@ def check_mosaic_prep(rng, lens, hk, hv, kd, vd, *, l2, lead, pad_tokens, interp
                                           unit_qk=not l2)
     cu = cu + lead
     kw = dict(scale=kd ** -0.5, use_qk_l2norm=l2, chunk=64, interpret=interpret)
-    got = prepare(q, k, v, g, beta, cu, config=PrepConfig(kernel="mosaic"), **kw)
+    got = prepare(q, k, v, g, beta, cu, config=PrepConfig(kernel="mosaic", value_heads=value_heads), **kw)
     want = prepare(q, k, v, g, beta, cu, **kw)
     rw, ru = prep_reference(q, k, v, g, beta, cu, chunk=64, l2=l2)
     tol = TOL[jnp.bfloat16]
@@ -209,13 +209,15 @@ def check_mosaic_prep(rng, lens, hk, hv, kd, vd, *, l2, lead, pad_tokens, interp
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-@pytest.mark.parametrize("hk,hv,kd,vd,l2", [(2, 4, 64, 64, True), (1, 1, 128, 64, False)])
-def test_prep_mosaic_interpret(rng, hk, hv, kd, vd, l2):
+@pytest.mark.parametrize("hk,hv,kd,vd,l2,value_heads", [(2, 4, 64, 64, True, 0), (1, 3, 64, 64, True, 1),
+                                                         (1, 1, 128, 64, False, 0)])
+def test_prep_mosaic_interpret(rng, hk, hv, kd, vd, l2, value_heads):
     """The Mosaic GPU preparation kernel under the Mosaic GPU interpreter (its products in jnp; the TMA copies,
     barriers, shared-memory operand tiles and output copies as compiled): sequences that start and end inside a
-    chunk, an empty one, tokens outside every sequence at both ends, 2 value heads per key head (one CTA does both)
-    and 1, with and without the in-kernel l2norm."""
-    check_mosaic_prep(rng, [5, 0, 23, 40, 70], hk, hv, kd, vd, l2=l2, lead=2, pad_tokens=5, interpret=True)
+    chunk, an empty one, tokens outside every sequence at both ends; 2 value heads per key head in one CTA, 3 in
+    one CTA each (``value_heads=1``) and 1; with and without the in-kernel l2norm."""
+    check_mosaic_prep(rng, [5, 0, 23, 40, 70], hk, hv, kd, vd, l2=l2, lead=2, pad_tokens=5, interpret=True,
+                      value_heads=value_heads)
 
 
 def test_prep_mosaic_through_pool_kernel_interpret(rng):
@@ -238,7 +240,7 @@ def test_prep_mosaic_through_pool_kernel_interpret(rng):
 def test_prep_mosaic_refusals(rng):
     """What the Mosaic GPU preparation kernel refuses, with the reason, and the config's checks."""
     from kvjax.pallas.gdn.prep import PrepConfig, prepare
-    from kvjax.pallas.gdn.prep_mgpu import shape_reason
+    from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call, shape_reason
 
     def arrays(dtype=jnp.bfloat16, hk=2, hv=4, kd=64, vd=64):
         q, k, v, *_ = make_inputs(rng, [64], hk, hv, kd, vd, dtype)
@@ -253,25 +255,32 @@ def test_prep_mosaic_refusals(rng):
     with pytest.raises(ValueError, match="prep_mgpu needs K and V in"):
         prepare(q, k, v, g, beta, cu, scale=0.1, use_qk_l2norm=True, chunk=64, config=PrepConfig(kernel="mosaic"),
                 interpret=True)
+    with pytest.raises(ValueError, match="value_heads must divide Hv / Hk = 2, got 3"):
+        prep_mgpu_call(jnp.zeros((64,), jnp.int32), *arrays(hk=1, hv=2), jnp.zeros((64, 2)), jnp.zeros((64, 2)),
+                       chunk=64, scale=0.1, use_qk_l2norm=True, value_heads=3, interpret=True)
     for bad, match in [(dict(kernel="cuda"), "kernel.*'cuda'"),
-                       (dict(kernel="mosaic", inverse_dtype="tf32"), "inverse_dtype='bf16' only")]:
+                       (dict(kernel="mosaic", inverse_dtype="tf32"), "inverse_dtype='bf16' only"),
+                       (dict(kernel="mosaic", value_heads=-1), "value_heads.*-1"),
+                       (dict(value_heads=2), "kernel='mosaic' only")]:
         with pytest.raises(ValueError, match=match):
             PrepConfig(**bad)
 
 
 def test_prep_mosaic_lowers_for_cuda():
     """The Mosaic GPU preparation kernel lowers to a Mosaic GPU module for CUDA without a GPU (register layouts,
-    wgmma operands, TMA boxes), K = V = 128 with 2 value heads per key head and K = 64, V = 128 with 4."""
+    wgmma operands, TMA boxes), K = V = 128 with 2 value heads per key head (in one CTA, and one CTA each) and
+    K = 64, V = 128 with 4."""
     from jax import export
 
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 
     sds = jax.ShapeDtypeStruct
-    for kd, vd, hk, hv, l2 in [(128, 128, 2, 4, True), (64, 128, 1, 4, False)]:
+    for kd, vd, hk, hv, l2, heads in [(128, 128, 2, 4, True, 0), (128, 128, 2, 4, True, 1), (64, 128, 1, 4, False, 0)]:
         tp = 256
         args = (sds((tp,), jnp.int32), sds((tp, hk, kd), jnp.bfloat16), sds((tp, hk, kd), jnp.bfloat16),
                 sds((tp, hv, vd), jnp.bfloat16), sds((tp, hv), jnp.float32), sds((tp, hv), jnp.float32))
-        fn = jax.jit(lambda *a, l2=l2: prep_mgpu_call(*a, chunk=64, scale=0.1, use_qk_l2norm=l2))
+        fn = jax.jit(lambda *a, l2=l2, heads=heads: prep_mgpu_call(*a, chunk=64, scale=0.1, use_qk_l2norm=l2,
+                                                                   value_heads=heads))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 
@@ -633,20 +642,23 @@ def test_prep_matches_float64_gpu(rng, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hk,hv,kd,vd,l2", [(2, 4, 128, 128, True), (2, 2, 64, 64, True), (1, 4, 128, 128, False)])
-def test_prep_mosaic_gpu(rng, hk, hv, kd, vd, l2):
+@pytest.mark.parametrize("hk,hv,kd,vd,l2,value_heads", [(2, 4, 128, 128, True, 0), (2, 4, 128, 128, True, 1),
+                                                         (2, 2, 64, 64, True, 0), (1, 4, 128, 128, False, 2)])
+def test_prep_mosaic_gpu(rng, hk, hv, kd, vd, l2, value_heads):
     """The compiled Mosaic GPU preparation kernel on the issue's ragged grid against the float64 definitions and the
     Triton kernel (:func:`check_mosaic_prep`), then the whole pool kernel with it against the recurrent reference."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.prep import PrepConfig
 
-    check_mosaic_prep(rng, GPU_LENS, hk, hv, kd, vd, l2=l2, lead=7, pad_tokens=70, interpret=False)
+    check_mosaic_prep(rng, GPU_LENS, hk, hv, kd, vd, l2=l2, lead=7, pad_tokens=70, interpret=False,
+                      value_heads=value_heads)
     q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, hk, hv, kd, vd, jnp.bfloat16, pad_tokens=70,
                                            unit_qk=not l2)
     n = len(GPU_LENS)
     o, f = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu,
                                        rows=jnp.arange(n, dtype=jnp.int32), flags=jnp.full((n,), 3, jnp.int32),
-                                       scale=kd ** -0.5, use_qk_l2norm=l2, prep=PrepConfig(kernel="mosaic"))
+                                       scale=kd ** -0.5, use_qk_l2norm=l2,
+                                       prep=PrepConfig(kernel="mosaic", value_heads=value_heads))
     ro, rf = gdn.recurrent_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=l2), s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),

@@ -52,11 +52,13 @@ class PrepConfig:
     prefill") or ``"tf32"`` (float32 inputs always take the other products' precision). ``kernel``: ``"triton"``
     (:func:`_prep_kernel`) or ``"mosaic"`` (:mod:`kvjax.pallas.gdn.prep_mgpu`, Hopper wgmma: bf16 inputs, the
     ``"bf16"`` inverse, the shapes its ``shape_reason`` accepts; ``num_warps`` does not apply).
+    ``value_heads`` (``"mosaic"`` only): value heads per CTA, a divisor of ``Hv / Hk``; 0 = all of a key head's.
     """
 
     num_warps: int = 4
     inverse_dtype: str = "bf16"
     kernel: str = "triton"
+    value_heads: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.num_warps, int) and not isinstance(self.num_warps, bool) and self.num_warps >= 1):
@@ -65,6 +67,10 @@ class PrepConfig:
             raise ValueError(f"PrepConfig.inverse_dtype must be one of {INVERSE_DTYPES}, got {self.inverse_dtype!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"PrepConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not (isinstance(self.value_heads, int) and not isinstance(self.value_heads, bool) and self.value_heads >= 0):
+            raise ValueError(f"PrepConfig.value_heads must be an int >= 0, got {self.value_heads!r}")
+        if self.kernel != "mosaic" and self.value_heads:
+            raise ValueError(f"PrepConfig.value_heads applies to kernel='mosaic' only, got {self.value_heads!r}")
         if self.kernel == "mosaic" and self.inverse_dtype != "bf16":
             raise ValueError(f"PrepConfig(kernel='mosaic') takes inverse_dtype='bf16' only, got {self.inverse_dtype!r}")
 
@@ -253,7 +259,8 @@ def prepare(
     bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
     if config.kernel == "mosaic":
         w, u, a, qf, kf, gl = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale,
-                                             use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+                                             use_qk_l2norm=use_qk_l2norm, value_heads=config.value_heads,
+                                             interpret=interpret)
     else:
         w, u, a, qf, kf, gl = _prep_call(
             seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale, use_qk_l2norm=use_qk_l2norm, config=config,

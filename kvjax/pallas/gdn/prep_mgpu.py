@@ -6,9 +6,11 @@ Same inputs, outputs and arithmetic as :mod:`kvjax.pallas.gdn.prep`'s Triton ker
 ``w = T (beta exp(gc) k)``, ``u = T (beta v)`` and the row factors ``qf``, ``kf``, on the raw q / k (the l2norm
 and ``scale`` are per-row / per-column factors of the f32 products).
 
-One CTA (one warpgroup) per (chunk, key head) and its ``Hv / Hk`` value heads. At entry it issues every TMA copy
-it will need into swizzled shared memory: the chunk's segment ids, q and k rows, and per value head the v rows
-and the (transposed) log-decay and beta rows, so the value heads' loads overlap the key head's products. All
+One CTA (one warpgroup) per (chunk, key head) and its ``Hv / Hk`` value heads (or, with ``value_heads``, per
+chunk and block of that many value heads of one key head: more and smaller CTAs, ``q k^T`` / ``k k^T`` formed by
+each). At entry it issues every TMA copy it will need into swizzled shared memory: the chunk's segment ids, q and
+k rows, and per value head the v rows and the (transposed) log-decay and beta rows, so the value heads' loads
+overlap the key head's products. All
 products are wgmma with f32 accumulators in registers: ``q k^T`` and ``k k^T`` (issued together), then per value
 head the inverse by doubling as in the Triton kernel (``(I + D)^-1`` of the 16x16 block diagonal by the products
 ``(I - D)(I + D^2)(I + D^4)(I + D^8)``, then ``(I + F)^-1`` of the rest; the independent products of a step are
@@ -16,15 +18,16 @@ issued together: 8 dependent steps for the 10 products), each product's left ope
 wgmma layout of the previous accumulator) and its right operand stored to one shared 64x64 bf16 tile; ``w`` and
 ``u`` (issued together) take ``T`` in bf16. Every operand is rounded to bf16 where the Triton kernel rounds it
 (``PrepConfig.inverse_dtype="bf16"``). ``A``, ``w``, ``u`` and the row factors go back by TMA from shared memory
-(``w`` through the tile that held ``beta exp(gc) k``, ``u`` through v's own tile).
+(``w`` through q's tile, which takes ``beta exp(gc) k`` once q is read, ``u`` through v's own tile). Shared
+memory at ``K = V = 128``: 49 KB + 16.5 KB per value head of the CTA.
 
 Row and column vectors: a per-token vector is a wgmma row vector (``Layout.WGMMA.reduce(1)``, broadcast along
 columns) or column vector (``reduce(0)``). The segment ids and the log-decay are loaded both ways from shared
 memory; ``|k_j|^2`` is the diagonal of ``k k^T`` (a row sum and a column sum of its masked diagonal) and ``gc``'s
 column form is the column sum of its masked diagonal, so no vector is ever transposed through memory.
 
-Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 MFLOP, once per key head), 10
-inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per key head and 16.5 KB (v, g, beta)
+Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 MFLOP, once per CTA), 10
+inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.5 KB (v, g, beta)
 per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
@@ -84,12 +87,11 @@ def _kernel(
     kf_ref,  # f32[NC, Hv, C]
     gl_ref,  # f32[NC, Hv, C]
     seg_s,  # i32[C]
-    q_s,  # bf16[C, K]  swizzled
+    q_s,  # bf16[C, K]  swizzled: q, then per value head beta exp(gc) k, then w
     k_s,  # bf16[C, K]  swizzled
-    v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u
+    v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u (G = the CTA's value heads)
     g_s,  # f32[G, C]
     b_s,  # f32[G, C]
-    kb_s,  # bf16[C, K]  swizzled: beta exp(gc) k, then w
     a_s,  # bf16[C, C]  swizzled: A
     vec_s,  # f32[3, C]  qf, kf, gl
     op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products
@@ -97,12 +99,14 @@ def _kernel(
     v_bar,  # barriers [G]: v, g, beta of value head j loaded (3 arrivals)
     *,
     group: int,
+    heads: int,
     scale: float,
     use_qk_l2norm: bool,
     interpret: bool,
 ):
     c = lax.axis_index("chunk")
-    hk = lax.axis_index("head")
+    h0 = lax.axis_index("heads") * heads  # the CTA's first value head
+    hk = lax.div(h0, jnp.int32(group))
     chunk = CHUNK
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -111,8 +115,8 @@ def _kernel(
     plgpu.copy_gmem_to_smem(seg_ref.at[rows], seg_s, qk_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, qk_bar)
     plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, qk_bar)
-    for j in range(group):
-        h = hk * group + j
+    for j in range(heads):
+        h = h0 + j
         plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_s.at[j], v_bar.at[j])
         plgpu.copy_gmem_to_smem(g_ref.at[h, rows], g_s.at[j], v_bar.at[j])
         plgpu.copy_gmem_to_smem(b_ref.at[h, rows], b_s.at[j], v_bar.at[j])
@@ -194,7 +198,6 @@ def _kernel(
     same = (bc_row(seg_r) == bc_col(seg_c)) & bc_row(in_seq)
     keep = same & (ri >= ci)
     qk, kk = products((q_s, k_s, True), (k_s, k_s, True))
-    k_rows = tile(k_s).astype(f32)  # f32[C, K]
     if use_qk_l2norm:
         q_rows = tile(q_s).astype(f32)
         rq = lax.rsqrt(jnp.sum(q_rows * q_rows, axis=1) + L2NORM_EPS)
@@ -207,8 +210,9 @@ def _kernel(
         rq = rk = jnp.ones((chunk,), f32) if interpret else plgpu.layout_cast(jnp.ones((chunk,), f32), _ROW)
         qk = qk * scale
 
-    for j in range(group):
-        h = hk * group + j
+    kb_s = q_s  # q is read: its tile takes beta exp(gc) k, then w
+    for j in range(heads):
+        h = h0 + j
         plgpu.barrier_wait(v_bar.at[j])
         g_c, beta = vec(g_s.at[j], _COL), vec(b_s.at[j], _ROW)
         gc = jnp.sum(jnp.where(keep, bc_col(g_c), 0.0), axis=1)  # row vector
@@ -217,11 +221,13 @@ def _kernel(
         decay = jnp.exp(jnp.where(keep, bc_row(gc) - bc_col(gc_c), -jnp.inf))  # f32[C, C]
         if j:  # the previous head's output copies must have read a_s, vec_s and kb_s
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        else:  # every thread must have read q (its row norms) before kb_s (q's tile) is written
+            plgpu.commit_smem()
         vec_s.at[0][...] = jnp.where(in_seq, rq * scale * jnp.exp(gc), 0.0)
         vec_s.at[1][...] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
         vec_s.at[2][...] = gl
         a_s[...] = (qk * decay).astype(bf16)
-        kb_s[...] = (k_rows * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
+        kb_s[...] = (tile(k_s).astype(f32) * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
         v_j = v_s.at[j]
         v_j[...] = (tile(v_j).astype(f32) * bc_row(beta, vd)).astype(bf16)
         plgpu.commit_smem()
@@ -250,17 +256,23 @@ def prep_mgpu_call(
     chunk: int,
     scale: float,
     use_qk_l2norm: bool,
+    value_heads: int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call
     """The preparation kernel's outputs, as :func:`kvjax.pallas.gdn.prep._prep_call` (``Tp`` a multiple of
     ``chunk``): ``w [NC, Hv, C, K]``, ``u [NC, Hv, C, V]``, ``a [NC, Hv, C, C]`` in bf16, ``qf, kf, gl: f32[NC, Hv,
-    C]``. ``ValueError`` for what :func:`shape_reason` rejects."""
+    C]``. ``value_heads``: value heads per CTA, a divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head; fewer
+    means more CTAs, less shared memory each, and ``q k^T`` / ``k k^T`` formed once per CTA). ``ValueError`` for
+    what :func:`shape_reason` rejects and for a ``value_heads`` that does not divide ``Hv / Hk``."""
     reason = shape_reason(q, k, v, chunk=chunk)
     if reason:
         raise ValueError(f"prep_mgpu {reason}")
     tp, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     group = hv // hk
+    heads = value_heads or group
+    if group % heads:
+        raise ValueError(f"prep_mgpu value_heads must divide Hv / Hk = {group}, got {value_heads}")
     nc = tp // chunk
     bf16 = jnp.bfloat16
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
@@ -268,17 +280,17 @@ def prep_mgpu_call(
         plgpu.SMEM((chunk,), jnp.int32),
         plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
         plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
-        plgpu.SMEM((group, chunk, vd), bf16, transforms=swizzled(bf16)),
-        plgpu.SMEM((group, chunk), jnp.float32),
-        plgpu.SMEM((group, chunk), jnp.float32),
-        plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((heads, chunk, vd), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((heads, chunk), jnp.float32),
+        plgpu.SMEM((heads, chunk), jnp.float32),
         plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.SMEM((3, chunk), jnp.float32),
         plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=3, num_barriers=group),
+        plgpu.Barrier(num_arrivals=3, num_barriers=heads),
     )
-    kernel = functools.partial(_kernel, group=group, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    kernel = functools.partial(_kernel, group=group, heads=heads, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                               interpret=interpret)
     return plgpu.kernel(
         kernel,
         out_type=(
@@ -288,7 +300,8 @@ def prep_mgpu_call(
             rowf, rowf, rowf,
         ),
         scratch_types=scratch,
-        grid=(nc, hk),
-        grid_names=("chunk", "head"),
+        grid=(nc, hv // heads),
+        grid_names=("chunk", "heads"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
     )(seg, q, k, v, g.T, beta.T)
