@@ -27,8 +27,8 @@ Array = Any  # np.ndarray on the host, jax.Array inside a jitted step
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """Device inputs of one step: arrays (numpy on the host, ``jax.Array`` inside a step) plus one static flag
-    (``decode_only``). A JAX pytree once :mod:`kvjax.models.interface` is imported (the arrays are its leaves,
-    ``decode_only`` its static metadata)."""
+    (``decode_only``, ``max_query_len``). A JAX pytree once :mod:`kvjax.models.interface` is imported (the arrays
+    are its leaves, :data:`STATIC_FIELDS` its static metadata)."""
 
     token_ids: Array  # i32[T]: input token of each step token (padding tokens: any valid id, e.g. 0)
     positions: Array  # i32[T]: absolute position of each token in its sequence (RoPE)
@@ -42,6 +42,10 @@ class StepInputs:
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # static (part of the treedef, so it selects a trace): every live row has exactly one token; models then
     # use their decode kernels (GDN recurrent + conv update). False is always correct, True only for decode.
+    max_query_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # static: 0, or a bound J on every row's tokens with every live row continuing its state (a verification
+    # burst's sub-step); models then take their few-token paths (paged attention by the split-KV decode kernel,
+    # the GDN verification kernel). 0 is always correct.
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +78,7 @@ class StepInputs:
         shard whose pool of ``num_pages`` pages holds each head's pages; the ids of head ``h`` are local to pool
         ``page_groups[h]``, so ranges are checked per pool and uniqueness per (pool, page).
         """
-        a = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "decode_only"}
+        a = {name: np.asarray(getattr(self, name)) for name in DEVICE_FIELDS}
         t, b = a["token_ids"].shape[0], a["seq_lens"].shape[0]
         expect = {
             "token_ids": (t,), "positions": (t,), "cu_seqlens": (b + 1,), "seq_lens": (b,), "gdn_slots": (b,),
@@ -132,6 +136,13 @@ class StepInputs:
                 "have no initial state: the decode kernels continue every live row (a fresh row takes the prefill "
                 "path)"
             )
+        J = self.max_query_len
+        if J and ((n_new > J).any() or (active & ~a["has_initial_state"].astype(bool)).any()):
+            raise InvalidPlanError(
+                f"StepInputs.max_query_len={J} but rows have {n_new} tokens (has_initial_state "
+                f"{a['has_initial_state'].astype(int).tolist()}): every row at most {J} tokens, every live row "
+                "continuing its state"
+            )
         li = a["logits_indices"]
         if ((li < 0) | (li >= max(t, 1))).any():
             raise InvalidPlanError(f"StepInputs.logits_indices {li} outside [0, {t})")
@@ -154,7 +165,10 @@ class StepInputs:
         return cls(**out, decode_only=bool(decode_only))
 
 
-DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs) if f.name != "decode_only")
+STATIC_FIELDS = ("decode_only", "max_query_len")
+"""The static fields of :class:`StepInputs` (part of a step's treedef: each value selects its own trace)."""
+
+DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs) if f.name not in STATIC_FIELDS)
 """The array fields of :class:`StepInputs`, in order (the scheduler's :class:`~kvjax.sched.plan.StepPlan` has
 each under the same name)."""
 

@@ -77,7 +77,7 @@ def decode_inputs(rows: int, hkv: int, page_size: int, max_blocks: int, seq_lens
         cu_seqlens=jnp.arange(rows + 1, dtype=jnp.int32), seq_lens=jnp.asarray(seq_lens),
         gdn_slots=jnp.arange(1, rows + 1, dtype=jnp.int32), has_initial_state=jnp.ones(rows, bool),
         block_tables=jnp.asarray(tables), slot_mapping=jnp.asarray(page * page_size + (pos % page_size)[:, None]),
-        logits_indices=jnp.arange(rows, dtype=jnp.int32), decode_only=True,
+        logits_indices=jnp.arange(rows, dtype=jnp.int32), decode_only=True, max_query_len=0,
     )
 
 

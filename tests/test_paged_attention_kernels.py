@@ -178,6 +178,17 @@ def test_decode_interpret_matches_reference(rng):
     assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
 
 
+def test_few_token_rows_equal_the_reference_through_the_op(rng):
+    # a verification step's batch (rows of 1..5 new tokens, max_query_len=5) through the op's decode kernel
+    args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[5, 1, 3, 2],
+                      window=[0, 20], sinks=[0, 4])
+    out = attention.paged_attention(*args, **kw, max_query_len=5, impl="pallas:interpret")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(_ref(args, kw)), atol=2e-5, rtol=2e-5)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="max_query_len must be None or a positive Python int"):
+            attention.paged_attention(*args, **kw, max_query_len=bad)
+
+
 def test_prefill_interpret_mixed_batch(rng):
     # chunked prefill with a cached prefix, pure prefill, decode rows, an empty padding row, GQA 2.
     args, kw = _build(rng, hq=4, hkv=2, d=32, page_size=8, ctx=[45, 13, 30, 9, 0], new=[19, 13, 1, 1, 0],
@@ -378,6 +389,12 @@ def test_table_chooses_as_documented():
     assert choice(_shapes(4096, 2, page_size=64, dtype=jnp.float32), "h100")[0] == "prefill"
     name, why = choice(_shapes(4096, 2, page_size=64, d=24), "h100")
     assert name == "reference" and "power-of-two head_dim" in why["pallas"]
+    # a verification step's rows (a static bound of a few tokens a row): the split-KV decode kernel
+    (verify_call,), _ = _shapes(80, 16, page_size=64)
+    name, why = choice(((dataclasses.replace(verify_call, max_query_len=5),), {}), "h100")
+    assert name == "pallas" and "max_query_len" in why["prefill"]
+    long_rows = ((dataclasses.replace(verify_call, max_query_len=paged_prefill.FEW_TOKENS + 1),), {})
+    assert choice(long_rows, "h100")[0] == "prefill"
     assert attention.TABLE.available(NAMED["cpu"]) == [
         "reference", "mosaic:interpret", "prefill:interpret", "pallas:interpret"]
     assert attention.TABLE.available(NAMED["a100"])[:3] == ["reference", "prefill", "pallas"]

@@ -26,6 +26,7 @@ from kvjax.engine.engine import Engine
 from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched import spec
 from kvjax.sched.drafter import PacedDrafter, SpeculativeConfig, StepDrafter
+from kvjax.state import gdn_spec
 from helpers.engine import BUDGET, assert_idle, fault_midway, greedy_oracle, stream_aborting
 from helpers.models import VOCAB, random_model, tiny_config
 from helpers.spec import successor_model
@@ -37,6 +38,7 @@ CACHE = CacheConfig(page_size=4, num_pages=26, max_seqs=4, max_blocks_per_seq=8)
 ONE_BUCKET = dict(token_buckets=(BUDGET,), row_buckets=(CACHE.max_seqs,), block_buckets=(CACHE.max_blocks_per_seq,),
                   use_decode_path=False)
 ALPHA = 1e-3
+verify_path = gdn_spec.verify
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +88,14 @@ def test_greedy_equals_oracle_in_verification_bursts(trained, K, monkeypatch):
     model, prompts, expect = trained
     bursts = []
     applied = applied_counts(monkeypatch)
+    few = []  # a burst's sub-step takes the GDN layers' few-token path (every row continues, <= K + 1 tokens)
+    monkeypatch.setattr(gdn_spec, "verify", lambda *a, **k: few.append(a[1]) or verify_path(*a, **k))
     for prefix in (False, True):
         applied.clear()
+        few.clear()
         eng = burst_engine(model, K, prefix_caching=prefix, debug=K == 2)
         assert eng.generate(prompts, NEW) == expect
+        assert few, "no verification burst traced the few-token GDN path"
         recs = verify_bursts(eng)
         # a burst's record counts every sub-step's verified positions and rows (as resolve applied them)
         for r in recs:

@@ -7,6 +7,8 @@ random), with timely recycling and a pool small enough to preempt.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -176,3 +178,23 @@ def test_decode_only_needs_every_live_row_to_continue():
         StepInputs.from_numpy(decode_only=True, **a).validate(**kw)
     sched.update(plan, rng.integers(0, VOCAB, plan.seq_lens.shape[0]))
     assert decode_only([sched.schedule()], True)
+
+
+def test_max_query_len_bounds_every_row_and_needs_continuing_rows():
+    """``max_query_len = J`` (a verification burst's sub-step): every row at most ``J`` tokens, every live row
+    continuing its state; a prompt's first chunk breaks both, a decode step passes."""
+    rng = np.random.default_rng(5)
+    sched = Scheduler(CACHE, SWA, max_num_batched_tokens=16, recycle="timely")
+    for _ in range(2):
+        sched.add_request(rng.integers(0, VOCAB, 5), 4)
+    kw = dict(num_pages=CACHE.num_pages, page_size=PS, max_slots=CACHE.max_seqs + 1, vocab_size=VOCAB, attention=SWA)
+    plan = sched.schedule()
+    a = {k: np.array(v) for k, v in plan.device_arrays().items()}
+    first = StepInputs.from_numpy(**a)
+    first.validate(**kw)
+    for J in (8, 2):  # fresh rows (J = 8 holds their 5 tokens), then rows longer than J as well
+        with pytest.raises(InvalidPlanError, match=f"max_query_len={J}"):
+            dataclasses.replace(first, max_query_len=J).validate(**kw)
+    sched.update(plan, rng.integers(0, VOCAB, plan.seq_lens.shape[0]))
+    a = {k: np.array(v) for k, v in sched.schedule().device_arrays().items()}
+    dataclasses.replace(StepInputs.from_numpy(**a), max_query_len=2).validate(**kw)

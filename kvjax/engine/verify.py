@@ -172,7 +172,9 @@ def _layout(inputs: StepInputs, p: jax.Array, toks: jax.Array, k: jax.Array, liv
             page_size: int) -> StepInputs:
     """A verification sub-step's inputs: each ``live`` row (bool[B]) its ``1 + k`` tokens ``toks[b, :1 + k]``
     (i32[B, K + 1]) at positions ``p[b]..`` (i32[B]), packed ragged on ``inputs``' token axis (its block tables and
-    GDN slots; ``inputs``: sub-step 0's); other rows are padding (no tokens, GDN slot 0, no pages written)."""
+    GDN slots; ``inputs``: sub-step 0's); other rows are padding (no tokens, GDN slot 0, no pages written). Every
+    live row continues its state with at most ``K + 1`` tokens: ``max_query_len`` says so (the models' few-token
+    paths)."""
     T = inputs.token_ids.shape[0]
     n = jnp.where(live, 1 + k, 0)  # i32[B]
     cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])  # i32[B + 1]
@@ -184,7 +186,8 @@ def _layout(inputs: StepInputs, p: jax.Array, toks: jax.Array, k: jax.Array, liv
     return dataclasses.replace(
         inputs, token_ids=jnp.where(valid, toks[row, off], 0), positions=pos, cu_seqlens=cu,
         seq_lens=jnp.where(live, p + n, 0), gdn_slots=jnp.where(live, inputs.gdn_slots, 0), has_initial_state=live,
-        slot_mapping=slot_mapping(inputs.block_tables, row, pos, valid, page_size), logits_indices=jnp.where(live, cu[1:] - 1, 0))
+        slot_mapping=slot_mapping(inputs.block_tables, row, pos, valid, page_size), logits_indices=jnp.where(live, cu[1:] - 1, 0),
+        max_query_len=toks.shape[1])
 
 
 def checkpoint_copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:

@@ -7,7 +7,7 @@ GDN state pool where the model has recurrent layers), which a jitted step takes 
 A model that drafts for speculative decoding from multi-token-prediction layers (Qwen3.5 with its ``mtp.*``
 weights loaded) also offers ``forward_step_hidden`` and :func:`draft_head` (a :class:`DraftHead`). A step's
 inputs are a :class:`kvjax.inputs.StepInputs`, registered here as a pytree (its arrays are the leaves,
-``decode_only`` is static), so every model and every jitted step sees it as one.
+``decode_only`` and ``max_query_len`` are static), so every model and every jitted step sees it as one.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from kvjax.config import AttentionConfig
-from kvjax.inputs import DEVICE_FIELDS, StepInputs
+from kvjax.inputs import DEVICE_FIELDS, STATIC_FIELDS, StepInputs
 from kvjax.state.gdn_pool import GDNStatePool
 
 
-jax.tree_util.register_dataclass(StepInputs, data_fields=list(DEVICE_FIELDS), meta_fields=["decode_only"])
+jax.tree_util.register_dataclass(StepInputs, data_fields=list(DEVICE_FIELDS), meta_fields=list(STATIC_FIELDS))
 
 
 @jax.tree_util.register_dataclass

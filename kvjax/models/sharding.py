@@ -64,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.models.common.checkpoint import abstract_model, check_values
 from kvjax.models.common.layers import Linear
 from kvjax.models.common.parallel import ShardPlan
+from kvjax.inputs import DEVICE_FIELDS
 from kvjax.models.interface import ModelCaches
 from kvjax.state.gdn_pool import GDNStatePool
 
@@ -276,7 +277,7 @@ class ShardedModel:
         """``PartitionSpec`` tree of global ``StepInputs``: every array over ``"data"`` on its leading axis; the
         per-KV-head ``block_tables [D, B, Hkv, max_blocks]`` and ``slot_mapping [D, T, Hkv]`` also over
         ``"model"`` on the head axis where pages are split by head (each device reads its heads' columns)."""
-        specs = {f.name: P(DATA) for f in dataclasses.fields(inputs) if f.name != "decode_only"}
+        specs = {name: P(DATA) for name in DEVICE_FIELDS}
         if self.plan.pages_over_model:
             specs.update(block_tables=P(DATA, None, MODEL), slot_mapping=P(DATA, None, MODEL))
         return dataclasses.replace(inputs, **specs)

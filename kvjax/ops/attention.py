@@ -38,7 +38,8 @@ the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged at
   reads whole pages, so the unwritten tail of a row's last page must hold finite values (kvjax pools start
   zeroed), never NaN;
 - ``"prefill"``: the ragged prefill kernel in the Pallas Triton lowering (:mod:`kvjax.pallas.paged.prefill`),
-  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``); float or fp8 pages;
+  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``) and no static
+  ``max_query_len`` of a few tokens (a verification step's rows); float or fp8 pages;
 - ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those
   power-of-two shapes, float or fp8 pages; what ``impl="interpret"`` runs;
 - ``"reference"``: :func:`paged_attention_reference`, always.
@@ -91,6 +92,8 @@ class PagedAttentionCall:
     k_scale: jax.Array | None = None  # f32[P] per-page scales of fp8 k_pages; None for float pages
     v_scale: jax.Array | None = None  # f32[P] the same for v_pages
     scale: float | None = dataclasses.field(default=None, metadata=dict(static=True))  # softmax scale
+    max_query_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # a bound on every row's tokens (None: unknown); few tokens a row choose the split-KV decode kernel
 
     @property
     def page_size(self) -> int:
@@ -133,6 +136,9 @@ def check_call(call: PagedAttentionCall) -> PagedAttentionCall:
             f"q heads Hq={hq} must be a multiple of block_tables KV heads Hkv={hkv} "
             f"(block_tables shape {tuple(block_tables.shape)})"
         )
+    mql = call.max_query_len
+    if mql is not None and (isinstance(mql, bool) or not isinstance(mql, (int, np.integer)) or mql < 1):
+        raise ValueError(f"max_query_len must be None or a positive Python int (static), got {mql!r}")
     return dataclasses.replace(call, scale=_normalise_scale(call.scale, d),
                                window=_per_kv_head("window", call.window, hkv),
                                sinks=_per_kv_head("sinks", call.sinks, hkv))
@@ -303,6 +309,7 @@ def paged_attention(
     sinks: int | jax.Array = 0,  # int | i32[Hkv]
     k_scale: jax.Array | None = None,  # f32[P]: per-page scales of fp8 (float8_e4m3fn) k_pages, else None
     v_scale: jax.Array | None = None,  # f32[P]: the same for v_pages
+    max_query_len: int | None = None,  # static bound on every row's tokens (None: unknown)
     impl: str = "auto",
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged causal attention of new tokens over head-wise paged K/V (see the module docstring).
@@ -313,12 +320,15 @@ def paged_attention(
     ``"auto"`` (the first backend that runs here and accepts the call, else the reference), ``"reference"``, a
     backend name (``"mosaic" | "prefill" | "pallas"``; :class:`UnknownImplError` naming the reason if it cannot
     take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode) or
-    ``"NAME:interpret"``. Reads only; changes nothing. Jittable.
+    ``"NAME:interpret"``. ``max_query_len``: a static bound on every row's tokens, a promise of the caller (a
+    verification step's ``K + 1``); with at most ``kvjax.pallas.paged.prefill.FEW_TOKENS`` the table takes the
+    split-KV decode kernel, which reads a row's pages once per token, over the prefill kernels. Reads only;
+    changes nothing. Jittable.
     On a Hopper GPU a prefill-shaped batch may run the Mosaic GPU kernel, which reads whole pages of a row's walk:
     the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
     call = check_call(PagedAttentionCall(q, k_pages, v_pages, block_tables, seq_lens, cu_seqlens, window, sinks,
-                                         k_scale, v_scale, scale=scale))
+                                         k_scale, v_scale, scale=scale, max_query_len=max_query_len))
     return TABLE.choose(impl, (call,), {})[1](call)
 
 
@@ -343,7 +353,7 @@ def check_pages(k_pages, v_pages, k_scale, v_scale) -> bool:
 
 
 def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 32, hkv: int = 8, d: int = 128,
-             dtype=jnp.bfloat16, fp8: bool = False) -> tuple[tuple, dict]:
+             dtype=jnp.bfloat16, fp8: bool = False, max_query_len: int | None = None) -> tuple[tuple, dict]:
     """A checked call ``((call,), {})`` of ``rows`` rows of ``context`` positions (``tokens`` new tokens in all),
     its arrays ``jax.ShapeDtypeStruct`` s: what the backend table's ``unsupported()`` checks read."""
     max_blocks = -(-context // page_size)
@@ -353,7 +363,7 @@ def _example(tokens: int, rows: int, page_size: int, *, context: int, hq: int = 
     scales = sds((num_pages,), jnp.float32) if fp8 else None
     call = PagedAttentionCall(sds((tokens, hq, d), dtype), pages, pages, sds((rows, hkv, max_blocks), jnp.int32),
                               sds((rows,), jnp.int32), sds((rows + 1,), jnp.int32), sds((hkv,), jnp.int32),
-                              sds((hkv,), jnp.int32), scales, scales, scale=d ** -0.5)
+                              sds((hkv,), jnp.int32), scales, scales, scale=d ** -0.5, max_query_len=max_query_len)
     return (call,), {}
 
 
@@ -376,6 +386,8 @@ TABLE = BackendTable(
         "prefill T=4096 H=32 D=128 page 64 bf16": lambda: _example(4096, 1, 64, context=4096, hkv=32),
         "prefill T=4096 H=32 D=128 page 16 bf16": lambda: _example(4096, 1, 16, context=4096, hkv=32),
         "mixed T=512 B=64 Hq=32 Hkv=8 D=128 page 64 bf16": lambda: _example(512, 64, 64, context=4096),
+        "verify B=16 x 5 tokens L=4096 Hq=32 Hkv=8 D=128 page 16 bf16":
+            lambda: _example(80, 16, 16, context=4096, max_query_len=5),
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 fp8": lambda: _example(64, 64, 16, context=4096, fp8=True),
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 64 fp8": lambda: _example(64, 64, 64, context=4096, fp8=True),
         "prefill T=4096 H=32 D=128 page 64 fp8": lambda: _example(4096, 1, 64, context=4096, hkv=32, fp8=True),

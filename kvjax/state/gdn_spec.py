@@ -11,8 +11,11 @@ slot-indexed kernels writing ``K + 1`` slots) is to be measured.
 
 A step: :func:`attach` puts zeroed :class:`VerifyStates` on the pool before the model runs; each GDN layer calls
 :func:`record` (the states after each of its verification rows' positions, from the row's state before the step
-and the step's conv inputs and gates); after sampling, :func:`commit` writes, for every verification row, the state
-after its last accepted position into its slot (every layer) and drops the buffers.
+and the step's conv inputs and gates) after its chunked kernel, or, in a step whose rows all continue their state
+with few tokens each (a verification burst's sub-step: ``StepInputs.max_query_len``), :func:`verify` in place of
+the chunked kernel (one call gives the outputs, the final states and the per-position states:
+:func:`kvjax.ops.spec_states.gdn_verify_pool`); after sampling, :func:`commit` writes, for every verification row,
+the state after its last accepted position into its slot (every layer) and drops the buffers.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.base.slots import slot_index
-from kvjax.ops.spec_states import verify_conv_states, verify_ssm_states
+from kvjax.ops.gdn import DeltaRuleCall
+from kvjax.ops.spec_states import gdn_verify_pool, verify_conv_states, verify_ssm_states
 from kvjax.state.gdn_pool import GDNStatePool
 
-__all__ = ["VerifyStates", "attach", "commit", "record"]
+__all__ = ["VerifyStates", "attach", "commit", "record", "verify"]
 
 
 @jax.tree_util.register_dataclass
@@ -71,6 +75,26 @@ def record(pool: GDNStatePool, layer: int, conv_in: jax.Array, conv0: jax.Array,
     spec = dataclasses.replace(spec, conv=spec.conv.at[layer].set(conv.astype(spec.conv.dtype)),
                                ssm=spec.ssm.at[layer].set(ssm))
     return dataclasses.replace(pool, spec=spec)
+
+
+def verify(pool: GDNStatePool, layer: int, conv_in: jax.Array, conv0: jax.Array, q: jax.Array, k: jax.Array,
+           v: jax.Array, g: jax.Array, beta: jax.Array, slot_ids: jax.Array, cu_seqlens: jax.Array, *, scale: float,
+           use_qk_l2norm: bool, impl: str = "auto") -> tuple[jax.Array, GDNStatePool]:
+    """GDN layer ``layer``'s gated delta rule in a step whose rows all continue their state with at most ``J``
+    tokens each (``pool.spec`` attached, ``J`` its positions), recording its per-position states: ``(o [T, Hv, V],
+    pool)`` with each live row's state after its tokens in its slot and ``pool.spec`` holding the layer's conv and
+    recurrent states after each position (:func:`kvjax.ops.spec_states.gdn_verify_pool`).
+
+    ``conv_in`` [T, conv_dim]: the step's conv inputs; ``conv0`` [B, conv_dim, W-1]: each row's conv state before
+    the step; ``q``/``k`` [T, Hk, K], ``v`` [T, Hv, V], ``g`` f32[T, Hv], ``beta`` [T, Hv]: the layer's inputs;
+    ``slot_ids`` i32[B], ``cu_seqlens`` i32[B+1]."""
+    spec = pool.spec
+    index, _ = spec.positions()
+    conv = verify_conv_states(conv_in, conv0, index)  # [B, J, D, W-1]
+    call = DeltaRuleCall(q, k, v, g, beta, cu_seqlens, scale, slot_ids, None, layer, use_qk_l2norm=use_qk_l2norm)
+    o, ssm, states = gdn_verify_pool(call, pool.ssm, spec.ssm, impl)
+    spec = dataclasses.replace(spec, conv=spec.conv.at[layer].set(conv.astype(spec.conv.dtype)), ssm=states)
+    return o, dataclasses.replace(pool, ssm=ssm, spec=spec)
 
 
 def commit(pool: GDNStatePool, slots: jax.Array, accepted: jax.Array) -> GDNStatePool:

@@ -95,7 +95,9 @@ class GatedDeltaNet(nnx.Module):
         :func:`~kvjax.state.gdn_pool.gated_delta_decode` of one :class:`~kvjax.ops.gdn_on_pool.GatedDecodeCall`
         (the packed conv output; the kernel projects the gates from ``x`` itself); outputs are scattered back
         to token order. A verification step (speculative decoding: ``pool.spec`` set, never ``decode_only``) also
-        records each verification row's states after every position (:func:`kvjax.state.gdn_spec.record`).
+        records each verification row's states after every position (:func:`kvjax.state.gdn_spec.record`); with
+        ``inputs.max_query_len`` (every row continues its state with a few tokens) one call does the recurrence and
+        the recording instead of the chunked kernel (:func:`kvjax.state.gdn_spec.verify`).
         """
         from kvjax.ops.gdn_on_pool import GatedDecodeCall
         from kvjax.state import gdn_spec
@@ -121,6 +123,10 @@ class GatedDeltaNet(nnx.Module):
             conv_in, weight, None, pool, layer=layer, slot_ids=slots, has_initial_state=has_init, cu_seqlens=cu,
         )
         q, k, v, g, beta, z = self._split(x, mixed)
+        if before is not None and inputs.max_query_len:  # every row continues its state with a few tokens
+            o, pool = gdn_spec.verify(pool, layer, conv_in, before[0], q, k, v, g, beta, slots, cu,
+                                      scale=self.cfg.head_k_dim ** -0.5, use_qk_l2norm=True)
+            return self._out(o, z), pool
         o, pool = gdn_prefill(
             q, k, v, g, beta, pool, layer=layer, slot_ids=slots, has_initial_state=has_init, cu_seqlens=cu,
             use_qk_l2norm=True,

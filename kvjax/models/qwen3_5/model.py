@@ -257,6 +257,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
                     q, pages["key"], pages["value"], inputs.block_tables, inputs.seq_lens,
                     cu_seqlens=inputs.cu_seqlens, scale=c.attention.head_dim ** -0.5, window=window, sinks=sinks,
                     k_scale=pages.get("key_scale"), v_scale=pages.get("value_scale"),
+                    max_query_len=inputs.max_query_len or None,
                 )
                 y = attn.finish(o, gate)
             x = layer.mlp_block(x + y)

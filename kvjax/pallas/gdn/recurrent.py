@@ -43,7 +43,8 @@ def _l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
 
 
-def _zero_tokens(o_ref, h, vs, vmask, lo, hi, block_v):
+def zero_tokens(o_ref, h, vs, vmask, lo, hi, block_v):
+    """Zero outputs ``o_ref[lo:hi, h, vs]`` (tokens of no live row; call inside a kernel)."""
     def body(t, carry):
         store(o_ref, (t, h, vs), jnp.zeros((block_v,), o_ref.dtype), vmask)
         return carry
@@ -63,7 +64,7 @@ def _delta_token(s, q, k, v, decay, beta, *, scale, use_qk_l2norm):
     return s * decay + k[:, None] * delta[None, :], (decay * qs + jnp.sum(q * k) * delta) * scale
 
 
-def _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, cols, *, scale, use_qk_l2norm):
+def token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, cols, *, scale, use_qk_l2norm):
     """:func:`_delta_token` of token ``t``, head ``h`` read from ``[T, H, D]`` refs (``cols = (kc, kmask, vs,
     vmask)``: the padded K lanes and the value block, :mod:`kvjax.pallas.gdn.common`)."""
     kc, kmask, vs, vmask = cols
@@ -178,7 +179,7 @@ def _recurrent_kernel(
                       eviction_policy="evict_first")
 
         def step(t, s):  # s: f32[Kp, block_v]
-            s, o = _token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, (kc, kmask, vs, vmask),
+            s, o = token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, hk, (kc, kmask, vs, vmask),
                                  scale=scale, use_qk_l2norm=use_qk_l2norm)
             store(o_ref, (t, h, vs), o.astype(o_ref.dtype), vmask)
             return s
@@ -188,17 +189,17 @@ def _recurrent_kernel(
 
     @pl.when(jnp.logical_not(live))
     def _():
-        _zero_tokens(o_ref, h, vs, vmask, start, end, block_v)
+        zero_tokens(o_ref, h, vs, vmask, start, end, block_v)
 
     if not one_token_per_row:
 
         @pl.when(n == 0)
         def _():
-            _zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
+            zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
 
         @pl.when(n == num_seqs - 1)
         def _():
-            _zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
+            zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
 
 
 def _block_v(vd: int, block_v: int | None) -> int:

@@ -244,12 +244,18 @@ def _prefill_kernel(
 def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     """Why the ``"prefill"`` backend declines this call, or None: the shapes of
     :func:`kvjax.pallas.paged.common.triton_shape_reason`, and more tokens than rows (``T <= B`` is a
-    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`). Float or fp8 pages."""
+    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`), and rows that may hold more
+    than :data:`FEW_TOKENS` tokens (a call whose static ``max_query_len`` bounds every row by it, a verification
+    step's, is served by the split-KV decode kernel: RESULTS.md, "Speculative decoding"). Float or fp8 pages."""
     t_total, num_rows = call.q.shape[0], call.block_tables.shape[0]
     if t_total <= num_rows:
         return f"needs more tokens than rows, got a decode-shaped batch (T={t_total} <= B={num_rows})"
+    if call.max_query_len and call.max_query_len <= FEW_TOKENS:
+        return f"rows of at most {call.max_query_len} <= {FEW_TOKENS} tokens (max_query_len): a decode-shaped batch"
     return common.triton_shape_reason(call)
 
+
+FEW_TOKENS = 8  # max_query_len at or below which the split-KV decode kernel takes the call
 
 # Defaults per K/V load path, the fastest measured at T=4096, H=32, D=128 (RESULTS.md, "Paged attention prefill").
 _PAGE_MODE_MIN_PAGE = 64  # "page" loads were slower than "gather" at page 16 (16-key sub-products)

@@ -1,0 +1,161 @@
+"""The gated delta rule of a verification step (speculative decoding) on the slot pool: outputs, final states and
+the state after every verification position, in one Pallas kernel (Triton lowering).
+
+A verification row continues its state at ``ssm[layer, slot]`` through its ``1 + k`` tokens (``k`` drafts, at most
+``J - 1``); the rollback after verification needs the state after each of them (:mod:`kvjax.state.gdn_spec`).
+``_verify_kernel`` gives all of it from one read of the state: one program per state tile ``[K, block_v]`` of one
+(row, value head), grid ``(value block, head, row)`` as the slot decode kernel's
+(:mod:`kvjax.pallas.gdn.recurrent`). It walks the row's tokens with :func:`~kvjax.pallas.gdn.recurrent.token_update`,
+stores each token's output, the state after its ``j``-th token into ``states[layer, row, j]`` and the state after
+the last token into the pool (both aliased input -> output: in place under jit when donated). Rows whose slot is not
+in ``1..S`` are padding (nothing read or written, outputs zero), and tokens outside every row get zero outputs.
+
+It replaces, for a step whose rows all continue their state with few tokens each, the chunked kernel (its
+preparation and sequential kernels, sized for chunks of 64 tokens) plus a recurrence of XLA ops per position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kvjax.base.device import next_pow2
+from kvjax.pallas.gdn.common import col_block, head_cols, load, store, tile_mask
+from kvjax.pallas.gdn.recurrent import BLOCK_V, _block_v, token_update, zero_tokens
+
+__all__ = ["gdn_verify_slots", "unsupported", "verify_slots"]
+
+
+def _verify_kernel(
+    slots_ref,  # i32[B]
+    cu_ref,  # i32[B+1]
+    q_ref,  # [T, Hk, K]
+    k_ref,  # [T, Hk, K]
+    v_ref,  # [T, Hv, V]
+    g_ref,  # f32[T, Hv]
+    beta_ref,  # [T, Hv]
+    ssm_in_ref,  # f32[L, S+1, Hv, K, V] (aliased with ssm_ref)
+    states_in_ref,  # f32[L, B, J, Hv, K, V] (aliased with states_ref)
+    o_ref,  # [T, Hv, V]
+    ssm_ref,
+    states_ref,
+    *,
+    layer: int,
+    group: int,
+    scale: float,
+    use_qk_l2norm: bool,
+    block_v: int,
+    num_tokens: int,
+):
+    del states_in_ref
+    lay = jnp.asarray(layer, jnp.int32)  # an array index: interpret mode rejects a Python int under pl.when
+    vb, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows = pl.num_programs(2)
+    kd, vd = ssm_in_ref.shape[3], ssm_in_ref.shape[4]
+    positions = states_ref.shape[2]
+    kc, kmask = head_cols(kd)
+    vs, vmask = col_block(vb, block_v, vd)
+    cols = (kc, kmask, vs, vmask)
+    mask = tile_mask((next_pow2(kd), block_v), kmask, vmask)
+    slot = slots_ref[n]
+    live = (slot >= 1) & (slot < ssm_in_ref.shape[1])
+    slot = jnp.where(live, slot, 0)
+    start, end = cu_ref[n], cu_ref[n + 1]
+
+    @pl.when(live)
+    def _():
+        s0 = load(ssm_in_ref, (lay, slot, h, kc, vs), mask, eviction_policy="evict_first")
+
+        def step(t, s):  # s: f32[Kp, block_v]
+            s, o = token_update(s, q_ref, k_ref, v_ref, g_ref, beta_ref, t, h, h // group, cols, scale=scale,
+                                use_qk_l2norm=use_qk_l2norm)
+            store(o_ref, (t, h, vs), o.astype(o_ref.dtype), vmask)
+            store(states_ref, (lay, n, jnp.minimum(t - start, positions - 1), h, kc, vs), s, mask)
+            return s
+
+        s = lax.fori_loop(start, end, step, s0)
+        store(ssm_ref, (lay, slot, h, kc, vs), s, mask, eviction_policy="evict_first")
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        zero_tokens(o_ref, h, vs, vmask, start, end, block_v)
+
+    @pl.when(n == 0)
+    def _():
+        zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
+
+    @pl.when(n == num_rows - 1)
+    def _():
+        zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+                   donate_argnames=("ssm", "states"))
+def verify_slots(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # f32[T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]  GDN pool, donated, updated in place
+    states: jax.Array,  # f32[L, B, J, Hv, K, V]  per-position states, donated, updated in place at [layer]
+    *,
+    cu_seqlens: jax.Array,  # i32[B+1]
+    slot_ids: jax.Array,  # i32[B]  outside 1..S = padding row
+    layer: int,
+    scale: float,
+    use_qk_l2norm: bool = False,
+    block_v: int | None = BLOCK_V,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, ssm, states)
+    """The verification kernel (module docstring) on arrays: row ``b`` runs tokens ``cu_seqlens[b]:cu_seqlens[b+1]``
+    from ``ssm[layer, slot_ids[b]]``."""
+    num_tokens, hk, _ = q.shape
+    hv, vd = ssm.shape[2], ssm.shape[4]
+    bv = _block_v(vd, block_v)
+    kernel = functools.partial(_verify_kernel, layer=layer, group=hv // hk, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, block_v=bv, num_tokens=num_tokens)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, hv, vd), v.dtype),
+            jax.ShapeDtypeStruct(ssm.shape, jnp.float32),
+            jax.ShapeDtypeStruct(states.shape, jnp.float32),
+        ),
+        grid=(pl.cdiv(vd, bv), hv, slot_ids.shape[0]),
+        input_output_aliases={7: 1, 8: 2},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_verify_slots",
+    )(slot_ids, cu_seqlens, q, k, v, g, beta, ssm, states)
+
+
+def gdn_verify_slots(
+    call,  # kvjax.ops.gdn.DeltaRuleCall: q / k [T, Hk, K], v [T, Hv, V], g f32[T, Hv], beta [T, Hv],
+    #        cu_seqlens i32[B+1], slot_ids i32[B]; layer a Python int, scale a float
+    ssm: jax.Array,  # f32[L, S+1, Hv, K, V]
+    states: jax.Array,  # f32[L, B, J, Hv, K, V]
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, ssm, states)
+    """Backend ``"pallas"`` of :func:`kvjax.ops.spec_states.gdn_verify_pool`: :func:`verify_slots` (the op checked
+    the call and :func:`unsupported` accepted it)."""
+    return verify_slots(call.q, call.k, call.v, call.g, call.beta, ssm, states, cu_seqlens=call.cu_seqlens,
+                        slot_ids=call.slot_ids, layer=call.layer, scale=call.scale,
+                        use_qk_l2norm=call.use_qk_l2norm, interpret=interpret)
+
+
+def unsupported(call, ssm, states) -> str | None:  # a checked call of gdn_verify_pool and its two state arrays
+    """Why the verification kernel cannot take a call, or ``None``: it indexes the pool and the states by a static
+    Python-int ``layer`` (any K, V, rows and positions)."""
+    del ssm, states
+    layer = call.layer
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        return f"the verification kernel needs a static Python-int layer, got {type(layer).__name__}"
+    return None
