@@ -390,11 +390,15 @@ def test_table_chooses_as_documented():
     name, why = choice(_shapes(4096, 2, page_size=64, d=24), "h100")
     assert name == "reference" and "power-of-two head_dim" in why["pallas"]
     # a verification step's rows (a static bound of a few tokens a row): the split-KV decode kernel
-    (verify_call,), _ = _shapes(80, 16, page_size=64)
-    name, why = choice(((dataclasses.replace(verify_call, max_query_len=5),), {}), "h100")
+    (verify_call,), _ = _shapes(32, 16, page_size=64)
+    name, why = choice(((dataclasses.replace(verify_call, max_query_len=paged_prefill.FEW_TOKENS),), {}), "h100")
     assert name == "pallas" and "max_query_len" in why["prefill"]
-    long_rows = ((dataclasses.replace(verify_call, max_query_len=paged_prefill.FEW_TOKENS + 1),), {})
-    assert choice(long_rows, "h100")[0] == "prefill"
+    (one_row,), _ = _shapes(paged_prefill.FEW_TOTAL, 1, page_size=64)
+    assert choice(((dataclasses.replace(one_row, max_query_len=paged_prefill.FEW_TOTAL),), {}), "h100")[0] == "pallas"
+    (many,), _ = _shapes(80, 16, page_size=64)
+    assert choice(((dataclasses.replace(many, max_query_len=5),), {}), "h100")[0] == "prefill"
+    assert choice(((dataclasses.replace(verify_call, max_query_len=paged_prefill.FEW_TOKENS + 1),), {}),
+                  "h100")[0] == "prefill"
     assert attention.TABLE.available(NAMED["cpu"]) == [
         "reference", "mosaic:interpret", "prefill:interpret", "pallas:interpret"]
     assert attention.TABLE.available(NAMED["a100"])[:3] == ["reference", "prefill", "pallas"]

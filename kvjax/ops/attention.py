@@ -38,8 +38,9 @@ the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged at
   reads whole pages, so the unwritten tail of a row's last page must hold finite values (kvjax pools start
   zeroed), never NaN;
 - ``"prefill"``: the ragged prefill kernel in the Pallas Triton lowering (:mod:`kvjax.pallas.paged.prefill`),
-  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``) and no static
-  ``max_query_len`` of a few tokens (a verification step's rows); float or fp8 pages;
+  any GPU, power-of-two head_dim >= 16 and page_size, more tokens than rows (``T > B``) and not a verification
+  step's handful of tokens (a static ``max_query_len`` of at most ``FEW_TOKENS``, or ``T <= FEW_TOTAL``); float
+  or fp8 pages;
 - ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those
   power-of-two shapes, float or fp8 pages; what ``impl="interpret"`` runs;
 - ``"reference"``: :func:`paged_attention_reference`, always.
@@ -321,9 +322,9 @@ def paged_attention(
     backend name (``"mosaic" | "prefill" | "pallas"``; :class:`UnknownImplError` naming the reason if it cannot
     take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode) or
     ``"NAME:interpret"``. ``max_query_len``: a static bound on every row's tokens, a promise of the caller (a
-    verification step's ``K + 1``); with at most ``kvjax.pallas.paged.prefill.FEW_TOKENS`` the table takes the
-    split-KV decode kernel, which reads a row's pages once per token, over the prefill kernels. Reads only;
-    changes nothing. Jittable.
+    verification step's ``K + 1``); with at most ``kvjax.pallas.paged.prefill.FEW_TOKENS`` tokens a row, or
+    ``FEW_TOTAL`` in all, the table takes the split-KV decode kernel, which reads a row's pages once per token,
+    over the prefill kernels. Reads only; changes nothing. Jittable.
     On a Hopper GPU a prefill-shaped batch may run the Mosaic GPU kernel, which reads whole pages of a row's walk:
     the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
@@ -388,6 +389,8 @@ TABLE = BackendTable(
         "mixed T=512 B=64 Hq=32 Hkv=8 D=128 page 64 bf16": lambda: _example(512, 64, 64, context=4096),
         "verify B=16 x 5 tokens L=4096 Hq=32 Hkv=8 D=128 page 16 bf16":
             lambda: _example(80, 16, 16, context=4096, max_query_len=5),
+        "verify B=1 x 5 tokens L=4096 Hq=32 Hkv=8 D=128 page 16 bf16":
+            lambda: _example(5, 1, 16, context=4096, max_query_len=5),
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 fp8": lambda: _example(64, 64, 16, context=4096, fp8=True),
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 64 fp8": lambda: _example(64, 64, 64, context=4096, fp8=True),
         "prefill T=4096 H=32 D=128 page 64 fp8": lambda: _example(4096, 1, 64, context=4096, hkv=32, fp8=True),

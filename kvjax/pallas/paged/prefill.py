@@ -244,18 +244,23 @@ def _prefill_kernel(
 def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     """Why the ``"prefill"`` backend declines this call, or None: the shapes of
     :func:`kvjax.pallas.paged.common.triton_shape_reason`, and more tokens than rows (``T <= B`` is a
-    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`), and rows that may hold more
-    than :data:`FEW_TOKENS` tokens (a call whose static ``max_query_len`` bounds every row by it, a verification
-    step's, is served by the split-KV decode kernel: RESULTS.md, "Speculative decoding"). Float or fp8 pages."""
+    decode-shaped batch, served by :func:`kvjax.pallas.paged.decode.paged_decode`), and no static
+    ``max_query_len`` (a verification step's bound on every row's tokens) of at most :data:`FEW_TOKENS`, nor one with
+    at most :data:`FEW_TOTAL` tokens in all (those the split-KV decode kernel serves faster). Float or fp8 pages."""
     t_total, num_rows = call.q.shape[0], call.block_tables.shape[0]
     if t_total <= num_rows:
         return f"needs more tokens than rows, got a decode-shaped batch (T={t_total} <= B={num_rows})"
-    if call.max_query_len and call.max_query_len <= FEW_TOKENS:
-        return f"rows of at most {call.max_query_len} <= {FEW_TOKENS} tokens (max_query_len): a decode-shaped batch"
+    if call.max_query_len and (call.max_query_len <= FEW_TOKENS or t_total <= FEW_TOTAL):
+        return (f"rows of at most {call.max_query_len} tokens (max_query_len) with max_query_len <= {FEW_TOKENS} or "
+                f"T={t_total} <= {FEW_TOTAL}: a decode-shaped batch")
     return common.triton_shape_reason(call)
 
 
-FEW_TOKENS = 8  # max_query_len at or below which the split-KV decode kernel takes the call
+# Calls with a static max_query_len (a verification step's rows) that the split-KV decode kernel takes: rows of at most
+# FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. Measured (RESULTS.md, "Speculative decoding"): the decode kernel
+# reads a row's pages once per token, so past 2 tokens a row it wins only while the batch is a handful of tokens.
+FEW_TOKENS = 2
+FEW_TOTAL = 16
 
 # Defaults per K/V load path, the fastest measured at T=4096, H=32, D=128 (RESULTS.md, "Paged attention prefill").
 _PAGE_MODE_MIN_PAGE = 64  # "page" loads were slower than "gather" at page 16 (16-key sub-products)
