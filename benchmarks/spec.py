@@ -84,7 +84,7 @@ MODES = (
     ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst="auto"), "max"),
     ("mtp K={k} burst 16 rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst=16), "max"),
     ("mtp K={k} burst 32 measured rule", dict(method="mtp", flat_tokens=MEASURED), dict(decode_burst=32), "max"),
-    ("mtp K={k} burst 32 measured rule, off above 16 rows", dict(method="mtp", flat_tokens=MEASURED,
+    ("mtp K={k} burst 32 measured rule off above 16 rows", dict(method="mtp", flat_tokens=MEASURED,
      disable_by_batch_size=16), dict(decode_burst=32), "max"),
 )
 
