@@ -266,21 +266,25 @@ def test_prep_mosaic_refusals(rng):
             PrepConfig(**bad)
 
 
-def test_prep_mosaic_lowers_for_cuda():
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_prep_mosaic_lowers_for_cuda(semantics):
     """The Mosaic GPU preparation kernel lowers to a Mosaic GPU module for CUDA without a GPU (register layouts,
     wgmma operands, TMA boxes), K = V = 128 with 2 value heads per key head (in one CTA, and one CTA each) and
-    K = 64, V = 128 with 4."""
+    K = 64, V = 128 with 4, under both lowering semantics: Lane (the kernel's) and Warpgroup (jax 0.11's default;
+    0.11's layout inference, unlike 0.10's, gave up while the kernel read the segment ids in two layouts)."""
     from jax import export
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 
     sds = jax.ShapeDtypeStruct
+    sem = getattr(plgpu.LoweringSemantics, semantics)
     for kd, vd, hk, hv, l2, heads in [(128, 128, 2, 4, True, 0), (128, 128, 2, 4, True, 1), (64, 128, 1, 4, False, 0)]:
         tp = 256
         args = (sds((tp,), jnp.int32), sds((tp, hk, kd), jnp.bfloat16), sds((tp, hk, kd), jnp.bfloat16),
                 sds((tp, hv, vd), jnp.bfloat16), sds((tp, hv), jnp.float32), sds((tp, hv), jnp.float32))
         fn = jax.jit(lambda *a, l2=l2, heads=heads: prep_mgpu_call(*a, chunk=64, scale=0.1, use_qk_l2norm=l2,
-                                                                   value_heads=heads))
+                                                                   value_heads=heads, semantics=sem))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 

@@ -22,9 +22,11 @@ wgmma layout of the previous accumulator) and its right operand stored to one sh
 memory at ``K = V = 128``: 49 KB + 16.5 KB per value head of the CTA.
 
 Row and column vectors: a per-token vector is a wgmma row vector (``Layout.WGMMA.reduce(1)``, broadcast along
-columns) or column vector (``reduce(0)``). The segment ids and the log-decay are loaded both ways from shared
-memory; ``|k_j|^2`` is the diagonal of ``k k^T`` (a row sum and a column sum of its masked diagonal) and ``gc``'s
-column form is the column sum of its masked diagonal, so no vector is ever transposed through memory.
+columns) or column vector (``reduce(0)``). The segment ids are loaded as a row vector, the log-decay as a column
+vector and beta as a row vector; the segment ids' and ``gc``'s column forms are the column sums of their masked
+diagonals and ``|k_j|^2`` is the diagonal of ``k k^T`` (a row sum and a column sum of its masked diagonal), so no
+vector is transposed through memory and no shared-memory vector is read in two layouts (under jax 0.11's
+Warpgroup semantics the two reads become one value that no layout can serve).
 
 Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 MFLOP, once per CTA), 10
 inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.5 KB (v, g, beta)
@@ -193,7 +195,8 @@ def _kernel(
         return tinv
 
     plgpu.barrier_wait(qk_bar)
-    seg_r, seg_c = vec(seg_s, _ROW), vec(seg_s, _COL)
+    seg_r = vec(seg_s, _ROW)
+    seg_c = jnp.sum(jnp.where(eye, bc_row(seg_r), 0), axis=0)  # column form: its masked diagonal's column sum
     in_seq = seg_r >= 0
     same = (bc_row(seg_r) == bc_col(seg_c)) & bc_row(in_seq)
     keep = same & (ri >= ci)
@@ -257,13 +260,16 @@ def prep_mgpu_call(
     scale: float,
     use_qk_l2norm: bool,
     value_heads: int = 0,
+    semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call
     """The preparation kernel's outputs, as :func:`kvjax.pallas.gdn.prep._prep_call` (``Tp`` a multiple of
     ``chunk``): ``w [NC, Hv, C, K]``, ``u [NC, Hv, C, V]``, ``a [NC, Hv, C, C]`` in bf16, ``qf, kf, gl: f32[NC, Hv,
     C]``. ``value_heads``: value heads per CTA, a divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head; fewer
     means more CTAs, less shared memory each, and ``q k^T`` / ``k k^T`` formed once per CTA). ``ValueError`` for
-    what :func:`shape_reason` rejects and for a ``value_heads`` that does not divide ``Hv / Hk``."""
+    what :func:`shape_reason` rejects and for a ``value_heads`` that does not divide ``Hv / Hk``. ``semantics``:
+    the Mosaic GPU lowering; Lane (jax 0.10's default) takes the register layouts the kernel names, so jax 0.10
+    and 0.11 lower the same program; Warpgroup (jax 0.11's default) infers them and lowers too."""
     reason = shape_reason(q, k, v, chunk=chunk)
     if reason:
         raise ValueError(f"prep_mgpu {reason}")
@@ -302,6 +308,6 @@ def prep_mgpu_call(
         scratch_types=scratch,
         grid=(nc, hv // heads),
         grid_names=("chunk", "heads"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
         interpret=interpret_params() if interpret else None,
     )(seg, q, k, v, g.T, beta.T)
