@@ -725,3 +725,18 @@ def test_decode_slot_kernel_gpu(rng, dtype, l2, hk, kd):
     untouched = [s for s in range(num_slots + 1) if s not in live]
     np.testing.assert_array_equal(np.asarray(ssm)[:, untouched], ssm0[:, untouched])
     np.testing.assert_array_equal(np.asarray(ssm)[0], ssm0[0])
+
+
+def test_prefill_tables_take_the_mosaic_prep_on_hopper_for_its_shapes():
+    """The chunked prefill's ``"mosaic"`` backend (the Mosaic GPU preparation kernel, measured faster on an H200) on a
+    Hopper GPU for bf16 q / k / v with K, V in {64, 128}; the Triton path elsewhere."""
+    from kvjax.base.device import NAMED
+
+    for table, example in ((gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=16 K=V=128"),
+                           (gdn_on_pool.PREFILL_TABLE, "prefill N=4 T=16384 H=32")):
+        args, kwargs = table.examples[example]()
+        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
+        assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
+    args, kwargs = gdn.CHUNK_TABLE.examples["prefill N=2 T=512 H=8 K=96 V=128"]()
+    reasons = dict(gdn.CHUNK_TABLE.explain(args, kwargs, NAMED["h100"]))
+    assert "K and V in" in reasons["mosaic"] and reasons["pallas"] is None

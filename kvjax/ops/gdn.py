@@ -35,7 +35,8 @@ table (:data:`CHUNK_TABLE`, :data:`RECURRENT_TABLE`) chooses for ``impl`` with e
 
 Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.recurrent`: any CUDA GPU,
 any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` takes it on a GPU, else the
-reference. The references
+reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
+:mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies. The references
 (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST`` matmuls (no
 TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does not
 recompile; ``scale=None`` is ``K ** -0.5``).
@@ -53,7 +54,7 @@ import numpy as np
 from jax import lax
 
 from kvjax.base.checks import check_array, check_cu_seqlens, check_float
-from kvjax.ops.backends import Backend, BackendTable
+from kvjax.ops.backends import Backend, BackendTable, on_hopper
 from kvjax.pallas.gdn import chunk as chunk_kernels
 from kvjax.pallas.gdn import recurrent as recurrent_kernels
 
@@ -343,6 +344,10 @@ CHUNK_TABLE = BackendTable(
     CHUNK_OP,
     chunk_gated_delta_rule_reference,
     (
+        Backend("mosaic", chunk_kernels.chunk_gated_delta_rule_mosaic_prep, priority=20, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported,
+                note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
+                     "(benchmarks/RESULTS.md, GDN chunked prefill)"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),

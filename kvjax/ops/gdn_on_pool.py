@@ -27,7 +27,9 @@ Backends (Pallas, Triton lowering, any CUDA GPU, any K and V): ``"pallas"`` runs
 kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and takes every call; decode also has
 ``"slots"``, :func:`kvjax.pallas.gdn.recurrent.recurrent_gated_delta_rule_slots`, which indexes the array by
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
-continuing and a static int ``layer`` (RESULTS.md, GDN decode). The array is updated in place (aliased) under
+continuing and a static int ``layer`` (RESULTS.md, GDN decode); prefill also has ``"mosaic"`` on Hopper, the
+``"pallas"`` kernels with the Mosaic GPU preparation kernel (:mod:`kvjax.pallas.gdn.prep_mgpu`; bf16, K and V of
+64 or 128; RESULTS.md, GDN chunked prefill). The array is updated in place (aliased) under
 jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
@@ -44,7 +46,7 @@ from kvjax.base.ragged import count_le
 from kvjax.base.slots import check_slot_ids, live_slots, slot_index, static_layer
 from kvjax.ops import gdn
 from kvjax.ops.gdn import DeltaRuleCall
-from kvjax.ops.backends import Backend, BackendTable
+from kvjax.ops.backends import Backend, BackendTable, on_hopper
 from kvjax.pallas.gdn import chunk as chunk_kernels
 from kvjax.pallas.gdn import recurrent as recurrent_kernels
 
@@ -286,6 +288,10 @@ PREFILL_TABLE = BackendTable(
     PREFILL_OP,
     gdn_prefill_pool_reference,
     (
+        Backend("mosaic", chunk_kernels.gdn_prefill_pool_mosaic_prep, priority=20, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported,
+                note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
+                     "(benchmarks/RESULTS.md, GDN chunked prefill)"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),

@@ -56,6 +56,7 @@ from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
                                      head_cols, load, on_initial_state, on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import PrepConfig, prepare
+from kvjax.pallas.gdn.prep_mgpu import shape_reason as prep_mgpu_shape_reason
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
@@ -481,3 +482,24 @@ chunk_gated_delta_rule_pallas = on_initial_state(
 gdn_prefill_pool_pallas = on_slot_pool(
     chunk_gated_delta_rule_pool,
     """Backend ``"pallas"`` of ``gdn_prefill_pool``: the chunked kernels on the flattened slot pool.""")
+
+_with_mosaic_prep = functools.partial(chunk_gated_delta_rule_pool, prep=PrepConfig(kernel="mosaic"))
+
+chunk_gated_delta_rule_mosaic_prep = on_initial_state(
+    _with_mosaic_prep,
+    """Backend ``"mosaic"`` of ``kvjax.ops.chunk_gated_delta_rule``: the ``"pallas"`` kernels with the Mosaic GPU
+    (wgmma) preparation kernel, :mod:`kvjax.pallas.gdn.prep_mgpu` (the calls :func:`mosaic_prep_unsupported`
+    accepts).""")
+
+gdn_prefill_pool_mosaic_prep = on_slot_pool(
+    _with_mosaic_prep,
+    """Backend ``"mosaic"`` of ``gdn_prefill_pool``: :data:`gdn_prefill_pool_pallas` with the Mosaic GPU preparation
+    kernel.""")
+
+
+def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
+    """Why the ``"mosaic"`` backends cannot take a call, or ``None``: the shapes the Mosaic GPU preparation kernel
+    takes (:func:`kvjax.pallas.gdn.prep_mgpu.shape_reason`: bf16 q / k / v, K and V of 64 or 128, few value heads
+    per key head)."""
+    del state
+    return prep_mgpu_shape_reason(call.q, call.k, call.v, chunk=CHUNK)
