@@ -52,6 +52,19 @@ def zero_tokens(o_ref, h, vs, vmask, lo, hi, block_v):
     lax.fori_loop(lo, hi, body, 0)
 
 
+def zero_outside_rows(o_ref, h, vs, vmask, n, num_rows, start, end, num_tokens, block_v):
+    """Zero the outputs of the tokens outside every row: before row 0 (by row 0's programs, whose tokens start at
+    ``start``) and past the last row (by its programs, whose tokens end at ``end``); call inside a kernel."""
+
+    @pl.when(n == 0)
+    def _():
+        zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
+
+    @pl.when(n == num_rows - 1)
+    def _():
+        zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
+
+
 def _delta_token(s, q, k, v, decay, beta, *, scale, use_qk_l2norm):
     """One delta-rule token on the state slice ``s: f32[Kp, block_v]`` from its loaded ``q, k: [Kp]``,
     ``v: [block_v]`` and scalar ``decay = exp(g)``, ``beta``; returns ``(new s, o: f32[block_v])``."""
@@ -192,14 +205,7 @@ def _recurrent_kernel(
         zero_tokens(o_ref, h, vs, vmask, start, end, block_v)
 
     if not one_token_per_row:
-
-        @pl.when(n == 0)
-        def _():
-            zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
-
-        @pl.when(n == num_seqs - 1)
-        def _():
-            zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
+        zero_outside_rows(o_ref, h, vs, vmask, n, num_seqs, start, end, num_tokens, block_v)
 
 
 def _block_v(vd: int, block_v: int | None) -> int:

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import next_pow2
 from kvjax.pallas.gdn.common import col_block, head_cols, load, store, tile_mask
-from kvjax.pallas.gdn.recurrent import BLOCK_V, _block_v, token_update, zero_tokens
+from kvjax.pallas.gdn.recurrent import BLOCK_V, _block_v, token_update, zero_outside_rows, zero_tokens
 
 __all__ = ["gdn_verify_slots", "unsupported", "verify_slots"]
 
@@ -85,13 +85,7 @@ def _verify_kernel(
     def _():
         zero_tokens(o_ref, h, vs, vmask, start, end, block_v)
 
-    @pl.when(n == 0)
-    def _():
-        zero_tokens(o_ref, h, vs, vmask, 0, start, block_v)
-
-    @pl.when(n == num_rows - 1)
-    def _():
-        zero_tokens(o_ref, h, vs, vmask, end, num_tokens, block_v)
+    zero_outside_rows(o_ref, h, vs, vmask, n, num_rows, start, end, num_tokens, block_v)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
