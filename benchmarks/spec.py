@@ -26,7 +26,8 @@ steps and in verification bursts (one dispatch runs the engine's ``decode_burst`
 16 and 32 sub-steps), with the rule off, and with the rule's flat region measured in the run (plain decoding runs
 first at every row count; its time per sub-step against the rows gives the region,
 :func:`~kvjax.experiments.spec_runs.flat_tokens_from`); ``--modes`` picks lines. Each engine serves the
-prompts once to compile, then once timed. Columns: generated tokens/s (wall clock of the timed pass) and against
+prompts once to compile, then ``repeats`` times timed (5 on the GPU recipe), each line's figures from its median
+pass by wall (single passes of ~0.1 s moved by 15-25% between runs). Columns: generated tokens/s (wall clock of the timed pass) and against
 plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft position),
 tokens per verification row and step, verification steps, and whether the tokens equal plain decoding's (greedy:
 they must); ``model`` is the step-cost model's prediction from the run's own steps (tokens per
@@ -52,7 +53,7 @@ FULL = dict(task=dict(vocab=128, length=224, min_period=4, max_period=8),
             model=dict(hidden=64, layer_types=("full_attention", "full_attention")),
             train=dict(steps=3000, lr=1e-2, batch=64), mtp=dict(steps=400, lr=1e-2, targets="greedy", depth=2),
             idle=("linear_attention",), prompt_len=64, max_new=128, free_prompts=64, waves=2, min_requests=8,
-            rows=(1, 16, 64), ks=(2, 4), one_shape=False)
+            rows=(1, 16, 64), ks=(2, 4), one_shape=False, repeats=5)
 # the recipe at a reduced size, found on 2 CPU cores (``--cpu``: minutes there)
 CPU = dict(task=dict(vocab=64, length=64, min_period=4, max_period=8),
            model=dict(hidden=64, layer_types=("full_attention", "full_attention")),
@@ -63,7 +64,8 @@ CPU = dict(task=dict(vocab=64, length=64, min_period=4, max_period=8),
 # dominate on a CPU)
 SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), model=dict(hidden=32,
              layer_types=("full_attention",)), train=dict(steps=0), mtp=dict(steps=0), idle=("linear_attention",),
-             prompt_len=13, max_new=6, free_prompts=4, waves=1, min_requests=1, rows=(1, 3), ks=(2,), one_shape=True)
+             prompt_len=13, max_new=6, free_prompts=4, waves=1, min_requests=1, rows=(1, 3), ks=(2,), one_shape=True,
+             repeats=2)
 
 
 # The modes run at each row count, one line each: (name, ``SpeculativeConfig`` fields or None for plain decoding,
@@ -201,7 +203,8 @@ def main(argv=None) -> dict:
             return task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
 
         # plain decoding first at every row count: the baseline of each, and the measured flat region
-        plain = {rows: spec_runs.spec_run(model, prompts_at(rows), cfg["max_new"], rows=rows,
+        repeats = cfg.get("repeats", 1)  # timed passes of each line; the median's figures
+        plain = {rows: spec_runs.spec_run(model, prompts_at(rows), cfg["max_new"], rows=rows, repeats=repeats,
                                           one_shape=cfg["one_shape"]) for rows in cfg["rows"]}
         flat = None
         if len(set(cfg["rows"])) > 1:
@@ -221,7 +224,7 @@ def main(argv=None) -> dict:
                     r = dict(plain[rows])
                 else:
                     r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
-                                           one_shape=cfg["one_shape"], **settings)
+                                           one_shape=cfg["one_shape"], repeats=repeats, **settings)
                 outputs = r.pop("outputs")
                 r.update(mode=name, vs_plain=r["tok_s"] / base["tok_s"], identical=outputs == base["outputs"],
                          model_vs_plain=r["tok_per_cost"] / base["tok_per_cost"])

@@ -6,6 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -171,3 +174,11 @@ def test_free_running_scores_greedy_continuations_against_the_period():
     assert fr["agreement"] == pytest.approx(ok.mean()) and fr["perfect"] == pytest.approx(ok.all(axis=1).mean())
     first = [next((i for i in range(5) if not row[i]), 5) for row in ok]
     assert fr["first_error"] == pytest.approx(np.mean(first) / 5)
+
+
+@pytest.mark.parametrize("repeats", [0, 1.5, True])
+def test_spec_run_refuses_a_bad_repeat_count(repeats):
+    from kvjax.experiments import spec_runs
+
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        spec_runs.spec_run(None, [np.arange(3)], 2, rows=1, repeats=repeats)

@@ -224,12 +224,14 @@ class NoisyDrafter:
 def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, *, rows: int,
              speculative: Any = None, cache: CacheConfig | None = None, recycle: str = "none",
              prefix_caching: bool = False, page_size: int = 16, max_num_batched_tokens: int | None = None,
-             warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS, **settings: Any) -> dict:
+             warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS, repeats: int = 1,
+             **settings: Any) -> dict:
     """Serve ``prompts`` greedily (``max_new`` tokens each) on an engine of ``rows`` rows with ``speculative``
     (``Engine(speculative=)``; ``None``: plain decoding), ``recycle`` and ``prefix_caching``, on ``cache`` (default:
     pages of ``page_size`` for every row at once). With ``warmup``, the same prompts run once first on the same engine
     (every step shape compiles there; the prefix cache is cleared after it) and the timed pass is the second.
     ``one_shape``: every step padded to one token, row and block bucket, no decode path (fewest compiles: CPU runs).
+    ``repeats``: timed passes (each serving every prompt again); the figures are the median pass's by wall.
     ``settings``: further :class:`~kvjax.engine.options.EngineOptions` fields by name (e.g. ``decode_burst``).
 
     Returns ``outputs`` (token lists), ``tok_s`` (generated tokens / wall seconds of the timed pass), ``steps``
@@ -242,6 +244,8 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
     from kvjax.config import CacheConfig
     from kvjax.engine.engine import Engine
 
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if cache is None:
         longest = max(len(p) for p in prompts) + max_new + 16  # + a verification row's drafts past the end
         blocks = -(-longest // page_size)
@@ -257,14 +261,17 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
     if warmup:
         eng.generate(prompts, max_new, progress=False)
         eng.clear_prefix_cache()
-    start = len(eng.metrics.records)
-    t0 = time.perf_counter()
-    outputs = eng.generate(prompts, max_new, progress=False)
-    wall = time.perf_counter() - t0
-    eng.clear_prefix_cache()
-    if not eng.is_idle():
-        raise AssertionError("engine not idle after generate(): slots or pages leaked")
-    recs = eng.metrics.records[start:]
+    passes = []  # (wall, outputs, records) of each timed pass
+    for _ in range(repeats):
+        start = len(eng.metrics.records)
+        t0 = time.perf_counter()
+        outputs = eng.generate(prompts, max_new, progress=False)
+        wall = time.perf_counter() - t0
+        eng.clear_prefix_cache()
+        if not eng.is_idle():
+            raise AssertionError("engine not idle after generate(): slots or pages leaked")
+        passes.append((wall, outputs, eng.metrics.records[start:]))
+    wall, outputs, recs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
     gen = sum(r.generated for r in recs)
     steps = sum(r.burst for r in recs)  # model sub-steps (a decode burst runs several in one engine step)
     cost = sum(r.burst * max((r.num_tokens if r.computed < 0 else r.computed) / r.burst, flat_tokens) for r in recs)
