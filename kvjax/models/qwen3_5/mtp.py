@@ -136,10 +136,12 @@ class Qwen3_5MTP(nnx.Module):
         block_tables: jax.Array,  # i32[B, Hkv, max_blocks]: the main model's tables
         slot_mapping: jax.Array,  # i32[T, Hkv]; -1 = skip
         layer: int = 0,
+        max_query_len: int | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:  # (MTP hidden states [T, H], new pages)
         """One ragged step of MTP layer ``layer`` on its paged K/V: writes these tokens' K/V by
         ``slot_mapping``, attends through ``block_tables`` with the main model's per-KV-head window / sinks
-        (the same semantics as the main model's attention layers: :func:`kvjax.ops.attention.paged_attention`)."""
+        (the same semantics as the main model's attention layers: :func:`kvjax.ops.attention.paged_attention`;
+        ``max_query_len``: its static bound on every row's tokens, as the main model passes a verification step's)."""
         from kvjax.ops.attention import paged_attention
         from kvjax.state.kv_cache import write_kv_cache
 
@@ -162,7 +164,7 @@ class Qwen3_5MTP(nnx.Module):
         o = paged_attention(
             q, own["key"], own["value"], block_tables, seq_lens, cu_seqlens=cu_seqlens, scale=a.head_dim ** -0.5,
             window=window, sinks=sinks,
-            k_scale=own.get("key_scale"), v_scale=own.get("value_scale"),
+            k_scale=own.get("key_scale"), v_scale=own.get("value_scale"), max_query_len=max_query_len,
         )
         u = lay.mlp_block(u + lay.self_attn.finish(o, gate))
         return self.norm(u), {**pages, **{n: own[r] for r, n in names.items()}}
@@ -272,7 +274,8 @@ def mtp_propose(
     nxt = jnp.concatenate([ids[1:], ids[-1:]])  # i32[T]: the step's next token
     nxt = nxt.at[jnp.where(live, last, t)].set(sampled.astype(nxt.dtype), mode="drop")
     g, pages = mtp.step(model, pages, hidden, nxt, inputs.positions, cu_seqlens=cu, seq_lens=inputs.seq_lens,
-                        block_tables=inputs.block_tables, slot_mapping=inputs.slot_mapping)
+                        block_tables=inputs.block_tables, slot_mapping=inputs.slot_mapping,
+                        max_query_len=inputs.max_query_len or None)
     g = g[last]  # [B, H]
     tok = jnp.argmax(mtp.logits(model, g), axis=-1).astype(jnp.int32)  # i32[B]
     drafts = [tok]
