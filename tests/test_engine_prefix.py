@@ -193,6 +193,25 @@ def test_checkpoint_slots_sized_and_allocated(qwen):
     assert sized.cache_sizing.num_checkpoints == sized.cache_config.max_seqs
 
 
+def test_speculative_decoding_keeps_room_for_a_verification_steps_states(qwen):
+    """Default sizing pays for a verification step's per-position states (``K + 1`` state slots per sequence) before
+    the pages, as it pays for checkpoint slots; a bad count is refused."""
+    from kvjax.sched.drafter import SpeculativeConfig
+
+    base = sizing.size_cache(qwen, dtype=jnp.float32)
+    spec = sizing.size_cache(qwen, dtype=jnp.float32, verify_positions=5)
+    extra = 5 * base.cache_config.max_seqs
+    assert spec.verify_slots == extra and base.verify_slots == 0
+    assert base.cache_config.num_pages - spec.cache_config.num_pages in (
+        extra * spec.slot_bytes // spec.page_bytes, -(-extra * spec.slot_bytes // spec.page_bytes))
+    assert spec.cache_bytes + extra * spec.slot_bytes <= spec.budget_bytes
+    assert "kept for a verification step's states" in spec.describe()
+    sized = Engine(qwen, speculative=SpeculativeConfig(method="ngram", num_draft_tokens=3))
+    assert sized.cache_sizing.verify_slots == 4 * sized.cache_config.max_seqs
+    with pytest.raises(ValueError, match="verify_positions must be an int >= 0"):
+        sizing.size_cache(qwen, dtype=jnp.float32, verify_positions=-1)
+
+
 def test_copy_slots_matches_numpy():
     rng = np.random.default_rng(0)
     pool = gdn_pool.create(GDNConfig(2, 4, 8, 8, 4), 3, 7, conv_dtype=jnp.float32)

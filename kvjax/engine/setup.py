@@ -75,15 +75,18 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
     prefix = prefix_config(model, o.prefix_caching, o.prefix_checkpoints, o.prefix_recycle,
                            cache_config.max_seqs if cache_config is not None else default_max_seqs(device))
     num_ckpts = prefix.num_checkpoints if prefix is not None else 0
+    verify_positions = 0 if o.speculative is None else o.speculative.num_draft_tokens + 1
     if cache_config is None:
         sizing = size_cache(local, dtype=cache_dtype, memory_fraction=o.memory_fraction, cache_options=cache_opts,
-                            num_checkpoints=num_ckpts, device=device, head=head_local)
+                            num_checkpoints=num_ckpts, device=device, head=head_local,
+                            verify_positions=verify_positions)
         cache_config = sizing.cache_config
     else:
         if o.memory_fraction is not None:
             raise ValueError(f"memory_fraction={o.memory_fraction!r} sizes the cache only without a cache_config; "
                              "got both")
-        check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device, head=head_local)
+        check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device, head=head_local,
+                         verify_positions=verify_positions)
     prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size, dtype=cache_dtype,
                               cache_options=cache_opts, mesh=None if sharded is None else sharded.mesh)
     eos_token_id = o.eos_token_id

@@ -9,7 +9,10 @@ where ``page_bytes`` sums one page of every paged role of every layer (Qwen3.5: 
 attention layer; DeepSeek-V3.2: the MLA latent page plus the DSA indexer pages) and ``slot_bytes`` one slot of
 the per-sequence state (Qwen3.5's GDN conv + SSM state of every linear-attention layer; 0 for DeepSeek).
 With prefix caching the GDN pool also holds ``num_checkpoints`` checkpoint slots: pages and checkpoints share
-one budget (the pages are what is left after every slot).
+one budget (the pages are what is left after every slot). With speculative decoding a verification step holds each
+row's GDN and conv states after each of its ``K + 1`` positions (:mod:`kvjax.state.gdn_spec`) beside the pool:
+``verify_positions = K + 1`` more slots per sequence, paid for before the pages too (the memory is transient, the
+budget is not).
 
 Budget: ``memory_fraction`` (default 0.9, like vLLM's ``gpu_memory_utilization`` but of the memory still free
 after the parameters) of the device's free memory, ``bytes_limit - bytes_in_use`` of
@@ -48,6 +51,7 @@ class CacheSizing:
     slot_bytes: int  # one per-sequence state slot across every layer (0 without recurrent layers)
     fixed_bytes: int  # cache bytes independent of pages and slots
     num_checkpoints: int = 0  # GDN checkpoint slots beside the max_seqs + 1 sequence slots (prefix caching)
+    verify_slots: int = 0  # state slots a verification step holds beside the pool (speculative decoding)
 
     @property
     def cache_bytes(self) -> int:
@@ -63,7 +67,9 @@ class CacheSizing:
                 f"{c.max_seqs} sequences + {self.num_checkpoints} checkpoints "
                 f"({_mib(self.slot_bytes * (c.max_seqs + 1 + self.num_checkpoints))} of per-sequence state), "
                 f"{c.max_blocks_per_seq} blocks = {c.max_seq_len} tokens per sequence; {_mib(self.cache_bytes)} "
-                f"of a {_mib(self.budget_bytes)} budget")
+                f"of a {_mib(self.budget_bytes)} budget"
+                + (f" ({_mib(self.slot_bytes * self.verify_slots)} kept for a verification step's states)"
+                   if self.verify_slots and self.slot_bytes else ""))
 
 
 def _mib(n: int) -> str:
@@ -106,19 +112,30 @@ def device_memory(device: Any = None) -> int:
     return int(limit) if limit else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def verify_slots(max_seqs: int, verify_positions: int) -> int:
+    """State slots a verification step holds beside the pool: ``verify_positions`` (``K + 1``; 0 without speculative
+    decoding) per sequence."""
+    if not is_int(verify_positions) or verify_positions < 0:
+        raise ValueError(f"verify_positions must be an int >= 0, got {verify_positions!r}")
+    return max_seqs * verify_positions
+
+
 def check_cache_fits(model: CausalLM, cache: CacheConfig, num_checkpoints: int, dtype: Any,
-                     cache_options: dict | None, device: Any = None, head: Any = None) -> None:
+                     cache_options: dict | None, device: Any = None, head: Any = None,
+                     verify_positions: int = 0) -> None:
     """``ValueError`` before anything is allocated when the caches of ``cache`` (with ``num_checkpoints`` GDN
-    checkpoint slots; bytes from :func:`cache_bytes_model`) exceed the memory of one device
-    (:func:`device_memory`)."""
+    checkpoint slots and a verification step's ``verify_positions`` per sequence; bytes from
+    :func:`cache_bytes_model`) exceed the memory of one device (:func:`device_memory`)."""
     page, slot, fixed = cache_bytes_model(model, page_size=cache.page_size, dtype=dtype, cache_options=cache_options,
                                           head=head)
-    need = page * cache.num_pages + slot * (cache.max_seqs + 1 + num_checkpoints) + fixed
+    extra = verify_slots(cache.max_seqs, verify_positions)
+    need = page * cache.num_pages + slot * (cache.max_seqs + 1 + num_checkpoints + extra) + fixed
     have = device_memory(device)
     if need > have:
         raise ValueError(f"the caches need {need / 2**30:.1f} GiB ({cache.num_pages} pages, {cache.max_seqs} "
-                         f"sequences + {num_checkpoints} checkpoint slots), more than the device's "
-                         f"{have / 2**30:.1f} GiB: lower num_pages, max_seqs or prefix_checkpoints")
+                         f"sequences + {num_checkpoints} checkpoint slots + {extra} verification state slots), more "
+                         f"than the device's {have / 2**30:.1f} GiB: lower num_pages, max_seqs, prefix_checkpoints "
+                         "or num_draft_tokens")
 
 
 def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_options: dict | None = None,
@@ -143,11 +160,13 @@ def cache_bytes_model(model: CausalLM, *, page_size: int, dtype: Any, cache_opti
 
 def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = None, page_size: int = PAGE_SIZE,
                max_seqs: int | None = None, max_seq_len: int | None = None, cache_options: dict | None = None,
-               device: Any = None, num_checkpoints: int = 0, head: Any = None) -> CacheSizing:
+               device: Any = None, num_checkpoints: int = 0, head: Any = None,
+               verify_positions: int = 0) -> CacheSizing:
     """Size a :class:`CacheConfig` for ``model`` from a memory budget (see the module docstring).
 
     ``max_seqs`` / ``max_seq_len`` default to :data:`MAX_SEQS` / :data:`MAX_SEQ_LEN` of the platform (``cpu`` or
-    ``accelerator``); ``num_checkpoints`` GDN checkpoint slots are paid for before the pages; ``head``: MTP layers whose
+    ``accelerator``); ``num_checkpoints`` GDN checkpoint slots and a verification step's ``verify_positions`` slots
+    per sequence (``K + 1`` with speculative decoding) are paid for before the pages; ``head``: MTP layers whose
     pools a page pays for too. Raises ``ValueError`` for a bad ``memory_fraction`` or size, or a budget that does not
     hold the state slots and one page per KV head.
     """
@@ -161,20 +180,22 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
     for name, v in (("page_size", page_size), ("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
         if not is_int(v) or not 1 <= v <= INT32_MAX:
             raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {v!r}")
+    extra = verify_slots(max_seqs, verify_positions)
     budget, source = memory_budget(memory_fraction, device)
     page_bytes, slot_bytes, fixed = cache_bytes_model(model, page_size=page_size, dtype=dtype,
                                                       cache_options=cache_options, head=head)
     heads = model.attention_layout().num_kv_heads
-    left = budget - slot_bytes * (max_seqs + 1 + num_checkpoints) - fixed
+    left = budget - slot_bytes * (max_seqs + 1 + num_checkpoints + extra) - fixed
     num_pages = min(left // max(page_bytes, 1), INT32_MAX // page_size)
     if num_pages < heads:
         raise ValueError(f"cache budget {_mib(budget)} ({source}) holds {max(num_pages, 0)} pages after "
-                         f"{max_seqs + 1 + num_checkpoints} state slots of {slot_bytes} B; need at least {heads} (one per KV head): "
-                         "raise memory_fraction, lower max_seqs, or pass a CacheConfig")
+                         f"{max_seqs + 1 + num_checkpoints + extra} state slots of {slot_bytes} B; need at least {heads} "
+                         "(one per KV head): raise memory_fraction, lower max_seqs or num_draft_tokens, or pass a "
+                         "CacheConfig")
     max_blocks = max(1, min(-(-max_seq_len // page_size), num_pages // heads))
     config = CacheConfig(page_size=page_size, num_pages=int(num_pages), max_seqs=max_seqs,
                          max_blocks_per_seq=int(max_blocks))
-    return CacheSizing(config, budget, source, page_bytes, slot_bytes, fixed, int(num_checkpoints))
+    return CacheSizing(config, budget, source, page_bytes, slot_bytes, fixed, int(num_checkpoints), int(extra))
 
 
 def default_max_seqs(device: Any = None) -> int:
