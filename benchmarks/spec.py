@@ -1,6 +1,7 @@
 """Speculative decoding's speed on a model that accepts drafts (issue #36), in one process, side by side.
 
-Usage (GPU): ``python benchmarks/spec.py [--rows 1,16,64] [--json out.json]`` (``kvjax`` on ``PYTHONPATH``);
+Usage (GPU): ``python benchmarks/spec.py [--rows 1,16,64] [--json out.json] [--toy-cache DIR]`` (``kvjax`` on
+``PYTHONPATH``; ``--toy-cache``: the trained toy kept between runs, no training when it is there);
 ``--cpu``: the recipe at a reduced size (minutes on 2 CPU cores); ``--smoke``: a CPU run of seconds (tiny task, the
 toy untrained; ``tests/test_spec_bench.py``).
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -132,19 +134,61 @@ def compile_cache():
                 jax.config.update(k, v)
 
 
-def build(cfg: dict) -> tuple[object, dict]:
+def toy_file(cache_dir: str, cfg: dict) -> str:
+    """Where ``--toy-cache`` keeps the trained toy and MTP layer of ``cfg`` (named by a digest of its recipe)."""
+    recipe = json.dumps({k: cfg[k] for k in ("task", "model", "train", "mtp")}, sort_keys=True, default=str)
+    return os.path.join(cache_dir, f"spec_toy_{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.npz")
+
+
+def save_params(path: str, **modules) -> None:
+    """Every parameter of each nnx module in ``modules`` into one ``.npz`` (keys ``name`` + the leaf's path)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    arrays = {}
+    for name, module in modules.items():
+        leaves = jax.tree_util.tree_flatten_with_path(nnx.state(module))[0]
+        arrays.update({name + jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+    np.savez(path, **arrays)
+
+
+def load_params(path: str, **modules) -> None:
+    """The parameters :func:`save_params` wrote into each module of ``modules`` (same structure; updated in place)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    with np.load(path) as data:
+        for name, module in modules.items():
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(module))
+            values = [jnp.asarray(data[name + jax.tree_util.keystr(p)], x.dtype) for p, x in leaves]
+            nnx.update(module, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def build(cfg: dict, toy_cache: str | None = None) -> tuple[object, dict]:
     """The served model of ``cfg``: the copy toy trained (``train``; none: untrained), its free-running greedy
     agreement with the prompts' period, its MTP layer trained (``mtp``) and the idle layers appended. Prints each
-    figure; returns ``(model, figures)``."""
+    figure; returns ``(model, figures)``. ``toy_cache``: a folder where the trained toy and MTP layer of this recipe
+    are loaded from when there (no training), saved to otherwise."""
     import numpy as np
 
     from kvjax.experiments import spec_runs
 
     task = spec_runs.CopyTask(**cfg["task"])
     t0 = time.perf_counter()
-    model, hist = spec_runs.train_copy(task, cfg["model"], cfg["train"])
+    cached = toy_cache is not None and os.path.exists(toy_file(toy_cache, cfg))
+    if cached:  # the recipe's architecture, untrained, then the saved parameters
+        model, _ = spec_runs.train_copy(task, cfg["model"], dict(cfg["train"], steps=0))
+        head, _ = spec_runs.copy_mtp(model, task, **dict(cfg["mtp"], steps=0))
+        load_params(toy_file(toy_cache, cfg), toy=model, mtp=head)
+        hist = mtp_hist = "loaded"
+    else:
+        model, hist = spec_runs.train_copy(task, cfg["model"], cfg["train"])
     figures = dict(copy_accuracy=spec_runs.copy_accuracy(model, task, np.random.default_rng(1)))
-    state = f"trained {cfg['train']['steps']} steps" if hist else "untrained"
+    state = ("loaded from " + toy_file(toy_cache, cfg) if cached else
+             f"trained {cfg['train']['steps']} steps" if hist else "untrained")
     prompts = task.prompts(np.random.default_rng(3), cfg["free_prompts"], cfg["prompt_len"] - 1)
     figures["free_running"] = spec_runs.free_running(model, prompts, cfg["max_new"])
     fr = figures["free_running"]
@@ -154,11 +198,15 @@ def build(cfg: dict) -> tuple[object, dict]:
           f"sequences without an error, first error after {fr['first_error']:.3f} of the tokens on average")
     t0 = time.perf_counter()
     m = cfg["mtp"]
-    head, mtp_hist = spec_runs.copy_mtp(model, task, **m)
+    if not cached:
+        head, mtp_hist = spec_runs.copy_mtp(model, task, **m)
+        if toy_cache is not None:
+            os.makedirs(toy_cache, exist_ok=True)
+            save_params(toy_file(toy_cache, cfg), toy=model, mtp=head)
     depth = max(cfg["ks"])
     accs = spec_runs.mtp_copy_accuracy(model, head, task, np.random.default_rng(2), depth=depth, against="greedy")
     figures["mtp_accuracy_per_step"] = accs
-    print(f"MTP layer {'trained ' + str(m['steps']) + ' steps' if mtp_hist else 'random'} in "
+    print(f"MTP layer {'loaded' if cached else 'trained ' + str(m['steps']) + ' steps' if mtp_hist else 'random'} in "
           f"{time.perf_counter() - t0:.1f} s (toy frozen; {m.get('targets', 'greedy')} targets, {m.get('depth', 2)} "
           f"chained steps in the loss): teacher-forced agreement with the toy's greedy token two ahead, per chained "
           f"draft step: {', '.join(f'{a:.3f}' for a in accs)}")
@@ -174,6 +222,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--modes", default=None, help="the lines of MODES to run, by name as written there ('{k}' "
                     "unexpanded), comma-separated (default: every line)")
+    ap.add_argument("--toy-cache", default=None, help="a folder: load the trained toy and MTP layer of the recipe "
+                    "from it when there (no training), else train and save them there")
     args = ap.parse_args(argv)
     table = MODES
     if args.modes:
@@ -193,7 +243,7 @@ def main(argv=None) -> dict:
     from kvjax.sched.drafter import FLAT_TOKENS
 
     with compile_cache():
-        model, figures = build(cfg)
+        model, figures = build(cfg, args.toy_cache)
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; layers {model.config.layer_types}", flush=True)
         task = spec_runs.CopyTask(**cfg["task"])
         rows_out = []

@@ -182,3 +182,40 @@ def test_spec_run_refuses_a_bad_repeat_count(repeats):
 
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
         spec_runs.spec_run(None, [np.arange(3)], 2, rows=1, repeats=repeats)
+
+
+def test_toy_cache_round_trips_the_parameters(tmp_path):
+    """``--toy-cache``: :func:`save_params` / :func:`load_params` put a (perturbed, so a load that does nothing fails)
+    toy and MTP layer into a fresh pair of the same recipe exactly; ``build`` then loads instead of training."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kvjax.experiments import spec_runs
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import spec as bench
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("spec", None)
+    cfg = bench.SMOKE
+    task = spec_runs.CopyTask(**cfg["task"])
+
+    def fresh():
+        toy, _ = spec_runs.train_copy(task, cfg["model"], cfg["train"])
+        return toy, spec_runs.copy_mtp(toy, task, **cfg["mtp"])[0]
+
+    toy, head = fresh()
+    rng = np.random.default_rng(0)
+    for m in (toy, head):
+        nnx.update(m, jax.tree.map(lambda x: x + jnp.asarray(rng.standard_normal(x.shape), x.dtype), nnx.state(m)))
+    path = bench.toy_file(str(tmp_path), cfg)
+    bench.save_params(path, toy=toy, mtp=head)
+    other, other_head = fresh()
+    bench.load_params(path, toy=other, mtp=other_head)
+    for a, b in ((toy, other), (head, other_head)):
+        for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    model, figures = bench.build(cfg, str(tmp_path))  # the perturbed pair, loaded: no training
+    assert figures["copy_accuracy"] == spec_runs.copy_accuracy(toy, task, np.random.default_rng(1))
