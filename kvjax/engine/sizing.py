@@ -189,8 +189,8 @@ def size_cache(model: CausalLM, *, dtype: Any, memory_fraction: float | None = N
     num_pages = min(left // max(page_bytes, 1), INT32_MAX // page_size)
     if num_pages < heads:
         raise ValueError(f"cache budget {_mib(budget)} ({source}) holds {max(num_pages, 0)} pages after "
-                         f"{max_seqs + 1 + num_checkpoints + extra} state slots of {slot_bytes} B; need at least {heads} "
-                         "(one per KV head): raise memory_fraction, lower max_seqs or num_draft_tokens, or pass a "
+                         f"{max_seqs + 1 + num_checkpoints + extra} state slots of {slot_bytes} B; need at least "
+                         f"{heads} (one per KV head): raise memory_fraction, lower max_seqs or num_draft_tokens, or pass a "
                          "CacheConfig")
     max_blocks = max(1, min(-(-max_seq_len // page_size), num_pages // heads))
     config = CacheConfig(page_size=page_size, num_pages=int(num_pages), max_seqs=max_seqs,

@@ -186,8 +186,8 @@ def _layout(inputs: StepInputs, p: jax.Array, toks: jax.Array, k: jax.Array, liv
     return dataclasses.replace(
         inputs, token_ids=jnp.where(valid, toks[row, off], 0), positions=pos, cu_seqlens=cu,
         seq_lens=jnp.where(live, p + n, 0), gdn_slots=jnp.where(live, inputs.gdn_slots, 0), has_initial_state=live,
-        slot_mapping=slot_mapping(inputs.block_tables, row, pos, valid, page_size), logits_indices=jnp.where(live, cu[1:] - 1, 0),
-        max_query_len=toks.shape[1])
+        slot_mapping=slot_mapping(inputs.block_tables, row, pos, valid, page_size),
+        logits_indices=jnp.where(live, cu[1:] - 1, 0), max_query_len=toks.shape[1])
 
 
 def checkpoint_copy(caches: ModelCaches, which: jax.Array, fn: Callable, *args: jax.Array) -> ModelCaches:

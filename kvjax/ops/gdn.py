@@ -36,10 +36,10 @@ table (:data:`CHUNK_TABLE`, :data:`RECURRENT_TABLE`) chooses for ``impl`` with e
 Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.recurrent`: any CUDA GPU,
 any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` takes it on a GPU, else the
 reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
-:mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies. The references
-(``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST`` matmuls (no
-TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does not
-recompile; ``scale=None`` is ``K ** -0.5``).
+:mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies.
+The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
+matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
+not recompile; ``scale=None`` is ``K ** -0.5``).
 """
 
 from __future__ import annotations

@@ -256,9 +256,10 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     return common.triton_shape_reason(call)
 
 
-# Calls with a static max_query_len (a verification step's rows) that the split-KV decode kernel takes: rows of at most
-# FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. Measured (RESULTS.md, "Speculative decoding"): the decode kernel
-# reads a row's pages once per token, so past 2 tokens a row it wins only while the batch is a handful of tokens.
+# Calls with a static max_query_len (a verification step's rows) that the split-KV decode kernel takes: rows of at
+# most FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. Measured (RESULTS.md, "Speculative decoding"): the
+# decode kernel reads a row's pages once per token, so past 2 tokens a row it wins only while the batch is a handful
+# of tokens.
 FEW_TOKENS = 2
 FEW_TOTAL = 16
 
