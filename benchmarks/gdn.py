@@ -177,6 +177,21 @@ def flashqla_inputs(seqlens: list[int], hk: int, hv: int, d: int = 128, seed: in
     return q, k, v, g.astype(np.float32), beta.astype(np.float32), h0, cu
 
 
+def flashqla_case(seqlens: list[int], hk: int, hv: int):
+    """:func:`flashqla_inputs` on the device (q / k / v bf16), the scale and the f32 chunked reference's
+    ``(o, final state)``."""
+    import jax.numpy as jnp
+
+    from kvjax.ops import gdn
+
+    q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
+    scale = 128 ** -0.5
+    return q, k, v, g, beta, h0, cu, scale, gdn.chunk_gated_delta_rule_reference(
+        gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
+
+
 def _shape_name(seqlens, hk, hv) -> str:
     n = len(seqlens)
     return f"{seqlens[0]} x {n}, {hk}, {hv}" if n > 1 else f"1 x {seqlens[0]}, {hk}, {hv}"
@@ -193,7 +208,6 @@ def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list
     """kvjax on FlashQLA's recipe: the public op (``impl="auto"``, jitted) and, with ``variants``, the pool
     kernel with chunk parallelism off / at several segment lengths; errors against the chunked reference."""
     import jax
-    import jax.numpy as jnp
 
     from kvjax.ops import gdn
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
@@ -205,12 +219,7 @@ def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list
     for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES):
         if shapes is not None and i not in shapes:
             continue
-        q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
-        bf = jnp.bfloat16
-        q, k, v = (jnp.asarray(x, bf) for x in (q, k, v))
-        g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
-        scale = 128 ** -0.5
-        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
+        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv)
         runners = {"auto": jax.jit(lambda q, k, v, g, b, h: gdn.chunk_gated_delta_rule(
             q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl="auto"))}
         if variants:
@@ -286,9 +295,7 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     against the chunked reference. Prints one line per shape and variant: device ms (wall ms where the profiler
     has no device records) of the prep and the whole kernel, and Triton's time over it."""
     import jax
-    import jax.numpy as jnp
 
-    from kvjax.ops import gdn
     from kvjax.pallas.gdn.chunk import CHUNK, chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.common import state_as_pool
     from kvjax.pallas.gdn.prep import PrepConfig, prepare
@@ -301,12 +308,7 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
         if shapes is not None and i not in shapes:
             continue
-        q, k, v, g, beta, h0, cu = flashqla_inputs(seqlens, hk, hv)
-        bf = jnp.bfloat16
-        q, k, v = (jnp.asarray(x, bf) for x in (q, k, v))
-        g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
-        scale = 128 ** -0.5
-        ro, rf = gdn.chunk_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
+        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv)
         variants = {n: PrepConfig(**kw) for n, kw in PREP_VARIANTS.items() if kw.get("value_heads", 0) < hv // hk}
         runners = {}
         for name, cfg in variants.items():
