@@ -42,8 +42,8 @@ def _verify_kernel(
     ssm_in_ref,  # f32[L, S+1, Hv, K, V] (aliased with ssm_ref)
     states_in_ref,  # f32[L, B, J, Hv, K, V] (aliased with states_ref)
     o_ref,  # [T, Hv, V]
-    ssm_ref,
-    states_ref,
+    ssm_ref,  # f32[L, S+1, Hv, K, V]: each live row's state after its last token at its slot
+    states_ref,  # f32[L, B, J, Hv, K, V]: the state after each of a row's positions at [layer]
     *,
     layer: int,
     group: int,
