@@ -382,11 +382,11 @@ def decode_slots_unsupported(call, ssm) -> str | None:  # a DeltaRuleCall of gdn
         return "the slot decode kernel takes one token per row (cu_seqlens=None)"
     if call.has_initial_state is not None:
         return "the slot decode kernel continues every live row's state (has_initial_state=None)"
-    return _layer_unsupported(call.layer)
+    return layer_unsupported(call.layer)
 
 
-def _layer_unsupported(layer) -> str | None:
-    """Why the slot kernel cannot take ``layer`` (it indexes the pool by a static Python int)."""
+def layer_unsupported(layer, kernel: str = "the slot decode kernel") -> str | None:
+    """Why ``kernel``, which indexes the pool by a static Python int, cannot take ``layer`` (``None``: it can)."""
     if isinstance(layer, bool) or not isinstance(layer, int):
-        return f"the slot decode kernel needs a static Python-int layer, got a traced one ({type(layer).__name__})"
+        return f"{kernel} needs a static Python-int layer, got a traced one ({type(layer).__name__})"
     return None

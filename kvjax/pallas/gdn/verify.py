@@ -26,7 +26,8 @@ from jax.experimental.pallas import triton as plt
 
 from kvjax.base.device import next_pow2
 from kvjax.pallas.gdn.common import col_block, head_cols, load, store, tile_mask
-from kvjax.pallas.gdn.recurrent import BLOCK_V, _block_v, token_update, zero_outside_rows, zero_tokens
+from kvjax.pallas.gdn.recurrent import (BLOCK_V, _block_v, layer_unsupported, token_update, zero_outside_rows,
+                                        zero_tokens)
 
 __all__ = ["gdn_verify_slots", "unsupported", "verify_slots"]
 
@@ -149,7 +150,4 @@ def unsupported(call, ssm, states) -> str | None:  # a checked call of gdn_verif
     """Why the verification kernel cannot take a call, or ``None``: it indexes the pool and the states by a static
     Python-int ``layer`` (any K, V, rows and positions)."""
     del ssm, states
-    layer = call.layer
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        return f"the verification kernel needs a static Python-int layer, got {type(layer).__name__}"
-    return None
+    return layer_unsupported(call.layer, "the verification kernel")
