@@ -70,11 +70,16 @@ def record(pool: GDNStatePool, layer: int, conv_in: jax.Array, conv0: jax.Array,
     if spec is None:
         return pool
     index, valid = spec.positions()
-    conv = verify_conv_states(conv_in, conv0, index)  # [B, J, D, W-1]
     ssm = verify_ssm_states(k, v, g, beta, ssm0, index, valid, use_qk_l2norm=use_qk_l2norm)  # f32[B, J, Hv, K, V]
-    spec = dataclasses.replace(spec, conv=spec.conv.at[layer].set(conv.astype(spec.conv.dtype)),
-                               ssm=spec.ssm.at[layer].set(ssm))
+    spec = dataclasses.replace(_with_conv(spec, layer, conv_in, conv0), ssm=spec.ssm.at[layer].set(ssm))
     return dataclasses.replace(pool, spec=spec)
+
+
+def _with_conv(spec: VerifyStates, layer: int, conv_in: jax.Array, conv0: jax.Array) -> VerifyStates:
+    """``spec`` holding layer ``layer``'s conv state after each verification position (``conv_in`` [T, conv_dim],
+    ``conv0`` [B, conv_dim, W-1]: :func:`record`'s)."""
+    conv = verify_conv_states(conv_in, conv0, spec.positions()[0])  # [B, J, D, W-1]
+    return dataclasses.replace(spec, conv=spec.conv.at[layer].set(conv.astype(spec.conv.dtype)))
 
 
 def verify(pool: GDNStatePool, layer: int, conv_in: jax.Array, conv0: jax.Array, q: jax.Array, k: jax.Array,
@@ -88,12 +93,9 @@ def verify(pool: GDNStatePool, layer: int, conv_in: jax.Array, conv0: jax.Array,
     ``conv_in`` [T, conv_dim]: the step's conv inputs; ``conv0`` [B, conv_dim, W-1]: each row's conv state before
     the step; ``q``/``k`` [T, Hk, K], ``v`` [T, Hv, V], ``g`` f32[T, Hv], ``beta`` [T, Hv]: the layer's inputs;
     ``slot_ids`` i32[B], ``cu_seqlens`` i32[B+1]."""
-    spec = pool.spec
-    index, _ = spec.positions()
-    conv = verify_conv_states(conv_in, conv0, index)  # [B, J, D, W-1]
     call = DeltaRuleCall(q, k, v, g, beta, cu_seqlens, scale, slot_ids, None, layer, use_qk_l2norm=use_qk_l2norm)
-    o, ssm, states = gdn_verify_pool(call, pool.ssm, spec.ssm, impl)
-    spec = dataclasses.replace(spec, conv=spec.conv.at[layer].set(conv.astype(spec.conv.dtype)), ssm=states)
+    o, ssm, states = gdn_verify_pool(call, pool.ssm, pool.spec.ssm, impl)
+    spec = dataclasses.replace(_with_conv(pool.spec, layer, conv_in, conv0), ssm=states)
     return o, dataclasses.replace(pool, ssm=ssm, spec=spec)
 
 
