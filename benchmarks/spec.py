@@ -140,31 +140,31 @@ def toy_file(cache_dir: str, cfg: dict) -> str:
     return os.path.join(cache_dir, f"spec_toy_{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.npz")
 
 
+def _param_key(name: str, path: tuple) -> str:
+    """The ``.npz`` key of parameter ``path`` (as ``nnx.to_flat_state`` names it) of module ``name``."""
+    return "/".join([name, *map(str, path)])
+
+
 def save_params(path: str, **modules) -> None:
-    """Every parameter of each nnx module in ``modules`` into one ``.npz`` (keys ``name`` + the leaf's path)."""
-    import jax
+    """Every parameter of each nnx module in ``modules`` into one ``.npz``."""
     import numpy as np
     from flax import nnx
 
-    arrays = {}
-    for name, module in modules.items():
-        leaves = jax.tree_util.tree_flatten_with_path(nnx.state(module))[0]
-        arrays.update({name + jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
-    np.savez(path, **arrays)
+    np.savez(path, **{_param_key(name, p): np.asarray(var.get_value()) for name, module in modules.items()
+                      for p, var in nnx.to_flat_state(nnx.state(module))})
 
 
 def load_params(path: str, **modules) -> None:
-    """The parameters :func:`save_params` wrote into each module of ``modules`` (same structure; updated in place)."""
-    import jax
-    import jax.numpy as jnp
+    """The parameters :func:`save_params` wrote, into each module of ``modules`` in place
+    (:func:`kvjax.models.common.checkpoint.assign_params`: every parameter, shapes checked)."""
     import numpy as np
     from flax import nnx
 
+    from kvjax.models.common.checkpoint import assign_params
+
     with np.load(path) as data:
         for name, module in modules.items():
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(module))
-            values = [jnp.asarray(data[name + jax.tree_util.keystr(p)], x.dtype) for p, x in leaves]
-            nnx.update(module, jax.tree_util.tree_unflatten(treedef, values))
+            assign_params(module, {p: data[_param_key(name, p)] for p, _ in nnx.to_flat_state(nnx.state(module))})
 
 
 def build(cfg: dict, toy_cache: str | None = None) -> tuple[object, dict]:
