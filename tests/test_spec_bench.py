@@ -40,10 +40,11 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
         assert f"| {r['rows']} | {r['mode']} |" in printed
         if r["mode"] == "plain":
             assert r["vs_plain"] == 1.0 == r["model_vs_plain"] and r["verify_steps"] == 0
-        elif r["mode"].startswith("plain") or r["mode"].endswith("measured rule"):  # no drafts, or the rule's choice
+        elif r["mode"].startswith("plain") or "measured rule" in r["mode"]:
+            # no drafts, or the choice of a rule whose flat region this run's (noisy CPU) timings measured
             assert r["verify_steps"] >= 0
         else:  # the copy prompts repeat a pattern: prompt lookup always finds drafts
-            assert r["verify_steps"] > 0 and 0 < r["drafts_proposed"]
+            assert r["verify_steps"] > 0 and 0 < r["drafts_proposed"], (r["rows"], r["mode"])
             assert 0.0 <= r["acceptance_rate"] <= 1.0
             assert 1.0 <= r["tokens_per_verify_row"] <= 1 + max(bench.SMOKE["ks"])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows, default=float))
