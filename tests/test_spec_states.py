@@ -5,8 +5,11 @@ n-gram drafter proposes the continuation of the latest earlier occurrence of the
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -88,6 +91,28 @@ def test_commit_writes_the_accepted_positions_states_and_nothing_else():
     want_conv[:, 5], want_ssm[:, 5] = spec.conv[:, 2, 1], spec.ssm[:, 2, 1]  # accepted 5 clipped to its last position
     np.testing.assert_array_equal(np.asarray(out.conv), want_conv)
     np.testing.assert_array_equal(np.asarray(out.ssm), want_ssm)
+
+
+def test_burst_carries_the_buffers_between_sub_steps():
+    """commit(keep=True) keeps the per-position buffers; the next attach reuses them (new rows, stale contents, no
+    zeros written) and checks their shape; detach drops them."""
+    rng = np.random.default_rng(3)
+    pool = gdn_pool.create(GDNConfig(2, 4, 8, 8, 4), 2, 6, conv_dtype=jnp.float32)
+    first, count = jnp.array([0, 3, 5], jnp.int32), jnp.array([3, 2, 0], jnp.int32)
+    spec = gdn_spec.attach(pool, first, count, 3).spec
+    spec = dataclasses.replace(spec, conv=jnp.asarray(rng.standard_normal(spec.conv.shape), jnp.float32),
+                               ssm=jnp.asarray(rng.standard_normal(spec.ssm.shape), jnp.float32))
+    kept = gdn_spec.commit(dataclasses.replace(pool, spec=spec), jnp.array([2, 4, 0], jnp.int32),
+                           jnp.array([1, 0, 0], jnp.int32), keep=True)
+    assert kept.spec is spec and kept.ssm[0, 2].tolist() == spec.ssm[0, 0, 1].tolist()
+    first2, count2 = jnp.array([0, 1, 4], jnp.int32), jnp.array([2, 0, 3], jnp.int32)
+    again = gdn_spec.attach(kept, first2, count2, 3).spec
+    assert again.ssm is spec.ssm and again.conv is spec.conv  # reused, not zeroed
+    np.testing.assert_array_equal(np.asarray(again.first), np.asarray(first2))
+    np.testing.assert_array_equal(np.asarray(again.count), np.asarray(count2))
+    with pytest.raises(ValueError, match="rows x positions"):
+        gdn_spec.attach(kept, first2, count2, 4)
+    assert gdn_spec.detach(kept).spec is None and gdn_spec.detach(kept).ssm is kept.ssm
 
 
 def test_ngram_drafter():

@@ -80,10 +80,11 @@ def verify_step(model_step: Callable, params, caches: ModelCaches, unpacked: tup
 
 
 def _verify(model_step: Callable, params, caches: ModelCaches, inputs: StepInputs, rows, draft_len: jax.Array,
-            K: int, greedy_only: bool, drafting: Drafting | None
+            K: int, greedy_only: bool, drafting: Drafting | None, keep: bool = False
             ) -> tuple[jax.Array, jax.Array, jax.Array | None, ModelCaches]:
     """Steps 1-3 and 5 of the module docstring on fed ``inputs`` whose rows end with ``draft_len`` (i32[B]) drafts:
-    ``(tokens i32[B, K + 1], accepted i32[B], drafts i32[B, K] or None without drafting, caches)``."""
+    ``(tokens i32[B, K + 1], accepted i32[B], drafts i32[B, K] or None without drafting, caches)``. ``keep``
+    (static): the GDN pool keeps its per-position state buffers for the next sub-step (a burst's)."""
     J = K + 1
     T = inputs.token_ids.shape[0]
     last = inputs.logits_indices  # i32[B]: each row's last token
@@ -106,7 +107,7 @@ def _verify(model_step: Callable, params, caches: ModelCaches, inputs: StepInput
     tokens, accepted = sampling.verify_tokens(logits, drafts, draft_len, keys.reshape(B, J), rows.temperature,
                                               rows.top_k, rows.top_p, greedy_only)
     if gdn:
-        caches = dataclasses.replace(caches, gdn=gdn_spec.commit(caches.gdn, inputs.gdn_slots, accepted))
+        caches = dataclasses.replace(caches, gdn=gdn_spec.commit(caches.gdn, inputs.gdn_slots, accepted, keep=keep))
     if drafting is None:
         return tokens, accepted, None, caches
     bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]  # i32[B]: the token after the accepted
@@ -138,13 +139,17 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
     limit = p + rows.spec_span - 1  # i32[B]: the last position its pages cover and it may compute
     j = jnp.arange(J, dtype=jnp.int32)
     toks = jnp.where(j < 1 + rows.draft_len[:, None], inputs.token_ids[jnp.clip(cu[:-1, None] + j, 0, T - 1)], 0)
+    gdn = caches.gdn is not None
+    if gdn:  # the per-position state buffers, allocated once and carried through the sub-steps
+        none = jnp.zeros_like(p)
+        caches = dataclasses.replace(caches, gdn=gdn_spec.attach(caches.gdn, none, none, J))
     carry0 = (caches, p, toks, rows.draft_len, live)
 
     def sub_step(carry):
         caches, p, toks, k, live = carry
         sub = _layout(inputs, p, toks, k, live, layout.page_size)
         tokens, accepted, drafts, caches = _verify(model_step, params, caches, sub, rows, jnp.where(live, k, 0), K,
-                                                   greedy_only, drafting)
+                                                   greedy_only, drafting, keep=True)
         ran = live[:, None]
         out = jnp.concatenate([jnp.where(ran & (j <= k[:, None]), tokens, -1),
                                jnp.where(ran, accepted[:, None], -1)], axis=1)  # i32[B, J + 1]
@@ -157,7 +162,10 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
 
     carry, outs = jax.lax.scan(lambda c, _: sub_step(c), carry0, None, length=S)
     drafts = jnp.where(carry0[4][:, None], carry[2][:, 1:], -1)  # i32[B, K]
-    return StepTokens(outs.reshape(-1), drafts), carry[0]
+    caches = carry[0]
+    if gdn:
+        caches = dataclasses.replace(caches, gdn=gdn_spec.detach(caches.gdn))
+    return StepTokens(outs.reshape(-1), drafts), caches
 
 
 def _trim(k: jax.Array, live: jax.Array, T: int) -> jax.Array:

@@ -54,7 +54,8 @@ class GDNStatePool:
     conv: jax.Array  # [L, S+1, conv_dim, W-1]: the last W-1 conv inputs of each slot (oldest first)
     ssm: jax.Array  # f32[L, S+1, Hv, K, V]: recurrent state of each slot
     # a verification step's per-position states while its forward runs (kvjax.state.gdn_spec.VerifyStates: the
-    # GDN layers record into it, the step commits the accepted ones and drops it); None otherwise
+    # GDN layers record into it, the step commits the accepted ones and drops it; a verification burst keeps it
+    # between sub-steps); None otherwise
     spec: Any = None
 
     @property

@@ -15,7 +15,8 @@ and the step's conv inputs and gates) after its chunked kernel, or, in a step wh
 with few tokens each (a verification burst's sub-step: ``StepInputs.max_query_len``), :func:`verify` in place of
 the chunked kernel (one call gives the outputs, the final states and the per-position states:
 :func:`kvjax.ops.spec_states.gdn_verify_pool`); after sampling, :func:`commit` writes, for every verification row,
-the state after its last accepted position into its slot (every layer) and drops the buffers.
+the state after its last accepted position into its slot (every layer) and drops the buffers (a verification
+burst keeps them for its next sub-step, and :func:`detach` drops them after the last).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvjax.ops.gdn import DeltaRuleCall
 from kvjax.ops.spec_states import gdn_verify_pool, verify_conv_states, verify_ssm_states
 from kvjax.state.gdn_pool import GDNStatePool
 
-__all__ = ["VerifyStates", "attach", "commit", "record", "verify"]
+__all__ = ["VerifyStates", "attach", "commit", "detach", "record", "verify"]
 
 
 @jax.tree_util.register_dataclass
@@ -50,8 +51,17 @@ class VerifyStates:
 
 
 def attach(pool: GDNStatePool, first: jax.Array, count: jax.Array, positions: int) -> GDNStatePool:
-    """``pool`` carrying zeroed :class:`VerifyStates` for rows ``first`` / ``count`` (i32[B] each) of up to
-    ``positions`` (static, ``K + 1``) verification positions."""
+    """``pool`` carrying :class:`VerifyStates` for rows ``first`` / ``count`` (i32[B] each) of up to ``positions``
+    (static, ``K + 1``) verification positions: zeroed buffers, or, where ``pool`` still carries a previous
+    sub-step's (``commit(..., keep=True)``), those buffers with their stale contents. Stale is exact: every position
+    :func:`commit` reads (``j < count``) is written by the step's :func:`record` or :func:`verify` first, and a
+    verification burst then writes no ``[L, B, K + 1, ...]`` zeros each sub-step."""
+    spec = pool.spec
+    if spec is not None:
+        if spec.ssm.shape[1:3] != (first.shape[0], positions):
+            raise ValueError(f"attach: the carried VerifyStates hold {spec.ssm.shape[1:3]} rows x positions, the "
+                             f"step needs {(first.shape[0], positions)}")
+        return dataclasses.replace(pool, spec=dataclasses.replace(spec, first=first, count=count))
     L, _, D, W1 = pool.conv.shape
     B = first.shape[0]
     spec = VerifyStates(first=first, count=count, conv=jnp.zeros((L, B, positions, D, W1), pool.conv.dtype),
@@ -99,10 +109,11 @@ def verify(pool: GDNStatePool, layer: int, conv_in: jax.Array, conv0: jax.Array,
     return o, dataclasses.replace(pool, ssm=ssm, spec=spec)
 
 
-def commit(pool: GDNStatePool, slots: jax.Array, accepted: jax.Array) -> GDNStatePool:
-    """``pool`` without its :class:`VerifyStates`, each verification row's slot (``slots``: i32[B]) holding, in
-    every layer, the states after its position ``accepted[b]`` (i32[B], clipped to its positions); other rows'
-    slots untouched."""
+def commit(pool: GDNStatePool, slots: jax.Array, accepted: jax.Array, *, keep: bool = False) -> GDNStatePool:
+    """``pool`` with each verification row's slot (``slots``: i32[B]) holding, in every layer, the states after its
+    position ``accepted[b]`` (i32[B], clipped to its positions); other rows' slots untouched. Its
+    :class:`VerifyStates` dropped, or with ``keep`` (static) kept for the next sub-step's :func:`attach` (a
+    verification burst; :func:`detach` after the last)."""
     spec = pool.spec
     B = spec.first.shape[0]
     j = jnp.clip(accepted, 0, jnp.maximum(spec.count - 1, 0))  # i32[B]
@@ -112,4 +123,9 @@ def commit(pool: GDNStatePool, slots: jax.Array, accepted: jax.Array) -> GDNStat
     conv = spec.conv[:, rows, j]  # [L, B, D, W-1]
     ssm = spec.ssm[:, rows, j]  # f32[L, B, Hv, K, V]
     return GDNStatePool(conv=pool.conv.at[:, idx].set(conv, mode="drop"),
-                        ssm=pool.ssm.at[:, idx].set(ssm, mode="drop"))
+                        ssm=pool.ssm.at[:, idx].set(ssm, mode="drop"), spec=spec if keep else None)
+
+
+def detach(pool: GDNStatePool) -> GDNStatePool:
+    """``pool`` without the :class:`VerifyStates` a ``commit(..., keep=True)`` left on it."""
+    return dataclasses.replace(pool, spec=None)
