@@ -17,6 +17,7 @@ from kvjax.errors import UnknownImplError
 from kvjax.ops.gdn import DeltaRuleCall
 from kvjax.ops.gdn_on_pool import gdn_decode_pool_reference
 from kvjax.ops.spec_states import VERIFY_TABLE, gdn_verify_pool, verify_ssm_states
+from kvjax.pallas.gdn import verify as verify_kernels
 
 ATOL = 3e-5  # f32 state and outputs after a few recurrent steps of O(1) values, in another summation order
 
@@ -110,6 +111,46 @@ def test_table_takes_the_kernel_for_a_static_layer_only():
         VERIFY_TABLE.choose("pallas:interpret", (call, ssm, states), {})
 
 
+def _to_slots_case(rng, lens, slots, J, num_slots, **kw):
+    """A case plus each row's ``J`` position slots: distinct fresh slots, some positions' slot out of range."""
+    call, ssm, states = _case(rng, lens, slots, J=J, **kw)
+    ssm = jnp.concatenate([ssm, 0.5 * jnp.asarray(rng.standard_normal((ssm.shape[0], num_slots - ssm.shape[1],
+                                                                       *ssm.shape[2:])), jnp.float32)], axis=1)
+    fresh = rng.permutation(np.arange(8, num_slots))[: len(lens) * J].reshape(len(lens), J)
+    fresh[0, -1] = 0  # a position whose slot is out of range: not written
+    return call, ssm, states, jnp.asarray(fresh, jnp.int32)
+
+
+def _check_to_slots(call, ssm, states, pos, got, lens, slots, atol, rtol=1e-4):
+    """The to-slots mode against the step-buffer mode (checked above against the oracles): the same outputs, the
+    state after position ``j`` at ``ssm[layer, pos[b, j]]``, every other slot (the rows' own included) unchanged."""
+    o, new_ssm, none = got
+    assert none is None
+    ref_o, _, ref_states = (np.asarray(x, np.float32) for x in _run(call, ssm, states, "reference"))
+    np.testing.assert_allclose(np.asarray(o, np.float32), ref_o, atol=atol, rtol=rtol)
+    want = np.array(ssm)
+    pos = np.asarray(pos)
+    for b, (n, slot) in enumerate(zip(lens, slots)):
+        for j in range(n if slot else 0):
+            if 1 <= pos[b, j] < want.shape[1]:
+                want[call.layer, pos[b, j]] = ref_states[call.layer, b, j]
+    np.testing.assert_allclose(np.asarray(new_ssm), want, atol=atol, rtol=rtol)
+
+
+def test_verify_kernel_to_position_slots():
+    rng = np.random.default_rng(5)
+    lens, slots = [3, 1, 4, 0, 2], [2, 5, 1, 0, 0]
+    call, ssm, states, pos = _to_slots_case(rng, lens, slots, 4, 40)
+    got = verify_kernels.verify_slots(call.q, call.k, call.v, call.g, call.beta, jnp.array(ssm, copy=True), None,
+                                      cu_seqlens=call.cu_seqlens, slot_ids=call.slot_ids, layer=call.layer,
+                                      scale=call.scale, use_qk_l2norm=True, interpret=True, position_slots=pos)
+    _check_to_slots(call, ssm, states, pos, got, lens, slots, ATOL)
+    with pytest.raises(ValueError, match="either states"):
+        verify_kernels.verify_slots(call.q, call.k, call.v, call.g, call.beta, ssm, states, cu_seqlens=call.cu_seqlens,
+                                    slot_ids=call.slot_ids, layer=1, scale=call.scale, interpret=True,
+                                    position_slots=pos)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("J", [2, 5])
 def test_gpu_verify_kernel_equals_the_reference(J):
@@ -123,3 +164,16 @@ def test_gpu_verify_kernel_equals_the_reference(J):
     got = _run(call, ssm, states, "pallas")
     for a, b in zip(got, want):  # bf16 inputs and outputs; the kernel's f32 recurrence in another order
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_kernel_to_position_slots():
+    rng = np.random.default_rng(8)
+    lens = list(rng.integers(1, 6, 24)) + [0]
+    slots = list(rng.permutation(np.arange(1, 7))) + list(rng.integers(1, 7, 18)) + [0]
+    call, ssm, states, pos = _to_slots_case(rng, lens, [int(x) for x in slots], 5, 200, hk=4, hv=8, kd=128, vd=128,
+                                            dtype=jnp.bfloat16)
+    got = verify_kernels.verify_slots(call.q, call.k, call.v, call.g, call.beta, jnp.array(ssm, copy=True), None,
+                                      cu_seqlens=call.cu_seqlens, slot_ids=call.slot_ids, layer=call.layer,
+                                      scale=call.scale, use_qk_l2norm=True, position_slots=pos)
+    _check_to_slots(call, ssm, states, pos, got, lens, slots, 2e-2, 2e-2)  # bf16 inputs, as the test above
