@@ -4,7 +4,9 @@ Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (th
 ``python benchmarks/runner.py --anchors-only gdn``, times fla's kernels: ``torch_anchors`` below). Issue 38 on
 FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
 a side); ``python benchmarks/gdn.py prep-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU
-preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`).
+preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`);
+``python benchmarks/gdn.py seq-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU sequential kernels,
+alone and inside the whole forward (:func:`flashqla_seq_mgpu`).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -344,6 +346,101 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
+SEQ_VARIANTS = {  # name: seq_mgpu_call keyword arguments (block_v=None: its own pick)
+    "mosaic": dict(), "mosaic bv32 s2": dict(block_v=32, stages=2), "mosaic bv32 s3": dict(block_v=32, stages=3),
+    "mosaic bv64 s2": dict(block_v=64, stages=2), "mosaic bv64 s1": dict(block_v=64, stages=1)}
+
+
+def flashqla_seq_mgpu(shapes: list[int] | None = None) -> list[dict]:
+    """The sequential pass alone on the same prepared operands (the Mosaic GPU prep's, computed once): the Triton
+    kernel (``chunk._chunk_call``, the pool kernel's block pick, no chunk parallelism) against the Mosaic GPU kernel
+    (``seq_mgpu.seq_mgpu_call``, :data:`SEQ_VARIANTS`), then the whole forward (``chunk_gated_delta_rule_pool`` with
+    the Mosaic GPU prep, chunk parallelism as the public op picks it) with each sequential kernel. One process,
+    interleaved timing, FlashQLA's recipe at its five shapes. Errors: every output / final state against the f32
+    chunked reference, each Mosaic sequential output against the Triton one. Prints device ms (wall where the
+    profiler has none), the kernel's own ms, and the Triton time over each."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from kvjax.base.device import next_pow2
+    from kvjax.pallas.gdn.chunk import CHUNK, MANY_PROGRAMS, _chunk_call, chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.common import state_as_pool
+    from kvjax.pallas.gdn.prep import PrepConfig, prepare
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
+
+    import timing
+
+    rows = []
+    print(f"{'shape':>20} {'variant':>15} {'ms':>8} {'kernel':>8} {'x':>5}  errors: o / state vs reference; "
+          "o / state vs triton", flush=True)
+    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
+        if shapes is not None and i not in shapes:
+            continue
+        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv)
+        n = len(seqlens)
+        prepared = jax.jit(lambda q, k, v, g, b: prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False,
+                                                         chunk=CHUNK, config=PrepConfig(kernel="mosaic")))(
+            q, k, v, g, beta)
+        block_v = next((b for b in (64, 32) if n * hv * pl.cdiv(128, b) >= MANY_PROGRAMS), 16)
+        block_v = min(block_v, next_pow2(128))
+        runners = {}
+
+        def seq_triton(h, *ops):
+            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
+            return _chunk_call(*ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16, block_v=block_v, num_warps=4,
+                               num_stages=2, interpret=False)
+        runners["seq triton"] = jax.jit(seq_triton)
+        for name, kw in SEQ_VARIANTS.items():
+            def seq_mosaic(h, *ops, kw=kw):
+                pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
+                return seq_mgpu_call(*ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16, **kw)
+            runners[f"seq {name}"] = jax.jit(seq_mosaic)
+        for name in ("triton", "mosaic"):
+            def whole(q, k, v, g, b, h, name=name):
+                pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
+                return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
+                                                   scale=scale, prep=PrepConfig(kernel="mosaic"), seq=name)
+            runners[f"whole {name}"] = jax.jit(whole)
+        args = {"seq": (h0, *prepared), "whole": (q, k, v, g, beta, h0)}
+        outs, calls = {}, {}
+        for name, fn in runners.items():
+            a = args[name.split()[0]]
+            try:
+                outs[name] = fn(*a)
+                calls[name] = (lambda fn=fn, a=a: fn(*a))
+            except Exception as e:  # a variant that does not compile or fit: say so, time the others
+                print(f"{_shape_name(seqlens, hk, hv):>20} {name:>15} FAILED {type(e).__name__}: {str(e)[:300]}",
+                      flush=True)
+        times = timing.interleaved(calls, rounds=3, n=10, device_rounds=2)
+        kernel_ms = {}
+        for name, call in calls.items():
+            recs = timing.kernel_records(lambda call=call: timing.block([call() for _ in range(5)]))
+            kernel_ms[name] = {kn: t / 5 / 1e6 for kn, (c, t) in recs["names"].items()}
+
+        def ms(name):  # device time where the profiler has it, else wall time
+            return times[name]["device_ms"] or times[name]["wall_ms"]
+
+        for name in calls:
+            part = name.split()[0]
+            base = f"{part} triton"
+            o, f = outs[name]
+            o = o[: q.shape[0]]
+            bo, bf = outs[base] if base in outs else (o, f)
+            own = max(kernel_ms[name].items(), key=lambda kv: kv[1], default=("", 0.0))
+            row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "variant": name, "err_o": timing.rel_err(o, ro),
+                   "err_state": timing.rel_err(f, rf), "vs_triton_o": timing.rel_err(o, bo[: q.shape[0]]),
+                   "vs_triton_state": timing.rel_err(f, bf), "wall_ms": times[name]["wall_ms"],
+                   "device_ms": times[name]["device_ms"], "kernel_ms": kernel_ms[name],
+                   "flashqla_h200_ms": FLASHQLA_H200_MS.get(i)}
+            rows.append(row)
+            x = ms(base) / ms(name) if base in times else float("nan")
+            print(f"{row['shape']:>20} {name:>15} {ms(name):>8.4f} {own[1]:>8.4f} {x:>5.2f}  {row['err_o']:.1e} / "
+                  f"{row['err_state']:.1e}; {row['vs_triton_o']:.1e} / {row['vs_triton_state']:.1e}   "
+                  f"(largest kernel {own[0][:40]}, wall {row['wall_ms']:.4f})", flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import os
@@ -356,6 +453,8 @@ if __name__ == "__main__":
         out = flashqla_fla(only)
     elif side == "prep-mgpu":
         out = flashqla_prep_mgpu(only)
+    elif side == "seq-mgpu":
+        out = flashqla_seq_mgpu(only)
     else:
         out = flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:

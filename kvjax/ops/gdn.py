@@ -348,6 +348,10 @@ CHUNK_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
+        Backend("mosaic-seq", chunk_kernels.chunk_gated_delta_rule_mosaic_seq, priority=5, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported,
+                note="opt-in (below \"pallas\", which takes every call): the Mosaic GPU preparation and sequential "
+                     "kernels, until measured against \"mosaic\" on the GPU"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),

@@ -292,6 +292,10 @@ PREFILL_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
+        Backend("mosaic-seq", chunk_kernels.gdn_prefill_pool_mosaic_seq, priority=5, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported,
+                note="opt-in (below \"pallas\", which takes every call): the Mosaic GPU preparation and sequential "
+                     "kernels, until measured against \"mosaic\" on the GPU"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),

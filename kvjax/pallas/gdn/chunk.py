@@ -57,6 +57,7 @@ from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot
                                      head_cols, load, on_initial_state, on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import PrepConfig, prepare
 from kvjax.pallas.gdn.prep_mgpu import shape_reason as prep_mgpu_shape_reason
+from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
@@ -158,7 +159,10 @@ def _chunk_kernel(
 
 
 def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v, num_warps,
-                num_stages, interpret):
+                num_stages, interpret, seq: str = "triton", seq_block_v: int | None = None):
+    if seq == "mosaic":
+        return seq_mgpu_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=out_dtype,
+                             block_v=seq_block_v, interpret=interpret)
     tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     precision = f32_precision(interpret) if w.dtype == jnp.float32 else None
@@ -334,7 +338,7 @@ def _scan_kernel(
 
 
 def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segment_chunks, out_dtype, block_v,
-             transition_block, scan_block, num_warps, num_stages, interpret):
+             transition_block, scan_block, num_warps, num_stages, interpret, seq="triton", seq_block_v=None):
     """The sequential part with chunk parallelism: transition kernel (every segment's ``M``, ``B``), scan
     kernel (every segment's start state), the sequential kernel over segments, the final states to the pool."""
     tp, hk, kd = q.shape
@@ -373,7 +377,7 @@ def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segmen
     seg_flags = jnp.where(seg_live, FLAG_LIVE | FLAG_HAS_INITIAL, 0).astype(jnp.int32)
     o, ends = _chunk_call(q, k, w, u, a, qf, kf, gl, starts, seg_cu, jnp.arange(num_segs, dtype=jnp.int32),
                           seg_flags, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret)
+                          num_stages=num_stages, interpret=interpret, seq=seq, seq_block_v=seq_block_v)
     live = (flags & FLAG_LIVE) != 0
     pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(ends[last], mode="drop")
     return o, pool
@@ -393,7 +397,7 @@ def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "segment_chunks",
-                     "transition_block", "scan_block", "interpret"),
+                     "transition_block", "scan_block", "seq", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -416,6 +420,7 @@ def chunk_gated_delta_rule_pool(
     segment_chunks: int | None = None,
     transition_block: int | None = None,
     scan_block: int = 32,
+    seq: str = "triton",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
     """Chunked gated delta rule reading/writing states in ``pool`` at ``rows``; returns ``(o, pool)``.
@@ -437,7 +442,14 @@ def chunk_gated_delta_rule_pool(
     segment's start state (``scan_block`` value columns per program), and the sequential kernel walks all
     segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`;
     0: off (the sequential kernel walks each sequence whole, in place on the pool).
+
+    ``seq``: the sequential kernel, ``"triton"`` (``_chunk_kernel``) or ``"mosaic"`` (the Mosaic GPU kernel of
+    :mod:`kvjax.pallas.gdn.seq_mgpu`, Hopper, bf16: ``block_v=None`` is its own pick, ``num_warps`` and
+    ``num_stages`` are the Triton kernels' only).
     """
+    if seq not in ("triton", "mosaic"):
+        raise ValueError(f"seq must be 'triton' or 'mosaic', got {seq!r}")
+    seq_block_v = block_v
     num_tokens, _, kd = q.shape
     f32 = q.dtype == jnp.float32
     chunk = CHUNK // 2 if f32 else CHUNK
@@ -464,12 +476,13 @@ def chunk_gated_delta_rule_pool(
         o, pool = _cp_call(
             qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, segment_chunks=segment_chunks,
             out_dtype=v.dtype, block_v=block_v, transition_block=transition_block,
-            scan_block=scan_block, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+            scan_block=scan_block, num_warps=num_warps, num_stages=num_stages, interpret=interpret, seq=seq,
+            seq_block_v=seq_block_v,
         )
     else:
         o, pool = _chunk_call(
             qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
-            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret, seq=seq, seq_block_v=seq_block_v,
         )
     return o[:num_tokens], pool
 
@@ -497,9 +510,23 @@ gdn_prefill_pool_mosaic_prep = on_slot_pool(
     kernel.""")
 
 
+_with_mosaic_seq = functools.partial(chunk_gated_delta_rule_pool, prep=PrepConfig(kernel="mosaic"), seq="mosaic")
+
+chunk_gated_delta_rule_mosaic_seq = on_initial_state(
+    _with_mosaic_seq,
+    """Backend ``"mosaic-seq"`` of ``kvjax.ops.chunk_gated_delta_rule``: both Mosaic GPU kernels, the preparation
+    (:mod:`kvjax.pallas.gdn.prep_mgpu`) and the sequential pass (:mod:`kvjax.pallas.gdn.seq_mgpu`), for the calls
+    :func:`mosaic_prep_unsupported` accepts.""")
+
+gdn_prefill_pool_mosaic_seq = on_slot_pool(
+    _with_mosaic_seq,
+    """Backend ``"mosaic-seq"`` of ``gdn_prefill_pool``: the pool kernel with both Mosaic GPU kernels.""")
+
+
 def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
     """Why the ``"mosaic"`` backends cannot take a call, or ``None``: the shapes the Mosaic GPU preparation kernel
     takes (:func:`kvjax.pallas.gdn.prep_mgpu.shape_reason`: bf16 q / k / v, K and V of 64 or 128, few value heads
-    per key head)."""
+    per key head); the ``"mosaic-seq"`` backends' too (every call it accepts fits the Mosaic GPU sequential kernel:
+    bf16, K and V of 64 or 128, chunks of 64)."""
     del state
     return prep_mgpu_shape_reason(call.q, call.k, call.v, chunk=CHUNK)

@@ -1,0 +1,310 @@
+"""Sequential (state-passing) pass of the chunked gated delta rule as a Mosaic GPU kernel (Hopper: TMA, wgmma).
+
+Same inputs, outputs and recurrence as :mod:`kvjax.pallas.gdn.chunk`'s ``_chunk_kernel`` (the Triton one): per
+sequence row, value head and block of ``block_v`` value columns, the row's chunks in order with the state slice
+``S: f32[K, block_v]`` as registers in the wgmma accumulator layout::
+
+    v_new = u - w S;   o = qf * (q S) + A v_new;   S = exp(g_last) S + k^T (kf * v_new)
+
+One CTA (one warpgroup) per (row, value head, value block). A ring of ``stages`` shared-memory slots holds the
+chunk operands (``q``, ``k``, ``w``, ``u``, ``A`` and the row factors ``qf``, ``kf``, ``gl``), each slot filled by
+TMA copies that complete on its barrier: the copies of chunk ``c + stages - 1`` are issued at the start of chunk
+``c``'s step, so a chunk's loads run behind the previous chunks' products. Per chunk two rounds of wgmma: ``w S``
+and ``q S`` (the state written to shared memory in bf16 once per chunk, the right operand of both), then
+``A v_new`` and ``k^T (kf v_new)`` (``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new``
+in bf16 tiles). The row factors multiply f32 accumulators rather than bf16 operands (``qf`` the rows of
+``q S``, ``kf`` the rows of ``v_new``), an equal product up to the bf16 roundings of the Triton kernel's
+``qf * q`` and ``kf * k``.
+
+Ragged rows: a chunk may hold the tail of one sequence and the head of the next. Each CTA writes the output rows
+its row owns (the first and last rows also own the tokens outside every sequence, written as zeros): a chunk it
+owns whole is one 64-row TMA copy, a shared one is written by two overlapping copies of ``2^j`` rows (the largest
+power of two not above its own row count) from the chunk's output tile, so no copy touches another row's tokens.
+The initial state is read from the pool by a TMA copy; the final states go to ``f32[N, Hv, K, V]`` and reach the
+pool by one scatter outside the kernel (live rows only).
+
+Shared memory at ``K = 128``, ``block_v = 64``, 2 stages: 130 KB of ring, 72 KB of state / operand / output tiles.
+Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
+no transposed wgmma operand), bf16 operands, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of 64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
+from kvjax.pallas.mgpu_common import SWIZZLE, interpret_params, iota
+
+CHUNK = 64  # tokens per chunk: one wgmma M tile of one warpgroup
+SUPPORTED_HEAD_DIMS = (64, 128)
+BLOCK_VS = (32, 64, 128)  # value columns per CTA
+SMEM_BYTES = 232448  # shared memory a Hopper CTA may take (227 KB)
+MANY_CTAS = 128  # block_v=None: 64 value columns per CTA where that gives this many CTAs, else 32
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # f32[C] indexed by row, broadcast along columns
+_POW2_ROWS = (32, 16, 8, 4, 2, 1)  # partial chunks: the output copies' row counts
+
+
+def _swizzled(block_v: int) -> tuple:
+    """Shared-memory transforms of every bf16 tile: the widest swizzle that a row of ``block_v`` values fills
+    (wgmma wants one swizzle for both operands of a product)."""
+    swizzle = min(SWIZZLE, block_v * 2)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def auto_block_v(num_rows: int, hv: int, vd: int) -> int:
+    """``block_v=None``: 64 value columns per CTA where ``num_rows * Hv * V / 64 >= MANY_CTAS``, else 32 (more,
+    narrower CTAs: the pass is latency-bound, one chunk after another, so idle SMs are lost time)."""
+    return 64 if num_rows * hv * (vd // 64) >= MANY_CTAS else 32
+
+
+def shape_reason(q: jax.Array, w: jax.Array, u: jax.Array, *, block_v: int) -> str | None:
+    """What this kernel cannot take (``"needs ..., got ..."``), or None: bf16 q / w / u (the prepared operands),
+    ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of ``CHUNK`` tokens, ``block_v`` in ``BLOCK_VS`` dividing
+    ``V``."""
+    if not (q.dtype == w.dtype == u.dtype == jnp.bfloat16):
+        return f"needs bf16 operands, got {q.dtype}, {w.dtype}, {u.dtype}"
+    kd, vd = q.shape[-1], u.shape[-1]
+    if kd not in SUPPORTED_HEAD_DIMS or vd not in SUPPORTED_HEAD_DIMS:
+        return f"needs K and V in {SUPPORTED_HEAD_DIMS}, got K={kd}, V={vd}"
+    if u.shape[2] != CHUNK:
+        return f"needs chunks of {CHUNK}, got {u.shape[2]}"
+    if block_v not in BLOCK_VS or vd % block_v:
+        return f"needs block_v in {BLOCK_VS} dividing V={vd}, got {block_v}"
+    return None
+
+
+def smem_bytes(kd: int, block_v: int, stages: int) -> int:
+    """Shared memory of one CTA: ``stages`` ring slots (q, k, w, u, A, three row factors) and the state,
+    ``v_new``, ``kf v_new``, output and f32 state tiles."""
+    c = CHUNK
+    slot = 2 * (3 * c * kd + c * block_v + c * c) + 4 * 3 * c
+    return stages * slot + 2 * (kd * block_v + 3 * c * block_v) + 4 * kd * block_v
+
+
+def _kernel(
+    cu_ref,  # i32[N+1]
+    rows_ref,  # i32[N]
+    flags_ref,  # i32[N]
+    q_ref,  # bf16[Tp, Hk, K]  raw q
+    k_ref,  # bf16[Tp, Hk, K]  raw k
+    w_ref,  # bf16[NC, Hv, C, K]
+    u_ref,  # bf16[NC, Hv, C, V]
+    a_ref,  # bf16[NC, Hv, C, C]
+    qf_ref,  # f32[NC, Hv, C]
+    kf_ref,  # f32[NC, Hv, C]
+    gl_ref,  # f32[NC, Hv, C]
+    pool_ref,  # f32[R, Hv, K, V]  initial states at rows
+    o_ref,  # bf16[Tp, Hv, V]
+    fin_ref,  # f32[N, Hv, K, V]  final states
+    q_s,  # bf16[S, C, K]  swizzled ring
+    k_s,  # bf16[S, C, K]  swizzled ring
+    w_s,  # bf16[S, C, K]  swizzled ring
+    u_s,  # bf16[S, C, BV]  swizzled ring
+    a_s,  # bf16[S, C, C]  swizzled ring
+    vec_s,  # f32[S, 3, C]  ring: qf, kf, gl
+    h_s,  # bf16[K, BV]  swizzled: the state as the right operand
+    vn_s,  # bf16[C, BV]  swizzled: v_new
+    vk_s,  # bf16[C, BV]  swizzled: kf * v_new
+    o_s,  # bf16[C, BV]  the chunk's output rows
+    st_s,  # f32[K, BV]  initial / final state
+    ready,  # barriers [S]: slot loaded (8 arrivals)
+    st_bar,  # barrier: initial state loaded
+    *,
+    group: int,
+    block_v: int,
+    stages: int,
+    interpret: bool,
+):
+    n, hd, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
+    num_seqs = rows_ref.shape[0]
+    num_tokens = o_ref.shape[0]
+    chunk = CHUNK
+    hk = lax.div(hd, jnp.int32(group))
+    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    start, end, flags, row = cu_ref[n], cu_ref[n + 1], flags_ref[n], rows_ref[n]
+    live = (flags & FLAG_LIVE) != 0
+    read = live & ((flags & FLAG_HAS_INITIAL) != 0)
+    lo = jnp.where(n == 0, 0, start)
+    hi = jnp.where(n == num_seqs - 1, num_tokens, end)
+    c_lo, c_hi = lax.div(lo, jnp.int32(chunk)), lax.div(hi + chunk - 1, jnp.int32(chunk))
+
+    plgpu.copy_gmem_to_smem(pool_ref.at[jnp.clip(row, 0, pool_ref.shape[0] - 1), hd, :, vs], st_s, st_bar)
+
+    def issue(c, slot):
+        rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        bar = ready.at[slot]
+        plgpu.copy_gmem_to_smem(q_ref.at[rs, hk], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[rs, hk], k_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(w_ref.at[c, hd], w_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(u_ref.at[c, hd, :, vs], u_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
+        for i, ref in enumerate((qf_ref, kf_ref, gl_ref)):
+            plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
+
+    for j in range(stages - 1):
+        @pl.when(c_lo + j < c_hi)
+        def _(j=j):
+            issue(c_lo + j, j)
+
+    def tile(ref):  # a bf16 tile of shared memory in the wgmma layout
+        return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+    def vec(ref):  # a per-token f32 vector of shared memory as a row vector
+        return ref[...] if interpret else plgpu.load(ref, (), layout=_ROW, optimized=False)
+
+    def bc_row(x):  # row vector -> [C, BV]
+        return lax.broadcast_in_dim(x, (chunk, block_v), [0])
+
+    def products(*pairs):  # f32 ``a @ b`` for each (a ref, maybe read transposed, b ref), issued together
+        if interpret:  # the interpreter has no transposed wgmma operand: the same products in jnp
+            return [jnp.dot(a[...].T if trans else a[...], b[...], preferred_element_type=f32)
+                    for a, trans, b in pairs]
+
+        def body(*accs):
+            for acc, (a, trans, b) in zip(accs, pairs):
+                plgpu.wgmma(acc, plgpu.transpose_ref(a, (1, 0)) if trans else a, b)
+            return tuple(acc[...] for acc in accs)
+
+        shapes = [(a.shape[1] if trans else a.shape[0], b.shape[1]) for a, trans, b in pairs]
+        return list(pl.run_scoped(body, *[plgpu.ACC(s, f32) for s in shapes]))
+
+    ri = iota((chunk, block_v), 0, interpret)
+
+    def write_rows(c):  # the chunk's output rows that this row owns, from o_s
+        c0 = c * chunk
+        r0 = jnp.clip(lo - c0, 0, chunk)
+        r1 = jnp.clip(hi - c0, 0, chunk)
+        count = r1 - r0
+
+        @pl.when(count == chunk)
+        def _():
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(pl.multiple_of(c0, chunk), chunk), hd, vs])
+
+        for size in _POW2_ROWS:
+            @pl.when((count >= size) & (count < 2 * size))
+            def _(size=size):
+                for r in (r0, r1 - size):
+                    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(r, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
+
+    def step(c, s):  # s: f32[K, BV]
+        slot = lax.rem(c - c_lo, jnp.int32(stages))
+        nxt = c + stages - 1
+
+        h_s[...] = s.astype(bf16)
+        plgpu.commit_smem()  # also: every thread is done reading the slot that the next copies refill
+
+        @pl.when(nxt < c_hi)
+        def _():
+            issue(nxt, lax.rem(nxt - c_lo, jnp.int32(stages)))
+
+        plgpu.barrier_wait(ready.at[slot])
+        wh, qh = products((w_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+        r = c * chunk + ri
+        in_seq = (r >= start) & (r < end) & live
+        v_new = jnp.where(in_seq, tile(u_s.at[slot]).astype(f32) - wh, 0.0)
+        vn_s[...] = v_new.astype(bf16)
+        vk_s[...] = (v_new * bc_row(vec(vec_s.at[slot, 1]))).astype(bf16)
+        plgpu.commit_smem()
+        av, kv = products((a_s.at[slot], False, vn_s), (k_s.at[slot], True, vk_s))
+        o = jnp.where(in_seq, qh * bc_row(vec(vec_s.at[slot, 0])) + av, 0.0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output copies have read o_s
+        o_s[...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
+        write_rows(c)
+        c0 = c * chunk
+        any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
+        first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
+        decay = jnp.where(any_in, jnp.exp(vec_s[slot, 2, first]), 1.0)
+        return s * decay + kv
+
+    plgpu.barrier_wait(st_bar)
+    s0 = st_s[...] if interpret else plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA, optimized=False)
+    s0 = jnp.where(read, s0, 0.0)
+    s = lax.fori_loop(c_lo, c_hi, step, s0)
+    st_s[...] = s
+    plgpu.commit_smem()
+
+    @pl.when(live)
+    def _():
+        plgpu.copy_smem_to_gmem(st_s, fin_ref.at[n, hd, :, vs])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def seq_mgpu_call(
+    q: jax.Array,  # bf16[Tp, Hk, K]
+    k: jax.Array,  # bf16[Tp, Hk, K]
+    w: jax.Array,  # bf16[NC, Hv, C, K]
+    u: jax.Array,  # bf16[NC, Hv, C, V]
+    a: jax.Array,  # bf16[NC, Hv, C, C]
+    qf: jax.Array,  # f32[NC, Hv, C]
+    kf: jax.Array,  # f32[NC, Hv, C]
+    gl: jax.Array,  # f32[NC, Hv, C]
+    pool: jax.Array,  # f32[R, Hv, K, V]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    rows: jax.Array,  # i32[N]
+    flags: jax.Array,  # i32[N]
+    *,
+    out_dtype,
+    block_v: int | None = None,
+    stages: int = 2,
+    semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [Tp, Hv, V] in out_dtype, pool f32[R, Hv, K, V])
+    """The sequential pass, as ``chunk._chunk_call``: the outputs of every token and the pool with each live row's
+    final state at its index. ``ValueError`` for what :func:`shape_reason` rejects, a non-bf16 ``out_dtype`` or
+    ``stages`` below 1 or over the shared memory (:func:`smem_bytes`). ``block_v=None``: :func:`auto_block_v`.
+    ``stages``: ring slots (shared memory at ``K = 128``: about 65 KB a slot at ``block_v = 64``, 61 KB at 32,
+    within 227 KB with the other tiles: 2 stages at 64, 3 at 32). ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
+    if block_v is None:
+        block_v = auto_block_v(rows.shape[0], u.shape[1], u.shape[3])
+    reason = shape_reason(q, w, u, block_v=block_v)
+    if reason:
+        raise ValueError(f"seq_mgpu {reason}")
+    if jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
+    if stages < 1 or smem_bytes(q.shape[2], block_v, stages) > SMEM_BYTES:
+        raise ValueError(f"seq_mgpu stages must be >= 1 and fit {SMEM_BYTES} bytes of shared memory, got {stages} "
+                         f"({smem_bytes(q.shape[2], block_v, stages)} bytes at K={q.shape[2]}, block_v={block_v})")
+    tp, hk, kd = q.shape
+    nc, hv, chunk, vd = u.shape
+    num_seqs = rows.shape[0]
+    bf16 = jnp.bfloat16
+    swz = _swizzled(block_v)
+    scratch = (
+        plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
+        plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
+        plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
+        plgpu.SMEM((stages, chunk, block_v), bf16, transforms=swz),
+        plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
+        plgpu.SMEM((stages, 3, chunk), jnp.float32),
+        plgpu.SMEM((kd, block_v), bf16, transforms=swz),
+        plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
+        plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
+        plgpu.SMEM((chunk, block_v), bf16),
+        plgpu.SMEM((kd, block_v), jnp.float32),
+        plgpu.Barrier(num_arrivals=8, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1),
+    )
+    kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, interpret=interpret)
+    o, fin = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((tp, hv, vd), bf16),
+                  jax.ShapeDtypeStruct((num_seqs, hv, kd, vd), jnp.float32)),
+        scratch_types=scratch,
+        grid=(num_seqs, hv, vd // block_v),
+        grid_names=("rows", "heads", "vblocks"),
+        kernel_name="gdn_seq_mgpu",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
+        interpret=interpret_params() if interpret else None,
+    )(cu_seqlens, rows, flags, q, k, w, u, a, qf, kf, gl, pool)
+    live = (flags & FLAG_LIVE) != 0
+    pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(fin, mode="drop")
+    return o, pool
