@@ -81,10 +81,11 @@ def shape_reason(q: jax.Array, w: jax.Array, u: jax.Array, *, block_v: int) -> s
 
 def smem_bytes(kd: int, block_v: int, stages: int) -> int:
     """Shared memory of one CTA: ``stages`` ring slots (q, k, w, u, A, three row factors) and the state,
-    ``v_new``, ``kf v_new``, output and f32 state tiles."""
+    ``v_new``, ``kf v_new``, output (two of them for rows of fewer than 128 bytes) and f32 state tiles."""
     c = CHUNK
     slot = 2 * (3 * c * kd + c * block_v + c * c) + 4 * 3 * c
-    return stages * slot + 2 * (kd * block_v + 3 * c * block_v) + 4 * kd * block_v
+    out = (2 if block_v * 2 < SWIZZLE else 1) * (c + 2) * block_v
+    return stages * slot + 2 * (kd * block_v + 2 * c * block_v + out) + 4 * kd * block_v
 
 
 def _kernel(
@@ -111,7 +112,7 @@ def _kernel(
     h_s,  # bf16[K, BV]  swizzled: the state as the right operand
     vn_s,  # bf16[C, BV]  swizzled: v_new
     vk_s,  # bf16[C, BV]  swizzled: kf * v_new
-    o_s,  # bf16[C, BV]  the chunk's output rows
+    o_s,  # bf16[B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
     st_s,  # f32[K, BV]  initial / final state
     ready,  # barriers [S]: slot loaded (8 arrivals)
     st_bar,  # barrier: initial state loaded
@@ -177,21 +178,32 @@ def _kernel(
 
     ri = iota((chunk, block_v), 0, interpret)
 
-    def write_rows(c):  # the chunk's output rows that this row owns, from o_s
+    narrow = o_s.shape[0] == 2  # rows of fewer than 128 bytes: a copy's shared-memory start must be 128-aligned
+
+    def write_rows(c, o):  # the chunk's output rows that this row owns, o: f32[C, BV]
         c0 = c * chunk
         r0 = jnp.clip(lo - c0, 0, chunk)
         r1 = jnp.clip(hi - c0, 0, chunk)
         count = r1 - r0
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output copies have read o_s
+        o_s.at[0, pl.ds(0, chunk)][...] = o.astype(o_s.dtype)
+        if narrow:  # a copy from an odd row reads the second buffer, which holds row r at r + 1 (even)
+            @pl.when(count < chunk)
+            def _():
+                o_s.at[1, pl.ds(1, chunk)][...] = o.astype(o_s.dtype)
+        plgpu.commit_smem()
 
         @pl.when(count == chunk)
         def _():
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(pl.multiple_of(c0, chunk), chunk), hd, vs])
+            plgpu.copy_smem_to_gmem(o_s.at[0, pl.ds(0, chunk)],
+                                    o_ref.at[pl.ds(pl.multiple_of(c0, chunk), chunk), hd, vs])
 
         for size in _POW2_ROWS:
             @pl.when((count >= size) & (count < 2 * size))
             def _(size=size):
                 for r in (r0, r1 - size):
-                    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(r, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
+                    b = lax.rem(r, 2) if narrow else 0
+                    plgpu.copy_smem_to_gmem(o_s.at[b, pl.ds(r + b, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
 
     def step(c, s):  # s: f32[K, BV]
         slot = lax.rem(c - c_lo, jnp.int32(stages))
@@ -214,10 +226,7 @@ def _kernel(
         plgpu.commit_smem()
         av, kv = products((a_s.at[slot], False, vn_s), (k_s.at[slot], True, vk_s))
         o = jnp.where(in_seq, qh * bc_row(vec(vec_s.at[slot, 0])) + av, 0.0)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output copies have read o_s
-        o_s[...] = o.astype(o_s.dtype)
-        plgpu.commit_smem()
-        write_rows(c)
+        write_rows(c, o)
         c0 = c * chunk
         any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
         first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
@@ -288,7 +297,7 @@ def seq_mgpu_call(
         plgpu.SMEM((kd, block_v), bf16, transforms=swz),
         plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
-        plgpu.SMEM((chunk, block_v), bf16),
+        plgpu.SMEM((2 if block_v * 2 < SWIZZLE else 1, chunk + 2, block_v), bf16),
         plgpu.SMEM((kd, block_v), jnp.float32),
         plgpu.Barrier(num_arrivals=8, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),
