@@ -396,7 +396,8 @@ def test_table_chooses_as_documented():
     (one_row,), _ = _shapes(paged_prefill.FEW_TOTAL, 1, page_size=64)
     assert choice(((dataclasses.replace(one_row, max_query_len=paged_prefill.FEW_TOTAL),), {}), "h100")[0] == "pallas"
     (many,), _ = _shapes(80, 16, page_size=64)
-    assert choice(((dataclasses.replace(many, max_query_len=5),), {}), "h100")[0] == "prefill"
+    assert choice(((dataclasses.replace(many, max_query_len=paged_prefill.FEW_TOKENS + 1),), {}),
+                  "h100")[0] == "prefill"
     assert choice(((dataclasses.replace(verify_call, max_query_len=paged_prefill.FEW_TOKENS + 1),), {}),
                   "h100")[0] == "prefill"
     assert attention.TABLE.available(NAMED["cpu"]) == [

@@ -42,7 +42,12 @@ the order only chooses speed: RESULTS.md, "Paged attention decode" and "Paged at
   step's handful of tokens (a static ``max_query_len`` of at most ``FEW_TOKENS``, or ``T <= FEW_TOTAL``); float
   or fp8 pages;
 - ``"pallas"``: the split-KV decode kernel (:mod:`kvjax.pallas.paged.decode`), any GPU, any batch with those
-  power-of-two shapes, float or fp8 pages; what ``impl="interpret"`` runs;
+  power-of-two shapes, float or fp8 pages; what ``impl="interpret"`` runs. With a static ``max_query_len`` it runs
+  its *row mode* (one program per row of up to ``decode.MAX_TOKENS_PER_PROGRAM`` tokens, each page read once for
+  all of them, a causal mask per token), else one program per token. Verification rule: the ``"prefill"`` backend
+  declines exactly the calls this one should take, so the table's decision sits in one place, the two constants
+  ``FEW_TOKENS`` / ``FEW_TOTAL`` (``benchmarks/verify_attn.py`` times the row mode, the one-token programs and the
+  prefill kernel side by side to set them);
 - ``"reference"``: :func:`paged_attention_reference`, always.
 
 fp8 pages on a GPU need the Triton lowering's e4m3 conversion, which it has from sm_89 (Ada, Hopper) on; on an
@@ -94,7 +99,7 @@ class PagedAttentionCall:
     v_scale: jax.Array | None = None  # f32[P] the same for v_pages
     scale: float | None = dataclasses.field(default=None, metadata=dict(static=True))  # softmax scale
     max_query_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-    # a bound on every row's tokens (None: unknown); few tokens a row choose the split-KV decode kernel
+    # a bound on every row's tokens (None: unknown); few tokens a row choose the split-KV decode kernel's row mode
 
     @property
     def page_size(self) -> int:
@@ -323,8 +328,9 @@ def paged_attention(
     take the call here), ``"interpret"`` (the ``"pallas"`` kernel in Pallas interpret mode) or
     ``"NAME:interpret"``. ``max_query_len``: a static bound on every row's tokens, a promise of the caller (a
     verification step's ``K + 1``); with at most ``kvjax.pallas.paged.prefill.FEW_TOKENS`` tokens a row, or
-    ``FEW_TOTAL`` in all, the table takes the split-KV decode kernel, which reads a row's pages once per token,
-    over the prefill kernels. Reads only; changes nothing. Jittable.
+    ``FEW_TOTAL`` in all, the table takes the split-KV decode kernel in its row mode (one program per row of up to
+    ``kvjax.pallas.paged.decode.MAX_TOKENS_PER_PROGRAM`` tokens: each page read once per row) over the prefill
+    kernels. Every kernel stays exact if a row breaks the promise. Reads only; changes nothing. Jittable.
     On a Hopper GPU a prefill-shaped batch may run the Mosaic GPU kernel, which reads whole pages of a row's walk:
     the unwritten tail of a last page must hold finite values (kvjax pools start zeroed), never NaN.
     """
@@ -380,7 +386,8 @@ TABLE = BackendTable(
                 note="one program per (query tile, KV head): each page read once per tile, not once per token"),
         Backend("pallas", decode.paged_decode, priority=10, device=on_gpu,
                 unsupported=decode.unsupported,
-                note="split-KV decode, exact on any batch: the GPU fallback (RESULTS.md, Paged attention decode)"),
+                note="split-KV decode, exact on any batch: the GPU fallback (RESULTS.md, Paged attention decode); "
+                     "a static max_query_len: one program per row (verification)"),
     ),
     examples={
         "decode B=64 L=4096 Hq=32 Hkv=8 D=128 page 16 bf16": lambda: _example(64, 64, 16, context=4096),

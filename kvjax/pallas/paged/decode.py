@@ -1,11 +1,23 @@
 """Head-wise paged attention, split-KV flash-decoding over single-head pages (Pallas, Triton lowering).
 
-One program per (query token, KV head, split). It holds the whole GQA group of query heads of that KV head
-(padded to >= 16 rows for the tensor cores), so each K/V page is read once per token. It walks only the
-virtual page list of :mod:`kvjax.pallas.paged.common` (sink pages + window pages of *its* KV head), cut into
-``num_splits`` equal parts; a ``-1`` table entry is masked at the load, so a hole is never read. Every split
-writes an f32 partial output and its log-sum-exp, merged by :func:`kvjax.pallas.split_kv.merge_splits` (an
-empty split, or a padding token, weighs 0, never NaN).
+One program per (query span, KV head, split). A span is up to ``tokens_per_program`` (J) consecutive query tokens
+of one row: the program holds those tokens x the GQA group of query heads of that KV head (``J * G`` rows,
+token-major, padded to a power of two >= 16 for the tensor cores), so each K/V page is read once for all of them.
+With J = 1 (a decode batch, the default without a bound) a span is one token. With a static ``max_query_len``
+(a speculative verification step's ``K + 1``, at most :data:`MAX_TOKENS_PER_PROGRAM`) J = ``max_query_len``: the
+*row mode*, one program per row where the one-token programs read a row's pages once per token. The spans are the
+query tiles of :func:`kvjax.pallas.paged.common.tile_map`: a row's tokens are ``cu_seqlens[b] .. cu_seqlens[b+1]-1``
+(contiguous by the op's contract, at positions ``seq_lens[b] - n ..`` in order), cut into spans of at most J;
+so a row longer than J takes several programs and the kernel is exact for any batch, whatever the bound. The
+padding tokens before and after the rows form spans of their own that attend to nothing and write 0.
+
+Each program walks only the virtual page list of :mod:`kvjax.pallas.paged.common` for its span's positions
+``i0 .. i1`` and *its* KV head (sink pages + window pages), cut into ``num_splits`` equal parts; it loads only
+keys some token of the span sees (``kpos <= i1``, in the window of ``i0`` or a sink), a ``-1`` table entry masked
+at the load (a hole is never read), and masks each query token causally (token at ``pos`` sees keys ``<= pos``
+within its own window, plus the sinks). Every split writes an f32 partial output and its log-sum-exp per query
+token, merged by :func:`kvjax.pallas.split_kv.merge_splits` (an empty split, or a padding token, weighs 0, never
+NaN).
 
 fp8 pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``): the kernel loads the page bytes (1 byte a
 value; no dequantised copy of the cache exists anywhere), converts them to q's dtype, multiplies each logit of a
@@ -13,10 +25,11 @@ key by its page's key scale (folded with the softmax scale into one per-key fact
 page's value scale before the ``P V`` product; accumulation stays f32. A key's two scales are loaded with it,
 per key like its page id, so a hole's or a masked key's scale is never read.
 
-The kernel is exact for *any* ragged batch (it re-reads a row's pages once per query token), so it is the
-``"pallas"`` backend of ``kvjax.ops.paged_attention``: the fallback on every GPU and what ``impl="interpret"``
-runs; for prefill-shaped batches the table prefers the prefill kernels (:mod:`kvjax.pallas.paged.prefill`,
-:mod:`kvjax.pallas.paged.prefill_mgpu`).
+The kernel is exact for *any* ragged batch, so it is the ``"pallas"`` backend of ``kvjax.ops.paged_attention``:
+the fallback on every GPU and what ``impl="interpret"`` runs; for prefill-shaped batches the table prefers the
+prefill kernels (:mod:`kvjax.pallas.paged.prefill`, :mod:`kvjax.pallas.paged.prefill_mgpu`), except a
+verification step's few tokens a row (the prefill kernel's ``FEW_TOKENS`` / ``FEW_TOTAL``, which send them here,
+to the row mode; ``benchmarks/verify_attn.py`` measures the three).
 Measured and not kept: fixed-size splits (``balanced``), tied on full heads and never ahead on SWA heads; a
 manual register prefetch of the next block, block_k 32, 8 warps; over fp8 pages, products in f16 (one conversion
 instruction per two e4m3 values instead of three) and e4m3 tensor-core products (q quantised per row, ``P V`` on
@@ -42,13 +55,16 @@ from kvjax.pallas.split_kv import merge_splits
 
 _NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on H100/H200)
+MAX_TOKENS_PER_PROGRAM = 8  # J_MAX: the most query tokens of a row one program holds (8 x G=8: 64 query rows)
 
 
 def _decode_kernel(
-    *refs,  # common.operands (spans: row, pos i32[T] per token), then o_ref (num_splits == 1: [T*Hq, D] in q's
-    #         dtype; else f32[T*Hkv*S*Gp, D]) and, for num_splits > 1, lse_ref f32[T*Hkv*S*Gp]
+    *refs,  # common.operands (spans: row, first token, length, first position: i32[N] per span of at most
+    #         `tokens` consecutive tokens of one row), then o_ref (num_splits == 1: [T*Hq, D] in q's dtype; else
+    #         f32[T*Hkv*S*G, D]) and, for num_splits > 1, lse_ref f32[T*Hkv*S*G]
     scale: float,
     group: int,
+    tokens: int,
     rows: int,
     page_size: int,
     block_k: int,
@@ -57,15 +73,16 @@ def _decode_kernel(
     num_splits: int,
     fp8: bool,
 ):
-    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, pos_ref), walk, (o_ref, *lse_refs) = \
-        common.kernel_refs(refs, num_spans=2)
+    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, tok_ref, len_ref, pos_ref), walk, (o_ref, *lse_refs) = \
+        common.kernel_refs(refs, num_spans=4)
     t = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
-    th = t * num_kv_heads + h
     b = row_ref[t]
-    i = pos_ref[t]
-    lo, n_sink, n_pages, w, sk = common.walk_at(walk, th, h)
+    n_tok = len_ref[t]
+    i0 = pos_ref[t]
+    i1 = i0 + jnp.maximum(n_tok, 1) - 1  # the span's last position
+    lo, n_sink, n_pages, w, sk = common.walk_at(walk, t * num_kv_heads + h, h)
     pages_per_block = block_k // page_size
 
     per_split = pl.cdiv(n_pages, num_splits)  # every walk cut into num_splits equal parts
@@ -74,10 +91,14 @@ def _decode_kernel(
     n_iter = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
 
     cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)
-    g = jnp.arange(rows, dtype=jnp.int32)
-    q_rows = (t * num_kv_heads + h) * group + g
-    q_ok = g < group
+    r = jnp.arange(rows, dtype=jnp.int32)  # query row r: token r // G of the span, query head h * G + r % G
+    r_tok = r // group
+    g = r % group
+    q_ok = (r < tokens * group) & (r_tok < n_tok)
+    tok = tok_ref[t] + r_tok  # i32[rows]: each query row's token
+    q_rows = (tok * num_kv_heads + h) * group + g
     q = plgpu.load(q_ref.at[jnp.where(q_ok, q_rows, 0)[:, None], cols[None, :]], mask=q_ok[:, None], other=0.0)
+    q_pos = (i0 + r_tok)[:, None]  # i32[rows, 1]: each query row's position
 
     j = jnp.arange(block_k, dtype=jnp.int32)
     j_page = j // page_size
@@ -90,21 +111,26 @@ def _decode_kernel(
         col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
         page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
         kpos = col * page_size + j_off
-        visible = (kpos <= i) & ((w == 0) | (i - kpos < w) | (kpos < sk))
-        ok = in_range & (page >= 0) & visible
+        # keys that some query of the span (positions i0..i1) sees: the only ones loaded
+        seen = (kpos <= i1) & ((w == 0) | (i0 - kpos < w) | (kpos < sk))
+        ok = in_range & (page >= 0) & seen
         kv_rows = jnp.where(ok, page, 0) * page_size + j_off
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+        visible = ok[None, :]  # bool[1 or rows, block_k]
+        if tokens > 1:  # each query token its own causal / window / sink mask
+            kp = kpos[None, :]
+            visible = visible & (kp <= q_pos) & ((w == 0) | (q_pos - kp < w) | (kp < sk))
         if not fp8:
-            return k, v, ok, scale, None
+            return k, v, visible, scale, None
         safe = jnp.where(ok, page, 0)
         k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)  # f32[block_k]: each key's page scale
         v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
-        return k.astype(q.dtype), v.astype(q.dtype), ok, (scale * k_sc)[None, :], v_sc[None, :]
+        return k.astype(q.dtype), v.astype(q.dtype), visible, (scale * k_sc)[None, :], v_sc[None, :]
 
-    def update(k, v, ok, k_factor, v_factor, acc, m, l):
+    def update(k, v, visible, k_factor, v_factor, acc, m, l):
         sc = plgpu.dot(q, k, trans_b=True) * k_factor  # f32[rows, block_k]
-        sc = jnp.where(ok[None, :], sc, _NEG_INF)
+        sc = jnp.where(visible, sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
@@ -127,19 +153,26 @@ def _decode_kernel(
         plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
     else:
         (lse_ref,) = lse_refs
-        part_rows = ((t * num_kv_heads + h) * num_splits + s) * group + g  # the G real rows only
+        part_rows = ((tok * num_kv_heads + h) * num_splits + s) * group + g  # the real rows only
         plgpu.store(o_ref.at[part_rows[:, None], cols[None, :]], out, mask=q_ok[:, None])
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
         plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
+
+
+def query_rows(tokens: int, group: int) -> int:
+    """Query rows of one program: its ``tokens x G`` (token-major), padded to a power of two >= 16 (a tensor-core
+    tile)."""
+    return max(16, next_pow2(tokens * group))
 
 
 def _decode_call(
     call,  # kvjax.ops.attention.PagedAttentionCall
     k_scale: jax.Array,  # f32[P] (fp8 pages) or f32[1] (float pages: unread)
     v_scale: jax.Array,  # f32[P] or f32[1]
-    spans: tuple[jax.Array, jax.Array],  # (row, pos): i32[T] each
-    walks: tuple[jax.Array, jax.Array, jax.Array],  # (lo, n_sink, n_pages): i32[T, Hkv] each
+    spans: tuple[jax.Array, ...],  # (row, first token, length, first position): i32[N] each
+    walks: tuple[jax.Array, jax.Array, jax.Array],  # (lo, n_sink, n_pages): i32[N, Hkv] each
     *,
+    tokens: int,
     num_splits: int,
     block_k: int,
     num_warps: int,
@@ -152,10 +185,10 @@ def _decode_call(
     num_pages, page_size, _ = call.k_pages.shape
     hkv, max_blocks = call.num_kv_heads, call.max_blocks
     group = hq // hkv
-    rows = max(16, next_pow2(group))
     kernel = functools.partial(
-        _decode_kernel, scale=call.scale, group=group, rows=rows, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
+        _decode_kernel, scale=call.scale, group=group, tokens=tokens, rows=query_rows(tokens, group),
+        page_size=page_size, block_k=block_k, max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
+        fp8=fp8,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -167,10 +200,11 @@ def _decode_call(
     res = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(t_total, hkv, num_splits),
+        grid=(spans[0].shape[0], hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}",
+        name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}{f'_rows{tokens}' if tokens > 1 else ''}"
+             f"_s{num_splits}_bk{block_k}",
     )(*common.operands(call, kv, spans, walks))
     if num_splits == 1:
         return res.reshape(t_total, hq, d)
@@ -186,13 +220,39 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     return common.triton_shape_reason(call)
 
 
-def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, pages_per_block: int) -> int:
-    """Static split count: enough programs to fill the GPU, never more splits than KV blocks."""
-    splits = next_pow2(pl.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * num_kv_heads)))
+def default_tokens_per_program(max_query_len: int | None) -> int:
+    """Query tokens of a row one program holds: the call's static ``max_query_len`` (a verification step's
+    ``K + 1``) up to :data:`MAX_TOKENS_PER_PROGRAM`, else one (a decode batch, or no bound given)."""
+    return min(max_query_len, MAX_TOKENS_PER_PROGRAM) if max_query_len else 1
+
+
+def default_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, pages_per_block: int,
+                       tokens_per_program: int = 1) -> int:
+    """Static split count: enough programs to fill the GPU, never more splits than KV blocks (programs counted
+    as ``ceil(T / tokens_per_program)`` spans x KV heads: the spans of a verification step's full rows)."""
+    spans = pl.cdiv(num_tokens, tokens_per_program)
+    splits = next_pow2(pl.cdiv(_TARGET_PROGRAMS, max(1, spans * num_kv_heads)))
     return int(max(1, min(splits, pl.cdiv(max_blocks, pages_per_block), 64)))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages"))
+def spans_and_walks(call, tokens: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The kernel's spans ``(row, first token, length, first position): i32[N]`` each and their page walks
+    ``(lo, n_sink, n_pages): i32[N, Hkv]`` each. One token: a span per token (``N = T``; tokens of no row attend to
+    nothing and get 0). More: the query tiles of :func:`kvjax.pallas.paged.common.tile_map`, at most ``tokens``
+    consecutive tokens of one row (a row's tokens are ``cu_seqlens[b] .. cu_seqlens[b+1]-1``, contiguous, at
+    positions ``seq_lens[b] - n ..`` in order), the padding before and after the rows in spans of their own."""
+    t_total = call.q.shape[0]
+    if tokens > 1:
+        return common.tile_walks(call, tokens)
+    row, pos, real = common.token_positions(call.cu_seqlens, call.seq_lens, t_total)
+    walks = common.page_ranges(pos, pos, real, call.window, call.sinks, page_size=call.page_size,
+                               max_blocks=call.max_blocks)
+    tok = jnp.arange(t_total, dtype=jnp.int32)
+    return (row, tok, jnp.ones_like(tok), pos), walks
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages",
+                                             "tokens_per_program"))
 def paged_decode(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
@@ -201,15 +261,18 @@ def paged_decode(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tokens_per_program: int | None = None,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Split-KV paged attention of every query token: the contract of ``kvjax.ops.paged_attention``.
 
-    Tuning knobs, defaults the fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default:
-    :func:`default_num_splits`), ``block_k`` keys per step (64, at least one page), ``num_warps`` 4, ``num_stages``
-    4 (fp8 pages: 2, RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or a wide head
-    would not fit shared memory (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes
-    :func:`unsupported` rejects and a ``block_k`` not a power of two. fp8 pages read as ``page * scale`` (module
-    doc). Reads only; tokens that belong to no row get output 0.
+    ``tokens_per_program`` (default :func:`default_tokens_per_program` of the call's ``max_query_len``): query
+    tokens of one row a program holds (module doc); exact for any value and any batch. Tuning knobs, defaults the
+    fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default: :func:`default_num_splits`),
+    ``block_k`` keys per step (64, at least one page), ``num_warps`` 4, ``num_stages`` 4 (fp8 pages: 2, RESULTS.md
+    "Paged attention decode"); unset ones shrink where float32 pages or a wide head would not fit shared memory
+    (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes :func:`unsupported` rejects,
+    a ``block_k`` not a power of two and a ``tokens_per_program`` below 1. fp8 pages read as ``page * scale``
+    (module doc). Reads only; tokens that belong to no row get output 0.
     """
     t_total = call.q.shape[0]
     page_size = call.page_size
@@ -221,17 +284,18 @@ def paged_decode(
     fp8, k_scale, v_scale = common.page_scales(call)
     if block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two, got {block_k}")
-    group = call.q.shape[1] // call.num_kv_heads
+    tokens = default_tokens_per_program(call.max_query_len) if tokens_per_program is None else tokens_per_program
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens_per_program must be a positive int, got {tokens_per_program!r}")
+    rows = query_rows(tokens, call.q.shape[1] // call.num_kv_heads)
     block_k, num_stages, _ = common.fit_shared_memory(
         head_dim=call.q.shape[-1], kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=call.q.dtype.itemsize,
-        block_k=block_k, num_stages=num_stages or (2 if fp8 else 4), rows=max(16, group),
-        min_block_k=max(page_size, 16), min_rows=max(16, group), fixed=fixed)
+        block_k=block_k, num_stages=num_stages or (2 if fp8 else 4), rows=rows,
+        min_block_k=max(page_size, 16), min_rows=rows, fixed=fixed)
     if num_splits is None:
-        num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size)
-    row, pos, real = common.token_positions(call.cu_seqlens, call.seq_lens, t_total)
-    walks = common.page_ranges(pos, pos, real, call.window, call.sinks, page_size=page_size,
-                               max_blocks=call.max_blocks)
+        num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size, tokens)
+    spans, walks = spans_and_walks(call, tokens)
     return _decode_call(
-        call, k_scale, v_scale, (row, pos), walks, num_splits=num_splits, block_k=block_k,
+        call, k_scale, v_scale, spans, walks, tokens=tokens, num_splits=num_splits, block_k=block_k,
         num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, interpret=interpret,
     )
