@@ -82,24 +82,50 @@ def test_seq_mosaic_interpret(rng, hk, hv, kd, vd, block_v, segment_chunks):
               interpret=True)
 
 
+def test_seq_mosaic_kernel_variants_interpret(rng):
+    """``seq_mgpu_call`` itself on the prepared operands against the Triton sequential kernel (``chunk._chunk_call``)
+    for the ring and loop variants: without the overlap (the next chunk's copies issued one step ahead, its products
+    in its own step), and with it at 1 stage (no prefetch: a slot refilled right after it is read) and 3 stages."""
+    from kvjax.pallas.gdn.chunk import _chunk_call
+    from kvjax.pallas.gdn.prep import prepare
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
+
+    lens = [5, 0, 23, 40, 70]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16, pad_tokens=5)
+    cu = cu + 2
+    ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
+    n = len(lens)
+    rows, flags = jnp.arange(n, dtype=jnp.int32), jnp.asarray([3, 3, 2, 3, 3], jnp.int32)
+    want = _chunk_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
+                       num_warps=4, num_stages=2, interpret=True)
+    for overlap, stages in [(False, 2), (True, 1), (True, 3)]:
+        got = seq_mgpu_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
+                            stages=stages, overlap=overlap, interpret=True)
+        assert rel_err(got[0], want[0]) <= SAME_TOL and rel_err(got[1], want[1]) <= SAME_TOL, (
+            overlap, stages, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
+
+
 def test_seq_mosaic_lowers_for_cuda():
     """The kernel lowers to a Mosaic GPU module for CUDA without a GPU (wgmma operands, the transposed ``k``
     operand, TMA boxes of the ring and of the partial output copies) at K = V = 128 with value blocks of 32 (3
-    stages) and 64 (2 stages), K = 64 with V = 128 in one block, under the Lane semantics that it passes on every
-    jax (it names its register layouts)."""
+    stages) and 64 (2 stages), K = 64 with V = 128 in one block, without the overlap once, under the Lane
+    semantics that it passes on every jax (it names its register layouts)."""
     from jax import export
 
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
 
     sds = jax.ShapeDtypeStruct
-    for kd, vd, hk, hv, n, block_v, stages in [(128, 128, 2, 4, 3, 32, 3), (128, 128, 2, 4, 1, 64, 2),
-                                                (64, 128, 1, 2, 2, 128, 2)]:
+    for kd, vd, hk, hv, n, block_v, stages, overlap in [(128, 128, 2, 4, 3, 32, 3, True),
+                                                         (128, 128, 2, 4, 1, 64, 2, True),
+                                                         (64, 128, 1, 2, 2, 128, 2, True),
+                                                         (128, 128, 2, 4, 2, 64, 2, False)]:
         tp, nc, bf16, f32 = 256, 4, jnp.bfloat16, jnp.float32
         args = (sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16), sds((nc, hv, 64, kd), bf16),
                 sds((nc, hv, 64, vd), bf16), sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64), f32),
                 sds((nc, hv, 64), f32), sds((nc, hv, 64), f32), sds((n + 2, hv, kd, vd), f32),
                 sds((n + 1,), jnp.int32), sds((n,), jnp.int32), sds((n,), jnp.int32))
-        fn = jax.jit(lambda *a, bv=block_v, st=stages: seq_mgpu_call(*a, out_dtype=bf16, block_v=bv, stages=st))
+        fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap: seq_mgpu_call(*a, out_dtype=bf16, block_v=bv,
+                                                                                stages=st, overlap=ov))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 

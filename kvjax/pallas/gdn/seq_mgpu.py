@@ -8,13 +8,16 @@ sequence row, value head and block of ``block_v`` value columns, the row's chunk
 
 One CTA (one warpgroup) per (row, value head, value block). A ring of ``stages`` shared-memory slots holds the
 chunk operands (``q``, ``k``, ``w``, ``u``, ``A`` and the row factors ``qf``, ``kf``, ``gl``), each slot filled by
-TMA copies that complete on its barrier: the copies of chunk ``c + stages - 1`` are issued at the start of chunk
-``c``'s step, so a chunk's loads run behind the previous chunks' products. Per chunk two rounds of wgmma: ``w S``
-and ``q S`` (the state written to shared memory in bf16 once per chunk, the right operand of both), then
-``A v_new`` and ``k^T (kf v_new)`` (``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new``
-in bf16 tiles). The row factors multiply f32 accumulators rather than bf16 operands (``qf`` the rows of
-``q S``, ``kf`` the rows of ``v_new``), an equal product up to the bf16 roundings of the Triton kernel's
-``qf * q`` and ``kf * k``.
+TMA copies that complete on its barrier. Per chunk two rounds of wgmma: ``w S`` and ``q S`` (the state written to
+shared memory in bf16 once per chunk, the right operand of both), then ``A v_new`` and ``k^T (kf v_new)`` (``k``'s
+tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles). The row factors multiply f32
+accumulators rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal product
+up to the bf16 roundings of the Triton kernel's ``qf * q`` and ``kf * k``.
+
+``overlap=True`` (the default): a step finishes chunk ``c`` (``v_new``, the second round, the new state), refills
+chunk ``c``'s slot with chunk ``c + stages`` and issues chunk ``c + 1``'s first round, and while those products run
+writes chunk ``c``'s outputs; every loaded chunk is ``stages - 1`` steps ahead of its use. ``overlap=False``: a step
+is one chunk, both rounds and the output copies in order, the copies of chunk ``c + stages - 1`` issued at its start.
 
 Ragged rows: a chunk may hold the tail of one sequence and the head of the next. Each CTA writes the output rows
 its row owns (the first and last rows also own the tokens outside every sequence, written as zeros): a chunk it
@@ -120,6 +123,7 @@ def _kernel(
     group: int,
     block_v: int,
     stages: int,
+    overlap: bool,
     interpret: bool,
 ):
     n, hd, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
@@ -148,11 +152,6 @@ def _kernel(
         plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
         for i, ref in enumerate((qf_ref, kf_ref, gl_ref)):
             plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
-
-    for j in range(stages - 1):
-        @pl.when(c_lo + j < c_hi)
-        def _(j=j):
-            issue(c_lo + j, j)
 
     def tile(ref):  # a bf16 tile of shared memory in the wgmma layout
         return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
@@ -205,19 +204,13 @@ def _kernel(
                     b = lax.rem(r, 2) if narrow else 0
                     plgpu.copy_smem_to_gmem(o_s.at[b, pl.ds(r + b, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
 
-    def step(c, s):  # s: f32[K, BV]
-        slot = lax.rem(c - c_lo, jnp.int32(stages))
-        nxt = c + stages - 1
+    nc = w_ref.shape[0]
 
-        h_s[...] = s.astype(bf16)
-        plgpu.commit_smem()  # also: every thread is done reading the slot that the next copies refill
+    def slot_of(c):
+        return lax.rem(c - c_lo, jnp.int32(stages))
 
-        @pl.when(nxt < c_hi)
-        def _():
-            issue(nxt, lax.rem(nxt - c_lo, jnp.int32(stages)))
-
-        plgpu.barrier_wait(ready.at[slot])
-        wh, qh = products((w_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+    def second_half(c, s, wh, qh):  # chunk c from its w S, q S: (o, the next state), the slot read out
+        slot = slot_of(c)
         r = c * chunk + ri
         in_seq = (r >= start) & (r < end) & live
         v_new = jnp.where(in_seq, tile(u_s.at[slot]).astype(f32) - wh, 0.0)
@@ -226,17 +219,77 @@ def _kernel(
         plgpu.commit_smem()
         av, kv = products((a_s.at[slot], False, vn_s), (k_s.at[slot], True, vk_s))
         o = jnp.where(in_seq, qh * bc_row(vec(vec_s.at[slot, 0])) + av, 0.0)
-        write_rows(c, o)
         c0 = c * chunk
         any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
         first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
         decay = jnp.where(any_in, jnp.exp(vec_s[slot, 2, first]), 1.0)
-        return s * decay + kv
+        return o, s * decay + kv
+
+    def step(c, s):  # s: f32[K, BV]
+        slot = slot_of(c)
+        nxt = c + stages - 1
+        h_s[...] = s.astype(bf16)
+        plgpu.commit_smem()  # also: every thread is done reading the slot that the next copies refill
+
+        @pl.when(nxt < c_hi)
+        def _():
+            issue(nxt, slot_of(nxt))
+
+        plgpu.barrier_wait(ready.at[slot])
+        wh, qh = products((w_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+        o, s = second_half(c, s, wh, qh)
+        write_rows(c, o)
+        return s
+
+    def first_half(c, during=None):  # w S and q S of chunk c (S in h_s); ``during()`` runs while they do
+        slot = slot_of(c)
+        plgpu.barrier_wait(ready.at[slot])
+        if interpret:
+            if during is not None:
+                during()
+            return products((w_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+
+        def body(w_acc, q_acc):
+            plgpu.wgmma(w_acc, w_s.at[slot], h_s)
+            plgpu.wgmma(q_acc, q_s.at[slot], h_s)
+            if during is not None:
+                during()
+            return w_acc[...], q_acc[...]
+
+        return pl.run_scoped(body, plgpu.ACC((chunk, block_v), f32), plgpu.ACC((chunk, block_v), f32))
+
+    def step_overlap(c, carry):  # chunk c from its w S, q S; then chunk c + 1's, its output copies meanwhile
+        s, wh, qh = carry
+        o, s = second_half(c, s, wh, qh)
+        h_s[...] = s.astype(bf16)
+        plgpu.commit_smem()  # also: every thread is done reading chunk c's slot, which the copies refill
+
+        @pl.when(c + stages <= c_hi)
+        def _():
+            issue(jnp.minimum(c + stages, nc - 1), slot_of(c))
+
+        wh, qh = first_half(c + 1, during=lambda: write_rows(c, o))
+        return s, wh, qh
 
     plgpu.barrier_wait(st_bar)
     s0 = st_s[...] if interpret else plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA, optimized=False)
     s0 = jnp.where(read, s0, 0.0)
-    s = lax.fori_loop(c_lo, c_hi, step, s0)
+    if overlap:  # chunks c_lo .. c_hi are loaded and their w S, q S formed: the last (clamped) one unused
+        for j in range(stages):
+            @pl.when(c_lo + j <= c_hi)
+            def _(j=j):
+                issue(jnp.minimum(c_lo + j, nc - 1), j)
+
+        h_s[...] = s0.astype(bf16)
+        plgpu.commit_smem()
+        s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
+    else:
+        for j in range(stages - 1):
+            @pl.when(c_lo + j < c_hi)
+            def _(j=j):
+                issue(c_lo + j, j)
+
+        s = lax.fori_loop(c_lo, c_hi, step, s0)
     st_s[...] = s
     plgpu.commit_smem()
 
@@ -264,6 +317,7 @@ def seq_mgpu_call(
     out_dtype,
     block_v: int | None = None,
     stages: int = 2,
+    overlap: bool = True,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [Tp, Hv, V] in out_dtype, pool f32[R, Hv, K, V])
@@ -271,7 +325,8 @@ def seq_mgpu_call(
     final state at its index. ``ValueError`` for what :func:`shape_reason` rejects, a non-bf16 ``out_dtype`` or
     ``stages`` below 1 or over the shared memory (:func:`smem_bytes`). ``block_v=None``: :func:`auto_block_v`.
     ``stages``: ring slots (shared memory at ``K = 128``: about 65 KB a slot at ``block_v = 64``, 61 KB at 32,
-    within 227 KB with the other tiles: 2 stages at 64, 3 at 32). ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
+    within 227 KB with the other tiles: 2 stages at 64, 3 at 32). ``overlap``: the loop form (module docstring).
+    ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
     if block_v is None:
         block_v = auto_block_v(rows.shape[0], u.shape[1], u.shape[3])
     reason = shape_reason(q, w, u, block_v=block_v)
@@ -302,7 +357,8 @@ def seq_mgpu_call(
         plgpu.Barrier(num_arrivals=8, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),
     )
-    kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, interpret=interpret)
+    kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, overlap=overlap,
+                               interpret=interpret)
     o, fin = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((tp, hv, vd), bf16),
