@@ -28,17 +28,14 @@ DECODE = (64, 4096, 32, 8, 128)  # B, L, Hq, Hkv, D
 VARIANTS = {
     "bf16 mma": ("bf16", "mma", {}),
     "fp8 mma": ("fp8", "mma", {}),
-    "fp8 mma stages=3": ("fp8", "mma", {"num_stages": 3}),
     "fp8 fma": ("fp8", "fma", {}),
     "fp8 fma prefetch": ("fp8", "fma", {"prefetch": True}),
-    "fp8 fma bk32": ("fp8", "fma", {"block_k": 32}),
+    "fp8 fma bk32": ("fp8", "fma", {"block_k": 32}),  # page 64: the same as "fp8 fma" (a block is >= a page)
     "fp8 fma bk32 prefetch": ("fp8", "fma", {"block_k": 32, "prefetch": True}),
-    "fp8 fma bk128": ("fp8", "fma", {"block_k": 128}),
+    "fp8 fma slots=8": ("fp8", "fma", {"slots": 8}),
+    "fp8 fma slots=8 prefetch": ("fp8", "fma", {"slots": 8, "prefetch": True}),
     "fp8 fma 8 warps": ("fp8", "fma", {"num_warps": 8}),
-    "fp8 fma 2 warps bk32": ("fp8", "fma", {"num_warps": 2, "block_k": 32}),
-    "fp8 fma stages=2": ("fp8", "fma", {"num_stages": 2}),
     "bf16 fma": ("bf16", "fma", {}),
-    "bf16 fma prefetch": ("bf16", "fma", {"prefetch": True}),
 }
 
 

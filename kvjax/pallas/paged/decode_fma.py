@@ -207,6 +207,12 @@ def _fma_call(
     return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
 
 
+def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
+    """Why :func:`paged_decode_fma` cannot take this call, or None: the calls of the tensor-core decode kernel
+    (:func:`kvjax.pallas.paged.decode.unsupported`)."""
+    return decode.unsupported(call)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "slots", "num_warps",
                                              "num_stages", "prefetch"))
 def paged_decode_fma(
@@ -231,7 +237,7 @@ def paged_decode_fma(
     rejects and a ``block_k`` or ``slots`` not a power of two. fp8 pages read as ``page * scale``. Reads only;
     tokens that belong to no row get output 0.
     """
-    reason = decode.unsupported(call)
+    reason = unsupported(call)
     if reason:
         raise ValueError(f"pallas paged_decode_fma {reason}")
     t_total, _, d = call.q.shape
