@@ -85,17 +85,18 @@ def test_seq_mosaic_interpret(rng, hk, hv, kd, vd, block_v, segment_chunks):
 def test_seq_mosaic_kernel_variants_interpret(rng):
     """``seq_mgpu_call`` itself on the prepared operands against the Triton sequential kernel (``chunk._chunk_call``)
     for the ring and loop variants: without the overlap (the next chunk's copies issued one step ahead, its products
-    in its own step), and with it at 1 stage (no prefetch: a slot refilled right after it is read) and 3 stages."""
+    in its own step), and with it at 1 stage (no prefetch: a slot refilled right after it is read) and 3 stages.
+    Rows at chunk edges: an empty row on a chunk boundary (no chunk to walk), three rows sharing a chunk, an empty
+    last row at the padded end (its one clamped, unused chunk)."""
     from kvjax.pallas.gdn.chunk import _chunk_call
     from kvjax.pallas.gdn.prep import prepare
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
 
-    lens = [5, 0, 23, 40, 70]
-    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16, pad_tokens=5)
-    cu = cu + 2
+    lens = [64, 0, 30, 5, 29, 0]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16)
     ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
     n = len(lens)
-    rows, flags = jnp.arange(n, dtype=jnp.int32), jnp.asarray([3, 3, 2, 3, 3], jnp.int32)
+    rows, flags = jnp.arange(n, dtype=jnp.int32), jnp.asarray([3, 3, 2, 3, 3, 3], jnp.int32)
     want = _chunk_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
                        num_warps=4, num_stages=2, interpret=True)
     for overlap, stages in [(False, 2), (True, 1), (True, 3)]:
