@@ -35,6 +35,7 @@ VARIANTS = {
     "fp8 fma slots=8": ("fp8", "fma", {"slots": 8}),
     "fp8 fma slots=8 prefetch": ("fp8", "fma", {"slots": 8, "prefetch": True}),
     "fp8 fma 8 warps": ("fp8", "fma", {"num_warps": 8}),
+    "fp8 fma 8 warps prefetch": ("fp8", "fma", {"num_warps": 8, "prefetch": True}),
     "bf16 fma": ("bf16", "fma", {}),
 }
 
