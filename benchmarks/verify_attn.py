@@ -27,6 +27,7 @@ kernel; the last lines say, per page size, the largest J at which ``rows`` beat 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -69,7 +70,30 @@ def _call(k, v, tables, rows: int, tokens: int, cfg: dict, seed: int):
         jnp.arange(rows + 1, dtype=jnp.int32) * tokens, max_query_len=tokens))
 
 
-def run(cfg: dict, *, interpret: bool, row_warps: tuple[int, ...], rounds: int, n: int, device_rounds: int) -> list:
+def _kernels(interpret: bool, row_warps: tuple[int, ...]) -> dict:
+    """name -> (jitted kernel entry, its static keyword arguments): the runners of every batch."""
+    from kvjax.pallas.paged import decode, prefill
+
+    out = {f"rows w{w}" if len(row_warps) > 1 else "rows": (decode.paged_decode, dict(num_warps=w))
+           for w in row_warps}
+    out["per token"] = (decode.paged_decode, dict(tokens_per_program=1))
+    out["prefill"] = (prefill.paged_prefill, {})
+    return {name: (fn, dict(kw, interpret=interpret)) for name, (fn, kw) in out.items()}
+
+
+def _compile(fn, call, kwargs):
+    """``fn`` (a jitted entry) compiled for ``call``, or the exception compiling it raised."""
+    try:
+        return fn.lower(call, **kwargs).compile()
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to build is reported, the rest timed
+        return e
+
+
+def run(cfg: dict, *, interpret: bool, row_warps: tuple[int, ...], rounds: int, n: int, device_rounds: int,
+        workers: int) -> list:
+    """Every batch of ``cfg``: all kernels and references compiled first (``workers`` threads: XLA and Triton
+    compile outside the GIL), then each batch checked and timed in turn."""
+    import concurrent.futures
     import dataclasses
 
     import jax
@@ -77,41 +101,51 @@ def run(cfg: dict, *, interpret: bool, row_warps: tuple[int, ...], rounds: int, 
     import numpy as np
 
     from kvjax.ops import attention
-    from kvjax.pallas.paged import decode, prefill
     from timing import interleaved
 
-    results = []
+    kernels = _kernels(interpret, row_warps)
+    batches = []
     for page_size in cfg["pages"]:
         k, v, tables = _pool(page_size, cfg, max(cfg["rows"]), seed=page_size)
         for rows in cfg["rows"]:
             for tokens in cfg["tokens"]:
                 call = _call(k, v, tables, rows, tokens, cfg, seed=rows * 100 + tokens)
-                ref = np.asarray(attention.paged_attention_reference(
-                    dataclasses.replace(call, q=call.q.astype(jnp.float32))))
-                runners = {f"rows w{w}" if len(row_warps) > 1 else "rows":
-                           (lambda w=w: decode.paged_decode(call, interpret=interpret, num_warps=w))
-                           for w in row_warps}
-                runners["per token"] = lambda: decode.paged_decode(call, interpret=interpret, tokens_per_program=1)
-                runners["prefill"] = lambda: prefill.paged_prefill(call, interpret=interpret)
-                errs = {}
-                for name, fn in list(runners.items()):
-                    try:
-                        out = np.asarray(jax.device_get(fn()), np.float32)
-                    except Exception as e:  # noqa: BLE001 - a kernel that fails here is reported, the rest timed
-                        print(f"  page {page_size} B={rows} J={tokens}: {name} FAILED: {type(e).__name__}: "
-                              f"{str(e)[:300]}", flush=True)
-                        del runners[name]
-                        continue
-                    errs[name] = float(np.abs(out - ref).max()) if np.isfinite(out).all() else float("nan")
-                if not runners:
-                    continue
-                times = interleaved(runners, rounds=rounds, n=n, device_rounds=device_rounds)
-                auto = attention.TABLE.choose("auto", (call,), {})[0]
-                results.append(dict(page=page_size, rows=rows, tokens=tokens, auto=auto, errs=errs, times={
-                    name: t["device_ms"] if t["device_ms"] is not None else t["wall_ms"] for name, t in times.items()},
-                    timer="device" if next(iter(times.values()))["device_ms"] is not None else "wall"))
-                print(f"  page {page_size} B={rows} J={tokens}: " + ", ".join(
-                    f"{name} {t * 1e3:.1f} us" for name, t in results[-1]["times"].items()), flush=True)
+                batches.append((page_size, rows, tokens, call, dataclasses.replace(call, q=call.q.astype(jnp.float32))))
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        jobs = [{name: pool.submit(_compile, fn, call, kw) for name, (fn, kw) in kernels.items()}
+                | {"reference": pool.submit(_compile, attention.paged_attention_reference, call32, {})}
+                for _, _, _, call, call32 in batches]
+        built = [{name: job.result() for name, job in batch.items()} for batch in jobs]
+    print(f"  compiled {sum(len(b) for b in built)} executables in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    results = []
+    for (page_size, rows, tokens, call, call32), exe in zip(batches, built):
+        where = f"page {page_size} B={rows} J={tokens}"
+        if isinstance(exe["reference"], Exception):
+            print(f"  {where}: reference FAILED: {exe['reference']!r}"[:400], flush=True)
+            continue
+        ref = np.asarray(exe["reference"](call32))
+        runners, errs = {}, {}
+        for name in kernels:
+            try:
+                if isinstance(exe[name], Exception):
+                    raise exe[name]
+                out = np.asarray(jax.device_get(exe[name](call)), np.float32)
+            except Exception as e:  # noqa: BLE001 - a kernel that fails here is reported, the rest timed
+                print(f"  {where}: {name} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            runners[name] = functools.partial(exe[name], call)
+            errs[name] = float(np.abs(out - ref).max()) if np.isfinite(out).all() else float("nan")
+        if not runners:
+            continue
+        times = interleaved(runners, rounds=rounds, n=n, device_rounds=device_rounds)
+        auto = attention.TABLE.choose("auto", (call,), {})[0]
+        results.append(dict(page=page_size, rows=rows, tokens=tokens, auto=auto, errs=errs, times={
+            name: t["device_ms"] if t["device_ms"] is not None else t["wall_ms"] for name, t in times.items()},
+            timer="device" if next(iter(times.values()))["device_ms"] is not None else "wall"))
+        print(f"  {where}: " + ", ".join(f"{name} {t * 1e3:.1f} us" for name, t in results[-1]["times"].items()),
+              flush=True)
     return results
 
 
@@ -167,6 +201,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3, help="wall-clock rounds per runner")
     p.add_argument("--calls", type=int, default=20, help="calls per timed round")
     p.add_argument("--device-rounds", type=int, default=2, help="profiler rounds per runner (median)")
+    p.add_argument("--workers", type=int, default=8, help="threads compiling the kernels and references")
     args = p.parse_args(argv)
     cfg = dict(SMALL if args.small else FULL)
     for key in ("rows", "tokens", "pages"):
@@ -181,7 +216,7 @@ def main(argv=None) -> None:
           f"Hq={cfg['hq']} Hkv={cfg['hkv']} D={cfg['d']} bf16; FEW_TOKENS={prefill.FEW_TOKENS} "
           f"FEW_TOTAL={prefill.FEW_TOTAL} MAX_TOKENS_PER_PROGRAM={decode.MAX_TOKENS_PER_PROGRAM}", flush=True)
     results = run(cfg, interpret=args.small, row_warps=args.row_warps, rounds=args.rounds, n=args.calls,
-                  device_rounds=args.device_rounds)
+                  device_rounds=args.device_rounds, workers=args.workers)
     print(f"\ntimer: {results[0]['timer']} time per call\n")
     print(table(results))
     print()

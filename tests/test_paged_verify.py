@@ -83,13 +83,14 @@ def _check(out, call):
     assert n_real < call.q.shape[0] and float(jnp.abs(out[n_real:]).max()) == 0.0  # padding tokens get 0
 
 
-# (GQA group, page size, splits): rows of 1..J tokens, one empty; row 1 straddles a page boundary at 16 and 64
+# (GQA group, page size, splits): rows of 1..J tokens, one empty; row 1 straddles a page boundary at 16 and 64;
+# 4 spans of padding tokens, so that programs loop over a second span
 @pytest.mark.parametrize("group,page_size,num_splits", [(1, 16, 1), (4, 64, 3), (8, 16, 2), (4, 16, 1)])
 def test_row_mode_matches_reference(rng, group, page_size, num_splits):
     hkv = 2
     ctx = [3 * page_size + 9, page_size + 2, 40, 0, 2 * page_size + 30]
     call = _batch(rng, hq=group * hkv, hkv=hkv, page_size=page_size, ctx=ctx, new=[J, 4, 1, 0, 3],
-                  window=[0, page_size + 5], sinks=[0, 3])
+                  window=[0, page_size + 5], sinks=[0, 3], pad_tokens=4 * J - 2)  # padding spans past B + 2
     assert decode.default_tokens_per_program(call.max_query_len) == J
     out = decode.paged_decode(call, interpret=True, num_splits=num_splits, block_k=max(page_size, 32))
     _check(out, call)

@@ -8,8 +8,11 @@ With J = 1 (a decode batch, the default without a bound) a span is one token. Wi
 *row mode*, one program per row where the one-token programs read a row's pages once per token. The spans are the
 query tiles of :func:`kvjax.pallas.paged.common.tile_map`: a row's tokens are ``cu_seqlens[b] .. cu_seqlens[b+1]-1``
 (contiguous by the op's contract, at positions ``seq_lens[b] - n ..`` in order), cut into spans of at most J;
-so a row longer than J takes several programs and the kernel is exact for any batch, whatever the bound. The
-padding tokens before and after the rows form spans of their own that attend to nothing and write 0.
+so a row longer than J takes several spans and the kernel is exact for any batch, whatever the bound. The
+padding tokens before and after the rows form spans of their own that attend to nothing and write 0. The span
+count is a static bound (``ceil(T / J) + B + 2``), about twice a verification step's rows; so that the spans left
+empty cost no program, the row mode launches ``B + 2`` programs per KV head and split, each looping over the
+spans ``p, p + B + 2, ...``.
 
 Each program walks only the virtual page list of :mod:`kvjax.pallas.paged.common` for its span's positions
 ``i0 .. i1`` and *its* KV head (sink pages + window pages), cut into ``num_splits`` equal parts; it loads only
@@ -66,6 +69,8 @@ def _decode_kernel(
     group: int,
     tokens: int,
     rows: int,
+    programs: int,
+    rounds: int,
     page_size: int,
     block_k: int,
     max_blocks: int,
@@ -75,88 +80,106 @@ def _decode_kernel(
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, tok_ref, len_ref, pos_ref), walk, (o_ref, *lse_refs) = \
         common.kernel_refs(refs, num_spans=4)
-    t = pl.program_id(0)
+    num_spans = row_ref.shape[0]
     h = pl.program_id(1)
     s = pl.program_id(2)
-    b = row_ref[t]
-    n_tok = len_ref[t]
-    i0 = pos_ref[t]
-    i1 = i0 + jnp.maximum(n_tok, 1) - 1  # the span's last position
-    lo, n_sink, n_pages, w, sk = common.walk_at(walk, t * num_kv_heads + h, h)
     pages_per_block = block_k // page_size
-
-    per_split = pl.cdiv(n_pages, num_splits)  # every walk cut into num_splits equal parts
-    start = s * per_split
-    end = jnp.minimum(n_pages, start + per_split)
-    n_iter = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
-
     cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)
     r = jnp.arange(rows, dtype=jnp.int32)  # query row r: token r // G of the span, query head h * G + r % G
     r_tok = r // group
     g = r % group
-    q_ok = (r < tokens * group) & (r_tok < n_tok)
-    tok = tok_ref[t] + r_tok  # i32[rows]: each query row's token
-    q_rows = (tok * num_kv_heads + h) * group + g
-    q = plgpu.load(q_ref.at[jnp.where(q_ok, q_rows, 0)[:, None], cols[None, :]], mask=q_ok[:, None], other=0.0)
-    q_pos = (i0 + r_tok)[:, None]  # i32[rows, 1]: each query row's position
-
     j = jnp.arange(block_k, dtype=jnp.int32)
     j_page = j // page_size
     j_off = j % page_size
-    bt_base = (b * num_kv_heads + h) * max_blocks
 
-    def load_block(c):
-        vp = start + c * pages_per_block + j_page
-        in_range = vp < end
-        col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
-        page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
-        kpos = col * page_size + j_off
-        # keys that some query of the span (positions i0..i1) sees: the only ones loaded
-        seen = (kpos <= i1) & ((w == 0) | (i0 - kpos < w) | (kpos < sk))
-        ok = in_range & (page >= 0) & seen
-        kv_rows = jnp.where(ok, page, 0) * page_size + j_off
-        k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
-        visible = ok[None, :]  # bool[1 or rows, block_k]
-        if tokens > 1:  # each query token its own causal / window / sink mask
-            kp = kpos[None, :]
-            visible = visible & (kp <= q_pos) & ((w == 0) | (q_pos - kp < w) | (kp < sk))
-        if not fp8:
-            return k, v, visible, scale, None
-        safe = jnp.where(ok, page, 0)
-        k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)  # f32[block_k]: each key's page scale
-        v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
-        return k.astype(q.dtype), v.astype(q.dtype), visible, (scale * k_sc)[None, :], v_sc[None, :]
+    def attend(t):  # span t (>= num_spans: none) of this KV head and split
+        ragged = programs * rounds > num_spans  # the last round's programs past the last span: none
+        live = t < num_spans
+        if ragged:
+            t = jnp.minimum(t, num_spans - 1)
+        b = row_ref[t]
+        n_tok = jnp.where(live, len_ref[t], 0) if ragged else len_ref[t]
+        i0 = pos_ref[t]
+        i1 = i0 + jnp.maximum(n_tok, 1) - 1  # the span's last position
+        lo, n_sink, n_pages, w, sk = common.walk_at(walk, t * num_kv_heads + h, h)
+        if ragged:
+            n_pages = jnp.where(live, n_pages, 0)
 
-    def update(k, v, visible, k_factor, v_factor, acc, m, l):
-        sc = plgpu.dot(q, k, trans_b=True) * k_factor  # f32[rows, block_k]
-        sc = jnp.where(visible, sc, _NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(sc - m_safe[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = p if v_factor is None else p * v_factor  # fp8: the value scale on the probabilities (l unscaled)
-        acc = acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v)
-        return acc, m_new, l
+        per_split = pl.cdiv(n_pages, num_splits)  # every walk cut into num_splits equal parts
+        start = s * per_split
+        end = jnp.minimum(n_pages, start + per_split)
+        n_iter = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
 
-    def body(c, carry):
-        return update(*load_block(c), *carry)
+        q_ok = (r < tokens * group) & (r_tok < n_tok)
+        tok = tok_ref[t] + r_tok  # i32[rows]: each query row's token
+        q_rows = (tok * num_kv_heads + h) * group + g
+        q = plgpu.load(q_ref.at[jnp.where(q_ok, q_rows, 0)[:, None], cols[None, :]], mask=q_ok[:, None],
+                       other=0.0)
+        q_pos = (i0 + r_tok)[:, None]  # i32[rows, 1]: each query row's position
+        bt_base = (b * num_kv_heads + h) * max_blocks
 
-    head_dim = q.shape[-1]
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m = jnp.full((rows,), _NEG_INF, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    if num_splits == 1:
-        plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
-    else:
-        (lse_ref,) = lse_refs
-        part_rows = ((tok * num_kv_heads + h) * num_splits + s) * group + g  # the real rows only
-        plgpu.store(o_ref.at[part_rows[:, None], cols[None, :]], out, mask=q_ok[:, None])
-        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
-        plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
+        def load_block(c):
+            vp = start + c * pages_per_block + j_page
+            in_range = vp < end
+            col = jnp.where(vp < n_sink, vp, lo + vp - n_sink)
+            page = plgpu.load(bt_ref.at[jnp.where(in_range, bt_base + col, 0)], mask=in_range, other=-1)
+            kpos = col * page_size + j_off
+            # keys that some query of the span (positions i0..i1) sees: the only ones loaded
+            seen = (kpos <= i1) & ((w == 0) | (i0 - kpos < w) | (kpos < sk))
+            ok = in_range & (page >= 0) & seen
+            kv_rows = jnp.where(ok, page, 0) * page_size + j_off
+            k = plgpu.load(k_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[kv_rows[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+            visible = ok[None, :]  # bool[1 or rows, block_k]
+            if tokens > 1:  # each query token its own causal / window / sink mask
+                kp = kpos[None, :]
+                visible = visible & (kp <= q_pos) & ((w == 0) | (q_pos - kp < w) | (kp < sk))
+            if not fp8:
+                return k, v, visible, scale, None
+            safe = jnp.where(ok, page, 0)
+            k_sc = plgpu.load(ks_ref.at[safe], mask=ok, other=0.0)  # f32[block_k]: each key's page scale
+            v_sc = plgpu.load(vs_ref.at[safe], mask=ok, other=0.0)
+            return k.astype(q.dtype), v.astype(q.dtype), visible, (scale * k_sc)[None, :], v_sc[None, :]
+
+        def update(k, v, visible, k_factor, v_factor, acc, m, l):
+            sc = plgpu.dot(q, k, trans_b=True) * k_factor  # f32[rows, block_k]
+            sc = jnp.where(visible, sc, _NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(sc - m_safe[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            pv = p if v_factor is None else p * v_factor  # fp8: the value scale on the probabilities (l unscaled)
+            acc = acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v)
+            return acc, m_new, l
+
+        def body(c, carry):
+            return update(*load_block(c), *carry)
+
+        head_dim = q.shape[-1]
+        acc = jnp.zeros((rows, head_dim), jnp.float32)
+        m = jnp.full((rows,), _NEG_INF, jnp.float32)
+        l = jnp.zeros((rows,), jnp.float32)
+        acc, m, l = jax.lax.fori_loop(0, n_iter, body, (acc, m, l))
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        if num_splits == 1:
+            plgpu.store(o_ref.at[q_rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=q_ok[:, None])
+        else:
+            (lse_ref,) = lse_refs
+            part_rows = ((tok * num_kv_heads + h) * num_splits + s) * group + g  # the real rows only
+            plgpu.store(o_ref.at[part_rows[:, None], cols[None, :]], out, mask=q_ok[:, None])
+            lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
+            plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
+
+    first = pl.program_id(0)
+    if rounds == 1:
+        attend(first)
+    else:  # spans p, p + programs, ...: a span that attends to nothing costs a loop step, not a program
+        def one_round(i, carry):
+            attend(first + i * programs)
+            return carry
+
+        jax.lax.fori_loop(0, rounds, one_round, 0)
 
 
 def query_rows(tokens: int, group: int) -> int:
@@ -185,10 +208,12 @@ def _decode_call(
     num_pages, page_size, _ = call.k_pages.shape
     hkv, max_blocks = call.num_kv_heads, call.max_blocks
     group = hq // hkv
+    num_spans = spans[0].shape[0]
+    programs = num_spans if tokens == 1 else min(num_spans, call.block_tables.shape[0] + 2)
     kernel = functools.partial(
         _decode_kernel, scale=call.scale, group=group, tokens=tokens, rows=query_rows(tokens, group),
-        page_size=page_size, block_k=block_k, max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits,
-        fp8=fp8,
+        programs=programs, rounds=pl.cdiv(num_spans, programs), page_size=page_size, block_k=block_k,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
@@ -200,7 +225,7 @@ def _decode_call(
     res = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(spans[0].shape[0], hkv, num_splits),
+        grid=(programs, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}{f'_rows{tokens}' if tokens > 1 else ''}"
