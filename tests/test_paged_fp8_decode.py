@@ -178,3 +178,14 @@ def test_fma_decode_refuses_bad_knobs(rng):
         decode_fma.paged_decode_fma(call, interpret=True, block_k=48)
     with pytest.raises(ValueError, match="slots must be a power of two, got 12"):
         decode_fma.paged_decode_fma(call, interpret=True, slots=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_fma_decode_fp8_grid(rng, group, page_size):
+    # the compiled kernel over fp8 pages, D=128, lengths 1..8k, at the knobs benchmarks/fp8_decode.py times
+    call, ref, v_max, _ = _fp8_case(rng, jnp.bfloat16, group=group, page_size=page_size, d=128,
+                                    ctx=(1, 15, 16, 17, 300, 1000, 4099, 8192))
+    for knobs in ({}, {"prefetch": True}, {"slots": 8}, {"num_warps": 8, "prefetch": True}, {"num_splits": 1}):
+        _check(decode_fma.paged_decode_fma(call, **knobs), ref, v_max, jnp.bfloat16)

@@ -1,5 +1,6 @@
-"""Split-KV paged decode on CUDA cores (Pallas, Triton lowering): the ``products="fma"`` path of
-:func:`kvjax.pallas.paged.decode.paged_decode`, written for fp8 pages and small GQA groups.
+"""Split-KV paged decode on CUDA cores (Pallas, Triton lowering), written for fp8 pages and small GQA groups: a
+candidate beside the tensor-core kernel of :mod:`.decode` for issue #35 (timed side by side by
+``benchmarks/fp8_decode.py``; the backend table does not choose it).
 
 Same grid, page walk, masks, scales and split outputs as the tensor-core kernel of :mod:`.decode` (one program
 per (query token, KV head, split); ``-1`` holes and invisible keys masked at the load, so never read); only the
@@ -16,8 +17,8 @@ one 16-byte vector of one key, converted to f32 in that load layout (no shared-m
   merged once, after the walk, by the same log-sum-exp rule as the splits.
 
 ``prefetch=True`` issues the next block's loads (page ids, K, V, scales) before this block's arithmetic and carries
-them in registers, a two-buffer pipeline within a program. Everything runs in f32 (the products are exact for
-e4m3 or bf16 values against bf16 q); exp2 with ``log2 e`` folded into the query.
+them in registers, a two-buffer pipeline within a program. Everything runs in f32 (the query scaled once by the
+softmax scale times ``log2 e`` for exp2); only the output is rounded to q's dtype.
 """
 
 from __future__ import annotations
