@@ -84,13 +84,13 @@ def _check(out, call):
 
 
 # (GQA group, page size, splits): rows of 1..J tokens, one empty; row 1 straddles a page boundary at 16 and 64;
-# 4 spans of padding tokens, so that programs loop over a second span
+# 4 spans of padding tokens, so that programs take a second span
 @pytest.mark.parametrize("group,page_size,num_splits", [(1, 16, 1), (4, 64, 3), (8, 16, 2), (4, 16, 1)])
 def test_row_mode_matches_reference(rng, group, page_size, num_splits):
     hkv = 2
     ctx = [3 * page_size + 9, page_size + 2, 40, 0, 2 * page_size + 30]
     call = _batch(rng, hq=group * hkv, hkv=hkv, page_size=page_size, ctx=ctx, new=[J, 4, 1, 0, 3],
-                  window=[0, page_size + 5], sinks=[0, 3], pad_tokens=4 * J - 2)  # padding spans past B + 2
+                  window=[0, page_size + 5], sinks=[0, 3], pad_tokens=4 * J - 2)  # padding spans past B
     assert decode.default_tokens_per_program(call.max_query_len) == J
     out = decode.paged_decode(call, interpret=True, num_splits=num_splits, block_k=max(page_size, 32))
     _check(out, call)
@@ -135,6 +135,9 @@ def test_spans_are_a_rows_consecutive_tokens(rng):
             else:
                 assert (n_pages[n] == 0).all()
         np.testing.assert_array_equal(seen, 1)
+        if tokens > 1:  # the used spans first: a row-mode program stops at the first empty span of its stride
+            used = s_len > 0
+            assert 0 < used.sum() < len(used) and not used[used.sum():].any()
 
 
 def test_table_sends_verification_rows_to_the_row_mode(rng):

@@ -10,9 +10,10 @@ query tiles of :func:`kvjax.pallas.paged.common.tile_map`: a row's tokens are ``
 (contiguous by the op's contract, at positions ``seq_lens[b] - n ..`` in order), cut into spans of at most J;
 so a row longer than J takes several spans and the kernel is exact for any batch, whatever the bound. The
 padding tokens before and after the rows form spans of their own that attend to nothing and write 0. The span
-count is a static bound (``ceil(T / J) + B + 2``), about twice a verification step's rows; so that the spans left
-empty cost no program, the row mode launches ``B + 2`` programs per KV head and split, each looping over the
-spans ``p, p + B + 2, ...``.
+count is a static bound (``ceil(T / J) + B + 2``), about twice a verification step's rows, and the spans that are
+used come first (``tile_map`` puts the empty ones last); so that the empty ones cost no program, the row mode
+launches ``B`` programs per KV head and split, program ``p`` taking spans ``p, p + B, ...`` up to the first
+empty one (a verification step whose rows fill ``T``: one span each).
 
 Each program walks only the virtual page list of :mod:`kvjax.pallas.paged.common` for its span's positions
 ``i0 .. i1`` and *its* KV head (sink pages + window pages), cut into ``num_splits`` equal parts; it loads only
@@ -70,7 +71,6 @@ def _decode_kernel(
     tokens: int,
     rows: int,
     programs: int,
-    rounds: int,
     page_size: int,
     block_k: int,
     max_blocks: int,
@@ -92,18 +92,11 @@ def _decode_kernel(
     j_page = j // page_size
     j_off = j % page_size
 
-    def attend(t):  # span t (>= num_spans: none) of this KV head and split
-        ragged = programs * rounds > num_spans  # the last round's programs past the last span: none
-        live = t < num_spans
-        if ragged:
-            t = jnp.minimum(t, num_spans - 1)
+    def attend(t, n_tok):  # span t of this KV head and split, its n_tok tokens
         b = row_ref[t]
-        n_tok = jnp.where(live, len_ref[t], 0) if ragged else len_ref[t]
         i0 = pos_ref[t]
         i1 = i0 + jnp.maximum(n_tok, 1) - 1  # the span's last position
         lo, n_sink, n_pages, w, sk = common.walk_at(walk, t * num_kv_heads + h, h)
-        if ragged:
-            n_pages = jnp.where(live, n_pages, 0)
 
         per_split = pl.cdiv(n_pages, num_splits)  # every walk cut into num_splits equal parts
         start = s * per_split
@@ -172,14 +165,19 @@ def _decode_kernel(
             plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
 
     first = pl.program_id(0)
-    if rounds == 1:
-        attend(first)
-    else:  # spans p, p + programs, ...: a span that attends to nothing costs a loop step, not a program
-        def one_round(i, carry):
-            attend(first + i * programs)
-            return carry
+    if programs == num_spans:  # a program per span
+        attend(first, len_ref[first])
+        return
 
-        jax.lax.fori_loop(0, rounds, one_round, 0)
+    def length(t):  # tokens of span t; 0 past the last span
+        return jnp.where(t < num_spans, len_ref[jnp.minimum(t, num_spans - 1)], 0)
+
+    def one_span(carry):  # spans p, p + programs, ... up to the first empty one: the spans left empty cost nothing
+        t, n_tok = carry
+        attend(t, n_tok)
+        return t + programs, length(t + programs)
+
+    jax.lax.while_loop(lambda carry: carry[1] > 0, one_span, (first, length(first)))
 
 
 def query_rows(tokens: int, group: int) -> int:
@@ -209,10 +207,10 @@ def _decode_call(
     hkv, max_blocks = call.num_kv_heads, call.max_blocks
     group = hq // hkv
     num_spans = spans[0].shape[0]
-    programs = num_spans if tokens == 1 else min(num_spans, call.block_tables.shape[0] + 2)
+    programs = num_spans if tokens == 1 else max(1, min(num_spans, call.block_tables.shape[0]))
     kernel = functools.partial(
         _decode_kernel, scale=call.scale, group=group, tokens=tokens, rows=query_rows(tokens, group),
-        programs=programs, rounds=pl.cdiv(num_spans, programs), page_size=page_size, block_k=block_k,
+        programs=programs, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
     if num_splits == 1:
