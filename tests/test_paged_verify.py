@@ -143,14 +143,16 @@ def test_spans_are_a_rows_consecutive_tokens(rng):
 def test_table_sends_verification_rows_to_the_row_mode(rng):
     assert paged_prefill.FEW_TOKENS <= decode.MAX_TOKENS_PER_PROGRAM  # every call it declines gets the row mode
     sds = jax.ShapeDtypeStruct
-    for b, tokens in ((1, 2), (16, J), (64, paged_prefill.FEW_TOKENS)):
+    few = paged_prefill.FEW_TOKENS
+    for b, tokens in ((1, 2), (1, J), (16, few), (64, few), (16, few + 1)):  # the last: more than FEW_TOTAL tokens
         pages = sds((b * 8 * 256, 16, 128), jnp.bfloat16)
         call = PagedAttentionCall(sds((b * tokens, 32, 128), jnp.bfloat16), pages, pages,
                                   sds((b, 8, 256), jnp.int32), sds((b,), jnp.int32), sds((b + 1,), jnp.int32),
                                   sds((8,), jnp.int32), sds((8,), jnp.int32), scale=128 ** -0.5,
                                   max_query_len=tokens)
+        want = "pallas" if tokens <= few or b * tokens <= paged_prefill.FEW_TOTAL else "prefill"
         for device in ("h100", "a100"):
-            assert attention.TABLE.choose("auto", (call,), {}, NAMED[device])[0] == "pallas"
+            assert attention.TABLE.choose("auto", (call,), {}, NAMED[device])[0] == want
         assert attention.TABLE.choose("auto", (dataclasses.replace(call, max_query_len=None),), {},
                                       NAMED["h100"])[0] == ("pallas" if tokens == 1 else "prefill")
     # and the decode kernel the table binds runs the row mode for that bound (its kernel name says so)

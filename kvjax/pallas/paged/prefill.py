@@ -257,10 +257,12 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
 
 
 # Calls with a static max_query_len (a verification step's rows) that the split-KV decode kernel takes: rows of at
-# most FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. The decode kernel holds up to
-# decode.MAX_TOKENS_PER_PROGRAM tokens of a row in one program (its row mode: each page read once per row), so
-# FEW_TOKENS stays <= that bound; set both from benchmarks/verify_attn.py's table (the row mode against this kernel).
-FEW_TOKENS = 8
+# most FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. Measured (RESULTS.md, "Speculative decoding") against
+# the one-token-per-program decode; its row mode reads a row's pages once instead of once per token in tiles no
+# larger than J one-token tiles, so it serves these calls with fewer bytes and products. The decode kernel holds up
+# to decode.MAX_TOKENS_PER_PROGRAM tokens of a row in one program, so FEW_TOKENS stays <= that bound; raise both from
+# benchmarks/verify_attn.py's table (the row mode against this kernel, not yet run on a GPU).
+FEW_TOKENS = 2
 FEW_TOTAL = 16
 
 # Defaults per K/V load path, the fastest measured at T=4096, H=32, D=128 (RESULTS.md, "Paged attention prefill").
