@@ -37,6 +37,20 @@ two like them, so a probability is never multiplied by a tiny scale before its f
 kept in units of that reference and rescaled, exactly, when it grows. The backend table takes this path for fp8
 pages where the shapes allow it (measured faster than the Triton prefill kernel over fp8 pages: RESULTS.md, "fp8
 (e4m3) pages").
+
+That is ``fp8_products="f16"`` (the default). The other products over fp8 pages run ``q K^T`` on e4m3 tensor
+cores (twice the f16 rate; wgmma takes e4m3 operands K-major, which the q tile and the K ring slot as copied are),
+so K is never converted: each q row gets a power-of-two scale ``s = 2**(floor(log2 max|q|) - 7)``
+(:func:`q_row_scales`), folded into the logits with the page's key scale. ``"e4m3_qk"``: q rounded to one e4m3
+tile (``|q - q_eff| <= 2**-4 |q| + 2**-10 s``). ``"e4m3x2_qk"``: q as two e4m3 tiles ``s (h + l)``, ``l`` the
+e4m3 rounding of the residual ``q / s - h``, two products into one accumulator (the tensor time of one f16
+product): exact for bf16 q wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), within
+``2**-10 s`` elsewhere. In both, V is converted once per slot, not once per consumer: each consumer converts its
+half of the slot (64 keys), while its ``q K^T`` product runs, into one of two shared f16 buffers used in turn,
+releases the ring slot, and waits for the other half (a barrier per buffer, one arrival per consumer) before
+``P V``; a consumer that skips the slot still converts its half. Two buffers suffice: the schedule barrier keeps
+the consumers within a step of each other, so when one writes a buffer, both have finished the products that read
+it two steps before.
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
@@ -71,15 +85,34 @@ _LOG2E = math.log2(math.e)
 _FAR = 1 << 30  # key position given to a slot half that holds no page of the walk: never visible
 SUPPORTED_PAGE_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
+_V16_BUFFERS = 2  # e4m3 q: shared f16 V buffers, used in turn (module doc)
+_Q_PARTS = {"f16": 0, "e4m3_qk": 1, "e4m3x2_qk": 2}  # e4m3 tiles that q is split into (0: f16 products)
+FP8_PRODUCTS = tuple(_Q_PARTS)  # the products over fp8 pages (module doc)
+_EXP_MASK = 0x7F800000  # an f32's exponent bits
+_Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the row's max |q|
+_TINY = 2.0 ** -100  # rows below it (zeros) get scale 2**-7
+
+
+def q_row_scales(
+    amax: jax.Array,  # f32[rows]: max |q| of each row
+) -> tuple[jax.Array, jax.Array]:  # (s, 1 / s), f32[rows] each: powers of two with amax / s in [128, 256)
+    """The e4m3 scale of each q row: ``s = 2**(floor(log2 amax) - 7)``, so ``|q| / s < 256 <= 448`` and ``q / s``
+    keeps q's bits (a power of two); exact bit arithmetic, the same in the kernel and in numpy."""
+    amax = jnp.where(amax >= _TINY, amax, 1.0)
+    bits = lax.bitcast_convert_type(amax, jnp.int32) & jnp.int32(_EXP_MASK)
+    scale_bits = bits - jnp.int32(_Q_SHIFT)
+    inv_bits = jnp.int32(254 << 23) - scale_bits
+    return lax.bitcast_convert_type(scale_bits, jnp.float32), lax.bitcast_convert_type(inv_bits, jnp.float32)
 
 
 def _kernel(
     *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
     #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile), then o_ref
-    #         [T, Hq, D] and the scratch: smem (q tiles (swizzled), q / out staging (plain rows), K ring, V ring[, f16
-    #         K/V buffer per consumer (fp8)]), full barriers (K slot loaded, V slot loaded, q staged: a slot takes
-    #         one arrival per page), free barriers (K slot free, V slot free: one arrival per consumer), the
-    #         consumer schedule barrier
+    #         [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per consumer), q / out staging
+    #         (plain rows), K ring, V ring[, f16 K/V buffer per consumer (fp8, f16 products) | two shared f16 V
+    #         buffers (e4m3 q)]), full barriers (K slot loaded, V slot loaded, q staged: a slot takes one arrival per
+    #         page), free barriers (K slot free, V slot free: one arrival per consumer), the consumer schedule
+    #         barrier[, V buffer converted (e4m3 q: one arrival per consumer)]
     scale: float,
     group: int,
     page_size: int,
@@ -87,11 +120,12 @@ def _kernel(
     num_kv_heads: int,
     stages: int,
     fp8: bool,
+    q_parts: int,
     interpret: bool,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, rest = common.kernel_refs(refs, num_spans=4)
     tile_row_ref, tile_tok_ref, tile_len_ref, tile_pos_ref = tile_refs
-    o_ref, smem, full_barriers, free_barriers, sched = rest
+    o_ref, smem, full_barriers, free_barriers, sched, *v_conv = rest
     q_smem, io_smem, k_smem, v_smem, *kv16_smem = smem
     k_full, v_full, q_full = full_barriers
     k_free, v_free = free_barriers
@@ -109,9 +143,10 @@ def _kernel(
     bt_base = (b * num_kv_heads + kvh) * max_blocks
     num_tokens = q_ref.shape[0]
     head_dim = q_smem.shape[-1]
-    dtype = q_smem.dtype  # the products' operands: q's dtype, f16 over fp8 pages
+    dtype = jnp.float16 if fp8 else q_smem.dtype  # the f16 products' operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
+    qk8 = q_parts > 0  # q K^T on e4m3 tensor cores, q as the sum of q_parts e4m3 tiles
     n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
 
     def page_at(s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
@@ -138,16 +173,36 @@ def _kernel(
         pb = pa + n_rows - 1
         stage = io_smem.at[wg]
 
-        @pl.when(n_rows > 0)
-        def _():  # q rows at any offset: a plain-row TMA copy, then swizzled for wgmma through registers
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+        def load_q():  # q rows at any offset: a plain-row TMA copy, then swizzled for wgmma through registers
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), head], stage, q_full.at[wg])
             plgpu.barrier_wait(q_full.at[wg])
             if interpret:
-                q_smem.at[wg][...] = stage[...].astype(dtype)
+                q_rows = stage[...]
             else:
                 q_rows = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
+            if qk8:  # e4m3 tiles q = s (h + l): h = e4m3(q / s), l = e4m3(q / s - h) (q_parts 2); s per row
+                x = q_rows.astype(jnp.float32)
+                q_scale, inv = q_row_scales(jnp.abs(x).max(axis=1))
+                y = x * lax.broadcast_in_dim(inv, x.shape, [0])
+                for part in range(q_parts):
+                    h = y.astype(FP8_DTYPE)
+                    q_smem.at[wg * q_parts + part][...] = h
+                    if part + 1 < q_parts:
+                        y = y - h.astype(jnp.float32)
+            else:
                 q_smem.at[wg][...] = q_rows if dtype == out_dtype else q_rows.astype(jnp.float32).astype(dtype)
+                q_scale = None
+            if not interpret:
                 plgpu.commit_smem()
+            return q_scale
+
+        if qk8:  # the row scales of q, carried in registers (1 for a warpgroup without tokens: never used)
+            q_scale = lax.cond(n_rows > 0, load_q,
+                               lambda: cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32), row_layout, interpret))
+        else:
+            pl.when(n_rows > 0)(load_q)
 
         qpos = (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret)  # position of each box row
         kcol = iota((BLOCK_Q, BLOCK_K), 1, interpret)
@@ -163,6 +218,19 @@ def _kernel(
                 return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
             return jnp.where(kcol < page_size, values[0], values[1])
 
+        def convert_v_half(slot, buf):  # qk8: this consumer's half of the V slot as f16 into shared buffer buf
+            plgpu.barrier_wait(v_full.at[slot])
+            keys = pl.ds(pl.multiple_of(wg * BLOCK_Q, BLOCK_Q), BLOCK_Q)
+            src, dst = v_smem.at[slot, keys], kv16_smem[0].at[buf, keys]
+            if interpret:
+                dst[...] = src[...].astype(dtype)
+            else:
+                x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                dst[...] = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(v_conv[0].at[buf])
+
         def converted(ring, slot):  # fp8: the slot as f16 in this consumer's buffer (the ring slot is then free)
             buf = kv16_smem[0].at[wg]
             if interpret:
@@ -175,6 +243,7 @@ def _kernel(
 
         def step(j, carry):
             slot = lax.rem(j, jnp.int32(stages))
+            buf = lax.rem(j, jnp.int32(_V16_BUFFERS))
             k0s, needs, fulls, pages = [], [], [], []
             for i in range(per_slot):
                 k0, page = page_at(j * per_slot + i)
@@ -190,24 +259,36 @@ def _kernel(
             def compute(carry):
                 acc, m_i, l_i, *v_ref = carry
                 k_op = k_smem.at[slot]
-                if fp8:
+                if fp8 and not qk8:
                     k_op = converted(k_smem, slot)
                     plgpu.barrier_arrive(k_free.at[slot])
 
-                def qk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_op, (1, 0)))
+                def qk_product(acc_ref):  # qk8: e4m3 x e4m3 straight from the ring; V converted meanwhile
+                    for part in range(max(q_parts, 1)):
+                        plgpu.wgmma(acc_ref, q_smem.at[wg * max(q_parts, 1) + part], plgpu.transpose_ref(k_op, (1, 0)))
+                    if qk8:
+                        convert_v_half(slot, buf)
                     sync_schedule()
                     return acc_ref[...]
 
                 if interpret:  # the interpreter has no transposed wgmma operand: the same product in jnp
-                    qk = jnp.dot(q_smem[wg], k_op[...].T, preferred_element_type=jnp.float32)
+                    if qk8:
+                        q_rows = sum(q_smem[wg * q_parts + part].astype(jnp.float32) for part in range(q_parts))
+                        qk = jnp.dot(q_rows, k_op[...].astype(jnp.float32).T, preferred_element_type=jnp.float32)
+                    else:
+                        qk = jnp.dot(q_smem[wg], k_op[...].T, preferred_element_type=jnp.float32)
+                    if qk8:
+                        convert_v_half(slot, buf)
                     sync_schedule()
                 else:
                     qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
-                if fp8:
-                    qk = qk * per_column([page_scale(ks_ref, page) for page in pages])
-                else:
+                if qk8 or not fp8:
                     plgpu.barrier_arrive(k_free.at[slot])
+                if qk8:  # q's row scale times the key column's page scale
+                    rows = [lax.broadcast_in_dim(q_scale * page_scale(ks_ref, page), qk.shape, [0]) for page in pages]
+                    qk = qk * (rows[0] if per_slot == 1 else jnp.where(kcol < page_size, rows[0], rows[1]))
+                elif fp8:
+                    qk = qk * per_column([page_scale(ks_ref, page) for page in pages])
 
                 def mask(x):
                     kpos = kcol + k0s[0]
@@ -233,9 +314,13 @@ def _kernel(
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
                 plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_full.at[slot])
-                v_op = v_smem.at[slot]
-                if fp8:
+                if qk8:  # both halves converted
+                    plgpu.barrier_wait(v_conv[0].at[buf])
+                    v_op = kv16_smem[0].at[buf]
+                else:
+                    plgpu.barrier_wait(v_full.at[slot])
+                    v_op = v_smem.at[slot]
+                if fp8 and not qk8:
                     v_op = converted(v_smem, slot)
                     plgpu.barrier_arrive(v_free.at[slot])
                 plgpu.barrier_wait(sched)
@@ -253,18 +338,20 @@ def _kernel(
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i, *v_ref
 
-            def skip(carry):
+            def skip(carry):  # qk8: the other consumer may need the slot: this one still converts its half
                 plgpu.barrier_arrive(k_free.at[slot])
+                if qk8:
+                    convert_v_half(slot, buf)
                 sync_schedule()
-                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(v_conv[0].at[buf] if qk8 else v_full.at[slot])
                 sync_schedule()
                 wait_next_k(j)
-                plgpu.barrier_arrive(v_free.at[slot])
+                if not qk8:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return carry
 
             return lax.cond(needed, compute, skip, carry)
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
         m_i = cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout, interpret)
         l_i = cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), row_layout, interpret)
         acc = cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
@@ -353,18 +440,22 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     return shape_reason(call)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "fp8_products", "interpret"))
 def paged_prefill_mgpu(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
     stages: int | None = None,
+    fp8_products: str = "f16",
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
     finite values, see the module doc). fp8 pages read as ``page * scale`` (products in f16, module doc).
-    ``stages``: shared-memory slots of 128 keys (default 2). ``interpret`` runs the Mosaic GPU interpreter on the
-    CPU. Reads only; tokens of no row get 0. ``ValueError`` for what :func:`shape_reason` rejects.
+    ``stages``: shared-memory slots of 128 keys (default 2). ``fp8_products`` (fp8 pages only, module doc):
+    ``"f16"`` (each consumer converts K and V to f16), ``"e4m3_qk"`` (q rounded to e4m3 per row, ``q K^T`` on e4m3
+    tensor cores, V converted once per slot) or ``"e4m3x2_qk"`` (the same with q as two e4m3 tiles).
+    ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError``
+    for what :func:`shape_reason` rejects and for an unknown ``fp8_products``.
     """
     q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
@@ -376,6 +467,9 @@ def paged_prefill_mgpu(
     stages = stages or 2
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
+    if fp8_products not in FP8_PRODUCTS:
+        raise ValueError(f"fp8_products must be one of {FP8_PRODUCTS}, got {fp8_products!r}")
+    q_parts = _Q_PARTS[fp8_products] if fp8 else 0
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
     dtype = jnp.float16 if fp8 else q.dtype  # the products' operands
@@ -383,13 +477,19 @@ def paged_prefill_mgpu(
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
     ring = (plgpu.TilingTransform((8, ring_swizzle // k_pages.dtype.itemsize)), plgpu.SwizzleTransform(ring_swizzle))
     per_slot = BLOCK_K // page_size
+    if q_parts:  # e4m3 q tiles; f16 V buffers shared by the consumers
+        q_tiles = plgpu.SMEM((_CONSUMERS * q_parts, BLOCK_Q, d), FP8_DTYPE, transforms=ring)
+        kv16 = [plgpu.SMEM((_V16_BUFFERS, BLOCK_K, d), dtype, transforms=tiled)]
+    else:  # fp8: a converted K / V buffer per consumer
+        q_tiles = plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), dtype, transforms=tiled)
+        kv16 = [plgpu.SMEM((_CONSUMERS, BLOCK_K, d), dtype, transforms=tiled)] if fp8 else []
     scratch = (
         (
-            plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), dtype, transforms=tiled),
+            q_tiles,
             plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), q.dtype),  # plain rows: TMA copies at any row offset
             plgpu.SMEM((stages, BLOCK_K, d), k_pages.dtype, transforms=ring),
             plgpu.SMEM((stages, BLOCK_K, d), k_pages.dtype, transforms=ring),
-            *([plgpu.SMEM((_CONSUMERS, BLOCK_K, d), dtype, transforms=tiled)] if fp8 else []),  # converted K / V
+            *kv16,
         ),
         (
             plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
@@ -398,10 +498,11 @@ def paged_prefill_mgpu(
         ),
         (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=_CONSUMERS),
+        *([plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_V16_BUFFERS)] if q_parts else []),  # V converted
     )
     kernel = functools.partial(
         _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
-        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, interpret=interpret,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, interpret=interpret,
     )
     q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
     out = plgpu.kernel(
