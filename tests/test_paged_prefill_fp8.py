@@ -20,6 +20,7 @@ head's walk whose page is poisoned with NaN, finite but large tails, one page 8x
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,6 +149,30 @@ def test_prefill_e4m3_qk_interpret(rng, page_size, mode, case):
     args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], d=64, loud=(0, 2), **case)
     out = prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), fp8_products=mode, interpret=True)
     _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(case["ctx"]))
+
+
+@pytest.mark.parametrize("mode", list(E4M3_MODES))
+def test_e4m3_qk_lowers_for_cuda(mode):
+    # the compiled path without a GPU: e4m3 wgmma operands (the q tiles, the K ring slot), the q split and its
+    # bit-arithmetic row scales in register layouts, V halves converted at a dynamic row offset; pages of 64 and 128,
+    # head_dim 128 and 64 (64-byte swizzle), 3 stages
+    from jax import export
+
+    from kvjax.ops.attention import PagedAttentionCall, check_call
+
+    sds = jax.ShapeDtypeStruct
+    for page_size, d, stages in [(64, 128, 2), (128, 128, 3), (64, 64, 2)]:
+        def fn(q, kp, vp, bt, sl, cu, ks, vs, window, sinks, stages=stages):
+            call = check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, window=window, sinks=sinks, k_scale=ks,
+                                                 v_scale=vs))
+            return prefill_mgpu.paged_prefill_mgpu(call, fp8_products=mode, stages=stages)
+
+        pages = sds((64, page_size, d), FP8_DTYPE)
+        args = (sds((512, 4, d), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
+                sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32), sds((2,), jnp.int32),
+                sds((2,), jnp.int32))
+        module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu" in module and "e4m3.e4m3" in module  # the e4m3 x e4m3 wgmma
 
 
 def test_fp8_products_checked(rng):
