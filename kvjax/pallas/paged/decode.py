@@ -201,11 +201,8 @@ def _decode_call(
     fp8: bool,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
-    q = call.q
-    t_total, hq, d = q.shape
-    num_pages, page_size, _ = call.k_pages.shape
-    hkv, max_blocks = call.num_kv_heads, call.max_blocks
-    group = hq // hkv
+    page_size, hkv, max_blocks = call.page_size, call.num_kv_heads, call.max_blocks
+    group = call.q.shape[1] // hkv
     num_spans = spans[0].shape[0]
     programs = num_spans if tokens == 1 else max(1, min(num_spans, call.block_tables.shape[0]))
     kernel = functools.partial(
@@ -213,28 +210,48 @@ def _decode_call(
         programs=programs, page_size=page_size, block_k=block_k,
         max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
     )
-    if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
-    else:
-        n_part = t_total * hkv * num_splits * group
-        out_shape = (jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32))
-    kv = (q.reshape(t_total * hq, d), call.k_pages.reshape(num_pages * page_size, d),
-          call.v_pages.reshape(num_pages * page_size, d), k_scale, v_scale)
     res = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=split_outputs(call, num_splits),
         grid=(programs, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}{f'_rows{tokens}' if tokens > 1 else ''}"
              f"_s{num_splits}_bk{block_k}",
-    )(*common.operands(call, kv, spans, walks))
+    )(*common.operands(call, flat_operands(call, k_scale, v_scale), spans, walks))
+    return merged(call, res, num_splits)
+
+
+def flat_operands(call, k_scale: jax.Array, v_scale: jax.Array) -> tuple[jax.Array, ...]:
+    """The decode kernels' data operands: q ``[T*Hq, D]``, K and V pages ``[P*page_size, D]`` and the two scales
+    (f32[P], or f32[1] unread for float pages)."""
+    t_total, hq, d = call.q.shape
+    rows = call.k_pages.shape[0] * call.page_size
+    return (call.q.reshape(t_total * hq, d), call.k_pages.reshape(rows, d), call.v_pages.reshape(rows, d), k_scale,
+            v_scale)
+
+
+def split_outputs(call, num_splits: int):
+    """The decode kernels' outputs: ``[T*Hq, D]`` in q's dtype (one split), else the partial outputs
+    ``f32[T*Hkv*S*G, D]`` and their log-sum-exps ``f32[T*Hkv*S*G]``."""
+    t_total, hq, d = call.q.shape
+    if num_splits == 1:
+        return jax.ShapeDtypeStruct((t_total * hq, d), call.q.dtype)
+    n_part = t_total * hq * num_splits
+    return jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32)
+
+
+def merged(call, res, num_splits: int) -> jax.Array:  # [T, Hq, D] in q's dtype
+    """The attention output from what a decode kernel wrote (:func:`split_outputs`): the splits merged by
+    :func:`kvjax.pallas.split_kv.merge_splits`."""
+    t_total, hq, d = call.q.shape
     if num_splits == 1:
         return res.reshape(t_total, hq, d)
+    hkv = call.num_kv_heads
     o_part, lse = res
-    o_part = o_part.reshape(t_total, hkv, num_splits, group, d)
-    lse = lse.reshape(t_total, hkv, num_splits, group)
-    return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
+    o_part = o_part.reshape(t_total, hkv, num_splits, hq // hkv, d)
+    lse = lse.reshape(t_total, hkv, num_splits, hq // hkv)
+    return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(call.q.dtype)
 
 
 def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall

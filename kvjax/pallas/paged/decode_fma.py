@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kvjax.base.device import is_pow2
 from kvjax.pallas.paged import common, decode
-from kvjax.pallas.split_kv import LN2, LOG2E, merge_splits
+from kvjax.pallas.split_kv import LN2, LOG2E
 
 _NEG_INF = float("-inf")
 _VECTOR_BYTES = 16  # one 128-bit load a thread and sub-block
@@ -175,37 +175,23 @@ def _fma_call(
     fp8: bool,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
-    q = call.q
-    t_total, hq, d = q.shape
-    num_pages, page_size, _ = call.k_pages.shape
-    hkv = call.num_kv_heads
+    t_total, hq, _ = call.q.shape
+    page_size, hkv = call.page_size, call.num_kv_heads
     group = hq // hkv
     kernel = functools.partial(
         _fma_kernel, scale=call.scale, group=group, slots=slots, n_sub=block_k // slots, page_size=page_size,
         max_blocks=call.max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8, prefetch=prefetch,
     )
-    if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((t_total * hq, d), q.dtype)
-    else:
-        n_part = t_total * hkv * num_splits * group
-        out_shape = (jax.ShapeDtypeStruct((n_part, d), jnp.float32), jax.ShapeDtypeStruct((n_part,), jnp.float32))
-    kv = (q.reshape(t_total * hq, d), call.k_pages.reshape(num_pages * page_size, d),
-          call.v_pages.reshape(num_pages * page_size, d), k_scale, v_scale)
     res = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=decode.split_outputs(call, num_splits),
         grid=(t_total, hkv, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_decode_fma{'_fp8' if fp8 else ''}_s{num_splits}_bk{block_k}_r{slots}"
              f"{'_pf' if prefetch else ''}",
-    )(*common.operands(call, kv, spans, walks))
-    if num_splits == 1:
-        return res.reshape(t_total, hq, d)
-    o_part, lse = res
-    o_part = o_part.reshape(t_total, hkv, num_splits, group, d)
-    lse = lse.reshape(t_total, hkv, num_splits, group)
-    return merge_splits(o_part, lse, axis=2).reshape(t_total, hq, d).astype(q.dtype)
+    )(*common.operands(call, decode.flat_operands(call, k_scale, v_scale), spans, walks))
+    return decode.merged(call, res, num_splits)
 
 
 def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
