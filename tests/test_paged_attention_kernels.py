@@ -9,8 +9,8 @@ prefill load paths), lengths 1..8k.
 
 fp8 pages (float8_e4m3fn, one power-of-two f32 scale per page): the same batches quantised page by page, NaN pages
 keeping a NaN scale, so a kernel that reads a scale it must not read fails too. Kernel and reference read the same
-fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`_fp8_bound`); the Mosaic
-GPU prefill kernel's fp8 path (f16 products) with its own rounding of the probabilities in the bound.
+fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`helpers.paged.fp8_bound`);
+the Mosaic GPU prefill kernel's fp8 path (f16 products) with its own rounding of the probabilities in the bound.
 """
 
 from __future__ import annotations
@@ -22,168 +22,36 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.paged import (P_ROUND_F16, build_batch, check_fp8, checked_call, quantise_pages, reference_f32,
+                           reference_fp8, rel_err)
 from kvjax.base.device import NAMED
-from kvjax.base.fp8 import FP8_DTYPE, pow2_scale
+from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.errors import UnknownImplError
 from kvjax.ops import attention
-from kvjax.ops.attention import PagedAttentionCall, check_call, paged_attention_reference
+from kvjax.ops.attention import PagedAttentionCall
 from kvjax.pallas.paged import common as paged_common
 from kvjax.pallas.paged import decode
 from kvjax.pallas.paged import prefill as paged_prefill
 
 
-def _build(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jnp.float32, extra_tokens=2,
-           tail_fill=np.nan):
-    """Random ragged batch over a permuted page pool with holes and NaN poison where nothing may read.
-
-    ``tail_fill``: the unwritten tail of every row's last page (NaN, or a large finite value for a kernel that
-    may read the tail but must give its keys zero weight).
-    """
-    ctx = np.asarray(ctx, np.int32)
-    new = np.asarray(new, np.int32)
-    window = np.asarray(window, np.int32)
-    sinks = np.asarray(sinks, np.int32)
-    num_rows = len(ctx)
-    max_blocks = int(max(1, (ctx.max() + page_size - 1) // page_size)) + 1
-    num_pages = num_rows * hkv * max_blocks + 3
-    perm = rng.permutation(num_pages)
-    k = rng.standard_normal((num_pages, page_size, d)).astype(np.float32)
-    v = rng.standard_normal((num_pages, page_size, d)).astype(np.float32)
-    used = np.zeros(num_pages, bool)
-    table = np.full((num_rows, hkv, max_blocks), -1, np.int32)
-    nxt = 0
-    for b in range(num_rows):
-        n_blocks = (int(ctx[b]) + page_size - 1) // page_size
-        first_q = int(ctx[b]) - int(new[b])
-        for h in range(hkv):
-            for p in range(n_blocks):
-                page = perm[nxt]
-                nxt += 1
-                table[b, h, p] = page
-                used[page] = True
-                tail = int(ctx[b]) - p * page_size
-                if tail < page_size:
-                    k[page, tail:] = tail_fill
-                    v[page, tail:] = tail_fill
-                dead = window[h] > 0 and (p + 1) * page_size <= first_q - window[h] + 1 and p * page_size >= sinks[h]
-                if dead:
-                    if rng.random() < 0.5:
-                        table[b, h, p] = -1  # recycled
-                        used[page] = False
-                    else:
-                        k[page] = np.nan  # still listed, but a kernel must not visit it
-                        v[page] = np.nan
-    k[~used] = np.nan
-    v[~used] = np.nan
-    total = int(new.sum()) + extra_tokens
-    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    q = rng.standard_normal((total, hq, d)).astype(np.float32)
-    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), jnp.asarray(ctx))
-    kwargs = dict(cu_seqlens=jnp.asarray(cu), scale=float(d) ** -0.5, window=jnp.asarray(window),
-                  sinks=jnp.asarray(sinks))
-    return args, kwargs
-
-
-def _call(args, kwargs, scales=None) -> PagedAttentionCall:
-    """The checked call of the batch ``args, kwargs`` (fp8 pages: with ``scales``), as the op hands it down."""
-    return check_call(PagedAttentionCall(*args, **kwargs, **(scales or {})))
-
-
-def _ref(args, kwargs):
-    q, k, v, table, ctx = args
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return paged_attention_reference(_call((f32(q), f32(k), f32(v), table, ctx), kwargs))
-
-
-def _fp8(args):
-    """The batch of ``args`` over fp8 pages: ``(q, k8, v8, table, ctx)`` and ``dict(k_scale=, v_scale=)``.
-
-    Each page is quantised with its power-of-two scale (:func:`kvjax.base.fp8.pow2_scale` of its finite max, as
-    the cache write does); NaN stays NaN (an unwritten tail), and a page that is all NaN (unused, or below a window)
-    gets scale NaN: reading its scale would poison the output.
-    """
-    q, k, v, table, ctx = args
-
-    def quantise(x):
-        x = np.asarray(x, np.float32)
-        amax = np.where(np.isnan(x), 0.0, np.abs(x)).max(axis=(1, 2))  # f32[P]
-        s = np.asarray(pow2_scale(jnp.asarray(amax)))
-        page = jnp.asarray(x / np.where(s > 0, s, 1.0)[:, None, None]).astype(FP8_DTYPE)
-        return page, jnp.asarray(np.where(np.isnan(x).all(axis=(1, 2)), np.nan, s), jnp.float32)
-
-    (k8, k_scale), (v8, v_scale) = quantise(k), quantise(v)
-    return (q, k8, v8, table, ctx), dict(k_scale=k_scale, v_scale=v_scale)
-
-
-def _ref_fp8(args, scales, kwargs):
-    """The float32 reference over the fp8 pages (it dequantises them) and, for :func:`_fp8_bound`, the same
-    attention of ``|v|``."""
-    q, k8, v8, table, ctx = args
-    ref = paged_attention_reference(_call((q.astype(jnp.float32), k8, v8, table, ctx), kwargs, scales))
-    k = k8.astype(jnp.float32) * scales["k_scale"][:, None, None]
-    v = v8.astype(jnp.float32) * scales["v_scale"][:, None, None]
-    abs_v = paged_attention_reference(_call((q.astype(jnp.float32), k, jnp.abs(v), table, ctx), kwargs))
-    return np.asarray(ref), np.asarray(abs_v), float(np.nanmax(np.abs(np.asarray(v))))
-
-
-def _fp8_bound(ref, abs_v, v_max, dtype, p_round=None, n_keys=0):
-    """Per-element bound on ``|kernel - reference|`` over the same fp8 pages.
-
-    Both read identical values: an e4m3 value is exact in bf16 / f16 / f32, the scales are powers of two (the key
-    scale times the softmax scale and the value scale times a probability are exact), and bf16 x bf16 products are
-    exact in the f32 accumulator. What a bf16 kernel rounds is each probability (``p * s_v`` to bf16, relative
-    ``u = 2**-8``: an output error of at most ``u sum p |v| / sum p``, ``abs_v``) and the output itself (``u |o|``).
-    ``2**-12 max|v|`` covers f32 summation order and exp2 against exp. An f32 kernel rounds nothing of the kind:
-    only that last term.
-
-    ``p_round = (rel, sub)`` (the Mosaic GPU prefill kernel's fp8 path, :data:`_P_ROUND_F16`): each probability is
-    rounded to relative ``rel``, and by at most ``sub max|v|`` absolute per key where it falls below its type's
-    normal range (``n_keys`` keys at most; ``sum p >= 1``); the output is still rounded to q's dtype."""
-    u = 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0
-    rel, sub = (u, 0.0) if p_round is None else p_round
-    return rel * abs_v + u * np.abs(ref) + (2.0 ** -12 + n_keys * sub) * v_max
-
-
-# (relative rounding of a probability, absolute rounding per key in units of max|v|) of the Mosaic GPU prefill
-# kernel's fp8 path: it casts ``p * s_v / s_ref`` (``s_ref``: the largest value scale so far, a power of two with
-# ``448 s_ref < 2 max|v|``) to f16 (half an ulp 2**-11; below 2**-14 spacing 2**-24: 2**-25 * 448 s_ref < 2**-24
-# max|v|).
-_P_ROUND_F16 = (2.0 ** -11, 2.0 ** -24)
-
-
-def _check_fp8(out, ref, abs_v, v_max, dtype, **bound):
-    out = np.asarray(out, np.float32)
-    assert np.isfinite(out).all(), "kernel output has NaN/inf"
-    err = np.abs(out - ref)
-    bound = _fp8_bound(ref, abs_v, v_max, dtype, **bound)
-    assert (err <= bound).all(), (float(err.max()), float((err - bound).max()))
-
-
-def _rel_err(out, ref):
-    out = np.asarray(out, np.float32)
-    ref = np.asarray(ref, np.float32)
-    assert np.isfinite(out).all(), "kernel output has NaN/inf"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 # ---------------------------------------------------------------- CPU (interpret mode)
 
 def test_decode_interpret_matches_reference(rng):
-    args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[1, 1, 1, 1],
-                      window=[0, 20], sinks=[0, 4])
-    ref = _ref(args, kw)
+    args, kw = build_batch(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[1, 1, 1, 1],
+                           window=[0, 20], sinks=[0, 4])
+    ref = reference_f32(args, kw)
     for splits, block_k in ((1, 32), (3, 16)):
-        out = decode.paged_decode(_call(args, kw), interpret=True, num_splits=splits, block_k=block_k)
+        out = decode.paged_decode(checked_call(args, kw), interpret=True, num_splits=splits, block_k=block_k)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0  # padding tokens
 
 
 def test_few_token_rows_equal_the_reference_through_the_op(rng):
     # a verification step's batch (rows of 1..5 new tokens, max_query_len=5) through the op's decode kernel
-    args, kw = _build(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[5, 1, 3, 2],
-                      window=[0, 20], sinks=[0, 4])
+    args, kw = build_batch(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[40, 70, 5, 33], new=[5, 1, 3, 2],
+                           window=[0, 20], sinks=[0, 4])
     out = attention.paged_attention(*args, **kw, max_query_len=5, impl="pallas:interpret")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(_ref(args, kw)), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_f32(args, kw)), atol=2e-5, rtol=2e-5)
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="max_query_len must be None or a positive Python int"):
             attention.paged_attention(*args, **kw, max_query_len=bad)
@@ -191,13 +59,13 @@ def test_few_token_rows_equal_the_reference_through_the_op(rng):
 
 def test_prefill_interpret_mixed_batch(rng):
     # chunked prefill with a cached prefix, pure prefill, decode rows, an empty padding row, GQA 2.
-    args, kw = _build(rng, hq=4, hkv=2, d=32, page_size=8, ctx=[45, 13, 30, 9, 0], new=[19, 13, 1, 1, 0],
-                      window=[11, 0], sinks=[3, 0])
-    ref = _ref(args, kw)
-    out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=32, block_k=16)
+    args, kw = build_batch(rng, hq=4, hkv=2, d=32, page_size=8, ctx=[45, 13, 30, 9, 0], new=[19, 13, 1, 1, 0],
+                           window=[11, 0], sinks=[3, 0])
+    ref = reference_f32(args, kw)
+    out = paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, block_q=32, block_k=16)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     # the per-token decode kernel is exact on any batch too
-    out_d = decode.paged_decode(_call(args, kw), interpret=True, block_k=16, num_splits=2)
+    out_d = decode.paged_decode(checked_call(args, kw), interpret=True, block_k=16, num_splits=2)
     np.testing.assert_allclose(np.asarray(out_d), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
@@ -206,8 +74,8 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
     # both K/V load paths, 2 pages per key block (2 sub-products per block in "page" mode), windows and sinks,
     # GQA 2, split or fused loop over the masked / unmasked key blocks; holes inside
     # the walk of a full head (poisoned with NaN, in an unmasked middle block), recycled pages below a window.
-    args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=8, ctx=[61, 24, 90, 9, 0], new=[21, 24, 3, 1, 0],
-                      window=[0, 13], sinks=[0, 5])
+    args, kw = build_batch(rng, hq=4, hkv=2, d=16, page_size=8, ctx=[61, 24, 90, 9, 0], new=[21, 24, 3, 1, 0],
+                           window=[0, 13], sinks=[0, 5])
     q, k, v, table, ctx = args
     table = np.asarray(table).copy()
     for b, col in ((0, 2), (2, 5)):  # full head 0: tile positions 40.. see columns 0..3 unmasked
@@ -216,29 +84,29 @@ def test_prefill_interpret_kv_load_modes(rng, kv_load):
         table[b, 0, col] = -1
     assert (table[:3, 1, 1:9] == -1).any()  # some dead window pages were recycled
     args = (q, k, v, jnp.asarray(table), ctx)
-    ref = _ref(args, kw)
+    ref = reference_f32(args, kw)
     assert np.isfinite(np.asarray(ref)).all()
     for fused_loop in (False, True):
-        out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=16, block_k=16, kv_load=kv_load,
-                                          fused_loop=fused_loop)
+        out = paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, block_q=16, block_k=16,
+                                          kv_load=kv_load, fused_loop=fused_loop)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     if kv_load == "page":  # page ids one step ahead, 2 pages per key block
-        out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=16, block_k=16, kv_load=kv_load,
-                                          page_ids="carry")
+        out = paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, block_q=16, block_k=16,
+                                          kv_load=kv_load, page_ids="carry")
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="kv_load"):
-        paged_prefill.paged_prefill(_call(args, kw), interpret=True, kv_load="tma")
+        paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, kv_load="tma")
     with pytest.raises(ValueError, match="page_ids"):
-        paged_prefill.paged_prefill(_call(args, kw), interpret=True, kv_load="gather", page_ids="carry")
+        paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, kv_load="gather", page_ids="carry")
 
 
 def test_prefill_interpret_page_128(rng):
     # 128-token pages, block_k = page_size (one contiguous [128, D] load per step), a window straddling pages
-    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=128, ctx=[300, 140], new=[45, 140], window=[150],
-                      sinks=[4])
-    ref = _ref(args, kw)
+    args, kw = build_batch(rng, hq=2, hkv=1, d=16, page_size=128, ctx=[300, 140], new=[45, 140], window=[150],
+                           sinks=[4])
+    ref = reference_f32(args, kw)
     for cfg in (dict(), dict(page_ids="load", fused_loop=False)):  # default: ids one step ahead
-        out = paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=64, **cfg)
+        out = paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, block_q=64, **cfg)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
     assert float(jnp.abs(out[-2:]).max()) == 0.0
 
@@ -251,20 +119,20 @@ def test_prefill_mosaic_interpret(rng):
     # poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
     from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
-    args, kw = _build(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
-                      window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
+                           window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
     q, k, v, table, ctx = args
     table = np.asarray(table).copy()
     k = k.at[table[0, 0, 1]].set(jnp.nan)
     v = v.at[table[0, 0, 1]].set(jnp.nan)
     table[0, 0, 1] = -1
     args = (q, k, v, jnp.asarray(table), ctx)
-    ref = _ref(args, kw)
-    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw), interpret=True), np.float32)
-    assert _rel_err(out, ref) <= 1e-2
+    ref = reference_f32(args, kw)
+    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True), np.float32)
+    assert rel_err(out, ref) <= 1e-2
     assert np.all(out[-2:] == 0)  # tokens of no row
     with pytest.raises(ValueError, match="page_size"):
-        small_pages = dataclasses.replace(_call(args, kw), k_pages=k[:, :32], v_pages=v[:, :32])
+        small_pages = dataclasses.replace(checked_call(args, kw), k_pages=k[:, :32], v_pages=v[:, :32])
         paged_prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
 
 
@@ -278,17 +146,17 @@ def test_prefill_mosaic_interpret_fp8_pages(rng):
     from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
     ctx = [200, 9, 0]
-    args, kw = _build(rng, hq=2, hkv=2, d=64, page_size=64, ctx=ctx, new=[70, 1, 0], window=[0, 70], sinks=[0, 4],
-                      dtype=jnp.bfloat16, tail_fill=300.0)
+    args, kw = build_batch(rng, hq=2, hkv=2, d=64, page_size=64, ctx=ctx, new=[70, 1, 0], window=[0, 70], sinks=[0, 4],
+                           dtype=jnp.bfloat16, tail_fill=300.0)
     q, k, v, table, seq_lens = args
     table = np.asarray(table).copy()
     k = k.at[table[0, 0, 1]].set(jnp.nan)
     v = v.at[table[0, 0, 1]].set(jnp.nan).at[table[0, 0, 3]].multiply(8.0)
     table[0, 0, 1] = -1
-    args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
-    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
-    out = paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), interpret=True)
-    _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(MOSAIC_CTX))
+    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
+    ref, abs_v, v_max = reference_fp8(args, scales, kw)
+    out = paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), interpret=True)
+    check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_F16, n_keys=max(MOSAIC_CTX))
     assert np.all(np.asarray(out[-2:], np.float32) == 0)  # tokens of no row
 
 
@@ -296,41 +164,41 @@ def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
     # with fewer XLA CPU threads than warpgroups + 1 the interpreter can deadlock: a clear error instead
     from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
 
-    args, kw = _build(rng, hq=2, hkv=1, d=64, page_size=64, ctx=[3], new=[3], window=[0], sinks=[0],
-                      dtype=jnp.bfloat16)
+    args, kw = build_batch(rng, hq=2, hkv=1, d=64, page_size=64, ctx=[3], new=[3], window=[0], sinks=[0],
+                           dtype=jnp.bfloat16)
     monkeypatch.setenv("NPROC", "2")
     with pytest.raises(RuntimeError, match="NPROC=8"):
-        paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw), interpret=True)
+        paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True)
 
 
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):
     # tokens before cu_seqlens[0] and after cu_seqlens[-1] belong to no row: the prefill kernel itself writes
     # their zeros (no select afterwards), even when their queries are NaN
-    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=8, ctx=[29, 12], new=[11, 12], window=[0], sinks=[0],
-                      extra_tokens=0)
+    args, kw = build_batch(rng, hq=2, hkv=1, d=16, page_size=8, ctx=[29, 12], new=[11, 12], window=[0], sinks=[0],
+                           extra_tokens=0)
     q, k, v, table, ctx = args
     pad_front, pad_back = 3, 21
     nan = jnp.full((pad_front, 2, 16), jnp.nan, q.dtype)
     q = jnp.concatenate([nan, q, jnp.full((pad_back, 2, 16), jnp.nan, q.dtype)])
     kw = dict(kw, cu_seqlens=kw["cu_seqlens"] + pad_front)
     args = (q, k, v, table, ctx)
-    out = np.asarray(paged_prefill.paged_prefill(_call(args, kw), interpret=True, block_q=16, block_k=16))
-    ref = np.asarray(_ref(args, kw))
+    out = np.asarray(paged_prefill.paged_prefill(checked_call(args, kw), interpret=True, block_q=16, block_k=16))
+    ref = np.asarray(reference_f32(args, kw))
     assert np.all(out[:pad_front] == 0) and np.all(out[-pad_back:] == 0)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_empty_splits_and_single_token_never_nan(rng):
     # far more splits than pages: most splits are empty; a 1-token sequence; GQA 8 (>16 padded rows not needed)
-    args, kw = _build(rng, hq=8, hkv=1, d=16, page_size=16, ctx=[1, 3], new=[1, 1], window=[2], sinks=[1])
-    ref = _ref(args, kw)
-    out = decode.paged_decode(_call(args, kw), interpret=True, num_splits=8)
+    args, kw = build_batch(rng, hq=8, hkv=1, d=16, page_size=16, ctx=[1, 3], new=[1, 1], window=[2], sinks=[1])
+    ref = reference_f32(args, kw)
+    out = decode.paged_decode(checked_call(args, kw), interpret=True, num_splits=8)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
 def _auto_kernel_jaxpr(args, kw, device):
     """The table's ``auto`` choice on ``device`` for this call, and the jaxpr of that backend interpreted."""
-    call = _call(args, kw)
+    call = checked_call(args, kw)
     name, _ = attention.TABLE.choose("auto", (call,), {}, device)
     _, fn = attention.TABLE.choose(f"{name}:interpret", (call,), {}, device)
     return name, str(jax.make_jaxpr(fn)(call))
@@ -338,12 +206,12 @@ def _auto_kernel_jaxpr(args, kw, device):
 
 def test_routing_is_static_on_shapes(rng):
     # on a non-Hopper GPU the table sends T <= B to the decode kernel and T > B to the Triton prefill kernel
-    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[1, 1], window=[0], sinks=[0],
-                      extra_tokens=0)
+    args, kw = build_batch(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[1, 1], window=[0], sinks=[0],
+                           extra_tokens=0)
     name, text = _auto_kernel_jaxpr(args, kw, NAMED["a100"])
     assert name == "pallas"
     assert "kvjax_paged_decode" in text and "kvjax_paged_prefill" not in text
-    args, kw = _build(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[3, 1], window=[0], sinks=[0])
+    args, kw = build_batch(rng, hq=2, hkv=1, d=16, page_size=16, ctx=[20, 9], new=[3, 1], window=[0], sinks=[0])
     name, text = _auto_kernel_jaxpr(args, kw, NAMED["a100"])
     assert name == "prefill"
     assert "kvjax_paged_prefill" in text and "kvjax_paged_decode" not in text
@@ -407,8 +275,8 @@ def test_table_chooses_as_documented():
 
 def test_explicit_impl_that_cannot_take_the_call_raises(rng):
     # a decode-shaped batch (T <= B): the prefill kernels decline it by name, with their reason
-    args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=16, ctx=[37, 20], new=[1, 1], window=[0, 0], sinks=[0, 0],
-                      extra_tokens=0)
+    args, kw = build_batch(rng, hq=4, hkv=2, d=16, page_size=16, ctx=[37, 20], new=[1, 1], window=[0, 0], sinks=[0, 0],
+                           extra_tokens=0)
     call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"])
     with pytest.raises(UnknownImplError, match=r"impl='prefill:interpret' cannot take.*decode-shaped"):
         attention.paged_attention(*args, **call, impl="prefill:interpret")
@@ -420,24 +288,24 @@ def test_explicit_impl_that_cannot_take_the_call_raises(rng):
         with pytest.raises(UnknownImplError, match="needs a GPU"):
             attention.paged_attention(*args, **call, impl="pallas")
     # head_dim 24: no kernel takes it, so even the decode kernel declines by name
-    args24, kw24 = _build(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
+    args24, kw24 = build_batch(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
     with pytest.raises(UnknownImplError, match="power-of-two head_dim >= 16, got 24"):
         attention.paged_attention(*args24, cu_seqlens=kw24["cu_seqlens"], impl="interpret")
 
 
 def test_public_op_dispatches_to_kernel(rng):
-    args, kw = _build(rng, hq=4, hkv=2, d=16, page_size=16, ctx=[37, 20], new=[1, 1], window=[0, 0], sinks=[0, 0])
-    ref = _ref(args, kw)
+    args, kw = build_batch(rng, hq=4, hkv=2, d=16, page_size=16, ctx=[37, 20], new=[1, 1], window=[0, 0], sinks=[0, 0])
+    ref = reference_f32(args, kw)
     out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=0, impl="interpret")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
 def test_rejects_unsupported_shapes(rng):
-    args, kw = _build(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
+    args, kw = build_batch(rng, hq=2, hkv=1, d=24, page_size=16, ctx=[5], new=[1], window=[0], sinks=[0])
     with pytest.raises(ValueError, match="head_dim"):
-        decode.paged_decode(_call(args, kw), interpret=True)
+        decode.paged_decode(checked_call(args, kw), interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
-        paged_prefill.paged_prefill(_call(args, kw), interpret=True)
+        paged_prefill.paged_prefill(checked_call(args, kw), interpret=True)
 
 
 # ---------------------------------------------------------------- fp8 pages (CPU, interpret mode)
@@ -448,9 +316,9 @@ _FP8_HEADS = dict(hkv=3, window=[0, 40, 70], sinks=[0, 4, 0])
 
 def _fp8_batch(rng, *, page_size, ctx, new, dtype, hq=6, d=32, **extra):
     """A :func:`_build` batch over fp8 pages with :data:`_FP8_HEADS`: (args, scales, kwargs, (ref, abs_v, v_max))."""
-    args, kw = _build(rng, hq=hq, d=d, page_size=page_size, ctx=ctx, new=new, dtype=dtype, **_FP8_HEADS, **extra)
-    args, scales = _fp8(args)
-    return args, scales, kw, _ref_fp8(args, scales, kw)
+    args, kw = build_batch(rng, hq=hq, d=d, page_size=page_size, ctx=ctx, new=new, dtype=dtype, **_FP8_HEADS, **extra)
+    args, scales = quantise_pages(args)
+    return args, scales, kw, reference_fp8(args, scales, kw)
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -466,8 +334,8 @@ def test_decode_interpret_fp8_pages(rng, page_size, dtype):
     assert (table[0] == -1).any() or page_size == 64
     assert args[1].dtype == FP8_DTYPE and np.isnan(np.asarray(scales["v_scale"])).any()  # poisoned scales exist
     for splits, block_k in ((1, 64), (5, page_size)):
-        out = decode.paged_decode(_call(args, kw, scales), interpret=True, num_splits=splits, block_k=block_k)
-        _check_fp8(out, ref, abs_v, v_max, dtype)
+        out = decode.paged_decode(checked_call(args, kw, scales), interpret=True, num_splits=splits, block_k=block_k)
+        check_fp8(out, ref, abs_v, v_max, dtype)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
 
@@ -485,9 +353,9 @@ def test_prefill_interpret_fp8_pages(rng, page_size, kv_load):
     if kv_load == "page":
         variants.append(dict(page_ids="carry"))
     for cfg in variants:
-        out = paged_prefill.paged_prefill(_call(args, kw, scales), interpret=True, block_q=32,
+        out = paged_prefill.paged_prefill(checked_call(args, kw, scales), interpret=True, block_q=32,
                                           block_k=max(32, page_size), kv_load=kv_load, **cfg)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
+        check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
 
@@ -495,7 +363,7 @@ def test_prefill_interpret_fp8_pages_f32_is_exact(rng):
     # with f32 q the kernel converts e4m3 to f32: the reference's arithmetic up to summation order
     args, scales, kw, (ref, abs_v, v_max) = _fp8_batch(rng, page_size=16, ctx=[90, 33, 5], new=[29, 33, 1],
                                                         dtype=jnp.float32)
-    out = paged_prefill.paged_prefill(_call(args, kw, scales), interpret=True, block_q=16, block_k=32)
+    out = paged_prefill.paged_prefill(checked_call(args, kw, scales), interpret=True, block_q=16, block_k=32)
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -506,7 +374,7 @@ def test_public_op_fp8_pages_runs_the_triton_kernels(rng):
                                                         dtype=jnp.bfloat16)
     call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"], **scales)
     for impl in ("interpret", "prefill:interpret"):
-        _check_fp8(attention.paged_attention(*args, **call, impl=impl), ref, abs_v, v_max, jnp.bfloat16)
+        check_fp8(attention.paged_attention(*args, **call, impl=impl), ref, abs_v, v_max, jnp.bfloat16)
     with pytest.raises(UnknownImplError, match="mosaic:interpret.*needs T >= 64 B"):
         attention.paged_attention(*args, **call, impl="mosaic:interpret")
 
@@ -565,13 +433,13 @@ _GPU_CTX = [1, 15, 16, 17, 300, 1000, 4099, 8192]
 def test_gpu_decode_grid(rng, group, page_size):
     hkv = 2
     # head 0 full, head 1 SWA whose window (100 / 64+1) straddles page edges, with sinks
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=_GPU_CTX,
-                      new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
-                      dtype=jnp.bfloat16)
-    ref = _ref(args, kw)
+    args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=_GPU_CTX,
+                           new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
+                           dtype=jnp.bfloat16)
+    ref = reference_f32(args, kw)
     for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(_call(args, kw), num_splits=splits, block_k=block_k)
-        assert _rel_err(out, ref) <= 2e-2
+        out = decode.paged_decode(checked_call(args, kw), num_splits=splits, block_k=block_k)
+        assert rel_err(out, ref) <= 2e-2
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
 
@@ -582,13 +450,13 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
     hkv = 2
     ctx = [8192, 300, 700, 17, 5000, 0, 64]
     new = [1, 300, 129, 1, 1, 0, 64]  # decode, prefill, chunked prefill, decode, decode, padding, prefill
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
-                      window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
-    ref = _ref(args, kw)
+    args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                           window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
+    ref = reference_f32(args, kw)
     # the Triton prefill kernel never reads past a row's last position: NaN tails must not matter (the Mosaic
     # kernel reads whole pages and is tested with finite tails in test_gpu_prefill_mosaic_grid)
-    out = paged_prefill.paged_prefill(_call(args, kw))
-    assert _rel_err(out, ref) <= 2e-2
+    out = paged_prefill.paged_prefill(checked_call(args, kw))
+    assert rel_err(out, ref) <= 2e-2
     # every real token of every row is right (none dropped or zero-filled)
     cu = np.asarray(kw["cu_seqlens"])
     o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -600,15 +468,15 @@ def test_gpu_prefill_mixed_grid(rng, group, page_size):
 
 @pytest.mark.gpu
 def test_gpu_public_op_auto_is_the_kernel(rng):
-    args, kw = _build(rng, hq=8, hkv=2, d=128, page_size=16, ctx=[3000, 1], new=[1, 1], window=[0, 256],
-                      sinks=[0, 4], dtype=jnp.bfloat16, extra_tokens=0)
-    ref = _ref(args, kw)
+    args, kw = build_batch(rng, hq=8, hkv=2, d=128, page_size=16, ctx=[3000, 1], new=[1, 1], window=[0, 256],
+                           sinks=[0, 4], dtype=jnp.bfloat16, extra_tokens=0)
+    ref = reference_f32(args, kw)
     text = str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a, cu_seqlens=kw["cu_seqlens"],
                                                                    window=kw["window"], sinks=kw["sinks"]))(*args))
     assert "kvjax_paged_decode" in text
     out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"],
                                     impl="pallas")
-    assert _rel_err(out, ref) <= 2e-2
+    assert rel_err(out, ref) <= 2e-2
 
 
 @pytest.mark.gpu
@@ -618,8 +486,8 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
     # both K/V load paths at one and several pages per key block, GQA 4, holes inside a full head's walk
     hkv, group = 2, 4
     ctx, new = [4099, 300, 700, 17, 64], [1, 300, 129, 1, 64]
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
-                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16)
+    args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                           window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16)
     q, k, v, table, seq_lens = args
     table = np.asarray(table).copy()
     for b, col in ((1, 1), (2, 3)):  # poisoned holes in the unmasked middle of full head 0
@@ -627,7 +495,7 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
         v = v.at[table[b, 0, col]].set(jnp.nan)
         table[b, 0, col] = -1
     args = (q, k, v, jnp.asarray(table), seq_lens)
-    ref = _ref(args, kw)
+    ref = reference_f32(args, kw)
     variants = [dict(block_k=64, fused_loop=False), dict(block_k=128, fused_loop=True)]
     if kv_load == "page":  # page ids one step ahead; one or two pages per key block
         variants = variants[:1] + [dict(block_k=64, page_ids="carry")]
@@ -636,8 +504,8 @@ def test_gpu_prefill_kv_load_modes(rng, kv_load, page_size):
         if page_size == 128:  # block_k = page_size: one contiguous [128, D] load per step
             variants += [dict(), dict(page_ids="load", num_warps=8, fused_loop=False)]
     for cfg in variants:
-        out = paged_prefill.paged_prefill(_call(args, kw), kv_load=kv_load, **cfg)
-        assert _rel_err(out, ref) <= 2e-2, cfg
+        out = paged_prefill.paged_prefill(checked_call(args, kw), kv_load=kv_load, **cfg)
+        assert rel_err(out, ref) <= 2e-2, cfg
 
 
 MOSAIC_CTX = [8192, 300, 700, 17, 5000, 0, 64, 129]  # the Mosaic grids' batch: context and new tokens per row
@@ -649,8 +517,8 @@ def _mosaic_batch(rng, group: int, page_size: int):
     head with sinks next to a full head, poisoned (NaN) holes inside the full head's walk, large finite tails.
     Returns ``(q, k, v, table, seq_lens), kw``; ``table`` is numpy."""
     hkv = 2
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=MOSAIC_CTX, new=MOSAIC_NEW,
-                      window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=MOSAIC_CTX, new=MOSAIC_NEW,
+                           window=[0, 100], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
     q, k, v, table, seq_lens = args
     table = np.asarray(table).copy()
     for b, col in ((1, 1), (2, 3)):
@@ -672,11 +540,11 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     ctx, new = MOSAIC_CTX, MOSAIC_NEW
     (q, k, v, table, seq_lens), kw = _mosaic_batch(rng, group, page_size)
     args = (q, k, v, jnp.asarray(table), seq_lens)
-    ref = _ref(args, kw)
+    ref = reference_f32(args, kw)
     cu = np.asarray(kw["cu_seqlens"])
     for stages in (None, 2) if page_size == 64 else (None,):
-        out = paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw), stages=stages)
-        assert _rel_err(out, ref) <= 2e-2, stages
+        out = paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), stages=stages)
+        assert rel_err(out, ref) <= 2e-2, stages
         o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
         for b in range(len(ctx)):  # every real token of every row is right
             if new[b]:
@@ -684,8 +552,8 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
                 assert np.linalg.norm(o[seg] - r[seg]) <= 2e-2 * np.linalg.norm(r[seg]), (b, stages)
         assert float(np.abs(o[cu[-1]:]).max()) == 0.0  # padding tokens after the last row
     assert len(q) >= 64 * len(ctx)  # the table's "auto" takes the Mosaic kernel for this batch on Hopper
-    assert attention.TABLE.choose("auto", (_call(args, kw),), {})[0] == "mosaic"
-    assert _rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2
+    assert attention.TABLE.choose("auto", (checked_call(args, kw),), {})[0] == "mosaic"
+    assert rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2
 
 
 @pytest.mark.gpu
@@ -699,11 +567,11 @@ def test_gpu_prefill_mosaic_fp8_grid(rng, group, page_size):
 
     (q, k, v, table, seq_lens), kw = _mosaic_batch(rng, group, page_size)
     v = v.at[table[4, 0, 30]].multiply(8.0)
-    args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
-    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
+    ref, abs_v, v_max = reference_fp8(args, scales, kw)
     for stages in (None, 3) if page_size == 64 else (None,):
-        out = paged_prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), stages=stages)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=max(MOSAIC_CTX))
+        out = paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), stages=stages)
+        check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_F16, n_keys=max(MOSAIC_CTX))
         assert float(np.abs(np.asarray(out, np.float32)[int(kw["cu_seqlens"][-1]):]).max()) == 0.0
 
 
@@ -713,16 +581,16 @@ def test_gpu_prefill_mosaic_fp8_grid(rng, group, page_size):
 def test_gpu_decode_fp8_grid(rng, group, page_size):
     # the compiled split-KV kernel over fp8 pages (e4m3 loads converted to bf16 on the GPU): lengths 1..8k, a full
     # head beside a SWA head with sinks whose dead pages are holes or NaN (scales too), against the f32 reference
-    # over the same fp8 pages, per element within _fp8_bound
+    # over the same fp8 pages, per element within fp8_bound
     hkv = 2
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=_GPU_CTX,
-                      new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
-                      dtype=jnp.bfloat16)
-    args, scales = _fp8(args)
-    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+    args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=_GPU_CTX,
+                           new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
+                           dtype=jnp.bfloat16)
+    args, scales = quantise_pages(args)
+    ref, abs_v, v_max = reference_fp8(args, scales, kw)
     for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(_call(args, kw, scales), num_splits=splits, block_k=block_k)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
+        out = decode.paged_decode(checked_call(args, kw, scales), num_splits=splits, block_k=block_k)
+        check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
 
@@ -734,22 +602,22 @@ def test_gpu_prefill_fp8_grid(rng, kv_load, page_size):
     # padding row), SWA head with sinks beside a full head, poisoned holes inside the full head's walk, NaN tails
     hkv, group = 2, 4
     ctx, new = [8192, 300, 700, 17, 5000, 0, 64], [1, 300, 129, 1, 1, 0, 64]
-    args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
-                      window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
+    args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=128, page_size=page_size, ctx=ctx, new=new,
+                           window=[100, 0], sinks=[4, 0], dtype=jnp.bfloat16)
     q, k, v, table, seq_lens = args
     table = np.asarray(table).copy()
     for b, col in ((1, 1), (2, 3)):  # poisoned holes in the unmasked middle of full head 1
         k = k.at[table[b, 1, col]].set(jnp.nan)
         v = v.at[table[b, 1, col]].set(jnp.nan)
         table[b, 1, col] = -1
-    args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
-    ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
+    ref, abs_v, v_max = reference_fp8(args, scales, kw)
     variants = [dict(), dict(block_k=128, fused_loop=False)]
     if kv_load == "page":
         variants.append(dict(block_k=max(64, page_size), page_ids="carry"))
     for cfg in variants:
-        out = paged_prefill.paged_prefill(_call(args, kw, scales), kv_load=kv_load, **cfg)
-        _check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
+        out = paged_prefill.paged_prefill(checked_call(args, kw, scales), kv_load=kv_load, **cfg)
+        check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -758,13 +626,13 @@ def test_gpu_public_op_auto_fp8_kernels(rng):
     # prefill kernel for a prefill batch with pages of 64 (as bf16 pages do on Hopper)
     hkv = 2
     for ctx, new, backend in (([3000, 1], [1, 1], "pallas"), ([4096, 200], [4096, 200], "mosaic")):
-        args, kw = _build(rng, hq=8, hkv=hkv, d=128, page_size=64, ctx=ctx, new=new, window=[0, 256],
-                          sinks=[0, 4], dtype=jnp.bfloat16, extra_tokens=0, tail_fill=0.0)
-        args, scales = _fp8(args)
-        ref, abs_v, v_max = _ref_fp8(args, scales, kw)
+        args, kw = build_batch(rng, hq=8, hkv=hkv, d=128, page_size=64, ctx=ctx, new=new, window=[0, 256],
+                               sinks=[0, 4], dtype=jnp.bfloat16, extra_tokens=0, tail_fill=0.0)
+        args, scales = quantise_pages(args)
+        ref, abs_v, v_max = reference_fp8(args, scales, kw)
         call = dict(cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"], **scales)
-        assert attention.TABLE.choose("auto", (_call(args, kw, scales),), {})[0] == backend
-        _check_fp8(attention.paged_attention(*args, **call), ref, abs_v, v_max, jnp.bfloat16)
+        assert attention.TABLE.choose("auto", (checked_call(args, kw, scales),), {})[0] == backend
+        check_fp8(attention.paged_attention(*args, **call), ref, abs_v, v_max, jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -775,7 +643,7 @@ def test_gpu_wide_or_f32_pages_launch(rng, d, dtype, page_size):
     # batches: the tuned tiles would ask for more shared memory than a block has; the fitted ones run and agree
     hkv, group = 2, 4
     for ctx, new in (([1000, 17, 300], [1, 1, 1]), ([700, 0, 64], [129, 300, 64])):
-        args, kw = _build(rng, hq=group * hkv, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new,
-                          window=[0, 100], sinks=[0, 4], dtype=dtype)
+        args, kw = build_batch(rng, hq=group * hkv, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new,
+                               window=[0, 100], sinks=[0, 4], dtype=dtype)
         out = attention.paged_attention(*args, cu_seqlens=kw["cu_seqlens"], window=kw["window"], sinks=kw["sinks"])
-        assert _rel_err(out, _ref(args, kw)) <= (2e-2 if dtype == jnp.bfloat16 else 5e-3)
+        assert rel_err(out, reference_f32(args, kw)) <= (2e-2 if dtype == jnp.bfloat16 else 5e-3)

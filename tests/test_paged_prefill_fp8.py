@@ -7,7 +7,7 @@ tiles; ``"e4m3_qk"`` keeps ``h`` only), multiplies them with the e4m3 K pages st
 
 - against the reference over the same fp8 pages *and* the same quantised q (``q_eff``, computed here from
   numpy's ``frexp``, independently of the kernel's bit arithmetic): the kernel's own rounding only, the bound of
-  the f16 path (:func:`test_paged_attention_kernels._fp8_bound` with f16 probabilities);
+  the f16 path (:func:`test_paged_attention_kernels.fp8_bound` with f16 probabilities);
 - against the reference over the same fp8 pages with q itself: that bound plus the effect of q's rounding. With
   ``d_j = scale |(q - q_eff) . k_j|`` every logit moves by at most ``eps = max_j d_j``, every softmax weight by a
   factor within ``exp(+-2 eps)``, so an output element by at most ``(exp(2 eps) - 1) sum_j p_j |v_j| / sum_j p_j``
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention_kernels import _P_ROUND_F16, _build, _call, _fp8, _fp8_bound, _ref_fp8
 
+from helpers.paged import P_ROUND_F16, build_batch, checked_call, fp8_bound, quantise_pages, reference_fp8
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.pallas.paged import prefill_mgpu
 
@@ -79,11 +79,11 @@ def _check(out, args, scales, kwargs, parts: int, n_keys: int, acc_rel: float = 
     ``|q_eff| . |k_j|``); returns the errors."""
     q, k8, v8, table, seq_lens = args
     q_eff = _q_eff(q, parts)
-    ref_eff, abs_v, v_max = _ref_fp8((jnp.asarray(q_eff), k8, v8, table, seq_lens), scales, kwargs)
-    ref, _, _ = _ref_fp8(args, scales, kwargs)
+    ref_eff, abs_v, v_max = reference_fp8((jnp.asarray(q_eff), k8, v8, table, seq_lens), scales, kwargs)
+    ref, _, _ = reference_fp8(args, scales, kwargs)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), "kernel output has NaN/inf"
-    tight = _fp8_bound(ref_eff, abs_v, v_max, jnp.bfloat16, p_round=_P_ROUND_F16, n_keys=n_keys)
+    tight = fp8_bound(ref_eff, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_F16, n_keys=n_keys)
     if acc_rel:
         tight = tight + np.expm1(2 * acc_rel * _logit_shift(np.abs(q_eff), args, scales, kwargs)[..., None]) * abs_v
     err_eff = np.abs(out - ref_eff)
@@ -98,14 +98,14 @@ def _check(out, args, scales, kwargs, parts: int, n_keys: int, acc_rel: float = 
 
 def _batch(rng, *, page_size: int, ctx, new, hq: int, hkv: int, d: int, window, sinks, loud: tuple[int, int]):
     """An fp8 batch (module doc): ``(args, scales, kwargs)``; page ``table[loud]`` 8x louder."""
-    args, kw = _build(rng, hq=hq, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new, window=window, sinks=sinks,
-                      dtype=jnp.bfloat16, tail_fill=300.0)
+    args, kw = build_batch(rng, hq=hq, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new, window=window, sinks=sinks,
+                           dtype=jnp.bfloat16, tail_fill=300.0)
     q, k, v, table, seq_lens = args
     table = np.asarray(table).copy()
     k = k.at[table[0, 0, 1]].set(jnp.nan)
     v = v.at[table[0, 0, 1]].set(jnp.nan).at[table[loud[0], 0, loud[1]]].multiply(8.0)
     table[0, 0, 1] = -1
-    args, scales = _fp8((q, k, v, jnp.asarray(table), seq_lens))
+    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
     return args, scales, kw
 
 
@@ -154,7 +154,7 @@ def test_prefill_e4m3_qk_interpret(rng, page_size, mode, case):
     # under the Mosaic GPU interpreter: products in jnp over the same e4m3 tiles; the q split, its row scales, the
     # barriers and the shared f16 V buffer per slot converted by halves as compiled
     args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], d=64, loud=(0, 2), **case)
-    out = prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), fp8_products=mode, interpret=True)
+    out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, interpret=True)
     _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(case["ctx"]))
 
 
@@ -186,7 +186,7 @@ def test_fp8_products_checked(rng):
     args, scales, kw = _batch(rng, page_size=64, ctx=[70], new=[64], hq=2, hkv=1, d=64, window=[0], sinks=[0],
                               loud=(0, 0))
     with pytest.raises(ValueError, match="fp8_products must be one of"):
-        prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), fp8_products="e5m2", interpret=True)
+        prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products="e5m2", interpret=True)
 
 
 @pytest.mark.gpu
@@ -201,6 +201,6 @@ def test_gpu_prefill_e4m3_qk(rng, mode, page_size):
     args, scales, kw = _batch(rng, page_size=page_size, ctx=ctx, new=new, hq=32, hkv=8, d=128, window=window,
                               sinks=sinks, loud=(1, 3))
     for stages in (None, 3):
-        out = prefill_mgpu.paged_prefill_mgpu(_call(args, kw, scales), fp8_products=mode, stages=stages)
+        out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, stages=stages)
         errs = _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(ctx), acc_rel=2.0 ** -10)
         print(mode, page_size, stages, errs)  # pytest -s
