@@ -257,12 +257,13 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
 
 
 # Calls with a static max_query_len (a verification step's rows) that the split-KV decode kernel takes: rows of at
-# most FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. Measured (RESULTS.md, "Speculative decoding") against
-# the one-token-per-program decode; its row mode reads a row's pages once instead of once per token in tiles no
-# larger than J one-token tiles, so it serves these calls with fewer bytes and products. The decode kernel holds up
-# to decode.MAX_TOKENS_PER_PROGRAM tokens of a row in one program, so FEW_TOKENS stays <= that bound; raise both from
-# benchmarks/verify_attn.py's table (the row mode against this kernel, not yet run on a GPU).
-FEW_TOKENS = 2
+# most FEW_TOKENS tokens, or at most FEW_TOTAL tokens in all. Measured (RESULTS.md, "Verification attention";
+# benchmarks/verify_attn.py): the decode kernel's row mode reads a row's pages once for its J tokens and beat this
+# kernel at every measured shape with J <= 5 (J = 2, 3, 5; B = 1, 16, 64; pages of 16 and 64; 0.12-0.65x its
+# time), and the one-token programs at every one of them too. The decode kernel holds up to
+# decode.MAX_TOKENS_PER_PROGRAM tokens of a row in one program, so FEW_TOKENS stays <= that bound; J = 6..8 is not
+# measured. FEW_TOTAL: measured against the one-token programs before the row mode existed.
+FEW_TOKENS = 5
 FEW_TOTAL = 16
 
 # Defaults per K/V load path, the fastest measured at T=4096, H=32, D=128 (RESULTS.md, "Paged attention prefill").
