@@ -7,10 +7,10 @@ per query head), D=128, bf16 q, pages permuted in the pool. Per page size, timed
 (:func:`timing.interleaved`: profiler device time, and wall clock of back-to-back calls), the medians:
 
 - ``bf16 pages``: the Mosaic GPU kernel (``paged_prefill_mgpu``) over bf16 pages: the baseline;
-- ``fp8 f16``: the same kernel over fp8 pages (e4m3 + one power-of-two f32 scale per page) with
-  ``fp8_products="f16"`` (each consumer converts K and V to f16; f16 products);
-- ``fp8 e4m3_qk``: ``q K^T`` on e4m3 tensor cores (q rounded to e4m3 per row), V converted once per slot;
-- ``fp8 e4m3x2_qk``: the same with q as the sum of two e4m3 tiles (exact for bf16 q in e4m3's normal range).
+- ``fp8 e4m3x2_qk`` (the kernel's default over fp8 pages: e4m3 + one power-of-two f32 scale per page): ``q K^T``
+  on e4m3 tensor cores with q as the sum of two e4m3 tiles (exact for bf16 q in e4m3's normal range), V converted
+  to f16 once per slot;
+- ``fp8 e4m3_qk``: the same with q rounded to one e4m3 tile per row (faster, less exact).
 
 The fp8 kernels run at each of ``--stages`` (ring slots; the bf16 kernel at its default: 3 bf16 slots do not fit
 in shared memory).
@@ -30,7 +30,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPE = (4096, 32, 128)  # T, H, D (--tokens changes T)
-MODES = ("f16", "e4m3_qk", "e4m3x2_qk")  # prefill_mgpu.FP8_PRODUCTS
 
 
 def _err(out, ref) -> str:
@@ -78,7 +77,7 @@ def run_page(t: int, page_size: int, *, stages: tuple[int, ...], rounds: int) ->
     call8 = check_call(PagedAttentionCall(q, kp8, vp8, bt, sl, cu, k_scale=ks, v_scale=vs))
     kernel = prefill_mgpu.paged_prefill_mgpu
     runners = {"bf16 pages": lambda: kernel(call16)}
-    for mode in MODES:
+    for mode in prefill_mgpu.FP8_PRODUCTS:
         for st in stages:
             runners[f"fp8 {mode} stages={st}"] = lambda m=mode, s=st: kernel(call8, stages=s, fp8_products=m)
     ref = jax.jit(paged_attention_reference)

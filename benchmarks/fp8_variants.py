@@ -1,21 +1,17 @@
-"""fp8 (e4m3) page kernels beside bf16 pages, in one process (issue #35): the split-KV decode kernel over fp8 pages
-at its default and each ``--stages``, and the prefill kernels over fp8 pages, with the copy rate of the same bytes
-measured in the same run.
+"""Split-KV paged decode over fp8 (e4m3) pages beside bf16 pages, in one process (issue #35, goal 1): the decode
+kernel over fp8 pages at its default and each ``--stages``, with the copy rate of the same bytes measured in the
+same run. Prefill over fp8 pages: ``benchmarks/fp8_prefill.py``.
 
-Usage (GPU): ``python benchmarks/fp8_variants.py [--only decode|prefill] [--stages 3]`` (``benchmarks/`` finds
-its own imports; ``kvjax`` on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and
-device time (profiler), both medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16
-pages, the kernel's bytes over its time against an XLA copy of the same bytes (read + written) timed in the same
-run, and the max error against the float32 reference.
+Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3]`` (``benchmarks/`` finds its own imports; ``kvjax``
+on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and device time (profiler), both
+medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16 pages, the kernel's bytes over
+its time against an XLA copy of the same bytes (read + written) timed in the same run, and the max error against
+the float32 reference.
 
-- decode, B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (the bf16 and fp8 batches of
-  ``benchmarks/attention.py``): bf16 pages through ``auto`` (the split-KV kernel), then the split-KV kernel over
-  the fp8 pages at its default ``num_stages`` and at each of ``--stages``. Bytes: the pages read (fp8: 1 byte a
-  value plus one f32 scale per page for K and V). Error: max ``|out - reference|`` over the same fp8 pages, beside
-  the largest output.
-- prefill, one causal sequence T=4096, H=32, D=128, pages of 64 and 128: bf16 pages through ``auto`` (the Mosaic
-  GPU kernel), fp8 pages through ``auto`` (the Triton prefill kernel today) and through the Mosaic GPU kernel
-  called directly (fp8 path: e4m3 ring, f16 products). TFLOP/s of the causal problem.
+B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (the bf16 and fp8 batches of ``benchmarks/attention.py``):
+bf16 pages through ``auto`` (the split-KV kernel), then the split-KV kernel over the fp8 pages at its default
+``num_stages`` and at each of ``--stages``. Bytes: the pages read (fp8: 1 byte a value plus one f32 scale per page
+for K and V). Error: max ``|out - reference|`` over the same fp8 pages, beside the largest output.
 """
 
 from __future__ import annotations
@@ -29,8 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DECODE = (64, 4096, 32, 8, 128)  # B, L, Hq, Hkv, D
 DECODE_PAGES = (16, 64)
-PREFILL = (4096, 32, 128)  # T, H, D
-PREFILL_PAGES = (64, 128)
 
 
 def _err(out, ref) -> str:
@@ -115,67 +109,15 @@ def _decode_page(ps: int, stages: tuple[int, ...]) -> None:
             print(f"{name}: {errs[name]}")
 
 
-def prefill_part() -> None:
-    for ps in PREFILL_PAGES:
-        _prefill_page(ps)
-
-
-def _prefill_page(ps: int) -> None:
-    import jax
-    import jax.numpy as jnp
-
-    import timing
-    from attention import _quantise
-
-    from kvjax.ops import paged_attention
-    from kvjax.pallas.paged import prefill_mgpu
-
-    t, h, d = PREFILL
-    flops = 4 * (t * (t + 1) // 2) * d * h
-    keys = jax.random.split(jax.random.key(3), 4)
-    q, k, v = (jax.random.normal(kk, (t, h, d), jnp.bfloat16) for kk in keys[:3])  # bf16[T, H, D]
-    blocks = t // ps
-    perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * blocks).astype(jnp.int32)
-    pages = lambda x: jnp.zeros((h * blocks, ps, d), x.dtype).at[perm].set(  # noqa: E731
-        jnp.swapaxes(x, 0, 1).reshape(h * blocks, ps, d))
-    kp, vp = pages(k), pages(v)
-    (kp8, ks), (vp8, vs) = _quantise(kp), _quantise(vp)
-    bt, sl, cu = perm.reshape(1, h, blocks), jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32)
-    call8 = _checked_call(q, kp8, vp8, bt, sl, cu, scales=(ks, vs))
-    op = lambda impl: jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl=impl, **kw))  # noqa: E731
-    auto, ref = op("auto"), op("reference")
-    runners = {
-        "bf16 pages (auto: mosaic)": lambda: auto(q, kp, vp, bt, sl),
-        "fp8 pages (auto: Triton prefill)": lambda: auto(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs),
-        "fp8 pages (mosaic, f16 products)": lambda: prefill_mgpu.paged_prefill_mgpu(call8),
-    }
-    ref8 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs)
-    errs = {"bf16 pages (auto: mosaic)": _err(runners["bf16 pages (auto: mosaic)"](), ref(q, kp, vp, bt, sl))}
-    for name in list(runners)[1:]:
-        try:
-            errs[name] = _err(runners[name](), ref8)
-        except Exception as e:
-            errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:300]}"
-            print(f"{name}: {errs[name]}")
-            del runners[name]
-    times = timing.interleaved(runners, rounds=5, n=10, device_rounds=2)
-    _report(f"prefill T={t} H={h} D={d} page={ps} (causal, {flops / 1e9:.1f} GFLOP)", times,
-            "bf16 pages (auto: mosaic)", nbytes={}, copy={}, flops=flops, errs=errs)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("decode", "prefill"), default=None)
     p.add_argument("--stages", default="3", help="num_stages of the fp8 decode kernel beside its default (2), "
                    "comma-separated; empty: the default only")
     args = p.parse_args(argv)
     import jax
 
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    if args.only in (None, "decode"):
-        decode_part(tuple(int(x) for x in args.stages.split(",") if x.strip()))
-    if args.only in (None, "prefill"):
-        prefill_part()
+    decode_part(tuple(int(x) for x in args.stages.split(",") if x.strip()))
 
 
 if __name__ == "__main__":

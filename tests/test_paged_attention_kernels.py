@@ -9,8 +9,8 @@ prefill load paths), lengths 1..8k.
 
 fp8 pages (float8_e4m3fn, one power-of-two f32 scale per page): the same batches quantised page by page, NaN pages
 keeping a NaN scale, so a kernel that reads a scale it must not read fails too. Kernel and reference read the same
-fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`helpers.paged.fp8_bound`);
-the Mosaic GPU prefill kernel's fp8 path (f16 products) with its own rounding of the probabilities in the bound.
+fp8 values, so the tolerance is that of the kernel's bf16 compute, not e4m3's (:func:`helpers.paged.fp8_bound`).
+The Mosaic GPU prefill kernel over fp8 pages (e4m3 products) is tested in ``test_paged_prefill_fp8``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.paged import (P_ROUND_F16, build_batch, check_fp8, checked_call, quantise_pages, reference_f32,
-                           reference_fp8, rel_err)
+from helpers.paged import build_batch, check_fp8, checked_call, quantise_pages, reference_f32, reference_fp8, rel_err
 from kvjax.base.device import NAMED
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.errors import UnknownImplError
@@ -134,30 +133,6 @@ def test_prefill_mosaic_interpret(rng):
     with pytest.raises(ValueError, match="page_size"):
         small_pages = dataclasses.replace(checked_call(args, kw), k_pages=k[:, :32], v_pages=v[:, :32])
         paged_prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
-
-
-def test_prefill_mosaic_interpret_fp8_pages(rng):
-    # the Mosaic GPU kernel over fp8 pages under the interpreter (e4m3 ring, f16 products), on a smaller batch than
-    # test_prefill_mosaic_interpret's (the interpreter is slow): chunked prefill over a cached prefix, a decode row,
-    # a padding row, a poisoned hole in the full head's walk, pages quantised one by one (NaN pages keep a NaN scale,
-    # never read), two pages of 64 per slot (per-column key scales), one page with 8x larger values met in the
-    # walk's second slot (the running reference value scale grows); against the f32 reference over the same fp8
-    # pages, probabilities rounded to f16
-    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
-
-    ctx = [200, 9, 0]
-    args, kw = build_batch(rng, hq=2, hkv=2, d=64, page_size=64, ctx=ctx, new=[70, 1, 0], window=[0, 70], sinks=[0, 4],
-                           dtype=jnp.bfloat16, tail_fill=300.0)
-    q, k, v, table, seq_lens = args
-    table = np.asarray(table).copy()
-    k = k.at[table[0, 0, 1]].set(jnp.nan)
-    v = v.at[table[0, 0, 1]].set(jnp.nan).at[table[0, 0, 3]].multiply(8.0)
-    table[0, 0, 1] = -1
-    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
-    ref, abs_v, v_max = reference_fp8(args, scales, kw)
-    out = paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), interpret=True)
-    check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_F16, n_keys=max(MOSAIC_CTX))
-    assert np.all(np.asarray(out[-2:], np.float32) == 0)  # tokens of no row
 
 
 def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
@@ -554,25 +529,6 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     assert len(q) >= 64 * len(ctx)  # the table's "auto" takes the Mosaic kernel for this batch on Hopper
     assert attention.TABLE.choose("auto", (checked_call(args, kw),), {})[0] == "mosaic"
     assert rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [64, 128])
-@pytest.mark.parametrize("group", [1, 4])
-def test_gpu_prefill_mosaic_fp8_grid(rng, group, page_size):
-    # the compiled Mosaic GPU kernel over fp8 pages (e4m3 TMA ring, conversion to f16 through registers, f16
-    # wgmma): the batch of test_gpu_prefill_mosaic_grid quantised page by page, one page 8x louder, against the
-    # f32 reference over the same fp8 pages per element (probabilities rounded to f16)
-    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
-
-    (q, k, v, table, seq_lens), kw = _mosaic_batch(rng, group, page_size)
-    v = v.at[table[4, 0, 30]].multiply(8.0)
-    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
-    ref, abs_v, v_max = reference_fp8(args, scales, kw)
-    for stages in (None, 3) if page_size == 64 else (None,):
-        out = paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), stages=stages)
-        check_fp8(out, ref, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_F16, n_keys=max(MOSAIC_CTX))
-        assert float(np.abs(np.asarray(out, np.float32)[int(kw["cu_seqlens"][-1]):]).max()) == 0.0
 
 
 @pytest.mark.gpu

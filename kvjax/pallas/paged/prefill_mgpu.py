@@ -27,30 +27,26 @@ zeroed and only ever hold written K/V, so they satisfy this; NaN there would pro
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter), ``head_dim`` 64 or 128, pages of 64 or 128 tokens, bf16
 or f16 q/K/V, or fp8 K/V pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``, one scale per page) with
-bf16 or f16 q. fp8 pages: the TMA copies land the e4m3 bytes in the ring (half the bytes of bf16 pages); each
-consumer converts a slot e4m3 -> f16 (one ``cvt.rn.f16x2.e4m3x2`` per two values; every e4m3 value is exact in
-f16) through registers into its own swizzled f16 buffer, released to the producer as soon as it is converted,
-and runs both products in f16 (q converted once per tile; a normal bf16 value is exact in f16), accumulating in
-f32. The key scales of the slot's (one or two) pages multiply the logits per key column; the value scales reach
-the probabilities relative to a running reference scale (the largest value scale of the walk so far, a power of
-two like them, so a probability is never multiplied by a tiny scale before its f16 cast), the accumulator being
-kept in units of that reference and rescaled, exactly, when it grows. The backend table takes this path for fp8
-pages where the shapes allow it (measured faster than the Triton prefill kernel over fp8 pages: RESULTS.md, "fp8
-(e4m3) pages").
+bf16 or f16 q. fp8 pages: the TMA copies land the e4m3 bytes in the ring (half the bytes of bf16 pages) and
+``q K^T`` runs on e4m3 tensor cores (twice the f16 rate; wgmma takes e4m3 operands K-major, which the q tile and
+the K ring slot as copied are), so K is never converted: each q row gets a power-of-two scale
+``s = 2**(floor(log2 max|q|) - 7)`` (:func:`q_row_scales`), folded into the logits with the page's key scale.
+``fp8_products="e4m3x2_qk"`` (the default): q as two e4m3 tiles ``s (h + l)``, ``l`` the e4m3 rounding of the
+residual ``q / s - h``, two products into one accumulator (the tensor time of one f16 product): exact for bf16 q
+wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), within ``2**-10 s`` elsewhere.
+``"e4m3_qk"``: q rounded to one e4m3 tile (``|q - q_eff| <= 2**-4 |q| + 2**-10 s``), faster and an order of
+magnitude less exact (RESULTS.md, "fp8 (e4m3) pages"). V is converted e4m3 -> f16 (every e4m3 value is exact in
+f16) once per slot, not once per consumer: each consumer converts its half of the slot (64 keys), while its
+``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases the ring slot, and waits for the
+other half (a barrier per buffer, one arrival per consumer) before ``P V`` in f16, accumulating in f32; a consumer
+that skips the slot still converts its half. Two buffers suffice: the schedule barrier keeps the consumers within
+a step of each other, so when one writes a buffer, both have finished the products that read it two steps
+before. The value scales reach the probabilities relative to a running reference scale (the largest value scale
+of the walk so far, a power of two like them, so a probability is never multiplied by a tiny scale before its f16
+cast), the accumulator being kept in units of that reference and rescaled, exactly, when it grows. The backend
+table takes this path for fp8 pages where the shapes allow it. A third form, converting K and V to f16 in each
+consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.32x slower; it is deleted (HISTORY.md).
 
-That is ``fp8_products="f16"`` (the default). The other products over fp8 pages run ``q K^T`` on e4m3 tensor
-cores (twice the f16 rate; wgmma takes e4m3 operands K-major, which the q tile and the K ring slot as copied are),
-so K is never converted: each q row gets a power-of-two scale ``s = 2**(floor(log2 max|q|) - 7)``
-(:func:`q_row_scales`), folded into the logits with the page's key scale. ``"e4m3_qk"``: q rounded to one e4m3
-tile (``|q - q_eff| <= 2**-4 |q| + 2**-10 s``). ``"e4m3x2_qk"``: q as two e4m3 tiles ``s (h + l)``, ``l`` the
-e4m3 rounding of the residual ``q / s - h``, two products into one accumulator (the tensor time of one f16
-product): exact for bf16 q wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), within
-``2**-10 s`` elsewhere. In both, V is converted once per slot, not once per consumer: each consumer converts its
-half of the slot (64 keys), while its ``q K^T`` product runs, into one of two shared f16 buffers used in turn,
-releases the ring slot, and waits for the other half (a barrier per buffer, one arrival per consumer) before
-``P V``; a consumer that skips the slot still converts its half. Two buffers suffice: the schedule barrier keeps
-the consumers within a step of each other, so when one writes a buffer, both have finished the products that read
-it two steps before.
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
@@ -86,7 +82,7 @@ _FAR = 1 << 30  # key position given to a slot half that holds no page of the wa
 SUPPORTED_PAGE_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 _V16_BUFFERS = 2  # e4m3 q: shared f16 V buffers, used in turn (module doc)
-_Q_PARTS = {"f16": 0, "e4m3_qk": 1, "e4m3x2_qk": 2}  # e4m3 tiles that q is split into (0: f16 products)
+_Q_PARTS = {"e4m3x2_qk": 2, "e4m3_qk": 1}  # e4m3 tiles that q is split into over fp8 pages
 FP8_PRODUCTS = tuple(_Q_PARTS)  # the products over fp8 pages (module doc)
 _EXP_MASK = 0x7F800000  # an f32's exponent bits
 _Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the row's max |q|
@@ -109,10 +105,10 @@ def _kernel(
     *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
     #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile), then o_ref
     #         [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per consumer), q / out staging
-    #         (plain rows), K ring, V ring[, f16 K/V buffer per consumer (fp8, f16 products) | two shared f16 V
-    #         buffers (e4m3 q)]), full barriers (K slot loaded, V slot loaded, q staged: a slot takes one arrival per
-    #         page), free barriers (K slot free, V slot free: one arrival per consumer), the consumer schedule
-    #         barrier[, V buffer converted (e4m3 q: one arrival per consumer)]
+    #         (plain rows), K ring, V ring[, two shared f16 V buffers (fp8 pages)]), full barriers (K slot loaded,
+    #         V slot loaded, q staged: a slot takes one arrival per page), free barriers (K slot free, V slot free:
+    #         one arrival per consumer), the consumer schedule barrier[, V buffer converted (fp8 pages: one
+    #         arrival per consumer)]
     scale: float,
     group: int,
     page_size: int,
@@ -143,7 +139,7 @@ def _kernel(
     bt_base = (b * num_kv_heads + kvh) * max_blocks
     num_tokens = q_ref.shape[0]
     head_dim = q_smem.shape[-1]
-    dtype = jnp.float16 if fp8 else q_smem.dtype  # the f16 products' operands: q's dtype, f16 over fp8 pages
+    dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
     qk8 = q_parts > 0  # q K^T on e4m3 tensor cores, q as the sum of q_parts e4m3 tiles
@@ -192,7 +188,7 @@ def _kernel(
                     if part + 1 < q_parts:
                         y = y - h.astype(jnp.float32)
             else:
-                q_smem.at[wg][...] = q_rows if dtype == out_dtype else q_rows.astype(jnp.float32).astype(dtype)
+                q_smem.at[wg][...] = q_rows
                 q_scale = None
             if not interpret:
                 plgpu.commit_smem()
@@ -231,16 +227,6 @@ def _kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(v_conv[0].at[buf])
 
-        def converted(ring, slot):  # fp8: the slot as f16 in this consumer's buffer (the ring slot is then free)
-            buf = kv16_smem[0].at[wg]
-            if interpret:
-                buf[...] = ring[slot].astype(dtype)
-            else:
-                x = plgpu.load(ring.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                buf[...] = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
-                plgpu.commit_smem()
-            return buf
-
         def step(j, carry):
             slot = lax.rem(j, jnp.int32(stages))
             buf = lax.rem(j, jnp.int32(_V16_BUFFERS))
@@ -259,9 +245,6 @@ def _kernel(
             def compute(carry):
                 acc, m_i, l_i, *v_ref = carry
                 k_op = k_smem.at[slot]
-                if fp8 and not qk8:
-                    k_op = converted(k_smem, slot)
-                    plgpu.barrier_arrive(k_free.at[slot])
 
                 def qk_product(acc_ref):  # qk8: e4m3 x e4m3 straight from the ring; V converted meanwhile
                     for part in range(max(q_parts, 1)):
@@ -282,13 +265,10 @@ def _kernel(
                     sync_schedule()
                 else:
                     qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
-                if qk8 or not fp8:
-                    plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
                 if qk8:  # q's row scale times the key column's page scale
                     rows = [lax.broadcast_in_dim(q_scale * page_scale(ks_ref, page), qk.shape, [0]) for page in pages]
                     qk = qk * (rows[0] if per_slot == 1 else jnp.where(kcol < page_size, rows[0], rows[1]))
-                elif fp8:
-                    qk = qk * per_column([page_scale(ks_ref, page) for page in pages])
 
                 def mask(x):
                     kpos = kcol + k0s[0]
@@ -320,9 +300,6 @@ def _kernel(
                 else:
                     plgpu.barrier_wait(v_full.at[slot])
                     v_op = v_smem.at[slot]
-                if fp8 and not qk8:
-                    v_op = converted(v_smem, slot)
-                    plgpu.barrier_arrive(v_free.at[slot])
                 plgpu.barrier_wait(sched)
 
                 if interpret:  # the interpreter's wgmma takes no register operand and has no run_state
@@ -445,15 +422,15 @@ def paged_prefill_mgpu(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
     stages: int | None = None,
-    fp8_products: str = "f16",
+    fp8_products: str = "e4m3x2_qk",
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
-    finite values, see the module doc). fp8 pages read as ``page * scale`` (products in f16, module doc).
+    finite values, see the module doc). fp8 pages read as ``page * scale`` (module doc).
     ``stages``: shared-memory slots of 128 keys (default 2). ``fp8_products`` (fp8 pages only, module doc):
-    ``"f16"`` (each consumer converts K and V to f16), ``"e4m3_qk"`` (q rounded to e4m3 per row, ``q K^T`` on e4m3
-    tensor cores, V converted once per slot) or ``"e4m3x2_qk"`` (the same with q as two e4m3 tiles).
+    ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted to f16 once per slot) or
+    ``"e4m3_qk"`` (q rounded to one e4m3 tile).
     ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError``
     for what :func:`shape_reason` rejects and for an unknown ``fp8_products``.
     """
@@ -480,9 +457,9 @@ def paged_prefill_mgpu(
     if q_parts:  # e4m3 q tiles; f16 V buffers shared by the consumers
         q_tiles = plgpu.SMEM((_CONSUMERS * q_parts, BLOCK_Q, d), FP8_DTYPE, transforms=ring)
         kv16 = [plgpu.SMEM((_V16_BUFFERS, BLOCK_K, d), dtype, transforms=tiled)]
-    else:  # fp8: a converted K / V buffer per consumer
+    else:
         q_tiles = plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), dtype, transforms=tiled)
-        kv16 = [plgpu.SMEM((_CONSUMERS, BLOCK_K, d), dtype, transforms=tiled)] if fp8 else []
+        kv16 = []
     scratch = (
         (
             q_tiles,
