@@ -182,25 +182,38 @@ def test_seq_mosaic_gpu_one_long_sequence(rng):
               pad_tokens=0, mosaic_prep=True)
 
 
-def test_mosaic_seq_backend_is_opt_in(rng):
-    """``impl="mosaic-seq"`` of the public chunked op runs both Mosaic GPU kernels (here under the interpreter)
-    within the bf16 bound of the recurrent reference; ``auto`` never takes it (it sits below ``"pallas"``, which
-    takes every call) and it declines what the Mosaic GPU preparation kernel declines, with the reason."""
+def test_mosaic_seq_backend_takes_one_sequence_of_many_heads(rng, monkeypatch):
+    """``"mosaic-seq"`` runs both Mosaic GPU kernels (here under the interpreter, with the head floor lowered to
+    this small call's) within the bf16 bound of the recurrent reference; ``auto`` takes it on Hopper for one
+    sequence of at least ``MOSAIC_SEQ_MIN_HEADS`` value heads (where it was measured faster) and ``"mosaic"``
+    elsewhere; it declines several sequences, fewer heads and what the Mosaic GPU preparation kernel declines,
+    with the reason."""
     from kvjax.base.device import NAMED
     from kvjax.ops import gdn_on_pool
+    from kvjax.pallas.gdn import chunk as chunk_kernels
 
-    q, k, v, g, beta, cu, s0 = make_inputs(rng, [30, 50], 1, 2, 64, 64, jnp.bfloat16, pad_tokens=3)
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [70], 1, 2, 64, 64, jnp.bfloat16, pad_tokens=3)
+    call = gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.125, use_qk_l2norm=True)
+    assert "needs one sequence of >= 32 value heads" in chunk_kernels.mosaic_seq_unsupported(call, s0)
+    monkeypatch.setattr(chunk_kernels, "MOSAIC_SEQ_MIN_HEADS", 2)
     o, f = gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=0.125,
                                       use_qk_l2norm=True, impl="mosaic-seq:interpret")
-    ro, rf = gdn.recurrent_gated_delta_rule_reference(
-        gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.125, use_qk_l2norm=True), s0)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
                                                                                         rel_err(f, rf))
-    for table, example in ((gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=16 K=V=128"),
-                           (gdn_on_pool.PREFILL_TABLE, "prefill N=4 T=16384 H=32")):
-        args, kwargs = table.examples[example]()
-        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
-        assert table.choose("mosaic-seq", args, kwargs, NAMED["h100"])[0] == "mosaic-seq"
+    monkeypatch.undo()
+    for table, one, many, narrow in (
+            (gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=32 K=V=128", "prefill N=4 T=16384 H=32 K=V=128",
+             "prefill N=1 T=8192 H=16 K=V=128"),
+            (gdn_on_pool.PREFILL_TABLE, "prefill N=1 T=8192 H=32", "prefill N=4 T=16384 H=32",
+             "prefill N=1 T=8192 H=16, traced layer")):
+        args, kwargs = table.examples[one]()
+        assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic-seq"
+        assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
+        for name, want in ((many, "4 sequences of 32"), (narrow, "1 sequences of 16")):
+            args, kwargs = table.examples[name]()
+            assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
+            assert want in dict(table.explain(args, kwargs, NAMED["h100"]))["mosaic-seq"]
     args, kwargs = gdn.CHUNK_TABLE.examples["prefill N=2 T=512 H=8 K=96 V=128"]()
     reasons = dict(gdn.CHUNK_TABLE.explain(args, kwargs, NAMED["h100"]))
     assert "K and V in" in reasons["mosaic-seq"]

@@ -348,16 +348,18 @@ CHUNK_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
-        Backend("mosaic-seq", chunk_kernels.chunk_gated_delta_rule_mosaic_seq, priority=5, device=on_hopper,
-                unsupported=chunk_kernels.mosaic_prep_unsupported,
-                note="opt-in (below \"pallas\", which takes every call): the Mosaic GPU preparation and sequential "
-                     "kernels, until measured against \"mosaic\" on the GPU"),
+        Backend("mosaic-seq", chunk_kernels.chunk_gated_delta_rule_mosaic_seq, priority=30, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_seq_unsupported,
+                note="both Mosaic GPU kernels (preparation and sequential) for one sequence of >= 32 value heads: "
+                     "1.27x \"mosaic\" at 8192 / 32768 tokens on an H200 (benchmarks/RESULTS.md, GDN chunked "
+                     "prefill)"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
     ),
     examples={
         "prefill N=1 T=8192 H=16 K=V=128": lambda: example_call(8192, 1, 16),
+        "prefill N=1 T=8192 H=32 K=V=128": lambda: example_call(8192, 1, 32),
         "prefill N=4 T=16384 H=32 K=V=128": lambda: example_call(16384, 4, 32),
         "prefill N=2 T=512 H=8 K=96 V=128": lambda: example_call(512, 2, 8, kd=96),
     },

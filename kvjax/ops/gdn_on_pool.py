@@ -292,15 +292,17 @@ PREFILL_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
-        Backend("mosaic-seq", chunk_kernels.gdn_prefill_pool_mosaic_seq, priority=5, device=on_hopper,
-                unsupported=chunk_kernels.mosaic_prep_unsupported,
-                note="opt-in (below \"pallas\", which takes every call): the Mosaic GPU preparation and sequential "
-                     "kernels, until measured against \"mosaic\" on the GPU"),
+        Backend("mosaic-seq", chunk_kernels.gdn_prefill_pool_mosaic_seq, priority=30, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_seq_unsupported,
+                note="both Mosaic GPU kernels (preparation and sequential) for one sequence of >= 32 value heads: "
+                     "1.27x \"mosaic\" at 8192 / 32768 tokens on an H200 (benchmarks/RESULTS.md, GDN chunked "
+                     "prefill)"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),
     examples={
         "prefill N=4 T=16384 H=32": lambda: _example(16384, 4, 32, ragged=True),
+        "prefill N=1 T=8192 H=32": lambda: _example(8192, 1, 32, ragged=True),
         "prefill N=1 T=8192 H=16, traced layer": lambda: _example(8192, 1, 16, ragged=True, layer_traced=True),
     },
 )

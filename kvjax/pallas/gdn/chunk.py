@@ -516,7 +516,7 @@ chunk_gated_delta_rule_mosaic_seq = on_initial_state(
     _with_mosaic_seq,
     """Backend ``"mosaic-seq"`` of ``kvjax.ops.chunk_gated_delta_rule``: both Mosaic GPU kernels, the preparation
     (:mod:`kvjax.pallas.gdn.prep_mgpu`) and the sequential pass (:mod:`kvjax.pallas.gdn.seq_mgpu`), for the calls
-    :func:`mosaic_prep_unsupported` accepts.""")
+    :func:`mosaic_seq_unsupported` accepts.""")
 
 gdn_prefill_pool_mosaic_seq = on_slot_pool(
     _with_mosaic_seq,
@@ -526,7 +526,28 @@ gdn_prefill_pool_mosaic_seq = on_slot_pool(
 def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
     """Why the ``"mosaic"`` backends cannot take a call, or ``None``: the shapes the Mosaic GPU preparation kernel
     takes (:func:`kvjax.pallas.gdn.prep_mgpu.shape_reason`: bf16 q / k / v, K and V of 64 or 128, few value heads
-    per key head); the ``"mosaic-seq"`` backends' too (every call it accepts fits the Mosaic GPU sequential kernel:
-    bf16, K and V of 64 or 128, chunks of 64)."""
+    per key head). Every call it accepts fits the Mosaic GPU sequential kernel too (bf16, K and V of 64 or 128,
+    chunks of 64): :func:`mosaic_seq_unsupported` adds only where that one is faster."""
     del state
     return prep_mgpu_shape_reason(call.q, call.k, call.v, chunk=CHUNK)
+
+
+# The "mosaic-seq" backends take one sequence of at least this many value heads: there both Mosaic GPU kernels beat
+# the Mosaic preparation with the Triton sequential kernel (1.27x at 8192 and 32768 tokens, 16 / 32 heads, H200);
+# they lost at 16 value heads (0.91x, 8192 tokens) and at four sequences (0.85x, 8192 x 4, 16 / 32 heads).
+# RESULTS.md, "GDN chunked prefill".
+MOSAIC_SEQ_MIN_HEADS = 32
+
+
+def mosaic_seq_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
+    """Why the ``"mosaic-seq"`` backends decline a call, or ``None``: :func:`mosaic_prep_unsupported`'s shapes, and
+    one sequence (``cu_seqlens`` of two entries) of at least :data:`MOSAIC_SEQ_MIN_HEADS` value heads, where they
+    were measured faster than ``"mosaic"``."""
+    reason = mosaic_prep_unsupported(call, state)
+    if reason:
+        return reason
+    num_seqs = 1 if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
+    if num_seqs != 1 or call.v.shape[1] < MOSAIC_SEQ_MIN_HEADS:
+        return (f"needs one sequence of >= {MOSAIC_SEQ_MIN_HEADS} value heads (where it beat \"mosaic\"), got "
+                f"{num_seqs} sequences of {call.v.shape[1]} value heads")
+    return None

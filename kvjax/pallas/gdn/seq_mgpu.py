@@ -316,7 +316,7 @@ def seq_mgpu_call(
     *,
     out_dtype,
     block_v: int | None = None,
-    stages: int = 2,
+    stages: int | None = None,
     overlap: bool = True,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
@@ -325,7 +325,7 @@ def seq_mgpu_call(
     final state at its index. ``ValueError`` for what :func:`shape_reason` rejects, a non-bf16 ``out_dtype`` or
     ``stages`` below 1 or over the shared memory (:func:`smem_bytes`). ``block_v=None``: :func:`auto_block_v`.
     ``stages``: ring slots (shared memory at ``K = 128``: about 65 KB a slot at ``block_v = 64``, 61 KB at 32,
-    within 227 KB with the other tiles: 2 stages at 64, 3 at 32). ``overlap``: the loop form (module docstring).
+    within 227 KB with the other tiles: 2 stages at 64, 3 at 32, 1 at 128); ``None``: 2, or 1 where 2 do not fit. ``overlap``: the loop form (module docstring).
     ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
     if block_v is None:
         block_v = auto_block_v(rows.shape[0], u.shape[1], u.shape[3])
@@ -334,6 +334,8 @@ def seq_mgpu_call(
         raise ValueError(f"seq_mgpu {reason}")
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
+    if stages is None:
+        stages = 2 if smem_bytes(q.shape[2], block_v, 2) <= SMEM_BYTES else 1
     if stages < 1 or smem_bytes(q.shape[2], block_v, stages) > SMEM_BYTES:
         raise ValueError(f"seq_mgpu stages must be >= 1 and fit {SMEM_BYTES} bytes of shared memory, got {stages} "
                          f"({smem_bytes(q.shape[2], block_v, stages)} bytes at K={q.shape[2]}, block_v={block_v})")
