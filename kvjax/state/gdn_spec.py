@@ -6,8 +6,9 @@ The choice (issue 36): per-position states kept in the step and the accepted one
 allocator, prefix caching's checkpoint slots and every GDN kernel stay as they are (a verification row is an
 ordinary ragged row whose final state the chunked kernel writes as always), the extra memory lives only during a
 verification step (``[L, B, K+1, ...]`` instead of ``[L, S, K, ...]`` for the engine's lifetime), and the
-rollback is one scatter per array. Which is faster on a GPU (the scan of :mod:`kvjax.ops.spec_states` against
-slot-indexed kernels writing ``K + 1`` slots) is to be measured.
+rollback is one scatter per array. Measured on one layer's verification work (``benchmarks/rollback.py``), the
+pool-slot form moves two state transfers fewer a row and is 1.5x faster from 16 rows (RESULTS.md, "GDN state
+rollback"); adopting it means moving each row's slot to its accepted position's after every sub-step.
 
 A step: :func:`attach` puts zeroed :class:`VerifyStates` on the pool before the model runs; each GDN layer calls
 :func:`record` (the states after each of its verification rows' positions, from the row's state before the step
