@@ -325,7 +325,8 @@ def seq_mgpu_call(
     final state at its index. ``ValueError`` for what :func:`shape_reason` rejects, a non-bf16 ``out_dtype`` or
     ``stages`` below 1 or over the shared memory (:func:`smem_bytes`). ``block_v=None``: :func:`auto_block_v`.
     ``stages``: ring slots (shared memory at ``K = 128``: about 65 KB a slot at ``block_v = 64``, 61 KB at 32,
-    within 227 KB with the other tiles: 2 stages at 64, 3 at 32, 1 at 128); ``None``: 2, or 1 where 2 do not fit. ``overlap``: the loop form (module docstring).
+    within 227 KB with the other tiles: 2 stages at 64, 3 at 32, 1 at 128); ``None``: 2, or 1 where 2 do not
+    fit. ``overlap``: the loop form (module docstring).
     ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
     if block_v is None:
         block_v = auto_block_v(rows.shape[0], u.shape[1], u.shape[3])
