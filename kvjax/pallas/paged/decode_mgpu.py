@@ -76,7 +76,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 _Q_PARTS = 2  # e4m3 tiles q is split into over fp8 pages (prefill_mgpu's "e4m3x2_qk")
 _LOG2E = math.log2(math.e)
 _LSE_ROWS = 8  # rows of the output tile that carry the log-sum-exp (one copy with the partial output)
-_TARGET_CTAS = 1024  # splits until about this many CTAs (two a SM on 132 SMs, four waves)
+_TARGET_CTAS = 1024  # splits until about this many CTAs (untuned: the Triton decode's target; to measure)
 
 
 def _kernel(
