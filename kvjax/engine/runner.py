@@ -120,8 +120,9 @@ XLA_COMMAND_BUFFER_DEFAULTS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "C
 
 def step_compiler_options(platform: str, model_size: int) -> dict[str, str]:
     """XLA options of the engine's jitted step: on GPUs with a ``"model"`` axis of more than one device (tensor
-    parallel), command buffers that also take the collectives; else none (XLA's defaults). A per-jit option, so
-    the process's ``XLA_FLAGS`` and every other jitted function keep theirs."""
+    parallel), command buffers that also take the collectives; else none (XLA's defaults). A per-jit option: other
+    jitted functions and the rest of ``XLA_FLAGS`` are untouched, but an ``--xla_gpu_enable_command_buffer`` there
+    no longer reaches this step."""
     if platform != "gpu" or model_size == 1:
         return {}
     return {"xla_gpu_enable_command_buffer": ",".join((*XLA_COMMAND_BUFFER_DEFAULTS, "COLLECTIVES"))}
