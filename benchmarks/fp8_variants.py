@@ -2,8 +2,8 @@
 kernel over fp8 pages at its default and each ``--stages``, with the copy rate of the same bytes measured in the
 same run. Prefill over fp8 pages: ``benchmarks/fp8_prefill.py``.
 
-Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3]`` (``benchmarks/`` finds its own imports; ``kvjax``
-on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and device time (profiler), both
+Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3] [--mgpu-stages 3]`` (``benchmarks/`` finds its own
+imports; ``kvjax`` on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and device time (profiler), both
 medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16 pages, the kernel's bytes over
 its time against an XLA copy of the same bytes (read + written) timed in the same run, and the max error against
 the float32 reference.
