@@ -45,7 +45,7 @@ before. The value scales reach the probabilities relative to a running reference
 of the walk so far, a power of two like them, so a probability is never multiplied by a tiny scale before its f16
 cast), the accumulator being kept in units of that reference and rescaled, exactly, when it grows. The backend
 table takes this path for fp8 pages where the shapes allow it. A third form, converting K and V to f16 in each
-consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.32x slower; it is deleted (HISTORY.md).
+consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.31x slower; it is deleted (HISTORY.md).
 
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
