@@ -41,7 +41,7 @@ e4m3 or f16), each slower than the conversion to q's dtype, and a conversion by 
 instructions) with V converted in its load layout so that ``P V`` reads it with transposed ``ldmatrix`` instead of a
 byte-wise shared-memory gather: its SASS had neither, its time did not improve; a block's page ids read one block
 ahead or in one layout for K and V (no synchronous page-id load before the next block's copies): slower; a
-CUDA-core kernel (f32 broadcast products, a softmax per key slot, V never transposed): 0.59-0.69x this one over fp8
+CUDA-core kernel (f32 broadcast products, a softmax per key slot, V never transposed): 0.51-0.82x this one over fp8
 pages (RESULTS.md "fp8 (e4m3) pages").
 """
 

@@ -26,14 +26,15 @@ has a supported swizzle):
 
 Why tensor cores and not CUDA-core math for G = 4: per key the CTA moves 2 D = 256 bytes (fp8) and does
 ``2 * 2 G D = 2048`` FLOPs (``q.k`` and ``p v``); at 4.8 TB/s that is 38 TFLOP/s of f32 FMA work plus a conversion
-per byte, about the CUDA cores' whole rate, where the measured CUDA-core decode was 0.59-0.69x the tensor-core
+per byte, about the CUDA cores' whole rate, where the measured CUDA-core decode was 0.51-0.82x the tensor-core
 one (HISTORY.md). Transposed, a slot of 128 keys is 2 e4m3 and one f16 wgmma of N = 16 (the tensor cores idle),
 its softmax touches ``128 x 16`` logits (16 a thread; 4 of them real), and the V conversion is 128 cvt per key, a
 thread doing 128 a slot: the consumer's work per byte stays well below the copy's, the ring keeps
 ``stages x 32 KiB`` of copies in flight per CTA. Shared memory at D = 128 over fp8 pages (planned sizes, not
 measured): 32 KiB a stage, the f16 V buffer 32 KiB, q / P^T / output tiles 4 + 4 + 12 KiB: about 116 KiB at 2
-stages, so one CTA an SM (a second would need the V buffer or the output tile to shrink or alias the ring). The softmax reduces over keys, i.e. over the accumulator's rows, which span the warpgroup's four warps:
-the compiler's cross-warp reduction (a shared-memory round trip) per slot.
+stages, so one CTA an SM (a second would need the V buffer or the output tile to shrink or alias the ring). The
+softmax reduces over keys, i.e. over the accumulator's rows, which span the warpgroup's four warps: the compiler's
+cross-warp reduction (a shared-memory round trip) per slot.
 
 Masks and scales per key row, computed per slot from the slot's pages (scalars read from the block table and the
 scale vectors): a key is visible iff its page is not a hole, it lies in the walk of this split, ``kpos <= pos`` and
