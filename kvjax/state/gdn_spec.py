@@ -7,7 +7,7 @@ allocator, prefix caching's checkpoint slots and every GDN kernel stay as they a
 ordinary ragged row whose final state the chunked kernel writes as always), the extra memory lives only during a
 verification step (``[L, B, K+1, ...]`` instead of ``[L, S, K, ...]`` for the engine's lifetime), and the
 rollback is one scatter per array. Measured on one layer's verification work (``benchmarks/rollback.py``), the
-pool-slot form moves two state transfers fewer a row and is 1.5x faster from 16 rows (RESULTS.md, "GDN state
+pool-slot form moves three state transfers fewer a row and is 1.5x faster from 16 rows (RESULTS.md, "GDN state
 rollback"); adopting it means moving each row's slot to its accepted position's after every sub-step.
 
 A step: :func:`attach` puts zeroed :class:`VerifyStates` on the pool before the model runs; each GDN layer calls
