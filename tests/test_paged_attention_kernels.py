@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.paged import build_batch, check_fp8, checked_call, quantise_pages, reference_f32, reference_fp8, rel_err
+from helpers.paged import (build_batch, check_fp8, checked_call, poison_hole, quantise_pages, reference_f32,
+                           reference_fp8, rel_err)
 from kvjax.base.device import NAMED
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.errors import UnknownImplError
@@ -120,12 +121,8 @@ def test_prefill_mosaic_interpret(rng):
 
     args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
                            window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
-    q, k, v, table, ctx = args
-    table = np.asarray(table).copy()
-    k = k.at[table[0, 0, 1]].set(jnp.nan)
-    v = v.at[table[0, 0, 1]].set(jnp.nan)
-    table[0, 0, 1] = -1
-    args = (q, k, v, jnp.asarray(table), ctx)
+    args = poison_hole(args)
+    k, v = args[1], args[2]
     ref = reference_f32(args, kw)
     out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True), np.float32)
     assert rel_err(out, ref) <= 1e-2

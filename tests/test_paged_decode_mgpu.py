@@ -30,24 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.paged import P_ROUND_F16, build_batch, checked_call, fp8_bound, quantise_pages, reference_fp8
+from helpers.paged import (P_ROUND_F16, build_batch, checked_call, e4m3_split_q, fp8_bound, poison_hole,
+                           quantise_pages, reference_fp8)
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.ops.attention import paged_attention_reference
 from kvjax.pallas.paged import decode_mgpu
-
-
-def _q_eff(q) -> np.ndarray:  # f32[T, Hq, D]: q as the kernel multiplies it over fp8 pages
-    """Per (token, head): ``s = 2**(floor(log2 max|q|) - 7)`` (numpy ``frexp``), ``h = e4m3(q / s)``,
-    ``l = e4m3(q / s - h)``; ``s (h + l)``."""
-    q = np.asarray(q, np.float32)
-    amax = np.abs(q).max(axis=-1, keepdims=True)
-    _, k = np.frexp(np.where(amax > 0, amax, 1.0))
-    s = np.ldexp(np.float32(1.0), k - 8).astype(np.float32)
-    y, total = q / s, np.zeros_like(q)
-    for _ in range(2):
-        h = np.asarray(jnp.asarray(y).astype(FP8_DTYPE), np.float32)
-        total, y = total + h, y - h
-    return total * s
 
 
 def _k_max(args, scales) -> np.ndarray:  # f32[T, Hq]: max |k| over each token's row's finite keys (all heads)
@@ -64,18 +51,13 @@ def _batch(rng, *, page_size, ctx, window, sinks, dtype=jnp.bfloat16, hq=8, hkv=
     new = [1 if c > 0 else 0 for c in ctx]
     args, kw = build_batch(rng, hq=hq, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new, window=window,
                            sinks=sinks, dtype=dtype, tail_fill=300.0, extra_tokens=extra_tokens)
-    q, k, v, table, seq_lens = args
-    table = np.asarray(table).copy()
-    k = k.at[table[0, 0, 1]].set(jnp.nan)
-    v = v.at[table[0, 0, 1]].set(jnp.nan)
-    table[0, 0, 1] = -1
-    return (q, k, v, jnp.asarray(table), seq_lens), kw
+    return poison_hole(args), kw
 
 
 def _check_fp8(out, args, scales, kw, n_keys: int, acc_rel: float = 0.0) -> dict:
     """Both checks of the module doc; returns the largest errors."""
     q, k8, v8, table, seq_lens = args
-    q_eff = _q_eff(q)
+    q_eff = e4m3_split_q(q, 2)
     ref_eff, abs_v, v_max = reference_fp8((jnp.asarray(q_eff), k8, v8, table, seq_lens), scales, kw)
     ref, _, _ = reference_fp8(args, scales, kw)
     out = np.asarray(out, np.float32)

@@ -30,25 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.paged import P_ROUND_F16, build_batch, checked_call, fp8_bound, quantise_pages, reference_fp8
+from helpers.paged import (P_ROUND_F16, build_batch, checked_call, e4m3_split_q, fp8_bound, poison_hole,
+                           quantise_pages, reference_fp8)
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.pallas.paged import prefill_mgpu
 
 E4M3_MODES = {"e4m3_qk": 1, "e4m3x2_qk": 2}  # fp8_products -> e4m3 tiles per q row
-
-
-def _q_eff(q, parts: int) -> np.ndarray:  # f32[T, H, D]: q as the kernel multiplies it
-    """q rounded the kernel's way, from numpy: per (token, head) row ``s = 2**(floor(log2 max|q|) - 7)`` (``2**-7``
-    for a zero row), ``h = e4m3(q / s)``, ``l = e4m3(q / s - h)``; ``s (h [+ l])``."""
-    q = np.asarray(q, np.float32)
-    amax = np.abs(q).max(axis=-1, keepdims=True)
-    _, k = np.frexp(np.where(amax > 0, amax, 1.0))  # amax = m 2**k, m in [0.5, 1): floor(log2 amax) = k - 1
-    s = np.ldexp(np.float32(1.0), k - 8).astype(np.float32)
-    y, total = q / s, np.zeros_like(q)
-    for _ in range(parts):
-        h = np.asarray(jnp.asarray(y).astype(FP8_DTYPE), np.float32)
-        total, y = total + h, y - h
-    return total * s
 
 
 def _logit_shift(dq, args, scales, kwargs) -> np.ndarray:  # f32[T, Hq]: eps per (token, head)
@@ -78,7 +65,7 @@ def _check(out, args, scales, kwargs, parts: int, n_keys: int, acc_rel: float = 
     """Both checks of the module doc (``acc_rel``: the tensor cores' accumulation error, relative to
     ``|q_eff| . |k_j|``); returns the errors."""
     q, k8, v8, table, seq_lens = args
-    q_eff = _q_eff(q, parts)
+    q_eff = e4m3_split_q(q, parts)
     ref_eff, abs_v, v_max = reference_fp8((jnp.asarray(q_eff), k8, v8, table, seq_lens), scales, kwargs)
     ref, _, _ = reference_fp8(args, scales, kwargs)
     out = np.asarray(out, np.float32)
@@ -101,11 +88,8 @@ def _batch(rng, *, page_size: int, ctx, new, hq: int, hkv: int, d: int, window, 
     args, kw = build_batch(rng, hq=hq, hkv=hkv, d=d, page_size=page_size, ctx=ctx, new=new, window=window, sinks=sinks,
                            dtype=jnp.bfloat16, tail_fill=300.0)
     q, k, v, table, seq_lens = args
-    table = np.asarray(table).copy()
-    k = k.at[table[0, 0, 1]].set(jnp.nan)
-    v = v.at[table[0, 0, 1]].set(jnp.nan).at[table[loud[0], 0, loud[1]]].multiply(8.0)
-    table[0, 0, 1] = -1
-    args, scales = quantise_pages((q, k, v, jnp.asarray(table), seq_lens))
+    v = v.at[np.asarray(table)[loud[0], 0, loud[1]]].multiply(8.0)
+    args, scales = quantise_pages(poison_hole((q, k, v, table, seq_lens)))
     return args, scales, kw
 
 
@@ -130,7 +114,7 @@ def test_q_split_is_exact_for_bf16():
     q = np.asarray(jnp.asarray(rng.standard_normal((64, 4, 128)) * np.exp2(rng.integers(-8, 8, (64, 4, 1))),
                                jnp.bfloat16), np.float32)
     s = np.ldexp(np.float32(1.0), np.frexp(np.abs(q).max(axis=-1, keepdims=True))[1] - 8)
-    two, one = _q_eff(q, 2), _q_eff(q, 1)
+    two, one = e4m3_split_q(q, 2), e4m3_split_q(q, 1)
     big = np.abs(q) >= 2.0 ** -2 * s  # normal-range residuals
     np.testing.assert_array_equal(two[big], q[big])
     assert (np.abs(two - q) <= 2.0 ** -10 * s).all()

@@ -63,6 +63,31 @@ def build_batch(rng, *, hq, hkv, d, page_size, ctx, new, window, sinks, dtype=jn
     return args, kwargs
 
 
+def poison_hole(args, row: int = 0, head: int = 0, block: int = 1):
+    """``args`` with the page at ``table[row, head, block]`` filled with NaN (K and V) and that entry made a ``-1``
+    hole: a kernel that reads a hole's page fails."""
+    q, k, v, table, seq_lens = args
+    table = np.asarray(table).copy()
+    page = table[row, head, block]
+    table[row, head, block] = -1
+    return q, k.at[page].set(jnp.nan), v.at[page].set(jnp.nan), jnp.asarray(table), seq_lens
+
+
+def e4m3_split_q(q, parts: int) -> np.ndarray:  # f32[T, H, D]: q as the Mosaic kernels multiply it over fp8 pages
+    """q as ``parts`` e4m3 tiles, from numpy: per (token, head) row ``s = 2**(floor(log2 max|q|) - 7)`` (``2**-7``
+    for a zero row, from ``frexp``: independent of the kernels' bit arithmetic), ``h = e4m3(q / s)``,
+    ``l = e4m3(q / s - h)``; ``s (h [+ l])``."""
+    q = np.asarray(q, np.float32)
+    amax = np.abs(q).max(axis=-1, keepdims=True)
+    _, k = np.frexp(np.where(amax > 0, amax, 1.0))  # amax = m 2**k, m in [0.5, 1): floor(log2 amax) = k - 1
+    s = np.ldexp(np.float32(1.0), k - 8).astype(np.float32)
+    y, total = q / s, np.zeros_like(q)
+    for _ in range(parts):
+        h = np.asarray(jnp.asarray(y).astype(FP8_DTYPE), np.float32)
+        total, y = total + h, y - h
+    return total * s
+
+
 def checked_call(args, kwargs, scales=None) -> PagedAttentionCall:
     """The checked call of the batch ``args, kwargs`` (fp8 pages: with ``scales``), as the op hands it down."""
     return check_call(PagedAttentionCall(*args, **kwargs, **(scales or {})))
