@@ -2,7 +2,7 @@
 kernel over fp8 pages at its default and each ``--stages``, with the copy rate of the same bytes measured in the
 same run. Prefill over fp8 pages: ``benchmarks/fp8_prefill.py``.
 
-Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3] [--mgpu-stages 3]`` (``benchmarks/`` finds its own
+Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3]`` (``benchmarks/`` finds its own
 imports; ``kvjax`` on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and device time (profiler), both
 medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16 pages, the kernel's bytes over
 its time against an XLA copy of the same bytes (read + written) timed in the same run, and the max error against
@@ -10,8 +10,7 @@ the float32 reference.
 
 B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (the bf16 and fp8 batches of ``benchmarks/attention.py``):
 bf16 pages through ``auto`` (the split-KV kernel), then the split-KV kernel over the fp8 pages at its default
-``num_stages`` and at each of ``--stages``, then the Mosaic GPU decode over fp8 pages (default stages, each of
-``--mgpu-stages``) and over the bf16 pages (default). Bytes: the pages read (fp8: 1 byte a value plus one f32
+``num_stages`` and at each of ``--stages``. Bytes: the pages read (fp8: 1 byte a value plus one f32
 scale per page for K and V). Error: max ``|out - reference|`` over the same fp8 pages, beside the largest output.
 """
 
@@ -64,19 +63,19 @@ def _checked_call(q, kp, vp, bt, sl, cu, *, scales=None):
     return check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, k_scale=k_scale, v_scale=v_scale))
 
 
-def decode_part(stages: tuple[int, ...], mgpu_stages: tuple[int, ...] = ()) -> None:
+def decode_part(stages: tuple[int, ...]) -> None:
     for ps in DECODE_PAGES:
-        _decode_page(ps, stages, mgpu_stages)
+        _decode_page(ps, stages)
 
 
-def _decode_page(ps: int, stages: tuple[int, ...], mgpu_stages: tuple[int, ...] = ()) -> None:
+def _decode_page(ps: int, stages: tuple[int, ...]) -> None:
     import jax
 
     import timing
     from attention import _decode_batch, _paged_auto, _quantise, kv_bytes
 
     from kvjax.ops import paged_attention
-    from kvjax.pallas.paged import decode, decode_mgpu
+    from kvjax.pallas.paged import decode
 
     b, l, hq, hkv, d = DECODE
     q, kp, vp, bt, _, sl, cu = _decode_batch(b, l, hq, hkv, d, ps, seed=1)
@@ -88,19 +87,14 @@ def _decode_page(ps: int, stages: tuple[int, ...], mgpu_stages: tuple[int, ...] 
     for st in (None, *stages):
         calls["fp8 (default)" if st is None else f"fp8 stages={st}"] = functools.partial(decode.paged_decode,
                                                                                          num_stages=st)
-    for st in (None, *mgpu_stages):
-        calls["mgpu fp8 (default)" if st is None else f"mgpu fp8 stages={st}"] = functools.partial(
-            decode_mgpu.paged_decode_mgpu, stages=st)
     for name, f in calls.items():
         runners[name] = lambda _f=f: _f(call8)
-    call16 = _checked_call(q, kp, vp, bt, sl, cu)
-    runners["mgpu bf16 pages"] = lambda: decode_mgpu.paged_decode_mgpu(call16)
     ref = jax.jit(lambda *a, **kw: paged_attention(*a, cu_seqlens=cu, impl="reference", **kw))
     ref8, ref16 = ref(q, kp8, vp8, bt, sl, k_scale=ks, v_scale=vs), ref(q, kp, vp, bt, sl)
     errs = {"bf16 pages (auto)": _err(runners["bf16 pages (auto)"](), ref16)}
-    for name in (*calls, "mgpu bf16 pages"):
+    for name in calls:
         try:
-            errs[name] = _err(runners[name](), ref16 if "bf16" in name else ref8)
+            errs[name] = _err(runners[name](), ref8)
         except Exception as e:  # a setting the compiler rejects is reported, the others still run
             errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
             del runners[name]
@@ -119,14 +113,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="3", help="num_stages of the fp8 decode kernel beside its default (2), "
                    "comma-separated; empty: the default only")
-    p.add_argument("--mgpu-stages", default="3", help="stages of the Mosaic GPU decode beside its default (2), "
-                   "comma-separated; empty: the default only")
     args = p.parse_args(argv)
     import jax
 
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    decode_part(tuple(int(x) for x in args.stages.split(",") if x.strip()),
-                tuple(int(x) for x in args.mgpu_stages.split(",") if x.strip()))
+    decode_part(tuple(int(x) for x in args.stages.split(",") if x.strip()))
 
 
 if __name__ == "__main__":

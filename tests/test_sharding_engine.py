@@ -158,22 +158,6 @@ def test_a_mesh_that_is_not_a_mesh_is_refused(mesh):
         Engine(mesh_qwen_model(), _cache(8), mesh=mesh)
 
 
-def test_tensor_parallel_steps_put_collectives_in_command_buffers():
-    # only a GPU step split over "model" gets XLA options (command buffers with the collectives beside XLA's
-    # defaults); the option string is one XLA parses (an unknown kind would fail this compile: XLA checks every
-    # debug option's value whatever the platform)
-    from kvjax.engine.runner import XLA_COMMAND_BUFFER_DEFAULTS, step_compiler_options
-
-    assert step_compiler_options("cpu", 4) == {} and step_compiler_options("gpu", 1) == {}
-    opts = step_compiler_options("gpu", 2)
-    kinds = opts["xla_gpu_enable_command_buffer"].split(",")
-    assert set(kinds) == {*XLA_COMMAND_BUFFER_DEFAULTS, "COLLECTIVES"} and len(kinds) == len(set(kinds))
-    x = np.random.default_rng(0).standard_normal(5).astype(np.float32)
-    np.testing.assert_array_equal(jax.jit(lambda a: a * 2, compiler_options=opts)(x), x * 2)
-    with pytest.raises(Exception, match="not a valid enum value"):
-        jax.jit(lambda a: a * 3, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,NO_SUCH_KIND"})(x)
-
-
 def test_cli_mesh_usage_errors(capsys):
     import kvjax.cli.run as cli_run
 

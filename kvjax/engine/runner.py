@@ -111,23 +111,6 @@ def layout_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
                        localize=localize, drafting=drafts)
 
 
-# XLA's default command-buffer (CUDA graph) op kinds on a GPU (xla/debug_options_flags.cc), and the collectives
-# beside them for a step split over "model": its all-reduces then run inside the step's graphs instead of being
-# launched one by one by the host (HISTORY run 83, 4x H200, the tp preset on a 1x4 mesh: 2.242 against 2.549 ms a
-# decode sub-step; loops and conditionals in the graphs too: 2.300).
-XLA_COMMAND_BUFFER_DEFAULTS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION")
-
-
-def step_compiler_options(platform: str, model_size: int) -> dict[str, str]:
-    """XLA options of the engine's jitted step: on GPUs with a ``"model"`` axis of more than one device (tensor
-    parallel), command buffers that also take the collectives; else none (XLA's defaults). A per-jit option: other
-    jitted functions and the rest of ``XLA_FLAGS`` are untouched, but an ``--xla_gpu_enable_command_buffer`` there
-    no longer reaches this step."""
-    if platform != "gpu" or model_size == 1:
-        return {}
-    return {"xla_gpu_enable_command_buffer": ",".join((*XLA_COMMAND_BUFFER_DEFAULTS, "COLLECTIVES"))}
-
-
 def engine_model(model: Any, mesh: Mesh | None) -> ShardedModel | None:
     """The :class:`ShardedModel` an engine runs (``None`` on one device without a mesh): ``model`` itself if it is
     one, else ``shard_model(model, mesh)``. ``ValueError`` for a mesh that is not a ``("data", "model")``
@@ -205,8 +188,7 @@ class Runner:
                                    unroll=unroll, drafting=drafting)
             return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll, drafting)
 
-        self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5),
-                           compiler_options=step_compiler_options(platform, self.model_size))
+        self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
         if sharded is None:
             self.no_tokens = jnp.zeros(max_seqs * burst, jnp.int32)  # i32[R]: the "previous step" of none
         else:
