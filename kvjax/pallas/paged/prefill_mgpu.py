@@ -142,7 +142,6 @@ def _kernel(
     dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
-    qk8 = q_parts > 0  # q K^T on e4m3 tensor cores, q as the sum of q_parts e4m3 tiles
     n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
 
     def page_at(s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
@@ -178,7 +177,7 @@ def _kernel(
                 q_rows = stage[...]
             else:
                 q_rows = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
-            if qk8:  # e4m3 tiles q = s (h + l): h = e4m3(q / s), l = e4m3(q / s - h) (q_parts 2); s per row
+            if fp8:  # e4m3 tiles q = s (h + l): h = e4m3(q / s), l = e4m3(q / s - h) (q_parts 2); s per row
                 x = q_rows.astype(jnp.float32)
                 q_scale, inv = q_row_scales(jnp.abs(x).max(axis=1))
                 y = x * lax.broadcast_in_dim(inv, x.shape, [0])
@@ -194,7 +193,7 @@ def _kernel(
                 plgpu.commit_smem()
             return q_scale
 
-        if qk8:  # the row scales of q, carried in registers (1 for a warpgroup without tokens: never used)
+        if fp8:  # the row scales of q, carried in registers (1 for a warpgroup without tokens: never used)
             q_scale = lax.cond(n_rows > 0, load_q,
                                lambda: cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32), row_layout, interpret))
         else:
@@ -214,7 +213,7 @@ def _kernel(
                 return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
             return jnp.where(kcol < page_size, values[0], values[1])
 
-        def convert_v_half(slot, buf):  # qk8: this consumer's half of the V slot as f16 into shared buffer buf
+        def convert_v_half(slot, buf):  # fp8: this consumer's half of the V slot as f16 into shared buffer buf
             plgpu.barrier_wait(v_full.at[slot])
             keys = pl.ds(pl.multiple_of(wg * BLOCK_Q, BLOCK_Q), BLOCK_Q)
             src, dst = v_smem.at[slot, keys], kv16_smem[0].at[buf, keys]
@@ -246,27 +245,27 @@ def _kernel(
                 acc, m_i, l_i, *v_ref = carry
                 k_op = k_smem.at[slot]
 
-                def qk_product(acc_ref):  # qk8: e4m3 x e4m3 straight from the ring; V converted meanwhile
+                def qk_product(acc_ref):  # fp8: e4m3 x e4m3 straight from the ring; V converted meanwhile
                     for part in range(max(q_parts, 1)):
                         plgpu.wgmma(acc_ref, q_smem.at[wg * max(q_parts, 1) + part], plgpu.transpose_ref(k_op, (1, 0)))
-                    if qk8:
+                    if fp8:
                         convert_v_half(slot, buf)
                     sync_schedule()
                     return acc_ref[...]
 
                 if interpret:  # the interpreter has no transposed wgmma operand: the same product in jnp
-                    if qk8:
+                    if fp8:
                         q_rows = sum(q_smem[wg * q_parts + part].astype(jnp.float32) for part in range(q_parts))
                         qk = jnp.dot(q_rows, k_op[...].astype(jnp.float32).T, preferred_element_type=jnp.float32)
                     else:
                         qk = jnp.dot(q_smem[wg], k_op[...].T, preferred_element_type=jnp.float32)
-                    if qk8:
+                    if fp8:
                         convert_v_half(slot, buf)
                     sync_schedule()
                 else:
                     qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if qk8:  # q's row scale times the key column's page scale
+                if fp8:  # q's row scale times the key column's page scale
                     rows = [lax.broadcast_in_dim(q_scale * page_scale(ks_ref, page), qk.shape, [0]) for page in pages]
                     qk = qk * (rows[0] if per_slot == 1 else jnp.where(kcol < page_size, rows[0], rows[1]))
 
@@ -294,7 +293,7 @@ def _kernel(
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
                 plgpu.barrier_arrive(sched)
-                if qk8:  # both halves converted
+                if fp8:  # both halves converted
                     plgpu.barrier_wait(v_conv[0].at[buf])
                     v_op = kv16_smem[0].at[buf]
                 else:
@@ -315,15 +314,15 @@ def _kernel(
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i, *v_ref
 
-            def skip(carry):  # qk8: the other consumer may need the slot: this one still converts its half
+            def skip(carry):  # fp8: the other consumer may need the slot: this one still converts its half
                 plgpu.barrier_arrive(k_free.at[slot])
-                if qk8:
+                if fp8:
                     convert_v_half(slot, buf)
                 sync_schedule()
-                plgpu.barrier_wait(v_conv[0].at[buf] if qk8 else v_full.at[slot])
+                plgpu.barrier_wait(v_conv[0].at[buf] if fp8 else v_full.at[slot])
                 sync_schedule()
                 wait_next_k(j)
-                if not qk8:
+                if not fp8:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return carry
 
