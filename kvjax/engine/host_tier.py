@@ -103,8 +103,10 @@ def coalesce(ops: Sequence[CopyOp]) -> list[CopyOp]:
 
 
 def _disjoint(a: CopyOp, b: CopyOp) -> bool:
-    """No device page or checkpoint slot of ``a`` is one of ``b``'s."""
-    return not (np.isin(a.pages_dev, b.pages_dev).any() or np.isin(a.ckpts_dev, b.ckpts_dev).any())
+    """No device page or checkpoint slot of ``a`` is one of ``b``'s (Python sets: a group names tens of pages,
+    where ``np.isin``'s sort costs more than the lookups)."""
+    return all(not (len(x) and len(y)) or set(x.tolist()).isdisjoint(y.tolist())
+               for x, y in ((a.pages_dev, b.pages_dev), (a.ckpts_dev, b.ckpts_dev)))
 
 
 def _join(a: CopyOp, b: CopyOp) -> CopyOp:
@@ -314,16 +316,18 @@ class HostStore:
     def _place(self, ids: np.ndarray, rows_per_slab: int) -> np.ndarray:
         """Map host ids ``ids`` (i64[k]) to fresh slabs of ``rows_per_slab`` rows, in order; returns the slab ids."""
         k = len(ids)
+        if not k:
+            return np.zeros(0, np.int64)
         n = -(-k // rows_per_slab)
-        top = int(ids.max()) + 1 if k else 0
+        top = int(ids.max()) + 1
         if top > len(self._loc):
             grown = np.full((max(top, 2 * len(self._loc)), 2), -1, np.int64)
             grown[: len(self._loc)] = self._loc
             self._loc = grown
-        slab = self._next + np.arange(k) // rows_per_slab
-        self._loc[ids, 0], self._loc[ids, 1] = slab, np.arange(k) % rows_per_slab
-        for s, count in zip(range(self._next, self._next + n), np.bincount(slab - self._next, minlength=n).tolist()):
-            self.live[s] = count
+        slab, row = np.divmod(np.arange(k), rows_per_slab)
+        self._loc[ids, 0], self._loc[ids, 1] = slab + self._next, row
+        self.live.update(zip(range(self._next, self._next + n),
+                             [rows_per_slab] * (n - 1) + [k - (n - 1) * rows_per_slab]))
         self._next += n
         return np.arange(self._next - n, self._next)
 
@@ -345,9 +349,10 @@ class HostStore:
             states += s
             at_p, at_c = at_p + k, at_c + m
             self.stats.calls += 1
-        for s, x in zip([*page_slabs.tolist(), *state_slabs.tolist()], pages + states):
-            self.slabs[s] = x
-            self.stats.bytes_out += x.nbytes
+        self.slabs.update(zip([*page_slabs.tolist(), *state_slabs.tolist()], pages + states))
+        # every page slab has one shape, every checkpoint slab another
+        self.stats.bytes_out += (len(pages) * pages[0].nbytes if pages else 0) + (
+            len(states) * states[0].nbytes if states else 0)
         self.stats.pages_out += op.num_pages
         self.stats.ckpts_out += op.num_ckpts
 
@@ -359,8 +364,9 @@ class HostStore:
         src = inv.reshape(-1) * self.chunk + loc[:, 1]
         moved = jax.device_put([self.slabs[s] for s in ids.tolist()] + [self.slabs[s] for s in cloc[:, 0].tolist()],
                                self._device)  # one batched host -> device transfer
-        self.stats.bytes_in += sum(x.nbytes for x in moved)
         pages, states = moved[: len(ids)], moved[len(ids):]
+        self.stats.bytes_in += (len(pages) * pages[0].nbytes if pages else 0) + (
+            len(states) * states[0].nbytes if states else 0)
         # counts padded to powers of two (repeating a slab) so the scatter compiles a few times; padding writes
         # nowhere (destinations out of range)
         n, m = (_bucket(len(pages)) if pages else 0), (_bucket(len(states)) if states else 0)
