@@ -76,18 +76,23 @@ SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), model=d
 # default length (an MTP engine's default), "burst 16" / "burst 32" in bursts of that many sub-steps. ``flat_tokens=
 # MEASURED``: the rule's flat region measured in this run from plain decoding's sub-step times at every row count
 # (:func:`kvjax.experiments.spec_runs.flat_tokens_from`; the default where they do not grow). "plain burst 32": plain
-# decoding in bursts as long as the longest verification bursts. "off above 16 rows": ``disable_by_batch_size=16``.
+# decoding in bursts as long as the longest verification bursts. "rule off" and "measured rule" lines draft at any row
+# count (``disable_by_batch_size=None``); the others keep its default (no drafts above 16 rows); "off above 16 rows"
+# names it (16).
 MEASURED = "measured"
 MODES = (
     ("plain", None, {}, None),
     ("plain burst 32", None, dict(decode_burst=32), None, 64),
     ("ngram K={k}", dict(method="ngram"), {}, "each"),
-    ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None), {}, "max"),
+    ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None, disable_by_batch_size=None), {}, "max"),
     ("mtp K={k}", dict(method="mtp"), dict(decode_burst=1), "each"),
     ("mtp K={k} burst", dict(method="mtp"), dict(decode_burst="auto"), "each"),
-    ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst="auto"), "max"),
-    ("mtp K={k} burst 16 rule off", dict(method="mtp", flat_tokens=None), dict(decode_burst=16), "max"),
-    ("mtp K={k} burst 32 measured rule", dict(method="mtp", flat_tokens=MEASURED), dict(decode_burst=32), "max"),
+    ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None, disable_by_batch_size=None),
+     dict(decode_burst="auto"), "max"),
+    ("mtp K={k} burst 16 rule off", dict(method="mtp", flat_tokens=None, disable_by_batch_size=None),
+     dict(decode_burst=16), "max"),
+    ("mtp K={k} burst 32 measured rule", dict(method="mtp", flat_tokens=MEASURED, disable_by_batch_size=None),
+     dict(decode_burst=32), "max"),
     ("mtp K={k} burst 32 measured rule off above 16 rows", dict(method="mtp", flat_tokens=MEASURED,
      disable_by_batch_size=16), dict(decode_burst=32), "max"),
 )

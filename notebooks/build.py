@@ -769,7 +769,8 @@ Every request shares a prompt prefix (a system prompt: prefix-cache hits) and th
 pool holds `memory_rows` requests without recycling; up to `max_seqs` rows may run if pages allow. Each policy runs
 plain decoding (the engine's defaults, decode bursts counted as their sub-steps), speculation with K = 2 and 4 under
 the rule (`flat_tokens = F`), and K = 4 with the rule off. Greedy decoding in float32: every run must generate the
-same tokens."""),
+same tokens. This notebook studies the cost-model rule, so every configuration turns off the engine's default row
+limit (`disable_by_batch_size=None`; by default no step drafts above 16 running requests)."""),
     new_code_cell('''\
 rng = np.random.default_rng(2)
 shared = rng.integers(1, task.vocab, CFG["prefix"])  # a prompt prefix every request shares (a system prompt)
@@ -789,9 +790,9 @@ def run(recycle, prefix, speculative):
 
 
 SPECS = {"plain": None,
-         "K=2": SpeculativeConfig(num_draft_tokens=2, flat_tokens=Fnb),
-         "K=4": SpeculativeConfig(num_draft_tokens=4, flat_tokens=Fnb),
-         "K=4 rule off": SpeculativeConfig(num_draft_tokens=4, flat_tokens=None)}
+         "K=2": SpeculativeConfig(num_draft_tokens=2, flat_tokens=Fnb, disable_by_batch_size=None),
+         "K=4": SpeculativeConfig(num_draft_tokens=4, flat_tokens=Fnb, disable_by_batch_size=None),
+         "K=4 rule off": SpeculativeConfig(num_draft_tokens=4, flat_tokens=None, disable_by_batch_size=None)}
 MEMORY = [("none", False), ("timely", False), ("none", True), ("timely", True)]
 runs = {}
 for (recycle, prefix), name in tqdm([(m, s) for m in MEMORY for s in SPECS], desc="engine runs", mininterval=10):
@@ -857,7 +858,7 @@ m = ("timely", True)
 sweep = {}
 for rate, K in tqdm([(r, k) for r in RATES for k in KS2], desc="acceptance sweep", mininterval=10):
     drafter = spec_runs.NoisyDrafter(NgramDrafter(K), rate, task.vocab, seed=K)
-    r = run(*m, SpeculativeConfig(num_draft_tokens=K, drafter=drafter, flat_tokens=Fnb))
+    r = run(*m, SpeculativeConfig(num_draft_tokens=K, drafter=drafter, flat_tokens=Fnb, disable_by_batch_size=None))
     assert r["outputs"] == base["outputs"], (rate, K)
     sweep[rate, K] = r
 plain = runs[m + ("plain",)]
@@ -954,7 +955,8 @@ print(f"MTP layer, {MTP['steps']} steps (toy frozen): teacher-forced agreement w
 wl = prompts[: MTP["requests"]]
 c = CacheConfig(page_size=CFG["page"], num_pages=MTP["rows"] * blocks * heads + 1, max_seqs=MTP["rows"],
                 max_blocks_per_seq=blocks)
-DRAFTERS = {"plain": None} | {f"{m} K={k}": SpeculativeConfig(method=m, num_draft_tokens=k, flat_tokens=None)
+DRAFTERS = {"plain": None} | {f"{m} K={k}": SpeculativeConfig(method=m, num_draft_tokens=k, flat_tokens=None,
+                                                                disable_by_batch_size=None)
                               for m in ("ngram", "mtp") for k in (2, 4)}
 by_drafter = {}
 for name, spec in tqdm(DRAFTERS.items(), desc="drafters", mininterval=10):

@@ -59,7 +59,8 @@ def burst_engine(model, K: int, cache: CacheConfig = CACHE, **kw) -> Engine:
     kw = {"flat_tokens": None, **kw}
     flat = kw.pop("flat_tokens")
     return Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET, decode_burst=BURST,
-                  speculative=SpeculativeConfig(method="mtp", num_draft_tokens=K, flat_tokens=flat), **ONE_BUCKET, **kw)
+                  speculative=SpeculativeConfig(method="mtp", num_draft_tokens=K, flat_tokens=flat,
+                                                disable_by_batch_size=None), **ONE_BUCKET, **kw)
 
 
 def verify_bursts(eng: Engine) -> list:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvjax.engine.engine import Engine
-from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, make_drafter
+from kvjax.sched.drafter import DISABLE_BY_BATCH_SIZE, NgramDrafter, PacedDrafter, SpeculativeConfig, make_drafter
 from kvjax.sched.spec import SpecStats, draft_length
 from helpers.engine import BUDGET, SMALL, assert_idle, greedy_oracle, random_prompts
 from helpers.models import qwen_swa_model
@@ -86,7 +86,11 @@ def test_config_paces_the_drafter():
     d = make_drafter(SpeculativeConfig(num_draft_tokens=3))
     assert isinstance(d, PacedDrafter) and d.num_draft_tokens == 3 and isinstance(d.drafter, NgramDrafter)
     assert d.propose(np.array([9, 1, 2, 9]), 3).tolist() == [1, 2, 9]
-    assert isinstance(make_drafter(SpeculativeConfig(flat_tokens=None)), NgramDrafter)
+    assert isinstance(make_drafter(SpeculativeConfig(flat_tokens=None, disable_by_batch_size=None)), NgramDrafter)
+    # the default row limit alone still paces: no drafts while more than DISABLE_BY_BATCH_SIZE requests run
+    limited = make_drafter(SpeculativeConfig(flat_tokens=None))
+    assert isinstance(limited, PacedDrafter) and limited.flat_tokens is None
+    assert limited.disable_by_batch_size == DISABLE_BY_BATCH_SIZE == SpeculativeConfig().disable_by_batch_size == 16
     for bad in (0, -3, 2.5, "256", True):
         with pytest.raises(ValueError, match="flat_tokens"):
             SpeculativeConfig(flat_tokens=bad)

@@ -67,7 +67,7 @@ from kvjax.cli.report import check_plot_path, device_lines, format_table, save_p
 from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
                                   shares, start_processes, wall_rate)
 from kvjax.models.qwen3_5 import mtp as mtp_lib
-from kvjax.sched.drafter import FLAT_TOKENS, MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
+from kvjax.sched.drafter import DISABLE_BY_BATCH_SIZE, FLAT_TOKENS, MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_workload
 
 
@@ -134,8 +134,8 @@ def burst_arg(text: str) -> int | str:
     return "auto" if text == "auto" else int_at_least(1, 64)(text)
 
 
-def flat_tokens_arg(text: str) -> int | None:
-    """``--flat-tokens``: ``none`` or an int >= 1."""
+def int_or_none_arg(text: str) -> int | None:
+    """``--flat-tokens`` / ``--disable-by-batch-size``: ``none`` or an int >= 1."""
     return None if text == "none" else int_at_least(1)(text)
 
 
@@ -262,13 +262,13 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--mtp", action="store_true",
                     help="give the toy random MTP layers (kvjax.models.qwen3_5.mtp; untrained: its drafts are "
                          "rarely accepted), which --speculative mtp drafts with inside every step")
-    ap.add_argument("--flat-tokens", metavar="N|none", type=flat_tokens_arg, default=argparse.SUPPRESS,
+    ap.add_argument("--flat-tokens", metavar="N|none", type=int_or_none_arg, default=argparse.SUPPRESS,
                     help="with --speculative: the flat region of the step-cost rule that shortens or turns off drafts "
                          "where they do not pay (tokens a step computes at about the cost of one); 'none': always up "
                          f"to K drafts (default: {FLAT_TOKENS})")
-    ap.add_argument("--disable-by-batch-size", metavar="N", type=int_at_least(1), default=None,
-                    help="with --speculative: no drafts in a step while more than N requests run (vLLM's option; "
-                         "default: no limit)")
+    ap.add_argument("--disable-by-batch-size", metavar="N|none", type=int_or_none_arg, default=argparse.SUPPRESS,
+                    help="with --speculative: no drafts in a step while more than N requests run (vLLM's option); "
+                         f"'none': no limit (default: {DISABLE_BY_BATCH_SIZE})")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="JAX's persistent compilation cache: a later run loads the compiled steps from DIR instead "
                          f"of compiling them again (default: ${compile_cache.ENV}, else ~/.cache/kvjax/jax)")
@@ -308,11 +308,12 @@ def main(argv: list[str]) -> int:
             raise UsageError("--mtp serves --speculative mtp only")
         if hasattr(args, "flat_tokens") and args.speculative is None:  # given at all, even at its default value
             raise UsageError("--flat-tokens needs --speculative")
-        if args.disable_by_batch_size is not None and args.speculative is None:
+        if hasattr(args, "disable_by_batch_size") and args.speculative is None:  # given at all
             raise UsageError("--disable-by-batch-size needs --speculative")
         speculative = None if args.speculative is None else SpeculativeConfig(
             args.speculative, num_draft_tokens=args.num_draft_tokens or 4,
-            flat_tokens=getattr(args, "flat_tokens", FLAT_TOKENS), disable_by_batch_size=args.disable_by_batch_size)
+            flat_tokens=getattr(args, "flat_tokens", FLAT_TOKENS),
+            disable_by_batch_size=getattr(args, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)

@@ -35,6 +35,11 @@ METHODS = ("ngram", "mtp")
 # weight read feeds two FLOPs per token, and accelerators of this generation do a few hundred FLOPs per byte read, so
 # a decode step stays memory-bound up to a few hundred tokens. A setting to measure (benchmarks/spec.py), not a figure.
 FLAT_TOKENS = 256
+# The default row limit above which no step drafts. Every GPU run of benchmarks/spec.py (RESULTS.md "Speculative
+# decoding") had verification paying at 16 rows (MTP K = 4: 1.05-1.58x) and all but one losing at 64 (MTP 0.66-0.80x,
+# once 1.14x; n-gram 0.29-0.30x), where without drafts a step is the plain decode burst. The crossover between 16
+# and 64 is not measured. None: no limit.
+DISABLE_BY_BATCH_SIZE = 16
 
 
 @runtime_checkable
@@ -148,10 +153,10 @@ class SpeculativeConfig:
     ready :class:`Drafter` object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens``
     [:data:`FLAT_TOKENS`]: the flat region of the step-cost model of the rule that shortens or turns off drafts where
     they do not pay (an int >= 1; ``None``: always up to K drafts; :func:`kvjax.sched.spec.draft_length`);
-    ``disable_by_batch_size`` [None]: vLLM's option of that name: no drafts in a step while more than this many
-    requests run when its drafts are chosen (before it admits new ones; an int >= 1; ``None``: no limit), for a
-    model and device where the rule's cost model does not price a verification (a small model whose verification
-    costs more than its tokens, benchmarks/RESULTS.md "Speculative decoding"). ``ValueError`` names a bad field."""
+    ``disable_by_batch_size`` [:data:`DISABLE_BY_BATCH_SIZE`]: vLLM's option of that name: no drafts in a step while
+    more than this many requests run when its drafts are chosen (before it admits new ones; an int >= 1; ``None``: no
+    limit): where the rule's cost model, which prices tokens only, misses what a verification costs against plain
+    decode bursts (benchmarks/RESULTS.md "Speculative decoding"). ``ValueError`` names a bad field."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
@@ -159,7 +164,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     drafter: Any = None
     flat_tokens: int | None = FLAT_TOKENS
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
