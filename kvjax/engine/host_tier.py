@@ -105,6 +105,12 @@ def coalesce(ops: Sequence[CopyOp]) -> list[CopyOp]:
     return out
 
 
+def _slab_bytes(pages: list, states: list) -> int:
+    """Bytes of a copy's page slabs and checkpoint slabs (every page slab has one shape, every checkpoint slab
+    another: one size read per kind)."""
+    return (len(pages) * pages[0].nbytes if pages else 0) + (len(states) * states[0].nbytes if states else 0)
+
+
 def _disjoint(a: CopyOp, b: CopyOp) -> bool:
     """No device page or checkpoint slot of ``a`` is one of ``b``'s (Python sets: a group names tens of pages,
     where ``np.isin``'s sort costs more than the lookups)."""
@@ -358,9 +364,7 @@ class HostStore:
             at_p, at_c = at_p + k, at_c + m
             self.stats.calls += 1
         self.slabs.update(zip([*page_slabs.tolist(), *state_slabs.tolist()], pages + states))
-        # every page slab has one shape, every checkpoint slab another
-        self.stats.bytes_out += (len(pages) * pages[0].nbytes if pages else 0) + (
-            len(states) * states[0].nbytes if states else 0)
+        self.stats.bytes_out += _slab_bytes(pages, states)
         self.stats.pages_out += op.num_pages
         self.stats.ckpts_out += op.num_ckpts
 
@@ -372,8 +376,7 @@ class HostStore:
         src = inv.reshape(-1) * self.chunk + loc[:, 1]
         moved = [self.slabs[s] for s in ids.tolist()] + [self.slabs[s] for s in cloc[:, 0].tolist()]  # pinned_host
         pages, states = moved[: len(ids)], moved[len(ids):]
-        self.stats.bytes_in += (len(pages) * pages[0].nbytes if pages else 0) + (
-            len(states) * states[0].nbytes if states else 0)
+        self.stats.bytes_in += _slab_bytes(pages, states)
         # counts padded to powers of two (repeating a slab) so the scatter compiles a few times; padding writes
         # nowhere (destinations out of range)
         n, m = (_bucket(len(pages)) if pages else 0), (_bucket(len(states)) if states else 0)
