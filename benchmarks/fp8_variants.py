@@ -2,16 +2,16 @@
 kernel over fp8 pages at its default and each ``--stages``, with the copy rate of the same bytes measured in the
 same run. Prefill over fp8 pages: ``benchmarks/fp8_prefill.py``.
 
-Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3]`` (``benchmarks/`` finds its own
-imports; ``kvjax`` on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and device time (profiler), both
+Usage (GPU): ``python benchmarks/fp8_variants.py [--stages 3]`` (``benchmarks/`` finds its own imports; ``kvjax``
+on ``PYTHONPATH``). Prints one line per kernel: wall clock of back-to-back calls and device time (profiler), both
 medians of interleaved rounds (:func:`timing.interleaved`), the speed-up over bf16 pages, the kernel's bytes over
 its time against an XLA copy of the same bytes (read + written) timed in the same run, and the max error against
 the float32 reference.
 
 B=64, L=4096, Hq=32, Hkv=8, D=128, pages of 16 and 64 (the bf16 and fp8 batches of ``benchmarks/attention.py``):
 bf16 pages through ``auto`` (the split-KV kernel), then the split-KV kernel over the fp8 pages at its default
-``num_stages`` and at each of ``--stages``. Bytes: the pages read (fp8: 1 byte a value plus one f32
-scale per page for K and V). Error: max ``|out - reference|`` over the same fp8 pages, beside the largest output.
+``num_stages`` and at each of ``--stages``. Bytes: the pages read (fp8: 1 byte a value plus one f32 scale per page
+for K and V). Error: max ``|out - reference|`` over the same fp8 pages, beside the largest output.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _decode_page(ps: int, stages: tuple[int, ...]) -> None:
             errs[name] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
             del runners[name]
     nb16, nb8 = b * hkv * kv_bytes(l, d, ps, fp8=False), b * hkv * kv_bytes(l, d, ps, fp8=True)
-    nbytes = {name: (nb16 if "bf16" in name else nb8) for name in runners}
+    nbytes = {name: (nb16 if name.startswith("bf16") else nb8) for name in runners}
     times = timing.interleaved(runners, rounds=5, n=20, device_rounds=2)
     copy = {nb: timing.xla_copy(nb) for nb in (nb16, nb8)}
     _report(f"decode B={b} L={l} Hq={hq} Hkv={hkv} D={d} page={ps}", times, "bf16 pages (auto)",
