@@ -8,6 +8,7 @@ greedy decoding (for the engine).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -18,17 +19,14 @@ import pytest
 
 import kvjax
 from helpers.engine import BUDGET, SMALL, greedy_oracle
-from helpers.models import VOCAB, qwen_swa_model, tiny_deepseek
+from helpers.host_tier import op as _op, random_caches, replay_logs
+from helpers.models import MESH_FAMILIES, VOCAB, qwen_swa_model, tiny_deepseek
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.host_tier import HostStore, coalesce
 from kvjax.models.interface import ModelCaches
-from kvjax.sched.host_tier import CopyOp
+from kvjax.models.sharding import shard_model
 from kvjax.state.gdn_pool import GDNStatePool
-
-
-def _op(kind, pd=(), ph=(), cd=(), ch=()):
-    return CopyOp(kind, *(np.asarray(x, np.int64) for x in (pd, ph, cd, ch)))
 
 
 def test_copies_match_a_numpy_replay(rng):
@@ -43,48 +41,8 @@ def test_copies_match_a_numpy_replay(rng):
         np.float32)
     caches = ModelCaches(pages={k: jnp.asarray(v) for k, v in pages.items()},
                          gdn=GDNStatePool(conv=jnp.asarray(conv), ssm=jnp.asarray(ssm)))
-    store = HostStore(chunk=2)
-    host_p, host_c, next_id = {}, {}, 0
-    for _ in range(12):
-        ops = []
-        for _ in range(int(rng.integers(1, 7))):
-            kind = rng.choice(["out", "in", "drop"])
-            if kind == "out":
-                pd = rng.choice(P, int(rng.integers(1, 8)), replace=False)
-                cd = rng.choice(np.arange(1, S), int(rng.integers(0, 3)), replace=False)
-                ph, ch = np.arange(next_id, next_id + len(pd)), np.arange(next_id + len(pd), next_id + len(pd) + len(cd))
-                next_id += len(pd) + len(cd)
-                for d, h in zip(pd, ph):
-                    host_p[h] = {k: v[d].copy() for k, v in pages.items()}
-                for d, h in zip(cd, ch):
-                    host_c[h] = (conv[:, d].copy(), ssm[:, d].copy())
-                ops.append(_op("out", pd, ph, cd, ch))
-            elif kind == "in" and (host_p or host_c):
-                ph = rng.permutation(sorted(host_p))[: int(rng.integers(0, len(host_p) + 1))]
-                pd = rng.choice(P, len(ph), replace=False)
-                ch = rng.permutation(sorted(host_c))[: int(rng.integers(0, len(host_c) + 1))]
-                cd = rng.choice(np.arange(1, S), min(len(ch), S - 1), replace=False)
-                ch = ch[: len(cd)]
-                for d, h in zip(pd, ph):
-                    for k in pages:
-                        pages[k][d] = host_p[h][k]
-                    del host_p[h]
-                for d, h in zip(cd, ch):
-                    conv[:, d], ssm[:, d] = host_c.pop(h)
-                ops.append(_op("in", pd, ph, cd, ch))
-            elif kind == "drop" and host_p:
-                ph = rng.permutation(sorted(host_p))[:2]
-                for h in ph:
-                    del host_p[h]
-                ops.append(_op("drop", (), ph))
-        caches = store.apply(caches, ops)
-        for k in pages:
-            np.testing.assert_array_equal(np.asarray(caches.pages[k]), pages[k])
-        np.testing.assert_array_equal(np.asarray(caches.gdn.conv), conv)
-        np.testing.assert_array_equal(np.asarray(caches.gdn.ssm), ssm)
-    assert store.stats.pages_out > 0 and store.stats.pages_in > 0 and store.stats.bytes_in > 0
-    caches = store.apply(caches, [_op("drop", (), sorted(host_p), (), sorted(host_c))])
-    assert not store.slabs and store.bytes_held == 0 and len(store.held()) == 0
+    replay_logs(HostStore(chunk=2), caches, rng, parts=1, pages=P, slots=S, page_at=lambda d, g: (g,),
+                slot_at=lambda d, s: (slice(None), s))
 
 
 def test_coalesce_joins_groups_only_where_no_page_changes_between(rng):
@@ -287,9 +245,6 @@ def test_host_tier_arguments_are_checked(qwen):
         Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=-1)
     with pytest.raises(ValueError, match="holds no page"):
         Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=10)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    with pytest.raises(ValueError, match="not on a mesh"):
-        Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=HOST, mesh=mesh)
     assert Engine(qwen, SMALL, prefix_caching=True).host_store is None
     assert "host tier of 0.50 GiB" in Engine(qwen, SMALL, prefix_caching=True, host_cache_bytes=1 << 29).describe()
 
@@ -306,7 +261,8 @@ def test_run_command_with_a_host_tier(capsys):
 
 
 TIER_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(kvjax.__file__)), f)
-                   for f in ("sched/prefix_cache.py", "sched/host_tier.py", "engine/host_tier.py", "sched/blocks.py"))
+                   for f in ("sched/prefix_cache.py", "sched/host_tier.py", "engine/host_tier.py", "engine/host_copies.py",
+                            "sched/blocks.py"))
 
 
 class TierInjected(Exception):
@@ -411,3 +367,159 @@ def test_deepseek_latent_and_indexer_pages_through_the_host():
     s = engine.metrics.summary()
     assert s["prefix_hit_tokens_host"] > 0 and engine.scheduler.prefix.host.ckpts_out == 0
     finish(engine)
+
+
+# ---- on a mesh: 8 CPU devices in a subprocess ------------------------------------------------------------------
+
+INNER = os.environ.get("KVJAX_HOST_TIER_INNER") == "1"
+inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_host_tier_on_8_cpu_devices")
+MESH_RUNS = {"qwen3_5": [((1, 2), True, 1), ((2, 2), True, "auto")],  # (mesh, overlap, decode_burst)
+             "deepseek": [((2, 1), False, 1), ((2, 2), True, "auto")]}
+MESH_PAGES = {"qwen3_5": 48, "deepseek": 12}  # pages per KV head's pool: short (preemption, evictions)
+MESH_CACHE = dict(page_size=4, max_seqs=4, max_blocks_per_seq=12)
+MESH_ARGS = dict(max_num_batched_tokens=BUDGET, token_buckets=(16,), row_buckets=(4,), block_buckets=(12,))
+
+
+def test_host_tier_on_8_cpu_devices():
+    if INNER:
+        pytest.skip("already inside the 8-device run")
+    env = {**os.environ, "KVJAX_HOST_TIER_INNER": "1",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = [f"{__file__}::test_mesh_copies_match_a_numpy_replay", f"{__file__}::test_mesh_engine_with_a_host_tier"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=here)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+def _mesh(d: int, m: int) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices()[: d * m]).reshape(d, m), ("data", "model"))
+
+
+@inner
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
+def test_mesh_copies_match_a_numpy_replay(family, rng):
+    """On a 2x2 mesh, random logs per data shard move exactly the named pages and checkpoint slots of that shard
+    (Qwen3.5: each page in its own model device's pool, a checkpoint's channels over both; DeepSeek: the latent
+    pool replicated over ``"model"``), in order, and release the host memory at the end."""
+    sharded = shard_model(MESH_FAMILIES[family](), _mesh(2, 2))
+    num_pages = 8
+    caches = random_caches(sharded.init_caches(num_pages=num_pages, page_size=4, max_seqs=4), rng)
+    split = sharded.plan.pages_over_model
+    store = HostStore(chunk=2, sharded=sharded, num_pages=num_pages)
+    if split:
+        with pytest.raises(ValueError, match="needs num_pages"):
+            HostStore(sharded=sharded)
+    slots = 0 if caches.gdn is None else caches.gdn.ssm.shape[2]
+    replay_logs(store, caches, rng, parts=2 if split else 1, pages=num_pages, slots=slots,
+                page_at=(lambda d, g: (d, g // num_pages, g % num_pages)) if split else (lambda d, g: (d, g)),
+                slot_at=lambda d, s: (d, slice(None), s))
+    assert store.traces > 0
+
+
+class MeshInjected(Exception):
+    pass
+
+
+def serve_with_faults(engine: Engine, want: list[list[list[int]]], fault_at: int) -> tuple[list, int]:
+    """:func:`talk`'s turns through ``step()`` (each turn's prompts from ``want``, the reference's turns), the
+    ``fault_at``-th device step raising :class:`MeshInjected` after its dispatch (recovered from), and request 2
+    of turn 1 aborted after its first token. Returns every turn's tokens (the aborted request's cut short) and
+    the aborted request's index."""
+    real, calls = engine.runner.step, []
+
+    def step(*args):
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == fault_at:
+            raise MeshInjected("injected fault")
+        return out
+
+    engine.runner.step = step
+    rng, prompts, turns, aborted = np.random.default_rng(4), conversations(), [], 2
+    for t in range(TURNS):
+        ids = {engine.add_request(p, NEW, index=i): i for i, p in enumerate(prompts)}
+        got = [[] for _ in prompts]
+        while engine.has_unfinished():
+            try:
+                outs = engine.step()
+            except MeshInjected:
+                continue
+            for out in outs:
+                got[ids[out.request_id]] += out.tokens
+                if t == 1 and ids[out.request_id] == aborted and len(got[aborted]) == 1:
+                    engine.abort(out.request_id)
+        engine.check_integrity()
+        turns.append(got)
+        prompts = [p + o + rng.integers(0, VOCAB, 3).tolist() for p, o in zip(prompts, want[t])]
+    return turns, aborted
+
+
+@inner
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
+def test_mesh_engine_with_a_host_tier(family):
+    """The host tier on meshes (each data shard's prefix cache with its own tier; pages split over ``"model"`` or
+    replicated), with overlap or not, decode bursts, timely recycling (Qwen3.5), preemption, a fault and an abort:
+    the tokens of the one-device engine with a device-only cache (float32), later turns served from the host,
+    each step shape compiled once, and both tiers empty at the end."""
+    model = MESH_FAMILIES[family]()
+    recycle = "timely" if family == "qwen3_5" else "none"
+    pages = MESH_PAGES[family]
+    want = talk(Engine(model, CacheConfig(num_pages=pages, **MESH_CACHE), recycle=recycle, prefix_caching=True,
+                       overlap=False, decode_burst=1, **MESH_ARGS), conversations())
+    for (d, m), overlap, burst in MESH_RUNS[family]:
+        name = f"{family} mesh {d}x{m} overlap={overlap} burst={burst}"
+        split = family == "qwen3_5"
+        engine = Engine(model, CacheConfig(num_pages=pages // m if split else pages, **MESH_CACHE), mesh=_mesh(d, m),
+                        recycle=recycle, prefix_caching=True, host_cache_bytes=HOST, overlap=overlap,
+                        decode_burst=burst, debug=True, **MESH_ARGS)
+        got, aborted = serve_with_faults(engine, want, fault_at=5)
+        for t, (g, w) in enumerate(zip(got, want)):
+            for i, (a, b) in enumerate(zip(g, w)):
+                assert a == (b[:1] if (t, i) == (1, aborted) else b), f"{name}: turn {t}, conversation {i}"
+        s = engine.metrics.summary()
+        assert engine.num_recoveries == 1 and s["preemptions"] > 0, (name, s["preemptions"])
+        assert s["prefix_hit_tokens_host"] > 0 and s["host_bytes_out"] > 0 and s["host_bytes_in"] > 0, name
+        assert engine.num_traces <= 2 * s["shapes"], f"{name}: {engine.num_traces} traces"
+        finish(engine)
+        assert all(sc.prefix.host.used_bytes == 0 for sc in engine.schedulers) and not engine.host_store.slabs, name
+
+
+def _tier_worker(process_id: int, port: int, out: str) -> None:
+    """One of two processes (``jax.distributed``, 2 CPU devices each) serving :func:`talk` on a global 2x2 mesh
+    with a host tier."""
+    import json
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    engine = Engine(MESH_FAMILIES["qwen3_5"](), CacheConfig(num_pages=MESH_PAGES["qwen3_5"] // 2, **MESH_CACHE),
+                    mesh=mesh, recycle="timely", prefix_caching=True, host_cache_bytes=HOST, **MESH_ARGS)
+    turns = talk(engine, conversations())
+    with open(out, "w") as f:
+        json.dump({"turns": turns, "host_hits": engine.metrics.summary()["prefix_hit_tokens_host"]}, f)
+    jax.distributed.shutdown()
+
+
+def test_two_processes_with_a_host_tier_equal_one_device(tmp_path):
+    """One 2x2 mesh over two processes (one controller each, as one process per GPU): each process's host tier
+    holds its devices' slab parts, and both give the one-device engine's tokens with a device-only cache."""
+    import json
+
+    from helpers.procs import free_port, run_processes
+
+    if INNER:
+        pytest.skip("runs in the main test process")
+    port = free_port()
+    run_processes([[sys.executable, __file__, "worker", str(i), str(port), str(tmp_path / f"{i}.json")]
+                   for i in range(2)], cwd=os.path.dirname(os.path.abspath(__file__)))
+    want = talk(Engine(MESH_FAMILIES["qwen3_5"](), CacheConfig(num_pages=MESH_PAGES["qwen3_5"], **MESH_CACHE),
+                       recycle="timely", prefix_caching=True, **MESH_ARGS), conversations())
+    for i in range(2):
+        got = json.loads((tmp_path / f"{i}.json").read_text())
+        assert got["turns"] == want and got["host_hits"] > 0, f"process {i}"
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _tier_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

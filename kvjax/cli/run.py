@@ -246,7 +246,7 @@ def build_parser() -> ArgumentParser:
                     help="also run both policies with prefix caching (keep_tail)")
     ap.add_argument("--host-cache-gb", type=number_in(0, low_open=True), default=None,
                     help="with --prefix-caching: one more run, timely with prefix caching and a host tier of this "
-                         "many GB (evicted blocks and GDN checkpoints spill to host memory; one device only)")
+                         "many GB (evicted blocks and GDN checkpoints spill to host memory; on a mesh, per data shard)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="plan step N+1 while step N runs on the device; --no-overlap: the synchronous engine")
     ap.add_argument("--decode-burst", metavar="K", type=burst_arg, default="auto",
@@ -295,8 +295,8 @@ def main(argv: list[str]) -> int:
     try:  # every check before any work: a bad value exits 2 with one line
         args = ap.parse_args(argv)
         spec = mesh_spec(args)
-        if args.host_cache_gb is not None and (not args.prefix_caching or spec is not None):
-            raise UsageError("--host-cache-gb needs --prefix-caching and one device (no --mesh / --devices)")
+        if args.host_cache_gb is not None and not args.prefix_caching:
+            raise UsageError("--host-cache-gb needs --prefix-caching")
         if args.num_draft_tokens is not None and args.speculative is None:
             raise UsageError("--num-draft-tokens needs --speculative")
         if args.speculative == "mtp" and spec is not None and PRESETS[args.preset].device_init:

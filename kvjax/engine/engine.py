@@ -121,7 +121,7 @@ class Engine:
                              max_traces=o.max_traces,
                              spec=0 if o.speculative is None else o.speculative.num_draft_tokens,
                              head=setup.draft_head)
-        self.host_store = HostStore() if prefix is not None and prefix.host_bytes else None  # the host tier's data
+        self.host_store = self._host_store() if prefix is not None and prefix.host_bytes else None  # the tier's data
         if self.host_store is not None:  # every step argument committed alike (see _init_caches)
             self.runner.no_tokens = self.host_store.on_device(self.runner.no_tokens)
         self.caches = self._init_caches()
@@ -133,6 +133,9 @@ class Engine:
                                      drafter=self.drafter, overlap=self.overlap, prefix_caching=self.prefix_caching,
                                      use_decode_path=self.use_decode_path, debug=self.debug,
                                      vocab_size=self.vocab_size, on_mesh=self.mesh is not None)
+
+    def _host_store(self) -> HostStore:  # the host tier's data and copies, on this engine's device(s)
+        return HostStore(sharded=self.sharded, num_pages=self.cache_config.num_pages)
 
     def _init_caches(self):  # on a mesh: num_pages per device, leading data / model axes
         caches = self.runner.init_caches(self.model, **self._cache_args)
@@ -169,7 +172,7 @@ class Engine:
         returns the pages freed. No-op without prefix caching."""
         freed = sum(s.clear_prefix_cache() for s in self.schedulers)
         if self.host_store is not None:  # the host tier's copies are dropped now, not at the next step
-            self.caches = self.host_store.apply(self.caches, self.scheduler.prefix.take_copies())
+            self.caches = self.host_store.apply(self.caches, [s.prefix.take_copies() for s in self.schedulers])
         return freed
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -377,7 +380,7 @@ class Engine:
         self.pipeline.drop()
         self.caches = None
         if self.host_store is not None:  # its spilled blocks belong to the prefix cache that starts over
-            self.host_store = HostStore()
+            self.host_store = self._host_store()
         self.schedulers = [s.rebuilt() for s in self.schedulers]
         self.scheduler = self.schedulers[0]
         self.outputs.rebind({rid: req for s in self.schedulers for rid, req in s.requests.items()})

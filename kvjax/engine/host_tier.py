@@ -1,28 +1,38 @@
 """The device side of the prefix cache's host tier: spilled blocks in pinned host memory, and the jitted copies.
 
 The scheduler's prefix cache (:mod:`kvjax.sched.prefix_cache`, :mod:`kvjax.sched.host_tier`) decides what moves
-and logs it as :class:`~kvjax.sched.host_tier.CopyOp` groups with host ids; :class:`HostStore` executes a plan's
-log before the engine dispatches the plan's step, in log order up to :func:`coalesce` (the same copies in fewer
-groups: every page and checkpoint slot still read and written in log order). The host data is held in *slabs*:
-arrays of unsigned words ``word[rows, row]`` in ``pinned_host`` memory, one row per page (the page of every paged
-role of every layer, each role's bits laid end to end: :func:`pack_pages`; ``word`` as wide as the narrowest role's
-dtype) or per GDN checkpoint (every GDN layer's conv and SSM state: :func:`pack_states`). Packing makes a copy's cost in
-host calls independent of the model's layer and role count: a spill makes one array per ``chunk`` pages (one per
-checkpoint), a load moves one array per slab it reads.
+and logs it as :class:`~kvjax.sched.host_tier.CopyOp` groups with host ids; :class:`HostStore` executes the plans'
+logs (one per data shard) before the engine dispatches their step, in log order up to :func:`coalesce` (the same
+copies in fewer groups: every page and checkpoint slot still read and written in log order). The host data is held
+in *slabs* in ``pinned_host`` memory, one row per page (the page of every paged role of every layer, bit for bit)
+or per GDN checkpoint (every GDN layer's conv and SSM state); packing (:mod:`kvjax.engine.host_copies`) makes a
+copy's cost in host calls independent of the model's layer and role count.
 
 - ``out`` (spill): the named device pages and checkpoint slots are gathered, packed and placed in ``pinned_host``
-  memory (``out_shardings``) by a jitted call per power of two in the binary form of the spill's slab counts (a
-  spill of 13 page slabs: calls of 8, 4 and 1; the checkpoints ride along), so each count compiles once and only
-  the last page slab of a spill is padded (its missing rows gather page 0).
+  memory by a jitted call per power of two in the binary form of the spill's slab counts (a spill of 13 page
+  slabs: calls of 8, 4 and 1; the checkpoints ride along), so each count compiles once and only the last page slab
+  of a spill is padded (its missing rows gather page 0).
 - ``in`` (load): one jitted call with the caches donated takes every slab the load reads (``pinned_host``
   arguments), moves them to the device inside its program, unpacks the named rows and writes them into their device
   pages and checkpoint slots (slab counts padded to powers of two by repeating a slab, destinations padded out of
   range: dropped).
 - ``drop``: host ids forgotten; a slab no id maps to any more is released.
 
-The bookkeeping is numpy: host id -> (slab, row) in one array indexed by id (ids are never reused), live rows per
-slab; no per-page Python loop. Nothing waits for the device: the spill's bytes land in host memory whenever the
-device gets there, and nothing reads them on the host.
+**On a mesh** (``D x M`` devices) a slab is ``word[D, M, rows, row]``, part ``(d, m)`` in device ``(d, m)``'s pinned
+host memory holding rows of that device's pages and checkpoint channels; each device packs and unpacks its own
+(:class:`~kvjax.engine.host_copies.CopyPrograms`), so no copy crosses devices. Each data shard's scheduler logs its
+own copies with its own host ids; the logs run in *rounds* (round ``r``: every shard's ``r``-th group after
+coalescing), a round's spills in one call and its loads in one call. A page of a pool split over ``"model"`` (KV
+heads per device) is one device's: a global page id names its model part, and a load writes it back to the part it
+was spilled from (the allocator keeps a head's pages on its device). A pool not split over ``"model"`` (DeepSeek's
+latent pages, replicated) and the GDN checkpoints (channels split) are spilled by every model device of the shard:
+their slab parts together hold one copy per device. Padding: a round's slab holds ``chunk`` rows for every device
+whether or not that device spilled as many pages (one shard's spill of 3 pages on a ``2 x 2`` mesh takes a slab
+of ``4 x chunk`` rows).
+
+The bookkeeping is numpy: per data shard, host id -> (slab, model part, row) in one array indexed by id (ids are
+never reused), live rows per slab; no per-page Python loop. Nothing waits for the device: the spill's bytes land
+in host memory whenever the device gets there, and nothing reads them on the host.
 
 Ordering and overlap. Every copy takes the caches the previous dispatch returned and the step takes what the
 copies return, so on the device the copies run after the step in flight (step N) and before the step that needs
@@ -33,8 +43,6 @@ load's host -> device); on the host's, the time spent issuing the copies (the en
 transfer was a separate batched ``jax.device_put`` that overlapped step N until HISTORY run 128 (H200, the
 multi-turn host-tier workload): inside the scatter's program the host issues one call where it issued two, and the
 copy issue fell from 12.1% to 9.2% of the step, tok/s 1.07x, the same tokens.
-
-One device only (a mesh engine refuses a host tier).
 """
 
 from __future__ import annotations
@@ -45,34 +53,36 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import SingleDeviceSharding
 
+from kvjax.config import is_int
+from kvjax.engine.host_copies import CopyPrograms
 from kvjax.engine.sizing import cache_bytes_model
 from kvjax.models.interface import CausalLM, ModelCaches
+from kvjax.models.sharding import ShardedModel
 from kvjax.sched.host_tier import CopyOp
 from kvjax.sched.prefix_cache import PrefixCacheConfig
-from kvjax.state.registry import host_sharding
 
 
 def host_tier_config(prefix: PrefixCacheConfig | None, host_cache_bytes: int, model: CausalLM, *, page_size: int,
-                     dtype, cache_options: dict | None, mesh) -> PrefixCacheConfig | None:
-    """``prefix`` with a host tier of ``host_cache_bytes`` (checked by ``EngineOptions``; 0: unchanged), its page
-    and checkpoint bytes read from ``model``'s caches. ``ValueError`` (nothing built yet) for a host tier on a
-    mesh, or one too small for a page."""
+                     dtype, cache_options: dict | None, sharded: ShardedModel | None) -> PrefixCacheConfig | None:
+    """``prefix`` with a host tier of ``host_cache_bytes`` (checked by ``EngineOptions``; 0: unchanged; on a mesh,
+    each data shard's prefix cache has a tier of this size), its page and checkpoint bytes read from ``model``'s
+    caches (one device's, on a mesh): a page held once per model device where its pool is not split over
+    ``"model"``, a checkpoint once per model device (each holds its channels). ``ValueError`` (nothing built yet)
+    for a host tier too small for a page."""
     if not host_cache_bytes or prefix is None:
         return prefix
-    if mesh is not None:
-        raise ValueError("host_cache_bytes: the host tier runs on one device, not on a mesh (yet)")
     page_bytes, slot_bytes, _ = cache_bytes_model(model, page_size=page_size, dtype=dtype,
                                                   cache_options=cache_options)
+    if sharded is not None:
+        copies = sharded.model_size
+        page_bytes *= 1 if sharded.plan.pages_over_model else copies
+        slot_bytes *= copies
     if host_cache_bytes < page_bytes:
         raise ValueError(f"host_cache_bytes={host_cache_bytes} holds no page ({page_bytes} bytes over every layer)")
     return dataclasses.replace(prefix, host_bytes=int(host_cache_bytes), page_bytes=page_bytes,
                                ckpt_bytes=slot_bytes if prefix.gdn else 0)
-
 
 
 def coalesce(ops: Sequence[CopyOp]) -> list[CopyOp]:
@@ -139,103 +149,6 @@ def _pad(x, n: int, value: int) -> np.ndarray:
     return out
 
 
-_WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _word(arrays) -> object:
-    """The unsigned word a packed row is made of: as wide as the narrowest dtype among ``arrays`` (a model whose
-    roles are all f32 packs u32 words, one per element; an fp8 role makes it bytes)."""
-    return _WORDS[min(x.dtype.itemsize for x in arrays)]
-
-
-def _to_words(x: jax.Array, word) -> jax.Array:
-    """``x`` (``[n, ...]``, any numeric dtype at least as wide as ``word``) as words ``word[n, words]``
-    (traceable)."""
-    return lax.bitcast_convert_type(x, word).reshape(x.shape[0], -1)
-
-
-def _from_words(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-    """Rows ``b`` (``word[n, words]``) as ``dtype[n, *shape]`` (the inverse of :func:`_to_words`; traceable)."""
-    ratio = jnp.dtype(dtype).itemsize // b.dtype.itemsize
-    return lax.bitcast_convert_type(b.reshape(b.shape[0], *shape, *((ratio,) if ratio > 1 else ())), dtype)
-
-
-def _layout(arrays: dict[str, jax.Array], axis: int, word) -> list[tuple[str, tuple[int, ...], object, int]]:
-    """``(name, row shape, dtype, words)`` of one row of each array (its index ``axis`` dropped), sorted by name:
-    the order rows are packed in."""
-    out = []
-    for name in sorted(arrays):
-        x = arrays[name]
-        shape = x.shape[:axis] + x.shape[axis + 1:]
-        out.append((name, shape, x.dtype,
-                    int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize // jnp.dtype(word).itemsize))
-    return out
-
-
-def pack_pages(pages: dict[str, jax.Array], idx: jax.Array) -> jax.Array:
-    """Device pages ``idx`` (i32[n]) of every paged role ``{name: [P, page_size, ...]}`` as rows ``word[n, row]``
-    (each role's bits in name order, :func:`_word`; traceable)."""
-    word = _word(pages.values())
-    return jnp.concatenate([_to_words(pages[name][idx], word) for name, *_ in _layout(pages, 0, word)], axis=1)
-
-
-def unpack_pages(pages: dict[str, jax.Array], rows: jax.Array) -> dict[str, jax.Array]:
-    """Rows ``word[n, row]`` of :func:`pack_pages` as ``{name: [n, page_size, ...]}`` shaped like ``pages``'."""
-    out, at = {}, 0
-    for name, shape, dtype, size in _layout(pages, 0, rows.dtype):
-        out[name] = _from_words(rows[:, at: at + size], shape, dtype)
-        at += size
-    return out
-
-
-def _states(gdn) -> dict[str, jax.Array]:
-    return {"conv": gdn.conv, "ssm": gdn.ssm}
-
-
-def pack_states(gdn, slots: jax.Array) -> jax.Array:
-    """GDN slots ``slots`` (i32[c]) of every GDN layer (conv ``[L, S+1, ...]``, ssm ``f32[L, S+1, ...]``) as rows
-    ``word[c, row]`` (traceable)."""
-    word = _word(_states(gdn).values())
-    return jnp.concatenate([_to_words(jnp.moveaxis(x[:, slots], 1, 0), word) for x in (gdn.conv, gdn.ssm)], axis=1)
-
-
-def unpack_states(gdn, rows: jax.Array) -> dict[str, jax.Array]:
-    """Rows ``word[c, row]`` of :func:`pack_states` as ``{"conv", "ssm": [L, c, ...]}``."""
-    out, at = {}, 0
-    for name, shape, dtype, size in _layout(_states(gdn), 1, rows.dtype):
-        out[name] = jnp.moveaxis(_from_words(rows[:, at: at + size], shape, dtype), 0, 1)
-        at += size
-    return out
-
-
-def gather(caches: ModelCaches, pages: jax.Array, slots: jax.Array, chunk: int) -> tuple[list, list]:
-    """Device pages ``pages`` (i32[n * chunk]) packed as ``n`` slabs ``word[chunk, page row]``, and GDN slots
-    ``slots`` (i32[c]) as ``c`` slabs ``word[1, checkpoint row]`` (traceable; ``chunk`` static)."""
-    n = pages.shape[0] // chunk
-    rows = pack_pages(caches.pages, pages) if n else None
-    states = pack_states(caches.gdn, slots) if slots.shape[0] else None
-    return ([rows[i * chunk: (i + 1) * chunk] for i in range(n)],
-            [states[j: j + 1] for j in range(slots.shape[0])])
-
-
-def scatter(caches: ModelCaches, page_slabs: list, src: jax.Array, dst: jax.Array, state_slabs: list,
-            slots: jax.Array) -> ModelCaches:
-    """``caches`` with rows ``src`` (i32[n]: row ``k * chunk + i`` is row ``i`` of ``page_slabs[k]``) of the page
-    slabs written to device pages ``dst`` (i32[n]), and the checkpoint slabs (one row each) to GDN slots
-    ``slots`` (i32[len(state_slabs)]); an out-of-range destination writes nothing (traceable)."""
-    if page_slabs:
-        rows = unpack_pages(caches.pages, jnp.concatenate(page_slabs)[src])
-        caches = dataclasses.replace(caches, pages={name: x.at[dst].set(rows[name], mode="drop")
-                                                    for name, x in caches.pages.items()})
-    if state_slabs:
-        pool = caches.gdn
-        new = unpack_states(pool, jnp.concatenate(state_slabs))
-        caches = dataclasses.replace(caches, gdn=dataclasses.replace(
-            pool, conv=pool.conv.at[:, slots].set(new["conv"], mode="drop"),
-            ssm=pool.ssm.at[:, slots].set(new["ssm"], mode="drop")))
-    return caches
-
-
 @dataclasses.dataclass
 class CopyStats:
     """What a :class:`HostStore` moved (cumulative): bytes each way (slab padding included: a load moves every
@@ -253,152 +166,227 @@ class CopyStats:
 
 
 class HostStore:
-    """Spilled prefix-cache blocks in ``pinned_host`` memory of ``device`` and the copies between tiers (see the
-    module docstring). :meth:`apply` executes a plan's copy log on the caches; :attr:`stats` counts what moved;
-    :attr:`bytes_held` is the host memory the slabs hold. ``chunk``: pages per slab (a power of two; a spill packs
-    its pages in slabs of this many, a load moves every slab it reads whole). ``sync = True`` (a measurement, not
-    for serving): each :meth:`apply` first waits for the device, then for its own copies, and adds that time to
-    ``stats.t_sync``."""
+    """Spilled prefix-cache blocks in ``pinned_host`` memory and the copies between tiers (see the module
+    docstring), on one device (``device``, default the first local one) or on every device of a mesh
+    (``sharded``; ``num_pages``: one device's pool, which makes a global page id of a pool split over ``"model"``
+    local to its device). :meth:`apply` executes the plans' copy logs (one per data shard) on the caches;
+    :attr:`stats` counts what moved; :attr:`bytes_held` is the host memory the slabs hold. ``chunk``: page rows per
+    slab part (a power of two; a spill packs its pages in slabs of this many rows per device, a load moves every
+    slab it reads whole). ``sync = True`` (a measurement, not for serving): each :meth:`apply` first waits for the
+    device, then for its own copies, and adds that time to ``stats.t_sync``."""
 
-    def __init__(self, device: jax.Device | None = None, chunk: int = 16) -> None:
+    def __init__(self, device: jax.Device | None = None, chunk: int = 16, *, sharded: ShardedModel | None = None,
+                 num_pages: int | None = None) -> None:
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"HostStore.chunk must be a power of two >= 1, got {chunk!r}")
-        device = device or jax.local_devices()[0]
-        self._host = host_sharding(device)  # ValueError where the platform has no pinned_host memory
-        self._device = SingleDeviceSharding(device, memory_kind="device")
-        self.chunk = chunk
         self.traces = 0  # compilations of the copies (each jitted function traces once per shape)
-        self._gather = jax.jit(self._counted(gather), static_argnums=(3,), out_shardings=self._host)
-        dev = self._device
-
-        def load(caches, page_slabs, src, dst, state_slabs, slots):  # the host -> device transfer inside the program
-            return scatter(caches, jax.device_put(page_slabs, dev), src, dst, jax.device_put(state_slabs, dev), slots)
-
-        self._scatter = jax.jit(self._counted(load), donate_argnums=(0,))
-        self.slabs: dict[int, jax.Array] = {}  # slab id -> word[rows, row] in pinned_host memory
-        self.live: dict[int, int] = {}  # slab id -> host ids mapping into it
-        self._loc = np.full((0, 2), -1, np.int64)  # i64[ids, 2]: host id -> (slab, row); -1: not held
+        self.programs = CopyPrograms(self._traced, sharded=sharded, device=device)
+        self.grid = self.programs.grid  # (D, M): data shards, model shards
+        self._lead = 0 if sharded is None else 2 if sharded.plan.pages_over_model else 1  # leading axes of a role
+        self._split = sharded is not None and sharded.plan.pages_over_model and sharded.model_size > 1
+        if self._split and not (is_int(num_pages) and num_pages > 0):
+            raise ValueError(f"HostStore on a mesh whose pages are split over 'model' needs num_pages (one device's "
+                             f"pool), got {num_pages!r}")
+        self.num_pages = num_pages
+        self.chunk = chunk
+        self.slabs: dict[int, jax.Array] = {}  # slab id -> word[D, M, rows, row] in pinned_host memory
+        self.live: dict[int, int] = {}  # slab id -> host ids (of every data shard) mapping into it
+        # per data shard: i64[ids, 3], host id -> (slab, model part, row); -1: not held
+        self._loc = [np.full((0, 3), -1, np.int64) for _ in range(self.grid[0])]
         self._next = 0
         self.stats = CopyStats()
         self.sync = False
 
-    def on_device(self, caches: ModelCaches) -> ModelCaches:
-        """``caches`` committed to the device (no copy): the copies' outputs are (their inputs include committed
-        slabs), and a jitted step compiles again for committed arguments after uncommitted ones."""
-        return jax.device_put(caches, self._device)
+    def on_device(self, tree):
+        """``tree`` committed to the device (no copy) on one device: the copies' outputs are (their inputs include
+        committed slabs), and a jitted step compiles again for committed arguments after uncommitted ones. A
+        mesh's arrays are placed already: unchanged."""
+        return self.programs.on_device(tree)
 
-    def _counted(self, fn):
-        def traced(*args):
-            self.traces += 1
-            return fn(*args)
-        return traced
+    def _traced(self) -> None:
+        self.traces += 1
 
     @property
     def bytes_held(self) -> int:
         return sum(x.nbytes for x in self.slabs.values())
 
-    def held(self) -> np.ndarray:
-        """``i64[k]``: the host ids this store holds data for."""
-        return np.nonzero(self._loc[:, 0] >= 0)[0]
+    def held(self, shard: int = 0) -> np.ndarray:
+        """``i64[k]``: the host ids of data shard ``shard`` this store holds data for."""
+        return np.nonzero(self._loc[shard][:, 0] >= 0)[0]
 
-    def apply(self, caches: ModelCaches, ops: Sequence[CopyOp],
+    def apply(self, caches: ModelCaches, logs: Sequence[Sequence[CopyOp]],
               probe: Callable[[], None] | None = None) -> ModelCaches:
-        """Execute ``ops`` (a plan's copy log, in order) and return the caches to dispatch the plan's step with
-        (``caches`` is donated when a load writes it; use only the returned ones). ``probe`` is called after each
-        group of copies is issued (the engine looks there whether the device has gone idle)."""
-        if self.sync and ops:
+        """Execute ``logs`` (the plans' copy logs, one per data shard, each in order) and return the caches to
+        dispatch the plans' step with (``caches`` is donated when a load writes it; use only the returned ones).
+        ``probe`` is called after each group of copies is issued (the engine looks there whether the device has
+        gone idle)."""
+        if len(logs) != self.grid[0]:
+            raise ValueError(f"HostStore.apply takes one copy log per data shard ({self.grid[0]}), got {len(logs)}")
+        if self.sync and any(logs):
             jax.block_until_ready(caches)
             t0 = time.perf_counter()
-            caches = self._apply(caches, ops, probe)
+            caches = self._apply(caches, logs, probe)
             jax.block_until_ready((caches, list(self.slabs.values())))
             self.stats.t_sync += time.perf_counter() - t0
             return caches
-        return self._apply(caches, ops, probe)
+        return self._apply(caches, logs, probe)
 
-    def _apply(self, caches: ModelCaches, ops: Sequence[CopyOp], probe: Callable[[], None] | None) -> ModelCaches:
-        for op in coalesce(ops):
-            if op.kind == "out":
-                self._out(caches, op)
-            elif op.kind == "in":
-                caches = self._in(caches, op)
-            else:
-                self._release(np.concatenate([op.pages_host, op.ckpts_host]))
-            if probe is not None:
-                probe()
+    def _apply(self, caches: ModelCaches, logs: Sequence[Sequence[CopyOp]],
+               probe: Callable[[], None] | None) -> ModelCaches:
+        """Each shard's log coalesced, then executed in rounds: round ``r`` takes every shard's ``r``-th group; its
+        spills go in one call, its loads in one call (shards touch disjoint devices, so only each shard's own order
+        matters)."""
+        groups = [coalesce(ops) for ops in logs]
+        for r in range(max(map(len, groups), default=0)):
+            ops = [(d, g[r]) for d, g in enumerate(groups) if r < len(g)]
+            for kind in ("out", "in"):
+                now = {d: op for d, op in ops if op.kind == kind}
+                if now:
+                    if kind == "out":
+                        self._out(caches, now)
+                    else:
+                        caches = self._in(caches, now)
+                    if probe is not None:
+                        probe()
+            for d, op in ops:
+                if op.kind == "drop":
+                    self._release(d, np.concatenate([op.pages_host, op.ckpts_host]))
         return caches
 
-    def _place(self, ids: np.ndarray, rows_per_slab: int) -> np.ndarray:
-        """Map host ids ``ids`` (i64[k]) to fresh slabs of ``rows_per_slab`` rows, in order; returns the slab ids."""
-        k = len(ids)
-        if not k:
-            return np.zeros(0, np.int64)
-        n = -(-k // rows_per_slab)
-        top = int(ids.max()) + 1
-        if top > len(self._loc):
-            grown = np.full((max(top, 2 * len(self._loc)), 2), -1, np.int64)
-            grown[: len(self._loc)] = self._loc
-            self._loc = grown
-        slab, row = np.divmod(np.arange(k), rows_per_slab)
-        self._loc[ids, 0], self._loc[ids, 1] = slab + self._next, row
-        self.live.update(zip(range(self._next, self._next + n),
-                             [rows_per_slab] * (n - 1) + [k - (n - 1) * rows_per_slab]))
-        self._next += n
-        return np.arange(self._next - n, self._next)
+    def _part(self, pages_dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global page ids ``pages_dev`` (i64[k]) as (model part, page id in that device's pool): ``divmod`` by the
+        pool size where the pages are split over ``"model"``, else part 0 (one pool per data shard, on every model
+        device alike)."""
+        if self._split:
+            return np.divmod(pages_dev, self.num_pages)
+        return np.zeros(len(pages_dev), np.int64), pages_dev
 
-    def _out(self, caches: ModelCaches, op: CopyOp) -> None:
-        c = self.chunk
-        n = -(-op.num_pages // c)
-        page_slabs, state_slabs = self._place(op.pages_host, c), self._place(op.ckpts_host, 1)
-        rows = _pad(op.pages_dev, n * c, 0)  # the last slab's missing rows gather page 0
-        slots = op.ckpts_dev.astype(np.int32)
+    def _locate(self, d: int, ids: np.ndarray, slab: np.ndarray, part: np.ndarray, row: np.ndarray) -> None:
+        """Record host ids ``ids`` (i64[k]) of shard ``d`` at ``(slab, part, row)`` (each i64[k] or a scalar)."""
+        if not len(ids):
+            return
+        top = int(ids.max()) + 1
+        loc = self._loc[d]
+        if top > len(loc):
+            grown = np.full((max(top, 2 * len(loc)), 3), -1, np.int64)
+            grown[: len(loc)] = loc
+            self._loc[d] = loc = grown
+        loc[ids, 0], loc[ids, 1], loc[ids, 2] = slab, part, row
+        for s, k in zip(*np.unique(np.broadcast_to(slab, ids.shape), return_counts=True)):
+            self.live[int(s)] = self.live.get(int(s), 0) + int(k)
+
+    def _grid(self, per_shard: np.ndarray) -> np.ndarray:
+        """``[D, parts, n]`` index arrays as ``[D, M, n]``: a pool not split over ``"model"`` is every model
+        device's alike."""
+        d, m = self.grid
+        return per_shard if per_shard.shape[1] == m else np.ascontiguousarray(
+            np.broadcast_to(per_shard, (d, m, per_shard.shape[2])))
+
+    def _out(self, caches: ModelCaches, outs: dict[int, CopyOp]) -> None:
+        """One spill round: each shard's pages packed into rows of fresh slabs (per model part, in order), its
+        checkpoints one slab each; one jitted gather per power of two of the slab counts."""
+        c, (D, M) = self.chunk, self.grid
+        parts = M if self._split else 1
+        placed = {}
+        for d, op in outs.items():
+            part, local = self._part(op.pages_dev)
+            counts = np.bincount(part, minlength=parts)
+            order = np.argsort(part, kind="stable")
+            pos = np.empty(len(part), np.int64)  # each page's row among its part's pages
+            pos[order] = np.arange(len(part)) - (np.cumsum(counts) - counts)[part[order]]
+            placed[d] = part, local, pos
+        n = max((int(pos.max()) // c + 1) if len(pos) else 0 for _, _, pos in placed.values())  # slabs
+        cmax = max(op.num_ckpts for op in outs.values())
+        base = self._next
+        page_ids, state_ids = np.arange(base, base + n), np.arange(base + n, base + n + cmax)
+        self._next += n + cmax
+        rows = np.zeros((D, parts, n * c), np.int32)  # rows no page fills gather page 0
+        slots = np.zeros((D, 1, cmax), np.int32)
+        for d, op in outs.items():
+            part, local, pos = placed[d]
+            rows[d, part, pos] = local
+            self._locate(d, op.pages_host, base + pos // c, part, pos % c)
+            slots[d, 0, : op.num_ckpts] = op.ckpts_dev
+            self._locate(d, op.ckpts_host, state_ids[: op.num_ckpts], 0, 0)
+        rows, slots = self._grid(rows), self._grid(slots)
         pages: list = []
         states: list = []
-        calls_p, calls_c = _powers(n), _powers(op.num_ckpts)
+        calls_p, calls_c = _powers(n), _powers(cmax)
         at_p = at_c = 0
         for i in range(max(len(calls_p), len(calls_c))):  # one call per power of two of each count
             k = calls_p[i] if i < len(calls_p) else 0
             m = calls_c[i] if i < len(calls_c) else 0
-            p, s = self._gather(caches, rows[at_p * c: (at_p + k) * c], slots[at_c: at_c + m], c)
+            p, s = self.programs.gather(caches, rows[..., at_p * c: (at_p + k) * c], slots[..., at_c: at_c + m], c)
             pages += p
             states += s
             at_p, at_c = at_p + k, at_c + m
             self.stats.calls += 1
-        self.slabs.update(zip([*page_slabs.tolist(), *state_slabs.tolist()], pages + states))
+        self.slabs.update(zip([*page_ids.tolist(), *state_ids.tolist()], pages + states))
         self.stats.bytes_out += _slab_bytes(pages, states)
-        self.stats.pages_out += op.num_pages
-        self.stats.ckpts_out += op.num_ckpts
+        self.stats.pages_out += sum(op.num_pages for op in outs.values())
+        self.stats.ckpts_out += sum(op.num_ckpts for op in outs.values())
 
-    def _in(self, caches: ModelCaches, op: CopyOp) -> ModelCaches:
-        loc, cloc = self._loc[op.pages_host], self._loc[op.ckpts_host]
-        if (loc[:, 0] < 0).any() or (cloc[:, 0] < 0).any():
-            raise AssertionError("host tier: a load reads a host id this store does not hold")
-        ids, inv = np.unique(loc[:, 0], return_inverse=True)  # the page slabs the load reads
-        src = inv.reshape(-1) * self.chunk + loc[:, 1]
-        moved = [self.slabs[s] for s in ids.tolist()] + [self.slabs[s] for s in cloc[:, 0].tolist()]  # pinned_host
-        pages, states = moved[: len(ids)], moved[len(ids):]
+    def _pools(self, caches: ModelCaches) -> tuple[int, int]:
+        """One device's pool sizes: pages per role, GDN slots (0 without GDN layers)."""
+        num_pages = next(iter(caches.pages.values())).shape[self._lead]
+        gdn = caches.gdn
+        return num_pages, 0 if gdn is None else gdn.ssm.shape[1 if self._lead == 0 else 2]
+
+    def _in(self, caches: ModelCaches, ins: dict[int, CopyOp]) -> ModelCaches:
+        """One load round: every slab the shards read, in one jitted call with the caches donated; each device
+        writes its own rows (counts padded to powers of two by repeating a slab, destinations padded out of
+        range)."""
+        c, (D, M) = self.chunk, self.grid
+        parts = M if self._split else 1
+        found = {}
+        for d, op in ins.items():
+            loc, cloc = self._loc[d][op.pages_host], self._loc[d][op.ckpts_host]
+            if (loc[:, 0] < 0).any() or (cloc[:, 0] < 0).any():
+                raise AssertionError(f"host tier: a load of data shard {d} reads a host id this store does not hold")
+            part, local = self._part(op.pages_dev)
+            if (part != loc[:, 1]).any():
+                raise AssertionError(f"host tier: a load of data shard {d} writes a page to another model device "
+                                     "than the one it was spilled from")
+            found[d] = loc, cloc, local
+        ids = np.unique(np.concatenate([loc[:, 0] for loc, _, _ in found.values()]))  # the page slabs read
+        sids = np.unique(np.concatenate([cloc[:, 0] for _, cloc, _ in found.values()]))  # the checkpoint slabs
+        n, m = (_bucket(len(ids)) if len(ids) else 0), (_bucket(len(sids)) if len(sids) else 0)
+        num_pages, num_slots = self._pools(caches)
+        src = np.zeros((D, parts, n * c), np.int32)
+        dst = np.full((D, parts, n * c), num_pages, np.int32)  # padding writes nowhere
+        state_src = np.zeros((D, 1, m), np.int32)
+        slots = np.full((D, 1, m), num_slots, np.int32)
+        for d, op in ins.items():
+            loc, cloc, local = found[d]
+            for p in np.unique(loc[:, 1]).tolist():
+                sel = loc[:, 1] == p
+                k = int(sel.sum())
+                src[d, p, :k] = np.searchsorted(ids, loc[sel, 0]) * c + loc[sel, 2]
+                dst[d, p, :k] = local[sel]
+            state_src[d, 0, : op.num_ckpts] = np.searchsorted(sids, cloc[:, 0])
+            slots[d, 0, : op.num_ckpts] = op.ckpts_dev
+        pages = [self.slabs[s] for s in ids.tolist()]  # pinned_host
+        states = [self.slabs[s] for s in sids.tolist()]
         self.stats.bytes_in += _slab_bytes(pages, states)
-        # counts padded to powers of two (repeating a slab) so the scatter compiles a few times; padding writes
-        # nowhere (destinations out of range)
-        n, m = (_bucket(len(pages)) if pages else 0), (_bucket(len(states)) if states else 0)
-        num_pages = next(iter(caches.pages.values())).shape[0]
-        num_slots = caches.gdn.ssm.shape[1] if caches.gdn is not None else 0
-        caches = self._scatter(caches, pages + pages[:1] * (n - len(pages)), _pad(src, n * self.chunk, 0),
-                               _pad(op.pages_dev, n * self.chunk, num_pages), states + states[:1] * (m - len(states)),
-                               _pad(op.ckpts_dev, m, num_slots))
+        caches = self.programs.load(caches, pages + pages[:1] * (n - len(pages)), self._grid(src), self._grid(dst),
+                                    states + states[:1] * (m - len(states)), self._grid(state_src),
+                                    self._grid(slots))
         self.stats.calls += 1
-        self._release(np.concatenate([op.pages_host, op.ckpts_host]))
-        self.stats.pages_in += op.num_pages
-        self.stats.ckpts_in += op.num_ckpts
+        for d, op in ins.items():
+            self._release(d, np.concatenate([op.pages_host, op.ckpts_host]))
+            self.stats.pages_in += op.num_pages
+            self.stats.ckpts_in += op.num_ckpts
         return caches
 
-    def _release(self, ids: np.ndarray) -> None:
-        """Forget host ids ``ids`` (i64[k]); release the slabs no id maps to any more."""
+    def _release(self, d: int, ids: np.ndarray) -> None:
+        """Forget host ids ``ids`` (i64[k]) of shard ``d``; release the slabs no id maps to any more."""
         if not len(ids):
             return
-        slabs, counts = np.unique(self._loc[ids, 0], return_counts=True)
+        loc = self._loc[d]
+        slabs, counts = np.unique(loc[ids, 0], return_counts=True)
         if (slabs < 0).any():
-            raise AssertionError("host tier: releasing a host id this store does not hold")
-        self._loc[ids] = -1
+            raise AssertionError(f"host tier: releasing a host id data shard {d}'s store does not hold")
+        loc[ids] = -1
         for s, k in zip(slabs.tolist(), counts.tolist()):
             self.live[s] -= k
             if self.live[s] <= 0:

@@ -90,8 +90,8 @@ class EngineOptions:
       for a model with GDN layers]: GDN checkpoint slots; ``prefix_recycle`` ["keep_tail"]: what happens to a cached
       page SWA recycling frees (``"keep_tail"`` | ``"eager"``). The last two only with ``prefix_caching``.
     - ``host_cache_bytes`` [0]: bytes of host memory for the prefix cache's host tier (0: none; only with
-      ``prefix_caching``, on one device): evicted pages and GDN checkpoints spill to pinned host memory and come
-      back on a hit (:mod:`kvjax.engine.host_tier`).
+      ``prefix_caching``; on a mesh, per data shard): evicted pages and GDN checkpoints spill to pinned host memory
+      and come back on a hit (:mod:`kvjax.engine.host_tier`).
     - ``token_buckets``, ``row_buckets``, ``block_buckets`` [powers of two]: the bucket sets of ``T``, ``B`` and the
       block-table width, ascending and ending at ``max_num_batched_tokens`` / ``max_seqs`` / ``max_blocks_per_seq``
       (fewer buckets: fewer compilations, more padding).

@@ -225,7 +225,7 @@ class StepPipeline:
             if store is None:
                 return caches, dict(t_copy=time.perf_counter() - t, compiled=False)
             out0, in0, traces0 = store.stats.bytes_out, store.stats.bytes_in, store.traces
-            caches = store.apply(caches, ops[0], probe)  # one device: one scheduler
+            caches = store.apply(caches, ops, probe)  # one log per data shard
         return caches, dict(prefix_hit_tokens_host=hits, host_bytes_out=store.stats.bytes_out - out0,
                             host_bytes_in=store.stats.bytes_in - in0, t_copy=time.perf_counter() - t,
                             compiled=store.traces > traces0)

@@ -88,7 +88,7 @@ def settle(model: CausalLM, cache_config: CacheConfig | None, mesh: jax.sharding
         check_cache_fits(local, cache_config, num_ckpts, cache_dtype, cache_opts, device, head=head_local,
                          verify_positions=verify_positions)
     prefix = host_tier_config(prefix, o.host_cache_bytes, local, page_size=cache_config.page_size, dtype=cache_dtype,
-                              cache_options=cache_opts, mesh=None if sharded is None else sharded.mesh)
+                              cache_options=cache_opts, sharded=sharded)
     eos_token_id = o.eos_token_id
     if isinstance(eos_token_id, str) and eos_token_id == "auto":
         generation = getattr(model, "generation_config", None)
