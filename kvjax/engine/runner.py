@@ -151,7 +151,10 @@ class Runner:
         # parameters passed as their flat leaves: no host walk of the tree per call (the MTP layers' after the model's)
         self.params, param_def = jax.tree.flatten(params)
         n_model = len(self.params)
-        unroll = platform != "cpu"  # a GPU runs a burst as one graph; a CPU compiles a loop faster
+        # a burst's sub-steps unrolled where they make one CUDA graph: on a GPU without collectives in the step. A
+        # CPU compiles a loop faster; with KV heads over "model" the psums split XLA's graphs, and the loop halved
+        # the host's issue time and the compile on 1x2 (HISTORY run 129)
+        unroll = platform != "cpu" and self.model_size == 1
 
         def model_of(leaves: list):
             return nnx.merge(graphdef, jax.tree.unflatten(param_def, leaves[:n_model]))
