@@ -152,8 +152,8 @@ class Runner:
         self.params, param_def = jax.tree.flatten(params)
         n_model = len(self.params)
         # a burst's sub-steps unrolled where they make one CUDA graph: on a GPU without collectives in the step. A
-        # CPU compiles a loop faster; with KV heads over "model" the psums split XLA's graphs, and the loop halved
-        # the host's issue time and the compile on 1x2 (HISTORY run 129)
+        # CPU compiles a loop faster; with KV heads over "model" the psums split XLA's graphs anyway, and on 1x2 the
+        # loop took the same step time with 0.6x the host's issue time and half the compile (HISTORY runs 129, 133)
         unroll = platform != "cpu" and self.model_size == 1
 
         def model_of(leaves: list):
