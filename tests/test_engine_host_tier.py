@@ -19,6 +19,7 @@ import pytest
 
 import kvjax
 from helpers.engine import BUDGET, SMALL, greedy_oracle
+from helpers.faults import fail_device_step
 from helpers.host_tier import op as _op, random_caches, replay_logs
 from helpers.models import MESH_FAMILIES, VOCAB, qwen_swa_model, tiny_deepseek
 from kvjax.config import CacheConfig
@@ -426,16 +427,7 @@ def serve_with_faults(engine: Engine, want: list[list[list[int]]], fault_at: int
     ``fault_at``-th device step raising :class:`MeshInjected` after its dispatch (recovered from), and request 2
     of turn 1 aborted after its first token. Returns every turn's tokens (the aborted request's cut short) and
     the aborted request's index."""
-    real, calls = engine.runner.step, []
-
-    def step(*args):
-        out = real(*args)
-        calls.append(1)
-        if len(calls) == fault_at:
-            raise MeshInjected("injected fault")
-        return out
-
-    engine.runner.step = step
+    fail_device_step(engine, fault_at, MeshInjected)
     rng, prompts, turns, aborted = np.random.default_rng(4), conversations(), [], 2
     for t in range(TURNS):
         ids = {engine.add_request(p, NEW, index=i): i for i, p in enumerate(prompts)}

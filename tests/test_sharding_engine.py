@@ -29,6 +29,7 @@ from kvjax.inputs import StepInputs
 from kvjax.errors import InvalidPlanError
 from kvjax.sched.blocks import BlockAllocator
 from helpers.engine import step_events
+from helpers.faults import fail_device_step
 from helpers.models import MESH_FAMILIES, VOCAB, mesh_qwen_model
 from helpers.procs import free_port, run_processes
 
@@ -64,16 +65,7 @@ class Injected(Exception):
 def _arm_fault(engine: Engine, at: int) -> None:
     """The ``at``-th device step of ``engine`` raises :class:`Injected` after it was dispatched (its caches
     donated), once."""
-    real, calls = engine.runner.step, []
-
-    def step(*args):
-        out = real(*args)
-        calls.append(1)
-        if len(calls) == at:
-            raise Injected("injected fault")
-        return out
-
-    engine.runner.step = step
+    fail_device_step(engine, at, Injected)
 
 
 def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, list[int]]:

@@ -20,6 +20,21 @@ class Injected(Exception):
     """The fault the tests inject (any exception but ``KeyboardInterrupt``)."""
 
 
+def fail_device_step(engine: Engine, at: int, exc: type[BaseException] = Injected) -> None:
+    """Make the ``at``-th device step of ``engine`` (counted from now) raise ``exc`` once, after it was dispatched
+    (its caches donated)."""
+    real, calls = engine.runner.step, []
+
+    def step(*args):
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == at:
+            raise exc("injected fault")
+        return out
+
+    engine.runner.step = step
+
+
 def arm(monkeypatch, engine: Engine, point: str, exc: type[BaseException]) -> None:
     """Make ``point`` of the next step raise ``exc`` once."""
     fired = []
