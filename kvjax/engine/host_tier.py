@@ -143,12 +143,6 @@ def _powers(n: int) -> list[int]:
     return [1 << b for b in reversed(range(int(n).bit_length())) if n >> b & 1]
 
 
-def _pad(x, n: int, value: int) -> np.ndarray:
-    out = np.full(n, value, np.int32)
-    out[: len(x)] = x
-    return out
-
-
 @dataclasses.dataclass
 class CopyStats:
     """What a :class:`HostStore` moved (cumulative): bytes each way (slab padding included: a load moves every
