@@ -262,8 +262,8 @@ def test_run_command_with_a_host_tier(capsys):
 
 
 TIER_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(kvjax.__file__)), f)
-                   for f in ("sched/prefix_cache.py", "sched/host_tier.py", "engine/host_tier.py", "engine/host_copies.py",
-                            "sched/blocks.py"))
+                   for f in ("sched/prefix_cache.py", "sched/host_tier.py", "engine/host_tier.py",
+                             "engine/host_copies.py", "sched/blocks.py"))
 
 
 class TierInjected(Exception):
@@ -473,6 +473,7 @@ def test_mesh_engine_with_a_host_tier(family):
         assert engine.num_recoveries == 1 and s["preemptions"] > 0, (name, s["preemptions"])
         assert s["prefix_hit_tokens_host"] > 0 and s["host_bytes_out"] > 0 and s["host_bytes_in"] > 0, name
         assert engine.num_traces <= 2 * s["shapes"], f"{name}: {engine.num_traces} traces"
+        assert ("GiB per data shard" in engine.describe()) == (d > 1), name
         finish(engine)
         assert all(sc.prefix.host.used_bytes == 0 for sc in engine.schedulers) and not engine.host_store.slabs, name
 

@@ -163,7 +163,8 @@ class Engine:
 
     def _describe_prefix(self) -> str:
         pc = self.scheduler.prefix
-        host = f" and a host tier of {pc.config.host_bytes / 2**30:.2f} GiB" if pc is not None and pc.host else ""
+        each = " per data shard" if self.data_shards > 1 else ""
+        host = f" and a host tier of {pc.config.host_bytes / 2**30:.2f} GiB{each}" if pc is not None and pc.host else ""
         return "" if pc is None else (f", prefix caching {pc.config.recycle} with {pc.config.num_checkpoints} "
                                       f"checkpoints{host}")
 
