@@ -407,10 +407,7 @@ def test_mesh_copies_match_a_numpy_replay(family, rng):
     num_pages = 8
     caches = random_caches(sharded.init_caches(num_pages=num_pages, page_size=4, max_seqs=4), rng)
     split = sharded.plan.pages_over_model
-    store = HostStore(chunk=2, sharded=sharded, num_pages=num_pages)
-    if split:
-        with pytest.raises(ValueError, match="needs num_pages"):
-            HostStore(sharded=sharded)
+    store = HostStore(chunk=2, sharded=sharded)
     slots = 0 if caches.gdn is None else caches.gdn.ssm.shape[2]
     replay_logs(store, caches, rng, parts=2 if split else 1, pages=num_pages, slots=slots,
                 page_at=(lambda d, g: (d, g // num_pages, g % num_pages)) if split else (lambda d, g: (d, g)),

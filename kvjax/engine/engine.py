@@ -135,7 +135,7 @@ class Engine:
                                      vocab_size=self.vocab_size, on_mesh=self.mesh is not None)
 
     def _host_store(self) -> HostStore:  # the host tier's data and copies, on this engine's device(s)
-        return HostStore(sharded=self.sharded, num_pages=self.cache_config.num_pages)
+        return HostStore(sharded=self.sharded)
 
     def _init_caches(self):  # on a mesh: num_pages per device, leading data / model axes
         caches = self.runner.init_caches(self.model, **self._cache_args)

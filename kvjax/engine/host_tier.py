@@ -55,7 +55,6 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from kvjax.config import is_int
 from kvjax.engine.host_copies import CopyPrograms
 from kvjax.engine.sizing import cache_bytes_model
 from kvjax.models.interface import CausalLM, ModelCaches
@@ -162,15 +161,15 @@ class CopyStats:
 class HostStore:
     """Spilled prefix-cache blocks in ``pinned_host`` memory and the copies between tiers (see the module
     docstring), on one device (``device``, default the first local one) or on every device of a mesh
-    (``sharded``; ``num_pages``: one device's pool, which makes a global page id of a pool split over ``"model"``
-    local to its device). :meth:`apply` executes the plans' copy logs (one per data shard) on the caches;
+    (``sharded``; a global page id of a pool split over ``"model"`` names its device by the pool size the caches
+    show). :meth:`apply` executes the plans' copy logs (one per data shard) on the caches;
     :attr:`stats` counts what moved; :attr:`bytes_held` is the host memory the slabs hold. ``chunk``: page rows per
     slab part (a power of two; a spill packs its pages in slabs of this many rows per device, a load moves every
     slab it reads whole). ``sync = True`` (a measurement, not for serving): each :meth:`apply` first waits for the
     device, then for its own copies, and adds that time to ``stats.t_sync``."""
 
-    def __init__(self, device: jax.Device | None = None, chunk: int = 16, *, sharded: ShardedModel | None = None,
-                 num_pages: int | None = None) -> None:
+    def __init__(self, device: jax.Device | None = None, chunk: int = 16, *,
+                 sharded: ShardedModel | None = None) -> None:
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1 or chunk & (chunk - 1):
             raise ValueError(f"HostStore.chunk must be a power of two >= 1, got {chunk!r}")
         self.traces = 0  # compilations of the copies (each jitted function traces once per shape)
@@ -178,10 +177,6 @@ class HostStore:
         self.grid = self.programs.grid  # (D, M): data shards, model shards
         self._lead = 0 if sharded is None else 2 if sharded.plan.pages_over_model else 1  # leading axes of a role
         self._split = sharded is not None and sharded.plan.pages_over_model and sharded.model_size > 1
-        if self._split and not (is_int(num_pages) and num_pages > 0):
-            raise ValueError(f"HostStore on a mesh whose pages are split over 'model' needs num_pages (one device's "
-                             f"pool), got {num_pages!r}")
-        self.num_pages = num_pages
         self.chunk = chunk
         self.slabs: dict[int, jax.Array] = {}  # slab id -> word[D, M, rows, row] in pinned_host memory
         self.live: dict[int, int] = {}  # slab id -> host ids (of every data shard) mapping into it
@@ -247,12 +242,12 @@ class HostStore:
                     self._release(d, np.concatenate([op.pages_host, op.ckpts_host]))
         return caches
 
-    def _part(self, pages_dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _part(self, pages_dev: np.ndarray, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
         """Global page ids ``pages_dev`` (i64[k]) as (model part, page id in that device's pool): ``divmod`` by the
-        pool size where the pages are split over ``"model"``, else part 0 (one pool per data shard, on every model
-        device alike)."""
+        pool size ``num_pages`` where the pages are split over ``"model"``, else part 0 (one pool per data shard, on
+        every model device alike)."""
         if self._split:
-            return np.divmod(pages_dev, self.num_pages)
+            return np.divmod(pages_dev, num_pages)
         return np.zeros(len(pages_dev), np.int64), pages_dev
 
     def _locate(self, d: int, ids: np.ndarray, slab: np.ndarray, part: np.ndarray, row: np.ndarray) -> None:
@@ -281,13 +276,14 @@ class HostStore:
         checkpoints one slab each; one jitted gather per power of two of the slab counts."""
         c, (D, M) = self.chunk, self.grid
         parts = M if self._split else 1
+        num_pages, _ = self._pools(caches)
         placed = {}
         for d, op in outs.items():
-            part, local = self._part(op.pages_dev)
-            counts = np.bincount(part, minlength=parts)
-            order = np.argsort(part, kind="stable")
-            pos = np.empty(len(part), np.int64)  # each page's row among its part's pages
-            pos[order] = np.arange(len(part)) - (np.cumsum(counts) - counts)[part[order]]
+            part, local = self._part(op.pages_dev, num_pages)
+            pos = np.empty(len(part), np.int64)  # each page's row among its part's pages, in log order
+            for p in np.unique(part).tolist():
+                sel = part == p
+                pos[sel] = np.arange(int(sel.sum()))
             placed[d] = part, local, pos
         n = max((int(pos.max()) // c + 1) if len(pos) else 0 for _, _, pos in placed.values())  # slabs
         cmax = max(op.num_ckpts for op in outs.values())
@@ -332,12 +328,13 @@ class HostStore:
         range)."""
         c, (D, M) = self.chunk, self.grid
         parts = M if self._split else 1
+        num_pages, num_slots = self._pools(caches)
         found = {}
         for d, op in ins.items():
             loc, cloc = self._loc[d][op.pages_host], self._loc[d][op.ckpts_host]
             if (loc[:, 0] < 0).any() or (cloc[:, 0] < 0).any():
                 raise AssertionError(f"host tier: a load of data shard {d} reads a host id this store does not hold")
-            part, local = self._part(op.pages_dev)
+            part, local = self._part(op.pages_dev, num_pages)
             if (part != loc[:, 1]).any():
                 raise AssertionError(f"host tier: a load of data shard {d} writes a page to another model device "
                                      "than the one it was spilled from")
@@ -345,7 +342,6 @@ class HostStore:
         ids = np.unique(np.concatenate([loc[:, 0] for loc, _, _ in found.values()]))  # the page slabs read
         sids = np.unique(np.concatenate([cloc[:, 0] for _, cloc, _ in found.values()]))  # the checkpoint slabs
         n, m = (_bucket(len(ids)) if len(ids) else 0), (_bucket(len(sids)) if len(sids) else 0)
-        num_pages, num_slots = self._pools(caches)
         src = np.zeros((D, parts, n * c), np.int32)
         dst = np.full((D, parts, n * c), num_pages, np.int32)  # padding writes nowhere
         state_src = np.zeros((D, 1, m), np.int32)
