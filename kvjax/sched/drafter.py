@@ -37,8 +37,8 @@ METHODS = ("ngram", "mtp")
 FLAT_TOKENS = 256
 # The default row limit above which no step drafts. Every GPU run of benchmarks/spec.py (RESULTS.md "Speculative
 # decoding") had verification paying at 16 rows (MTP K = 4: 1.05-1.58x) and all but one losing at 64 (MTP 0.66-0.80x,
-# once 1.14x; n-gram 0.29-0.30x), where without drafts a step is the plain decode burst. The crossover between 16
-# and 64 is not measured. None: no limit.
+# once 1.14x; n-gram 0.29-0.30x), where without drafts a step is the plain decode burst; at 32 rows MTP lost too (0.83x
+# with every draft accepted, HISTORY run 132), so the crossover lies between 16 and 32. None: no limit.
 DISABLE_BY_BATCH_SIZE = 16
 
 
