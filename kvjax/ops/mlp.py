@@ -6,7 +6,7 @@ Normalised call (the table's functions)::
 
 Reference = XLA: the two products at full precision in x's dtype, then ``silu(gate) * up`` (the expression
 :class:`kvjax.models.common.layers.MLP` used before this op, so CPU results are unchanged). Backend ``"pallas"``
-= :func:`kvjax.pallas.swiglu.swiglu_pallas`, one Triton-lowered kernel per ``[T, 32]`` output tile streaming both
+= :func:`kvjax.pallas.skinny.swiglu_pallas`, one Triton-lowered kernel per ``[T, 32]`` output tile streaming both
 weights once with float32 accumulation and the SiLU product in its epilogue; ``auto`` takes it for the skinny
 products of decode steps: bfloat16 / float16, ``16 <= T <= 64`` a power of two, where it is faster than XLA's
 split-K GEMM and the reducing SiLU-product fusion (RESULTS.md, "SwiGLU up-projection"); at T=256 its tiles do
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from kvjax.base.checks import check_array, check_float
 from kvjax.ops.backends import Backend, BackendTable
-from kvjax.pallas import swiglu as swiglu_kernel
+from kvjax.pallas import skinny
 
 SWIGLU_OP = "swiglu"
 
@@ -70,7 +70,7 @@ SWIGLU_TABLE = BackendTable(
     SWIGLU_OP,
     swiglu_reference,
     (
-        Backend("pallas", swiglu_kernel.swiglu_pallas, priority=10, unsupported=swiglu_kernel.unsupported,
+        Backend("pallas", skinny.swiglu_pallas, priority=10, unsupported=skinny.swiglu_unsupported,
                 note="decode-step rows (16..64, 16-bit): ahead of XLA (RESULTS.md, SwiGLU up-projection)"),
     ),
     examples={

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.models.common.parallel import reduce
+from kvjax.ops.linear import linear
 from kvjax.ops.mlp import swiglu
 
 
@@ -73,7 +74,8 @@ class GatedRMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)`` with ``kernel: [in, out]`` (the transpose of a torch ``Linear.weight``).
+    """``y = x @ kernel (+ bias)`` with ``kernel: [in, out]`` (the transpose of a torch ``Linear.weight``); the
+    product is the op :func:`kvjax.ops.linear.linear` (a Pallas kernel for 16-bit decode rows on a GPU).
 
     ``reduce_axis`` (static, ``None`` by default): on a row-parallel shard inside ``shard_map`` the partial
     product is summed over that mesh axis before the bias is added (:mod:`kvjax.models.common.parallel`).
@@ -86,7 +88,7 @@ class Linear(nnx.Module):
         self.reduce_axis: str | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = reduce(jnp.matmul(x, self.kernel[...], precision=jax.lax.Precision.HIGHEST), self.reduce_axis)
+        y = reduce(linear(x, self.kernel[...]), self.reduce_axis)
         return y if self.bias is None else y + self.bias[...]
 
 
