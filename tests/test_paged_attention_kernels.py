@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.mosaic_interpret import cache_thread_programs
 from helpers.paged import (build_batch, check_fp8, checked_call, poison_hole, quantise_pages, reference_f32,
                            reference_fp8, rel_err)
 from kvjax.base.device import NAMED
@@ -32,6 +33,7 @@ from kvjax.ops.attention import PagedAttentionCall
 from kvjax.pallas.paged import common as paged_common
 from kvjax.pallas.paged import decode
 from kvjax.pallas.paged import prefill as paged_prefill
+from kvjax.pallas.paged import prefill_mgpu
 
 
 # ---------------------------------------------------------------- CPU (interpret mode)
@@ -111,36 +113,90 @@ def test_prefill_interpret_page_128(rng):
     assert float(jnp.abs(out[-2:]).max()) == 0.0
 
 
-def test_prefill_mosaic_interpret(rng):
+# The Mosaic GPU prefill kernel's schedule variants (prefill_mgpu.Variant) run in the interpreter beside the default
+# one: persistent programs (fewer than the items, so rounds in both directions, programs left idle in the last one,
+# the q box copied a tile ahead), the mask's position grids recomputed per masked step, the optimization barrier
+# before P V. They change the schedule only, so they must give the default kernel's output bit for bit.
+_MOSAIC_VARIANTS = {64: prefill_mgpu.Variant(programs=3, mask_iota="inner"),
+                    128: prefill_mgpu.Variant(programs=2, pv_barrier=True)}
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
     # the Mosaic GPU kernel under the Mosaic GPU interpreter (its products in jnp, everything else as compiled:
-    # TMA page copies, two pages per 128-key slot, barriers, per-slot skip/full/masked paths, ragged tiles read
-    # and written in place, the end-of-array box).
+    # TMA page copies, two pages per 128-key slot at pages of 64, barriers, per-slot skip/full/masked paths, ragged
+    # tiles read and written in place, the end-of-array box), then one schedule variant against it.
     # Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head with a
     # poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
-    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
-
-    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
+    cache_thread_programs(monkeypatch)
+    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=page_size, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
                            window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
     args = poison_hole(args)
-    k, v = args[1], args[2]
     ref = reference_f32(args, kw)
-    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True), np.float32)
+    out = np.asarray(prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True), np.float32)
     assert rel_err(out, ref) <= 1e-2
     assert np.all(out[-2:] == 0)  # tokens of no row
+    variant = _MOSAIC_VARIANTS[page_size]
+    out_v = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), variant=variant, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out_v, np.float32), out, err_msg=str(variant))
     with pytest.raises(ValueError, match="page_size"):
-        small_pages = dataclasses.replace(checked_call(args, kw), k_pages=k[:, :32], v_pages=v[:, :32])
-        paged_prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
+        small_pages = dataclasses.replace(checked_call(args, kw), k_pages=args[1][:, :32], v_pages=args[2][:, :32])
+        prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
+
+
+def test_prefill_mosaic_interpret_fp8_variant(rng, monkeypatch):
+    # fp8 pages (e4m3 q K^T, V converted by halves into the shared f16 buffers), pages of 64 (two a slot, per-column
+    # scales): persistent programs with every schedule knob against the default kernel, bit for bit; both against
+    # the float32 reference over the same fp8 pages (the bound is test_paged_prefill_fp8's business: here, 2e-2)
+    cache_thread_programs(monkeypatch)
+    args, kw = build_batch(rng, hq=2, hkv=2, d=64, page_size=64, ctx=[140, 9, 0], new=[70, 1, 0], window=[0, 70],
+                           sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    args, scales = quantise_pages(poison_hole(args))
+    ref, _, _ = reference_fp8(args, scales, kw)
+    out = np.asarray(prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), interpret=True), np.float32)
+    assert rel_err(out, ref) <= 2e-2
+    variant = prefill_mgpu.Variant(programs=2, mask_iota="inner", pv_barrier=True)
+    out_v = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), variant=variant, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out_v, np.float32), out)
+
+
+def test_prefill_mosaic_variants_lower_for_cuda():
+    # every knob compiles to Mosaic GPU without a GPU (jax 0.10's lowering; 0.11 lowers with Warpgroup semantics,
+    # checked on the GPU by benchmarks/prefill_variants.py), each under its own kernel name; bad knobs are refused
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    names = set()
+    variants = [prefill_mgpu.Variant(), prefill_mgpu.Variant(programs=132), prefill_mgpu.Variant(registers=(240, 32)),
+                prefill_mgpu.Variant(semantics="lane", mask_iota="inner", pv_barrier=True)]
+    for variant, (page_size, fp8) in zip(variants * 2, [(128, False)] * 4 + [(64, True)] * 4):
+        def fn(q, kp, vp, bt, sl, cu, ks, vs):
+            scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
+            call = PagedAttentionCall(q, kp, vp, bt, sl, cu, window=jnp.array([0, 100], jnp.int32),
+                                      sinks=jnp.array([0, 4], jnp.int32), **scales)
+            return prefill_mgpu.paged_prefill_mgpu(attention.check_call(call), variant=variant)
+
+        pages = sds((64, page_size, 128), FP8_DTYPE if fp8 else jnp.bfloat16)
+        module = export.export(jax.jit(fn), platforms=["cuda"])(
+            sds((512, 4, 128), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
+            sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32)).mlir_module()
+        name = f"kvjax_paged_prefill_mgpu_{'float8_e4m3fn_e4m3x2_qk' if fp8 else 'bfloat16'}_s2{variant.tag()}"
+        assert "mosaic_gpu" in module and name in module, (variant, fp8)
+        names.add(name)
+    assert len(names) == len(variants) * 2
+    for bad in (dict(programs=-1), dict(registers=(236, 40)), dict(registers=(240, 40)), dict(semantics="x"),
+                dict(mask_iota="x")):
+        with pytest.raises(ValueError, match="Variant"):
+            prefill_mgpu.Variant(**bad)
 
 
 def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
     # with fewer XLA CPU threads than warpgroups + 1 the interpreter can deadlock: a clear error instead
-    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
-
     args, kw = build_batch(rng, hq=2, hkv=1, d=64, page_size=64, ctx=[3], new=[3], window=[0], sinks=[0],
                            dtype=jnp.bfloat16)
     monkeypatch.setenv("NPROC", "2")
     with pytest.raises(RuntimeError, match="NPROC=8"):
-        paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True)
+        prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True)
 
 
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):

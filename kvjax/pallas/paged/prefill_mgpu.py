@@ -47,6 +47,18 @@ cast), the accumulator being kept in units of that reference and rescaled, exact
 table takes this path for fp8 pages where the shapes allow it. A third form, converting K and V to f16 in each
 consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.31x slower; it is deleted (HISTORY.md).
 
+Variants (:class:`Variant`, ``paged_prefill_mgpu(call, variant=...)``; each compiles under its own kernel name; the
+default is the kernel RESULTS.md measures). *Persistent programs* (``programs=n``): ``n`` CTAs (one per SM) walk the
+(tile, head) items in rounds, program ``p`` taking item ``p`` of even rounds and ``n - 1 - p`` of odd ones, the tiles
+ordered with tokens last to first (a row's longest walks first), empty ones last. The producer runs one ring walk
+over all of a program's items, so the next item's first slots load while the consumers finish the current one; a
+consumer copies the next item's q box into its staging rows as soon as it has swizzled the current one, and writes a
+full 64-row output box through its q tile (free by then) without waiting for the copy, a ragged box through the
+staging rows as before. What a one-CTA-per-item kernel pays per item (launch, barrier setup, the first page and q
+loads, the last store's wait) then overlaps the previous item, where only one CTA fits an SM (192 KiB of shared
+memory). The others: the registers of the warpgroups (``setmaxnreg``), the lowering's semantics, the mask's position
+grids recomputed per masked step instead of kept live over the walk, an ``optimization_barrier`` before ``P V``.
+
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
@@ -60,8 +72,10 @@ prefill".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +115,70 @@ def q_row_scales(
     return lax.bitcast_convert_type(scale_bits, jnp.float32), lax.bitcast_convert_type(inv_bits, jnp.float32)
 
 
+_SEMANTICS = {"default": None, "lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
+_MASK_IOTAS = ("hoisted", "inner")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The kernel's schedule knobs (module doc, "Variants"). The defaults are the kernel RESULTS.md measures.
+
+    ``programs``: 0 launches one CTA per (query tile, query head); ``n > 0`` launches ``n`` persistent CTAs (one
+    per SM: ``jax.Device.core_count``) that walk those items in rounds, heaviest tiles first. ``registers``:
+    ``setmaxnreg`` of (each consumer, the producer) warpgroup, multiples of 8 in [24, 256] with
+    ``256 c + 128 p <= 65536``. ``semantics``: the Mosaic GPU lowering (``"default"``: jax's own, Lane up to jax 0.10
+    and Warpgroup from 0.11; ``"lane"``; ``"warpgroup"``). ``mask_iota``: where the masked path's position grids
+    come from (``"hoisted"``: computed once per tile and kept live over the walk; ``"inner"``: recomputed in each
+    masked step). ``pv_barrier``: an ``optimization_barrier`` over the softmax's results before the ``P V`` barriers
+    (JAX's ``attention_mgpu`` ordering).
+    """
+
+    programs: int = 0
+    registers: tuple[int, int] = (232, 40)
+    semantics: str = "default"
+    mask_iota: str = "hoisted"
+    pv_barrier: bool = False
+
+    def __post_init__(self):
+        c, p = self.registers
+        if self.programs < 0:
+            raise ValueError(f"Variant.programs must be >= 0, got {self.programs}")
+        if any(r % 8 or not 24 <= r <= 256 for r in (c, p)) or 2 * 128 * c + 128 * p > 65536:
+            raise ValueError(f"Variant.registers must be multiples of 8 in [24, 256] with 256 c + 128 p <= 65536, "
+                             f"got {self.registers}")
+        if self.semantics not in _SEMANTICS:
+            raise ValueError(f"Variant.semantics must be one of {tuple(_SEMANTICS)}, got {self.semantics!r}")
+        if self.mask_iota not in _MASK_IOTAS:
+            raise ValueError(f"Variant.mask_iota must be one of {_MASK_IOTAS}, got {self.mask_iota!r}")
+
+    def tag(self) -> str:
+        """The knobs that differ from the defaults, as a kernel-name suffix (``""`` for the default schedule)."""
+        base = Variant()
+        parts = [f"p{self.programs}" if self.programs != base.programs else "",
+                 "r{}_{}".format(*self.registers) if self.registers != base.registers else "",
+                 self.semantics if self.semantics != base.semantics else "",
+                 f"iota_{self.mask_iota}" if self.mask_iota != base.mask_iota else "",
+                 "pvbar" if self.pv_barrier else ""]
+        return "".join(f"_{part}" for part in parts if part)
+
+
+class _Item(NamedTuple):
+    """One (query tile, query head) of the work, i32[] each: the tile's tokens, its KV head and page walk."""
+
+    head: jax.Array
+    kvh: jax.Array  # the head's KV head
+    tok0: jax.Array  # first token of the tile (a row of q / o)
+    n_tok: jax.Array  # tokens of the tile (0: nothing to read or write)
+    i0: jax.Array  # position of its first token
+    lo: jax.Array  # the walk (common.walk_at): first window page, sink pages, pages
+    n_sink: jax.Array
+    n_pages: jax.Array
+    w: jax.Array  # window of the KV head (0: full)
+    sk: jax.Array  # its sink tokens
+    bt_base: jax.Array  # offset of the (row, KV head)'s block table in the flat table
+    n_steps: jax.Array  # ring slots of the walk
+
+
 def _kernel(
     *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
     #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile), then o_ref
@@ -117,6 +195,7 @@ def _kernel(
     stages: int,
     fp8: bool,
     q_parts: int,
+    variant: Variant,
     interpret: bool,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, rest = common.kernel_refs(refs, num_spans=4)
@@ -125,29 +204,45 @@ def _kernel(
     q_smem, io_smem, k_smem, v_smem, *kv16_smem = smem
     k_full, v_full, q_full = full_barriers
     k_free, v_free = free_barriers
-    tile = lax.axis_index("tile")
-    tile = tile_row_ref.shape[0] - 1 - tile  # the last (longest-walk) tiles launch first
-    head = lax.axis_index("head")
     wg = lax.axis_index("wg")
-    kvh = lax.div(head, jnp.int32(group))
-    th = tile * num_kv_heads + kvh
-    b = tile_row_ref[tile]
-    tok0 = tile_tok_ref[tile]
-    n_tok = tile_len_ref[tile]
-    i0 = tile_pos_ref[tile]
-    lo, n_sink, n_pages, w, sk = common.walk_at(walk, th, kvh)
-    bt_base = (b * num_kv_heads + kvh) * max_blocks
-    num_tokens = q_ref.shape[0]
-    head_dim = q_smem.shape[-1]
+    num_tiles = tile_row_ref.shape[0]
+    num_tokens, hq, head_dim = q_ref.shape
     dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
-    n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
+    persistent = variant.programs > 0
+    out_from_q = persistent and not fp8  # full boxes leave through the q tile, so q can be copied a tile ahead
 
-    def page_at(s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
-        col = lax.select(s < n_sink, s, lo + s - n_sink)
-        page = bt_ref[bt_base + jnp.minimum(col, max_blocks - 1)]
-        return col * page_size, jnp.where(s < n_pages, page, -1)
+    def item_at(tile, head, live=None) -> _Item:
+        kvh = lax.div(head, jnp.int32(group))
+        lo, n_sink, n_pages, w, sk = common.walk_at(walk, tile * num_kv_heads + kvh, kvh)
+        n_tok = tile_len_ref[tile]
+        if live is not None:
+            n_tok, n_pages = jnp.where(live, n_tok, 0), jnp.where(live, n_pages, 0)
+        bt_base = (tile_row_ref[tile] * num_kv_heads + kvh) * max_blocks
+        n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
+        return _Item(head, kvh, tile_tok_ref[tile], n_tok, tile_pos_ref[tile], lo, n_sink, n_pages, w, sk, bt_base,
+                     n_steps)
+
+    if persistent:  # program p takes item p of even rounds and item P - 1 - p of odd ones (the tiles come heaviest
+        programs = variant.programs  # first, empty last: paged_prefill_mgpu orders them)
+        num_items = num_tiles * hq
+        rounds = -(-num_items // programs)
+        prog = lax.axis_index("prog")
+
+        def round_item(r) -> _Item:
+            idx = r * programs + jnp.where(lax.rem(r, 2) == 0, prog, programs - 1 - prog)
+            live = idx < num_items
+            idx = jnp.minimum(idx, num_items - 1)
+            return item_at(lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq)), live)
+    else:
+        tile = lax.axis_index("tile")
+        the_item = item_at(num_tiles - 1 - tile, lax.axis_index("head"))  # the last (longest-walk) tiles launch first
+
+    def page_at(it: _Item, s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
+        col = lax.select(s < it.n_sink, s, it.lo + s - it.n_sink)
+        page = bt_ref[it.bt_base + jnp.minimum(col, max_blocks - 1)]
+        return col * page_size, jnp.where(s < it.n_pages, page, -1)
 
     def page_scale(ref, page):  # f32 scale of an fp8 page; 0 for a hole (never read)
         return jnp.where(page >= 0, ref[jnp.maximum(page, 0)], 0.0)
@@ -156,31 +251,43 @@ def _kernel(
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(wg < _CONSUMERS)
-    def _consumer():
-        plgpu.set_max_registers(232, action="increase")
-        first = wg * BLOCK_Q  # first token of this warpgroup inside the tile
-        n_rows = jnp.clip(n_tok - first, 0, BLOCK_Q)
-        x = tok0 + first  # the warpgroup's tokens: rows [x, x + n_rows) of q / o
-        x0 = jnp.minimum(x, num_tokens - BLOCK_Q)  # a 64-row box inside q holding them, at rows [r0, r0 + n_rows)
-        r0 = x - x0
-        pa = i0 + first  # positions [pa, pb] of the warpgroup's tokens
-        pb = pa + n_rows - 1
-        stage = io_smem.at[wg]
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    stage = io_smem.at[wg]  # a consumer's q / out staging rows
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
+    def box(it: _Item):  # the warpgroup's tokens of item it: (rows, first row x, 64-row box at x0 inside q)
+        first = wg * BLOCK_Q  # first token of this warpgroup inside the tile
+        n_rows = jnp.clip(it.n_tok - first, 0, BLOCK_Q)
+        x = it.tok0 + first  # rows [x, x + n_rows) of q / o
+        return n_rows, x, jnp.minimum(x, num_tokens - BLOCK_Q)
+
+    def copy_q(it: _Item, x0):
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), it.head], stage, q_full.at[wg])
+
+    def consume(it: _Item, g0, q_copied, nxt: _Item | None):
+        """The consumer's part of item ``it``; its ring steps are ``g0 ..`` of the program's walk. ``q_copied``: the
+        q box was copied ahead (persistent kernels). Returns whether the next item's box is being copied."""
+        n_rows, x, x0 = box(it)
+        r0 = x - x0  # the warpgroup's tokens sit at rows [r0, r0 + n_rows) of the box
+        pa = it.i0 + wg * BLOCK_Q  # positions [pa, pb] of the warpgroup's tokens
+        pb = pa + n_rows - 1
+        w, sk = it.w, it.sk
+        n_steps = it.n_steps
 
         def load_q():  # q rows at any offset: a plain-row TMA copy, then swizzled for wgmma through registers
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), head], stage, q_full.at[wg])
+            if persistent:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output has left its buffer
+                pl.when(q_copied == 0)(lambda: copy_q(it, x0))
+            else:
+                copy_q(it, x0)
             plgpu.barrier_wait(q_full.at[wg])
             if interpret:
                 q_rows = stage[...]
             else:
                 q_rows = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
             if fp8:  # e4m3 tiles q = s (h + l): h = e4m3(q / s), l = e4m3(q / s - h) (q_parts 2); s per row
-                x = q_rows.astype(jnp.float32)
-                q_scale, inv = q_row_scales(jnp.abs(x).max(axis=1))
-                y = x * lax.broadcast_in_dim(inv, x.shape, [0])
+                xf = q_rows.astype(jnp.float32)
+                q_scale, inv = q_row_scales(jnp.abs(xf).max(axis=1))
+                y = xf * lax.broadcast_in_dim(inv, xf.shape, [0])
                 for part in range(q_parts):
                     h = y.astype(FP8_DTYPE)
                     q_smem.at[wg * q_parts + part][...] = h
@@ -198,20 +305,30 @@ def _kernel(
                                lambda: cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32), row_layout, interpret))
         else:
             pl.when(n_rows > 0)(load_q)
+        copying = jnp.int32(0)
+        if out_from_q:  # the staging rows are free until this item's end: the next item's q box lands there
+            n_next, _, x0_next = box(nxt)
+            copying = ((n_rows == BLOCK_Q) & (n_next > 0)).astype(jnp.int32)
+            pl.when(copying == 1)(lambda: copy_q(nxt, x0_next))
 
-        qpos = (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret)  # position of each box row
-        kcol = iota((BLOCK_Q, BLOCK_K), 1, interpret)
+        def mask_iotas():  # (position of each box row, key column of the slot)
+            return (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret), iota((BLOCK_Q, BLOCK_K), 1, interpret)
+
+        hoisted = mask_iotas() if variant.mask_iota == "hoisted" else None
         qk_scale = scale * _LOG2E
 
         def wait_next_k(j):  # every consumer waits each K phase once, one step ahead (overlaps PV)
             @pl.when(j + 1 < n_steps)
             def _():
-                plgpu.barrier_wait(k_full.at[lax.rem(j + 1, jnp.int32(stages))])
+                plgpu.barrier_wait(k_full.at[lax.rem(g0 + j + 1, jnp.int32(stages))])
+
+        def key_columns():
+            return hoisted[1] if hoisted else iota((BLOCK_Q, BLOCK_K), 1, interpret)
 
         def per_column(values):  # f32[BLOCK_Q, BLOCK_K]: each key column's value of its slot half's page
             if per_slot == 1:
                 return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
-            return jnp.where(kcol < page_size, values[0], values[1])
+            return jnp.where(key_columns() < page_size, values[0], values[1])
 
         def convert_v_half(slot, buf):  # fp8: this consumer's half of the V slot as f16 into shared buffer buf
             plgpu.barrier_wait(v_full.at[slot])
@@ -220,18 +337,18 @@ def _kernel(
             if interpret:
                 dst[...] = src[...].astype(dtype)
             else:
-                x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                dst[...] = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
+                xv = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                dst[...] = plgpu.layout_cast(xv.astype(dtype), plgpu.Layout.WGMMA)
                 plgpu.commit_smem()
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(v_conv[0].at[buf])
 
         def step(j, carry):
-            slot = lax.rem(j, jnp.int32(stages))
-            buf = lax.rem(j, jnp.int32(_V16_BUFFERS))
+            slot = lax.rem(g0 + j, jnp.int32(stages))
+            buf = lax.rem(g0 + j, jnp.int32(_V16_BUFFERS))
             k0s, needs, fulls, pages = [], [], [], []
             for i in range(per_slot):
-                k0, page = page_at(j * per_slot + i)
+                k0, page = page_at(it, j * per_slot + i)
                 k1 = k0 + page_size - 1
                 valid = page >= 0
                 needs.append(valid & (k0 <= pb) & ((w == 0) | (k1 > pa - w) | (k0 < sk)))
@@ -267,17 +384,18 @@ def _kernel(
                 plgpu.barrier_arrive(k_free.at[slot])
                 if fp8:  # q's row scale times the key column's page scale
                     rows = [lax.broadcast_in_dim(q_scale * page_scale(ks_ref, page), qk.shape, [0]) for page in pages]
-                    qk = qk * (rows[0] if per_slot == 1 else jnp.where(kcol < page_size, rows[0], rows[1]))
+                    qk = qk * (rows[0] if per_slot == 1 else jnp.where(key_columns() < page_size, rows[0], rows[1]))
 
-                def mask(x):
+                def mask(s):
+                    qpos, kcol = hoisted if hoisted else mask_iotas()
                     kpos = kcol + k0s[0]
                     if per_slot == 2:
                         kpos = kcol + jnp.where(kcol < page_size, k0s[0], k0s[1] - page_size)
                     diff = qpos - kpos
                     vis = (diff >= 0) & ((w == 0) | (diff < w) | (kpos < sk))
-                    return jnp.where(vis, x, -jnp.inf)
+                    return jnp.where(vis, s, -jnp.inf)
 
-                qk = lax.cond(full, lambda x: x, mask, qk)
+                qk = lax.cond(full, lambda s: s, mask, qk)
                 m_new = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
                 alpha = jnp.exp2(m_i - m_use)
@@ -292,6 +410,8 @@ def _kernel(
                     v_ref = [ref_new]
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
+                if variant.pv_barrier:  # JAX's attention_mgpu: the softmax's values fixed before the barriers
+                    acc, l_i, m_new, p16, *v_ref = lax.optimization_barrier((acc, l_i, m_new, p16, *v_ref))
                 plgpu.barrier_arrive(sched)
                 if fp8:  # both halves converted
                     plgpu.barrier_wait(v_conv[0].at[buf])
@@ -335,7 +455,7 @@ def _kernel(
 
         @pl.when(n_steps > 0)
         def _():
-            plgpu.barrier_wait(k_full.at[0])
+            plgpu.barrier_wait(k_full.at[lax.rem(g0, jnp.int32(stages))])
 
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
         acc, m_i, l_i, *v_ref = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, *v_ref))
@@ -345,31 +465,60 @@ def _kernel(
             l_safe = l_safe / v_ref[0]  # l_i > 0 implies a visited page, so a reference scale > 0
         out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
 
-        @pl.when(n_rows > 0)
-        def _():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
+        def write_staged():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
             stage[...] = out
             plgpu.commit_smem()
 
             @pl.when(n_rows == BLOCK_Q)
             def _():
-                plgpu.copy_smem_to_gmem(stage, o_ref.at[pl.ds(x0, BLOCK_Q), head])
+                plgpu.copy_smem_to_gmem(stage, o_ref.at[pl.ds(x0, BLOCK_Q), it.head])
 
             rows = BLOCK_Q // 2
             while rows:
                 @pl.when((n_rows >= rows) & (n_rows < 2 * rows))
                 def _(rows=rows):
                     for off in (0, n_rows - rows):
-                        plgpu.copy_smem_to_gmem(stage.at[pl.ds(r0 + off, rows)], o_ref.at[pl.ds(x + off, rows), head])
+                        plgpu.copy_smem_to_gmem(stage.at[pl.ds(r0 + off, rows)],
+                                                o_ref.at[pl.ds(x + off, rows), it.head])
 
                 rows //= 2
+
+        def write_from_q():  # a full box through the (free) q tile, while the next box lands in the staging rows
+            q_smem.at[wg][...] = out
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[pl.ds(x0, BLOCK_Q), it.head])
+
+        if out_from_q:
+            pl.when(n_rows == BLOCK_Q)(write_from_q)
+            pl.when((n_rows > 0) & (n_rows < BLOCK_Q))(write_staged)
+        else:
+            @pl.when(n_rows > 0)
+            def _():
+                write_staged()
+                if not persistent:
+                    plgpu.wait_smem_to_gmem(0)
+        return copying
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(variant.registers[0], action="increase")
+        if persistent:
+            def item(r, carry):
+                g0, q_copied = carry
+                it = round_item(r)
+                return g0 + it.n_steps, consume(it, g0, q_copied, round_item(r + 1))
+
+            lax.fori_loop(0, rounds, item, (jnp.int32(0), jnp.int32(0)))
             plgpu.wait_smem_to_gmem(0)
+        else:
+            consume(the_item, jnp.int32(0), None, None)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(variant.registers[1], action="decrease")
 
-        def issue(j, slot):
-            pages = [page_at(j * per_slot + i)[1] for i in range(per_slot)]
+        def issue(it: _Item, j, slot):
+            pages = [page_at(it, j * per_slot + i)[1] for i in range(per_slot)]
             # a slot half whose page is a hole or past the walk gets a copy of the other half's page (finite data,
             # never visible), so that every slot takes the same bytes; a slot with no page is only signalled
             srcs = [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
@@ -388,7 +537,34 @@ def _kernel(
                     plgpu.barrier_arrive(k_full.at[slot])
                     plgpu.barrier_arrive(v_full.at[slot])
 
-        produce_ring(n_steps, stages, issue, (k_free, v_free))
+        def wait_free(g):
+            slot = lax.rem(g, jnp.int32(stages))
+            for free in (k_free, v_free):
+                plgpu.barrier_wait(free.at[slot])
+            return slot
+
+        if persistent:  # one ring walk over the program's items: step g waits for step g - stages's release
+            def item(r, g0):
+                it = round_item(r)
+
+                @pl.loop(0, it.n_steps)
+                def _(j):
+                    g = g0 + j
+                    @pl.when(g >= stages)
+                    def _():
+                        wait_free(g - stages)
+
+                    issue(it, j, lax.rem(g, jnp.int32(stages)))
+
+                return g0 + it.n_steps
+
+            total = lax.fori_loop(0, rounds, item, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(total - stages, 0), total)
+            def _(g):
+                wait_free(g)
+        else:
+            produce_ring(the_item.n_steps, stages, functools.partial(issue, the_item), (k_free, v_free))
 
 
 def shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
@@ -416,12 +592,13 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     return shape_reason(call)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "fp8_products", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "fp8_products", "variant", "interpret"))
 def paged_prefill_mgpu(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
     stages: int | None = None,
     fp8_products: str = "e4m3x2_qk",
+    variant: Variant = Variant(),
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
@@ -429,9 +606,9 @@ def paged_prefill_mgpu(
     finite values, see the module doc). fp8 pages read as ``page * scale`` (module doc).
     ``stages``: shared-memory slots of 128 keys (default 2). ``fp8_products`` (fp8 pages only, module doc):
     ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted to f16 once per slot) or
-    ``"e4m3_qk"`` (q rounded to one e4m3 tile).
-    ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError``
-    for what :func:`shape_reason` rejects and for an unknown ``fp8_products``.
+    ``"e4m3_qk"`` (q rounded to one e4m3 tile). ``variant``: the schedule (:class:`Variant`; each variant compiles
+    under its own kernel name). ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no
+    row get 0. ``ValueError`` for what :func:`shape_reason` rejects and for an unknown ``fp8_products``.
     """
     q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
@@ -448,6 +625,11 @@ def paged_prefill_mgpu(
     q_parts = _Q_PARTS[fp8_products] if fp8 else 0
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
+    if variant.programs:  # persistent programs take the tiles in this order: the tiles with tokens last to first
+        tile = jnp.arange(num_tiles, dtype=jnp.int32)  # (the longest walks of each row first), then the empty ones
+        n_live = jnp.sum(spans[2] > 0, dtype=jnp.int32)
+        order = jnp.where(tile < n_live, n_live - 1 - tile, tile)
+        spans, walks = tuple(x[order] for x in spans), tuple(x[order] for x in walks)
     dtype = jnp.float16 if fp8 else q.dtype  # the products' operands
     tiled = swizzled(dtype)
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
@@ -478,18 +660,26 @@ def paged_prefill_mgpu(
     )
     kernel = functools.partial(
         _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
-        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, interpret=interpret,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, variant=variant, interpret=interpret,
     )
+    if variant.programs:
+        grid, grid_names = (variant.programs,), ("prog",)
+    else:
+        grid, grid_names = (num_tiles, hq), ("tile", "head")
+    semantics = _SEMANTICS[variant.semantics]
+    params = plgpu.CompilerParams(approx_math=True, **({"lowering_semantics": semantics} if semantics else {}))
+    name = f"kvjax_paged_prefill_mgpu_{jnp.dtype(k_pages.dtype).name}{'_' + fp8_products if fp8 else ''}_s{stages}"
     q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
         scratch_types=scratch,
-        grid=(num_tiles, hq),
-        grid_names=("tile", "head"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=name + variant.tag(),
+        compiler_params=params,
         interpret=interpret_params() if interpret else None,
     )(*common.operands(call, (q_in, k_pages, call.v_pages, k_scale, v_scale), spans, walks))
     return out[:t_total]
