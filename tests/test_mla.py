@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.mosaic_interpret import cache_thread_programs
 from kvjax.base.device import NAMED, current_device
 from kvjax.errors import UnknownImplError
 from kvjax.ops import mla
@@ -273,12 +274,14 @@ def test_num_kv_splits_choice_is_static():
     assert choose_num_kv_splits(2, 1, 512, 132) == 64  # capped
 
 
-def test_mosaic_interpret_matches_reference(rng):
-    """The Mosaic GPU kernel in the Mosaic GPU interpreter (slow: ~1 min): mixed lengths (0, 1, a tile edge,
-    empty splits), a hole inside a sequence, 70 heads (two head groups, the second padded), one split (final
-    dtype written by the kernel) and three (f32 split outputs merged)."""
+def test_mosaic_interpret_matches_reference(rng, monkeypatch):
+    """The Mosaic GPU kernel in the Mosaic GPU interpreter (one compilation per kernel, not per CTA:
+    ``helpers.mosaic_interpret``): mixed lengths (0, 1, a tile edge, empty splits), a hole inside a sequence, 70
+    heads (two head groups, the second padded), one split (final dtype written by the kernel) and three (f32 split
+    outputs merged)."""
     from kvjax.pallas.mla.decode_mgpu import mla_decode_mgpu
 
+    cache_thread_programs(monkeypatch)
     lens, h = [1, 65, 190, 0], 70
     q, qr, pages, tables, lens_a = _random_decode(rng, lens, h=h, page_size=64, max_blocks=3, dtype=jnp.bfloat16)
     tables = tables.at[2, 0, 1].set(-1)  # tokens 64..127 of row 2 are not attendable
