@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.mosaic_interpret import cache_thread_programs
 from helpers.paged import (P_ROUND_F16, build_batch, checked_call, e4m3_split_q, fp8_bound, poison_hole,
                            quantise_pages, reference_fp8)
 from kvjax.base.fp8 import FP8_DTYPE
@@ -122,10 +123,10 @@ def test_q_split_is_exact_for_bf16():
     assert (one != q).any()
 
 
-# the interpreter is slow (1.5-2 min a call on 2 busy cores): each call covers part of the features. Pages of 64 (two
-# per slot: per-column key scales) with the single e4m3 q, a full head (with the hole) beside a SWA head with sinks;
-# pages of 128 with the split q, GQA 2 over one full head (with the hole). The loud page is met after the walk's
-# first slot (the running value reference scale grows).
+# the interpreter is slow (about a second a CTA once helpers.mosaic_interpret compiles each kernel once): each call
+# covers part of the features. Pages of 64 (two per slot: per-column key scales) with the single e4m3 q, a full head
+# (with the hole) beside a SWA head with sinks; pages of 128 with the split q, GQA 2 over one full head (with the
+# hole). The loud page is met after the walk's first slot (the running value reference scale grows).
 _INTERPRET_CASES = [
     (64, "e4m3_qk", dict(ctx=[140, 9, 0], hq=2, hkv=2, window=[0, 70], sinks=[0, 4])),
     (128, "e4m3x2_qk", dict(ctx=[260, 9, 0], hq=2, hkv=1, window=[0], sinks=[0])),
@@ -134,9 +135,10 @@ _INTERPRET_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size,mode,case", _INTERPRET_CASES, ids=[m for _, m, _ in _INTERPRET_CASES])
-def test_prefill_e4m3_qk_interpret(rng, page_size, mode, case):
+def test_prefill_e4m3_qk_interpret(rng, monkeypatch, page_size, mode, case):
     # under the Mosaic GPU interpreter: products in jnp over the same e4m3 tiles; the q split, its row scales, the
     # barriers and the shared f16 V buffer per slot converted by halves as compiled
+    cache_thread_programs(monkeypatch)
     args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], d=64, loud=(0, 2), **case)
     out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, interpret=True)
     _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(case["ctx"]))
