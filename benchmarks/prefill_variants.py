@@ -18,8 +18,8 @@ back-to-back calls of every row in turn under the profiler (device records, as `
 the rounds. Columns: ``call ms`` (every kernel of the call: cuDNN's memsets, kvjax's launch metadata),
 ``kernel ms`` (the call's longest kernel alone), ``vs cudnn`` (cuDNN's call ms over the row's), TFLOP/s (causal
 FLOPs ``2 T (T + 1) H D`` over call ms) and its share of FlashAttention-3's published 648 TFLOP/s (H100,
-non-causal, 16k, D=128). The default run (2 page sizes, 7 variants and cuDNN, 7 rounds) is meant to take under 6
-minutes on an H100, compiles included.
+non-causal, 16k, D=128). The default run (2 page sizes, 9 variants and cuDNN, 5 rounds) is meant to take under 6
+minutes on an H100, compiles included (not measured yet: the script prints each row's first-call seconds).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ KNOBS = {  # variant name -> Variant fields; "programs": None is the device's SM
     "regs240": {"registers": (240, 24)},  # FlashAttention-3's split
     "iota_inner": {"mask_iota": "inner"},
     "pv_barrier": {"pv_barrier": True},
+    "split": {"split_release": True},
+    "overlap": {"overlap": True},
 }
-DEFAULT_VARIANTS = "today,persistent,lane,regs240,iota_inner,pv_barrier,persistent+lane"
+DEFAULT_VARIANTS = "today,persistent,overlap,persistent+overlap,split,lane,regs240,iota_inner,pv_barrier"
 
 
 def variant_of(name: str, programs: int):
@@ -176,12 +178,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pages", default="128,64", help="page sizes, comma-separated (64 and / or 128)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="variants, comma-separated (module doc)")
-    p.add_argument("--rounds", type=int, default=7, help="profiled rounds (medians over them)")
+    p.add_argument("--rounds", type=int, default=5, help="profiled rounds (medians over them)")
     p.add_argument("--calls", type=int, default=20, help="back-to-back calls per round")
     p.add_argument("--programs", type=int, default=0, help="persistent CTAs (0: the device's SM count)")
     p.add_argument("--small", action="store_true", help=f"T, H, D = {SMALL} instead of {SHAPE}")
     p.add_argument("--interpret", action="store_true", help="the Mosaic GPU interpreter on the CPU: errors only")
     args = p.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # rows show up as they come, even if the run is cut short
     if args.interpret:
         os.environ.setdefault("NPROC", "8")  # the interpreter blocks a thread per warpgroup (prefill_mgpu doc)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))

@@ -56,8 +56,16 @@ consumer copies the next item's q box into its staging rows as soon as it has sw
 full 64-row output box through its q tile (free by then) without waiting for the copy, a ragged box through the
 staging rows as before. What a one-CTA-per-item kernel pays per item (launch, barrier setup, the first page and q
 loads, the last store's wait) then overlaps the previous item, where only one CTA fits an SM (192 KiB of shared
-memory). The others: the registers of the warpgroups (``setmaxnreg``), the lowering's semantics, the mask's position
-grids recomputed per masked step instead of kept live over the walk, an ``optimization_barrier`` before ``P V``.
+memory). *Overlap* (``overlap=True``, bf16 / f16 pages): FlashAttention-3's intra-warpgroup pipelining over the steps
+of a full head's walk that every token of the warpgroup sees whole (``[0, (pa + 1) // 128)``, up to the first hole:
+no mask, no skip): step ``j`` issues ``q K_j^T`` and step ``j - 1``'s ``P V`` together, waits for the first only,
+runs its softmax while ``P V`` is in flight, then rescales the accumulator; step 0 has no ``P V`` and the last one's
+follows the range; the rest of the walk (diagonal, window edges, holes) takes the plain steps. Each step keeps its
+two schedule barriers, so the consumers stay paired whatever mix of steps each runs. ``P V`` of step ``j - 1`` now
+releases its V slot during step ``j``, after the wait for ``K_{j+1}``: the producer must refill K and V on their own
+releases (``split_release``, implied), or the two would wait on each other. The others: the registers of the
+warpgroups (``setmaxnreg``), the lowering's semantics, the mask's position grids recomputed per masked step instead
+of kept live over the walk, an ``optimization_barrier`` before ``P V``.
 
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
@@ -130,7 +138,10 @@ class Variant:
     and Warpgroup from 0.11; ``"lane"``; ``"warpgroup"``). ``mask_iota``: where the masked path's position grids
     come from (``"hoisted"``: computed once per tile and kept live over the walk; ``"inner"``: recomputed in each
     masked step). ``pv_barrier``: an ``optimization_barrier`` over the softmax's results before the ``P V`` barriers
-    (JAX's ``attention_mgpu`` ordering).
+    (JAX's ``attention_mgpu`` ordering). ``split_release``: the producer copies a slot's K pages once both consumers
+    released its K, then its V pages once they released its V (JAX's ``attention_mgpu``), instead of both once both
+    are released. ``overlap`` (bf16 / f16 pages; implies ``split_release``): the unmasked steps of a full head's
+    walk software-pipelined, FlashAttention-3's intra-warpgroup overlap (module doc).
     """
 
     programs: int = 0
@@ -138,6 +149,8 @@ class Variant:
     semantics: str = "default"
     mask_iota: str = "hoisted"
     pv_barrier: bool = False
+    split_release: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         c, p = self.registers
@@ -158,7 +171,8 @@ class Variant:
                  "r{}_{}".format(*self.registers) if self.registers != base.registers else "",
                  self.semantics if self.semantics != base.semantics else "",
                  f"iota_{self.mask_iota}" if self.mask_iota != base.mask_iota else "",
-                 "pvbar" if self.pv_barrier else ""]
+                 "pvbar" if self.pv_barrier else "", "split" if self.split_release else "",
+                 "overlap" if self.overlap else ""]
         return "".join(f"_{part}" for part in parts if part)
 
 
@@ -212,6 +226,7 @@ def _kernel(
     per_slot = BLOCK_K // page_size  # pages per slot
     persistent = variant.programs > 0
     out_from_q = persistent and not fp8  # full boxes leave through the q tile, so q can be copied a tile ahead
+    split = variant.split_release or variant.overlap  # the producer refills K and V on their own releases
 
     def item_at(tile, head, live=None) -> _Item:
         kvh = lax.div(head, jnp.int32(group))
@@ -343,6 +358,104 @@ def _kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(v_conv[0].at[buf])
 
+        def softmax(qk, m_i, l_i):  # the online softmax's step: (m, alpha, p, l) after the logits qk
+            m_new = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
+            return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
+
+        def end_softmax(slot):  # the second schedule barrier of a step, with the wait for its V slot
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_full.at[slot])
+            plgpu.barrier_wait(sched)
+
+        def overlapped(carry):
+            """``variant.overlap``: the steps of a full head's walk that every token of the warpgroup sees whole
+            (``[0, (pa + 1) // BLOCK_K)``, up to the first hole), software-pipelined as FlashAttention-3 does: step
+            j issues ``q K_j^T`` and step j - 1's ``P V`` together and runs its softmax while ``P V`` is in flight.
+            Returns the carry after them (the same values as the plain loop's) and the first step they left."""
+            acc, m_i, l_i = carry
+            f = jnp.where((w == 0) & (n_rows > 0), jnp.clip(lax.div(pa + 1, jnp.int32(BLOCK_K)), 0, n_steps), 0)
+
+            def whole(j):  # step j is in that range and reads no hole
+                ok = j < f
+                for i in range(per_slot):
+                    ok = ok & (page_at(it, j * per_slot + i)[1] >= 0)
+                return ok
+
+            def qk_of(slot):  # q K^T into a scoped accumulator, the schedule barrier while it runs
+                def body(s_ref):
+                    plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    sync_schedule()
+                    return s_ref[...]
+
+                return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
+
+            def first(_):  # step 0: q K^T and the softmax; its P V goes with step 1's q K^T
+                slot = lax.rem(g0, jnp.int32(stages))
+                if interpret:
+                    qk = jnp.dot(q_smem[wg], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
+                    sync_schedule()
+                else:
+                    qk = qk_of(slot)
+                wait_next_k(jnp.int32(0))
+                plgpu.barrier_arrive(k_free.at[slot])
+                m_new, alpha, p, l_new = softmax(qk, m_i, l_i)
+                acc_new = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                end_softmax(slot)
+                return acc_new, m_new, l_new, p.astype(dtype)
+
+            def iterate(c):  # step j: q K_j^T and P_{j-1} V_{j-1} in flight; the softmax of j meanwhile
+                j, acc, m_i, l_i, p_prev = c
+                slot = lax.rem(g0 + j, jnp.int32(stages))
+                prev = lax.rem(g0 + j - 1, jnp.int32(stages))
+                if interpret:
+                    qk = jnp.dot(q_smem[wg], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
+                    o = acc + jnp.dot(p_prev, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+                    sync_schedule()
+                    wait_next_k(j)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    m_new, alpha, p, l_new = softmax(qk, m_i, l_i)
+                    plgpu.barrier_arrive(v_free.at[prev])
+                    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                else:
+                    def body(o_ref, s_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+                        sync_schedule()
+                        wait_next_k(j)
+                        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V may still run
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        m_new, alpha, p, l_new = softmax(qk, m_i, l_i)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(v_free.at[prev])
+                        return o_ref[...] * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_new, p
+
+                    o, m_new, l_new, p = pl.run_scoped(body, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32),
+                                                       plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
+                end_softmax(slot)
+                return j + 1, o, m_new, l_new, p.astype(dtype)
+
+            def last_pv(acc):  # the last overlapped step's P V
+                prev = lax.rem(g0 + j_end - 1, jnp.int32(stages))
+                if interpret:
+                    acc = acc + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+                else:
+                    acc = pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v_smem.at[prev]))(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[prev])
+                return acc
+
+            go = whole(jnp.int32(0))
+            none = cast(jnp.zeros((BLOCK_Q, BLOCK_K), dtype), plgpu.Layout.WGMMA, interpret)
+            acc, m_i, l_i, p16 = lax.cond(go, first, lambda _: (acc, m_i, l_i, none), None)
+            j_end, acc, m_i, l_i, p16 = lax.while_loop(lambda c: go & whole(c[0]), iterate,
+                                                       (jnp.int32(1), acc, m_i, l_i, p16))
+            j_end = jnp.where(go, j_end, 0)
+            acc = lax.cond(go, last_pv, lambda a: a, acc)
+            return (acc, m_i, l_i), j_end
+
         def step(j, carry):
             slot = lax.rem(g0 + j, jnp.int32(stages))
             buf = lax.rem(g0 + j, jnp.int32(_V16_BUFFERS))
@@ -396,11 +509,7 @@ def _kernel(
                     return jnp.where(vis, s, -jnp.inf)
 
                 qk = lax.cond(full, lambda s: s, mask, qk)
-                m_new = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                m_new, alpha, p, l_i = softmax(qk, m_i, l_i)
                 if fp8:  # value scales relative to the running reference (module doc)
                     v_scales = [page_scale(vs_ref, page) for page in pages]
                     ref_new = functools.reduce(jnp.maximum, v_scales, v_ref[0])
@@ -458,7 +567,10 @@ def _kernel(
             plgpu.barrier_wait(k_full.at[lax.rem(g0, jnp.int32(stages))])
 
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
-        acc, m_i, l_i, *v_ref = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, *v_ref))
+        j0 = 0
+        if variant.overlap:
+            (acc, m_i, l_i), j0 = overlapped((acc, m_i, l_i))
+        acc, m_i, l_i, *v_ref = lax.fori_loop(j0, n_steps, step, (acc, m_i, l_i, *v_ref))
         pl.when(wg == 0)(sync_schedule)
         l_safe = jnp.where(l_i > 0, l_i, 1.0)  # tokens that see no key (padding spans) get 0
         if fp8:
@@ -517,52 +629,59 @@ def _kernel(
     def _producer():
         plgpu.set_max_registers(variant.registers[1], action="decrease")
 
-        def issue(it: _Item, j, slot):
-            pages = [page_at(it, j * per_slot + i)[1] for i in range(per_slot)]
+        def slot_sources(it: _Item, j):
             # a slot half whose page is a hole or past the walk gets a copy of the other half's page (finite data,
             # never visible), so that every slot takes the same bytes; a slot with no page is only signalled
-            srcs = [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
+            pages = [page_at(it, j * per_slot + i)[1] for i in range(per_slot)]
+            return [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
                     for i in range(per_slot)]
 
+        def fill(srcs, slot, kinds):  # copy the slot's pages of each (gmem, smem ring, full barriers) of kinds
             @pl.when(srcs[0] >= 0)
             def _():
                 for i, src in enumerate(srcs):
                     keys = pl.ds(i * page_size, page_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, keys], k_full.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, keys], v_full.at[slot])
+                    for gmem, ring, full in kinds:
+                        plgpu.copy_gmem_to_smem(gmem.at[src], ring.at[slot, keys], full.at[slot])
 
             @pl.when(srcs[0] < 0)
             def _():  # only holes: the slot is signalled, nothing is read
                 for _ in range(per_slot):
-                    plgpu.barrier_arrive(k_full.at[slot])
-                    plgpu.barrier_arrive(v_full.at[slot])
+                    for _, _, full in kinds:
+                        plgpu.barrier_arrive(full.at[slot])
 
-        def wait_free(g):
-            slot = lax.rem(g, jnp.int32(stages))
-            for free in (k_free, v_free):
-                plgpu.barrier_wait(free.at[slot])
-            return slot
+        k_kind, v_kind = (k_ref, k_smem, k_full), (v_ref, v_smem, v_full)
 
-        if persistent:  # one ring walk over the program's items: step g waits for step g - stages's release
-            def item(r, g0):
-                it = round_item(r)
+        def issue(it: _Item, j, slot):
+            fill(slot_sources(it, j), slot, (k_kind, v_kind))
 
-                @pl.loop(0, it.n_steps)
-                def _(j):
-                    g = g0 + j
-                    @pl.when(g >= stages)
-                    def _():
-                        wait_free(g - stages)
+        def walk(it: _Item, g0):  # the item's steps are steps g0 .. of the program's ring walk; returns the next
+            @pl.loop(0, it.n_steps)
+            def _(j):
+                g = g0 + j
+                slot = lax.rem(g, jnp.int32(stages))
+                srcs = slot_sources(it, j)
+                for kinds, frees in (((k_kind,), (k_free,)), ((v_kind,), (v_free,))) if split else (
+                        ((k_kind, v_kind), (k_free, v_free)),):
+                    @pl.when(g >= stages)  # step g - stages released the slot
+                    def _(frees=frees):
+                        for free in frees:
+                            plgpu.barrier_wait(free.at[slot])
 
-                    issue(it, j, lax.rem(g, jnp.int32(stages)))
+                    fill(srcs, slot, kinds)
 
-                return g0 + it.n_steps
+            return g0 + it.n_steps
 
-            total = lax.fori_loop(0, rounds, item, jnp.int32(0))
-
+        def drain(total):  # the last releases, so every phase of the free barriers is observed
             @pl.loop(jnp.maximum(total - stages, 0), total)
             def _(g):
-                wait_free(g)
+                for free in (k_free, v_free):
+                    plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(stages))])
+
+        if persistent:
+            drain(lax.fori_loop(0, rounds, lambda r, g0: walk(round_item(r), g0), jnp.int32(0)))
+        elif split:
+            drain(walk(the_item, jnp.int32(0)))
         else:
             produce_ring(the_item.n_steps, stages, functools.partial(issue, the_item), (k_free, v_free))
 
@@ -608,7 +727,8 @@ def paged_prefill_mgpu(
     ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted to f16 once per slot) or
     ``"e4m3_qk"`` (q rounded to one e4m3 tile). ``variant``: the schedule (:class:`Variant`; each variant compiles
     under its own kernel name). ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no
-    row get 0. ``ValueError`` for what :func:`shape_reason` rejects and for an unknown ``fp8_products``.
+    row get 0. ``ValueError`` for what :func:`shape_reason` rejects, for an unknown ``fp8_products`` and for
+    ``variant.overlap`` over fp8 pages.
     """
     q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
@@ -623,6 +743,8 @@ def paged_prefill_mgpu(
     if fp8_products not in FP8_PRODUCTS:
         raise ValueError(f"fp8_products must be one of {FP8_PRODUCTS}, got {fp8_products!r}")
     q_parts = _Q_PARTS[fp8_products] if fp8 else 0
+    if fp8 and variant.overlap:
+        raise ValueError("Variant.overlap needs bf16 or f16 pages (its P V takes the ring's V slot as it is)")
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
     if variant.programs:  # persistent programs take the tiles in this order: the tiles with tokens last to first
@@ -668,7 +790,8 @@ def paged_prefill_mgpu(
         grid, grid_names = (num_tiles, hq), ("tile", "head")
     semantics = _SEMANTICS[variant.semantics]
     params = plgpu.CompilerParams(approx_math=True, **({"lowering_semantics": semantics} if semantics else {}))
-    name = f"kvjax_paged_prefill_mgpu_{jnp.dtype(k_pages.dtype).name}{'_' + fp8_products if fp8 else ''}_s{stages}"
+    name = (f"kvjax_paged_prefill_mgpu_{jnp.dtype(k_pages.dtype).name}{'_' + fp8_products if fp8 else ''}"
+            f"_page{page_size}_d{d}_s{stages}")
     q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
     out = plgpu.kernel(
         kernel,
