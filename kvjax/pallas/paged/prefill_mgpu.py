@@ -1,20 +1,45 @@
 """Head-wise paged attention, prefill / extend path, as a Mosaic GPU kernel (Hopper: TMA page copies, wgmma).
 
 Same contract and tile map as :mod:`kvjax.pallas.paged.prefill` (the Pallas Triton kernel), built the
-FlashAttention-3 way. One CTA per (query tile of up to 128 tokens of one row, query head) runs three
-warpgroups: two consumers own 64 query tokens each, one producer streams the tile's K/V walk (the virtual page
-list of :mod:`kvjax.pallas.paged.common`: sink pages, then window pages) into a ring of 128-key shared-memory
-slots, one TMA copy per page (a slot holds one page of 128 or two consecutive walk pages of 64), reading each
-page id from the block table. A ``-1`` entry is never copied: a slot half whose page is a hole (or past the
-walk) gets a copy of the slot's other page, whose keys there are never visible; a slot with no page at all is
-only signalled, and every consumer skips it. The consumers alternate their tensor-core products (a schedule
-barrier), so one warpgroup's softmax overlaps the other's ``QK^T`` / ``PV``; ``PV`` accumulates into the
-running accumulator, and the wait for the next K slot overlaps it.
+FlashAttention-3 way. The work is one item per (query tile of up to 128 tokens of one row, query head), walked by
+persistent CTAs (``programs``, one per SM by default). Each CTA runs three warpgroups: two consumers own 64 query
+tokens each, one producer streams each item's K/V walk (the virtual page list of :mod:`kvjax.pallas.paged.common`:
+sink pages, then window pages) into a ring of 128-key shared-memory slots, one TMA copy per page (a slot holds one
+page of 128 or two consecutive walk pages of 64), reading each page id from the block table. A ``-1`` entry is
+never copied: a slot half whose page is a hole (or past the walk) gets a copy of the slot's other page, whose keys
+there are never visible; a slot with no page at all is only signalled, and every consumer skips it. The consumers
+alternate their tensor-core products (a schedule barrier), so one warpgroup's softmax overlaps the other's
+``QK^T`` / ``PV``; ``PV`` accumulates into the running accumulator, and the wait for the next K slot overlaps it.
 
 Per slot and consumer a run-time test picks one of three paths: *skip* (no key of the slot is visible to the
 warpgroup's tokens: holes, the causal future, pages only the other warpgroup's window needs), *full* (every
 key is visible to every token: no mask), or *masked* (causal / window / sink mask per element, keys placed by
 their page). Every consumer still waits on and releases every slot, so the barrier phases stay in step.
+
+The schedule (HISTORY.md, runs 140-143: on an H100 at T=4096, H=32, D=128, 1.07x cuDNN at pages of 128 and 1.03x at
+64, where the one-CTA-per-item kernel it replaced ran at 0.97x and 0.94x):
+
+- *Persistent programs*: program ``p`` of ``n`` takes item ``p`` of even rounds and ``n - 1 - p`` of odd ones, the
+  tiles ordered with tokens last to first (a row's longest walks first), empty ones last. The producer runs one
+  ring walk over all of a program's items, so the next item's first slots load while the consumers finish the
+  current one. A consumer whose box is full copies the next item's q box into its staging rows as soon as it has
+  swizzled the current one, and writes its output through its q tile (free by then); a ragged box leaves through
+  the staging rows, and the next box is then copied when its item starts (always so over fp8 pages, whose q tiles
+  are e4m3). What a CTA per item pays (launch, barrier setup, the first page and q loads, the last store's wait:
+  idle time at each CTA's start and end, with only one CTA per SM at 192 KiB of shared memory) overlaps the
+  previous item instead.
+- *Split release*: the producer refills a slot's K pages once both consumers released its K (after ``q K^T``) and
+  its V pages once they released its V (after ``P V``), as JAX's ``attention_mgpu`` does, so the next K lands
+  while V is still read.
+- *Per-step mask iotas*: the masked path's position grids are computed in each masked step rather than kept live
+  over the walk, which frees the registers they held (the consumers get 232 registers a thread, the producer 40).
+
+Deleted after the same runs: a CTA per item, K and V refilled together, hoisted mask iotas, FlashAttention-3's
+intra-warpgroup overlap of the unmasked steps, an optimization barrier before ``P V`` and a (240, 24) register
+split (slower, or no faster). The kernel always lowers with Mosaic GPU's Lane semantics (jax 0.10's default):
+jax 0.11.2's default, the Warpgroup lowering, refuses it (``AssertionError: Shaped arrays must be represented by
+ir.Values, got: 0`` in a ``mgpu.fori`` body, and ``assert len(op.indices) == len(multiple)`` in the layout
+inference's ``_check_unsatisfiable_divisibility_constraints`` for the persistent walk).
 
 Ragged query tiles are read and written in place: each warpgroup copies the 64-row box of ``q`` that holds its
 tokens (at any row offset, pulled back inside ``q`` at its end) into plain shared-memory rows, swizzles it for
@@ -37,8 +62,8 @@ wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), wit
 ``"e4m3_qk"``: q rounded to one e4m3 tile (``|q - q_eff| <= 2**-4 |q| + 2**-10 s``), faster and an order of
 magnitude less exact (RESULTS.md, "fp8 (e4m3) pages"). V is converted e4m3 -> f16 (every e4m3 value is exact in
 f16) once per slot, not once per consumer: each consumer converts its half of the slot (64 keys), while its
-``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases the ring slot, and waits for the
-other half (a barrier per buffer, one arrival per consumer) before ``P V`` in f16, accumulating in f32; a consumer
+``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases the ring slot's V, and waits for
+the other half (a barrier per buffer, one arrival per consumer) before ``P V`` in f16, accumulating in f32; a consumer
 that skips the slot still converts its half. Two buffers suffice: the schedule barrier keeps the consumers within
 a step of each other, so when one writes a buffer, both have finished the products that read it two steps
 before. The value scales reach the probabilities relative to a running reference scale (the largest value scale
@@ -47,30 +72,10 @@ cast), the accumulator being kept in units of that reference and rescaled, exact
 table takes this path for fp8 pages where the shapes allow it. A third form, converting K and V to f16 in each
 consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.31x slower; it is deleted (HISTORY.md).
 
-Variants (:class:`Variant`, ``paged_prefill_mgpu(call, variant=...)``; each compiles under its own kernel name; the
-default is the kernel RESULTS.md measures). *Persistent programs* (``programs=n``): ``n`` CTAs (one per SM) walk the
-(tile, head) items in rounds, program ``p`` taking item ``p`` of even rounds and ``n - 1 - p`` of odd ones, the tiles
-ordered with tokens last to first (a row's longest walks first), empty ones last. The producer runs one ring walk
-over all of a program's items, so the next item's first slots load while the consumers finish the current one; a
-consumer copies the next item's q box into its staging rows as soon as it has swizzled the current one, and writes a
-full 64-row output box through its q tile (free by then) without waiting for the copy, a ragged box through the
-staging rows as before. What a one-CTA-per-item kernel pays per item (launch, barrier setup, the first page and q
-loads, the last store's wait) then overlaps the previous item, where only one CTA fits an SM (192 KiB of shared
-memory). *Overlap* (``overlap=True``, bf16 / f16 pages): FlashAttention-3's intra-warpgroup pipelining over the steps
-of a full head's walk that every token of the warpgroup sees whole (``[0, (pa + 1) // 128)``, up to the first hole:
-no mask, no skip): step ``j`` issues ``q K_j^T`` and step ``j - 1``'s ``P V`` together, waits for the first only,
-runs its softmax while ``P V`` is in flight, then rescales the accumulator; step 0 has no ``P V`` and the last one's
-follows the range; the rest of the walk (diagonal, window edges, holes) takes the plain steps. Each step keeps its
-two schedule barriers, so the consumers stay paired whatever mix of steps each runs. ``P V`` of step ``j - 1`` now
-releases its V slot during step ``j``, after the wait for ``K_{j+1}``: the producer must refill K and V on their own
-releases (``split_release``, implied), or the two would wait on each other. The others: the registers of the
-warpgroups (``setmaxnreg``), the lowering's semantics, the mask's position grids recomputed per masked step instead
-of kept live over the walk, an ``optimization_barrier`` before ``P V``.
-
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
-deadlock).
+deadlock). There, and off a GPU, ``programs`` defaults to :data:`INTERPRET_PROGRAMS` (2) persistent CTAs.
 
 It is the ``"mosaic"`` backend of ``kvjax.ops.paged_attention``, first choice on Hopper where :func:`unsupported`
 accepts the call: those shapes and on average at least one 64-token box of queries per row (``T >= 64 B``: rows
@@ -80,7 +85,6 @@ prefill".
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -91,9 +95,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kvjax.base.device import current_device
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.pallas.paged import common
-from kvjax.pallas.mgpu_common import SWIZZLE, cast, interpret_params, iota, produce_ring, swizzled
+from kvjax.pallas.mgpu_common import SWIZZLE, cast, interpret_params, iota, swizzled
 
 BLOCK_Q = 64  # query tokens per consumer warpgroup (one wgmma M tile)
 BLOCK_K = 128  # keys per step: one page of 128 or two pages of 64 (one shared-memory slot)
@@ -109,6 +114,8 @@ FP8_PRODUCTS = tuple(_Q_PARTS)  # the products over fp8 pages (module doc)
 _EXP_MASK = 0x7F800000  # an f32's exponent bits
 _Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the row's max |q|
 _TINY = 2.0 ** -100  # rows below it (zeros) get scale 2**-7
+_REGISTERS = (232, 40)  # setmaxnreg of each consumer and of the producer warpgroup (256 c + 128 p <= 65536)
+INTERPRET_PROGRAMS = 2  # the default persistent programs in the interpreter and off a GPU (module doc)
 
 
 def q_row_scales(
@@ -121,59 +128,6 @@ def q_row_scales(
     scale_bits = bits - jnp.int32(_Q_SHIFT)
     inv_bits = jnp.int32(254 << 23) - scale_bits
     return lax.bitcast_convert_type(scale_bits, jnp.float32), lax.bitcast_convert_type(inv_bits, jnp.float32)
-
-
-_SEMANTICS = {"default": None, "lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}
-_MASK_IOTAS = ("hoisted", "inner")
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """The kernel's schedule knobs (module doc, "Variants"). The defaults are the kernel RESULTS.md measures.
-
-    ``programs``: 0 launches one CTA per (query tile, query head); ``n > 0`` launches ``n`` persistent CTAs (one
-    per SM: ``jax.Device.core_count``) that walk those items in rounds, heaviest tiles first. ``registers``:
-    ``setmaxnreg`` of (each consumer, the producer) warpgroup, multiples of 8 in [24, 256] with
-    ``256 c + 128 p <= 65536``. ``semantics``: the Mosaic GPU lowering (``"default"``: jax's own, Lane up to jax 0.10
-    and Warpgroup from 0.11; ``"lane"``; ``"warpgroup"``). ``mask_iota``: where the masked path's position grids
-    come from (``"hoisted"``: computed once per tile and kept live over the walk; ``"inner"``: recomputed in each
-    masked step). ``pv_barrier``: an ``optimization_barrier`` over the softmax's results before the ``P V`` barriers
-    (JAX's ``attention_mgpu`` ordering). ``split_release``: the producer copies a slot's K pages once both consumers
-    released its K, then its V pages once they released its V (JAX's ``attention_mgpu``), instead of both once both
-    are released. ``overlap`` (bf16 / f16 pages; implies ``split_release``): the unmasked steps of a full head's
-    walk software-pipelined, FlashAttention-3's intra-warpgroup overlap (module doc).
-    """
-
-    programs: int = 0
-    registers: tuple[int, int] = (232, 40)
-    semantics: str = "default"
-    mask_iota: str = "hoisted"
-    pv_barrier: bool = False
-    split_release: bool = False
-    overlap: bool = False
-
-    def __post_init__(self):
-        c, p = self.registers
-        if self.programs < 0:
-            raise ValueError(f"Variant.programs must be >= 0, got {self.programs}")
-        if any(r % 8 or not 24 <= r <= 256 for r in (c, p)) or 2 * 128 * c + 128 * p > 65536:
-            raise ValueError(f"Variant.registers must be multiples of 8 in [24, 256] with 256 c + 128 p <= 65536, "
-                             f"got {self.registers}")
-        if self.semantics not in _SEMANTICS:
-            raise ValueError(f"Variant.semantics must be one of {tuple(_SEMANTICS)}, got {self.semantics!r}")
-        if self.mask_iota not in _MASK_IOTAS:
-            raise ValueError(f"Variant.mask_iota must be one of {_MASK_IOTAS}, got {self.mask_iota!r}")
-
-    def tag(self) -> str:
-        """The knobs that differ from the defaults, as a kernel-name suffix (``""`` for the default schedule)."""
-        base = Variant()
-        parts = [f"p{self.programs}" if self.programs != base.programs else "",
-                 "r{}_{}".format(*self.registers) if self.registers != base.registers else "",
-                 self.semantics if self.semantics != base.semantics else "",
-                 f"iota_{self.mask_iota}" if self.mask_iota != base.mask_iota else "",
-                 "pvbar" if self.pv_barrier else "", "split" if self.split_release else "",
-                 "overlap" if self.overlap else ""]
-        return "".join(f"_{part}" for part in parts if part)
 
 
 class _Item(NamedTuple):
@@ -195,12 +149,12 @@ class _Item(NamedTuple):
 
 def _kernel(
     *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
-    #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile), then o_ref
-    #         [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per consumer), q / out staging
-    #         (plain rows), K ring, V ring[, two shared f16 V buffers (fp8 pages)]), full barriers (K slot loaded,
-    #         V slot loaded, q staged: a slot takes one arrival per page), free barriers (K slot free, V slot free:
-    #         one arrival per consumer), the consumer schedule barrier[, V buffer converted (fp8 pages: one
-    #         arrival per consumer)]
+    #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile, heaviest tiles
+    #         first), then o_ref [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per
+    #         consumer), q / out staging (plain rows), K ring, V ring[, two shared f16 V buffers (fp8 pages)]), full
+    #         barriers (K slot loaded, V slot loaded, q staged: a slot takes one arrival per page), free barriers
+    #         (K slot free, V slot free: one arrival per consumer), the consumer schedule barrier[, V buffer
+    #         converted (fp8 pages: one arrival per consumer)]
     scale: float,
     group: int,
     page_size: int,
@@ -209,7 +163,7 @@ def _kernel(
     stages: int,
     fp8: bool,
     q_parts: int,
-    variant: Variant,
+    programs: int,
     interpret: bool,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, rest = common.kernel_refs(refs, num_spans=4)
@@ -224,35 +178,23 @@ def _kernel(
     dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
-    persistent = variant.programs > 0
-    out_from_q = persistent and not fp8  # full boxes leave through the q tile, so q can be copied a tile ahead
-    split = variant.split_release or variant.overlap  # the producer refills K and V on their own releases
+    out_from_q = not fp8  # full boxes leave through the q tile, so q can be copied a tile ahead
+    num_items = num_tiles * hq
+    rounds = -(-num_items // programs)
+    prog = lax.axis_index("prog")
 
-    def item_at(tile, head, live=None) -> _Item:
+    def round_item(r) -> _Item:  # program p takes item p of even rounds and item n - 1 - p of odd ones
+        idx = r * programs + jnp.where(lax.rem(r, 2) == 0, prog, programs - 1 - prog)
+        live = idx < num_items
+        idx = jnp.minimum(idx, num_items - 1)
+        tile, head = lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq))
         kvh = lax.div(head, jnp.int32(group))
         lo, n_sink, n_pages, w, sk = common.walk_at(walk, tile * num_kv_heads + kvh, kvh)
-        n_tok = tile_len_ref[tile]
-        if live is not None:
-            n_tok, n_pages = jnp.where(live, n_tok, 0), jnp.where(live, n_pages, 0)
+        n_tok, n_pages = jnp.where(live, tile_len_ref[tile], 0), jnp.where(live, n_pages, 0)
         bt_base = (tile_row_ref[tile] * num_kv_heads + kvh) * max_blocks
         n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
         return _Item(head, kvh, tile_tok_ref[tile], n_tok, tile_pos_ref[tile], lo, n_sink, n_pages, w, sk, bt_base,
                      n_steps)
-
-    if persistent:  # program p takes item p of even rounds and item P - 1 - p of odd ones (the tiles come heaviest
-        programs = variant.programs  # first, empty last: paged_prefill_mgpu orders them)
-        num_items = num_tiles * hq
-        rounds = -(-num_items // programs)
-        prog = lax.axis_index("prog")
-
-        def round_item(r) -> _Item:
-            idx = r * programs + jnp.where(lax.rem(r, 2) == 0, prog, programs - 1 - prog)
-            live = idx < num_items
-            idx = jnp.minimum(idx, num_items - 1)
-            return item_at(lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq)), live)
-    else:
-        tile = lax.axis_index("tile")
-        the_item = item_at(num_tiles - 1 - tile, lax.axis_index("head"))  # the last (longest-walk) tiles launch first
 
     def page_at(it: _Item, s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
         col = lax.select(s < it.n_sink, s, it.lo + s - it.n_sink)
@@ -278,9 +220,9 @@ def _kernel(
     def copy_q(it: _Item, x0):
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), it.head], stage, q_full.at[wg])
 
-    def consume(it: _Item, g0, q_copied, nxt: _Item | None):
-        """The consumer's part of item ``it``; its ring steps are ``g0 ..`` of the program's walk. ``q_copied``: the
-        q box was copied ahead (persistent kernels). Returns whether the next item's box is being copied."""
+    def consume(it: _Item, g0, q_copied, nxt: _Item):
+        """The consumer's part of item ``it``; its ring steps are ``g0 ..`` of the program's walk. ``q_copied``: its
+        q box was copied ahead (with the last item). Returns whether the next item ``nxt``'s box is being copied."""
         n_rows, x, x0 = box(it)
         r0 = x - x0  # the warpgroup's tokens sit at rows [r0, r0 + n_rows) of the box
         pa = it.i0 + wg * BLOCK_Q  # positions [pa, pb] of the warpgroup's tokens
@@ -289,11 +231,8 @@ def _kernel(
         n_steps = it.n_steps
 
         def load_q():  # q rows at any offset: a plain-row TMA copy, then swizzled for wgmma through registers
-            if persistent:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output has left its buffer
-                pl.when(q_copied == 0)(lambda: copy_q(it, x0))
-            else:
-                copy_q(it, x0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output has left its buffer
+            pl.when(q_copied == 0)(lambda: copy_q(it, x0))
             plgpu.barrier_wait(q_full.at[wg])
             if interpret:
                 q_rows = stage[...]
@@ -329,7 +268,6 @@ def _kernel(
         def mask_iotas():  # (position of each box row, key column of the slot)
             return (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret), iota((BLOCK_Q, BLOCK_K), 1, interpret)
 
-        hoisted = mask_iotas() if variant.mask_iota == "hoisted" else None
         qk_scale = scale * _LOG2E
 
         def wait_next_k(j):  # every consumer waits each K phase once, one step ahead (overlaps PV)
@@ -338,7 +276,7 @@ def _kernel(
                 plgpu.barrier_wait(k_full.at[lax.rem(g0 + j + 1, jnp.int32(stages))])
 
         def key_columns():
-            return hoisted[1] if hoisted else iota((BLOCK_Q, BLOCK_K), 1, interpret)
+            return iota((BLOCK_Q, BLOCK_K), 1, interpret)
 
         def per_column(values):  # f32[BLOCK_Q, BLOCK_K]: each key column's value of its slot half's page
             if per_slot == 1:
@@ -364,97 +302,6 @@ def _kernel(
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
             return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
-
-        def end_softmax(slot):  # the second schedule barrier of a step, with the wait for its V slot
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_full.at[slot])
-            plgpu.barrier_wait(sched)
-
-        def overlapped(carry):
-            """``variant.overlap``: the steps of a full head's walk that every token of the warpgroup sees whole
-            (``[0, (pa + 1) // BLOCK_K)``, up to the first hole), software-pipelined as FlashAttention-3 does: step
-            j issues ``q K_j^T`` and step j - 1's ``P V`` together and runs its softmax while ``P V`` is in flight.
-            Returns the carry after them (the same values as the plain loop's) and the first step they left."""
-            acc, m_i, l_i = carry
-            f = jnp.where((w == 0) & (n_rows > 0), jnp.clip(lax.div(pa + 1, jnp.int32(BLOCK_K)), 0, n_steps), 0)
-
-            def whole(j):  # step j is in that range and reads no hole
-                ok = j < f
-                for i in range(per_slot):
-                    ok = ok & (page_at(it, j * per_slot + i)[1] >= 0)
-                return ok
-
-            def qk_of(slot):  # q K^T into a scoped accumulator, the schedule barrier while it runs
-                def body(s_ref):
-                    plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    sync_schedule()
-                    return s_ref[...]
-
-                return pl.run_scoped(body, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
-
-            def first(_):  # step 0: q K^T and the softmax; its P V goes with step 1's q K^T
-                slot = lax.rem(g0, jnp.int32(stages))
-                if interpret:
-                    qk = jnp.dot(q_smem[wg], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
-                    sync_schedule()
-                else:
-                    qk = qk_of(slot)
-                wait_next_k(jnp.int32(0))
-                plgpu.barrier_arrive(k_free.at[slot])
-                m_new, alpha, p, l_new = softmax(qk, m_i, l_i)
-                acc_new = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                end_softmax(slot)
-                return acc_new, m_new, l_new, p.astype(dtype)
-
-            def iterate(c):  # step j: q K_j^T and P_{j-1} V_{j-1} in flight; the softmax of j meanwhile
-                j, acc, m_i, l_i, p_prev = c
-                slot = lax.rem(g0 + j, jnp.int32(stages))
-                prev = lax.rem(g0 + j - 1, jnp.int32(stages))
-                if interpret:
-                    qk = jnp.dot(q_smem[wg], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
-                    o = acc + jnp.dot(p_prev, v_smem.at[prev][...], preferred_element_type=jnp.float32)
-                    sync_schedule()
-                    wait_next_k(j)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    m_new, alpha, p, l_new = softmax(qk, m_i, l_i)
-                    plgpu.barrier_arrive(v_free.at[prev])
-                    o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-                else:
-                    def body(o_ref, s_ref):
-                        o_ref[...] = acc
-                        plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-                        sync_schedule()
-                        wait_next_k(j)
-                        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V may still run
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        m_new, alpha, p, l_new = softmax(qk, m_i, l_i)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(v_free.at[prev])
-                        return o_ref[...] * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_new, p
-
-                    o, m_new, l_new, p = pl.run_scoped(body, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32),
-                                                       plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
-                end_softmax(slot)
-                return j + 1, o, m_new, l_new, p.astype(dtype)
-
-            def last_pv(acc):  # the last overlapped step's P V
-                prev = lax.rem(g0 + j_end - 1, jnp.int32(stages))
-                if interpret:
-                    acc = acc + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
-                else:
-                    acc = pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v_smem.at[prev]))(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[prev])
-                return acc
-
-            go = whole(jnp.int32(0))
-            none = cast(jnp.zeros((BLOCK_Q, BLOCK_K), dtype), plgpu.Layout.WGMMA, interpret)
-            acc, m_i, l_i, p16 = lax.cond(go, first, lambda _: (acc, m_i, l_i, none), None)
-            j_end, acc, m_i, l_i, p16 = lax.while_loop(lambda c: go & whole(c[0]), iterate,
-                                                       (jnp.int32(1), acc, m_i, l_i, p16))
-            j_end = jnp.where(go, j_end, 0)
-            acc = lax.cond(go, last_pv, lambda a: a, acc)
-            return (acc, m_i, l_i), j_end
 
         def step(j, carry):
             slot = lax.rem(g0 + j, jnp.int32(stages))
@@ -500,7 +347,7 @@ def _kernel(
                     qk = qk * (rows[0] if per_slot == 1 else jnp.where(key_columns() < page_size, rows[0], rows[1]))
 
                 def mask(s):
-                    qpos, kcol = hoisted if hoisted else mask_iotas()
+                    qpos, kcol = mask_iotas()
                     kpos = kcol + k0s[0]
                     if per_slot == 2:
                         kpos = kcol + jnp.where(kcol < page_size, k0s[0], k0s[1] - page_size)
@@ -519,8 +366,6 @@ def _kernel(
                     v_ref = [ref_new]
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
-                if variant.pv_barrier:  # JAX's attention_mgpu: the softmax's values fixed before the barriers
-                    acc, l_i, m_new, p16, *v_ref = lax.optimization_barrier((acc, l_i, m_new, p16, *v_ref))
                 plgpu.barrier_arrive(sched)
                 if fp8:  # both halves converted
                     plgpu.barrier_wait(v_conv[0].at[buf])
@@ -567,10 +412,7 @@ def _kernel(
             plgpu.barrier_wait(k_full.at[lax.rem(g0, jnp.int32(stages))])
 
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
-        j0 = 0
-        if variant.overlap:
-            (acc, m_i, l_i), j0 = overlapped((acc, m_i, l_i))
-        acc, m_i, l_i, *v_ref = lax.fori_loop(j0, n_steps, step, (acc, m_i, l_i, *v_ref))
+        acc, m_i, l_i, *v_ref = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, *v_ref))
         pl.when(wg == 0)(sync_schedule)
         l_safe = jnp.where(l_i > 0, l_i, 1.0)  # tokens that see no key (padding spans) get 0
         if fp8:
@@ -604,30 +446,24 @@ def _kernel(
             pl.when(n_rows == BLOCK_Q)(write_from_q)
             pl.when((n_rows > 0) & (n_rows < BLOCK_Q))(write_staged)
         else:
-            @pl.when(n_rows > 0)
-            def _():
-                write_staged()
-                if not persistent:
-                    plgpu.wait_smem_to_gmem(0)
+            pl.when(n_rows > 0)(write_staged)
         return copying
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(variant.registers[0], action="increase")
-        if persistent:
-            def item(r, carry):
-                g0, q_copied = carry
-                it = round_item(r)
-                return g0 + it.n_steps, consume(it, g0, q_copied, round_item(r + 1))
+        plgpu.set_max_registers(_REGISTERS[0], action="increase")
 
-            lax.fori_loop(0, rounds, item, (jnp.int32(0), jnp.int32(0)))
-            plgpu.wait_smem_to_gmem(0)
-        else:
-            consume(the_item, jnp.int32(0), None, None)
+        def item(r, carry):
+            g0, q_copied = carry
+            it = round_item(r)
+            return g0 + it.n_steps, consume(it, g0, q_copied, round_item(r + 1))
+
+        lax.fori_loop(0, rounds, item, (jnp.int32(0), jnp.int32(0)))
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(variant.registers[1], action="decrease")
+        plgpu.set_max_registers(_REGISTERS[1], action="decrease")
 
         def slot_sources(it: _Item, j):
             # a slot half whose page is a hole or past the walk gets a copy of the other half's page (finite data,
@@ -636,24 +472,17 @@ def _kernel(
             return [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
                     for i in range(per_slot)]
 
-        def fill(srcs, slot, kinds):  # copy the slot's pages of each (gmem, smem ring, full barriers) of kinds
+        def fill(srcs, slot, gmem, ring, full):  # copy the slot's pages from gmem into the ring's slot
             @pl.when(srcs[0] >= 0)
             def _():
                 for i, src in enumerate(srcs):
-                    keys = pl.ds(i * page_size, page_size)
-                    for gmem, ring, full in kinds:
-                        plgpu.copy_gmem_to_smem(gmem.at[src], ring.at[slot, keys], full.at[slot])
+                    plgpu.copy_gmem_to_smem(gmem.at[src], ring.at[slot, pl.ds(i * page_size, page_size)],
+                                            full.at[slot])
 
             @pl.when(srcs[0] < 0)
             def _():  # only holes: the slot is signalled, nothing is read
                 for _ in range(per_slot):
-                    for _, _, full in kinds:
-                        plgpu.barrier_arrive(full.at[slot])
-
-        k_kind, v_kind = (k_ref, k_smem, k_full), (v_ref, v_smem, v_full)
-
-        def issue(it: _Item, j, slot):
-            fill(slot_sources(it, j), slot, (k_kind, v_kind))
+                    plgpu.barrier_arrive(full.at[slot])
 
         def walk(it: _Item, g0):  # the item's steps are steps g0 .. of the program's ring walk; returns the next
             @pl.loop(0, it.n_steps)
@@ -661,14 +490,12 @@ def _kernel(
                 g = g0 + j
                 slot = lax.rem(g, jnp.int32(stages))
                 srcs = slot_sources(it, j)
-                for kinds, frees in (((k_kind,), (k_free,)), ((v_kind,), (v_free,))) if split else (
-                        ((k_kind, v_kind), (k_free, v_free)),):
-                    @pl.when(g >= stages)  # step g - stages released the slot
-                    def _(frees=frees):
-                        for free in frees:
-                            plgpu.barrier_wait(free.at[slot])
+                for kind in ((k_ref, k_smem, k_full, k_free), (v_ref, v_smem, v_full, v_free)):  # split release
+                    @pl.when(g >= stages)  # step g - stages released the slot's K (V): refill it
+                    def _(free=kind[3]):
+                        plgpu.barrier_wait(free.at[slot])
 
-                    fill(srcs, slot, kinds)
+                    fill(srcs, slot, *kind[:3])
 
             return g0 + it.n_steps
 
@@ -678,12 +505,8 @@ def _kernel(
                 for free in (k_free, v_free):
                     plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(stages))])
 
-        if persistent:
-            drain(lax.fori_loop(0, rounds, lambda r, g0: walk(round_item(r), g0), jnp.int32(0)))
-        elif split:
-            drain(walk(the_item, jnp.int32(0)))
-        else:
-            produce_ring(the_item.n_steps, stages, functools.partial(issue, the_item), (k_free, v_free))
+        drain(lax.fori_loop(0, rounds, lambda r, g0: walk(round_item(r), g0), jnp.int32(0)))
+
 
 
 def shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
@@ -711,24 +534,34 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     return shape_reason(call)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "fp8_products", "variant", "interpret"))
+def default_programs(num_items: int, interpret: bool = False) -> int:
+    """The persistent programs ``paged_prefill_mgpu`` launches when not told: one per SM of the default device
+    (``jax.Device.core_count``), :data:`INTERPRET_PROGRAMS` in the interpreter and off a GPU; never more than
+    ``num_items`` (query tiles x query heads)."""
+    device = current_device()
+    n = device.num_sms if device.platform == "gpu" and not interpret else INTERPRET_PROGRAMS
+    return max(1, min(n, num_items))
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "programs", "fp8_products", "interpret"))
 def paged_prefill_mgpu(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
     stages: int | None = None,
+    programs: int | None = None,
     fp8_products: str = "e4m3x2_qk",
-    variant: Variant = Variant(),
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
     finite values, see the module doc). fp8 pages read as ``page * scale`` (module doc).
-    ``stages``: shared-memory slots of 128 keys (default 2). ``fp8_products`` (fp8 pages only, module doc):
-    ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted to f16 once per slot) or
-    ``"e4m3_qk"`` (q rounded to one e4m3 tile). ``variant``: the schedule (:class:`Variant`; each variant compiles
-    under its own kernel name). ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no
-    row get 0. ``ValueError`` for what :func:`shape_reason` rejects, for an unknown ``fp8_products`` and for
-    ``variant.overlap`` over fp8 pages.
+    ``stages``: shared-memory slots of 128 keys (default 2). ``programs``: persistent CTAs walking the (query tile,
+    query head) items (default :func:`default_programs`: one per SM on a GPU, 2 in the interpreter; more than the
+    items leaves some idle); a value other than the default compiles under its own kernel name. ``fp8_products``
+    (fp8 pages only, module doc): ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted
+    to f16 once per slot) or ``"e4m3_qk"`` (q rounded to one e4m3 tile). ``interpret`` runs the Mosaic GPU
+    interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError`` for what :func:`shape_reason`
+    rejects, for ``stages`` or ``programs`` below 1 and for an unknown ``fp8_products``.
     """
     q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
@@ -740,18 +573,19 @@ def paged_prefill_mgpu(
     stages = stages or 2
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be None or a positive int, got {programs!r}")
     if fp8_products not in FP8_PRODUCTS:
         raise ValueError(f"fp8_products must be one of {FP8_PRODUCTS}, got {fp8_products!r}")
     q_parts = _Q_PARTS[fp8_products] if fp8 else 0
-    if fp8 and variant.overlap:
-        raise ValueError("Variant.overlap needs bf16 or f16 pages (its P V takes the ring's V slot as it is)")
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
-    if variant.programs:  # persistent programs take the tiles in this order: the tiles with tokens last to first
-        tile = jnp.arange(num_tiles, dtype=jnp.int32)  # (the longest walks of each row first), then the empty ones
-        n_live = jnp.sum(spans[2] > 0, dtype=jnp.int32)
-        order = jnp.where(tile < n_live, n_live - 1 - tile, tile)
-        spans, walks = tuple(x[order] for x in spans), tuple(x[order] for x in walks)
+    default = default_programs(num_tiles * hq, interpret)
+    programs = programs or default
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)  # the programs take the tiles in this order: the tiles with tokens
+    n_live = jnp.sum(spans[2] > 0, dtype=jnp.int32)  # last to first (each row's longest walks first), then the empty
+    order = jnp.where(tile < n_live, n_live - 1 - tile, tile)  # ones
+    spans, walks = tuple(x[order] for x in spans), tuple(x[order] for x in walks)
     dtype = jnp.float16 if fp8 else q.dtype  # the products' operands
     tiled = swizzled(dtype)
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
@@ -782,26 +616,23 @@ def paged_prefill_mgpu(
     )
     kernel = functools.partial(
         _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
-        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, variant=variant, interpret=interpret,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, programs=programs,
+        interpret=interpret,
     )
-    if variant.programs:
-        grid, grid_names = (variant.programs,), ("prog",)
-    else:
-        grid, grid_names = (num_tiles, hq), ("tile", "head")
-    semantics = _SEMANTICS[variant.semantics]
-    params = plgpu.CompilerParams(approx_math=True, **({"lowering_semantics": semantics} if semantics else {}))
+    # Lane semantics: jax 0.11's default (Warpgroup) lowering refuses this kernel (module doc)
+    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     name = (f"kvjax_paged_prefill_mgpu_{jnp.dtype(k_pages.dtype).name}{'_' + fp8_products if fp8 else ''}"
-            f"_page{page_size}_d{d}_s{stages}")
+            f"_page{page_size}_d{d}_s{stages}{f'_p{programs}' if programs != default else ''}")
     q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
         scratch_types=scratch,
-        grid=grid,
-        grid_names=grid_names,
+        grid=(programs,),
+        grid_names=("prog",),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
-        kernel_name=name + variant.tag(),
+        kernel_name=name,
         compiler_params=params,
         interpret=interpret_params() if interpret else None,
     )(*common.operands(call, (q_in, k_pages, call.v_pages, k_scale, v_scale), spans, walks))
