@@ -75,12 +75,22 @@ def test_table_chooses_as_documented():
     assert "N=1024" in dict(LINEAR_TABLE.explain(args, {}, h100))["pallas"]
 
 
+def test_mixed_dtypes_promote_as_matmul(rng):
+    """A bf16 x with float32 weights (or the reverse) is XLA's promoted product, as ``jnp.matmul`` in ``Linear``
+    always was; the kernel declines it."""
+    x, w = make(rng, 16, 128, 2048, jnp.bfloat16)
+    out = linear(x, w.astype(jnp.float32))
+    assert out.dtype == jnp.float32
+    assert rel_err(out, numpy_linear(x, w)) <= 1e-5
+    assert "x's dtype" in dict(LINEAR_TABLE.explain((x, w.astype(jnp.float32)), {}, NAMED["h100"]))["pallas"]
+
+
 def test_bad_calls_name_the_argument(rng):
     x, w = make(rng, 16, 128, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="'w'|w "):
         linear(x, w[:64])
     with pytest.raises(ValueError, match="'w'|w "):
-        linear(x, w.astype(jnp.float32))
+        linear(x, w.astype(jnp.int32))
     with pytest.raises(ValueError, match="'x'|x "):
         linear(jnp.zeros((16, 128), jnp.int32), w)
     with pytest.raises(UnknownImplError, match="T=48"):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.base.checks import check_array, check_float
+from kvjax.base.checks import check_float
 from kvjax.ops.backends import Backend, BackendTable
 from kvjax.pallas import skinny
 
@@ -29,16 +29,17 @@ LINEAR_OP = "linear"
 def linear_reference(
     x: jax.Array,  # [T, H]
     w: jax.Array,  # [H, N]
-) -> jax.Array:  # [T, N] in x's dtype
-    """``x @ w`` with full-precision products rounded to x's dtype."""
+) -> jax.Array:  # [T, N] in the promoted dtype of x and w
+    """``x @ w`` with full-precision products (``jnp.matmul``'s dtype promotion where x and w differ)."""
     return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
 def validate_linear_args(x, w, impl) -> None:
-    """Host-side check: ``x [T, H]`` float, ``w [H, N]`` of x's dtype, ``impl`` a string; ``ValueError`` names
-    the argument."""
+    """Host-side check: ``x [T, H]`` float, ``w [H, N]`` float, ``impl`` a string; ``ValueError`` names the
+    argument. (Mixed float dtypes are the reference's promotion, as ``Linear`` always allowed; the kernel takes
+    one dtype.)"""
     check_float("x", x, rank=2)
-    check_array("w", w, rank=2, shape=(x.shape[1], None), dtypes=[x.dtype])
+    check_float("w", w, rank=2, shape=(x.shape[1], None))
     if not isinstance(impl, str):
         raise ValueError(f"impl must be a string, got {impl!r}")
 
@@ -48,7 +49,7 @@ def linear(
     w: jax.Array,  # [H, N]
     *,
     impl: str = "auto",
-) -> jax.Array:  # [..., N] in x's dtype
+) -> jax.Array:  # [..., N] in x's dtype (the promoted dtype where w's differs)
     """``x @ w`` over any leading dims (flattened to ``T`` rows for the table's choice).
     Errors: :func:`validate_linear_args`; ``UnknownImplError`` for an ``impl`` that cannot run here."""
     lead = x.shape[:-1]

@@ -87,12 +87,14 @@ def unsupported(
     *weights,  # [H, N] each
     tiles: Tiles,
 ) -> str | None:
-    """Why the kernel cannot take the call, or ``None``: 16-bit floats, ``T`` a power of two in
+    """Why the kernel cannot take the call, or ``None``: 16-bit floats (weights of x's dtype), ``T`` a power of two in
     ``MIN_ROWS..MAX_ROWS``, ``H`` a multiple of ``tiles.block_k``, ``N`` of ``tiles.block_n``."""
     rows, hidden = x.shape
     cols = weights[0].shape[1]
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"the kernel takes bfloat16 / float16 (float32 keeps XLA's full-precision products), got {x.dtype}"
+    if any(w.dtype != x.dtype for w in weights):
+        return f"the kernel takes weights of x's dtype {x.dtype}, got {[str(w.dtype) for w in weights]}"
     if not MIN_ROWS <= rows <= MAX_ROWS or rows & (rows - 1):
         return f"the kernel takes T a power of two in {MIN_ROWS}..{MAX_ROWS} (skinny decode rows), got T={rows}"
     if hidden % tiles.block_k or cols % tiles.block_n:
