@@ -145,11 +145,12 @@ def with_idle_layers(model: Qwen3_5ForCausalLM, layer_types: Sequence[str] = ("l
 
 
 def copy_accuracy(model: Qwen3_5ForCausalLM, task: CopyTask, rng: np.random.Generator, n: int = 64) -> float:
-    """Teacher-forced accuracy of ``model`` on the copied tokens of ``n`` fresh sequences (no cache)."""
+    """Teacher-forced accuracy of ``model`` on the copied tokens of ``n`` fresh sequences (no cache, jitted)."""
     import jax.numpy as jnp
+    from flax import nnx
 
     x, t, m, _ = task.sample(rng, n)
-    pred = np.asarray(jnp.argmax(model.logits(jnp.asarray(x)), axis=-1))
+    pred = np.asarray(nnx.jit(lambda main, x: jnp.argmax(main.logits(x), axis=-1))(model, jnp.asarray(x)))
     return float(((pred == t) & m).sum() / m.sum())
 
 
