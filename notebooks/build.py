@@ -743,16 +743,16 @@ greedy continuation left the pattern after its first error (`spec_runs.free_runn
 predicts."""),
     new_code_cell('''\
 CFG = SIZE.pick(
-    small=dict(task=dict(vocab=48, length=72, min_period=3, max_period=8, max_prefix=16), window=(16, 0),
-               sinks=(1, 0), steps=1200, lr=1e-2, requests=32, prefix=16, pattern=20, max_new=24, page=8,
+    small=dict(task=dict(vocab=48, length=64, min_period=3, max_period=8, max_prefix=16), window=(16, 0),
+               sinks=(1, 0), steps=2000, batch=16, lr=1e-2, requests=32, prefix=16, pattern=20, max_new=24, page=8,
                memory_rows=6, max_seqs=16, budget=64, flat=32),
     gpu=dict(task=dict(vocab=128, length=256, min_period=4, max_period=8, max_prefix=64), window=(64, 0),
-             sinks=(4, 0), steps=3000, lr=1e-2, requests=256, prefix=64, pattern=64, max_new=128, page=16,
+             sinks=(4, 0), steps=3000, batch=32, lr=1e-2, requests=256, prefix=64, pattern=64, max_new=128, page=16,
              memory_rows=32, max_seqs=128, budget=1024, flat=256))
 task = spec_runs.CopyTask(**CFG["task"])
 model0 = spec_runs.copy_model(task, layer_types=("full_attention", "full_attention"), window=CFG["window"],
                               sinks=CFG["sinks"])
-model, hist = tasks.train(model0, task, steps=CFG["steps"], batch=32, lr=CFG["lr"])
+model, hist = tasks.train(model0, task, steps=CFG["steps"], batch=CFG["batch"], lr=CFG["lr"])
 acc = spec_runs.copy_accuracy(model, task, np.random.default_rng(1))
 free = spec_runs.free_running(model, task.prompts(np.random.default_rng(5), 32, CFG["pattern"]), CFG["max_new"])
 # gpu: a GDN layer appended that changes no logit but is served (its state recorded per draft and rolled back)
@@ -946,8 +946,9 @@ it is trained for a few hundred optax steps on the frozen toy (`spec_runs.copy_m
 state, as the drafter runs it. Against prompt lookup on the same prompts, without recycling or the prefix cache:
 acceptance per draft position and tokens per step (plain decoding's is the rows decoding)."""),
     new_code_cell('''\
-MTP = SIZE.pick(small=dict(steps=200, rows=4, requests=8), gpu=dict(steps=400, rows=16, requests=64))
-head, mtp_hist = spec_runs.copy_mtp(model, task, steps=MTP["steps"], lr=CFG["lr"])
+MTP = SIZE.pick(small=dict(steps=300, batch=16, rows=4, requests=8),
+                gpu=dict(steps=400, batch=32, rows=16, requests=64))
+head, mtp_hist = spec_runs.copy_mtp(model, task, steps=MTP["steps"], lr=CFG["lr"], batch=MTP["batch"])
 mtp_acc = spec_runs.mtp_copy_accuracy(model, head, task, np.random.default_rng(4), depth=2, against="greedy")
 mtp_model = spec_runs.attach_mtp(model, head)
 print(f"MTP layer, {MTP['steps']} steps (toy frozen): teacher-forced agreement with the toy's greedy token two "
