@@ -12,6 +12,7 @@ import importlib.util
 import os
 import pathlib
 
+import jax
 import nbformat  # the 'notebooks' extra (installed by .[dev])
 import pytest
 from nbclient import NotebookClient
@@ -72,6 +73,16 @@ def test_tidy_keeps_png_and_cuts_long_text():
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_executes(name, monkeypatch):
     monkeypatch.setenv("KVJAX_NB_SIZE", os.environ.get("KVJAX_NB_SIZE", "small"))
+    # the kernel takes the tests' persistent compilation cache (conftest) through JAX's environment variables: a
+    # notebook's engines compile the same step again and again (each Engine jits its own); a hit is the same
+    # executable, so no output changes. It runs no Mosaic GPU interpreter, so XLA's CPU pool keeps its default size
+    # (conftest's NPROC=8 is for that interpreter; on 2 cores it slowed the speculative notebook's training by 1/4)
+    monkeypatch.delenv("NPROC", raising=False)
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     nb = nbformat.read(NB_DIR / name, as_version=4)  # its committed outputs are replaced as the cells run
     client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(NB_DIR)}})
     client.execute()
