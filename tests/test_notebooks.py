@@ -12,10 +12,11 @@ import importlib.util
 import os
 import pathlib
 
-import jax
 import nbformat  # the 'notebooks' extra (installed by .[dev])
 import pytest
 from nbclient import NotebookClient
+
+from helpers.procs import compile_cache_env
 
 NB_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(p.name for p in NB_DIR.glob("*.ipynb"))
@@ -78,11 +79,8 @@ def test_notebook_executes(name, monkeypatch):
     # executable, so no output changes. It runs no Mosaic GPU interpreter, so XLA's CPU pool keeps its default size
     # (conftest's NPROC=8 is for that interpreter; on 2 cores it slowed the speculative notebook's training by 1/4)
     monkeypatch.delenv("NPROC", raising=False)
-    cache = jax.config.jax_compilation_cache_dir
-    if cache:
-        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", cache)
-        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    for key, value in compile_cache_env().items():
+        monkeypatch.setenv(key, value)
     nb = nbformat.read(NB_DIR / name, as_version=4)  # its committed outputs are replaced as the cells run
     client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(NB_DIR)}})
     client.execute()

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from helpers.hf import VOCAB, saved_hf_model  # noqa: E402
+from helpers.procs import compile_cache_env  # noqa: E402
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -54,7 +55,8 @@ def test_readme_python_snippet_runs(tmp_path):
     code = code.replace('"path/to/hf_checkpoint"', repr(str(path))).replace('"/tmp/kvjax-trace"',
                                                                             repr(str(tmp_path / "trace")))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "KVJAX_COMPILE_CACHE": "off",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()}
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+           **compile_cache_env()}
     r = subprocess.run([sys.executable, "-c", code + "\nprint('SNIPPET OK', len(outs), type(texts[0]).__name__)"],
                        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0 and "SNIPPET OK 2 str" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.procs import compile_cache_env
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -57,8 +59,10 @@ def test_scale_smoke_on_8_cpu_devices(tmp_path):
     out = tmp_path / "scale.json"
     env = {**os.environ,
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    cache = compile_cache_env().get("JAX_COMPILATION_CACHE_DIR")  # the tests' cache, not one beside --out
     r = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--smoke", "--only",
-                        "dp,procs,tp,profile,deepseek" if full else "tp,profile", "--out", str(out)],
+                        "dp,procs,tp,profile,deepseek" if full else "tp,profile", "--out", str(out),
+                        *(["--compile-cache", cache] if cache else [])],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     doc = json.loads(out.read_text())

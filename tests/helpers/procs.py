@@ -1,5 +1,6 @@
-"""Several processes of one ``jax.distributed`` run, for the multi-process tests: a free port for the coordinator and
-a launcher that starts every process at once and waits for all of them."""
+"""Child processes of the tests: several processes of one ``jax.distributed`` run (a free port for the coordinator
+and a launcher that starts every process at once and waits for all of them), and the environment that gives a child
+the tests' persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,20 @@ import os
 import socket
 import subprocess
 import tempfile
+
+
+def compile_cache_env() -> dict[str, str]:
+    """JAX's environment variables that point a child process (a command, a script, a notebook kernel: anything that
+    does not load ``conftest``) at this process's persistent compilation cache, the tests' (conftest), with the same
+    thresholds; empty where it is off (``KVJAX_TEST_JAX_CACHE=""``). A hit is the executable the child would compile,
+    so nothing it computes changes; a command's own ``--compile-cache`` still takes precedence."""
+    import jax
+
+    cache = jax.config.jax_compilation_cache_dir
+    if not cache:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def free_port() -> int:
@@ -17,11 +32,12 @@ def free_port() -> int:
 
 
 def run_processes(commands: list[list[str]], *, cwd: str, timeout: float = 300) -> list[str]:
-    """Start every command at once (one process each, ``XLA_FLAGS`` removed so each gets its own CPU devices) and
-    wait for all; returns each one's output (stdout and stderr). Output goes to files, not pipes, so no process can
-    block on a full pipe while another waits for it at a barrier. ``AssertionError`` with the tail of every output
-    if a process fails; processes left running at the timeout are killed."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """Start every command at once (one process each, ``XLA_FLAGS`` removed so each gets its own CPU devices, the
+    tests' compilation cache passed on: :func:`compile_cache_env`) and wait for all; returns each one's output
+    (stdout and stderr). Output goes to files, not pipes, so no process can block on a full pipe while another waits
+    for it at a barrier. ``AssertionError`` with the tail of every output if a process fails; processes left running
+    at the timeout are killed."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | compile_cache_env()
     files = [tempfile.TemporaryFile("w+") for _ in commands]
     procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, text=True)
              for cmd, f in zip(commands, files)]
