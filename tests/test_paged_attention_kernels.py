@@ -33,6 +33,7 @@ from kvjax.ops.attention import PagedAttentionCall
 from kvjax.pallas.paged import common as paged_common
 from kvjax.pallas.paged import decode
 from kvjax.pallas.paged import prefill as paged_prefill
+from kvjax.pallas.paged import prefill_mgpu
 
 
 # ---------------------------------------------------------------- CPU (interpret mode)
@@ -112,38 +113,95 @@ def test_prefill_interpret_page_128(rng):
     assert float(jnp.abs(out[-2:]).max()) == 0.0
 
 
-def test_prefill_mosaic_interpret(rng, monkeypatch):
-    # the Mosaic GPU kernel under the Mosaic GPU interpreter (each kernel compiled once, not per CTA:
-    # helpers.mosaic_interpret) (its products in jnp, everything else as compiled:
-    # TMA page copies, two pages per 128-key slot, barriers, per-slot skip/full/masked paths, ragged tiles read
-    # and written in place, the end-of-array box).
-    # Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head with a
-    # poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
-    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
+# The Mosaic GPU prefill kernel's persistent programs walk the (tile, head) items in rounds, item p of even rounds and
+# n - 1 - p of odd ones, each copying the next item's q box while it finishes the current one. The batch below has 8
+# tiles of 4 heads (32 items, 20 with tokens): pages of 64 run the interpreter's default 2 programs (16 rounds each),
+# pages of 128 run 3 (11 rounds, one program idle in the last); the fp8 test runs more programs than items.
+_MOSAIC_PROGRAMS = {64: None, 128: 3}
 
+
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
+    # the Mosaic GPU kernel under the Mosaic GPU interpreter (its products in jnp, everything else as compiled:
+    # TMA page copies, two pages per 128-key slot at pages of 64, K and V refilled on their own releases, barriers,
+    # per-slot skip/full/masked paths, ragged tiles read and written in place, the end-of-array box, several items
+    # per program). Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head
+    # with a poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
     cache_thread_programs(monkeypatch)
-    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=64, ctx=[260, 70, 9, 0], new=[131, 5, 1, 0],
+    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=page_size, ctx=[520, 140, 9, 0], new=[131, 5, 1, 0],
                            window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
-    args = poison_hole(args)
-    k, v = args[1], args[2]
+    args = poison_hole(args, block=512 // page_size - 1)  # in the fourth 128-key slot of row 0's full head
     ref = reference_f32(args, kw)
-    out = np.asarray(paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True), np.float32)
+    out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), programs=_MOSAIC_PROGRAMS[page_size], interpret=True)
+    out = np.asarray(out, np.float32)
     assert rel_err(out, ref) <= 1e-2
+    cu = np.asarray(kw["cu_seqlens"])
+    for b in range(3):  # every row with tokens, not only the batch as a whole
+        seg = slice(cu[b], cu[b + 1])
+        assert np.linalg.norm(out[seg] - ref[seg]) <= 1e-2 * np.linalg.norm(ref[seg]), b
     assert np.all(out[-2:] == 0)  # tokens of no row
     with pytest.raises(ValueError, match="page_size"):
-        small_pages = dataclasses.replace(checked_call(args, kw), k_pages=k[:, :32], v_pages=v[:, :32])
-        paged_prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
+        small_pages = dataclasses.replace(checked_call(args, kw), k_pages=args[1][:, :32], v_pages=args[2][:, :32])
+        prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
+
+
+def test_prefill_mosaic_interpret_fp8_programs(rng, monkeypatch):
+    # fp8 pages (e4m3 q K^T, V converted by halves into the shared f16 buffers; no q box copied ahead), pages of 64
+    # (two a slot, per-column scales), 6 tiles of 2 heads: the default 2 programs (6 rounds each) and 16 programs (4
+    # idle) give the same output bit for bit (the same arithmetic per item, whichever program runs it), both
+    # against the float32 reference over the same fp8 pages (the bound is test_paged_prefill_fp8's business: here,
+    # 2e-2)
+    cache_thread_programs(monkeypatch)
+    args, kw = build_batch(rng, hq=2, hkv=2, d=64, page_size=64, ctx=[140, 9, 0], new=[70, 1, 0], window=[0, 70],
+                           sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
+    args, scales = quantise_pages(poison_hole(args))
+    ref, _, _ = reference_fp8(args, scales, kw)
+    out = np.asarray(prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), interpret=True), np.float32)
+    assert rel_err(out, ref) <= 2e-2
+    assert np.all(out[-2:] == 0)
+    out_16 = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), programs=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out_16, np.float32), out)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="programs must be None or a positive int"):
+            prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), programs=bad, interpret=True)
+
+
+def test_prefill_mosaic_lowers_for_cuda():
+    # the kernel compiles to Mosaic GPU without a GPU (Lane lowering, its one schedule): bf16 and fp8 pages of 64
+    # and 128, the default programs (2 here, where the device is the CPU) and 132 (an H100's SMs: its own kernel
+    # name), token counts that are not a multiple of 8 (a full box's store through the swizzled q tile tiles o's
+    # rows by 8: the kernel pads T) and below one box. The GPU tests compile it under jax 0.11 too.
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    names = set()
+    cases = [(None, 128, False, 512), (None, 64, False, 627), (None, 128, True, 512), (None, 64, True, 627),
+             (132, 64, False, 512), (132, 128, True, 40)]
+    for programs, page_size, fp8, tokens in cases:
+        def fn(q, kp, vp, bt, sl, cu, ks, vs):
+            scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
+            call = PagedAttentionCall(q, kp, vp, bt, sl, cu, window=jnp.array([0, 100], jnp.int32),
+                                      sinks=jnp.array([0, 4], jnp.int32), **scales)
+            return prefill_mgpu.paged_prefill_mgpu(attention.check_call(call), programs=programs)
+
+        pages = sds((64, page_size, 128), FP8_DTYPE if fp8 else jnp.bfloat16)
+        module = export.export(jax.jit(fn), platforms=["cuda"])(
+            sds((tokens, 4, 128), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
+            sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32)).mlir_module()
+        name = (f"kvjax_paged_prefill_mgpu_{'float8_e4m3fn_e4m3x2_qk' if fp8 else 'bfloat16'}_page{page_size}_d128_s2"
+                f"{f'_p{programs}' if programs else ''}")
+        assert "mosaic_gpu" in module and name in module, (programs, page_size, fp8)
+        names.add(name)
+    assert len(names) == len(cases)
 
 
 def test_prefill_mosaic_interpret_refuses_small_thread_pool(rng, monkeypatch):
     # with fewer XLA CPU threads than warpgroups + 1 the interpreter can deadlock: a clear error instead
-    from kvjax.pallas.paged import prefill_mgpu as paged_prefill_mgpu
-
     args, kw = build_batch(rng, hq=2, hkv=1, d=64, page_size=64, ctx=[3], new=[3], window=[0], sinks=[0],
                            dtype=jnp.bfloat16)
     monkeypatch.setenv("NPROC", "2")
     with pytest.raises(RuntimeError, match="NPROC=8"):
-        paged_prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True)
+        prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw), interpret=True)
 
 
 def test_prefill_interpret_padding_tokens_written_as_zero(rng):
@@ -529,6 +587,30 @@ def test_gpu_prefill_mosaic_grid(rng, group, page_size):
     assert len(q) >= 64 * len(ctx)  # the table's "auto" takes the Mosaic kernel for this batch on Hopper
     assert attention.TABLE.choose("auto", (checked_call(args, kw),), {})[0] == "mosaic"
     assert rel_err(attention.paged_attention(*args, **kw), ref) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_gpu_prefill_mosaic_programs(rng, page_size):
+    # the compiled kernel at other counts of persistent programs on the Mosaic grids' batch, GQA 4 (15 tiles of 8
+    # heads: 120 items, so the default is 120 programs on an H100 or H200): one program walking every item, 7 (18
+    # rounds, 6 programs idle in the last) and 200 (80 idle). Every real token of every row against the reference,
+    # padding tokens 0, and the default's output within bf16 rounding (the same arithmetic per item)
+    ctx, new = MOSAIC_CTX, MOSAIC_NEW
+    (q, k, v, table, seq_lens), kw = _mosaic_batch(rng, 4, page_size)
+    args = (q, k, v, jnp.asarray(table), seq_lens)
+    call = checked_call(args, kw)
+    ref = np.asarray(reference_f32(args, kw), np.float32)
+    base = np.asarray(prefill_mgpu.paged_prefill_mgpu(call), np.float32)
+    cu = np.asarray(kw["cu_seqlens"])
+    for programs in (1, 7, 200):
+        o = np.asarray(prefill_mgpu.paged_prefill_mgpu(call, programs=programs), np.float32)
+        for b in range(len(ctx)):
+            if new[b]:
+                seg = slice(cu[b], cu[b + 1])
+                assert np.linalg.norm(o[seg] - ref[seg]) <= 2e-2 * np.linalg.norm(ref[seg]), (b, programs)
+        assert float(np.abs(o[cu[-1]:]).max()) == 0.0, programs
+        np.testing.assert_allclose(o, base, rtol=2.0 ** -6, atol=2.0 ** -8, err_msg=str(programs))
 
 
 @pytest.mark.gpu

@@ -1,20 +1,45 @@
 """Head-wise paged attention, prefill / extend path, as a Mosaic GPU kernel (Hopper: TMA page copies, wgmma).
 
 Same contract and tile map as :mod:`kvjax.pallas.paged.prefill` (the Pallas Triton kernel), built the
-FlashAttention-3 way. One CTA per (query tile of up to 128 tokens of one row, query head) runs three
-warpgroups: two consumers own 64 query tokens each, one producer streams the tile's K/V walk (the virtual page
-list of :mod:`kvjax.pallas.paged.common`: sink pages, then window pages) into a ring of 128-key shared-memory
-slots, one TMA copy per page (a slot holds one page of 128 or two consecutive walk pages of 64), reading each
-page id from the block table. A ``-1`` entry is never copied: a slot half whose page is a hole (or past the
-walk) gets a copy of the slot's other page, whose keys there are never visible; a slot with no page at all is
-only signalled, and every consumer skips it. The consumers alternate their tensor-core products (a schedule
-barrier), so one warpgroup's softmax overlaps the other's ``QK^T`` / ``PV``; ``PV`` accumulates into the
-running accumulator, and the wait for the next K slot overlaps it.
+FlashAttention-3 way. The work is one item per (query tile of up to 128 tokens of one row, query head), walked by
+persistent CTAs (``programs``, one per SM by default). Each CTA runs three warpgroups: two consumers own 64 query
+tokens each, one producer streams each item's K/V walk (the virtual page list of :mod:`kvjax.pallas.paged.common`:
+sink pages, then window pages) into a ring of 128-key shared-memory slots, one TMA copy per page (a slot holds one
+page of 128 or two consecutive walk pages of 64), reading each page id from the block table. A ``-1`` entry is
+never copied: a slot half whose page is a hole (or past the walk) gets a copy of the slot's other page, whose keys
+there are never visible; a slot with no page at all is only signalled, and every consumer skips it. The consumers
+alternate their tensor-core products (a schedule barrier), so one warpgroup's softmax overlaps the other's
+``QK^T`` / ``PV``; ``PV`` accumulates into the running accumulator, and the wait for the next K slot overlaps it.
 
 Per slot and consumer a run-time test picks one of three paths: *skip* (no key of the slot is visible to the
 warpgroup's tokens: holes, the causal future, pages only the other warpgroup's window needs), *full* (every
 key is visible to every token: no mask), or *masked* (causal / window / sink mask per element, keys placed by
 their page). Every consumer still waits on and releases every slot, so the barrier phases stay in step.
+
+The schedule (HISTORY.md, runs 140-143: on an H100 at T=4096, H=32, D=128, 1.07x cuDNN at pages of 128 and 1.03x at
+64, where the one-CTA-per-item kernel it replaced ran at 0.97x and 0.94x):
+
+- *Persistent programs*: program ``p`` of ``n`` takes item ``p`` of even rounds and ``n - 1 - p`` of odd ones, the
+  tiles ordered with tokens last to first (a row's longest walks first), empty ones last. The producer runs one
+  ring walk over all of a program's items, so the next item's first slots load while the consumers finish the
+  current one. A consumer whose box is full copies the next item's q box into its staging rows as soon as it has
+  swizzled the current one, and writes its output through its q tile (free by then); a ragged box leaves through
+  the staging rows, and the next box is then copied when its item starts (always so over fp8 pages, whose q tiles
+  are e4m3). What a CTA per item pays (launch, barrier setup, the first page and q loads, the last store's wait:
+  idle time at each CTA's start and end, with only one CTA per SM at 192 KiB of shared memory) overlaps the
+  previous item instead.
+- *Split release*: the producer refills a slot's K pages once both consumers released its K (after ``q K^T``) and
+  its V pages once they released its V (after ``P V``), as JAX's ``attention_mgpu`` does, so the next K lands
+  while V is still read.
+- *Per-step mask iotas*: the masked path's position grids are computed in each masked step rather than kept live
+  over the walk, which frees the registers they held (the consumers get 232 registers a thread, the producer 40).
+
+Deleted after the same runs: a CTA per item, K and V refilled together, hoisted mask iotas, FlashAttention-3's
+intra-warpgroup overlap of the unmasked steps, an optimization barrier before ``P V`` and a (240, 24) register
+split (slower, or no faster). The kernel always lowers with Mosaic GPU's Lane semantics (jax 0.10's default):
+jax 0.11.2's default, the Warpgroup lowering, refuses it (``AssertionError: Shaped arrays must be represented by
+ir.Values, got: 0`` in a ``mgpu.fori`` body, and ``assert len(op.indices) == len(multiple)`` in the layout
+inference's ``_check_unsatisfiable_divisibility_constraints`` for the persistent walk).
 
 Ragged query tiles are read and written in place: each warpgroup copies the 64-row box of ``q`` that holds its
 tokens (at any row offset, pulled back inside ``q`` at its end) into plain shared-memory rows, swizzles it for
@@ -37,8 +62,8 @@ wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), wit
 ``"e4m3_qk"``: q rounded to one e4m3 tile (``|q - q_eff| <= 2**-4 |q| + 2**-10 s``), faster and an order of
 magnitude less exact (RESULTS.md, "fp8 (e4m3) pages"). V is converted e4m3 -> f16 (every e4m3 value is exact in
 f16) once per slot, not once per consumer: each consumer converts its half of the slot (64 keys), while its
-``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases the ring slot, and waits for the
-other half (a barrier per buffer, one arrival per consumer) before ``P V`` in f16, accumulating in f32; a consumer
+``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases the ring slot's V, and waits for
+the other half (a barrier per buffer, one arrival per consumer) before ``P V`` in f16, accumulating in f32; a consumer
 that skips the slot still converts its half. Two buffers suffice: the schedule barrier keeps the consumers within
 a step of each other, so when one writes a buffer, both have finished the products that read it two steps
 before. The value scales reach the probabilities relative to a running reference scale (the largest value scale
@@ -50,7 +75,7 @@ consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.31x slowe
 The interpreter runs each warpgroup as a computation on XLA's CPU thread pool and blocks those
 threads in barrier waits, so it needs a pool of at least ``mgpu_common.INTERPRET_MIN_THREADS`` threads (the pool
 is sized by the ``NPROC`` environment variable, else the CPU count, when JAX creates its CPU client; with 2 it can
-deadlock).
+deadlock). There, and off a GPU, ``programs`` defaults to :data:`INTERPRET_PROGRAMS` (2) persistent CTAs.
 
 It is the ``"mosaic"`` backend of ``kvjax.ops.paged_attention``, first choice on Hopper where :func:`unsupported`
 accepts the call: those shapes and on average at least one 64-token box of queries per row (``T >= 64 B``: rows
@@ -62,6 +87,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +95,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kvjax.base.device import current_device
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.pallas.paged import common
-from kvjax.pallas.mgpu_common import SWIZZLE, cast, interpret_params, iota, produce_ring, swizzled
+from kvjax.pallas.mgpu_common import SWIZZLE, cast, interpret_params, iota, swizzled
 
 BLOCK_Q = 64  # query tokens per consumer warpgroup (one wgmma M tile)
 BLOCK_K = 128  # keys per step: one page of 128 or two pages of 64 (one shared-memory slot)
@@ -87,6 +114,8 @@ FP8_PRODUCTS = tuple(_Q_PARTS)  # the products over fp8 pages (module doc)
 _EXP_MASK = 0x7F800000  # an f32's exponent bits
 _Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the row's max |q|
 _TINY = 2.0 ** -100  # rows below it (zeros) get scale 2**-7
+_REGISTERS = (232, 40)  # setmaxnreg of each consumer and of the producer warpgroup (256 c + 128 p <= 65536)
+INTERPRET_PROGRAMS = 2  # the default persistent programs in the interpreter and off a GPU (module doc)
 
 
 def q_row_scales(
@@ -101,14 +130,31 @@ def q_row_scales(
     return lax.bitcast_convert_type(scale_bits, jnp.float32), lax.bitcast_convert_type(inv_bits, jnp.float32)
 
 
+class _Item(NamedTuple):
+    """One (query tile, query head) of the work, i32[] each: the tile's tokens, its KV head and page walk."""
+
+    head: jax.Array
+    kvh: jax.Array  # the head's KV head
+    tok0: jax.Array  # first token of the tile (a row of q / o)
+    n_tok: jax.Array  # tokens of the tile (0: nothing to read or write)
+    i0: jax.Array  # position of its first token
+    lo: jax.Array  # the walk (common.walk_at): first window page, sink pages, pages
+    n_sink: jax.Array
+    n_pages: jax.Array
+    w: jax.Array  # window of the KV head (0: full)
+    sk: jax.Array  # its sink tokens
+    bt_base: jax.Array  # offset of the (row, KV head)'s block table in the flat table
+    n_steps: jax.Array  # ring slots of the walk
+
+
 def _kernel(
     *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
-    #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile), then o_ref
-    #         [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per consumer), q / out staging
-    #         (plain rows), K ring, V ring[, two shared f16 V buffers (fp8 pages)]), full barriers (K slot loaded,
-    #         V slot loaded, q staged: a slot takes one arrival per page), free barriers (K slot free, V slot free:
-    #         one arrival per consumer), the consumer schedule barrier[, V buffer converted (fp8 pages: one
-    #         arrival per consumer)]
+    #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile, heaviest tiles
+    #         first), then o_ref [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per
+    #         consumer), q / out staging (plain rows), K ring, V ring[, two shared f16 V buffers (fp8 pages)]), full
+    #         barriers (K slot loaded, V slot loaded, q staged: a slot takes one arrival per page), free barriers
+    #         (K slot free, V slot free: one arrival per consumer), the consumer schedule barrier[, V buffer
+    #         converted (fp8 pages: one arrival per consumer)]
     scale: float,
     group: int,
     page_size: int,
@@ -117,6 +163,7 @@ def _kernel(
     stages: int,
     fp8: bool,
     q_parts: int,
+    programs: int,
     interpret: bool,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, rest = common.kernel_refs(refs, num_spans=4)
@@ -125,29 +172,34 @@ def _kernel(
     q_smem, io_smem, k_smem, v_smem, *kv16_smem = smem
     k_full, v_full, q_full = full_barriers
     k_free, v_free = free_barriers
-    tile = lax.axis_index("tile")
-    tile = tile_row_ref.shape[0] - 1 - tile  # the last (longest-walk) tiles launch first
-    head = lax.axis_index("head")
     wg = lax.axis_index("wg")
-    kvh = lax.div(head, jnp.int32(group))
-    th = tile * num_kv_heads + kvh
-    b = tile_row_ref[tile]
-    tok0 = tile_tok_ref[tile]
-    n_tok = tile_len_ref[tile]
-    i0 = tile_pos_ref[tile]
-    lo, n_sink, n_pages, w, sk = common.walk_at(walk, th, kvh)
-    bt_base = (b * num_kv_heads + kvh) * max_blocks
-    num_tokens = q_ref.shape[0]
-    head_dim = q_smem.shape[-1]
+    num_tiles = tile_row_ref.shape[0]
+    num_tokens, hq, head_dim = q_ref.shape
     dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
-    n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
+    out_from_q = not fp8  # full boxes leave through the q tile, so q can be copied a tile ahead
+    num_items = num_tiles * hq
+    rounds = -(-num_items // programs)
+    prog = lax.axis_index("prog")
 
-    def page_at(s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
-        col = lax.select(s < n_sink, s, lo + s - n_sink)
-        page = bt_ref[bt_base + jnp.minimum(col, max_blocks - 1)]
-        return col * page_size, jnp.where(s < n_pages, page, -1)
+    def round_item(r) -> _Item:  # program p takes item p of even rounds and item n - 1 - p of odd ones
+        idx = r * programs + jnp.where(lax.rem(r, 2) == 0, prog, programs - 1 - prog)
+        live = idx < num_items
+        idx = jnp.minimum(idx, num_items - 1)
+        tile, head = lax.div(idx, jnp.int32(hq)), lax.rem(idx, jnp.int32(hq))
+        kvh = lax.div(head, jnp.int32(group))
+        lo, n_sink, n_pages, w, sk = common.walk_at(walk, tile * num_kv_heads + kvh, kvh)
+        n_tok, n_pages = jnp.where(live, tile_len_ref[tile], 0), jnp.where(live, n_pages, 0)
+        bt_base = (tile_row_ref[tile] * num_kv_heads + kvh) * max_blocks
+        n_steps = lax.div(n_pages + per_slot - 1, jnp.int32(per_slot))
+        return _Item(head, kvh, tile_tok_ref[tile], n_tok, tile_pos_ref[tile], lo, n_sink, n_pages, w, sk, bt_base,
+                     n_steps)
+
+    def page_at(it: _Item, s):  # (first key position, page id or -1) of virtual page s; -1 for a hole and past the walk
+        col = lax.select(s < it.n_sink, s, it.lo + s - it.n_sink)
+        page = bt_ref[it.bt_base + jnp.minimum(col, max_blocks - 1)]
+        return col * page_size, jnp.where(s < it.n_pages, page, -1)
 
     def page_scale(ref, page):  # f32 scale of an fp8 page; 0 for a hole (never read)
         return jnp.where(page >= 0, ref[jnp.maximum(page, 0)], 0.0)
@@ -156,31 +208,40 @@ def _kernel(
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(wg < _CONSUMERS)
-    def _consumer():
-        plgpu.set_max_registers(232, action="increase")
-        first = wg * BLOCK_Q  # first token of this warpgroup inside the tile
-        n_rows = jnp.clip(n_tok - first, 0, BLOCK_Q)
-        x = tok0 + first  # the warpgroup's tokens: rows [x, x + n_rows) of q / o
-        x0 = jnp.minimum(x, num_tokens - BLOCK_Q)  # a 64-row box inside q holding them, at rows [r0, r0 + n_rows)
-        r0 = x - x0
-        pa = i0 + first  # positions [pa, pb] of the warpgroup's tokens
-        pb = pa + n_rows - 1
-        stage = io_smem.at[wg]
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    stage = io_smem.at[wg]  # a consumer's q / out staging rows
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
+    def box(it: _Item):  # the warpgroup's tokens of item it: (rows, first row x, 64-row box at x0 inside q)
+        first = wg * BLOCK_Q  # first token of this warpgroup inside the tile
+        n_rows = jnp.clip(it.n_tok - first, 0, BLOCK_Q)
+        x = it.tok0 + first  # rows [x, x + n_rows) of q / o
+        return n_rows, x, jnp.minimum(x, num_tokens - BLOCK_Q)
+
+    def copy_q(it: _Item, x0):
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), it.head], stage, q_full.at[wg])
+
+    def consume(it: _Item, g0, q_copied, nxt: _Item):
+        """The consumer's part of item ``it``; its ring steps are ``g0 ..`` of the program's walk. ``q_copied``: its
+        q box was copied ahead (with the last item). Returns whether the next item ``nxt``'s box is being copied."""
+        n_rows, x, x0 = box(it)
+        r0 = x - x0  # the warpgroup's tokens sit at rows [r0, r0 + n_rows) of the box
+        pa = it.i0 + wg * BLOCK_Q  # positions [pa, pb] of the warpgroup's tokens
+        pb = pa + n_rows - 1
+        w, sk = it.w, it.sk
+        n_steps = it.n_steps
 
         def load_q():  # q rows at any offset: a plain-row TMA copy, then swizzled for wgmma through registers
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), head], stage, q_full.at[wg])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output has left its buffer
+            pl.when(q_copied == 0)(lambda: copy_q(it, x0))
             plgpu.barrier_wait(q_full.at[wg])
             if interpret:
                 q_rows = stage[...]
             else:
                 q_rows = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA, optimized=False)
             if fp8:  # e4m3 tiles q = s (h + l): h = e4m3(q / s), l = e4m3(q / s - h) (q_parts 2); s per row
-                x = q_rows.astype(jnp.float32)
-                q_scale, inv = q_row_scales(jnp.abs(x).max(axis=1))
-                y = x * lax.broadcast_in_dim(inv, x.shape, [0])
+                xf = q_rows.astype(jnp.float32)
+                q_scale, inv = q_row_scales(jnp.abs(xf).max(axis=1))
+                y = xf * lax.broadcast_in_dim(inv, xf.shape, [0])
                 for part in range(q_parts):
                     h = y.astype(FP8_DTYPE)
                     q_smem.at[wg * q_parts + part][...] = h
@@ -198,20 +259,29 @@ def _kernel(
                                lambda: cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32), row_layout, interpret))
         else:
             pl.when(n_rows > 0)(load_q)
+        copying = jnp.int32(0)
+        if out_from_q:  # the staging rows are free until this item's end: the next item's q box lands there
+            n_next, _, x0_next = box(nxt)
+            copying = ((n_rows == BLOCK_Q) & (n_next > 0)).astype(jnp.int32)
+            pl.when(copying == 1)(lambda: copy_q(nxt, x0_next))
 
-        qpos = (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret)  # position of each box row
-        kcol = iota((BLOCK_Q, BLOCK_K), 1, interpret)
+        def mask_iotas():  # (position of each box row, key column of the slot)
+            return (pa - r0) + iota((BLOCK_Q, BLOCK_K), 0, interpret), iota((BLOCK_Q, BLOCK_K), 1, interpret)
+
         qk_scale = scale * _LOG2E
 
         def wait_next_k(j):  # every consumer waits each K phase once, one step ahead (overlaps PV)
             @pl.when(j + 1 < n_steps)
             def _():
-                plgpu.barrier_wait(k_full.at[lax.rem(j + 1, jnp.int32(stages))])
+                plgpu.barrier_wait(k_full.at[lax.rem(g0 + j + 1, jnp.int32(stages))])
+
+        def key_columns():
+            return iota((BLOCK_Q, BLOCK_K), 1, interpret)
 
         def per_column(values):  # f32[BLOCK_Q, BLOCK_K]: each key column's value of its slot half's page
             if per_slot == 1:
                 return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
-            return jnp.where(kcol < page_size, values[0], values[1])
+            return jnp.where(key_columns() < page_size, values[0], values[1])
 
         def convert_v_half(slot, buf):  # fp8: this consumer's half of the V slot as f16 into shared buffer buf
             plgpu.barrier_wait(v_full.at[slot])
@@ -220,18 +290,25 @@ def _kernel(
             if interpret:
                 dst[...] = src[...].astype(dtype)
             else:
-                x = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                dst[...] = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
+                xv = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                dst[...] = plgpu.layout_cast(xv.astype(dtype), plgpu.Layout.WGMMA)
                 plgpu.commit_smem()
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(v_conv[0].at[buf])
 
+        def softmax(qk, m_i, l_i):  # the online softmax's step: (m, alpha, p, l) after the logits qk
+            m_new = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
+            return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
+
         def step(j, carry):
-            slot = lax.rem(j, jnp.int32(stages))
-            buf = lax.rem(j, jnp.int32(_V16_BUFFERS))
+            slot = lax.rem(g0 + j, jnp.int32(stages))
+            buf = lax.rem(g0 + j, jnp.int32(_V16_BUFFERS))
             k0s, needs, fulls, pages = [], [], [], []
             for i in range(per_slot):
-                k0, page = page_at(j * per_slot + i)
+                k0, page = page_at(it, j * per_slot + i)
                 k1 = k0 + page_size - 1
                 valid = page >= 0
                 needs.append(valid & (k0 <= pb) & ((w == 0) | (k1 > pa - w) | (k0 < sk)))
@@ -267,22 +344,19 @@ def _kernel(
                 plgpu.barrier_arrive(k_free.at[slot])
                 if fp8:  # q's row scale times the key column's page scale
                     rows = [lax.broadcast_in_dim(q_scale * page_scale(ks_ref, page), qk.shape, [0]) for page in pages]
-                    qk = qk * (rows[0] if per_slot == 1 else jnp.where(kcol < page_size, rows[0], rows[1]))
+                    qk = qk * (rows[0] if per_slot == 1 else jnp.where(key_columns() < page_size, rows[0], rows[1]))
 
-                def mask(x):
+                def mask(s):
+                    qpos, kcol = mask_iotas()
                     kpos = kcol + k0s[0]
                     if per_slot == 2:
                         kpos = kcol + jnp.where(kcol < page_size, k0s[0], k0s[1] - page_size)
                     diff = qpos - kpos
                     vis = (diff >= 0) & ((w == 0) | (diff < w) | (kpos < sk))
-                    return jnp.where(vis, x, -jnp.inf)
+                    return jnp.where(vis, s, -jnp.inf)
 
-                qk = lax.cond(full, lambda x: x, mask, qk)
-                m_new = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
+                qk = lax.cond(full, lambda s: s, mask, qk)
+                m_new, alpha, p, l_i = softmax(qk, m_i, l_i)
                 if fp8:  # value scales relative to the running reference (module doc)
                     v_scales = [page_scale(vs_ref, page) for page in pages]
                     ref_new = functools.reduce(jnp.maximum, v_scales, v_ref[0])
@@ -335,7 +409,7 @@ def _kernel(
 
         @pl.when(n_steps > 0)
         def _():
-            plgpu.barrier_wait(k_full.at[0])
+            plgpu.barrier_wait(k_full.at[lax.rem(g0, jnp.int32(stages))])
 
         pl.when(wg == 1)(sync_schedule)  # warpgroup 0 issues its products first
         acc, m_i, l_i, *v_ref = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i, *v_ref))
@@ -345,50 +419,94 @@ def _kernel(
             l_safe = l_safe / v_ref[0]  # l_i > 0 implies a visited page, so a reference scale > 0
         out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
 
-        @pl.when(n_rows > 0)
-        def _():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
+        def write_staged():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
             stage[...] = out
             plgpu.commit_smem()
 
             @pl.when(n_rows == BLOCK_Q)
             def _():
-                plgpu.copy_smem_to_gmem(stage, o_ref.at[pl.ds(x0, BLOCK_Q), head])
+                plgpu.copy_smem_to_gmem(stage, o_ref.at[pl.ds(x0, BLOCK_Q), it.head])
 
             rows = BLOCK_Q // 2
             while rows:
                 @pl.when((n_rows >= rows) & (n_rows < 2 * rows))
                 def _(rows=rows):
                     for off in (0, n_rows - rows):
-                        plgpu.copy_smem_to_gmem(stage.at[pl.ds(r0 + off, rows)], o_ref.at[pl.ds(x + off, rows), head])
+                        plgpu.copy_smem_to_gmem(stage.at[pl.ds(r0 + off, rows)],
+                                                o_ref.at[pl.ds(x + off, rows), it.head])
 
                 rows //= 2
-            plgpu.wait_smem_to_gmem(0)
+
+        def write_from_q():  # a full box through the (free) q tile, while the next box lands in the staging rows
+            q_smem.at[wg][...] = out
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[pl.ds(x0, BLOCK_Q), it.head])
+
+        if out_from_q:
+            pl.when(n_rows == BLOCK_Q)(write_from_q)
+            pl.when((n_rows > 0) & (n_rows < BLOCK_Q))(write_staged)
+        else:
+            pl.when(n_rows > 0)(write_staged)
+        return copying
+
+    @pl.when(wg < _CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_REGISTERS[0], action="increase")
+
+        def item(r, carry):
+            g0, q_copied = carry
+            it = round_item(r)
+            return g0 + it.n_steps, consume(it, g0, q_copied, round_item(r + 1))
+
+        lax.fori_loop(0, rounds, item, (jnp.int32(0), jnp.int32(0)))
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_REGISTERS[1], action="decrease")
 
-        def issue(j, slot):
-            pages = [page_at(j * per_slot + i)[1] for i in range(per_slot)]
+        def slot_sources(it: _Item, j):
             # a slot half whose page is a hole or past the walk gets a copy of the other half's page (finite data,
             # never visible), so that every slot takes the same bytes; a slot with no page is only signalled
-            srcs = [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
+            pages = [page_at(it, j * per_slot + i)[1] for i in range(per_slot)]
+            return [functools.reduce(lambda a, o: jnp.where(a >= 0, a, o), pages[i:] + pages[:i])
                     for i in range(per_slot)]
 
+        def fill(srcs, slot, gmem, ring, full):  # copy the slot's pages from gmem into the ring's slot
             @pl.when(srcs[0] >= 0)
             def _():
                 for i, src in enumerate(srcs):
-                    keys = pl.ds(i * page_size, page_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, keys], k_full.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, keys], v_full.at[slot])
+                    plgpu.copy_gmem_to_smem(gmem.at[src], ring.at[slot, pl.ds(i * page_size, page_size)],
+                                            full.at[slot])
 
             @pl.when(srcs[0] < 0)
             def _():  # only holes: the slot is signalled, nothing is read
                 for _ in range(per_slot):
-                    plgpu.barrier_arrive(k_full.at[slot])
-                    plgpu.barrier_arrive(v_full.at[slot])
+                    plgpu.barrier_arrive(full.at[slot])
 
-        produce_ring(n_steps, stages, issue, (k_free, v_free))
+        def walk(it: _Item, g0):  # the item's steps are steps g0 .. of the program's ring walk; returns the next
+            @pl.loop(0, it.n_steps)
+            def _(j):
+                g = g0 + j
+                slot = lax.rem(g, jnp.int32(stages))
+                srcs = slot_sources(it, j)
+                for kind in ((k_ref, k_smem, k_full, k_free), (v_ref, v_smem, v_full, v_free)):  # split release
+                    @pl.when(g >= stages)  # step g - stages released the slot's K (V): refill it
+                    def _(free=kind[3]):
+                        plgpu.barrier_wait(free.at[slot])
+
+                    fill(srcs, slot, *kind[:3])
+
+            return g0 + it.n_steps
+
+        def drain(total):  # the last releases, so every phase of the free barriers is observed
+            @pl.loop(jnp.maximum(total - stages, 0), total)
+            def _(g):
+                for free in (k_free, v_free):
+                    plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(stages))])
+
+        drain(lax.fori_loop(0, rounds, lambda r, g0: walk(round_item(r), g0), jnp.int32(0)))
+
 
 
 def shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
@@ -416,22 +534,34 @@ def unsupported(call) -> str | None:  # kvjax.ops.attention.PagedAttentionCall
     return shape_reason(call)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "fp8_products", "interpret"))
+def default_programs(num_items: int, interpret: bool = False) -> int:
+    """The persistent programs ``paged_prefill_mgpu`` launches when not told: one per SM of the default device
+    (``jax.Device.core_count``), :data:`INTERPRET_PROGRAMS` in the interpreter and off a GPU; never more than
+    ``num_items`` (query tiles x query heads)."""
+    device = current_device()
+    n = device.num_sms if device.platform == "gpu" and not interpret else INTERPRET_PROGRAMS
+    return max(1, min(n, num_items))
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "programs", "fp8_products", "interpret"))
 def paged_prefill_mgpu(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
     stages: int | None = None,
+    programs: int | None = None,
     fp8_products: str = "e4m3x2_qk",
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
     finite values, see the module doc). fp8 pages read as ``page * scale`` (module doc).
-    ``stages``: shared-memory slots of 128 keys (default 2). ``fp8_products`` (fp8 pages only, module doc):
-    ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted to f16 once per slot) or
-    ``"e4m3_qk"`` (q rounded to one e4m3 tile).
-    ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError``
-    for what :func:`shape_reason` rejects and for an unknown ``fp8_products``.
+    ``stages``: shared-memory slots of 128 keys (default 2). ``programs``: persistent CTAs walking the (query tile,
+    query head) items (default :func:`default_programs`: one per SM on a GPU, 2 in the interpreter; more than the
+    items leaves some idle); a value other than the default compiles under its own kernel name. ``fp8_products``
+    (fp8 pages only, module doc): ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted
+    to f16 once per slot) or ``"e4m3_qk"`` (q rounded to one e4m3 tile). ``interpret`` runs the Mosaic GPU
+    interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError`` for what :func:`shape_reason`
+    rejects, for ``stages`` or ``programs`` below 1 and for an unknown ``fp8_products``.
     """
     q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
@@ -443,11 +573,19 @@ def paged_prefill_mgpu(
     stages = stages or 2
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be None or a positive int, got {programs!r}")
     if fp8_products not in FP8_PRODUCTS:
         raise ValueError(f"fp8_products must be one of {FP8_PRODUCTS}, got {fp8_products!r}")
     q_parts = _Q_PARTS[fp8_products] if fp8 else 0
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
+    default = default_programs(num_tiles * hq, interpret)
+    programs = programs or default
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)  # the programs take the tiles in this order: the tiles with tokens
+    n_live = jnp.sum(spans[2] > 0, dtype=jnp.int32)  # last to first (each row's longest walks first), then the empty
+    order = jnp.where(tile < n_live, n_live - 1 - tile, tile)  # ones
+    spans, walks = tuple(x[order] for x in spans), tuple(x[order] for x in walks)
     dtype = jnp.float16 if fp8 else q.dtype  # the products' operands
     tiled = swizzled(dtype)
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
@@ -478,18 +616,27 @@ def paged_prefill_mgpu(
     )
     kernel = functools.partial(
         _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
-        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, interpret=interpret,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, programs=programs,
+        interpret=interpret,
     )
-    q_in = q if t_total >= BLOCK_Q else jnp.pad(q, ((0, BLOCK_Q - t_total), (0, 0), (0, 0)))  # a box fits
+    # Lane semantics: jax 0.11's default (Warpgroup) lowering refuses this kernel (module doc)
+    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+    name = (f"kvjax_paged_prefill_mgpu_{jnp.dtype(k_pages.dtype).name}{'_' + fp8_products if fp8 else ''}"
+            f"_page{page_size}_d{d}_s{stages}{f'_p{programs}' if programs != default else ''}")
+    # a box fits, and T is a multiple of 8: a full box leaves through the swizzled q tile, whose TMA store tiles
+    # o's rows by 8 (Mosaic GPU refuses the copy otherwise: HISTORY run 146)
+    t_in = max(BLOCK_Q, -(-t_total // 8) * 8)
+    q_in = q if t_in == t_total else jnp.pad(q, ((0, t_in - t_total), (0, 0), (0, 0)))
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
         scratch_types=scratch,
-        grid=(num_tiles, hq),
-        grid_names=("tile", "head"),
+        grid=(programs,),
+        grid_names=("prog",),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=name,
+        compiler_params=params,
         interpret=interpret_params() if interpret else None,
     )(*common.operands(call, (q_in, k_pages, call.v_pages, k_scale, v_scale), spans, walks))
     return out[:t_total]
