@@ -126,9 +126,12 @@ def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
     # TMA page copies, two pages per 128-key slot at pages of 64, K and V refilled on their own releases, barriers,
     # per-slot skip/full/masked paths, ragged tiles read and written in place, the end-of-array box, several items
     # per program). Chunked prefill over a cached prefix spanning two tiles, decode rows, a padding row; a full head
-    # with a poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2.
+    # with a poisoned hole in its walk next to a SWA head with sinks; finite tails (read, weight 0); GQA 2. Full
+    # boxes at rows 0 and 64 leave through their q tiles (the next box copied ahead), row 1's full box at row 131 (not
+    # a multiple of 8: a TMA store from the swizzled tile would drop rows, run 150) through the staging rows. The
+    # interpreter copies rows exactly, so only the GPU grid tests see such dropped rows; here, both routes' handoffs.
     cache_thread_programs(monkeypatch)
-    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=page_size, ctx=[520, 140, 9, 0], new=[131, 5, 1, 0],
+    args, kw = build_batch(rng, hq=4, hkv=2, d=64, page_size=page_size, ctx=[520, 140, 9, 0], new=[131, 69, 1, 0],
                            window=[0, 70], sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
     args = poison_hole(args, block=512 // page_size - 1)  # in the fourth 128-key slot of row 0's full head
     ref = reference_f32(args, kw)
@@ -136,6 +139,7 @@ def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
     out = np.asarray(out, np.float32)
     assert rel_err(out, ref) <= 1e-2
     cu = np.asarray(kw["cu_seqlens"])
+    assert cu[1] % 8 and cu[2] - cu[1] >= 64  # row 1 starts with a full box off the 8-row grid
     for b in range(3):  # every row with tokens, not only the batch as a whole
         seg = slice(cu[b], cu[b + 1])
         assert np.linalg.norm(out[seg] - ref[seg]) <= 1e-2 * np.linalg.norm(ref[seg]), b

@@ -22,10 +22,14 @@ The schedule (HISTORY.md, runs 140-143: on an H100 at T=4096, H=32, D=128, 1.07x
 - *Persistent programs*: program ``p`` of ``n`` takes item ``p`` of even rounds and ``n - 1 - p`` of odd ones, the
   tiles ordered with tokens last to first (a row's longest walks first), empty ones last. The producer runs one
   ring walk over all of a program's items, so the next item's first slots load while the consumers finish the
-  current one. A consumer whose box is full copies the next item's q box into its staging rows as soon as it has
-  swizzled the current one, and writes its output through its q tile (free by then); a ragged box leaves through
-  the staging rows, and the next box is then copied when its item starts (always so over fp8 pages, whose q tiles
-  are e4m3). What a CTA per item pays (launch, barrier setup, the first page and q loads, the last store's wait:
+  current one. A consumer whose box is full and starts at a multiple of 8 rows of ``o`` copies the next item's q box
+  into its staging rows as soon as it has swizzled the current one, and writes its output through its q tile (free
+  by then); any other box leaves through the staging rows, and the next box is then copied when its item starts
+  (always so over fp8 pages, whose q tiles are e4m3). The 8 rows: a TMA store from the swizzled tile views ``o``'s
+  rows as (row // 8, row % 8) and starts its box of 8 at ``x0 % 8`` there, so the last ``x0 % 8`` rows of every 8
+  fall out of bounds and are never written; this (not their holes) made rows 1 and 2 of the GPU grid batch wrong
+  (HISTORY run 150: their full boxes start at rows 1 and 301, and the unwritten rows of ``o`` kept stale memory).
+  What a CTA per item pays (launch, barrier setup, the first page and q loads, the last store's wait:
   idle time at each CTA's start and end, with only one CTA per SM at 192 KiB of shared memory) overlaps the
   previous item instead.
 - *Split release*: the producer refills a slot's K pages once both consumers released its K (after ``q K^T``) and
@@ -116,6 +120,7 @@ _Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the r
 _TINY = 2.0 ** -100  # rows below it (zeros) get scale 2**-7
 _REGISTERS = (232, 40)  # setmaxnreg of each consumer and of the producer warpgroup (256 c + 128 p <= 65536)
 INTERPRET_PROGRAMS = 2  # the default persistent programs in the interpreter and off a GPU (module doc)
+_ROW_TILE = 8  # o's rows per tile of a TMA store from a swizzled tile: such a store must start at a multiple of it
 
 
 def q_row_scales(
@@ -217,6 +222,9 @@ def _kernel(
         x = it.tok0 + first  # rows [x, x + n_rows) of q / o
         return n_rows, x, jnp.minimum(x, num_tokens - BLOCK_Q)
 
+    def through_q(n_rows, x0):  # whether a box can leave through its q tile (out_from_q): full, 8-row aligned
+        return (n_rows == BLOCK_Q) & (lax.rem(x0, jnp.int32(_ROW_TILE)) == 0)
+
     def copy_q(it: _Item, x0):
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(x0, BLOCK_Q), it.head], stage, q_full.at[wg])
 
@@ -260,9 +268,10 @@ def _kernel(
         else:
             pl.when(n_rows > 0)(load_q)
         copying = jnp.int32(0)
+        via_q = through_q(n_rows, x0)
         if out_from_q:  # the staging rows are free until this item's end: the next item's q box lands there
             n_next, _, x0_next = box(nxt)
-            copying = ((n_rows == BLOCK_Q) & (n_next > 0)).astype(jnp.int32)
+            copying = (via_q & (n_next > 0)).astype(jnp.int32)
             pl.when(copying == 1)(lambda: copy_q(nxt, x0_next))
 
         def mask_iotas():  # (position of each box row, key column of the slot)
@@ -437,14 +446,15 @@ def _kernel(
 
                 rows //= 2
 
-        def write_from_q():  # a full box through the (free) q tile, while the next box lands in the staging rows
+        def write_from_q():  # a full box at a multiple of 8 rows through the (free) q tile, while the next box lands
+            # in the staging rows
             q_smem.at[wg][...] = out
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[pl.ds(x0, BLOCK_Q), it.head])
 
         if out_from_q:
-            pl.when(n_rows == BLOCK_Q)(write_from_q)
-            pl.when((n_rows > 0) & (n_rows < BLOCK_Q))(write_staged)
+            pl.when(via_q)(write_from_q)
+            pl.when((n_rows > 0) & jnp.logical_not(via_q))(write_staged)
         else:
             pl.when(n_rows > 0)(write_staged)
         return copying
