@@ -17,7 +17,7 @@ key is visible to every token: no mask), or *masked* (causal / window / sink mas
 their page). Every consumer still waits on and releases every slot, so the barrier phases stay in step.
 
 The schedule (HISTORY.md, runs 140-143: on an H100 at T=4096, H=32, D=128, 1.07x cuDNN at pages of 128 and 1.03x at
-64, where the one-CTA-per-item kernel it replaced ran at 0.97x and 0.94x):
+64, where the one-CTA-per-item kernel it replaced ran at 0.97x and 0.94x; this kernel in run 151: 1.05x and 1.03x):
 
 - *Persistent programs*: program ``p`` of ``n`` takes item ``p`` of even rounds and ``n - 1 - p`` of odd ones, the
   tiles ordered with tokens last to first (a row's longest walks first), empty ones last. The producer runs one
@@ -28,7 +28,8 @@ The schedule (HISTORY.md, runs 140-143: on an H100 at T=4096, H=32, D=128, 1.07x
   (always so over fp8 pages, whose q tiles are e4m3). The 8 rows: a TMA store from the swizzled tile views ``o``'s
   rows as (row // 8, row % 8) and starts its box of 8 at ``x0 % 8`` there, so the last ``x0 % 8`` rows of every 8
   fall out of bounds and are never written; this (not their holes) made rows 1 and 2 of the GPU grid batch wrong
-  (HISTORY run 150: their full boxes start at rows 1 and 301, and the unwritten rows of ``o`` kept stale memory).
+  (HISTORY run 150: their full boxes start at rows 1 and 301, and the unwritten rows of ``o`` kept stale memory;
+  run 151: with this rule every row of that batch is right).
   What a CTA per item pays (launch, barrier setup, the first page and q loads, the last store's wait:
   idle time at each CTA's start and end, with only one CTA per SM at 192 KiB of shared memory) overlaps the
   previous item instead.
