@@ -18,12 +18,18 @@ products' sums: the DeepSeek-V3 technical report, FP8 training): the GPU test ad
 ``2**-10 scale max_j |q_eff| . |k_j|`` (eight adds, two products of four k-steps, each losing up to ``2**-13`` of
 the running sum), through the same ``exp(2 eps) - 1`` factor.
 
+The ``v_convert`` variants (who converts V to f16: the consumers by halves, each consumer all of it, or the
+producer warpgroup) must give the default's output bit for bit (e4m3 -> f16 is exact), interpreted (with the
+interpreter's race detector) and compiled.
+
 Inputs as in ``test_paged_attention_kernels``: random ragged rows (chunked prefill over a cached prefix, a decode
 row, a padding row, padding tokens), GQA 2, a full head next to a SWA head with sinks, a ``-1`` hole in the full
 head's walk whose page is poisoned with NaN, finite but large tails, one page 8x louder than the others.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +174,94 @@ def test_e4m3_qk_lowers_for_cuda(mode):
         assert "mosaic_gpu" in module and "e4m3.e4m3" in module  # the e4m3 x e4m3 wgmma
 
 
+# v_convert: who converts V to f16 (the kernel's module doc). Pages of 64 and 128 with the split q, a full head (with
+# the hole) beside a SWA head with sinks; three rows (a prefill over a cached prefix, a decode row, a padding row)
+# over two programs: several items per program, so the ring and the two f16 buffers wrap, across items too. The
+# producer variant also at 3 stages (its release order differs: the ring must stay ahead of the conversion).
+_V_CONVERT_CASES = [(64, dict(ctx=[140, 9, 0])), (128, dict(ctx=[260, 9, 0]))]
+
+
+def _detect_races(monkeypatch):
+    """Turn on the interpreter's happens-before race detector for ``prefill_mgpu`` (until the test ends) and return
+    a function telling whether the last interpreted kernel raced; None where this jax has no such detector."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    except ImportError:
+        return None
+    params = prefill_mgpu.interpret_params
+    if "detect_races" not in {f.name for f in dataclasses.fields(params())} or not hasattr(gpu_callbacks, "get_races"):
+        return None
+    monkeypatch.setattr(prefill_mgpu, "interpret_params", lambda: dataclasses.replace(params(), detect_races=True))
+    return lambda: gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size,case", _V_CONVERT_CASES, ids=[f"page{p}" for p, _ in _V_CONVERT_CASES])
+def test_prefill_v_convert_interpret(rng, monkeypatch, page_size, case):
+    # under the Mosaic GPU interpreter, with its race detector (a shared-memory read and write not ordered by a
+    # barrier; its barriers also check that every waiter observes every phase): "private" and "producer" give
+    # "halves"' output bit for bit (e4m3 -> f16 is exact; everything else is the same code), and "halves" is within
+    # the bound of the float32 reference
+    cache_thread_programs(monkeypatch)
+    raced = _detect_races(monkeypatch)
+    kernel = prefill_mgpu.paged_prefill_mgpu
+    kernel.clear_cache()  # no kernel traced without the detector (and none kept with it)
+    args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], hq=2, hkv=2, d=64, window=[0, 70],
+                              sinks=[0, 4], loud=(0, 2), **case)
+    call = checked_call(args, kw, scales)
+    outs = {}
+    try:
+        for v, st in [("halves", None), ("private", None), ("producer", None), ("producer", 3)]:
+            outs[v, st] = np.asarray(kernel(call, v_convert=v, stages=st, interpret=True))
+            assert raced is None or not raced(), (v, st)
+    finally:
+        kernel.clear_cache()
+    _check(outs["halves", None], args, scales, kw, E4M3_MODES["e4m3x2_qk"], n_keys=max(case["ctx"]))
+    for key, out in outs.items():
+        np.testing.assert_array_equal(out, outs["halves", None], err_msg=str(key))
+
+
+def test_v_convert_checked(rng):
+    args, scales, kw = _batch(rng, page_size=64, ctx=[70], new=[64], hq=2, hkv=1, d=64, window=[0], sinks=[0],
+                              loud=(0, 0))
+    fp8_call = checked_call(args, kw, scales)
+    with pytest.raises(ValueError, match="v_convert must be one of"):
+        prefill_mgpu.paged_prefill_mgpu(fp8_call, v_convert="consumer", interpret=True)
+    with pytest.raises(ValueError, match="needs stages >= 2"):
+        prefill_mgpu.paged_prefill_mgpu(fp8_call, v_convert="producer", stages=1, interpret=True)
+    q, _, _, table, seq_lens = args
+    k16, v16 = (jnp.asarray(rng.standard_normal((16, 64, 64)), jnp.bfloat16) for _ in range(2))
+    bf16_call = checked_call((q, k16, v16, table, seq_lens), kw)
+    with pytest.raises(ValueError, match="needs fp8 pages"):
+        prefill_mgpu.paged_prefill_mgpu(bf16_call, v_convert="private", interpret=True)
+
+
+@pytest.mark.parametrize("v_convert", prefill_mgpu.V_CONVERT)
+def test_v_convert_lowers_for_cuda(v_convert):
+    # each conversion compiles to Mosaic GPU without a GPU (register layouts, shapes, the producer's register split):
+    # pages of 64 and 128 (head_dim 128, 2 stages) and of 64 with head_dim 64 at 3 stages; a non-default variant
+    # under its own kernel name
+    from jax import export
+
+    from kvjax.ops.attention import PagedAttentionCall, check_call
+
+    sds = jax.ShapeDtypeStruct
+    suffix = "" if v_convert == "halves" else f"_v{v_convert}"
+    for page_size, d, stages in [(64, 128, 2), (128, 128, 2), (64, 64, 3)]:
+        def fn(q, kp, vp, bt, sl, cu, ks, vs, window, sinks, stages=stages):
+            call = check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, window=window, sinks=sinks, k_scale=ks,
+                                                 v_scale=vs))
+            return prefill_mgpu.paged_prefill_mgpu(call, v_convert=v_convert, stages=stages)
+
+        pages = sds((64, page_size, d), FP8_DTYPE)
+        args = (sds((512, 4, d), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
+                sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32), sds((2,), jnp.int32),
+                sds((2,), jnp.int32))
+        module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        name = f"kvjax_paged_prefill_mgpu_float8_e4m3fn_e4m3x2_qk{suffix}_page{page_size}_d{d}_s{stages}"
+        assert "mosaic_gpu" in module and "e4m3.e4m3" in module and name in module, (page_size, d, stages)
+
+
 def test_fp8_products_checked(rng):
     args, scales, kw = _batch(rng, page_size=64, ctx=[70], new=[64], hq=2, hkv=1, d=64, window=[0], sinks=[0],
                               loud=(0, 0))
@@ -190,3 +284,27 @@ def test_gpu_prefill_e4m3_qk(rng, mode, page_size):
         out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, stages=stages)
         errs = _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(ctx), acc_rel=2.0 ** -10)
         print(mode, page_size, stages, errs)  # pytest -s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_gpu_prefill_v_convert(rng, page_size):
+    # compiled, the GPU tests' fp8 batch (test_gpu_prefill_e4m3_qk's) with the default products: "halves" against
+    # the reference (both checks of the module doc), "private" and "producer" bit for bit equal to it (checked
+    # against the reference too where not, to tell a wrong output from a different rounding); the default stages
+    # and 3
+    ctx, new = [4096, 1500, 700, 17, 0], [4096, 300, 129, 1, 0]
+    window, sinks = [0, 100, 0, 513] * 2, [0, 4, 0, 0] * 2
+    args, scales, kw = _batch(rng, page_size=page_size, ctx=ctx, new=new, hq=32, hkv=8, d=128, window=window,
+                              sinks=sinks, loud=(1, 3))
+    call = checked_call(args, kw, scales)
+    check = dict(n_keys=max(ctx), acc_rel=2.0 ** -10)
+    for stages in (None, 3):
+        base = np.asarray(prefill_mgpu.paged_prefill_mgpu(call, stages=stages))
+        print("halves", page_size, stages, _check(base, args, scales, kw, 2, **check))  # pytest -s
+        for v_convert in prefill_mgpu.V_CONVERT[1:]:
+            out = np.asarray(prefill_mgpu.paged_prefill_mgpu(call, stages=stages, v_convert=v_convert))
+            if not np.array_equal(out, base):
+                errs = _check(out, args, scales, kw, 2, **check)
+                raise AssertionError(f"{v_convert} stages={stages}: not bit-identical to halves (within the bound "
+                                     f"of the reference: {errs})")
