@@ -150,27 +150,33 @@ def test_prefill_e4m3_qk_interpret(rng, monkeypatch, page_size, mode, case):
     _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(case["ctx"]))
 
 
+def _cuda_module(page_size: int, d: int, **kernel_kw) -> str:
+    """The MLIR text of the Mosaic GPU prefill over fp8 pages exported for CUDA on the CPU (T=512, 4 query and 2 KV
+    heads, 64 pages of ``page_size`` x ``d``); ``kernel_kw`` go to ``paged_prefill_mgpu``."""
+    from jax import export
+
+    from kvjax.ops.attention import PagedAttentionCall, check_call
+
+    def fn(q, kp, vp, bt, sl, cu, ks, vs, window, sinks):
+        call = check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, window=window, sinks=sinks, k_scale=ks,
+                                             v_scale=vs))
+        return prefill_mgpu.paged_prefill_mgpu(call, **kernel_kw)
+
+    sds = jax.ShapeDtypeStruct
+    pages = sds((64, page_size, d), FP8_DTYPE)
+    args = (sds((512, 4, d), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
+            sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32), sds((2,), jnp.int32),
+            sds((2,), jnp.int32))
+    return export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+
+
 @pytest.mark.parametrize("mode", list(E4M3_MODES))
 def test_e4m3_qk_lowers_for_cuda(mode):
     # the compiled path without a GPU: e4m3 wgmma operands (the q tiles, the K ring slot), the q split and its
     # bit-arithmetic row scales in register layouts, V halves converted at a dynamic row offset; pages of 64 and 128,
     # head_dim 128 and 64 (64-byte swizzle), 3 stages
-    from jax import export
-
-    from kvjax.ops.attention import PagedAttentionCall, check_call
-
-    sds = jax.ShapeDtypeStruct
     for page_size, d, stages in [(64, 128, 2), (128, 128, 3), (64, 64, 2)]:
-        def fn(q, kp, vp, bt, sl, cu, ks, vs, window, sinks, stages=stages):
-            call = check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, window=window, sinks=sinks, k_scale=ks,
-                                                 v_scale=vs))
-            return prefill_mgpu.paged_prefill_mgpu(call, fp8_products=mode, stages=stages)
-
-        pages = sds((64, page_size, d), FP8_DTYPE)
-        args = (sds((512, 4, d), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
-                sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32), sds((2,), jnp.int32),
-                sds((2,), jnp.int32))
-        module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        module = _cuda_module(page_size, d, fp8_products=mode, stages=stages)
         assert "mosaic_gpu" in module and "e4m3.e4m3" in module  # the e4m3 x e4m3 wgmma
 
 
@@ -241,23 +247,9 @@ def test_v_convert_lowers_for_cuda(v_convert):
     # each conversion compiles to Mosaic GPU without a GPU (register layouts, shapes, the producer's register split):
     # pages of 64 and 128 (head_dim 128, 2 stages) and of 64 with head_dim 64 at 3 stages; a non-default variant
     # under its own kernel name
-    from jax import export
-
-    from kvjax.ops.attention import PagedAttentionCall, check_call
-
-    sds = jax.ShapeDtypeStruct
     suffix = "" if v_convert == "halves" else f"_v{v_convert}"
     for page_size, d, stages in [(64, 128, 2), (128, 128, 2), (64, 64, 3)]:
-        def fn(q, kp, vp, bt, sl, cu, ks, vs, window, sinks, stages=stages):
-            call = check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, window=window, sinks=sinks, k_scale=ks,
-                                                 v_scale=vs))
-            return prefill_mgpu.paged_prefill_mgpu(call, v_convert=v_convert, stages=stages)
-
-        pages = sds((64, page_size, d), FP8_DTYPE)
-        args = (sds((512, 4, d), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
-                sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32), sds((2,), jnp.int32),
-                sds((2,), jnp.int32))
-        module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        module = _cuda_module(page_size, d, v_convert=v_convert, stages=stages)
         name = f"kvjax_paged_prefill_mgpu_float8_e4m3fn_e4m3x2_qk{suffix}_page{page_size}_d{d}_s{stages}"
         assert "mosaic_gpu" in module and "e4m3.e4m3" in module and name in module, (page_size, d, stages)
 
