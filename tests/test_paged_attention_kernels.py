@@ -168,6 +168,9 @@ def test_prefill_mosaic_interpret_fp8_programs(rng, monkeypatch):
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="programs must be None or a positive int"):
             prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), programs=bad, interpret=True)
+    for bad in (0, -2):  # not silently the default
+        with pytest.raises(ValueError, match="stages must be >= 1"):
+            prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), stages=bad, interpret=True)
 
 
 def test_prefill_mosaic_lowers_for_cuda():

@@ -692,7 +692,7 @@ def paged_prefill_mgpu(
     if reason:
         raise ValueError(f"paged_prefill_mgpu {reason}")
     fp8, k_scale, v_scale = common.page_scales(call)
-    stages = stages or 2
+    stages = 2 if stages is None else stages
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
