@@ -30,7 +30,7 @@ from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
 from kvjax.sched.blocks import BlockAllocator
 
-from helpers.procs import compile_cache_env, free_port, run_processes
+from helpers.procs import child_env, free_port, run_processes
 
 INNER = os.environ.get("KVJAX_SCALE_OUT_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_tp_preset_on_8_cpu_devices")
@@ -238,7 +238,7 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
     assert "recycle" in logs[0] and "recycle" not in logs[1]  # only process 0 prints the table
     assert not (tmp_path / "1.json").exists()  # ... and writes the JSON
     two = json.loads((tmp_path / "0.json").read_text())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | compile_cache_env()
+    env = child_env()
     r = subprocess.run(run + ["--json", "-"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     one = json.loads(r.stdout)

@@ -24,6 +24,12 @@ def compile_cache_env() -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a child JAX process of its own: ``XLA_FLAGS`` removed (the child gets its own
+    CPU devices) and the tests' compilation cache passed on (:func:`compile_cache_env`)."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | compile_cache_env()
+
+
 def free_port() -> int:
     """A TCP port free on localhost now (the coordinator's)."""
     with socket.socket() as s:
@@ -37,7 +43,7 @@ def run_processes(commands: list[list[str]], *, cwd: str, timeout: float = 300) 
     (stdout and stderr). Output goes to files, not pipes, so no process can block on a full pipe while another waits
     for it at a barrier. ``AssertionError`` with the tail of every output if a process fails; processes left running
     at the timeout are killed."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | compile_cache_env()
+    env = child_env()
     files = [tempfile.TemporaryFile("w+") for _ in commands]
     procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, text=True)
              for cmd, f in zip(commands, files)]

@@ -68,7 +68,9 @@ wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), wit
 magnitude less exact (RESULTS.md, "fp8 (e4m3) pages"). V is converted e4m3 -> f16 (every e4m3 value is exact in
 f16) for ``P V`` in f16, accumulating in f32, 64 keys at a time (one wgmma-layout tile: 16 e4m3 and 32 f16 registers
 a thread). Who converts is the static ``v_convert`` (the three give the same outputs bit for bit; each holds 64 KiB
-of f16 V, so shared memory is the same: 192 KiB at 2 stages and 224 KiB at 3 with head_dim 128):
+of f16 V, so shared memory is the same: 192 KiB at 2 stages and 224 KiB at 3 with head_dim 128). Only ``"halves"``
+has run on a GPU (HISTORY run 151); the other two are checked in the interpreter and by the CUDA lowering, and
+wait for their GPU test and timing (``benchmarks/fp8_prefill.py``), after which the slower ones go:
 
 - ``"halves"`` (the default): V is converted once per slot, not once per consumer: each consumer converts its half
   of the slot (64 keys), while its ``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases
