@@ -32,6 +32,13 @@ Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 M
 inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.5 KB (v, g, beta)
 per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 
+``outputs="inverse"`` (FlashQLA's layout, for the fused sequential pass ``seq_mgpu_call(fused=True)``, which forms
+``v_new = Tb (v - kr * (k S))`` from raw v): no v load and no ``w`` / ``u`` products or stores; per value head the
+kernel writes ``Tb = T diag(beta)`` (bf16 64 x 64, through the inverse's operand tile), ``A``, ``qf``, ``kf``,
+``gl`` and ``kr = |k|^-1 exp(gc)`` (the row factor that ``w``'s product folded into ``k``). Per value head at
+``K = V = 128``: the 10 inverse products only (5.2 MFLOP; no 2 MFLOP of ``w`` / ``u``), reads 0.5 KB (g, beta),
+writes 16.75 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written; shared memory 49 KB.
+
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed or register wgmma operands), bf16 q / k / v, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of
 64 and at most ``MAX_GROUP`` value heads per key head (the value tiles of all of them are in shared memory).
@@ -75,51 +82,58 @@ def shape_reason(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int) -> str
     return None
 
 
-def _kernel(
-    seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
-    q_ref,  # bf16[Tp, Hk, K]  raw q
-    k_ref,  # bf16[Tp, Hk, K]  raw k
-    v_ref,  # bf16[Tp, Hv, V]
-    g_ref,  # f32[Hv, Tp]  log-decay (0 outside every sequence)
-    b_ref,  # f32[Hv, Tp]  beta (0 outside every sequence)
-    w_ref,  # bf16[NC, Hv, C, K]
-    u_ref,  # bf16[NC, Hv, C, V]
-    a_ref,  # bf16[NC, Hv, C, C]
-    qf_ref,  # f32[NC, Hv, C]
-    kf_ref,  # f32[NC, Hv, C]
-    gl_ref,  # f32[NC, Hv, C]
-    seg_s,  # i32[C]
-    q_s,  # bf16[C, K]  swizzled: q, then per value head beta exp(gc) k, then w
-    k_s,  # bf16[C, K]  swizzled
-    v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u (G = the CTA's value heads)
-    g_s,  # f32[G, C]
-    b_s,  # f32[G, C]
-    a_s,  # bf16[C, C]  swizzled: A
-    vec_s,  # f32[3, C]  qf, kf, gl
-    op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products
-    qk_bar,  # barrier: seg, q, k loaded (3 arrivals)
-    v_bar,  # barriers [G]: v, g, beta of value head j loaded (3 arrivals)
-    *,
-    group: int,
-    heads: int,
-    scale: float,
-    use_qk_l2norm: bool,
-    interpret: bool,
-):
+def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, inverse_only: bool,
+            interpret: bool):
+    """``refs``: the inputs, outputs and scratch below; with ``inverse_only`` no ``v_ref``, ``w_ref``, ``u_ref``,
+    ``v_s``, and ``tb_ref``, ``kr_ref`` after ``gl_ref``."""
+    if inverse_only:
+        (seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
+         q_ref,  # bf16[Tp, Hk, K]  raw q
+         k_ref,  # bf16[Tp, Hk, K]  raw k
+         g_ref,  # f32[Hv, Tp]  log-decay (0 outside every sequence)
+         b_ref,  # f32[Hv, Tp]  beta (0 outside every sequence)
+         a_ref,  # bf16[NC, Hv, C, C]
+         qf_ref, kf_ref, gl_ref,  # f32[NC, Hv, C]
+         tb_ref,  # bf16[NC, Hv, C, C]  T diag(beta)
+         kr_ref,  # f32[NC, Hv, C]  |k|^-1 exp(gc): the rows of k S in v_new = Tb (v - kr * (k S))
+         seg_s, q_s, k_s, g_s, b_s, a_s, vec_s, op_s, qk_bar, v_bar) = refs
+        v_ref = w_ref = u_ref = v_s = None
+    else:
+        (seg_ref, q_ref, k_ref,
+         v_ref,  # bf16[Tp, Hv, V]
+         g_ref, b_ref,
+         w_ref,  # bf16[NC, Hv, C, K]
+         u_ref,  # bf16[NC, Hv, C, V]
+         a_ref, qf_ref, kf_ref, gl_ref,
+         seg_s,  # i32[C]
+         q_s,  # bf16[C, K]  swizzled: q, then per value head beta exp(gc) k, then w
+         k_s,  # bf16[C, K]  swizzled
+         v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u (G = the CTA's value heads)
+         g_s,  # f32[G, C]
+         b_s,  # f32[G, C]
+         a_s,  # bf16[C, C]  swizzled: A
+         vec_s,  # f32[3, C]  qf, kf, gl (inverse_only: f32[4, C], and kr)
+         op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products (inverse_only: then Tb)
+         qk_bar,  # barrier: seg, q, k loaded (3 arrivals)
+         v_bar,  # barriers [G]: (v,) g, beta of value head j loaded (3 arrivals; inverse_only 2)
+         ) = refs
+        tb_ref = kr_ref = None
     c = lax.axis_index("chunk")
     h0 = lax.axis_index("heads") * heads  # the CTA's first value head
     hk = lax.div(h0, jnp.int32(group))
     chunk = CHUNK
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     f32, bf16 = jnp.float32, jnp.bfloat16
-    kd, vd = q_s.shape[1], v_s.shape[2]
+    kd = q_s.shape[1]
+    vd = None if inverse_only else v_s.shape[2]
 
     plgpu.copy_gmem_to_smem(seg_ref.at[rows], seg_s, qk_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, qk_bar)
     plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, qk_bar)
     for j in range(heads):
         h = h0 + j
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_s.at[j], v_bar.at[j])
+        if not inverse_only:
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_s.at[j], v_bar.at[j])
         plgpu.copy_gmem_to_smem(g_ref.at[h, rows], g_s.at[j], v_bar.at[j])
         plgpu.copy_gmem_to_smem(b_ref.at[h, rows], b_s.at[j], v_bar.at[j])
 
@@ -230,15 +244,24 @@ def _kernel(
         vec_s.at[1][...] = jnp.where(in_seq, rk * jnp.exp(gl - gc), 0.0)
         vec_s.at[2][...] = gl
         a_s[...] = (qk * decay).astype(bf16)
-        kb_s[...] = (tile(k_s).astype(f32) * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
-        v_j = v_s.at[j]
-        v_j[...] = (tile(v_j).astype(f32) * bc_row(beta, vd)).astype(bf16)
+        if inverse_only:
+            vec_s.at[3][...] = jnp.where(in_seq, rk * jnp.exp(gc), 0.0)
+        else:
+            kb_s[...] = (tile(k_s).astype(f32) * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
+            v_j = v_s.at[j]
+            v_j[...] = (tile(v_j).astype(f32) * bc_row(beta, vd)).astype(bf16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(a_s, a_ref.at[c, h])
-        for i, out in enumerate((qf_ref, kf_ref, gl_ref)):
+        for i, out in enumerate((qf_ref, kf_ref, gl_ref, kr_ref) if inverse_only else (qf_ref, kf_ref, gl_ref)):
             plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
         lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
         tinv = inverse(lmat)
+        if inverse_only:  # Tb = T diag(beta), rounded once to bf16 (as w / u take T)
+            beta_c = jnp.sum(jnp.where(eye, bc_row(beta), 0.0), axis=0)  # beta as a column vector
+            op_s[...] = (tinv * bc_col(beta_c)).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(op_s, tb_ref.at[c, h])
+            continue
         w, u = products((tinv, kb_s, False), (tinv, v_j, False))
         kb_s[...] = w.astype(bf16)
         v_j[...] = u.astype(bf16)
@@ -252,7 +275,7 @@ def prep_mgpu_call(
     seg: jax.Array,  # i32[Tp]
     q: jax.Array,  # bf16[Tp, Hk, K]
     k: jax.Array,  # bf16[Tp, Hk, K]
-    v: jax.Array,  # bf16[Tp, Hv, V]
+    v: jax.Array,  # bf16[Tp, Hv, V]  (outputs="inverse": only its shape and dtype are read)
     g: jax.Array,  # f32[Tp, Hv]  0 outside every sequence
     beta: jax.Array,  # f32[Tp, Hv]  0 outside every sequence
     *,
@@ -260,19 +283,28 @@ def prep_mgpu_call(
     scale: float,
     use_qk_l2norm: bool,
     value_heads: int = 0,
+    outputs: str = "all",
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
-) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call
+) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call; "inverse": (tb, a, qf, kf, gl, kr)
     """The preparation kernel's outputs, as :func:`kvjax.pallas.gdn.prep._prep_call` (``Tp`` a multiple of
     ``chunk``): ``w [NC, Hv, C, K]``, ``u [NC, Hv, C, V]``, ``a [NC, Hv, C, C]`` in bf16, ``qf, kf, gl: f32[NC, Hv,
-    C]``. ``value_heads``: value heads per CTA, a divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head; fewer
-    means more CTAs, less shared memory each, and ``q k^T`` / ``k k^T`` formed once per CTA). ``ValueError`` for
-    what :func:`shape_reason` rejects and for a ``value_heads`` that does not divide ``Hv / Hk``. ``semantics``:
-    the Mosaic GPU lowering; Lane (jax 0.10's default) takes the register layouts the kernel names, so jax 0.10
-    and 0.11 lower the same program; Warpgroup (jax 0.11's default) infers them and lowers too."""
+    C]``. ``outputs="inverse"`` (for the fused sequential pass, ``seq_mgpu_call(fused=True)``): no v load, no
+    ``w`` / ``u`` products or stores; returns ``tb: bf16[NC, Hv, C, C]`` (``T diag(beta)``, the f32 inverse times
+    beta rounded once to bf16), ``a``, ``qf``, ``kf``, ``gl`` as above and ``kr: f32[NC, Hv, C]`` (``|k|^-1
+    exp(gc)``, 0 outside every sequence), so that ``w S = tb (kr * (k S))`` and ``u = tb v`` up to bf16
+    roundings. ``value_heads``: value heads per CTA, a divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head;
+    fewer means more CTAs, less shared memory each, and ``q k^T`` / ``k k^T`` formed once per CTA). ``ValueError``
+    for what :func:`shape_reason` rejects, for a ``value_heads`` that does not divide ``Hv / Hk`` and for other
+    ``outputs``. ``semantics``: the Mosaic GPU lowering; Lane (jax 0.10's default) takes the register layouts the
+    kernel names, so jax 0.10 and 0.11 lower the same program; Warpgroup (jax 0.11's default) infers them and
+    lowers too."""
     reason = shape_reason(q, k, v, chunk=chunk)
     if reason:
         raise ValueError(f"prep_mgpu {reason}")
+    if outputs not in ("all", "inverse"):
+        raise ValueError(f"prep_mgpu outputs must be 'all' or 'inverse', got {outputs!r}")
+    inverse_only = outputs == "inverse"
     tp, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     group = hv // hk
@@ -282,32 +314,39 @@ def prep_mgpu_call(
     nc = tp // chunk
     bf16 = jnp.bfloat16
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
+    tiles = jax.ShapeDtypeStruct((nc, hv, chunk, chunk), bf16)
+    v_tiles = () if inverse_only else (plgpu.SMEM((heads, chunk, vd), bf16, transforms=swizzled(bf16)),)
     scratch = (
         plgpu.SMEM((chunk,), jnp.int32),
         plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
         plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
-        plgpu.SMEM((heads, chunk, vd), bf16, transforms=swizzled(bf16)),
+        *v_tiles,
         plgpu.SMEM((heads, chunk), jnp.float32),
         plgpu.SMEM((heads, chunk), jnp.float32),
         plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
-        plgpu.SMEM((3, chunk), jnp.float32),
+        plgpu.SMEM((4 if inverse_only else 3, chunk), jnp.float32),
         plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=3, num_barriers=heads),
+        plgpu.Barrier(num_arrivals=2 if inverse_only else 3, num_barriers=heads),
     )
     kernel = functools.partial(_kernel, group=group, heads=heads, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                               interpret=interpret)
-    return plgpu.kernel(
+                               inverse_only=inverse_only, interpret=interpret)
+    if inverse_only:
+        out_type, args = (tiles, rowf, rowf, rowf, tiles, rowf), (seg, q, k, g.T, beta.T)
+    else:
+        out_type = (jax.ShapeDtypeStruct((nc, hv, chunk, kd), bf16), jax.ShapeDtypeStruct((nc, hv, chunk, vd), bf16),
+                    tiles, rowf, rowf, rowf)
+        args = (seg, q, k, v, g.T, beta.T)
+    out = plgpu.kernel(
         kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((nc, hv, chunk, kd), bf16),
-            jax.ShapeDtypeStruct((nc, hv, chunk, vd), bf16),
-            jax.ShapeDtypeStruct((nc, hv, chunk, chunk), bf16),
-            rowf, rowf, rowf,
-        ),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(nc, hv // heads),
         grid_names=("chunk", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
         interpret=interpret_params() if interpret else None,
-    )(seg, q, k, v, g.T, beta.T)
+    )(*args)
+    if inverse_only:
+        a, qf, kf, gl, tb, kr = out
+        return tb, a, qf, kf, gl, kr
+    return out
