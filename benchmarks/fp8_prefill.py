@@ -2,7 +2,7 @@
 fp8 no slower than bf16 at T=4096).
 
 Usage (Hopper GPU): ``python benchmarks/fp8_prefill.py [--pages 64,128] [--stages 2,3] [--products
-e4m3x2_qk,e4m3_qk] [--v-convert halves,private,producer] [--rounds 5]``
+e4m3x2_qk,e4m3_qk] [--rounds 5]``
 (``benchmarks/`` finds its own imports; ``kvjax`` on ``PYTHONPATH``). One causal sequence T=4096, H=32 (one KV head
 per query head), D=128, bf16 q, pages permuted in the pool. Per page size, timed round-robin
 (:func:`timing.interleaved`: profiler device time, and wall clock of back-to-back calls), the medians:
@@ -10,20 +10,18 @@ per query head), D=128, bf16 q, pages permuted in the pool. Per page size, timed
 - ``bf16 pages``: the Mosaic GPU kernel (``paged_prefill_mgpu``) over bf16 pages: the baseline;
 - ``fp8 e4m3x2_qk`` (the kernel's default over fp8 pages: e4m3 + one power-of-two f32 scale per page): ``q K^T``
   on e4m3 tensor cores with q as the sum of two e4m3 tiles (exact for bf16 q in e4m3's normal range), V converted
-  to f16 once per slot;
+  to f16 once per slot by the producer warpgroup;
 - ``fp8 e4m3_qk``: the same with q rounded to one e4m3 tile per row (faster, less exact).
 
-The fp8 kernels run at each of ``--stages`` (ring slots; the bf16 kernel at its default: 3 bf16 slots do not fit
-in shared memory), for each of ``--products`` and each of ``--v-convert`` (who converts V to f16: each consumer half
-of the slot, each consumer all of it into its own buffer, or the producer warpgroup; the kernel's module doc), all
-timed in one round-robin with the bf16 baseline (rows ``fp8 <products> <v_convert> stages=<n>``). Every combination
-is a kernel compiled in the run: the defaults time 12 fp8 kernels per page size (2 products x 3 conversions x 2
-stages), ``--stages 2`` 6.
+The fp8 kernels run at each of ``--stages`` (ring slots, at least 2 over fp8 pages; the bf16 kernel at its default:
+3 bf16 slots do not fit in shared memory) for each of ``--products``, all timed in one round-robin with the bf16
+baseline (rows ``fp8 <products> stages=<n>``). Every combination is a kernel compiled in the run: the defaults time 4
+fp8 kernels per page size (2 products x 2 stages), ``--stages 2`` 2.
 
 Errors: max ``|out - reference|`` against the float32 reference over the same pages (bf16 pages for the bf16 row,
 the fp8 pages for the others; the kernel's own rounding, q's included), and against the float32 reference over the
-bf16 pages (what fp8 pages cost in all), beside the largest reference value. Prints markdown tables (with 4 fp8
-kernels per page size, before ``--v-convert``: under 3 minutes on an H100).
+bf16 pages (what fp8 pages cost in all), beside the largest reference value. Prints markdown tables (the defaults,
+4 fp8 kernels per page size: under 3 minutes on an H100).
 """
 
 from __future__ import annotations
@@ -67,8 +65,7 @@ def _batch(t: int, page_size: int):
     return q, (kp, vp), (_quantise(kp), _quantise(vp)), bt, jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32)
 
 
-def run_page(t: int, page_size: int, *, stages: tuple[int, ...], products: tuple[str, ...],
-             v_convert: tuple[str, ...], rounds: int) -> None:
+def run_page(t: int, page_size: int, *, stages: tuple[int, ...], products: tuple[str, ...], rounds: int) -> None:
     import jax
 
     import timing
@@ -84,10 +81,8 @@ def run_page(t: int, page_size: int, *, stages: tuple[int, ...], products: tuple
     kernel = prefill_mgpu.paged_prefill_mgpu
     runners = {"bf16 pages": lambda: kernel(call16)}
     for mode in products:
-        for vc in v_convert:
-            for st in stages:
-                runners[f"fp8 {mode} {vc} stages={st}"] = lambda m=mode, v=vc, s=st: kernel(
-                    call8, stages=s, fp8_products=m, v_convert=v)
+        for st in stages:
+            runners[f"fp8 {mode} stages={st}"] = lambda m=mode, s=st: kernel(call8, stages=s, fp8_products=m)
     ref = jax.jit(paged_attention_reference)
     ref16, ref8 = ref(call16), ref(call8)
     errs = {}
@@ -126,8 +121,6 @@ def main(argv=None) -> None:
     p.add_argument("--pages", default="64,128", help="page sizes, comma-separated (64 and / or 128)")
     p.add_argument("--stages", default="2,3", help="ring slots of the fp8 kernels, comma-separated")
     p.add_argument("--products", default="e4m3x2_qk,e4m3_qk", help="fp8_products of the fp8 kernels, comma-separated")
-    p.add_argument("--v-convert", default="halves,private,producer",
-                   help="v_convert of the fp8 kernels (who converts V to f16), comma-separated")
     p.add_argument("--tokens", type=int, default=SHAPE[0], help="T, a multiple of the page sizes")
     p.add_argument("--rounds", type=int, default=5, help="wall-clock rounds of timing.interleaved")
     args = p.parse_args(argv)
@@ -139,7 +132,7 @@ def main(argv=None) -> None:
 
     for ps in (int(x) for x in names(args.pages)):
         run_page(args.tokens, ps, stages=tuple(int(x) for x in names(args.stages)), products=names(args.products),
-                 v_convert=names(args.v_convert), rounds=args.rounds)
+                 rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 The kernel splits each q row into ``s (h + l)`` (``s`` a power of two per (token, head) row, ``h`` and ``l`` e4m3
 tiles; ``"e4m3_qk"`` keeps ``h`` only), multiplies them with the e4m3 K pages straight from the TMA ring, and runs
-``P V`` in f16 over V converted once per slot. Two checks per output element:
+``P V`` in f16 over V converted once per slot by the producer warpgroup. Two checks per output element:
 
 - against the reference over the same fp8 pages *and* the same quantised q (``q_eff``, computed here from
   numpy's ``frexp``, independently of the kernel's bit arithmetic): the kernel's own rounding only, the bound of
@@ -18,9 +18,8 @@ products' sums: the DeepSeek-V3 technical report, FP8 training): the GPU test ad
 ``2**-10 scale max_j |q_eff| . |k_j|`` (eight adds, two products of four k-steps, each losing up to ``2**-13`` of
 the running sum), through the same ``exp(2 eps) - 1`` factor.
 
-The ``v_convert`` variants (who converts V to f16: the consumers by halves, each consumer all of it, or the
-producer warpgroup) must give the default's output bit for bit (e4m3 -> f16 is exact), interpreted (with the
-interpreter's race detector) and compiled.
+The producer's V conversion (its barriers, the two f16 buffers used in turn, 2 and 3 ring stages) runs under the
+interpreter's race detector.
 
 Inputs as in ``test_paged_attention_kernels``: random ragged rows (chunked prefill over a cached prefix, a decode
 row, a padding row, padding tokens), GQA 2, a full head next to a SWA head with sinks, a ``-1`` hole in the full
@@ -143,7 +142,7 @@ _INTERPRET_CASES = [
 @pytest.mark.parametrize("page_size,mode,case", _INTERPRET_CASES, ids=[m for _, m, _ in _INTERPRET_CASES])
 def test_prefill_e4m3_qk_interpret(rng, monkeypatch, page_size, mode, case):
     # under the Mosaic GPU interpreter: products in jnp over the same e4m3 tiles; the q split, its row scales, the
-    # barriers and the shared f16 V buffer per slot converted by halves as compiled
+    # barriers and the shared f16 V buffers converted by the producer as compiled
     cache_thread_programs(monkeypatch)
     args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], d=64, loud=(0, 2), **case)
     out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, interpret=True)
@@ -173,18 +172,20 @@ def _cuda_module(page_size: int, d: int, **kernel_kw) -> str:
 @pytest.mark.parametrize("mode", list(E4M3_MODES))
 def test_e4m3_qk_lowers_for_cuda(mode):
     # the compiled path without a GPU: e4m3 wgmma operands (the q tiles, the K ring slot), the q split and its
-    # bit-arithmetic row scales in register layouts, V halves converted at a dynamic row offset; pages of 64 and 128,
-    # head_dim 128 and 64 (64-byte swizzle), 3 stages
-    for page_size, d, stages in [(64, 128, 2), (128, 128, 3), (64, 64, 2)]:
+    # bit-arithmetic row scales in register layouts, the producer's V conversion and its register split; pages of 64
+    # and 128 at 2 and 3 stages, head_dim 128 and 64 (64-byte swizzle); the kernel's name
+    for page_size, d, stages in [(64, 128, 2), (128, 128, 3), (64, 64, 3), (128, 64, 2)]:
         module = _cuda_module(page_size, d, fp8_products=mode, stages=stages)
-        assert "mosaic_gpu" in module and "e4m3.e4m3" in module  # the e4m3 x e4m3 wgmma
+        name = f"kvjax_paged_prefill_mgpu_float8_e4m3fn_{mode}_page{page_size}_d{d}_s{stages}"
+        assert "mosaic_gpu" in module and "e4m3.e4m3" in module, (page_size, d, stages)  # the e4m3 x e4m3 wgmma
+        assert name in module, (page_size, d, stages)
 
 
-# v_convert: who converts V to f16 (the kernel's module doc). Pages of 64 and 128 with the split q, a full head (with
-# the hole) beside a SWA head with sinks; three rows (a prefill over a cached prefix, a decode row, a padding row)
-# over two programs: several items per program, so the ring and the two f16 buffers wrap, across items too. The
-# producer variant also at 3 stages (its release order differs: the ring must stay ahead of the conversion).
-_V_CONVERT_CASES = [(64, dict(ctx=[140, 9, 0])), (128, dict(ctx=[260, 9, 0]))]
+# the producer's V conversion under the race detector: pages of 64 and 128 with the split q, a full head (with the
+# hole) beside a SWA head with sinks; three rows (a prefill over a cached prefix, a decode row, a padding row) over
+# two programs: several items per program, so the ring and the two f16 buffers wrap, across items too; 2 and 3
+# stages (the ring must stay ahead of the conversion).
+_RACE_CASES = [(64, dict(ctx=[140, 9, 0])), (128, dict(ctx=[260, 9, 0]))]
 
 
 def _detect_races(monkeypatch):
@@ -202,12 +203,11 @@ def _detect_races(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_size,case", _V_CONVERT_CASES, ids=[f"page{p}" for p, _ in _V_CONVERT_CASES])
-def test_prefill_v_convert_interpret(rng, monkeypatch, page_size, case):
+@pytest.mark.parametrize("page_size,case", _RACE_CASES, ids=[f"page{p}" for p, _ in _RACE_CASES])
+def test_prefill_fp8_stages_interpret(rng, monkeypatch, page_size, case):
     # under the Mosaic GPU interpreter, with its race detector (a shared-memory read and write not ordered by a
-    # barrier; its barriers also check that every waiter observes every phase): "private" and "producer" give
-    # "halves"' output bit for bit (e4m3 -> f16 is exact; everything else is the same code), and "halves" is within
-    # the bound of the float32 reference
+    # barrier; its barriers also check that every waiter observes every phase): at 2 and 3 stages, no race and
+    # both checks of the module doc against the float32 reference
     cache_thread_programs(monkeypatch)
     raced = _detect_races(monkeypatch)
     kernel = prefill_mgpu.paged_prefill_mgpu
@@ -215,43 +215,13 @@ def test_prefill_v_convert_interpret(rng, monkeypatch, page_size, case):
     args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], hq=2, hkv=2, d=64, window=[0, 70],
                               sinks=[0, 4], loud=(0, 2), **case)
     call = checked_call(args, kw, scales)
-    outs = {}
     try:
-        for v, st in [("halves", None), ("private", None), ("producer", None), ("producer", 3)]:
-            outs[v, st] = np.asarray(kernel(call, v_convert=v, stages=st, interpret=True))
-            assert raced is None or not raced(), (v, st)
+        for stages in (2, 3):
+            out = np.asarray(kernel(call, stages=stages, interpret=True))
+            assert raced is None or not raced(), stages
+            _check(out, args, scales, kw, E4M3_MODES["e4m3x2_qk"], n_keys=max(case["ctx"]))
     finally:
         kernel.clear_cache()
-    _check(outs["halves", None], args, scales, kw, E4M3_MODES["e4m3x2_qk"], n_keys=max(case["ctx"]))
-    for key, out in outs.items():
-        np.testing.assert_array_equal(out, outs["halves", None], err_msg=str(key))
-
-
-def test_v_convert_checked(rng):
-    args, scales, kw = _batch(rng, page_size=64, ctx=[70], new=[64], hq=2, hkv=1, d=64, window=[0], sinks=[0],
-                              loud=(0, 0))
-    fp8_call = checked_call(args, kw, scales)
-    with pytest.raises(ValueError, match="v_convert must be one of"):
-        prefill_mgpu.paged_prefill_mgpu(fp8_call, v_convert="consumer", interpret=True)
-    with pytest.raises(ValueError, match="needs stages >= 2"):
-        prefill_mgpu.paged_prefill_mgpu(fp8_call, v_convert="producer", stages=1, interpret=True)
-    q, _, _, table, seq_lens = args
-    k16, v16 = (jnp.asarray(rng.standard_normal((16, 64, 64)), jnp.bfloat16) for _ in range(2))
-    bf16_call = checked_call((q, k16, v16, table, seq_lens), kw)
-    with pytest.raises(ValueError, match="needs fp8 pages"):
-        prefill_mgpu.paged_prefill_mgpu(bf16_call, v_convert="private", interpret=True)
-
-
-@pytest.mark.parametrize("v_convert", prefill_mgpu.V_CONVERT)
-def test_v_convert_lowers_for_cuda(v_convert):
-    # each conversion compiles to Mosaic GPU without a GPU (register layouts, shapes, the producer's register split):
-    # pages of 64 and 128 (head_dim 128, 2 stages) and of 64 with head_dim 64 at 3 stages; a non-default variant
-    # under its own kernel name
-    suffix = "" if v_convert == "halves" else f"_v{v_convert}"
-    for page_size, d, stages in [(64, 128, 2), (128, 128, 2), (64, 64, 3)]:
-        module = _cuda_module(page_size, d, v_convert=v_convert, stages=stages)
-        name = f"kvjax_paged_prefill_mgpu_float8_e4m3fn_e4m3x2_qk{suffix}_page{page_size}_d{d}_s{stages}"
-        assert "mosaic_gpu" in module and "e4m3.e4m3" in module and name in module, (page_size, d, stages)
 
 
 def test_fp8_products_checked(rng):
@@ -259,15 +229,18 @@ def test_fp8_products_checked(rng):
                               loud=(0, 0))
     with pytest.raises(ValueError, match="fp8_products must be one of"):
         prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products="e5m2", interpret=True)
+    with pytest.raises(ValueError, match="fp8 pages need stages >= 2.*got 1"):  # the producer releases V itself
+        prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), stages=1, interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("mode", list(E4M3_MODES))
 def test_gpu_prefill_e4m3_qk(rng, mode, page_size):
-    # compiled (e4m3 wgmma from the TMA ring, V converted by halves into the shared f16 buffer): a 4096-token causal
-    # prefill beside chunked prefill over a cached prefix, a decode row and a padding row; Hq=32 over Hkv=8, full
-    # heads next to SWA heads with sinks; both checks of the module doc per element; the default stages and 3
+    # compiled (e4m3 wgmma from the TMA ring, V converted by the producer warpgroup into the shared f16 buffers): a
+    # 4096-token causal prefill beside chunked prefill over a cached prefix, a decode row and a padding row; Hq=32
+    # over Hkv=8, full heads next to SWA heads with sinks; both checks of the module doc per element; the default
+    # stages (2) and 3
     ctx, new = [4096, 1500, 700, 17, 0], [4096, 300, 129, 1, 0]
     window, sinks = [0, 100, 0, 513] * 2, [0, 4, 0, 0] * 2
     args, scales, kw = _batch(rng, page_size=page_size, ctx=ctx, new=new, hq=32, hkv=8, d=128, window=window,
@@ -276,27 +249,3 @@ def test_gpu_prefill_e4m3_qk(rng, mode, page_size):
         out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, stages=stages)
         errs = _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(ctx), acc_rel=2.0 ** -10)
         print(mode, page_size, stages, errs)  # pytest -s
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [64, 128])
-def test_gpu_prefill_v_convert(rng, page_size):
-    # compiled, the GPU tests' fp8 batch (test_gpu_prefill_e4m3_qk's) with the default products: "halves" against
-    # the reference (both checks of the module doc), "private" and "producer" bit for bit equal to it (checked
-    # against the reference too where not, to tell a wrong output from a different rounding); the default stages
-    # and 3
-    ctx, new = [4096, 1500, 700, 17, 0], [4096, 300, 129, 1, 0]
-    window, sinks = [0, 100, 0, 513] * 2, [0, 4, 0, 0] * 2
-    args, scales, kw = _batch(rng, page_size=page_size, ctx=ctx, new=new, hq=32, hkv=8, d=128, window=window,
-                              sinks=sinks, loud=(1, 3))
-    call = checked_call(args, kw, scales)
-    check = dict(n_keys=max(ctx), acc_rel=2.0 ** -10)
-    for stages in (None, 3):
-        base = np.asarray(prefill_mgpu.paged_prefill_mgpu(call, stages=stages))
-        print("halves", page_size, stages, _check(base, args, scales, kw, 2, **check))  # pytest -s
-        for v_convert in prefill_mgpu.V_CONVERT[1:]:
-            out = np.asarray(prefill_mgpu.paged_prefill_mgpu(call, stages=stages, v_convert=v_convert))
-            if not np.array_equal(out, base):
-                errs = _check(out, args, scales, kw, 2, **check)
-                raise AssertionError(f"{v_convert} stages={stages}: not bit-identical to halves (within the bound "
-                                     f"of the reference: {errs})")

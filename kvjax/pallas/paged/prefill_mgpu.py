@@ -37,7 +37,8 @@ The schedule (HISTORY.md, runs 140-143: on an H100 at T=4096, H=32, D=128, 1.07x
   its V pages once they released its V (after ``P V``), as JAX's ``attention_mgpu`` does, so the next K lands
   while V is still read.
 - *Per-step mask iotas*: the masked path's position grids are computed in each masked step rather than kept live
-  over the walk, which frees the registers they held (the consumers get 232 registers a thread, the producer 40).
+  over the walk, which frees the registers they held (the consumers get 232 registers a thread, the producer 40;
+  over fp8 pages 224 and 56).
 
 Deleted after the same runs: a CTA per item, K and V refilled together, hoisted mask iotas, FlashAttention-3's
 intra-warpgroup overlap of the unmasked steps, an optimization barrier before ``P V`` and a (240, 24) register
@@ -67,32 +68,19 @@ wherever ``|q| >= 2**-2 s`` (the residual then lies in e4m3's normal range), wit
 ``"e4m3_qk"``: q rounded to one e4m3 tile (``|q - q_eff| <= 2**-4 |q| + 2**-10 s``), faster and an order of
 magnitude less exact (RESULTS.md, "fp8 (e4m3) pages"). V is converted e4m3 -> f16 (every e4m3 value is exact in
 f16) for ``P V`` in f16, accumulating in f32, 64 keys at a time (one wgmma-layout tile: 16 e4m3 and 32 f16 registers
-a thread). Who converts is the static ``v_convert`` (the three give the same outputs bit for bit; each holds 64 KiB
-of f16 V, so shared memory is the same: 192 KiB at 2 stages and 224 KiB at 3 with head_dim 128). Only ``"halves"``
-has run on a GPU (HISTORY run 151); the other two are checked in the interpreter and by the CUDA lowering, and
-wait for their GPU test and timing (``benchmarks/fp8_prefill.py``), after which the slower ones go:
-
-- ``"halves"`` (the default): V is converted once per slot, not once per consumer: each consumer converts its half
-  of the slot (64 keys), while its ``q K^T`` product runs, into one of two shared f16 buffers used in turn, releases
-  the ring slot's V, and waits for the other half (a barrier per buffer, one arrival per consumer) before ``P V``; a
-  consumer that skips the slot still converts its half. Two buffers suffice: the schedule barrier keeps the
-  consumers within a step of each other, so when one writes a buffer, both have finished the products that read it
-  two steps before. Registers (232, 40). HISTORY run 151 (H100, T=4096): 0.61x / 0.62x bf16 pages at pages of 64 /
-  128; the suspected cost is the wait for the other consumer's half on every slot, which breaks the ping-pong.
-- ``"private"``: each consumer converts the whole slot (128 keys, two tiles), while its ``q K^T`` runs, into its own
-  f16 buffer (one per consumer), with no barrier to the other consumer, and releases the slot's V at once; its
-  previous ``P V`` has finished reading the buffer (the wgmma wait that ends every ``P V``). A skipping consumer only
-  waits for and releases the slot. Twice the conversion work per consumer; registers (232, 40).
-- ``"producer"``: the producer warpgroup converts each slot (two tiles) into the two shared buffers in turn, after
-  issuing the next step's TMA copies (the ring stays ahead); it releases the V slot itself (a V-free barrier of one
-  arrival) and signals a "V converted" barrier (one arrival per buffer); the consumers wait on it before ``P V``
-  (skipping or not) and release the buffer after it (a "V16 free" barrier, one arrival per consumer), which the
-  producer waits on before converting into it again. A hole-only slot is converted too (stale bytes no consumer
-  reads), so every phase stays in step. No wait cycle: the consumers' step ``g`` needs K(g) loaded and V16(g)
-  converted, which the producer does by its iterations ``g`` and ``g + 1``; iteration ``g + 1`` waits on the K / V
-  slot releases of step ``g + 1 - stages`` (the V one its own, so ``stages >= 2``) and on the buffer release of
-  step ``g - 2``. Registers (224, 56): the producer holds up to one tile (48 registers) while converting, the
-  consumers none (whether 224 is enough for the consumers, and 56 for the producer, is for the GPU to tell).
+a thread). The producer warpgroup converts each slot (two tiles) into two shared f16 buffers (64 KiB with
+head_dim 128: 192 KiB of shared memory at 2 stages, 224 KiB at 3) used in turn, after issuing the next step's TMA
+copies (the ring stays ahead); it releases the V slot itself (a V-free barrier of one arrival) and signals a "V
+converted" barrier (one arrival per buffer); the consumers wait on it before ``P V`` (skipping or not) and release
+the buffer after it (a "V16 free" barrier, one arrival per consumer), which the producer waits on before converting
+into it again. A hole-only slot is converted too (stale bytes no consumer reads), so every phase stays in step. No
+wait cycle: the consumers' step ``g`` needs K(g) loaded and V16(g) converted, which the producer does by its
+iterations ``g`` and ``g + 1``; iteration ``g + 1`` waits on the K / V slot releases of step ``g + 1 - stages`` (the
+V one its own, so ``stages >= 2``) and on the buffer release of step ``g - 2``. Registers (224, 56) over fp8 pages:
+the producer holds up to one tile (48 registers) while converting, the consumers none. The consumers converting V
+themselves (each its half of the slot while its ``q K^T`` ran, then waiting for the other's half; or each all of it
+into its own buffer) were measured slower, 1.22-1.35x and 1.40-1.66x the producer's time, and are deleted (HISTORY
+run 152).
 
 The value scales reach the probabilities relative to a running reference scale (the largest value scale
 of the walk so far, a power of two like them, so a probability is never multiplied by a tiny scale before its f16
@@ -143,8 +131,7 @@ _EXP_MASK = 0x7F800000  # an f32's exponent bits
 _Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the row's max |q|
 _TINY = 2.0 ** -100  # rows below it (zeros) get scale 2**-7
 _REGISTERS = (232, 40)  # setmaxnreg of each consumer and of the producer warpgroup (256 c + 128 p <= 65536)
-V_CONVERT = ("halves", "private", "producer")  # who converts V over fp8 pages (module doc), the default first
-_PRODUCER_REGISTERS = (224, 56)  # v_convert="producer": the producer converts (2 x 128 x 224 + 128 x 56 <= 65536)
+_FP8_REGISTERS = (224, 56)  # fp8 pages: the producer converts V (2 x 128 x 224 + 128 x 56 <= 65536)
 _CONVERT_KEYS = 64  # keys of V converted at a time (one 64-row wgmma-layout tile: 16 e4m3 + 32 f16 registers)
 INTERPRET_PROGRAMS = 2  # the default persistent programs in the interpreter and off a GPU (module doc)
 _ROW_TILE = 8  # o's rows per tile of a TMA store from a swizzled tile: such a store must start at a multiple of it
@@ -185,9 +172,8 @@ def _kernel(
     #         first), then o_ref [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per
     #         consumer), q / out staging (plain rows), K ring, V ring[, two f16 V buffers (fp8 pages)]), full
     #         barriers (K slot loaded, V slot loaded, q staged: a slot takes one arrival per page), free barriers
-    #         (K slot free, V slot free: one arrival per consumer; v_convert="producer": V by the producer), the
-    #         consumer schedule barrier[, fp8 pages by v_convert: halves: V buffer converted (one arrival per
-    #         consumer); private: none; producer: V buffer converted (by the producer), V buffer free (one arrival
+    #         (K slot free: one arrival per consumer; V slot free: one per consumer, fp8 pages: the producer's), the
+    #         consumer schedule barrier[, fp8 pages: V buffer converted (by the producer), V buffer free (one arrival
     #         per consumer)]
     scale: float,
     group: int,
@@ -197,13 +183,12 @@ def _kernel(
     stages: int,
     fp8: bool,
     q_parts: int,
-    v_convert: str,
     programs: int,
     interpret: bool,
 ):
     (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), tile_refs, walk, rest = common.kernel_refs(refs, num_spans=4)
     tile_row_ref, tile_tok_ref, tile_len_ref, tile_pos_ref = tile_refs
-    # v_conv: halves [V buffer converted]; private []; producer [V buffer converted, V buffer free]
+    # v_conv: fp8 pages [V buffer converted, V buffer free]; bf16 / f16 pages []
     o_ref, smem, full_barriers, free_barriers, sched, *v_conv = rest
     q_smem, io_smem, k_smem, v_smem, *kv16_smem = smem
     k_full, v_full, q_full = full_barriers
@@ -337,41 +322,9 @@ def _kernel(
                 return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
             return jnp.where(key_columns() < page_size, values[0], values[1])
 
-        def convert_v_half(slot, buf):  # fp8, "halves": this consumer's half of the V slot into shared buffer buf
-            plgpu.barrier_wait(v_full.at[slot])
-            keys = pl.ds(pl.multiple_of(wg * BLOCK_Q, BLOCK_Q), BLOCK_Q)
-            convert_v([(v_smem.at[slot, keys], kv16_smem[0].at[buf, keys])])
-            plgpu.barrier_arrive(v_free.at[slot])
-            plgpu.barrier_arrive(v_conv[0].at[buf])
-
-        def convert_v_private(slot):  # fp8, "private": the whole V slot into this consumer's own buffer; its last
-            # P V product has finished reading it (the wgmma wait that ends pl.run_state)
-            plgpu.barrier_wait(v_full.at[slot])
-            convert_v(v_slot_rows(slot, wg))
-            plgpu.barrier_arrive(v_free.at[slot])
-
-        def convert_own(slot, buf):  # fp8: this consumer's conversion of step's V slot, while its q K^T runs
-            if v_convert == "halves":
-                convert_v_half(slot, buf)
-            elif v_convert == "private":
-                convert_v_private(slot)
-
-        def skip_convert(slot, buf):  # fp8, a skipped slot: the barrier phases of convert_own
-            if v_convert == "halves":  # the other consumer may need the slot
-                convert_v_half(slot, buf)
-            elif v_convert == "private":
-                plgpu.barrier_wait(v_full.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-
-        def wait_v16(buf):  # fp8: the f16 V operand of P V, once converted
-            if v_convert == "private":
-                return kv16_smem[0].at[wg]
-            plgpu.barrier_wait(v_conv[0].at[buf])  # halves: both halves; producer: the producer's conversion
+        def wait_v16(buf):  # fp8: the f16 V operand of P V, once the producer converted it
+            plgpu.barrier_wait(v_conv[0].at[buf])
             return kv16_smem[0].at[buf]
-
-        def release_v16(buf):  # fp8: after P V (finished: the wgmma wait that ends pl.run_state)
-            if v_convert == "producer":
-                plgpu.barrier_arrive(v_conv[1].at[buf])
 
         def softmax(qk, m_i, l_i):  # the online softmax's step: (m, alpha, p, l) after the logits qk
             m_new = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
@@ -399,11 +352,9 @@ def _kernel(
                 acc, m_i, l_i, *v_ref = carry
                 k_op = k_smem.at[slot]
 
-                def qk_product(acc_ref):  # fp8: e4m3 x e4m3 straight from the ring; V converted meanwhile
+                def qk_product(acc_ref):  # fp8: e4m3 x e4m3 straight from the ring
                     for part in range(max(q_parts, 1)):
                         plgpu.wgmma(acc_ref, q_smem.at[wg * max(q_parts, 1) + part], plgpu.transpose_ref(k_op, (1, 0)))
-                    if fp8:
-                        convert_own(slot, buf)
                     sync_schedule()
                     return acc_ref[...]
 
@@ -413,8 +364,6 @@ def _kernel(
                         qk = jnp.dot(q_rows, k_op[...].astype(jnp.float32).T, preferred_element_type=jnp.float32)
                     else:
                         qk = jnp.dot(q_smem[wg], k_op[...].T, preferred_element_type=jnp.float32)
-                    if fp8:
-                        convert_own(slot, buf)
                     sync_schedule()
                 else:
                     qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
@@ -460,16 +409,14 @@ def _kernel(
                         wait_next_k(j)
 
                     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-                if fp8:
-                    release_v16(buf)
+                if fp8:  # P V has finished reading the f16 buffer (the wgmma wait that ends pl.run_state)
+                    plgpu.barrier_arrive(v_conv[1].at[buf])
                 else:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i, *v_ref
 
             def skip(carry):  # every barrier phase of compute, in the same order
                 plgpu.barrier_arrive(k_free.at[slot])
-                if fp8:
-                    skip_convert(slot, buf)
                 sync_schedule()
                 if fp8:
                     wait_v16(buf)
@@ -478,7 +425,7 @@ def _kernel(
                 sync_schedule()
                 wait_next_k(j)
                 if fp8:
-                    release_v16(buf)
+                    plgpu.barrier_arrive(v_conv[1].at[buf])
                 else:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return carry
@@ -533,7 +480,7 @@ def _kernel(
             pl.when(n_rows > 0)(write_staged)
         return copying
 
-    registers = _PRODUCER_REGISTERS if v_convert == "producer" else _REGISTERS
+    registers = _FP8_REGISTERS if fp8 else _REGISTERS
 
     @pl.when(wg < _CONSUMERS)
     def _consumer():
@@ -550,7 +497,6 @@ def _kernel(
     @pl.when(wg == _CONSUMERS)
     def _producer():
         plgpu.set_max_registers(registers[1], action="decrease")
-        converts = v_convert == "producer"
 
         def slot_sources(it: _Item, j):
             # a slot half whose page is a hole or past the walk gets a copy of the other half's page (finite data,
@@ -584,12 +530,12 @@ def _kernel(
 
                     fill(srcs, slot, *kind[:3])
 
-                if converts:  # step g's copies are issued: convert the step before (the ring stays ahead)
+                if fp8:  # step g's copies are issued: convert the step before (the ring stays ahead)
                     pl.when(g >= 1)(lambda: convert_step(g - 1))
 
             return g0 + it.n_steps
 
-        def convert_step(g):  # v_convert="producer": step g's V slot into f16 buffer g % 2 (module doc); no wait
+        def convert_step(g):  # fp8: step g's V slot into f16 buffer g % 2 (module doc); no wait
             # cycle: the consumers' step g needs K(g) loaded (issued by iteration g) and V16(g) converted (by
             # iteration g + 1, or after the walk for the last step); iteration g + 1 waits on the K and V slot
             # releases of step g + 1 - stages <= g - 1 (K: the consumers' q K^T; V: this warpgroup's own conversion,
@@ -610,7 +556,7 @@ def _kernel(
             plgpu.barrier_arrive(v_conv[0].at[buf])
 
         def drain(total):  # the last releases, so every phase of the free barriers is observed
-            if converts:
+            if fp8:
                 pl.when(total >= 1)(lambda: convert_step(total - 1))
 
             @pl.loop(jnp.maximum(total - stages, 0), total)
@@ -618,7 +564,7 @@ def _kernel(
                 for free in (k_free, v_free):
                     plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(stages))])
 
-            if converts:
+            if fp8:
                 @pl.loop(jnp.maximum(total - _V16_BUFFERS, 0), total)
                 def _(g):
                     plgpu.barrier_wait(v_conv[1].at[lax.rem(g, jnp.int32(_V16_BUFFERS))])
@@ -661,31 +607,27 @@ def default_programs(num_items: int, interpret: bool = False) -> int:
     return max(1, min(n, num_items))
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "programs", "fp8_products", "v_convert", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "programs", "fp8_products", "interpret"))
 def paged_prefill_mgpu(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
     stages: int | None = None,
     programs: int | None = None,
     fp8_products: str = "e4m3x2_qk",
-    v_convert: str = "halves",
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Ragged causal paged attention (any batch) as a Mosaic GPU kernel; same contract as
     :func:`kvjax.pallas.paged.prefill.paged_prefill`, except that a page's unwritten tail is read (it must hold
     finite values, see the module doc). fp8 pages read as ``page * scale`` (module doc).
-    ``stages``: shared-memory slots of 128 keys (default 2). ``programs``: persistent CTAs walking the (query tile,
-    query head) items (default :func:`default_programs`: one per SM on a GPU, 2 in the interpreter; more than the
-    items leaves some idle); a value other than the default compiles under its own kernel name. ``fp8_products``
+    ``stages``: shared-memory slots of 128 keys (default 2; at least 2 over fp8 pages). ``programs``: persistent
+    CTAs walking the (query tile, query head) items (default :func:`default_programs`: one per SM on a GPU, 2 in the
+    interpreter; more than the items leaves some idle); a value other than the default compiles under its own kernel
+    name. ``fp8_products``
     (fp8 pages only, module doc): ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted
-    to f16 once per slot) or ``"e4m3_qk"`` (q rounded to one e4m3 tile). ``v_convert`` (fp8 pages only, module
-    doc): who converts each V slot to f16: ``"halves"`` (the default: each consumer half of it, into shared
-    buffers), ``"private"`` (each consumer all of it, into its own buffer) or ``"producer"`` (the producer
-    warpgroup, into shared buffers; needs ``stages >= 2``); the same outputs bit for bit, a non-default value
-    compiles under its own kernel name. ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only;
-    tokens of no row get 0. ``ValueError`` for what :func:`shape_reason` rejects, for ``stages`` or ``programs``
-    below 1, for an unknown ``fp8_products`` or ``v_convert``, for a ``v_convert`` other than ``"halves"`` over
-    pages that are not fp8 and for ``"producer"`` with one stage.
+    to f16 once per slot by the producer warpgroup) or ``"e4m3_qk"`` (q rounded to one e4m3 tile).
+    ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError``
+    for what :func:`shape_reason` rejects, for ``stages`` or ``programs`` below 1, for ``stages`` below 2 over fp8
+    pages and for an unknown ``fp8_products``.
     """
     q, k_pages = call.q, call.k_pages
     t_total, hq, d = q.shape
@@ -701,12 +643,8 @@ def paged_prefill_mgpu(
         raise ValueError(f"programs must be None or a positive int, got {programs!r}")
     if fp8_products not in FP8_PRODUCTS:
         raise ValueError(f"fp8_products must be one of {FP8_PRODUCTS}, got {fp8_products!r}")
-    if v_convert not in V_CONVERT:
-        raise ValueError(f"v_convert must be one of {V_CONVERT}, got {v_convert!r}")
-    if v_convert != V_CONVERT[0] and not fp8:
-        raise ValueError(f"v_convert={v_convert!r} needs fp8 pages (K/V pages are {jnp.dtype(k_pages.dtype).name})")
-    if v_convert == "producer" and stages < 2:
-        raise ValueError(f"v_convert='producer' needs stages >= 2, got {stages}")
+    if fp8 and stages < 2:  # the producer converts V: it releases a V slot itself (module doc)
+        raise ValueError(f"fp8 pages need stages >= 2 (the producer converts V), got {stages}")
     q_parts = _Q_PARTS[fp8_products] if fp8 else 0
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
@@ -721,20 +659,16 @@ def paged_prefill_mgpu(
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
     ring = (plgpu.TilingTransform((8, ring_swizzle // k_pages.dtype.itemsize)), plgpu.SwizzleTransform(ring_swizzle))
     per_slot = BLOCK_K // page_size
-    if q_parts:  # e4m3 q tiles; f16 V buffers: two used in turn (halves, producer) or one per consumer (private)
+    if q_parts:  # e4m3 q tiles; two f16 V buffers, used in turn
         q_tiles = plgpu.SMEM((_CONSUMERS * q_parts, BLOCK_Q, d), FP8_DTYPE, transforms=ring)
         kv16 = [plgpu.SMEM((_V16_BUFFERS, BLOCK_K, d), dtype, transforms=tiled)]
-        assert _V16_BUFFERS == _CONSUMERS  # the same shared memory in every v_convert
     else:
         q_tiles = plgpu.SMEM((_CONSUMERS, BLOCK_Q, d), dtype, transforms=tiled)
         kv16 = []
-    v_barriers = {  # fp8 pages: halves [V buffer converted (its two halves)]; private []; producer [V buffer
-        # converted (by the producer), V buffer free (after both consumers' P V)]
-        "halves": [plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_V16_BUFFERS)],
-        "private": [],
-        "producer": [plgpu.Barrier(num_arrivals=1, num_barriers=_V16_BUFFERS),
-                     plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_V16_BUFFERS)],
-    }[v_convert] if q_parts else []
+    v_barriers = [  # fp8 pages: V buffer converted (by the producer), V buffer free (after both consumers' P V)
+        plgpu.Barrier(num_arrivals=1, num_barriers=_V16_BUFFERS),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_V16_BUFFERS),
+    ] if q_parts else []
     scratch = (
         (
             q_tiles,
@@ -748,22 +682,21 @@ def paged_prefill_mgpu(
             plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
             plgpu.Barrier(num_barriers=_CONSUMERS),
         ),
-        (  # K slot free (one arrival per consumer), V slot free (per consumer; producer: the producer's)
+        (  # K slot free (one arrival per consumer), V slot free (per consumer; fp8 pages: the producer's)
             plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1 if v_convert == "producer" else _CONSUMERS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1 if fp8 else _CONSUMERS, num_barriers=stages),
         ),
         plgpu.Barrier(num_arrivals=_CONSUMERS),
         *v_barriers,
     )
     kernel = functools.partial(
         _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
-        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, v_convert=v_convert,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts,
         programs=programs, interpret=interpret,
     )
     # Lane semantics: jax 0.11's default (Warpgroup) lowering refuses this kernel (module doc)
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     name = (f"kvjax_paged_prefill_mgpu_{jnp.dtype(k_pages.dtype).name}{'_' + fp8_products if fp8 else ''}"
-            f"{'_v' + v_convert if v_convert != V_CONVERT[0] else ''}"
             f"_page{page_size}_d{d}_s{stages}{f'_p{programs}' if programs != default else ''}")
     # a box fits, and T is a multiple of 8: a full box leaves through the swizzled q tile, whose TMA store tiles
     # o's rows by 8 (Mosaic GPU refuses the copy otherwise: HISTORY run 146)
