@@ -14,8 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.gdn import make_inputs, rel_err
+from helpers.gdn import TOL, make_inputs, rel_err
+from kvjax.ops import gdn
+from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
 
+SAME_TOL = 1e-2  # against the Triton sequential kernel (other bf16 roundings: Tb, kr * (k S), v - ...)
 TB_TOL = 2e-3  # Tb against the f32 inverse: bf16 operands of the doubling products, one bf16 rounding (seen: 2e-4)
 WU_TOL = 1e-2  # w, u against Tb (kr * k), Tb v: the default kernel's bf16 roundings of beta exp(gc) k, beta v, T
 
@@ -109,3 +112,131 @@ def test_prep_inverse_lowers_for_cuda():
         fn = jax.jit(lambda *a, vh=value_heads: prep_mgpu_call(*a, chunk=64, scale=0.1, use_qk_l2norm=True,
                                                                value_heads=vh, outputs="inverse"))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
+
+
+def check_fused(rng, lens, hk, hv, kd, vd, *, block_v, interpret, lead=2, pad_tokens=5, l2=True):
+    """The pool kernel with ``seq="fused"`` against the recurrent reference and ``seq="triton"``: ``lead`` tokens
+    before the first sequence and ``pad_tokens`` after the last (outputs zero), a row without initial state, a
+    padding row (its pool row untouched), an ungated value head."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, jnp.bfloat16, pad_tokens=pad_tokens,
+                                           unit_qk=not l2)
+    g = g.at[:, hv - 1].set(0.0)
+    cu = cu + lead
+    n = len(lens)
+    flags = np.full((n,), FLAG_LIVE | FLAG_HAS_INITIAL, np.int32)
+    flags[min(2, n - 1)] = FLAG_LIVE
+    pad_row = n > 3
+    if pad_row:
+        flags[3] = 0
+    flags = jnp.asarray(flags)
+    kw = dict(cu_seqlens=cu, rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=kd ** -0.5, use_qk_l2norm=l2,
+              interpret=interpret)
+    o, pool = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), seq="fused",
+                                          block_v=block_v, **kw)
+    to, tpool = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), seq="triton",
+                                            segment_chunks=0, **kw)
+    init = s0.at[min(2, n - 1)].set(0.0)
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5,
+                                                                        use_qk_l2norm=l2), init)
+    live = np.asarray(flags) != 0
+    c = [int(x) for x in cu]
+    keep = np.zeros(o.shape[0], bool)
+    keep[c[0]:c[-1]] = True
+    if pad_row:  # the padding row's tokens are zeros, its pool row unchanged
+        keep[c[3]:c[4]] = False
+        assert np.all(np.asarray(o[c[3]:c[4]], np.float32) == 0)
+        np.testing.assert_array_equal(np.asarray(pool[3]), np.asarray(s0[3]))
+    assert o.shape == v.shape and o.dtype == v.dtype and pool.shape == s0.shape
+    assert rel_err(o[keep], ro[keep]) <= TOL[jnp.bfloat16], rel_err(o[keep], ro[keep])
+    assert rel_err(pool[live], rf[live]) <= TOL[jnp.bfloat16], rel_err(pool[live], rf[live])
+    assert rel_err(o, to) <= SAME_TOL and rel_err(pool, tpool) <= SAME_TOL, (rel_err(o, to), rel_err(pool, tpool))
+    outside = np.concatenate([np.asarray(o[:c[0]], np.float32), np.asarray(o[c[-1]:], np.float32)])
+    assert np.all(outside == 0), "tokens outside every sequence must be zero"
+
+
+@pytest.mark.parametrize("hk,hv,kd,vd,block_v", [(1, 2, 64, 64, 32), (1, 1, 128, 128, 64)])
+def test_fused_interpret(rng, hk, hv, kd, vd, block_v):
+    """The whole forward in FlashQLA's layout (inverse-only preparation, fused pass) under the interpreter:
+    sequences that start and end inside chunks, an empty one, a row without initial state, a padding row; value
+    blocks of 32 and 64 columns (64- and 128-byte swizzles), K = V = 64 and 128."""
+    check_fused(rng, [5, 0, 23, 40, 70], hk, hv, kd, vd, block_v=block_v, interpret=True)
+
+
+def test_fused_kernel_variants_interpret(rng):
+    """``seq_mgpu_fused_call`` itself against the Triton sequential kernel on the default preparation's operands,
+    without the overlap and with it at 1 and 3 stages; rows at chunk edges (an empty row on a chunk boundary, three
+    rows sharing a chunk, an empty last row), as segments would be walked from given start states."""
+    from kvjax.pallas.gdn.chunk import _chunk_call
+    from kvjax.pallas.gdn.prep import prepare
+    from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
+
+    lens = [64, 0, 30, 5, 29, 0]
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16)
+    ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
+    seg = jnp.asarray(_segments(cu, q.shape[0]))
+    bf = beta.astype(jnp.float32)
+    tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, q, k, v, g, bf, chunk=64, scale=0.125, use_qk_l2norm=True,
+                                           outputs="inverse", interpret=True)
+    n = len(lens)
+    rows, flags = jnp.arange(n, dtype=jnp.int32), jnp.asarray([3, 3, 2, 3, 3, 3], jnp.int32)
+    want = _chunk_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
+                       num_warps=4, num_stages=2, interpret=True)
+    for overlap, stages in [(False, 2), (True, 1), (True, 3)]:
+        got = seq_mgpu_fused_call(q, k, v, tb, a, qf, kf, gl, kr, jnp.array(s0, copy=True), cu, rows, flags,
+                                  out_dtype=jnp.bfloat16, block_v=32, stages=stages, overlap=overlap,
+                                  interpret=True)
+        assert rel_err(got[0], want[0]) <= SAME_TOL and rel_err(got[1], want[1]) <= SAME_TOL, (
+            overlap, stages, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
+
+
+def test_fused_lowers_for_cuda():
+    """The fused pass lowers to a Mosaic GPU module for CUDA without a GPU (the Tb product on the ring's Tb tile,
+    the raw v box of the ring) at K = V = 128 with value blocks of 32 (3 stages) and 64 (2 stages), K = 64 with
+    V = 128 in one block, without the overlap once, under the Lane semantics; and the whole forward
+    (``seq="fused"``: both kernels) at K = V = 128."""
+    from jax import export
+
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
+
+    sds, bf16, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    for kd, vd, hk, hv, n, block_v, stages, overlap in [(128, 128, 2, 4, 3, 32, 3, True),
+                                                         (128, 128, 2, 4, 1, 64, 2, True),
+                                                         (64, 128, 1, 2, 2, 128, 2, True),
+                                                         (128, 128, 2, 4, 2, 64, 2, False)]:
+        tp, nc = 256, 4
+        args = (sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16), sds((tp, hv, vd), bf16),
+                sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64, 64), bf16)) + (sds((nc, hv, 64), f32),) * 4 + (
+                sds((n + 2, hv, kd, vd), f32), sds((n + 1,), i32), sds((n,), i32), sds((n,), i32))
+        fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap: seq_mgpu_fused_call(
+            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov))
+        assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    t, hk, hv = 200, 2, 4
+    args = (sds((t, hk, 128), bf16), sds((t, hk, 128), bf16), sds((t, hv, 128), bf16), sds((t, hv), f32),
+            sds((t, hv), bf16), sds((3, hv, 128, 128), f32))
+    fn = jax.jit(lambda q, k, v, g, b, p: chunk_gated_delta_rule_pool(
+        q, k, v, g, b, p, cu_seqlens=jnp.asarray([0, 70, 150], i32), rows=jnp.asarray([0, 2], i32),
+        flags=jnp.asarray([3, 3], i32), scale=0.1, use_qk_l2norm=True, seq="fused"))
+    module = export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert "gdn_seq_mgpu_fused" in module and module.count("mosaic_gpu") >= 2
+
+
+def test_fused_refusals(rng):
+    """What the fused path refuses, with the reason; its shared memory fits the stages the plain pass takes."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.seq_mgpu import SMEM_BYTES, shape_reason, smem_bytes
+
+    assert smem_bytes(128, 64, 2, True) < smem_bytes(128, 64, 2) <= SMEM_BYTES
+    assert smem_bytes(128, 32, 3, True) <= SMEM_BYTES and smem_bytes(128, 128, 1, True) <= SMEM_BYTES
+    q, tb, v = (jnp.zeros((128, 1, 64), jnp.bfloat16), jnp.zeros((2, 2, 64, 64), jnp.bfloat16),
+                jnp.zeros((128, 2, 64), jnp.bfloat16))
+    assert shape_reason(q, tb, v, block_v=64, fused=True) is None
+    assert "chunks of 64, got 32" in shape_reason(q, tb[:, :, :32], v, block_v=64, fused=True)
+    qq, kk, vv, g, beta, cu, s0 = make_inputs(rng, [40], 1, 1, 64, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match="seq='fused' has no chunk parallelism"):
+        chunk_gated_delta_rule_pool(qq, kk, vv, g, beta, s0, cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32),
+                                    flags=jnp.full((1,), 3, jnp.int32), scale=0.1, seq="fused", segment_chunks=4,
+                                    interpret=True)

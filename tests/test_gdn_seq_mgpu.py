@@ -157,7 +157,7 @@ def test_seq_mosaic_refusals(rng):
     with pytest.raises(ValueError, match="needs bf16 outputs, got float32"):
         seq_mgpu_call(q, q, w, u, *rest, out_dtype=jnp.float32, block_v=64)
     qq, kk, v, g, beta, cu, s0 = make_inputs(rng, [40], 1, 1, 64, 64, jnp.bfloat16)
-    with pytest.raises(ValueError, match="seq must be 'triton' or 'mosaic', got 'cuda'"):
+    with pytest.raises(ValueError, match="seq must be 'triton', 'mosaic' or 'fused', got 'cuda'"):
         chunk_gated_delta_rule_pool(qq, kk, v, g, beta, s0, cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32),
                                     flags=jnp.full((1,), 3, jnp.int32), scale=0.1, seq="cuda", interpret=True)
 

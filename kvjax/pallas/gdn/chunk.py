@@ -56,8 +56,9 @@ from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
                                      head_cols, load, on_initial_state, on_slot_pool, store, tile_mask)
 from kvjax.pallas.gdn.prep import PrepConfig, prepare
+from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 from kvjax.pallas.gdn.prep_mgpu import shape_reason as prep_mgpu_shape_reason
-from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
+from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call, seq_mgpu_fused_call
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
@@ -383,6 +384,32 @@ def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segmen
     return o, pool
 
 
+def _fused_call(q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_qk_l2norm, value_heads, block_v,
+                interpret):
+    """FlashQLA's layout (``seq="fused"``): ``prep_mgpu_call(outputs="inverse")`` (``Tb``, ``A``, row factors; no
+    ``w`` / ``u``) and ``seq_mgpu_fused_call`` (``v_new = Tb (v - kr * (k S))`` from raw v); the padding and
+    segment ids as :func:`kvjax.pallas.gdn.prep.prepare`'s."""
+    num_tokens = q.shape[0]
+    tp = -(-num_tokens // CHUNK) * CHUNK
+    num_seqs = cu_seqlens.shape[0] - 1
+
+    def pad(x):
+        return x if tp == num_tokens else jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
+
+    t = jnp.arange(tp, dtype=jnp.int32)
+    seq = count_le(cu_seqlens, t) - 1
+    valid = (seq >= 0) & (seq < num_seqs) & (t < num_tokens)
+    seg = jnp.where(valid, seq, -1)  # i32[Tp]
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
+    bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
+    tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=CHUNK, scale=scale,
+                                           use_qk_l2norm=use_qk_l2norm, value_heads=value_heads,
+                                           outputs="inverse", interpret=interpret)
+    return seq_mgpu_fused_call(qp, kp, vp, tb, a, qf, kf, gl, kr, pool, cu_seqlens, rows, flags,
+                               out_dtype=v.dtype, block_v=block_v, interpret=interpret)
+
+
 def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
     """``segment_chunks=None``: 0 (no chunk parallelism) unless the sequential kernel has few programs
     (``num_rows * Hv <= CP_MAX_HEAD_ROWS``) and the stream holds at least ``CP_MIN_SEGMENTS`` segments; the
@@ -445,11 +472,21 @@ def chunk_gated_delta_rule_pool(
 
     ``seq``: the sequential kernel, ``"triton"`` (``_chunk_kernel``) or ``"mosaic"`` (the Mosaic GPU kernel of
     :mod:`kvjax.pallas.gdn.seq_mgpu`, Hopper, bf16: ``block_v=None`` is its own pick, ``num_warps`` and
-    ``num_stages`` are the Triton kernels' only).
+    ``num_stages`` are the Triton kernels' only), or ``"fused"`` (FlashQLA's layout: the Mosaic GPU preparation
+    with ``outputs="inverse"`` and the fused Mosaic GPU pass, :func:`_fused_call`; ``prep`` gives only its
+    ``value_heads``; no chunk parallelism: ``segment_chunks`` must be ``None`` or 0).
     """
-    if seq not in ("triton", "mosaic"):
-        raise ValueError(f"seq must be 'triton' or 'mosaic', got {seq!r}")
+    if seq not in ("triton", "mosaic", "fused"):
+        raise ValueError(f"seq must be 'triton', 'mosaic' or 'fused', got {seq!r}")
     seq_block_v = block_v
+    if seq == "fused":
+        if segment_chunks:
+            raise ValueError(f"seq='fused' has no chunk parallelism: segment_chunks must be None or 0, got "
+                             f"{segment_chunks}")
+        o, pool = _fused_call(q, k, v, g, beta, pool, cu_seqlens, rows, flags, scale=scale,
+                              use_qk_l2norm=use_qk_l2norm, value_heads=prep.value_heads, block_v=block_v,
+                              interpret=interpret)
+        return o[:q.shape[0]], pool
     num_tokens, _, kd = q.shape
     f32 = q.dtype == jnp.float32
     chunk = CHUNK // 2 if f32 else CHUNK
@@ -521,6 +558,19 @@ chunk_gated_delta_rule_mosaic_seq = on_initial_state(
 gdn_prefill_pool_mosaic_seq = on_slot_pool(
     _with_mosaic_seq,
     """Backend ``"mosaic-seq"`` of ``gdn_prefill_pool``: the pool kernel with both Mosaic GPU kernels.""")
+
+
+_with_mosaic_fused = functools.partial(chunk_gated_delta_rule_pool, seq="fused")
+
+chunk_gated_delta_rule_mosaic_fused = on_initial_state(
+    _with_mosaic_fused,
+    """Backend ``"mosaic-fused"`` of ``kvjax.ops.chunk_gated_delta_rule``: FlashQLA's layout, the Mosaic GPU
+    preparation without ``w`` / ``u`` and the fused Mosaic GPU sequential pass (``seq="fused"``), for the calls
+    :func:`mosaic_prep_unsupported` accepts.""")
+
+gdn_prefill_pool_mosaic_fused = on_slot_pool(
+    _with_mosaic_fused,
+    """Backend ``"mosaic-fused"`` of ``gdn_prefill_pool``: the pool kernel in FlashQLA's layout (``seq="fused"``).""")
 
 
 def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm

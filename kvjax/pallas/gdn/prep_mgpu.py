@@ -37,7 +37,7 @@ per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 kernel writes ``Tb = T diag(beta)`` (bf16 64 x 64, through the inverse's operand tile), ``A``, ``qf``, ``kf``,
 ``gl`` and ``kr = |k|^-1 exp(gc)`` (the row factor that ``w``'s product folded into ``k``). Per value head at
 ``K = V = 128``: the 10 inverse products only (5.2 MFLOP; no 2 MFLOP of ``w`` / ``u``), reads 0.5 KB (g, beta),
-writes 16.75 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written; shared memory 49 KB.
+writes 17 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written; shared memory 49 KB.
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed or register wgmma operands), bf16 q / k / v, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of

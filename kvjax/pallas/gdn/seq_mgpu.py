@@ -26,7 +26,16 @@ power of two not above its own row count) from the chunk's output tile, so no co
 The initial state is read from the pool by a TMA copy; the final states go to ``f32[N, Hv, K, V]`` and reach the
 pool by one scatter outside the kernel (live rows only).
 
-Shared memory at ``K = 128``, ``block_v = 64``, 2 stages: 130 KB of ring, 72 KB of state / operand / output tiles.
+``seq_mgpu_fused_call`` (FlashQLA's layout, on ``prep_mgpu_call(outputs="inverse")``'s ``Tb = T diag(beta)`` and
+row factor ``kr``): the ring slots hold ``q``, ``k``, the CTA's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and
+four row factors; per chunk ``k S`` and ``q S`` are issued together, ``X = v - kr * (k S)`` (f32, rounded to bf16
+into ``v_new``'s tile), ``v_new = Tb X`` (one more wgmma round), then as above. Per chunk and CTA at ``K = 128``,
+``block_v = 64``: reads 32 KB (q, k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB instead of 32 + 16 (w) +
+8 (u) + 8 + 0.75 = 64.75 KB; products 1 + 1 + 0.5 + 0.5 + 1 MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP)
+instead of 3.7 MFLOP, in three dependent rounds instead of two.
+
+Shared memory at ``K = 128``, ``block_v = 64``, 2 stages: 130 KB of ring, 72 KB of state / operand / output tiles
+(fused: 114 KB of ring).
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed wgmma operand), bf16 operands, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of 64.
 """
@@ -66,66 +75,66 @@ def auto_block_v(num_rows: int, hv: int, vd: int) -> int:
     return 64 if num_rows * hv * (vd // 64) >= MANY_CTAS else 32
 
 
-def shape_reason(q: jax.Array, w: jax.Array, u: jax.Array, *, block_v: int) -> str | None:
-    """What this kernel cannot take (``"needs ..., got ..."``), or None: bf16 q / w / u (the prepared operands),
-    ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of ``CHUNK`` tokens, ``block_v`` in ``BLOCK_VS`` dividing
-    ``V``."""
+def shape_reason(q: jax.Array, w: jax.Array, u: jax.Array, *, block_v: int, fused: bool = False) -> str | None:
+    """What this kernel cannot take (``"needs ..., got ..."``), or None: bf16 q / w / u (the prepared operands;
+    ``fused``: ``w`` is ``Tb`` and ``u`` raw ``v``), ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of ``CHUNK``
+    tokens, ``block_v`` in ``BLOCK_VS`` dividing ``V``."""
     if not (q.dtype == w.dtype == u.dtype == jnp.bfloat16):
         return f"needs bf16 operands, got {q.dtype}, {w.dtype}, {u.dtype}"
     kd, vd = q.shape[-1], u.shape[-1]
     if kd not in SUPPORTED_HEAD_DIMS or vd not in SUPPORTED_HEAD_DIMS:
         return f"needs K and V in {SUPPORTED_HEAD_DIMS}, got K={kd}, V={vd}"
-    if u.shape[2] != CHUNK:
-        return f"needs chunks of {CHUNK}, got {u.shape[2]}"
+    if (w if fused else u).shape[2] != CHUNK:
+        return f"needs chunks of {CHUNK}, got {(w if fused else u).shape[2]}"
     if block_v not in BLOCK_VS or vd % block_v:
         return f"needs block_v in {BLOCK_VS} dividing V={vd}, got {block_v}"
     return None
 
 
-def smem_bytes(kd: int, block_v: int, stages: int) -> int:
-    """Shared memory of one CTA: ``stages`` ring slots (q, k, w, u, A, three row factors) and the state,
-    ``v_new``, ``kf v_new``, output (two of them for rows of fewer than 128 bytes) and f32 state tiles."""
+def smem_bytes(kd: int, block_v: int, stages: int, fused: bool = False) -> int:
+    """Shared memory of one CTA: ``stages`` ring slots (q, k, w, u, A, three row factors; ``fused``: q, k, v, Tb,
+    A, four row factors) and the state, ``v_new``, ``kf v_new``, output (two of them for rows of fewer than 128
+    bytes) and f32 state tiles."""
     c = CHUNK
-    slot = 2 * (3 * c * kd + c * block_v + c * c) + 4 * 3 * c
+    if fused:
+        slot = 2 * (2 * c * kd + c * block_v + 2 * c * c) + 4 * 4 * c
+    else:
+        slot = 2 * (3 * c * kd + c * block_v + c * c) + 4 * 3 * c
     out = (2 if block_v * 2 < SWIZZLE else 1) * (c + 2) * block_v
     return stages * slot + 2 * (kd * block_v + 2 * c * block_v + out) + 4 * kd * block_v
 
 
-def _kernel(
-    cu_ref,  # i32[N+1]
-    rows_ref,  # i32[N]
-    flags_ref,  # i32[N]
-    q_ref,  # bf16[Tp, Hk, K]  raw q
-    k_ref,  # bf16[Tp, Hk, K]  raw k
-    w_ref,  # bf16[NC, Hv, C, K]
-    u_ref,  # bf16[NC, Hv, C, V]
-    a_ref,  # bf16[NC, Hv, C, C]
-    qf_ref,  # f32[NC, Hv, C]
-    kf_ref,  # f32[NC, Hv, C]
-    gl_ref,  # f32[NC, Hv, C]
-    pool_ref,  # f32[R, Hv, K, V]  initial states at rows
-    o_ref,  # bf16[Tp, Hv, V]
-    fin_ref,  # f32[N, Hv, K, V]  final states
-    q_s,  # bf16[S, C, K]  swizzled ring
-    k_s,  # bf16[S, C, K]  swizzled ring
-    w_s,  # bf16[S, C, K]  swizzled ring
-    u_s,  # bf16[S, C, BV]  swizzled ring
-    a_s,  # bf16[S, C, C]  swizzled ring
-    vec_s,  # f32[S, 3, C]  ring: qf, kf, gl
-    h_s,  # bf16[K, BV]  swizzled: the state as the right operand
-    vn_s,  # bf16[C, BV]  swizzled: v_new
-    vk_s,  # bf16[C, BV]  swizzled: kf * v_new
-    o_s,  # bf16[B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
-    st_s,  # f32[K, BV]  initial / final state
-    ready,  # barriers [S]: slot loaded (8 arrivals)
-    st_bar,  # barrier: initial state loaded
-    *,
-    group: int,
-    block_v: int,
-    stages: int,
-    overlap: bool,
-    interpret: bool,
-):
+def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: bool, interpret: bool):
+    """``refs``: the inputs, outputs and scratch below (``fused``: ``w_ref`` / ``w_s`` hold ``Tb`` and ``u_ref`` /
+    ``u_s`` raw ``v``, and a fourth row factor ``kr``)."""
+    nvec = 4 if fused else 3
+    (cu_ref,  # i32[N+1]
+     rows_ref,  # i32[N]
+     flags_ref,  # i32[N]
+     q_ref,  # bf16[Tp, Hk, K]  raw q
+     k_ref,  # bf16[Tp, Hk, K]  raw k
+     w_ref,  # bf16[NC, Hv, C, K]  (fused: Tb, bf16[NC, Hv, C, C])
+     u_ref,  # bf16[NC, Hv, C, V]  (fused: v, bf16[Tp, Hv, V])
+     a_ref,  # bf16[NC, Hv, C, C]
+     ) = refs[:8]
+    vec_refs = refs[8:8 + nvec]  # f32[NC, Hv, C] each: qf, kf, gl (fused: and kr)
+    (pool_ref,  # f32[R, Hv, K, V]  initial states at rows
+     o_ref,  # bf16[Tp, Hv, V]
+     fin_ref,  # f32[N, Hv, K, V]  final states
+     q_s,  # bf16[S, C, K]  swizzled ring
+     k_s,  # bf16[S, C, K]  swizzled ring
+     w_s,  # bf16[S, C, K]  swizzled ring (fused: Tb, bf16[S, C, C])
+     u_s,  # bf16[S, C, BV]  swizzled ring (fused: v)
+     a_s,  # bf16[S, C, C]  swizzled ring
+     vec_s,  # f32[S, 3, C]  ring: qf, kf, gl (fused: f32[S, 4, C], and kr)
+     h_s,  # bf16[K, BV]  swizzled: the state as the right operand
+     vn_s,  # bf16[C, BV]  swizzled: v_new (fused: first v - kr * (k S))
+     vk_s,  # bf16[C, BV]  swizzled: kf * v_new
+     o_s,  # bf16[B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
+     st_s,  # f32[K, BV]  initial / final state
+     ready,  # barriers [S]: slot loaded (8 arrivals; fused 9)
+     st_bar,  # barrier: initial state loaded
+     ) = refs[8 + nvec:]
     n, hd, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
     num_seqs = rows_ref.shape[0]
     num_tokens = o_ref.shape[0]
@@ -148,9 +157,9 @@ def _kernel(
         plgpu.copy_gmem_to_smem(q_ref.at[rs, hk], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[rs, hk], k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(w_ref.at[c, hd], w_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(u_ref.at[c, hd, :, vs], u_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(u_ref.at[rs, hd, vs] if fused else u_ref.at[c, hd, :, vs], u_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
-        for i, ref in enumerate((qf_ref, kf_ref, gl_ref)):
+        for i, ref in enumerate(vec_refs):
             plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
 
     def tile(ref):  # a bf16 tile of shared memory in the wgmma layout
@@ -204,16 +213,23 @@ def _kernel(
                     b = lax.rem(r, 2) if narrow else 0
                     plgpu.copy_smem_to_gmem(o_s.at[b, pl.ds(r + b, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
 
-    nc = w_ref.shape[0]
+    nc = a_ref.shape[0]
+    lhs_s = k_s if fused else w_s  # the first round: k S (fused) or w S, beside q S
 
     def slot_of(c):
         return lax.rem(c - c_lo, jnp.int32(stages))
 
-    def second_half(c, s, wh, qh):  # chunk c from its w S, q S: (o, the next state), the slot read out
+    def second_half(c, s, wh, qh):  # chunk c from its w S (fused: k S), q S: (o, the next state), the slot read
         slot = slot_of(c)
         r = c * chunk + ri
         in_seq = (r >= start) & (r < end) & live
-        v_new = jnp.where(in_seq, tile(u_s.at[slot]).astype(f32) - wh, 0.0)
+        if fused:  # v_new = Tb (v - kr * (k S))
+            vn_s[...] = (tile(u_s.at[slot]).astype(f32) - wh * bc_row(vec(vec_s.at[slot, 3]))).astype(bf16)
+            plgpu.commit_smem()
+            (wh,) = products((w_s.at[slot], False, vn_s))
+            v_new = jnp.where(in_seq, wh, 0.0)
+        else:
+            v_new = jnp.where(in_seq, tile(u_s.at[slot]).astype(f32) - wh, 0.0)
         vn_s[...] = v_new.astype(bf16)
         vk_s[...] = (v_new * bc_row(vec(vec_s.at[slot, 1]))).astype(bf16)
         plgpu.commit_smem()
@@ -236,7 +252,7 @@ def _kernel(
             issue(nxt, slot_of(nxt))
 
         plgpu.barrier_wait(ready.at[slot])
-        wh, qh = products((w_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+        wh, qh = products((lhs_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
         o, s = second_half(c, s, wh, qh)
         write_rows(c, o)
         return s
@@ -247,10 +263,10 @@ def _kernel(
         if interpret:
             if during is not None:
                 during()
-            return products((w_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+            return products((lhs_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
 
         def body(w_acc, q_acc):
-            plgpu.wgmma(w_acc, w_s.at[slot], h_s)
+            plgpu.wgmma(w_acc, lhs_s.at[slot], h_s)
             plgpu.wgmma(q_acc, q_s.at[slot], h_s)
             if during is not None:
                 during()
@@ -328,40 +344,78 @@ def seq_mgpu_call(
     within 227 KB with the other tiles: 2 stages at 64, 3 at 32, 1 at 128); ``None``: 2, or 1 where 2 do not
     fit. ``overlap``: the loop form (module docstring).
     ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
+    return _call(q, k, w, u, a, (qf, kf, gl), pool, cu_seqlens, rows, flags, fused=False, out_dtype=out_dtype,
+                 block_v=block_v, stages=stages, overlap=overlap, semantics=semantics, interpret=interpret)
+
+
+def seq_mgpu_fused_call(
+    q: jax.Array,  # bf16[Tp, Hk, K]
+    k: jax.Array,  # bf16[Tp, Hk, K]
+    v: jax.Array,  # bf16[Tp, Hv, V]  raw v, padded as q
+    tb: jax.Array,  # bf16[NC, Hv, C, C]  T diag(beta)
+    a: jax.Array,  # bf16[NC, Hv, C, C]
+    qf: jax.Array,  # f32[NC, Hv, C]
+    kf: jax.Array,  # f32[NC, Hv, C]
+    gl: jax.Array,  # f32[NC, Hv, C]
+    kr: jax.Array,  # f32[NC, Hv, C]
+    pool: jax.Array,  # f32[R, Hv, K, V]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    rows: jax.Array,  # i32[N]
+    flags: jax.Array,  # i32[N]
+    *,
+    out_dtype,
+    block_v: int | None = None,
+    stages: int | None = None,
+    overlap: bool = True,
+    semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [Tp, Hv, V] in out_dtype, pool f32[R, Hv, K, V])
+    """The fused sequential pass (FlashQLA's layout) on ``prep_mgpu_call(outputs="inverse")``'s operands: as
+    :func:`seq_mgpu_call`, with ``v_new = tb (v - kr * (k S))`` formed from raw ``v`` (module docstring). Shared
+    memory at ``K = 128``: about 57 KB a ring slot at ``block_v = 64`` (2 stages), 53 KB at 32 (3 stages). Same
+    ``ValueError`` s and keywords as :func:`seq_mgpu_call`."""
+    return _call(q, k, tb, v, a, (qf, kf, gl, kr), pool, cu_seqlens, rows, flags, fused=True,
+                 out_dtype=out_dtype, block_v=block_v, stages=stages, overlap=overlap, semantics=semantics,
+                 interpret=interpret)
+
+
+def _call(q, k, w, u, a, vecs, pool, cu_seqlens, rows, flags, *, fused, out_dtype, block_v, stages, overlap,
+          semantics, interpret):
+    tp, hk, kd = q.shape
+    nc, hv, chunk, _ = a.shape
+    vd = u.shape[-1]
     if block_v is None:
-        block_v = auto_block_v(rows.shape[0], u.shape[1], u.shape[3])
-    reason = shape_reason(q, w, u, block_v=block_v)
+        block_v = auto_block_v(rows.shape[0], hv, vd)
+    reason = shape_reason(q, w, u, block_v=block_v, fused=fused)
     if reason:
         raise ValueError(f"seq_mgpu {reason}")
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
     if stages is None:
-        stages = 2 if smem_bytes(q.shape[2], block_v, 2) <= SMEM_BYTES else 1
-    if stages < 1 or smem_bytes(q.shape[2], block_v, stages) > SMEM_BYTES:
+        stages = 2 if smem_bytes(kd, block_v, 2, fused) <= SMEM_BYTES else 1
+    if stages < 1 or smem_bytes(kd, block_v, stages, fused) > SMEM_BYTES:
         raise ValueError(f"seq_mgpu stages must be >= 1 and fit {SMEM_BYTES} bytes of shared memory, got {stages} "
-                         f"({smem_bytes(q.shape[2], block_v, stages)} bytes at K={q.shape[2]}, block_v={block_v})")
-    tp, hk, kd = q.shape
-    nc, hv, chunk, vd = u.shape
+                         f"({smem_bytes(kd, block_v, stages, fused)} bytes at K={kd}, block_v={block_v})")
     num_seqs = rows.shape[0]
     bf16 = jnp.bfloat16
     swz = _swizzled(block_v)
     scratch = (
         plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
-        plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
+        plgpu.SMEM((stages, chunk, chunk if fused else kd), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
-        plgpu.SMEM((stages, 3, chunk), jnp.float32),
+        plgpu.SMEM((stages, len(vecs), chunk), jnp.float32),
         plgpu.SMEM((kd, block_v), bf16, transforms=swz),
         plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((2 if block_v * 2 < SWIZZLE else 1, chunk + 2, block_v), bf16),
         plgpu.SMEM((kd, block_v), jnp.float32),
-        plgpu.Barrier(num_arrivals=8, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=5 + len(vecs), num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),
     )
     kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, overlap=overlap,
-                               interpret=interpret)
+                               fused=fused, interpret=interpret)
     o, fin = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((tp, hv, vd), bf16),
@@ -369,10 +423,10 @@ def seq_mgpu_call(
         scratch_types=scratch,
         grid=(num_seqs, hv, vd // block_v),
         grid_names=("rows", "heads", "vblocks"),
-        kernel_name="gdn_seq_mgpu",
+        kernel_name="gdn_seq_mgpu_fused" if fused else "gdn_seq_mgpu",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
         interpret=interpret_params() if interpret else None,
-    )(cu_seqlens, rows, flags, q, k, w, u, a, qf, kf, gl, pool)
+    )(cu_seqlens, rows, flags, q, k, w, u, a, *vecs, pool)
     live = (flags & FLAG_LIVE) != 0
     pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(fin, mode="drop")
     return o, pool
