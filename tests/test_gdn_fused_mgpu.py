@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.gdn import TOL, make_inputs, rel_err
+from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err
 from kvjax.ops import gdn
 from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
 
@@ -240,3 +240,52 @@ def test_fused_refusals(rng):
         chunk_gated_delta_rule_pool(qq, kk, vv, g, beta, s0, cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32),
                                     flags=jnp.full((1,), 3, jnp.int32), scale=0.1, seq="fused", segment_chunks=4,
                                     interpret=True)
+
+
+def test_mosaic_fused_backend_by_name_only(rng):
+    """``impl="mosaic-fused"`` runs FlashQLA's layout (here under the interpreter) within the bf16 bound of the
+    recurrent reference, for ``chunk_gated_delta_rule`` and ``gdn_prefill_pool``'s table; ``auto`` never takes it
+    (its priority is below ``"pallas"`` until it is measured); it declines what the Mosaic GPU preparation kernel
+    declines, with the reason."""
+    from kvjax.base.device import NAMED
+    from kvjax.ops import gdn_on_pool
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [70, 9], 1, 2, 64, 64, jnp.bfloat16, pad_tokens=3)
+    call = gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.125, use_qk_l2norm=True)
+    o, f = gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=0.125,
+                                      use_qk_l2norm=True, impl="mosaic-fused:interpret")
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
+    assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
+                                                                                        rel_err(f, rf))
+    for table in (gdn.CHUNK_TABLE, gdn_on_pool.PREFILL_TABLE):
+        assert "mosaic-fused" in table.names()
+        for make in table.examples.values():
+            args, kwargs = make()
+            assert table.choose("auto", args, kwargs, NAMED["h100"])[0] != "mosaic-fused"
+    args, kwargs = gdn.CHUNK_TABLE.examples["prefill N=2 T=512 H=8 K=96 V=128"]()
+    assert "K and V in" in dict(gdn.CHUNK_TABLE.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]
+    assert "Hopper" in dict(gdn.CHUNK_TABLE.explain(args, kwargs, NAMED["a100"]))["mosaic-fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hk,hv,kd,vd,block_v,l2", [
+    (2, 4, 128, 128, None, True), (2, 4, 128, 128, 32, False), (2, 2, 64, 64, 64, True),
+    (1, 2, 128, 128, 128, True), (2, 4, 64, 128, 32, True)])
+def test_fused_gpu(rng, hk, hv, kd, vd, block_v, l2):
+    """The compiled kernels (inverse-only preparation, fused pass) on the GDN tests' ragged grid (lengths 1..4096,
+    an empty sequence, chunk-crossing boundaries), 70 padding tokens, gated and ungated heads, with and without
+    the in-kernel l2norm, each value block width."""
+    check_fused(rng, GPU_LENS, hk, hv, kd, vd, block_v=block_v, interpret=False, lead=7, pad_tokens=70, l2=l2)
+
+
+@pytest.mark.gpu
+def test_fused_backend_gpu_one_long_sequence(rng):
+    """``impl="mosaic-fused"`` on one sequence of 8192 tokens at FlashQLA's head counts of one key head's group
+    (Hk 1, Hv 2, K = V = 128) against the reference."""
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [8192], 1, 2, 128, 128, jnp.bfloat16)
+    call = gdn.DeltaRuleCall(q, k, v, g, beta, cu, 128 ** -0.5, use_qk_l2norm=True)
+    o, f = gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=128 ** -0.5,
+                                      use_qk_l2norm=True, impl="mosaic-fused")
+    ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
+    assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
+                                                                                        rel_err(f, rf))

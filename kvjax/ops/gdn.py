@@ -36,7 +36,9 @@ table (:data:`CHUNK_TABLE`, :data:`RECURRENT_TABLE`) chooses for ``impl`` with e
 Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.recurrent`: any CUDA GPU,
 any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` takes it on a GPU, else the
 reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
-:mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies.
+:mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
+``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u`` and the fused Mosaic GPU pass,
+``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name until it is measured.
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
 not recompile; ``scale=None`` is ``K ** -0.5``).
@@ -353,6 +355,10 @@ CHUNK_TABLE = BackendTable(
                 note="both Mosaic GPU kernels (preparation and sequential) for one sequence of >= 32 value heads: "
                      "1.27x \"mosaic\" at 8192 / 32768 tokens on an H200 (benchmarks/RESULTS.md, GDN chunked "
                      "prefill)"),
+        Backend("mosaic-fused", chunk_kernels.chunk_gated_delta_rule_mosaic_fused, priority=5, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported,
+                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta)) and the fused "
+                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) until measured"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),

@@ -29,7 +29,8 @@ kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and ta
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
 continuing and a static int ``layer`` (RESULTS.md, GDN decode); prefill also has ``"mosaic"`` on Hopper, the
 ``"pallas"`` kernels with the Mosaic GPU preparation kernel (:mod:`kvjax.pallas.gdn.prep_mgpu`; bf16, K and V of
-64 or 128; RESULTS.md, GDN chunked prefill). The array is updated in place (aliased) under
+64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout, by name only until it
+is measured). The array is updated in place (aliased) under
 jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
@@ -297,6 +298,10 @@ PREFILL_TABLE = BackendTable(
                 note="both Mosaic GPU kernels (preparation and sequential) for one sequence of >= 32 value heads: "
                      "1.27x \"mosaic\" at 8192 / 32768 tokens on an H200 (benchmarks/RESULTS.md, GDN chunked "
                      "prefill)"),
+        Backend("mosaic-fused", chunk_kernels.gdn_prefill_pool_mosaic_fused, priority=5, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported,
+                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta)) and the fused "
+                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) until measured"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),
