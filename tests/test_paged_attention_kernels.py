@@ -150,7 +150,7 @@ def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
 
 
 def test_prefill_mosaic_interpret_fp8_programs(rng, monkeypatch):
-    # fp8 pages (e4m3 q K^T, V converted by halves into the shared f16 buffers; no q box copied ahead), pages of 64
+    # fp8 pages (e4m3 q K^T, V converted into the shared f16 buffers by the producer warpgroup; no q box copied ahead), pages of 64
     # (two a slot, per-column scales), 6 tiles of 2 heads: the default 2 programs (6 rounds each) and 16 programs (4
     # idle) give the same output bit for bit (the same arithmetic per item, whichever program runs it), both
     # against the float32 reference over the same fp8 pages (the bound is test_paged_prefill_fp8's business: here,
