@@ -150,11 +150,11 @@ def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
 
 
 def test_prefill_mosaic_interpret_fp8_programs(rng, monkeypatch):
-    # fp8 pages (e4m3 q K^T, V converted into the shared f16 buffers by the producer warpgroup; no q box copied ahead), pages of 64
-    # (two a slot, per-column scales), 6 tiles of 2 heads: the default 2 programs (6 rounds each) and 16 programs (4
-    # idle) give the same output bit for bit (the same arithmetic per item, whichever program runs it), both
-    # against the float32 reference over the same fp8 pages (the bound is test_paged_prefill_fp8's business: here,
-    # 2e-2)
+    # fp8 pages (e4m3 q K^T, V converted into the shared f16 buffers by the producer warpgroup; no q box copied
+    # ahead), pages of 64 (two a slot, per-column scales), 6 tiles of 2 heads: the default 2 programs (6 rounds each)
+    # and 16 programs (4 idle) give the same output bit for bit (the same arithmetic per item, whichever program runs
+    # it), both against the float32 reference over the same fp8 pages (the bound is test_paged_prefill_fp8's business:
+    # here, 2e-2)
     cache_thread_programs(monkeypatch)
     args, kw = build_batch(rng, hq=2, hkv=2, d=64, page_size=64, ctx=[140, 9, 0], new=[70, 1, 0], window=[0, 70],
                            sinks=[0, 4], dtype=jnp.bfloat16, tail_fill=300.0)
