@@ -6,7 +6,9 @@ FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape ind
 a side); ``python benchmarks/gdn.py prep-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU
 preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`);
 ``python benchmarks/gdn.py seq-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU sequential kernels,
-alone and inside the whole forward (:func:`flashqla_seq_mgpu`).
+alone and inside the whole forward (:func:`flashqla_seq_mgpu`); ``python benchmarks/gdn.py fused-mgpu [OUT.json]
+[shape indices]``: FlashQLA's layout (inverse-only preparation, fused pass) against the Mosaic GPU kernels of today,
+whole and by part (:func:`flashqla_fused_mgpu`).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -445,6 +447,104 @@ def flashqla_seq_mgpu(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
+def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
+    """FlashQLA's layout (issue 38, GDN half) against today's Mosaic GPU kernels, one process, interleaved timing,
+    FlashQLA's recipe at its five shapes. Whole forward: the public op with ``impl="auto"`` and ``"mosaic-fused"``
+    (inverse-only preparation + fused pass), and the pool kernel with both Mosaic GPU kernels (``"mosaic-seq"``'s
+    kernels, which its table declines at several sequences). Parts: the Mosaic preparation with today's outputs
+    (``w``, ``u``, ...) against ``outputs="inverse"``, and the Mosaic sequential pass against the fused pass, each
+    on its own preparation's operands (computed once). Errors: outputs / final states against the f32 chunked
+    reference; the inverse-only prep's ``A`` and row factors against today's (the largest relative error). Prints
+    device ms (every kernel of the call; wall where the profiler has none) and the first line of its group over
+    it. One jit per line."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.base.ragged import count_le
+    from kvjax.ops import gdn
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+    from kvjax.pallas.gdn.common import state_as_pool
+    from kvjax.pallas.gdn.prep import PrepConfig
+    from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call, seq_mgpu_fused_call
+
+    import timing
+
+    rows = []
+    print(f"{'shape':>20} {'line':>18} {'ms':>8} {'x':>5}  errors: o / state vs reference (prep: vs today's)",
+          flush=True)
+    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
+        if shapes is not None and i not in shapes:
+            continue
+        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv)
+        n, t = len(seqlens), q.shape[0]  # t: a multiple of 64 at every shape (no padding)
+        seg = (count_le(cu, jnp.arange(t, dtype=jnp.int32)) - 1).astype(jnp.int32)  # i32[T]
+        prep_kw = dict(chunk=64, scale=scale, use_qk_l2norm=False)
+        runners = {
+            "whole auto": jax.jit(lambda q, k, v, g, b, h: gdn.chunk_gated_delta_rule(
+                q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl="auto")),
+            "whole mosaic-fused": jax.jit(lambda q, k, v, g, b, h: gdn.chunk_gated_delta_rule(
+                q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl="mosaic-fused")),
+        }
+
+        def whole_seq(q, k, v, g, b, h):
+            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
+            return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
+                                               scale=scale, prep=PrepConfig(kernel="mosaic"), seq="mosaic")
+        runners["whole mosaic-seq"] = jax.jit(whole_seq)
+        runners["prep mosaic"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b, **prep_kw))
+        runners["prep inverse"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b,
+                                                                               outputs="inverse", **prep_kw))
+        prep_args = (q, k, v, g, beta)
+        w, u, a, qf, kf, gl = runners["prep mosaic"](*prep_args)
+        tb, a2, qf2, kf2, gl2, kr = runners["prep inverse"](*prep_args)
+
+        def seq_plain(h, *ops):
+            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
+            return seq_mgpu_call(q, k, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
+
+        def seq_fused(h, *ops):
+            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
+            return seq_mgpu_fused_call(q, k, v, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
+        runners["seq mosaic"] = jax.jit(seq_plain)
+        runners["seq fused"] = jax.jit(seq_fused)
+        args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq mosaic": (h0, w, u, a, qf, kf, gl),
+                "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
+        outs, calls = {}, {}
+        for name, fn in runners.items():
+            a_ = args[name] if name in args else args[name.split()[0]]
+            try:
+                outs[name] = fn(*a_)
+                calls[name] = (lambda fn=fn, a_=a_: fn(*a_))
+            except Exception as e:  # a line that does not compile: say so, time the others
+                print(f"{_shape_name(seqlens, hk, hv):>20} {name:>18} FAILED {type(e).__name__}: {str(e)[:300]}",
+                      flush=True)
+        times = timing.interleaved(calls, rounds=3, n=10, device_rounds=1)
+
+        def ms(name):  # device time where the profiler has it, else wall time
+            return times[name]["device_ms"] or times[name]["wall_ms"]
+
+        first = {"whole": "whole mosaic-seq", "prep": "prep mosaic", "seq": "seq mosaic"}
+        for name in calls:
+            row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "line": name,
+                   "wall_ms": times[name]["wall_ms"], "device_ms": times[name]["device_ms"],
+                   "flashqla_h200_ms": FLASHQLA_H200_MS.get(i)}
+            if name.startswith("prep"):
+                got = outs[name][1:5] if name == "prep inverse" else outs[name][2:6]
+                row["err_vs_today"] = max(timing.rel_err(x, y) for x, y in zip(got, (a, qf, kf, gl)))
+                errs = f"{row['err_vs_today']:.1e}"
+            else:
+                o, f = outs[name]
+                row.update(err_o=timing.rel_err(o[:t], ro), err_state=timing.rel_err(f, rf))
+                errs = f"{row['err_o']:.1e} / {row['err_state']:.1e}"
+            base = first[name.split()[0]]
+            x = ms(base) / ms(name) if base in times else float("nan")
+            rows.append(row)
+            print(f"{row['shape']:>20} {name:>18} {ms(name):>8.4f} {x:>5.2f}  {errs}   (wall {row['wall_ms']:.4f})",
+                  flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import os
@@ -459,6 +559,8 @@ if __name__ == "__main__":
         out = flashqla_prep_mgpu(only)
     elif side == "seq-mgpu":
         out = flashqla_seq_mgpu(only)
+    elif side == "fused-mgpu":
+        out = flashqla_fused_mgpu(only)
     else:
         out = flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
