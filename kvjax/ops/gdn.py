@@ -38,7 +38,8 @@ any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` 
 reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
 :mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
 ``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u`` and the fused Mosaic GPU pass,
-``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name until it is measured.
+``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name: measured at 0.99-1.02x ``"mosaic-seq"`` (RESULTS.md,
+GDN chunked prefill), kept as the pass a cheaper inverse would feed.
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
 not recompile; ``scale=None`` is ``K ** -0.5``).

@@ -29,8 +29,8 @@ kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and ta
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
 continuing and a static int ``layer`` (RESULTS.md, GDN decode); prefill also has ``"mosaic"`` on Hopper, the
 ``"pallas"`` kernels with the Mosaic GPU preparation kernel (:mod:`kvjax.pallas.gdn.prep_mgpu`; bf16, K and V of
-64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout, by name only until it
-is measured). The array is updated in place (aliased) under
+64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout, by name only: it tied
+``"mosaic-seq"``). The array is updated in place (aliased) under
 jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
