@@ -1,5 +1,5 @@
 """GDN chunked prefill with FlashQLA's layout: the Mosaic GPU preparation's ``outputs="inverse"`` (no ``w`` / ``u``)
-and the fused sequential pass (``seq_mgpu_call(fused=True)``: ``v_new = Tb (v - kr * (k S))`` from raw ``v``).
+and the fused sequential pass (``seq_mgpu_fused_call``: ``v_new = Tb (v - kr * (k S))`` from raw ``v``).
 
 CPU: both kernels under the Mosaic GPU interpreter (their products in jnp) and their lowering for CUDA without a
 GPU. GPU (``gpu`` marker): the compiled kernels through the ``"mosaic-fused"`` backend. References: ``Tb`` against a
@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err
+from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err, row_flags
 from kvjax.ops import gdn
-from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
 
 SAME_TOL = 1e-2  # against the Triton sequential kernel (other bf16 roundings: Tb, kr * (k S), v - ...)
 TB_TOL = 2e-3  # Tb against the f32 inverse: bf16 operands of the doubling products, one bf16 rounding (seen: 2e-4)
@@ -125,12 +124,7 @@ def check_fused(rng, lens, hk, hv, kd, vd, *, block_v, interpret, lead=2, pad_to
     g = g.at[:, hv - 1].set(0.0)
     cu = cu + lead
     n = len(lens)
-    flags = np.full((n,), FLAG_LIVE | FLAG_HAS_INITIAL, np.int32)
-    flags[min(2, n - 1)] = FLAG_LIVE
-    pad_row = n > 3
-    if pad_row:
-        flags[3] = 0
-    flags = jnp.asarray(flags)
+    flags, pad_row = row_flags(n)
     kw = dict(cu_seqlens=cu, rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=kd ** -0.5, use_qk_l2norm=l2,
               interpret=interpret)
     o, pool = chunk_gated_delta_rule_pool(q, k, v, g, beta, jnp.array(s0, copy=True), seq="fused",

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err
+from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err, row_flags
 from kvjax.ops import gdn
-from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
 
 SAME_TOL = 1e-2  # against the Triton sequential kernel (other bf16 roundings of the row factors)
 
@@ -38,12 +37,7 @@ def check_seq(rng, lens, hk, hv, kd, vd, *, block_v, segment_chunks, interpret, 
         g = g.at[:, hv - 1].set(0.0)
     cu = cu + lead
     n = len(lens)
-    flags = np.full((n,), FLAG_LIVE | FLAG_HAS_INITIAL, np.int32)
-    flags[min(2, n - 1)] = FLAG_LIVE
-    pad_row = n > 3
-    if pad_row:
-        flags[3] = 0
-    flags = jnp.asarray(flags)
+    flags, pad_row = row_flags(n)
     scale = kd ** -0.5
     kw = dict(cu_seqlens=cu, rows=jnp.arange(n, dtype=jnp.int32), flags=flags, scale=scale, use_qk_l2norm=l2,
               block_v=block_v, segment_chunks=segment_chunks, interpret=interpret,

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvjax.ops import gdn
 from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pallas
+from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
 from kvjax.pallas.gdn.recurrent import recurrent_gated_delta_rule_pallas
 from kvjax.state.gdn_pool import GDNStatePool
 
@@ -19,6 +20,18 @@ def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.all(np.isfinite(a)), "non-finite values in the kernel output"
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def row_flags(n: int):
+    """Flags of ``n`` pool-kernel rows: live with an initial state, except row 2 (no initial state: zeros) and, with
+    more than 3 rows, row 3 (padding: not live, its pool row untouched). Returns (i32[n] flags, whether a padding
+    row is there)."""
+    flags = np.full((n,), FLAG_LIVE | FLAG_HAS_INITIAL, np.int32)
+    flags[min(2, n - 1)] = FLAG_LIVE
+    pad_row = n > 3
+    if pad_row:
+        flags[3] = 0
+    return jnp.asarray(flags), pad_row
 
 
 def make_inputs(rng, lens, hk, hv, kd, vd, dtype, *, pad_tokens=0, unit_qk=False):

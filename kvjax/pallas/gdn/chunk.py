@@ -55,7 +55,7 @@ from kvjax.base.device import is_pow2, next_pow2
 from kvjax.base.ragged import count_le
 from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot, f32_precision,
                                      head_cols, load, on_initial_state, on_slot_pool, store, tile_mask)
-from kvjax.pallas.gdn.prep import PrepConfig, prepare
+from kvjax.pallas.gdn.prep import PrepConfig, padded_operands, prepare
 from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 from kvjax.pallas.gdn.prep_mgpu import shape_reason as prep_mgpu_shape_reason
 from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call, seq_mgpu_fused_call
@@ -388,21 +388,8 @@ def _fused_call(q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_q
                 interpret):
     """FlashQLA's layout (``seq="fused"``): ``prep_mgpu_call(outputs="inverse")`` (``Tb``, ``A``, row factors; no
     ``w`` / ``u``) and ``seq_mgpu_fused_call`` (``v_new = Tb (v - kr * (k S))`` from raw v); the padding and
-    segment ids as :func:`kvjax.pallas.gdn.prep.prepare`'s."""
-    num_tokens = q.shape[0]
-    tp = -(-num_tokens // CHUNK) * CHUNK
-    num_seqs = cu_seqlens.shape[0] - 1
-
-    def pad(x):
-        return x if tp == num_tokens else jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
-
-    t = jnp.arange(tp, dtype=jnp.int32)
-    seq = count_le(cu_seqlens, t) - 1
-    valid = (seq >= 0) & (seq < num_seqs) & (t < num_tokens)
-    seg = jnp.where(valid, seq, -1)  # i32[Tp]
-    qp, kp, vp = pad(q), pad(k), pad(v)
-    gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
-    bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
+    segment ids of :func:`kvjax.pallas.gdn.prep.padded_operands`."""
+    seg, qp, kp, vp, gp, bp = padded_operands(q, k, v, g, beta, cu_seqlens, CHUNK)
     tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=CHUNK, scale=scale,
                                            use_qk_l2norm=use_qk_l2norm, value_heads=value_heads,
                                            outputs="inverse", interpret=interpret)

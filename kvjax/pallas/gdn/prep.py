@@ -216,6 +216,34 @@ def _prep_call(seg, q, k, v, g, beta, *, chunk, scale, use_qk_l2norm, config: Pr
     )(seg, q, k, v, g, beta)
 
 
+
+def padded_operands(
+    q: jax.Array,  # [T, Hk, K]
+    k: jax.Array,  # [T, Hk, K]
+    v: jax.Array,  # [T, Hv, V]
+    g: jax.Array,  # [T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    cu_seqlens: jax.Array,  # i32[N+1]
+    chunk: int,
+) -> tuple[jax.Array, ...]:
+    """The preparation kernels' operands: the segment ids ``seg: i32[Tp]`` (a token's sequence, -1 outside every
+    sequence), q / k / v padded to ``Tp`` (a multiple of ``chunk``) tokens, and ``g`` / ``beta`` as ``f32[Tp, Hv]``,
+    zero outside every sequence."""
+    num_tokens = q.shape[0]
+    tp = -(-num_tokens // chunk) * chunk
+    num_seqs = cu_seqlens.shape[0] - 1
+
+    def pad(x):
+        return x if tp == num_tokens else jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
+
+    t = jnp.arange(tp, dtype=jnp.int32)
+    seq = count_le(cu_seqlens, t) - 1
+    valid = (seq >= 0) & (seq < num_seqs) & (t < num_tokens)
+    seg = jnp.where(valid, seq, -1)  # i32[Tp]
+    gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
+    bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
+    return seg, pad(q), pad(k), pad(v), gp, bp
+
 def prepare(
     q: jax.Array,  # [T, Hk, K]
     k: jax.Array,  # [T, Hk, K]
@@ -242,21 +270,7 @@ def prepare(
     """
     if not isinstance(config, PrepConfig):
         raise ValueError(f"config must be a PrepConfig, got {config!r}")
-    num_tokens = q.shape[0]
-    num_chunks = -(-num_tokens // chunk)
-    tp = num_chunks * chunk
-    num_seqs = cu_seqlens.shape[0] - 1
-
-    def pad(x):
-        return x if tp == num_tokens else jnp.pad(x, [(0, tp - num_tokens)] + [(0, 0)] * (x.ndim - 1))
-
-    t = jnp.arange(tp, dtype=jnp.int32)
-    seq = count_le(cu_seqlens, t) - 1
-    valid = (seq >= 0) & (seq < num_seqs) & (t < num_tokens)
-    seg = jnp.where(valid, seq, -1)  # i32[Tp]
-    qp, kp, vp = pad(q), pad(k), pad(v)
-    gp = jnp.where(valid[:, None], pad(g).astype(jnp.float32), 0.0)  # f32[Tp, Hv]
-    bp = jnp.where(valid[:, None], pad(beta).astype(jnp.float32), 0.0)
+    seg, qp, kp, vp, gp, bp = padded_operands(q, k, v, g, beta, cu_seqlens, chunk)
     if config.kernel == "mosaic":
         w, u, a, qf, kf, gl = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=chunk, scale=scale,
                                              use_qk_l2norm=use_qk_l2norm, value_heads=config.value_heads,

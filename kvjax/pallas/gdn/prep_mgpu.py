@@ -32,7 +32,7 @@ Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 M
 inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.5 KB (v, g, beta)
 per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 
-``outputs="inverse"`` (FlashQLA's layout, for the fused sequential pass ``seq_mgpu_call(fused=True)``, which forms
+``outputs="inverse"`` (FlashQLA's layout, for the fused sequential pass ``seq_mgpu_fused_call``, which forms
 ``v_new = Tb (v - kr * (k S))`` from raw v): no v load and no ``w`` / ``u`` products or stores; per value head the
 kernel writes ``Tb = T diag(beta)`` (bf16 64 x 64, through the inverse's operand tile), ``A``, ``qf``, ``kf``,
 ``gl`` and ``kr = |k|^-1 exp(gc)`` (the row factor that ``w``'s product folded into ``k``). Per value head at
@@ -289,7 +289,7 @@ def prep_mgpu_call(
 ) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call; "inverse": (tb, a, qf, kf, gl, kr)
     """The preparation kernel's outputs, as :func:`kvjax.pallas.gdn.prep._prep_call` (``Tp`` a multiple of
     ``chunk``): ``w [NC, Hv, C, K]``, ``u [NC, Hv, C, V]``, ``a [NC, Hv, C, C]`` in bf16, ``qf, kf, gl: f32[NC, Hv,
-    C]``. ``outputs="inverse"`` (for the fused sequential pass, ``seq_mgpu_call(fused=True)``): no v load, no
+    C]``. ``outputs="inverse"`` (for the fused sequential pass, ``seq_mgpu_fused_call``): no v load, no
     ``w`` / ``u`` products or stores; returns ``tb: bf16[NC, Hv, C, C]`` (``T diag(beta)``, the f32 inverse times
     beta rounded once to bf16), ``a``, ``qf``, ``kf``, ``gl`` as above and ``kr: f32[NC, Hv, C]`` (``|k|^-1
     exp(gc)``, 0 outside every sequence), so that ``w S = tb (kr * (k S))`` and ``u = tb v`` up to bf16
