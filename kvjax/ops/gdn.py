@@ -359,7 +359,8 @@ CHUNK_TABLE = BackendTable(
         Backend("mosaic-fused", chunk_kernels.chunk_gated_delta_rule_mosaic_fused, priority=5, device=on_hopper,
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta)) and the fused "
-                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) until measured"),
+                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto): it tied "
+                     "\"mosaic-seq\" (0.99-1.02x, benchmarks/RESULTS.md, GDN chunked prefill)"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
