@@ -290,6 +290,27 @@ PREP_VARIANTS = {  # name: PrepConfig keyword arguments (value_heads=1 only wher
     "triton": dict(), "mosaic": dict(kernel="mosaic"), "mosaic vh1": dict(kernel="mosaic", value_heads=1)}
 
 
+def _ms(times: dict, name: str) -> float:
+    """A line's device ms where the profiler has records, else its wall ms."""
+    return times[name]["device_ms"] or times[name]["wall_ms"]
+
+
+def _compile_and_time(runners: dict, args_for, shape: str, width: int) -> tuple[dict, dict, dict]:
+    """Run each jitted runner once on ``args_for(name)`` (its outputs), print ``FAILED`` for a line that does not
+    compile and time the others interleaved in one process. Returns ``(outputs, calls, times)``."""
+    import timing
+
+    outs, calls = {}, {}
+    for name, fn in runners.items():
+        a = args_for(name)
+        try:
+            outs[name] = fn(*a)
+            calls[name] = (lambda fn=fn, a=a: fn(*a))
+        except Exception as e:  # a line that does not compile or fit: say so, time the others
+            print(f"{shape:>20} {name:>{width}} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return outs, calls, timing.interleaved(calls, rounds=3, n=10, device_rounds=1)
+
+
 def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     """The preparation kernel alone (``kvjax.pallas.gdn.prep.prepare``) and the whole pool kernel
     (``chunk_gated_delta_rule_pool``, chunk parallelism as the public op picks it) with each preparation kernel
@@ -328,9 +349,6 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
         outs = {name: fn(*args) for name, fn in runners.items()}
         times = timing.interleaved({n: (lambda fn=fn: fn(*args)) for n, fn in runners.items()}, rounds=5, n=20)
 
-        def ms(name):  # device time where the profiler has it, else wall time
-            return times[name]["device_ms"] or times[name]["wall_ms"]
-
         for name in variants:
             o, f = outs[f"whole {name}"]
             row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "prep": name,
@@ -340,9 +358,9 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
                 row[f"{part}_wall_ms"] = times[f"{part} {name}"]["wall_ms"]
                 row[f"{part}_device_ms"] = times[f"{part} {name}"]["device_ms"]
             rows.append(row)
-            print(f"{row['shape']:>20} {name:>11} {ms('prep ' + name):>8.4f} "
-                  f"{ms('prep triton') / ms('prep ' + name):>5.2f} {ms('whole ' + name):>9.4f} "
-                  f"{ms('whole triton') / ms('whole ' + name):>5.2f}  {row['err_prep']:.1e}; "
+            prep_ms, whole_ms = _ms(times, "prep " + name), _ms(times, "whole " + name)
+            print(f"{row['shape']:>20} {name:>11} {prep_ms:>8.4f} {_ms(times, 'prep triton') / prep_ms:>5.2f} "
+                  f"{whole_ms:>9.4f} {_ms(times, 'whole triton') / whole_ms:>5.2f}  {row['err_prep']:.1e}; "
                   f"{row['err_o']:.1e} / {row['err_state']:.1e}   (wall {row['prep_wall_ms']:.4f} / "
                   f"{row['whole_wall_ms']:.4f})", flush=True)
     return rows
@@ -407,25 +425,14 @@ def flashqla_seq_mgpu(shapes: list[int] | None = None) -> list[dict]:
                                                    scale=scale, prep=PrepConfig(kernel="mosaic"), seq=name)
             runners[f"whole {name}"] = jax.jit(whole)
         args = {"seq": (h0, *prepared), "whole": (q, k, v, g, beta, h0)}
-        outs, calls = {}, {}
-        for name, fn in runners.items():
-            a = args[name.split()[0]]
-            try:
-                outs[name] = fn(*a)
-                calls[name] = (lambda fn=fn, a=a: fn(*a))
-            except Exception as e:  # a variant that does not compile or fit: say so, time the others
-                print(f"{_shape_name(seqlens, hk, hv):>20} {name:>15} FAILED {type(e).__name__}: {str(e)[:300]}",
-                      flush=True)
-        times = timing.interleaved(calls, rounds=3, n=10, device_rounds=1)
+        outs, calls, times = _compile_and_time(runners, lambda name: args[name.split()[0]],
+                                               _shape_name(seqlens, hk, hv), 15)
         kernel_ms = {name: {} for name in calls}
         for name, call in calls.items():
             if name not in ("seq triton", "seq mosaic"):  # the kernels alone of the two defaults (one trace each)
                 continue
             recs = timing.kernel_records(lambda call=call: timing.block([call() for _ in range(5)]))
             kernel_ms[name] = {kn: t / 5 / 1e6 for kn, (c, t) in recs["names"].items()}
-
-        def ms(name):  # device time where the profiler has it, else wall time
-            return times[name]["device_ms"] or times[name]["wall_ms"]
 
         for name in calls:
             part = name.split()[0]
@@ -440,8 +447,9 @@ def flashqla_seq_mgpu(shapes: list[int] | None = None) -> list[dict]:
                    "device_ms": times[name]["device_ms"], "kernel_ms": kernel_ms[name],
                    "flashqla_h200_ms": FLASHQLA_H200_MS.get(i)}
             rows.append(row)
-            x = ms(base) / ms(name) if base in times else float("nan")
-            print(f"{row['shape']:>20} {name:>15} {ms(name):>8.4f} {own[1]:>8.4f} {x:>5.2f}  {row['err_o']:.1e} / "
+            x = _ms(times, base) / _ms(times, name) if base in times else float("nan")
+            print(f"{row['shape']:>20} {name:>15} {_ms(times, name):>8.4f} {own[1]:>8.4f} {x:>5.2f}  "
+                  f"{row['err_o']:.1e} / "
                   f"{row['err_state']:.1e}; {row['vs_triton_o']:.1e} / {row['vs_triton_state']:.1e}   "
                   f"(largest kernel {own[0][:40]}, wall {row['wall_ms']:.4f})", flush=True)
     return rows
@@ -510,19 +518,9 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
         runners["seq fused"] = jax.jit(seq_fused)
         args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq mosaic": (h0, w, u, a, qf, kf, gl),
                 "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
-        outs, calls = {}, {}
-        for name, fn in runners.items():
-            a_ = args[name] if name in args else args[name.split()[0]]
-            try:
-                outs[name] = fn(*a_)
-                calls[name] = (lambda fn=fn, a_=a_: fn(*a_))
-            except Exception as e:  # a line that does not compile: say so, time the others
-                print(f"{_shape_name(seqlens, hk, hv):>20} {name:>18} FAILED {type(e).__name__}: {str(e)[:300]}",
-                      flush=True)
-        times = timing.interleaved(calls, rounds=3, n=10, device_rounds=1)
-
-        def ms(name):  # device time where the profiler has it, else wall time
-            return times[name]["device_ms"] or times[name]["wall_ms"]
+        shape = _shape_name(seqlens, hk, hv)
+        outs, calls, times = _compile_and_time(
+            runners, lambda name: args[name] if name in args else args[name.split()[0]], shape, 18)
 
         first = {"whole": "whole mosaic-seq", "prep": "prep mosaic", "seq": "seq mosaic"}
         for name in calls:
@@ -538,10 +536,10 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
                 row.update(err_o=timing.rel_err(o[:t], ro), err_state=timing.rel_err(f, rf))
                 errs = f"{row['err_o']:.1e} / {row['err_state']:.1e}"
             base = first[name.split()[0]]
-            x = ms(base) / ms(name) if base in times else float("nan")
+            x = _ms(times, base) / _ms(times, name) if base in times else float("nan")
             rows.append(row)
-            print(f"{row['shape']:>20} {name:>18} {ms(name):>8.4f} {x:>5.2f}  {errs}   (wall {row['wall_ms']:.4f})",
-                  flush=True)
+            print(f"{row['shape']:>20} {name:>18} {_ms(times, name):>8.4f} {x:>5.2f}  {errs}   "
+                  f"(wall {row['wall_ms']:.4f})", flush=True)
     return rows
 
 

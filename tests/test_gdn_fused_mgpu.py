@@ -16,16 +16,11 @@ import pytest
 
 from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err, row_flags
 from kvjax.ops import gdn
+from kvjax.pallas.gdn.prep import padded_operands
 
 SAME_TOL = 1e-2  # against the Triton sequential kernel (other bf16 roundings: Tb, kr * (k S), v - ...)
 TB_TOL = 2e-3  # Tb against the f32 inverse: bf16 operands of the doubling products, one bf16 rounding (seen: 2e-4)
 WU_TOL = 1e-2  # w, u against Tb (kr * k), Tb v: the default kernel's bf16 roundings of beta exp(gc) k, beta v, T
-
-
-def _segments(cu, tp):  # i32[Tp] sequence id per token, -1 outside every sequence
-    t = np.arange(tp)
-    seq = np.searchsorted(np.asarray(cu), t, side="right") - 1
-    return np.where((seq >= 0) & (seq < len(cu) - 1), seq, -1).astype(np.int32)
 
 
 def _reference_tb(seg, k, g, beta, hv, l2):
@@ -55,18 +50,10 @@ def _reference_tb(seg, k, g, beta, hv, l2):
 
 
 def _prep_inputs(rng, lens, hk, hv, kd, vd, l2, lead=3):
+    """The preparation's operands (:func:`padded_operands`) with ``lead`` tokens outside every sequence in front."""
     q, k, v, g, beta, cu, _ = make_inputs(rng, lens, hk, hv, kd, vd, jnp.bfloat16, pad_tokens=4, unit_qk=not l2)
-    cu = cu + lead
-    tp = -(-(q.shape[0] + lead) // 64) * 64
-
-    def pad(x):
-        return jnp.pad(x, [(lead, tp - lead - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-    seg = _segments(cu, tp)
-    valid = jnp.asarray(seg >= 0)[:, None]
-    gp = jnp.where(valid, pad(g), 0.0)
-    bp = jnp.where(valid, pad(beta).astype(jnp.float32), 0.0)
-    return jnp.asarray(seg), pad(q), pad(k), pad(v), gp, bp
+    front = [jnp.pad(x, [(lead, 0)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
+    return padded_operands(*front, cu + lead, 64)
 
 
 @pytest.mark.parametrize("hk,hv,kd,vd,l2", [(1, 2, 64, 64, True), (1, 1, 128, 64, False)])
@@ -170,7 +157,7 @@ def test_fused_kernel_variants_interpret(rng):
     lens = [64, 0, 30, 5, 29, 0]
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16)
     ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
-    seg = jnp.asarray(_segments(cu, q.shape[0]))
+    seg = padded_operands(q, k, v, g, beta, cu, 64)[0]
     bf = beta.astype(jnp.float32)
     tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, q, k, v, g, bf, chunk=64, scale=0.125, use_qk_l2norm=True,
                                            outputs="inverse", interpret=True)
