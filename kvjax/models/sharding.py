@@ -7,8 +7,7 @@ Layout (issue #20, phase A). The mesh is ``jax.sharding.Mesh(devices, ("data", "
   a multiple of ``M``; the logits are all-gathered and sliced to the true vocabulary inside the step, so a
   padded entry never reaches a sampler). Column-parallel projections are split on their output axis (axis 1
   of a ``Linear`` kernel ``[in, out]``, axis 0 of a ``TorchLinear`` weight ``[out, in]``), row-parallel ones
-  (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed by the all-reduce op
-  (:mod:`kvjax.ops.allreduce`: ``psum`` unless ``all_reduce=`` names a kernel);
+  (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed with a ``psum``;
   norms, routers and the DSA indexer are replicated. A head count (or MLP width) that ``M`` does not divide is
   a ``ValueError`` naming both numbers. Rules: :func:`param_spec`; family details: ``model.shard_plan``.
 - ``"data"``: batch rows. Each data shard is an independent ragged batch with its own pages and GDN slots:
@@ -131,16 +130,14 @@ class ShardedModel:
     """
 
     def __init__(self, model_abstract: nnx.Module,
-                 values: Mapping[tuple, Any] | Callable[[tuple, tuple[int, ...]], jax.Array], mesh: Mesh,
-                 *, all_reduce: str = "auto"):
+                 values: Mapping[tuple, Any] | Callable[[tuple, tuple[int, ...]], jax.Array], mesh: Mesh):
         if set(mesh.axis_names) != {DATA, MODEL}:
             raise ValueError(f"mesh axes must be ('data', 'model'), got {mesh.axis_names}")
         self.mesh = mesh
         self.data_size, self.model_size = mesh.shape[DATA], mesh.shape[MODEL]
         self.config = model_abstract.config
         self._layout = model_abstract.attention_layout()
-        plan = model_abstract.shard_plan(MODEL, self.model_size)
-        self.plan = plan = dataclasses.replace(plan, tp=dataclasses.replace(plan.tp, all_reduce=all_reduce))
+        self.plan = plan = model_abstract.shard_plan(MODEL, self.model_size)
         self.perms = plan.perms
         if plan.kv_order:  # the heads in device-major order (with their windows / sinks)
             order = np.asarray(plan.kv_order)
@@ -180,21 +177,7 @@ class ShardedModel:
             if split and ((isinstance(module, Linear) and name in ROW) or (name == "mlp"
                                                                              and hasattr(module, "reduce_axis"))):
                 module.reduce_axis = MODEL
-                module.reduce_impl = self.plan.tp.all_reduce
         return local
-
-    def set_all_reduce(self, impl: str) -> None:
-        """Use the all-reduce implementation ``impl`` (:mod:`kvjax.ops.allreduce`: ``"auto"``, ``"xla"``,
-        ``"mosaic"``) for the local model's row-parallel sums and embedding lookup: updates ``plan.tp``, the local
-        model and ``graphdef`` (static graph data). Call it before an engine is built on this model; a draft head's
-        local module (:meth:`local_head`) built afterwards takes it too."""
-        self.plan = dataclasses.replace(self.plan, tp=dataclasses.replace(self.plan.tp, all_reduce=impl))
-        if self.local.tp is not None:
-            self.local.tp = self.plan.tp
-        for _, module in nnx.iter_modules(self.local):
-            if getattr(module, "reduce_axis", None) is not None:
-                module.reduce_impl = impl
-        self.graphdef = nnx.split(self.local)[0]
 
     def local_head(self, head: nnx.Module) -> nnx.Module:
         """The abstract local module of a draft head (the MTP layers of :class:`kvjax.models.interface.DraftHead`,
@@ -346,10 +329,9 @@ def _widen(x: jax.ShapeDtypeStruct, d: int, m: int, *, axis: int) -> jax.ShapeDt
     return jax.ShapeDtypeStruct((d, *shape), x.dtype)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, *, all_reduce: str = "auto") -> ShardedModel:
+def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
     """Split ``model`` (a :class:`kvjax.models.interface.CausalLM` with ``shard_plan``) over ``mesh``: each
     parameter is read through host memory and placed with the NamedSharding of its rule. ``ValueError`` names
-    a head count the ``"model"`` axis does not divide. ``all_reduce``: the implementation of the row-parallel sums
-    (:mod:`kvjax.ops.allreduce`)."""
+    a head count the ``"model"`` axis does not divide."""
     values = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model))}
-    return ShardedModel(model, values, mesh, all_reduce=all_reduce)
+    return ShardedModel(model, values, mesh)

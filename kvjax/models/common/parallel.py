@@ -6,8 +6,7 @@ holding the device's shards of the parameters. The local model differs from a pl
 attributes, so the collectives are part of its graph (no hidden context):
 
 - ``Linear.reduce_axis`` / ``MoE.reduce_axis``: a row-parallel projection sums its partial products over the axis
-  (the op :func:`kvjax.ops.allreduce.all_reduce` with the implementation ``reduce_impl``, the plan's
-  ``TensorParallel.all_reduce``; bias added once after the sum);
+  (``psum``, bias added once after the sum);
 - ``model.tp``: a :class:`TensorParallel`: the embedding lookup of a vocabulary-sharded table (:func:`embed`),
   the all-gather of the vocabulary-sharded logits sliced to the true vocabulary (:func:`gather_vocab`: padded
   entries never reach a sampler), and the global per-KV-head attention masks each device takes its share of
@@ -25,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.ops.allreduce import ALL_REDUCE_TABLE, all_reduce
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
@@ -37,15 +34,12 @@ class TensorParallel:
     vocab_size: int  # the global model's true vocabulary (logits are sliced to it)
     kv_window: tuple[int, ...] = ()  # global per-KV-head windows (Qwen3.5 SWA heads; () = all full)
     kv_sinks: tuple[int, ...] = ()  # global per-KV-head sinks
-    all_reduce: str = "auto"  # impl of the all-reduce op (kvjax.ops.allreduce): "auto" (psum), "xla", "mosaic";
-    # a named kernel runs the sums it takes, the rest run "auto" (all_reduce's fallback)
 
     def __post_init__(self) -> None:
         for name in ("size", "vocab_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TensorParallel.{name} must be an int >= 1, got {v!r}")
-        ALL_REDUCE_TABLE.validate_impl(self.all_reduce)
 
     def local(self, x: jax.Array) -> jax.Array:  # [N * size, ...] -> [N, ...]: this device's contiguous share
         """This device's contiguous ``1/size`` share of ``x``'s leading axis (by ``axis_index``)."""
@@ -66,7 +60,7 @@ def embed(
     local = ids - jax.lax.axis_index(tp.axis) * n
     mine = (local >= 0) & (local < n)
     rows = jnp.where(mine[..., None], table[jnp.clip(local, 0, n - 1)], jnp.zeros((), table.dtype))
-    return all_reduce(rows, tp.axis, impl=tp.all_reduce, fallback=True)
+    return jax.lax.psum(rows, tp.axis)
 
 
 def gather_vocab(
@@ -80,11 +74,9 @@ def gather_vocab(
     return full[..., : tp.vocab_size]
 
 
-def reduce(y: jax.Array, axis: str | None, impl: str = "auto") -> jax.Array:  # [..., H] -> [..., H]
-    """Sum of a row-parallel partial product over ``axis`` by the all-reduce op with implementation ``impl``
-    (:func:`kvjax.ops.allreduce.all_reduce`; ``"auto"``: XLA's ``psum``; a named kernel takes the calls it
-    supports, the others run ``"auto"``: ``fallback``); identity for ``axis=None``."""
-    return y if axis is None else all_reduce(y, axis, impl=impl, fallback=True)
+def reduce(y: jax.Array, axis: str | None) -> jax.Array:
+    """``psum`` of a row-parallel partial product over ``axis`` (identity for ``None``)."""
+    return y if axis is None else jax.lax.psum(y, axis)
 
 
 @dataclasses.dataclass(frozen=True)
