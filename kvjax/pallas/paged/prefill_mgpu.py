@@ -98,9 +98,8 @@ A operand in registers only in its 8-bit layout (``WGMMA_8BIT``), and ``Fragment
 from the accumulator's ``WGMMA`` layout to it (``NotImplementedError: Cannot convert from ...``). P's rounding
 (relative ``2**-4``) makes ``"e4m3x2"`` about ten times less exact than ``"e4m3x2_qk"`` against the f32 reference
 over the same pages (the interpreter at T=256: 3.9e-2 against 3.9e-3; ``tests/test_paged_prefill_fp8.py`` states
-the bound); against bf16 pages the pages' own rounding still dominates (0.133 for both). The producer holds a
-64-key f16 tile (32 registers a thread) and its transposed copy as the shuffles build it, register by register,
-within its 56 registers if the old registers die as they go: whether ptxas spills there is unmeasured.
+the bound); against bf16 pages the pages' own rounding still dominates (0.133 for both). The producer holds up to
+two f16 tiles while transposing (64 registers a thread, more than its 56: ptxas may spill; unmeasured).
 
 The value scales reach the probabilities relative to a running reference scale (the largest value scale
 of the walk so far, a power of two like them, so a probability is never multiplied by a tiny scale before its f16
