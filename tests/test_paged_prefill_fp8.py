@@ -1,17 +1,13 @@
 """The Mosaic GPU paged prefill over fp8 pages with ``q K^T`` on e4m3 tensor cores (issue #35, goal 2):
-``paged_prefill_mgpu(call, fp8_products="e4m3_qk" | "e4m3x2_qk" | "e4m3" | "e4m3x2")`` against the float32
-reference.
+``paged_prefill_mgpu(call, fp8_products="e4m3_qk" | "e4m3x2_qk")`` against the float32 reference.
 
 The kernel splits each q row into ``s (h + l)`` (``s`` a power of two per (token, head) row, ``h`` and ``l`` e4m3
-tiles; ``"e4m3_qk"`` and ``"e4m3"`` keep ``h`` only), multiplies them with the e4m3 K pages straight from the TMA
-ring, and runs ``P V`` in f16 over V converted once per slot by the producer warpgroup (``"*_qk"``), or on e4m3
-tensor cores (``"e4m3"``, ``"e4m3x2"``): P quantised as ``p * 2**8`` to e4m3, V transposed by the producer into
-e4m3 V^T buffers. Two checks per output element:
+tiles; ``"e4m3_qk"`` keeps ``h`` only), multiplies them with the e4m3 K pages straight from the TMA ring, and runs
+``P V`` in f16 over V converted once per slot by the producer warpgroup. Two checks per output element:
 
 - against the reference over the same fp8 pages *and* the same quantised q (``q_eff``, computed here from
   numpy's ``frexp``, independently of the kernel's bit arithmetic): the kernel's own rounding only, the bound of
-  the f16 path (:func:`test_paged_attention_kernels.fp8_bound` with f16 probabilities; e4m3 probabilities,
-  :data:`P_ROUND_E4M3`, for the forms with ``P V`` on e4m3);
+  the f16 path (:func:`test_paged_attention_kernels.fp8_bound` with f16 probabilities);
 - against the reference over the same fp8 pages with q itself: that bound plus the effect of q's rounding. With
   ``d_j = scale |(q - q_eff) . k_j|`` every logit moves by at most ``eps = max_j d_j``, every softmax weight by a
   factor within ``exp(+-2 eps)``, so an output element by at most ``(exp(2 eps) - 1) sum_j p_j |v_j| / sum_j p_j``
@@ -20,11 +16,10 @@ e4m3 V^T buffers. Two checks per output element:
 Compiled, the e4m3 tensor cores accumulate with less than f32's precision (Hopper keeps about 14 bits in fp8
 products' sums: the DeepSeek-V3 technical report, FP8 training): the GPU test adds to both bounds a logit error of
 ``2**-10 scale max_j |q_eff| . |k_j|`` (eight adds, two products of four k-steps, each losing up to ``2**-13`` of
-the running sum), through the same ``exp(2 eps) - 1`` factor; with ``P V`` on e4m3 it adds ``2**-13`` of
-``sum_j p_j |v_j| / sum_j p_j`` (times ``1 + 2**-4``, P's rounding) per k-step of 32 keys (:data:`PV_ACC_REL`).
+the running sum), through the same ``exp(2 eps) - 1`` factor.
 
-The producer's V conversion (its barriers, the two f16 buffers used in turn, or the two e4m3 V^T buffers and the
-consumers' e4m3 P tiles; 2 and 3 ring stages) runs under the interpreter's race detector.
+The producer's V conversion (its barriers, the two f16 buffers used in turn, 2 and 3 ring stages) runs under the
+interpreter's race detector.
 
 Inputs as in ``test_paged_attention_kernels``: random ragged rows (chunked prefill over a cached prefix, a decode
 row, a padding row, padding tokens), GQA 2, a full head next to a SWA head with sinks, a ``-1`` hole in the full
@@ -46,16 +41,7 @@ from helpers.paged import (P_ROUND_F16, build_batch, checked_call, e4m3_split_q,
 from kvjax.base.fp8 import FP8_DTYPE
 from kvjax.pallas.paged import prefill_mgpu
 
-E4M3_MODES = {"e4m3_qk": 1, "e4m3x2_qk": 2, "e4m3": 1, "e4m3x2": 2}  # fp8_products -> e4m3 tiles per q row
-PV_E4M3 = ("e4m3", "e4m3x2")  # the forms with P V on e4m3 tensor cores
-
-# (relative, absolute per key in units of max|v|) rounding of a probability by the forms with P V on e4m3: the
-# kernel casts ``p * s_v / s_ref * 2**8`` (at most 256 < 448: no overflow) to e4m3 once, round to nearest: relative
-# ``2**-4`` (3 mantissa bits) down to e4m3's smallest normal ``2**-6``, below it spacing ``2**-9``, so at most
-# ``2**-10 * 2**-8`` absolute in units of p; a value there is at most ``448 s_ref < 2 max|v|`` (as for
-# P_ROUND_F16), so ``2**-17 max|v|`` per key. The row sum stays f32 over the unrounded p.
-P_ROUND_E4M3 = (2.0 ** -4, 2.0 ** -17)
-PV_ACC_REL = 2.0 ** -13 * (1 + 2.0 ** -4)  # compiled: the e4m3 P V's accumulation, per k-step of 32 keys
+E4M3_MODES = {"e4m3_qk": 1, "e4m3x2_qk": 2}  # fp8_products -> e4m3 tiles per q row
 
 
 def _logit_shift(dq, args, scales, kwargs) -> np.ndarray:  # f32[T, Hq]: eps per (token, head)
@@ -81,41 +67,18 @@ def _logit_shift(dq, args, scales, kwargs) -> np.ndarray:  # f32[T, Hq]: eps per
     return eps * kwargs["scale"]
 
 
-def _written_v_max(args, scales) -> float:
-    """max |v| over the keys the rows wrote (positions below each row's length in its table's pages; NaN pages
-    out): masked keys (the large tails) get probability exactly 0, also once rounded to e4m3, so only these count
-    in the e4m3 probabilities' absolute term."""
-    _, _, v8, table, seq_lens = args
-    v = np.abs(np.asarray(v8, np.float32) * np.asarray(scales["v_scale"])[:, None, None])
-    table, page = np.asarray(table), v.shape[1]
-    best = 0.0
-    for b, n_keys in enumerate(np.asarray(seq_lens)):
-        for h in range(table.shape[1]):
-            for i, p in enumerate(table[b, h, : (int(n_keys) + page - 1) // page]):
-                if p >= 0:
-                    best = max(best, float(np.nanmax(v[p, : int(n_keys) - i * page], initial=0.0)))
-    return best
-
-
-def _check(out, args, scales, kwargs, mode: str, n_keys: int, acc_rel: float = 0.0) -> dict:
-    """Both checks of the module doc for ``fp8_products=mode`` (``acc_rel``: the tensor cores' accumulation error,
-    relative to ``|q_eff| . |k_j|``; with it, the e4m3 ``P V``'s too); returns the errors."""
+def _check(out, args, scales, kwargs, parts: int, n_keys: int, acc_rel: float = 0.0) -> dict:
+    """Both checks of the module doc (``acc_rel``: the tensor cores' accumulation error, relative to
+    ``|q_eff| . |k_j|``); returns the errors."""
     q, k8, v8, table, seq_lens = args
-    pv8 = mode in PV_E4M3
-    q_eff = e4m3_split_q(q, E4M3_MODES[mode])
+    q_eff = e4m3_split_q(q, parts)
     ref_eff, abs_v, v_max = reference_fp8((jnp.asarray(q_eff), k8, v8, table, seq_lens), scales, kwargs)
     ref, _, _ = reference_fp8(args, scales, kwargs)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), "kernel output has NaN/inf"
-    if pv8:  # v_max over the written keys: the bound of the *_qk forms over the whole pool (tails of 300) would be
-        # loose enough to pass a wrong P V (e4m3's absolute term grows with the keys)
-        v_max = _written_v_max(args, scales)
-    tight = fp8_bound(ref_eff, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_E4M3 if pv8 else P_ROUND_F16,
-                      n_keys=n_keys)
+    tight = fp8_bound(ref_eff, abs_v, v_max, jnp.bfloat16, p_round=P_ROUND_F16, n_keys=n_keys)
     if acc_rel:
         tight = tight + np.expm1(2 * acc_rel * _logit_shift(np.abs(q_eff), args, scales, kwargs)[..., None]) * abs_v
-        if pv8:
-            tight = tight + PV_ACC_REL * -(-n_keys // 32) * abs_v
     err_eff = np.abs(out - ref_eff)
     assert (err_eff <= tight).all(), (float(err_eff.max()), float((err_eff - tight).max()))
     eps = _logit_shift(np.abs(np.asarray(q, np.float32) - q_eff), args, scales, kwargs)[..., None]
@@ -172,8 +135,6 @@ def test_q_split_is_exact_for_bf16():
 _INTERPRET_CASES = [
     (64, "e4m3_qk", dict(ctx=[140, 9, 0], hq=2, hkv=2, window=[0, 70], sinks=[0, 4])),
     (128, "e4m3x2_qk", dict(ctx=[260, 9, 0], hq=2, hkv=1, window=[0], sinks=[0])),
-    (64, "e4m3", dict(ctx=[140, 9, 0], hq=2, hkv=2, window=[0, 70], sinks=[0, 4])),
-    (128, "e4m3x2", dict(ctx=[260, 9, 0], hq=2, hkv=1, window=[0], sinks=[0])),
 ]
 
 
@@ -181,13 +142,11 @@ _INTERPRET_CASES = [
 @pytest.mark.parametrize("page_size,mode,case", _INTERPRET_CASES, ids=[m for _, m, _ in _INTERPRET_CASES])
 def test_prefill_e4m3_qk_interpret(rng, monkeypatch, page_size, mode, case):
     # under the Mosaic GPU interpreter: products in jnp over the same e4m3 tiles; the q split, its row scales, the
-    # barriers and the shared f16 V buffers converted by the producer as compiled (P V on e4m3: the e4m3 P tiles
-    # and the producer's e4m3 V^T buffers)
+    # barriers and the shared f16 V buffers converted by the producer as compiled
     cache_thread_programs(monkeypatch)
     args, scales, kw = _batch(rng, page_size=page_size, new=[70, 1, 0], d=64, loud=(0, 2), **case)
     out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, interpret=True)
-    errs = _check(out, args, scales, kw, mode, n_keys=max(case["ctx"]))
-    print(mode, page_size, errs)  # pytest -s
+    _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(case["ctx"]))
 
 
 def _cuda_module(page_size: int, d: int, **kernel_kw) -> str:
@@ -214,25 +173,19 @@ def _cuda_module(page_size: int, d: int, **kernel_kw) -> str:
 def test_e4m3_qk_lowers_for_cuda(mode):
     # the compiled path without a GPU: e4m3 wgmma operands (the q tiles, the K ring slot), the q split and its
     # bit-arithmetic row scales in register layouts, the producer's V conversion and its register split; pages of 64
-    # and 128 at 2 and 3 stages, head_dim 128 and 64 (64-byte swizzle); the kernel's name. P V on e4m3: the
-    # producer's transposed e4m3 store (WGMMA_TRANSPOSED registers into the V^T buffer), the e4m3 P tiles, and no
-    # f16 wgmma left (P V is e4m3 x e4m3: m64n{D}k32); otherwise P V's f16 wgmma (k16)
+    # and 128 at 2 and 3 stages, head_dim 128 and 64 (64-byte swizzle); the kernel's name
     for page_size, d, stages in [(64, 128, 2), (128, 128, 3), (64, 64, 3), (128, 64, 2)]:
         module = _cuda_module(page_size, d, fp8_products=mode, stages=stages)
         name = f"kvjax_paged_prefill_mgpu_float8_e4m3fn_{mode}_page{page_size}_d{d}_s{stages}"
         assert "mosaic_gpu" in module and "e4m3.e4m3" in module, (page_size, d, stages)  # the e4m3 x e4m3 wgmma
         assert name in module, (page_size, d, stages)
-        pv = f"m64n{d}k{32 if mode in PV_E4M3 else 16}.f32.{'e4m3.e4m3' if mode in PV_E4M3 else 'f16.f16'}"
-        assert pv in module, (page_size, d, stages)
-        assert (".f16.f16" in module) == (mode not in PV_E4M3), (page_size, d, stages)
 
 
 # the producer's V conversion under the race detector: pages of 64 and 128 with the split q, a full head (with the
 # hole) beside a SWA head with sinks; three rows (a prefill over a cached prefix, a decode row, a padding row) over
 # two programs: several items per program, so the ring and the two f16 buffers wrap, across items too; 2 and 3
 # stages (the ring must stay ahead of the conversion).
-_RACE_CASES = [(64, "e4m3x2_qk", dict(ctx=[140, 9, 0])), (128, "e4m3x2_qk", dict(ctx=[260, 9, 0])),
-               (64, "e4m3", dict(ctx=[140, 9, 0])), (128, "e4m3x2", dict(ctx=[260, 9, 0]))]
+_RACE_CASES = [(64, dict(ctx=[140, 9, 0])), (128, dict(ctx=[260, 9, 0]))]
 
 
 def _detect_races(monkeypatch):
@@ -250,8 +203,8 @@ def _detect_races(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_size,mode,case", _RACE_CASES, ids=[f"page{p}-{m}" for p, m, _ in _RACE_CASES])
-def test_prefill_fp8_stages_interpret(rng, monkeypatch, page_size, mode, case):
+@pytest.mark.parametrize("page_size,case", _RACE_CASES, ids=[f"page{p}" for p, _ in _RACE_CASES])
+def test_prefill_fp8_stages_interpret(rng, monkeypatch, page_size, case):
     # under the Mosaic GPU interpreter, with its race detector (a shared-memory read and write not ordered by a
     # barrier; its barriers also check that every waiter observes every phase): at 2 and 3 stages, no race and
     # both checks of the module doc against the float32 reference
@@ -264,9 +217,9 @@ def test_prefill_fp8_stages_interpret(rng, monkeypatch, page_size, mode, case):
     call = checked_call(args, kw, scales)
     try:
         for stages in (2, 3):
-            out = np.asarray(kernel(call, stages=stages, fp8_products=mode, interpret=True))
+            out = np.asarray(kernel(call, stages=stages, interpret=True))
             assert raced is None or not raced(), stages
-            _check(out, args, scales, kw, mode, n_keys=max(case["ctx"]))
+            _check(out, args, scales, kw, E4M3_MODES["e4m3x2_qk"], n_keys=max(case["ctx"]))
     finally:
         kernel.clear_cache()
 
@@ -284,8 +237,7 @@ def test_fp8_products_checked(rng):
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("mode", list(E4M3_MODES))
 def test_gpu_prefill_e4m3_qk(rng, mode, page_size):
-    # compiled (e4m3 wgmma from the TMA ring, V converted by the producer warpgroup into the shared f16 buffers, or
-    # transposed into the e4m3 V^T buffers for P V on e4m3 with the consumers' e4m3 P tiles): a
+    # compiled (e4m3 wgmma from the TMA ring, V converted by the producer warpgroup into the shared f16 buffers): a
     # 4096-token causal prefill beside chunked prefill over a cached prefix, a decode row and a padding row; Hq=32
     # over Hkv=8, full heads next to SWA heads with sinks; both checks of the module doc per element; the default
     # stages (2) and 3
@@ -295,5 +247,5 @@ def test_gpu_prefill_e4m3_qk(rng, mode, page_size):
                               sinks=sinks, loud=(1, 3))
     for stages in (None, 3):
         out = prefill_mgpu.paged_prefill_mgpu(checked_call(args, kw, scales), fp8_products=mode, stages=stages)
-        errs = _check(out, args, scales, kw, mode, n_keys=max(ctx), acc_rel=2.0 ** -10)
+        errs = _check(out, args, scales, kw, E4M3_MODES[mode], n_keys=max(ctx), acc_rel=2.0 ** -10)
         print(mode, page_size, stages, errs)  # pytest -s

@@ -82,25 +82,6 @@ themselves (each its half of the slot while its ``q K^T`` ran, then waiting for 
 into its own buffer) were measured slower, 1.22-1.35x and 1.40-1.66x the producer's time, and are deleted (HISTORY
 run 152).
 
-``fp8_products="e4m3x2"`` / ``"e4m3"`` (by name only: unmeasured on a GPU) take ``q K^T`` as ``"e4m3x2_qk"`` /
-``"e4m3_qk"`` and run ``P V`` on e4m3 tensor cores too (FlashAttention-3's fp8 form: half the tensor time of the f16
-``P V``). Hopper's 8-bit wgmma takes both operands K-major only, and for ``P V`` the reduction runs over keys, so the
-producer writes each V slot as e4m3 V^T (``[D, keys]``, keys contiguous) instead of f16 V: 64 keys at a time it
-loads the e4m3 rows, converts them to f16 in registers, turns the WGMMA layout into the transposed one (a shuffle,
-for 16-bit values), converts back to e4m3 (exact: the values came from e4m3) and stores them through the transposed
-ref of the V^T buffer (two buffers used in turn, 64-byte swizzle: one 64-key half a swizzle row; 32 KiB with
-head_dim 128 where the f16 buffers take 64). The same barriers as the f16 buffers. Each consumer casts
-``p * 2**P_SHIFT`` to e4m3 (``p`` already carries ``s_v / s_ref <= 1``, so at most 256 < 448; ``2**8``, the largest
-power of two that fits, keeps the most small probabilities in e4m3's normal range) into its shared P tile (64 x 128
-bytes) and multiplies it with V^T from shared memory; ``2**-P_SHIFT`` is folded into the final normalisation, the
-row sum staying f32 over the unrounded ``p``. P goes through shared memory because Mosaic GPU's wgmma takes an e4m3
-A operand in registers only in its 8-bit layout (``WGMMA_8BIT``), and ``FragmentedArray.to_layout`` has no relayout
-from the accumulator's ``WGMMA`` layout to it (``NotImplementedError: Cannot convert from ...``). P's rounding
-(relative ``2**-4``) makes ``"e4m3x2"`` about ten times less exact than ``"e4m3x2_qk"`` against the f32 reference
-over the same pages (the interpreter at T=256: 3.9e-2 against 3.9e-3; ``tests/test_paged_prefill_fp8.py`` states
-the bound); against bf16 pages the pages' own rounding still dominates (0.133 for both). The producer holds up to
-two f16 tiles while transposing (64 registers a thread, more than its 56: ptxas may spill; unmeasured).
-
 The value scales reach the probabilities relative to a running reference scale (the largest value scale
 of the walk so far, a power of two like them, so a probability is never multiplied by a tiny scale before its f16
 cast), the accumulator being kept in units of that reference and rescaled, exactly, when it grows. The backend
@@ -144,11 +125,8 @@ _FAR = 1 << 30  # key position given to a slot half that holds no page of the wa
 SUPPORTED_PAGE_SIZES = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 _V16_BUFFERS = 2  # e4m3 q: shared f16 V buffers, used in turn (module doc)
-_Q_PARTS = {"e4m3x2_qk": 2, "e4m3_qk": 1, "e4m3x2": 2, "e4m3": 1}  # e4m3 tiles that q is split into over fp8 pages
+_Q_PARTS = {"e4m3x2_qk": 2, "e4m3_qk": 1}  # e4m3 tiles that q is split into over fp8 pages
 FP8_PRODUCTS = tuple(_Q_PARTS)  # the products over fp8 pages (module doc)
-PV_E4M3_PRODUCTS = ("e4m3x2", "e4m3")  # the forms running P V on e4m3 tensor cores too (module doc)
-P_SHIFT = 8  # those forms quantise p * 2**P_SHIFT (p <= 1) to e4m3: the largest power of two below 448
-_PV_SWIZZLE = 64  # those forms' P tiles and V^T buffers: 64 keys of one byte per swizzled row
 _EXP_MASK = 0x7F800000  # an f32's exponent bits
 _Q_SHIFT = 7 << 23  # q row scale: 2**-7 times the largest power of two <= the row's max |q|
 _TINY = 2.0 ** -100  # rows below it (zeros) get scale 2**-7
@@ -192,8 +170,7 @@ def _kernel(
     *refs,  # common.operands (q [T, Hq, D] with T >= 64, K / V pages [P, page_size, D] in q's dtype or
     #         float8_e4m3fn; spans: row, first token, length, first position i32[NT] per tile, heaviest tiles
     #         first), then o_ref [T, Hq, D] and the scratch: smem (q tiles (swizzled; e4m3 q: q_parts per
-    #         consumer), q / out staging (plain rows), K ring, V ring[, fp8 pages: two f16 V buffers, or (pv8)
-    #         two e4m3 V^T buffers [D, keys] and an e4m3 P tile per consumer]), full
+    #         consumer), q / out staging (plain rows), K ring, V ring[, two f16 V buffers (fp8 pages)]), full
     #         barriers (K slot loaded, V slot loaded, q staged: a slot takes one arrival per page), free barriers
     #         (K slot free: one arrival per consumer; V slot free: one per consumer, fp8 pages: the producer's), the
     #         consumer schedule barrier[, fp8 pages: V buffer converted (by the producer), V buffer free (one arrival
@@ -206,7 +183,6 @@ def _kernel(
     stages: int,
     fp8: bool,
     q_parts: int,
-    pv8: bool,
     programs: int,
     interpret: bool,
 ):
@@ -220,7 +196,7 @@ def _kernel(
     wg = lax.axis_index("wg")
     num_tiles = tile_row_ref.shape[0]
     num_tokens, hq, head_dim = q_ref.shape
-    dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages (e4m3: pv8)
+    dtype = jnp.float16 if fp8 else q_smem.dtype  # the P V operands: q's dtype, f16 over fp8 pages
     out_dtype = io_smem.dtype
     per_slot = BLOCK_K // page_size  # pages per slot
     out_from_q = not fp8  # full boxes leave through the q tile, so q can be copied a tile ahead
@@ -253,28 +229,17 @@ def _kernel(
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    def convert_v(pairs):  # fp8: e4m3 V rows as f16 into shared memory; pairs of 64-row refs (e4m3 src, f16 dst);
-        # pv8: as e4m3 V^T (dst [D, 64 keys]): through f16 registers, whose WGMMA layout turns into the transposed
-        # one by a shuffle, stored through the transposed ref (back to e4m3: exact, the values came from e4m3)
+    def convert_v(pairs):  # fp8: e4m3 V rows as f16 into shared memory; pairs of 64-row refs (e4m3 src, f16 dst)
         for src, dst in pairs:
             if interpret:
-                dst[...] = src[...].T if pv8 else src[...].astype(jnp.float16)
-                continue
-            xv = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-            x16 = plgpu.layout_cast(xv.astype(jnp.float16), plgpu.Layout.WGMMA)
-            if pv8:
-                xt = plgpu.layout_cast(x16, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.transpose_ref(dst, (1, 0))[...] = xt.astype(FP8_DTYPE)
+                dst[...] = src[...].astype(jnp.float16)
             else:
-                dst[...] = x16
+                xv = plgpu.load(src, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                dst[...] = plgpu.layout_cast(xv.astype(jnp.float16), plgpu.Layout.WGMMA)
         if not interpret:
             plgpu.commit_smem()
 
-    def v_slot_rows(slot, buf):  # the V slot's rows and their destination (f16 rows, pv8: e4m3 V^T columns),
-        # _CONVERT_KEYS at a time
-        if pv8:
-            return [(v_smem.at[slot, pl.ds(k0, _CONVERT_KEYS)], kv16_smem[0].at[buf, :, pl.ds(k0, _CONVERT_KEYS)])
-                    for k0 in range(0, BLOCK_K, _CONVERT_KEYS)]
+    def v_slot_rows(slot, buf):  # the V slot's rows and their f16 destination, _CONVERT_KEYS at a time
         return [(v_smem.at[slot, pl.ds(k0, _CONVERT_KEYS)], kv16_smem[0].at[buf, pl.ds(k0, _CONVERT_KEYS)])
                 for k0 in range(0, BLOCK_K, _CONVERT_KEYS)]
 
@@ -357,7 +322,7 @@ def _kernel(
                 return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
             return jnp.where(key_columns() < page_size, values[0], values[1])
 
-        def wait_v16(buf):  # fp8: the f16 V operand of P V (pv8: e4m3 V^T), once the producer converted it
+        def wait_v16(buf):  # fp8: the f16 V operand of P V, once the producer converted it
             plgpu.barrier_wait(v_conv[0].at[buf])
             return kv16_smem[0].at[buf]
 
@@ -426,13 +391,7 @@ def _kernel(
                     alpha = alpha * (v_ref[0] / ref_safe)
                     v_ref = [ref_new]
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if pv8:  # P as e4m3 (p * 2**P_SHIFT) into the warpgroup's P tile: the wgmma's A operand
-                    p_tile = kv16_smem[1].at[wg]
-                    p_tile[...] = (p * float(2 ** P_SHIFT)).astype(FP8_DTYPE)
-                    if not interpret:
-                        plgpu.commit_smem()
-                else:
-                    p16 = p.astype(dtype)
+                p16 = p.astype(dtype)
                 plgpu.barrier_arrive(sched)
                 if fp8:  # the f16 V converted
                     v_op = wait_v16(buf)
@@ -441,19 +400,12 @@ def _kernel(
                     v_op = v_smem.at[slot]
                 plgpu.barrier_wait(sched)
 
-                if interpret and pv8:  # e4m3 P and V^T tiles, their product in jnp
-                    acc = acc + jnp.dot(p_tile[...].astype(jnp.float32), v_op[...].astype(jnp.float32).T,
-                                        preferred_element_type=jnp.float32)
-                    wait_next_k(j)
-                elif interpret:  # the interpreter's wgmma takes no register operand and has no run_state
+                if interpret:  # the interpreter's wgmma takes no register operand and has no run_state
                     acc = acc + jnp.dot(p16, v_op[...], preferred_element_type=jnp.float32)
                     wait_next_k(j)
                 else:
                     def pv_product(acc_ref):  # accumulates into the running accumulator
-                        if pv8:  # e4m3 x e4m3, both K-major: P rows, V^T rows of keys
-                            plgpu.wgmma(acc_ref, p_tile, plgpu.transpose_ref(v_op, (1, 0)))
-                        else:
-                            plgpu.wgmma(acc_ref, p16, v_op)
+                        plgpu.wgmma(acc_ref, p16, v_op)
                         wait_next_k(j)
 
                     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
@@ -495,8 +447,6 @@ def _kernel(
         l_safe = jnp.where(l_i > 0, l_i, 1.0)  # tokens that see no key (padding spans) get 0
         if fp8:
             l_safe = l_safe / v_ref[0]  # l_i > 0 implies a visited page, so a reference scale > 0
-        if pv8:
-            l_safe = l_safe * float(2 ** P_SHIFT)  # the accumulator sums p * 2**P_SHIFT
         out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
 
         def write_staged():  # exactly the warpgroup's rows: one 64-row copy, or two overlapping copies of 2^k rows
@@ -674,8 +624,7 @@ def paged_prefill_mgpu(
     interpreter; more than the items leaves some idle); a value other than the default compiles under its own kernel
     name. ``fp8_products``
     (fp8 pages only, module doc): ``"e4m3x2_qk"`` (q as two e4m3 tiles, ``q K^T`` on e4m3 tensor cores, V converted
-    to f16 once per slot by the producer warpgroup), ``"e4m3_qk"`` (q rounded to one e4m3 tile), or ``"e4m3x2"`` /
-    ``"e4m3"`` (the same q forms with ``P V`` on e4m3 tensor cores: P as e4m3, V transposed by the producer).
+    to f16 once per slot by the producer warpgroup) or ``"e4m3_qk"`` (q rounded to one e4m3 tile).
     ``interpret`` runs the Mosaic GPU interpreter on the CPU. Reads only; tokens of no row get 0. ``ValueError``
     for what :func:`shape_reason` rejects, for ``stages`` or ``programs`` below 1, for ``stages`` below 2 over fp8
     pages and for an unknown ``fp8_products``.
@@ -697,7 +646,6 @@ def paged_prefill_mgpu(
     if fp8 and stages < 2:  # the producer converts V: it releases a V slot itself (module doc)
         raise ValueError(f"fp8 pages need stages >= 2 (the producer converts V), got {stages}")
     q_parts = _Q_PARTS[fp8_products] if fp8 else 0
-    pv8 = fp8 and fp8_products in PV_E4M3_PRODUCTS
     spans, walks = common.tile_walks(call, TILE_TOKENS)
     num_tiles = spans[0].shape[0]
     default = default_programs(num_tiles * hq, interpret)
@@ -711,12 +659,7 @@ def paged_prefill_mgpu(
     ring_swizzle = min(SWIZZLE, d * k_pages.dtype.itemsize)  # fp8 rows of 64 values: 64-byte swizzle
     ring = (plgpu.TilingTransform((8, ring_swizzle // k_pages.dtype.itemsize)), plgpu.SwizzleTransform(ring_swizzle))
     per_slot = BLOCK_K // page_size
-    if pv8:  # e4m3 q tiles; two e4m3 V^T buffers [D, keys] used in turn, an e4m3 P tile per consumer
-        q_tiles = plgpu.SMEM((_CONSUMERS * q_parts, BLOCK_Q, d), FP8_DTYPE, transforms=ring)
-        pv = (plgpu.TilingTransform((8, _PV_SWIZZLE)), plgpu.SwizzleTransform(_PV_SWIZZLE))
-        kv16 = [plgpu.SMEM((_V16_BUFFERS, d, BLOCK_K), FP8_DTYPE, transforms=pv),
-                plgpu.SMEM((_CONSUMERS, BLOCK_Q, BLOCK_K), FP8_DTYPE, transforms=pv)]
-    elif q_parts:  # e4m3 q tiles; two f16 V buffers, used in turn
+    if q_parts:  # e4m3 q tiles; two f16 V buffers, used in turn
         q_tiles = plgpu.SMEM((_CONSUMERS * q_parts, BLOCK_Q, d), FP8_DTYPE, transforms=ring)
         kv16 = [plgpu.SMEM((_V16_BUFFERS, BLOCK_K, d), dtype, transforms=tiled)]
     else:
@@ -748,7 +691,7 @@ def paged_prefill_mgpu(
     )
     kernel = functools.partial(
         _kernel, scale=call.scale, group=hq // call.num_kv_heads, page_size=page_size, max_blocks=call.max_blocks,
-        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts, pv8=pv8,
+        num_kv_heads=call.num_kv_heads, stages=stages, fp8=fp8, q_parts=q_parts,
         programs=programs, interpret=interpret,
     )
     # Lane semantics: jax 0.11's default (Warpgroup) lowering refuses this kernel (module doc)
