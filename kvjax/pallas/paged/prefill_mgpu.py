@@ -84,7 +84,12 @@ run 152).
 
 The value scales reach the probabilities relative to a running reference scale (the largest value scale
 of the walk so far, a power of two like them, so a probability is never multiplied by a tiny scale before its f16
-cast), the accumulator being kept in units of that reference and rescaled, exactly, when it grows. The backend
+cast), the accumulator being kept in units of that reference and rescaled, exactly, when it grows. No scale costs
+an elementwise pass over a tile: each page of a slot (its column half at pages of 64) is a register slice of the
+logits, its key scale joins the row's q scale and the softmax scale in one factor per row, and its value scale
+``c`` enters the exponent (``p c = exp2(x f - m + log2 c)``; the row sum adds ``(p c) / c`` per page); ``P V`` runs
+one product per page. Multiplying the logit and probability tiles by per-column scales instead cost 8-9% of the
+kernel (HISTORY run 159). The backend
 table takes this path for fp8 pages where the shapes allow it. A third form, converting K and V to f16 in each
 consumer with f16 products, was as exact as ``"e4m3x2_qk"`` and 1.27-1.31x slower; it is deleted (HISTORY.md).
 
@@ -314,14 +319,6 @@ def _kernel(
             def _():
                 plgpu.barrier_wait(k_full.at[lax.rem(g0 + j + 1, jnp.int32(stages))])
 
-        def key_columns():
-            return iota((BLOCK_Q, BLOCK_K), 1, interpret)
-
-        def per_column(values):  # f32[BLOCK_Q, BLOCK_K]: each key column's value of its slot half's page
-            if per_slot == 1:
-                return jnp.full((BLOCK_Q, BLOCK_K), values[0], jnp.float32) if interpret else values[0]
-            return jnp.where(key_columns() < page_size, values[0], values[1])
-
         def wait_v16(buf):  # fp8: the f16 V operand of P V, once the producer converted it
             plgpu.barrier_wait(v_conv[0].at[buf])
             return kv16_smem[0].at[buf]
@@ -332,6 +329,32 @@ def _kernel(
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
             return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
+
+        def fp8_softmax(qk, m_i, l_i, v_ref, pages):
+            """The online softmax's step over fp8 pages: ``(m, alpha, [p16 per page], l, [v_ref])``. Each page's
+            logits are its column half of ``qk`` times ``f = q_scale * k_scale * qk_scale`` per row; each page's
+            value scale relative to the running reference (``c = v_scale / ref``, module doc) enters the exponent
+            (``p c = exp2(x - m + log2 c)``), so the only elementwise work is the softmax's own; ``l`` sums
+            ``p = (p c) / c`` per page. ``alpha`` rescales the accumulator (kept in units of the reference) too."""
+            k_scales = [page_scale(ks_ref, page) for page in pages]
+            v_scales = [page_scale(vs_ref, page) for page in pages]
+            ref_new = functools.reduce(jnp.maximum, v_scales, v_ref)
+            ref_safe = jnp.where(ref_new > 0, ref_new, 1.0)
+            width = BLOCK_K // per_slot
+            parts = [qk] if per_slot == 1 else [qk[:, i * width:(i + 1) * width] for i in range(per_slot)]
+            f = [q_scale * (jnp.where(ks > 0, ks, 1.0) * qk_scale) for ks in k_scales]  # f32[BLOCK_Q]: holes masked
+            row_max = functools.reduce(jnp.maximum, [x.max(axis=1) * fi for x, fi in zip(parts, f)])
+            m_new = jnp.maximum(m_i, row_max)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
+            alpha = jnp.exp2(m_i - m_use)
+            l_new, p16 = l_i * alpha, []
+            for x, fi, vs in zip(parts, f, v_scales):
+                c = jnp.where(vs > 0, vs / ref_safe, 1.0)  # a hole's columns are masked: any c
+                bias = m_use - jnp.log2(lax.broadcast_in_dim(c, m_use.shape, []))
+                pc = jnp.exp2(x * lax.broadcast_in_dim(fi, x.shape, [0]) - lax.broadcast_in_dim(bias, x.shape, [0]))
+                l_new = l_new + pc.sum(axis=1) / c
+                p16.append(pc.astype(dtype))
+            return m_new, alpha * (v_ref / ref_safe), p16, l_new, [ref_new]
 
         def step(j, carry):
             slot = lax.rem(g0 + j, jnp.int32(stages))
@@ -368,9 +391,6 @@ def _kernel(
                 else:
                     qk = pl.run_scoped(qk_product, plgpu.ACC((BLOCK_Q, BLOCK_K), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if fp8:  # q's row scale times the key column's page scale
-                    rows = [lax.broadcast_in_dim(q_scale * page_scale(ks_ref, page), qk.shape, [0]) for page in pages]
-                    qk = qk * (rows[0] if per_slot == 1 else jnp.where(key_columns() < page_size, rows[0], rows[1]))
 
                 def mask(s):
                     qpos, kcol = mask_iotas()
@@ -382,16 +402,13 @@ def _kernel(
                     return jnp.where(vis, s, -jnp.inf)
 
                 qk = lax.cond(full, lambda s: s, mask, qk)
-                m_new, alpha, p, l_i = softmax(qk, m_i, l_i)
-                if fp8:  # value scales relative to the running reference (module doc)
-                    v_scales = [page_scale(vs_ref, page) for page in pages]
-                    ref_new = functools.reduce(jnp.maximum, v_scales, v_ref[0])
-                    ref_safe = jnp.where(ref_new > 0, ref_new, 1.0)
-                    p = p * (per_column(v_scales) / ref_safe)
-                    alpha = alpha * (v_ref[0] / ref_safe)
-                    v_ref = [ref_new]
+                if fp8:  # the scales folded into the exponent, one page (a column half of the slot) at a time
+                    m_new, alpha, p16, l_i, v_ref = fp8_softmax(qk, m_i, l_i, v_ref[0], pages)
+                else:
+                    m_new, alpha, p, l_i = softmax(qk, m_i, l_i)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
+                if not fp8:
+                    p16 = [p.astype(dtype)]
                 plgpu.barrier_arrive(sched)
                 if fp8:  # the f16 V converted
                     v_op = wait_v16(buf)
@@ -400,12 +417,16 @@ def _kernel(
                     v_op = v_smem.at[slot]
                 plgpu.barrier_wait(sched)
 
+                width = BLOCK_K // len(p16)  # keys of each P part (a page of the slot over fp8 pages)
                 if interpret:  # the interpreter's wgmma takes no register operand and has no run_state
-                    acc = acc + jnp.dot(p16, v_op[...], preferred_element_type=jnp.float32)
+                    for i, part in enumerate(p16):
+                        v_rows = v_op[...] if len(p16) == 1 else v_op[i * width:(i + 1) * width]
+                        acc = acc + jnp.dot(part, v_rows, preferred_element_type=jnp.float32)
                     wait_next_k(j)
                 else:
                     def pv_product(acc_ref):  # accumulates into the running accumulator
-                        plgpu.wgmma(acc_ref, p16, v_op)
+                        for i, part in enumerate(p16):
+                            plgpu.wgmma(acc_ref, part, v_op if len(p16) == 1 else v_op.at[pl.ds(i * width, width)])
                         wait_next_k(j)
 
                     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
