@@ -20,13 +20,17 @@ hybrid's verification cost).
 Runs: for each row count (``--rows``), ``waves`` times as many copy prompts (at least ``min_requests``) of
 ``prompt_len`` tokens, ``max_new`` generated tokens each, pages for every row, each mode of :data:`MODES` (one line
 of data each): plain decoding (the engine's defaults: overlap, decode bursts), ``speculative=ngram`` with K = 2 and 4
-under the engine's default rule (:func:`kvjax.sched.spec.draft_length`: drafts shortened or turned off where the
+in single verification steps (host prompt lookup) under the engine's default rule
+(:func:`kvjax.sched.spec.draft_length`: drafts shortened or turned off where the
 step-cost model says they do not pay), K = 4 with the rule off (``flat_tokens=None``: K drafts whenever possible), and
 ``speculative=mtp`` with K = 2 and 4 under the rule (the MTP layer drafts inside every step), in single verification
 steps and in verification bursts (one dispatch runs the engine's ``decode_burst`` verify-then-draft sub-steps; also
 16 and 32 sub-steps), with the rule off, and with the rule's flat region measured in the run (plain decoding runs
 first at every row count; its time per sub-step against the rows gives the region,
-:func:`~kvjax.experiments.spec_runs.flat_tokens_from`); ``--modes`` picks lines. Each engine serves the
+:func:`~kvjax.experiments.spec_runs.flat_tokens_from`), and ``speculative=ngram`` K = 4 in verification bursts of 32
+with the measured rule (sub-step 0's drafts the host's lookup, the later ones the same lookup on the device:
+:mod:`kvjax.engine.ngram`); ``--modes`` picks lines (the burst comparison: ``--modes "plain,plain burst 32,mtp K={k}
+burst 32 measured rule,ngram K={k} burst 32 measured rule"``). Each engine serves the
 prompts once to compile, then ``repeats`` times timed (5 on the GPU recipe), each line's figures from its median
 pass by wall (single passes of ~0.1 s moved by 15-25% between runs). Columns: generated tokens/s (wall clock of the timed pass) and against
 plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft position),
@@ -71,20 +75,24 @@ SMOKE = dict(task=dict(vocab=32, length=24, min_period=3, max_period=6), model=d
 
 
 # The modes run at each row count, one line each: (name, ``SpeculativeConfig`` fields or None for plain decoding,
-# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"[, the largest row count it
-# runs at]). "mtp K={k}" verifies in single steps (decode_burst=1); "burst" lines verify in bursts of the engine's
-# default length (an MTP engine's default), "burst 16" / "burst 32" in bursts of that many sub-steps. ``flat_tokens=
-# MEASURED``: the rule's flat region measured in this run from plain decoding's sub-step times at every row count
-# (:func:`kvjax.experiments.spec_runs.flat_tokens_from`; the default where they do not grow). "plain burst 32": plain
-# decoding in bursts as long as the longest verification bursts. "rule off" and "measured rule" lines draft at any row
-# count (``disable_by_batch_size=None``); the others keep its default (no drafts above 16 rows); "off above 16 rows"
-# names it (16).
+# further Engine settings, K: "each" of cfg["ks"] (``{k}`` in the name) or their "max"[, the largest row count it runs
+# at]). "ngram K={k}" and "mtp K={k}" verify in single steps (decode_burst=1); "burst" lines (either drafter: n-gram
+# bursts draft their later sub-steps by prompt lookup on the device, kvjax.engine.ngram) verify in bursts of the
+# engine's default length (an MTP engine's default), "burst 16" / "burst 32" in bursts of that many sub-steps.
+# ``flat_tokens=MEASURED``: the rule's flat region measured in this run from plain decoding's sub-step times at every
+# row count (:func:`kvjax.experiments.spec_runs.flat_tokens_from`; the default where they do not grow). "plain burst
+# 32": plain decoding in bursts as long as the longest verification bursts. "rule off" and "measured rule" lines draft
+# at any row count (``disable_by_batch_size=None``); the others keep its default (no drafts above 16 rows); "off above
+# 16 rows" names it (16).
 MEASURED = "measured"
 MODES = (
     ("plain", None, {}, None),
     ("plain burst 32", None, dict(decode_burst=32), None, 64),
-    ("ngram K={k}", dict(method="ngram"), {}, "each"),
-    ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None, disable_by_batch_size=None), {}, "max"),
+    ("ngram K={k}", dict(method="ngram"), dict(decode_burst=1), "each"),
+    ("ngram K={k} rule off", dict(method="ngram", flat_tokens=None, disable_by_batch_size=None), dict(decode_burst=1),
+     "max"),
+    ("ngram K={k} burst 32 measured rule", dict(method="ngram", flat_tokens=MEASURED, disable_by_batch_size=None),
+     dict(decode_burst=32), "max"),
     ("mtp K={k}", dict(method="mtp"), dict(decode_burst=1), "each"),
     ("mtp K={k} burst", dict(method="mtp"), dict(decode_burst="auto"), "each"),
     ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None, disable_by_batch_size=None),

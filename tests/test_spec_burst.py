@@ -1,4 +1,5 @@
-"""Verification bursts (issue 36): an engine drafting with the MTP layer and ``decode_burst = S`` runs, where every
+"""Verification bursts (issue 36): an engine drafting with the MTP layer (or by prompt lookup, ``"ngram"``: sub-step 0's
+drafts the host's, later ones the device's lookup) and ``decode_burst = S`` runs, where every
 running row decodes and no request could be admitted, ``S`` verification sub-steps in one dispatch
 (:func:`kvjax.engine.verify.verify_burst`; host: :func:`kvjax.sched.burst.schedule_verify_burst`,
 :func:`kvjax.sched.spec.resolve`).
@@ -55,12 +56,13 @@ def trained():
     return model, prompts, greedy_oracle(model, prompts, NEW)
 
 
-def burst_engine(model, K: int, cache: CacheConfig = CACHE, **kw) -> Engine:
+def burst_engine(model, K: int, cache: CacheConfig = CACHE, method: str = "mtp", **kw) -> Engine:
     kw = {"flat_tokens": None, **kw}
     flat = kw.pop("flat_tokens")
     return Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET, decode_burst=BURST,
-                  speculative=SpeculativeConfig(method="mtp", num_draft_tokens=K, flat_tokens=flat,
-                                                disable_by_batch_size=None), **ONE_BUCKET, **kw)
+                  speculative=SpeculativeConfig(method=method, num_draft_tokens=K, flat_tokens=flat,
+                                                disable_by_batch_size=None),
+                  **dict(ONE_BUCKET, block_buckets=(cache.max_blocks_per_seq,)), **kw)
 
 
 def verify_bursts(eng: Engine) -> list:
@@ -117,6 +119,64 @@ def test_greedy_equals_oracle_in_verification_bursts(trained, K, monkeypatch):
         assert_idle(eng)
     # rows run several sub-steps: a burst verifies more rows' drafts than it has rows
     assert any(r.verify_rows > r.num_seqs for r in bursts)
+
+
+NGRAM_NEW = 30  # the chains' period shows up in the prompts and outputs: prompt lookup finds drafts every sub-step
+NGRAM_CACHE = dataclasses.replace(CACHE, num_pages=30, max_blocks_per_seq=12)  # ~2.5 rows of 43 tokens: preemption
+
+
+@pytest.fixture(scope="module")
+def ngram_case(trained):
+    """Prompts from the chains of short cycles (their continuations repeat within a few tokens: prompt lookup finds
+    drafts) and their greedy continuations."""
+    model, prompts, _ = trained
+    prompts = prompts[:4] + [prompts[1][3:10], prompts[3][1:7]]
+    return prompts, greedy_oracle(model, prompts, NGRAM_NEW)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_ngram_drafts_verify_in_bursts(trained, ngram_case, K, monkeypatch):
+    """``speculative="ngram"`` verifies in bursts: sub-step 0's drafts the host lookup's, the later sub-steps' the
+    same lookup on the device over the rows' histories grown inside the burst (:mod:`kvjax.engine.ngram`). Greedy
+    tokens equal the oracle with timely recycling on a pool that preempts; at K = 2 with prefix caching, two aborts
+    and a fault inside a burst; later sub-steps verify drafts (only the device made those), mostly accepted."""
+    model = trained[0]
+    prompts, ngram_expect = ngram_case
+    applied = applied_counts(monkeypatch)
+    later = []  # drafts verified by a burst's sub-steps after the first
+    counted = spec._record
+
+    def record(sched, plan, k, a):
+        if plan.spec_steps and plan.step == getattr(record, "step", None):
+            later.append(int(k.sum()))
+        record.step = plan.step
+        counted(sched, plan, k, a)
+
+    monkeypatch.setattr(spec, "_record", record)
+    eng = burst_engine(model, K, NGRAM_CACHE, method="ngram", prefix_caching=K == 2, debug=K == 2)
+    assert eng.decode_burst == BURST and eng.runner.ngram == (3, 1) and eng.runner.head is None
+    if K == 2:
+        stream_aborting(eng, prompts, NGRAM_NEW, ngram_expect)
+        assert eng.metrics.summary()["prefix_hit_tokens"] > 0
+    else:
+        assert eng.generate(prompts, NGRAM_NEW) == ngram_expect
+    recs = verify_bursts(eng)
+    assert recs and sum(later) > 0, later
+    for r in recs:
+        assert [r.computed, r.row_steps] == applied[r.step], r
+        assert r.computed == r.row_steps + r.drafts_proposed and r.generated <= r.computed, r
+    s = eng.metrics.summary()
+    assert s["preemptions"] > 0 and s["acceptance_rate"] > 0.5, s
+    assert eng.num_traces <= 4
+    if K == 2:
+        eng.clear_prefix_cache()
+    assert_idle(eng)
+    if K == 2:
+        n = len(verify_bursts(eng))  # up to a new burst: the next step faults
+        fault_midway(monkeypatch, eng, prompts[:3], NGRAM_NEW, ngram_expect[:3],
+                     lambda: len(verify_bursts(eng)) > n and eng.metrics.records[-1].burst > 1)
+        eng.clear_prefix_cache()
+        assert_idle(eng)
 
 
 def test_an_abort_and_a_fault_inside_a_burst(trained, monkeypatch):

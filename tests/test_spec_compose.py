@@ -1,6 +1,7 @@
 """Speculative decoding with the engine's other features: prefix caching (GDN checkpoints never taken from a rejected
 state), timely recycling and preemption, aborts, stop ids inside accepted drafts, faults mid-step; what it turns
-off (overlap, bursts) and refuses (the MTP drafter without MTP layers); its metrics; the command line's flags.
+off (overlap; bursts for a drafter other than "ngram" / "mtp") and refuses (the MTP drafter without MTP layers);
+its metrics; the command line's flags.
 
 Oracle: uncached greedy decoding (``greedy_oracle``), truncated after the first stop id where one is set. Model:
 the tiny f32 Qwen3.5 with an SWA head. Drafts: the true continuation with a corrupted token half of the time
@@ -103,10 +104,15 @@ def test_fault_mid_step_recovers(qwen, shared, monkeypatch, point):
     assert_idle(eng)
 
 
-def test_speculation_runs_synchronously_without_bursts(qwen):
+def test_speculation_runs_synchronously_bursts_with_ngram_and_mtp_only(qwen, shared):
+    """No overlap; prompt lookup verifies in bursts (its device lookup, kvjax.engine.ngram), a drafter object of
+    another kind in single steps."""
     eng = Engine(qwen, SMALL, speculative="ngram", overlap=True, decode_burst=8)
-    assert (eng.overlap, eng.decode_burst) == (False, 1)
+    assert (eng.overlap, eng.decode_burst) == (False, 8) and eng.runner.ngram == (3, 1)
     assert eng.options.speculative == SpeculativeConfig()
+    prompts, expect = shared
+    eng = Engine(qwen, SMALL, speculative=OracleDrafter(prompts, expect, K), overlap=True, decode_burst=8)
+    assert (eng.overlap, eng.decode_burst) == (False, 1) and eng.runner.ngram is None
     with pytest.raises(ValueError, match="speculative"):
         Engine(qwen, SMALL, speculative="mtp")
 

@@ -4,7 +4,8 @@ Oracles: uncached greedy decoding (``greedy_oracle``) and the plain engine. Mode
 head (GDN + conv state rollback; timely recycling on a pool small enough to preempt) and the tiny DeepSeek-V3.2 (MLA
 + DSA). Drafters: prompt lookup (n-gram; on random models most drafts are rejected) and an oracle drafter that
 proposes the true greedy continuation with one token corrupted at a random position, so that rows accept every
-number of drafts from 0 to K (the rollback to each position is exercised).
+number of drafts from 0 to K (the rollback to each position is exercised). Prompt lookup in single steps (the host
+drafter) on Qwen3.5; on DeepSeek at K = 2 in verification bursts (later sub-steps drafted by the device's lookup).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def spec_engine(model, speculative, **kw) -> Engine:
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_greedy_ngram_equals_oracle_qwen(qwen, case, K):
     prompts, expect = case
-    eng = spec_engine(qwen, SpeculativeConfig(num_draft_tokens=K), debug=True)
+    eng = spec_engine(qwen, SpeculativeConfig(num_draft_tokens=K), debug=True, decode_burst=1)  # the host lookup
     assert not eng.overlap and eng.decode_burst == 1
     assert eng.generate(prompts, NEW) == expect
     s = eng.metrics.summary()
@@ -100,8 +101,12 @@ def test_greedy_equals_oracle_deepseek(K):
     expect = greedy_oracle(model, prompts, 7)
     cache = CacheConfig(page_size=4, num_pages=20, max_seqs=4, max_blocks_per_seq=8)
     for drafter in (SpeculativeConfig(num_draft_tokens=K), OracleDrafter(prompts, expect, K, seed=K)):
-        eng = Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET,
+        # prompt lookup verifies in bursts (later sub-steps' drafts the device's lookup); at K = 2 only (compile time)
+        lookup = isinstance(drafter, SpeculativeConfig) and K == 2
+        eng = Engine(model, cache, recycle="timely", max_num_batched_tokens=BUDGET, decode_burst=8 if lookup else 1,
                      cache_options={"indexer_fp8": False}, speculative=drafter, debug=True)
         assert eng.generate(prompts, 7) == expect
         assert eng.metrics.summary()["drafts_proposed"] > 0
+        if lookup:
+            assert any(r.burst > 1 and r.verify_rows for r in eng.metrics.records)
         assert_idle(eng)

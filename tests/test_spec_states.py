@@ -1,7 +1,8 @@
 """Speculative decoding's rollback pieces against independent references: the per-position GDN and conv states
 (:mod:`kvjax.ops.spec_states`) equal the final states of the recurrent / conv references run over each prefix of
 the row; :func:`kvjax.state.gdn_spec.commit` writes exactly the accepted position's states into the rows' slots; the
-n-gram drafter proposes the continuation of the latest earlier occurrence of the longest matching suffix."""
+n-gram drafter proposes the continuation of the latest earlier occurrence of the longest matching suffix, and its
+device form (:mod:`kvjax.engine.ngram`, a verification burst's lookup) proposes exactly the host drafter's drafts."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvjax.config import GDNConfig
+from kvjax.engine import ngram
 from kvjax.ops.conv import causal_conv1d_reference
 from kvjax.ops.gdn import DeltaRuleCall, recurrent_gated_delta_rule_reference
 from kvjax.ops.spec_states import verify_conv_states, verify_ssm_states
@@ -123,6 +125,35 @@ def test_ngram_drafter():
     assert d.propose(np.array([9, 1, 2, 9]), 3).tolist() == [1, 2, 9]  # the 1-gram (9) after no 2-gram
     assert d.propose(np.array([9, 1, 9]), 5).tolist() == [1, 9]  # the continuation runs to the end
     assert d.propose(np.array([3]), 3).tolist() == []
+
+
+@pytest.mark.parametrize("K, max_ngram, min_ngram", [(1, 3, 1), (4, 3, 1), (3, 2, 2), (5, 4, 2)])
+def test_device_lookup_proposes_the_host_drafters_drafts(K, max_ngram, min_ngram):
+    """Random histories (small vocabularies: many repeats; lengths 0..L, the last ones full) through
+    :func:`kvjax.engine.ngram.lookup` give, row by row, :class:`NgramDrafter`'s drafts then ``-1``; ``append`` then
+    ``lookup`` equals the host drafter on the grown tokens."""
+    rng = np.random.default_rng(K * 10 + max_ngram)
+    host = NgramDrafter(K, max_ngram, min_ngram)
+    B, L = 64, 40
+    hist = np.where(np.arange(B)[:, None] % 2, rng.integers(0, 3, (B, L)), rng.integers(0, 8, (B, L))).astype(np.int32)
+    length = np.concatenate([rng.integers(0, L + 1, B - 4), np.full(4, L)]).astype(np.int32)
+    tokens = rng.integers(0, 3, (B, 3)).astype(np.int32)
+    count = np.where(length <= L - 3, rng.integers(0, 4, B), 0).astype(np.int32)
+    grown, grown_len = jax.jit(ngram.append)(jnp.asarray(hist), jnp.asarray(length), jnp.asarray(tokens),
+                                             jnp.asarray(count))
+    assert (np.asarray(grown_len) == length + count).all()
+    for h, n in ((hist, length), (np.asarray(grown), np.asarray(grown_len))):
+        got = np.asarray(jax.jit(ngram.lookup, static_argnums=(2, 3, 4))(jnp.asarray(h), jnp.asarray(n), K,
+                                                                           max_ngram, min_ngram))
+        for b in range(B):
+            want = host.propose(h[b, : n[b]], K).tolist()
+            assert got[b].tolist() == want + [-1] * (K - len(want)), (b, h[b, : n[b]].tolist(), got[b], want)
+    for b in range(B):  # the appended tokens follow the history; nothing past them changed
+        row = np.asarray(grown)[b]
+        assert row[length[b]: length[b] + count[b]].tolist() == tokens[b, : count[b]].tolist()
+        assert (np.delete(row, np.arange(length[b], length[b] + count[b])) ==
+                np.delete(hist[b], np.arange(length[b], length[b] + count[b]))).all()
+    assert (np.asarray(ngram.leading(jnp.array([[3, -1, 4], [1, 2, 0], [-1, -1, -1]], jnp.int32))) == [1, 3, 0]).all()
 
 
 def test_speculative_config_checks():

@@ -255,8 +255,9 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--speculative", choices=METHODS,
                     help="speculative decoding (Engine(speculative=)): decoding rows verify up to "
                          "--num-draft-tokens drafts per step (ngram: prompt lookup; mtp: the model's MTP layers, "
-                         "with --mtp); ngram runs synchronously without bursts, mtp verifies in bursts of "
-                         "--decode-burst sub-steps; both run on a mesh (--mesh / --devices)")
+                         "with --mtp); both verify in bursts of --decode-burst sub-steps (ngram: the first "
+                         "sub-step's drafts looked up on the host, later ones on the device); both run on a mesh "
+                         "(--mesh / --devices)")
     ap.add_argument("--num-draft-tokens", metavar="K", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                     help=f"with --speculative: drafts per verification row at most (1..{MAX_DRAFT_TOKENS}; default 4)")
     ap.add_argument("--mtp", action="store_true",

@@ -53,6 +53,7 @@ from kvjax.engine.pipeline import StepPipeline
 from kvjax.engine.setup import settle
 from kvjax.models.interface import CausalLM
 from kvjax.errors import RequestTooLongError
+from kvjax.sched.drafter import ngram_sizes
 from kvjax.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,9 @@ class Engine:
                  **settings: Any) -> None:
         setup = settle(model, cache_config, mesh, tokenizer, options, settings)
         o = self.options = setup.options
-        # a host drafter's verification steps are single steps; the MTP drafter's run in verification bursts
-        self.decode_burst = o.burst if o.speculative is None or getattr(setup.drafter, "from_step", False) else 1
+        # "mtp" and "ngram" verify in verification bursts; another drafter object's verification steps are single steps
+        bursts = getattr(setup.drafter, "from_step", False) or ngram_sizes(setup.drafter) is not None
+        self.decode_burst = o.burst if o.speculative is None or bursts else 1
         self.drafter = setup.drafter  # kvjax.sched.drafter
         self.model, self.sharded = model, setup.sharded
         sharded = setup.sharded
@@ -120,7 +122,7 @@ class Engine:
         self.runner = Runner(model, sharded, max_seqs=cache_config.max_seqs, burst=self.decode_burst,
                              max_traces=o.max_traces,
                              spec=0 if o.speculative is None else o.speculative.num_draft_tokens,
-                             head=setup.draft_head)
+                             head=setup.draft_head, ngram=ngram_sizes(setup.drafter))
         self.host_store = self._host_store() if prefix is not None and prefix.host_bytes else None  # the tier's data
         if self.host_store is not None:  # every step argument committed alike (see _init_caches)
             self.runner.no_tokens = self.host_store.on_device(self.runner.no_tokens)

@@ -39,6 +39,8 @@ class SampleInputs:
     spec_cap: jax.Array | None = None  # i32[B]: the drafts a verification burst's later sub-steps verify at most
     next_ids: jax.Array | None = None  # i32[B]: the known token after each row's last step token; -1: the sampled
     # one (steps of an engine that drafts on the device: kvjax.engine.drafting)
+    history: jax.Array | None = None  # i32[B, L]: each row's known tokens (a verification burst's n-gram lookup)
+    history_len: jax.Array | None = None  # i32[B]: their count (kvjax.engine.ngram)
 
 
 @jax.tree_util.register_dataclass
@@ -90,7 +92,8 @@ class PackLayout:
                             temperature=out["temperature"], top_k=out["top_k"], top_p=out["top_p"],
                             prev_index=out["prev_index"], burst_len=out.get("burst_len"),
                             draft_len=out.get("draft_len"), next_ids=out.get("next_ids"),
-                            spec_span=out.get("spec_span"), spec_cap=out.get("spec_cap"))
+                            spec_span=out.get("spec_span"), spec_cap=out.get("spec_cap"),
+                            history=out.get("history"), history_len=out.get("history_len"))
         copies = CheckpointCopies(out["ckpt_restore"], out["ckpt_save"]) if self.checkpoints else None
         return inputs, rows, copies
 
@@ -107,7 +110,8 @@ def decode_only(plans: Sequence[StepPlan], use_decode_path: bool) -> bool:
 def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, decode_only: bool = False,
                checkpoints: bool = False, burst: int = 1, page_size: int = 0,
                page_base: np.ndarray | None = None, spec: int = 0,
-               next_ids: Sequence[np.ndarray] | None = None, draft: bool = False) -> tuple[np.ndarray, PackLayout]:
+               next_ids: Sequence[np.ndarray] | None = None, draft: bool = False,
+               history: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[np.ndarray, PackLayout]:
     """One ``i32[D, N]`` host buffer, row ``d`` holding every input of the step of data shard ``d``'s plan (the
     plans padded to one shape: :meth:`kvjax.engine.runner.Runner.shape`), and its :class:`PackLayout`. Each field is
     stacked over the shards and written once (no per-shard packing).
@@ -126,7 +130,8 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
     ``spec_span``) every plan packs ``spec_span`` and ``spec_cap`` (its ``spec_k`` on its real rows) instead of
     ``burst_len``. ``next_ids`` (an engine that drafts on the device): per plan ``i32[B]``, the known token after
     each row's last step token (:func:`kvjax.sched.spec.next_tokens`). ``draft``: the layout's flag (the step runs
-    the MTP drafter)."""
+    the MTP drafter). ``history`` (a verification burst with the n-gram lookup on the device): per plan ``(i32[B, L],
+    i32[B])``, its rows' known tokens and their count (:func:`kvjax.sched.spec.histories`; one ``L`` for all)."""
     if burst > 1 and page_size < 1:
         raise ValueError(f"a decode burst of {burst} sub-steps needs the cache's page_size, got {page_size}")
     longest = max(p.burst for p in plans)
@@ -167,6 +172,9 @@ def pack_plans(plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarr
         arrays["draft_len"] = stack([p.draft_len if p.draft_len is not None else np.zeros(B, np.int32) for p in plans])
     if next_ids is not None:
         arrays["next_ids"] = stack([np.asarray(x, np.int32) for x in next_ids])
+    if history is not None:
+        arrays["history"] = stack([np.asarray(h, np.int32) for h, _ in history])
+        arrays["history_len"] = stack([np.asarray(n, np.int32) for _, n in history])
     shapes = {name: a.shape if D == 1 else a.shape[1:] for name, a in arrays.items()}
     sizes = {name: -(-(a.size // D) // PACK_ALIGN) * PACK_ALIGN for name, a in arrays.items()}
     buf = np.zeros((D, sum(sizes.values())), np.int32)

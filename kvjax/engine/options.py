@@ -103,8 +103,9 @@ class EngineOptions:
       :class:`~kvjax.sched.drafter.SpeculativeConfig` (method, ``num_draft_tokens`` K, n-gram sizes) or a
       :class:`~kvjax.sched.drafter.Drafter` object; stored as a ``SpeculativeConfig`` or ``None``. Decoding rows
       verify up to K drafts in one step (:mod:`kvjax.engine.verify`); the engine then runs synchronously (a step's
-      drafts continue the previous step's accepted tokens), whatever ``overlap`` says, and a host drafter without
-      decode bursts (the MTP drafter verifies in bursts of ``decode_burst`` sub-steps). Both run on a mesh too (every
+      drafts continue the previous step's accepted tokens), whatever ``overlap`` says; ``"ngram"`` and ``"mtp"``
+      verify in bursts of ``decode_burst`` sub-steps (n-gram: the later sub-steps' drafts looked up on the device,
+      :mod:`kvjax.engine.ngram`), a drafter object of another kind without decode bursts. Both run on a mesh too (every
       data shard's decoding rows verify in the same step; ``"mtp"``: the MTP layer split like the model's layers,
       each data shard drafting for its own rows; give the model itself with ``mesh=``, not a ``ShardedModel``).
     """

@@ -160,9 +160,13 @@ class StepPipeline:
             samplings = [table.rows(p, outputs.tracked) for table, p in zip(self.sampling, shaped)]
             greedy_only = not any(bool((s["temperature"] > 0).any()) for s in samplings)
             nxt = [spec.next_tokens(s, p) for s, p in zip(scheds, shaped)] if self.runner.head is not None else None
+            hist = None
+            if self.runner.ngram is not None and any(p.spec_span is not None for p in shaped):  # once per burst
+                width = spec.history_width(scheds, shaped)
+                hist = [spec.histories(s, p, width) for s, p in zip(scheds, shaped)]
             buf, layout = self.runner.pack(shaped, samplings, page_base=page_base, page_size=c.page_size,
                                            use_decode_path=self.use_decode_path, checkpoints=self.prefix_caching,
-                                           next_ids=nxt)
+                                           next_ids=nxt, history=hist)
             if self.debug:
                 for inputs, groups in self.runner.device_inputs(shaped, page_base, c.num_pages, c.page_size,
                                                                 self.use_decode_path):

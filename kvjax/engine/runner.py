@@ -95,14 +95,16 @@ def device_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked
 
 def layout_step(model_step: Callable, params: Any, caches: ModelCaches, unpacked: tuple, prev_tokens: jax.Array,
                 layout: PackLayout, greedy_only: bool, *, unroll: bool, drafting: Drafting | None,
-                localize: Callable[[StepInputs], StepInputs] | None = None
+                localize: Callable[[StepInputs], StepInputs] | None = None, ngram: tuple[int, int] | None = None
                 ) -> tuple[jax.Array | StepTokens, ModelCaches]:
     """One device's step of whatever ``layout`` packs (traceable; on a mesh, one data shard's under ``shard_map``):
-    a verification burst (:func:`~kvjax.engine.verify.verify_burst`, always with the MTP ``drafting``), a
+    a verification burst (:func:`~kvjax.engine.verify.verify_burst`, with the MTP ``drafting``, or without it the
+    n-gram lookup of sizes ``ngram``), a
     verification step (:func:`~kvjax.engine.verify.verify_step`) or an ordinary step or decode burst
     (:func:`device_step`), the last two drafting where the rule drafts (``layout.draft``)."""
     if layout.spec and layout.burst > 1:
-        return verify_burst(model_step, params, caches, unpacked, layout, greedy_only, drafting, localize=localize)
+        return verify_burst(model_step, params, caches, unpacked, layout, greedy_only, drafting, localize=localize,
+                            ngram=ngram)
     drafts = drafting if layout.draft else None  # the MTP layer runs where the rule drafts
     if layout.spec:  # rows of a data shard without drafts: draft_len 0
         return verify_step(model_step, params, caches, unpacked, prev_tokens, layout, greedy_only, drafting=drafts,
@@ -134,11 +136,13 @@ class Runner:
     """
 
     def __init__(self, model: Any, sharded: ShardedModel | None, *, max_seqs: int, burst: int,
-                 max_traces: int | None = None, spec: int = 0, head: Any = None) -> None:
+                 max_traces: int | None = None, spec: int = 0, head: Any = None,
+                 ngram: tuple[int, int] | None = None) -> None:
         self.sharded = sharded
         self.max_seqs, self.burst = max_seqs, burst
         self.spec = spec  # K of speculative decoding's verification steps (kvjax.engine.verify); 0: none
         self.head = head  # the MTP layers every step drafts K tokens with (kvjax.engine.drafting); None: none
+        self.ngram = ngram  # (max_ngram, min_ngram): verification bursts draft by lookup (kvjax.engine.ngram); None
         self.counter = TraceCounter("engine step", max_traces)
         if sharded is None:
             graphdef, params = nnx.split(model)
@@ -188,7 +192,7 @@ class Runner:
                                f"draft={layout.draft}")
             if sharded is None:
                 return layout_step(model_step, leaves, caches, layout.unpack(buf), prev_tokens, layout, greedy_only,
-                                   unroll=unroll, drafting=drafting)
+                                   unroll=unroll, drafting=drafting, ngram=ngram)
             return self._on_mesh(model_step, leaves, caches, buf, prev_tokens, layout, greedy_only, unroll, drafting)
 
         self._fn = jax.jit(step, donate_argnums=(1,), static_argnums=(4, 5))
@@ -247,7 +251,8 @@ class Runner:
         def local(leaves, caches, unpacked, prev):
             unpacked = jax.tree.map(lambda x: x[0], unpacked)  # this data shard's inputs
             tokens, new = layout_step(model_step, leaves, sharded.local_caches(caches), unpacked, prev[0], layout,
-                                      greedy_only, unroll=unroll, drafting=drafting, localize=localize)
+                                      greedy_only, unroll=unroll, drafting=drafting, localize=localize,
+                                      ngram=self.ngram)
             return jax.tree.map(lambda x: x[None], tokens), sharded.global_caches(new)
 
         # the packed buffer is unpacked in the global view (slices of the data-sharded i32[D, N]: no communication),
@@ -275,7 +280,9 @@ class Runner:
 
     def pack(self, plans: Sequence[StepPlan], samplings: Sequence[dict[str, np.ndarray]], *, page_base: np.ndarray,
              page_size: int, use_decode_path: bool, checkpoints: bool,
-             next_ids: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray | jax.Array, PackLayout]:
+             next_ids: Sequence[np.ndarray] | None = None,
+             history: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+             ) -> tuple[np.ndarray | jax.Array, PackLayout]:
         """The step's packed inputs from the shaped plans (:meth:`shape`) and their rows' sampling arrays
         (:func:`~kvjax.engine.inputs.pack_plans`): ``i32[N]`` numpy on one device, ``i32[D, N]`` placed over
         ``"data"`` on a mesh, and the layout. A burst step (some plan has ``burst_len``, or ``spec_span``: a
@@ -283,7 +290,9 @@ class Runner:
         drafts (``layout.spec = K``); a runner with MTP layers drafts where some plan's ``spec_k > 0``. Page ids
         become local to each device's pool (``page_base``: ``i64[Hkv]``, the first global page id
         of each KV head's pool). ``next_ids``: per plan ``i32[B]``, the known token after each row's step tokens
-        (a drafting runner: :func:`kvjax.sched.spec.next_tokens`)."""
+        (a drafting runner: :func:`kvjax.sched.spec.next_tokens`). ``history``: per plan ``(i32[B, L], i32[B])``, the
+        rows' known tokens of a verification burst that drafts by n-gram lookup (:func:`kvjax.sched.spec.histories`;
+        packed only for a verification burst)."""
         vburst = any(p.spec_span is not None for p in plans)
         burst = self.burst if vburst or any(p.burst_len is not None for p in plans) else 1
         spec = self.spec if any(p.draft_len is not None for p in plans) else 0
@@ -293,7 +302,8 @@ class Runner:
                                  decode_only=decode_only(plans, use_decode_path) and not vburst,
                                  checkpoints=checkpoints, burst=burst, page_size=page_size, page_base=page_base,
                                  spec=spec, next_ids=next_ids,
-                                 draft=self.head is not None and any(p.spec_k > 0 for p in plans))
+                                 draft=self.head is not None and any(p.spec_k > 0 for p in plans),
+                                 history=history if vburst and spec else None)
         if self.sharded is None:
             return buf[0], layout
         return jax.device_put(buf, self._buf_sharding), layout

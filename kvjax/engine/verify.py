@@ -20,8 +20,10 @@ GDN layers run it through the chunked kernel. :func:`verify_step`, inside the ji
 
 GDN checkpoint copies (prefix caching) run as in :func:`kvjax.engine.runner.device_step`.
 
-Verification bursts (:func:`verify_burst`, ``layout.burst = S > 1`` with ``layout.spec = K``; the MTP drafter,
-see "Verification bursts" in :mod:`kvjax.sched.spec`): ``S`` sub-steps of steps 1-3 and 5 in one dispatch. Each
+Verification bursts (:func:`verify_burst`, ``layout.burst = S > 1`` with ``layout.spec = K``; the MTP drafter or
+the n-gram lookup on the device, see "Verification bursts" in :mod:`kvjax.sched.spec`): ``S`` sub-steps of steps 1-3
+and 5 (or the lookup over each row's history grown by its accepted tokens, :mod:`kvjax.engine.ngram`) in one
+dispatch. Each
 row carries its position ``p`` (its last token's), its ``K + 1`` tokens (last token, drafts) and its draft count
 ``k``; sub-step ``j`` packs the live rows' ``1 + k`` tokens ragged on the plan's token axis (``K + 1`` per row
 within the budget; a new slot mapping from the block tables, which cover the row's ``spec_span`` positions),
@@ -29,8 +31,8 @@ verifies them, and moves the row to ``p + a + 1`` with the bonus token and the `
 being ``min(spec_cap, last allocated position - p)`` (trimmed to the token axis from the last row). A row past
 its allocation is padding from then on (no tokens, slot 0, nothing written). Returns ``StepTokens(i32[S * B * (K +
 2)], drafts i32[B, K])``: per sub-step and row ``t_0 .. t_k``, ``-1`` past them, then ``a`` (``-1``: the row did not
-run), and the drafts of each row's last sub-step. Sampling keys are those of single verification steps (each
-position's token count).
+run), and the drafts of each row's last sub-step (with the n-gram lookup the tokens alone). Sampling keys are those
+of single verification steps (each position's token count).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.base.ragged import token_rows
+from kvjax.engine import ngram as ngram_lib
 from kvjax.engine import sampling
 from kvjax.engine.burst import slot_mapping
 from kvjax.engine.drafting import Drafting, StepTokens, draft
@@ -116,15 +119,21 @@ def _verify(model_step: Callable, params, caches: ModelCaches, inputs: StepInput
 
 
 def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tuple, layout: PackLayout,
-                 greedy_only: bool, drafting: Drafting, localize: Callable[[StepInputs], StepInputs] | None = None
-                 ) -> tuple[StepTokens, ModelCaches]:
+                 greedy_only: bool, drafting: Drafting | None,
+                 localize: Callable[[StepInputs], StepInputs] | None = None, ngram: tuple[int, int] | None = None
+                 ) -> tuple[StepTokens | jax.Array, ModelCaches]:
     """A verification burst (traceable; see "Verification bursts" in the module docstring): ``layout.burst``
-    sub-steps of :func:`_verify` with the MTP drafter, each row's drafts of sub-step ``j > 0`` the ones sub-step
-    ``j - 1`` made. ``unpacked``: the plan of sub-step 0 (every row its last token and ``draft_len`` drafts, the
-    token axis ``T`` holding ``K + 1`` tokens per row within the budget) with ``spec_span`` and ``spec_cap``.
+    sub-steps of :func:`_verify`, each row's drafts of sub-step ``j > 0`` the ones made after sub-step ``j - 1``: by
+    the MTP drafter (``drafting``), or, with ``ngram = (max_ngram, min_ngram)`` and no ``drafting``, by the n-gram
+    lookup (:func:`kvjax.engine.ngram.lookup`) over each row's history (``rows.history`` / ``history_len``: its
+    known tokens at sub-step 0, carried through the scan, each sub-step's accepted drafts and bonus token appended),
+    a sub-step's ``k`` capped at the drafts found. ``unpacked``: the plan of sub-step 0 (every row its last token
+    and ``draft_len`` drafts, the token axis ``T`` holding ``K + 1`` tokens per row within the budget) with
+    ``spec_span`` and ``spec_cap``.
     The sub-steps run as a ``lax.scan`` (one sub-step compiled once, on every platform: straight-line sub-steps were
     slower on a GPU and compiled 3x longer; benchmarks/RESULTS.md "Speculative decoding"). Returns
-    ``(StepTokens(i32[S * B * (K + 2)], drafts i32[B, K] made by each row's last sub-step), caches)``. ``localize``:
+    ``(StepTokens(i32[S * B * (K + 2)], drafts i32[B, K] made by each row's last sub-step), caches)`` (with the
+    n-gram lookup the ``i32[S * B * (K + 2)]`` alone: the host drafts the next plan). ``localize``:
     this device's view of the inputs on a mesh (:func:`verify_step`'s); a data shard with nothing to run in another
     shard's burst (an empty plan: no live row) runs every sub-step as padding, its result ``-1`` throughout."""
     inputs, rows, _ = unpacked  # a burst plan is all decodes: no checkpoint copy
@@ -143,10 +152,12 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
     if gdn:  # the per-position state buffers, allocated once and carried through the sub-steps
         none = jnp.zeros_like(p)
         caches = dataclasses.replace(caches, gdn=gdn_spec.attach(caches.gdn, none, none, J))
-    carry0 = (caches, p, toks, rows.draft_len, live)
+    lookup = drafting is None
+    hist = (rows.history, rows.history_len) if lookup else ()  # (i32[B, L], i32[B]): carried, grown per sub-step
+    carry0 = (caches, p, toks, rows.draft_len, live, hist)
 
     def sub_step(carry):
-        caches, p, toks, k, live = carry
+        caches, p, toks, k, live, hist = carry
         sub = _layout(inputs, p, toks, k, live, layout.page_size)
         tokens, accepted, drafts, caches = _verify(model_step, params, caches, sub, rows, jnp.where(live, k, 0), K,
                                                    greedy_only, drafting, keep=True)
@@ -154,18 +165,24 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
         out = jnp.concatenate([jnp.where(ran & (j <= k[:, None]), tokens, -1),
                                jnp.where(ran, accepted[:, None], -1)], axis=1)  # i32[B, J + 1]
         bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)  # i32[B, 1]
+        if lookup:  # the accepted drafts and the bonus token join the history; the drafts continue it
+            hist = ngram_lib.append(*hist, tokens, jnp.where(live, accepted + 1, 0))
+            drafts = ngram_lib.lookup(*hist, K, *ngram)
         toks = jnp.where(ran, jnp.concatenate([bonus, drafts], axis=1), toks)  # a row's drafts: from its last run
         p = jnp.where(live, p + accepted + 1, p)
         live = live & (p <= limit)
-        k = _trim(jnp.clip(jnp.minimum(rows.spec_cap, limit - p), 0, K), live, T)
-        return (caches, p, toks, k, live), out
+        k = jnp.clip(jnp.minimum(rows.spec_cap, limit - p), 0, K)
+        if lookup:  # a lookup may find fewer than K drafts (-1 after them)
+            k = jnp.minimum(k, ngram_lib.leading(toks[:, 1:]))
+        k = _trim(k, live, T)
+        return (caches, p, toks, k, live, hist), out
 
     carry, outs = jax.lax.scan(lambda c, _: sub_step(c), carry0, None, length=S)
     drafts = jnp.where(carry0[4][:, None], carry[2][:, 1:], -1)  # i32[B, K]
     caches = carry[0]
     if gdn:
         caches = dataclasses.replace(caches, gdn=gdn_spec.detach(caches.gdn))
-    return StepTokens(outs.reshape(-1), drafts), caches
+    return (outs.reshape(-1) if lookup else StepTokens(outs.reshape(-1), drafts)), caches
 
 
 def _trim(k: jax.Array, live: jax.Array, T: int) -> jax.Array:

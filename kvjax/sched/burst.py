@@ -8,8 +8,9 @@ sub-steps in one step, with the pages of all of them allocated at once and one r
 "Decode bursts" in :mod:`kvjax.sched.plan`). The recycle policy runs first, as in every step, so admission is judged
 on the pages left after it.
 
-With a drafter whose drafts come from the device step (``"mtp"``) the burst is a verification burst where the rule
-drafts (:func:`schedule_verify_burst`; "Verification bursts" in :mod:`kvjax.sched.spec`).
+With a drafter that verifies in bursts (``bursts``: ``"mtp"``, whose drafts come from the device step, and
+``"ngram"``, whose later sub-steps look up on the device) the burst is a verification burst where the rule drafts
+(:func:`schedule_verify_burst`; "Verification bursts" in :mod:`kvjax.sched.spec`).
 
 These functions are the :class:`~kvjax.sched.scheduler.Scheduler`'s own (``sched`` is one).
 """
@@ -53,13 +54,13 @@ def burst_sizes(sched: Scheduler, burst: int, per_step: int = 1) -> np.ndarray |
 
 def burst_kind(sched: Scheduler, burst: int, drafter: Drafter | None = None) -> str | None:
     """The burst ``sched.schedule(burst, drafter)`` would return now: ``"idle"`` (nothing to run: an empty plan,
-    which fits any burst step of other data shards), ``"verify"`` (a verification burst: a drafter whose drafts
-    come from the device step, the rule drafting, its ``K + 1`` positions per sub-step fitting), ``"decode"`` (a
+    which fits any burst step of other data shards), ``"verify"`` (a verification burst: a drafter that verifies in
+    bursts, the rule drafting, its ``K + 1`` positions per sub-step fitting), ``"decode"`` (a
     decode burst), or ``None`` (a single step). Recycles out-of-window blocks, as every ``schedule`` does first;
     changes nothing else."""
     if not sched.has_unfinished():
         return "idle"
-    k = spec.rule_length(sched, drafter) if getattr(drafter, "from_step", False) else 0
+    k = spec.rule_length(sched, drafter) if getattr(drafter, "bursts", False) else 0
     if burst_sizes(sched, burst, k + 1 if k else 1) is None:
         return None
     return "verify" if k else "decode"
@@ -79,10 +80,10 @@ def schedule_burst(sched: Scheduler, burst: int) -> StepPlan | None:
 
 
 def schedule_verify_burst(sched: Scheduler, burst: int, drafter: Drafter) -> StepPlan | None:
-    """The verification-burst plan of ``sched.schedule(burst, drafter)`` with a drafter whose drafts come from the
-    device step (its pages allocated; the ledger's latest plan), a decode burst's plan where the rule drafts
-    nothing, or None (nothing changed but recycling) where a burst does not apply (see "Verification bursts" in
-    :mod:`kvjax.sched.spec`)."""
+    """The verification-burst plan of ``sched.schedule(burst, drafter)`` with a drafter that verifies in bursts
+    (sub-step 0's drafts: :func:`kvjax.sched.spec.propose`'s; its pages allocated; the ledger's latest plan), a
+    decode burst's plan where the rule drafts nothing, or None (nothing changed but recycling) where a burst does
+    not apply (see "Verification bursts" in :mod:`kvjax.sched.spec`)."""
     k = spec.rule_length(sched, drafter)
     if k == 0:
         return schedule_burst(sched, burst)

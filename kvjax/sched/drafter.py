@@ -8,11 +8,15 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
 
 - :class:`NgramDrafter`: prompt lookup (n-gram) drafting, no weights: find the request's last ``n`` tokens
   earlier in its own tokens (the longest ``n`` from ``max_ngram`` down to ``min_ngram`` that occurs; its latest
-  occurrence) and propose the tokens that followed it.
+  occurrence) and propose the tokens that followed it. Its host ``propose`` drafts single verification steps and a
+  verification burst's sub-step 0; the burst's later sub-steps draft on the device by the same rule from the rows'
+  histories (:func:`kvjax.engine.ngram.lookup`).
 - :class:`StepDrafter`: drafts that come from the device step's output (``"mtp"``: the model's MTP layer drafts
   inside the jitted step, :mod:`kvjax.engine.drafting`); the engine records each step's drafts here
   (:meth:`StepDrafter.record`) and the next plan takes them (:meth:`StepDrafter.drafts_for`) instead of a host
   ``propose`` (on a mesh, one per data shard: :func:`shard_drafters`).
+- A drafter with ``bursts = True`` (these two) verifies in verification bursts (:mod:`kvjax.sched.burst`): its
+  later sub-steps' drafts are made on the device; :func:`ngram_sizes` says which rule a burst's device lookup runs.
 - :class:`PacedDrafter`: a drafter with the step-cost rule that shortens or turns off the drafts where they do not
   pay (large batches; :func:`kvjax.sched.spec.draft_length`).
 - :class:`SpeculativeConfig`: the engine's ``speculative=`` setting (method, ``num_draft_tokens`` = ``K``, n-gram
@@ -61,7 +65,10 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt-lookup drafting: the continuation of the latest earlier occurrence of the request's last n-gram.
 
-    ``num_draft_tokens``: K; ``max_ngram`` / ``min_ngram``: the n-gram sizes tried, longest first."""
+    ``num_draft_tokens``: K; ``max_ngram`` / ``min_ngram``: the n-gram sizes tried, longest first. ``bursts``: the
+    device runs the same rule inside verification bursts (:func:`kvjax.engine.ngram.lookup`)."""
+
+    bursts = True
 
     def __init__(self, num_draft_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.num_draft_tokens, self.max_ngram, self.min_ngram = int(num_draft_tokens), int(max_ngram), int(min_ngram)
@@ -92,6 +99,7 @@ class StepDrafter:
     step that recomputes it). ``propose`` proposes nothing (no host drafting)."""
 
     from_step = True
+    bursts = True
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = int(num_draft_tokens)
@@ -129,6 +137,7 @@ class PacedDrafter:
         self.disable_by_batch_size = disable_by_batch_size
         self.num_draft_tokens = drafter.num_draft_tokens
         self.from_step = bool(getattr(drafter, "from_step", False))
+        self.bursts = bool(getattr(drafter, "bursts", False))
 
     def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
         return self.drafter.propose(tokens, max_drafts)
@@ -146,8 +155,9 @@ class PacedDrafter:
 class SpeculativeConfig:
     """``Engine(speculative=...)``: how the engine drafts and verifies.
 
-    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`: ``"ngram"`` prompt lookup on the host, ``"mtp"`` the
-    model's MTP layer on the device, :class:`StepDrafter`; the engine checks that the model has one);
+    Fields: ``method`` ["ngram"]: the drafter (:data:`METHODS`: ``"ngram"`` prompt lookup, on the host for single
+    verification steps and a burst's first sub-step, on the device for a verification burst's later ones; ``"mtp"``
+    the model's MTP layer on the device, :class:`StepDrafter`; the engine checks that the model has one);
     ``num_draft_tokens`` [4]: K, drafts per verification row at most, an int in ``[1, MAX_DRAFT_TOKENS]``; ``max_ngram``
     [3] / ``min_ngram`` [1]: the n-gram sizes of ``"ngram"`` (``1 <= min_ngram <= max_ngram``); ``drafter`` [None]: a
     ready :class:`Drafter` object instead of ``method``'s (its ``num_draft_tokens`` must equal K); ``flat_tokens``
@@ -207,6 +217,14 @@ def shard_drafters(drafter: Drafter | None, n: int) -> list[Drafter | None]:
     if n == 1 or drafter is None or not getattr(drafter, "from_step", False):
         return [drafter] * n
     return [copy.deepcopy(drafter) for _ in range(n)]
+
+
+def ngram_sizes(drafter: Drafter | None) -> tuple[int, int] | None:
+    """``(max_ngram, min_ngram)`` of ``drafter`` where it is (or paces) an :class:`NgramDrafter` itself (not a
+    subclass, whose ``propose`` may differ from the device's rule): the lookup its verification bursts run on the
+    device; else ``None``."""
+    inner = drafter.drafter if isinstance(drafter, PacedDrafter) else drafter
+    return (inner.max_ngram, inner.min_ngram) if type(inner) is NgramDrafter else None
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:

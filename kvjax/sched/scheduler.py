@@ -231,7 +231,7 @@ class Scheduler:
         ``min(burst, tokens it may still sample)`` sub-steps in the one step (pages allocated for all of them);
         otherwise (or if those pages are short) an ordinary plan. ``drafter`` (speculative decoding, only with every
         earlier plan resolved): the decoding rows verify its drafts, a verification plan (``draft_len`` set;
-        :mod:`kvjax.sched.spec`); with ``burst > 1`` (a drafter whose drafts come from the device step only) a
+        :mod:`kvjax.sched.spec`); with ``burst > 1`` (a drafter that verifies in bursts only: ``bursts``) a
         verification burst where a burst applies and the rule drafts (``spec_span`` set), a decode burst where it
         drafts nothing. A drafting plan's ``spec_k`` is the rule's draft length
         (:func:`kvjax.sched.spec.rule_length`)."""
@@ -242,9 +242,9 @@ class Scheduler:
             raise ValueError("schedule: drafting needs every earlier plan resolved (a draft continues the "
                              "request's known tokens)")
         if burst > 1:
-            if drafter is not None and not from_step:
-                raise ValueError("schedule: a host drafter's drafts and decode bursts do not combine (verification "
-                                 "bursts take a drafter whose drafts come from the device step)")
+            if drafter is not None and not getattr(drafter, "bursts", False):
+                raise ValueError("schedule: this drafter's drafts and decode bursts do not combine (verification "
+                                 "bursts take a drafter that verifies in bursts: \"mtp\" or \"ngram\")")
             plan = schedule_burst(self, burst) if drafter is None else schedule_verify_burst(self, burst, drafter)
             if plan is not None:
                 return self._planned(plan)

@@ -36,14 +36,17 @@ tokens only; where a verification costs more than its tokens (a small model, who
 times the kernels of a decode sub-step), ``disable_by_batch_size`` (vLLM's option) turns drafts off above a row count.
 
 Speculation needs the accepted tokens before the next plan (its drafts continue them), so the engine applies a
-verification step before planning the next (``overlap`` off). A host drafter (n-gram) runs no decode bursts.
+verification step before planning the next (``overlap`` off). A drafter without ``bursts`` (a custom host drafter)
+runs no decode bursts.
 
-Verification bursts (a drafter whose drafts come from the device step, ``"mtp"``, with ``schedule(burst=S)``;
+Verification bursts (a drafter with ``bursts``: ``"mtp"``, ``"ngram"``, with ``schedule(burst=S)``;
 :func:`kvjax.sched.burst.schedule_verify_burst`). Where a decode burst applies (every running row decodes, no
 queued request could be admitted) and the rule drafts with every running row decoding (:func:`rule_length` ``k >
-0``; ``k = 0`` gives a plain decode burst), the plan verifies each row's recorded drafts in sub-step 0 and lets the
-device run ``S`` sub-steps, each verifying up to ``k`` drafts the previous sub-step's MTP layer made
-(:func:`kvjax.engine.verify.verify_burst`). Each row's pages cover ``min(S (K + 1), tokens it may still sample)``
+0``; ``k = 0`` gives a plain decode burst), the plan verifies each row's drafts in sub-step 0 (``"mtp"``: recorded
+from the device step; ``"ngram"``: the host lookup's) and lets the device run ``S`` sub-steps, each verifying up to
+``k`` drafts made on the device after the previous sub-step (:func:`kvjax.engine.verify.verify_burst`: the MTP
+layer's, or the n-gram lookup over each row's history, which the host sends once per burst: :func:`histories`).
+Each row's pages cover ``min(S (K + 1), tokens it may still sample)``
 positions (``StepPlan.spec_span``; those of fewer sub-steps, at least 2, where the pages are short), allocated at
 once; a row that reaches them or ``max_new_tokens`` stops writing. :func:`advance` counts each row's first token;
 :func:`resolve` takes the burst's ``i32[S * B * (K + 2)]`` (per sub-step and row: tokens ``t_0 .. t_k``, ``-1``
@@ -161,6 +164,35 @@ def next_tokens(sched: Any, plan: StepPlan) -> np.ndarray:
     known = end < t.num_tokens[slots]
     out[:n][known] = t.tokens[slots[known], end[known]]
     return out
+
+
+def histories(sched: Any, plan: StepPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of ``plan`` (a verification burst's, scheduled, not yet advanced) as the device's n-gram lookup
+    starts from it: ``(i32[B, width] its known tokens, zeros past them and on padding rows; i32[B] their count)``
+    (the drafts written past ``num_tokens`` left out). ``width``: at least :func:`history_width`'s."""
+    B, n = plan.seq_lens.shape[0], plan.num_seqs
+    hist, length = np.zeros((B, width), np.int32), np.zeros(B, np.int32)
+    if not n:
+        return hist, length
+    t = sched.rows
+    slots = plan.gdn_slots[:n].astype(np.int64)  # i64[n]
+    w = min(width, t.tokens.shape[1])
+    length[:n] = t.num_tokens[slots]
+    hist[:n, :w] = np.where(np.arange(w) < length[:n, None], t.tokens[slots, :w], 0)
+    return hist, length
+
+
+def history_width(scheds: Any, plans: Any, minimum: int = 128) -> int:
+    """The history width of a verification burst step over the data shards' ``plans`` (of ``scheds``): the power
+    of two (at least ``minimum``) that holds every row's known tokens and the ``spec_span`` positions its burst may
+    append (one trace per width)."""
+    need = minimum
+    for sched, plan in zip(scheds, plans):
+        n = plan.num_seqs
+        if n and plan.spec_span is not None:
+            slots = plan.gdn_slots[:n].astype(np.int64)
+            need = max(need, int((sched.rows.num_tokens[slots] + plan.spec_span[:n]).max()) + 1)
+    return 1 << (need - 1).bit_length()
 
 
 def fit_drafts(sched: Any, drafts: dict[int, np.ndarray], rows: np.ndarray, cap: np.ndarray) -> np.ndarray:
