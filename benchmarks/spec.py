@@ -93,6 +93,8 @@ MODES = (
      "max"),
     ("ngram K={k} burst 32 measured rule", dict(method="ngram", flat_tokens=MEASURED, disable_by_batch_size=None),
      dict(decode_burst=32), "max"),
+    ("ngram K={k} burst 32 measured rule off above 16 rows", dict(method="ngram", flat_tokens=MEASURED,
+     disable_by_batch_size=16), dict(decode_burst=32), "max"),
     ("mtp K={k}", dict(method="mtp"), dict(decode_burst=1), "each"),
     ("mtp K={k} burst", dict(method="mtp"), dict(decode_burst="auto"), "each"),
     ("mtp K={k} burst rule off", dict(method="mtp", flat_tokens=None, disable_by_batch_size=None),
