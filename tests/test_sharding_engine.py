@@ -68,15 +68,16 @@ def _arm_fault(engine: Engine, at: int) -> None:
     fail_device_step(engine, at, Injected)
 
 
-def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0)) -> dict[int, list[int]]:
-    """Every prompt greedy, then every prompt sampled (temperature 1; indices ``n + i``) on the same engine;
+def _scenario(engine: Engine, prompts, temperatures=(0.0, 1.0), new: int = NEW) -> dict[int, list[int]]:
+    """Every prompt greedy, then every prompt sampled (temperature 1; indices ``n + i``) on the same engine, ``new``
+    tokens each;
     the prompt ``ABORT`` of each pass aborted at its third token; an :class:`Injected` fault (if armed) recovered
     from. Returns the tokens per index."""
     out: dict[int, list[int]] = {}
     for temperature in temperatures:
         first = len(out)
         for i, p in enumerate(prompts):
-            engine.add_request(p, NEW, temperature=temperature, seed=3, index=first + i)
+            engine.add_request(p, new, temperature=temperature, seed=3, index=first + i)
             out[first + i] = []
         aborted = False
         while engine.has_unfinished():
@@ -182,7 +183,7 @@ def test_mesh_engine_on_8_cpu_devices(family):
              f"{__file__}::test_speculation_on_meshes_equals_plain_decoding[{family}]"]
     if family == "qwen3_5":
         tests += [f"{__file__}::test_mesh_steps_hold_no_zero_sized_array",
-                  f"{__file__}::test_mtp_on_meshes_equals_plain_decoding"]
+                  f"{__file__}::test_bursts_on_meshes_equal_plain_decoding"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                        env=env, capture_output=True, text=True, timeout=840, cwd=HERE)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
@@ -288,11 +289,21 @@ def test_speculation_on_meshes_equals_plain_decoding(family, monkeypatch):
         filled.clear()
 
 
+def _period(perm: np.ndarray, x: int) -> int:
+    """The length of the cycle of the permutation ``perm`` through ``x``."""
+    n, y = 1, int(perm[x])
+    while y != x:
+        n, y = n + 1, int(perm[y])
+    return n
+
+
 @inner
-def test_mtp_on_meshes_equals_plain_decoding():
-    """The MTP drafter (``speculative="mtp"``, K = 2, the rule off, decode bursts of 4: verification bursts; the
-    successor model of ``helpers.spec``, whose MTP drafts are mostly accepted) on 2x1 and 2x2 meshes (1x2 passes
-    too; left out for time: each mesh compiles its three step shapes) with prefix caching (a second pass of the
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_bursts_on_meshes_equal_plain_decoding(method):
+    """Verification bursts (K = 2, the rule off, decode bursts of 4) drafted by the MTP layer (``"mtp"``: the
+    successor model of ``helpers.spec``, whose MTP drafts are mostly accepted; 2x1 and 2x2 meshes, 1x2 passes too,
+    left out for time: each mesh compiles its three step shapes) or by the n-gram lookup on the device (``"ngram"``:
+    each data shard's rows' histories packed per burst; the 2x2 mesh) with prefix caching (a second pass of the
     same prompts hits it), timely recycling, preemption, an abort and a fault: the greedy tokens of the synchronous
     single-device engine without speculation; drafts accepted, verification bursts ran (on every data shard at
     once), and a step where one data shard verified and the other did not."""
@@ -309,23 +320,27 @@ def test_mtp_on_meshes_equals_plain_decoding():
 
     rng = np.random.default_rng(3)
     model, task = successor_model(rng)
-    chains = task.chains(np.repeat(rng.integers(1, VOCAB, 3), 2), 13)
+    starts = rng.integers(1, VOCAB, 3)
+    if method == "ngram":  # chains of cycles of at most 8 tokens: the prompts hold a cycle, the lookup finds drafts
+        starts = np.array([x for x in range(1, VOCAB) if _period(task.perm, x) <= 8][:3])
+    chains = task.chains(np.repeat(starts, 2), 13)
     prompts = [list(map(int, c[:n])) for c, n in zip(chains, (9, 13, 5, 11, 7, 6))]
-    pages = 14  # per KV head on one device: short (preemption)
+    new = NEW if method == "mtp" else 14  # n-gram: outputs long enough to repeat the chains' short cycles
+    pages = 14 if method == "mtp" else 18  # per KV head on one device: short (preemption)
     one = Engine(model, _cache(pages), recycle="timely", overlap=False, decode_burst=1, **ENGINE_ARGS)
-    want = _scenario(one, prompts, (0.0, 0.0))  # the second pass hits the prefix cache
+    want = _scenario(one, prompts, (0.0, 0.0), new)  # the second pass hits the prefix cache
     assert sum(r.preemptions for r in one.metrics.records) > 0
-    for d, m in ((2, 1), (2, 2)):
-        name = f"mesh {d}x{m}"
+    for d, m in ((2, 1), (2, 2)) if method == "mtp" else ((2, 2),):
+        name = f"{method}, mesh {d}x{m}"
         mesh = jax.sharding.Mesh(np.array(jax.devices()[: d * m]).reshape(d, m), ("data", "model"))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(pipeline, "verification_plans", spy)
             engine = Engine(model, _cache(pages // m), mesh=mesh, recycle="timely", prefix_caching=True, debug=True,
                             decode_burst=4, use_decode_path=False,  # one step shape fewer to compile
-                            speculative=SpeculativeConfig(method="mtp", num_draft_tokens=2, flat_tokens=None),
+                            speculative=SpeculativeConfig(method=method, num_draft_tokens=2, flat_tokens=None),
                             **ENGINE_ARGS)
             _arm_fault(engine, at=4)
-            assert _scenario(engine, prompts, (0.0, 0.0)) == want, name
+            assert _scenario(engine, prompts, (0.0, 0.0), new) == want, name
         s = engine.metrics.summary()
         assert engine.num_recoveries == 1 and s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0, (name, s)
         assert 0 < s["drafts_accepted"] <= s["drafts_proposed"], (name, s)
