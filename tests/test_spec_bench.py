@@ -59,15 +59,17 @@ def test_modes_table_expands_per_draft_length():
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("spec", None)
-    table = bench.MODES[:4] + bench.MODES[5:6] + (("mtp K={k} burst", dict(method="mtp"), dict(decode_burst=4), "each"),
-                               ("mtp K={k} measured", dict(method="mtp", flat_tokens=bench.MEASURED), {}, "max"))
+    by_name = {m[0]: m for m in bench.MODES}
+    table = tuple(by_name[n] for n in ("plain", "plain burst 32", "ngram K={k}", "ngram K={k} rule off", "mtp K={k}"))
+    table += (("mtp K={k} burst", dict(method="mtp"), dict(decode_burst=4), "each"),
+              ("mtp K={k} measured", dict(method="mtp", flat_tokens=bench.MEASURED), {}, "max"))
     got = bench.modes((2, 4), table, rows=65, flat_tokens=37)  # past "plain burst 32"'s cap
     assert [m[0] for m in got] == ["plain", "ngram K=2", "ngram K=4", "ngram K=4 rule off", "mtp K=2", "mtp K=4",
                                    "mtp K=2 burst", "mtp K=4 burst", "mtp K=4 measured"]
     assert got[0][1] is None and got[3][1].flat_tokens is None and got[5][1].method == "mtp"
     assert [m[1].num_draft_tokens for m in got[1:]] == [2, 4, 4, 2, 4, 2, 4, 4]
     assert got[-2][2] == {"decode_burst": 4} and got[4][2] == {"decode_burst": 1} == got[1][2]
-    burst = bench.modes((2, 4), bench.MODES[4:5], rows=64, flat_tokens=37)  # n-gram drafts in bursts of 32
+    burst = bench.modes((2, 4), (by_name["ngram K={k} burst 32 measured rule"],), rows=64, flat_tokens=37)
     assert [(m[0], m[1].method, m[1].num_draft_tokens, m[1].flat_tokens, m[2]) for m in burst] == [
         ("ngram K=4 burst 32 measured rule", "ngram", 4, 37, {"decode_burst": 32})]
     assert got[-1][1].flat_tokens == 37  # MEASURED: the run's measured region
