@@ -8,7 +8,7 @@ Exactness: greedy tokens identical to uncached greedy decoding (``greedy_oracle`
 hybrid GDN / attention model and an MTP layer trained on :class:`~helpers.spec.Successors` (drafts mostly accepted:
 GDN states committed after accepted drafts inside the burst), with timely recycling on a pool small enough to
 preempt, with prefix caching, an abort and a fault inside a burst; a burst's step record counts the positions and
-rows of every sub-step (as ``resolve`` applied them). The rule drafting nothing gives plain decode
+rows of every sub-step (as ``resolve`` applied them); a burst's loop ends when no row is live. The rule drafting nothing gives plain decode
 bursts with the MTP layer skipped. Sampling: the burst engine's tokens have the plain engine's distribution
 (chi-square, as ``test_spec_sampling.py``).
 """
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
 
 from kvjax.config import CacheConfig
 from kvjax.engine import sampling
+from kvjax.engine import verify as verify_lib
 from kvjax.engine.engine import Engine
 from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched import spec
@@ -177,6 +179,33 @@ def test_ngram_drafts_verify_in_bursts(trained, ngram_case, K, monkeypatch):
                      lambda: len(verify_bursts(eng)) > n and eng.metrics.records[-1].burst > 1)
         eng.clear_prefix_cache()
         assert_idle(eng)
+
+
+def test_a_burst_ends_when_no_row_is_live(trained, monkeypatch):
+    """Bursts of 16 sub-steps for rows that need a few (K = 4, drafts mostly accepted, 14 new tokens): each burst's
+    loop runs only the sub-steps in which some row runs (counted on the device by a callback inside each
+    sub-step), which the step record keeps as ``sub_steps`` and the summary weighs; the tokens are unchanged."""
+    model, prompts, expect = trained
+    ran = []
+    real = verify_lib._verify
+
+    def counted(*args, keep=False, **kw):
+        if keep:  # a burst's sub-step (a single verification step passes keep=False)
+            jax.debug.callback(lambda: ran.append(1))
+        return real(*args, keep=keep, **kw)
+
+    monkeypatch.setattr(verify_lib, "_verify", counted)
+    eng = Engine(model, CACHE, recycle="timely", max_num_batched_tokens=BUDGET, decode_burst=16,
+                 speculative=SpeculativeConfig(method="mtp", num_draft_tokens=4, flat_tokens=None,
+                                               disable_by_batch_size=None), **ONE_BUCKET)
+    assert eng.generate(prompts, NEW) == expect
+    jax.effects_barrier()
+    bursts = [r for r in eng.metrics.records if r.burst == 16 and r.verify_rows]
+    assert bursts and all(1 <= r.sub_steps < r.burst for r in bursts), [(r.burst, r.sub_steps) for r in bursts]
+    assert len(ran) == sum(r.sub_steps for r in bursts)
+    recs = eng.metrics.records
+    assert eng.metrics.summary()["sub_steps"] == sum(r.sub_steps if r.sub_steps >= 0 else r.burst for r in recs)
+    assert_idle(eng)
 
 
 def test_an_abort_and_a_fault_inside_a_burst(trained, monkeypatch):

@@ -7,7 +7,8 @@ One record per device step, appended when its tokens have been read. A decode bu
 sub-steps; :meth:`EngineMetrics.summary` counts per sub-step (tokens per step, running requests, page use), so
 its figures mean the same with and without bursts, and what ``kvjax simulate`` (one sub-step per step) predicts (a step whose tokens a fault lost is
 recorded with ``generated`` 0). A verification burst's ``computed`` (every row's verified positions in every sub-step
-it ran) and ``row_steps`` come from its tokens when they are read (:func:`verify_burst_counts`; a fault that lost
+it ran), ``row_steps`` and ``sub_steps`` (the burst ends when no row is live) come from its tokens when they are read
+(:func:`verify_burst_counts`; a fault that lost
 them leaves sub-step 0's plan's counts). Times are wall-clock seconds on the host, split into phases: ``t_schedule``
 (scheduler plan incl. recycling and page allocation), ``t_inputs`` (numpy plan -> device inputs, sampling rows),
 ``t_dispatch`` (the jitted call returning; includes tracing and compiling on a new shape), ``t_wait`` (blocked
@@ -67,7 +68,9 @@ class StepRecord:
     prefix_hit_tokens: int = 0  # prompt tokens this step's admissions took from the prefix cache
     prefill_tokens: int = 0  # tokens at prompt positions computed this step
     cached_pages: int = 0  # pages the prefix cache holds after scheduling (included in pages_used)
-    burst: int = 1  # model sub-steps of the step (a decode burst: up to Engine(decode_burst=K))
+    burst: int = 1  # model sub-steps the step's plan allows (a decode burst: up to Engine(decode_burst=K))
+    # model sub-steps that ran, where fewer can (a verification burst's loop ends when no row is live); -1: burst
+    sub_steps: int = -1
     # real tokens computed over all sub-steps (a decode burst's rows times their sub-steps; a verification burst's
     # verified positions, 1 + drafts, of every row in every sub-step it ran); -1: num_tokens
     computed: int = -1
@@ -150,7 +153,7 @@ class EngineMetrics:
 
         Counts (tokens, steps, running, preemptions, pages) cover every step; per-step figures are per sub-step
         (``generated_tokens_per_step``, ``running_mean``, ``page_util_mean``, ``cached_pages_mean``: a burst of
-        ``K`` weighs ``K``; ``tokens_per_dispatch`` is per record). Times cover only the steps that
+        ``K`` weighs the sub-steps it ran, ``sub_steps`` or ``burst``; ``tokens_per_dispatch`` is per record). Times cover only the steps that
         did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
         ``compile_steps`` / ``compile_time_s``. ``generated_tokens_per_s`` = tokens generated in those steps /
         their summed ``t_step`` (the steady-state rate). Host time over them: ``host_share`` = exposed host time
@@ -169,11 +172,11 @@ class EngineMetrics:
         if not recs:
             return {"steps": 0}
         col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in NUMERIC}
-        sub = col["burst"]  # sub-steps of each record: the weight of its per-step figures
+        sub = np.where(col["sub_steps"] >= 0, col["sub_steps"], col["burst"])  # sub-steps that ran: the weights
         computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
         # a burst runs every running request (its plan's rows), each for its own sub-steps: the requests running
         # at each sub-step add up to its row_steps (``running`` is counted after the burst reserved them all)
-        running = np.where(sub > 1, np.where(col["row_steps"] >= 0, col["row_steps"], computed), col["running"])
+        running = np.where(col["burst"] > 1, np.where(col["row_steps"] >= 0, col["row_steps"], computed), col["running"])
         warm = col["compiled"] == 0
         host = (col["t_step"] - col["t_wait"])[warm]
         exposed = col["t_exposed"][warm]
@@ -225,12 +228,13 @@ class EngineMetrics:
         }
 
 
-def verify_burst_counts(plan: StepPlan, result: np.ndarray) -> tuple[int, int]:
-    """``(computed, row_steps)`` of a resolved verification burst (``result``: its ``i32[S * B * (K + 2)]``,
-    read by :func:`kvjax.sched.spec.verified`): the positions its real rows verified (``1 + k`` per row and
-    sub-step it ran) and the (row, sub-step) pairs that ran."""
+def verify_burst_counts(plan: StepPlan, result: np.ndarray) -> tuple[int, int, int]:
+    """``(computed, row_steps, sub_steps)`` of a resolved verification burst (``result``: its ``i32[S * B * (K +
+    2)]``, read by :func:`kvjax.sched.spec.verified`): the positions its real rows verified (``1 + k`` per row and
+    sub-step it ran), the (row, sub-step) pairs that ran, and the sub-steps in which some row ran (the burst's loop
+    ends when no row is live, :func:`kvjax.engine.verify.verify_burst`: the sub-steps that ran)."""
     _, k, _, ran = spec.verified(plan, result)
-    return int(((k + 1) * ran).sum()), int(ran.sum())
+    return int(((k + 1) * ran).sum()), int(ran.sum()), int(ran.any(axis=1).sum())
 
 
 def _speculative(recs: list[StepRecord], col: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -242,7 +242,7 @@ class StepPipeline:
             tokens = np.asarray(flight.tokens)  # the one device -> host copy of a step: i32[max_seqs] or [D, ...]
         t5 = time.perf_counter()
         with TraceAnnotation("kvjax.update"):
-            stats = []
+            stats, sub_steps = [], []
             D = len(flight.plans)
             drafts = None if flight.drafts is None else np.asarray(flight.drafts).reshape(D, -1, self.runner.spec)
             for d, (sched, plan, row, drafter) in enumerate(zip(scheds, flight.plans, tokens.reshape(D, -1),
@@ -253,15 +253,18 @@ class StepPipeline:
                 if plan.draft_len is not None:  # speculative decoding's counts, summed over the data shards
                     stats.append(verify_stats(plan, row))
                 if plan.spec_steps:  # a verification burst: what every sub-step computed, not sub-step 0's plan
-                    computed, row_steps = verify_burst_counts(plan, row)
+                    computed, row_steps, ran = verify_burst_counts(plan, row)
                     flight.record["computed"] += computed - plan.num_tokens
                     flight.record["row_steps"] += row_steps - plan.num_seqs
+                    sub_steps.append(ran)
                 if flight.drafts is not None and getattr(drafter, "from_step", False):  # the next plan's drafts
                     n = plan.num_seqs
                     drafter.record(sched.rows, plan.gdn_slots[:n].astype(np.int64),
                                    np.fromiter(plan.request_ids, np.int64, n), drafts[d])
             if stats:
                 flight.record.update(sum_stats(stats))
+            if sub_steps:  # the sub-steps the burst ran (its loop ends when no row is live; a mesh: the longest shard's)
+                flight.record["sub_steps"] = max(sub_steps)
             self.inflight.popleft()
             outs = [out for sched, plan in zip(scheds, flight.plans) for out in outputs.collect_plan(sched, plan)]
         t6 = time.perf_counter()

@@ -126,16 +126,18 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
     sub-steps of :func:`_verify`, each row's drafts of sub-step ``j > 0`` the ones made after sub-step ``j - 1``: by
     the MTP drafter (``drafting``), or, with ``ngram = (max_ngram, min_ngram)`` and no ``drafting``, by the n-gram
     lookup (:func:`kvjax.engine.ngram.lookup`) over each row's history (``rows.history`` / ``history_len``: its
-    known tokens at sub-step 0, carried through the scan, each sub-step's accepted drafts and bonus token appended),
+    known tokens at sub-step 0, carried through the loop, each sub-step's accepted drafts and bonus token appended),
     a sub-step's ``k`` capped at the drafts found. ``unpacked``: the plan of sub-step 0 (every row its last token
     and ``draft_len`` drafts, the token axis ``T`` holding ``K + 1`` tokens per row within the budget) with
     ``spec_span`` and ``spec_cap``.
-    The sub-steps run as a ``lax.scan`` (one sub-step compiled once, on every platform: straight-line sub-steps were
-    slower on a GPU and compiled 3x longer; benchmarks/RESULTS.md "Speculative decoding"). Returns
+    The sub-steps run as a ``lax.while_loop`` (one sub-step compiled once, on every platform: straight-line
+    sub-steps were slower on a GPU and compiled 3x longer; benchmarks/RESULTS.md "Speculative decoding") that ends
+    when no row is live: a sub-step in which no row would run is not run (its result ``-1`` throughout, as a padded
+    sub-step's). Returns
     ``(StepTokens(i32[S * B * (K + 2)], drafts i32[B, K] made by each row's last sub-step), caches)`` (with the
     n-gram lookup the ``i32[S * B * (K + 2)]`` alone: the host drafts the next plan). ``localize``:
     this device's view of the inputs on a mesh (:func:`verify_step`'s); a data shard with nothing to run in another
-    shard's burst (an empty plan: no live row) runs every sub-step as padding, its result ``-1`` throughout."""
+    shard's burst (an empty plan: no live row) runs no sub-step, its result ``-1`` throughout."""
     inputs, rows, _ = unpacked  # a burst plan is all decodes: no checkpoint copy
     if localize is not None:
         inputs = localize(inputs)
@@ -177,7 +179,13 @@ def verify_burst(model_step: Callable, params, caches: ModelCaches, unpacked: tu
         k = _trim(k, live, T)
         return (caches, p, toks, k, live, hist), out
 
-    carry, outs = jax.lax.scan(lambda c, _: sub_step(c), carry0, None, length=S)
+    def body(state):
+        j, carry, outs = state
+        carry, out = sub_step(carry)
+        return j + 1, carry, jax.lax.dynamic_update_index_in_dim(outs, out, j, 0)
+
+    outs0 = jnp.full((S, *toks.shape[:1], J + 1), -1, jnp.int32)  # i32[S, B, J + 1]: a sub-step not run: -1
+    _, carry, outs = jax.lax.while_loop(lambda s: (s[0] < S) & s[1][4].any(), body, (jnp.int32(0), carry0, outs0))
     drafts = jnp.where(carry0[4][:, None], carry[2][:, 1:], -1)  # i32[B, K]
     caches = carry[0]
     if gdn:
