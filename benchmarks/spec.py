@@ -228,6 +228,47 @@ def build(cfg: dict, toy_cache: str | None = None) -> tuple[object, dict]:
     return spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head), figures
 
 
+def profile_report(r: dict, trace_dir: str) -> dict:
+    """Each jitted program's figures in the traced pass of ``r`` (:func:`trace_kernels.module_times`; ``{}``
+    with a note where the trace has no program line)."""
+    from trace_kernels import module_times
+
+    try:
+        return module_times(trace_dir)
+    except ValueError as e:
+        print(f"profile: {e}")
+        return {}
+
+
+def print_profile(rows: int, name: str, r: dict) -> None:
+    """Where a line's time goes: the traced pass's wall against its programs' device spans and kernels, and the
+    median timed pass's host phases per engine step."""
+    t, progs = r["traced"], r["programs"]
+    print(f"\n{rows} rows, {name}: the median timed pass's steps (ms)")
+    print("| step | tokens | rows | burst | ran | generated | verify rows | schedule | inputs | dispatch | wait | update "
+          "| step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in r["records"]:
+        print(f"| {s['step']} | {s['num_tokens']} | {s['num_seqs']} | {s['burst']} | {s['sub_steps']} | "
+              f"{s['generated']} | {s['verify_rows']} | " + " | ".join(
+                  f"{s[k] * 1e3:.3f}" for k in ("t_schedule", "t_inputs", "t_dispatch", "t_wait", "t_update",
+                                                 "t_step")) + " |")
+    busy = sum(m["span_ms"] for m in progs.values())
+    print(f"\n{rows} rows, {name}: traced pass {t['wall_s'] * 1e3:.2f} ms wall, {t['engine_steps']} engine steps, "
+          f"{t['steps']} sub-steps; programs' device spans {busy:.2f} ms ({busy / (t['wall_s'] * 1e3):.0%} of the "
+          f"wall)")
+    print("| program | runs | span ms a run | kernel ms a run | kernels a run |")
+    print("|---|---:|---:|---:|---:|")
+    for prog, m in sorted(progs.items(), key=lambda kv: -kv[1]["span_ms"])[:8]:
+        n = max(m["runs"], 1)
+        print(f"| {prog[:60]} | {m['runs']:.0f} | {m['span_ms'] / n:.3f} | {m['kernel_ms'] / n:.3f} | "
+              f"{m['kernels'] / n:.1f} |")
+    n = max(r["engine_steps"], 1)
+    print("host phases of the timed pass, ms an engine step: " + ", ".join(
+        f"{k[2:]} {v / n * 1e3:.3f}" for k, v in r["phases"].items()) + f" ({r['engine_steps']} steps, "
+        f"{r['wall_s'] * 1e3:.2f} ms wall)")
+
+
 def main(argv=None) -> dict:
     """Run the benchmark (``argv``: the command line's arguments)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -237,6 +278,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--modes", default=None, help="the lines of MODES to run, by name as written there ('{k}' "
                     "unexpanded), comma-separated (default: every line)")
+    ap.add_argument("--profile", default=None, help="a folder: one more pass of each line under jax.profiler "
+                    "(traces kept there); prints each jitted program's runs, device span and kernel time, and the "
+                    "host phases of each line's engine steps")
     ap.add_argument("--toy-cache", default=None, help="a folder: load the trained toy and MTP layer of the recipe "
                     "from it when there (no training), else train and save them there")
     args = ap.parse_args(argv)
@@ -261,7 +305,7 @@ def main(argv=None) -> dict:
         model, figures = build(cfg, args.toy_cache)
         print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; layers {model.config.layer_types}", flush=True)
         task = spec_runs.CopyTask(**cfg["task"])
-        rows_out = []
+        rows_out, profiles = [], []
 
         def prompts_at(rows):
             n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
@@ -269,8 +313,12 @@ def main(argv=None) -> dict:
 
         # plain decoding first at every row count: the baseline of each, and the measured flat region
         repeats = cfg.get("repeats", 1)  # timed passes of each line; the median's figures
+        def trace_dir(rows, name):
+            return None if args.profile is None else os.path.join(args.profile, f"{rows}-{name.replace(' ', '_')}")
+
         plain = {rows: spec_runs.spec_run(model, prompts_at(rows), cfg["max_new"], rows=rows, repeats=repeats,
-                                          one_shape=cfg["one_shape"]) for rows in cfg["rows"]}
+                                          one_shape=cfg["one_shape"], trace_dir=trace_dir(rows, "plain"))
+                 for rows in cfg["rows"]}
         flat = None
         if len(set(cfg["rows"])) > 1:
             flat = spec_runs.flat_tokens_from(list(plain), [r["wall_s"] / r["steps"] for r in plain.values()])
@@ -289,7 +337,8 @@ def main(argv=None) -> dict:
                     r = dict(plain[rows])
                 else:
                     r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
-                                           one_shape=cfg["one_shape"], repeats=repeats, **settings)
+                                           one_shape=cfg["one_shape"], repeats=repeats,
+                                           trace_dir=trace_dir(rows, name), **settings)
                 outputs = r.pop("outputs")
                 r.update(mode=name, vs_plain=r["tok_s"] / base["tok_s"], identical=outputs == base["outputs"],
                          model_vs_plain=r["tok_per_cost"] / base["tok_per_cost"])
@@ -300,6 +349,11 @@ def main(argv=None) -> dict:
                 print(f"| {rows} | {name} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['model_vs_plain']:.2f}x | "
                       f"{r['steps']} | {r['tokens_per_step']:.1f} | {spec} | {r['verify_steps']} | {r['identical']} |",
                       flush=True)
+                if args.profile is not None:
+                    r["programs"] = profile_report(r, trace_dir(rows, name))
+                    profiles.append((rows, name, r))
+        for rows, name, r in profiles:
+            print_profile(rows, name, r)
     report = dict(config={k: v for k, v in cfg.items()}, **figures, rows=rows_out)
     if args.json:
         with open(args.json, "w") as f:

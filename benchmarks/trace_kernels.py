@@ -17,6 +17,7 @@ shares of the span.
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import json
 import re
@@ -82,6 +83,50 @@ def kernel_time_by_class(trace_dir: str, steps: int = 1) -> dict:
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
     return {"gpus": gpus, "mean": mean,
             "top": [{"name": k[:120], "class": classify(k), "ms": v / n} for k, v in top]}
+
+
+def module_times(trace_dir: str) -> dict:
+    """Per jitted program, from the ``XLA Modules`` line of the latest trace under ``trace_dir`` (each event one
+    execution of a program on a GPU): ``{name: {"runs", "span_ms", "kernel_ms", "kernels"}}`` summed over the
+    executions and averaged over the GPUs (``span``: the execution's first kernel start to last end as the
+    profiler records it; ``kernel_ms`` / ``kernels``: the ``Stream`` records that start inside it), the name without
+    its trailing ``(id)``; ``{}`` without device records. What lies between the spans is time the GPU ran nothing
+    of these programs: host work, transfers, launches."""
+    import jax
+
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir!r}")
+    data = jax.profiler.ProfileData.from_file(max(paths))
+    out, planes = {}, 0
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        planes += 1
+        modules, kernels = [], []
+        for line in plane.lines:
+            if line.name == "XLA Modules":
+                modules += [(ev.start_ns, ev.start_ns + ev.duration_ns, re.sub(r"\(\d+\)$", "", ev.name))
+                            for ev in line.events]
+            elif line.name.startswith("Stream"):
+                kernels += [(ev.start_ns, ev.duration_ns) for ev in line.events]
+        kernels.sort()
+        starts = [k[0] for k in kernels]
+        for lo, hi, name in modules:
+            a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
+            m = out.setdefault(name, {"runs": 0, "span_ms": 0.0, "kernel_ms": 0.0, "kernels": 0})
+            m["runs"] += 1
+            m["span_ms"] += (hi - lo) / 1e6
+            m["kernel_ms"] += sum(d for _, d in kernels[a:b]) / 1e6
+            m["kernels"] += b - a
+    for m in out.values():
+        for key in m:
+            m[key] /= max(planes, 1)
+    if planes and not out:  # no program line in this trace: say which lines there are
+        lines = sorted({f"{line.name} ({len(list(line.events))})" for plane in data.planes
+                        if plane.name.startswith("/device:GPU") for line in plane.lines})
+        raise ValueError(f"no 'XLA Modules' line on the GPU planes of {trace_dir!r}; lines: {', '.join(lines)}")
+    return out
 
 
 def format_classes(result: dict) -> str:

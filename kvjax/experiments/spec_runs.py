@@ -38,6 +38,11 @@ import numpy as np
 
 from kvjax.sched.drafter import FLAT_TOKENS
 
+# the host phases of an engine step record (kvjax.engine.metrics.StepRecord) that spec_run sums
+PHASES = ("t_schedule", "t_inputs", "t_dispatch", "t_wait", "t_update", "t_step", "t_exposed")
+# the fields of each step record spec_run returns (``records``)
+RECORD_FIELDS = ("step", "num_tokens", "num_seqs", "burst", "sub_steps", "generated", "verify_rows") + PHASES
+
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -226,17 +231,22 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
              speculative: Any = None, cache: CacheConfig | None = None, recycle: str = "none",
              prefix_caching: bool = False, page_size: int = 16, max_num_batched_tokens: int | None = None,
              warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS, repeats: int = 1,
-             **settings: Any) -> dict:
+             trace_dir: str | None = None, **settings: Any) -> dict:
     """Serve ``prompts`` greedily (``max_new`` tokens each) on an engine of ``rows`` rows with ``speculative``
     (``Engine(speculative=)``; ``None``: plain decoding), ``recycle`` and ``prefix_caching``, on ``cache`` (default:
     pages of ``page_size`` for every row at once). With ``warmup``, the same prompts run once first on the same engine
     (every step shape compiles there; the prefix cache is cleared after it) and the timed pass is the second.
     ``one_shape``: every step padded to one token, row and block bucket, no decode path (fewest compiles: CPU runs).
     ``repeats``: timed passes (each serving every prompt again); the figures are the median pass's by wall.
+    ``trace_dir``: one more pass after the timed ones under ``jax.profiler`` tracing into that folder (its figures
+    in ``traced``: wall, sub-steps and engine steps of that pass; not among the timed passes).
     ``settings``: further :class:`~kvjax.engine.options.EngineOptions` fields by name (e.g. ``decode_burst``).
 
     Returns ``outputs`` (token lists), ``tok_s`` (generated tokens / wall seconds of the timed pass), ``steps``
-    (model sub-steps: a decode burst counts its sub-steps), ``tokens_per_step``, ``prompt_tokens_computed``,
+    (model sub-steps: a decode burst counts its sub-steps), ``engine_steps`` (dispatches), ``phases`` (the host
+    phases of :class:`~kvjax.engine.metrics.StepRecord`, ``t_schedule`` .. ``t_exposed``, summed over the pass's
+    steps, seconds), ``records`` (each step record's :data:`RECORD_FIELDS`), ``tokens_per_step``,
+    ``prompt_tokens_computed``,
     ``running_mean``, ``tok_per_cost`` (generated tokens per unit of the step-cost model ``max(T, flat_tokens)``
     summed over the sub-steps, ``T`` the tokens each computed; one unit = one token of compute-bound work;
     :mod:`kvjax.sched.spec`), and the speculative figures (``acceptance_rate``,
@@ -273,12 +283,29 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
             raise AssertionError("engine not idle after generate(): slots or pages leaked")
         passes.append((wall, outputs, eng.metrics.records[start:]))
     wall, outputs, recs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
+    traced = None
+    if trace_dir is not None:
+        import jax
+
+        start = len(eng.metrics.records)
+        with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
+            eng.generate(prompts, max_new, progress=False)
+            traced_wall = time.perf_counter() - t0
+        eng.clear_prefix_cache()
+        trecs = eng.metrics.records[start:]
+        traced = dict(wall_s=traced_wall, steps=sum(sub_steps(r) for r in trecs), engine_steps=len(trecs))
     gen = sum(r.generated for r in recs)
-    steps = sum(r.burst for r in recs)  # model sub-steps (a decode burst runs several in one engine step)
-    cost = sum(r.burst * max((r.num_tokens if r.computed < 0 else r.computed) / r.burst, flat_tokens) for r in recs)
+    steps = sum(sub_steps(r) for r in recs)  # model sub-steps (a decode burst runs several in one engine step)
+    cost = sum(sub_steps(r) * max((r.num_tokens if r.computed < 0 else r.computed) / sub_steps(r), flat_tokens)
+               for r in recs)
     out = dict(outputs=outputs, rows=rows, tok_s=gen / wall, steps=steps, tokens_per_step=gen / max(steps, 1),
                prompt_tokens_computed=sum(r.prefill_tokens for r in recs), tok_per_cost=gen / max(cost, 1),
-               running_mean=float(np.mean([r.running for r in recs])), wall_s=wall)
+               running_mean=float(np.mean([r.running for r in recs])), wall_s=wall, engine_steps=len(recs),
+               phases={k: float(sum(getattr(r, k) for r in recs)) for k in PHASES},
+               records=[{k: getattr(r, k) for k in RECORD_FIELDS} for r in recs])
+    if traced is not None:
+        out["traced"] = traced
     verify = [r for r in recs if r.verify_rows]
     out.update(verify_steps=len(verify), drafts_proposed=sum(r.drafts_proposed for r in verify),
                drafts_accepted=sum(r.drafts_accepted for r in verify))
@@ -294,6 +321,12 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
                    tokens_per_verify_row=(vrows + out["drafts_accepted"]) / vrows,
                    tokens_per_verify_step=sum(r.generated for r in verify) / len(verify))
     return out
+
+
+def sub_steps(record: Any) -> int:
+    """The model sub-steps a step record ran (:class:`~kvjax.engine.metrics.StepRecord`: ``sub_steps`` where
+    recorded, else its ``burst``; at least 1)."""
+    return max(record.sub_steps if record.sub_steps >= 0 else record.burst, 1)
 
 
 def flat_tokens_from(rows: Sequence[int], sub_step_s: Sequence[float]) -> int | None:
