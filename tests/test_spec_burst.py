@@ -30,7 +30,7 @@ from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched import spec
 from kvjax.sched.drafter import PacedDrafter, SpeculativeConfig, StepDrafter
 from kvjax.state import gdn_spec
-from helpers.engine import BUDGET, assert_idle, fault_midway, greedy_oracle, stream_aborting
+from helpers.engine import BUDGET, assert_idle, fault_midway, greedy_oracle, stream_aborting, truncate_at
 from helpers.models import VOCAB, random_model, tiny_config
 from helpers.spec import successor_model
 
@@ -78,11 +78,11 @@ def applied_counts(monkeypatch) -> dict[int, list[int]]:
     seen: dict[int, list[int]] = {}
     real = spec._record
 
-    def record(sched, plan, k, a):
+    def record(sched, plan, k, a, **kw):
         got = seen.setdefault(plan.step, [0, 0])
         got[0] += int(k.size + k.sum())
         got[1] += int(k.size)
-        real(sched, plan, k, a)
+        real(sched, plan, k, a, **kw)
 
     monkeypatch.setattr(spec, "_record", record)
     return seen
@@ -146,15 +146,15 @@ def test_ngram_drafts_verify_in_bursts(trained, ngram_case, K, monkeypatch):
     prompts, ngram_expect = ngram_case
     applied = applied_counts(monkeypatch)
     later = []  # drafts verified by a burst's sub-steps after the first
-    counted = spec._record
+    real_verified = spec.verified
 
-    def record(sched, plan, k, a):
-        if plan.spec_steps and plan.step == getattr(record, "step", None):
-            later.append(int(k.sum()))
-        record.step = plan.step
-        counted(sched, plan, k, a)
+    def verified(plan, result):
+        out = real_verified(plan, result)
+        if plan.spec_steps:
+            later.append(int(out[1][1:].sum()))  # k: i64[S, n]
+        return out
 
-    monkeypatch.setattr(spec, "_record", record)
+    monkeypatch.setattr(spec, "verified", verified)
     eng = burst_engine(model, K, NGRAM_CACHE, method="ngram", prefix_caching=K == 2, debug=K == 2)
     assert eng.decode_burst == BURST and eng.runner.ngram == (3, 1) and eng.runner.head is None
     if K == 2:
@@ -179,6 +179,35 @@ def test_ngram_drafts_verify_in_bursts(trained, ngram_case, K, monkeypatch):
                      lambda: len(verify_bursts(eng)) > n and eng.metrics.records[-1].burst > 1)
         eng.clear_prefix_cache()
         assert_idle(eng)
+
+
+def test_a_stop_id_inside_a_burst_ends_the_request(trained, ngram_case, monkeypatch):
+    """An eos accepted in a burst's later sub-step ends its request there (the tokens after it, and its row's later
+    sub-steps, dropped) while the other row runs on; with prefix caching the second pass, whose prompts hit the first
+    pass's cached blocks, gives the same tokens."""
+    model = trained[0]
+    prompts, expect = ngram_case
+    prompts, expect = [prompts[0], prompts[2]], [expect[0], expect[2]]  # cycles of 8 and 4 tokens
+    eos = max(set(expect[0]), key=expect[0].index)  # the token the first output reaches last (its cycle's last)
+    want = [truncate_at(e, eos) for e in expect]
+    assert len(want[0]) < NGRAM_NEW and len(want[1]) == NGRAM_NEW
+    later = []  # per burst: an eos taken in a sub-step after the first
+    real_verified = spec.verified
+
+    def verified(plan, result):
+        toks, k, a, ran = out = real_verified(plan, result)
+        if plan.spec_steps:
+            taken = ran[..., None] & (np.arange(toks.shape[2]) <= a[..., None]) & (toks == eos)  # bool[S, n, J]
+            later.append(bool(taken[1:].any()))
+        return out
+
+    monkeypatch.setattr(spec, "verified", verified)
+    eng = burst_engine(model, 2, NGRAM_CACHE, method="ngram", prefix_caching=True, eos_token_id=eos)
+    for _ in range(2):
+        assert eng.generate(prompts, NGRAM_NEW) == want
+    assert any(later) and eng.metrics.summary()["prefix_hit_tokens"] > 0
+    eng.clear_prefix_cache()
+    assert_idle(eng)
 
 
 def test_a_burst_ends_when_no_row_is_live(trained, monkeypatch):

@@ -253,10 +253,12 @@ def resolve(sched: Any, plan: StepPlan, result: np.ndarray) -> list:
     bad = (sample & ran)[..., None] & (np.arange(J) <= a[..., None]) & ((toks < 0) | (toks > np.iinfo(np.int32).max))
     if bad.any():
         raise ValueError(f"step {plan.step}: sampled token ids outside [0, 2**31): {toks[bad][:4]}")
-    finished = []
-    for s in range(S):
-        _record(sched, plan, k[s][ran[s]], a[s][ran[s]])
-        finished += _take(sched, plan, slots, rids, toks[s], a[s], ran[s] & sample, fed=s > 0)
+    if plan.spec_steps:  # every sub-step at once: each row's tokens of all its sub-steps in order
+        _record(sched, plan, k[ran], a[ran], steps=int((ran & (k > 0)).any(axis=1).sum()))
+        finished = _take_burst(sched, plan, slots, rids, toks, a, ran & sample)
+    else:
+        _record(sched, plan, k[0], a[0])
+        finished = _take(sched, plan, slots, rids, toks[0], a[0], ran[0] & sample)
     ledger.unresolved.popleft()
     return [r for r in finished if r.status is Status.FINISHED]
 
@@ -280,18 +282,17 @@ def verified(plan: StepPlan, result: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks: np.ndarray, a: np.ndarray,
-          ran: np.ndarray, fed: bool) -> list:
-    """One verification (sub-)step's result applied to the plan's rows still running (``slots`` / ``rids``: i64[n]):
-    row ``b`` (where ``ran``, bool[n]) accepted ``a[b]`` drafts and takes ``toks[b, :a[b] + 1]`` (i64[n, K + 1]);
-    ``fed``: the token it took last (a burst's previous sub-step's) was computed first. Returns the requests that
-    ended (eos or ``max_new_tokens``)."""
+          ran: np.ndarray) -> list:
+    """A verification step's result applied to the plan's rows still running (``slots`` / ``rids``: i64[n]): row
+    ``b`` (where ``ran``, bool[n]) accepted ``a[b]`` drafts and takes ``toks[b, :a[b] + 1]`` (i64[n, K + 1]).
+    Returns the requests that ended (eos or ``max_new_tokens``)."""
     t, B, J = sched.rows, plan.seq_lens.shape[0], toks.shape[1]
     live = t.request_id[slots] == rids  # bool[n]: still running there
     rows = np.flatnonzero(live & ran)  # i64[m]
     if not rows.size:
         return []
     rs = slots[rows]
-    t.num_computed[rs] += a[rows] + int(fed)
+    t.num_computed[rs] += a[rows]
     counts = a[rows] + 1  # i64[m]: tokens each row takes
     t.reserve_burst(rs, rows, counts, B, plan.step)
     got = np.where(np.arange(J) < counts[:, None], toks[rows], -1)  # i64[m, J]
@@ -306,8 +307,47 @@ def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks:
     return finished
 
 
-def _record(sched: Any, plan: StepPlan, k: np.ndarray, a: np.ndarray) -> None:
-    """Count the plan's drafts (``k``: i64[n]) and accepted drafts (``a``: i64[n]) in ``sched.spec_stats``."""
+def _take_burst(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks: np.ndarray, a: np.ndarray,
+                ran: np.ndarray) -> list:
+    """A verification burst's sub-steps applied at once to the plan's rows still running (``slots`` / ``rids``:
+    i64[n]): row ``b`` takes, in sub-step order, ``toks[s, b, :a[s, b] + 1]`` (i64[S, n, K + 1]) of every sub-step
+    ``s`` it ran (``ran``: bool[S, n], a prefix of the sub-steps; ``a``: i64[S, n]) as one run of tokens, which is
+    what :func:`_take` once per sub-step does (a stop id ends the row there, its later tokens dropped). Returns the
+    requests that ended, in the order those calls would end them (by sub-step, then row)."""
+    t, B = sched.rows, plan.seq_lens.shape[0]
+    S, _, J = toks.shape
+    live = t.request_id[slots] == rids  # bool[n]
+    rows = np.flatnonzero(live & ran[0])  # i64[m]
+    if not rows.size:
+        return []
+    rs = slots[rows]
+    c = np.where(ran[:, rows], a[:, rows] + 1, 0).T  # i64[m, S]: tokens each row takes per sub-step
+    valid = (np.arange(J) < c[:, :, None]).reshape(rows.size, S * J)  # bool[m, S * J]
+    flat = toks[:, rows].transpose(1, 0, 2).reshape(rows.size, S * J)
+    order = np.argsort(~valid, axis=1, kind="stable")  # each row's taken tokens first, in sub-step order
+    total = c.sum(1)  # i64[m]
+    W = int(total.max())
+    got = np.where(np.arange(W) < total[:, None], np.take_along_axis(flat, order[:, :W], axis=1), -1)  # i64[m, W]
+    t.reserve_burst(rs, rows, total, B, plan.step)
+    first = t.resolve_burst(rs, plan.step, rows, B, got)
+    assert first is not None, "a verification row's reserved tokens are not its own"
+    done = (first < W) | (t.num_tokens[rs] >= t.max_tokens[rs])  # bool[m]: eos or max_new_tokens
+    end = np.minimum(first, total - 1)  # i64[m]: the index of each row's last token taken
+    cum = np.cumsum(c, axis=1)  # i64[m, S]
+    sub = (cum <= end[:, None]).sum(1)  # i64[m]: the sub-step it came from, where the row ends
+    # computed: every token taken up to that sub-step's, but its last (sub-step 0's first was computed before)
+    t.num_computed[rs] += np.take_along_axis(cum, sub[:, None], axis=1)[:, 0] - 1
+    finished = []
+    for i in np.lexsort((rows, sub))[done[np.lexsort((rows, sub))]].tolist():
+        req = t.requests[int(rs[i])]
+        sched.finish(req)
+        finished.append(req)
+    return finished
+
+
+def _record(sched: Any, plan: StepPlan, k: np.ndarray, a: np.ndarray, steps: int = 1) -> None:
+    """Count the plan's drafts (``k``: i64[n]) and accepted drafts (``a``: i64[n]) in ``sched.spec_stats``, as
+    ``steps`` verification steps (a burst's sub-steps with drafts)."""
     s = sched.spec_stats
     if not k.any():
         return
@@ -316,7 +356,7 @@ def _record(sched: Any, plan: StepPlan, k: np.ndarray, a: np.ndarray) -> None:
         s.proposed_at = np.concatenate([s.proposed_at, np.zeros(K - s.proposed_at.size, np.int64)])
         s.accepted_at = np.concatenate([s.accepted_at, np.zeros(K - s.accepted_at.size, np.int64)])
     j = np.arange(K)
-    s.steps += 1
+    s.steps += steps
     s.rows += int((k > 0).sum())
     s.proposed += int(k.sum())
     s.accepted += int(a.sum())
