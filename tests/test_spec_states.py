@@ -18,7 +18,7 @@ from kvjax.engine import ngram
 from kvjax.ops.conv import causal_conv1d_reference
 from kvjax.ops.gdn import DeltaRuleCall, recurrent_gated_delta_rule_reference
 from kvjax.ops.spec_states import verify_conv_states, verify_ssm_states
-from kvjax.sched.drafter import NgramDrafter, SpeculativeConfig
+from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, propose_rows
 from kvjax.state import gdn_pool, gdn_spec
 
 ATOL = 2e-5  # f32, a few recurrent steps of O(1) values (the reference runs the same recurrence in another order)
@@ -154,6 +154,33 @@ def test_device_lookup_proposes_the_host_drafters_drafts(K, max_ngram, min_ngram
         assert (np.delete(row, np.arange(length[b], length[b] + count[b])) ==
                 np.delete(hist[b], np.arange(length[b], length[b] + count[b]))).all()
     assert (np.asarray(ngram.leading(jnp.array([[3, -1, 4], [1, 2, 0], [-1, -1, -1]], jnp.int32))) == [1, 3, 0]).all()
+
+
+@pytest.mark.parametrize("K, max_ngram, min_ngram", [(1, 3, 1), (4, 3, 1), (3, 2, 2), (5, 4, 2)])
+def test_batched_host_lookup_proposes_the_drafters_drafts(K, max_ngram, min_ngram):
+    """:func:`~kvjax.sched.drafter.propose_rows` (every row at once, as the scheduler drafts) gives each row
+    :class:`NgramDrafter`'s own drafts, with per-row draft caps (random histories of small vocabularies, stale
+    tokens past each row's length, lengths 0..L), also through the rule's :class:`PacedDrafter`; a drafter of
+    another kind (a subclass) is asked row by row."""
+    rng = np.random.default_rng(K * 7 + max_ngram)
+    host = NgramDrafter(K, max_ngram, min_ngram)
+    R, L = 64, 40
+    hist = np.where(np.arange(R)[:, None] % 2, rng.integers(0, 3, (R, L + 5)), rng.integers(0, 8, (R, L + 5)))
+    length = np.concatenate([rng.integers(0, L + 1, R - 4), np.full(4, L)])
+    cap = rng.integers(1, K + 2, R)
+    for drafter in (host, PacedDrafter(host, flat_tokens=64)):
+        got = propose_rows(drafter, hist, length, cap)
+        for r in range(R):
+            want = host.propose(hist[r, : length[r]], int(cap[r])).tolist()
+            assert got[r].tolist() == want, (r, hist[r, : length[r]].tolist(), got[r], want)
+
+    class Reversed(NgramDrafter):
+        def propose(self, tokens, max_drafts):
+            return super().propose(tokens, max_drafts)[::-1]
+
+    other = Reversed(K, max_ngram, min_ngram)
+    got = propose_rows(other, hist, length, cap)
+    assert all(g.tolist() == other.propose(hist[r, : length[r]], int(cap[r])).tolist() for r, g in enumerate(got))
 
 
 def test_speculative_config_checks():

@@ -227,6 +227,35 @@ def ngram_sizes(drafter: Drafter | None) -> tuple[int, int] | None:
     return (inner.max_ngram, inner.min_ngram) if type(inner) is NgramDrafter else None
 
 
+def propose_rows(drafter: Drafter, tokens: np.ndarray, lengths: np.ndarray, max_drafts: np.ndarray
+                 ) -> list[np.ndarray]:
+    """Each row's ``drafter.propose(tokens[r, :lengths[r]], max_drafts[r])`` (``tokens``: i64[R, >= max length];
+    ``lengths`` / ``max_drafts``: i64[R], ``max_drafts >= 1``): an :class:`NgramDrafter` itself (:func:`ngram_sizes`)
+    looks up every row at once (the same rule, a few elementwise passes over ``[R, L]`` per n-gram size, as
+    :func:`kvjax.engine.ngram.lookup` on the device), any other drafter row by row. Returns i32 arrays of at most
+    ``max_drafts[r]`` drafts each."""
+    sizes = ngram_sizes(drafter)
+    if sizes is None:
+        return [np.asarray(drafter.propose(tokens[r, : lengths[r]], int(max_drafts[r])), np.int64)[: max_drafts[r]]
+                for r in range(lengths.shape[0])]
+    R, K = lengths.shape[0], drafter.num_draft_tokens
+    L = int(lengths.max()) if R else 0
+    hist = np.asarray(tokens)[:, :L].astype(np.int64)  # i64[R, L]
+    s = np.arange(L)[None, :]  # window starts
+    pad = np.pad(hist, ((0, 0), (0, sizes[0])), constant_values=-1)
+    start = np.full(R, -1, np.int64)  # where each row's drafts begin (-1: no match yet)
+    for n in range(sizes[0], sizes[1] - 1, -1):
+        match = s <= (lengths - n - 1)[:, None]  # windows before the last token
+        for i in range(n):
+            suffix = hist[np.arange(R), np.clip(lengths - n + i, 0, max(L - 1, 0))]  # i64[R]
+            match &= pad[:, i: i + L] == suffix[:, None]
+        latest = np.where(match, s, -1).max(axis=1, initial=-1)
+        start = np.where((start < 0) & (latest >= 0), latest + n, start)
+    k = np.minimum(max_drafts, K)  # i64[R]
+    count = np.where(start >= 0, np.clip(np.minimum(lengths - start, k), 0, None), 0)  # i64[R]
+    return [hist[r, start[r]: start[r] + count[r]].astype(np.int32) for r in range(R)]
+
+
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter ``config`` names (its ``drafter`` object where given), paced by the rule unless ``flat_tokens``
     and ``disable_by_batch_size`` are both ``None``."""

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.sched.drafter import Drafter, PacedDrafter
+from kvjax.sched.drafter import Drafter, PacedDrafter, propose_rows
 from kvjax.sched.plan import StepPlan
 from kvjax.sched.request import Status
 
@@ -137,15 +137,17 @@ def propose(sched: Any, drafter: Drafter, k: int | None = None) -> dict[int, np.
     room = np.minimum(room, K)
     ok &= room > 0
     out = {}
-    from_step = getattr(drafter, "from_step", False)
-    for i in np.flatnonzero(ok).tolist():
-        slot = int(slots[i])
-        if from_step:  # drafts the device step made (kvjax.sched.drafter.StepDrafter)
-            d = drafter.drafts_for(slot, int(t.request_id[slot]), int(nt[i]), int(room[i])).astype(np.int64)
-        else:
-            d = np.asarray(drafter.propose(t.tokens[slot, : nt[i]], int(room[i])), np.int64)[: int(room[i])]
+    rows = np.flatnonzero(ok)
+    if not rows.size:
+        return out
+    if getattr(drafter, "from_step", False):  # drafts the device step made (kvjax.sched.drafter.StepDrafter)
+        drafts = [drafter.drafts_for(int(slots[i]), int(t.request_id[slots[i]]), int(nt[i]), int(room[i]))
+                  for i in rows.tolist()]
+    else:  # every row's lookup at once for the n-gram drafter
+        drafts = propose_rows(drafter, t.tokens[slots[rows], : int(nt[rows].max())], nt[rows], room[rows])
+    for i, d in zip(rows.tolist(), drafts):
         if d.size:
-            out[slot] = d
+            out[int(slots[i])] = np.asarray(d, np.int64)
     return out
 
 
