@@ -228,23 +228,11 @@ def build(cfg: dict, toy_cache: str | None = None) -> tuple[object, dict]:
     return spec_runs.attach_mtp(spec_runs.with_idle_layers(model, cfg["idle"]), head), figures
 
 
-def profile_report(r: dict, trace_dir: str) -> dict:
-    """Each jitted program's figures in the traced pass of ``r`` (:func:`trace_kernels.module_times`; ``{}``
-    with a note where the trace has no program line)."""
-    from trace_kernels import module_times
-
-    try:
-        return module_times(trace_dir)
-    except ValueError as e:
-        print(f"profile: {e}")
-        return {}
-
-
 def print_profile(rows: int, name: str, r: dict) -> None:
-    """Where a line's time goes: the traced pass's wall against its programs' device spans and kernels, and the
-    median timed pass's host phases per engine step."""
-    t, progs = r["traced"], r["programs"]
-    print(f"\n{rows} rows, {name}: the median timed pass's steps (ms)")
+    """Where a line's time goes: the median timed pass's steps with their host phases, and the traced pass's wall
+    against the GPU's kernels and busy time (:func:`trace_kernels.busy_time`)."""
+    print(f"\n{rows} rows, {name}: the median timed pass's steps (ms; wall {r['wall_s'] * 1e3:.2f}, passes "
+          + ", ".join(f"{w * 1e3:.1f}" for w in r["walls"]) + ")")
     print("| step | tokens | rows | burst | ran | generated | verify rows | schedule | inputs | dispatch | wait | update "
           "| step |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -253,20 +241,13 @@ def print_profile(rows: int, name: str, r: dict) -> None:
               f"{s['generated']} | {s['verify_rows']} | " + " | ".join(
                   f"{s[k] * 1e3:.3f}" for k in ("t_schedule", "t_inputs", "t_dispatch", "t_wait", "t_update",
                                                  "t_step")) + " |")
-    busy = sum(m["span_ms"] for m in progs.values())
-    print(f"\n{rows} rows, {name}: traced pass {t['wall_s'] * 1e3:.2f} ms wall, {t['engine_steps']} engine steps, "
-          f"{t['steps']} sub-steps; programs' device spans {busy:.2f} ms ({busy / (t['wall_s'] * 1e3):.0%} of the "
-          f"wall)")
-    print("| program | runs | span ms a run | kernel ms a run | kernels a run |")
-    print("|---|---:|---:|---:|---:|")
-    for prog, m in sorted(progs.items(), key=lambda kv: -kv[1]["span_ms"])[:8]:
-        n = max(m["runs"], 1)
-        print(f"| {prog[:60]} | {m['runs']:.0f} | {m['span_ms'] / n:.3f} | {m['kernel_ms'] / n:.3f} | "
-              f"{m['kernels'] / n:.1f} |")
-    n = max(r["engine_steps"], 1)
-    print("host phases of the timed pass, ms an engine step: " + ", ".join(
-        f"{k[2:]} {v / n * 1e3:.3f}" for k, v in r["phases"].items()) + f" ({r['engine_steps']} steps, "
-        f"{r['wall_s'] * 1e3:.2f} ms wall)")
+    t, g = r["traced"], r.get("gpu") or {}
+    if g:
+        wall = t["wall_s"] * 1e3
+        print(f"traced pass: {wall:.2f} ms wall, {t['engine_steps']} engine steps, {t['steps']} sub-steps; "
+              f"{g['kernels']:.0f} kernels ({g['kernels'] / t['steps']:.1f} a sub-step), {g['kernel_ms']:.2f} ms of "
+              f"kernels ({g['kernel_ms'] / t['steps'] * 1e3:.1f} us a sub-step), GPU busy {g['busy_ms']:.2f} ms "
+              f"({g['busy_ms'] / wall:.0%} of the wall)")
 
 
 def main(argv=None) -> dict:
@@ -311,14 +292,20 @@ def main(argv=None) -> dict:
             n = max(cfg["min_requests"], rows * cfg["waves"])  # a few at 1 row, so the timed pass is not a blink
             return task.prompts(np.random.default_rng(rows), n, cfg["prompt_len"] - 1)
 
-        # plain decoding first at every row count: the baseline of each, and the measured flat region
+        # plain decoding first at every row count: the measured flat region (and the baseline engines)
         repeats = cfg.get("repeats", 1)  # timed passes of each line; the median's figures
+
         def trace_dir(rows, name):
             return None if args.profile is None else os.path.join(args.profile, f"{rows}-{name.replace(' ', '_')}")
 
-        plain = {rows: spec_runs.spec_run(model, prompts_at(rows), cfg["max_new"], rows=rows, repeats=repeats,
-                                          one_shape=cfg["one_shape"], trace_dir=trace_dir(rows, "plain"))
-                 for rows in cfg["rows"]}
+        def new_engine(rows, speculative=None, **settings):
+            return spec_runs.spec_engine(model, prompts_at(rows), cfg["max_new"], rows=rows, speculative=speculative,
+                                         one_shape=cfg["one_shape"], **settings)
+
+        plain_engines = {rows: new_engine(rows) for rows in cfg["rows"]}
+        plain = {rows: spec_runs.pass_figures([spec_runs.timed_pass(eng, prompts_at(rows), cfg["max_new"])
+                                               for _ in range(repeats)], rows)
+                 for rows, eng in plain_engines.items()}
         flat = None
         if len(set(cfg["rows"])) > 1:
             flat = spec_runs.flat_tokens_from(list(plain), [r["wall_s"] / r["steps"] for r in plain.values()])
@@ -331,16 +318,30 @@ def main(argv=None) -> dict:
         print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
         for rows in cfg["rows"]:
             prompts = prompts_at(rows)
-            base = plain[rows]
-            for name, speculative, settings in modes(cfg["ks"], table, rows, flat):
-                if name == "plain":
-                    r = dict(plain[rows])
-                else:
-                    r = spec_runs.spec_run(model, prompts, cfg["max_new"], rows=rows, speculative=speculative,
-                                           one_shape=cfg["one_shape"], repeats=repeats,
-                                           trace_dir=trace_dir(rows, name), **settings)
+            # every line's engine compiled first, then rounds of one timed pass of each line in turn: the host's
+            # drift over a run (tens of percent on a GPU host between lines minutes apart) falls on every line alike
+            engines = {name: plain_engines[rows] if speculative is None and not settings else
+                       new_engine(rows, speculative, **settings)
+                       for name, speculative, settings in modes(cfg["ks"], table, rows, flat)}
+            passes = {name: [] for name in engines}
+            for _ in range(repeats):
+                for name, eng in engines.items():
+                    passes[name].append(spec_runs.timed_pass(eng, prompts, cfg["max_new"]))
+            results = {}
+            for name, eng in engines.items():
+                d = trace_dir(rows, name)
+                traced = None if d is None else spec_runs.traced_pass(eng, prompts, cfg["max_new"], d)
+                results[name] = spec_runs.pass_figures(passes[name], rows, traced=traced)
+                if d is not None:
+                    from trace_kernels import busy_time
+
+                    results[name]["gpu"] = busy_time(d)
+            base = results.get("plain") or spec_runs.pass_figures(
+                [spec_runs.timed_pass(plain_engines[rows], prompts, cfg["max_new"]) for _ in range(repeats)], rows)
+            expect = base["outputs"]
+            for name, r in results.items():
                 outputs = r.pop("outputs")
-                r.update(mode=name, vs_plain=r["tok_s"] / base["tok_s"], identical=outputs == base["outputs"],
+                r.update(mode=name, vs_plain=r["tok_s"] / base["tok_s"], identical=outputs == expect,
                          model_vs_plain=r["tok_per_cost"] / base["tok_per_cost"])
                 rows_out.append(r)
                 per = ", ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_position", []))
@@ -350,7 +351,6 @@ def main(argv=None) -> dict:
                       f"{r['steps']} | {r['tokens_per_step']:.1f} | {spec} | {r['verify_steps']} | {r['identical']} |",
                       flush=True)
                 if args.profile is not None:
-                    r["programs"] = profile_report(r, trace_dir(rows, name))
                     profiles.append((rows, name, r))
         for rows, name, r in profiles:
             print_profile(rows, name, r)

@@ -17,7 +17,6 @@ shares of the span.
 from __future__ import annotations
 
 import argparse
-import bisect
 import glob
 import json
 import re
@@ -85,48 +84,36 @@ def kernel_time_by_class(trace_dir: str, steps: int = 1) -> dict:
             "top": [{"name": k[:120], "class": classify(k), "ms": v / n} for k, v in top]}
 
 
-def module_times(trace_dir: str) -> dict:
-    """Per jitted program, from the ``XLA Modules`` line of the latest trace under ``trace_dir`` (each event one
-    execution of a program on a GPU): ``{name: {"runs", "span_ms", "kernel_ms", "kernels"}}`` summed over the
-    executions and averaged over the GPUs (``span``: the execution's first kernel start to last end as the
-    profiler records it; ``kernel_ms`` / ``kernels``: the ``Stream`` records that start inside it), the name without
-    its trailing ``(id)``; ``{}`` without device records. What lies between the spans is time the GPU ran nothing
-    of these programs: host work, transfers, launches."""
+def busy_time(trace_dir: str) -> dict:
+    """How busy the GPUs were over the latest trace under ``trace_dir``, averaged over the GPU planes: ``kernels``
+    (records on the ``Stream`` lines: kernels and device copies), ``kernel_ms`` (their summed durations),
+    ``busy_ms`` (the union of their intervals: time some record ran) and ``span_ms`` (first start to last end);
+    ``{}`` without device records. The wall of the traced work minus ``busy_ms`` is time the GPU ran nothing: host
+    work, launches, waits. (jax 0.11's GPU traces have no per-program line, so per-program spans are not read.)"""
     import jax
 
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir!r}")
     data = jax.profiler.ProfileData.from_file(max(paths))
-    out, planes = {}, 0
+    rows = []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        planes += 1
-        modules, kernels = [], []
-        for line in plane.lines:
-            if line.name == "XLA Modules":
-                modules += [(ev.start_ns, ev.start_ns + ev.duration_ns, re.sub(r"\(\d+\)$", "", ev.name))
-                            for ev in line.events]
-            elif line.name.startswith("Stream"):
-                kernels += [(ev.start_ns, ev.duration_ns) for ev in line.events]
-        kernels.sort()
-        starts = [k[0] for k in kernels]
-        for lo, hi, name in modules:
-            a, b = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
-            m = out.setdefault(name, {"runs": 0, "span_ms": 0.0, "kernel_ms": 0.0, "kernels": 0})
-            m["runs"] += 1
-            m["span_ms"] += (hi - lo) / 1e6
-            m["kernel_ms"] += sum(d for _, d in kernels[a:b]) / 1e6
-            m["kernels"] += b - a
-    for m in out.values():
-        for key in m:
-            m[key] /= max(planes, 1)
-    if planes and not out:  # no program line in this trace: say which lines there are
-        lines = sorted({f"{line.name} ({len(list(line.events))})" for plane in data.planes
-                        if plane.name.startswith("/device:GPU") for line in plane.lines})
-        raise ValueError(f"no 'XLA Modules' line on the GPU planes of {trace_dir!r}; lines: {', '.join(lines)}")
-    return out
+        ivs = sorted((ev.start_ns, ev.start_ns + ev.duration_ns) for line in plane.lines
+                     if line.name.startswith("Stream") for ev in line.events)
+        if not ivs:
+            continue
+        busy, (lo, hi) = 0, ivs[0]
+        for a, b in ivs[1:]:
+            if a > hi:
+                busy, lo, hi = busy + hi - lo, a, b
+            else:
+                hi = max(hi, b)
+        busy += hi - lo
+        rows.append(dict(kernels=len(ivs), kernel_ms=sum(b - a for a, b in ivs) / 1e6, busy_ms=busy / 1e6,
+                         span_ms=(max(b for _, b in ivs) - ivs[0][0]) / 1e6))
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
 def format_classes(result: dict) -> str:

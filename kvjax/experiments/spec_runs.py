@@ -45,6 +45,7 @@ RECORD_FIELDS = ("step", "num_tokens", "num_seqs", "burst", "sub_steps", "genera
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
+    from kvjax.engine.engine import Engine
     from kvjax.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
@@ -227,36 +228,18 @@ class NoisyDrafter:
         return d
 
 
-def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, *, rows: int,
-             speculative: Any = None, cache: CacheConfig | None = None, recycle: str = "none",
-             prefix_caching: bool = False, page_size: int = 16, max_num_batched_tokens: int | None = None,
-             warmup: bool = True, one_shape: bool = False, flat_tokens: int = FLAT_TOKENS, repeats: int = 1,
-             trace_dir: str | None = None, **settings: Any) -> dict:
-    """Serve ``prompts`` greedily (``max_new`` tokens each) on an engine of ``rows`` rows with ``speculative``
-    (``Engine(speculative=)``; ``None``: plain decoding), ``recycle`` and ``prefix_caching``, on ``cache`` (default:
-    pages of ``page_size`` for every row at once). With ``warmup``, the same prompts run once first on the same engine
-    (every step shape compiles there; the prefix cache is cleared after it) and the timed pass is the second.
-    ``one_shape``: every step padded to one token, row and block bucket, no decode path (fewest compiles: CPU runs).
-    ``repeats``: timed passes (each serving every prompt again); the figures are the median pass's by wall.
-    ``trace_dir``: one more pass after the timed ones under ``jax.profiler`` tracing into that folder (its figures
-    in ``traced``: wall, sub-steps and engine steps of that pass; not among the timed passes).
-    ``settings``: further :class:`~kvjax.engine.options.EngineOptions` fields by name (e.g. ``decode_burst``).
-
-    Returns ``outputs`` (token lists), ``tok_s`` (generated tokens / wall seconds of the timed pass), ``steps``
-    (model sub-steps: a decode burst counts its sub-steps), ``engine_steps`` (dispatches), ``phases`` (the host
-    phases of :class:`~kvjax.engine.metrics.StepRecord`, ``t_schedule`` .. ``t_exposed``, summed over the pass's
-    steps, seconds), ``records`` (each step record's :data:`RECORD_FIELDS`), ``tokens_per_step``,
-    ``prompt_tokens_computed``,
-    ``running_mean``, ``tok_per_cost`` (generated tokens per unit of the step-cost model ``max(T, flat_tokens)``
-    summed over the sub-steps, ``T`` the tokens each computed; one unit = one token of compute-bound work;
-    :mod:`kvjax.sched.spec`), and the speculative figures (``acceptance_rate``,
-    ``acceptance_rate_per_position``, ``tokens_per_verify_row``, ``tokens_per_verify_step``, ``verify_steps``,
-    ``drafts_proposed``, ``drafts_accepted``)."""
+def spec_engine(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, *, rows: int,
+                speculative: Any = None, cache: CacheConfig | None = None, recycle: str = "none",
+                prefix_caching: bool = False, page_size: int = 16, max_num_batched_tokens: int | None = None,
+                warmup: bool = True, one_shape: bool = False, **settings: Any) -> Engine:
+    """The engine :func:`spec_run` times: ``rows`` rows, ``speculative`` (``Engine(speculative=)``; ``None``: plain
+    decoding), ``recycle`` and ``prefix_caching``, on ``cache`` (default: pages of ``page_size`` for every row at
+    once); with ``warmup``, ``prompts`` served once (``max_new`` tokens each: every step shape compiles; the prefix
+    cache cleared after). ``one_shape``: every step padded to one token, row and block bucket, no decode path
+    (fewest compiles: CPU runs). ``settings``: further :class:`~kvjax.engine.options.EngineOptions` fields."""
     from kvjax.config import CacheConfig
     from kvjax.engine.engine import Engine
 
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if cache is None:
         longest = max(len(p) for p in prompts) + max_new + 16  # + a verification row's drafts past the end
         blocks = -(-longest // page_size)
@@ -268,33 +251,61 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
                  use_decode_path=False) if one_shape else {}
     eng = Engine(model, cache, recycle=recycle, max_num_batched_tokens=budget, speculative=speculative,
                  prefix_caching=prefix_caching, **shape, **settings)
-    prompts = [np.asarray(p, np.int32) for p in prompts]
     if warmup:
-        eng.generate(prompts, max_new, progress=False)
+        eng.generate([np.asarray(p, np.int32) for p in prompts], max_new, progress=False)
         eng.clear_prefix_cache()
-    passes = []  # (wall, outputs, records) of each timed pass
-    for _ in range(repeats):
-        start = len(eng.metrics.records)
-        t0 = time.perf_counter()
-        outputs = eng.generate(prompts, max_new, progress=False)
-        wall = time.perf_counter() - t0
-        eng.clear_prefix_cache()
-        if not eng.is_idle():
-            raise AssertionError("engine not idle after generate(): slots or pages leaked")
-        passes.append((wall, outputs, eng.metrics.records[start:]))
-    wall, outputs, recs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
-    traced = None
-    if trace_dir is not None:
-        import jax
+    return eng
 
-        start = len(eng.metrics.records)
-        with jax.profiler.trace(trace_dir):
-            t0 = time.perf_counter()
-            eng.generate(prompts, max_new, progress=False)
-            traced_wall = time.perf_counter() - t0
-        eng.clear_prefix_cache()
-        trecs = eng.metrics.records[start:]
-        traced = dict(wall_s=traced_wall, steps=sum(sub_steps(r) for r in trecs), engine_steps=len(trecs))
+
+def timed_pass(eng: Engine, prompts: Sequence[np.ndarray], max_new: int) -> tuple[float, list, list]:
+    """One pass of ``prompts`` through ``eng`` (greedy, ``max_new`` tokens each; the prefix cache cleared after):
+    ``(wall seconds, outputs, the pass's step records)``. ``AssertionError`` if the engine is not idle after it."""
+    start = len(eng.metrics.records)
+    t0 = time.perf_counter()
+    outputs = eng.generate([np.asarray(p, np.int32) for p in prompts], max_new, progress=False)
+    wall = time.perf_counter() - t0
+    eng.clear_prefix_cache()
+    if not eng.is_idle():
+        raise AssertionError("engine not idle after generate(): slots or pages leaked")
+    return wall, outputs, eng.metrics.records[start:]
+
+
+def traced_pass(eng: Engine, prompts: Sequence[np.ndarray], max_new: int, trace_dir: str) -> dict:
+    """One pass under ``jax.profiler`` tracing into ``trace_dir``: ``{wall_s, steps (sub-steps), engine_steps}``."""
+    import jax
+
+    with jax.profiler.trace(trace_dir):
+        wall, _, recs = timed_pass(eng, prompts, max_new)
+    return dict(wall_s=wall, steps=sum(sub_steps(r) for r in recs), engine_steps=len(recs))
+
+
+def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: int, *, rows: int,
+             flat_tokens: int = FLAT_TOKENS, repeats: int = 1, trace_dir: str | None = None, **kw: Any) -> dict:
+    """Serve ``prompts`` greedily (``max_new`` tokens each) on :func:`spec_engine`'s engine (``rows`` and ``kw``:
+    its arguments), ``repeats`` timed passes (each serving every prompt again); the figures
+    (:func:`pass_figures`) are the median pass's by wall. ``trace_dir``: one more pass after the timed ones under
+    ``jax.profiler`` tracing into that folder (:func:`traced_pass`; its figures in ``traced``)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    eng = spec_engine(model, prompts, max_new, rows=rows, **kw)
+    passes = [timed_pass(eng, prompts, max_new) for _ in range(repeats)]
+    traced = None if trace_dir is None else traced_pass(eng, prompts, max_new, trace_dir)
+    return pass_figures(passes, rows, flat_tokens, traced)
+
+
+def pass_figures(passes: Sequence[tuple[float, list, list]], rows: int, flat_tokens: int = FLAT_TOKENS,
+                 traced: dict | None = None) -> dict:
+    """The figures of the median of ``passes`` (:func:`timed_pass`'s) by wall: ``outputs`` (token lists), ``tok_s``
+    (generated tokens / wall seconds of the pass), ``wall_s``, ``walls`` (every pass's, in order), ``steps`` (model
+    sub-steps: a decode burst counts the sub-steps it ran), ``engine_steps`` (dispatches), ``phases`` (the host
+    phases of :class:`~kvjax.engine.metrics.StepRecord`, ``t_schedule`` .. ``t_exposed``, summed over the pass's
+    steps, seconds), ``records`` (each step record's :data:`RECORD_FIELDS`), ``tokens_per_step``,
+    ``prompt_tokens_computed``, ``running_mean``, ``tok_per_cost`` (generated tokens per unit of the step-cost
+    model ``max(T, flat_tokens)`` summed over the sub-steps, ``T`` the tokens each computed; one unit = one token
+    of compute-bound work; :mod:`kvjax.sched.spec`), the speculative figures (``acceptance_rate``,
+    ``acceptance_rate_per_position``, ``tokens_per_verify_row``, ``tokens_per_verify_step``, ``verify_steps``,
+    ``drafts_proposed``, ``drafts_accepted``) and ``traced`` where given."""
+    wall, outputs, recs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
     gen = sum(r.generated for r in recs)
     steps = sum(sub_steps(r) for r in recs)  # model sub-steps (a decode burst runs several in one engine step)
     cost = sum(sub_steps(r) * max((r.num_tokens if r.computed < 0 else r.computed) / sub_steps(r), flat_tokens)
@@ -302,6 +313,7 @@ def spec_run(model: Qwen3_5ForCausalLM, prompts: Sequence[np.ndarray], max_new: 
     out = dict(outputs=outputs, rows=rows, tok_s=gen / wall, steps=steps, tokens_per_step=gen / max(steps, 1),
                prompt_tokens_computed=sum(r.prefill_tokens for r in recs), tok_per_cost=gen / max(cost, 1),
                running_mean=float(np.mean([r.running for r in recs])), wall_s=wall, engine_steps=len(recs),
+               walls=[p[0] for p in passes],
                phases={k: float(sum(getattr(r, k) for r in recs)) for k in PHASES},
                records=[{k: getattr(r, k) for k in RECORD_FIELDS} for r in recs])
     if traced is not None:
