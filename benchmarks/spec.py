@@ -30,9 +30,12 @@ first at every row count; its time per sub-step against the rows gives the regio
 :func:`~kvjax.experiments.spec_runs.flat_tokens_from`), and ``speculative=ngram`` K = 4 in verification bursts of 32
 with the measured rule (sub-step 0's drafts the host's lookup, the later ones the same lookup on the device:
 :mod:`kvjax.engine.ngram`); ``--modes`` picks lines (the burst comparison: ``--modes "plain,plain burst 32,mtp K={k}
-burst 32 measured rule,ngram K={k} burst 32 measured rule"``). Each engine serves the
-prompts once to compile, then ``repeats`` times timed (5 on the GPU recipe), each line's figures from its median
-pass by wall (single passes of ~0.1 s moved by 15-25% between runs). Columns: generated tokens/s (wall clock of the timed pass) and against
+burst 32 measured rule,ngram K={k} burst 32 measured rule"``). At each row count every line's engine serves the
+prompts once to compile, then ``repeats`` rounds (5 on the GPU recipe) time one pass of every line in turn (plain
+decoding's engines also timed first, alone, for the flat region), each line's figures from its median pass by wall
+(single passes of ~0.1 s moved by 15-25% between runs, and the same line by 17-33% between processes: interleaved,
+the drift falls on every line alike). ``--profile DIR``: each line's median pass's steps with their host phases,
+and one traced pass's kernels and GPU busy time. Columns: generated tokens/s (wall clock of the timed pass) and against
 plain decoding at the same rows, steps, tokens per step, acceptance rate (overall and per draft position),
 tokens per verification row and step, verification steps, and whether the tokens equal plain decoding's (greedy:
 they must); ``model`` is the step-cost model's prediction from the run's own steps (tokens per
