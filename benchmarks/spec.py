@@ -236,8 +236,8 @@ def print_profile(rows: int, name: str, r: dict) -> None:
     against the GPU's kernels and busy time (:func:`trace_kernels.busy_time`)."""
     print(f"\n{rows} rows, {name}: the median timed pass's steps (ms; wall {r['wall_s'] * 1e3:.2f}, passes "
           + ", ".join(f"{w * 1e3:.1f}" for w in r["walls"]) + ")")
-    print("| step | tokens | rows | burst | ran | generated | verify rows | schedule | inputs | dispatch | wait | update "
-          "| step |")
+    print("| step | tokens | rows | burst | ran | generated | verify rows | schedule | inputs | dispatch | wait "
+          "| update | step |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in r["records"]:
         print(f"| {s['step']} | {s['num_tokens']} | {s['num_seqs']} | {s['burst']} | {s['sub_steps']} | "

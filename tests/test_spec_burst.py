@@ -8,8 +8,8 @@ Exactness: greedy tokens identical to uncached greedy decoding (``greedy_oracle`
 hybrid GDN / attention model and an MTP layer trained on :class:`~helpers.spec.Successors` (drafts mostly accepted:
 GDN states committed after accepted drafts inside the burst), with timely recycling on a pool small enough to
 preempt, with prefix caching, an abort and a fault inside a burst; a burst's step record counts the positions and
-rows of every sub-step (as ``resolve`` applied them); a burst's loop ends when no row is live. The rule drafting nothing gives plain decode
-bursts with the MTP layer skipped. Sampling: the burst engine's tokens have the plain engine's distribution
+rows of every sub-step (as ``resolve`` applied them); a burst's loop ends when no row is live; an eos in a later
+sub-step ends its request. The rule drafting nothing gives plain decode bursts with the MTP layer skipped. Sampling: the burst engine's tokens have the plain engine's distribution
 (chi-square, as ``test_spec_sampling.py``).
 """
 

@@ -18,7 +18,7 @@ from kvjax.engine import ngram
 from kvjax.ops.conv import causal_conv1d_reference
 from kvjax.ops.gdn import DeltaRuleCall, recurrent_gated_delta_rule_reference
 from kvjax.ops.spec_states import verify_conv_states, verify_ssm_states
-from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, propose_rows
+from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, ngram_sizes, propose_rows
 from kvjax.state import gdn_pool, gdn_spec
 
 ATOL = 2e-5  # f32, a few recurrent steps of O(1) values (the reference runs the same recurrence in another order)
@@ -179,6 +179,10 @@ def test_batched_host_lookup_proposes_the_drafters_drafts(K, max_ngram, min_ngra
             return super().propose(tokens, max_drafts)[::-1]
 
     other = Reversed(K, max_ngram, min_ngram)
+    # the device's lookup is NgramDrafter's rule: a subclass verifies in single steps (the engine's and the
+    # scheduler's view agree: no bursts, no device sizes)
+    assert host.bursts and not other.bursts and not PacedDrafter(other, flat_tokens=64).bursts
+    assert ngram_sizes(other) is None and ngram_sizes(host) == (max_ngram, min_ngram)
     got = propose_rows(other, hist, length, cap)
     assert all(g.tolist() == other.propose(hist[r, : length[r]], int(cap[r])).tolist() for r, g in enumerate(got))
 

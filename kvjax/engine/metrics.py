@@ -152,9 +152,9 @@ class EngineMetrics:
         """Aggregates over the records after the first ``skip`` (e.g. warm-up steps).
 
         Counts (tokens, steps, running, preemptions, pages) cover every step; per-step figures are per sub-step
-        (``generated_tokens_per_step``, ``running_mean``, ``page_util_mean``, ``cached_pages_mean``: a burst of
-        ``K`` weighs the sub-steps it ran, ``sub_steps`` or ``burst``; ``tokens_per_dispatch`` is per record). Times cover only the steps that
-        did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
+        (``generated_tokens_per_step``, ``running_mean``, ``page_util_mean``, ``cached_pages_mean``: a burst weighs
+        the sub-steps it ran, ``sub_steps`` or ``burst``; ``tokens_per_dispatch`` is per record). Times cover only
+        the steps that did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
         ``compile_steps`` / ``compile_time_s``. ``generated_tokens_per_s`` = tokens generated in those steps /
         their summed ``t_step`` (the steady-state rate). Host time over them: ``host_share`` = exposed host time
         (``t_exposed``, what the device waits for) / step time, ``host_total_share`` = total host time
@@ -176,7 +176,8 @@ class EngineMetrics:
         computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
         # a burst runs every running request (its plan's rows), each for its own sub-steps: the requests running
         # at each sub-step add up to its row_steps (``running`` is counted after the burst reserved them all)
-        running = np.where(col["burst"] > 1, np.where(col["row_steps"] >= 0, col["row_steps"], computed), col["running"])
+        running = np.where(col["burst"] > 1, np.where(col["row_steps"] >= 0, col["row_steps"], computed),
+                           col["running"])
         warm = col["compiled"] == 0
         host = (col["t_step"] - col["t_wait"])[warm]
         exposed = col["t_exposed"][warm]

@@ -263,7 +263,8 @@ class StepPipeline:
                                    np.fromiter(plan.request_ids, np.int64, n), drafts[d])
             if stats:
                 flight.record.update(sum_stats(stats))
-            if sub_steps:  # the sub-steps the burst ran (its loop ends when no row is live; a mesh: the longest shard's)
+            if sub_steps:  # the sub-steps the burst ran (its loop ends when no row is live; on a mesh the longest
+                # data shard's)
                 flight.record["sub_steps"] = max(sub_steps)
             self.inflight.popleft()
             outs = [out for sched, plan in zip(scheds, flight.plans) for out in outputs.collect_plan(sched, plan)]

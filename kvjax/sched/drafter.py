@@ -15,8 +15,9 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
   inside the jitted step, :mod:`kvjax.engine.drafting`); the engine records each step's drafts here
   (:meth:`StepDrafter.record`) and the next plan takes them (:meth:`StepDrafter.drafts_for`) instead of a host
   ``propose`` (on a mesh, one per data shard: :func:`shard_drafters`).
-- A drafter with ``bursts = True`` (these two) verifies in verification bursts (:mod:`kvjax.sched.burst`): its
-  later sub-steps' drafts are made on the device; :func:`ngram_sizes` says which rule a burst's device lookup runs.
+- A drafter with ``bursts = True`` (these two; a subclass of :class:`NgramDrafter` has ``False``) verifies in
+  verification bursts (:mod:`kvjax.sched.burst`): its later sub-steps' drafts are made on the device;
+  :func:`ngram_sizes` says which rule a burst's device lookup runs.
 - :class:`PacedDrafter`: a drafter with the step-cost rule that shortens or turns off the drafts where they do not
   pay (large batches; :func:`kvjax.sched.spec.draft_length`).
 - :class:`SpeculativeConfig`: the engine's ``speculative=`` setting (method, ``num_draft_tokens`` = ``K``, n-gram
@@ -65,10 +66,13 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt-lookup drafting: the continuation of the latest earlier occurrence of the request's last n-gram.
 
-    ``num_draft_tokens``: K; ``max_ngram`` / ``min_ngram``: the n-gram sizes tried, longest first. ``bursts``: the
-    device runs the same rule inside verification bursts (:func:`kvjax.engine.ngram.lookup`)."""
+    ``num_draft_tokens``: K; ``max_ngram`` / ``min_ngram``: the n-gram sizes tried, longest first."""
 
-    bursts = True
+    @property
+    def bursts(self) -> bool:
+        """Verification bursts run this rule on the device (:func:`kvjax.engine.ngram.lookup`): for an
+        :class:`NgramDrafter` itself, not a subclass, whose ``propose`` may differ (as :func:`ngram_sizes`)."""
+        return type(self) is NgramDrafter
 
     def __init__(self, num_draft_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.num_draft_tokens, self.max_ngram, self.min_ngram = int(num_draft_tokens), int(max_ngram), int(min_ngram)
@@ -232,8 +236,8 @@ def propose_rows(drafter: Drafter, tokens: np.ndarray, lengths: np.ndarray, max_
     """Each row's ``drafter.propose(tokens[r, :lengths[r]], max_drafts[r])`` (``tokens``: i64[R, >= max length];
     ``lengths`` / ``max_drafts``: i64[R], ``max_drafts >= 1``): an :class:`NgramDrafter` itself (:func:`ngram_sizes`)
     looks up every row at once (the same rule, a few elementwise passes over ``[R, L]`` per n-gram size, as
-    :func:`kvjax.engine.ngram.lookup` on the device), any other drafter row by row. Returns i32 arrays of at most
-    ``max_drafts[r]`` drafts each."""
+    :func:`kvjax.engine.ngram.lookup` on the device), any other drafter row by row. Returns one integer array a row,
+    at most ``max_drafts[r]`` drafts each."""
     sizes = ngram_sizes(drafter)
     if sizes is None:
         return [np.asarray(drafter.propose(tokens[r, : lengths[r]], int(max_drafts[r])), np.int64)[: max_drafts[r]]
