@@ -263,8 +263,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default=None, help="the lines of MODES to run, by name as written there ('{k}' "
                     "unexpanded), comma-separated (default: every line)")
     ap.add_argument("--profile", default=None, help="a folder: one more pass of each line under jax.profiler "
-                    "(traces kept there); prints each jitted program's runs, device span and kernel time, and the "
-                    "host phases of each line's engine steps")
+                    "(traces kept there); prints each line's steps with their host phases, and the traced pass's "
+                    "kernels, kernel time and GPU busy time")
     ap.add_argument("--toy-cache", default=None, help="a folder: load the trained toy and MTP layer of the recipe "
                     "from it when there (no training), else train and save them there")
     args = ap.parse_args(argv)
