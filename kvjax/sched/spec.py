@@ -255,12 +255,9 @@ def resolve(sched: Any, plan: StepPlan, result: np.ndarray) -> list:
     bad = (sample & ran)[..., None] & (np.arange(J) <= a[..., None]) & ((toks < 0) | (toks > np.iinfo(np.int32).max))
     if bad.any():
         raise ValueError(f"step {plan.step}: sampled token ids outside [0, 2**31): {toks[bad][:4]}")
-    if plan.spec_steps:  # every sub-step at once: each row's tokens of all its sub-steps in order
-        _record(sched, plan, k[ran], a[ran], steps=int((ran & (k > 0)).any(axis=1).sum()))
-        finished = _take_burst(sched, plan, slots, rids, toks, a, ran & sample)
-    else:
-        _record(sched, plan, k[0], a[0])
-        finished = _take(sched, plan, slots, rids, toks[0], a[0], ran[0] & sample)
+    # every sub-step at once (a single step is one): each row's tokens of all its sub-steps in order
+    _record(sched, plan, k[ran], a[ran], steps=int((ran & (k > 0)).any(axis=1).sum()))
+    finished = _take(sched, plan, slots, rids, toks, a, ran & sample)
     ledger.unresolved.popleft()
     return [r for r in finished if r.status is Status.FINISHED]
 
@@ -285,37 +282,12 @@ def verified(plan: StepPlan, result: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks: np.ndarray, a: np.ndarray,
           ran: np.ndarray) -> list:
-    """A verification step's result applied to the plan's rows still running (``slots`` / ``rids``: i64[n]): row
-    ``b`` (where ``ran``, bool[n]) accepted ``a[b]`` drafts and takes ``toks[b, :a[b] + 1]`` (i64[n, K + 1]).
-    Returns the requests that ended (eos or ``max_new_tokens``)."""
-    t, B, J = sched.rows, plan.seq_lens.shape[0], toks.shape[1]
-    live = t.request_id[slots] == rids  # bool[n]: still running there
-    rows = np.flatnonzero(live & ran)  # i64[m]
-    if not rows.size:
-        return []
-    rs = slots[rows]
-    t.num_computed[rs] += a[rows]
-    counts = a[rows] + 1  # i64[m]: tokens each row takes
-    t.reserve_burst(rs, rows, counts, B, plan.step)
-    got = np.where(np.arange(J) < counts[:, None], toks[rows], -1)  # i64[m, J]
-    first = t.resolve_burst(rs, plan.step, rows, B, got)
-    assert first is not None, "a verification row's reserved tokens are not its own"
-    done = (first < J) | (t.num_tokens[rs] >= t.max_tokens[rs])  # bool[m]: eos or max_new_tokens
-    finished = []
-    for slot in rs[done].tolist():
-        req = t.requests[slot]
-        sched.finish(req)
-        finished.append(req)
-    return finished
-
-
-def _take_burst(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks: np.ndarray, a: np.ndarray,
-                ran: np.ndarray) -> list:
-    """A verification burst's sub-steps applied at once to the plan's rows still running (``slots`` / ``rids``:
-    i64[n]): row ``b`` takes, in sub-step order, ``toks[s, b, :a[s, b] + 1]`` (i64[S, n, K + 1]) of every sub-step
-    ``s`` it ran (``ran``: bool[S, n], a prefix of the sub-steps; ``a``: i64[S, n]) as one run of tokens, which is
-    what :func:`_take` once per sub-step does (a stop id ends the row there, its later tokens dropped). Returns the
-    requests that ended, in the order those calls would end them (by sub-step, then row)."""
+    """A verification step's result, or a burst's ``S`` sub-steps' at once, applied to the plan's rows still running
+    (``slots`` / ``rids``: i64[n]): row ``b`` accepted ``a[s, b]`` drafts in sub-step ``s`` (``a``: i64[S, n]) and
+    takes, in sub-step order, ``toks[s, b, :a[s, b] + 1]`` (i64[S, n, K + 1]) of every sub-step it ran (``ran``:
+    bool[S, n], a prefix of the sub-steps) as one run of tokens: what applying the sub-steps one after another does
+    (a stop id or ``max_new_tokens`` ends the row there, its later tokens dropped). Returns the requests that ended,
+    in the order the sub-steps one after another would end them (by sub-step, then row)."""
     t, B = sched.rows, plan.seq_lens.shape[0]
     S, _, J = toks.shape
     live = t.request_id[slots] == rids  # bool[n]
