@@ -18,7 +18,7 @@ from kvjax.engine import ngram
 from kvjax.ops.conv import causal_conv1d_reference
 from kvjax.ops.gdn import DeltaRuleCall, recurrent_gated_delta_rule_reference
 from kvjax.ops.spec_states import verify_conv_states, verify_ssm_states
-from kvjax.sched.drafter import NgramDrafter, PacedDrafter, SpeculativeConfig, ngram_sizes, propose_rows
+from kvjax.sched.drafter import BATCH_ROWS, NgramDrafter, PacedDrafter, SpeculativeConfig, ngram_sizes, propose_rows
 from kvjax.state import gdn_pool, gdn_spec
 
 ATOL = 2e-5  # f32, a few recurrent steps of O(1) values (the reference runs the same recurrence in another order)
@@ -168,6 +168,7 @@ def test_batched_host_lookup_proposes_the_drafters_drafts(K, max_ngram, min_ngra
     hist = np.where(np.arange(R)[:, None] % 2, rng.integers(0, 3, (R, L + 5)), rng.integers(0, 8, (R, L + 5)))
     length = np.concatenate([rng.integers(0, L + 1, R - 4), np.full(4, L)])
     cap = rng.integers(1, K + 2, R)
+    assert R >= BATCH_ROWS  # the lookup over every row at once
     for drafter in (host, PacedDrafter(host, flat_tokens=64)):
         got = propose_rows(drafter, hist, length, cap)
         for r in range(R):
