@@ -93,6 +93,11 @@ class StepRecord:
     drafts_accepted_at: tuple[int, ...] = ()
 
     @property
+    def ran(self) -> int:
+        """Model sub-steps the step ran: ``sub_steps`` where recorded, else ``burst``."""
+        return self.sub_steps if self.sub_steps >= 0 else self.burst
+
+    @property
     def t_host(self) -> float:
         """Total host time of the step: all but the wait for its tokens."""
         return self.t_step - self.t_wait
@@ -153,7 +158,7 @@ class EngineMetrics:
 
         Counts (tokens, steps, running, preemptions, pages) cover every step; per-step figures are per sub-step
         (``generated_tokens_per_step``, ``running_mean``, ``page_util_mean``, ``cached_pages_mean``: a burst weighs
-        the sub-steps it ran, ``sub_steps`` or ``burst``; ``tokens_per_dispatch`` is per record). Times cover only
+        the sub-steps it ran (``StepRecord.ran``); ``tokens_per_dispatch`` is per record). Times cover only
         the steps that did not compile (``compiled`` False): compilation is a one-off cost per bucket shape, reported apart as
         ``compile_steps`` / ``compile_time_s``. ``generated_tokens_per_s`` = tokens generated in those steps /
         their summed ``t_step`` (the steady-state rate). Host time over them: ``host_share`` = exposed host time
@@ -172,7 +177,7 @@ class EngineMetrics:
         if not recs:
             return {"steps": 0}
         col = {name: np.array([getattr(r, name) for r in recs], np.float64) for name in NUMERIC}
-        sub = np.where(col["sub_steps"] >= 0, col["sub_steps"], col["burst"])  # sub-steps that ran: the weights
+        sub = np.array([r.ran for r in recs], np.float64)  # sub-steps that ran: the weights
         computed = np.where(col["computed"] >= 0, col["computed"], col["num_tokens"])
         # a burst runs every running request (its plan's rows), each for its own sub-steps: the requests running
         # at each sub-step add up to its row_steps (``running`` is counted after the burst reserved them all)

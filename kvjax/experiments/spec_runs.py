@@ -336,9 +336,8 @@ def pass_figures(passes: Sequence[tuple[float, list, list]], rows: int, flat_tok
 
 
 def sub_steps(record: Any) -> int:
-    """The model sub-steps a step record ran (:class:`~kvjax.engine.metrics.StepRecord`: ``sub_steps`` where
-    recorded, else its ``burst``; at least 1)."""
-    return max(record.sub_steps if record.sub_steps >= 0 else record.burst, 1)
+    """The model sub-steps a step record ran (:attr:`kvjax.engine.metrics.StepRecord.ran`), at least 1."""
+    return max(record.ran, 1)
 
 
 def flat_tokens_from(rows: Sequence[int], sub_step_s: Sequence[float]) -> int | None:
