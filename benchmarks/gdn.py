@@ -7,8 +7,9 @@ a side); ``python benchmarks/gdn.py prep-mgpu [OUT.json] [shape indices]``: the 
 preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`);
 ``python benchmarks/gdn.py seq-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU sequential kernels,
 alone and inside the whole forward (:func:`flashqla_seq_mgpu`); ``python benchmarks/gdn.py fused-mgpu [OUT.json]
-[shape indices]``: FlashQLA's layout (inverse-only preparation, fused pass) against the Mosaic GPU kernels of today,
-whole and by part (:func:`flashqla_fused_mgpu`).
+[shape indices] [line prefix]``: FlashQLA's layout (inverse-only preparation, fused pass) against the Mosaic GPU
+kernels of today, whole and by part, and the preparation with its value heads' inverses in lockstep
+(:func:`flashqla_fused_mgpu`; ``fused-mgpu OUT.json 0,1,2,3,4 prep``: the four preparation lines only).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -181,9 +182,9 @@ def flashqla_inputs(seqlens: list[int], hk: int, hv: int, d: int = 128, seed: in
     return q, k, v, g.astype(np.float32), beta.astype(np.float32), h0, cu
 
 
-def flashqla_case(seqlens: list[int], hk: int, hv: int):
+def flashqla_case(seqlens: list[int], hk: int, hv: int, reference: bool = True):
     """:func:`flashqla_inputs` on the device (q / k / v bf16), the scale and the f32 chunked reference's
-    ``(o, final state)``."""
+    ``(o, final state)`` (``(None, None)`` without ``reference``)."""
     import jax.numpy as jnp
 
     from kvjax.ops import gdn
@@ -192,6 +193,8 @@ def flashqla_case(seqlens: list[int], hk: int, hv: int):
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     g, beta, h0, cu = jnp.asarray(g), jnp.asarray(beta), jnp.asarray(h0), jnp.asarray(cu)
     scale = 128 ** -0.5
+    if not reference:
+        return q, k, v, g, beta, h0, cu, scale, (None, None)
     return q, k, v, g, beta, h0, cu, scale, gdn.chunk_gated_delta_rule_reference(
         gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0)
 
@@ -455,16 +458,20 @@ def flashqla_seq_mgpu(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
-def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
+def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> list[dict]:
     """FlashQLA's layout (issue 38, GDN half) against today's Mosaic GPU kernels, one process, interleaved timing,
     FlashQLA's recipe at its five shapes. Whole forward: the public op with ``impl="auto"`` and ``"mosaic-fused"``
     (inverse-only preparation + fused pass), and the pool kernel with both Mosaic GPU kernels (``"mosaic-seq"``'s
     kernels, which its table declines at several sequences). Parts: the Mosaic preparation with today's outputs
-    (``w``, ``u``, ...) against ``outputs="inverse"``, and the Mosaic sequential pass against the fused pass, each
-    on its own preparation's operands (computed once). Errors: outputs / final states against the f32 chunked
-    reference; the inverse-only prep's ``A`` and row factors against today's (the largest relative error). Prints
-    device ms (every kernel of the call; wall where the profiler has none) and the first line of its group over
-    it. One jit per line."""
+    (``w``, ``u``, ...) against ``outputs="inverse"``, each also with the value heads' inverses in lockstep
+    (``lockstep`` = the CTA's value heads: ``prep lockstep``, ``prep inverse lockstep``), and the Mosaic sequential
+    pass against the fused pass, each on its own preparation's operands (computed once). Errors: outputs / final
+    states against the f32 chunked reference; the inverse-only prep's ``A`` and row factors against today's (the
+    largest relative error); a lockstep prep's outputs against its default form's (the largest absolute
+    difference: 0 when bit-identical, as expected). Prints device ms (every kernel of the call; wall where the
+    profiler has none) and the first line of its group over it (a lockstep line: its default form's). One jit per
+    line. ``lines``: only the lines whose
+    name starts with it (``"prep"``: the four preparation lines, no f32 reference computed)."""
     import jax
     import jax.numpy as jnp
 
@@ -479,12 +486,13 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
     import timing
 
     rows = []
-    print(f"{'shape':>20} {'line':>18} {'ms':>8} {'x':>5}  errors: o / state vs reference (prep: vs today's)",
+    print(f"{'shape':>20} {'line':>21} {'ms':>8} {'x':>5}  errors: o / state vs reference (prep: vs today's)",
           flush=True)
     for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
         if shapes is not None and i not in shapes:
             continue
-        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv)
+        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv,
+                                                                  reference=not lines.startswith("prep"))
         n, t = len(seqlens), q.shape[0]  # t: a multiple of 64 at every shape (no padding)
         seg = (count_le(cu, jnp.arange(t, dtype=jnp.int32)) - 1).astype(jnp.int32)  # i32[T]
         prep_kw = dict(chunk=64, scale=scale, use_qk_l2norm=False)
@@ -501,8 +509,12 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
                                                scale=scale, prep=PrepConfig(kernel="mosaic"), seq="mosaic")
         runners["whole mosaic-seq"] = jax.jit(whole_seq)
         runners["prep mosaic"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b, **prep_kw))
+        runners["prep lockstep"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b,
+                                                                                lockstep=hv // hk, **prep_kw))
         runners["prep inverse"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b,
                                                                                outputs="inverse", **prep_kw))
+        runners["prep inverse lockstep"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(
+            seg, q, k, v, g, b, outputs="inverse", lockstep=hv // hk, **prep_kw))
         prep_args = (q, k, v, g, beta)
         w, u, a, qf, kf, gl = runners["prep mosaic"](*prep_args)
         tb, a2, qf2, kf2, gl2, kr = runners["prep inverse"](*prep_args)
@@ -516,11 +528,12 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
             return seq_mgpu_fused_call(q, k, v, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
         runners["seq mosaic"] = jax.jit(seq_plain)
         runners["seq fused"] = jax.jit(seq_fused)
+        runners = {name: fn for name, fn in runners.items() if name.startswith(lines)}
         args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq mosaic": (h0, w, u, a, qf, kf, gl),
                 "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
         shape = _shape_name(seqlens, hk, hv)
         outs, calls, times = _compile_and_time(
-            runners, lambda name: args[name] if name in args else args[name.split()[0]], shape, 18)
+            runners, lambda name: args[name] if name in args else args[name.split()[0]], shape, 21)
 
         first = {"whole": "whole mosaic-seq", "prep": "prep mosaic", "seq": "seq mosaic"}
         for name in calls:
@@ -528,17 +541,23 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None) -> list[dict]:
                    "wall_ms": times[name]["wall_ms"], "device_ms": times[name]["device_ms"],
                    "flashqla_h200_ms": FLASHQLA_H200_MS.get(i)}
             if name.startswith("prep"):
-                got = outs[name][1:5] if name == "prep inverse" else outs[name][2:6]
+                got = outs[name][1:5] if name.startswith("prep inverse") else outs[name][2:6]
                 row["err_vs_today"] = max(timing.rel_err(x, y) for x, y in zip(got, (a, qf, kf, gl)))
                 errs = f"{row['err_vs_today']:.1e}"
+                if name.endswith("lockstep"):
+                    default = (w, u, a, qf, kf, gl) if name == "prep lockstep" else (tb, a2, qf2, kf2, gl2, kr)
+                    row["max_abs_vs_default"] = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(
+                        jnp.float32)))) for x, y in zip(outs[name], default))
+                    errs += f"; vs default form: max abs {row['max_abs_vs_default']:.1e}"
             else:
                 o, f = outs[name]
                 row.update(err_o=timing.rel_err(o[:t], ro), err_state=timing.rel_err(f, rf))
                 errs = f"{row['err_o']:.1e} / {row['err_state']:.1e}"
-            base = first[name.split()[0]]
+            base = {"prep lockstep": "prep mosaic", "prep inverse lockstep": "prep inverse"}.get(
+                name, first[name.split()[0]])
             x = _ms(times, base) / _ms(times, name) if base in times else float("nan")
             rows.append(row)
-            print(f"{row['shape']:>20} {name:>18} {_ms(times, name):>8.4f} {x:>5.2f}  {errs}   "
+            print(f"{row['shape']:>20} {name:>21} {_ms(times, name):>8.4f} {x:>5.2f}  {errs}   "
                   f"(wall {row['wall_ms']:.4f})", flush=True)
     return rows
 
@@ -558,7 +577,7 @@ if __name__ == "__main__":
     elif side == "seq-mgpu":
         out = flashqla_seq_mgpu(only)
     elif side == "fused-mgpu":
-        out = flashqla_fused_mgpu(only)
+        out = flashqla_fused_mgpu(only, sys.argv[4] if len(sys.argv) > 4 else "")
     else:
         out = flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:
