@@ -271,7 +271,10 @@ class Engine:
         return check_call(prompts, params, max_new_tokens, temperature, seed, tokenizer=self.tokenizer,
                           vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
 
-    def _stream(self, calls: list[Call], progress: bool | None) -> Iterator[TokenEvent]:
+    def _stream(self, calls: list[Call], progress: bool | None, chunks: bool = False
+                ) -> Iterator[TokenEvent] | Iterator[StepOutput]:
+        """Queue ``calls`` and run steps until every one is delivered, yielding its tokens as :class:`TokenEvent` s
+        (``chunks``: as the :class:`StepOutput` s the steps delivered); closed early, it aborts what is left."""
         ids = []
         try:
             for i, (p, params, stops) in enumerate(calls):
@@ -283,7 +286,7 @@ class Engine:
             for rid in ids:
                 self.abort(rid)
             raise
-        box = self.outputs.open_stream(ids)
+        box = self.outputs.open_stream(ids, chunks)
         bar = progress_bar(int(sum(params.max_tokens for _, params, _ in calls)), progress)
         try:
             while box or any(rid in self.outputs.tracked for rid in ids):
@@ -293,7 +296,7 @@ class Engine:
                 ev = box.popleft()
                 self.outputs.consumed(ev)
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(len(ev.tokens) if chunks else 1)
                 yield ev
         finally:
             if bar is not None:
@@ -318,8 +321,8 @@ class Engine:
         """
         calls = self._check_call(prompts, params, max_new_tokens, temperature, seed)
         out: list[list[int]] = [[] for _ in range(len(calls))]
-        for ev in self._stream(calls, progress):
-            out[ev.index].append(ev.token)
+        for chunk in self._stream(calls, progress, chunks=True):  # whole StepOutputs: no object per token
+            out[chunk.index].extend(chunk.tokens)
         return [self.tokenizer.decode(ids) for ids in out] if is_text(prompts, self.tokenizer) else out
 
     # ---- one step --------------------------------------------------------------------------------------------

@@ -51,6 +51,10 @@ class StepOutput(NamedTuple):
                 for i, t in enumerate(self.tokens)]
 
 
+class Chunks(collections.deque):
+    """A stream's queue of whole :class:`StepOutput` s (``Outputs.open_stream(chunks=True)``)."""
+
+
 @dataclasses.dataclass
 class Tracked:
     """A request the engine tracks from queueing until its last token is delivered."""
@@ -124,7 +128,7 @@ class Outputs:
         dropped = 0
         if box:
             kept = [ev for ev in box if ev.request_id != rid]
-            dropped = len(box) - len(kept)
+            dropped = sum(len(ev.tokens) if type(ev) is StepOutput else 1 for ev in box if ev.request_id == rid)
             box.clear()
             box.extend(kept)
         dropped += sum(len(out.tokens) for out in self.held if out.request_id == rid)
@@ -148,15 +152,16 @@ class Outputs:
         self.held = []
         return held
 
-    def open_stream(self, ids: Sequence[int]) -> collections.deque:
-        """One event queue for a stream's requests."""
-        box: collections.deque[TokenEvent] = collections.deque()
+    def open_stream(self, ids: Sequence[int], chunks: bool = False) -> collections.deque:
+        """One queue for a stream's requests: of :class:`TokenEvent` s, or with ``chunks`` of the
+        :class:`StepOutput` s themselves (``Engine.generate``: no per-token object)."""
+        box: collections.deque = Chunks() if chunks else collections.deque()
         for rid in ids:
             self.inbox[rid] = box
         return box
 
-    def consumed(self, ev: TokenEvent) -> None:
-        """A stream yielded ``ev``."""
+    def consumed(self, ev: TokenEvent | StepOutput) -> None:
+        """A stream yielded ``ev`` (an event, or a chunk of a :meth:`open_stream` ``(chunks=True)`` queue)."""
         if ev.finished:
             self.queued.pop(ev.request_id, None)
 
@@ -195,7 +200,10 @@ class Outputs:
         outs.append(out)
         box = self.inbox.get(rid)
         self._undo.append(("sent", tr, tr.sent))
-        if box is not None:
+        if type(box) is Chunks:
+            self._undo.append(("box", box, len(box)))
+            box.append(out)
+        elif box is not None:
             self._undo.append(("box", box, len(box)))
             have, n = tr.sent, len(new)
             new_tuple = tuple.__new__  # a TokenEvent from its fields' tuple, without the generated __new__'s call
