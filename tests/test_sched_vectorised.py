@@ -40,6 +40,27 @@ def test_allocate_rows_gives_the_pages_of_row_by_row_allocation(rng, pool, shard
         a.check_integrity()
 
 
+@pytest.mark.parametrize("pool,shards", [("shared", 1), ("partitioned", 2)])
+def test_free_rows_frees_what_row_by_row_frees(rng, pool, shards):
+    """``free_rows`` (a burst's finished rows at once) leaves the tables, owners and free lists of ``free_row``
+    called row by row, also after recycling punched holes into the rows; a repeated row is refused unchanged."""
+    a = allocator(pool, shards)
+    rows = np.arange(1, 17)
+    a.allocate_rows(rows, rng.integers(1, 60, 16))
+    recycle_out_of_window(a, rows, a.num_blocks[rows] * 4)
+    b = copy.deepcopy(a)
+    done = rng.permutation(rows)[:9]
+    assert a.free_rows(done.tolist()) == sum(b.free_row(int(r)) for r in done)
+    for name in ("tables", "owner_row", "owner_head", "num_blocks", "recycled_upto", "recycle_due"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert a._free == b._free
+    a.check_integrity()
+    before = a.tables.copy()
+    with pytest.raises(ValueError, match="distinct"):
+        a.free_rows([int(rows[0]), int(rows[0])])
+    np.testing.assert_array_equal(a.tables, before)
+
+
 def test_allocate_rows_declines_without_change_when_short_or_too_long():
     a = allocator("shared", num_pages=16)  # 16 pages = 4 blocks on 4 heads
     assert a.allocate_rows(np.array([1]), np.array([8]))  # 2 blocks * 4 heads: 8 pages left

@@ -123,13 +123,22 @@ def test_step_drafts_continue_only_the_tokens_they_were_made_for(qwen, shared):
         request_id = np.array([-1, 7, 8, 9])
         num_tokens = np.array([0, 10, 12, 5])
 
-    drafter.record(Rows, np.array([1, 2, 3]), np.array([7, 8, 4]), np.array([[4, 5, 6], [1, -1, -1], [3, 3, 3]]))
-    assert drafter.drafts_for(1, 7, 10, 3).tolist() == [4, 5, 6]
-    assert drafter.drafts_for(1, 7, 10, 2).tolist() == [4, 5]
-    assert drafter.drafts_for(2, 8, 12, 3).tolist() == [1]  # -1: no draft there
-    assert drafter.drafts_for(1, 7, 11, 3).size == 0  # the request moved on
-    assert drafter.drafts_for(1, 6, 10, 3).size == 0  # another request in the slot
-    assert drafter.drafts_for(3, 9, 5, 3).size == 0  # recorded for request 4, which left before the record
+    fresh = drafter.drafts_rows(*np.array([[1, 7, 10, 3]], np.int64).T)  # nothing recorded yet
+    assert [d.tolist() for d in fresh] == [[]]
+    # the step's drafts may be wider than K (its width: the engine's largest K): the first K are kept
+    drafter.record(Rows, np.array([1, 2, 3]), np.array([7, 8, 4]),
+                   np.array([[4, 5, 6, 9], [1, -1, -1, 9], [3, 3, 3, 9]]))
+    # (slot, request, tokens, cap) -> drafts, asked for all rows at once
+    cases = [((1, 7, 10, 3), [4, 5, 6]), ((1, 7, 10, 2), [4, 5]),
+             ((2, 8, 12, 3), [1]),  # -1: no draft there
+             ((1, 7, 11, 3), []),  # the request moved on
+             ((1, 6, 10, 3), []),  # another request in the slot
+             ((3, 9, 5, 3), []),  # recorded for request 4, which left before the record
+             ((9, 7, 10, 3), []),  # a slot never recorded
+             ((1, 7, 10, 0), [])]  # no room
+    got = drafter.drafts_rows(*np.array([c for c, _ in cases], np.int64).T)
+    assert [d.tolist() for d in got] == [want for _, want in cases]
+    assert all(d.dtype == np.int32 for d in got)
 
 
 def test_next_tokens_are_the_prompts_next_token_or_sampled(qwen):

@@ -70,6 +70,36 @@ def test_flat_region_drafts_everything_and_compute_bound_steps_only_sure_drafts(
         assert draft_length(rows, base, s, K, flat) == want, (s, rows, base, flat)
 
 
+def _vectorised_draft_length(rows, base_tokens, stats, K, flat_tokens):
+    """The rule's formula as arrays over k = 0..K (the module docstring's), the reference for the scalar code."""
+    prop, acc = np.zeros(K), np.zeros(K)
+    m = min(K, stats.proposed_at.size)
+    prop[:m], acc[:m] = stats.proposed_at[:m], stats.accepted_at[:m]
+    p = np.where(prop > 0, acc / np.maximum(prop, 1), 1.0)
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])
+    k = np.arange(K + 1)
+    per_token = float((np.maximum(rows * (k + 1), flat_tokens) / (rows * gain)).min())
+    extra = np.maximum(base_tokens + rows * k, flat_tokens) - max(base_tokens, flat_tokens)
+    saving = rows * (gain - 1.0) * per_token - extra
+    return int(np.flatnonzero(saving >= saving.max() - 1e-9 * max(rows, flat_tokens))[-1])
+
+
+def test_draft_length_is_the_vectorised_formula(rng):
+    """Random acceptance counts (some positions never measured, ties at full acceptance), rows, base tokens, K and
+    flat regions: the scheduler's scalar rule picks what the formula over arrays picks."""
+    for _ in range(3000):
+        K = int(rng.integers(1, 9))
+        m = int(rng.integers(0, K + 2))
+        prop = rng.integers(0, 50, m) * (rng.random(m) < 0.8)
+        acc = np.where(rng.random(m) < 0.3, prop, (prop * rng.random(m)).astype(np.int64))
+        s = stats(prop.tolist(), acc.tolist())
+        rows = int(rng.integers(1, 300))
+        base = rows + int(rng.integers(0, 3)) * int(rng.integers(0, 600))
+        flat = int(rng.choice([1, 16, 64, 256, 1024]))
+        assert draft_length(rows, base, s, K, flat) == _vectorised_draft_length(rows, base, s, K, flat), \
+            (rows, base, prop, acc, K, flat)
+
+
 def test_measured_rates_and_the_optimistic_prior():
     # position 0 always accepted, position 1 never: the second draft gains nothing, costs a token past F
     s = stats([10, 10], [10, 0])

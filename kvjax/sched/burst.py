@@ -25,17 +25,23 @@ from kvjax.sched.drafter import Drafter
 from kvjax.sched.plan import StepPlan, bucket, build_plan, pad_plan
 
 
+def decoding(sched: Scheduler) -> bool:
+    """Some request runs and every running one decodes (no prompt token left to compute): a burst may apply."""
+    if not sched.running:
+        return False
+    t, rows = sched.rows, sched.running_slots()  # i64[R]
+    return bool((t.num_tokens[rows] - t.num_computed[rows] == 1).all())
+
+
 def burst_sizes(sched: Scheduler, burst: int, per_step: int = 1) -> np.ndarray | None:
     """``i64[R]``: the positions each running row may compute in a burst of up to ``burst`` sub-steps of up to
     ``per_step`` positions each (a decode burst: 1, its sub-steps; a verification burst: ``K + 1``), at most the
     tokens it may still sample (pages checked, not allocated; a verification burst whose pages are short takes the
     positions of fewer sub-steps, at least 2), or None where a burst does not apply (recycling done either way)."""
-    if burst < 2 or not sched.running:
+    if burst < 2 or not decoding(sched):
         return None
     t, rows = sched.rows, sched.running_slots()  # i64[R]
     done = t.num_computed[rows]  # i64[R]
-    if (t.num_tokens[rows] - done != 1).any():  # a row still has prompt tokens to compute
-        return None
     n = np.minimum(burst, t.max_tokens[rows] - t.num_tokens[rows])  # i64[R]: sub-steps that sample a token
     if n.max() < 2:  # every row ends within one sub-step
         return None
@@ -60,6 +66,8 @@ def burst_kind(sched: Scheduler, burst: int, drafter: Drafter | None = None) -> 
     changes nothing else."""
     if not sched.has_unfinished():
         return "idle"
+    if burst < 2 or not decoding(sched):
+        return None
     k = spec.rule_length(sched, drafter) if getattr(drafter, "bursts", False) else 0
     if burst_sizes(sched, burst, k + 1 if k else 1) is None:
         return None
@@ -84,6 +92,8 @@ def schedule_verify_burst(sched: Scheduler, burst: int, drafter: Drafter) -> Ste
     (sub-step 0's drafts: :func:`kvjax.sched.spec.propose`'s; its pages allocated; the ledger's latest plan), a
     decode burst's plan where the rule drafts nothing, or None (nothing changed but recycling) where a burst does
     not apply (see "Verification bursts" in :mod:`kvjax.sched.spec`)."""
+    if not decoding(sched):  # no burst of either kind (before the rule's cost, paid every prompt step)
+        return None
     k = spec.rule_length(sched, drafter)
     if k == 0:
         return schedule_burst(sched, burst)

@@ -13,7 +13,7 @@ A drafter is deterministic: its proposal is a point mass, which is what the reje
   histories (:func:`kvjax.engine.ngram.lookup`).
 - :class:`StepDrafter`: drafts that come from the device step's output (``"mtp"``: the model's MTP layer drafts
   inside the jitted step, :mod:`kvjax.engine.drafting`); the engine records each step's drafts here
-  (:meth:`StepDrafter.record`) and the next plan takes them (:meth:`StepDrafter.drafts_for`) instead of a host
+  (:meth:`StepDrafter.record`) and the next plan takes them (:meth:`StepDrafter.drafts_rows`) instead of a host
   ``propose`` (on a mesh, one per data shard: :func:`shard_drafters`).
 - A drafter with ``bursts = True`` (these two; a subclass of :class:`NgramDrafter` has ``False``) verifies in
   verification bursts (:mod:`kvjax.sched.burst`): its later sub-steps' drafts are made on the device;
@@ -52,7 +52,7 @@ class Drafter(Protocol):
     """Proposes draft tokens for one request at a time (host side).
 
     A drafter whose drafts come from the device step instead (``from_step = True``: :class:`StepDrafter`) is not
-    asked to ``propose``: :func:`kvjax.sched.spec.propose` reads its ``drafts_for`` and the engine feeds it each
+    asked to ``propose``: :func:`kvjax.sched.spec.propose` reads its ``drafts_rows`` and the engine feeds it each
     step's drafts through ``record``."""
 
     num_draft_tokens: int  # K: drafts per verification at most
@@ -98,7 +98,7 @@ class StepDrafter:
     model's MTP layer and returns ``i32[B, K]`` drafts beside its tokens; :mod:`kvjax.engine.drafting`).
 
     :meth:`record` keeps, per slot, the drafts of the request that ran there and its token count when they were
-    made (they continue exactly those tokens); :meth:`drafts_for` gives them to the next plan only while the
+    made (they continue exactly those tokens); :meth:`drafts_rows` gives them to the next plan only while the
     request and its token count are unchanged (a preempted, aborted or recomputed request gets new ones from the
     step that recomputes it). ``propose`` proposes nothing (no host drafting)."""
 
@@ -107,26 +107,45 @@ class StepDrafter:
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = int(num_draft_tokens)
-        self._held: dict[int, tuple[int, int, np.ndarray]] = {}  # slot -> (request id, num_tokens, i32[K] drafts)
+        K = self.num_draft_tokens
+        self._rid = np.full(1, -1, np.int64)  # i64[S]: by slot, the request whose drafts are held (-1: none)
+        self._count = np.zeros(1, np.int64)  # i64[S]: its token count when they were made
+        self._drafts = np.full((1, K), -1, np.int64)  # i64[S, K]: the drafts (-1 past a row's last)
 
     def propose(self, tokens: np.ndarray, max_drafts: int) -> np.ndarray:
         return np.zeros(0, np.int32)
 
     def record(self, rows: Any, slots: np.ndarray, request_ids: np.ndarray, drafts: np.ndarray) -> None:
-        """After a step was resolved: ``drafts`` (i32[>= n, K]) of its rows' ``slots`` (i64[n]) and ``request_ids``
-        (i64[n]); ``rows``: the scheduler's row table (a row whose request left its slot is skipped)."""
+        """After a step was resolved: ``drafts`` (i32[>= n, J]: the step's width, the first ``K`` kept) of its rows'
+        ``slots`` (i64[n]) and ``request_ids`` (i64[n]); ``rows``: the scheduler's row table (a row whose request
+        left its slot is skipped)."""
+        n = slots.size
         live = rows.request_id[slots] == request_ids  # bool[n]
-        counts = rows.num_tokens[slots]  # i64[n]
-        for b in np.flatnonzero(live).tolist():
-            self._held[int(slots[b])] = (int(request_ids[b]), int(counts[b]), np.asarray(drafts[b], np.int64))
+        if n and int(slots.max()) >= self._rid.size:  # grown to the largest slot seen
+            size = int(slots.max()) + 1
+            grow = size - self._rid.size
+            self._rid = np.concatenate([self._rid, np.full(grow, -1, np.int64)])
+            self._count = np.concatenate([self._count, np.zeros(grow, np.int64)])
+            self._drafts = np.concatenate([self._drafts, np.full((grow, self.num_draft_tokens), -1, np.int64)])
+        s = slots[live]
+        self._rid[s] = request_ids[live]
+        self._count[s] = rows.num_tokens[s]
+        w = min(np.shape(drafts)[1], self.num_draft_tokens)
+        self._drafts[s] = -1
+        self._drafts[s, :w] = np.asarray(drafts)[:n, :w][live]
 
-    def drafts_for(self, slot: int, request_id: int, num_tokens: int, max_drafts: int) -> np.ndarray:
-        """i32[<= max_drafts]: the drafts recorded for this request at ``num_tokens`` tokens (none if stale)."""
-        held = self._held.get(int(slot))
-        if held is None or held[0] != request_id or held[1] != num_tokens or max_drafts <= 0:
-            return np.zeros(0, np.int32)
-        d = held[2][: min(int(max_drafts), self.num_draft_tokens)]
-        return d[: int(np.argmax(d < 0)) if (d < 0).any() else d.size].astype(np.int32)
+    def drafts_rows(self, slots: np.ndarray, request_ids: np.ndarray, num_tokens: np.ndarray,
+                    max_drafts: np.ndarray) -> list[np.ndarray]:
+        """For each row (``slots``, ``request_ids``, ``num_tokens``, ``max_drafts``: i64[R] each): i32[<= max_drafts]
+        the drafts recorded for its request at ``num_tokens`` tokens (none if stale), up to the first ``-1``."""
+        known = slots < self._rid.size  # bool[R]
+        at = np.where(known, slots, 0)
+        fresh = known & (self._rid[at] == request_ids) & (self._count[at] == num_tokens)  # bool[R]
+        d = self._drafts[at]  # i64[R, K]
+        upto = np.cumprod(d >= 0, axis=1).sum(1)  # i64[R]: drafts before the first -1
+        n = np.where(fresh, np.minimum(upto, np.maximum(max_drafts, 0)), 0).tolist()
+        d = d.astype(np.int32)
+        return [d[i, :k] for i, k in enumerate(n)]
 
 
 class PacedDrafter:
@@ -150,9 +169,9 @@ class PacedDrafter:
         """A step drafter's :meth:`StepDrafter.record`."""
         self.drafter.record(*args)
 
-    def drafts_for(self, slot: int, request_id: int, num_tokens: int, max_drafts: int) -> np.ndarray:
-        """A step drafter's :meth:`StepDrafter.drafts_for`."""
-        return self.drafter.drafts_for(slot, request_id, num_tokens, max_drafts)
+    def drafts_rows(self, *args: np.ndarray) -> list[np.ndarray]:
+        """A step drafter's :meth:`StepDrafter.drafts_rows`."""
+        return self.drafter.drafts_rows(*args)
 
 
 @dataclasses.dataclass(frozen=True)

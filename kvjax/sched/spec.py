@@ -86,16 +86,20 @@ def draft_length(rows: int, base_tokens: int, stats: SpecStats, num_draft_tokens
     K = int(num_draft_tokens)
     if rows <= 0 or K <= 0:
         return 0
-    prop, acc = np.zeros(K), np.zeros(K)
+    # scalar float arithmetic in the order of the vectorised formula (K <= 16 values: numpy's per-call cost would
+    # be most of the scheduler's step; tests/test_spec_rule.py checks it against that formula)
     m = min(K, stats.proposed_at.size)
-    prop[:m], acc[:m] = stats.proposed_at[:m], stats.accepted_at[:m]
-    p = np.where(prop > 0, acc / np.maximum(prop, 1), 1.0)  # f64[K]: rate of accepting drafts 0..j
-    gain = 1.0 + np.concatenate([[0.0], np.cumsum(p)])  # f64[K + 1]: g(k)
-    k = np.arange(K + 1)
-    per_token = float((np.maximum(rows * (k + 1), flat_tokens) / (rows * gain)).min())  # decoding's best cost
-    extra = np.maximum(base_tokens + rows * k, flat_tokens) - max(base_tokens, flat_tokens)
-    saving = rows * (gain - 1.0) * per_token - extra
-    return int(np.flatnonzero(saving >= saving.max() - 1e-9 * max(rows, flat_tokens))[-1])
+    prop, acc = stats.proposed_at[:m].tolist(), stats.accepted_at[:m].tolist()
+    gain, run = [1.0], 0.0  # g(k) for k = 0..K
+    for j in range(K):
+        run += acc[j] / max(prop[j], 1) if j < m and prop[j] > 0 else 1.0  # rate of accepting drafts 0..j
+        gain.append(1.0 + run)
+    per_token = min(max(rows * (k + 1), flat_tokens) / (rows * gain[k]) for k in range(K + 1))  # decoding's best
+    floor = max(base_tokens, flat_tokens)
+    saving = [rows * (gain[k] - 1.0) * per_token - (max(base_tokens + rows * k, flat_tokens) - floor)
+              for k in range(K + 1)]
+    best = max(saving) - 1e-9 * max(rows, flat_tokens)
+    return max(k for k in range(K + 1) if saving[k] >= best)
 
 
 def paced_length(sched: Any, drafter: Drafter, decoding: int, base_tokens: int) -> int:
@@ -141,8 +145,8 @@ def propose(sched: Any, drafter: Drafter, k: int | None = None) -> dict[int, np.
     if not rows.size:
         return out
     if getattr(drafter, "from_step", False):  # drafts the device step made (kvjax.sched.drafter.StepDrafter)
-        drafts = [drafter.drafts_for(int(slots[i]), int(t.request_id[slots[i]]), int(nt[i]), int(room[i]))
-                  for i in rows.tolist()]
+        at = slots[rows]
+        drafts = drafter.drafts_rows(at, t.request_id[at], nt[rows], room[rows])
     else:  # every row's lookup at once for the n-gram drafter
         drafts = propose_rows(drafter, t.tokens[slots[rows], : int(nt[rows].max())], nt[rows], room[rows])
     for i, d in zip(rows.tolist(), drafts):
@@ -311,11 +315,9 @@ def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks:
     sub = (cum <= end[:, None]).sum(1)  # i64[m]: the sub-step it came from, where the row ends
     # computed: every token taken up to that sub-step's, but its last (sub-step 0's first was computed before)
     t.num_computed[rs] += np.take_along_axis(cum, sub[:, None], axis=1)[:, 0] - 1
-    finished = []
-    for i in np.lexsort((rows, sub))[done[np.lexsort((rows, sub))]].tolist():
-        req = t.requests[int(rs[i])]
-        sched.finish(req)
-        finished.append(req)
+    order = np.lexsort((rows, sub))
+    finished = [t.requests[int(rs[i])] for i in order[done[order]].tolist()]
+    sched.finish_many(finished)
     return finished
 
 
