@@ -43,7 +43,7 @@ def kernel_time_by_class(trace_dir: str, steps: int = 1) -> dict:
     """Per GPU plane of the trace under ``trace_dir``: ``{"gpus": {plane: {"ms": {class: ms per step},
     "kernels": {class: records per step}, "span_ms": busy span per step, "collective_share": collective / all}},
     "mean": the same figures averaged over the GPUs, "top": the 12 longest kernels (name, class, ms per step,
-    summed over the GPUs / number of GPUs)}``; ``{"gpus": {}}`` where the trace has no device records (a CPU run).
+    summed over the GPUs / number of GPUs), "names": {name: {"count", "ms"} per step and GPU}}``; ``{"gpus": {}}`` where the trace has no device records (a CPU run).
     ``steps``: what the trace holds, so every time is per step."""
     import jax
 
@@ -67,7 +67,8 @@ def kernel_time_by_class(trace_dir: str, steps: int = 1) -> dict:
                 count[cls] += 1
                 starts.append(ev.start_ns)
                 ends.append(ev.start_ns + ev.duration_ns)
-                names[ev.name] = names.get(ev.name, 0.0) + ev.duration_ns / 1e6 / steps
+                c, t = names.get(ev.name, (0, 0.0))
+                names[ev.name] = (c + 1, t + ev.duration_ns / 1e6 / steps)
         total = sum(ms.values())
         gpus[plane.name] = {"ms": ms, "kernels": {c: n / steps for c, n in count.items()},
                             "span_ms": (max(ends) - min(starts)) / 1e6 / steps if ends else 0.0,
@@ -79,9 +80,10 @@ def kernel_time_by_class(trace_dir: str, steps: int = 1) -> dict:
             "span_ms": sum(g["span_ms"] for g in gpus.values()) / n,
             "total_ms": sum(g["total_ms"] for g in gpus.values()) / n}
     mean["collective_share"] = mean["ms"]["collective"] / mean["total_ms"] if mean["total_ms"] else None
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:12]
     return {"gpus": gpus, "mean": mean,
-            "top": [{"name": k[:120], "class": classify(k), "ms": v / n} for k, v in top]}
+            "top": [{"name": k[:120], "class": classify(k), "ms": v / n} for k, (_, v) in top],
+            "names": {k: {"count": c / steps / n, "ms": v / n} for k, (c, v) in names.items()}}
 
 
 def busy_time(trace_dir: str) -> dict:
@@ -134,9 +136,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("trace_dir")
     ap.add_argument("--steps", type=int, default=1, help="engine steps the trace holds (times are per step)")
     ap.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    ap.add_argument("--names", type=int, default=0, help="also the N kernel names run most often (per step: count "
+                    "and ms)")
     args = ap.parse_args(argv)
     result = kernel_time_by_class(args.trace_dir, args.steps)
     print(json.dumps(result, indent=1) if args.json else format_classes(result))
+    if args.names and result["gpus"]:
+        for name, r in sorted(result["names"].items(), key=lambda kv: -kv[1]["count"])[: args.names]:
+            print(f"{r['count']:8.2f} {r['ms'] * 1e3:9.1f} us  {name[:110]}")
     return 0
 
 

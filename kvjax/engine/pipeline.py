@@ -187,6 +187,7 @@ class StepPipeline:
         drafts = None
         if isinstance(tokens, StepTokens):  # the MTP drafter's drafts beside the tokens
             tokens, drafts = tokens
+            drafts.copy_to_host_async()  # read after the tokens: its copy starts when the step ends, not then
         t3 = time.perf_counter()
         with TraceAnnotation("kvjax.advance"):
             for sched, plan in zip(scheds, plans):
