@@ -10,7 +10,8 @@ import pytest
 from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.sched import Scheduler, recycle_out_of_window
 from kvjax.sched.blocks import BlockAllocator
-from kvjax.sched.recycle import first_recyclable_block, free_blocks_before, live_blocks, recycle_stop
+from kvjax.sched.recycle import (first_recyclable_block, free_blocks_before, live_blocks, peak_live_blocks,
+                                 peak_total_blocks, recycle_stop)
 
 
 def attends(i: int, j: int, window: int, sinks: int) -> bool:
@@ -86,6 +87,20 @@ def test_free_blocks_before_rejects_heads_out_of_range():
             free_blocks_before(b, np.array([1]), np.array(bad), np.array([12]), 1, 0)
     assert (b.tables[1] >= 0).all()
     b.check_integrity()
+
+
+def test_peak_blocks_without_recycling_is_every_step_maximum(rng):
+    """Without recycling the admission check's peak (a closed form) is the maximum over every step of a request
+    running alone in chunks, computed step by step with live_blocks."""
+    for _ in range(300):
+        total, ps, chunk, h = int(rng.integers(1, 400)), int(rng.choice([1, 4, 16])), int(rng.integers(1, 300)), 4
+        window, sinks = rng.integers(0, 64, h), rng.integers(0, 4, h)
+        fed = max(total - 1, 1)
+        L = np.arange(fed)
+        steps = live_blocks(L, np.minimum(chunk, fed - L), window, sinks, ps, recycle=False)  # i64[fed, H]
+        np.testing.assert_array_equal(peak_live_blocks(total, window, sinks, ps, chunk, recycle=False),
+                                      steps.max(0))
+        assert peak_total_blocks(total, window, sinks, ps, chunk, recycle=False) == steps.sum(1).max()
 
 
 def test_live_blocks_counts_what_the_allocator_holds():

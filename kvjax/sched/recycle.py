@@ -180,12 +180,16 @@ def peak_live_blocks(total_len: int, window: np.ndarray, sinks: np.ndarray, page
                      recycle: bool = True) -> np.ndarray:
     """i64[H]: each head's blocks in its worst step of a request of ``total_len`` tokens running alone, with
     chunks of up to ``max_chunk`` tokens starting anywhere (a resumed request re-prefills prompt + outputs)."""
+    if not recycle:  # nothing freed: the last step holds every block of every head (checked every admission)
+        return np.full(len(window), -(-max(total_len - 1, 1) // page_size), np.int64)
     return _per_step_blocks(total_len, window, sinks, page_size, max_chunk, recycle).max(axis=0)
 
 
 def peak_total_blocks(total_len: int, window: np.ndarray, sinks: np.ndarray, page_size: int, max_chunk: int,
                       recycle: bool = True) -> int:
     """Pages (all heads) of the worst step of a request of ``total_len`` tokens running alone."""
+    if not recycle:
+        return len(window) * -(-max(total_len - 1, 1) // page_size)
     return int(_per_step_blocks(total_len, window, sinks, page_size, max_chunk, recycle).sum(axis=1).max())
 
 
