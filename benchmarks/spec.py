@@ -31,7 +31,7 @@ first at every row count; its time per sub-step against the rows gives the regio
 with the measured rule (sub-step 0's drafts the host's lookup, the later ones the same lookup on the device:
 :mod:`kvjax.engine.ngram`); ``--modes`` picks lines (the burst comparison: ``--modes "plain,plain burst 32,mtp K={k}
 burst 32 measured rule,ngram K={k} burst 32 measured rule"``). At each row count every line's engine serves the
-prompts once to compile, then ``repeats`` rounds (5 on the GPU recipe) time one pass of every line in turn (plain
+prompts once to compile, then ``repeats`` rounds (5 on the GPU recipe; ``--repeats``) time one pass of every line in turn (plain
 decoding's engines also timed first, alone, for the flat region), each line's figures from its median pass by wall
 (single passes of ~0.1 s moved by 15-25% between runs, and the same line by 17-33% between processes: interleaved,
 the drift falls on every line alike). ``--profile DIR``: each line's median pass's steps with their host phases,
@@ -265,6 +265,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", default=None, help="a folder: one more pass of each line under jax.profiler "
                     "(traces kept there); prints each line's steps with their host phases, and the traced pass's "
                     "kernels, kernel time and GPU busy time")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (one pass of every line each; default: "
+                    "the recipe's, 5 on the GPU)")
     ap.add_argument("--toy-cache", default=None, help="a folder: load the trained toy and MTP layer of the recipe "
                     "from it when there (no training), else train and save them there")
     args = ap.parse_args(argv)
@@ -278,6 +280,10 @@ def main(argv=None) -> dict:
     cfg = dict(SMOKE if args.smoke else CPU if args.cpu else FULL)
     if args.rows:
         cfg["rows"] = tuple(int(r) for r in args.rows.split(","))
+    if args.repeats is not None:
+        if args.repeats < 1:
+            ap.error(f"--repeats must be >= 1, got {args.repeats}")
+        cfg["repeats"] = args.repeats
 
     import jax
     import numpy as np
