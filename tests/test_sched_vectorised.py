@@ -61,6 +61,33 @@ def test_free_rows_frees_what_row_by_row_frees(rng, pool, shards):
     np.testing.assert_array_equal(a.tables, before)
 
 
+def test_append_is_reserve_then_resolve(rng):
+    """``RowTable.append`` (a verification's accepted tokens) leaves the table and returns the stop index of
+    ``reserve_burst`` followed by ``resolve_burst`` of the same tokens, stop ids inside the runs included; a row with
+    a reserved token is refused, nothing changed."""
+    for _ in range(40):
+        K, J = 6, int(rng.integers(1, 7))
+        tables = [RowTable(8, width=16), RowTable(8, width=16)]
+        prompts = [(rng.integers(0, 9, int(rng.integers(1, 20))), int(rng.integers(J, 30))) for _ in range(K)]
+        for table in tables:
+            for i, (p, n) in enumerate(prompts):
+                table.bind(Request(i, p, n, eos_token_id=[3, 5]), i + 1)
+        slots = rng.permutation(np.arange(1, K + 1))
+        counts = rng.integers(1, J + 1, K)
+        tokens = np.where(np.arange(J) < counts[:, None], rng.integers(0, 9, (K, J)), -1)  # stop ids 3, 5 in runs
+        first = tables[0].append(slots, tokens)
+        tables[1].reserve_burst(slots, np.arange(K), counts, 8, 7)
+        want = tables[1].resolve_burst(slots, 7, np.arange(K), 8, tokens)
+        np.testing.assert_array_equal(first, want)
+        for name in ("tokens", "num_tokens", "num_pending"):
+            np.testing.assert_array_equal(getattr(tables[0], name), getattr(tables[1], name), err_msg=name)
+    tables[1].reserve(slots[:1], np.zeros(1, np.int64), 8)
+    before = tables[1].tokens.copy()
+    with pytest.raises(ValueError, match="reserved"):
+        tables[1].append(slots, tokens)
+    np.testing.assert_array_equal(tables[1].tokens, before)
+
+
 def test_allocate_rows_declines_without_change_when_short_or_too_long():
     a = allocator("shared", num_pages=16)  # 16 pages = 4 blocks on 4 heads
     assert a.allocate_rows(np.array([1]), np.array([8]))  # 2 blocks * 4 heads: 8 pages left

@@ -403,6 +403,25 @@ class RowTable:
         self.num_pending[slots] = np.where(eos, 0, left)
         return first
 
+    def append(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Give each of ``slots`` (``i64[K]``, distinct, bound, nothing reserved) the tokens ``tokens[k, :counts]``
+        (``i64[K, J]``, the valid columns a prefix, marked by ``>= 0``), known now (a verification's accepted run):
+        what ``reserve_burst`` then ``resolve_burst`` of them does, without the reservation queue. Returns
+        ``i64[K]``: the index of each row's first stop id (``J`` for none; the tokens after it are dropped).
+        ``ValueError``, changing nothing, where a row has tokens reserved."""
+        if self.num_pending[slots].any():
+            raise ValueError(f"append: rows {slots[self.num_pending[slots] > 0].tolist()} have reserved tokens")
+        J = tokens.shape[1]
+        j = np.arange(J)
+        valid = tokens >= 0  # bool[K, J]
+        hit = valid & self.stop_hit(slots, tokens)
+        first = np.where(hit.any(1), hit.argmax(1), J)  # i64[K]
+        pos = self.num_tokens[slots]  # i64[K]
+        np.put(self.tokens, (slots[:, None] * self.tokens.shape[1] + pos[:, None] + j)[valid],
+               np.where(j > first[:, None], 0, tokens)[valid])
+        self.num_tokens[slots] = pos + np.minimum(valid.sum(1), first + 1)
+        return first
+
     def oldest_is(self, slots: np.ndarray, step: int, plan_rows: np.ndarray) -> np.ndarray:
         """bool[K]: row ``slots[k]``'s oldest reserved token is the one plan ``step`` samples at ``plan_rows[k]``."""
         return (self.num_pending[slots] > 0) & (self.pend_step[slots, 0] == step) & (self.pend_row[slots, 0]

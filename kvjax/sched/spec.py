@@ -14,8 +14,9 @@ A verification plan (``StepPlan.draft_len``, :mod:`kvjax.sched.plan`) is applied
 computed and reserves nothing; :func:`resolve` takes the step's ``i32[B, K + 2]`` result (row ``b``: the target's
 token after each of its ``1 + k`` positions, then the number ``a`` of drafts accepted), counts ``a`` more tokens
 as computed, and gives the request the ``a + 1`` tokens ``t_0 .. t_a`` (the accepted drafts and the target's
-token after them) through the row table's burst path (``reserve_burst`` / ``resolve_burst``: stop ids end the
-request at the first one, later tokens dropped; ``max_new_tokens`` finishes it). The rejected drafts' K/V stay in
+token after them) through the row table's ``append`` (what its burst path ``reserve_burst`` / ``resolve_burst``
+does, for tokens known at once: stop ids end the request at the first one, later tokens dropped;
+``max_new_tokens`` finishes it). The rejected drafts' K/V stay in
 pages past ``num_computed``: never attended (``seq_lens`` stops before them) and overwritten by the next step.
 Recycling and the prefix cache see ``num_computed`` only, so they never see a rejected token.
 
@@ -292,7 +293,7 @@ def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks:
     bool[S, n], a prefix of the sub-steps) as one run of tokens: what applying the sub-steps one after another does
     (a stop id or ``max_new_tokens`` ends the row there, its later tokens dropped). Returns the requests that ended,
     in the order the sub-steps one after another would end them (by sub-step, then row)."""
-    t, B = sched.rows, plan.seq_lens.shape[0]
+    t = sched.rows
     S, _, J = toks.shape
     live = t.request_id[slots] == rids  # bool[n]
     rows = np.flatnonzero(live & ran[0])  # i64[m]
@@ -306,9 +307,7 @@ def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks:
     total = c.sum(1)  # i64[m]
     W = int(total.max())
     got = np.where(np.arange(W) < total[:, None], np.take_along_axis(flat, order[:, :W], axis=1), -1)  # i64[m, W]
-    t.reserve_burst(rs, rows, total, B, plan.step)
-    first = t.resolve_burst(rs, plan.step, rows, B, got)
-    assert first is not None, "a verification row's reserved tokens are not its own"
+    first = t.append(rs, got)  # nothing is reserved for a verification's rows (advance reserves nothing)
     done = (first < W) | (t.num_tokens[rs] >= t.max_tokens[rs])  # bool[m]: eos or max_new_tokens
     end = np.minimum(first, total - 1)  # i64[m]: the index of each row's last token taken
     cum = np.cumsum(c, axis=1)  # i64[m, S]
