@@ -7,9 +7,9 @@ a side); ``python benchmarks/gdn.py prep-mgpu [OUT.json] [shape indices]``: the 
 preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`);
 ``python benchmarks/gdn.py seq-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU sequential kernels,
 alone and inside the whole forward (:func:`flashqla_seq_mgpu`); ``python benchmarks/gdn.py fused-mgpu [OUT.json]
-[shape indices] [line prefix]``: FlashQLA's layout (inverse-only preparation, fused pass) against the Mosaic GPU
-kernels of today, whole and by part, and the preparation with its value heads' inverses in lockstep
-(:func:`flashqla_fused_mgpu`; ``fused-mgpu OUT.json 0,1,2,3,4 prep``: the four preparation lines only).
+[shape indices] [line prefixes]``: FlashQLA's layout (inverse-only preparation with its value heads' inverses in
+lockstep, fused pass) against the Mosaic GPU kernels of today, whole and by part (:func:`flashqla_fused_mgpu`;
+``fused-mgpu OUT.json 0,1,2,3,4 whole,prep``: the three whole-forward and two preparation lines).
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -463,15 +463,13 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
     FlashQLA's recipe at its five shapes. Whole forward: the public op with ``impl="auto"`` and ``"mosaic-fused"``
     (inverse-only preparation + fused pass), and the pool kernel with both Mosaic GPU kernels (``"mosaic-seq"``'s
     kernels, which its table declines at several sequences). Parts: the Mosaic preparation with today's outputs
-    (``w``, ``u``, ...) against ``outputs="inverse"``, each also with the value heads' inverses in lockstep
-    (``lockstep`` = the CTA's value heads: ``prep lockstep``, ``prep inverse lockstep``), and the Mosaic sequential
-    pass against the fused pass, each on its own preparation's operands (computed once). Errors: outputs / final
-    states against the f32 chunked reference; the inverse-only prep's ``A`` and row factors against today's (the
-    largest relative error); a lockstep prep's outputs against its default form's (the largest absolute
-    difference: 0 when bit-identical, as expected). Prints device ms (every kernel of the call; wall where the
-    profiler has none) and the first line of its group over it (a lockstep line: its default form's). One jit per
-    line. ``lines``: only the lines whose
-    name starts with it (``"prep"``: the four preparation lines, no f32 reference computed)."""
+    (``w``, ``u``, ...) against ``outputs="inverse"`` (its value heads' inverses in lockstep, its only form), and
+    the Mosaic sequential pass against the fused pass, each on its own preparation's operands (computed once).
+    Errors: outputs / final states against the f32 chunked reference; the inverse-only prep's ``A`` and row factors
+    against today's (the largest relative error). Prints device ms (every kernel of the call; wall where the
+    profiler has none) and the first line of its group over it. One jit per line. ``lines``: only the lines whose
+    name starts with one of its comma-separated prefixes (``"prep"``: the two preparation lines, no f32 reference
+    computed; ``"whole,prep"``: the three whole-forward and two preparation lines)."""
     import jax
     import jax.numpy as jnp
 
@@ -509,12 +507,8 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
                                                scale=scale, prep=PrepConfig(kernel="mosaic"), seq="mosaic")
         runners["whole mosaic-seq"] = jax.jit(whole_seq)
         runners["prep mosaic"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b, **prep_kw))
-        runners["prep lockstep"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b,
-                                                                                lockstep=hv // hk, **prep_kw))
         runners["prep inverse"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b,
                                                                                outputs="inverse", **prep_kw))
-        runners["prep inverse lockstep"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(
-            seg, q, k, v, g, b, outputs="inverse", lockstep=hv // hk, **prep_kw))
         prep_args = (q, k, v, g, beta)
         w, u, a, qf, kf, gl = runners["prep mosaic"](*prep_args)
         tb, a2, qf2, kf2, gl2, kr = runners["prep inverse"](*prep_args)
@@ -528,7 +522,7 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
             return seq_mgpu_fused_call(q, k, v, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
         runners["seq mosaic"] = jax.jit(seq_plain)
         runners["seq fused"] = jax.jit(seq_fused)
-        runners = {name: fn for name, fn in runners.items() if name.startswith(lines)}
+        runners = {name: fn for name, fn in runners.items() if name.startswith(tuple(lines.split(",")))}
         args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq mosaic": (h0, w, u, a, qf, kf, gl),
                 "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
         shape = _shape_name(seqlens, hk, hv)
@@ -544,17 +538,11 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
                 got = outs[name][1:5] if name.startswith("prep inverse") else outs[name][2:6]
                 row["err_vs_today"] = max(timing.rel_err(x, y) for x, y in zip(got, (a, qf, kf, gl)))
                 errs = f"{row['err_vs_today']:.1e}"
-                if name.endswith("lockstep"):
-                    default = (w, u, a, qf, kf, gl) if name == "prep lockstep" else (tb, a2, qf2, kf2, gl2, kr)
-                    row["max_abs_vs_default"] = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(
-                        jnp.float32)))) for x, y in zip(outs[name], default))
-                    errs += f"; vs default form: max abs {row['max_abs_vs_default']:.1e}"
             else:
                 o, f = outs[name]
                 row.update(err_o=timing.rel_err(o[:t], ro), err_state=timing.rel_err(f, rf))
                 errs = f"{row['err_o']:.1e} / {row['err_state']:.1e}"
-            base = {"prep lockstep": "prep mosaic", "prep inverse lockstep": "prep inverse"}.get(
-                name, first[name.split()[0]])
+            base = first[name.split()[0]]
             x = _ms(times, base) / _ms(times, name) if base in times else float("nan")
             rows.append(row)
             print(f"{row['shape']:>20} {name:>21} {_ms(times, name):>8.4f} {x:>5.2f}  {errs}   "

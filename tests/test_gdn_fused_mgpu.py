@@ -3,8 +3,7 @@ and the fused sequential pass (``seq_mgpu_fused_call``: ``v_new = Tb (v - kr * (
 
 CPU: both kernels under the Mosaic GPU interpreter (their products in jnp) and their lowering for CUDA without a
 GPU. GPU (``gpu`` marker): the compiled kernels through the ``"mosaic-fused"`` backend. The preparation's
-``lockstep`` form (the value heads' inverses in lockstep) against its default form, exactly, on the CPU and the
-GPU. References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
+``outputs="inverse"`` runs its value heads' inverses in lockstep (its only form). References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
 reference (the bf16 bound of the GDN tests, relative L2 error <= 2e-2) and against the Triton sequential kernel (1e-2,
 as ``test_gdn_seq_mgpu.py``).
 """
@@ -103,24 +102,20 @@ def test_prep_inverse_lowers_for_cuda():
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 
-def check_lockstep(rng, lens, hk, hv, kd, vd, *, value_heads, lockstep, l2, interpret, lead=3):
-    """``prep_mgpu_call(lockstep=...)`` against the default form, both ``outputs``: every output equal bit for bit
-    (the same bf16 roundings, the inverses' products only issued together); and against the f32 references
-    (:func:`_reference_tb`): ``Tb`` within bf16, ``kr`` within f32 rounding, ``w = Tb (kr * k)`` and ``u = Tb v``
-    within the bf16 roundings of ``beta exp(gc) k``, ``beta v`` and ``T``."""
+def check_inverse(rng, lens, hk, hv, kd, vd, *, value_heads, l2, interpret, lead=3):
+    """``prep_mgpu_call(outputs="inverse")`` (the value heads' inverses in lockstep) against the f32 references
+    (:func:`_reference_tb`): ``Tb`` within bf16, ``kr`` within f32 rounding; ``A`` and the row factors equal to
+    ``outputs="all"``'s bit for bit (the same f32 arithmetic); and ``outputs="all"``'s ``w = Tb (kr * k)``,
+    ``u = Tb v`` within the bf16 roundings of ``beta exp(gc) k``, ``beta v`` and ``T``."""
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 
     seg, q, k, v, g, beta = _prep_inputs(rng, lens, hk, hv, kd, vd, l2, lead=lead)
     kw = dict(chunk=64, scale=kd ** -0.5, use_qk_l2norm=l2, value_heads=value_heads, interpret=interpret)
-    got = {}
-    for outputs in ("all", "inverse"):
-        want = prep_mgpu_call(seg, q, k, v, g, beta, outputs=outputs, **kw)
-        got[outputs] = prep_mgpu_call(seg, q, k, v, g, beta, outputs=outputs, lockstep=lockstep, **kw)
-        for i, (x, y) in enumerate(zip(got[outputs], want)):
-            diff = float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
-            assert x.shape == y.shape and x.dtype == y.dtype and diff == 0, (outputs, i, diff)
-    tb, kr = got["inverse"][0], got["inverse"][5]
-    w, u = got["all"][:2]
+    tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, q, k, v, g, beta, outputs="inverse", **kw)
+    w, u, *rest = prep_mgpu_call(seg, q, k, v, g, beta, outputs="all", **kw)
+    for i, (x, y) in enumerate(zip((a, qf, kf, gl), rest)):
+        diff = float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+        assert x.shape == y.shape and x.dtype == y.dtype and diff == 0, (i, diff)
     want_tb, want_kr = _reference_tb(np.asarray(seg), k, g, beta, hv, l2)
     assert rel_err(tb, want_tb) <= TB_TOL, rel_err(tb, want_tb)
     np.testing.assert_allclose(np.asarray(kr), want_kr, rtol=1e-4, atol=1e-6)
@@ -131,23 +126,22 @@ def check_lockstep(rng, lens, hk, hv, kd, vd, *, value_heads, lockstep, l2, inte
     assert rel_err(want_tb @ vc, u) <= WU_TOL, rel_err(want_tb @ vc, u)
 
 
-@pytest.mark.parametrize("hk,hv,kd,vd,value_heads,lockstep,l2", [
-    (1, 4, 64, 64, 0, 2, True),  # 4 heads a CTA in two lockstep groups (tiles reused by the second)
-    (1, 2, 128, 128, 0, 2, False),  # the benchmark shapes' CTA: 2 heads in one group
-    (2, 2, 128, 64, 0, 1, True)])  # 1 head a CTA
-def test_prep_lockstep_interpret(rng, monkeypatch, hk, hv, kd, vd, value_heads, lockstep, l2):
-    """The lockstep inverses under the Mosaic GPU interpreter (:func:`check_lockstep`): K = V = 64 and 128,
-    1, 2 and 4 value heads a CTA, three sequences sharing one chunk, tokens outside every sequence at both
-    ends."""
+@pytest.mark.parametrize("hk,hv,kd,vd,value_heads,l2", [
+    (1, 4, 64, 64, 0, True),  # 4 heads a CTA in lockstep
+    (1, 2, 128, 128, 0, False),  # the benchmark shapes' CTA: 2 heads
+    (2, 2, 128, 64, 0, True)])  # 1 head a CTA
+def test_prep_inverse_heads_interpret(rng, monkeypatch, hk, hv, kd, vd, value_heads, l2):
+    """The lockstep inverses of ``outputs="inverse"`` under the Mosaic GPU interpreter (:func:`check_inverse`):
+    K = V = 64 and 128, 1, 2 and 4 value heads a CTA, three sequences sharing one chunk, tokens outside every
+    sequence at both ends."""
     cache_thread_programs(monkeypatch)
-    check_lockstep(rng, [5, 30, 20], hk, hv, kd, vd, value_heads=value_heads, lockstep=lockstep, l2=l2,
-                   interpret=True)
+    check_inverse(rng, [5, 30, 20], hk, hv, kd, vd, value_heads=value_heads, l2=l2, interpret=True)
 
 
-def test_prep_lockstep_lowers_for_cuda():
-    """The lockstep form lowers to a Mosaic GPU module for CUDA without a GPU at the benchmark shapes' CTA
-    (K = V = 128, 2 value heads in one group; both ``outputs`` under the Lane semantics, today's outputs under
-    Warpgroup, jax 0.11's default); ``lockstep`` values that are not 0 or a divisor of the CTA's heads are refused."""
+def test_prep_lowers_for_cuda_benchmark_cta():
+    """The preparation lowers to a Mosaic GPU module for CUDA without a GPU at the benchmark shapes' CTA
+    (K = V = 128, 2 value heads): both ``outputs`` under the Lane semantics, both under Warpgroup (jax 0.11's
+    default)."""
     from jax import export
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -155,21 +149,14 @@ def test_prep_lockstep_lowers_for_cuda():
 
     sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     lane, warpgroup = plgpu.LoweringSemantics.Lane, plgpu.LoweringSemantics.Warpgroup
-    for kd, vd, hk, hv, outputs, sem in [(128, 128, 2, 4, "all", lane), (128, 128, 2, 4, "inverse", lane),
-                                         (128, 128, 2, 4, "all", warpgroup)]:
-        tp = 256
-        args = (sds((tp,), jnp.int32), sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16), sds((tp, hv, vd), bf16),
-                sds((tp, hv), f32), sds((tp, hv), f32))
-        fn = jax.jit(lambda *a, o=outputs, s=sem, ls=hv // hk: prep_mgpu_call(
-            *a, chunk=64, scale=0.1, use_qk_l2norm=True, outputs=o, lockstep=ls, semantics=s))
-        assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
-    ops = (jnp.zeros((64,), jnp.int32), jnp.ones((64, 1, 64), bf16), jnp.ones((64, 1, 64), bf16),
-           jnp.ones((64, 4, 64), bf16), jnp.zeros((64, 4), f32), jnp.zeros((64, 4), f32))
-    for bad in (3, -1, True, 8):
-        with pytest.raises(ValueError, match="lockstep must be 0 or a divisor of the CTA's 4 value heads"):
-            prep_mgpu_call(*ops, chunk=64, scale=0.1, use_qk_l2norm=True, lockstep=bad, interpret=True)
-    with pytest.raises(ValueError, match="CTA's 2 value heads, got 4"):
-        prep_mgpu_call(*ops, chunk=64, scale=0.1, use_qk_l2norm=True, value_heads=2, lockstep=4, interpret=True)
+    for outputs in ("all", "inverse"):
+        for sem in (lane, warpgroup):
+            kd, vd, hk, hv, tp = 128, 128, 2, 4, 256
+            args = (sds((tp,), jnp.int32), sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16),
+                    sds((tp, hv, vd), bf16), sds((tp, hv), f32), sds((tp, hv), f32))
+            fn = jax.jit(lambda *a, o=outputs, s=sem: prep_mgpu_call(
+                *a, chunk=64, scale=0.1, use_qk_l2norm=True, outputs=o, semantics=s))
+            assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 
 def check_fused(rng, lens, hk, hv, kd, vd, *, block_v, interpret, lead=2, pad_tokens=5, l2=True):
@@ -345,13 +332,12 @@ def test_fused_backend_gpu_one_long_sequence(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hk,hv,kd,vd,value_heads,lockstep,l2", [
-    (2, 4, 128, 128, 0, 2, True), (2, 4, 128, 128, 0, 2, False), (1, 4, 64, 64, 0, 4, True),
-    (1, 4, 64, 128, 0, 2, True), (2, 4, 128, 128, 1, 1, True)])
-def test_prep_lockstep_gpu(rng, hk, hv, kd, vd, value_heads, lockstep, l2):
-    """The compiled lockstep form against the compiled default (:func:`check_lockstep`) on the GDN tests' ragged
-    grid (lengths 1..4096, an empty sequence, chunk-crossing boundaries): max abs difference 0 in every output
-    (the same wgmma products on the same bf16 operands, a stored power read from shared memory instead of
-    registers, and the same f32 arithmetic between them), and the f32 references' bounds."""
-    check_lockstep(rng, GPU_LENS, hk, hv, kd, vd, value_heads=value_heads, lockstep=lockstep, l2=l2,
-                   interpret=False, lead=7)
+@pytest.mark.parametrize("hk,hv,kd,vd,value_heads,l2", [
+    (2, 4, 128, 128, 0, True), (2, 4, 128, 128, 0, False), (1, 4, 64, 64, 0, True),
+    (1, 4, 64, 128, 0, True), (2, 4, 128, 128, 1, True)])
+def test_prep_inverse_gpu(rng, hk, hv, kd, vd, value_heads, l2):
+    """The compiled ``outputs="inverse"`` (the value heads' inverses in lockstep) on the GDN tests' ragged grid
+    (lengths 1..4096, an empty sequence, chunk-crossing boundaries), :func:`check_inverse`: ``Tb`` and ``kr``
+    against the f32 references, ``A`` and the row factors equal to ``outputs="all"``'s, ``w`` / ``u`` within
+    bf16 of ``Tb (kr * k)`` / ``Tb v``."""
+    check_inverse(rng, GPU_LENS, hk, hv, kd, vd, value_heads=value_heads, l2=l2, interpret=False, lead=7)

@@ -37,9 +37,9 @@ Backends: ``"pallas"`` (:mod:`kvjax.pallas.gdn.chunk` / :mod:`kvjax.pallas.gdn.r
 any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` takes it on a GPU, else the
 reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
 :mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
-``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u`` and the fused Mosaic GPU pass,
-``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name: measured at 0.99-1.02x ``"mosaic-seq"`` (RESULTS.md,
-GDN chunked prefill), kept as the pass a cheaper inverse would feed.
+``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u``, its value heads' inverses in
+lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name: measured
+at 0.99-1.02x ``"mosaic-seq"`` before the lockstep preparation (RESULTS.md, GDN chunked prefill).
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
 not recompile; ``scale=None`` is ``K ** -0.5``).
@@ -358,7 +358,8 @@ CHUNK_TABLE = BackendTable(
                      "prefill)"),
         Backend("mosaic-fused", chunk_kernels.chunk_gated_delta_rule_mosaic_fused, priority=5, device=on_hopper,
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
-                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta)) and the fused "
+                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
+                     "heads' inverses in lockstep) and the fused "
                      "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto): it tied "
                      "\"mosaic-seq\" (0.99-1.02x, benchmarks/RESULTS.md, GDN chunked prefill)"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,

@@ -300,7 +300,8 @@ PREFILL_TABLE = BackendTable(
                      "prefill)"),
         Backend("mosaic-fused", chunk_kernels.gdn_prefill_pool_mosaic_fused, priority=5, device=on_hopper,
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
-                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta)) and the fused "
+                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
+                     "heads' inverses in lockstep) and the fused "
                      "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto): it tied "
                      "\"mosaic-seq\" (0.99-1.02x, benchmarks/RESULTS.md, GDN chunked prefill)"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,

@@ -37,23 +37,22 @@ per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 kernel writes ``Tb = T diag(beta)`` (bf16 64 x 64, through the inverse's operand tile), ``A``, ``qf``, ``kf``,
 ``gl`` and ``kr = |k|^-1 exp(gc)`` (the row factor that ``w``'s product folded into ``k``). Per value head at
 ``K = V = 128``: the 10 inverse products only (5.2 MFLOP; no 2 MFLOP of ``w`` / ``u``), reads 0.5 KB (g, beta),
-writes 17 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written; shared memory 49 KB.
+writes 17 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written.
 
-``lockstep=G`` (issue 38: the kernel is bound by the inverse's latency, 8 dependent wgmma waits per value head,
-not by its bytes): the CTA's value heads run their inverses in groups of ``G``, in lockstep. Per group, first per
-head ``A``, the row factors and the inverse's first operands (``-D``, the block diagonal of ``-L``, in bf16 in the
-head's operand tile ``op_s[j]``; the rest of ``L`` in bf16 in its second tile ``lo_s[j]``); then each dependent step
-of the doubling issues the products of all ``G`` heads as one wgmma group with one wait (the 8 waits are shared by
-the group's heads, not repeated per head); then per head ``Tb``, or ``w`` / ``u`` from ``T`` in bf16 in ``op_s[j]``.
-The products whose left operand is a stored power take it from its tile (the same bf16 values the default's
-registers hold), and ``(I + D)^-1`` waits in bf16 in ``lo_s[j]`` for the last product, so per head at most 3.5 f32
-``[C, C]`` arrays are live in the inverse (in the ``(I + D)^-1`` steps: ``inv_d``, its bf16 left operand, two
-accumulators; 112 registers a thread, 224 for two heads: an estimate, not a measurement), and ``q k^T`` / ``k k^T``
-are dead once the last head's ``A`` and ``L`` are formed (with ``G`` below the CTA's heads they stay live across the
-groups' inverses, as in the default). Every value is rounded as in the default, so the outputs are the default's bit
-for bit. Shared memory: ``2 G - 1`` more 8 KB tiles (``op_s`` becomes ``bf16[G, C, C]``, and ``lo_s``): at ``K = V =
-128`` and ``G`` = 2 heads, 106 KB a CTA (default 82 KB) and 74 KB with ``outputs="inverse"`` (default 50 KB), so two
-CTAs still fit an SM's shared memory.
+``outputs="inverse"`` runs its value heads' inverses in lockstep (issue 38: the kernel is bound by the inverse's
+latency, 8 dependent wgmma waits per value head, not by its bytes; measured on an H200 1.06-1.08x faster than one
+head after another at 2 heads a CTA, which was then deleted; for ``outputs="all"`` the lockstep form lost, 0.95-0.98x,
+and was deleted). First per head ``A``, the row factors and the inverse's first operands (``-D``, the block diagonal
+of ``-L``, in bf16 in the head's operand tile ``op_s[j]``; the rest of ``L`` in bf16 in its second tile
+``lo_s[j]``); then each dependent step of the doubling issues the products of all ``G`` heads of the CTA as one wgmma
+group with one wait (the 8 waits are shared by the heads, not repeated per head); then per head ``Tb`` in
+``op_s[j]``. The products whose left operand is a stored power take it from its tile, and ``(I + D)^-1`` waits in
+bf16 in ``lo_s[j]`` for the last product, so per head at most 3.5 f32 ``[C, C]`` arrays are live in the inverse
+(112 registers a thread, 224 for two heads: an estimate, not a measurement), and ``q k^T`` / ``k k^T`` are dead
+once the last head's ``A`` and ``L`` are formed. Every value is rounded as in the one-head-after-another form it
+replaced, whose outputs it matched bit for bit on an H200. Shared memory: ``2 G - 1`` more 8 KB tiles (``op_s`` is
+``bf16[G, C, C]``, and ``lo_s``): 74 KB a CTA at ``K = V = 128`` and ``G`` = 2 heads, so two CTAs still fit an SM's
+shared memory.
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed or register wgmma operands), bf16 q / k / v, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of
@@ -98,15 +97,13 @@ def shape_reason(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int) -> str
     return None
 
 
-def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, inverse_only: bool, lockstep: int,
-            interpret: bool):
-    """``refs``: the inputs, outputs and scratch below; with ``inverse_only`` no ``v_ref``, ``w_ref``, ``u_ref``,
-    ``v_s``, and ``tb_ref``, ``kr_ref`` after ``gl_ref``; with ``lockstep`` (G heads a group) ``op_s`` is
-    ``bf16[G, C, C]`` and ``lo_s`` (``bf16[G, C, C]``, swizzled: ``L`` off its block diagonal, then ``(I + D)^-1``)
-    comes last."""
-    if lockstep:
-        refs, lo_s = refs[:-1], refs[-1]
+def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, inverse_only: bool, interpret: bool):
+    """``refs``: the inputs, outputs and scratch below; with ``inverse_only`` (the value heads' inverses in
+    lockstep) no ``v_ref``, ``w_ref``, ``u_ref``, ``v_s``, ``tb_ref``, ``kr_ref`` after ``gl_ref``, ``op_s`` is
+    ``bf16[G, C, C]`` (G = the CTA's value heads) and ``lo_s`` (``bf16[G, C, C]``, swizzled: ``L`` off its block
+    diagonal, then ``(I + D)^-1``) comes last."""
     if inverse_only:
+        refs, lo_s = refs[:-1], refs[-1]
         (seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
          q_ref,  # bf16[Tp, Hk, K]  raw q
          k_ref,  # bf16[Tp, Hk, K]  raw k
@@ -133,7 +130,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          b_s,  # f32[G, C]
          a_s,  # bf16[C, C]  swizzled: A
          vec_s,  # f32[3, C]  qf, kf, gl (inverse_only: f32[4, C], and kr)
-         op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products (inverse_only: then Tb)
+         op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products (inverse_only: bf16[G, C, C], then Tb)
          qk_bar,  # barrier: seg, q, k loaded (3 arrivals)
          v_bar,  # barriers [G]: (v,) g, beta of value head j loaded (3 arrivals; inverse_only 2)
          ) = refs
@@ -256,7 +253,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         gl = jnp.sum(jnp.where(same, bc_col(g_c), 0.0), axis=1)
         gc_c = jnp.sum(jnp.where(eye, bc_row(gc), 0.0), axis=0)  # gc as a column vector
         decay = jnp.exp(jnp.where(keep, bc_row(gc) - bc_col(gc_c), -jnp.inf))  # f32[C, C]
-        if j:  # the previous head's output copies must have read a_s, vec_s and kb_s (lockstep: and op_s)
+        if j:  # the previous head's output copies must have read a_s, vec_s and kb_s
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         else:  # every thread must have read q (its row norms) before kb_s (q's tile) is written
             plgpu.commit_smem()
@@ -295,65 +292,45 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
             invs, powers = [inv + xp for inv, xp in zip(invs, out)], out[len(invs):]
         return invs
 
-    def lockstep_group(js):  # value heads js: their inverses in lockstep (each step's products in one wgmma group)
-        inv_d, rows = [], []
-        for i, j in enumerate(js):
+    def lockstep_inverses():  # inverse_only: every value head's inverse in lockstep (a step's products: one group)
+        inv_d, betas = [], []
+        for j in range(heads):
             gc, beta, decay = head_rows(j, h0 + j, lambda gc, beta: None)
             lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
             power = -jnp.where(block_diag, lmat, 0.0)
-            op_s.at[i][...] = power.astype(bf16)
-            lo_s.at[i][...] = jnp.where(block_diag, 0.0, lmat).astype(bf16)
+            op_s.at[j][...] = power.astype(bf16)
+            lo_s.at[j][...] = jnp.where(block_diag, 0.0, lmat).astype(bf16)
             inv_d.append(eye_f + power)
-            rows.append(beta if inverse_only else (gc, beta))
+            betas.append(beta)
         plgpu.commit_smem()
         inv_d = doubling(inv_d, int(np.log2(SUB)) - 1)  # (I + D)^-1 of each head
-        accs = products(*[(inv, lo_s.at[i], False) for i, inv in enumerate(inv_d)])
+        accs = products(*[(inv, lo_s.at[j], False) for j, inv in enumerate(inv_d)])
         inv_f = []
-        for i, (inv, acc) in enumerate(zip(inv_d, accs)):  # F = (I + D)^-1 (L - D); lo_s takes (I + D)^-1
+        for j, (inv, acc) in enumerate(zip(inv_d, accs)):  # F = (I + D)^-1 (L - D); lo_s takes (I + D)^-1
             power = -acc
-            op_s.at[i][...] = power.astype(bf16)
-            lo_s.at[i][...] = inv.astype(bf16)
+            op_s.at[j][...] = power.astype(bf16)
+            lo_s.at[j][...] = inv.astype(bf16)
             inv_f.append(eye_f + power)
         plgpu.commit_smem()
         steps = int(np.log2(chunk // SUB)) - 1
         if steps:
             inv_f = doubling(inv_f, steps)
-        tinv = products(*[(inv, lo_s.at[i], False) for i, inv in enumerate(inv_f)])
-        for i, t in enumerate(tinv):  # op_s[i] takes T (w, u: its left operand) or Tb
-            op_s.at[i][...] = tb_tile(t, rows[i]) if inverse_only else t.astype(bf16)
+        tinv = products(*[(inv, lo_s.at[j], False) for j, inv in enumerate(inv_f)])
+        for j, t in enumerate(tinv):  # op_s[j] takes Tb
+            op_s.at[j][...] = tb_tile(t, betas[j])
         plgpu.commit_smem()
-        for i, j in enumerate(js):
-            h = h0 + j
-            if inverse_only:
-                plgpu.copy_smem_to_gmem(op_s.at[i], tb_ref.at[c, h])
-                continue
-            if j:  # the previous head's w copy must have read kb_s
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            scaled_kv(j, *rows[i])
-            plgpu.commit_smem()
-            v_j = v_s.at[j]
-            w, u = products((op_s.at[i], kb_s, False), (op_s.at[i], v_j, False))
-            kb_s[...] = w.astype(bf16)
-            v_j[...] = u.astype(bf16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(kb_s, w_ref.at[c, h])
-            plgpu.copy_smem_to_gmem(v_j, u_ref.at[c, h])
+        for j in range(heads):
+            plgpu.copy_smem_to_gmem(op_s.at[j], tb_ref.at[c, h0 + j])
 
-    if lockstep:
-        for g0 in range(0, heads, lockstep):
-            lockstep_group(range(g0, g0 + lockstep))
+    if inverse_only:
+        lockstep_inverses()
         plgpu.wait_smem_to_gmem(0)
         return
     for j in range(heads):
         h = h0 + j
-        gc, beta, decay = head_rows(j, h, lambda gc, beta: None if inverse_only else scaled_kv(j, gc, beta))
+        gc, beta, decay = head_rows(j, h, lambda gc, beta: scaled_kv(j, gc, beta))
         lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
         tinv = inverse(lmat)
-        if inverse_only:
-            op_s[...] = tb_tile(tinv, beta)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(op_s, tb_ref.at[c, h])
-            continue
         v_j = v_s.at[j]
         w, u = products((tinv, kb_s, False), (tinv, v_j, False))
         kb_s[...] = w.astype(bf16)
@@ -377,7 +354,6 @@ def prep_mgpu_call(
     use_qk_l2norm: bool,
     value_heads: int = 0,
     outputs: str = "all",
-    lockstep: int = 0,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call; "inverse": (tb, a, qf, kf, gl, kr)
@@ -392,10 +368,9 @@ def prep_mgpu_call(
     for what :func:`shape_reason` rejects, for a ``value_heads`` that does not divide ``Hv / Hk`` and for other
     ``outputs``. ``semantics``: the Mosaic GPU lowering; Lane (jax 0.10's default) takes the register layouts the
     kernel names, so jax 0.10 and 0.11 lower the same program; Warpgroup (jax 0.11's default) infers them and
-    lowers too. ``lockstep``: 0 (the default form: one value head after another) or ``G``, a divisor of the CTA's
-    value heads: groups of ``G`` heads run their inverses in lockstep (each dependent step's products of the group in
-    one wgmma group, one wait), 2 G - 1 more 8 KB shared-memory tiles, the same outputs bit for bit (see the
-    module's docstring); ``ValueError`` for another value."""
+    lowers too. ``"all"`` runs the CTA's value heads one after another; ``"inverse"`` runs their inverses in
+    lockstep (each dependent step's products of all of them in one wgmma group, one wait; see the module's
+    docstring)."""
     reason = shape_reason(q, k, v, chunk=chunk)
     if reason:
         raise ValueError(f"prep_mgpu {reason}")
@@ -408,9 +383,6 @@ def prep_mgpu_call(
     heads = value_heads or group
     if group % heads:
         raise ValueError(f"prep_mgpu value_heads must divide Hv / Hk = {group}, got {value_heads}")
-    if isinstance(lockstep, bool) or not isinstance(lockstep, int) or lockstep < 0 or (lockstep and heads % lockstep):
-        raise ValueError(f"prep_mgpu lockstep must be 0 or a divisor of the CTA's {heads} value heads, "
-                         f"got {lockstep!r}")
     nc = tp // chunk
     bf16 = jnp.bfloat16
     rowf = jax.ShapeDtypeStruct((nc, hv, chunk), jnp.float32)
@@ -425,13 +397,13 @@ def prep_mgpu_call(
         plgpu.SMEM((heads, chunk), jnp.float32),
         plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.SMEM((4 if inverse_only else 3, chunk), jnp.float32),
-        plgpu.SMEM((lockstep, chunk, chunk) if lockstep else (chunk, chunk), bf16, transforms=swizzled(bf16)),
+        plgpu.SMEM((heads, chunk, chunk) if inverse_only else (chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=2 if inverse_only else 3, num_barriers=heads),
-        *([plgpu.SMEM((lockstep, chunk, chunk), bf16, transforms=swizzled(bf16))] if lockstep else []),
+        *([plgpu.SMEM((heads, chunk, chunk), bf16, transforms=swizzled(bf16))] if inverse_only else []),
     )
     kernel = functools.partial(_kernel, group=group, heads=heads, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                               inverse_only=inverse_only, lockstep=lockstep, interpret=interpret)
+                               inverse_only=inverse_only, interpret=interpret)
     if inverse_only:
         out_type, args = (tiles, rowf, rowf, rowf, tiles, rowf), (seg, q, k, g.T, beta.T)
     else:
