@@ -38,8 +38,9 @@ any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` 
 reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
 :mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
 ``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u``, its value heads' inverses in
-lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name: measured
-at 0.99-1.02x ``"mosaic-seq"`` before the lockstep preparation (RESULTS.md, GDN chunked prefill).
+lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name: 1.04-1.05x
+``"mosaic-seq"`` where that applies (one sequence of >= 32 value heads), slower than ``auto`` elsewhere (RESULTS.md,
+GDN chunked prefill).
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
 not recompile; ``scale=None`` is ``K ** -0.5``).
@@ -360,8 +361,9 @@ CHUNK_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
                      "heads' inverses in lockstep) and the fused "
-                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto): it tied "
-                     "\"mosaic-seq\" (0.99-1.02x, benchmarks/RESULTS.md, GDN chunked prefill)"),
+                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) for now: 1.04-1.05x "
+                     "\"mosaic-seq\" where that applies, slower than \"auto\" elsewhere (benchmarks/RESULTS.md, GDN "
+                     "chunked prefill)"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),

@@ -29,8 +29,8 @@ kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and ta
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
 continuing and a static int ``layer`` (RESULTS.md, GDN decode); prefill also has ``"mosaic"`` on Hopper, the
 ``"pallas"`` kernels with the Mosaic GPU preparation kernel (:mod:`kvjax.pallas.gdn.prep_mgpu`; bf16, K and V of
-64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout, by name only: it tied
-``"mosaic-seq"``). The array is updated in place (aliased) under
+64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout, by name only: 1.04-1.05x
+``"mosaic-seq"`` where that applies, for the unpooled op). The array is updated in place (aliased) under
 jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
@@ -302,8 +302,9 @@ PREFILL_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
                      "heads' inverses in lockstep) and the fused "
-                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto): it tied "
-                     "\"mosaic-seq\" (0.99-1.02x, benchmarks/RESULTS.md, GDN chunked prefill)"),
+                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) for now: 1.04-1.05x "
+                     "\"mosaic-seq\" where that applies, slower than \"auto\" elsewhere (benchmarks/RESULTS.md, GDN "
+                     "chunked prefill)"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),
