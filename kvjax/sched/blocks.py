@@ -426,13 +426,7 @@ class BlockAllocator:
 
     def free_row(self, row: int) -> int:
         """Return every page of ``row`` (all heads) and reset it to holes; returns the number of pages freed."""
-        row = self._check_row(row)
-        n, h = self.num_blocks[row], self.num_heads
-        freed = self.free_ranges(np.full(h, row), np.arange(h), np.zeros(h, np.int64), np.full(h, n))
-        self.num_blocks[row] = 0
-        self.recycled_upto[row] = 0
-        self.recycle_due[row] = 0
-        return freed
+        return self.free_rows([row])
 
     def free_rows(self, rows: Sequence[int]) -> int:
         """:meth:`free_row` of each of ``rows`` (distinct) in one vectorised pass; returns pages freed. The private

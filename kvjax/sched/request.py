@@ -386,11 +386,7 @@ class RowTable:
         if (k < counts).any() or not (ours | ~valid).all():
             return None
         pos = self.num_tokens[slots] - k  # i64[K]: position of the oldest reserved token
-        hit = valid & self.stop_hit(slots, tokens)  # bool[K, J]
-        first = np.where(hit.any(1), hit.argmax(1), J)  # i64[K]
-        W = self.tokens.shape[1]
-        np.put(self.tokens, (slots[:, None] * W + pos[:, None] + j)[valid],  # flat (row, position) entries
-               np.where(j > first[:, None], 0, tokens)[valid])
+        first = self._write_runs(slots, pos, tokens, valid)
         left = k - counts  # i64[K]: reserved tokens of later plans, moved to the front of the queues
         m = int(left.max()) if left.size else 0
         if m:
@@ -411,15 +407,21 @@ class RowTable:
         ``ValueError``, changing nothing, where a row has tokens reserved."""
         if self.num_pending[slots].any():
             raise ValueError(f"append: rows {slots[self.num_pending[slots] > 0].tolist()} have reserved tokens")
+        valid = tokens >= 0  # bool[K, J]
+        pos = self.num_tokens[slots]  # i64[K]
+        first = self._write_runs(slots, pos, tokens, valid)
+        self.num_tokens[slots] = pos + np.minimum(valid.sum(1), first + 1)
+        return first
+
+    def _write_runs(self, slots: np.ndarray, pos: np.ndarray, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """Write each row's run ``tokens[k]`` (``i64[K, J]``, ``valid``: bool[K, J] its columns) at positions
+        ``pos[k] + j`` of row ``slots[k]``, 0 after its first stop id; returns that stop id's index (``J``: none)."""
         J = tokens.shape[1]
         j = np.arange(J)
-        valid = tokens >= 0  # bool[K, J]
-        hit = valid & self.stop_hit(slots, tokens)
+        hit = valid & self.stop_hit(slots, tokens)  # bool[K, J]
         first = np.where(hit.any(1), hit.argmax(1), J)  # i64[K]
-        pos = self.num_tokens[slots]  # i64[K]
-        np.put(self.tokens, (slots[:, None] * self.tokens.shape[1] + pos[:, None] + j)[valid],
+        np.put(self.tokens, (slots[:, None] * self.tokens.shape[1] + pos[:, None] + j)[valid],  # flat entries
                np.where(j > first[:, None], 0, tokens)[valid])
-        self.num_tokens[slots] = pos + np.minimum(valid.sum(1), first + 1)
         return first
 
     def oldest_is(self, slots: np.ndarray, step: int, plan_rows: np.ndarray) -> np.ndarray:

@@ -367,45 +367,34 @@ class Scheduler:
 
     def release(self, req: Request) -> None:
         """Transition: running ``req`` (out of the running list) gives back its slot, its row and all its pages."""
-        slot = req.slot
-        self.rows.unbind(req)
-        if self.prefix is not None:
-            self.prefix.release(slot)
-        self.blocks.free_row(slot)
-        self.slots.free(slot)
-        req.slot = 0
+        self.release_many([req])
+
+    def release_many(self, reqs: Sequence[Request]) -> None:
+        """:meth:`release` of each of running ``reqs`` (distinct, out of the running list): their pages in one pass
+        (:meth:`BlockAllocator.free_rows`), their slots returned in their order."""
+        slots = [r.slot for r in reqs]
+        for req, slot in zip(reqs, slots):
+            self.rows.unbind(req)
+            if self.prefix is not None:
+                self.prefix.release(slot)
+        self.blocks.free_rows(slots)
+        for req, slot in zip(reqs, slots):
+            self.slots.free(slot)
+            req.slot = 0
 
     def finish(self, req: Request) -> None:
         """Transition: ``req`` is done (its slot and pages go back); it stays known until its last reserved token
         is resolved."""
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-            self.release(req)
-        elif req.status is Status.PREEMPTED:
-            self.preempted.remove(req)
-        req.status = Status.FINISHED
-        if not req.pending:
-            del self.requests[req.request_id]
+        self.finish_many([req])
 
     def finish_many(self, reqs: Sequence[Request]) -> None:
-        """:meth:`finish` of each of ``reqs`` (distinct), in order; the running ones' pages are freed in one pass
-        (:meth:`BlockAllocator.free_rows`), their slots returned in their order."""
+        """:meth:`finish` of each of ``reqs`` (distinct), in order; the running ones released at once
+        (:meth:`release_many`)."""
         running = [r for r in reqs if r.status is Status.RUNNING]
-        if len(running) < 2:
-            for req in reqs:
-                self.finish(req)
-            return
-        gone = {id(r) for r in running}
-        self.running[:] = [r for r in self.running if id(r) not in gone]
-        slots = [r.slot for r in running]
-        for req in running:
-            self.rows.unbind(req)
-            if self.prefix is not None:
-                self.prefix.release(req.slot)
-        self.blocks.free_rows(slots)
-        for req in running:
-            self.slots.free(req.slot)
-            req.slot = 0
+        if running:
+            gone = {id(r) for r in running}
+            self.running[:] = [r for r in self.running if id(r) not in gone]
+            self.release_many(running)
         for req in reqs:
             if req.status is Status.PREEMPTED:
                 self.preempted.remove(req)

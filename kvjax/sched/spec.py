@@ -314,8 +314,8 @@ def _take(sched: Any, plan: StepPlan, slots: np.ndarray, rids: np.ndarray, toks:
     sub = (cum <= end[:, None]).sum(1)  # i64[m]: the sub-step it came from, where the row ends
     # computed: every token taken up to that sub-step's, but its last (sub-step 0's first was computed before)
     t.num_computed[rs] += np.take_along_axis(cum, sub[:, None], axis=1)[:, 0] - 1
-    order = np.lexsort((rows, sub))
-    finished = [t.requests[int(rs[i])] for i in order[done[order]].tolist()]
+    by_end = np.lexsort((rows, sub))  # the order the sub-steps one after another end them
+    finished = [t.requests[int(rs[i])] for i in by_end[done[by_end]].tolist()]
     sched.finish_many(finished)
     return finished
 
