@@ -1,4 +1,5 @@
-"""Backend tables: priority order, unsupported() reasons, device checks, interpret mode and clear errors."""
+"""Backend tables: priority order, unsupported() reasons, prefer() rules, device checks, interpret mode and clear
+errors."""
 
 import jax
 import pytest
@@ -44,6 +45,41 @@ def test_auto_takes_the_first_backend_that_accepts():
     assert "needs a Hopper" in dict(TABLE.explain((1,), {}, NAMED["a100"]))["mosaic"]
 
 
+def _big_preferred(x):
+    return None if x >= 10 else f"x={x} is below 10, where it was measured slower"
+
+
+PREFER_TABLE = BackendTable(
+    "toy-prefer",
+    _ref,
+    (
+        Backend("pallas", _slow, priority=10),
+        Backend("mosaic", _fast, priority=20, device=on_hopper, unsupported=_fast_unsupported,
+                prefer=_big_preferred),
+    ),
+)
+
+
+def test_prefer_declines_for_auto_only():
+    """A backend whose ``prefer`` rule declines is passed over by ``auto`` (explain says why) but taken by name; its
+    ``unsupported`` and device checks still come first, for ``auto`` and by name."""
+    h100 = NAMED["h100"]
+    assert PREFER_TABLE.choose("auto", (50,), {}, h100)[1](50) == ("fast", 50, False)
+    assert PREFER_TABLE.choose("auto", (3,), {}, h100)[1](3) == ("slow", 3, False)
+    reasons = dict(PREFER_TABLE.explain((3,), {}, h100))
+    assert reasons == {"mosaic": "auto passes it over: x=3 is below 10, where it was measured slower",
+                       "pallas": None, "reference": None}
+    assert dict(PREFER_TABLE.explain((50,), {}, h100))["mosaic"] is None
+    name, fn = PREFER_TABLE.choose("mosaic", (3,), {}, h100)
+    assert (name, fn(3)) == ("mosaic", ("fast", 3, False))
+    assert PREFER_TABLE("mosaic:interpret", 3) == ("fast", 3, True)
+    assert dict(PREFER_TABLE.explain((500,), {}, h100))["mosaic"] == "x=500 is too large for the fast kernel"
+    assert "needs a Hopper" in dict(PREFER_TABLE.explain((50,), {}, NAMED["a100"]))["mosaic"]
+    assert PREFER_TABLE.choose("auto", (50,), {}, NAMED["a100"])[0] == "pallas"
+    with pytest.raises(UnknownImplError, match="too large"):
+        PREFER_TABLE.choose("mosaic", (500,), {}, h100)
+
+
 def test_named_and_interpret():
     assert TABLE.choose("reference", (3,), {})[1](3) == ("reference", 3)
     assert TABLE("interpret", 3) == ("slow", 3, True)
@@ -68,6 +104,8 @@ def test_bad_tables_and_devices():
         Backend("auto", _fast, priority=1)
     with pytest.raises(ValueError, match="fn must be a function"):
         Backend("x", "nomodule:f", priority=1)
+    with pytest.raises(ValueError, match="prefer must be a function"):
+        Backend("x", _fast, priority=1, prefer="faster")
     with pytest.raises(ValueError, match="module:function"):
         lazy("nomodule")
     assert lazy("math:hypot")(3.0, 4.0) == 5.0  # imported at the call

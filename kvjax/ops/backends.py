@@ -3,16 +3,19 @@
 Every op owns one :class:`BackendTable`: its float32 pure-jnp reference (the oracle, always able to run) and
 the kernels that implement it, each a :class:`Backend` with a priority, the devices it runs on and an
 ``unsupported(*args, **kwargs) -> reason | None`` check of the op's normalised call (shapes, dtypes, static
-options; never array values). Backends hold their kernel functions themselves, so the import graph shows which
+options; never array values) and, optionally, a ``prefer(*args, **kwargs) -> reason | None`` rule that only
+``"auto"`` applies: why auto passes over a call the kernel can run (where it was measured slower than a
+lower-priority backend) while the kernel stays reachable by name there. Backends hold their kernel functions themselves, so the import graph shows which
 kernels an op uses; only the optional Triton kernels (:mod:`kvjax.triton`, which need ``jax_triton``) are
 named by :func:`lazy` and imported when first called.
 
 ``impl`` values understood by :meth:`BackendTable.choose`:
 
-- ``"auto"``: the highest-priority backend that runs on the device and accepts the call, else the reference;
+- ``"auto"``: the highest-priority backend that runs on the device, accepts the call and whose ``prefer`` rule
+  does not decline it, else the reference;
 - ``"reference"``: the oracle;
-- a backend's name (``"pallas"``, ``"mosaic"``, ``"triton"``, ...): that kernel, compiled; an error naming
-  the reason when it cannot take this call on this device;
+- a backend's name (``"pallas"``, ``"mosaic"``, ``"triton"``, ...): that kernel, compiled (its ``prefer`` rule
+  ignored); an error naming the reason when it cannot take this call on this device;
 - ``"interpret"``: the ``"pallas"`` backend in Pallas interpret mode (runs on CPU); ``"NAME:interpret"``
   interprets backend ``NAME``.
 
@@ -70,6 +73,8 @@ class Backend:
     ``fn`` is the kernel function and ``unsupported`` its check (a :func:`lazy` function for optional packages).
     ``unsupported`` receives the op's normalised call (arrays may be tracers or ``jax.ShapeDtypeStruct``)
     and returns why this kernel cannot take it, or ``None``. ``device`` says why a device cannot run it.
+    ``prefer`` (same arguments as ``unsupported``): why ``"auto"`` does not take it for a call it can run, or
+    ``None``; a by-name ``impl`` ignores it (``None``: auto takes it whenever it can).
     ``interpretable``: runs in Pallas interpret mode on CPU (``impl="NAME:interpret"``).
     """
 
@@ -78,15 +83,16 @@ class Backend:
     priority: int
     device: Callable[[DeviceKind], str | None] = on_gpu
     unsupported: Callable[..., str | None] | None = None
+    prefer: Callable[..., str | None] | None = None  # auto only: why auto passes over a call it can run
     interpretable: bool = True
     note: str = ""  # why it sits where it does (measurement, shapes), shown by ``kvjax info``
 
     def __post_init__(self):
         if self.name in _RESERVED or ":" in self.name or not self.name:
             raise ValueError(f"backend name {self.name!r} is reserved or malformed")
-        for field in ("fn", "unsupported", "device"):
+        for field in ("fn", "unsupported", "prefer", "device"):
             value = getattr(self, field)
-            if not (callable(value) or (field == "unsupported" and value is None)):
+            if not (callable(value) or (field in ("unsupported", "prefer") and value is None)):
                 raise ValueError(f"backend {self.name!r}: {field} must be a function, got {value!r}")
 
     def shape_reason(self, args: tuple, kwargs: Mapping[str, Any]) -> str | None:
@@ -96,6 +102,15 @@ class Backend:
     def reason(self, device: DeviceKind, args: tuple, kwargs: Mapping[str, Any]) -> str | None:
         """Why this kernel cannot take the call on ``device`` (``None``: it can)."""
         return self.device(device) or self.shape_reason(args, kwargs)
+
+    def auto_reason(self, device: DeviceKind, args: tuple, kwargs: Mapping[str, Any]) -> str | None:
+        """Why ``"auto"`` does not take this kernel for the call on ``device`` (``None``: it does): :meth:`reason`,
+        then the ``prefer`` rule (its reason prefixed ``"auto passes it over: "``)."""
+        why = self.reason(device, args, kwargs)
+        if why is not None or self.prefer is None:
+            return why
+        why = self.prefer(*args, **kwargs)
+        return None if why is None else f"auto passes it over: {why}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +156,10 @@ class BackendTable:
     def explain(self, args: tuple, kwargs: Mapping[str, Any],
                 device: DeviceKind | None = None) -> list[tuple[str, str | None]]:
         """``(name, reason or None)`` for every backend in priority order, then the reference (never declines):
-        what ``"auto"`` would take on ``device`` is the first entry without a reason."""
+        what ``"auto"`` would take on ``device`` is the first entry without a reason (a reason includes a
+        ``prefer`` rule's, :meth:`Backend.auto_reason`)."""
         device = device or current_device()
-        return [(b.name, b.reason(device, args, kwargs)) for b in self.backends] + [("reference", None)]
+        return [(b.name, b.auto_reason(device, args, kwargs)) for b in self.backends] + [("reference", None)]
 
     def choose(self, impl: str, args: tuple, kwargs: Mapping[str, Any],
                device: DeviceKind | None = None) -> tuple[str, Callable]:
@@ -158,7 +174,7 @@ class BackendTable:
         device = device or current_device()
         if impl == "auto":
             for b in self.backends:
-                if b.reason(device, args, kwargs) is None:
+                if b.auto_reason(device, args, kwargs) is None:
                     return b.name, _bind(b, interpret=False)
             return "reference", self.reference
         b, interpret = named
