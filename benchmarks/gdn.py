@@ -5,11 +5,11 @@ Usage: ``python benchmarks/runner.py gdn [--anchors-json OUT/anchors.json]`` (th
 FlashQLA's recipe: ``python benchmarks/gdn.py jax|auto|fla [OUT.json] [shape indices]`` (kvjax / fla, one process
 a side); ``python benchmarks/gdn.py prep-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU
 preparation kernels, alone and inside the whole pool kernel, in one process (:func:`flashqla_prep_mgpu`);
-``python benchmarks/gdn.py seq-mgpu [OUT.json] [shape indices]``: the Triton and the Mosaic GPU sequential kernels,
-alone and inside the whole forward (:func:`flashqla_seq_mgpu`); ``python benchmarks/gdn.py fused-mgpu [OUT.json]
-[shape indices] [line prefixes]``: FlashQLA's layout (inverse-only preparation with its value heads' inverses in
-lockstep, fused pass) against the Mosaic GPU kernels of today, whole and by part (:func:`flashqla_fused_mgpu`;
-``fused-mgpu OUT.json 0,1,2,3,4 whole,prep``: the three whole-forward and two preparation lines).
+``python benchmarks/gdn.py fused-mgpu [OUT.json] [shape indices] [line prefixes]``: FlashQLA's layout
+(``"mosaic-fused"``: inverse-only preparation with its value heads' inverses in lockstep, fused Mosaic GPU pass)
+against ``auto``, whole and by part (:func:`flashqla_fused_mgpu`; ``fused-mgpu OUT.json 0,1,2,3,4 whole,prep``:
+the two whole-forward and two preparation lines). The non-fused Mosaic GPU sequential pass (``seq-mgpu``, backend
+``"mosaic-seq"``) is deleted; its figures are in HISTORY.md.
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
 in-kernel q/k l2norm and the initial state on both sides. The pool ``f32[1, S+1, H, K, V]`` is donated and
@@ -369,117 +369,26 @@ def flashqla_prep_mgpu(shapes: list[int] | None = None) -> list[dict]:
     return rows
 
 
-SEQ_VARIANTS = {  # name: seq_mgpu_call keyword arguments (defaults: block_v=None, its own pick; 2 stages; overlap)
-    "mosaic": dict(), "mosaic no-overlap": dict(overlap=False), "mosaic bv32 s3": dict(block_v=32, stages=3),
-    "mosaic bv32": dict(block_v=32), "mosaic bv32 s1": dict(block_v=32, stages=1), "mosaic bv64": dict(block_v=64),
-    "mosaic bv64 s1": dict(block_v=64, stages=1)}
-
-
-def flashqla_seq_mgpu(shapes: list[int] | None = None) -> list[dict]:
-    """The sequential pass alone on the same prepared operands (the Mosaic GPU prep's, computed once): the Triton
-    kernel (``chunk._chunk_call``, the pool kernel's block pick, no chunk parallelism) against the Mosaic GPU kernel
-    (``seq_mgpu.seq_mgpu_call``, :data:`SEQ_VARIANTS`), then the whole forward (``chunk_gated_delta_rule_pool`` with
-    the Mosaic GPU prep, chunk parallelism as the public op picks it) with each sequential kernel. One process,
-    interleaved timing, FlashQLA's recipe at its five shapes. Errors: every output / final state against the f32
-    chunked reference, each Mosaic sequential output against the Triton one. Prints device ms (every kernel of the
-    call, the state copies included; wall where the profiler has none), the largest kernel's own ms for the two
-    default sequential runs, and the Triton time over each."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-
-    from kvjax.base.device import next_pow2
-    from kvjax.pallas.gdn.chunk import CHUNK, MANY_PROGRAMS, _chunk_call, chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.common import state_as_pool
-    from kvjax.pallas.gdn.prep import PrepConfig, prepare
-    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call
-
-    import timing
-
-    rows = []
-    print(f"{'shape':>20} {'variant':>15} {'ms':>8} {'kernel':>8} {'x':>5}  errors: o / state vs reference; "
-          "o / state vs triton", flush=True)
-    for i, (seqlens, hk, hv) in enumerate(FLASHQLA_SHAPES[:5]):
-        if shapes is not None and i not in shapes:
-            continue
-        q, k, v, g, beta, h0, cu, scale, (ro, rf) = flashqla_case(seqlens, hk, hv)
-        n = len(seqlens)
-        prepared = jax.jit(lambda q, k, v, g, b: prepare(q, k, v, g, b, cu, scale=scale, use_qk_l2norm=False,
-                                                         chunk=CHUNK, config=PrepConfig(kernel="mosaic")))(
-            q, k, v, g, beta)
-        block_v = next((b for b in (64, 32) if n * hv * pl.cdiv(128, b) >= MANY_PROGRAMS), 16)
-        block_v = min(block_v, next_pow2(128))
-        runners = {}
-
-        def seq_triton(h, *ops):
-            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
-            return _chunk_call(*ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16, block_v=block_v, num_warps=4,
-                               num_stages=2, interpret=False)
-        runners["seq triton"] = jax.jit(seq_triton)
-        for name, kw in SEQ_VARIANTS.items():
-            def seq_mosaic(h, *ops, kw=kw):
-                pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
-                return seq_mgpu_call(*ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16, **kw)
-            runners[f"seq {name}"] = jax.jit(seq_mosaic)
-        for name in ("triton", "mosaic"):
-            def whole(q, k, v, g, b, h, name=name):
-                pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
-                return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
-                                                   scale=scale, prep=PrepConfig(kernel="mosaic"), seq=name)
-            runners[f"whole {name}"] = jax.jit(whole)
-        args = {"seq": (h0, *prepared), "whole": (q, k, v, g, beta, h0)}
-        outs, calls, times = _compile_and_time(runners, lambda name: args[name.split()[0]],
-                                               _shape_name(seqlens, hk, hv), 15)
-        kernel_ms = {name: {} for name in calls}
-        for name, call in calls.items():
-            if name not in ("seq triton", "seq mosaic"):  # the kernels alone of the two defaults (one trace each)
-                continue
-            recs = timing.kernel_records(lambda call=call: timing.block([call() for _ in range(5)]))
-            kernel_ms[name] = {kn: t / 5 / 1e6 for kn, (c, t) in recs["names"].items()}
-
-        for name in calls:
-            part = name.split()[0]
-            base = f"{part} triton"
-            o, f = outs[name]
-            o = o[: q.shape[0]]
-            bo, bf = outs[base] if base in outs else (o, f)
-            own = max(kernel_ms[name].items(), key=lambda kv: kv[1], default=("", 0.0))
-            row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "variant": name, "err_o": timing.rel_err(o, ro),
-                   "err_state": timing.rel_err(f, rf), "vs_triton_o": timing.rel_err(o, bo[: q.shape[0]]),
-                   "vs_triton_state": timing.rel_err(f, bf), "wall_ms": times[name]["wall_ms"],
-                   "device_ms": times[name]["device_ms"], "kernel_ms": kernel_ms[name],
-                   "flashqla_h200_ms": FLASHQLA_H200_MS.get(i)}
-            rows.append(row)
-            x = _ms(times, base) / _ms(times, name) if base in times else float("nan")
-            print(f"{row['shape']:>20} {name:>15} {_ms(times, name):>8.4f} {own[1]:>8.4f} {x:>5.2f}  "
-                  f"{row['err_o']:.1e} / "
-                  f"{row['err_state']:.1e}; {row['vs_triton_o']:.1e} / {row['vs_triton_state']:.1e}   "
-                  f"(largest kernel {own[0][:40]}, wall {row['wall_ms']:.4f})", flush=True)
-    return rows
-
-
 def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> list[dict]:
-    """FlashQLA's layout (issue 38, GDN half) against today's Mosaic GPU kernels, one process, interleaved timing,
-    FlashQLA's recipe at its five shapes. Whole forward: the public op with ``impl="auto"`` and ``"mosaic-fused"``
-    (inverse-only preparation + fused pass), and the pool kernel with both Mosaic GPU kernels (``"mosaic-seq"``'s
-    kernels, which its table declines at several sequences). Parts: the Mosaic preparation with today's outputs
-    (``w``, ``u``, ...) against ``outputs="inverse"`` (its value heads' inverses in lockstep, its only form), and
-    the Mosaic sequential pass against the fused pass, each on its own preparation's operands (computed once).
-    Errors: outputs / final states against the f32 chunked reference; the inverse-only prep's ``A`` and row factors
-    against today's (the largest relative error). Prints device ms (every kernel of the call; wall where the
-    profiler has none) and the first line of its group over it. One jit per line. ``lines``: only the lines whose
-    name starts with one of its comma-separated prefixes (``"prep"``: the two preparation lines, no f32 reference
-    computed; ``"whole,prep"``: the three whole-forward and two preparation lines)."""
+    """FlashQLA's layout (issue 38, GDN half) against ``auto``, one process, interleaved timing, FlashQLA's recipe
+    at its five shapes. Whole forward: the public op with ``impl="auto"`` (which takes ``"mosaic-fused"`` for one
+    sequence of >= 32 value heads on Hopper) and ``"mosaic-fused"`` (inverse-only preparation + fused pass). Parts:
+    the Mosaic preparation with the default outputs (``w``, ``u``, ...: backend ``"mosaic"``'s) against
+    ``outputs="inverse"`` (its value heads' inverses in lockstep, its only form), and the fused pass on the latter's
+    operands (computed once). Errors: outputs / final states against the f32 chunked reference; the inverse-only
+    prep's ``A`` and row factors against the default outputs' (the largest relative error). Prints device ms (every
+    kernel of the call; wall where the profiler has none) and the first line of its group over it. One jit per
+    line. ``lines``: only the lines whose name starts with one of its comma-separated prefixes (``"prep"``: the two
+    preparation lines, no f32 reference computed; ``"whole,prep"``: the two whole-forward and two preparation
+    lines)."""
     import jax
     import jax.numpy as jnp
 
     from kvjax.base.ragged import count_le
     from kvjax.ops import gdn
-    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.common import state_as_pool
-    from kvjax.pallas.gdn.prep import PrepConfig
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
-    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call, seq_mgpu_fused_call
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
     import timing
 
@@ -500,36 +409,24 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
             "whole mosaic-fused": jax.jit(lambda q, k, v, g, b, h: gdn.chunk_gated_delta_rule(
                 q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl="mosaic-fused")),
         }
-
-        def whole_seq(q, k, v, g, b, h):
-            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
-            return chunk_gated_delta_rule_pool(q, k, v, g, b, pool, cu_seqlens=cu, rows=prow, flags=flags,
-                                               scale=scale, prep=PrepConfig(kernel="mosaic"), seq="mosaic")
-        runners["whole mosaic-seq"] = jax.jit(whole_seq)
         runners["prep mosaic"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b, **prep_kw))
         runners["prep inverse"] = jax.jit(lambda q, k, v, g, b: prep_mgpu_call(seg, q, k, v, g, b,
                                                                                outputs="inverse", **prep_kw))
         prep_args = (q, k, v, g, beta)
-        w, u, a, qf, kf, gl = runners["prep mosaic"](*prep_args)
+        _, _, a, qf, kf, gl = runners["prep mosaic"](*prep_args)
         tb, a2, qf2, kf2, gl2, kr = runners["prep inverse"](*prep_args)
-
-        def seq_plain(h, *ops):
-            pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
-            return seq_mgpu_call(q, k, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
 
         def seq_fused(h, *ops):
             pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
             return seq_mgpu_fused_call(q, k, v, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
-        runners["seq mosaic"] = jax.jit(seq_plain)
         runners["seq fused"] = jax.jit(seq_fused)
         runners = {name: fn for name, fn in runners.items() if name.startswith(tuple(lines.split(",")))}
-        args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq mosaic": (h0, w, u, a, qf, kf, gl),
-                "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
+        args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
         shape = _shape_name(seqlens, hk, hv)
         outs, calls, times = _compile_and_time(
             runners, lambda name: args[name] if name in args else args[name.split()[0]], shape, 21)
 
-        first = {"whole": "whole mosaic-seq", "prep": "prep mosaic", "seq": "seq mosaic"}
+        first = {"whole": "whole auto", "prep": "prep mosaic", "seq": "seq fused"}
         for name in calls:
             row = {"shape": _shape_name(seqlens, hk, hv), "index": i, "line": name,
                    "wall_ms": times[name]["wall_ms"], "device_ms": times[name]["device_ms"],
@@ -562,8 +459,6 @@ if __name__ == "__main__":
         out = flashqla_fla(only)
     elif side == "prep-mgpu":
         out = flashqla_prep_mgpu(only)
-    elif side == "seq-mgpu":
-        out = flashqla_seq_mgpu(only)
     elif side == "fused-mgpu":
         out = flashqla_fused_mgpu(only, sys.argv[4] if len(sys.argv) > 4 else "")
     else:

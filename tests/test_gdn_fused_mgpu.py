@@ -2,22 +2,30 @@
 and the fused sequential pass (``seq_mgpu_fused_call``: ``v_new = Tb (v - kr * (k S))`` from raw ``v``).
 
 CPU: both kernels under the Mosaic GPU interpreter (their products in jnp) and their lowering for CUDA without a
-GPU. GPU (``gpu`` marker): the compiled kernels through the ``"mosaic-fused"`` backend. The preparation's
-``outputs="inverse"`` runs its value heads' inverses in lockstep (its only form). References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
-reference (the bf16 bound of the GDN tests, relative L2 error <= 2e-2) and against the Triton sequential kernel (1e-2,
-as ``test_gdn_seq_mgpu.py``).
+GPU; the ``"mosaic-fused"`` backends of both prefill tables (``auto`` takes them on Hopper for one sequence of >= 32
+value heads). GPU (``gpu`` marker): the compiled kernels, also through the ``"mosaic-fused"`` backends
+(``chunk_gated_delta_rule`` and the slot-pool ``gdn_prefill_pool`` against its gather -> reference -> scatter
+oracle). The preparation's ``outputs="inverse"`` runs its value heads' inverses in lockstep (its only form).
+References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
+reference (the bf16 bound of the GDN tests, relative L2 error <= 2e-2) and against the Triton sequential kernel on
+the same tokens (1e-2: other bf16 roundings).
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.gdn import GPU_LENS, TOL, make_inputs, rel_err, row_flags
+from helpers.gdn import GPU_LENS, TOL, check_pool_op, make_inputs, rel_err, row_flags
 from helpers.mosaic_interpret import cache_thread_programs
-from kvjax.ops import gdn
+from kvjax.base.device import current_device
+from kvjax.errors import UnknownImplError
+from kvjax.ops import gdn, gdn_on_pool
+from kvjax.state import gdn_pool
 from kvjax.pallas.gdn.prep import padded_operands
 
 SAME_TOL = 1e-2  # against the Triton sequential kernel (other bf16 roundings: Tb, kr * (k S), v - ...)
@@ -265,46 +273,112 @@ def test_fused_lowers_for_cuda():
 
 
 def test_fused_refusals(rng):
-    """What the fused path refuses, with the reason; its shared memory fits the stages the plain pass takes."""
+    """What the fused pass and path refuse, with the reason; the stages that fit its shared memory."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.seq_mgpu import SMEM_BYTES, shape_reason, smem_bytes
+    from kvjax.pallas.gdn.seq_mgpu import SMEM_BYTES, auto_block_v, seq_mgpu_fused_call, shape_reason, smem_bytes
 
-    assert smem_bytes(128, 64, 2, True) < smem_bytes(128, 64, 2) <= SMEM_BYTES
-    assert smem_bytes(128, 32, 3, True) <= SMEM_BYTES and smem_bytes(128, 128, 1, True) <= SMEM_BYTES
-    q, tb, v = (jnp.zeros((128, 1, 64), jnp.bfloat16), jnp.zeros((2, 2, 64, 64), jnp.bfloat16),
-                jnp.zeros((128, 2, 64), jnp.bfloat16))
-    assert shape_reason(q, tb, v, block_v=64, fused=True) is None
-    assert "chunks of 64, got 32" in shape_reason(q, tb[:, :, :32], v, block_v=64, fused=True)
+    def operands(dtype=jnp.bfloat16, kd=64, vd=64, chunk=64):  # q, Tb, v
+        return (jnp.zeros((128, 1, kd), dtype), jnp.zeros((2, 2, chunk, chunk), dtype),
+                jnp.zeros((128, 2, vd), dtype))
+
+    assert shape_reason(*operands(), block_v=64) is None
+    for args, block_v, match in [(operands(jnp.float32), 64, "bf16.*float32"), (operands(kd=96), 64, "K=96"),
+                                 (operands(vd=32), 32, "V=32"), (operands(chunk=32), 32, "chunks of 64, got 32"),
+                                 (operands(), 16, "block_v in .* got 16"),
+                                 (operands(vd=64), 128, "dividing V=64, got 128")]:
+        assert re.search(match, shape_reason(*args, block_v=block_v)), (match, shape_reason(*args, block_v=block_v))
+    assert smem_bytes(128, 64, 2) <= SMEM_BYTES < smem_bytes(128, 64, 3)
+    assert smem_bytes(128, 32, 3) <= SMEM_BYTES and smem_bytes(128, 128, 1) <= SMEM_BYTES
+    assert auto_block_v(1, 32, 128) == 32 and auto_block_v(4, 32, 128) == 64
+    q, tb, v = operands(kd=128, vd=128)
+    rest = (jnp.zeros((2, 2, 64, 64), jnp.bfloat16),) + (jnp.zeros((2, 2, 64)),) * 4 + (
+        jnp.zeros((1, 2, 128, 128)), jnp.asarray([0, 128], jnp.int32), jnp.zeros((1,), jnp.int32),
+        jnp.full((1,), 3, jnp.int32))
+    with pytest.raises(ValueError, match="stages must be >= 1 and fit"):
+        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=64, stages=3)
+    with pytest.raises(ValueError, match="needs bf16 outputs, got float32"):
+        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.float32, block_v=64)
     qq, kk, vv, g, beta, cu, s0 = make_inputs(rng, [40], 1, 1, 64, 64, jnp.bfloat16)
+    kw = dict(cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32), flags=jnp.full((1,), 3, jnp.int32), scale=0.1,
+              interpret=True)
     with pytest.raises(ValueError, match="seq='fused' has no chunk parallelism"):
-        chunk_gated_delta_rule_pool(qq, kk, vv, g, beta, s0, cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32),
-                                    flags=jnp.full((1,), 3, jnp.int32), scale=0.1, seq="fused", segment_chunks=4,
-                                    interpret=True)
+        chunk_gated_delta_rule_pool(qq, kk, vv, g, beta, s0, seq="fused", segment_chunks=4, **kw)
+    with pytest.raises(ValueError, match="seq must be 'triton' or 'fused', got 'mosaic'"):
+        chunk_gated_delta_rule_pool(qq, kk, vv, g, beta, s0, seq="mosaic", **kw)
 
 
-def test_mosaic_fused_backend_by_name_only(rng):
+def test_mosaic_fused_backend_by_name_and_auto(rng):
     """``impl="mosaic-fused"`` runs FlashQLA's layout (here under the interpreter) within the bf16 bound of the
-    recurrent reference, for ``chunk_gated_delta_rule`` and ``gdn_prefill_pool``'s table; ``auto`` never takes it
-    (its priority is below ``"pallas"`` until it is measured); it declines what the Mosaic GPU preparation kernel
-    declines, with the reason."""
+    recurrent reference at two sequences of two value heads, where ``auto`` would not take it (by name its
+    ``prefer`` rule does not apply). On Hopper ``auto`` takes it, in both prefill tables, for the example of one
+    sequence of 32 value heads (where it was measured fastest) and ``"mosaic"`` for 16 heads or four sequences,
+    with ``explain`` saying why; it declines what the Mosaic GPU preparation kernel declines, and non-Hopper
+    devices, with the reason."""
     from kvjax.base.device import NAMED
     from kvjax.ops import gdn_on_pool
+    from kvjax.pallas.gdn import chunk as chunk_kernels
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [70, 9], 1, 2, 64, 64, jnp.bfloat16, pad_tokens=3)
     call = gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.125, use_qk_l2norm=True)
+    assert "2 sequences of 2 value heads" in chunk_kernels.mosaic_fused_preferred(call, s0)
     o, f = gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=0.125,
                                       use_qk_l2norm=True, impl="mosaic-fused:interpret")
     ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
                                                                                         rel_err(f, rf))
-    for table in (gdn.CHUNK_TABLE, gdn_on_pool.PREFILL_TABLE):
-        assert "mosaic-fused" in table.names()
-        for make in table.examples.values():
-            args, kwargs = make()
-            assert table.choose("auto", args, kwargs, NAMED["h100"])[0] != "mosaic-fused"
+    for table, one, many, narrow in (
+            (gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=32 K=V=128", "prefill N=4 T=16384 H=32 K=V=128",
+             "prefill N=1 T=8192 H=16 K=V=128"),
+            (gdn_on_pool.PREFILL_TABLE, "prefill N=1 T=8192 H=32", "prefill N=4 T=16384 H=32",
+             "prefill N=1 T=8192 H=16, traced layer")):
+        assert "mosaic-seq" not in table.names()
+        args, kwargs = table.examples[one]()
+        for device in ("h100", "h200"):
+            assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused"
+            assert dict(table.explain(args, kwargs, NAMED[device]))["mosaic-fused"] is None
+        assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
+        for name, want in ((many, "4 sequences of 32 value heads"), (narrow, "1 sequences of 16 value heads")):
+            args, kwargs = table.examples[name]()
+            assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
+            why = dict(table.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]
+            assert why.startswith("auto passes it over") and want in why, why
+            assert table.choose("mosaic-fused", args, kwargs, NAMED["h100"])[0] == "mosaic-fused"
     args, kwargs = gdn.CHUNK_TABLE.examples["prefill N=2 T=512 H=8 K=96 V=128"]()
     assert "K and V in" in dict(gdn.CHUNK_TABLE.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]
+    with pytest.raises(UnknownImplError, match="K and V in"):
+        gdn.CHUNK_TABLE.choose("mosaic-fused", args, kwargs, NAMED["h100"])
     assert "Hopper" in dict(gdn.CHUNK_TABLE.explain(args, kwargs, NAMED["a100"]))["mosaic-fused"]
+
+
+def test_prefill_pool_mosaic_fused_interpret(rng):
+    """``gdn_prefill_pool(impl="mosaic-fused")`` (the slot-pool entry of the fused path) under the interpreter against
+    the op's reference (:func:`helpers.gdn.check_pool_op`: gather -> f32 reference -> scatter): ragged rows with an
+    empty one, a padding slot, rows without initial state, a traced layer; other slots and layers untouched."""
+    check_pool_op(rng, gdn_pool.gdn_prefill, [5, 0, 66, 3], [2, 0, 3, 1], [True, False, False, True], hk=1, hv=2,
+                  kd=64, vd=64, dtype=jnp.bfloat16, impl="mosaic-fused:interpret", num_slots=4, static_layer=False)
+
+
+def test_prefill_pool_fused_lowers_for_cuda():
+    """The slot-pool entry of the fused path (``gdn_prefill_pool``'s ``"mosaic-fused"``: slot rows and flags, the
+    flattened pool, both Mosaic GPU kernels) lowers to a Mosaic GPU module for CUDA without a GPU, at one sequence of
+    32 value heads (``auto``'s shape) and at three ragged rows, with a traced layer."""
+    from jax import export
+
+    from kvjax.pallas.gdn import chunk as chunk_kernels
+
+    sds, bf16, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    for t, n, hk, hv in [(256, 1, 16, 32), (200, 3, 2, 4)]:
+        args = (sds((t, hk, 128), bf16), sds((t, hk, 128), bf16), sds((t, hv, 128), bf16), sds((t, hv), f32),
+                sds((t, hv), bf16), sds((n + 1,), i32), sds((n,), i32), sds((n,), jnp.bool_), sds((), i32),
+                sds((2, n + 3, hv, 128, 128), f32))
+
+        def fn(q, k, v, g, b, cu, slots, has_init, layer, ssm):
+            call = gdn.DeltaRuleCall(q, k, v, g, b, cu, 0.1, slot_ids=slots, has_initial_state=has_init,
+                                     layer=layer, use_qk_l2norm=True)
+            return chunk_kernels.gdn_prefill_pool_mosaic_fused(call, ssm)
+
+        module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        assert "gdn_seq_mgpu_fused" in module and module.count("mosaic_gpu") >= 2
 
 
 @pytest.mark.gpu
@@ -329,6 +403,29 @@ def test_fused_backend_gpu_one_long_sequence(rng):
     ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
                                                                                         rel_err(f, rf))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,hk,hv,kd,vd", [
+    (GPU_LENS, 2, 4, 128, 128),  # ragged rows (lengths 1..4096, an empty one, chunk-crossing boundaries)
+    ([3000, 70, 0, 129, 1], 1, 2, 64, 64),
+    ([2048], 16, 32, 128, 128)])  # auto's shape: one sequence of 32 value heads
+def test_prefill_pool_mosaic_fused_gpu(rng, lens, hk, hv, kd, vd):
+    """The compiled ``gdn_prefill_pool(impl="mosaic-fused")`` against the op's reference
+    (:func:`helpers.gdn.check_pool_op`: gather -> f32 reference -> scatter, relative L2 error <= 2e-2 in bf16):
+    random slots with padding rows and rows without initial state, the last layer of two; other slots, the other
+    layer and slot 0 untouched. At one sequence of 32 value heads also ``impl="auto"``, which takes it on Hopper."""
+    n = len(lens)
+    slots = rng.permutation(np.arange(1, n + 4))[:n].astype(np.int32)
+    slots[1::4] = 0  # padding rows
+    has_init = rng.uniform(size=n) < 0.7
+    check_pool_op(rng, gdn_pool.gdn_prefill, lens, slots, has_init, hk=hk, hv=hv, kd=kd, vd=vd, dtype=jnp.bfloat16,
+                  impl="mosaic-fused", num_slots=n + 3)
+    if n == 1 and current_device().hopper:
+        args, kwargs = gdn_on_pool.PREFILL_TABLE.examples["prefill N=1 T=8192 H=32"]()
+        assert gdn_on_pool.PREFILL_TABLE.choose("auto", args, kwargs)[0] == "mosaic-fused"
+        check_pool_op(rng, gdn_pool.gdn_prefill, lens, slots, [True], hk=hk, hv=hv, kd=kd, vd=vd,
+                      dtype=jnp.bfloat16, impl="auto", num_slots=n + 3)
 
 
 @pytest.mark.gpu

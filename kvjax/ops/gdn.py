@@ -38,9 +38,9 @@ any K and V, padded to power-of-two blocks inside the kernels); ``impl="auto"`` 
 reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosaic GPU preparation kernel,
 :mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
 ``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u``, its value heads' inverses in
-lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) only by name: 1.04-1.05x
-``"mosaic-seq"`` where that applies (one sequence of >= 32 value heads), slower than ``auto`` elsewhere (RESULTS.md,
-GDN chunked prefill).
+lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) takes the same calls by
+name, and ``auto`` takes it ahead of both for one sequence of >= 32 value heads, where it was measured fastest
+(its ``prefer`` rule, :func:`kvjax.pallas.gdn.chunk.mosaic_fused_preferred`; RESULTS.md, GDN chunked prefill).
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
 not recompile; ``scale=None`` is ``K ** -0.5``).
@@ -352,18 +352,14 @@ CHUNK_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
-        Backend("mosaic-seq", chunk_kernels.chunk_gated_delta_rule_mosaic_seq, priority=30, device=on_hopper,
-                unsupported=chunk_kernels.mosaic_seq_unsupported,
-                note="both Mosaic GPU kernels (preparation and sequential) for one sequence of >= 32 value heads: "
-                     "1.27x \"mosaic\" at 8192 / 32768 tokens on an H200 (benchmarks/RESULTS.md, GDN chunked "
-                     "prefill)"),
-        Backend("mosaic-fused", chunk_kernels.chunk_gated_delta_rule_mosaic_fused, priority=5, device=on_hopper,
-                unsupported=chunk_kernels.mosaic_prep_unsupported,
+        Backend("mosaic-fused", chunk_kernels.chunk_gated_delta_rule_mosaic_fused, priority=30, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported, prefer=chunk_kernels.mosaic_fused_preferred,
                 note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
-                     "heads' inverses in lockstep) and the fused "
-                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) for now: 1.04-1.05x "
-                     "\"mosaic-seq\" where that applies, slower than \"auto\" elsewhere (benchmarks/RESULTS.md, GDN "
-                     "chunked prefill)"),
+                     "heads' inverses in lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto "
+                     "for one sequence of >= 32 value heads: 1.04-1.05x the two Mosaic GPU kernels it replaced "
+                     "there on an H200 (0.3663 vs 0.3840 ms at 8192 tokens, 1.3911 vs 1.4531 at 32768; 16 / 32 "
+                     "heads); slower than auto's pick elsewhere (0.3212 vs 0.2881 ms at 8192 tokens, 16 heads; "
+                     "1.3010 vs 1.1267 at 8192 x 4) (benchmarks/RESULTS.md, GDN chunked prefill, HISTORY run 171)"),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),

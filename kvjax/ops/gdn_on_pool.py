@@ -29,8 +29,8 @@ kernels of :mod:`kvjax.pallas.gdn` on the flattened ``[L * (S+1)]`` slots and ta
 slot id inside the kernel with no XLA op around it: ``auto`` takes it for one token per row, every live row
 continuing and a static int ``layer`` (RESULTS.md, GDN decode); prefill also has ``"mosaic"`` on Hopper, the
 ``"pallas"`` kernels with the Mosaic GPU preparation kernel (:mod:`kvjax.pallas.gdn.prep_mgpu`; bf16, K and V of
-64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout, by name only: 1.04-1.05x
-``"mosaic-seq"`` where that applies, for the unpooled op). The array is updated in place (aliased) under
+64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout: the same calls by name,
+``auto`` for one sequence of >= 32 value heads, as for the unpooled op). The array is updated in place (aliased) under
 jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
 
@@ -293,18 +293,14 @@ PREFILL_TABLE = BackendTable(
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
                 note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),
-        Backend("mosaic-seq", chunk_kernels.gdn_prefill_pool_mosaic_seq, priority=30, device=on_hopper,
-                unsupported=chunk_kernels.mosaic_seq_unsupported,
-                note="both Mosaic GPU kernels (preparation and sequential) for one sequence of >= 32 value heads: "
-                     "1.27x \"mosaic\" at 8192 / 32768 tokens on an H200 (benchmarks/RESULTS.md, GDN chunked "
-                     "prefill)"),
-        Backend("mosaic-fused", chunk_kernels.gdn_prefill_pool_mosaic_fused, priority=5, device=on_hopper,
-                unsupported=chunk_kernels.mosaic_prep_unsupported,
+        Backend("mosaic-fused", chunk_kernels.gdn_prefill_pool_mosaic_fused, priority=30, device=on_hopper,
+                unsupported=chunk_kernels.mosaic_prep_unsupported, prefer=chunk_kernels.mosaic_fused_preferred,
                 note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
-                     "heads' inverses in lockstep) and the fused "
-                     "Mosaic GPU pass (v_new = Tb (v - kr k S)); below \"pallas\" (never auto) for now: 1.04-1.05x "
-                     "\"mosaic-seq\" where that applies, slower than \"auto\" elsewhere (benchmarks/RESULTS.md, GDN "
-                     "chunked prefill)"),
+                     "heads' inverses in lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto "
+                     "for one sequence of >= 32 value heads: 1.04-1.05x the two Mosaic GPU kernels it replaced "
+                     "there on an H200 (0.3663 vs 0.3840 ms at 8192 tokens, 1.3911 vs 1.4531 at 32768; 16 / 32 "
+                     "heads); slower than auto's pick elsewhere (0.3212 vs 0.2881 ms at 8192 tokens, 16 heads; "
+                     "1.3010 vs 1.1267 at 8192 x 4) (benchmarks/RESULTS.md, GDN chunked prefill, HISTORY run 171)"),
         Backend("pallas", chunk_kernels.gdn_prefill_pool_pallas, priority=10,
                 note=_PALLAS_NOTE),
     ),

@@ -58,7 +58,7 @@ from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot
 from kvjax.pallas.gdn.prep import PrepConfig, padded_operands, prepare
 from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 from kvjax.pallas.gdn.prep_mgpu import shape_reason as prep_mgpu_shape_reason
-from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_call, seq_mgpu_fused_call
+from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
@@ -160,10 +160,7 @@ def _chunk_kernel(
 
 
 def _chunk_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, out_dtype, block_v, num_warps,
-                num_stages, interpret, seq: str = "triton", seq_block_v: int | None = None):
-    if seq == "mosaic":
-        return seq_mgpu_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=out_dtype,
-                             block_v=seq_block_v, interpret=interpret)
+                num_stages, interpret):
     tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     precision = f32_precision(interpret) if w.dtype == jnp.float32 else None
@@ -339,7 +336,7 @@ def _scan_kernel(
 
 
 def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segment_chunks, out_dtype, block_v,
-             transition_block, scan_block, num_warps, num_stages, interpret, seq="triton", seq_block_v=None):
+             transition_block, scan_block, num_warps, num_stages, interpret):
     """The sequential part with chunk parallelism: transition kernel (every segment's ``M``, ``B``), scan
     kernel (every segment's start state), the sequential kernel over segments, the final states to the pool."""
     tp, hk, kd = q.shape
@@ -378,7 +375,7 @@ def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segmen
     seg_flags = jnp.where(seg_live, FLAG_LIVE | FLAG_HAS_INITIAL, 0).astype(jnp.int32)
     o, ends = _chunk_call(q, k, w, u, a, qf, kf, gl, starts, seg_cu, jnp.arange(num_segs, dtype=jnp.int32),
                           seg_flags, out_dtype=out_dtype, block_v=block_v, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret, seq=seq, seq_block_v=seq_block_v)
+                          num_stages=num_stages, interpret=interpret)
     live = (flags & FLAG_LIVE) != 0
     pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(ends[last], mode="drop")
     return o, pool
@@ -457,15 +454,14 @@ def chunk_gated_delta_rule_pool(
     segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`;
     0: off (the sequential kernel walks each sequence whole, in place on the pool).
 
-    ``seq``: the sequential kernel, ``"triton"`` (``_chunk_kernel``) or ``"mosaic"`` (the Mosaic GPU kernel of
-    :mod:`kvjax.pallas.gdn.seq_mgpu`, Hopper, bf16: ``block_v=None`` is its own pick, ``num_warps`` and
-    ``num_stages`` are the Triton kernels' only), or ``"fused"`` (FlashQLA's layout: the Mosaic GPU preparation
-    with ``outputs="inverse"`` and the fused Mosaic GPU pass, :func:`_fused_call`; ``prep`` gives only its
-    ``value_heads``; no chunk parallelism: ``segment_chunks`` must be ``None`` or 0).
+    ``seq``: the sequential kernel, ``"triton"`` (``_chunk_kernel``, after the preparation ``prep`` names) or
+    ``"fused"`` (FlashQLA's layout: the Mosaic GPU preparation with ``outputs="inverse"`` and the fused Mosaic GPU
+    pass of :mod:`kvjax.pallas.gdn.seq_mgpu`, :func:`_fused_call`; Hopper, bf16; ``block_v=None`` is that pass's own
+    pick, ``num_warps`` and ``num_stages`` are the Triton kernels' only, ``prep`` gives only its ``value_heads``; no
+    chunk parallelism: ``segment_chunks`` must be ``None`` or 0).
     """
-    if seq not in ("triton", "mosaic", "fused"):
-        raise ValueError(f"seq must be 'triton', 'mosaic' or 'fused', got {seq!r}")
-    seq_block_v = block_v
+    if seq not in ("triton", "fused"):
+        raise ValueError(f"seq must be 'triton' or 'fused', got {seq!r}")
     if seq == "fused":
         if segment_chunks:
             raise ValueError(f"seq='fused' has no chunk parallelism: segment_chunks must be None or 0, got "
@@ -500,13 +496,12 @@ def chunk_gated_delta_rule_pool(
         o, pool = _cp_call(
             qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, segment_chunks=segment_chunks,
             out_dtype=v.dtype, block_v=block_v, transition_block=transition_block,
-            scan_block=scan_block, num_warps=num_warps, num_stages=num_stages, interpret=interpret, seq=seq,
-            seq_block_v=seq_block_v,
+            scan_block=scan_block, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     else:
         o, pool = _chunk_call(
             qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, out_dtype=v.dtype, block_v=block_v,
-            num_warps=num_warps, num_stages=num_stages, interpret=interpret, seq=seq, seq_block_v=seq_block_v,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     return o[:num_tokens], pool
 
@@ -534,26 +529,13 @@ gdn_prefill_pool_mosaic_prep = on_slot_pool(
     kernel.""")
 
 
-_with_mosaic_seq = functools.partial(chunk_gated_delta_rule_pool, prep=PrepConfig(kernel="mosaic"), seq="mosaic")
-
-chunk_gated_delta_rule_mosaic_seq = on_initial_state(
-    _with_mosaic_seq,
-    """Backend ``"mosaic-seq"`` of ``kvjax.ops.chunk_gated_delta_rule``: both Mosaic GPU kernels, the preparation
-    (:mod:`kvjax.pallas.gdn.prep_mgpu`) and the sequential pass (:mod:`kvjax.pallas.gdn.seq_mgpu`), for the calls
-    :func:`mosaic_seq_unsupported` accepts.""")
-
-gdn_prefill_pool_mosaic_seq = on_slot_pool(
-    _with_mosaic_seq,
-    """Backend ``"mosaic-seq"`` of ``gdn_prefill_pool``: the pool kernel with both Mosaic GPU kernels.""")
-
-
 _with_mosaic_fused = functools.partial(chunk_gated_delta_rule_pool, seq="fused")
 
 chunk_gated_delta_rule_mosaic_fused = on_initial_state(
     _with_mosaic_fused,
     """Backend ``"mosaic-fused"`` of ``kvjax.ops.chunk_gated_delta_rule``: FlashQLA's layout, the Mosaic GPU
     preparation without ``w`` / ``u`` and the fused Mosaic GPU sequential pass (``seq="fused"``), for the calls
-    :func:`mosaic_prep_unsupported` accepts.""")
+    :func:`mosaic_prep_unsupported` accepts (``auto``: those :func:`mosaic_fused_preferred` also accepts).""")
 
 gdn_prefill_pool_mosaic_fused = on_slot_pool(
     _with_mosaic_fused,
@@ -561,30 +543,29 @@ gdn_prefill_pool_mosaic_fused = on_slot_pool(
 
 
 def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
-    """Why the ``"mosaic"`` backends cannot take a call, or ``None``: the shapes the Mosaic GPU preparation kernel
-    takes (:func:`kvjax.pallas.gdn.prep_mgpu.shape_reason`: bf16 q / k / v, K and V of 64 or 128, few value heads
-    per key head). Every call it accepts fits the Mosaic GPU sequential kernel too (bf16, K and V of 64 or 128,
-    chunks of 64): :func:`mosaic_seq_unsupported` adds only where that one is faster."""
+    """Why the ``"mosaic"`` and ``"mosaic-fused"`` backends cannot take a call, or ``None``: the shapes the Mosaic GPU
+    preparation kernel takes (:func:`kvjax.pallas.gdn.prep_mgpu.shape_reason`: bf16 q / k / v, K and V of 64 or 128,
+    few value heads per key head). Every call it accepts fits the fused Mosaic GPU sequential pass too (bf16, K and V
+    of 64 or 128, chunks of 64): :func:`mosaic_fused_preferred` says where ``auto`` takes that one."""
     del state
     return prep_mgpu_shape_reason(call.q, call.k, call.v, chunk=CHUNK)
 
 
-# The "mosaic-seq" backends take one sequence of at least this many value heads: there both Mosaic GPU kernels beat
-# the Mosaic preparation with the Triton sequential kernel (1.27x at 8192 and 32768 tokens, 16 / 32 heads, H200);
-# they lost at 16 value heads (0.91x, 8192 tokens) and at four sequences (0.85x, 8192 x 4, 16 / 32 heads).
-# RESULTS.md, "GDN chunked prefill".
-MOSAIC_SEQ_MIN_HEADS = 32
+# "auto" takes the "mosaic-fused" backends for one sequence of at least this many value heads: there they were
+# measured faster than every other backend (1.04-1.05x the two Mosaic GPU kernels of the deleted "mosaic-seq", which
+# was 1.27x "mosaic", at 8192 and 32768 tokens, 16 / 32 heads, H200); "mosaic" / "pallas" win at 16 value heads
+# and at several sequences. RESULTS.md, "GDN chunked prefill".
+MOSAIC_FUSED_MIN_HEADS = 32
 
 
-def mosaic_seq_unsupported(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
-    """Why the ``"mosaic-seq"`` backends decline a call, or ``None``: :func:`mosaic_prep_unsupported`'s shapes, and
-    one sequence (``cu_seqlens`` of two entries) of at least :data:`MOSAIC_SEQ_MIN_HEADS` value heads, where they
-    were measured faster than ``"mosaic"``."""
-    reason = mosaic_prep_unsupported(call, state)
-    if reason:
-        return reason
-    num_seqs = 1 if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
-    if num_seqs != 1 or call.v.shape[1] < MOSAIC_SEQ_MIN_HEADS:
-        return (f"needs one sequence of >= {MOSAIC_SEQ_MIN_HEADS} value heads (where it beat \"mosaic\"), got "
-                f"{num_seqs} sequences of {call.v.shape[1]} value heads")
+def mosaic_fused_preferred(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
+    """The ``"mosaic-fused"`` backends' ``prefer`` rule (``auto`` only; by name they take every call
+    :func:`mosaic_prep_unsupported` accepts): why ``auto`` passes them over, or ``None`` for one sequence
+    (``cu_seqlens`` of two entries; ``None`` is one token per row) of at least :data:`MOSAIC_FUSED_MIN_HEADS` value
+    heads, where they were measured fastest."""
+    del state
+    num_seqs = call.q.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
+    if num_seqs != 1 or call.v.shape[1] < MOSAIC_FUSED_MIN_HEADS:
+        return (f"measured faster only for one sequence of >= {MOSAIC_FUSED_MIN_HEADS} value heads, got {num_seqs} "
+                f"sequences of {call.v.shape[1]} value heads")
     return None

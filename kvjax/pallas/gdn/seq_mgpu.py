@@ -1,23 +1,27 @@
-"""Sequential (state-passing) pass of the chunked gated delta rule as a Mosaic GPU kernel (Hopper: TMA, wgmma).
+"""Sequential (state-passing) pass of the chunked gated delta rule as a Mosaic GPU kernel (Hopper: TMA, wgmma), in
+FlashQLA's layout: on ``prep_mgpu_call(outputs="inverse")``'s ``Tb = T diag(beta)`` and row factor ``kr`` rather
+than the default preparation's ``w`` / ``u`` (``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`, backend
+``"mosaic-fused"``). Per sequence row, value head and block of ``block_v`` value columns, the row's chunks in order
+with the state slice ``S: f32[K, block_v]`` as registers in the wgmma accumulator layout::
 
-Same inputs, outputs and recurrence as :mod:`kvjax.pallas.gdn.chunk`'s ``_chunk_kernel`` (the Triton one): per
-sequence row, value head and block of ``block_v`` value columns, the row's chunks in order with the state slice
-``S: f32[K, block_v]`` as registers in the wgmma accumulator layout::
-
-    v_new = u - w S;   o = qf * (q S) + A v_new;   S = exp(g_last) S + k^T (kf * v_new)
+    v_new = Tb (v - kr * (k S));   o = qf * (q S) + A v_new;   S = exp(g_last) S + k^T (kf * v_new)
 
 One CTA (one warpgroup) per (row, value head, value block). A ring of ``stages`` shared-memory slots holds the
-chunk operands (``q``, ``k``, ``w``, ``u``, ``A`` and the row factors ``qf``, ``kf``, ``gl``), each slot filled by
-TMA copies that complete on its barrier. Per chunk two rounds of wgmma: ``w S`` and ``q S`` (the state written to
-shared memory in bf16 once per chunk, the right operand of both), then ``A v_new`` and ``k^T (kf v_new)`` (``k``'s
-tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles). The row factors multiply f32
-accumulators rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal product
-up to the bf16 roundings of the Triton kernel's ``qf * q`` and ``kf * k``.
+chunk operands (``q``, ``k``, the CTA's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and the row factors ``qf``,
+``kf``, ``gl``, ``kr``), each slot filled by TMA copies that complete on its barrier. Per chunk three rounds of
+wgmma: ``k S`` and ``q S`` (the state written to shared memory in bf16 once per chunk, the right operand of both),
+then ``X = v - kr * (k S)`` (f32, rounded to bf16 into ``v_new``'s tile) and ``v_new = Tb X``, then ``A v_new`` and
+``k^T (kf v_new)`` (``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles).
+The row factors multiply f32 accumulators rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of
+``v_new``), an equal product up to the bf16 roundings of the Triton kernel's ``qf * q`` and ``kf * k``. Per chunk
+and CTA at ``K = 128``, ``block_v = 64``: reads 32 KB (q, k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB
+(the default preparation's operands: 32 + 16 (w) + 8 (u) + 8 + 0.75 = 64.75 KB); products 1 + 1 + 0.5 + 0.5 + 1
+MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP) in three dependent rounds.
 
-``overlap=True`` (the default): a step finishes chunk ``c`` (``v_new``, the second round, the new state), refills
+``overlap=True`` (the default): a step finishes chunk ``c`` (``v_new``, the later rounds, the new state), refills
 chunk ``c``'s slot with chunk ``c + stages`` and issues chunk ``c + 1``'s first round, and while those products run
 writes chunk ``c``'s outputs; every loaded chunk is ``stages - 1`` steps ahead of its use. ``overlap=False``: a step
-is one chunk, both rounds and the output copies in order, the copies of chunk ``c + stages - 1`` issued at its start.
+is one chunk, every round and the output copies in order, the copies of chunk ``c + stages - 1`` issued at its start.
 
 Ragged rows: a chunk may hold the tail of one sequence and the head of the next. Each CTA writes the output rows
 its row owns (the first and last rows also own the tokens outside every sequence, written as zeros): a chunk it
@@ -26,18 +30,13 @@ power of two not above its own row count) from the chunk's output tile, so no co
 The initial state is read from the pool by a TMA copy; the final states go to ``f32[N, Hv, K, V]`` and reach the
 pool by one scatter outside the kernel (live rows only).
 
-``seq_mgpu_fused_call`` (FlashQLA's layout, on ``prep_mgpu_call(outputs="inverse")``'s ``Tb = T diag(beta)`` and
-row factor ``kr``): the ring slots hold ``q``, ``k``, the CTA's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and
-four row factors; per chunk ``k S`` and ``q S`` are issued together, ``X = v - kr * (k S)`` (f32, rounded to bf16
-into ``v_new``'s tile), ``v_new = Tb X`` (one more wgmma round), then as above. Per chunk and CTA at ``K = 128``,
-``block_v = 64``: reads 32 KB (q, k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB instead of 32 + 16 (w) +
-8 (u) + 8 + 0.75 = 64.75 KB; products 1 + 1 + 0.5 + 0.5 + 1 MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP)
-instead of 3.7 MFLOP, in three dependent rounds instead of two.
-
-Shared memory at ``K = 128``, ``block_v = 64``, 2 stages: 130 KB of ring, 72 KB of state / operand / output tiles
-(fused: 114 KB of ring).
+Shared memory at ``K = 128``, ``block_v = 64``, 2 stages: 114 KB of ring, 72 KB of state / operand / output tiles.
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed wgmma operand), bf16 operands, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of 64.
+
+This kernel also had a plain mode on the default preparation's ``w`` / ``u`` (two rounds a chunk; backend
+``"mosaic-seq"``), deleted once this one was measured faster where that one ran (benchmarks/RESULTS.md, GDN chunked
+prefill).
 """
 
 from __future__ import annotations
@@ -75,64 +74,58 @@ def auto_block_v(num_rows: int, hv: int, vd: int) -> int:
     return 64 if num_rows * hv * (vd // 64) >= MANY_CTAS else 32
 
 
-def shape_reason(q: jax.Array, w: jax.Array, u: jax.Array, *, block_v: int, fused: bool = False) -> str | None:
-    """What this kernel cannot take (``"needs ..., got ..."``), or None: bf16 q / w / u (the prepared operands;
-    ``fused``: ``w`` is ``Tb`` and ``u`` raw ``v``), ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of ``CHUNK``
-    tokens, ``block_v`` in ``BLOCK_VS`` dividing ``V``."""
-    if not (q.dtype == w.dtype == u.dtype == jnp.bfloat16):
-        return f"needs bf16 operands, got {q.dtype}, {w.dtype}, {u.dtype}"
-    kd, vd = q.shape[-1], u.shape[-1]
+def shape_reason(q: jax.Array, tb: jax.Array, v: jax.Array, *, block_v: int) -> str | None:
+    """What this kernel cannot take (``"needs ..., got ..."``), or None: bf16 q / Tb / v, ``K`` and ``V`` in
+    ``SUPPORTED_HEAD_DIMS``, chunks of ``CHUNK`` tokens, ``block_v`` in ``BLOCK_VS`` dividing ``V``."""
+    if not (q.dtype == tb.dtype == v.dtype == jnp.bfloat16):
+        return f"needs bf16 operands, got {q.dtype}, {tb.dtype}, {v.dtype}"
+    kd, vd = q.shape[-1], v.shape[-1]
     if kd not in SUPPORTED_HEAD_DIMS or vd not in SUPPORTED_HEAD_DIMS:
         return f"needs K and V in {SUPPORTED_HEAD_DIMS}, got K={kd}, V={vd}"
-    if (w if fused else u).shape[2] != CHUNK:
-        return f"needs chunks of {CHUNK}, got {(w if fused else u).shape[2]}"
+    if tb.shape[2] != CHUNK:
+        return f"needs chunks of {CHUNK}, got {tb.shape[2]}"
     if block_v not in BLOCK_VS or vd % block_v:
         return f"needs block_v in {BLOCK_VS} dividing V={vd}, got {block_v}"
     return None
 
 
-def smem_bytes(kd: int, block_v: int, stages: int, fused: bool = False) -> int:
-    """Shared memory of one CTA: ``stages`` ring slots (q, k, w, u, A, three row factors; ``fused``: q, k, v, Tb,
-    A, four row factors) and the state, ``v_new``, ``kf v_new``, output (two of them for rows of fewer than 128
-    bytes) and f32 state tiles."""
+def smem_bytes(kd: int, block_v: int, stages: int) -> int:
+    """Shared memory of one CTA: ``stages`` ring slots (q, k, v, Tb, A, four row factors) and the state, ``v_new``,
+    ``kf v_new``, output (two of them for rows of fewer than 128 bytes) and f32 state tiles."""
     c = CHUNK
-    if fused:
-        slot = 2 * (2 * c * kd + c * block_v + 2 * c * c) + 4 * 4 * c
-    else:
-        slot = 2 * (3 * c * kd + c * block_v + c * c) + 4 * 3 * c
+    slot = 2 * (2 * c * kd + c * block_v + 2 * c * c) + 4 * 4 * c
     out = (2 if block_v * 2 < SWIZZLE else 1) * (c + 2) * block_v
     return stages * slot + 2 * (kd * block_v + 2 * c * block_v + out) + 4 * kd * block_v
 
 
-def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: bool, interpret: bool):
-    """``refs``: the inputs, outputs and scratch below (``fused``: ``w_ref`` / ``w_s`` hold ``Tb`` and ``u_ref`` /
-    ``u_s`` raw ``v``, and a fourth row factor ``kr``)."""
-    nvec = 4 if fused else 3
+def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpret: bool):
+    """``refs``: the inputs, outputs and scratch below."""
+    nvec = 4
     (cu_ref,  # i32[N+1]
      rows_ref,  # i32[N]
      flags_ref,  # i32[N]
      q_ref,  # bf16[Tp, Hk, K]  raw q
      k_ref,  # bf16[Tp, Hk, K]  raw k
-     w_ref,  # bf16[NC, Hv, C, K]  (fused: Tb, bf16[NC, Hv, C, C])
-     u_ref,  # bf16[NC, Hv, C, V]  (fused: v, bf16[Tp, Hv, V])
+     tb_ref,  # bf16[NC, Hv, C, C]  Tb = T diag(beta)
+     v_ref,  # bf16[Tp, Hv, V]  raw v
      a_ref,  # bf16[NC, Hv, C, C]
      ) = refs[:8]
-    vec_refs = refs[8:8 + nvec]  # f32[NC, Hv, C] each: qf, kf, gl (fused: and kr)
+    vec_refs = refs[8:8 + nvec]  # f32[NC, Hv, C] each: qf, kf, gl, kr
     (pool_ref,  # f32[R, Hv, K, V]  initial states at rows
      o_ref,  # bf16[Tp, Hv, V]
      fin_ref,  # f32[N, Hv, K, V]  final states
      q_s,  # bf16[S, C, K]  swizzled ring
      k_s,  # bf16[S, C, K]  swizzled ring
-     w_s,  # bf16[S, C, K]  swizzled ring (fused: Tb, bf16[S, C, C])
-     u_s,  # bf16[S, C, BV]  swizzled ring (fused: v)
+     tb_s,  # bf16[S, C, C]  swizzled ring: Tb
+     v_s,  # bf16[S, C, BV]  swizzled ring: v
      a_s,  # bf16[S, C, C]  swizzled ring
-     vec_s,  # f32[S, 3, C]  ring: qf, kf, gl (fused: f32[S, 4, C], and kr)
+     vec_s,  # f32[S, 4, C]  ring: qf, kf, gl, kr
      h_s,  # bf16[K, BV]  swizzled: the state as the right operand
-     vn_s,  # bf16[C, BV]  swizzled: v_new (fused: first v - kr * (k S))
+     vn_s,  # bf16[C, BV]  swizzled: first v - kr * (k S), then v_new
      vk_s,  # bf16[C, BV]  swizzled: kf * v_new
      o_s,  # bf16[B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
      st_s,  # f32[K, BV]  initial / final state
-     ready,  # barriers [S]: slot loaded (8 arrivals; fused 9)
+     ready,  # barriers [S]: slot loaded (9 arrivals)
      st_bar,  # barrier: initial state loaded
      ) = refs[8 + nvec:]
     n, hd, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
@@ -156,8 +149,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: 
         bar = ready.at[slot]
         plgpu.copy_gmem_to_smem(q_ref.at[rs, hk], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[rs, hk], k_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(w_ref.at[c, hd], w_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(u_ref.at[rs, hd, vs] if fused else u_ref.at[c, hd, :, vs], u_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(tb_ref.at[c, hd], tb_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[rs, hd, vs], v_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
         for i, ref in enumerate(vec_refs):
             plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
@@ -214,22 +207,18 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: 
                     plgpu.copy_smem_to_gmem(o_s.at[b, pl.ds(r + b, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
 
     nc = a_ref.shape[0]
-    lhs_s = k_s if fused else w_s  # the first round: k S (fused) or w S, beside q S
 
     def slot_of(c):
         return lax.rem(c - c_lo, jnp.int32(stages))
 
-    def second_half(c, s, wh, qh):  # chunk c from its w S (fused: k S), q S: (o, the next state), the slot read
+    def second_half(c, s, kh, qh):  # chunk c from its k S, q S: (o, the next state), the slot read
         slot = slot_of(c)
         r = c * chunk + ri
         in_seq = (r >= start) & (r < end) & live
-        if fused:  # v_new = Tb (v - kr * (k S))
-            vn_s[...] = (tile(u_s.at[slot]).astype(f32) - wh * bc_row(vec(vec_s.at[slot, 3]))).astype(bf16)
-            plgpu.commit_smem()
-            (wh,) = products((w_s.at[slot], False, vn_s))
-            v_new = jnp.where(in_seq, wh, 0.0)
-        else:
-            v_new = jnp.where(in_seq, tile(u_s.at[slot]).astype(f32) - wh, 0.0)
+        vn_s[...] = (tile(v_s.at[slot]).astype(f32) - kh * bc_row(vec(vec_s.at[slot, 3]))).astype(bf16)
+        plgpu.commit_smem()
+        (tx,) = products((tb_s.at[slot], False, vn_s))  # v_new = Tb (v - kr * (k S))
+        v_new = jnp.where(in_seq, tx, 0.0)
         vn_s[...] = v_new.astype(bf16)
         vk_s[...] = (v_new * bc_row(vec(vec_s.at[slot, 1]))).astype(bf16)
         plgpu.commit_smem()
@@ -252,31 +241,31 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: 
             issue(nxt, slot_of(nxt))
 
         plgpu.barrier_wait(ready.at[slot])
-        wh, qh = products((lhs_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
-        o, s = second_half(c, s, wh, qh)
+        kh, qh = products((k_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+        o, s = second_half(c, s, kh, qh)
         write_rows(c, o)
         return s
 
-    def first_half(c, during=None):  # w S and q S of chunk c (S in h_s); ``during()`` runs while they do
+    def first_half(c, during=None):  # k S and q S of chunk c (S in h_s); ``during()`` runs while they do
         slot = slot_of(c)
         plgpu.barrier_wait(ready.at[slot])
         if interpret:
             if during is not None:
                 during()
-            return products((lhs_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+            return products((k_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
 
-        def body(w_acc, q_acc):
-            plgpu.wgmma(w_acc, lhs_s.at[slot], h_s)
+        def body(k_acc, q_acc):
+            plgpu.wgmma(k_acc, k_s.at[slot], h_s)
             plgpu.wgmma(q_acc, q_s.at[slot], h_s)
             if during is not None:
                 during()
-            return w_acc[...], q_acc[...]
+            return k_acc[...], q_acc[...]
 
         return pl.run_scoped(body, plgpu.ACC((chunk, block_v), f32), plgpu.ACC((chunk, block_v), f32))
 
-    def step_overlap(c, carry):  # chunk c from its w S, q S; then chunk c + 1's, its output copies meanwhile
-        s, wh, qh = carry
-        o, s = second_half(c, s, wh, qh)
+    def step_overlap(c, carry):  # chunk c from its k S, q S; then chunk c + 1's, its output copies meanwhile
+        s, kh, qh = carry
+        o, s = second_half(c, s, kh, qh)
         h_s[...] = s.astype(bf16)
         plgpu.commit_smem()  # also: every thread is done reading chunk c's slot, which the copies refill
 
@@ -284,13 +273,13 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: 
         def _():
             issue(jnp.minimum(c + stages, nc - 1), slot_of(c))
 
-        wh, qh = first_half(c + 1, during=lambda: write_rows(c, o))
-        return s, wh, qh
+        kh, qh = first_half(c + 1, during=lambda: write_rows(c, o))
+        return s, kh, qh
 
     plgpu.barrier_wait(st_bar)
     s0 = st_s[...] if interpret else plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA, optimized=False)
     s0 = jnp.where(read, s0, 0.0)
-    if overlap:  # chunks c_lo .. c_hi are loaded and their w S, q S formed: the last (clamped) one unused
+    if overlap:  # chunks c_lo .. c_hi are loaded and their k S, q S formed: the last (clamped) one unused
         for j in range(stages):
             @pl.when(c_lo + j <= c_hi)
             def _(j=j):
@@ -316,38 +305,6 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, fused: 
     plgpu.wait_smem_to_gmem(0)
 
 
-def seq_mgpu_call(
-    q: jax.Array,  # bf16[Tp, Hk, K]
-    k: jax.Array,  # bf16[Tp, Hk, K]
-    w: jax.Array,  # bf16[NC, Hv, C, K]
-    u: jax.Array,  # bf16[NC, Hv, C, V]
-    a: jax.Array,  # bf16[NC, Hv, C, C]
-    qf: jax.Array,  # f32[NC, Hv, C]
-    kf: jax.Array,  # f32[NC, Hv, C]
-    gl: jax.Array,  # f32[NC, Hv, C]
-    pool: jax.Array,  # f32[R, Hv, K, V]
-    cu_seqlens: jax.Array,  # i32[N+1]
-    rows: jax.Array,  # i32[N]
-    flags: jax.Array,  # i32[N]
-    *,
-    out_dtype,
-    block_v: int | None = None,
-    stages: int | None = None,
-    overlap: bool = True,
-    semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:  # (o [Tp, Hv, V] in out_dtype, pool f32[R, Hv, K, V])
-    """The sequential pass, as ``chunk._chunk_call``: the outputs of every token and the pool with each live row's
-    final state at its index. ``ValueError`` for what :func:`shape_reason` rejects, a non-bf16 ``out_dtype`` or
-    ``stages`` below 1 or over the shared memory (:func:`smem_bytes`). ``block_v=None``: :func:`auto_block_v`.
-    ``stages``: ring slots (shared memory at ``K = 128``: about 65 KB a slot at ``block_v = 64``, 61 KB at 32,
-    within 227 KB with the other tiles: 2 stages at 64, 3 at 32, 1 at 128); ``None``: 2, or 1 where 2 do not
-    fit. ``overlap``: the loop form (module docstring).
-    ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names)."""
-    return _call(q, k, w, u, a, (qf, kf, gl), pool, cu_seqlens, rows, flags, fused=False, out_dtype=out_dtype,
-                 block_v=block_v, stages=stages, overlap=overlap, semantics=semantics, interpret=interpret)
-
-
 def seq_mgpu_fused_call(
     q: jax.Array,  # bf16[Tp, Hk, K]
     k: jax.Array,  # bf16[Tp, Hk, K]
@@ -370,39 +327,37 @@ def seq_mgpu_fused_call(
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [Tp, Hv, V] in out_dtype, pool f32[R, Hv, K, V])
-    """The fused sequential pass (FlashQLA's layout) on ``prep_mgpu_call(outputs="inverse")``'s operands: as
-    :func:`seq_mgpu_call`, with ``v_new = tb (v - kr * (k S))`` formed from raw ``v`` (module docstring). Shared
-    memory at ``K = 128``: about 57 KB a ring slot at ``block_v = 64`` (2 stages), 53 KB at 32 (3 stages). Same
-    ``ValueError`` s and keywords as :func:`seq_mgpu_call`."""
-    return _call(q, k, tb, v, a, (qf, kf, gl, kr), pool, cu_seqlens, rows, flags, fused=True,
-                 out_dtype=out_dtype, block_v=block_v, stages=stages, overlap=overlap, semantics=semantics,
-                 interpret=interpret)
-
-
-def _call(q, k, w, u, a, vecs, pool, cu_seqlens, rows, flags, *, fused, out_dtype, block_v, stages, overlap,
-          semantics, interpret):
+    """The sequential pass on ``prep_mgpu_call(outputs="inverse")``'s operands, as ``chunk._chunk_call``: the
+    outputs of every token and the pool with each live row's final state at its index, ``v_new = tb (v - kr * (k
+    S))`` formed from raw ``v`` (module docstring). ``ValueError`` for what :func:`shape_reason` rejects, a
+    non-bf16 ``out_dtype`` or ``stages`` below 1 or over the shared memory (:func:`smem_bytes`).
+    ``block_v=None``: :func:`auto_block_v`. ``stages``: ring slots (shared memory at ``K = 128``: about 57 KB a
+    slot at ``block_v = 64``, 53 KB at 32, within 227 KB with the other tiles); ``None``: 2, or 1 where 2 do not
+    fit. ``overlap``: the loop form (module docstring). ``semantics``: the Mosaic GPU lowering (Lane: the register
+    layouts the kernel names)."""
+    vecs = (qf, kf, gl, kr)
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
-    vd = u.shape[-1]
+    vd = v.shape[-1]
     if block_v is None:
         block_v = auto_block_v(rows.shape[0], hv, vd)
-    reason = shape_reason(q, w, u, block_v=block_v, fused=fused)
+    reason = shape_reason(q, tb, v, block_v=block_v)
     if reason:
         raise ValueError(f"seq_mgpu {reason}")
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
     if stages is None:
-        stages = 2 if smem_bytes(kd, block_v, 2, fused) <= SMEM_BYTES else 1
-    if stages < 1 or smem_bytes(kd, block_v, stages, fused) > SMEM_BYTES:
+        stages = 2 if smem_bytes(kd, block_v, 2) <= SMEM_BYTES else 1
+    if stages < 1 or smem_bytes(kd, block_v, stages) > SMEM_BYTES:
         raise ValueError(f"seq_mgpu stages must be >= 1 and fit {SMEM_BYTES} bytes of shared memory, got {stages} "
-                         f"({smem_bytes(kd, block_v, stages, fused)} bytes at K={kd}, block_v={block_v})")
+                         f"({smem_bytes(kd, block_v, stages)} bytes at K={kd}, block_v={block_v})")
     num_seqs = rows.shape[0]
     bf16 = jnp.bfloat16
     swz = _swizzled(block_v)
     scratch = (
         plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
-        plgpu.SMEM((stages, chunk, chunk if fused else kd), bf16, transforms=swz),
+        plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
         plgpu.SMEM((stages, len(vecs), chunk), jnp.float32),
@@ -415,7 +370,7 @@ def _call(q, k, w, u, a, vecs, pool, cu_seqlens, rows, flags, *, fused, out_dtyp
         plgpu.Barrier(num_arrivals=1),
     )
     kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, overlap=overlap,
-                               fused=fused, interpret=interpret)
+                               interpret=interpret)
     o, fin = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((tp, hv, vd), bf16),
@@ -423,10 +378,10 @@ def _call(q, k, w, u, a, vecs, pool, cu_seqlens, rows, flags, *, fused, out_dtyp
         scratch_types=scratch,
         grid=(num_seqs, hv, vd // block_v),
         grid_names=("rows", "heads", "vblocks"),
-        kernel_name="gdn_seq_mgpu_fused" if fused else "gdn_seq_mgpu",
+        kernel_name="gdn_seq_mgpu_fused",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
         interpret=interpret_params() if interpret else None,
-    )(cu_seqlens, rows, flags, q, k, w, u, a, *vecs, pool)
+    )(cu_seqlens, rows, flags, q, k, tb, v, a, *vecs, pool)
     live = (flags & FLAG_LIVE) != 0
     pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(fin, mode="drop")
     return o, pool
