@@ -337,7 +337,7 @@ def test_mosaic_fused_backend_by_name_and_auto(rng):
             assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused"
             assert dict(table.explain(args, kwargs, NAMED[device]))["mosaic-fused"] is None
         assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
-        for name, want in ((many, "4 sequences of 32 value heads"), (narrow, "1 sequences of 16 value heads")):
+        for name, want in ((many, "4 sequences of 32 value heads"), (narrow, "got 1 sequence of 16 value heads")):
             args, kwargs = table.examples[name]()
             assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
             why = dict(table.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]

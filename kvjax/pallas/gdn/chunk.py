@@ -567,5 +567,5 @@ def mosaic_fused_preferred(call, state) -> str | None:  # a DeltaRuleCall and it
     num_seqs = call.q.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
     if num_seqs != 1 or call.v.shape[1] < MOSAIC_FUSED_MIN_HEADS:
         return (f"measured faster only for one sequence of >= {MOSAIC_FUSED_MIN_HEADS} value heads, got {num_seqs} "
-                f"sequences of {call.v.shape[1]} value heads")
+                f"sequence{'s' * (num_seqs != 1)} of {call.v.shape[1]} value heads")
     return None
