@@ -12,28 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.base.norms import rms_norm
 from kvjax.models.common.parallel import reduce
 from kvjax.ops.linear import linear
 from kvjax.ops.mlp import swiglu
-
-
-def rms_norm(
-    x: jax.Array,  # [..., D]
-    weight: jax.Array,  # [D]
-    eps: float,
-    *,
-    zero_centered: bool = False,
-) -> jax.Array:  # [..., D] in x's dtype
-    """RMSNorm in float32. ``zero_centered``: scale by ``1 + weight`` (Qwen3.5), else by ``weight``.
-
-    Matches HF rounding: Qwen3.5's zero-centred norm multiplies in f32 then casts; the Llama-style norm casts
-    the normalised activations to the input dtype before multiplying by the weight.
-    """
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if zero_centered:
-        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * normed.astype(x.dtype)
 
 
 def gated_rms_norm(

@@ -1,5 +1,5 @@
-"""Rotary position embeddings as Hugging Face computes them: inverse frequencies (default and YaRN), cos/sin
-tables in float32, and the NeoX (``rotate_half``) or DeepSeek interleaved rotation with partial rotary dims.
+"""Rotary position embeddings as Hugging Face computes them: inverse frequencies (default and YaRN) from a
+checkpoint's config; the cos/sin tables and the rotation itself are :mod:`kvjax.base.rotary`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from kvjax.base.rotary import apply_rope, rope_cos_sin
 from kvjax.errors import CheckpointError
+
+__all__ = ["apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
 
 def rope_inv_freq(head_dim: int, rope_parameters: Mapping[str, Any], *,
@@ -73,39 +74,3 @@ def rope_inv_freq(head_dim: int, rope_parameters: Mapping[str, Any], *,
     extrapolation = 1.0 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq.astype(np.float32), float(attention_factor)
-
-
-def rope_cos_sin(
-    positions: jax.Array,  # i32[...]
-    inv_freq: jax.Array,  # f32[R/2]
-    attention_factor: float = 1.0,
-) -> tuple[jax.Array, jax.Array]:  # f32[..., R/2] each
-    """cos/sin of ``position * inv_freq`` in float32, times ``attention_factor``."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
-
-
-def apply_rope(
-    x: jax.Array,  # [..., H, D]
-    cos: jax.Array,  # f32[..., R/2] (broadcast over H)
-    sin: jax.Array,  # f32[..., R/2]
-    *,
-    interleaved: bool = False,
-) -> jax.Array:  # [..., H, D] in x's dtype
-    """Rotate the first ``R`` dims of each head (partial rotary: dims ``R..D`` pass through unchanged).
-
-    ``interleaved=False``: NeoX / HF ``rotate_half`` layout (pairs ``(i, i + R/2)``). ``interleaved=True``:
-    DeepSeek layout (pairs ``(2i, 2i+1)``), output de-interleaved ``[even', odd']`` exactly as HF's
-    ``apply_rotary_pos_emb_interleave`` (q and k get the same permutation, so ``q.k`` is unchanged).
-    cos/sin are cast to ``x.dtype`` first, as HF does.
-    """
-    half = cos.shape[-1]
-    rot, rest = x[..., : 2 * half], x[..., 2 * half:]
-    c = cos[..., None, :].astype(x.dtype)
-    s = sin[..., None, :].astype(x.dtype)
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
