@@ -7,7 +7,7 @@ untrained: the kernels do not depend on the weights), ``--rows`` rows each verif
 steps. Timed as a ``lax.scan`` of 32 proposes (the pages carried, as in a burst) and one traced pass of three such
 scans: kernels per propose with their device time, by name (``--order``: also one propose's kernels in launch order).
 
-    python benchmarks/mtp_propose.py [--rows 16] [--drafts 4] [--context 160] [--out DIR]
+    python benchmarks/mtp_propose.py [--rows 16] [--drafts 4] [--context 160] [--path op|loop] [--out DIR]
     python benchmarks/mtp_propose.py --rows 2 --scan 2   # CPU smoke (no device records: times only)
 """
 
@@ -26,9 +26,11 @@ PAGE = 16
 TABLE_TOKENS = 224  # the spec toy's served length (prompt 64 + 128 new + drafts), the block tables' width
 
 
-def build(rows: int, drafts: int, context: int, seed: int = 0):
+def build(rows: int, drafts: int, context: int, seed: int = 0, path: str = "op"):
     """``(propose, args)``: the jitted propose and its arguments (model / MTP states, random pages and hidden states,
-    a verification step's inputs of ``rows`` rows at ``context`` tokens)."""
+    a verification step's inputs of ``rows`` rows at ``context`` tokens). ``path``: the one-token draft steps as the
+    op (``"op"``, :func:`kvjax.models.qwen3_5.mtp.draft_op`: its backend table's choice) or as the layer's own
+    steps (``"loop"``, :func:`~kvjax.models.qwen3_5.mtp.draft_loop`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -39,6 +41,8 @@ def build(rows: int, drafts: int, context: int, seed: int = 0):
     from kvjax.inputs import StepInputs
     from kvjax.models.qwen3_5 import mtp as mtp_lib
 
+    if path not in ("op", "loop"):
+        raise ValueError(f"path must be 'op' or 'loop', got {path!r}")
     if not 0 < drafts + 1 <= context <= TABLE_TOKENS:
         raise ValueError(f"need 0 < drafts + 1 <= context <= {TABLE_TOKENS}, got drafts={drafts}, context={context}")
     task = spec_runs.CopyTask(vocab=128, length=TABLE_TOKENS, min_period=4, max_period=8)
@@ -70,7 +74,13 @@ def build(rows: int, drafts: int, context: int, seed: int = 0):
 
     def propose(mstate, hstate, pages, states, inputs, sampled):
         layers = nnx.merge(hdef, hstate)
-        return layers.propose(nnx.merge(mdef, mstate), pages, states, inputs, sampled, num_draft=drafts)
+        op = mtp_lib.draft_op
+        if path == "loop":  # traced with the layer's own steps in the op's place
+            mtp_lib.draft_op = mtp_lib.draft_loop
+        try:
+            return layers.propose(nnx.merge(mdef, mstate), pages, states, inputs, sampled, num_draft=drafts)
+        finally:
+            mtp_lib.draft_op = op
 
     return jax.jit(propose), (mstate, hstate, pages, states, inputs, sampled)
 
@@ -109,8 +119,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--scan", type=int, default=32, help="proposes per timed scan")
     ap.add_argument("--out", default=None, help="a folder for the trace and the compiled HLO (default: temporary)")
     ap.add_argument("--order", action="store_true", help="also one propose's kernels in launch order")
+    ap.add_argument("--path", default="op", choices=("op", "loop"),
+                    help="the draft steps as the op (its table's kernel) or as the layer's own steps")
     args = ap.parse_args(argv)
-    propose, call = build(args.rows, args.drafts, args.context)
+    propose, call = build(args.rows, args.drafts, args.context, path=args.path)
     loop = scanned(propose, args.scan)
     out = args.out or tempfile.mkdtemp(prefix="mtp_propose_")
     os.makedirs(out, exist_ok=True)
@@ -123,9 +135,10 @@ def main(argv=None) -> dict:
         jax.block_until_ready(loop(*call))
         walls.append(time.perf_counter() - t0)
     per = float(np.median(walls)) / args.scan
-    print(f"{args.rows} rows, K = {args.drafts}, context {args.context}: {per * 1e6:.1f} us a propose (wall, median "
+    print(f"{args.rows} rows, K = {args.drafts}, context {args.context}, draft steps as the {args.path}: "
+          f"{per * 1e6:.1f} us a propose (wall, median "
           f"of 20 scans of {args.scan})")
-    result = dict(rows=args.rows, drafts=args.drafts, context=args.context, wall_us=per * 1e6)
+    result = dict(rows=args.rows, drafts=args.drafts, context=args.context, path=args.path, wall_us=per * 1e6)
     trace = os.path.join(out, "trace")
     jax.profiler.start_trace(trace)
     for _ in range(3):

@@ -415,3 +415,27 @@ def test_fp8_mtp_pages_track_float_pages(toy, rng):
     scale = np.abs(out["auto"]).max()
     err = np.abs(out["fp8"] - out["auto"]).max()
     assert 0 < err < 0.1 * scale, (err, scale)
+
+
+def test_draft_op_matches_the_layer_loop(toy, rng):
+    """The one-token draft steps as the op ``kvjax.ops.draft.draft_steps`` (its float32 reference on this host) and
+    as the layer's own ragged steps (``draft_loop``, what a mesh shard runs): the same drafts and pages, on the toy
+    with a SWA head with a sink, partial rotary, a hole, a row past its table and a dead row."""
+    model, mtp, *_ = toy
+    assert mtp.draft_op_reason(model, {}) is None
+    pages = {k: jnp.asarray(rng.normal(0, 1, v.shape).astype(np.float32))
+             for k, v in mtp_lib.init_mtp_caches(mtp, num_pages=NUM_PAGES, page_size=PAGE).items()}
+    hkv, max_blocks, b = model.config.attention.num_kv_heads, 3, 4
+    tables = rng.permutation(np.arange(1, NUM_PAGES))[:b * hkv * max_blocks].reshape(b, hkv, max_blocks)
+    tables[1, 0, 1] = -1
+    g = jnp.asarray(rng.normal(0, 1, (b, model.config.hidden_size)).astype(np.float32))
+    tok = jnp.asarray(rng.integers(0, model.config.vocab_size, b), jnp.int32)
+    p0 = jnp.asarray([4, max_blocks * PAGE - 3, 2 * PAGE - 2, 1], jnp.int32)
+    live = jnp.asarray([True, True, True, False])
+    args = (model, mtp, pages, g, tok, p0, live, jnp.asarray(tables.astype(np.int32)), 4)
+    d_op, p_op = nnx.jit(mtp_lib.draft_op, static_argnums=8)(*args)
+    d_loop, p_loop = nnx.jit(mtp_lib.draft_loop, static_argnums=8)(*args)
+    np.testing.assert_array_equal(np.asarray(d_op)[:3], np.asarray(d_loop)[:3])
+    for name in pages:
+        np.testing.assert_allclose(np.asarray(p_op[name]), np.asarray(p_loop[name]), rtol=1e-5, atol=1e-5)
+        assert (np.asarray(p_op[name]) != np.asarray(pages[name])).any(), name

@@ -1,5 +1,6 @@
 """``benchmarks/mtp_propose.py`` on a CPU: its scanned proposes draft what single proposes draft (the pages carried
-from one to the next), and a run writes the compiled HLO and reports its time."""
+from one to the next), its two paths (the draft steps as the op, as the layer's own steps) draft alike, and a run
+writes the compiled HLO and reports its time."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_mtp_propose_benchmark_scan_and_smoke(tmp_path, capsys):
         np.testing.assert_allclose(np.asarray(pages_n[name]), np.asarray(pages_2[name]), rtol=1e-6, atol=1e-6)
     assert not all(np.array_equal(np.asarray(pages_1[n]), np.asarray(args[2][n])) for n in pages_1), \
         "a propose wrote no K/V"
+    loop, loop_args = bench.build(rows=2, drafts=2, context=12, path="loop")  # the layer's own draft steps
+    np.testing.assert_array_equal(np.asarray(loop(*loop_args)[0]), np.asarray(drafts_1))
     out = bench.main(["--rows", "1", "--drafts", "2", "--context", "8", "--scan", "1", "--out", str(tmp_path)])
     assert out["wall_us"] > 0 and (tmp_path / "propose_hlo.txt").stat().st_size > 0
     assert "us a propose" in capsys.readouterr().out

@@ -170,6 +170,48 @@ class Qwen3_5MTP(nnx.Module):
         return self.norm(u), {**pages, **{n: own[r] for r, n in names.items()}}
 
 
+    # ------------------------------------------------ the draft steps as one op (kvjax.ops.draft)
+
+    @property
+    def draft_shape(self):
+        """The static layout :func:`kvjax.ops.draft.draft_steps` takes (:class:`kvjax.ops.draft.DraftShape`)."""
+        from kvjax.ops.draft import DraftShape
+
+        a = self.config.attention
+        return DraftShape(a.num_q_heads, a.num_kv_heads, a.head_dim, float(self.config.rms_norm_eps),
+                          float(a.head_dim ** -0.5), self._inv_freq)
+
+    def draft_layer(self, model: Qwen3_5ForCausalLM, layer: int = 0):
+        """MTP layer ``layer``'s weights with the model's embedding and LM head, as
+        :class:`kvjax.ops.draft.DraftLayer` (a tied model's head: the embedding transposed)."""
+        from kvjax.ops.draft import DraftLayer
+
+        _check_model(model, self)
+        lay = self.layers[layer]
+        att, mlp = lay.self_attn, lay.mlp
+        embed = model.model.embed_tokens[...]
+        head = embed.T if model.lm_head is None else model.lm_head.kernel[...]
+        return DraftLayer(
+            embed, head, self.fc.kernel[...], self.pre_fc_norm_embedding.weight[...],
+            self.pre_fc_norm_hidden.weight[...], lay.input_layernorm.weight[...], att.q_proj.kernel[...],
+            att.k_proj.kernel[...], att.v_proj.kernel[...], att.q_norm.weight[...], att.k_norm.weight[...],
+            att.o_proj.kernel[...], lay.post_attention_layernorm.weight[...], mlp.gate_proj.kernel[...],
+            mlp.up_proj.kernel[...], mlp.down_proj.kernel[...], self.norm.weight[...])
+
+    def draft_op_reason(self, model: Qwen3_5ForCausalLM, pages: dict[str, jax.Array]) -> str | None:
+        """Why the one-token draft steps cannot run as the op :func:`kvjax.ops.draft.draft_steps` (then they run as
+        the layer's own steps, :func:`draft_loop`), or ``None``: on a mesh shard (the op has no collectives), over
+        fp8 pages (the op writes float pages), with projection or LM-head biases (the op has none)."""
+        if model.tp is not None:
+            return "a mesh shard"
+        if cache_name("key_scale", self.first_layer) in pages:
+            return "fp8 pages"
+        att = self.layers[0].self_attn
+        linears = (self.fc, att.q_proj, att.k_proj, att.v_proj, att.o_proj, *(getattr(model, "lm_head", None),))
+        if any(getattr(x, "bias", None) is not None for x in linears if x is not None):
+            return "biases"
+        return None
+
     # ------------------------------------------------ the engine's drafter (kvjax.models.interface.DraftHead)
 
     def init_caches(self, *, num_pages: int, page_size: int, dtype=jnp.float32, kv_cache_dtype: str = "auto"
@@ -278,21 +320,52 @@ def mtp_propose(
                         max_query_len=inputs.max_query_len or None)
     g = g[last]  # [B, H]
     tok = jnp.argmax(mtp.logits(model, g), axis=-1).astype(jnp.int32)  # i32[B]
-    drafts = [tok]
-    page_size = pages[cache_name("key", mtp.first_layer)].shape[1]
-    room = inputs.block_tables.shape[2] * page_size
+    drafts = [tok[:, None]]
     p0 = inputs.positions[last]  # i32[B]
+    if num_draft > 1:
+        rest, pages = (draft_loop if mtp.draft_op_reason(model, pages) else draft_op)(
+            model, mtp, pages, g, tok, p0, live, inputs.block_tables, num_draft - 1)
+        drafts.append(rest)
+    return jnp.where(live[:, None], jnp.concatenate(drafts, axis=1), -1), pages
+
+
+def draft_op(model: Qwen3_5ForCausalLM, mtp: Qwen3_5MTP, pages: dict[str, jax.Array], g: jax.Array, tok: jax.Array,
+             p0: jax.Array, live: jax.Array, block_tables: jax.Array, steps: int
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:  # (drafts i32[B, steps], new pages)
+    """The one-token draft steps as the op :func:`kvjax.ops.draft.draft_steps` (its backend table chooses the
+    kernel): ``g`` [B, H] and ``tok`` i32[B] each row's MTP hidden state and first draft, ``p0`` i32[B] its last
+    accepted position, ``live`` bool[B]. The pages of MTP layer 0 are read and replaced."""
+    from kvjax.ops.draft import draft_steps
+
+    a = model.config.attention
+    k_name, v_name = cache_name("key", mtp.first_layer), cache_name("value", mtp.first_layer)
+    rest, k_pages, v_pages = draft_steps(
+        mtp.draft_layer(model), mtp.draft_shape, pages[k_name], pages[v_name], g, tok, p0, live, block_tables,
+        jnp.asarray(a.window, jnp.int32), jnp.asarray(a.sinks, jnp.int32), steps=steps)
+    return rest, {**pages, k_name: k_pages, v_name: v_pages}
+
+
+def draft_loop(model: Qwen3_5ForCausalLM, mtp: Qwen3_5MTP, pages: dict[str, jax.Array], g: jax.Array, tok: jax.Array,
+               p0: jax.Array, live: jax.Array, block_tables: jax.Array, steps: int
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:  # (drafts i32[B, steps], new pages)
+    """The one-token draft steps through the layer's own :meth:`Qwen3_5MTP.step` (ragged steps of one token per
+    row): what runs where :func:`draft_op` cannot (:meth:`Qwen3_5MTP.draft_op_reason`: a mesh shard, fp8 pages,
+    projection biases). Same arguments and result as :func:`draft_op`."""
+    b = g.shape[0]
+    page_size = pages[cache_name("key", mtp.first_layer)].shape[1]
+    room = block_tables.shape[2] * page_size
     one = jnp.arange(b + 1, dtype=jnp.int32)  # one token per row
-    for k in range(1, num_draft):
+    drafts = []
+    for k in range(1, steps + 1):
         pos = p0 + k
         ok = live & (pos < room)
         g, pages = mtp.step(
             model, pages, g, tok, pos, cu_seqlens=one, seq_lens=jnp.where(ok, pos + 1, 0),
-            block_tables=inputs.block_tables, slot_mapping=draft_slots(inputs.block_tables, pos, ok, page_size),
+            block_tables=block_tables, slot_mapping=draft_slots(block_tables, pos, ok, page_size),
         )
         tok = jnp.argmax(mtp.logits(model, g), axis=-1).astype(jnp.int32)
         drafts.append(tok)
-    return jnp.where(live[:, None], jnp.stack(drafts, axis=1), -1), pages
+    return jnp.stack(drafts, axis=1), pages
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
