@@ -27,9 +27,11 @@ decode token, or a verification of ``x_n, d_1 .. d_K`` whose first ``a`` drafts 
 runs once over the step's tokens (a ragged *catch-up* step: ``(h_t, x_{t+1})`` at every position, writing their
 K/V), then the output at each row's last accepted position ``p`` gives the first draft (for position
 ``p + 2``); each further draft step ``k`` runs one token per row at position ``p + k``: the previous draft and the
-previous MTP hidden state ``g``. Every pass writes its K/V before attending, a query attends positions up to its
-own, and the catch-ups tile every position with the true pairs, so keys left by rejected drafts or by draft steps
-are always overwritten before a later query can read them.
+previous MTP hidden state ``g``: the ``K - 1`` steps are one op, :func:`kvjax.ops.draft.draft_steps`
+(:func:`draft_op`; a kernel with one program per row for small float32 layers), or the layer's own ragged steps
+(:func:`draft_loop`) on a mesh shard, over fp8 pages or with biases. Every pass writes its K/V before attending, a
+query attends positions up to its own, and the catch-ups tile every position with the true pairs, so keys left by
+rejected drafts or by draft steps are always overwritten before a later query can read them.
 
 **On a mesh** (:meth:`kvjax.models.sharding.ShardedModel.local_head`): each device runs a local module of the
 local config, its attention heads and MLP columns split over ``"model"`` like the model's layers (the model's KV-head
