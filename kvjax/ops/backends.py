@@ -5,9 +5,9 @@ the kernels that implement it, each a :class:`Backend` with a priority, the devi
 ``unsupported(*args, **kwargs) -> reason | None`` check of the op's normalised call (shapes, dtypes, static
 options; never array values) and, optionally, a ``prefer(*args, **kwargs) -> reason | None`` rule that only
 ``"auto"`` applies: why auto passes over a call the kernel can run (where it was measured slower than a
-lower-priority backend) while the kernel stays reachable by name there. Backends hold their kernel functions themselves, so the import graph shows which
-kernels an op uses; only the optional Triton kernels (:mod:`kvjax.triton`, which need ``jax_triton``) are
-named by :func:`lazy` and imported when first called.
+lower-priority backend) while the kernel stays reachable by name there. Backends hold their kernel functions
+themselves, so the import graph shows which kernels an op uses; only the optional Triton kernels
+(:mod:`kvjax.triton`, which need ``jax_triton``) are named by :func:`lazy` and imported when first called.
 
 ``impl`` values understood by :meth:`BackendTable.choose`:
 
@@ -20,8 +20,9 @@ named by :func:`lazy` and imported when first called.
   interprets backend ``NAME``.
 
 A kernel function takes the op's normalised call plus the keyword ``interpret: bool``; :meth:`BackendTable.choose`
-binds that keyword with :func:`functools.partial`, so choosing adds no Python frame between the op and the kernel. Kernel modules never
-choose between kernels: that is this table's job (``python -m kvjax info`` prints its decisions).
+binds that keyword with :func:`functools.partial`, so choosing adds no Python frame between the op and the kernel.
+Kernel modules never choose between kernels: that is this table's job (``python -m kvjax info`` prints its
+decisions).
 """
 
 from __future__ import annotations
