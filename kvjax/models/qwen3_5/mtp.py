@@ -171,7 +171,6 @@ class Qwen3_5MTP(nnx.Module):
         u = lay.mlp_block(u + lay.self_attn.finish(o, gate))
         return self.norm(u), {**pages, **{n: own[r] for r, n in names.items()}}
 
-
     # ------------------------------------------------ the draft steps as one op (kvjax.ops.draft)
 
     @property
@@ -209,8 +208,8 @@ class Qwen3_5MTP(nnx.Module):
         if cache_name("key_scale", self.first_layer) in pages:
             return "fp8 pages"
         att = self.layers[0].self_attn
-        linears = (self.fc, att.q_proj, att.k_proj, att.v_proj, att.o_proj, *(getattr(model, "lm_head", None),))
-        if any(getattr(x, "bias", None) is not None for x in linears if x is not None):
+        linears = (self.fc, att.q_proj, att.k_proj, att.v_proj, att.o_proj, model.lm_head)  # lm_head None: tied
+        if any(x is not None and x.bias is not None for x in linears):
             return "biases"
         return None
 
