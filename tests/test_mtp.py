@@ -423,6 +423,7 @@ def test_draft_op_matches_the_layer_loop(toy, rng):
     with a SWA head with a sink, partial rotary, a hole, a row past its table and a dead row."""
     model, mtp, *_ = toy
     assert mtp.draft_op_reason(model, {}) is None
+    assert mtp.draft_op_reason(model, {cache_name("key_scale", mtp.first_layer): None}) == "fp8 pages"
     pages = {k: jnp.asarray(rng.normal(0, 1, v.shape).astype(np.float32))
              for k, v in mtp_lib.init_mtp_caches(mtp, num_pages=NUM_PAGES, page_size=PAGE).items()}
     hkv, max_blocks, b = model.config.attention.num_kv_heads, 3, 4
