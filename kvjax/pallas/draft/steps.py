@@ -75,11 +75,26 @@ def _rms(x, w, eps):  # x [..., N], w [N] (1 + weight): zero-centred RMSNorm alo
 
 
 def _kernel(
-    embed_ref, lm_ref, fc_ref, ne_ref, nh_ref, nin_ref, wq_ref, wk_ref, wv_ref, qn_ref, kn_ref, wo_ref, npost_ref,
-    gate_ref, up_ref, down_ref, nfin_ref,  # the layer: embed f32[V*H], fc f32[2H*H], q/k/v/o flat, others whole
-    kp_ref, vp_ref,  # f32[P*page_size, D]: the pages as read (aliased to the outputs)
-    hid_ref, tok_ref, pos_ref, live_ref, bt_ref, win_ref, sink_ref, cos_ref, sin_ref,
-    drafts_ref, kout_ref, vout_ref,  # i32[B*S]; the pages as written
+    embed_ref,  # f32[V*H]
+    lm_ref,  # f32[H, V]
+    fc_ref,  # f32[2H*H]
+    ne_ref, nh_ref, nin_ref,  # f32[H] each: the embedding, hidden and input norms' weights
+    wq_ref,  # f32[H*Hq*2D]: each head's query then its gate
+    wk_ref, wv_ref,  # f32[H*Hkv*D] each
+    qn_ref, kn_ref,  # f32[D] each
+    wo_ref,  # f32[Hq*D*H]
+    npost_ref,  # f32[H]
+    gate_ref, up_ref,  # f32[H, I] each
+    down_ref,  # f32[I, H]
+    nfin_ref,  # f32[H]
+    kp_ref, vp_ref,  # f32[P*page_size, D]: the pages as read (aliased to kout_ref / vout_ref)
+    hid_ref,  # f32[B*H]: each row's draft hidden state
+    tok_ref, pos_ref, live_ref,  # i32[B] each: first draft, last accepted position, live (0 / 1)
+    bt_ref,  # i32[B*Hkv*max_blocks]
+    win_ref, sink_ref,  # i32[Hkv] each
+    cos_ref, sin_ref,  # f32[B*S*D] each: x cos + x[perm] sin per step (sin signed; 1 / 0 past the rotary dims)
+    drafts_ref,  # out i32[B*S]
+    kout_ref, vout_ref,  # out f32[P*page_size, D]: the pages as written
     *, steps, hq, hkv, d, rot, page_size, max_blocks, block_k, eps, scale,
 ):
     b = pl.program_id(0)
