@@ -18,8 +18,8 @@ past its table, attends to nothing (output 0) and writes nothing: its drafts are
 
 Normalised call: :class:`DraftStepsCall` (its static :class:`DraftShape` and ``steps``). Reference = float32
 pure jnp, the layer's step as above with :func:`kvjax.ops.attention.paged_attention_reference` for ``attn`` and
-full-precision products: what the model's own layer loop computes on a CPU (``tests/test_draft_steps.py`` checks
-them against each other). Backend ``"pallas"`` = :func:`kvjax.pallas.draft.steps.draft_steps_pallas`, one
+full-precision products: what the model's own layer loop computes on a CPU (``tests/test_mtp.py`` checks them
+against each other; ``tests/test_draft_steps.py`` the kernel against the reference). Backend ``"pallas"`` = :func:`kvjax.pallas.draft.steps.draft_steps_pallas`, one
 Triton-lowered program per row running every step with the layer's weights read from L2 and its own positions'
 K/V kept in registers: for draft layers small enough that a row's matrices fit a program (the toy models').
 """
