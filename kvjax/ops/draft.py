@@ -113,6 +113,21 @@ class DraftStepsCall(NamedTuple):
         return self.k_pages.shape[1]
 
 
+def draft_slots(
+    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
+    positions: jax.Array,  # i32[B]
+    ok: jax.Array,  # bool[B]: rows that write
+    page_size: int,
+) -> jax.Array:  # i32[B, Hkv]: page * page_size + offset of each row's position per KV head; -1 = skip
+    """Slot mapping of one token per row at ``positions``; ``-1`` where the row does not write, the position lies
+    past the table or its block is a hole."""
+    max_blocks = block_tables.shape[2]
+    blk = positions // page_size
+    inside = ok & (positions >= 0) & (blk < max_blocks)
+    page = jnp.take_along_axis(block_tables, jnp.clip(blk, 0, max_blocks - 1)[:, None, None], axis=2)[..., 0]
+    return jnp.where(inside[:, None] & (page >= 0), page * page_size + (positions % page_size)[:, None], -1)
+
+
 def draft_steps_reference(call: DraftStepsCall) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Float32 pure-jnp oracle: ``(drafts i32[B, S], k_pages, v_pages)`` (see the module docstring)."""
     lay, sh = call.layer, call.shape
@@ -141,9 +156,7 @@ def draft_steps_reference(call: DraftStepsCall) -> tuple[jax.Array, jax.Array, j
         cos, sin = rope_cos_sin(pos, inv_freq)
         q = apply_rope(rms_norm(q, lay.q_norm, sh.eps, zero_centered=True), cos, sin)
         kk = apply_rope(rms_norm(kk, lay.k_norm, sh.eps, zero_centered=True), cos, sin)
-        blk = jnp.clip(pos // page_size, 0, max_blocks - 1)
-        page = jnp.take_along_axis(call.block_tables, blk[:, None, None], axis=2)[..., 0]  # i32[B, Hkv]
-        slot = jnp.where(ok[:, None] & (page >= 0), page * page_size + (pos % page_size)[:, None], -1)
+        slot = draft_slots(call.block_tables, pos, ok, page_size)
         slot = jnp.where(slot >= 0, slot, k_flat.shape[0])  # out of range: dropped
         k_flat = k_flat.at[slot.reshape(-1)].set(kk.reshape(-1, d).astype(k_flat.dtype), mode="drop")
         v_flat = v_flat.at[slot.reshape(-1)].set(vv.reshape(-1, d).astype(v_flat.dtype), mode="drop")

@@ -344,22 +344,27 @@ def example_call(num_tokens: int, num_seqs: int, heads: int, kd: int = 128, vd: 
     return (call, sds((num_seqs, heads, kd, vd), jnp.float32)), {}
 
 
+# The notes of the Mosaic GPU backends, shared with the pool op's table (kvjax.ops.gdn_on_pool): the same kernels.
+MOSAIC_NOTE = ("the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
+               "(benchmarks/RESULTS.md, GDN chunked prefill)")
+MOSAIC_FUSED_NOTE = (
+    "FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value heads' inverses in "
+    "lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto for one sequence of >= 32 value heads: "
+    "1.04-1.05x the two Mosaic GPU kernels it replaced there on an H200 (0.3663 vs 0.3840 ms at 8192 tokens, 1.3911 "
+    "vs 1.4531 at 32768; 16 / 32 heads); slower than auto's pick elsewhere (0.3212 vs 0.2881 ms at 8192 tokens, 16 "
+    "heads; 1.3010 vs 1.1267 at 8192 x 4) (benchmarks/RESULTS.md, GDN chunked prefill, HISTORY run 171)")
+
+
 CHUNK_TABLE = BackendTable(
     CHUNK_OP,
     chunk_gated_delta_rule_reference,
     (
         Backend("mosaic", chunk_kernels.chunk_gated_delta_rule_mosaic_prep, priority=20, device=on_hopper,
                 unsupported=chunk_kernels.mosaic_prep_unsupported,
-                note="the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton one on an H200 "
-                     "(benchmarks/RESULTS.md, GDN chunked prefill)"),
+                note=MOSAIC_NOTE),
         Backend("mosaic-fused", chunk_kernels.chunk_gated_delta_rule_mosaic_fused, priority=30, device=on_hopper,
                 unsupported=chunk_kernels.mosaic_prep_unsupported, prefer=chunk_kernels.mosaic_fused_preferred,
-                note="FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value "
-                     "heads' inverses in lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto "
-                     "for one sequence of >= 32 value heads: 1.04-1.05x the two Mosaic GPU kernels it replaced "
-                     "there on an H200 (0.3663 vs 0.3840 ms at 8192 tokens, 1.3911 vs 1.4531 at 32768; 16 / 32 "
-                     "heads); slower than auto's pick elsewhere (0.3212 vs 0.2881 ms at 8192 tokens, 16 heads; "
-                     "1.3010 vs 1.1267 at 8192 x 4) (benchmarks/RESULTS.md, GDN chunked prefill, HISTORY run 171)"),
+                note=MOSAIC_FUSED_NOTE),
         Backend("pallas", chunk_kernels.chunk_gated_delta_rule_pallas, priority=10,
                 note="Pallas prep + fused sequential kernel, chunk-parallel segments for few long sequences "
                      "(benchmarks/RESULTS.md, GDN chunked prefill)"),

@@ -62,6 +62,7 @@ from kvjax.models.common.rope import rope_cos_sin, rope_inv_freq
 from kvjax.models.qwen3_5.config import Qwen3_5Config
 from kvjax.models.qwen3_5.layers import DecoderLayer
 from kvjax.models.qwen3_5.model import Qwen3_5ForCausalLM
+from kvjax.ops.draft import DraftLayer, DraftShape, draft_slots, draft_steps
 from kvjax.state.kv_cache import FP8_ROLES
 from kvjax.state.registry import GQACacheSpec, cache_name, create_caches
 
@@ -174,19 +175,15 @@ class Qwen3_5MTP(nnx.Module):
     # ------------------------------------------------ the draft steps as one op (kvjax.ops.draft)
 
     @property
-    def draft_shape(self):
+    def draft_shape(self) -> DraftShape:
         """The static layout :func:`kvjax.ops.draft.draft_steps` takes (:class:`kvjax.ops.draft.DraftShape`)."""
-        from kvjax.ops.draft import DraftShape
-
         a = self.config.attention
         return DraftShape(a.num_q_heads, a.num_kv_heads, a.head_dim, float(self.config.rms_norm_eps),
                           float(a.head_dim ** -0.5), self._inv_freq)
 
-    def draft_layer(self, model: Qwen3_5ForCausalLM, layer: int = 0):
+    def draft_layer(self, model: Qwen3_5ForCausalLM, layer: int = 0) -> DraftLayer:
         """MTP layer ``layer``'s weights with the model's embedding and LM head, as
         :class:`kvjax.ops.draft.DraftLayer` (a tied model's head: the embedding transposed)."""
-        from kvjax.ops.draft import DraftLayer
-
         _check_model(model, self)
         lay = self.layers[layer]
         att, mlp = lay.self_attn, lay.mlp
@@ -263,21 +260,6 @@ def init_mtp_caches(mtp: Qwen3_5MTP, *, num_pages: int, page_size: int, dtype=jn
     return create_caches(specs, num_pages)
 
 
-def draft_slots(
-    block_tables: jax.Array,  # i32[B, Hkv, max_blocks]
-    positions: jax.Array,  # i32[B]
-    ok: jax.Array,  # bool[B]: rows that write
-    page_size: int,
-) -> jax.Array:  # i32[B, Hkv]: page * page_size + offset of each row's position per KV head; -1 = skip
-    """Slot mapping of one token per row at ``positions``; ``-1`` where the row does not write, the position lies
-    past the table or its block is a hole."""
-    max_blocks = block_tables.shape[2]
-    blk = positions // page_size
-    inside = ok & (positions >= 0) & (blk < max_blocks)
-    page = jnp.take_along_axis(block_tables, jnp.clip(blk, 0, max_blocks - 1)[:, None, None], axis=2)[..., 0]
-    return jnp.where(inside[:, None] & (page >= 0), page * page_size + (positions % page_size)[:, None], -1)
-
-
 def mtp_propose(
     model: Qwen3_5ForCausalLM,
     mtp: Qwen3_5MTP,
@@ -336,8 +318,6 @@ def draft_op(model: Qwen3_5ForCausalLM, mtp: Qwen3_5MTP, pages: dict[str, jax.Ar
     """The one-token draft steps as the op :func:`kvjax.ops.draft.draft_steps` (its backend table chooses the
     kernel): ``g`` [B, H] and ``tok`` i32[B] each row's MTP hidden state and first draft, ``p0`` i32[B] its last
     accepted position, ``live`` bool[B]. The pages of MTP layer 0 are read and replaced."""
-    from kvjax.ops.draft import draft_steps
-
     a = model.config.attention
     k_name, v_name = cache_name("key", mtp.first_layer), cache_name("value", mtp.first_layer)
     rest, k_pages, v_pages = draft_steps(
