@@ -42,7 +42,10 @@ instructions) with V converted in its load layout so that ``P V`` reads it with 
 byte-wise shared-memory gather: its SASS had neither, its time did not improve; a block's page ids read one block
 ahead or in one layout for K and V (no synchronous page-id load before the next block's copies): slower; a
 CUDA-core kernel (f32 broadcast products, a softmax per key slot, V never transposed): 0.51-0.82x this one over fp8
-pages (RESULTS.md "fp8 (e4m3) pages").
+pages (RESULTS.md "fp8 (e4m3) pages"). Over fp8 pages a decode program (one 16-row tile) runs 2 warps and 4 stages:
+with 4 warps and 2 stages it held 168 registers a thread (3 programs an SM) and its warps waited on the conversions'
+results (Nsight Compute, ``benchmarks/ncu_probe.py``); 2 warps and 4 stages measured 1.14-1.18x faster on an H200
+(block_k 32 with one warp 3% faster again at pages of 16, and within one stage of it 1.3x slower: not taken).
 """
 
 from __future__ import annotations
@@ -309,8 +312,9 @@ def paged_decode(
     ``tokens_per_program`` (default :func:`default_tokens_per_program` of the call's ``max_query_len``): query
     tokens of one row a program holds (module doc); exact for any value and any batch. Tuning knobs, defaults the
     fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default: :func:`default_num_splits`),
-    ``block_k`` keys per step (64, at least one page), ``num_warps`` 4, ``num_stages`` 4 (fp8 pages: 2, RESULTS.md
-    "Paged attention decode"); unset ones shrink where float32 pages or a wide head would not fit shared memory
+    ``block_k`` keys per step (64, at least one page), ``num_warps`` 4 and ``num_stages`` 4; over fp8 pages
+    ``num_warps`` 2 where a program's query rows are one 16-row tile (a decode batch of up to 16 query heads per KV
+    head) and ``num_stages`` 2 where they are more (RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or a wide head would not fit shared memory
     (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes :func:`unsupported` rejects,
     a ``block_k`` not a power of two and a ``tokens_per_program`` below 1. fp8 pages read as ``page * scale``
     (module doc). Reads only; tokens that belong to no row get output 0.
@@ -331,12 +335,13 @@ def paged_decode(
     rows = query_rows(tokens, call.q.shape[1] // call.num_kv_heads)
     block_k, num_stages, _ = common.fit_shared_memory(
         head_dim=call.q.shape[-1], kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=call.q.dtype.itemsize,
-        block_k=block_k, num_stages=num_stages or (2 if fp8 else 4), rows=rows,
+        block_k=block_k, num_stages=num_stages or (2 if fp8 and rows > 16 else 4), rows=rows,
         min_block_k=max(page_size, 16), min_rows=rows, fixed=fixed)
     if num_splits is None:
         num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size, tokens)
     spans, walks = spans_and_walks(call, tokens)
     return _decode_call(
         call, k_scale, v_scale, spans, walks, tokens=tokens, num_splits=num_splits, block_k=block_k,
-        num_warps=num_warps or 4, num_stages=num_stages, fp8=fp8, interpret=interpret,
+        num_warps=num_warps or (2 if fp8 and rows == 16 else 4), num_stages=num_stages, fp8=fp8,
+        interpret=interpret,
     )
