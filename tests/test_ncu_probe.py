@@ -4,24 +4,19 @@ pages of the preparation and sequential GDN kernels), and its refusals; profilin
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers.bench import bench_module
+
 DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="module")
 def ncu():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import ncu_probe
-
-        yield ncu_probe
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("ncu_probe") as module:
+        yield module
 
 
 @pytest.mark.parametrize("text, parsed", [

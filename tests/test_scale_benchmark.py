@@ -19,20 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.bench import BENCH, bench_module
 from helpers.procs import compile_cache_env
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def trace_kernels():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import trace_kernels
-
-        yield trace_kernels
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("trace_kernels") as module:
+        yield module
 
 
 @pytest.mark.parametrize("name, cls", [
