@@ -312,12 +312,13 @@ def paged_decode(
     ``tokens_per_program`` (default :func:`default_tokens_per_program` of the call's ``max_query_len``): query
     tokens of one row a program holds (module doc); exact for any value and any batch. Tuning knobs, defaults the
     fastest measured (RESULTS.md, "Paged attention decode"): ``num_splits`` (default: :func:`default_num_splits`),
-    ``block_k`` keys per step (64, at least one page), ``num_warps`` 4 and ``num_stages`` 4; over fp8 pages
-    ``num_warps`` 2 where a program's query rows are one 16-row tile (a decode batch of up to 16 query heads per KV
-    head) and ``num_stages`` 2 where they are more (RESULTS.md "Paged attention decode"); unset ones shrink where float32 pages or a wide head would not fit shared memory
-    (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes :func:`unsupported` rejects,
-    a ``block_k`` not a power of two and a ``tokens_per_program`` below 1. fp8 pages read as ``page * scale``
-    (module doc). Reads only; tokens that belong to no row get output 0.
+    ``block_k`` keys per step (64, at least one page), ``num_warps`` 4 and ``num_stages`` 4; over fp8 pages 2 warps
+    and 4 stages where a program's query rows are one 16-row tile (a decode batch of up to 16 query heads per KV
+    head), else 4 warps and 2 stages (RESULTS.md "Paged attention decode", "fp8 (e4m3) pages"); unset ones shrink
+    where float32 pages or a wide head would not fit shared memory
+    (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes :func:`unsupported` rejects, a
+    ``block_k`` not a power of two and a ``tokens_per_program`` below 1. fp8 pages read as ``page * scale`` (module
+    doc). Reads only; tokens that belong to no row get output 0.
     """
     t_total = call.q.shape[0]
     page_size = call.page_size
