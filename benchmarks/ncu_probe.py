@@ -50,6 +50,8 @@ SUMMARY_METRICS = (  # (label, ncu metric name) of the per-kernel table
     ("IPC", "Issued Ipc Active"), ("instructions", "Issued Instructions"), ("DRAM %", "DRAM Throughput"),
     ("SM %", "Compute (SM) Throughput"), ("spill requests", "Local Memory Spilling Requests"),
     ("cycles / instr", "Warp Cycles Per Issued Instruction"))
+_UNITS = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6,  # durations in us, shared memory in KB (ncu scales units)
+          "byte/block": 1 / 1024, "Kbyte/block": 1.0, "Mbyte/block": 1024.0}
 _KERNEL_LINE = re.compile(r"^  (\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context")
 _NUMBER = re.compile(r"^-?[\d,]*\.?\d+$")
 
@@ -216,19 +218,29 @@ def source_summary(kernel: dict, top: int = 12) -> str:
     return "\n".join(out)
 
 
+def scaled(metrics: dict, name: str) -> float | None:
+    """A metric in the summary's units (durations in us, shared memory in KB, whatever unit ncu printed), None if
+    absent."""
+    if name not in metrics:
+        return None
+    value, unit = metrics[name]
+    return value * _UNITS.get(unit, 1.0)
+
+
 def report(case: str, details: list[dict], source: list[dict], min_share: float = 0.02) -> str:
     """Markdown summary of one case (the module doc's list)."""
-    durations = [k["metrics"].get("Duration", (0.0, ""))[0] for k in details]
+    durations = [scaled(k["metrics"], "Duration") or 0.0 for k in details]
     total = sum(durations) or 1.0
     out = [f"\n### {case}: {len(details)} kernels, {total:.1f} us of kernel time",
            "| kernel | us | grid | " + " | ".join(label for label, _ in SUMMARY_METRICS) + " |",
            "|---|---:|---|" + "---:|" * len(SUMMARY_METRICS)]
-    big = [k for k, d in zip(details, durations) if d >= min_share * total]
-    for k in big:
-        m = k["metrics"]
-        cells = [f"{m[name][0]:g}" if name in m else "-" for _, name in SUMMARY_METRICS]
+    big = [(k, d) for k, d in zip(details, durations) if d >= min_share * total]
+    for k, d in big:
+        cells = ["-" if scaled(k["metrics"], name) is None else f"{scaled(k['metrics'], name):g}"
+                 for _, name in SUMMARY_METRICS]
         grid = "x".join(str(g) for g in k["grid"])
-        out.append(f"| {k['name'][:60]} | {m.get('Duration', (0.0,))[0]:.1f} | {grid} | " + " | ".join(cells) + " |")
+        out.append(f"| {k['name'][:60]} | {d:.1f} | {grid} | " + " | ".join(cells) + " |")
+    big = [k for k, _ in big]
     for k in big:
         stalls = sorted(((name[6:], v) for name, (v, _) in k["metrics"].items()
                          if name.startswith("Stall ") and v >= 0.05), key=lambda x: -x[1])

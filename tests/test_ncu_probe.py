@@ -78,13 +78,15 @@ def test_source_page_per_kernel_and_summary(ncu):
 
 def test_report_lists_big_kernels_and_sorted_stalls(ncu):
     details = ncu.parse_details((DATA / "ncu_details_excerpt.txt").read_text())
-    details[1]["metrics"]["Duration"] = (100.0, "us")
-    small = {"name": "tiny_fusion", "grid": (1, 1, 1), "block": (32, 1, 1), "metrics": {"Duration": (2.0, "us")}}
+    details[1]["metrics"]["Duration"] = (1.5, "ms")  # ncu scales its units: 1500 us
+    details[1]["metrics"]["Dynamic Shared Memory Per Block"] = (512.0, "byte/block")
+    small = {"name": "tiny_fusion", "grid": (1, 1, 1), "block": (32, 1, 1), "metrics": {"Duration": (2000.0, "ns")}}
     source = ncu.parse_source((DATA / "ncu_source_excerpt.csv").read_text())
     text = ncu.report("gdn:3", details + [small], source)
-    assert "3 kernels, 390.9 us of kernel time" in text
-    assert "| kvjax_paged_decode_fp8_s2_bk64 | 288.9 | 64x8x2 | 168 |" in text
-    assert "tiny_fusion" not in text  # under 2% of the call's kernel time
+    assert "3 kernels, 1790.9 us of kernel time" in text
+    assert "| kvjax_paged_decode_fp8_s2_bk64 | 288.9 | 64x8x2 | 168 | 23.3 |" in text
+    assert "| anonymous_mosaic_gpu_kernel | 1500.0 | 16x512x1 | - | 0.5 |" in text
+    assert "tiny_fusion" not in text  # 2 us: under 2% of the call's kernel time
     stalls = text.split("by reason (cycles): ")[1].splitlines()[0]
     assert stalls.startswith("Barrier 1.00, Long Scoreboard 0.98, Wait 0.86")
     assert "GMMA" not in stalls  # under 0.05 cycles
