@@ -236,18 +236,17 @@ def report(case: str, details: list[dict], source: list[dict], min_share: float 
            "|---|---:|---|" + "---:|" * len(SUMMARY_METRICS)]
     big = [(k, d) for k, d in zip(details, durations) if d >= min_share * total]
     for k, d in big:
-        cells = ["-" if scaled(k["metrics"], name) is None else f"{scaled(k['metrics'], name):g}"
-                 for _, name in SUMMARY_METRICS]
+        values = [scaled(k["metrics"], name) for _, name in SUMMARY_METRICS]
+        cells = ["-" if v is None else f"{v:g}" for v in values]
         grid = "x".join(str(g) for g in k["grid"])
         out.append(f"| {k['name'][:60]} | {d:.1f} | {grid} | " + " | ".join(cells) + " |")
-    big = [k for k, _ in big]
-    for k in big:
+    for k, _ in big:
         stalls = sorted(((name[6:], v) for name, (v, _) in k["metrics"].items()
                          if name.startswith("Stall ") and v >= 0.05), key=lambda x: -x[1])
         if stalls:
             out.append(f"\n{k['name'][:60]}: a warp waits per issued instruction, by reason (cycles): "
                        + ", ".join(f"{name} {v:.2f}" for name, v in stalls))
-    names = {k["name"] for k in big}
+    names = {k["name"] for k, _ in big}
     out += [source_summary(s) for s in source if s["name"] in names and s["lines"]]
     return "\n".join(out)
 

@@ -334,15 +334,17 @@ def paged_decode(
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens_per_program must be a positive int, got {tokens_per_program!r}")
     rows = query_rows(tokens, call.q.shape[1] // call.num_kv_heads)
+    default_warps, default_stages = 4, 4
+    if fp8:  # one 16-row tile: 2 warps, 4 stages; more rows: 4 warps, 2 stages (module doc)
+        default_warps, default_stages = (2, 4) if rows == 16 else (4, 2)
     block_k, num_stages, _ = common.fit_shared_memory(
         head_dim=call.q.shape[-1], kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=call.q.dtype.itemsize,
-        block_k=block_k, num_stages=num_stages or (2 if fp8 and rows > 16 else 4), rows=rows,
+        block_k=block_k, num_stages=num_stages or default_stages, rows=rows,
         min_block_k=max(page_size, 16), min_rows=rows, fixed=fixed)
     if num_splits is None:
         num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size, tokens)
     spans, walks = spans_and_walks(call, tokens)
     return _decode_call(
         call, k_scale, v_scale, spans, walks, tokens=tokens, num_splits=num_splits, block_k=block_k,
-        num_warps=num_warps or (2 if fp8 and rows == 16 else 4), num_stages=num_stages, fp8=fp8,
-        interpret=interpret,
+        num_warps=num_warps or default_warps, num_stages=num_stages, fp8=fp8, interpret=interpret,
     )
