@@ -236,6 +236,42 @@ def test_empty_splits_and_single_token_never_nan(rng):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
+def test_decode_longest_first_writes_the_grid_orders_bits(rng):
+    # rows of very different lengths, a SWA head beside a full head, float and fp8 pages: launched longest walk
+    # first, every program computes what it computes in the grid order, so the output is the same to the bit
+    args, kw = build_batch(rng, hq=8, hkv=2, d=32, page_size=16, ctx=[300, 5, 140, 33], new=[1, 1, 1, 1],
+                           window=[0, 20], sinks=[0, 4])
+    ref = reference_f32(args, kw)
+    args8, scales = quantise_pages(args)
+    for call in (checked_call(args, kw), checked_call(args8, kw, scales)):
+        for splits in (1, 3):
+            first = decode.paged_decode(call, interpret=True, num_splits=splits, longest_first=True)
+            grid = decode.paged_decode(call, interpret=True, num_splits=splits, longest_first=False)
+            np.testing.assert_array_equal(np.asarray(first), np.asarray(grid))
+    check_fp8(grid, *reference_fp8(args8, scales, kw), args[0].dtype)  # the last: fp8 pages, 3 splits
+    first = decode.paged_decode(checked_call(args, kw), interpret=True, num_splits=2, longest_first=True)
+    np.testing.assert_allclose(np.asarray(first), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="longest_first needs one-token programs.*tokens_per_program 2"):
+        decode.paged_decode(checked_call(args, kw), interpret=True, tokens_per_program=2, longest_first=True)
+
+
+def test_longest_walks_first_is_a_stable_descending_order(rng):
+    n_pages = rng.integers(0, 41, size=(37, 4)).astype(np.int32)  # many ties
+    n_pages[rng.random(n_pages.shape) < 0.3] = 40
+    order = np.asarray(decode.longest_walks_first(jnp.asarray(n_pages)))
+    np.testing.assert_array_equal(order, np.argsort(-n_pages.reshape(-1), kind="stable"))
+
+
+def test_longest_first_default_takes_long_one_token_parts_only():
+    # (tokens, max_blocks pages, pages per block, splits): the decode benchmark's batch (32 blocks a part), the
+    # engine-sized one (2 blocks), a verification step's rows
+    assert decode.default_longest_first(1, 256, 4, 2)
+    assert decode.default_longest_first(1, 8 * decode.LONG_PART_BLOCKS, 1, 8)
+    assert not decode.default_longest_first(1, 8 * (decode.LONG_PART_BLOCKS - 1), 1, 8)
+    assert not decode.default_longest_first(1, 32, 1, 16)
+    assert not decode.default_longest_first(4, 256, 4, 1)
+
+
 def _auto_kernel_jaxpr(args, kw, device):
     """The table's ``auto`` choice on ``device`` for this call, and the jaxpr of that backend interpreted."""
     call = checked_call(args, kw)
@@ -477,8 +513,8 @@ def test_gpu_decode_grid(rng, group, page_size):
                            new=[1] * len(_GPU_CTX), window=[0, 100 if page_size == 16 else 65], sinks=[0, 4],
                            dtype=jnp.bfloat16)
     ref = reference_f32(args, kw)
-    for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(checked_call(args, kw), num_splits=splits, block_k=block_k)
+    for splits, block_k, first in ((None, None, None), (1, 128, None), (7, 64, None), (4, 64, True), (4, 64, False)):
+        out = decode.paged_decode(checked_call(args, kw), num_splits=splits, block_k=block_k, longest_first=first)
         assert rel_err(out, ref) <= 2e-2
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 
@@ -633,8 +669,9 @@ def test_gpu_decode_fp8_grid(rng, group, page_size):
                            dtype=jnp.bfloat16)
     args, scales = quantise_pages(args)
     ref, abs_v, v_max = reference_fp8(args, scales, kw)
-    for splits, block_k in ((None, None), (1, 128), (7, 64)):
-        out = decode.paged_decode(checked_call(args, kw, scales), num_splits=splits, block_k=block_k)
+    for splits, block_k, first in ((None, None, None), (1, 128, None), (7, 64, None), (4, 64, True), (4, 64, False)):
+        out = decode.paged_decode(checked_call(args, kw, scales), num_splits=splits, block_k=block_k,
+                                  longest_first=first)
         check_fp8(out, ref, abs_v, v_max, jnp.bfloat16)
     assert float(jnp.abs(out[-2:].astype(jnp.float32)).max()) == 0.0
 

@@ -23,6 +23,16 @@ within its own window, plus the sinks). Every split writes an f32 partial output
 token, merged by :func:`kvjax.pallas.split_kv.merge_splits` (an empty split, or a padding token, weighs 0, never
 NaN).
 
+Launch order (decode batches): one-token programs whose walk parts can be long go longest walk first
+(:func:`default_longest_first`): the grid becomes 1-D over (rank, split), rank ``r`` taking the (token, KV head)
+with the ``r``-th longest walk (:func:`longest_walks_first`, one sort of ``T * Hkv`` keys before the kernel). In
+the grid order a batch of mixed walk lengths (short-window heads beside full ones, rows of different lengths)
+launched long programs behind short ones, and the last long ones ran in a late wave with the GPU mostly idle: over
+fp8 pages on an H200, where the kernel is latency-bound, head-wise SWA took 0.214 ms in the grid order and 0.154
+longest first, a batch of rows of 8192 and 512 tokens 0.210 and 0.147; bf16 pages 1.03x / 1.10x. Uniform batches
+pay the sort (1.6-2.6%). Cutting every walk in parts of one length (the longest walk's part) instead, alone or
+with this order, was slower (RESULTS.md "Head-wise SWA decode").
+
 fp8 pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``): the kernel loads the page bytes (1 byte a
 value; no dequantised copy of the cache exists anywhere), converts them to q's dtype, multiplies each logit of a
 key by its page's key scale (folded with the softmax scale into one per-key factor) and each probability by its
@@ -64,6 +74,7 @@ from kvjax.pallas.split_kv import merge_splits
 _NEG_INF = float("-inf")
 _TARGET_PROGRAMS = 1024  # split the KV walk until about this many programs run (132 SMs on H100/H200)
 MAX_TOKENS_PER_PROGRAM = 8  # J_MAX: the most query tokens of a row one program holds (8 x G=8: 64 query rows)
+LONG_PART_BLOCKS = 8  # walk parts of this many K/V blocks or more launch longest first (default_longest_first)
 
 
 def _decode_kernel(
@@ -81,12 +92,18 @@ def _decode_kernel(
     num_kv_heads: int,
     num_splits: int,
     fp8: bool,
+    longest_first: bool,
 ):
-    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, tok_ref, len_ref, pos_ref), walk, (o_ref, *lse_refs) = \
+    (q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref), (row_ref, tok_ref, len_ref, pos_ref), walk, rest = \
         common.kernel_refs(refs, num_spans=4)
     num_spans = row_ref.shape[0]
-    h = pl.program_id(1)
-    s = pl.program_id(2)
+    if longest_first:  # a 1-D grid over (rank, split), splits fastest; rank r is (span, KV head) order_ref[r]
+        order_ref, o_ref, *lse_refs = rest
+        item = order_ref[pl.program_id(0) // num_splits]
+        first, h, s = item // num_kv_heads, item % num_kv_heads, pl.program_id(0) % num_splits
+    else:
+        o_ref, *lse_refs = rest
+        first, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pages_per_block = block_k // page_size
     cols = jnp.arange(q_ref.shape[1], dtype=jnp.int32)
     r = jnp.arange(rows, dtype=jnp.int32)  # query row r: token r // G of the span, query head h * G + r % G
@@ -168,7 +185,6 @@ def _decode_kernel(
             lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
             plgpu.store(lse_ref.at[part_rows], lse, mask=q_ok)
 
-    first = pl.program_id(0)
     if programs == num_spans:  # a program per span
         attend(first, len_ref[first])
         return
@@ -203,6 +219,7 @@ def _decode_call(
     num_warps: int,
     num_stages: int,
     fp8: bool,
+    longest_first: bool,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
     page_size, hkv, max_blocks = call.page_size, call.num_kv_heads, call.max_blocks
@@ -212,18 +229,35 @@ def _decode_call(
     kernel = functools.partial(
         _decode_kernel, scale=call.scale, group=group, tokens=tokens, rows=query_rows(tokens, group),
         programs=programs, page_size=page_size, block_k=block_k,
-        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8,
+        max_blocks=max_blocks, num_kv_heads=hkv, num_splits=num_splits, fp8=fp8, longest_first=longest_first,
     )
+    grid, order = (programs, hkv, num_splits), ()
+    if longest_first:
+        grid, order = (programs * hkv * num_splits,), (longest_walks_first(walks[2]),)
     res = pl.pallas_call(
         kernel,
         out_shape=split_outputs(call, num_splits),
-        grid=(programs, hkv, num_splits),
+        grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"kvjax_paged_decode{'_fp8' if fp8 else ''}{f'_rows{tokens}' if tokens > 1 else ''}"
              f"_s{num_splits}_bk{block_k}",
-    )(*common.operands(call, flat_operands(call, k_scale, v_scale), spans, walks))
+    )(*common.operands(call, flat_operands(call, k_scale, v_scale), spans, walks), *order)
     return merged(call, res, num_splits)
+
+
+def longest_walks_first(n_pages: jax.Array) -> jax.Array:  # i32[N*Hkv]
+    """The (span, KV head) items ``span * Hkv + h`` ordered by their walk's length ``n_pages: i32[N, Hkv]``, longest
+    first, ties in grid order (a stable sort; sorting packed int32 keys instead measured no faster)."""
+    return jnp.argsort(-n_pages.reshape(-1), stable=True).astype(jnp.int32)
+
+
+def default_longest_first(tokens: int, max_blocks: int, pages_per_block: int, num_splits: int) -> bool:
+    """Whether a call launches its programs longest walk first: one-token programs (a decode batch) whose walk part
+    can be :data:`LONG_PART_BLOCKS` K/V blocks or more, where a ragged batch or short-window heads leave long
+    programs to a late, latency-bound wave (module doc). Shorter parts take the grid order: the order's sort (2.5-5
+    us on an H200) would cost more than the imbalance."""
+    return tokens == 1 and pl.cdiv(pl.cdiv(max_blocks, pages_per_block), num_splits) >= LONG_PART_BLOCKS
 
 
 def flat_operands(call, k_scale: jax.Array, v_scale: jax.Array) -> tuple[jax.Array, ...]:
@@ -296,7 +330,7 @@ def spans_and_walks(call, tokens: int) -> tuple[tuple[jax.Array, ...], tuple[jax
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_splits", "block_k", "num_warps", "num_stages",
-                                             "tokens_per_program"))
+                                             "tokens_per_program", "longest_first"))
 def paged_decode(
     call,  # kvjax.ops.attention.PagedAttentionCall (checked by the op)
     *,
@@ -306,6 +340,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tokens_per_program: int | None = None,
+    longest_first: bool | None = None,
 ) -> jax.Array:  # [T, Hq, D] in q's dtype
     """Split-KV paged attention of every query token: the contract of ``kvjax.ops.paged_attention``.
 
@@ -316,9 +351,11 @@ def paged_decode(
     and 4 stages where a program's query rows are one 16-row tile (a decode batch of up to 16 query heads per KV
     head), else 4 warps and 2 stages (RESULTS.md "Paged attention decode", "fp8 (e4m3) pages"); unset ones shrink
     where float32 pages or a wide head would not fit shared memory
-    (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``ValueError`` for shapes :func:`unsupported` rejects, a
-    ``block_k`` not a power of two and a ``tokens_per_program`` below 1. fp8 pages read as ``page * scale`` (module
-    doc). Reads only; tokens that belong to no row get output 0.
+    (:func:`kvjax.pallas.paged.common.fit_shared_memory`). ``longest_first`` (default
+    :func:`default_longest_first`): launch the programs longest walk first (module doc); one-token programs only.
+    ``ValueError`` for shapes :func:`unsupported` rejects, a ``block_k`` not a power of two, a
+    ``tokens_per_program`` below 1 and ``longest_first`` with more than one token a program. fp8 pages read as
+    ``page * scale`` (module doc). Reads only; tokens that belong to no row get output 0.
     """
     t_total = call.q.shape[0]
     page_size = call.page_size
@@ -343,8 +380,14 @@ def paged_decode(
         min_block_k=max(page_size, 16), min_rows=rows, fixed=fixed)
     if num_splits is None:
         num_splits = default_num_splits(t_total, call.num_kv_heads, call.max_blocks, block_k // page_size, tokens)
+    if longest_first is None:
+        longest_first = default_longest_first(tokens, call.max_blocks, block_k // page_size, num_splits)
+    elif longest_first and tokens > 1:
+        raise ValueError("longest_first needs one-token programs (tokens_per_program 1), got "
+                         f"tokens_per_program {tokens}")
     spans, walks = spans_and_walks(call, tokens)
     return _decode_call(
         call, k_scale, v_scale, spans, walks, tokens=tokens, num_splits=num_splits, block_k=block_k,
-        num_warps=num_warps or default_warps, num_stages=num_stages, fp8=fp8, interpret=interpret,
+        num_warps=num_warps or default_warps, num_stages=num_stages, fp8=fp8, longest_first=longest_first,
+        interpret=interpret,
     )
