@@ -120,11 +120,24 @@ def test_tile_sets_compile_under_their_own_names():
         assert tiles.kernel_name("matmul") in hlo
 
 
+def test_wide_outputs_take_64_columns_a_program(rng):
+    # N = 8192 (the tp preset's q / k / v): 64 columns a program; N a multiple of 32 only, or N <= 4096: 32
+    assert skinny.matmul_tiles(8192) == skinny.WIDE_MATMUL_TILES and skinny.WIDE_MATMUL_TILES.block_n == 64
+    assert skinny.matmul_tiles(4096) == skinny.matmul_tiles(4096 + 32) == skinny.MATMUL_TILES
+    x, w = make(rng, 16, 128, skinny.WIDE_N + 64, jnp.bfloat16)
+    hlo = jax.jit(skinny.matmul_pallas).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert skinny.WIDE_MATMUL_TILES.kernel_name("matmul") in hlo
+    out = skinny.matmul_pallas(x, w, interpret=True)
+    assert rel_err(out, numpy_linear(x, w)) <= 1e-2
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 8192])
 @pytest.mark.parametrize("rows", [16, 64])
-def test_kernel_gpu(rng, rows):
-    """The compiled kernel at the tp preset's output projection (4096 -> 4096) and what ``auto`` takes there."""
-    x, w = make(rng, rows, 4096, 4096, jnp.bfloat16)
+def test_kernel_gpu(rng, rows, n):
+    """The compiled kernel at the tp preset's output projection (4096 -> 4096) and its q / k / v (4096 -> 8192,
+    64 columns a program), and what ``auto`` takes there."""
+    x, w = make(rng, rows, 4096, n, jnp.bfloat16)
     out = jax.jit(lambda *a: linear(*a, impl="pallas"))(x, w)
     assert rel_err(out, numpy_linear(x, w)) <= 1e-2
     assert LINEAR_TABLE.choose("auto", (x, w), {})[0] == "pallas"

@@ -7,7 +7,8 @@ Normalised call (the table's functions)::
 Reference = XLA: ``jnp.matmul`` at full precision in x's dtype (the expression ``Linear`` used before this op,
 so CPU results are unchanged). Backend ``"pallas"`` = :func:`kvjax.pallas.skinny.matmul_pallas`, one
 Triton-lowered kernel per ``[T, block_n]`` output tile streaming the weight once with float32 accumulation (the
-SwiGLU kernel's body with a plain epilogue); ``auto`` takes it for the skinny products of decode steps where
+SwiGLU kernel's body with a plain epilogue; 32 columns a tile, 64 where ``N > 4096``:
+:func:`kvjax.pallas.skinny.matmul_tiles`); ``auto`` takes it for the skinny products of decode steps where
 :func:`kvjax.pallas.skinny.matmul_unsupported` accepts them: bfloat16 / float16, ``16 <= T <= 64`` a power of
 two, ``2048 <= N <= 8192`` (64..256 output tiles: the shapes where it beat XLA alone and in the tp preset's step,
 RESULTS.md, "Skinny projections"); float32 keeps XLA's full-precision products, prefill chunks, narrow
