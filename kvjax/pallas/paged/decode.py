@@ -30,7 +30,7 @@ the grid order a batch of mixed walk lengths (short-window heads beside full one
 launched long programs behind short ones, and the last long ones ran in a late wave with the GPU mostly idle: over
 fp8 pages on an H200, where the kernel is latency-bound, head-wise SWA took 0.214 ms in the grid order and 0.154
 longest first, a batch of rows of 8192 and 512 tokens 0.210 and 0.147; bf16 pages 1.03x / 1.10x. Uniform batches
-pay the sort (1.6-2.6%). Cutting every walk in parts of one length (the longest walk's part) instead, alone or
+pay the sort (1-3%). Cutting every walk in parts of one length (the longest walk's part) instead, alone or
 with this order, was slower (RESULTS.md "Head-wise SWA decode").
 
 fp8 pages (float8_e4m3fn with ``k_scale`` / ``v_scale`` ``f32[P]``): the kernel loads the page bytes (1 byte a
