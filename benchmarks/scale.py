@@ -5,6 +5,7 @@ Usage (repo root)::
 
     python benchmarks/scale.py --out OUT/scale.json                   # G = every device JAX sees
     python benchmarks/scale.py --only tp,profile --gpus 2               # some sections, 2 of the devices
+    python benchmarks/scale.py --only tp,profile --gpus 1               # the tp model on one device, profiled
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/scale.py --smoke   # CPU, small sizes
 
 Sections (``--only``, default all, in this order):
@@ -278,8 +279,8 @@ def profile_engine(eng, steps: int, trace_dir: str, tokens: dict) -> dict:
 
 
 def tp_configs(g: int) -> dict[str, tuple[int, int] | None]:
-    """The ``tp`` section's runs: name -> mesh shape (None: one device, no mesh)."""
-    return {"one": None, f"1x{g}": (1, g), f"{g}x1": (g, 1)}
+    """The ``tp`` section's runs: name -> mesh shape (None: one device, no mesh); ``g = 1``: the one device only."""
+    return {"one": None} if g == 1 else {"one": None, f"1x{g}": (1, g), f"{g}x1": (g, 1)}
 
 
 def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], profile: tuple[str, ...],
@@ -396,12 +397,14 @@ def _print(row: dict) -> None:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU sizes (host devices: XLA_FLAGS=...count=8)")
-    ap.add_argument("--gpus", type=int, help="G: devices to scale over (default: all JAX sees; --smoke: 2)")
+    ap.add_argument("--gpus", type=int, help="G: devices to scale over (default: all JAX sees; --smoke: 2); 1: "
+                    "the tp and profile sections on one device")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--repeats", type=int, help="dp / procs: serves per policy (default 2; --smoke 1)")
     ap.add_argument("--rows", type=int, help="tp: decoding rows (default 64; --smoke 8)")
     ap.add_argument("--steps", type=int, help="tp: timed decode steps (default 30; --smoke 4)")
-    ap.add_argument("--profile", default="1xG", help="profile: the tp runs to trace, comma list of one, 1xG, Gx1")
+    ap.add_argument("--profile", help="profile: the tp runs to trace, comma list of one, 1xG, Gx1 (default 1xG; "
+                    "--gpus 1: one)")
     ap.add_argument("--profile-steps", type=int, default=5, help="profile: decode steps in the trace")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "scale.json"), help="the JSON")
     ap.add_argument("--trace-dir", help="profile: where the traces go (default: beside --out)")
@@ -416,9 +419,11 @@ def main(argv: list[str]) -> int:
 
     from kvjax.cli import compile_cache
 
-    g = args.gpus or (2 if args.smoke else jax.device_count())
-    if g < 2 or g > jax.device_count():
-        ap.error(f"--gpus {g}: need 2 to {jax.device_count()} devices (JAX sees {jax.device_count()})")
+    g = args.gpus if args.gpus is not None else (2 if args.smoke else jax.device_count())
+    if g < 1 or g > jax.device_count():
+        ap.error(f"--gpus {g}: need 1 to {jax.device_count()} devices (JAX sees {jax.device_count()})")
+    if g == 1 and set(sections) - {"tp", "profile"}:
+        ap.error(f"--gpus 1 runs only the tp and profile sections (one device, no mesh), not {args.only!r}")
     smoke = args.smoke
     repeats = args.repeats or (1 if smoke else 2)
     rows = args.rows or (8 if smoke else 64)
@@ -430,9 +435,10 @@ def main(argv: list[str]) -> int:
     trace_dir = args.trace_dir or base + "_traces"
     compile_cache.enable(compile_cache.prepare(args.compile_cache or base + "_jax_cache"))
     names = {"one": "one", "1xG": f"1x{g}", "Gx1": f"{g}x1"}
-    profile = tuple(names.get(s.strip(), s.strip()) for s in args.profile.split(",")) if "profile" in sections else ()
+    wanted = args.profile or ("one" if g == 1 else "1xG")
+    profile = tuple(names.get(s.strip(), s.strip()) for s in wanted.split(",")) if "profile" in sections else ()
     if set(profile) - set(tp_configs(g)):
-        ap.error(f"--profile {args.profile}: runs are one, 1xG, Gx1")
+        ap.error(f"--profile {wanted}: runs are {', '.join(tp_configs(g))}")
     tp_runs = tuple(tp_configs(g)) if "tp" in sections else profile  # --only profile: just the traced runs
 
     doc: dict = {"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "devices": g,

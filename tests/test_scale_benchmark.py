@@ -82,3 +82,16 @@ def test_scale_smoke_on_8_cpu_devices(tmp_path):
     assert [row["run"] for row in traced] == ["1x2"]
     assert traced[0]["profile"]["gpus"] == {}  # a CPU trace: written and parsed, no device records
     assert any(Path(traced[0]["profile"]["trace_dir"]).rglob("*.xplane.pb"))
+
+
+def test_one_device_runs_only_the_tp_sections(capsys):
+    # --gpus 1: the tp model on one device, no mesh (issue 34's one-GPU floor); the other sections need G >= 2
+    with bench_module("scale") as scale:
+        assert scale.tp_configs(1) == {"one": None}
+        assert list(scale.tp_configs(2)) == ["one", "1x2", "2x1"]
+        for argv, message in ((["--gpus", "1", "--only", "dp,tp"], "--gpus 1 runs only the tp and profile"),
+                              (["--gpus", "0"], "--gpus 0: need 1 to"),
+                              (["--gpus", "1", "--only", "profile", "--profile", "1xG,one"], "runs are one")):
+            with pytest.raises(SystemExit):
+                scale.main(argv)
+            assert message in capsys.readouterr().err
