@@ -430,15 +430,15 @@ def main(argv: list[str]) -> int:
     if rows % g:
         ap.error(f"--rows {rows} must be a multiple of G = {g} (the Gx1 mesh's rows per device)")
     n = args.steps or (4 if smoke else 30)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    base = os.path.splitext(os.path.abspath(args.out))[0]
-    trace_dir = args.trace_dir or base + "_traces"
-    compile_cache.enable(compile_cache.prepare(args.compile_cache or base + "_jax_cache"))
     names = {"one": "one", "1xG": f"1x{g}", "Gx1": f"{g}x1"}
     wanted = args.profile or ("one" if g == 1 else "1xG")
     profile = tuple(names.get(s.strip(), s.strip()) for s in wanted.split(",")) if "profile" in sections else ()
     if set(profile) - set(tp_configs(g)):
         ap.error(f"--profile {wanted}: runs are {', '.join(tp_configs(g))}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    base = os.path.splitext(os.path.abspath(args.out))[0]
+    trace_dir = args.trace_dir or base + "_traces"
+    compile_cache.enable(compile_cache.prepare(args.compile_cache or base + "_jax_cache"))
     tp_runs = tuple(tp_configs(g)) if "tp" in sections else profile  # --only profile: just the traced runs
 
     doc: dict = {"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "devices": g,

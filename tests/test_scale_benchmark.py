@@ -84,8 +84,13 @@ def test_scale_smoke_on_8_cpu_devices(tmp_path):
     assert any(Path(traced[0]["profile"]["trace_dir"]).rglob("*.xplane.pb"))
 
 
-def test_one_device_runs_only_the_tp_sections(capsys):
-    # --gpus 1: the tp model on one device, no mesh (issue 34's one-GPU floor); the other sections need G >= 2
+def test_one_device_runs_only_the_tp_sections(capsys, tmp_path):
+    # --gpus 1: the tp model on one device, no mesh (issue 34's one-GPU floor); the other sections need G >= 2. A
+    # refused command line changes nothing: no output folder, no compilation cache, JAX's settings as they were
+    import jax
+
+    cache = jax.config.jax_compilation_cache_dir
+    out = ["--out", str(tmp_path / "out" / "scale.json")]
     with bench_module("scale") as scale:
         assert scale.tp_configs(1) == {"one": None}
         assert list(scale.tp_configs(2)) == ["one", "1x2", "2x1"]
@@ -93,5 +98,6 @@ def test_one_device_runs_only_the_tp_sections(capsys):
                               (["--gpus", "0"], "--gpus 0: need 1 to"),
                               (["--gpus", "1", "--only", "profile", "--profile", "1xG,one"], "runs are one")):
             with pytest.raises(SystemExit):
-                scale.main(argv)
+                scale.main(argv + out)
             assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and jax.config.jax_compilation_cache_dir == cache
