@@ -4,23 +4,14 @@ writes the compiled HLO and reports its time."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers.bench import import_bench
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import mtp_propose as bench
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("mtp_propose", None)
-    return bench
+    return import_bench("mtp_propose")
 
 
 def test_mtp_propose_benchmark_scan_and_smoke(tmp_path, capsys):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.bench import import_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -114,11 +116,7 @@ def test_readme_links_exist(path):
 
 def test_readme_cpu_run_row_is_rendered_from_its_stored_runs():
     """Issue 33: every README figure comes from a run that is kept with its command, commit, device and date."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import readme_figures
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    readme_figures = import_bench("readme_figures")
     runs = json.loads(readme_figures.RUNS.read_text())
     assert runs and all(r["preset"] == "cpu" and r["meta"]["git"] and r["meta"]["date"] for r in runs)
     assert all(r["meta"]["command"][3] == "run" for r in runs)

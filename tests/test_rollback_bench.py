@@ -3,19 +3,11 @@ docstring and both rollbacks' figures printed."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers.bench import import_bench
 
 
 def test_rollback_benchmark_smoke(capsys):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import rollback as bench
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("rollback", None)
+    bench = import_bench("rollback")
     report = bench.main(["--interpret", "--shapes", "2x2", "--copy-bytes", str(1 << 20)])
     printed = capsys.readouterr().out
     rows = {r["variant"]: r for r in report["rows"]}

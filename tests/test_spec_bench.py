@@ -3,22 +3,15 @@ toy untrained), every mode at every row count, greedy tokens identical to plain 
 printed."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers.bench import import_bench
 
 
 def test_spec_benchmark_smoke(tmp_path, capsys):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import spec as bench
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("spec", None)
+    bench = import_bench("spec")
     out = tmp_path / "spec.json"
     report = bench.main(["--smoke", "--json", str(out)])
     printed = capsys.readouterr().out
@@ -53,12 +46,7 @@ def test_spec_benchmark_smoke(tmp_path, capsys):
 def test_modes_table_expands_per_draft_length():
     """A mode is one line of data: ``{k}`` expands over every K ("each") or the largest ("max"), with its Engine
     settings."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import spec as bench
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("spec", None)
+    bench = import_bench("spec")
     by_name = {m[0]: m for m in bench.MODES}
     table = tuple(by_name[n] for n in ("plain", "plain burst 32", "ngram K={k}", "ngram K={k} rule off", "mtp K={k}"))
     table += (("mtp K={k} burst", dict(method="mtp"), dict(decode_burst=4), "each"),
@@ -199,12 +187,7 @@ def test_toy_cache_round_trips_the_parameters(tmp_path):
 
     from kvjax.experiments import spec_runs
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        import spec as bench
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("spec", None)
+    bench = import_bench("spec")
     cfg = bench.SMOKE
     task = spec_runs.CopyTask(**cfg["task"])
 
