@@ -13,7 +13,11 @@ Usage: ``python benchmarks/runner.py attention`` (GPU; bf16, jit-compiled, K/V p
 - head-wise SWA decode, B=32, L=8192, KV heads 0-3 full, 4-7 window 512 + 4 sinks, their pages below the window
   recycled (-1); anchor: the same batch with every head full (``whole row``: the bytes of a kernel that masks the
   window without skipping pages). Bytes: the pages visited only (and their scales, for the fp8 case, whose whole
-  row is over the same fp8 pages).
+  row is over the same fp8 pages). Also timed: the same kernel in its grid order (``grid order``: programs launched
+  by (token, head, split), not longest walk first; checked against the reference).
+- ragged decode, B=32 rows alternating 8192 and 512 tokens, Hq=32, Hkv=8, D=128, page 16, every head full, bf16 and
+  fp8 pages; anchor: the kernel in its grid order (``grid order``), so ``vs anchor`` is what launching the longest
+  walks first gains (``kvjax.pallas.paged.decode.longest_walks_first``). Bytes: the K + V of both row lengths.
 - prefill, one causal sequence T=4096, H=32, D=128, pages of 64, 128 and 16, bf16 and fp8 pages; anchors: ``jax.nn.
   dot_product_attention(implementation="cudnn")`` and JAX's Pallas Triton ``mha`` on the contiguous bf16 problem
   (not compared for fp8 pages: the reference reads the quantised values).
@@ -29,10 +33,11 @@ DECODE = (64, 4096, 32, 8, 128, 16)  # B, L, Hq, Hkv, D, page
 DECODE_PAGES = (16, 64)
 SWA = (32, 8192, 32, 8, 128, 16)
 WINDOW, SINKS = 512, 4
+RAGGED = (32, 8192, 512, 32, 8, 128, 16)  # B, L of the even rows, L of the odd rows, Hq, Hkv, D, page
 PREFILL = (4096, 32, 128)  # T, H, D
 PREFILL_PAGES = (64, 128, 16)
 SMALL = dict(decode=(4, 64, 4, 2, 32, 16), swa=(2, 128, 4, 2, 32, 16), window=32, prefill=(128, 2, 32), pages=(16,),
-             decode_pages=(16,))
+             decode_pages=(16,), ragged=(2, 128, 32, 4, 2, 32, 16))
 SCALE_BYTES = 4  # one f32 scale per fp8 page (K and V each)
 
 
@@ -84,6 +89,20 @@ def _paged(q, kp, vp, bt, sl, cu, window, sinks, scales=None):
         return lambda: f(q, kp, vp, bt, sl)
 
     return Setup(run=run, reference=lambda: (op("reference")(q, kp, vp, bt, sl),))
+
+
+def _grid_order(setup: Setup, q, kp, vp, bt, sl, cu, window=0, sinks=0, scales=None) -> None:
+    """Add the anchor ``grid order``: the split-KV decode kernel on the same batch with ``longest_first=False``
+    (interpret mode off the GPU), checked against the reference like the op."""
+    import jax
+
+    from kvjax.ops.attention import PagedAttentionCall, check_call
+    from kvjax.pallas.paged import decode
+
+    k_scale, v_scale = scales or (None, None)
+    call = check_call(PagedAttentionCall(q, kp, vp, bt, sl, cu, window, sinks, k_scale, v_scale))
+    grid = jax.jit(functools.partial(decode.paged_decode, longest_first=False, interpret=not _on_gpu()))
+    setup.anchors["grid order"] = lambda: lambda: grid(call)
 
 
 def _decode_batch(b, l, hq, hkv, d, ps, seed):
@@ -148,10 +167,27 @@ def _swa_setup(shape, window: int, fp8: bool = False) -> Setup:
     if fp8:  # fp8 pages for both: the bytes-prediction ratio over fp8 pages
         (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
         scales = (ks, vs)
-    setup = _paged(q, kp, vp, jnp.where(dead, -1, bt), sl, cu, win, snk, scales)  # pages below the window recycled
+    swa_bt = jnp.where(dead, -1, bt)  # pages below the window recycled
+    setup = _paged(q, kp, vp, swa_bt, sl, cu, win, snk, scales)
+    _grid_order(setup, q, kp, vp, swa_bt, sl, cu, win, snk, scales)
     whole = jax.jit(lambda *a: _paged_auto(*a, cu=cu, scales=scales))
     setup.anchors["whole row"] = lambda: lambda: whole(q, kp, vp, bt, sl)
     setup.unchecked = ("whole row",)  # a different computation (no window): timed, not compared
+    return setup
+
+
+def _ragged_setup(shape, fp8: bool = False) -> Setup:
+    import jax.numpy as jnp
+
+    b, long, short, hq, hkv, d, ps = shape
+    q, kp, vp, bt, _, _, cu = _decode_batch(b, long, hq, hkv, d, ps, seed=4)
+    sl = jnp.where(jnp.arange(b) % 2 == 0, long, short).astype(jnp.int32)  # i32[B]: long and short rows alternate
+    scales = None
+    if fp8:
+        (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
+        scales = (ks, vs)
+    setup = _paged(q, kp, vp, bt, sl, cu, 0, 0, scales)
+    _grid_order(setup, q, kp, vp, bt, sl, cu, scales=scales)
     return setup
 
 
@@ -194,8 +230,8 @@ def _prefill_setup(t: int, h: int, d: int, ps: int, fp8: bool = False) -> Setup:
 
 
 def cases(small: bool = False) -> list[Case]:
-    """Decode (bf16 and fp8 pages, per page size), SWA decode (bf16 and fp8) and prefill (bf16 and fp8, per page
-    size); ``small``: tiny shapes (CPU smoke run). A case over fp8 pages is named ``... fp8`` (the bf16 one keeps
+    """Decode (bf16 and fp8 pages, per page size), SWA decode and ragged decode (bf16 and fp8) and prefill (bf16
+    and fp8, per page size); ``small``: tiny shapes (CPU smoke run). A case over fp8 pages is named ``... fp8`` (the bf16 one keeps
     its name)."""
     dec, swa = (SMALL["decode"], SMALL["swa"]) if small else (DECODE, SWA)
     window = SMALL["window"] if small else WINDOW
@@ -221,6 +257,14 @@ def cases(small: bool = False) -> list[Case]:
                         "kvjax.ops.paged_attention", dict(shapes, pages="fp8") if fp8 else shapes, ("pallas", "auto"),
                         functools.partial(_swa_setup, swa, window, fp8=fp8), anchor="whole row",
                         bytes=b * kv_bytes(visited * ps, dd, ps, fp8=fp8)))
+    ragged = SMALL["ragged"] if small else RAGGED
+    b, long, short, hq, hkv, dd, ps = ragged
+    shapes = dict(B=b, L=f"{long}/{short}", Hq=hq, Hkv=hkv, D=dd, page=ps)
+    for fp8 in (False, True):
+        out.append(Case(f"paged ragged decode B={b} L={long}/{short}" + (" fp8" if fp8 else ""),
+                        "kvjax.ops.paged_attention", dict(shapes, pages="fp8") if fp8 else shapes, ("pallas", "auto"),
+                        functools.partial(_ragged_setup, ragged, fp8=fp8), anchor="grid order",
+                        bytes=b // 2 * hkv * (kv_bytes(long, dd, ps, fp8) + kv_bytes(short, dd, ps, fp8))))
     for ps in pages:
         for fp8 in (False, True):
             out.append(Case(f"paged prefill T={t} H={h} page={ps}" + (" fp8" if fp8 else ""),
