@@ -312,6 +312,64 @@ def test_chunk_parallel_pool_kernel_interpret(rng, dtype, kd, vd):
     np.testing.assert_array_equal(np.asarray(pool[4]), np.asarray(s0[4]), err_msg="padding row written")
 
 
+def _warm_up_run(rng, g_per_head, beta_value=None, floors=(None,), l2=True):
+    """One f32 sequence of 8 chunks (K = V = 16, 2 value heads with the per-token log decays ``g_per_head``),
+    segments of 2 chunks, through the pool kernel at each of ``floors``: ``{floor: (o, final state)}``."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+
+    q, k, v, _, beta, cu, s0 = make_inputs(rng, [256], 1, 2, 16, 16, jnp.float32, unit_qk=not l2)
+    g = jnp.broadcast_to(jnp.asarray(g_per_head, jnp.float32), (256, 2))
+    if beta_value is not None:
+        beta = jnp.full_like(beta, beta_value)
+    out = {}
+    for floor in floors:
+        out[floor] = chunk_gated_delta_rule_pool(
+            q, k, v, g, beta, jnp.array(s0, copy=True), cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32),
+            flags=jnp.full((1,), 3, jnp.int32), scale=0.25, use_qk_l2norm=l2, block_v=16, segment_chunks=2,
+            transition_block=16, scan_block=16, decay_floor=floor, interpret=True)
+    return out, (q, k, v, g, beta, cu, s0)
+
+
+def test_warm_up_drops_only_transitions_below_the_floor(rng):
+    """The transition kernel's warm-up: a strongly decaying head (g = -1 a token: every chunk below exp(-16))
+    gives the exact walk's outputs to float32 rounding, an undecayed head (g = 0) the exact walk's bits (nothing
+    dropped); at a floor of -2 over g = -0.05 (each 2-chunk segment decays by exp(-3.2)) the dropped transitions
+    move the result, by no more than the bound: 3 dropped segment maps, each at most exp(-2) times a state."""
+    out, _ = _warm_up_run(rng, [-1.0, 0.0], floors=(None, -16.0))
+    (o_x, f_x), (o_w, f_w) = out[None], out[-16.0]
+    np.testing.assert_array_equal(np.asarray(o_w[:, 1]), np.asarray(o_x[:, 1]))
+    np.testing.assert_array_equal(np.asarray(f_w[:, 1]), np.asarray(f_x[:, 1]))
+    assert rel_err(o_w[:, 0], o_x[:, 0]) <= 1e-6 and rel_err(f_w[:, 0], f_x[:, 0]) <= 1e-6
+
+    out, (q, k, v, g, beta, cu, s0) = _warm_up_run(rng, [-0.05, -0.05], floors=(None, -2.0))
+    (o_x, f_x), (o_w, f_w) = out[None], out[-2.0]
+    states = [gdn.recurrent_gated_delta_rule_reference(gdn.DeltaRuleCall(
+        q[:t], k[:t], v[:t], g[:t], beta[:t], jnp.asarray([0, t], jnp.int32), 0.25, use_qk_l2norm=True), s0)[1]
+        for t in range(32, 257, 32)]  # the exact state at every chunk boundary
+    max_state = max(float(jnp.linalg.norm(s[0, h])) for s in states for h in range(2))
+    diff = max(float(jnp.linalg.norm(f_w[0, h] - f_x[0, h])) for h in range(2))
+    assert 0 < diff <= 3 * np.exp(-2.0) * max_state, (diff, max_state)
+
+
+def test_warm_up_counts_the_growth_of_large_beta(rng):
+    """``beta = 3`` grows a state by up to |1 - 3| = 2 a token, more than g = -0.3 decays it: nothing may be dropped,
+    so the warm-up's result is the exact walk's, bit for bit; :func:`chunk_growth` is that bound per chunk."""
+    from kvjax.pallas.gdn.chunk import chunk_growth
+
+    out, (q, k, v, g, beta, cu, s0) = _warm_up_run(rng, [-0.3, -0.3], beta_value=3.0, floors=(None, -16.0))
+    np.testing.assert_array_equal(np.asarray(out[-16.0][0]), np.asarray(out[None][0]))
+    np.testing.assert_array_equal(np.asarray(out[-16.0][1]), np.asarray(out[None][1]))
+    grow = chunk_growth(k, beta, chunk=32, use_qk_l2norm=True)
+    np.testing.assert_allclose(np.asarray(grow), np.full((8, 2), 32 * np.log(2.0)), rtol=1e-6)
+    b = rng.uniform(-1.0, 3.0, (100, 4)).astype(np.float32)
+    kk = rng.standard_normal((128, 2, 8)).astype(np.float32)
+    norm2 = np.repeat(np.sum(kk[:100] ** 2, axis=-1), 2, axis=1)
+    want = np.log(np.maximum(1.0, np.abs(1.0 - b * norm2)))
+    want = np.pad(want, ((0, 28), (0, 0))).reshape(4, 32, 4).sum(1)
+    got = chunk_growth(jnp.asarray(kk), jnp.asarray(b), chunk=32, use_qk_l2norm=False)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
 def test_segment_layout():
     """Pieces of each sequence cut at multiples of the segment length, in order; unused slots empty at the end."""
     from kvjax.pallas.gdn.chunk import FLAG_MORE, segment_layout

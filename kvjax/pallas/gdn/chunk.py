@@ -26,7 +26,12 @@ so per segment ``S_end = M S_start + B``. ``_transition_kernel`` computes ``[M |
 (the same chunk recurrence on ``K + V`` columns from ``[I | 0]``, ``u = 0`` for the ``M`` columns),
 ``_scan_kernel`` chains the segments of each sequence into their start states, and the sequential kernel walks
 all segments at once from those states (the benchmark's table "GDN chunked prefill, FlashQLA recipe" in
-benchmarks/RESULTS.md says where it pays).
+benchmarks/RESULTS.md says where it pays). The warm-up (``decay_floor``, default :data:`DECAY_FLOOR`): a token
+maps a state by ``exp(g) (I - beta k k^T)``, of 2-norm at most ``exp(g) max(1, |1 - beta |k|^2|)``, so walking a
+segment back from its end, once the chunks behind bound ``||M||`` below ``exp(decay_floor)`` the rest of the segment
+cannot reach the next segment's start by more than that factor of a state: the transition kernel walks ``B`` from
+zeros over those last chunks only and stores ``M = 0`` (FlashQLA's ``auto_cp`` skips such transitions too, at
+``exp(-10)``). A gated head stops after a few chunks; an ungated one walks its whole segment, as before.
 
 This fused sequential kernel replaced a two-pass form (fla's structure: a sequential state pass, then a fully
 parallel output pass), which tied at one long sequence and lost at four (RESULTS.md, "GDN chunked prefill").
@@ -65,6 +70,7 @@ MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives thi
 FLAG_MORE = 4  # segment flag (chunk parallelism): the segment is not its sequence's last
 CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when rows * Hv is at most this ...
 CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
+DECAY_FLOOR = -16.0  # the transition kernel's warm-up: drop M below exp(-16) = 1.1e-7 (float32's rounding)
 
 
 def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
@@ -79,13 +85,19 @@ def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
     return start, end, lo, hi, live, read
 
 
-def _chunk_decay(gl_ref, c, h, start, end, live, chunk: int):
-    """Scalar state decay of chunk ``c`` for the row owning tokens ``[start, end)``: ``exp(gl)`` at any of
-    its tokens in the chunk (one value per segment), or 1 when the row has no token there."""
+def _chunk_log_decay(gl_ref, c, h, start, end, live, chunk: int):
+    """Scalar log state decay of chunk ``c`` for the row owning tokens ``[start, end)``: ``gl`` at any of its
+    tokens in the chunk (one value per segment), or 0 when the row has no token there."""
     c0 = c * chunk
     any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
     first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
-    return jnp.where(any_in, jnp.exp(gl_ref[c, h, first]), 1.0)
+    return jnp.where(any_in, gl_ref[c, h, first], 0.0)
+
+
+def _chunk_decay(gl_ref, c, h, start, end, live, chunk: int):
+    """Scalar state decay ``exp(gl)`` of chunk ``c`` for the row owning tokens ``[start, end)`` (1 when the row
+    has no token there)."""
+    return jnp.exp(_chunk_log_decay(gl_ref, c, h, start, end, live, chunk))
 
 
 def _chunk_kernel(
@@ -232,6 +244,8 @@ def _transition_kernel(
     u_ref,  # [NC, Hv, C, V]
     kf_ref,  # f32[NC, Hv, C]
     gl_ref,  # f32[NC, Hv, C]
+    growth_ref,  # f32[NC, Hv]  log bound of the chunk's growth of a state besides its decay (chunk_growth);
+    #              f32[1, 1] unread without the warm-up
     m_ref,  # [P, Hv, K, K]  out: segment transition M (input dtype)
     b_ref,  # f32[P, Hv, K, V]  out: at slot i + 1, segment i's state from zeros (B)
     *,
@@ -239,11 +253,17 @@ def _transition_kernel(
     chunk: int,
     block: int,
     num_k_blocks: int,
+    decay_floor: float | None,
     precision,
 ):
     """Segment ``i``'s affine state map ``S_end = M S_start + B`` (segments with a successor, live): the
     chunk recurrence run on ``X = [M | B]`` from ``[I | 0]``, ``u = 0`` for the ``M`` columns; program
-    ``(i, h, j)`` takes column block ``j`` of ``X`` (the first ``ceil(K / block)`` blocks are ``M``'s)."""
+    ``(i, h, j)`` takes column block ``j`` of ``X`` (the first ``ceil(K / block)`` blocks are ``M``'s).
+
+    ``decay_floor`` (log units, or ``None``: exact): the warm-up. Walking back from the segment's end, the first
+    chunk ``c*`` where the chunks ``c*..end`` bound ``||M||`` below ``exp(decay_floor)`` (their log decays plus
+    ``growth_ref``) ends the walk: ``B`` is the state from zeros at ``c*`` and ``M`` is stored as 0, so the start
+    state of the next segment is off by at most ``exp(decay_floor)`` times the state at ``c*``."""
     n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hk = h // group
     kd, vd = k_ref.shape[2], u_ref.shape[3]
@@ -280,6 +300,16 @@ def _transition_kernel(
 
     c_lo = jnp.where(work, start // chunk, 0)
     c_hi = jnp.where(work, (end + chunk - 1) // chunk, 0)
+    if decay_floor is not None:  # the warm-up: the chunks whose bound on ||M|| stays above exp(decay_floor)
+        def log_bound(c):
+            return _chunk_log_decay(gl_ref, c, h, start, end, live, chunk) + growth_ref[c, h]
+
+        c_star, acc = lax.while_loop(lambda ca: (ca[0] > c_lo) & (ca[1] >= decay_floor),
+                                     lambda ca: (ca[0] - 1, ca[1] + log_bound(ca[0] - 1)),
+                                     (c_hi, jnp.float32(0.0)))
+        cut = acc < decay_floor  # M below the floor: stored as 0; B from zeros at c_star
+        x0 = jnp.where(cut, 0.0, x0)
+        c_lo = jnp.where(cut, jnp.where(is_m, c_hi, c_star), c_lo)
     x = lax.fori_loop(c_lo, c_hi, step, x0)
 
     @pl.when(work & is_m)
@@ -335,10 +365,34 @@ def _scan_kernel(
     lax.fori_loop(first, jnp.where(live, last, first), step, s0)
 
 
-def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segment_chunks, out_dtype, block_v,
-             transition_block, scan_block, num_warps, num_stages, interpret):
-    """The sequential part with chunk parallelism: transition kernel (every segment's ``M``, ``B``), scan
-    kernel (every segment's start state), the sequential kernel over segments, the final states to the pool."""
+def chunk_growth(
+    k: jax.Array,  # [Tp, Hk, K]  raw k, padded to the chunks
+    beta: jax.Array,  # [T, Hv]
+    *,
+    chunk: int,
+    use_qk_l2norm: bool,
+) -> jax.Array:  # f32[Tp / chunk, Hv]
+    """Per chunk and value head, a log bound on how much the chunk's tokens can grow a state besides their decay:
+    ``sum_t log max(1, |1 - beta_t |k_t|^2|)`` (the 2-norm of ``I - beta k k^T``), with ``|k|^2 <= 1`` taken as 1
+    under ``use_qk_l2norm`` (then ``log max(1, |1 - beta|)``). 0 for ``beta`` in ``[0, 2]`` and unit keys (Qwen3.5:
+    sigmoid ``beta``, l2-normalised keys). Tokens past ``beta``'s end count 0. The warm-up of
+    :func:`_transition_kernel` adds it to the chunks' log decays."""
+    tp, hk, _ = k.shape
+    hv = beta.shape[1]
+    b = jnp.pad(beta.astype(jnp.float32), ((0, tp - beta.shape[0]), (0, 0)))  # f32[Tp, Hv]
+    if use_qk_l2norm:
+        norm2 = jnp.ones((tp, hv), jnp.float32)
+    else:
+        norm2 = jnp.repeat(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1), hv // hk, axis=1)  # f32[Tp, Hv]
+    grow = jnp.log(jnp.maximum(1.0, jnp.abs(1.0 - b * norm2)))
+    return jnp.sum(grow.reshape(tp // chunk, chunk, hv), axis=1)
+
+
+def _cp_call(q, k, w, u, a, qf, kf, gl, growth, pool, cu_seqlens, rows, flags, *, segment_chunks, out_dtype,
+             block_v, transition_block, scan_block, decay_floor, num_warps, num_stages, interpret):
+    """The sequential part with chunk parallelism: transition kernel (every segment's ``M``, ``B``; the warm-up
+    below ``decay_floor``), scan kernel (every segment's start state), the sequential kernel over segments, the
+    final states to the pool."""
     tp, hk, kd = q.shape
     nc, hv, chunk, vd = u.shape
     num_seqs = rows.shape[0]
@@ -353,14 +407,14 @@ def _cp_call(q, k, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, *, segmen
     nbk = pl.cdiv(kd, tb)
     m, b = pl.pallas_call(
         functools.partial(_transition_kernel, group=hv // hk, chunk=chunk, block=tb, num_k_blocks=nbk,
-                          precision=precision),
+                          decay_floor=decay_floor, precision=precision),
         out_shape=(jax.ShapeDtypeStruct((num_segs, hv, kd, kd), dt),
                    jax.ShapeDtypeStruct((num_segs, hv, kd, vd), jnp.float32)),
         grid=(num_segs, hv, nbk + pl.cdiv(vd, tb)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_chunk_transition",
-    )(seg_cu, seg_flags, k, w, u, kf, gl)
+    )(seg_cu, seg_flags, k, w, u, kf, gl, growth)
     sb = min(scan_block, next_pow2(vd))
     starts = pl.pallas_call(
         functools.partial(_scan_kernel, block_v=sb, precision=precision),
@@ -408,7 +462,7 @@ def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages", "prep", "segment_chunks",
-                     "transition_block", "scan_block", "seq", "interpret"),
+                     "transition_block", "scan_block", "decay_floor", "seq", "interpret"),
     donate_argnames=("pool",),
 )
 def chunk_gated_delta_rule_pool(
@@ -431,6 +485,7 @@ def chunk_gated_delta_rule_pool(
     segment_chunks: int | None = None,
     transition_block: int | None = None,
     scan_block: int = 32,
+    decay_floor: float | None = DECAY_FLOOR,
     seq: str = "triton",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, V] in v's dtype, pool f32[R, Hv, K, V])
@@ -452,7 +507,11 @@ def chunk_gated_delta_rule_pool(
     ``2 * MANY_PROGRAMS`` programs, else 32), a scan kernel chains them into each
     segment's start state (``scan_block`` value columns per program), and the sequential kernel walks all
     segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`;
-    0: off (the sequential kernel walks each sequence whole, in place on the pool).
+    0: off (the sequential kernel walks each sequence whole, in place on the pool). ``decay_floor`` (log units;
+    default :data:`DECAY_FLOOR`; ``None``: exact): the transition kernel's warm-up, which stops a segment's walk
+    where the chunks after it bound ``||M||`` below ``exp(decay_floor)`` (their decays and
+    :func:`chunk_growth`) and drops ``M``; each segment's start state is then off by at most that factor times a
+    state inside the previous segment.
 
     ``seq``: the sequential kernel, ``"triton"`` (``_chunk_kernel``, after the preparation ``prep`` names) or
     ``"fused"`` (FlashQLA's layout: the Mosaic GPU preparation with ``outputs="inverse"`` and the fused Mosaic GPU
@@ -493,10 +552,12 @@ def chunk_gated_delta_rule_pool(
             num_segs = rows.shape[0] + pl.cdiv(w.shape[0], segment_chunks) - 1
             block_v = min(next((b for b in (64, 32) if num_segs * hv * pl.cdiv(vd, b) >= MANY_PROGRAMS), 16),
                           next_pow2(vd))
+        growth = (jnp.zeros((1, 1), jnp.float32) if decay_floor is None  # unread without the warm-up
+                  else chunk_growth(kp, beta, chunk=chunk, use_qk_l2norm=use_qk_l2norm))
         o, pool = _cp_call(
-            qp, kp, w, u, a, qf, kf, gl, pool, cu_seqlens, rows, flags, segment_chunks=segment_chunks,
-            out_dtype=v.dtype, block_v=block_v, transition_block=transition_block,
-            scan_block=scan_block, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+            qp, kp, w, u, a, qf, kf, gl, growth, pool, cu_seqlens, rows, flags, segment_chunks=segment_chunks,
+            out_dtype=v.dtype, block_v=block_v, transition_block=transition_block, scan_block=scan_block,
+            decay_floor=decay_floor, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         )
     else:
         o, pool = _chunk_call(
