@@ -351,6 +351,18 @@ def test_warm_up_drops_only_transitions_below_the_floor(rng):
     assert 0 < diff <= 3 * np.exp(-2.0) * max_state, (diff, max_state)
 
 
+def test_warm_up_floor_validated(rng):
+    """A floor at or above 0 would drop every transition (and B with it): refused, naming the value."""
+    from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [64], 1, 1, 16, 16, jnp.float32)
+    for bad in (0.0, 2.0, float("nan"), float("-inf"), True, "low"):
+        with pytest.raises(ValueError, match=f"decay_floor must be None or a finite negative float.*{bad!r}"):
+            chunk_gated_delta_rule_pool(q, k, v, g, beta, s0, cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32),
+                                        flags=jnp.full((1,), 3, jnp.int32), scale=0.25, segment_chunks=1,
+                                        decay_floor=bad, interpret=True)
+
+
 def test_warm_up_counts_the_growth_of_large_beta(rng):
     """``beta = 3`` grows a state by up to |1 - 3| = 2 a token, more than g = -0.3 decays it: nothing may be dropped,
     so the warm-up's result is the exact walk's, bit for bit; :func:`chunk_growth` is that bound per chunk."""

@@ -49,6 +49,7 @@ f32 accuracy; full f32 in interpret mode: :func:`kvjax.pallas.gdn.common.f32_pre
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -521,6 +522,9 @@ def chunk_gated_delta_rule_pool(
     """
     if seq not in ("triton", "fused"):
         raise ValueError(f"seq must be 'triton' or 'fused', got {seq!r}")
+    if decay_floor is not None and (isinstance(decay_floor, bool) or not isinstance(decay_floor, (int, float))
+                                    or not -math.inf < decay_floor < 0):
+        raise ValueError(f"decay_floor must be None or a finite negative float (log units), got {decay_floor!r}")
     if seq == "fused":
         if segment_chunks:
             raise ValueError(f"seq='fused' has no chunk parallelism: segment_chunks must be None or 0, got "
