@@ -31,6 +31,7 @@ are the trained model's).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -383,6 +384,7 @@ def mtp_copy_accuracy(model: Qwen3_5ForCausalLM, mtp: Any, task: CopyTask, rng: 
     reads step ``d-1``'s hidden state, as the drafter does). ``against``: ``"data"`` (the true token) or
     ``"greedy"`` (the frozen model's own greedy token after ``x_{t+1}``: what its verification accepts)."""
     import jax.numpy as jnp
+    from flax import nnx
 
     from kvjax.experiments.mtp_train import LABELS, chained, greedy_targets, two_ahead
 
@@ -390,12 +392,18 @@ def mtp_copy_accuracy(model: Qwen3_5ForCausalLM, mtp: Any, task: CopyTask, rng: 
         raise ValueError(f"against must be one of {LABELS}, got {against!r}")
     x, _, m, _ = task.sample(rng, n)
     nxt, tgt, w = two_ahead(task, x, m)
-    full = model.hidden_states(jnp.asarray(x))
+
+    @functools.partial(nnx.jit, static_argnums=(4,))
+    def predict(model, mtp, x, nxt, depth):  # one compiled call, not the forward's ops one by one
+        full = model.hidden_states(x)
+        steps = [jnp.argmax(mtp.logits(model, g), axis=-1) for g in chained(mtp, model, full[:, :-2], nxt, depth)]
+        return steps, greedy_targets(model, full)
+
+    steps, greedy = predict(model, mtp, jnp.asarray(x), jnp.asarray(nxt), depth)
     if against == "greedy":
-        tgt = np.asarray(greedy_targets(model, full))
+        tgt = np.asarray(greedy)
     sel = w > 0
-    out = [float((np.asarray(jnp.argmax(mtp.logits(model, g), axis=-1))[sel] == tgt[sel]).mean())
-           for g in chained(mtp, model, full[:, :-2], jnp.asarray(nxt), depth)]
+    out = [float((np.asarray(p)[sel] == tgt[sel]).mean()) for p in steps]
     return out if depth > 1 else out[0]
 
 
