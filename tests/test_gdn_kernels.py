@@ -312,12 +312,12 @@ def test_chunk_parallel_pool_kernel_interpret(rng, dtype, kd, vd):
     np.testing.assert_array_equal(np.asarray(pool[4]), np.asarray(s0[4]), err_msg="padding row written")
 
 
-def _warm_up_run(rng, g_per_head, beta_value=None, floors=(None,), l2=True):
-    """One f32 sequence of 8 chunks (K = V = 16, 2 value heads with the per-token log decays ``g_per_head``),
-    segments of 2 chunks, through the pool kernel at each of ``floors``: ``{floor: (o, final state)}``."""
+def _warm_up_run(rng, g_per_head, beta_value=None, floors=(None,), l2=True, kd=16, vd=16):
+    """One f32 sequence of 8 chunks (2 value heads with the per-token log decays ``g_per_head``), segments of 2
+    chunks, through the pool kernel at each of ``floors``: ``{floor: (o, final state)}``."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
 
-    q, k, v, _, beta, cu, s0 = make_inputs(rng, [256], 1, 2, 16, 16, jnp.float32, unit_qk=not l2)
+    q, k, v, _, beta, cu, s0 = make_inputs(rng, [256], 1, 2, kd, vd, jnp.float32, unit_qk=not l2)
     g = jnp.broadcast_to(jnp.asarray(g_per_head, jnp.float32), (256, 2))
     if beta_value is not None:
         beta = jnp.full_like(beta, beta_value)
@@ -330,18 +330,20 @@ def _warm_up_run(rng, g_per_head, beta_value=None, floors=(None,), l2=True):
     return out, (q, k, v, g, beta, cu, s0)
 
 
-def test_warm_up_drops_only_transitions_below_the_floor(rng):
+@pytest.mark.parametrize("kd,vd", [(16, 16), (24, 20)])
+def test_warm_up_drops_only_transitions_below_the_floor(rng, kd, vd):
     """The transition kernel's warm-up: a strongly decaying head (g = -1 a token: every chunk below exp(-16))
     gives the exact walk's outputs to float32 rounding, an undecayed head (g = 0) the exact walk's bits (nothing
     dropped); at a floor of -2 over g = -0.05 (each 2-chunk segment decays by exp(-3.2)) the dropped transitions
-    move the result, by no more than the bound: 3 dropped segment maps, each at most exp(-2) times a state."""
-    out, _ = _warm_up_run(rng, [-1.0, 0.0], floors=(None, -16.0))
+    move the result, by no more than the bound: 3 dropped segment maps, each at most exp(-2) times a state. K / V
+    that the transition blocks of 16 do not divide (masked lanes) as well."""
+    out, _ = _warm_up_run(rng, [-1.0, 0.0], floors=(None, -16.0), kd=kd, vd=vd)
     (o_x, f_x), (o_w, f_w) = out[None], out[-16.0]
     np.testing.assert_array_equal(np.asarray(o_w[:, 1]), np.asarray(o_x[:, 1]))
     np.testing.assert_array_equal(np.asarray(f_w[:, 1]), np.asarray(f_x[:, 1]))
     assert rel_err(o_w[:, 0], o_x[:, 0]) <= 1e-6 and rel_err(f_w[:, 0], f_x[:, 0]) <= 1e-6
 
-    out, (q, k, v, g, beta, cu, s0) = _warm_up_run(rng, [-0.05, -0.05], floors=(None, -2.0))
+    out, (q, k, v, g, beta, cu, s0) = _warm_up_run(rng, [-0.05, -0.05], floors=(None, -2.0), kd=kd, vd=vd)
     (o_x, f_x), (o_w, f_w) = out[None], out[-2.0]
     states = [gdn.recurrent_gated_delta_rule_reference(gdn.DeltaRuleCall(
         q[:t], k[:t], v[:t], g[:t], beta[:t], jnp.asarray([0, t], jnp.int32), 0.25, use_qk_l2norm=True), s0)[1]
