@@ -231,8 +231,8 @@ def _prefill_setup(t: int, h: int, d: int, ps: int, fp8: bool = False) -> Setup:
 
 def cases(small: bool = False) -> list[Case]:
     """Decode (bf16 and fp8 pages, per page size), SWA decode and ragged decode (bf16 and fp8) and prefill (bf16
-    and fp8, per page size); ``small``: tiny shapes (CPU smoke run). A case over fp8 pages is named ``... fp8`` (the bf16 one keeps
-    its name)."""
+    and fp8, per page size); ``small``: tiny shapes (CPU smoke run). A case over fp8 pages is named ``... fp8``
+    (the bf16 one keeps its name)."""
     dec, swa = (SMALL["decode"], SMALL["swa"]) if small else (DECODE, SWA)
     window = SMALL["window"] if small else WINDOW
     (t, h, d), pages = (SMALL["prefill"], SMALL["pages"]) if small else (PREFILL, PREFILL_PAGES)
