@@ -214,8 +214,9 @@ def test_fused_interpret(rng, hk, hv, kd, vd, block_v):
 
 def test_fused_kernel_variants_interpret(rng):
     """``seq_mgpu_fused_call`` itself against the Triton sequential kernel on the default preparation's operands,
-    without the overlap (2 stages) and with it at 3 stages; rows at chunk edges (an empty row on a chunk boundary, three
-    rows sharing a chunk, an empty last row), as segments would be walked from given start states."""
+    without the overlap (2 stages), with it at 3 stages, and with two consumer warpgroups of 32 columns sharing the
+    ring (a producer warpgroup, the state tiles in the ring's memory); rows at chunk edges (an empty row on a chunk
+    boundary, three rows sharing a chunk, an empty last row), as segments would be walked from given start states."""
     from kvjax.pallas.gdn.chunk import _chunk_call
     from kvjax.pallas.gdn.prep import prepare
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
@@ -232,18 +233,19 @@ def test_fused_kernel_variants_interpret(rng):
     rows, flags = jnp.arange(n, dtype=jnp.int32), jnp.asarray([3, 3, 2, 3, 3, 3], jnp.int32)
     want = _chunk_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
                        num_warps=4, num_stages=2, interpret=True)
-    for overlap, stages in [(False, 2), (True, 3)]:
+    for overlap, stages, wgs in [(False, 2, 1), (True, 3, 1), (True, 2, 2)]:
         got = seq_mgpu_fused_call(q, k, v, tb, a, qf, kf, gl, kr, jnp.array(s0, copy=True), cu, rows, flags,
                                   out_dtype=jnp.bfloat16, block_v=32, stages=stages, overlap=overlap,
-                                  interpret=True)
+                                  warpgroups=wgs, interpret=True)
         assert rel_err(got[0], want[0]) <= SAME_TOL and rel_err(got[1], want[1]) <= SAME_TOL, (
-            overlap, stages, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
+            overlap, stages, wgs, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
 
 
 def test_fused_lowers_for_cuda():
     """The fused pass lowers to a Mosaic GPU module for CUDA without a GPU (the Tb product on the ring's Tb tile,
     the raw v box of the ring) at K = V = 128 with value blocks of 32 (3 stages) and 64 (2 stages), K = 64 with
-    V = 128 in one block, without the overlap once, under the Lane semantics; and the whole forward
+    V = 128 in one block, without the overlap once, with two 64-column consumer warpgroups (a producer warpgroup and a
+    ``RefUnion`` of the ring and the state tiles), under the Lane semantics; and the whole forward
     (``seq="fused"``: both kernels) at K = V = 128."""
     from jax import export
 
@@ -251,16 +253,17 @@ def test_fused_lowers_for_cuda():
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
     sds, bf16, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
-    for kd, vd, hk, hv, n, block_v, stages, overlap in [(128, 128, 2, 4, 3, 32, 3, True),
-                                                         (128, 128, 2, 4, 1, 64, 2, True),
-                                                         (64, 128, 1, 2, 2, 128, 2, True),
-                                                         (128, 128, 2, 4, 2, 64, 2, False)]:
+    for kd, vd, hk, hv, n, block_v, stages, overlap, wgs in [(128, 128, 2, 4, 3, 32, 3, True, 1),
+                                                              (128, 128, 2, 4, 1, 64, 2, True, 1),
+                                                              (64, 128, 1, 2, 2, 128, 2, True, 1),
+                                                              (128, 128, 2, 4, 2, 64, 2, False, 1),
+                                                              (128, 128, 2, 4, 2, 64, 2, True, 2)]:
         tp, nc = 256, 4
         args = (sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16), sds((tp, hv, vd), bf16),
                 sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64, 64), bf16)) + (sds((nc, hv, 64), f32),) * 4 + (
                 sds((n + 2, hv, kd, vd), f32), sds((n + 1,), i32), sds((n,), i32), sds((n,), i32))
-        fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap: seq_mgpu_fused_call(
-            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov))
+        fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap, w=wgs: seq_mgpu_fused_call(
+            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov, warpgroups=w))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
     t, hk, hv = 200, 2, 4
     args = (sds((t, hk, 128), bf16), sds((t, hk, 128), bf16), sds((t, hv, 128), bf16), sds((t, hv), f32),
@@ -275,7 +278,8 @@ def test_fused_lowers_for_cuda():
 def test_fused_refusals(rng):
     """What the fused pass and path refuse, with the reason; the stages that fit its shared memory."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.seq_mgpu import SMEM_BYTES, auto_block_v, seq_mgpu_fused_call, shape_reason, smem_bytes
+    from kvjax.pallas.gdn.seq_mgpu import (SMEM_BYTES, auto_block_v, auto_layout, seq_mgpu_fused_call,
+                                           shape_reason, smem_bytes)
 
     def operands(dtype=jnp.bfloat16, kd=64, vd=64, chunk=64):  # q, Tb, v
         return (jnp.zeros((128, 1, kd), dtype), jnp.zeros((2, 2, chunk, chunk), dtype),
@@ -290,6 +294,10 @@ def test_fused_refusals(rng):
     assert smem_bytes(128, 64, 2) <= SMEM_BYTES < smem_bytes(128, 64, 3)
     assert smem_bytes(128, 32, 3) <= SMEM_BYTES and smem_bytes(128, 128, 1) <= SMEM_BYTES
     assert auto_block_v(1, 32, 128) == 32 and auto_block_v(4, 32, 128) == 64
+    # two 64-column consumers and two slots fit only with the f32 state tiles in the ring's memory
+    assert smem_bytes(128, 64, 2, 2) <= SMEM_BYTES < smem_bytes(128, 64, 2, 2) + 2 * 4 * 128 * 64
+    assert auto_layout(4, 32, 128) == (64, 2) and auto_layout(1, 32, 128) == (32, 1)
+    assert auto_layout(8, 16, 64) == (64, 1) and auto_layout(3, 32, 128) == (64, 1)
     q, tb, v = operands(kd=128, vd=128)
     rest = (jnp.zeros((2, 2, 64, 64), jnp.bfloat16),) + (jnp.zeros((2, 2, 64)),) * 4 + (
         jnp.zeros((1, 2, 128, 128)), jnp.asarray([0, 128], jnp.int32), jnp.zeros((1,), jnp.int32),
@@ -298,6 +306,11 @@ def test_fused_refusals(rng):
         seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=64, stages=3)
     with pytest.raises(ValueError, match="needs bf16 outputs, got float32"):
         seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.float32, block_v=64)
+    for wgs, block_v in [(0, 64), (True, 64), (2.0, 64), (4, 64), (3, None)]:
+        with pytest.raises(ValueError, match="warpgroups must be a positive int|block_v in"):
+            seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=block_v, warpgroups=wgs)
+    with pytest.raises(ValueError, match="warpgroups > 1 needs overlap=True"):
+        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, warpgroups=2, overlap=False)
     qq, kk, vv, g, beta, cu, s0 = make_inputs(rng, [40], 1, 1, 64, 64, jnp.bfloat16)
     kw = dict(cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32), flags=jnp.full((1,), 3, jnp.int32), scale=0.1,
               interpret=True)
@@ -310,9 +323,10 @@ def test_fused_refusals(rng):
 def test_mosaic_fused_backend_by_name_and_auto(rng):
     """``impl="mosaic-fused"`` runs FlashQLA's layout (here under the interpreter) within the bf16 bound of the
     recurrent reference at two sequences of two value heads, where ``auto`` would not take it (by name its
-    ``prefer`` rule does not apply). On Hopper ``auto`` takes it, in both prefill tables, for the example of one
-    sequence of 32 value heads (where it was measured fastest) and ``"mosaic"`` for 16 heads or four sequences,
-    with ``explain`` saying why; it declines what the Mosaic GPU preparation kernel declines, and non-Hopper
+    ``prefer`` rule does not apply). On Hopper ``auto`` takes it, in both prefill tables, for the examples of one
+    sequence of 32 value heads and of four sequences of 4096 tokens and 32 value heads (where it was measured
+    fastest) and ``"mosaic"`` for one sequence of 16 heads or sixteen sequences of 512 tokens, with ``explain``
+    saying why; it declines what the Mosaic GPU preparation kernel declines, and non-Hopper
     devices, with the reason."""
     from kvjax.base.device import NAMED
     from kvjax.ops import gdn_on_pool
@@ -326,18 +340,20 @@ def test_mosaic_fused_backend_by_name_and_auto(rng):
     ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
                                                                                         rel_err(f, rf))
-    for table, one, many, narrow in (
+    for table, one, many, narrow, short in (
             (gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=32 K=V=128", "prefill N=4 T=16384 H=32 K=V=128",
-             "prefill N=1 T=8192 H=16 K=V=128"),
+             "prefill N=1 T=8192 H=16 K=V=128", "prefill N=16 T=8192 H=16 K=V=128"),
             (gdn_on_pool.PREFILL_TABLE, "prefill N=1 T=8192 H=32", "prefill N=4 T=16384 H=32",
-             "prefill N=1 T=8192 H=16, traced layer")):
+             "prefill N=1 T=8192 H=16, traced layer", "prefill N=16 T=8192 H=16")):
         assert "mosaic-seq" not in table.names()
-        args, kwargs = table.examples[one]()
-        for device in ("h100", "h200"):
-            assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused"
-            assert dict(table.explain(args, kwargs, NAMED[device]))["mosaic-fused"] is None
-        assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
-        for name, want in ((many, "4 sequences of 32 value heads"), (narrow, "got 1 sequence of 16 value heads")):
+        for name in (one, many):
+            args, kwargs = table.examples[name]()
+            for device in ("h100", "h200"):
+                assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused"
+                assert dict(table.explain(args, kwargs, NAMED[device]))["mosaic-fused"] is None
+            assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
+        for name, want in ((short, "got 16 sequences of 16 value heads, V=128, 8192 tokens"),
+                           (narrow, "got 1 sequence of 16 value heads")):
             args, kwargs = table.examples[name]()
             assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
             why = dict(table.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]
@@ -390,6 +406,17 @@ def test_fused_gpu(rng, hk, hv, kd, vd, block_v, l2):
     an empty sequence, chunk-crossing boundaries), 70 padding tokens, gated and ungated heads, with and without
     the in-kernel l2norm, each value block width."""
     check_fused(rng, GPU_LENS, hk, hv, kd, vd, block_v=block_v, interpret=False, lead=7, pad_tokens=70, l2=l2)
+
+
+@pytest.mark.gpu
+def test_fused_gpu_two_warpgroups(rng):
+    """The compiled pass with two 64-column consumer warpgroups sharing one ring (``auto_layout``'s pick here: 9 rows
+    x 16 value heads >= 128 CTAs' worth) on the GDN tests' ragged grid, against the recurrent reference and the
+    Triton pass."""
+    from kvjax.pallas.gdn.seq_mgpu import auto_layout
+
+    assert auto_layout(len(GPU_LENS), 16, 128) == (64, 2)
+    check_fused(rng, GPU_LENS, 8, 16, 128, 128, block_v=None, interpret=False, lead=7, pad_tokens=70)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,8 @@ reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosa
 :mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
 ``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u``, its value heads' inverses in
 lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) takes the same calls by
-name, and ``auto`` takes it ahead of both for one sequence of >= 32 value heads, where it was measured fastest
+name, and ``auto`` takes it ahead of both for one sequence of >= 32 value heads and for several sequences of >=
+2048 tokens whose (sequence, head) pairs fill 128 CTAs of its two-warpgroup pass, where it was measured fastest
 (its ``prefer`` rule, :func:`kvjax.pallas.gdn.chunk.mosaic_fused_preferred`; RESULTS.md, GDN chunked prefill).
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
@@ -351,8 +352,10 @@ MOSAIC_FUSED_NOTE = (
     "FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value heads' inverses in "
     "lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto for one sequence of >= 32 value heads: "
     "1.04-1.05x the two Mosaic GPU kernels it replaced there on an H200 (0.3663 vs 0.3840 ms at 8192 tokens, 1.3911 "
-    "vs 1.4531 at 32768; 16 / 32 heads); slower than auto's pick elsewhere (0.3212 vs 0.2881 ms at 8192 tokens, 16 "
-    "heads; 1.3010 vs 1.1267 at 8192 x 4) (benchmarks/RESULTS.md, GDN chunked prefill, HISTORY run 171)")
+    "vs 1.4531 at 32768; 16 / 32 heads), and for several sequences of >= 2048 tokens filling 128 CTAs of two "
+    "consumer warpgroups: 1.02x / 1.05x 'mosaic' (1.0584 vs 1.0813 ms at 8192 x 4, 1.0778 vs 1.1264 at 4096 x 8, "
+    "32 heads); slower than auto's pick elsewhere (0.3212 vs 0.2881 ms at 8192 tokens, 16 heads) "
+    "(benchmarks/RESULTS.md, GDN chunked prefill, HISTORY runs 171, 213)")
 
 
 CHUNK_TABLE = BackendTable(
@@ -373,6 +376,7 @@ CHUNK_TABLE = BackendTable(
         "prefill N=1 T=8192 H=16 K=V=128": lambda: example_call(8192, 1, 16),
         "prefill N=1 T=8192 H=32 K=V=128": lambda: example_call(8192, 1, 32),
         "prefill N=4 T=16384 H=32 K=V=128": lambda: example_call(16384, 4, 32),
+        "prefill N=16 T=8192 H=16 K=V=128": lambda: example_call(8192, 16, 16),
         "prefill N=2 T=512 H=8 K=96 V=128": lambda: example_call(512, 2, 8, kd=96),
     },
 )

@@ -300,6 +300,7 @@ PREFILL_TABLE = BackendTable(
     ),
     examples={
         "prefill N=4 T=16384 H=32": lambda: _example(16384, 4, 32, ragged=True),
+        "prefill N=16 T=8192 H=16": lambda: _example(8192, 16, 16, ragged=True),
         "prefill N=1 T=8192 H=32": lambda: _example(8192, 1, 32, ragged=True),
         "prefill N=1 T=8192 H=16, traced layer": lambda: _example(8192, 1, 16, ragged=True, layer_traced=True),
     },

@@ -6,17 +6,24 @@ with the state slice ``S: f32[K, block_v]`` as registers in the wgmma accumulato
 
     v_new = Tb (v - kr * (k S));   o = qf * (q S) + A v_new;   S = exp(g_last) S + k^T (kf * v_new)
 
-One CTA (one warpgroup) per (row, value head, value block). A ring of ``stages`` shared-memory slots holds the
-chunk operands (``q``, ``k``, the CTA's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and the row factors ``qf``,
-``kf``, ``gl``, ``kr``), each slot filled by TMA copies that complete on its barrier. Per chunk three rounds of
-wgmma: ``k S`` and ``q S`` (the state written to shared memory in bf16 once per chunk, the right operand of both),
-then ``X = v - kr * (k S)`` (f32, rounded to bf16 into ``v_new``'s tile) and ``v_new = Tb X``, then ``A v_new`` and
-``k^T (kf v_new)`` (``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles).
-The row factors multiply f32 accumulators rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of
-``v_new``), an equal product up to the bf16 roundings of the Triton kernel's ``qf * q`` and ``kf * k``. Per chunk
-and CTA at ``K = 128``, ``block_v = 64``: reads 32 KB (q, k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB
-(the default preparation's operands: 32 + 16 (w) + 8 (u) + 8 + 0.75 = 64.75 KB); products 1 + 1 + 0.5 + 0.5 + 1
-MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP) in three dependent rounds.
+One CTA per (row, value head, ``warpgroups * block_v`` value columns). A ring of ``stages`` shared-memory slots
+holds the chunk operands (``q``, ``k``, each consumer's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and the row
+factors ``qf``, ``kf``, ``gl``, ``kr``), each slot filled by TMA copies that complete on its barrier. One warpgroup
+(``warpgroups=1``) issues the copies itself; with more, each consumer warpgroup walks its own value block through
+the shared ring, a producer warpgroup refills a slot once every consumer released it (``produce_ring``), registers
+move from the producer to the consumers (``setmaxnreg``: 40 / 232; without, the pass was 1.36x slower), and the f32
+initial / final state tiles share the ring's memory (a ``RefUnion``: the state is read before the first copy and
+written after the last chunk), so two 64-column consumers fit two slots (211 KB at ``K = 128``). Loading each
+chunk's q, k, Tb and A once for both halves of ``V`` made the pass 1.40x faster at 8192 x 4 sequences, 32 value
+heads (H200, RESULTS.md). Per chunk three rounds of wgmma: ``k S`` and ``q S`` (the state written to shared memory
+in bf16 once per chunk, the right operand of both), then ``X = v - kr * (k S)`` (f32, rounded to bf16 into
+``v_new``'s tile) and ``v_new = Tb X``, then ``A v_new`` and ``k^T (kf v_new)`` (``k``'s tile read transposed as the
+left operand; ``v_new`` and ``kf v_new`` in bf16 tiles). The row factors multiply f32 accumulators rather than bf16
+operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal product up to the bf16 roundings of
+the Triton kernel's ``qf * q`` and ``kf * k``. Per chunk and CTA at ``K = 128``, ``block_v = 64``: reads 32 KB (q,
+k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB (the default preparation's operands: 32 + 16 (w) + 8 (u) + 8 +
+0.75 = 64.75 KB); products 1 + 1 + 0.5 + 0.5 + 1 MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP) in three
+dependent rounds.
 
 ``overlap=True`` (the default): a step finishes chunk ``c`` (``v_new``, the later rounds, the new state), refills
 chunk ``c``'s slot with chunk ``c + stages`` and issues chunk ``c + 1``'s first round, and while those products run
@@ -30,7 +37,8 @@ power of two not above its own row count) from the chunk's output tile, so no co
 The initial state is read from the pool by a TMA copy; the final states go to ``f32[N, Hv, K, V]`` and reach the
 pool by one scatter outside the kernel (live rows only).
 
-Shared memory at ``K = 128``, ``block_v = 64``, 2 stages: 114 KB of ring, 72 KB of state / operand / output tiles.
+Shared memory at ``K = 128``, ``block_v = 64``, 2 stages, one warpgroup: 114 KB of ring, 72 KB of state / operand /
+output tiles (:func:`smem_bytes`).
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed wgmma operand), bf16 operands, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of 64.
 
@@ -50,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kvjax.pallas.gdn.common import FLAG_HAS_INITIAL, FLAG_LIVE
-from kvjax.pallas.mgpu_common import SWIZZLE, interpret_params, iota
+from kvjax.pallas.mgpu_common import SWIZZLE, interpret_params, iota, produce_ring
 
 CHUNK = 64  # tokens per chunk: one wgmma M tile of one warpgroup
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -59,6 +67,7 @@ SMEM_BYTES = 232448  # shared memory a Hopper CTA may take (227 KB)
 MANY_CTAS = 128  # block_v=None: 64 value columns per CTA where that gives this many CTAs, else 32
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # f32[C] indexed by row, broadcast along columns
 _POW2_ROWS = (32, 16, 8, 4, 2, 1)  # partial chunks: the output copies' row counts
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232  # warpgroups > 1: a thread's registers (64K a CTA of 3)
 
 
 def _swizzled(block_v: int) -> tuple:
@@ -69,9 +78,19 @@ def _swizzled(block_v: int) -> tuple:
 
 
 def auto_block_v(num_rows: int, hv: int, vd: int) -> int:
-    """``block_v=None``: 64 value columns per CTA where ``num_rows * Hv * V / 64 >= MANY_CTAS``, else 32 (more,
-    narrower CTAs: the pass is latency-bound, one chunk after another, so idle SMs are lost time)."""
+    """``block_v=None`` with one warpgroup: 64 value columns per CTA where ``num_rows * Hv * V / 64 >= MANY_CTAS``,
+    else 32 (more, narrower CTAs: the pass is latency-bound, one chunk after another, so idle SMs are lost time)."""
     return 64 if num_rows * hv * (vd // 64) >= MANY_CTAS else 32
+
+
+def auto_layout(num_rows: int, hv: int, vd: int) -> tuple[int, int]:
+    """``block_v=None, warpgroups=None``: ``(block_v, warpgroups)``. Where the (row, head) pairs alone fill
+    ``MANY_CTAS`` CTAs and ``V = 128``: one CTA per pair, two 64-column consumer warpgroups sharing one ring (each
+    chunk's q, k, Tb and A loaded once; 1.40x one 64-column warpgroup a CTA at 8192 x 4, 32 value heads on an H200,
+    RESULTS.md "GDN chunked prefill"); else one warpgroup of :func:`auto_block_v` columns."""
+    if num_rows * hv >= MANY_CTAS and vd == 2 * 64:
+        return 64, 2
+    return auto_block_v(num_rows, hv, vd), 1
 
 
 def shape_reason(q: jax.Array, tb: jax.Array, v: jax.Array, *, block_v: int) -> str | None:
@@ -89,17 +108,19 @@ def shape_reason(q: jax.Array, tb: jax.Array, v: jax.Array, *, block_v: int) -> 
     return None
 
 
-def smem_bytes(kd: int, block_v: int, stages: int) -> int:
-    """Shared memory of one CTA: ``stages`` ring slots (q, k, v, Tb, A, four row factors) and the state, ``v_new``,
-    ``kf v_new``, output (two of them for rows of fewer than 128 bytes) and f32 state tiles."""
-    c = CHUNK
-    slot = 2 * (2 * c * kd + c * block_v + 2 * c * c) + 4 * 4 * c
+def smem_bytes(kd: int, block_v: int, stages: int, warpgroups: int = 1) -> int:
+    """Shared memory of one CTA: ``stages`` ring slots (q, k, a ``v`` block per warpgroup, Tb, A, four row factors)
+    and per warpgroup the state, ``v_new``, ``kf v_new`` and output tiles (two output tiles for rows of fewer than
+    128 bytes) and an f32 state tile; with ``warpgroups > 1`` the f32 state tiles share the ring's memory."""
+    c, w = CHUNK, warpgroups
+    slot = 2 * (2 * c * kd + w * c * block_v + 2 * c * c) + 4 * 4 * c
     out = (2 if block_v * 2 < SWIZZLE else 1) * (c + 2) * block_v
-    return stages * slot + 2 * (kd * block_v + 2 * c * block_v + out) + 4 * kd * block_v
+    ring, state = stages * slot, w * 4 * kd * block_v
+    return (max(ring, state) if w > 1 else ring + state) + w * 2 * (kd * block_v + 2 * c * block_v + out)
 
 
-def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpret: bool):
-    """``refs``: the inputs, outputs and scratch below."""
+def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgroups: int, interpret: bool):
+    """``refs``: the inputs, outputs and scratch below; ``warpgroups > 1``: warpgroup ``W`` the producer."""
     nvec = 4
     (cu_ref,  # i32[N+1]
      rows_ref,  # i32[N]
@@ -114,26 +135,34 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
     (pool_ref,  # f32[R, Hv, K, V]  initial states at rows
      o_ref,  # bf16[Tp, Hv, V]
      fin_ref,  # f32[N, Hv, K, V]  final states
-     q_s,  # bf16[S, C, K]  swizzled ring
+     ring,  # (q_s, k_s, tb_s, v_s, a_s, vec_s) and st_s; with warpgroups > 1 a RefUnion of the two
+     h_s,  # bf16[W, K, BV]  swizzled: the state as the right operand
+     vn_s,  # bf16[W, C, BV]  swizzled: first v - kr * (k S), then v_new
+     vk_s,  # bf16[W, C, BV]  swizzled: kf * v_new
+     o_s,  # bf16[W * B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
+     ready,  # barriers [S]: slot loaded (4 + W + 4 arrivals)
+     st_bar,  # barriers [W]: initial state loaded
+     *shared,  # warpgroups > 1: free [S] (W arrivals: every consumer is done with the slot), st_read and walked
+     #           (W arrivals each: every consumer read its initial state / finished its walk)
+     ) = refs[8 + nvec:]
+    (q_s,  # bf16[S, C, K]  swizzled ring
      k_s,  # bf16[S, C, K]  swizzled ring
      tb_s,  # bf16[S, C, C]  swizzled ring: Tb
-     v_s,  # bf16[S, C, BV]  swizzled ring: v
+     v_s,  # bf16[S * W, C, BV]  swizzled ring: v, one block per consumer
      a_s,  # bf16[S, C, C]  swizzled ring
      vec_s,  # f32[S, 4, C]  ring: qf, kf, gl, kr
-     h_s,  # bf16[K, BV]  swizzled: the state as the right operand
-     vn_s,  # bf16[C, BV]  swizzled: first v - kr * (k S), then v_new
-     vk_s,  # bf16[C, BV]  swizzled: kf * v_new
-     o_s,  # bf16[B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
-     st_s,  # f32[K, BV]  initial / final state
-     ready,  # barriers [S]: slot loaded (9 arrivals)
-     st_bar,  # barrier: initial state loaded
-     ) = refs[8 + nvec:]
+     ), (st_s,  # f32[W, K, BV]  initial / final state (shares the ring's memory when warpgroups > 1)
+         ) = ring
+    wgs = warpgroups
+    wg = lax.axis_index("wg") if wgs > 1 else 0
     n, hd, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
     num_seqs = rows_ref.shape[0]
     num_tokens = o_ref.shape[0]
     chunk = CHUNK
     hk = lax.div(hd, jnp.int32(group))
-    vs = pl.ds(pl.multiple_of(vb * block_v, block_v), block_v)
+    cons = jnp.minimum(wg, wgs - 1)  # this consumer (the producer warpgroup, wg == W, uses none of it)
+    vs = pl.ds(pl.multiple_of((vb * wgs + cons) * block_v, block_v), block_v)
+    h_w, vn_w, vk_w, st_w = h_s.at[cons], vn_s.at[cons], vk_s.at[cons], st_s.at[cons]
     f32, bf16 = jnp.float32, jnp.bfloat16
     start, end, flags, row = cu_ref[n], cu_ref[n + 1], flags_ref[n], rows_ref[n]
     live = (flags & FLAG_LIVE) != 0
@@ -142,15 +171,15 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
     hi = jnp.where(n == num_seqs - 1, num_tokens, end)
     c_lo, c_hi = lax.div(lo, jnp.int32(chunk)), lax.div(hi + chunk - 1, jnp.int32(chunk))
 
-    plgpu.copy_gmem_to_smem(pool_ref.at[jnp.clip(row, 0, pool_ref.shape[0] - 1), hd, :, vs], st_s, st_bar)
-
     def issue(c, slot):
         rs = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         bar = ready.at[slot]
         plgpu.copy_gmem_to_smem(q_ref.at[rs, hk], q_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[rs, hk], k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(tb_ref.at[c, hd], tb_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[rs, hd, vs], v_s.at[slot], bar)
+        for j in range(wgs):
+            cols = pl.ds(pl.multiple_of((vb * wgs + j) * block_v, block_v), block_v)
+            plgpu.copy_gmem_to_smem(v_ref.at[rs, hd, cols], v_s.at[slot * wgs + j], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
         for i, ref in enumerate(vec_refs):
             plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
@@ -179,7 +208,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
 
     ri = iota((chunk, block_v), 0, interpret)
 
-    narrow = o_s.shape[0] == 2  # rows of fewer than 128 bytes: a copy's shared-memory start must be 128-aligned
+    nb = o_s.shape[0] // wgs
+    narrow = nb == 2  # rows of fewer than 128 bytes: a copy's shared-memory start must be 128-aligned
 
     def write_rows(c, o):  # the chunk's output rows that this row owns, o: f32[C, BV]
         c0 = c * chunk
@@ -187,16 +217,16 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
         r1 = jnp.clip(hi - c0, 0, chunk)
         count = r1 - r0
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output copies have read o_s
-        o_s.at[0, pl.ds(0, chunk)][...] = o.astype(o_s.dtype)
+        o_s.at[cons * nb, pl.ds(0, chunk)][...] = o.astype(o_s.dtype)
         if narrow:  # a copy from an odd row reads the second buffer, which holds row r at r + 1 (even)
             @pl.when(count < chunk)
             def _():
-                o_s.at[1, pl.ds(1, chunk)][...] = o.astype(o_s.dtype)
+                o_s.at[cons * nb + 1, pl.ds(1, chunk)][...] = o.astype(o_s.dtype)
         plgpu.commit_smem()
 
         @pl.when(count == chunk)
         def _():
-            plgpu.copy_smem_to_gmem(o_s.at[0, pl.ds(0, chunk)],
+            plgpu.copy_smem_to_gmem(o_s.at[cons * nb, pl.ds(0, chunk)],
                                     o_ref.at[pl.ds(pl.multiple_of(c0, chunk), chunk), hd, vs])
 
         for size in _POW2_ROWS:
@@ -204,7 +234,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
             def _(size=size):
                 for r in (r0, r1 - size):
                     b = lax.rem(r, 2) if narrow else 0
-                    plgpu.copy_smem_to_gmem(o_s.at[b, pl.ds(r + b, size)], o_ref.at[pl.ds(c0 + r, size), hd, vs])
+                    plgpu.copy_smem_to_gmem(o_s.at[cons * nb + b, pl.ds(r + b, size)],
+                                            o_ref.at[pl.ds(c0 + r, size), hd, vs])
 
     nc = a_ref.shape[0]
 
@@ -215,14 +246,15 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
         slot = slot_of(c)
         r = c * chunk + ri
         in_seq = (r >= start) & (r < end) & live
-        vn_s[...] = (tile(v_s.at[slot]).astype(f32) - kh * bc_row(vec(vec_s.at[slot, 3]))).astype(bf16)
+        v_in = tile(v_s.at[slot * wgs + cons]).astype(f32)
+        vn_w[...] = (v_in - kh * bc_row(vec(vec_s.at[slot, 3]))).astype(bf16)
         plgpu.commit_smem()
-        (tx,) = products((tb_s.at[slot], False, vn_s))  # v_new = Tb (v - kr * (k S))
+        (tx,) = products((tb_s.at[slot], False, vn_w))  # v_new = Tb (v - kr * (k S))
         v_new = jnp.where(in_seq, tx, 0.0)
-        vn_s[...] = v_new.astype(bf16)
-        vk_s[...] = (v_new * bc_row(vec(vec_s.at[slot, 1]))).astype(bf16)
+        vn_w[...] = v_new.astype(bf16)
+        vk_w[...] = (v_new * bc_row(vec(vec_s.at[slot, 1]))).astype(bf16)
         plgpu.commit_smem()
-        av, kv = products((a_s.at[slot], False, vn_s), (k_s.at[slot], True, vk_s))
+        av, kv = products((a_s.at[slot], False, vn_w), (k_s.at[slot], True, vk_w))
         o = jnp.where(in_seq, qh * bc_row(vec(vec_s.at[slot, 0])) + av, 0.0)
         c0 = c * chunk
         any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
@@ -230,10 +262,10 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
         decay = jnp.where(any_in, jnp.exp(vec_s[slot, 2, first]), 1.0)
         return o, s * decay + kv
 
-    def step(c, s):  # s: f32[K, BV]
+    def step(c, s):  # s: f32[K, BV] (one warpgroup: it issues the copies itself)
         slot = slot_of(c)
         nxt = c + stages - 1
-        h_s[...] = s.astype(bf16)
+        h_w[...] = s.astype(bf16)
         plgpu.commit_smem()  # also: every thread is done reading the slot that the next copies refill
 
         @pl.when(nxt < c_hi)
@@ -241,51 +273,97 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
             issue(nxt, slot_of(nxt))
 
         plgpu.barrier_wait(ready.at[slot])
-        kh, qh = products((k_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+        kh, qh = products((k_s.at[slot], False, h_w), (q_s.at[slot], False, h_w))
         o, s = second_half(c, s, kh, qh)
         write_rows(c, o)
         return s
 
-    def first_half(c, during=None):  # k S and q S of chunk c (S in h_s); ``during()`` runs while they do
+    def first_half(c, during=None):  # k S and q S of chunk c (S in h_w); ``during()`` runs while they do
         slot = slot_of(c)
         plgpu.barrier_wait(ready.at[slot])
         if interpret:
             if during is not None:
                 during()
-            return products((k_s.at[slot], False, h_s), (q_s.at[slot], False, h_s))
+            return products((k_s.at[slot], False, h_w), (q_s.at[slot], False, h_w))
 
         def body(k_acc, q_acc):
-            plgpu.wgmma(k_acc, k_s.at[slot], h_s)
-            plgpu.wgmma(q_acc, q_s.at[slot], h_s)
+            plgpu.wgmma(k_acc, k_s.at[slot], h_w)
+            plgpu.wgmma(q_acc, q_s.at[slot], h_w)
             if during is not None:
                 during()
             return k_acc[...], q_acc[...]
 
         return pl.run_scoped(body, plgpu.ACC((chunk, block_v), f32), plgpu.ACC((chunk, block_v), f32))
 
-    def step_overlap(c, carry):  # chunk c from its k S, q S; then chunk c + 1's, its output copies meanwhile
-        s, kh, qh = carry
-        o, s = second_half(c, s, kh, qh)
-        h_s[...] = s.astype(bf16)
-        plgpu.commit_smem()  # also: every thread is done reading chunk c's slot, which the copies refill
+    def release(c):  # chunk c's slot may be refilled: one warpgroup issues the refill, more signal the producer
+        if wgs > 1:
+            plgpu.barrier_arrive(shared[0].at[slot_of(c)])
+            return
 
         @pl.when(c + stages <= c_hi)
         def _():
             issue(jnp.minimum(c + stages, nc - 1), slot_of(c))
 
+    def step_overlap(c, carry):  # chunk c from its k S, q S; then chunk c + 1's, its output copies meanwhile
+        s, kh, qh = carry
+        o, s = second_half(c, s, kh, qh)
+        h_w[...] = s.astype(bf16)
+        plgpu.commit_smem()  # also: every thread is done reading chunk c's slot, which the copies refill
+        release(c)
         kh, qh = first_half(c + 1, during=lambda: write_rows(c, o))
         return s, kh, qh
 
-    plgpu.barrier_wait(st_bar)
-    s0 = st_s[...] if interpret else plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA, optimized=False)
-    s0 = jnp.where(read, s0, 0.0)
+    def initial_state():
+        plgpu.copy_gmem_to_smem(pool_ref.at[jnp.clip(row, 0, pool_ref.shape[0] - 1), hd, :, vs], st_w,
+                                st_bar.at[cons])
+        plgpu.barrier_wait(st_bar.at[cons])
+        s0 = st_w[...] if interpret else plgpu.load(st_w, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        return jnp.where(read, s0, 0.0)
+
+    def final_state(s):
+        st_w[...] = s
+        plgpu.commit_smem()
+
+        @pl.when(live)
+        def _():
+            plgpu.copy_smem_to_gmem(st_w, fin_ref.at[n, hd, :, vs])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    if wgs > 1:  # a producer warpgroup fills the ring; W consumers, one value block each, share it
+        free, st_read, walked = shared
+
+        @pl.when(wg == wgs)
+        def _producer():
+            if not interpret and PRODUCER_REGISTERS:
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.barrier_wait(st_read)  # the ring's memory held the initial states until every consumer read them
+            produce_ring(c_hi - c_lo + 1, stages, lambda i, slot: issue(jnp.minimum(c_lo + i, nc - 1), slot),
+                         (free,))
+
+        @pl.when(wg < wgs)
+        def _consumer():
+            if not interpret and CONSUMER_REGISTERS:
+                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            s0 = initial_state()
+            plgpu.barrier_arrive(st_read)
+            h_w[...] = s0.astype(bf16)
+            plgpu.commit_smem()
+            s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
+            release(c_hi)  # the last (clamped) chunk: its k S, q S formed and unused
+            plgpu.barrier_arrive(walked)
+            plgpu.barrier_wait(walked)  # no consumer reads the ring any more: its memory takes the final states
+            final_state(s)
+        return
+
     if overlap:  # chunks c_lo .. c_hi are loaded and their k S, q S formed: the last (clamped) one unused
+        s0 = initial_state()
         for j in range(stages):
             @pl.when(c_lo + j <= c_hi)
             def _(j=j):
                 issue(jnp.minimum(c_lo + j, nc - 1), j)
 
-        h_s[...] = s0.astype(bf16)
+        h_w[...] = s0.astype(bf16)
         plgpu.commit_smem()
         s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
     else:
@@ -294,15 +372,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, interpr
             def _(j=j):
                 issue(c_lo + j, j)
 
-        s = lax.fori_loop(c_lo, c_hi, step, s0)
-    st_s[...] = s
-    plgpu.commit_smem()
-
-    @pl.when(live)
-    def _():
-        plgpu.copy_smem_to_gmem(st_s, fin_ref.at[n, hd, :, vs])
-
-    plgpu.wait_smem_to_gmem(0)
+        s = lax.fori_loop(c_lo, c_hi, step, initial_state())
+    final_state(s)
 
 
 def seq_mgpu_fused_call(
@@ -324,6 +395,7 @@ def seq_mgpu_fused_call(
     block_v: int | None = None,
     stages: int | None = None,
     overlap: bool = True,
+    warpgroups: int | None = None,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (o [Tp, Hv, V] in out_dtype, pool f32[R, Hv, K, V])
@@ -331,54 +403,77 @@ def seq_mgpu_fused_call(
     outputs of every token and the pool with each live row's final state at its index, ``v_new = tb (v - kr * (k
     S))`` formed from raw ``v`` (module docstring). ``ValueError`` for what :func:`shape_reason` rejects, a
     non-bf16 ``out_dtype`` or ``stages`` below 1 or over the shared memory (:func:`smem_bytes`).
-    ``block_v=None``: :func:`auto_block_v`. ``stages``: ring slots (shared memory at ``K = 128``: about 57 KB a
-    slot at ``block_v = 64``, 53 KB at 32, within 227 KB with the other tiles); ``None``: 2, or 1 where 2 do not
-    fit. ``overlap``: the loop form (module docstring). ``semantics``: the Mosaic GPU lowering (Lane: the register
-    layouts the kernel names)."""
+    ``block_v`` value columns per consumer warpgroup and ``warpgroups`` consumer warpgroups a CTA (module
+    docstring); both ``None``: :func:`auto_layout`; ``block_v`` alone: one warpgroup; ``warpgroups`` alone: at most 64
+    columns each (one warpgroup: :func:`auto_block_v`). ``stages``: ring slots (shared memory at ``K = 128``: about 57
+    KB a slot at ``block_v = 64``, 53 KB at 32, within 227 KB with the other tiles, :func:`smem_bytes`); ``None``: 2,
+    or 1 where 2 do not fit. ``overlap``: the loop form (module docstring; more than one warpgroup needs it).
+    ``semantics``: the Mosaic GPU lowering (Lane: the register layouts the kernel names). ``ValueError`` also for
+    ``warpgroups`` not a positive int or ``warpgroups * block_v`` not dividing ``V``."""
     vecs = (qf, kf, gl, kr)
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
     vd = v.shape[-1]
-    if block_v is None:
-        block_v = auto_block_v(rows.shape[0], hv, vd)
+    if block_v is None and warpgroups is None:
+        block_v, warpgroups = auto_layout(rows.shape[0], hv, vd)
+    elif block_v is None:  # warpgroups given: one warpgroup's own pick, else V shared out (at most 64 columns each)
+        many = isinstance(warpgroups, int) and not isinstance(warpgroups, bool) and warpgroups > 1
+        block_v = min(64, vd // warpgroups) if many else auto_block_v(rows.shape[0], hv, vd)
+    warpgroups = 1 if warpgroups is None else warpgroups
     reason = shape_reason(q, tb, v, block_v=block_v)
     if reason:
         raise ValueError(f"seq_mgpu {reason}")
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
+    wgs = warpgroups
+    if isinstance(wgs, bool) or not isinstance(wgs, int) or wgs < 1 or vd % (wgs * block_v):
+        raise ValueError(f"seq_mgpu warpgroups must be a positive int with warpgroups * block_v dividing V={vd}, got "
+                         f"{warpgroups} (block_v={block_v})")
+    if wgs > 1 and not overlap:
+        raise ValueError("seq_mgpu warpgroups > 1 needs overlap=True")
     if stages is None:
-        stages = 2 if smem_bytes(kd, block_v, 2) <= SMEM_BYTES else 1
-    if stages < 1 or smem_bytes(kd, block_v, stages) > SMEM_BYTES:
+        stages = 2 if smem_bytes(kd, block_v, 2, wgs) <= SMEM_BYTES else 1
+    if stages < 1 or smem_bytes(kd, block_v, stages, wgs) > SMEM_BYTES:
         raise ValueError(f"seq_mgpu stages must be >= 1 and fit {SMEM_BYTES} bytes of shared memory, got {stages} "
-                         f"({smem_bytes(kd, block_v, stages)} bytes at K={kd}, block_v={block_v})")
+                         f"({smem_bytes(kd, block_v, stages, wgs)} bytes at K={kd}, block_v={block_v}, "
+                         f"warpgroups={wgs})")
     num_seqs = rows.shape[0]
     bf16 = jnp.bfloat16
     swz = _swizzled(block_v)
-    scratch = (
+    ring = (
         plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, kd), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
-        plgpu.SMEM((stages, chunk, block_v), bf16, transforms=swz),
+        plgpu.SMEM((stages * wgs, chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
         plgpu.SMEM((stages, len(vecs), chunk), jnp.float32),
-        plgpu.SMEM((kd, block_v), bf16, transforms=swz),
-        plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
-        plgpu.SMEM((chunk, block_v), bf16, transforms=swz),
-        plgpu.SMEM((2 if block_v * 2 < SWIZZLE else 1, chunk + 2, block_v), bf16),
-        plgpu.SMEM((kd, block_v), jnp.float32),
-        plgpu.Barrier(num_arrivals=5 + len(vecs), num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1),
+    ), (plgpu.SMEM((wgs, kd, block_v), jnp.float32),)
+    union = plgpu.RefUnion if wgs > 1 and not interpret else lambda *groups: groups  # the interpreter has none
+    scratch = (
+        union(*ring),
+        plgpu.SMEM((wgs, kd, block_v), bf16, transforms=swz),
+        plgpu.SMEM((wgs, chunk, block_v), bf16, transforms=swz),
+        plgpu.SMEM((wgs, chunk, block_v), bf16, transforms=swz),
+        plgpu.SMEM((wgs * (2 if block_v * 2 < SWIZZLE else 1), chunk + 2, block_v), bf16),
+        plgpu.Barrier(num_arrivals=4 + wgs + len(vecs), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
     )
+    threads = {}
+    if wgs > 1:
+        scratch += (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages), plgpu.Barrier(num_arrivals=wgs),
+                    plgpu.Barrier(num_arrivals=wgs))
+        threads = dict(num_threads=wgs + 1, thread_name="wg")
     kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, overlap=overlap,
-                               interpret=interpret)
+                               warpgroups=wgs, interpret=interpret)
     o, fin = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((tp, hv, vd), bf16),
                   jax.ShapeDtypeStruct((num_seqs, hv, kd, vd), jnp.float32)),
         scratch_types=scratch,
-        grid=(num_seqs, hv, vd // block_v),
+        grid=(num_seqs, hv, vd // (block_v * wgs)),
         grid_names=("rows", "heads", "vblocks"),
-        kernel_name="gdn_seq_mgpu_fused",
+        **threads,
+        kernel_name="gdn_seq_mgpu_fused" + (f"_w{wgs}" if wgs > 1 else ""),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
         interpret=interpret_params() if interpret else None,
     )(cu_seqlens, rows, flags, q, k, tb, v, a, *vecs, pool)
