@@ -208,7 +208,8 @@ SWEEP_ONE = {  # variants timed beside the public op at one sequence (pool kerne
     # settings that lost (wider blocks, 2 or 8 warps, 3 stages) are in benchmarks/HISTORY.md (issue 38)
     "seq": dict(segment_chunks=0),
 }
-SWEEP_MANY: dict = {}  # ... and at several sequences (the public op runs the sequential kernel there)
+SWEEP_MANY: dict = {}  # ... and at several sequences (the public op runs the fused pass with two warpgroups a CTA
+# there since HISTORY run 213; its one-warpgroup form and the Mosaic prep + Triton pass: runs 212-213)
 
 
 def flashqla_jax(variants: bool = True, shapes: list[int] | None = None) -> list[dict]:
