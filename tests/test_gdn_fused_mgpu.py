@@ -213,12 +213,12 @@ def test_fused_interpret(rng, hk, hv, kd, vd, block_v):
 
 
 def test_fused_kernel_variants_interpret(rng):
-    """``seq_mgpu_fused_call`` itself against the Triton sequential kernel on the default preparation's operands,
-    without the overlap (2 stages), with it at 3 stages, and with two consumer warpgroups of 32 columns sharing the
-    ring (a producer warpgroup, the state tiles in the ring's memory); rows at chunk edges (an empty row on a chunk
-    boundary, three rows sharing a chunk, an empty last row), as segments would be walked from given start states;
-    the two-warpgroup form on two rows sharing a chunk, one without an initial state (the interpreter takes ~7 s a
-    CTA there; the GPU test walks the ragged grid)."""
+    """``seq_mgpu_fused_call`` itself against the Triton sequential kernel on the default preparation's operands:
+    without the overlap (2 stages) and with it at 3 stages on rows at chunk edges (an empty row on a chunk boundary,
+    three rows sharing a chunk, an empty last row), as segments would be walked from given start states; with two
+    consumer warpgroups of 32 columns sharing the ring (a producer warpgroup, the state tiles in the ring's memory) on
+    two rows sharing a chunk, one without an initial state (the interpreter takes ~7 s a CTA there; the GPU test
+    walks the ragged grid)."""
     from kvjax.pallas.gdn.chunk import _chunk_call
     from kvjax.pallas.gdn.prep import prepare
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
