@@ -161,7 +161,11 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
     chunk = CHUNK
     hk = lax.div(hd, jnp.int32(group))
     cons = jnp.minimum(wg, wgs - 1)  # this consumer (the producer warpgroup, wg == W, uses none of it)
-    vs = pl.ds(pl.multiple_of((vb * wgs + cons) * block_v, block_v), block_v)
+
+    def value_cols(j):  # consumer j's block_v value columns
+        return pl.ds(pl.multiple_of((vb * wgs + j) * block_v, block_v), block_v)
+
+    vs = value_cols(cons)
     h_w, vn_w, vk_w, st_w = h_s.at[cons], vn_s.at[cons], vk_s.at[cons], st_s.at[cons]
     f32, bf16 = jnp.float32, jnp.bfloat16
     start, end, flags, row = cu_ref[n], cu_ref[n + 1], flags_ref[n], rows_ref[n]
@@ -178,8 +182,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         plgpu.copy_gmem_to_smem(k_ref.at[rs, hk], k_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(tb_ref.at[c, hd], tb_s.at[slot], bar)
         for j in range(wgs):
-            cols = pl.ds(pl.multiple_of((vb * wgs + j) * block_v, block_v), block_v)
-            plgpu.copy_gmem_to_smem(v_ref.at[rs, hd, cols], v_s.at[slot * wgs + j], bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[rs, hd, value_cols(j)], v_s.at[slot * wgs + j], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
         for i, ref in enumerate(vec_refs):
             plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
@@ -414,21 +417,26 @@ def seq_mgpu_fused_call(
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
     vd = v.shape[-1]
-    if block_v is None and warpgroups is None:
-        block_v, warpgroups = auto_layout(rows.shape[0], hv, vd)
+    wgs = warpgroups
+
+    def bad_warpgroups():
+        return ValueError(f"seq_mgpu warpgroups must be a positive int with warpgroups * block_v dividing V={vd}, "
+                          f"got {warpgroups} (block_v={block_v})")
+
+    if wgs is not None and (isinstance(wgs, bool) or not isinstance(wgs, int) or wgs < 1):
+        raise bad_warpgroups()
+    if block_v is None and wgs is None:
+        block_v, wgs = auto_layout(rows.shape[0], hv, vd)
     elif block_v is None:  # warpgroups given: one warpgroup's own pick, else V shared out (at most 64 columns each)
-        many = isinstance(warpgroups, int) and not isinstance(warpgroups, bool) and warpgroups > 1
-        block_v = min(64, vd // warpgroups) if many else auto_block_v(rows.shape[0], hv, vd)
-    warpgroups = 1 if warpgroups is None else warpgroups
+        block_v = min(64, vd // wgs) if wgs > 1 else auto_block_v(rows.shape[0], hv, vd)
+    wgs = wgs or 1
     reason = shape_reason(q, tb, v, block_v=block_v)
     if reason:
         raise ValueError(f"seq_mgpu {reason}")
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
-    wgs = warpgroups
-    if isinstance(wgs, bool) or not isinstance(wgs, int) or wgs < 1 or vd % (wgs * block_v):
-        raise ValueError(f"seq_mgpu warpgroups must be a positive int with warpgroups * block_v dividing V={vd}, got "
-                         f"{warpgroups} (block_v={block_v})")
+    if vd % (wgs * block_v):
+        raise bad_warpgroups()
     if wgs > 1 and not overlap:
         raise ValueError("seq_mgpu warpgroups > 1 needs overlap=True")
     if stages is None:
