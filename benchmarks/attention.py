@@ -71,6 +71,15 @@ def _quantise(pages):
     return quantise(pages)
 
 
+def _pages(kp, vp, fp8: bool):
+    """``(kp, vp, scales)``: the pages as they are (``scales`` None), or as fp8 pages (:func:`_quantise`) with
+    ``scales = (k_scale, v_scale)``."""
+    if not fp8:
+        return kp, vp, None
+    (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
+    return kp, vp, (ks, vs)
+
+
 def _paged(q, kp, vp, bt, sl, cu, window, sinks, scales=None):
     """Setup over one paged batch: the public op per impl and its float32 reference. ``scales``: ``(k_scale,
     v_scale)`` f32[P] each, for fp8 pages."""
@@ -163,10 +172,7 @@ def _swa_setup(shape, window: int, fp8: bool = False) -> Setup:
     snk = jnp.array([0] * half + [SINKS] * (hkv - half), jnp.int32)  # i32[Hkv]
     col = jnp.arange(l // ps)[None, None, :]
     dead = (win[None, :, None] > 0) & ((col + 1) * ps <= l - win[None, :, None]) & (col * ps >= snk[None, :, None])
-    scales = None
-    if fp8:  # fp8 pages for both: the bytes-prediction ratio over fp8 pages
-        (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
-        scales = (ks, vs)
+    kp, vp, scales = _pages(kp, vp, fp8)  # fp8 pages for both: the bytes-prediction ratio over fp8 pages
     swa_bt = jnp.where(dead, -1, bt)  # pages below the window recycled
     setup = _paged(q, kp, vp, swa_bt, sl, cu, win, snk, scales)
     _grid_order(setup, q, kp, vp, swa_bt, sl, cu, win, snk, scales)
@@ -182,10 +188,7 @@ def _ragged_setup(shape, fp8: bool = False) -> Setup:
     b, long, short, hq, hkv, d, ps = shape
     q, kp, vp, bt, _, _, cu = _decode_batch(b, long, hq, hkv, d, ps, seed=4)
     sl = jnp.where(jnp.arange(b) % 2 == 0, long, short).astype(jnp.int32)  # i32[B]: long and short rows alternate
-    scales = None
-    if fp8:
-        (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
-        scales = (ks, vs)
+    kp, vp, scales = _pages(kp, vp, fp8)
     setup = _paged(q, kp, vp, bt, sl, cu, 0, 0, scales)
     _grid_order(setup, q, kp, vp, bt, sl, cu, scales=scales)
     return setup
@@ -208,10 +211,7 @@ def _prefill_setup(t: int, h: int, d: int, ps: int, fp8: bool = False) -> Setup:
     perm = jax.random.permutation(jax.random.fold_in(keys[3], ps), h * blocks).astype(jnp.int32)
     pages = lambda x: jnp.zeros((h * blocks, ps, d), x.dtype).at[perm].set(  # noqa: E731
         jnp.swapaxes(x, 0, 1).reshape(h * blocks, ps, d))  # page bt[0, hh, j] holds x[j*ps:(j+1)*ps, hh]
-    kp, vp, scales = pages(k), pages(v), None
-    if fp8:
-        (kp, ks), (vp, vs) = _quantise(kp), _quantise(vp)
-        scales = (ks, vs)
+    kp, vp, scales = _pages(pages(k), pages(v), fp8)
     setup = _paged(q, kp, vp, perm.reshape(1, h, blocks), jnp.array([t], jnp.int32), jnp.array([0, t], jnp.int32),
                    0, 0, scales)
     if fp8:  # the anchors read the unquantised bf16 values: timed, not compared
