@@ -19,25 +19,28 @@ wgmma layout of the previous accumulator) and its right operand stored to one sh
 ``u`` (issued together) take ``T`` in bf16. Every operand is rounded to bf16 where the Triton kernel rounds it
 (``PrepConfig.inverse_dtype="bf16"``). ``A``, ``w``, ``u`` and the row factors go back by TMA from shared memory
 (``w`` through q's tile, which takes ``beta exp(gc) k`` once q is read, ``u`` through v's own tile). Shared
-memory at ``K = V = 128``: 49 KB + 16.5 KB per value head of the CTA.
+memory at ``K = V = 128``: 49.5 KB + 17 KB per value head of the CTA.
 
 Row and column vectors: a per-token vector is a wgmma row vector (``Layout.WGMMA.reduce(1)``, broadcast along
-columns) or column vector (``reduce(0)``). The segment ids are loaded as a row vector, the log-decay as a column
-vector and beta as a row vector; the segment ids' and ``gc``'s column forms are the column sums of their masked
-diagonals and ``|k_j|^2`` is the diagonal of ``k k^T`` (a row sum and a column sum of its masked diagonal), so no
-vector is transposed through memory and no shared-memory vector is read in two layouts (under jax 0.11's
-Warpgroup semantics the two reads become one value that no layout can serve).
+columns) or column vector (``reduce(0)``). A column sum of a ``[C, C]`` array crosses the warpgroup's four warps,
+so no column form is computed that way: the segment ids and beta are copied twice (one shared-memory vector read as
+a row vector, one as a column vector), the log-decay once (read as a column vector), and the row vectors the kernel
+forms, ``gc`` (a row sum over the segment's earlier tokens) and ``|k|^-1`` (from the diagonal of ``k k^T``), are
+stored to shared memory and read back as column vectors. No shared-memory vector is read in two layouts (under jax
+0.11's Warpgroup semantics the two reads become one value that no layout can serve). Measured on an H200 (issue 38,
+RESULTS.md) against column sums of masked diagonals: the same bits, ``outputs="inverse"`` 1.19-1.41x and
+``outputs="all"`` 1.11-1.21x faster.
 
 Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 MFLOP, once per CTA), 10
-inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.5 KB (v, g, beta)
-per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
+inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.75 KB (v, g, beta
+twice) per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 
 ``outputs="inverse"`` (FlashQLA's layout, for the fused sequential pass ``seq_mgpu_fused_call``, which forms
 ``v_new = Tb (v - kr * (k S))`` from raw v): no v load and no ``w`` / ``u`` products or stores; per value head the
 kernel writes ``Tb = T diag(beta)`` (bf16 64 x 64, through the inverse's operand tile), ``A``, ``qf``, ``kf``,
 ``gl`` and ``kr = |k|^-1 exp(gc)`` (the row factor that ``w``'s product folded into ``k``). Per value head at
-``K = V = 128``: the 10 inverse products only (5.2 MFLOP; no 2 MFLOP of ``w`` / ``u``), reads 0.5 KB (g, beta),
-writes 17 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written.
+``K = V = 128``: the 10 inverse products only (5.2 MFLOP; no 2 MFLOP of ``w`` / ``u``), reads 0.75 KB (g, beta
+twice), writes 17 KB (Tb, A, four f32 row factors) instead of 16.75 KB read and 40.8 KB written.
 
 ``outputs="inverse"`` runs its value heads' inverses in lockstep (issue 38: the kernel is bound by the inverse's
 latency, 8 dependent wgmma waits per value head, not by its bytes; measured on an H200 1.06-1.08x faster than one
@@ -51,7 +54,7 @@ bf16 in ``lo_s[j]`` for the last product, so per head at most 3.5 f32 ``[C, C]``
 (112 registers a thread, 224 for two heads: an estimate, not a measurement), and ``q k^T`` / ``k k^T`` are dead
 once the last head's ``A`` and ``L`` are formed. Every value is rounded as in the one-head-after-another form it
 replaced, whose outputs it matched bit for bit on an H200. Shared memory: ``2 G - 1`` more 8 KB tiles (``op_s`` is
-``bf16[G, C, C]``, and ``lo_s``): 74 KB a CTA at ``K = V = 128`` and ``G`` = 2 heads, so two CTAs still fit an SM's
+``bf16[G, C, C]``, and ``lo_s``): 76 KB a CTA at ``K = V = 128`` and ``G`` = 2 heads, so two CTAs still fit an SM's
 shared memory.
 
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
@@ -113,7 +116,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          qf_ref, kf_ref, gl_ref,  # f32[NC, Hv, C]
          tb_ref,  # bf16[NC, Hv, C, C]  T diag(beta)
          kr_ref,  # f32[NC, Hv, C]  |k|^-1 exp(gc): the rows of k S in v_new = Tb (v - kr * (k S))
-         seg_s, q_s, k_s, g_s, b_s, a_s, vec_s, op_s, qk_bar, v_bar) = refs
+         seg_s, q_s, k_s, tok_s, rk_s, a_s, vec_s, op_s, qk_bar, v_bar) = refs
         v_ref = w_ref = u_ref = v_s = None
     else:
         (seg_ref, q_ref, k_ref,
@@ -122,17 +125,18 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          w_ref,  # bf16[NC, Hv, C, K]
          u_ref,  # bf16[NC, Hv, C, V]
          a_ref, qf_ref, kf_ref, gl_ref,
-         seg_s,  # i32[C]
+         seg_s,  # i32[2, C]  the segment ids twice: read as a row vector ([0]) and as a column vector ([1])
          q_s,  # bf16[C, K]  swizzled: q, then per value head beta exp(gc) k, then w
          k_s,  # bf16[C, K]  swizzled
          v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u (G = the CTA's value heads)
-         g_s,  # f32[G, C]
-         b_s,  # f32[G, C]
+         tok_s,  # f32[G, 4, C]  per value head g (read as a column vector), beta twice (row, column), gc (written
+         #         as a row vector, read as a column vector)
+         rk_s,  # f32[C]  use_qk_l2norm: |k|^-1, written as a row vector, read as a column vector
          a_s,  # bf16[C, C]  swizzled: A
          vec_s,  # f32[3, C]  qf, kf, gl (inverse_only: f32[4, C], and kr)
          op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products (inverse_only: bf16[G, C, C], then Tb)
-         qk_bar,  # barrier: seg, q, k loaded (3 arrivals)
-         v_bar,  # barriers [G]: (v,) g, beta of value head j loaded (3 arrivals; inverse_only 2)
+         qk_bar,  # barrier: seg (twice), q, k loaded (4 arrivals)
+         v_bar,  # barriers [G]: (v,) g, beta (twice) of value head j loaded (4 arrivals; inverse_only 3)
          ) = refs
         tb_ref = kr_ref = None
     c = lax.axis_index("chunk")
@@ -144,15 +148,16 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
     kd = q_s.shape[1]
     vd = None if inverse_only else v_s.shape[2]
 
-    plgpu.copy_gmem_to_smem(seg_ref.at[rows], seg_s, qk_bar)
+    for i in range(2):
+        plgpu.copy_gmem_to_smem(seg_ref.at[rows], seg_s.at[i], qk_bar)
     plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, qk_bar)
     plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, qk_bar)
     for j in range(heads):
         h = h0 + j
         if not inverse_only:
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_s.at[j], v_bar.at[j])
-        plgpu.copy_gmem_to_smem(g_ref.at[h, rows], g_s.at[j], v_bar.at[j])
-        plgpu.copy_gmem_to_smem(b_ref.at[h, rows], b_s.at[j], v_bar.at[j])
+        for i, src in enumerate((g_ref, b_ref, b_ref)):
+            plgpu.copy_gmem_to_smem(src.at[h, rows], tok_s.at[j, i], v_bar.at[j])
 
     def vec(ref, layout):  # a per-token vector of shared memory as a row or column vector
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=False)
@@ -226,8 +231,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         return tinv
 
     plgpu.barrier_wait(qk_bar)
-    seg_r = vec(seg_s, _ROW)
-    seg_c = jnp.sum(jnp.where(eye, bc_row(seg_r), 0), axis=0)  # column form: its masked diagonal's column sum
+    seg_r, seg_c = vec(seg_s.at[0], _ROW), vec(seg_s.at[1], _COL)
     in_seq = seg_r >= 0
     same = (bc_row(seg_r) == bc_col(seg_c)) & bc_row(in_seq)
     keep = same & (ri >= ci)
@@ -237,7 +241,9 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         rq = lax.rsqrt(jnp.sum(q_rows * q_rows, axis=1) + L2NORM_EPS)
         kk_diag = jnp.where(eye, kk, 0.0)
         rk = lax.rsqrt(jnp.sum(kk_diag, axis=1) + L2NORM_EPS)
-        rk_c = lax.rsqrt(jnp.sum(kk_diag, axis=0) + L2NORM_EPS)
+        rk_s[...] = rk
+        plgpu.commit_smem()
+        rk_c = vec(rk_s, _COL)
         qk = qk * bc_row(rq * scale) * bc_col(rk_c)
         kk = kk * bc_row(rk) * bc_col(rk_c)
     else:
@@ -248,10 +254,12 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
 
     def head_rows(j, h, stage):  # value head j (h) of the CTA: gc, beta, decay; writes A, the row factors and stage's
         plgpu.barrier_wait(v_bar.at[j])
-        g_c, beta = vec(g_s.at[j], _COL), vec(b_s.at[j], _ROW)
+        g_c, beta = vec(tok_s.at[j, 0], _COL), vec(tok_s.at[j, 1], _ROW)
         gc = jnp.sum(jnp.where(keep, bc_col(g_c), 0.0), axis=1)  # row vector
         gl = jnp.sum(jnp.where(same, bc_col(g_c), 0.0), axis=1)
-        gc_c = jnp.sum(jnp.where(eye, bc_row(gc), 0.0), axis=0)  # gc as a column vector
+        tok_s.at[j, 3][...] = gc
+        plgpu.commit_smem()
+        gc_c = vec(tok_s.at[j, 3], _COL)  # gc as a column vector, through shared memory
         decay = jnp.exp(jnp.where(keep, bc_row(gc) - bc_col(gc_c), -jnp.inf))  # f32[C, C]
         if j:  # the previous head's output copies must have read a_s, vec_s and kb_s
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -268,15 +276,14 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         plgpu.copy_smem_to_gmem(a_s, a_ref.at[c, h])
         for i, out in enumerate((qf_ref, kf_ref, gl_ref, kr_ref) if inverse_only else (qf_ref, kf_ref, gl_ref)):
             plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
-        return gc, beta, decay
+        return gc, beta, vec(tok_s.at[j, 2], _COL), decay
 
     def scaled_kv(j, gc, beta):  # kb_s = beta exp(gc) k and v_s[j] = beta v, in bf16
         kb_s[...] = (tile(k_s).astype(f32) * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
         v_j = v_s.at[j]
         v_j[...] = (tile(v_j).astype(f32) * bc_row(beta, vd)).astype(bf16)
 
-    def tb_tile(tinv, beta):  # Tb = T diag(beta), rounded once to bf16 (as w / u take T)
-        beta_c = jnp.sum(jnp.where(eye, bc_row(beta), 0.0), axis=0)  # beta as a column vector
+    def tb_tile(tinv, beta_c):  # Tb = T diag(beta), rounded once to bf16 (as w / u take T); beta_c: column vector
         return (tinv * bc_col(beta_c)).astype(bf16)
 
     def doubling(invs, steps):  # inv_j (I + P^2) (I + P^4) ... for each head: invs[j] = I + P_j, op_s[j] = bf16(P_j)
@@ -295,13 +302,13 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
     def lockstep_inverses():  # inverse_only: every value head's inverse in lockstep (a step's products: one group)
         inv_d, betas = [], []
         for j in range(heads):
-            gc, beta, decay = head_rows(j, h0 + j, lambda gc, beta: None)
+            gc, beta, beta_c, decay = head_rows(j, h0 + j, lambda gc, beta: None)
             lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
             power = -jnp.where(block_diag, lmat, 0.0)
             op_s.at[j][...] = power.astype(bf16)
             lo_s.at[j][...] = jnp.where(block_diag, 0.0, lmat).astype(bf16)
             inv_d.append(eye_f + power)
-            betas.append(beta)
+            betas.append(beta_c)
         plgpu.commit_smem()
         inv_d = doubling(inv_d, int(np.log2(SUB)) - 1)  # (I + D)^-1 of each head
         accs = products(*[(inv, lo_s.at[j], False) for j, inv in enumerate(inv_d)])
@@ -328,7 +335,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         return
     for j in range(heads):
         h = h0 + j
-        gc, beta, decay = head_rows(j, h, lambda gc, beta: scaled_kv(j, gc, beta))
+        gc, beta, _, decay = head_rows(j, h, lambda gc, beta: scaled_kv(j, gc, beta))
         lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
         tinv = inverse(lmat)
         v_j = v_s.at[j]
@@ -389,17 +396,17 @@ def prep_mgpu_call(
     tiles = jax.ShapeDtypeStruct((nc, hv, chunk, chunk), bf16)
     v_tiles = () if inverse_only else (plgpu.SMEM((heads, chunk, vd), bf16, transforms=swizzled(bf16)),)
     scratch = (
-        plgpu.SMEM((chunk,), jnp.int32),
+        plgpu.SMEM((2, chunk), jnp.int32),
         plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
         plgpu.SMEM((chunk, kd), bf16, transforms=swizzled(bf16)),
         *v_tiles,
-        plgpu.SMEM((heads, chunk), jnp.float32),
-        plgpu.SMEM((heads, chunk), jnp.float32),
+        plgpu.SMEM((heads, 4, chunk), jnp.float32),
+        plgpu.SMEM((chunk,), jnp.float32),
         plgpu.SMEM((chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.SMEM((4 if inverse_only else 3, chunk), jnp.float32),
         plgpu.SMEM((heads, chunk, chunk) if inverse_only else (chunk, chunk), bf16, transforms=swizzled(bf16)),
-        plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=2 if inverse_only else 3, num_barriers=heads),
+        plgpu.Barrier(num_arrivals=4),
+        plgpu.Barrier(num_arrivals=3 if inverse_only else 4, num_barriers=heads),
         *([plgpu.SMEM((heads, chunk, chunk), bf16, transforms=swizzled(bf16))] if inverse_only else []),
     )
     kernel = functools.partial(_kernel, group=group, heads=heads, scale=scale, use_qk_l2norm=use_qk_l2norm,
