@@ -37,6 +37,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
+    # the long-running tests (marked slow) first, in their order: under xdist's worksteal (pyproject) the workers
+    # start on the long ones and steal short ones from each other's tails, so neither waits on the other's last test
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")

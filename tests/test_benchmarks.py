@@ -31,6 +31,7 @@ def bench():
             del sys.modules[name]
 
 
+@pytest.mark.slow
 def test_every_subject_runs_checks_and_writes_every_column(bench, tmp_path):
     runner, _, _ = bench
     out = tmp_path / "bench.json"

@@ -212,6 +212,7 @@ def test_fused_interpret(rng, hk, hv, kd, vd, block_v):
     check_fused(rng, [5, 0, 23, 40, 70], hk, hv, kd, vd, block_v=block_v, interpret=True)
 
 
+@pytest.mark.slow
 def test_fused_kernel_variants_interpret(rng):
     """``seq_mgpu_fused_call`` itself against the Triton sequential kernel on the default preparation's operands:
     without the overlap (2 stages) and with it at 3 stages on rows at chunk edges (an empty row on a chunk boundary,

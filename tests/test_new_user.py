@@ -30,6 +30,7 @@ def kvjax(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProc
     return proc
 
 
+@pytest.mark.slow
 def test_run_cpu_preset_small(tmp_path):
     args = ("run", "--requests", "3", "--repeats", "2", "--json", "run.json", "--no-progress", "--compile-cache", "cc")
     proc = kvjax(*args, cwd=tmp_path)

@@ -149,6 +149,7 @@ def test_prefill_mosaic_interpret(rng, monkeypatch, page_size):
         prefill_mgpu.paged_prefill_mgpu(small_pages, interpret=True)
 
 
+@pytest.mark.slow
 def test_prefill_mosaic_interpret_fp8_programs(rng, monkeypatch):
     # fp8 pages (e4m3 q K^T, V converted into the shared f16 buffers by the producer warpgroup; no q box copied
     # ahead), pages of 64 (two a slot, per-column scales), 6 tiles of 2 heads: the default 2 programs (6 rounds each)

@@ -45,6 +45,7 @@ def _save_tokenizer(path) -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(path)
 
 
+@pytest.mark.slow
 def test_readme_python_snippet_runs(tmp_path):
     _, path = saved_hf_model(tmp_path, seed=1)
     _save_tokenizer(path)

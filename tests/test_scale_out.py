@@ -161,6 +161,7 @@ def test_run_table_shows_per_device_figures():
 # ---------------------------------------------------------------------------------------------- 8 devices
 
 
+@pytest.mark.slow
 def test_tp_preset_on_8_cpu_devices():
     if INNER:
         pytest.skip("already inside the 8-device run")
@@ -224,6 +225,7 @@ def test_process_shares_cover_the_workload_keep_chains_and_balance_tokens():
 
 
 @pytest.mark.parametrize("mesh", [[], ["--devices", "2"]], ids=["one engine per process", "one mesh"])
+@pytest.mark.slow
 def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
     """Two processes give one process's tokens: each with its own engine on its share of the requests (data
     parallel, the default), or both on one 2x1 mesh over their devices."""

@@ -35,6 +35,7 @@ TOL = 1e-5
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
 
 
+@pytest.mark.slow
 def test_sharding_on_8_cpu_devices():
     if INNER:
         pytest.skip("already inside the 8-device run")

@@ -174,6 +174,7 @@ MATRIX = FULL if os.environ.get("KVJAX_FULL_MATRIX") == "1" else COVER
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek"])
+@pytest.mark.slow
 def test_mesh_engine_on_8_cpu_devices(family):
     if INNER:
         pytest.skip("already inside the 8-device run")
@@ -365,6 +366,7 @@ def _worker(process_id: int, port: int, out: str) -> None:
     jax.distributed.shutdown()
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path):
     if INNER:
         pytest.skip("runs in the main test process")

@@ -10,6 +10,7 @@ import pytest
 from helpers.bench import import_bench
 
 
+@pytest.mark.slow
 def test_spec_benchmark_smoke(tmp_path, capsys):
     bench = import_bench("spec")
     out = tmp_path / "spec.json"
