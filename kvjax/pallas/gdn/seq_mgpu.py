@@ -316,6 +316,12 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         kh, qh = first_half(c + 1, during=lambda: write_rows(c, o))
         return s, kh, qh
 
+    def walk(s0):  # the overlap loop over chunks c_lo .. c_hi - 1 from state s0 (the ring's first chunks issued)
+        h_w[...] = s0.astype(bf16)
+        plgpu.commit_smem()
+        s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
+        return s
+
     def initial_state():
         plgpu.copy_gmem_to_smem(pool_ref.at[jnp.clip(row, 0, pool_ref.shape[0] - 1), hd, :, vs], st_w,
                                 st_bar.at[cons])
@@ -350,9 +356,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
                 plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             s0 = initial_state()
             plgpu.barrier_arrive(st_read)
-            h_w[...] = s0.astype(bf16)
-            plgpu.commit_smem()
-            s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
+            s = walk(s0)
             release(c_hi)  # the last (clamped) chunk: its k S, q S formed and unused
             plgpu.barrier_arrive(walked)
             plgpu.barrier_wait(walked)  # no consumer reads the ring any more: its memory takes the final states
@@ -366,9 +370,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
             def _(j=j):
                 issue(jnp.minimum(c_lo + j, nc - 1), j)
 
-        h_w[...] = s0.astype(bf16)
-        plgpu.commit_smem()
-        s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
+        s = walk(s0)
     else:
         for j in range(stages - 1):
             @pl.when(c_lo + j < c_hi)
