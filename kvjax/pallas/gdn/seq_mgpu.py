@@ -15,18 +15,23 @@ move from the producer to the consumers (``setmaxnreg``: 40 / 232; without, the 
 initial / final state tiles share the ring's memory (a ``RefUnion``: the state is read before the first copy and
 written after the last chunk), so two 64-column consumers fit two slots (211 KB at ``K = 128``). Loading each
 chunk's q, k, Tb and A once for both halves of ``V`` made the pass 1.40x faster at 8192 x 4 sequences, 32 value
-heads (H200, RESULTS.md). Per chunk three rounds of wgmma: ``k S`` and ``q S`` (the state written to shared memory
-in bf16 once per chunk, the right operand of both), then ``X = v - kr * (k S)`` (f32, rounded to bf16 into
-``v_new``'s tile) and ``v_new = Tb X``, then ``A v_new`` and ``k^T (kf v_new)`` (``k``'s tile read transposed as the
-left operand; ``v_new`` and ``kf v_new`` in bf16 tiles). The row factors multiply f32 accumulators rather than bf16
-operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal product up to the bf16 roundings of
-the Triton kernel's ``qf * q`` and ``kf * k``. Per chunk and CTA at ``K = 128``, ``block_v = 64``: reads 32 KB (q,
+heads (H200, RESULTS.md). Per chunk three rounds of wgmma: ``k S`` (the state written to shared memory in bf16 once
+per chunk, the right operand), then ``X = v - kr * (k S)`` (f32, rounded to bf16 into ``v_new``'s tile) and
+``v_new = Tb X`` beside ``q S`` (the state tile still holds the chunk's start state), then ``A v_new`` and ``k^T (kf
+v_new)`` (``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles) accumulated
+onto ``qf * (q S)`` and ``exp(g_last) S`` (``pl.run_state`` with initialised accumulators). The row factors multiply
+f32 accumulators rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal
+product up to the bf16 roundings of the Triton kernel's ``qf * q`` and ``kf * k``. Before, ``q S`` was formed in
+the first round and carried through the loop beside ``k S``, and the last round's products were added to ``qf (q S)``
+and ``exp(g) S`` afterwards: the two-warpgroup pass was 1.45-1.50x slower at 8192 x 4 sequences, 32 value heads, the
+one-warpgroup pass the same (H200, RESULTS.md; a reading, not profiled: fewer f32 tiles live in a consumer thread's
+registers). Per chunk and CTA at ``K = 128``, ``block_v = 64``: reads 32 KB (q,
 k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB (the default preparation's operands: 32 + 16 (w) + 8 (u) + 8 +
 0.75 = 64.75 KB); products 1 + 1 + 0.5 + 0.5 + 1 MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP) in three
 dependent rounds.
 
 ``overlap=True`` (the default): a step finishes chunk ``c`` (``v_new``, the later rounds, the new state), refills
-chunk ``c``'s slot with chunk ``c + stages`` and issues chunk ``c + 1``'s first round, and while those products run
+chunk ``c``'s slot with chunk ``c + stages`` and issues chunk ``c + 1``'s first round, and while that product runs
 writes chunk ``c``'s outputs; every loaded chunk is ``stages - 1`` steps ahead of its use. ``overlap=False``: a step
 is one chunk, every round and the output copies in order, the copies of chunk ``c + stages - 1`` issued at its start.
 
@@ -196,14 +201,21 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
     def bc_row(x):  # row vector -> [C, BV]
         return lax.broadcast_in_dim(x, (chunk, block_v), [0])
 
-    def products(*pairs):  # f32 ``a @ b`` for each (a ref, maybe read transposed, b ref), issued together
+    def products(*pairs, init=None):  # f32 ``a @ b`` (``init + a @ b``) for each (a ref, maybe transposed, b ref)
         if interpret:  # the interpreter has no transposed wgmma operand: the same products in jnp
-            return [jnp.dot(a[...].T if trans else a[...], b[...], preferred_element_type=f32)
-                    for a, trans, b in pairs]
+            out = [jnp.dot(a[...].T if trans else a[...], b[...], preferred_element_type=f32)
+                   for a, trans, b in pairs]
+            return out if init is None else [x + y for x, y in zip(init, out)]
 
-        def body(*accs):
+        def issue(accs):
             for acc, (a, trans, b) in zip(accs, pairs):
                 plgpu.wgmma(acc, plgpu.transpose_ref(a, (1, 0)) if trans else a, b)
+
+        if init is not None:  # the accumulators start from ``init``: no second f32 tile live beside each
+            return list(pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in init)))
+
+        def body(*accs):
+            issue(accs)
             return tuple(acc[...] for acc in accs)
 
         shapes = [(a.shape[1] if trans else a.shape[0], b.shape[1]) for a, trans, b in pairs]
@@ -245,25 +257,25 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
     def slot_of(c):
         return lax.rem(c - c_lo, jnp.int32(stages))
 
-    def second_half(c, s, kh, qh):  # chunk c from its k S, q S: (o, the next state), the slot read
+    def second_half(c, s, kh):  # chunk c from its k S (S still in h_w): (o, the next state), the slot read
         slot = slot_of(c)
         r = c * chunk + ri
         in_seq = (r >= start) & (r < end) & live
         v_in = tile(v_s.at[slot * wgs + cons]).astype(f32)
         vn_w[...] = (v_in - kh * bc_row(vec(vec_s.at[slot, 3]))).astype(bf16)
         plgpu.commit_smem()
-        (tx,) = products((tb_s.at[slot], False, vn_w))  # v_new = Tb (v - kr * (k S))
+        tx, qh = products((tb_s.at[slot], False, vn_w), (q_s.at[slot], False, h_w))  # v_new = Tb (v - kr (k S))
         v_new = jnp.where(in_seq, tx, 0.0)
         vn_w[...] = v_new.astype(bf16)
         vk_w[...] = (v_new * bc_row(vec(vec_s.at[slot, 1]))).astype(bf16)
         plgpu.commit_smem()
-        av, kv = products((a_s.at[slot], False, vn_w), (k_s.at[slot], True, vk_w))
-        o = jnp.where(in_seq, qh * bc_row(vec(vec_s.at[slot, 0])) + av, 0.0)
         c0 = c * chunk
         any_in = live & (start < end) & (c0 < end) & (c0 + chunk > start)
         first = jnp.clip(jnp.maximum(start, c0) - c0, 0, chunk - 1)
         decay = jnp.where(any_in, jnp.exp(vec_s[slot, 2, first]), 1.0)
-        return o, s * decay + kv
+        o, s = products((a_s.at[slot], False, vn_w), (k_s.at[slot], True, vk_w),
+                        init=(qh * bc_row(vec(vec_s.at[slot, 0])), s * decay))
+        return jnp.where(in_seq, o, 0.0), s
 
     def step(c, s):  # s: f32[K, BV] (one warpgroup: it issues the copies itself)
         slot = slot_of(c)
@@ -276,27 +288,26 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
             issue(nxt, slot_of(nxt))
 
         plgpu.barrier_wait(ready.at[slot])
-        kh, qh = products((k_s.at[slot], False, h_w), (q_s.at[slot], False, h_w))
-        o, s = second_half(c, s, kh, qh)
+        (kh,) = products((k_s.at[slot], False, h_w))
+        o, s = second_half(c, s, kh)
         write_rows(c, o)
         return s
 
-    def first_half(c, during=None):  # k S and q S of chunk c (S in h_w); ``during()`` runs while they do
+    def first_half(c, during=None):  # k S of chunk c (S in h_w); ``during()`` runs while it does
         slot = slot_of(c)
         plgpu.barrier_wait(ready.at[slot])
         if interpret:
             if during is not None:
                 during()
-            return products((k_s.at[slot], False, h_w), (q_s.at[slot], False, h_w))
+            return products((k_s.at[slot], False, h_w))[0]
 
-        def body(k_acc, q_acc):
+        def body(k_acc):
             plgpu.wgmma(k_acc, k_s.at[slot], h_w)
-            plgpu.wgmma(q_acc, q_s.at[slot], h_w)
             if during is not None:
                 during()
-            return k_acc[...], q_acc[...]
+            return k_acc[...]
 
-        return pl.run_scoped(body, plgpu.ACC((chunk, block_v), f32), plgpu.ACC((chunk, block_v), f32))
+        return pl.run_scoped(body, plgpu.ACC((chunk, block_v), f32))
 
     def release(c):  # chunk c's slot may be refilled: one warpgroup issues the refill, more signal the producer
         if wgs > 1:
@@ -307,19 +318,19 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         def _():
             issue(jnp.minimum(c + stages, nc - 1), slot_of(c))
 
-    def step_overlap(c, carry):  # chunk c from its k S, q S; then chunk c + 1's, its output copies meanwhile
-        s, kh, qh = carry
-        o, s = second_half(c, s, kh, qh)
+    def step_overlap(c, carry):  # chunk c from its k S; then chunk c + 1's, its output copies meanwhile
+        s, kh = carry
+        o, s = second_half(c, s, kh)
         h_w[...] = s.astype(bf16)
         plgpu.commit_smem()  # also: every thread is done reading chunk c's slot, which the copies refill
         release(c)
-        kh, qh = first_half(c + 1, during=lambda: write_rows(c, o))
-        return s, kh, qh
+        kh = first_half(c + 1, during=lambda: write_rows(c, o))
+        return s, kh
 
     def walk(s0):  # the overlap loop over chunks c_lo .. c_hi - 1 from state s0 (the ring's first chunks issued)
         h_w[...] = s0.astype(bf16)
         plgpu.commit_smem()
-        s, _, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, *first_half(c_lo)))
+        s, _ = lax.fori_loop(c_lo, c_hi, step_overlap, (s0, first_half(c_lo)))
         return s
 
     def initial_state():
@@ -357,13 +368,13 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
             s0 = initial_state()
             plgpu.barrier_arrive(st_read)
             s = walk(s0)
-            release(c_hi)  # the last (clamped) chunk: its k S, q S formed and unused
+            release(c_hi)  # the last (clamped) chunk: its k S formed and unused
             plgpu.barrier_arrive(walked)
             plgpu.barrier_wait(walked)  # no consumer reads the ring any more: its memory takes the final states
             final_state(s)
         return
 
-    if overlap:  # chunks c_lo .. c_hi are loaded and their k S, q S formed: the last (clamped) one unused
+    if overlap:  # chunks c_lo .. c_hi are loaded and their k S formed: the last (clamped) one unused
         s0 = initial_state()
         for j in range(stages):
             @pl.when(c_lo + j <= c_hi)
