@@ -23,8 +23,9 @@ memory at ``K = V = 128``: 49.5 KB + 17 KB per value head of the CTA.
 
 Row and column vectors: a per-token vector is a wgmma row vector (``Layout.WGMMA.reduce(1)``, broadcast along
 columns) or column vector (``reduce(0)``). A column sum of a ``[C, C]`` array crosses the warpgroup's four warps,
-so no column form is computed that way: the segment ids and beta are copied twice (one shared-memory vector read as
-a row vector, one as a column vector), the log-decay once (read as a column vector), and the row vectors the kernel
+so no column form is computed that way: the segment ids and (for ``outputs="inverse"``, whose ``Tb`` scales
+columns by beta) beta are copied twice (one shared-memory vector read as a row vector, one as a column vector), the
+log-decay once (read as a column vector), and the row vectors the kernel
 forms, ``gc`` (a row sum over the segment's earlier tokens) and ``|k|^-1`` (from the diagonal of ``k k^T``), are
 stored to shared memory and read back as column vectors. No shared-memory vector is read in two layouts (under jax
 0.11's Warpgroup semantics the two reads become one value that no layout can serve). Measured on an H200 (issue 38,
@@ -32,15 +33,15 @@ RESULTS.md) against column sums of masked diagonals: the same bits, ``outputs="i
 ``outputs="all"`` 1.11-1.21x faster.
 
 Work per CTA at ``K = V = 128`` and per value head: ``q k^T`` and ``k k^T`` (2 MFLOP, once per CTA), 10
-inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.75 KB (v, g, beta
-twice) per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
+inverse products (5.2 MFLOP), ``w`` and ``u`` (2 MFLOP); reads 32 KB (q, k) per CTA and 16.5 KB (v, g, beta)
+per value head, writes 40.8 KB per value head (w, u, A, three f32 row factors).
 
 ``outputs="inverse"`` (FlashQLA's layout, for the fused sequential pass ``seq_mgpu_fused_call``, which forms
 ``v_new = Tb (v - kr * (k S))`` from raw v): no v load and no ``w`` / ``u`` products or stores; per value head the
 kernel writes ``Tb = T diag(beta)`` (bf16 64 x 64, through the inverse's operand tile), ``A``, ``qf``, ``kf``,
 ``gl`` and ``kr = |k|^-1 exp(gc)`` (the row factor that ``w``'s product folded into ``k``). Per value head at
 ``K = V = 128``: the 10 inverse products only (5.2 MFLOP; no 2 MFLOP of ``w`` / ``u``), reads 0.75 KB (g, beta
-twice), writes 17 KB (Tb, A, four f32 row factors) instead of 16.75 KB read and 40.8 KB written.
+twice), writes 17 KB (Tb, A, four f32 row factors) instead of 16.5 KB read and 40.8 KB written.
 
 ``outputs="inverse"`` runs its value heads' inverses in lockstep (issue 38: the kernel is bound by the inverse's
 latency, 8 dependent wgmma waits per value head, not by its bytes; measured on an H200 1.06-1.08x faster than one
@@ -129,14 +130,14 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          q_s,  # bf16[C, K]  swizzled: q, then per value head beta exp(gc) k, then w
          k_s,  # bf16[C, K]  swizzled
          v_s,  # bf16[G, C, V]  swizzled: v, then beta v, then u (G = the CTA's value heads)
-         tok_s,  # f32[G, 4, C]  per value head g (read as a column vector), beta twice (row, column), gc (written
-         #         as a row vector, read as a column vector)
+         tok_s,  # f32[G, 4, C]  per value head g (read as a column vector), beta (row; inverse_only also [2], read
+         #         as a column), gc (written as a row vector, read as a column vector)
          rk_s,  # f32[C]  use_qk_l2norm: |k|^-1, written as a row vector, read as a column vector
          a_s,  # bf16[C, C]  swizzled: A
          vec_s,  # f32[3, C]  qf, kf, gl (inverse_only: f32[4, C], and kr)
          op_s,  # bf16[C, C]  swizzled: right operand of the inverse's products (inverse_only: bf16[G, C, C], then Tb)
          qk_bar,  # barrier: seg (twice), q, k loaded (4 arrivals)
-         v_bar,  # barriers [G]: (v,) g, beta (twice) of value head j loaded (4 arrivals; inverse_only 3)
+         v_bar,  # barriers [G]: v, g, beta of value head j loaded (3 arrivals; inverse_only: g, beta twice)
          ) = refs
         tb_ref = kr_ref = None
     c = lax.axis_index("chunk")
@@ -156,7 +157,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         h = h0 + j
         if not inverse_only:
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_s.at[j], v_bar.at[j])
-        for i, src in enumerate((g_ref, b_ref, b_ref)):
+        for i, src in enumerate((g_ref, b_ref, b_ref) if inverse_only else (g_ref, b_ref)):
             plgpu.copy_gmem_to_smem(src.at[h, rows], tok_s.at[j, i], v_bar.at[j])
 
     def vec(ref, layout):  # a per-token vector of shared memory as a row or column vector
@@ -276,7 +277,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         plgpu.copy_smem_to_gmem(a_s, a_ref.at[c, h])
         for i, out in enumerate((qf_ref, kf_ref, gl_ref, kr_ref) if inverse_only else (qf_ref, kf_ref, gl_ref)):
             plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
-        return gc, beta, vec(tok_s.at[j, 2], _COL), decay
+        return gc, beta, decay
 
     def scaled_kv(j, gc, beta):  # kb_s = beta exp(gc) k and v_s[j] = beta v, in bf16
         kb_s[...] = (tile(k_s).astype(f32) * bc_row(rk * beta * jnp.exp(gc), kd)).astype(bf16)
@@ -302,13 +303,13 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
     def lockstep_inverses():  # inverse_only: every value head's inverse in lockstep (a step's products: one group)
         inv_d, betas = [], []
         for j in range(heads):
-            gc, beta, beta_c, decay = head_rows(j, h0 + j, lambda gc, beta: None)
+            gc, beta, decay = head_rows(j, h0 + j, lambda gc, beta: None)
+            betas.append(vec(tok_s.at[j, 2], _COL))  # beta as a column vector: Tb's column scale
             lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
             power = -jnp.where(block_diag, lmat, 0.0)
             op_s.at[j][...] = power.astype(bf16)
             lo_s.at[j][...] = jnp.where(block_diag, 0.0, lmat).astype(bf16)
             inv_d.append(eye_f + power)
-            betas.append(beta_c)
         plgpu.commit_smem()
         inv_d = doubling(inv_d, int(np.log2(SUB)) - 1)  # (I + D)^-1 of each head
         accs = products(*[(inv, lo_s.at[j], False) for j, inv in enumerate(inv_d)])
@@ -335,7 +336,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         return
     for j in range(heads):
         h = h0 + j
-        gc, beta, _, decay = head_rows(j, h, lambda gc, beta: scaled_kv(j, gc, beta))
+        gc, beta, decay = head_rows(j, h, lambda gc, beta: scaled_kv(j, gc, beta))
         lmat = jnp.where(ri > ci, kk * decay, 0.0) * bc_row(beta)
         tinv = inverse(lmat)
         v_j = v_s.at[j]
@@ -406,7 +407,7 @@ def prep_mgpu_call(
         plgpu.SMEM((4 if inverse_only else 3, chunk), jnp.float32),
         plgpu.SMEM((heads, chunk, chunk) if inverse_only else (chunk, chunk), bf16, transforms=swizzled(bf16)),
         plgpu.Barrier(num_arrivals=4),
-        plgpu.Barrier(num_arrivals=3 if inverse_only else 4, num_barriers=heads),
+        plgpu.Barrier(num_arrivals=3, num_barriers=heads),
         *([plgpu.SMEM((heads, chunk, chunk), bf16, transforms=swizzled(bf16))] if inverse_only else []),
     )
     kernel = functools.partial(_kernel, group=group, heads=heads, scale=scale, use_qk_l2norm=use_qk_l2norm,
