@@ -397,6 +397,24 @@ def test_segment_layout():
     assert first.tolist() == [0, 1, 3, 6] and last.tolist() == [0, 2, 5, 6]
 
 
+@pytest.mark.parametrize("num_rows, hv, num_chunks, want", [
+    (16, 8, 32, 8),  # the engine's chunked-prefill step: a 2048-token bucket over 16 rows, 8 value heads
+    (1, 8, 32, 8),  # the same tokens as one sequence
+    (1, 16, 128, 16),  # one sequence of 8192 tokens at 16 heads
+    (64, 32, 32, 0),  # the tp preset's step: 32 heads fill the programs without it
+    (4, 32, 512, 0),  # 8192 x 4 at 32 heads: every row can be long
+    (2, 8, 512, 32),  # two rows that can each be long at 8 heads: 16 head rows, the limit
+    (4, 8, 512, 0),  # four: 32 head rows
+    (16, 8, 16, 0),  # a 1024-token bucket: fewer than 4 segments of 8 chunks
+])
+def test_auto_segment_chunks(num_rows, hv, num_chunks, want):
+    """Chunk parallelism by the rows that can be long (``num_chunks // (4 L)`` of them, at most ``num_rows``),
+    not by the static row count: a bucket of short rows may hold one long one."""
+    from kvjax.pallas.gdn.chunk import auto_segment_chunks
+
+    assert auto_segment_chunks(num_rows, hv, num_chunks) == want
+
+
 def test_recurrent_update_order_interpret(rng):
     """The recurrent kernel's one-pass update order (both reductions on the loaded state) equals the reference
     in f32, several tokens per row (the order is applied at every token)."""

@@ -19,7 +19,7 @@ intra-chunk quantity is masked to pairs of tokens of the same sequence ("segment
    convention of :mod:`kvjax.pallas.gdn.common`. Each program writes the outputs of its own sequence's
    tokens (masked stores); the first and last rows also zero the tokens outside every sequence.
 
-Chunk parallelism (few long sequences: ``rows * Hv <= CP_MAX_HEAD_ROWS``, :func:`auto_segment_chunks`). The
+Chunk parallelism (few long sequences: ``long_rows * Hv <= CP_MAX_HEAD_ROWS``, :func:`auto_segment_chunks`). The
 sequential kernel then has too few programs for the GPU, so the stream is cut into segments of ``L`` chunks
 (:func:`segment_layout`). Per chunk the state map is affine, ``S' = (exp(g_last) I - (kf k)^T w) S + (kf k)^T u``,
 so per segment ``S_end = M S_start + B``. ``_transition_kernel`` computes ``[M | B]`` for every segment in parallel
@@ -69,7 +69,7 @@ from kvjax.pallas.gdn.seq_mgpu import auto_layout as seq_mgpu_auto_layout, seq_m
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
 FLAG_MORE = 4  # segment flag (chunk parallelism): the segment is not its sequence's last
-CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when rows * Hv is at most this ...
+CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when long rows * Hv is at most this ...
 CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
 DECAY_FLOOR = -16.0  # the transition kernel's warm-up: drop M below exp(-16) = 1.1e-7 (float32's rounding)
 
@@ -450,12 +450,21 @@ def _fused_call(q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_q
 
 
 def auto_segment_chunks(num_rows: int, hv: int, num_chunks: int) -> int:
-    """``segment_chunks=None``: 0 (no chunk parallelism) unless the sequential kernel has few programs
-    (``num_rows * Hv <= CP_MAX_HEAD_ROWS``) and the stream holds at least ``CP_MIN_SEGMENTS`` segments; the
-    segment length is the power of two near ``sqrt(2 * num_chunks)`` chunks (at least 8), which balances the
-    two segment walks against the scan over segments."""
+    """``segment_chunks=None``: 0 (no chunk parallelism) unless the stream holds at least ``CP_MIN_SEGMENTS``
+    segments and its long rows leave the sequential kernel few programs (``long_rows * Hv <= CP_MAX_HEAD_ROWS``);
+    the segment length is the power of two near ``sqrt(2 * num_chunks)`` chunks (at least 8), which balances the
+    two segment walks against the scan over segments.
+
+    ``long_rows``: the most rows that can each hold ``CP_MIN_SEGMENTS`` segments, ``min(num_rows, num_chunks //
+    (CP_MIN_SEGMENTS * L))`` (at least 1). The row count is a static bound (the engine pads its rows to a bucket)
+    and says nothing of how the tokens are spread, so the rule takes the case that sets the walk's length: the
+    stream in as few long rows as it can fill. The engine's chunked-prefill step is that case (one prompt chunk of
+    ~2044 tokens beside decode rows in a bucket of 16 rows: chunk parallelism 1.45x the sequential pass at 4 / 8
+    heads); where the rows really are short and even (16 rows of 128 tokens) it costs 1.7x (their states copied
+    through the segment starts; an H200, benchmarks/RESULTS.md "GDN prefill in the engine's steps")."""
     seg = max(8, next_pow2(int((2 * num_chunks) ** 0.5 * 0.75)))
-    if num_rows * hv > CP_MAX_HEAD_ROWS or num_chunks < CP_MIN_SEGMENTS * seg:
+    long_rows = max(1, min(num_rows, num_chunks // (CP_MIN_SEGMENTS * seg)))
+    if long_rows * hv > CP_MAX_HEAD_ROWS or num_chunks < CP_MIN_SEGMENTS * seg:
         return 0
     return seg
 
