@@ -201,8 +201,12 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
     def bc_row(x):  # row vector -> [C, BV]
         return lax.broadcast_in_dim(x, (chunk, block_v), [0])
 
-    def products(*pairs, init=None):  # f32 ``a @ b`` (``init + a @ b``) for each (a ref, maybe transposed, b ref)
+    def products(*pairs, init=None, during=None):
+        """f32 ``a @ b`` (``init + a @ b``) for each (a ref, maybe read transposed, b ref), issued together;
+        ``during()`` runs while they do."""
         if interpret:  # the interpreter has no transposed wgmma operand: the same products in jnp
+            if during is not None:
+                during()
             out = [jnp.dot(a[...].T if trans else a[...], b[...], preferred_element_type=f32)
                    for a, trans, b in pairs]
             return out if init is None else [x + y for x, y in zip(init, out)]
@@ -210,6 +214,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         def issue(accs):
             for acc, (a, trans, b) in zip(accs, pairs):
                 plgpu.wgmma(acc, plgpu.transpose_ref(a, (1, 0)) if trans else a, b)
+            if during is not None:
+                during()
 
         if init is not None:  # the accumulators start from ``init``: no second f32 tile live beside each
             return list(pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in init)))
@@ -296,18 +302,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
     def first_half(c, during=None):  # k S of chunk c (S in h_w); ``during()`` runs while it does
         slot = slot_of(c)
         plgpu.barrier_wait(ready.at[slot])
-        if interpret:
-            if during is not None:
-                during()
-            return products((k_s.at[slot], False, h_w))[0]
-
-        def body(k_acc):
-            plgpu.wgmma(k_acc, k_s.at[slot], h_w)
-            if during is not None:
-                during()
-            return k_acc[...]
-
-        return pl.run_scoped(body, plgpu.ACC((chunk, block_v), f32))
+        return products((k_s.at[slot], False, h_w), during=during)[0]
 
     def release(c):  # chunk c's slot may be refilled: one warpgroup issues the refill, more signal the producer
         if wgs > 1:
