@@ -94,8 +94,10 @@ def kernel_records(run: Callable[[], Any]) -> dict:
     if not has_device_records():
         run()
         return {"kernel_ns": 0, "span_ns": 0, "names": {}}
+    opts = jax.profiler.ProfileOptions()
+    opts.enable_hlo_proto = False  # kernel records need no HLO (with it a trace passed 2 GB, HISTORY run 223)
     with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
+        jax.profiler.start_trace(d, profiler_options=opts)
         try:
             run()
         finally:

@@ -219,15 +219,17 @@ def test_fused_kernel_variants_interpret(rng):
     three rows sharing a chunk, an empty last row), as segments would be walked from given start states; with two
     consumer warpgroups of 32 columns sharing the ring (a producer warpgroup, the state tiles in the ring's memory) on
     two rows sharing a chunk, one without an initial state (the interpreter takes ~7 s a CTA there; the GPU test
-    walks the ragged grid)."""
+    walks the ragged grid); an engine step's bucket: padding rows without tokens (no work) between live rows, and a
+    last padding row that owns the tokens past every sequence."""
     from kvjax.pallas.gdn.chunk import _chunk_call
     from kvjax.pallas.gdn.prep import prepare
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
-    for lens, flags, forms in [([64, 0, 30, 5, 29, 0], [3, 3, 2, 3, 3, 3], [(False, 2, 1), (True, 3, 1)]),
-                               ([40, 88], [3, 2], [(True, 2, 2)])]:
-        q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16)
+    for lens, flags, forms, pad in [([64, 0, 30, 5, 29, 0], [3, 3, 2, 3, 3, 3], [(False, 2, 1), (True, 3, 1)], 0),
+                                    ([40, 88], [3, 2], [(True, 2, 2)], 0),
+                                    ([3, 0, 100, 0, 0], [3, 0, 2, 0, 0], [(True, 2, 1)], 25)]:
+        q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16, pad_tokens=pad)
         ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
         seg = padded_operands(q, k, v, g, beta, cu, 64)[0]
         bf = beta.astype(jnp.float32)

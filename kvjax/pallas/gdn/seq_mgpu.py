@@ -345,46 +345,48 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
 
         plgpu.wait_smem_to_gmem(0)
 
-    if wgs > 1:  # a producer warpgroup fills the ring; W consumers, one value block each, share it
-        free, st_read, walked = shared
+    @pl.when(live | (lo < hi))  # a padding row that owns no token (most of an engine step's row bucket): no work
+    def _row():
+        if wgs > 1:  # a producer warpgroup fills the ring; W consumers, one value block each, share it
+            free, st_read, walked = shared
 
-        @pl.when(wg == wgs)
-        def _producer():
-            if not interpret and PRODUCER_REGISTERS:
-                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            plgpu.barrier_wait(st_read)  # the ring's memory held the initial states until every consumer read them
-            produce_ring(c_hi - c_lo + 1, stages, lambda i, slot: issue(jnp.minimum(c_lo + i, nc - 1), slot),
-                         (free,))
+            @pl.when(wg == wgs)
+            def _producer():
+                if not interpret and PRODUCER_REGISTERS:
+                    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+                plgpu.barrier_wait(st_read)  # the ring's memory held the initial states until every consumer read them
+                produce_ring(c_hi - c_lo + 1, stages, lambda i, slot: issue(jnp.minimum(c_lo + i, nc - 1), slot),
+                             (free,))
 
-        @pl.when(wg < wgs)
-        def _consumer():
-            if not interpret and CONSUMER_REGISTERS:
-                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            @pl.when(wg < wgs)
+            def _consumer():
+                if not interpret and CONSUMER_REGISTERS:
+                    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+                s0 = initial_state()
+                plgpu.barrier_arrive(st_read)
+                s = walk(s0)
+                release(c_hi)  # the last (clamped) chunk: its k S formed and unused
+                plgpu.barrier_arrive(walked)
+                plgpu.barrier_wait(walked)  # no consumer reads the ring any more: its memory takes the final states
+                final_state(s)
+            return
+
+        if overlap:  # chunks c_lo .. c_hi are loaded and their k S formed: the last (clamped) one unused
             s0 = initial_state()
-            plgpu.barrier_arrive(st_read)
+            for j in range(stages):
+                @pl.when(c_lo + j <= c_hi)
+                def _(j=j):
+                    issue(jnp.minimum(c_lo + j, nc - 1), j)
+
             s = walk(s0)
-            release(c_hi)  # the last (clamped) chunk: its k S formed and unused
-            plgpu.barrier_arrive(walked)
-            plgpu.barrier_wait(walked)  # no consumer reads the ring any more: its memory takes the final states
-            final_state(s)
-        return
+        else:
+            for j in range(stages - 1):
+                @pl.when(c_lo + j < c_hi)
+                def _(j=j):
+                    issue(c_lo + j, j)
 
-    if overlap:  # chunks c_lo .. c_hi are loaded and their k S formed: the last (clamped) one unused
-        s0 = initial_state()
-        for j in range(stages):
-            @pl.when(c_lo + j <= c_hi)
-            def _(j=j):
-                issue(jnp.minimum(c_lo + j, nc - 1), j)
-
-        s = walk(s0)
-    else:
-        for j in range(stages - 1):
-            @pl.when(c_lo + j < c_hi)
-            def _(j=j):
-                issue(c_lo + j, j)
-
-        s = lax.fori_loop(c_lo, c_hi, step, initial_state())
-    final_state(s)
+            s = lax.fori_loop(c_lo, c_hi, step, initial_state())
+        final_state(s)
 
 
 def seq_mgpu_fused_call(
