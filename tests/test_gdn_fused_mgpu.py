@@ -249,9 +249,9 @@ def test_fused_kernel_variants_interpret(rng):
 def test_fused_lowers_for_cuda():
     """The fused pass lowers to a Mosaic GPU module for CUDA without a GPU (the Tb product on the ring's Tb tile,
     the raw v box of the ring) at K = V = 128 with value blocks of 32 (3 stages) and 64 (2 stages), K = 64 with
-    V = 128 in one block, without the overlap once, with two 64-column consumer warpgroups (a producer warpgroup and a
-    ``RefUnion`` of the ring and the state tiles), under the Lane semantics; and the whole forward
-    (``seq="fused"``: both kernels) at K = V = 128."""
+    V = 128 in one block, without the overlap once (and there with Pallas's automatic barriers, off by default), with
+    two 64-column consumer warpgroups (a producer warpgroup and a ``RefUnion`` of the ring and the state tiles), under
+    the Lane semantics; and the whole forward (``seq="fused"``: both kernels) at K = V = 128."""
     from jax import export
 
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
@@ -268,7 +268,7 @@ def test_fused_lowers_for_cuda():
                 sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64, 64), bf16)) + (sds((nc, hv, 64), f32),) * 4 + (
                 sds((n + 2, hv, kd, vd), f32), sds((n + 1,), i32), sds((n,), i32), sds((n,), i32))
         fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap, w=wgs: seq_mgpu_fused_call(
-            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov, warpgroups=w))
+            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov, warpgroups=w, auto_barriers=not ov))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
     t, hk, hv = 200, 2, 4
     args = (sds((t, hk, 128), bf16), sds((t, hk, 128), bf16), sds((t, hv, 128), bf16), sds((t, hv), f32),

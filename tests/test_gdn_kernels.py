@@ -271,7 +271,8 @@ def test_prep_mosaic_lowers_for_cuda(semantics):
     """The Mosaic GPU preparation kernel lowers to a Mosaic GPU module for CUDA without a GPU (register layouts,
     wgmma operands, TMA boxes), K = V = 128 with 2 value heads per key head (in one CTA, and one CTA each) and
     K = 64, V = 128 with 4, under both lowering semantics: Lane (the kernel's) and Warpgroup (jax 0.11's default;
-    0.11's layout inference, unlike 0.10's, gave up while the kernel read the segment ids in two layouts)."""
+    0.11's layout inference, unlike 0.10's, gave up while the kernel read the segment ids in two layouts); one CTA
+    a value head also with Pallas's automatic barriers (``auto_barriers=True``, off by default)."""
     from jax import export
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -284,7 +285,8 @@ def test_prep_mosaic_lowers_for_cuda(semantics):
         args = (sds((tp,), jnp.int32), sds((tp, hk, kd), jnp.bfloat16), sds((tp, hk, kd), jnp.bfloat16),
                 sds((tp, hv, vd), jnp.bfloat16), sds((tp, hv), jnp.float32), sds((tp, hv), jnp.float32))
         fn = jax.jit(lambda *a, l2=l2, heads=heads: prep_mgpu_call(*a, chunk=64, scale=0.1, use_qk_l2norm=l2,
-                                                                   value_heads=heads, semantics=sem))
+                                                                   value_heads=heads, semantics=sem,
+                                                                   auto_barriers=heads == 1))
         assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
 
 

@@ -362,6 +362,7 @@ def prep_mgpu_call(
     use_qk_l2norm: bool,
     value_heads: int = 0,
     outputs: str = "all",
+    auto_barriers: bool = False,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call; "inverse": (tb, a, qf, kf, gl, kr)
@@ -374,11 +375,15 @@ def prep_mgpu_call(
     roundings. ``value_heads``: value heads per CTA, a divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head;
     fewer means more CTAs, less shared memory each, and ``q k^T`` / ``k k^T`` formed once per CTA). ``ValueError``
     for what :func:`shape_reason` rejects, for a ``value_heads`` that does not divide ``Hv / Hk`` and for other
-    ``outputs``. ``semantics``: the Mosaic GPU lowering; Lane (jax 0.10's default) takes the register layouts the
-    kernel names, so jax 0.10 and 0.11 lower the same program; Warpgroup (jax 0.11's default) infers them and
-    lowers too. ``"all"`` runs the CTA's value heads one after another; ``"inverse"`` runs their inverses in
-    lockstep (each dependent step's products of all of them in one wgmma group, one wait; see the module's
-    docstring)."""
+    ``outputs``. ``auto_barriers``: Pallas's automatic warpgroup barriers around every shared-memory store and copy
+    issue; off by default: every store that another thread or an async read (wgmma, TMA store) reads is followed by
+    ``commit_smem``, an output tile is rewritten only after ``wait_smem_to_gmem``, and the in-place scale of ``v`` by
+    beta reads and writes each row in the warp that holds it (without them the kernel was 1.03-1.04x faster, the
+    same bits; H200, benchmarks/RESULTS.md). ``semantics``: the Mosaic GPU lowering; Lane (jax 0.10's default) takes
+    the register layouts the kernel names, so jax 0.10 and 0.11 lower the same program; Warpgroup (jax 0.11's
+    default) infers them and lowers too. ``"all"`` runs the CTA's value heads one after another; ``"inverse"`` runs
+    their inverses in lockstep (each dependent step's products of all of them in one wgmma group, one wait; see the
+    module's docstring)."""
     reason = shape_reason(q, k, v, chunk=chunk)
     if reason:
         raise ValueError(f"prep_mgpu {reason}")
@@ -424,7 +429,8 @@ def prep_mgpu_call(
         scratch_types=scratch,
         grid=(nc, hv // heads),
         grid_names=("chunk", "heads"),
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
+                                             unsafe_no_auto_barriers=not auto_barriers),
         interpret=interpret_params() if interpret else None,
     )(*args)
     if inverse_only:
