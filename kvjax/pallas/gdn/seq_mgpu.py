@@ -47,20 +47,20 @@ output tiles (:func:`smem_bytes`).
 Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow with ``jnp.dot`` products: it has
 no transposed wgmma operand), bf16 operands, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of 64.
 
-Synchronisation: the kernel orders its own shared-memory accesses, so it compiles without Pallas's automatic
-barriers (``unsafe_no_auto_barriers``; a warpgroup barrier before and after every store and before every copy
-issue, nine of them a ring refill). No thread reads what another wrote except through an async read (wgmma, TMA
-store) after ``commit_smem``; a slot is refilled only after ``commit_smem`` (one warpgroup) or every consumer's
-mbarrier arrive (release semantics) follows its last read of it; the output tile is rewritten only after its copies
-have read it (``wait_smem_to_gmem``, which synchronises the warpgroup); with several warpgroups the state tiles in
-the ring's memory are read before ``st_read`` and written after ``walked``. Without the automatic barriers the pass
-was 1.03-1.04x faster (H200, the same bits; ``auto_barriers=True`` restores them, to check a change against them).
-Where the one-warpgroup pass's ~1.8 us a chunk goes (Nsight Compute at 1 x 8192 tokens, 32 value heads, before that
-change): the ring refill's nine TMA issues (each with its expect-tx arrive, uniform-register moves and a barrier)
-and the wait behind them took ~38% of the stall samples, the three wgmma waits ~20%; the time is the same at 32,
-64 and 128 CTAs, so it is this per-chunk chain, not the L2 traffic. Forming ``W = Tb diag(kr) k`` beside the last
-round (two rounds a chunk instead of three) and cutting each product's reduction into independent wgmma chains
-were both slower (benchmarks/RESULTS.md).
+Synchronisation: the kernel orders its own shared-memory accesses, so it compiles without Pallas's automatic barriers
+(``unsafe_no_auto_barriers``; a warpgroup barrier before and after every store and before every copy issue, nine of them
+a ring refill). No thread reads what another wrote except through an async read (wgmma, TMA store) after
+``commit_smem``; a slot is refilled only after ``commit_smem`` (one warpgroup) or every consumer's mbarrier arrive
+(release semantics) follows its last read of it; the output tile is rewritten only after its copies have read it
+(``wait_smem_to_gmem``, which synchronises the warpgroup); with several warpgroups the state tiles in the ring's memory
+are read before ``st_read`` and written after ``walked``. Without the automatic barriers the pass was 1.03-1.04x faster
+(H200, the same bits; ``auto_barriers=True`` restores them, to check a change against them). Where the one-warpgroup
+pass's ~1.8 us a chunk goes (Nsight Compute at 1 x 8192 tokens, 32 value heads, before that change): the ring refill's
+nine TMA issues (each with its expect-tx arrive, uniform-register moves and a barrier) and the wait for the next slot
+took 41% of the stall samples, the wgmma instructions and waits 14%; the time is the same at 32, 64 and 128 CTAs, so it
+is this per-chunk chain, not the L2 traffic. Forming ``W = Tb diag(kr) k`` beside the last round (two rounds a chunk
+instead of three) and cutting each product's reduction into independent wgmma chains were both slower
+(benchmarks/RESULTS.md).
 
 This kernel also had a plain mode on the default preparation's ``w`` / ``u`` (two rounds a chunk; backend
 ``"mosaic-seq"``), deleted once this one was measured faster where that one ran (benchmarks/RESULTS.md, GDN chunked
