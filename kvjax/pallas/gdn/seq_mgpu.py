@@ -54,7 +54,7 @@ a ring refill). No thread reads what another wrote except through an async read 
 (release semantics) follows its last read of it; the output tile is rewritten only after its copies have read it
 (``wait_smem_to_gmem``, which synchronises the warpgroup); with several warpgroups the state tiles in the ring's memory
 are read before ``st_read`` and written after ``walked``. Without the automatic barriers the pass was 1.03-1.04x faster
-(H200, the same bits; ``auto_barriers=True`` restores them, to check a change against them). Where the one-warpgroup
+(H200, the same errors; ``auto_barriers=True`` restores them, to check a change against them). Where the one-warpgroup
 pass's ~1.8 us a chunk goes (Nsight Compute at 1 x 8192 tokens, 32 value heads, before that change): the ring refill's
 nine TMA issues (each with its expect-tx arrive, uniform-register moves and a barrier) and the wait for the next slot
 took 41% of the stall samples, the wgmma instructions and waits 14%; the time is the same at 32, 64 and 128 CTAs, so it
