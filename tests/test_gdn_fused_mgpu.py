@@ -219,16 +219,17 @@ def test_fused_kernel_variants_interpret(rng):
     three rows sharing a chunk, an empty last row), as segments would be walked from given start states; with two
     consumer warpgroups of 32 columns sharing the ring (a producer warpgroup, the state tiles in the ring's memory) on
     two rows sharing a chunk, one without an initial state (the interpreter takes ~7 s a CTA there; the GPU test
-    walks the ragged grid); an engine step's bucket: padding rows without tokens (no work) between live rows, and a
-    last padding row that owns the tokens past every sequence."""
+    walks the ragged grid); an engine step's bucket (one 64-column block): a padding row without tokens (no work)
+    between live rows, and a last padding row that owns the tokens past every sequence."""
     from kvjax.pallas.gdn.chunk import _chunk_call
     from kvjax.pallas.gdn.prep import prepare
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
-    for lens, flags, forms, pad in [([64, 0, 30, 5, 29, 0], [3, 3, 2, 3, 3, 3], [(False, 2, 1), (True, 3, 1)], 0),
-                                    ([40, 88], [3, 2], [(True, 2, 2)], 0),
-                                    ([3, 0, 100, 0, 0], [3, 0, 2, 0, 0], [(True, 2, 1)], 25)]:
+    cases = [([64, 0, 30, 5, 29, 0], [3, 3, 2, 3, 3, 3], [(False, 2, 1), (True, 3, 1)], 0, 32),
+             ([40, 88], [3, 2], [(True, 2, 2)], 0, 32),
+             ([3, 0, 100, 0], [3, 0, 2, 0], [(True, 2, 1)], 25, 64)]  # (lens, flags, forms, pad tokens, block_v)
+    for lens, flags, forms, pad, bv in cases:
         q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16, pad_tokens=pad)
         ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
         seg = padded_operands(q, k, v, g, beta, cu, 64)[0]
@@ -240,7 +241,7 @@ def test_fused_kernel_variants_interpret(rng):
                            num_warps=4, num_stages=2, interpret=True)
         for overlap, stages, wgs in forms:
             got = seq_mgpu_fused_call(q, k, v, tb, a, qf, kf, gl, kr, jnp.array(s0, copy=True), cu, rows, flags,
-                                      out_dtype=jnp.bfloat16, block_v=32, stages=stages, overlap=overlap,
+                                      out_dtype=jnp.bfloat16, block_v=bv, stages=stages, overlap=overlap,
                                       warpgroups=wgs, interpret=True)
             assert rel_err(got[0], want[0]) <= SAME_TOL and rel_err(got[1], want[1]) <= SAME_TOL, (
                 lens, overlap, stages, wgs, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
