@@ -178,26 +178,29 @@ def test_prefill_mosaic_lowers_for_cuda():
     # the kernel compiles to Mosaic GPU without a GPU (Lane lowering, its one schedule): bf16 and fp8 pages of 64
     # and 128, the default programs (2 here, where the device is the CPU) and 132 (an H100's SMs: its own kernel
     # name), token counts that are not a multiple of 8 (a full box's store through the swizzled q tile tiles o's
-    # rows by 8: the kernel pads T) and below one box. The GPU tests compile it under jax 0.11 too.
+    # rows by 8: the kernel pads T) and below one box; once with Pallas's automatic barriers (off by default: its
+    # own kernel name). The GPU tests compile it under jax 0.11 too.
     from jax import export
 
     sds = jax.ShapeDtypeStruct
     names = set()
-    cases = [(None, 128, False, 512), (None, 64, False, 627), (None, 128, True, 512), (None, 64, True, 627),
-             (132, 64, False, 512), (132, 128, True, 40)]
-    for programs, page_size, fp8, tokens in cases:
+    cases = [(None, 128, False, 512, False), (None, 64, False, 627, False), (None, 128, True, 512, False),
+             (None, 64, True, 627, False), (132, 64, False, 512, False), (132, 128, True, 40, False),
+             (None, 64, True, 627, True)]
+    for programs, page_size, fp8, tokens, barriers in cases:
         def fn(q, kp, vp, bt, sl, cu, ks, vs):
             scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
             call = PagedAttentionCall(q, kp, vp, bt, sl, cu, window=jnp.array([0, 100], jnp.int32),
                                       sinks=jnp.array([0, 4], jnp.int32), **scales)
-            return prefill_mgpu.paged_prefill_mgpu(attention.check_call(call), programs=programs)
+            return prefill_mgpu.paged_prefill_mgpu(attention.check_call(call), programs=programs,
+                                                   auto_barriers=barriers)
 
         pages = sds((64, page_size, 128), FP8_DTYPE if fp8 else jnp.bfloat16)
         module = export.export(jax.jit(fn), platforms=["cuda"])(
             sds((tokens, 4, 128), jnp.bfloat16), pages, pages, sds((1, 2, 16), jnp.int32), sds((1,), jnp.int32),
             sds((2,), jnp.int32), sds((64,), jnp.float32), sds((64,), jnp.float32)).mlir_module()
         name = (f"kvjax_paged_prefill_mgpu_{'float8_e4m3fn_e4m3x2_qk' if fp8 else 'bfloat16'}_page{page_size}_d128_s2"
-                f"{f'_p{programs}' if programs else ''}")
+                f"{f'_p{programs}' if programs else ''}{'_autobar' if barriers else ''}")
         assert "mosaic_gpu" in module and name in module, (programs, page_size, fp8)
         names.add(name)
     assert len(names) == len(cases)
