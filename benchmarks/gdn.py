@@ -415,14 +415,14 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
                                                                                outputs="inverse", **prep_kw))
         prep_args = (q, k, v, g, beta)
         _, _, a, qf, kf, gl = runners["prep mosaic"](*prep_args)
-        tb, a2, qf2, kf2, gl2, kr = runners["prep inverse"](*prep_args)
+        tb, a2, rowf = runners["prep inverse"](*prep_args)
 
         def seq_fused(h, *ops):
             pool, prow, flags = state_as_pool(h, n, hv, 128, 128)
             return seq_mgpu_fused_call(q, k, v, *ops, pool, cu, prow, flags, out_dtype=jnp.bfloat16)
         runners["seq fused"] = jax.jit(seq_fused)
         runners = {name: fn for name, fn in runners.items() if name.startswith(tuple(lines.split(",")))}
-        args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq fused": (h0, tb, a2, qf2, kf2, gl2, kr)}
+        args = {"whole": (q, k, v, g, beta, h0), "prep": prep_args, "seq fused": (h0, tb, a2, rowf)}
         shape = _shape_name(seqlens, hk, hv)
         outs, calls, times = _compile_and_time(
             runners, lambda name: args[name] if name in args else args[name.split()[0]], shape, 21)

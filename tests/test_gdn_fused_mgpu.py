@@ -76,10 +76,11 @@ def test_prep_inverse_interpret(rng, hk, hv, kd, vd, l2):
 
     seg, q, k, v, g, beta = _prep_inputs(rng, [5, 23, 70], hk, hv, kd, vd, l2)
     kw = dict(chunk=64, scale=kd ** -0.5, use_qk_l2norm=l2, interpret=True)
-    tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, q, k, v, g, beta, outputs="inverse", **kw)
+    tb, a, rowf = prep_mgpu_call(seg, q, k, v, g, beta, outputs="inverse", **kw)
+    qf, kf, gl, kr = (rowf[:, :, i] for i in range(4))
     w, u, a0, qf0, kf0, gl0 = prep_mgpu_call(seg, q, k, v, g, beta, **kw)
     nc = q.shape[0] // 64
-    assert tb.shape == (nc, hv, 64, 64) and tb.dtype == jnp.bfloat16 and kr.shape == (nc, hv, 64)
+    assert tb.shape == (nc, hv, 64, 64) and tb.dtype == jnp.bfloat16 and rowf.shape == (nc, hv, 4, 64)
     want_tb, want_kr = _reference_tb(np.asarray(seg), k, g, beta, hv, l2)
     assert rel_err(tb, want_tb) <= TB_TOL, rel_err(tb, want_tb)
     np.testing.assert_allclose(np.asarray(kr), want_kr, rtol=1e-4, atol=1e-6)
@@ -119,7 +120,8 @@ def check_inverse(rng, lens, hk, hv, kd, vd, *, value_heads, l2, interpret, lead
 
     seg, q, k, v, g, beta = _prep_inputs(rng, lens, hk, hv, kd, vd, l2, lead=lead)
     kw = dict(chunk=64, scale=kd ** -0.5, use_qk_l2norm=l2, value_heads=value_heads, interpret=interpret)
-    tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, q, k, v, g, beta, outputs="inverse", **kw)
+    tb, a, rowf = prep_mgpu_call(seg, q, k, v, g, beta, outputs="inverse", **kw)
+    qf, kf, gl, kr = (rowf[:, :, i] for i in range(4))
     w, u, *rest = prep_mgpu_call(seg, q, k, v, g, beta, outputs="all", **kw)
     for i, (x, y) in enumerate(zip((a, qf, kf, gl), rest)):
         diff = float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
@@ -234,13 +236,13 @@ def test_fused_kernel_variants_interpret(rng):
         ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
         seg = padded_operands(q, k, v, g, beta, cu, 64)[0]
         bf = beta.astype(jnp.float32)
-        tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, q, k, v, g, bf, chunk=64, scale=0.125, use_qk_l2norm=True,
-                                               outputs="inverse", interpret=True)
+        tb, a, rowf = prep_mgpu_call(seg, q, k, v, g, bf, chunk=64, scale=0.125, use_qk_l2norm=True,
+                                     outputs="inverse", interpret=True)
         rows, flags = jnp.arange(len(lens), dtype=jnp.int32), jnp.asarray(flags, jnp.int32)
         want = _chunk_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
                            num_warps=4, num_stages=2, interpret=True)
         for overlap, stages, wgs in forms:
-            got = seq_mgpu_fused_call(q, k, v, tb, a, qf, kf, gl, kr, jnp.array(s0, copy=True), cu, rows, flags,
+            got = seq_mgpu_fused_call(q, k, v, tb, a, rowf, jnp.array(s0, copy=True), cu, rows, flags,
                                       out_dtype=jnp.bfloat16, block_v=bv, stages=stages, overlap=overlap,
                                       warpgroups=wgs, interpret=True)
             assert rel_err(got[0], want[0]) <= SAME_TOL and rel_err(got[1], want[1]) <= SAME_TOL, (
@@ -266,7 +268,7 @@ def test_fused_lowers_for_cuda():
                                                               (128, 128, 2, 4, 2, 64, 2, True, 2)]:
         tp, nc = 256, 4
         args = (sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16), sds((tp, hv, vd), bf16),
-                sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64, 64), bf16)) + (sds((nc, hv, 64), f32),) * 4 + (
+                sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64, 64), bf16), sds((nc, hv, 4, 64), f32),
                 sds((n + 2, hv, kd, vd), f32), sds((n + 1,), i32), sds((n,), i32), sds((n,), i32))
         fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap, w=wgs: seq_mgpu_fused_call(
             *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov, warpgroups=w, auto_barriers=not ov))
@@ -305,7 +307,7 @@ def test_fused_refusals(rng):
     assert auto_layout(4, 32, 128) == (64, 2) and auto_layout(1, 32, 128) == (32, 1)
     assert auto_layout(8, 16, 64) == (64, 1) and auto_layout(3, 32, 128) == (64, 1)
     q, tb, v = operands(kd=128, vd=128)
-    rest = (jnp.zeros((2, 2, 64, 64), jnp.bfloat16),) + (jnp.zeros((2, 2, 64)),) * 4 + (
+    rest = (jnp.zeros((2, 2, 64, 64), jnp.bfloat16), jnp.zeros((2, 2, 4, 64))) + (
         jnp.zeros((1, 2, 128, 128)), jnp.asarray([0, 128], jnp.int32), jnp.zeros((1,), jnp.int32),
         jnp.full((1,), 3, jnp.int32))
     with pytest.raises(ValueError, match="stages must be >= 1 and fit"):

@@ -442,10 +442,9 @@ def _fused_call(q, k, v, g, beta, pool, cu_seqlens, rows, flags, *, scale, use_q
     ``w`` / ``u``) and ``seq_mgpu_fused_call`` (``v_new = Tb (v - kr * (k S))`` from raw v); the padding and
     segment ids of :func:`kvjax.pallas.gdn.prep.padded_operands`."""
     seg, qp, kp, vp, gp, bp = padded_operands(q, k, v, g, beta, cu_seqlens, CHUNK)
-    tb, a, qf, kf, gl, kr = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=CHUNK, scale=scale,
-                                           use_qk_l2norm=use_qk_l2norm, value_heads=value_heads,
-                                           outputs="inverse", interpret=interpret)
-    return seq_mgpu_fused_call(qp, kp, vp, tb, a, qf, kf, gl, kr, pool, cu_seqlens, rows, flags,
+    tb, a, rowf = prep_mgpu_call(seg, qp, kp, vp, gp, bp, chunk=CHUNK, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                 value_heads=value_heads, outputs="inverse", interpret=interpret)
+    return seq_mgpu_fused_call(qp, kp, vp, tb, a, rowf, pool, cu_seqlens, rows, flags,
                                out_dtype=v.dtype, block_v=block_v, interpret=interpret)
 
 

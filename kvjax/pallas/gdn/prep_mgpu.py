@@ -114,11 +114,10 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          g_ref,  # f32[Hv, Tp]  log-decay (0 outside every sequence)
          b_ref,  # f32[Hv, Tp]  beta (0 outside every sequence)
          a_ref,  # bf16[NC, Hv, C, C]
-         qf_ref, kf_ref, gl_ref,  # f32[NC, Hv, C]
+         rowf_ref,  # f32[NC, Hv, 4, C]  qf, kf, gl and kr = |k|^-1 exp(gc) (v_new = Tb (v - kr * (k S)))
          tb_ref,  # bf16[NC, Hv, C, C]  T diag(beta)
-         kr_ref,  # f32[NC, Hv, C]  |k|^-1 exp(gc): the rows of k S in v_new = Tb (v - kr * (k S))
          seg_s, q_s, k_s, tok_s, rk_s, a_s, vec_s, op_s, qk_bar, v_bar) = refs
-        v_ref = w_ref = u_ref = v_s = None
+        v_ref = w_ref = u_ref = v_s = qf_ref = kf_ref = gl_ref = None
     else:
         (seg_ref, q_ref, k_ref,
          v_ref,  # bf16[Tp, Hv, V]
@@ -139,7 +138,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          qk_bar,  # barrier: seg (twice), q, k loaded (4 arrivals)
          v_bar,  # barriers [G]: v, g, beta of value head j loaded (3 arrivals; inverse_only: g, beta twice)
          ) = refs
-        tb_ref = kr_ref = None
+        tb_ref = rowf_ref = None
     c = lax.axis_index("chunk")
     h0 = lax.axis_index("heads") * heads  # the CTA's first value head
     hk = lax.div(h0, jnp.int32(group))
@@ -275,7 +274,9 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         stage(gc, beta)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(a_s, a_ref.at[c, h])
-        for i, out in enumerate((qf_ref, kf_ref, gl_ref, kr_ref) if inverse_only else (qf_ref, kf_ref, gl_ref)):
+        if inverse_only:  # the four row factors stacked: one copy (the fused pass loads them with one)
+            plgpu.copy_smem_to_gmem(vec_s, rowf_ref.at[c, h])
+        for i, out in enumerate(() if inverse_only else (qf_ref, kf_ref, gl_ref)):
             plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
         return gc, beta, decay
 
@@ -365,15 +366,16 @@ def prep_mgpu_call(
     auto_barriers: bool = False,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
-) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call; "inverse": (tb, a, qf, kf, gl, kr)
+) -> tuple[jax.Array, ...]:  # (w, u, a, qf, kf, gl) as prep._prep_call; "inverse": (tb, a, rowf)
     """The preparation kernel's outputs, as :func:`kvjax.pallas.gdn.prep._prep_call` (``Tp`` a multiple of
     ``chunk``): ``w [NC, Hv, C, K]``, ``u [NC, Hv, C, V]``, ``a [NC, Hv, C, C]`` in bf16, ``qf, kf, gl: f32[NC, Hv,
     C]``. ``outputs="inverse"`` (for the fused sequential pass, ``seq_mgpu_fused_call``): no v load, no
     ``w`` / ``u`` products or stores; returns ``tb: bf16[NC, Hv, C, C]`` (``T diag(beta)``, the f32 inverse times
-    beta rounded once to bf16), ``a``, ``qf``, ``kf``, ``gl`` as above and ``kr: f32[NC, Hv, C]`` (``|k|^-1
-    exp(gc)``, 0 outside every sequence), so that ``w S = tb (kr * (k S))`` and ``u = tb v`` up to bf16
-    roundings. ``value_heads``: value heads per CTA, a divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head;
-    fewer means more CTAs, less shared memory each, and ``q k^T`` / ``k k^T`` formed once per CTA). ``ValueError``
+    beta rounded once to bf16), ``a`` as above and ``rowf: f32[NC, Hv, 4, C]``, the row factors ``qf``, ``kf``, ``gl``
+    as above and ``kr`` (``|k|^-1 exp(gc)``, 0 outside every sequence) stacked, so that the fused pass loads them with
+    one copy; ``w S = tb (kr * (k S))`` and ``u = tb v`` up to bf16 roundings. ``value_heads``: value heads per CTA, a
+    divisor of ``Hv / Hk`` (0: all ``Hv / Hk`` of a key head; fewer means more CTAs, less shared memory each, and ``q
+    k^T`` / ``k k^T`` formed once per CTA). ``ValueError``
     for what :func:`shape_reason` rejects, for a ``value_heads`` that does not divide ``Hv / Hk`` and for other
     ``outputs``. ``auto_barriers``: Pallas's automatic warpgroup barriers around every shared-memory store and copy
     issue; off by default: every store that another thread or an async read (wgmma, TMA store) reads is followed by
@@ -418,7 +420,8 @@ def prep_mgpu_call(
     kernel = functools.partial(_kernel, group=group, heads=heads, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                inverse_only=inverse_only, interpret=interpret)
     if inverse_only:
-        out_type, args = (tiles, rowf, rowf, rowf, tiles, rowf), (seg, q, k, g.T, beta.T)
+        out_type = (tiles, jax.ShapeDtypeStruct((nc, hv, 4, chunk), jnp.float32), tiles)
+        args = (seg, q, k, g.T, beta.T)
     else:
         out_type = (jax.ShapeDtypeStruct((nc, hv, chunk, kd), bf16), jax.ShapeDtypeStruct((nc, hv, chunk, vd), bf16),
                     tiles, rowf, rowf, rowf)
@@ -434,6 +437,6 @@ def prep_mgpu_call(
         interpret=interpret_params() if interpret else None,
     )(*args)
     if inverse_only:
-        a, qf, kf, gl, tb, kr = out
-        return tb, a, qf, kf, gl, kr
+        a, rowf, tb = out
+        return tb, a, rowf
     return out

@@ -6,29 +6,28 @@ with the state slice ``S: f32[K, block_v]`` as registers in the wgmma accumulato
 
     v_new = Tb (v - kr * (k S));   o = qf * (q S) + A v_new;   S = exp(g_last) S + k^T (kf * v_new)
 
-One CTA per (row, value head, ``warpgroups * block_v`` value columns). A ring of ``stages`` shared-memory slots
-holds the chunk operands (``q``, ``k``, each consumer's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and the row
-factors ``qf``, ``kf``, ``gl``, ``kr``), each slot filled by TMA copies that complete on its barrier. One warpgroup
-(``warpgroups=1``) issues the copies itself; with more, each consumer warpgroup walks its own value block through
-the shared ring, a producer warpgroup refills a slot once every consumer released it (``produce_ring``), registers
-move from the producer to the consumers (``setmaxnreg``: 40 / 232; without, the pass was 1.36x slower), and the f32
-initial / final state tiles share the ring's memory (a ``RefUnion``: the state is read before the first copy and
-written after the last chunk), so two 64-column consumers fit two slots (211 KB at ``K = 128``). Loading each
-chunk's q, k, Tb and A once for both halves of ``V`` made the pass 1.40x faster at 8192 x 4 sequences, 32 value
-heads (H200, RESULTS.md). Per chunk three rounds of wgmma: ``k S`` (the state written to shared memory in bf16 once
-per chunk, the right operand), then ``X = v - kr * (k S)`` (f32, rounded to bf16 into ``v_new``'s tile) and
-``v_new = Tb X`` beside ``q S`` (the state tile still holds the chunk's start state), then ``A v_new`` and ``k^T (kf
-v_new)`` (``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles) accumulated
-onto ``qf * (q S)`` and ``exp(g_last) S`` (``pl.run_state`` with initialised accumulators). The row factors multiply
-f32 accumulators rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal
-product up to the bf16 roundings of the Triton kernel's ``qf * q`` and ``kf * k``. Before, ``q S`` was formed in
-the first round and carried through the loop beside ``k S``, and the last round's products were added to ``qf (q S)``
-and ``exp(g) S`` afterwards: the two-warpgroup pass was 1.45-1.50x slower at 8192 x 4 sequences, 32 value heads, the
-one-warpgroup pass the same (H200, RESULTS.md; a reading, not profiled: fewer f32 tiles live in a consumer thread's
-registers). Per chunk and CTA at ``K = 128``, ``block_v = 64``: reads 32 KB (q,
-k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB (the default preparation's operands: 32 + 16 (w) + 8 (u) + 8 +
-0.75 = 64.75 KB); products 1 + 1 + 0.5 + 0.5 + 1 MFLOP (k S, q S, Tb X, A v_new, k^T v_new: 4.2 MFLOP) in three
-dependent rounds.
+One CTA per (row, value head, ``warpgroups * block_v`` value columns). A ring of ``stages`` shared-memory slots holds
+the chunk operands (``q``, ``k``, each consumer's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and the row factors
+``qf``, ``kf``, ``gl``, ``kr``, stacked by the preparation), each slot filled by TMA copies that complete on its
+barrier. One warpgroup (``warpgroups=1``) issues the copies itself; with more, each consumer warpgroup walks its own
+value block through the shared ring, a producer warpgroup refills a slot once every consumer released it
+(``produce_ring``), registers move from the producer to the consumers (``setmaxnreg``: 40 / 232; without, the pass was
+1.36x slower), and the f32 initial / final state tiles share the ring's memory (a ``RefUnion``: the state is read before
+the first copy and written after the last chunk), so two 64-column consumers fit two slots (211 KB at ``K = 128``).
+Loading each chunk's q, k, Tb and A once for both halves of ``V`` made the pass 1.40x faster at 8192 x 4 sequences, 32
+value heads (H200, RESULTS.md). Per chunk three rounds of wgmma: ``k S`` (the state written to shared memory in bf16
+once per chunk, the right operand), then ``X = v - kr * (k S)`` (f32, rounded to bf16 into ``v_new``'s tile) and ``v_new
+= Tb X`` beside ``q S`` (the state tile still holds the chunk's start state), then ``A v_new`` and ``k^T (kf v_new)``
+(``k``'s tile read transposed as the left operand; ``v_new`` and ``kf v_new`` in bf16 tiles) accumulated onto ``qf * (q
+S)`` and ``exp(g_last) S`` (``pl.run_state`` with initialised accumulators). The row factors multiply f32 accumulators
+rather than bf16 operands (``qf`` the rows of ``q S``, ``kf`` the rows of ``v_new``), an equal product up to the bf16
+roundings of the Triton kernel's ``qf * q`` and ``kf * k``. Before, ``q S`` was formed in the first round and carried
+through the loop beside ``k S``, and the last round's products were added to ``qf (q S)`` and ``exp(g) S`` afterwards:
+the two-warpgroup pass was 1.45-1.50x slower at 8192 x 4 sequences, 32 value heads, the one-warpgroup pass the same
+(H200, RESULTS.md; a reading, not profiled: fewer f32 tiles live in a consumer thread's registers). Per chunk and CTA at
+``K = 128``, ``block_v = 64``: reads 32 KB (q, k) + 8 KB (v) + 8 KB (Tb) + 8 KB (A) + 1 KB = 57 KB (the default
+preparation's operands: 32 + 16 (w) + 8 (u) + 8 + 0.75 = 64.75 KB); products 1 + 1 + 0.5 + 0.5 + 1 MFLOP (k S, q S, Tb
+X, A v_new, k^T v_new: 4.2 MFLOP) in three dependent rounds.
 
 ``overlap=True`` (the default): a step finishes chunk ``c`` (``v_new``, the later rounds, the new state), refills
 chunk ``c``'s slot with chunk ``c + stages`` and issues chunk ``c + 1``'s first round, and while that product runs
@@ -48,19 +47,22 @@ Needs a Hopper GPU (or the Mosaic GPU interpreter, which runs the same data flow
 no transposed wgmma operand), bf16 operands, ``K`` and ``V`` in ``SUPPORTED_HEAD_DIMS``, chunks of 64.
 
 Synchronisation: the kernel orders its own shared-memory accesses, so it compiles without Pallas's automatic barriers
-(``unsafe_no_auto_barriers``; a warpgroup barrier before and after every store and before every copy issue, nine of them
-a ring refill). No thread reads what another wrote except through an async read (wgmma, TMA store) after
-``commit_smem``; a slot is refilled only after ``commit_smem`` (one warpgroup) or every consumer's mbarrier arrive
-(release semantics) follows its last read of it; the output tile is rewritten only after its copies have read it
-(``wait_smem_to_gmem``, which synchronises the warpgroup); with several warpgroups the state tiles in the ring's memory
-are read before ``st_read`` and written after ``walked``. Without the automatic barriers the pass was 1.03-1.04x faster
-(H200, the same errors; ``auto_barriers=True`` restores them, to check a change against them). Where the one-warpgroup
-pass's ~1.8 us a chunk goes (Nsight Compute at 1 x 8192 tokens, 32 value heads, before that change): the ring refill's
-nine TMA issues (each with its expect-tx arrive, uniform-register moves and a barrier) and the wait for the next slot
-took 41% of the stall samples, the wgmma instructions and waits 14%; the time is the same at 32, 64 and 128 CTAs, so it
-is this per-chunk chain, not the L2 traffic. Forming ``W = Tb diag(kr) k`` beside the last round (two rounds a chunk
-instead of three) and cutting each product's reduction into independent wgmma chains were both slower
-(benchmarks/RESULTS.md).
+(``unsafe_no_auto_barriers``; a warpgroup barrier before and after every store and before every copy issue: a ring
+refill's copies are q, k, Tb, each consumer's v, A and the stacked row factors; nine copies before the stacking). No
+thread reads what another wrote except through an async read (wgmma, TMA store) after ``commit_smem``; a slot is
+refilled only after ``commit_smem`` (one warpgroup) or every consumer's mbarrier arrive (release semantics) follows its
+last read of it; the output tile is rewritten only after its copies have read it (``wait_smem_to_gmem``, which
+synchronises the warpgroup); with several warpgroups the state tiles in the ring's memory are read before ``st_read``
+and written after ``walked``. Without the automatic barriers the pass was 1.03-1.04x faster (H200, the same errors;
+``auto_barriers=True`` restores them, to check a change against them). Where the one-warpgroup pass's ~1.8 us a chunk
+goes (Nsight Compute at 1 x 8192 tokens, 32 value heads, before that change): the ring refill's nine TMA issues (each
+with its expect-tx arrive, uniform-register moves and a barrier) and the wait for the next slot took 41% of the stall
+samples, the wgmma instructions and waits 14%; the time is the same at 32, 64 and 128 CTAs, so it is this per-chunk
+chain, not the L2 traffic. The row factors stacked by the preparation (one copy instead of four: six a refill) made the
+one-warpgroup pass 1.19x faster (0.2331 -> 0.1966 ms at 1 x 8192 tokens, 32 value heads; the same bits); the
+two-warpgroup pass, whose producer issues the copies, did not change. Forming ``W = Tb diag(kr) k`` beside the last
+round (two rounds a chunk instead of three) and cutting each product's reduction into independent wgmma chains were
+both slower (benchmarks/RESULTS.md).
 
 This kernel also had a plain mode on the default preparation's ``w`` / ``u`` (two rounds a chunk; backend
 ``"mosaic-seq"``), deleted once this one was measured faster where that one ran (benchmarks/RESULTS.md, GDN chunked
@@ -141,7 +143,6 @@ def smem_bytes(kd: int, block_v: int, stages: int, warpgroups: int = 1) -> int:
 
 def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgroups: int, interpret: bool):
     """``refs``: the inputs, outputs and scratch below; ``warpgroups > 1``: warpgroup ``W`` the producer."""
-    nvec = 4
     (cu_ref,  # i32[N+1]
      rows_ref,  # i32[N]
      flags_ref,  # i32[N]
@@ -150,9 +151,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
      tb_ref,  # bf16[NC, Hv, C, C]  Tb = T diag(beta)
      v_ref,  # bf16[Tp, Hv, V]  raw v
      a_ref,  # bf16[NC, Hv, C, C]
-     ) = refs[:8]
-    vec_refs = refs[8:8 + nvec]  # f32[NC, Hv, C] each: qf, kf, gl, kr
-    (pool_ref,  # f32[R, Hv, K, V]  initial states at rows
+     rowf_ref,  # f32[NC, Hv, 4, C]  the row factors qf, kf, gl, kr
+     pool_ref,  # f32[R, Hv, K, V]  initial states at rows
      o_ref,  # bf16[Tp, Hv, V]
      fin_ref,  # f32[N, Hv, K, V]  final states
      ring,  # (q_s, k_s, tb_s, v_s, a_s, vec_s) and st_s; with warpgroups > 1 a RefUnion of the two
@@ -160,11 +160,11 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
      vn_s,  # bf16[W, C, BV]  swizzled: first v - kr * (k S), then v_new
      vk_s,  # bf16[W, C, BV]  swizzled: kf * v_new
      o_s,  # bf16[W * B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
-     ready,  # barriers [S]: slot loaded (4 + W + 4 arrivals)
+     ready,  # barriers [S]: slot loaded (5 + W arrivals)
      st_bar,  # barriers [W]: initial state loaded
      *shared,  # warpgroups > 1: free [S] (W arrivals: every consumer is done with the slot), st_read and walked
      #           (W arrivals each: every consumer read its initial state / finished its walk)
-     ) = refs[8 + nvec:]
+     ) = refs
     (q_s,  # bf16[S, C, K]  swizzled ring
      k_s,  # bf16[S, C, K]  swizzled ring
      tb_s,  # bf16[S, C, C]  swizzled ring: Tb
@@ -204,8 +204,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         for j in range(wgs):
             plgpu.copy_gmem_to_smem(v_ref.at[rs, hd, value_cols(j)], v_s.at[slot * wgs + j], bar)
         plgpu.copy_gmem_to_smem(a_ref.at[c, hd], a_s.at[slot], bar)
-        for i, ref in enumerate(vec_refs):
-            plgpu.copy_gmem_to_smem(ref.at[c, hd], vec_s.at[slot, i], bar)
+        plgpu.copy_gmem_to_smem(rowf_ref.at[c, hd], vec_s.at[slot], bar)
 
     def tile(ref):  # a bf16 tile of shared memory in the wgmma layout
         return ref[...] if interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
@@ -299,7 +298,6 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         return jnp.where(in_seq, o, 0.0), s
 
     def step(c, s):  # s: f32[K, BV] (one warpgroup: it issues the copies itself)
-        slot = slot_of(c)
         nxt = c + stages - 1
         h_w[...] = s.astype(bf16)
         plgpu.commit_smem()  # also: every thread is done reading the slot that the next copies refill
@@ -308,9 +306,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         def _():
             issue(nxt, slot_of(nxt))
 
-        plgpu.barrier_wait(ready.at[slot])
-        (kh,) = products((k_s.at[slot], False, h_w))
-        o, s = second_half(c, s, kh)
+        o, s = second_half(c, s, first_half(c))
         write_rows(c, o)
         return s
 
@@ -410,10 +406,7 @@ def seq_mgpu_fused_call(
     v: jax.Array,  # bf16[Tp, Hv, V]  raw v, padded as q
     tb: jax.Array,  # bf16[NC, Hv, C, C]  T diag(beta)
     a: jax.Array,  # bf16[NC, Hv, C, C]
-    qf: jax.Array,  # f32[NC, Hv, C]
-    kf: jax.Array,  # f32[NC, Hv, C]
-    gl: jax.Array,  # f32[NC, Hv, C]
-    kr: jax.Array,  # f32[NC, Hv, C]
+    rowf: jax.Array,  # f32[NC, Hv, 4, C]  the row factors qf, kf, gl, kr
     pool: jax.Array,  # f32[R, Hv, K, V]
     cu_seqlens: jax.Array,  # i32[N+1]
     rows: jax.Array,  # i32[N]
@@ -441,7 +434,6 @@ def seq_mgpu_fused_call(
     docstring, "Synchronisation"); off by default. ``semantics``: the Mosaic GPU lowering (Lane: the register layouts
     the kernel names). ``ValueError`` also for ``warpgroups`` not a positive int or ``warpgroups * block_v`` not
     dividing ``V``."""
-    vecs = (qf, kf, gl, kr)
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
     vd = v.shape[-1]
@@ -482,7 +474,7 @@ def seq_mgpu_fused_call(
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
         plgpu.SMEM((stages * wgs, chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
-        plgpu.SMEM((stages, len(vecs), chunk), jnp.float32),
+        plgpu.SMEM((stages, 4, chunk), jnp.float32),
     ), (plgpu.SMEM((wgs, kd, block_v), jnp.float32),)
     union = plgpu.RefUnion if wgs > 1 and not interpret else lambda *groups: groups  # the interpreter has none
     scratch = (
@@ -491,7 +483,7 @@ def seq_mgpu_fused_call(
         plgpu.SMEM((wgs, chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((wgs, chunk, block_v), bf16, transforms=swz),
         plgpu.SMEM((wgs * (2 if block_v * 2 < SWIZZLE else 1), chunk + 2, block_v), bf16),
-        plgpu.Barrier(num_arrivals=4 + wgs + len(vecs), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=5 + wgs, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
     )
     threads = {}
@@ -513,7 +505,7 @@ def seq_mgpu_fused_call(
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
                                              unsafe_no_auto_barriers=not auto_barriers),
         interpret=interpret_params() if interpret else None,
-    )(cu_seqlens, rows, flags, q, k, tb, v, a, *vecs, pool)
+    )(cu_seqlens, rows, flags, q, k, tb, v, a, rowf, pool)
     live = (flags & FLAG_LIVE) != 0
     pool = pool.at[jnp.where(live, rows, pool.shape[0])].set(fin, mode="drop")
     return o, pool
