@@ -103,9 +103,9 @@ def shape_reason(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk: int) -> str
 
 def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, inverse_only: bool, interpret: bool):
     """``refs``: the inputs, outputs and scratch below; with ``inverse_only`` (the value heads' inverses in
-    lockstep) no ``v_ref``, ``w_ref``, ``u_ref``, ``v_s``, ``tb_ref``, ``kr_ref`` after ``gl_ref``, ``op_s`` is
-    ``bf16[G, C, C]`` (G = the CTA's value heads) and ``lo_s`` (``bf16[G, C, C]``, swizzled: ``L`` off its block
-    diagonal, then ``(I + D)^-1``) comes last."""
+    lockstep) no ``v_ref``, ``w_ref``, ``u_ref``, ``v_s``; ``rowf_ref`` in place of ``qf_ref`` .. ``gl_ref`` and
+    ``tb_ref`` after it; ``op_s`` is ``bf16[G, C, C]`` (G = the CTA's value heads) and ``lo_s`` (``bf16[G, C, C]``,
+    swizzled: ``L`` off its block diagonal, then ``(I + D)^-1``) comes last."""
     if inverse_only:
         refs, lo_s = refs[:-1], refs[-1]
         (seg_ref,  # i32[Tp]  sequence id per token, -1 outside every sequence
@@ -117,7 +117,7 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
          rowf_ref,  # f32[NC, Hv, 4, C]  qf, kf, gl and kr = |k|^-1 exp(gc) (v_new = Tb (v - kr * (k S)))
          tb_ref,  # bf16[NC, Hv, C, C]  T diag(beta)
          seg_s, q_s, k_s, tok_s, rk_s, a_s, vec_s, op_s, qk_bar, v_bar) = refs
-        v_ref = w_ref = u_ref = v_s = qf_ref = kf_ref = gl_ref = None
+        v_ref = w_ref = u_ref = v_s = None
     else:
         (seg_ref, q_ref, k_ref,
          v_ref,  # bf16[Tp, Hv, V]
@@ -276,8 +276,9 @@ def _kernel(*refs, group: int, heads: int, scale: float, use_qk_l2norm: bool, in
         plgpu.copy_smem_to_gmem(a_s, a_ref.at[c, h])
         if inverse_only:  # the four row factors stacked: one copy (the fused pass loads them with one)
             plgpu.copy_smem_to_gmem(vec_s, rowf_ref.at[c, h])
-        for i, out in enumerate(() if inverse_only else (qf_ref, kf_ref, gl_ref)):
-            plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
+        else:
+            for i, out in enumerate((qf_ref, kf_ref, gl_ref)):
+                plgpu.copy_smem_to_gmem(vec_s.at[i], out.at[c, h])
         return gc, beta, decay
 
     def scaled_kv(j, gc, beta):  # kb_s = beta exp(gc) k and v_s[j] = beta v, in bf16
