@@ -200,9 +200,10 @@ def tp_preset(smoke: bool):
     return p
 
 
-def tp_engine(p, mesh, rows: int, prompt_len: int, new_tokens: int, budget: int):
+def tp_engine(p, mesh, rows: int, prompt_len: int, new_tokens: int, budget: int, all_reduce: str = "auto"):
     """An engine on the ``tp`` model over ``mesh`` (None: one device) with ``rows`` requests queued: each data
-    shard ``rows / D`` rows, the same pages per KV head on every mesh."""
+    shard ``rows / D`` rows, the same pages per KV head on every mesh; ``all_reduce``: the sharded model's
+    all-reduce ``impl``."""
     import numpy as np
 
     from kvjax.cli.run import build_model
@@ -214,7 +215,7 @@ def tp_engine(p, mesh, rows: int, prompt_len: int, new_tokens: int, budget: int)
     blocks = -(-(prompt_len + new_tokens) // p.page_size)
     cache = CacheConfig(page_size=p.page_size, num_pages=per * p.kv_heads * blocks // m, max_seqs=per,
                         max_blocks_per_seq=blocks)
-    model = build_model(p, seed=0, mesh=mesh)
+    model = build_model(p, seed=0, mesh=mesh, all_reduce=all_reduce)
     eng = Engine(model, cache, mesh=mesh, recycle="timely", max_num_batched_tokens=budget,
                  token_buckets=tuple(sorted({per, budget})), row_buckets=(per,), block_buckets=(blocks,))
     rng = np.random.default_rng(0)
@@ -278,9 +279,14 @@ def profile_engine(eng, steps: int, trace_dir: str, tokens: dict) -> dict:
     return dict(trace_dir=trace_dir, steps=steps, sub_steps=sub_steps, **kernel_time_by_class(trace_dir, sub_steps))
 
 
-def tp_configs(g: int) -> dict[str, tuple[int, int] | None]:
-    """The ``tp`` section's runs: name -> mesh shape (None: one device, no mesh); ``g = 1``: the one device only."""
-    return {"one": None} if g == 1 else {"one": None, f"1x{g}": (1, g), f"{g}x1": (g, 1)}
+def tp_configs(g: int) -> dict[str, tuple[tuple[int, int] | None, str]]:
+    """The ``tp`` section's runs: name -> (mesh shape or None for one device without a mesh, the all-reduce
+    ``impl`` of the sharded model's sums); ``g = 1``: the one device only. ``1xG psum`` is the tensor-parallel run
+    with XLA's ``psum`` in place of ``auto``'s choice (the one-shot kernel on Hopper)."""
+    if g == 1:
+        return {"one": (None, "auto")}
+    return {"one": (None, "auto"), f"1x{g}": ((1, g), "auto"), f"1x{g} psum": ((1, g), "reference"),
+            f"{g}x1": ((g, 1), "auto")}
 
 
 def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], profile: tuple[str, ...],
@@ -293,14 +299,15 @@ def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], pr
     from kvjax.engine.options import AUTO_BURST
 
     new_tokens = (n + profile_steps + 60) * AUTO_BURST + (rows * prompt) // budget  # decode bursts of AUTO_BURST
-    out, first, base = [], None, None
-    for name, shape in ((k, v) for k, v in tp_configs(g).items() if k in runs):
+    out, first, base, seen = [], None, None, {}
+    for name, (shape, all_reduce) in ((k, v) for k, v in tp_configs(g).items() if k in runs):
         mesh = None if shape is None else _mesh(*shape)
         t0 = time.perf_counter()
-        eng = tp_engine(p, mesh, rows, prompt, new_tokens, budget)
+        eng = tp_engine(p, mesh, rows, prompt, new_tokens, budget, all_reduce)
         build_s = time.perf_counter() - t0
         tokens: dict = {}
-        row = dict(run=name, mesh=shape, rows=rows, build_s=build_s, **steady_decode(eng, rows, n, tokens))
+        row = dict(run=name, mesh=shape, all_reduce=all_reduce, rows=rows, build_s=build_s,
+                   **steady_decode(eng, rows, n, tokens))
         if name in profile:
             row["profile"] = profile_engine(eng, profile_steps, os.path.join(trace_dir, name), tokens)
         firsts = [tokens[i] for i in sorted(tokens)]
@@ -309,6 +316,11 @@ def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], pr
         k = min(len(t) for t in firsts + first)  # every row's first k tokens
         row.update(ratio=row["tokens_per_s"] / base, compared_tokens=k, compared_with=out[0]["run"] if out else name,
                    identical_tokens=all(a[:k] == b[:k] for a, b in zip(firsts, first)))
+        twin = seen.get(name.removesuffix(" psum")) if name.endswith(" psum") else None
+        if twin is not None:  # the same mesh with auto's all-reduce: the same tokens?
+            k = min(len(t) for t in firsts + twin)
+            row["identical_to_auto"] = all(a[:k] == b[:k] for a, b in zip(firsts, twin))
+        seen[name] = firsts
         out.append(row)
         _print({k2: v for k2, v in row.items() if k2 != "profile"})
         if "profile" in row:
@@ -430,7 +442,7 @@ def main(argv: list[str]) -> int:
     if rows % g:
         ap.error(f"--rows {rows} must be a multiple of G = {g} (the Gx1 mesh's rows per device)")
     n = args.steps or (4 if smoke else 30)
-    names = {"one": "one", "1xG": f"1x{g}", "Gx1": f"{g}x1"}
+    names = {"one": "one", "1xG": f"1x{g}", "1xG psum": f"1x{g} psum", "Gx1": f"{g}x1"}
     wanted = args.profile or ("one" if g == 1 else "1xG")
     profile = tuple(names.get(s.strip(), s.strip()) for s in wanted.split(",")) if "profile" in sections else ()
     if set(profile) - set(tp_configs(g)):

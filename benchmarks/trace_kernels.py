@@ -5,7 +5,8 @@ wrote; ``--steps``: how many engine steps the trace holds, to report per step), 
 ``from trace_kernels import kernel_time_by_class`` (``benchmarks/`` on ``sys.path``, as ``timing.py``).
 
 A kernel's class comes from its name (:func:`classify`): ``collective`` (NCCL kernels, XLA's all-reduce /
-all-gather / reduce-scatter / all-to-all / collective-permute), ``gemm`` (cuBLAS / cuBLASLt ``nvjet`` / CUTLASS /
+all-gather / reduce-scatter / all-to-all / collective-permute, kvjax's one-shot all-reduce kernel and the
+multi-GPU barrier XLA launches before it), ``gemm`` (cuBLAS / cuBLASLt ``nvjet`` / CUTLASS /
 ``xmma`` / ``wgmma`` kernels and XLA's GEMM fusions), ``copy`` (memcpy / memset) and ``other`` (elementwise
 fusions, the Pallas and Triton kernels). The records are those of ``timing.kernel_records``: every event on a
 ``Stream`` line of a ``/device:GPU:k`` plane (the ``XLA Ops`` / ``XLA Modules`` lines restate them). Per GPU:
@@ -25,7 +26,8 @@ import sys
 CLASSES = ("collective", "gemm", "copy", "other")
 _PATTERNS = (
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
-                              r"collective[-_]?permute|cross[-_]?device|^psum_", re.I)),  # psum_*: XLA's own
+                              r"collective[-_]?permute|cross[-_]?device|^psum_|"  # psum_*: XLA's own
+                              r"multi[-_]?gpu[-_]?barrier", re.I)),  # before a Mosaic GPU kernel that communicates
     ("gemm", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|matmul|\bdot\b|dot[-_]fusion|_dot_|^dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy[-_]?engine", re.I)),
 )

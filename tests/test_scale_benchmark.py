@@ -34,6 +34,8 @@ def trace_kernels():
     ("all-gather-start.3", "collective"),
     ("reduce_scatter_fusion", "collective"),
     ("psum_1857_0_fusion_1", "collective"),  # XLA's all-reduce of a shard_map psum on two H100s (HISTORY run 72)
+    ("all_reduce_one_shot_mosaic_gpu_kernel", "collective"),  # kvjax.pallas.collective.allreduce_mgpu
+    ("stream_executor::gpu::MultiGpuBarrierWithTimeout", "collective"),  # XLA's, before that kernel (2x H200)
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
     ("nvjet_tst_128x64_64x8_1x2_h_bz_TNN", "gemm"),
     ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8", "gemm"),
@@ -76,8 +78,10 @@ def test_scale_smoke_on_8_cpu_devices(tmp_path):
         assert all(row["identical_greedy"] and row["identical_sampled"]
                    for row in doc["sections"]["deepseek"]["rows"][1:])
     tp = doc["sections"]["tp"]["rows"]
-    assert [row["run"] for row in tp] == ["one", "1x2", "2x1"]
+    assert [row["run"] for row in tp] == ["one", "1x2", "1x2 psum", "2x1"]
+    assert [row["all_reduce"] for row in tp] == ["auto", "auto", "reference", "auto"]
     assert all(row["identical_tokens"] and row["compared_tokens"] >= 4 and row["ms_per_step"] > 0 for row in tp)
+    assert [row.get("identical_to_auto") for row in tp] == [None, None, True, None]
     traced = [row for row in tp if "profile" in row]
     assert [row["run"] for row in traced] == ["1x2"]
     assert traced[0]["profile"]["gpus"] == {}  # a CPU trace: written and parsed, no device records
@@ -92,8 +96,9 @@ def test_one_device_runs_only_the_tp_sections(capsys, tmp_path):
     cache = jax.config.jax_compilation_cache_dir
     out = ["--out", str(tmp_path / "out" / "scale.json")]
     with bench_module("scale") as scale:
-        assert scale.tp_configs(1) == {"one": None}
-        assert list(scale.tp_configs(2)) == ["one", "1x2", "2x1"]
+        assert scale.tp_configs(1) == {"one": (None, "auto")}
+        assert scale.tp_configs(2) == {"one": (None, "auto"), "1x2": ((1, 2), "auto"),
+                                       "1x2 psum": ((1, 2), "reference"), "2x1": ((2, 1), "auto")}
         for argv, message in ((["--gpus", "1", "--only", "dp,tp"], "--gpus 1 runs only the tp and profile"),
                               (["--gpus", "0"], "--gpus 0: need 1 to"),
                               (["--gpus", "1", "--only", "profile", "--profile", "1xG,one"], "runs are one")):

@@ -115,15 +115,20 @@ def param_bytes(p: Preset) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def build_model(p: Preset, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None):
+def build_model(p: Preset, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None, all_reduce: str = "auto"):
     """Random-weight toy Qwen3.5 of preset ``p`` (:func:`model_config`): drawn with numpy on the host, or, for a
     ``device_init`` preset, by one jitted call on the devices (a :class:`~kvjax.models.sharding.ShardedModel` over
-    ``mesh`` if given, each device drawing its own shards; the same weights on one device and on any mesh)."""
+    ``mesh`` if given, each device drawing its own shards; the same weights on one device and on any mesh; a
+    host-drawn model is left for the engine to split). ``all_reduce``: the sums' implementation of the sharded
+    model (:class:`~kvjax.models.sharding.ShardedModel`); other than ``"auto"`` a host-drawn model is split here."""
     from kvjax.models.qwen3_5 import init_random, init_random_on_device
+    from kvjax.models.sharding import shard_model
 
     if p.device_init:
-        return init_random_on_device(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype), mesh=mesh)
-    return init_random(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype))
+        return init_random_on_device(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype), mesh=mesh,
+                                     all_reduce=all_reduce)
+    model = init_random(model_config(p), seed=seed, dtype=jnp.dtype(p.dtype))
+    return shard_model(model, mesh, all_reduce=all_reduce) if mesh is not None and all_reduce != "auto" else model
 
 
 def check_device(preset: str, force: bool) -> None:

@@ -7,7 +7,8 @@ Layout (issue #20, phase A). The mesh is ``jax.sharding.Mesh(devices, ("data", "
   a multiple of ``M``; the logits are all-gathered and sliced to the true vocabulary inside the step, so a
   padded entry never reaches a sampler). Column-parallel projections are split on their output axis (axis 1
   of a ``Linear`` kernel ``[in, out]``, axis 0 of a ``TorchLinear`` weight ``[out, in]``), row-parallel ones
-  (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed with a ``psum``;
+  (``o_proj``, ``out_proj``, ``down_proj``) on their input axis and summed over ``"model"`` by the op
+  :func:`kvjax.ops.collective.all_reduce` (``ShardedModel(all_reduce=)``: its ``impl``, ``"auto"`` by default);
   norms, routers and the DSA indexer are replicated. A head count (or MLP width) that ``M`` does not divide is
   a ``ValueError`` naming both numbers. Rules: :func:`param_spec`; family details: ``model.shard_plan``.
 - ``"data"``: batch rows. Each data shard is an independent ragged batch with its own pages and GDN slots:
@@ -66,6 +67,7 @@ from kvjax.models.common.layers import Linear
 from kvjax.models.common.parallel import ShardPlan
 from kvjax.inputs import DEVICE_FIELDS
 from kvjax.models.interface import ModelCaches
+from kvjax.ops.collective import TABLE as ALL_REDUCE_TABLE
 from kvjax.state.gdn_pool import GDNStatePool
 
 DATA, MODEL = "data", "model"
@@ -127,12 +129,19 @@ class ShardedModel:
     traceable ``draw(path, shape) -> array`` of each parameter's global value (e.g. random weights): all drawn by
     one jitted call whose outputs have the parameters' shardings, so each device computes its own shards and
     nothing crosses the host (every process of a multi-process mesh runs the same call).
+
+    ``all_reduce``: the ``impl`` of every sum over ``"model"`` (the row-parallel projections, the MoE's routed
+    experts, the vocabulary-sharded embedding): ``"auto"`` (the op's backend table decides), ``"reference"``
+    (XLA's ``psum``) or ``"mosaic"`` (the one-shot kernel); :func:`kvjax.ops.collective.all_reduce`.
     """
 
     def __init__(self, model_abstract: nnx.Module,
-                 values: Mapping[tuple, Any] | Callable[[tuple, tuple[int, ...]], jax.Array], mesh: Mesh):
+                 values: Mapping[tuple, Any] | Callable[[tuple, tuple[int, ...]], jax.Array], mesh: Mesh, *,
+                 all_reduce: str = "auto"):
         if set(mesh.axis_names) != {DATA, MODEL}:
             raise ValueError(f"mesh axes must be ('data', 'model'), got {mesh.axis_names}")
+        ALL_REDUCE_TABLE.validate_impl(all_reduce)
+        self.all_reduce = all_reduce
         self.mesh = mesh
         self.data_size, self.model_size = mesh.shape[DATA], mesh.shape[MODEL]
         self.config = model_abstract.config
@@ -163,7 +172,7 @@ class ShardedModel:
         self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
         dtype = next(iter(flat.values())).get_value().dtype
         local = self._local(lambda config: type(model_abstract)(config, rngs=nnx.Rngs(0), dtype=dtype))
-        local.tp = plan.tp if self.model_size > 1 else None
+        local.tp = dataclasses.replace(plan.tp, all_reduce=all_reduce) if self.model_size > 1 else None
         self.local = local
         self.graphdef = nnx.split(local)[0]
 
@@ -177,6 +186,7 @@ class ShardedModel:
             if split and ((isinstance(module, Linear) and name in ROW) or (name == "mlp"
                                                                              and hasattr(module, "reduce_axis"))):
                 module.reduce_axis = MODEL
+                module.reduce_impl = self.all_reduce
         return local
 
     def local_head(self, head: nnx.Module) -> nnx.Module:
@@ -329,9 +339,10 @@ def _widen(x: jax.ShapeDtypeStruct, d: int, m: int, *, axis: int) -> jax.ShapeDt
     return jax.ShapeDtypeStruct((d, *shape), x.dtype)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh) -> ShardedModel:
+def shard_model(model: nnx.Module, mesh: Mesh, *, all_reduce: str = "auto") -> ShardedModel:
     """Split ``model`` (a :class:`kvjax.models.interface.CausalLM` with ``shard_plan``) over ``mesh``: each
-    parameter is read through host memory and placed with the NamedSharding of its rule. ``ValueError`` names
-    a head count the ``"model"`` axis does not divide."""
+    parameter is read through host memory and placed with the NamedSharding of its rule (``all_reduce``: the
+    sums' ``impl``, :class:`ShardedModel`). ``ValueError`` names a head count the ``"model"`` axis does not
+    divide."""
     values = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model))}
-    return ShardedModel(model, values, mesh)
+    return ShardedModel(model, values, mesh, all_reduce=all_reduce)

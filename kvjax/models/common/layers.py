@@ -60,7 +60,8 @@ class Linear(nnx.Module):
     product is the op :func:`kvjax.ops.linear.linear` (a Pallas kernel for 16-bit decode rows on a GPU).
 
     ``reduce_axis`` (static, ``None`` by default): on a row-parallel shard inside ``shard_map`` the partial
-    product is summed over that mesh axis before the bias is added (:mod:`kvjax.models.common.parallel`).
+    product is summed over that mesh axis before the bias is added (:mod:`kvjax.models.common.parallel`), by the
+    all-reduce implementation ``reduce_impl`` (static, ``"auto"``).
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -68,9 +69,10 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(scale * jax.random.normal(rngs.params(), (d_in, d_out), dtype))  # [in, out]
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None  # [out] | None
         self.reduce_axis: str | None = None
+        self.reduce_impl: str = "auto"
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = reduce(linear(x, self.kernel[...]), self.reduce_axis)
+        y = reduce(linear(x, self.kernel[...]), self.reduce_axis, self.reduce_impl)
         return y if self.bias is None else y + self.bias[...]
 
 

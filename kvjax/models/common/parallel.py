@@ -6,7 +6,7 @@ holding the device's shards of the parameters. The local model differs from a pl
 attributes, so the collectives are part of its graph (no hidden context):
 
 - ``Linear.reduce_axis`` / ``MoE.reduce_axis``: a row-parallel projection sums its partial products over the axis
-  (``psum``, bias added once after the sum);
+  (the op :func:`kvjax.ops.collective.all_reduce`, implementation ``reduce_impl``; bias added once after the sum);
 - ``model.tp``: a :class:`TensorParallel`: the embedding lookup of a vocabulary-sharded table (:func:`embed`),
   the all-gather of the vocabulary-sharded logits sliced to the true vocabulary (:func:`gather_vocab`: padded
   entries never reach a sampler), and the global per-KV-head attention masks each device takes its share of
@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.ops.collective import all_reduce
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
@@ -34,6 +36,7 @@ class TensorParallel:
     vocab_size: int  # the global model's true vocabulary (logits are sliced to it)
     kv_window: tuple[int, ...] = ()  # global per-KV-head windows (Qwen3.5 SWA heads; () = all full)
     kv_sinks: tuple[int, ...] = ()  # global per-KV-head sinks
+    all_reduce: str = "auto"  # impl of the sums over the axis (kvjax.ops.collective.all_reduce)
 
     def __post_init__(self) -> None:
         for name in ("size", "vocab_size"):
@@ -60,7 +63,7 @@ def embed(
     local = ids - jax.lax.axis_index(tp.axis) * n
     mine = (local >= 0) & (local < n)
     rows = jnp.where(mine[..., None], table[jnp.clip(local, 0, n - 1)], jnp.zeros((), table.dtype))
-    return jax.lax.psum(rows, tp.axis)
+    return all_reduce(rows, tp.axis, impl=tp.all_reduce)
 
 
 def gather_vocab(
@@ -74,9 +77,10 @@ def gather_vocab(
     return full[..., : tp.vocab_size]
 
 
-def reduce(y: jax.Array, axis: str | None) -> jax.Array:
-    """``psum`` of a row-parallel partial product over ``axis`` (identity for ``None``)."""
-    return y if axis is None else jax.lax.psum(y, axis)
+def reduce(y: jax.Array, axis: str | None, impl: str = "auto") -> jax.Array:
+    """The sum of a row-parallel partial product over ``axis`` (identity for ``None``): the op
+    :func:`kvjax.ops.collective.all_reduce` with ``impl``."""
+    return all_reduce(y, axis, impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)

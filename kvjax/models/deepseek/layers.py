@@ -64,6 +64,7 @@ class MoE(nnx.Module):
         self.experts = Experts(e, d, i, rngs=rngs, dtype=dtype)
         self.shared_experts = MLP(d, i * c.n_shared_experts, rngs=rngs, dtype=dtype)
         self.reduce_axis: str | None = None  # static: sum the routed partial products over this mesh axis
+        self.reduce_impl: str = "auto"  # static: the all-reduce implementation of that sum
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
         flat = x.reshape(-1, x.shape[-1])
@@ -73,7 +74,7 @@ class MoE(nnx.Module):
         gate, up = jnp.split(gate_up, 2, axis=-1)
         y = jnp.einsum("nei,edi->ned", jax.nn.silu(gate) * up, self.experts.down_proj[...], precision=_HI)
         routed = jnp.einsum("ne,ned->nd", combine.astype(y.dtype), y, precision=_HI).reshape(x.shape)
-        routed = reduce(routed, self.reduce_axis)
+        routed = reduce(routed, self.reduce_axis, self.reduce_impl)
         return routed + self.shared_experts(x)
 
 

@@ -75,7 +75,7 @@ def init_random(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.float32) -> Q
 
 
 def init_random_on_device(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.bfloat16,
-                          mesh: Mesh | None = None) -> Qwen3_5ForCausalLM | ShardedModel:
+                          mesh: Mesh | None = None, all_reduce: str = "auto") -> Qwen3_5ForCausalLM | ShardedModel:
     """A randomly initialised model drawn by one jitted call on the devices (:func:`init_random`'s distributions):
     for models of billions of parameters, whose numpy draw and host -> device copy would take minutes. ``mesh``: a
     :class:`~kvjax.models.sharding.ShardedModel` whose devices draw only their own shards (every process of a
@@ -99,7 +99,7 @@ def init_random_on_device(config: Qwen3_5Config, *, seed: int = 0, dtype=jnp.bfl
         return jnp.full(shape, a, dtype)
 
     if mesh is not None:
-        return ShardedModel(model, draw, mesh)
+        return ShardedModel(model, draw, mesh, all_reduce=all_reduce)
     flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     arrays = jax.jit(lambda: [draw(path, tuple(var.get_value().shape)) for path, var in flat])()
     return assign_params(model, {path: x for (path, _), x in zip(flat, arrays)})
