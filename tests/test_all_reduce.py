@@ -1,7 +1,8 @@
 """The all-reduce op (issue 34): :func:`kvjax.ops.collective.all_reduce` and its one-shot Mosaic GPU kernel.
 
-- The backend table: ``auto`` takes the kernel on Hopper for the decode-step sizes it names and XLA's ``psum``
-  elsewhere; the kernel's refusals name the value; its tiling covers every element once.
+- The backend table: ``auto`` takes the kernel on Hopper over two devices up to 32 MiB a device (where it was
+  measured ahead) and XLA's ``psum`` elsewhere; the kernel's refusals name the value; its tiling covers every
+  element once.
 - On 4 CPU devices (a subprocess): ``auto`` / ``reference`` equal numpy's sum over the axis (alone and over the
   ``"model"`` axis of a 2x2 mesh), the kernel lowers for CUDA at 2 and 4 devices (bf16, f32, a 2-axis mesh), and
   a sharded model's row-parallel projections, MoE and embedding carry the ``all_reduce`` implementation asked for.
@@ -36,7 +37,7 @@ P = jax.sharding.PartitionSpec
 
 def test_table_chooses_as_documented():
     h100, cpu = NAMED["h100"], NAMED["cpu"]
-    want = {"decode T=64 hidden 4096 bf16 over 2": "mosaic", "decode T=64 hidden 4096 bf16 over 4": "mosaic",
+    want = {"decode T=64 hidden 4096 bf16 over 2": "mosaic", "decode T=64 hidden 4096 bf16 over 4": "reference",
             "decode T=16 hidden 1024 f32 over 2": "mosaic", "prefill T=2048 hidden 4096 bf16 over 2": "mosaic",
             "prefill T=8192 hidden 4096 bf16 over 2": "reference"}
     assert set(TABLE.examples) == set(want)
@@ -47,6 +48,8 @@ def test_table_chooses_as_documented():
     args, kwargs = TABLE.examples["prefill T=8192 hidden 4096 bf16 over 2"]()
     assert TABLE.choose("mosaic", args, kwargs, h100)[0] == "mosaic"  # declined by auto only, reachable by name
     assert args[0].size * 2 > MOSAIC_MAX_BYTES
+    args, kwargs = TABLE.examples["decode T=64 hidden 4096 bf16 over 4"]()
+    assert "measured on two only" in TABLE.explain(args, kwargs, h100)[0][1]
 
 
 @pytest.mark.parametrize("shape, dtype, size, needle", [

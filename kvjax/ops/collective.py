@@ -9,7 +9,7 @@ Reference = XLA's ``lax.psum`` (its own collective kernel on GPUs, what the mode
 ``"mosaic"`` = :func:`kvjax.pallas.collective.allreduce_mgpu.all_reduce_mgpu`, a one-shot kernel in which each
 device reads its peers' partial sums over NVLink and adds them in float32 in device order (the same bits on every
 device); compiled only (``interpretable=False``: the Mosaic GPU interpreter of jax 0.10 has no cross-device
-semaphores), on Hopper. ``auto`` takes it for the sizes where it was measured ahead of ``psum`` (:func:`prefer_mosaic`:
+semaphores), on Hopper. ``auto`` takes it where it was measured ahead of ``psum`` (:func:`prefer_mosaic`: two devices,
 up to 32 MiB a device, one process; RESULTS.md, "Many GPUs"), XLA's ``psum`` elsewhere and on every other device.
 """
 
@@ -38,11 +38,14 @@ def all_reduce_reference(
 
 def prefer_mosaic(x, *, axis: str, size: int) -> str | None:
     """Why ``auto`` keeps XLA's ``psum`` for a call the one-shot kernel can take (``None``: it takes the kernel).
-    Measured on two H200s driven by one process (RESULTS.md, "Many GPUs"): the decode step's 512 KB sums and 0.125
-    to 32 MiB alone. Declined: more than :data:`MOSAIC_MAX_BYTES` a device (not measured; each device reads every
-    peer's whole input, where a ring moves a share), and several processes (the kernel's peer addresses then
-    come another way, not measured)."""
-    del axis, size
+    Measured on two H200s driven by one process (RESULTS.md, "Many GPUs"): ahead of ``psum`` in the tp preset's
+    decode step (512 KB sums) and alone from 0.125 to 32 MiB. Declined where it was not measured: an axis of more
+    than two devices (each device reads every peer's input: three peers' on four GPUs; an earlier push form of
+    the kernel lost to ``psum`` there), more than :data:`MOSAIC_MAX_BYTES` a device, and several processes (the
+    kernel's peer addresses then come another way)."""
+    del axis
+    if size != 2:
+        return f"an axis of {size} devices: measured on two only"
     nbytes = x.size * jnp.dtype(x.dtype).itemsize
     if nbytes > MOSAIC_MAX_BYTES:
         return f"{nbytes} bytes a device > {MOSAIC_MAX_BYTES}: not measured (every device reads every peer's input)"
@@ -80,7 +83,7 @@ TABLE = BackendTable(
     (
         Backend("mosaic", allreduce_mgpu.all_reduce_mgpu, priority=10, device=on_hopper,
                 unsupported=allreduce_mgpu.unsupported, prefer=prefer_mosaic, interpretable=False,
-                note="one-shot peer reads over NVLink: decode-step sums ahead of XLA's psum (RESULTS.md, Many GPUs)"),
+                note="one-shot peer reads over NVLink: ahead of XLA's psum on 2 GPUs (RESULTS.md, Many GPUs)"),
     ),
     examples={
         "decode T=64 hidden 4096 bf16 over 2": lambda: _example(64),
