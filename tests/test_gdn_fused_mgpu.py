@@ -221,16 +221,18 @@ def test_fused_kernel_variants_interpret(rng):
     three rows sharing a chunk, an empty last row), as segments would be walked from given start states; with two
     consumer warpgroups of 32 columns sharing the ring (a producer warpgroup, the state tiles in the ring's memory) on
     two rows sharing a chunk, one without an initial state (the interpreter takes ~7 s a CTA there; the GPU test
-    walks the ragged grid); an engine step's bucket (one 64-column block): a padding row without tokens (no work)
-    between live rows, and a last padding row that owns the tokens past every sequence."""
+    walks the ragged grid); one consumer issuing its own copies (3 stages) and beside a producer warpgroup that issues
+    them (2 stages); an engine step's bucket (one 64-column block): a padding row without tokens (no work) between
+    live rows, and a last padding row that owns the tokens past every sequence."""
     from kvjax.pallas.gdn.chunk import _chunk_call
     from kvjax.pallas.gdn.prep import prepare
     from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
-    cases = [([64, 0, 30, 5, 29, 0], [3, 3, 2, 3, 3, 3], [(False, 2, 1), (True, 3, 1)], 0, 32),
-             ([40, 88], [3, 2], [(True, 2, 2)], 0, 32),
-             ([3, 0, 100, 0], [3, 0, 2, 0], [(True, 2, 1)], 25, 64)]  # (lens, flags, forms, pad tokens, block_v)
+    cases = [([64, 0, 30, 5, 29, 0], [3, 3, 2, 3, 3, 3], [(False, 2, 1, None), (True, 3, 1, False),
+                                                          (True, 2, 1, True)], 0, 32),
+             ([40, 88], [3, 2], [(True, 2, 2, None)], 0, 32),
+             ([3, 0, 100, 0], [3, 0, 2, 0], [(True, 2, 1, None)], 25, 64)]  # (lens, flags, forms, pad, block_v)
     for lens, flags, forms, pad, bv in cases:
         q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, 1, 1, 64, 64, jnp.bfloat16, pad_tokens=pad)
         ops = prepare(q, k, v, g, beta, cu, scale=0.125, use_qk_l2norm=True, chunk=64, interpret=True)
@@ -241,38 +243,42 @@ def test_fused_kernel_variants_interpret(rng):
         rows, flags = jnp.arange(len(lens), dtype=jnp.int32), jnp.asarray(flags, jnp.int32)
         want = _chunk_call(*ops, jnp.array(s0, copy=True), cu, rows, flags, out_dtype=jnp.bfloat16, block_v=32,
                            num_warps=4, num_stages=2, interpret=True)
-        for overlap, stages, wgs in forms:
+        for overlap, stages, wgs, producer in forms:
             got = seq_mgpu_fused_call(q, k, v, tb, a, rowf, jnp.array(s0, copy=True), cu, rows, flags,
                                       out_dtype=jnp.bfloat16, block_v=bv, stages=stages, overlap=overlap,
-                                      warpgroups=wgs, interpret=True)
+                                      warpgroups=wgs, producer=producer, interpret=True)
             assert rel_err(got[0], want[0]) <= SAME_TOL and rel_err(got[1], want[1]) <= SAME_TOL, (
-                lens, overlap, stages, wgs, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
+                lens, overlap, stages, wgs, producer, rel_err(got[0], want[0]), rel_err(got[1], want[1]))
 
 
 def test_fused_lowers_for_cuda():
     """The fused pass lowers to a Mosaic GPU module for CUDA without a GPU (the Tb product on the ring's Tb tile,
     the raw v box of the ring) at K = V = 128 with value blocks of 32 (3 stages) and 64 (2 stages), K = 64 with
     V = 128 in one block, without the overlap once (and there with Pallas's automatic barriers, off by default), with
-    two 64-column consumer warpgroups (a producer warpgroup and a ``RefUnion`` of the ring and the state tiles), under
-    the Lane semantics; and the whole forward (``seq="fused"``: both kernels) at K = V = 128."""
+    two 64-column consumer warpgroups (a producer warpgroup and a ``RefUnion`` of the ring and the state tiles), one
+    consumer beside a producer (the default with the overlap: the ``_p`` kernel) or issuing its own copies, under the
+    Lane semantics; and the whole forward (``seq="fused"``: both kernels) at K = V = 128."""
     from jax import export
 
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
     from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
     sds, bf16, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
-    for kd, vd, hk, hv, n, block_v, stages, overlap, wgs in [(128, 128, 2, 4, 3, 32, 3, True, 1),
-                                                              (128, 128, 2, 4, 1, 64, 2, True, 1),
-                                                              (64, 128, 1, 2, 2, 128, 2, True, 1),
-                                                              (128, 128, 2, 4, 2, 64, 2, False, 1),
-                                                              (128, 128, 2, 4, 2, 64, 2, True, 2)]:
+    for kd, vd, hk, hv, n, block_v, stages, overlap, wgs, prod in [(128, 128, 2, 4, 3, 32, 3, True, 1, None),
+                                                                    (128, 128, 2, 4, 1, 64, 2, True, 1, None),
+                                                                    (64, 128, 1, 2, 2, 128, 2, True, 1, None),
+                                                                    (128, 128, 2, 4, 2, 64, 2, False, 1, None),
+                                                                    (128, 128, 2, 4, 2, 64, 2, True, 2, None),
+                                                                    (128, 128, 2, 4, 1, 32, 2, True, 1, False)]:
         tp, nc = 256, 4
         args = (sds((tp, hk, kd), bf16), sds((tp, hk, kd), bf16), sds((tp, hv, vd), bf16),
                 sds((nc, hv, 64, 64), bf16), sds((nc, hv, 64, 64), bf16), sds((nc, hv, 4, 64), f32),
                 sds((n + 2, hv, kd, vd), f32), sds((n + 1,), i32), sds((n,), i32), sds((n,), i32))
-        fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap, w=wgs: seq_mgpu_fused_call(
-            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov, warpgroups=w, auto_barriers=not ov))
-        assert "mosaic_gpu" in export.export(fn, platforms=["cuda"])(*args).mlir_module()
+        fn = jax.jit(lambda *a, bv=block_v, st=stages, ov=overlap, w=wgs, p=prod: seq_mgpu_fused_call(
+            *a, out_dtype=bf16, block_v=bv, stages=st, overlap=ov, warpgroups=w, producer=p, auto_barriers=not ov))
+        module = export.export(fn, platforms=["cuda"])(*args).mlir_module()
+        producer = wgs == 1 and overlap and prod is None  # the default with the overlap
+        assert "mosaic_gpu" in module and (("gdn_seq_mgpu_fused_p" in module) == producer)
     t, hk, hv = 200, 2, 4
     args = (sds((t, hk, 128), bf16), sds((t, hk, 128), bf16), sds((t, hv, 128), bf16), sds((t, hv), f32),
             sds((t, hv), bf16), sds((3, hv, 128, 128), f32))
@@ -286,8 +292,8 @@ def test_fused_lowers_for_cuda():
 def test_fused_refusals(rng):
     """What the fused pass and path refuse, with the reason; the stages that fit its shared memory."""
     from kvjax.pallas.gdn.chunk import chunk_gated_delta_rule_pool
-    from kvjax.pallas.gdn.seq_mgpu import (SMEM_BYTES, auto_block_v, auto_layout, seq_mgpu_fused_call,
-                                           shape_reason, smem_bytes)
+    from kvjax.pallas.gdn.seq_mgpu import (SMEM_BYTES, auto_block_v, auto_layout, auto_stages,
+                                           seq_mgpu_fused_call, shape_reason, smem_bytes)
 
     def operands(dtype=jnp.bfloat16, kd=64, vd=64, chunk=64):  # q, Tb, v
         return (jnp.zeros((128, 1, kd), dtype), jnp.zeros((2, 2, chunk, chunk), dtype),
@@ -311,14 +317,26 @@ def test_fused_refusals(rng):
         jnp.zeros((1, 2, 128, 128)), jnp.asarray([0, 128], jnp.int32), jnp.zeros((1,), jnp.int32),
         jnp.full((1,), 3, jnp.int32))
     with pytest.raises(ValueError, match="stages must be >= 1 and fit"):
-        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=64, stages=3)
+        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=64, stages=3, producer=False)
+    with pytest.raises(ValueError, match="stages must be >= 1 and fit"):
+        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=64, stages=4)
     with pytest.raises(ValueError, match="needs bf16 outputs, got float32"):
         seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.float32, block_v=64)
     for wgs, block_v in [(0, 64), (True, 64), (2.0, 64), (4, 64), (3, None)]:
         with pytest.raises(ValueError, match="warpgroups must be a positive int|block_v in"):
             seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, block_v=block_v, warpgroups=wgs)
-    with pytest.raises(ValueError, match="warpgroups > 1 needs overlap=True"):
-        seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, warpgroups=2, overlap=False)
+    for wgs, overlap in [(2, False), (1, False)]:
+        with pytest.raises(ValueError, match=f"a producer warpgroup \\(warpgroups={wgs}\\) needs overlap=True"):
+            seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, warpgroups=wgs, producer=wgs == 1 or None,
+                                overlap=overlap)
+    for wgs, producer in [(2, False), (1, 1), (1, "yes")]:
+        with pytest.raises(ValueError, match=f"producer must be a bool .* got {producer!r} \\(warpgroups={wgs}\\)"):
+            seq_mgpu_fused_call(q, q, v, tb, *rest, out_dtype=jnp.bfloat16, warpgroups=wgs, producer=producer)
+    # one consumer beside a producer: the state tiles in the ring's memory, so 2 slots of 64 columns fit with room
+    assert smem_bytes(128, 64, 2, 1, True) < smem_bytes(128, 64, 2, 1) == smem_bytes(128, 64, 2, 1, False)
+    # stages=None: 3 slots for one 32-column consumer beside a producer (measured), else 2, or what fits
+    assert [auto_stages(128, bv, w, p) for bv, w, p in [(32, 1, True), (64, 1, True), (64, 2, True), (32, 1, False),
+                                                         (128, 1, False)]] == [3, 2, 2, 2, 1]
     qq, kk, vv, g, beta, cu, s0 = make_inputs(rng, [40], 1, 1, 64, 64, jnp.bfloat16)
     kw = dict(cu_seqlens=cu, rows=jnp.zeros((1,), jnp.int32), flags=jnp.full((1,), 3, jnp.int32), scale=0.1,
               interpret=True)
@@ -425,6 +443,29 @@ def test_fused_gpu_two_warpgroups(rng):
 
     assert auto_layout(len(GPU_LENS), 16, 128) == (64, 2)
     check_fused(rng, GPU_LENS, 8, 16, 128, 128, block_v=None, interpret=False, lead=7, pad_tokens=70)
+
+
+@pytest.mark.gpu
+def test_fused_gpu_producer(rng):
+    """The compiled pass with one consumer warpgroup beside a producer warpgroup that issues the ring's copies (the
+    default) gives the same bits as the consumer issuing them itself (2 stages, 32 and 64 value columns; 3 stages, 32
+    columns), on the GDN tests' ragged grid with padding rows."""
+    from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
+    from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
+
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, GPU_LENS, 2, 4, 128, 128, jnp.bfloat16, pad_tokens=70)
+    seg, q, k, v, g, beta = padded_operands(q, k, v, g, beta, cu, 64)
+    tb, a, rowf = prep_mgpu_call(seg, q, k, v, g, beta, chunk=64, scale=128 ** -0.5, use_qk_l2norm=True,
+                                 outputs="inverse")
+    n = len(GPU_LENS)
+    flags, _ = row_flags(n)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    for block_v, stages in ((32, 2), (64, 2), (32, 3)):
+        got, want = (seq_mgpu_fused_call(q, k, v, tb, a, rowf, jnp.array(s0, copy=True), cu, rows, flags,
+                                         out_dtype=jnp.bfloat16, block_v=block_v, stages=stages, warpgroups=1,
+                                         producer=p) for p in (True, False))
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 @pytest.mark.gpu

@@ -9,11 +9,12 @@ with the state slice ``S: f32[K, block_v]`` as registers in the wgmma accumulato
 One CTA per (row, value head, ``warpgroups * block_v`` value columns). A ring of ``stages`` shared-memory slots holds
 the chunk operands (``q``, ``k``, each consumer's ``block_v`` columns of raw ``v``, ``Tb``, ``A`` and the row factors
 ``qf``, ``kf``, ``gl``, ``kr``, stacked by the preparation), each slot filled by TMA copies that complete on its
-barrier. One warpgroup (``warpgroups=1``) issues the copies itself; with more, each consumer warpgroup walks its own
-value block through the shared ring, a producer warpgroup refills a slot once every consumer released it
-(``produce_ring``), registers move from the producer to the consumers (``setmaxnreg``: 40 / 232; without, the pass was
-1.36x slower), and the f32 initial / final state tiles share the ring's memory (a ``RefUnion``: the state is read before
-the first copy and written after the last chunk), so two 64-column consumers fit two slots (211 KB at ``K = 128``).
+barrier. One warpgroup (``warpgroups=1``) issues the copies itself, or leaves them to a producer warpgroup
+(``producer=True``); with more, each consumer warpgroup walks its own value block through the shared ring. A producer
+warpgroup refills a slot once every consumer released it (``produce_ring``), registers move from the producer to the
+consumers (``setmaxnreg``: 40 / 232; without, the two-consumer pass was 1.36x slower), and the f32 initial / final
+state tiles share the ring's memory (a ``RefUnion``: the state is read before the first copy and written after the
+last chunk), so two 64-column consumers fit two slots (211 KB at ``K = 128``).
 Loading each chunk's q, k, Tb and A once for both halves of ``V`` made the pass 1.40x faster at 8192 x 4 sequences, 32
 value heads (H200, RESULTS.md). Per chunk three rounds of wgmma: ``k S`` (the state written to shared memory in bf16
 once per chunk, the right operand), then ``X = v - kr * (k S)`` (f32, rounded to bf16 into ``v_new``'s tile) and ``v_new
@@ -60,9 +61,12 @@ with its expect-tx arrive, uniform-register moves and a barrier) and the wait fo
 samples, the wgmma instructions and waits 14%; the time is the same at 32, 64 and 128 CTAs, so it is this per-chunk
 chain, not the L2 traffic. The row factors stacked by the preparation (one copy instead of four: six a refill) made the
 one-warpgroup pass 1.19x faster (0.2331 -> 0.1966 ms at 1 x 8192 tokens, 32 value heads; the same bits); the
-two-warpgroup pass, whose producer issues the copies, did not change. Forming ``W = Tb diag(kr) k`` beside the last
-round (two rounds a chunk instead of three) and cutting each product's reduction into independent wgmma chains were
-both slower (benchmarks/RESULTS.md).
+two-warpgroup pass, whose producer issues the copies, did not change. A producer warpgroup beside the one consumer
+(the default with ``overlap``), which takes the six remaining copy issues off the consumer's chain, made it 1.09x
+faster again at 2 slots and 1.10x at 3 (0.1972 -> 0.1811 / 0.1786 ms there; 1 x 32768 tokens: 0.7642 -> 0.6929 /
+0.6736, 1.13x; 2 x 8192 tokens at 64 columns: 0.2749 -> 0.2543 / 0.2630; the same bits, H200). Forming ``W = Tb
+diag(kr) k`` beside the last round (two rounds a chunk instead of three) and cutting each product's reduction into
+independent wgmma chains were both slower (benchmarks/RESULTS.md).
 
 This kernel also had a plain mode on the default preparation's ``w`` / ``u`` (two rounds a chunk; backend
 ``"mosaic-seq"``), deleted once this one was measured faster where that one ran (benchmarks/RESULTS.md, GDN chunked
@@ -130,19 +134,29 @@ def shape_reason(q: jax.Array, tb: jax.Array, v: jax.Array, *, block_v: int) -> 
     return None
 
 
-def smem_bytes(kd: int, block_v: int, stages: int, warpgroups: int = 1) -> int:
+def smem_bytes(kd: int, block_v: int, stages: int, warpgroups: int = 1, producer: bool | None = None) -> int:
     """Shared memory of one CTA: ``stages`` ring slots (q, k, a ``v`` block per warpgroup, Tb, A, four row factors)
     and per warpgroup the state, ``v_new``, ``kf v_new`` and output tiles (two output tiles for rows of fewer than
-    128 bytes) and an f32 state tile; with ``warpgroups > 1`` the f32 state tiles share the ring's memory."""
+    128 bytes) and an f32 state tile; with a producer warpgroup (``None``: ``warpgroups > 1``) the f32 state tiles
+    share the ring's memory."""
     c, w = CHUNK, warpgroups
+    producer = w > 1 if producer is None else producer
     slot = 2 * (2 * c * kd + w * c * block_v + 2 * c * c) + 4 * 4 * c
     out = (2 if block_v * 2 < SWIZZLE else 1) * (c + 2) * block_v
     ring, state = stages * slot, w * 4 * kd * block_v
-    return (max(ring, state) if w > 1 else ring + state) + w * 2 * (kd * block_v + 2 * c * block_v + out)
+    return (max(ring, state) if producer else ring + state) + w * 2 * (kd * block_v + 2 * c * block_v + out)
 
 
-def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgroups: int, interpret: bool):
-    """``refs``: the inputs, outputs and scratch below; ``warpgroups > 1``: warpgroup ``W`` the producer."""
+def auto_stages(kd: int, block_v: int, warpgroups: int, producer: bool) -> int:
+    """``stages=None``: 3 ring slots for one 32-column consumer beside a producer (1.01-1.03x 2 slots at 1 x 8192
+    and 1 x 32768 tokens, 32 value heads, H200), else 2; fewer where they do not fit (:func:`smem_bytes`)."""
+    want = 3 if producer and warpgroups == 1 and block_v == 32 else 2
+    return next((s for s in range(want, 1, -1) if smem_bytes(kd, block_v, s, warpgroups, producer) <= SMEM_BYTES), 1)
+
+
+def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgroups: int, producer: bool,
+            interpret: bool):
+    """``refs``: the inputs, outputs and scratch below; ``producer``: warpgroup ``W`` issues the ring's copies."""
     (cu_ref,  # i32[N+1]
      rows_ref,  # i32[N]
      flags_ref,  # i32[N]
@@ -155,14 +169,14 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
      pool_ref,  # f32[R, Hv, K, V]  initial states at rows
      o_ref,  # bf16[Tp, Hv, V]
      fin_ref,  # f32[N, Hv, K, V]  final states
-     ring,  # (q_s, k_s, tb_s, v_s, a_s, vec_s) and st_s; with warpgroups > 1 a RefUnion of the two
+     ring,  # (q_s, k_s, tb_s, v_s, a_s, vec_s) and st_s; with a producer a RefUnion of the two
      h_s,  # bf16[W, K, BV]  swizzled: the state as the right operand
      vn_s,  # bf16[W, C, BV]  swizzled: first v - kr * (k S), then v_new
      vk_s,  # bf16[W, C, BV]  swizzled: kf * v_new
      o_s,  # bf16[W * B, C + 2, BV]  the chunk's output rows: at rows 0.. (B = 1) and, narrow, also at rows 1.. (B = 2)
      ready,  # barriers [S]: slot loaded (5 + W arrivals)
      st_bar,  # barriers [W]: initial state loaded
-     *shared,  # warpgroups > 1: free [S] (W arrivals: every consumer is done with the slot), st_read and walked
+     *shared,  # producer: free [S] (W arrivals: every consumer is done with the slot), st_read and walked
      #           (W arrivals each: every consumer read its initial state / finished its walk)
      ) = refs
     (q_s,  # bf16[S, C, K]  swizzled ring
@@ -171,10 +185,10 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
      v_s,  # bf16[S * W, C, BV]  swizzled ring: v, one block per consumer
      a_s,  # bf16[S, C, C]  swizzled ring
      vec_s,  # f32[S, 4, C]  ring: qf, kf, gl, kr
-     ), (st_s,  # f32[W, K, BV]  initial / final state (shares the ring's memory when warpgroups > 1)
+     ), (st_s,  # f32[W, K, BV]  initial / final state (shares the ring's memory with a producer)
          ) = ring
     wgs = warpgroups
-    wg = lax.axis_index("wg") if wgs > 1 else 0
+    wg = lax.axis_index("wg") if producer else 0
     n, hd, vb = lax.axis_index("rows"), lax.axis_index("heads"), lax.axis_index("vblocks")
     num_seqs = rows_ref.shape[0]
     num_tokens = o_ref.shape[0]
@@ -315,8 +329,8 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
         plgpu.barrier_wait(ready.at[slot])
         return products((k_s.at[slot], False, h_w), during=during)[0]
 
-    def release(c):  # chunk c's slot may be refilled: one warpgroup issues the refill, more signal the producer
-        if wgs > 1:
+    def release(c):  # chunk c's slot may be refilled: a lone warpgroup issues the refill, else signal the producer
+        if producer:
             plgpu.barrier_arrive(shared[0].at[slot_of(c)])
             return
 
@@ -358,7 +372,7 @@ def _kernel(*refs, group: int, block_v: int, stages: int, overlap: bool, warpgro
 
     @pl.when(live | (lo < hi))  # a padding row that owns no token (most of an engine step's row bucket): no work
     def _row():
-        if wgs > 1:  # a producer warpgroup fills the ring; W consumers, one value block each, share it
+        if producer:  # a producer warpgroup fills the ring; W consumers, one value block each, share it
             free, st_read, walked = shared
 
             @pl.when(wg == wgs)
@@ -417,6 +431,7 @@ def seq_mgpu_fused_call(
     stages: int | None = None,
     overlap: bool = True,
     warpgroups: int | None = None,
+    producer: bool | None = None,
     auto_barriers: bool = False,
     semantics: plgpu.LoweringSemantics = plgpu.LoweringSemantics.Lane,
     interpret: bool = False,
@@ -428,12 +443,15 @@ def seq_mgpu_fused_call(
     ``block_v`` value columns per consumer warpgroup and ``warpgroups`` consumer warpgroups a CTA (module
     docstring); both ``None``: :func:`auto_layout`; ``block_v`` alone: one warpgroup; ``warpgroups`` alone: at most 64
     columns each (one warpgroup: :func:`auto_block_v`). ``stages``: ring slots (shared memory at ``K = 128``: about 57
-    KB a slot at ``block_v = 64``, 53 KB at 32, within 227 KB with the other tiles, :func:`smem_bytes`); ``None``: 2,
-    or 1 where 2 do not fit. ``overlap``: the loop form (module docstring; more than one warpgroup needs it).
+    KB a slot at ``block_v = 64``, 53 KB at 32, within 227 KB with the other tiles, :func:`smem_bytes`).
+    ``overlap``: the loop form (module docstring; a producer warpgroup needs it).
     ``auto_barriers``: Pallas's automatic warpgroup barriers around every shared-memory store and copy issue (module
     docstring, "Synchronisation"); off by default. ``semantics``: the Mosaic GPU lowering (Lane: the register layouts
     the kernel names). ``ValueError`` also for ``warpgroups`` not a positive int or ``warpgroups * block_v`` not
-    dividing ``V``."""
+    dividing ``V``. ``producer``: a producer warpgroup issues the ring's copies beside the consumers (``None``: with
+    ``overlap``; several consumers need it; with one it takes the refill's copy issues off the consumer's chain of
+    dependent steps: 1.09-1.13x, module docstring). ``ValueError`` for a non-bool, ``False`` with several consumers,
+    or a producer without ``overlap``. ``stages=None``: :func:`auto_stages`."""
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
     vd = v.shape[-1]
@@ -450,6 +468,11 @@ def seq_mgpu_fused_call(
     elif block_v is None:  # warpgroups given: one warpgroup's own pick, else V shared out (at most 64 columns each)
         block_v = min(64, vd // wgs) if wgs > 1 else auto_block_v(rows.shape[0], hv, vd)
     wgs = wgs or 1
+    if producer is None:
+        producer = wgs > 1 or overlap
+    if not isinstance(producer, bool) or (wgs > 1 and not producer):
+        raise ValueError(f"seq_mgpu producer must be a bool (True with warpgroups > 1) or None, got {producer!r} "
+                         f"(warpgroups={wgs})")
     reason = shape_reason(q, tb, v, block_v=block_v)
     if reason:
         raise ValueError(f"seq_mgpu {reason}")
@@ -457,14 +480,14 @@ def seq_mgpu_fused_call(
         raise ValueError(f"seq_mgpu needs bf16 outputs, got {jnp.dtype(out_dtype)}")
     if vd % (wgs * block_v):
         raise bad_warpgroups()
-    if wgs > 1 and not overlap:
-        raise ValueError("seq_mgpu warpgroups > 1 needs overlap=True")
+    if producer and not overlap:
+        raise ValueError(f"seq_mgpu a producer warpgroup (warpgroups={wgs}) needs overlap=True")
     if stages is None:
-        stages = 2 if smem_bytes(kd, block_v, 2, wgs) <= SMEM_BYTES else 1
-    if stages < 1 or smem_bytes(kd, block_v, stages, wgs) > SMEM_BYTES:
+        stages = auto_stages(kd, block_v, wgs, producer)
+    if stages < 1 or smem_bytes(kd, block_v, stages, wgs, producer) > SMEM_BYTES:
         raise ValueError(f"seq_mgpu stages must be >= 1 and fit {SMEM_BYTES} bytes of shared memory, got {stages} "
-                         f"({smem_bytes(kd, block_v, stages, wgs)} bytes at K={kd}, block_v={block_v}, "
-                         f"warpgroups={wgs})")
+                         f"({smem_bytes(kd, block_v, stages, wgs, producer)} bytes at K={kd}, block_v={block_v}, "
+                         f"warpgroups={wgs}, producer={producer})")
     num_seqs = rows.shape[0]
     bf16 = jnp.bfloat16
     swz = _swizzled(block_v)
@@ -476,7 +499,7 @@ def seq_mgpu_fused_call(
         plgpu.SMEM((stages, chunk, chunk), bf16, transforms=swz),
         plgpu.SMEM((stages, 4, chunk), jnp.float32),
     ), (plgpu.SMEM((wgs, kd, block_v), jnp.float32),)
-    union = plgpu.RefUnion if wgs > 1 and not interpret else lambda *groups: groups  # the interpreter has none
+    union = plgpu.RefUnion if producer and not interpret else lambda *groups: groups  # the interpreter has none
     scratch = (
         union(*ring),
         plgpu.SMEM((wgs, kd, block_v), bf16, transforms=swz),
@@ -487,12 +510,12 @@ def seq_mgpu_fused_call(
         plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
     )
     threads = {}
-    if wgs > 1:
+    if producer:
         scratch += (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages), plgpu.Barrier(num_arrivals=wgs),
                     plgpu.Barrier(num_arrivals=wgs))
         threads = dict(num_threads=wgs + 1, thread_name="wg")
     kernel = functools.partial(_kernel, group=hv // hk, block_v=block_v, stages=stages, overlap=overlap,
-                               warpgroups=wgs, interpret=interpret)
+                               warpgroups=wgs, producer=producer, interpret=interpret)
     o, fin = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((tp, hv, vd), bf16),
@@ -501,7 +524,7 @@ def seq_mgpu_fused_call(
         grid=(num_seqs, hv, vd // (block_v * wgs)),
         grid_names=("rows", "heads", "vblocks"),
         **threads,
-        kernel_name="gdn_seq_mgpu_fused" + (f"_w{wgs}" if wgs > 1 else ""),
+        kernel_name="gdn_seq_mgpu_fused" + (f"_w{wgs}" if wgs > 1 else "_p" if producer else ""),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
                                              unsafe_no_auto_barriers=not auto_barriers),
         interpret=interpret_params() if interpret else None,
