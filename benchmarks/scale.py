@@ -28,6 +28,9 @@ Sections (``--only``, default all, in this order):
   ``1xG``; also ``one``, ``Gx1``), written under ``--trace-dir`` and summed by kernel class (``trace_kernels.py``:
   collectives vs GEMMs vs the rest) per GPU and per step, with the collectives' share. Without ``tp`` in
   ``--only`` only the traced runs are built. No device records on CPU (the trace is written, the classes empty).
+- ``allreduce``: the op ``all_reduce`` over a ``1xG`` mesh at 16 to 4096 rows of 4096 bf16 (and 64 rows of f32)
+  a device, XLA's ``psum`` and the one-shot Mosaic GPU kernel (where it runs): per GPU the device time of a sum in
+  a chain of them, the error against numpy, whether every device holds the same bits.
 - ``deepseek``: a small DeepSeek-V3.2 (MLA + DSA, f32) on ``1x2`` and ``2x1``: greedy and sampled tokens against
   one device's.
 
@@ -58,7 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
-SECTIONS = ("dp", "procs", "tp", "profile", "deepseek")
+SECTIONS = ("dp", "procs", "tp", "profile", "allreduce", "deepseek")
 TP_PROMPT = 512  # tokens each decoding row has before the timed steps
 
 
@@ -339,6 +342,74 @@ def _param_bytes(p) -> int:
     return param_bytes(p)
 
 
+# ---------------------------------------------------------------------------------------------- allreduce
+
+AR_CHAIN = 20  # sums per jitted call: each the next one's input (times a constant), as a layer's sums follow
+
+
+def allreduce_section(g: int, smoke: bool, work: str) -> dict:
+    """The op ``all_reduce`` over the ``model`` axis of a ``1xG`` mesh, ``rows x hidden`` a device, by each
+    implementation that runs here: per GPU the device time of a sum (the profiler's collective class: XLA's
+    all-reduce fusion, or the one-shot kernel and the barrier XLA launches before it; a device that arrives first
+    waits inside, so the GPUs differ), and the error against a float64 numpy sum of the same inputs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from trace_kernels import kernel_time_by_class
+
+    from kvjax.errors import UnknownImplError
+    from kvjax.ops.collective import TABLE, all_reduce
+
+    mesh, spec = _mesh(1, g), P("data", "model")
+    hidden = 256 if smoke else 4096
+    cases = [(r, "bfloat16") for r in ((8, 32) if smoke else (16, 64, 256, 512, 1024, 2048, 4096))]
+    cases.append((8 if smoke else 64, "float32"))
+    out = []
+    for rows, dtype in cases:
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((1, g, rows, hidden)), dtype)
+        want = np.asarray(x.astype(jnp.float32)).astype(np.float64).sum(1)[0]  # of the inputs as given
+        xd = jax.device_put(x, NamedSharding(mesh, spec))
+        for impl in ("reference", "mosaic"):
+            row = dict(rows=rows, hidden=hidden, dtype=dtype, mib=rows * hidden * jnp.dtype(dtype).itemsize / 2**20,
+                       impl=impl)
+            try:
+                TABLE.choose(impl, (xd[0, 0],), {"axis": "model", "size": g})
+            except UnknownImplError as e:
+                out.append(dict(row, skipped=str(e)))
+                _print(out[-1])
+                continue
+
+            def one(v, impl=impl):
+                return all_reduce(v[0, 0], "model", impl=impl)[None, None]
+
+            def chain(v, impl=impl):
+                w = v[0, 0]
+                for _ in range(AR_CHAIN):
+                    w = all_reduce(w * jnp.asarray(0.5, w.dtype), "model", impl=impl)
+                return w[None, None]
+
+            got = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(xd)
+            got = np.asarray(got.astype(jnp.float32))
+            row["max_err"] = float(np.abs(got - want[None, None]).max())
+            row["same_on_every_device"] = bool(all((got[0, j] == got[0, 0]).all() for j in range(g)))
+            fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+            jax.block_until_ready(fn(xd))
+            d = os.path.join(work, f"ar_{rows}_{dtype}_{impl}")
+            calls = 1 if smoke else 5
+            jax.profiler.start_trace(d)
+            try:
+                jax.block_until_ready([fn(xd) for _ in range(calls)])
+            finally:
+                jax.profiler.stop_trace()
+            prof = kernel_time_by_class(d, calls * AR_CHAIN)
+            row["us_per_sum"] = [round(1e3 * v["ms"]["collective"], 2) for v in prof["gpus"].values()]
+            out.append(row)
+            _print(row)
+    return {"chain": AR_CHAIN, "rows": out}
+
+
 # ---------------------------------------------------------------------------------------------- deepseek
 
 
@@ -472,6 +543,8 @@ def main(argv: list[str]) -> int:
                 result = procs_section(g, repeats, smoke, doc["sections"].get("dp"), work)
             elif section in ("tp", "profile"):
                 result = tp_section(g, rows, n, smoke, tp_runs, profile, args.profile_steps, trace_dir)
+            elif section == "allreduce":
+                result = allreduce_section(g, smoke, work)
             else:
                 result = deepseek_section(smoke)
         result["section_s"] = time.perf_counter() - t0

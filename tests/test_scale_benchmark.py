@@ -57,13 +57,23 @@ def test_scale_smoke_on_8_cpu_devices(tmp_path):
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
     cache = compile_cache_env().get("JAX_COMPILATION_CACHE_DIR")  # the tests' cache, not one beside --out
     r = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--smoke", "--only",
-                        "dp,procs,tp,profile,deepseek" if full else "tp,profile", "--out", str(out),
+                        "dp,procs,tp,profile,allreduce,deepseek" if full else "tp,profile,allreduce", "--out", str(out),
                         *(["--compile-cache", cache] if cache else [])],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["devices"] == 2 and doc["smoke"]
-    assert set(doc["sections"]) == ({"dp", "procs", "tp", "deepseek"} if full else {"tp"})
+    assert set(doc["sections"]) == ({"dp", "procs", "tp", "allreduce", "deepseek"} if full else {"tp", "allreduce"})
+    ar = doc["sections"]["allreduce"]["rows"]
+    assert [(r["rows"], r["dtype"], r["impl"]) for r in ar] == [
+        (rows, dtype, impl) for rows, dtype in ((8, "bfloat16"), (32, "bfloat16"), (8, "float32"))
+        for impl in ("reference", "mosaic")]
+    for r in ar:  # on CPUs: XLA's psum, checked against numpy; the one-shot kernel refused with the reason
+        if r["impl"] == "mosaic":
+            assert "needs a Hopper GPU" in r["skipped"]
+        else:
+            bound = 1e-5 if r["dtype"] == "float32" else 2 ** -8 * 8  # one rounding of a sum of |x| < ~8
+            assert r["max_err"] <= bound and r["same_on_every_device"] and r["us_per_sum"] == [], r
     if full:
         dp = doc["sections"]["dp"]["rows"]
         assert [(row["devices"], row["recycle"]) for row in dp] == [(1, "none"), (1, "timely"), (2, "none"),

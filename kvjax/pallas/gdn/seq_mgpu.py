@@ -449,8 +449,9 @@ def seq_mgpu_fused_call(
     docstring, "Synchronisation"); off by default. ``semantics``: the Mosaic GPU lowering (Lane: the register layouts
     the kernel names). ``ValueError`` also for ``warpgroups`` not a positive int or ``warpgroups * block_v`` not
     dividing ``V``. ``producer``: a producer warpgroup issues the ring's copies beside the consumers (``None``: with
-    ``overlap``; several consumers need it; with one it takes the refill's copy issues off the consumer's chain of
-    dependent steps: 1.09-1.13x, module docstring). ``ValueError`` for a non-bool, ``False`` with several consumers,
+    ``overlap``, compiled; several consumers need it; with one it takes the refill's copy issues off the consumer's
+    chain of dependent steps: 1.09-1.13x, module docstring; in the interpreter one consumer issues its own copies
+    unless ``producer=True``, which doubles the interpreter's time). ``ValueError`` for a non-bool, ``False`` with several consumers,
     or a producer without ``overlap``. ``stages=None``: :func:`auto_stages`."""
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
@@ -468,8 +469,8 @@ def seq_mgpu_fused_call(
     elif block_v is None:  # warpgroups given: one warpgroup's own pick, else V shared out (at most 64 columns each)
         block_v = min(64, vd // wgs) if wgs > 1 else auto_block_v(rows.shape[0], hv, vd)
     wgs = wgs or 1
-    if producer is None:
-        producer = wgs > 1 or overlap
+    if producer is None:  # the interpreter runs a second warpgroup as a second blocked computation: twice as slow
+        producer = wgs > 1 or (overlap and not interpret)
     if not isinstance(producer, bool) or (wgs > 1 and not producer):
         raise ValueError(f"seq_mgpu producer must be a bool (True with warpgroups > 1) or None, got {producer!r} "
                          f"(warpgroups={wgs})")
