@@ -39,7 +39,8 @@ def all_reduce_reference(
 def prefer_mosaic(x, *, axis: str, size: int) -> str | None:
     """Why ``auto`` keeps XLA's ``psum`` for a call the one-shot kernel can take (``None``: it takes the kernel).
     Measured on two H200s driven by one process (RESULTS.md, "Many GPUs"): ahead of ``psum`` in the tp preset's
-    decode step (512 KB sums) and alone from 0.125 to 32 MiB. Declined where it was not measured: an axis of more
+    decode step (512 KB sums: 5-9% faster a step), and alone level with it below 1 MiB and 4-18% faster from 2 to
+    32 MiB. Declined where it was not measured: an axis of more
     than two devices (each device reads every peer's input: three peers' on four GPUs; an earlier push form of
     the kernel lost to ``psum`` there), more than :data:`MOSAIC_MAX_BYTES` a device, and several processes (the
     kernel's peer addresses then come another way)."""

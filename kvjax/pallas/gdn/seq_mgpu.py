@@ -451,8 +451,8 @@ def seq_mgpu_fused_call(
     dividing ``V``. ``producer``: a producer warpgroup issues the ring's copies beside the consumers (``None``: with
     ``overlap``, compiled; several consumers need it; with one it takes the refill's copy issues off the consumer's
     chain of dependent steps: 1.09-1.13x, module docstring; in the interpreter one consumer issues its own copies
-    unless ``producer=True``, which doubles the interpreter's time). ``ValueError`` for a non-bool, ``False`` with several consumers,
-    or a producer without ``overlap``. ``stages=None``: :func:`auto_stages`."""
+    unless ``producer=True``, which doubles the interpreter's time). ``ValueError`` for a non-bool, ``False`` with
+    several consumers, or a producer without ``overlap``. ``stages=None``: :func:`auto_stages`."""
     tp, hk, kd = q.shape
     nc, hv, chunk, _ = a.shape
     vd = v.shape[-1]
