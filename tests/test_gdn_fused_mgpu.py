@@ -350,8 +350,9 @@ def test_mosaic_fused_backend_by_name_and_auto(rng):
     """``impl="mosaic-fused"`` runs FlashQLA's layout (here under the interpreter) within the bf16 bound of the
     recurrent reference at two sequences of two value heads, where ``auto`` would not take it (by name its
     ``prefer`` rule does not apply). On Hopper ``auto`` takes it, in both prefill tables, for the examples of one
-    sequence of 32 value heads and of four sequences of 4096 tokens and 32 value heads (where it was measured
-    fastest) and ``"mosaic"`` for one sequence of 16 heads or sixteen sequences of 512 tokens, with ``explain``
+    sequence of 32 value heads, of four sequences of 4096 tokens and 32 value heads and of one sequence of 8192 tokens
+    and 16 heads (where it was measured fastest) and ``"mosaic"`` for one sequence of 32768 tokens and 16 heads or
+    sixteen sequences of 512 tokens, with ``explain``
     saying why; it declines what the Mosaic GPU preparation kernel declines, and non-Hopper
     devices, with the reason."""
     from kvjax.base.device import NAMED
@@ -366,20 +367,21 @@ def test_mosaic_fused_backend_by_name_and_auto(rng):
     ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
                                                                                         rel_err(f, rf))
-    for table, one, many, narrow, short in (
+    for table, one, many, narrow, long_narrow, short in (
             (gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=32 K=V=128", "prefill N=4 T=16384 H=32 K=V=128",
-             "prefill N=1 T=8192 H=16 K=V=128", "prefill N=16 T=8192 H=16 K=V=128"),
+             "prefill N=1 T=8192 H=16 K=V=128", "prefill N=1 T=32768 H=16 K=V=128",
+             "prefill N=16 T=8192 H=16 K=V=128"),
             (gdn_on_pool.PREFILL_TABLE, "prefill N=1 T=8192 H=32", "prefill N=4 T=16384 H=32",
-             "prefill N=1 T=8192 H=16, traced layer", "prefill N=16 T=8192 H=16")):
+             "prefill N=1 T=8192 H=16, traced layer", "prefill N=1 T=32768 H=16", "prefill N=16 T=8192 H=16")):
         assert "mosaic-seq" not in table.names()
-        for name in (one, many):
+        for name in (one, many, narrow):
             args, kwargs = table.examples[name]()
             for device in ("h100", "h200"):
                 assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused"
                 assert dict(table.explain(args, kwargs, NAMED[device]))["mosaic-fused"] is None
             assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
         for name, want in ((short, "got 16 sequences of 16 value heads, V=128, 8192 tokens"),
-                           (narrow, "got 1 sequence of 16 value heads")):
+                           (long_narrow, "got 1 sequence of 16 value heads, V=128, 32768 tokens")):
             args, kwargs = table.examples[name]()
             assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
             why = dict(table.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]

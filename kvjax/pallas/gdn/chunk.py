@@ -626,11 +626,15 @@ def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and i
 
 # "auto" takes the "mosaic-fused" backends for one sequence of at least this many value heads: there they were
 # measured faster than every other backend (1.04-1.05x the two Mosaic GPU kernels of the deleted "mosaic-seq", which
-# was 1.27x "mosaic", at 8192 and 32768 tokens, 16 / 32 heads, H200); "mosaic" / "pallas" win at 16 value heads.
-# Several sequences: where their (row, head) pairs fill seq_mgpu.MANY_CTAS CTAs of two consumer warpgroups (V = 128)
-# and each holds at least MOSAIC_FUSED_MIN_TOKENS tokens on average (8192 x 4 and 4096 x 8 at 32 value heads, H200).
-# RESULTS.md, "GDN chunked prefill".
+# was 1.27x "mosaic", at 8192 and 32768 tokens, 32 heads, H200), and for one sequence of at least
+# MOSAIC_FUSED_NARROW_HEADS and at most MOSAIC_FUSED_NARROW_TOKENS tokens (1.07x "mosaic"'s chunk-parallel path at
+# 8192 tokens and 16 heads once the pass had its producer warpgroup, H200; longer sequences of 16 heads keep chunk
+# parallelism: the fused pass has none and fills half the SMs there, not measured). Several sequences: where their
+# (row, head) pairs fill seq_mgpu.MANY_CTAS CTAs of two consumer warpgroups (V = 128) and each holds at least
+# MOSAIC_FUSED_MIN_TOKENS tokens on average (8192 x 4 and 4096 x 8 at 32 value heads, H200). RESULTS.md, "GDN chunked
+# prefill".
 MOSAIC_FUSED_MIN_HEADS = 32
+MOSAIC_FUSED_NARROW_HEADS, MOSAIC_FUSED_NARROW_TOKENS = 16, 8192
 MOSAIC_FUSED_MIN_TOKENS = 2048
 
 
@@ -638,16 +642,19 @@ def mosaic_fused_preferred(call, state) -> str | None:  # a DeltaRuleCall and it
     """The ``"mosaic-fused"`` backends' ``prefer`` rule (``auto`` only; by name they take every call
     :func:`mosaic_prep_unsupported` accepts): why ``auto`` passes them over, or ``None`` where they were measured
     fastest: one sequence (``cu_seqlens`` of two entries; ``None`` is one token per row) of at least
-    :data:`MOSAIC_FUSED_MIN_HEADS` value heads, or several sequences whose (row, value head) pairs fill
+    :data:`MOSAIC_FUSED_MIN_HEADS` value heads, or of at least :data:`MOSAIC_FUSED_NARROW_HEADS` value heads and at
+    most :data:`MOSAIC_FUSED_NARROW_TOKENS` tokens, or several sequences whose (row, value head) pairs fill
     :data:`kvjax.pallas.gdn.seq_mgpu.MANY_CTAS` CTAs of the pass's two-warpgroup form (``V = 128``) with at least
     :data:`MOSAIC_FUSED_MIN_TOKENS` tokens a sequence on average (static shapes: ``T / N``)."""
     del state
     num_seqs = call.q.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
     hv, vd = call.v.shape[1], call.v.shape[2]
-    if num_seqs == 1 and hv >= MOSAIC_FUSED_MIN_HEADS:
+    if num_seqs == 1 and (hv >= MOSAIC_FUSED_MIN_HEADS or (hv >= MOSAIC_FUSED_NARROW_HEADS
+                                                           and call.q.shape[0] <= MOSAIC_FUSED_NARROW_TOKENS)):
         return None
     if seq_mgpu_auto_layout(num_seqs, hv, vd)[1] > 1 and call.q.shape[0] >= MOSAIC_FUSED_MIN_TOKENS * num_seqs:
         return None
-    return (f"measured faster only for one sequence of >= {MOSAIC_FUSED_MIN_HEADS} value heads or sequences of >= "
+    return (f"measured faster only for one sequence of >= {MOSAIC_FUSED_MIN_HEADS} value heads (>= "
+            f"{MOSAIC_FUSED_NARROW_HEADS} up to {MOSAIC_FUSED_NARROW_TOKENS} tokens) or sequences of >= "
             f"{MOSAIC_FUSED_MIN_TOKENS} tokens whose (sequence, head) pairs fill the two-warpgroup pass, got "
             f"{num_seqs} sequence{'s' * (num_seqs != 1)} of {hv} value heads, V={vd}, {call.q.shape[0]} tokens")
