@@ -628,8 +628,9 @@ def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and i
 # measured faster than every other backend (1.04-1.05x the two Mosaic GPU kernels of the deleted "mosaic-seq", which
 # was 1.27x "mosaic", at 8192 and 32768 tokens, 32 heads, H200), and for one sequence of at least
 # MOSAIC_FUSED_NARROW_HEADS and at most MOSAIC_FUSED_NARROW_TOKENS tokens (1.07x "mosaic"'s chunk-parallel path at
-# 8192 tokens and 16 heads once the pass had its producer warpgroup, H200; longer sequences of 16 heads keep chunk
-# parallelism: the fused pass has none and fills half the SMs there, not measured). Several sequences: where their
+# 8192 tokens and 16 heads once the pass had its producer warpgroup, H200; measured at 8192 tokens only: shorter
+# sequences follow it, having fewer segments for chunk parallelism to spread; longer ones of 16 heads keep chunk
+# parallelism: the fused pass has none and fills half the SMs there). Several sequences: where their
 # (row, head) pairs fill seq_mgpu.MANY_CTAS CTAs of two consumer warpgroups (V = 128) and each holds at least
 # MOSAIC_FUSED_MIN_TOKENS tokens on average (8192 x 4 and 4096 x 8 at 32 value heads, H200). RESULTS.md, "GDN chunked
 # prefill".
