@@ -375,7 +375,7 @@ def allreduce_section(g: int, smoke: bool, work: str) -> dict:
             row = dict(rows=rows, hidden=hidden, dtype=dtype, mib=rows * hidden * jnp.dtype(dtype).itemsize / 2**20,
                        impl=impl)
             try:
-                TABLE.choose(impl, (xd[0, 0],), {"axis": "model", "size": g})
+                TABLE.choose(impl, (jax.ShapeDtypeStruct((rows, hidden), dtype),), {"axis": "model", "size": g})
             except UnknownImplError as e:
                 out.append(dict(row, skipped=str(e)))
                 _print(out[-1])
