@@ -4,8 +4,9 @@
   measured ahead) and XLA's ``psum`` elsewhere; the kernel's refusals name the value; its tiling covers every
   element once.
 - On 4 CPU devices (a subprocess): ``auto`` / ``reference`` equal numpy's sum over the axis (alone and over the
-  ``"model"`` axis of a 2x2 mesh), the kernel lowers for CUDA at 2 and 4 devices (bf16, f32, a 2-axis mesh), and
-  a sharded model's row-parallel projections, MoE and embedding carry the ``all_reduce`` implementation asked for.
+  ``"model"`` axis of a 2x2 mesh), ``auto``'s rule declines the kernel on a mesh wider than the axis, the kernel
+  lowers for CUDA at 2 and 4 devices (bf16, f32, a 2-axis mesh), and a sharded model's row-parallel projections,
+  MoE and embedding carry the ``all_reduce`` implementation asked for.
 - On two or more GPUs (``gpu``): the kernel's sum is numpy's float32 sum in device order rounded once, the same
   bits on every device, also when one device's input is written by a long computation just before the call (the
   kernel reads its peers' inputs without a handshake of its own) and inside a ``lax.scan``.
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
-from kvjax.ops.collective import MOSAIC_MAX_BYTES, TABLE, all_reduce
+from kvjax.ops.collective import MOSAIC_MAX_BYTES, TABLE, all_reduce, prefer_mosaic
 from kvjax.pallas.collective import allreduce_mgpu
 
 INNER = os.environ.get("KVJAX_ALL_REDUCE_INNER") == "1"
@@ -101,7 +102,7 @@ def test_on_4_cpu_devices():
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "inner_",
                         __file__], env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 def _mesh(d: int, m: int) -> jax.sharding.Mesh:
@@ -124,6 +125,19 @@ def test_inner_sums_equal_numpy(rng):
         for impl in ("auto", "reference"):
             got = np.asarray(_summed(lambda v: all_reduce(v, "model", impl=impl), mesh)(x))
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{d}x{m} {impl}")
+
+
+@inner
+def test_inner_auto_takes_the_kernel_only_on_a_mesh_of_the_axis_alone():
+    seen = {}
+    for d, m in [(1, 2), (2, 2), (1, 4)]:
+        def fn(v, key=(d, m)):  # auto's rule as the op sees it, inside shard_map (the mesh known)
+            seen[key] = prefer_mosaic(v, axis="model", size=m)
+            return v
+        _summed(fn, _mesh(d, m)).trace(jax.ShapeDtypeStruct((d, m, 64, 4096), jnp.bfloat16))
+    assert seen[(1, 2)] is None
+    assert "a mesh of 4 devices ({'data': 2, 'model': 2})" in seen[(2, 2)]
+    assert "an axis of 4 devices" in seen[(1, 4)]
 
 
 @inner
