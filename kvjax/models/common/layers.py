@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.base.norms import rms_norm
-from kvjax.models.common.parallel import reduce
+from kvjax.ops.collective import all_reduce
 from kvjax.ops.linear import linear
 from kvjax.ops.mlp import swiglu
 
@@ -60,8 +60,8 @@ class Linear(nnx.Module):
     product is the op :func:`kvjax.ops.linear.linear` (a Pallas kernel for 16-bit decode rows on a GPU).
 
     ``reduce_axis`` (static, ``None`` by default): on a row-parallel shard inside ``shard_map`` the partial
-    product is summed over that mesh axis before the bias is added (:mod:`kvjax.models.common.parallel`), by the
-    all-reduce implementation ``reduce_impl`` (static, ``"auto"``).
+    product is summed over that mesh axis before the bias is added (the op :func:`kvjax.ops.collective.all_reduce`,
+    implementation ``reduce_impl``: static, ``"auto"``; :mod:`kvjax.models.common.parallel`).
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -72,7 +72,7 @@ class Linear(nnx.Module):
         self.reduce_impl: str = "auto"
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = reduce(linear(x, self.kernel[...]), self.reduce_axis, self.reduce_impl)
+        y = all_reduce(linear(x, self.kernel[...]), self.reduce_axis, impl=self.reduce_impl)
         return y if self.bias is None else y + self.bias[...]
 
 

@@ -77,11 +77,6 @@ def gather_vocab(
     return full[..., : tp.vocab_size]
 
 
-def reduce(y: jax.Array, axis: str | None, impl: str = "auto") -> jax.Array:
-    """The sum of a row-parallel partial product over ``axis`` (identity for ``None``): the op
-    :func:`kvjax.ops.collective.all_reduce` with ``impl``."""
-    return all_reduce(y, axis, impl=impl)
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.models.common.layers import MLP, RMSNorm
-from kvjax.models.common.parallel import reduce
 from kvjax.models.deepseek.attention import Attention, CacheRounding, StepMeta
 from kvjax.models.deepseek.config import DeepseekConfig
+from kvjax.ops.collective import all_reduce
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -74,7 +74,7 @@ class MoE(nnx.Module):
         gate, up = jnp.split(gate_up, 2, axis=-1)
         y = jnp.einsum("nei,edi->ned", jax.nn.silu(gate) * up, self.experts.down_proj[...], precision=_HI)
         routed = jnp.einsum("ne,ned->nd", combine.astype(y.dtype), y, precision=_HI).reshape(x.shape)
-        routed = reduce(routed, self.reduce_axis, self.reduce_impl)
+        routed = all_reduce(routed, self.reduce_axis, impl=self.reduce_impl)
         return routed + self.shared_experts(x)
 
 
