@@ -15,8 +15,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers.procs import pytest_on_cpu_devices
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
 from kvjax.ops.collective import MOSAIC_MAX_BYTES, TABLE, all_reduce, prefer_mosaic
@@ -98,11 +97,9 @@ def test_off_a_mesh_and_bad_impls(rng):
 def test_on_4_cpu_devices():
     if INNER:
         pytest.skip("already inside the 4-device run")
-    env = {**os.environ, "KVJAX_ALL_REDUCE_INNER": "1",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "inner_",
-                        __file__], env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert r.returncode == 0 and "4 passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    out = pytest_on_cpu_devices([__file__], inner="KVJAX_ALL_REDUCE_INNER", devices=4, cwd=HERE,
+                                flags=("-k", "inner_"))
+    assert "4 passed" in out, out[-6000:]
 
 
 def _mesh(d: int, m: int) -> jax.sharding.Mesh:

@@ -8,7 +8,6 @@ greedy decoding (for the engine).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ from helpers.engine import BUDGET, SMALL, greedy_oracle
 from helpers.faults import fail_device_step
 from helpers.host_tier import op as _op, random_caches, replay_logs
 from helpers.models import MESH_FAMILIES, VOCAB, qwen_swa_model, tiny_deepseek
+from helpers.procs import pytest_on_cpu_devices
 from kvjax.config import CacheConfig
 from kvjax.engine.engine import Engine
 from kvjax.engine.host_tier import HostStore, coalesce
@@ -384,13 +384,9 @@ MESH_ARGS = dict(max_num_batched_tokens=BUDGET, token_buckets=(16,), row_buckets
 def test_host_tier_on_8_cpu_devices():
     if INNER:
         pytest.skip("already inside the 8-device run")
-    env = {**os.environ, "KVJAX_HOST_TIER_INNER": "1",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    here = os.path.dirname(os.path.abspath(__file__))
     tests = [f"{__file__}::test_mesh_copies_match_a_numpy_replay", f"{__file__}::test_mesh_engine_with_a_host_tier"]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=here)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    pytest_on_cpu_devices(tests, inner="KVJAX_HOST_TIER_INNER", devices=8,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mesh(d: int, m: int) -> jax.sharding.Mesh:

@@ -16,8 +16,6 @@ out evenly; the sharded model's KV heads, their query groups, projections and wi
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ import pytest
 from flax import nnx
 
 from helpers.models import random_model
+from helpers.procs import pytest_on_cpu_devices
 from kvjax.config import AttentionConfig, CacheConfig, GDNConfig
 from kvjax.models.qwen3_5 import Qwen3_5Config
 from kvjax.sched.blocks import BlockAllocator, head_placement, placed_layout
@@ -163,13 +162,9 @@ def test_cli_model_shards(capsys):
 def test_placement_on_8_cpu_devices():
     if INNER:
         pytest.skip("already inside the 8-device run")
-    env = {**os.environ, "KVJAX_PLACEMENT_INNER": "1",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider",
-                        f"{__file__}::test_placed_1x2_mesh_serves_as_one_device"],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    print(r.stdout[-2000:])
+    out = pytest_on_cpu_devices([f"{__file__}::test_placed_1x2_mesh_serves_as_one_device"],
+                                inner="KVJAX_PLACEMENT_INNER", devices=8, cwd=HERE, flags=("-s",))
+    print(out[-2000:])
 
 
 @inner

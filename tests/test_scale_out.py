@@ -30,7 +30,7 @@ from kvjax.config import AttentionConfig, CacheConfig
 from kvjax.engine.metrics import EngineMetrics, StepRecord, device_pages_used
 from kvjax.sched.blocks import BlockAllocator
 
-from helpers.procs import child_env, free_port, run_processes
+from helpers.procs import child_env, free_port, pytest_on_cpu_devices, run_processes
 
 INNER = os.environ.get("KVJAX_SCALE_OUT_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_tp_preset_on_8_cpu_devices")
@@ -165,12 +165,8 @@ def test_run_table_shows_per_device_figures():
 def test_tp_preset_on_8_cpu_devices():
     if INNER:
         pytest.skip("already inside the 8-device run")
-    env = {**os.environ, "KVJAX_SCALE_OUT_INNER": "1",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        f"{__file__}::test_tiny_tp_model_on_meshes_equals_one_device"],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    pytest_on_cpu_devices([f"{__file__}::test_tiny_tp_model_on_meshes_equals_one_device"],
+                          inner="KVJAX_SCALE_OUT_INNER", devices=8, cwd=HERE)
 
 
 @inner

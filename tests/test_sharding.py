@@ -15,8 +15,6 @@ latent pages, replicated over ``"model"``).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -26,6 +24,7 @@ from flax import nnx
 from helpers.models import MESH_FAMILIES as FAMILIES
 from helpers.models import VOCAB, mesh_deepseek_model, mesh_qwen_model
 from helpers.planner import MAX_SEQS, NUM_PAGES, PAGE, Planner
+from helpers.procs import pytest_on_cpu_devices
 from kvjax.engine.step import make_step
 from kvjax.models.sharding import ShardedModel, shard_model
 
@@ -39,11 +38,7 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4)]
 def test_sharding_on_8_cpu_devices():
     if INNER:
         pytest.skip("already inside the 8-device run")
-    env = {**os.environ, "KVJAX_SHARDING_INNER": "1",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    pytest_on_cpu_devices([__file__], inner="KVJAX_SHARDING_INNER", devices=8, cwd=os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -31,7 +30,7 @@ from kvjax.sched.blocks import BlockAllocator
 from helpers.engine import step_events
 from helpers.faults import fail_device_step
 from helpers.models import MESH_FAMILIES, VOCAB, mesh_qwen_model
-from helpers.procs import free_port, run_processes
+from helpers.procs import free_port, pytest_on_cpu_devices, run_processes
 
 INNER = os.environ.get("KVJAX_MESH_ENGINE_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the 8-device subprocess of test_mesh_engine_on_8_cpu_devices")
@@ -178,16 +177,12 @@ MATRIX = FULL if os.environ.get("KVJAX_FULL_MATRIX") == "1" else COVER
 def test_mesh_engine_on_8_cpu_devices(family):
     if INNER:
         pytest.skip("already inside the 8-device run")
-    env = {**os.environ, "KVJAX_MESH_ENGINE_INNER": "1",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
     tests = [f"{__file__}::test_engine_matrix_equals_the_synchronous_engine[{family}]",
              f"{__file__}::test_speculation_on_meshes_equals_plain_decoding[{family}]"]
     if family == "qwen3_5":
         tests += [f"{__file__}::test_mesh_steps_hold_no_zero_sized_array",
                   f"{__file__}::test_bursts_on_meshes_equal_plain_decoding"]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                       env=env, capture_output=True, text=True, timeout=840, cwd=HERE)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    pytest_on_cpu_devices(tests, inner="KVJAX_MESH_ENGINE_INNER", devices=8, cwd=HERE, timeout=840)
 
 
 @inner

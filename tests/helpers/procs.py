@@ -1,12 +1,13 @@
 """Child processes of the tests: several processes of one ``jax.distributed`` run (a free port for the coordinator
-and a launcher that starts every process at once and waits for all of them), and the environment that gives a child
-the tests' persistent compilation cache."""
+and a launcher that starts every process at once and waits for all of them), the environment that gives a child
+the tests' persistent compilation cache, and a pytest child on more host CPU devices (:func:`pytest_on_cpu_devices`)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 
 
@@ -63,3 +64,17 @@ def run_processes(commands: list[list[str]], *, cwd: str, timeout: float = 300) 
     codes = [p.returncode for p in procs]
     assert all(c == 0 for c in codes), f"return codes {codes}\n" + "\n".join(log[-3000:] for log in logs)
     return logs
+
+
+def pytest_on_cpu_devices(selection: list[str], *, inner: str, devices: int, cwd: str, flags: tuple[str, ...] = (),
+                          timeout: float = 600) -> str:
+    """Run ``pytest -q -x`` on ``selection`` (test files or node ids) in a child process that sees ``devices`` host
+    CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``, added to this process's flags) and has the
+    environment variable ``inner`` set to ``"1"`` (the child's tests skip or run on it); ``flags``: more pytest
+    arguments. Returns the child's stdout; ``AssertionError`` with the tails of its output if it fails."""
+    flag = f"--xla_force_host_platform_device_count={devices}"
+    env = {**os.environ, inner: "1", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *flags, *selection],
+                       env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    return r.stdout
