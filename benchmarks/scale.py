@@ -285,11 +285,14 @@ def profile_engine(eng, steps: int, trace_dir: str, tokens: dict) -> dict:
 def tp_configs(g: int) -> dict[str, tuple[tuple[int, int] | None, str]]:
     """The ``tp`` section's runs: name -> (mesh shape or None for one device without a mesh, the all-reduce
     ``impl`` of the sharded model's sums); ``g = 1``: the one device only. ``1xG psum`` is the tensor-parallel run
-    with XLA's ``psum`` in place of ``auto``'s choice (the one-shot kernel on Hopper)."""
+    with XLA's ``psum`` in place of ``auto``'s choice (the one-shot kernel on two Hopper GPUs); ``1xG mosaic``
+    (G > 2, where ``auto`` keeps ``psum``) names the one-shot kernel."""
     if g == 1:
         return {"one": (None, "auto")}
-    return {"one": (None, "auto"), f"1x{g}": ((1, g), "auto"), f"1x{g} psum": ((1, g), "reference"),
-            f"{g}x1": ((g, 1), "auto")}
+    runs = {"one": (None, "auto"), f"1x{g}": ((1, g), "auto"), f"1x{g} psum": ((1, g), "reference")}
+    if g > 2:
+        runs[f"1x{g} mosaic"] = ((1, g), "mosaic")
+    return {**runs, f"{g}x1": ((g, 1), "auto")}
 
 
 def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], profile: tuple[str, ...],
@@ -319,7 +322,7 @@ def tp_section(g: int, rows: int, n: int, smoke: bool, runs: tuple[str, ...], pr
         k = min(len(t) for t in firsts + first)  # every row's first k tokens
         row.update(ratio=row["tokens_per_s"] / base, compared_tokens=k, compared_with=out[0]["run"] if out else name,
                    identical_tokens=all(a[:k] == b[:k] for a, b in zip(firsts, first)))
-        twin = seen.get(name.removesuffix(" psum")) if name.endswith(" psum") else None
+        twin = seen.get(name.rsplit(" ", 1)[0]) if name.endswith((" psum", " mosaic")) else None
         if twin is not None:  # the same mesh with auto's all-reduce: the same tokens?
             k = min(len(t) for t in firsts + twin)
             row["identical_to_auto"] = all(a[:k] == b[:k] for a, b in zip(firsts, twin))
@@ -486,8 +489,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, help="dp / procs: serves per policy (default 2; --smoke 1)")
     ap.add_argument("--rows", type=int, help="tp: decoding rows (default 64; --smoke 8)")
     ap.add_argument("--steps", type=int, help="tp: timed decode steps (default 30; --smoke 4)")
-    ap.add_argument("--profile", help="profile: the tp runs to trace, comma list of one, 1xG, Gx1 (default 1xG; "
-                    "--gpus 1: one)")
+    ap.add_argument("--profile", help="profile: the tp runs to trace, comma list of one, 1xG, '1xG psum', "
+                    "'1xG mosaic' (G > 2), Gx1 (default 1xG; --gpus 1: one)")
     ap.add_argument("--profile-steps", type=int, default=5, help="profile: decode steps in the trace")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "scale.json"), help="the JSON")
     ap.add_argument("--trace-dir", help="profile: where the traces go (default: beside --out)")
@@ -513,7 +516,8 @@ def main(argv: list[str]) -> int:
     if rows % g:
         ap.error(f"--rows {rows} must be a multiple of G = {g} (the Gx1 mesh's rows per device)")
     n = args.steps or (4 if smoke else 30)
-    names = {"one": "one", "1xG": f"1x{g}", "1xG psum": f"1x{g} psum", "Gx1": f"{g}x1"}
+    names = {"one": "one", "1xG": f"1x{g}", "1xG psum": f"1x{g} psum", "1xG mosaic": f"1x{g} mosaic",
+             "Gx1": f"{g}x1"}
     wanted = args.profile or ("one" if g == 1 else "1xG")
     profile = tuple(names.get(s.strip(), s.strip()) for s in wanted.split(",")) if "profile" in sections else ()
     if set(profile) - set(tp_configs(g)):

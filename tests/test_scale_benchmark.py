@@ -109,6 +109,7 @@ def test_one_device_runs_only_the_tp_sections(capsys, tmp_path):
         assert scale.tp_configs(1) == {"one": (None, "auto")}
         assert scale.tp_configs(2) == {"one": (None, "auto"), "1x2": ((1, 2), "auto"),
                                        "1x2 psum": ((1, 2), "reference"), "2x1": ((2, 1), "auto")}
+        assert scale.tp_configs(4)["1x4 mosaic"] == ((1, 4), "mosaic")  # auto keeps psum over four devices
         for argv, message in ((["--gpus", "1", "--only", "dp,tp"], "--gpus 1 runs only the tp and profile"),
                               (["--gpus", "0"], "--gpus 0: need 1 to"),
                               (["--gpus", "1", "--only", "profile", "--profile", "1xG,one"], "runs are one")):
