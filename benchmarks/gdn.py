@@ -8,7 +8,9 @@ preparation kernels, alone and inside the whole pool kernel, in one process (:fu
 ``python benchmarks/gdn.py fused-mgpu [OUT.json] [shape indices] [line prefixes]``: FlashQLA's layout
 (``"mosaic-fused"``: inverse-only preparation with its value heads' inverses in lockstep, fused Mosaic GPU pass)
 against ``auto``, whole and by part (:func:`flashqla_fused_mgpu`; ``fused-mgpu OUT.json 0,1,2,3,4 whole,prep``:
-the two whole-forward and two preparation lines). The non-fused Mosaic GPU sequential pass (``seq-mgpu``, backend
+the two whole-forward and two preparation lines); ``python benchmarks/gdn.py rule [OUT.json] [grid indices]``:
+``"mosaic"`` against ``"mosaic-fused"`` over :data:`RULE_GRID`, beside ``auto``'s choice (:func:`flashqla_rule`).
+The non-fused Mosaic GPU sequential pass (``seq-mgpu``, backend
 ``"mosaic-seq"``) is deleted; its figures are in HISTORY.md.
 
 Shapes as in every earlier run: K = V = 128, Hk = Hv = H, bf16 q / k / v / beta, f32 log-decay g and state,
@@ -448,6 +450,45 @@ def flashqla_fused_mgpu(shapes: list[int] | None = None, lines: str = "") -> lis
     return rows
 
 
+RULE_GRID = (  # (sequence lengths, Hk, Hv): where auto's choice between the Mosaic backends is drawn; the last four
+    # are the engine's chunked-prefill calls (benchmarks/RESULTS.md, "GDN prefill in the engine's steps")
+    [([t], 16, 32) for t in (1024, 2048, 4096)] + [([t] * 2, 16, 32) for t in (1024, 2048, 4096, 8192)]
+    + [([t] * n, 16, 32) for n in (4, 8) for t in (512, 1024, 2048)] + [([t] * 16, 16, 32) for t in (512, 1024)]
+    + [([t], 16, 16) for t in (2048, 4096, 16384, 32768)] + [([t] * 2, 16, 16) for t in (2048, 4096, 8192)]
+    + [([t] * 4, 16, 16) for t in (2048, 8192)] + [([t] * 8, 16, 16) for t in (1024, 4096)]
+    + [([2048], 4, 8), ([8192], 4, 8), ([2048] * 4, 4, 8)]
+    + [([2045, 1, 1, 1] + [0] * 12, 4, 8), ([128] * 16, 4, 8), ([2045, 1, 1, 1] + [0] * 60, 16, 32),
+       ([32] * 64, 16, 32)])
+
+
+def flashqla_rule(grid=RULE_GRID) -> list[dict]:
+    """Where ``auto`` should take ``"mosaic-fused"`` over ``"mosaic"`` (chunk-parallel Mosaic preparation + Triton
+    pass): both by name on FlashQLA's recipe at each ``(sequence lengths, Hk, Hv)`` of ``grid``, device ms
+    interleaved in one process, and ``auto``'s choice (the backend table's, on these arrays)."""
+    import jax
+
+    from kvjax.ops import gdn
+
+    rows = []
+    for seqlens, hk, hv in grid:
+        q, k, v, g, beta, h0, cu, scale, _ = flashqla_case(seqlens, hk, hv, reference=False)
+        chosen, _ = gdn.CHUNK_TABLE.choose("auto", (gdn.DeltaRuleCall(q, k, v, g, beta, cu, scale), h0), {})
+        runners = {impl: jax.jit(lambda q, k, v, g, b, h, impl=impl: gdn.chunk_gated_delta_rule(
+            q, k, v, g, b, cu_seqlens=cu, initial_state=h, scale=scale, impl=impl))
+            for impl in ("mosaic", "mosaic-fused")}
+        even = len(set(seqlens)) == 1
+        shape = (_shape_name(seqlens, hk, hv) if even else
+                 f"{'+'.join(str(x) for x in seqlens if x)} in {len(seqlens)} rows, {hk}, {hv}")
+        _, calls, times = _compile_and_time(runners, lambda name: (q, k, v, g, beta, h0), shape, 12)
+        row = {"shape": shape, "sequences": len(seqlens), "tokens": sum(seqlens), "hk": hk, "hv": hv,
+               "auto": chosen, **{impl: _ms(times, impl) for impl in calls}}
+        best = min(calls, key=lambda impl: row[impl]) if calls else None
+        row.update(best=best, auto_is_best=chosen == best)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import os
@@ -462,6 +503,8 @@ if __name__ == "__main__":
         out = flashqla_prep_mgpu(only)
     elif side == "fused-mgpu":
         out = flashqla_fused_mgpu(only, sys.argv[4] if len(sys.argv) > 4 else "")
+    elif side == "rule":
+        out = flashqla_rule(RULE_GRID if only is None else [RULE_GRID[i] for i in only])
     else:
         out = flashqla_jax(variants=side != "auto", shapes=only)
     if len(sys.argv) > 2:

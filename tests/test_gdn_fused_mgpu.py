@@ -2,11 +2,11 @@
 and the fused sequential pass (``seq_mgpu_fused_call``: ``v_new = Tb (v - kr * (k S))`` from raw ``v``).
 
 CPU: both kernels under the Mosaic GPU interpreter (their products in jnp) and their lowering for CUDA without a
-GPU; the ``"mosaic-fused"`` backends of both prefill tables (``auto`` takes them on Hopper for one sequence of >= 32
-value heads). GPU (``gpu`` marker): the compiled kernels, also through the ``"mosaic-fused"`` backends
-(``chunk_gated_delta_rule`` and the slot-pool ``gdn_prefill_pool`` against its gather -> reference -> scatter
-oracle). The preparation's ``outputs="inverse"`` runs its value heads' inverses in lockstep (its only form).
-References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
+GPU; the ``"mosaic-fused"`` backends of both prefill tables (``auto`` takes them on Hopper where they were measured
+fastest: :func:`kvjax.pallas.gdn.chunk.mosaic_fused_preferred`). GPU (``gpu`` marker): the compiled kernels, also
+through the ``"mosaic-fused"`` backends (``chunk_gated_delta_rule`` and the slot-pool ``gdn_prefill_pool`` against
+its gather -> reference -> scatter oracle). The preparation's ``outputs="inverse"`` runs its value heads' inverses
+in lockstep (its only form). References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
 reference (the bf16 bound of the GDN tests, relative L2 error <= 2e-2) and against the Triton sequential kernel on
 the same tokens (1e-2: other bf16 roundings).
 """
@@ -348,40 +348,42 @@ def test_fused_refusals(rng):
 
 def test_mosaic_fused_backend_by_name_and_auto(rng):
     """``impl="mosaic-fused"`` runs FlashQLA's layout (here under the interpreter) within the bf16 bound of the
-    recurrent reference at two sequences of two value heads, where ``auto`` would not take it (by name its
-    ``prefer`` rule does not apply). On Hopper ``auto`` takes it, in both prefill tables, for the examples of one
-    sequence of 32 value heads, of four sequences of 4096 tokens and 32 value heads and of one sequence of 8192 tokens
-    and 16 heads (where it was measured fastest) and ``"mosaic"`` for one sequence of 32768 tokens and 16 heads or
-    sixteen sequences of 512 tokens, with ``explain``
-    saying why; it declines what the Mosaic GPU preparation kernel declines, and non-Hopper
-    devices, with the reason."""
+    recurrent reference at two short sequences of two value heads, where ``auto`` would not take it (by name its
+    ``prefer`` rule does not apply). On Hopper ``auto`` takes it, in both prefill tables, for the examples where it
+    was measured fastest (one sequence of 16 or 32 value heads at 8192 and 32768 tokens, four sequences of 4096
+    tokens, sixteen of 512) and ``"mosaic"`` for one sequence of 8 value heads and 8192 tokens and for an engine
+    step's bucket of 64 rows in 2048 tokens, with ``explain`` saying why; it declines what the Mosaic GPU
+    preparation kernel declines, and non-Hopper devices, with the reason."""
     from kvjax.base.device import NAMED
     from kvjax.ops import gdn_on_pool
     from kvjax.pallas.gdn import chunk as chunk_kernels
 
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [70, 9], 1, 2, 64, 64, jnp.bfloat16, pad_tokens=3)
     call = gdn.DeltaRuleCall(q, k, v, g, beta, cu, 0.125, use_qk_l2norm=True)
-    assert "2 sequences of 2 value heads" in chunk_kernels.mosaic_fused_preferred(call, s0)
+    assert "got 2 sequences, 82 tokens" in chunk_kernels.mosaic_fused_preferred(call, s0)
     o, f = gdn.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=s0, scale=0.125,
                                       use_qk_l2norm=True, impl="mosaic-fused:interpret")
     ro, rf = gdn.recurrent_gated_delta_rule_reference(call, s0)
     assert rel_err(o, ro) <= TOL[jnp.bfloat16] and rel_err(f, rf) <= TOL[jnp.bfloat16], (rel_err(o, ro),
                                                                                         rel_err(f, rf))
-    for table, one, many, narrow, long_narrow, short in (
-            (gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=32 K=V=128", "prefill N=4 T=16384 H=32 K=V=128",
-             "prefill N=1 T=8192 H=16 K=V=128", "prefill N=1 T=32768 H=16 K=V=128",
-             "prefill N=16 T=8192 H=16 K=V=128"),
-            (gdn_on_pool.PREFILL_TABLE, "prefill N=1 T=8192 H=32", "prefill N=4 T=16384 H=32",
-             "prefill N=1 T=8192 H=16, traced layer", "prefill N=1 T=32768 H=16", "prefill N=16 T=8192 H=16")):
+    chunk_names = ("prefill N=1 T=8192 H=32 K=V=128", "prefill N=4 T=16384 H=32 K=V=128",
+                   "prefill N=1 T=8192 H=16 K=V=128", "prefill N=1 T=32768 H=16 K=V=128",
+                   "prefill N=16 T=8192 H=16 K=V=128")
+    pool_names = ("prefill N=1 T=8192 H=32", "prefill N=4 T=16384 H=32", "prefill N=1 T=8192 H=16, traced layer",
+                  "prefill N=1 T=32768 H=16", "prefill N=16 T=8192 H=16")
+    for table, fused, narrow, engine in (
+            (gdn.CHUNK_TABLE, chunk_names, "prefill N=1 T=8192 H=8 K=V=128",
+             "prefill N=64 T=2048 H=32 K=V=128 (an engine step's bucket)"),
+            (gdn_on_pool.PREFILL_TABLE, pool_names, "prefill N=1 T=8192 H=8",
+             "prefill N=64 T=2048 H=32 (an engine step's bucket)")):
         assert "mosaic-seq" not in table.names()
-        for name in (one, many, narrow):
+        for name in fused:
             args, kwargs = table.examples[name]()
             for device in ("h100", "h200"):
-                assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused"
+                assert table.choose("auto", args, kwargs, NAMED[device])[0] == "mosaic-fused", name
                 assert dict(table.explain(args, kwargs, NAMED[device]))["mosaic-fused"] is None
             assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"
-        for name, want in ((short, "got 16 sequences of 16 value heads, V=128, 8192 tokens"),
-                           (long_narrow, "got 1 sequence of 16 value heads, V=128, 32768 tokens")):
+        for name, want in ((narrow, "got 8 value heads, 8192 tokens"), (engine, "got 64 sequences, 2048 tokens")):
             args, kwargs = table.examples[name]()
             assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
             why = dict(table.explain(args, kwargs, NAMED["h100"]))["mosaic-fused"]

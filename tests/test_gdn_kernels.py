@@ -824,8 +824,8 @@ def test_prefill_tables_take_the_mosaic_prep_on_hopper_for_its_shapes():
     Hopper GPU for bf16 q / k / v with K, V in {64, 128}; the Triton path elsewhere."""
     from kvjax.base.device import NAMED
 
-    for table, example in ((gdn.CHUNK_TABLE, "prefill N=1 T=32768 H=16 K=V=128"),
-                           (gdn_on_pool.PREFILL_TABLE, "prefill N=16 T=8192 H=16")):
+    for table, example in ((gdn.CHUNK_TABLE, "prefill N=1 T=8192 H=8 K=V=128"),
+                           (gdn_on_pool.PREFILL_TABLE, "prefill N=64 T=2048 H=32 (an engine step's bucket)")):
         args, kwargs = table.examples[example]()
         assert table.choose("auto", args, kwargs, NAMED["h100"])[0] == "mosaic"
         assert table.choose("auto", args, kwargs, NAMED["a100"])[0] == "pallas"

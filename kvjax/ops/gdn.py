@@ -39,9 +39,8 @@ reference; the chunked op's ``"mosaic"`` (Hopper: the same kernels with the Mosa
 :mod:`kvjax.pallas.gdn.prep_mgpu`, for bf16 q / k / v with K and V of 64 or 128) ahead of it where it applies;
 ``"mosaic-fused"`` (FlashQLA's layout: the preparation without ``w`` / ``u``, its value heads' inverses in
 lockstep, and the fused Mosaic GPU pass, ``seq="fused"`` of :mod:`kvjax.pallas.gdn.chunk`) takes the same calls by
-name, and ``auto`` takes it ahead of both for one sequence of >= 32 value heads (>= 16 up to 8192 tokens) and for
-several sequences of >= 2048 tokens whose (sequence, head) pairs fill 128 CTAs of its two-warpgroup pass, where it was
-measured fastest
+name, and ``auto`` takes it ahead of both where it was measured fastest: one sequence of >= 16 value heads or
+<= 2048 tokens, several sequences of >= 512 tokens on average (not the engine's chunked-prefill buckets)
 (its ``prefer`` rule, :func:`kvjax.pallas.gdn.chunk.mosaic_fused_preferred`; RESULTS.md, GDN chunked prefill).
 The references (``*_reference`` below) follow the same contract, compute in float32 with ``Precision.HIGHEST``
 matmuls (no TF32 on GPU), and are jitted with ``use_qk_l2norm`` static (``scale`` is traced, so a new scale does
@@ -351,13 +350,12 @@ MOSAIC_NOTE = ("the Mosaic GPU (wgmma) preparation kernel: 1.29-1.44x the Triton
                "(benchmarks/RESULTS.md, GDN chunked prefill)")
 MOSAIC_FUSED_NOTE = (
     "FlashQLA's layout: the Mosaic GPU preparation without w / u (Tb = T diag(beta); the value heads' inverses in "
-    "lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto for one sequence of >= 32 value heads: "
-    "1.04-1.05x the two Mosaic GPU kernels it replaced there on an H200 (0.3663 vs 0.3840 ms at 8192 tokens, 1.3911 "
-    "vs 1.4531 at 32768; 16 / 32 heads), and for several sequences of >= 2048 tokens filling 128 CTAs of two "
-    "consumer warpgroups: 1.02x / 1.05x 'mosaic' (1.0584 vs 1.0813 ms at 8192 x 4, 1.0778 vs 1.1264 at 4096 x 8, "
-    "32 heads); and for one sequence of >= 16 value heads and <= 8192 tokens since the pass's producer warpgroup: "
-    "1.07x auto's chunk-parallel 'mosaic' (0.2337 vs 0.2502 ms at 8192 tokens, 16 heads; 0.3212 vs 0.2881 before "
-    "it) (benchmarks/RESULTS.md, GDN chunked prefill, HISTORY runs 171, 213, 246)")
+    "lockstep) and the fused Mosaic GPU pass (v_new = Tb (v - kr k S)); auto for one sequence of >= 16 value heads "
+    "or <= 2048 tokens and for several sequences of >= 512 tokens on average, where it was measured ahead of "
+    "'mosaic' on an H200: 1.01-1.85x at 28 of 29 shapes (1 to 16 equal sequences of 512 to 32768 tokens, 8 to 32 "
+    "heads), 0.81x at one sequence of 8 heads and 8192 tokens (chunk parallelism wins there); the engine's "
+    "chunked-prefill buckets (2048 tokens in 16 or 64 rows) split either way and keep 'mosaic' "
+    "(benchmarks/RESULTS.md, GDN chunked prefill, HISTORY runs 248-249)")
 
 
 CHUNK_TABLE = BackendTable(
@@ -380,6 +378,8 @@ CHUNK_TABLE = BackendTable(
         "prefill N=1 T=8192 H=32 K=V=128": lambda: example_call(8192, 1, 32),
         "prefill N=4 T=16384 H=32 K=V=128": lambda: example_call(16384, 4, 32),
         "prefill N=16 T=8192 H=16 K=V=128": lambda: example_call(8192, 16, 16),
+        "prefill N=1 T=8192 H=8 K=V=128": lambda: example_call(8192, 1, 8),
+        "prefill N=64 T=2048 H=32 K=V=128 (an engine step's bucket)": lambda: example_call(2048, 64, 32),
         "prefill N=2 T=512 H=8 K=96 V=128": lambda: example_call(512, 2, 8, kd=96),
     },
 )

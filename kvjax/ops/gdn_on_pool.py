@@ -30,7 +30,7 @@ slot id inside the kernel with no XLA op around it: ``auto`` takes it for one to
 continuing and a static int ``layer`` (RESULTS.md, GDN decode); prefill also has ``"mosaic"`` on Hopper, the
 ``"pallas"`` kernels with the Mosaic GPU preparation kernel (:mod:`kvjax.pallas.gdn.prep_mgpu`; bf16, K and V of
 64 or 128; RESULTS.md, GDN chunked prefill) and ``"mosaic-fused"`` (FlashQLA's layout: the same calls by name,
-``auto`` for one sequence of >= 32 value heads or >= 16 up to 8192 tokens, as for the unpooled op). The array is
+``auto`` where it was measured ahead of ``"mosaic"``, as for the unpooled op). The array is
 updated in place (aliased) under jit when donated: :mod:`kvjax.state.gdn_pool` applies these ops to a
 :class:`~kvjax.state.gdn_pool.GDNStatePool`.
 """
@@ -305,6 +305,8 @@ PREFILL_TABLE = BackendTable(
         "prefill N=1 T=8192 H=32": lambda: _example(8192, 1, 32, ragged=True),
         "prefill N=1 T=8192 H=16, traced layer": lambda: _example(8192, 1, 16, ragged=True, layer_traced=True),
         "prefill N=1 T=32768 H=16": lambda: _example(32768, 1, 16, ragged=True),
+        "prefill N=1 T=8192 H=8": lambda: _example(8192, 1, 8, ragged=True),
+        "prefill N=64 T=2048 H=32 (an engine step's bucket)": lambda: _example(2048, 64, 32, ragged=True),
     },
 )
 

@@ -64,7 +64,7 @@ from kvjax.pallas.gdn.common import (FLAG_HAS_INITIAL, FLAG_LIVE, col_block, dot
 from kvjax.pallas.gdn.prep import PrepConfig, padded_operands, prepare
 from kvjax.pallas.gdn.prep_mgpu import prep_mgpu_call
 from kvjax.pallas.gdn.prep_mgpu import shape_reason as prep_mgpu_shape_reason
-from kvjax.pallas.gdn.seq_mgpu import auto_layout as seq_mgpu_auto_layout, seq_mgpu_fused_call
+from kvjax.pallas.gdn.seq_mgpu import seq_mgpu_fused_call
 
 CHUNK = 64
 MANY_PROGRAMS = 256  # block_v=None: the widest value block that still gives this many sequential programs
@@ -624,38 +624,38 @@ def mosaic_prep_unsupported(call, state) -> str | None:  # a DeltaRuleCall and i
     return prep_mgpu_shape_reason(call.q, call.k, call.v, chunk=CHUNK)
 
 
-# "auto" takes the "mosaic-fused" backends for one sequence of at least this many value heads: there they were
-# measured faster than every other backend (1.04-1.05x the two Mosaic GPU kernels of the deleted "mosaic-seq", which
-# was 1.27x "mosaic", at 8192 and 32768 tokens, 32 heads, H200), and for one sequence of at least
-# MOSAIC_FUSED_NARROW_HEADS and at most MOSAIC_FUSED_NARROW_TOKENS tokens (1.07x "mosaic"'s chunk-parallel path at
-# 8192 tokens and 16 heads once the pass had its producer warpgroup, H200; measured at 8192 tokens only: shorter
-# sequences follow it, having fewer segments for chunk parallelism to spread; longer ones of 16 heads keep chunk
-# parallelism: the fused pass has none and fills half the SMs there). Several sequences: where their
-# (row, head) pairs fill seq_mgpu.MANY_CTAS CTAs of two consumer warpgroups (V = 128) and each holds at least
-# MOSAIC_FUSED_MIN_TOKENS tokens on average (8192 x 4 and 4096 x 8 at 32 value heads, H200). RESULTS.md, "GDN chunked
-# prefill".
-MOSAIC_FUSED_MIN_HEADS = 32
-MOSAIC_FUSED_NARROW_HEADS, MOSAIC_FUSED_NARROW_TOKENS = 16, 8192
-MOSAIC_FUSED_MIN_TOKENS = 2048
+# "auto" takes the "mosaic-fused" backends (FlashQLA's layout; no chunk parallelism) wherever they were measured ahead
+# of "mosaic" (the Mosaic preparation with the Triton pass, chunk-parallel where its own rule says): HISTORY run 248
+# (H200, `benchmarks/gdn.py rule`, 29 shapes of 1 to 16 equal sequences of 512 to 32768 tokens and 8 to 32 value heads):
+# 1.01-1.85x at every shape but one sequence of 8 value heads and 8192 tokens (0.81x: 0.2098 against 0.1703 ms), where
+# eight (sequence, head) pairs leave most SMs to chunk parallelism. Hence: one sequence of at least
+# MOSAIC_FUSED_NARROW_HEADS value heads or at most MOSAIC_FUSED_SHORT_TOKENS tokens; several sequences of at least
+# MOSAIC_FUSED_MIN_TOKENS tokens on average (static shapes: T / N). Below that average are the engine's
+# chunked-prefill steps (one long chunk among a bucket of short rows, or a bucket of short rows), which were measured
+# either way ("mosaic" against "mosaic-fused", run 249, 2048 tokens: one chunk among padding rows 0.1117 against
+# 0.1289 ms at 16 rows of 8 heads, 0.3151 against 0.3059 at 64 rows of 32; even rows 0.0704 against 0.0413 at 16 x
+# 128, 0.2587 against 0.3342 at 64 x 32), so they keep "mosaic", as before. RESULTS.md, "GDN chunked prefill".
+MOSAIC_FUSED_NARROW_HEADS = 16
+MOSAIC_FUSED_SHORT_TOKENS = 2048
+MOSAIC_FUSED_MIN_TOKENS = 512
 
 
 def mosaic_fused_preferred(call, state) -> str | None:  # a DeltaRuleCall and its initial state / pool's ssm
     """The ``"mosaic-fused"`` backends' ``prefer`` rule (``auto`` only; by name they take every call
     :func:`mosaic_prep_unsupported` accepts): why ``auto`` passes them over, or ``None`` where they were measured
     fastest: one sequence (``cu_seqlens`` of two entries; ``None`` is one token per row) of at least
-    :data:`MOSAIC_FUSED_MIN_HEADS` value heads, or of at least :data:`MOSAIC_FUSED_NARROW_HEADS` value heads and at
-    most :data:`MOSAIC_FUSED_NARROW_TOKENS` tokens, or several sequences whose (row, value head) pairs fill
-    :data:`kvjax.pallas.gdn.seq_mgpu.MANY_CTAS` CTAs of the pass's two-warpgroup form (``V = 128``) with at least
-    :data:`MOSAIC_FUSED_MIN_TOKENS` tokens a sequence on average (static shapes: ``T / N``)."""
+    :data:`MOSAIC_FUSED_NARROW_HEADS` value heads or at most :data:`MOSAIC_FUSED_SHORT_TOKENS` tokens, or several
+    sequences of at least :data:`MOSAIC_FUSED_MIN_TOKENS` tokens a sequence on average (static shapes: ``T / N``)."""
     del state
     num_seqs = call.q.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
-    hv, vd = call.v.shape[1], call.v.shape[2]
-    if num_seqs == 1 and (hv >= MOSAIC_FUSED_MIN_HEADS or (hv >= MOSAIC_FUSED_NARROW_HEADS
-                                                           and call.q.shape[0] <= MOSAIC_FUSED_NARROW_TOKENS)):
+    hv, tokens = call.v.shape[1], call.q.shape[0]
+    if num_seqs == 1:
+        if hv >= MOSAIC_FUSED_NARROW_HEADS or tokens <= MOSAIC_FUSED_SHORT_TOKENS:
+            return None
+        return (f"one sequence of fewer than {MOSAIC_FUSED_NARROW_HEADS} value heads and more than "
+                f"{MOSAIC_FUSED_SHORT_TOKENS} tokens is faster chunk-parallel (measured), got {hv} value heads, "
+                f"{tokens} tokens")
+    if tokens >= MOSAIC_FUSED_MIN_TOKENS * num_seqs:
         return None
-    if seq_mgpu_auto_layout(num_seqs, hv, vd)[1] > 1 and call.q.shape[0] >= MOSAIC_FUSED_MIN_TOKENS * num_seqs:
-        return None
-    return (f"measured faster only for one sequence of >= {MOSAIC_FUSED_MIN_HEADS} value heads (>= "
-            f"{MOSAIC_FUSED_NARROW_HEADS} up to {MOSAIC_FUSED_NARROW_TOKENS} tokens) or sequences of >= "
-            f"{MOSAIC_FUSED_MIN_TOKENS} tokens whose (sequence, head) pairs fill the two-warpgroup pass, got "
-            f"{num_seqs} sequence{'s' * (num_seqs != 1)} of {hv} value heads, V={vd}, {call.q.shape[0]} tokens")
+    return (f"several sequences need >= {MOSAIC_FUSED_MIN_TOKENS} tokens a sequence on average (the engine's "
+            f"chunked-prefill buckets measured faster on 'mosaic'), got {num_seqs} sequences, {tokens} tokens")
