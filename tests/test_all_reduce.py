@@ -49,7 +49,7 @@ def test_table_chooses_as_documented():
     assert TABLE.choose("mosaic", args, kwargs, h100)[0] == "mosaic"  # declined by auto only, reachable by name
     assert args[0].size * 2 > MOSAIC_MAX_BYTES
     args, kwargs = TABLE.examples["decode T=64 hidden 4096 bf16 over 4"]()
-    assert "measured on two only" in TABLE.explain(args, kwargs, h100)[0][1]
+    assert "measured ahead of psum on two only" in TABLE.explain(args, kwargs, h100)[0][1]
 
 
 @pytest.mark.parametrize("shape, dtype, size, needle", [

@@ -10,8 +10,8 @@ Reference = XLA's ``lax.psum`` (its own collective kernel on GPUs, what the mode
 device reads its peers' partial sums over NVLink and adds them in float32 in device order (the same bits on every
 device); compiled only (``interpretable=False``: the Mosaic GPU interpreter of jax 0.10 has no cross-device
 semaphores), on Hopper. ``auto`` takes it where it was measured ahead of ``psum`` (:func:`prefer_mosaic`: a mesh
-of two devices, up to 32 MiB a device, one process; RESULTS.md, "Many GPUs"), XLA's ``psum`` elsewhere and on every
-other device.
+of two devices, up to 32 MiB a device, one process; on four it was level or slower: RESULTS.md, "Many GPUs"), XLA's
+``psum`` elsewhere and on every other device.
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def prefer_mosaic(x, *, axis: str, size: int) -> str | None:
     """Why ``auto`` keeps XLA's ``psum`` for a call the one-shot kernel can take (``None``: it takes the kernel).
     Measured on two H200s driven by one process (RESULTS.md, "Many GPUs"): ahead of ``psum`` in the tp preset's
     decode step (512 KB sums: 5-9% faster a step), and alone level with it below 1 MiB and 4-18% faster from 2 to
-    32 MiB. Declined where it was not measured: an axis of more
-    than two devices (each device reads every peer's input: three peers' on four GPUs; an earlier push form of
-    the kernel lost to ``psum`` there), a mesh of more devices than the axis (a ``2x2`` mesh: the sums of two pairs
-    at once), more than :data:`MOSAIC_MAX_BYTES` a device, and several processes (the kernel's peer addresses then
-    come another way). The mesh is ``shard_map``'s (none outside it: the table's examples)."""
+    32 MiB. Declined elsewhere: an axis of more than two devices (on four H200s, where each device reads three
+    peers' inputs, level with ``psum`` in the tp step, 2.276 against 2.269 ms a sub-step, and alone 1.4-2.0x slower
+    from 2 MiB: it moves 3x a device's bytes over NVLink where ``psum`` moves 1.5x), a mesh of more devices than the
+    axis (a ``2x2`` mesh: the sums of two pairs at once), more than :data:`MOSAIC_MAX_BYTES` a device, and several
+    processes (the kernel's peer addresses then come another way). The mesh is ``shard_map``'s (none outside it: the table's examples)."""
     del axis
     if size != 2:
-        return f"an axis of {size} devices: measured on two only"
+        return f"an axis of {size} devices: measured ahead of psum on two only (level or slower on four)"
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size != size:
         return f"a mesh of {mesh.size} devices ({dict(mesh.shape)}): measured on a mesh of the axis's two only"
