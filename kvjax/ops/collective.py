@@ -45,7 +45,8 @@ def prefer_mosaic(x, *, axis: str, size: int) -> str | None:
     peers' inputs, level with ``psum`` in the tp step, 2.276 against 2.269 ms a sub-step, and alone 1.4-2.0x slower
     from 2 MiB: it moves 3x a device's bytes over NVLink where ``psum`` moves 1.5x), a mesh of more devices than the
     axis (a ``2x2`` mesh: the sums of two pairs at once), more than :data:`MOSAIC_MAX_BYTES` a device, and several
-    processes (the kernel's peer addresses then come another way). The mesh is ``shard_map``'s (none outside it: the table's examples)."""
+    processes (the kernel's peer addresses then come another way). The mesh is ``shard_map``'s (none outside it:
+    the table's examples)."""
     del axis
     if size != 2:
         return f"an axis of {size} devices: measured ahead of psum on two only (level or slower on four)"
