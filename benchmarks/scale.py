@@ -21,13 +21,15 @@ Sections (``--only``, default all, in this order):
   single-controller run, its tokens (digest) against theirs.
 - ``tp``: the ``tp`` preset's model (a dense 3.7B Qwen3.5, bf16; ``--smoke``: its head counts at a tiny width, f32)
   in steady decode at ``--rows`` rows (64), ``recycle="timely"``, 512-token prompts, the engine's default decode
-  bursts: one device, ``--mesh 1xG`` (tensor parallel) and ``--mesh Gx1`` (data parallel, rows / G per device): ms
+  bursts: one device, ``--mesh 1xG`` (tensor parallel; ``auto``'s all-reduce, XLA's ``psum`` as ``1xG psum`` and, for
+  G > 2, the one-shot kernel as ``1xG mosaic``) and ``--mesh Gx1`` (data parallel, rows / G per device): ms
   per decode sub-step (wall over ``--steps`` steps), tok/s, ratio to one device, whether every row's first tokens
   equal one device's (bf16: they may not).
 - ``profile``: a trace of ``--profile-steps`` decode steps of the ``tp`` runs named by ``--profile`` (default
-  ``1xG``; also ``one``, ``Gx1``), written under ``--trace-dir`` and summed by kernel class (``trace_kernels.py``:
-  collectives vs GEMMs vs the rest) per GPU and per step, with the collectives' share. Without ``tp`` in
-  ``--only`` only the traced runs are built. No device records on CPU (the trace is written, the classes empty).
+  ``1xG``; also ``one``, ``1xG psum``, ``1xG mosaic``, ``Gx1``), written under ``--trace-dir`` and summed by kernel
+  class (``trace_kernels.py``: collectives vs GEMMs vs the rest) per GPU and per step, with the collectives'
+  share. Without ``tp`` in ``--only`` only the traced runs are built. No device records on CPU (the trace is
+  written, the classes empty).
 - ``allreduce``: the op ``all_reduce`` over a ``1xG`` mesh at 16 to 4096 rows of 4096 bf16 (and 64 rows of f32)
   a device, XLA's ``psum`` and the one-shot Mosaic GPU kernel (where it runs): per GPU the device time of a sum in
   a chain of them, the error against numpy, whether every device holds the same bits.
