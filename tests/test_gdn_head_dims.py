@@ -93,3 +93,35 @@ def test_pool_ops_any_head_dim_gpu(rng, op, lens, one_token, impl, kd, vd):
     has_init = None if one_token else rng.uniform(size=n) < 0.7
     check_pool_op(rng, op, lens, slots, has_init, hk=2, hv=4, kd=kd, vd=vd, dtype=jnp.bfloat16, impl=impl,
                   num_slots=n + 3, one_token=one_token)
+
+
+def test_chunk_parallelism_only_where_the_scan_tile_fits(rng):
+    """Chunk parallelism's scan kernel holds one segment's ``M`` (``next_pow2(K)^2`` values of the input dtype) in
+    shared memory: 256 KB at float32 K = 192, past a Hopper CTA's 227 KB (the GPU launch failed there). On the
+    GPU test's length grid (one 4096-token row, where ``auto`` takes chunk parallelism) the CUDA lowering has the
+    scan kernel at float32 K = 96 and bfloat16 K = 192 and not at float32 K = 192; asking for segments there is
+    a ``ValueError`` naming the value."""
+    import jax
+
+    from helpers.gdn import KERNELS
+    from kvjax.pallas.gdn.chunk import CP_MAX_M_BYTES, chunk_gated_delta_rule_pool, cp_unsupported
+
+    assert cp_unsupported(96, jnp.float32) is None and cp_unsupported(192, jnp.bfloat16) is None
+    assert cp_unsupported(128, jnp.float32) is None
+    why = cp_unsupported(192, jnp.float32)
+    assert "K=192 in float32" in why and str(256 * 256 * 4) in why and str(CP_MAX_M_BYTES) in why
+    for kd, vd, dtype, scan in ((96, 80, jnp.float32, True), (192, 96, jnp.bfloat16, True),
+                                (192, 96, jnp.float32, False)):
+        args = make_inputs(rng, GPU_LENS, 2, 4, kd, vd, dtype, pad_tokens=100)
+
+        def public(q, k, v, g, beta, cu, s0, kd=kd):
+            return KERNELS["chunk"](gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=True), s0)
+        text = jax.jit(public).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("gdn_chunk_scan" in text) == scan, (kd, vd, dtype)
+        assert ("gdn_chunk_transition" in text) == scan, (kd, vd, dtype)
+    q, k, v, g, beta, cu, s0 = make_inputs(rng, [70, 9], 1, 2, 192, 96, jnp.float32, pad_tokens=3)
+    pool = jnp.zeros((3, 2, 192, 96), jnp.float32)
+    with pytest.raises(ValueError, match="segment_chunks=8: no chunk parallelism at K=192 in float32"):
+        chunk_gated_delta_rule_pool(q, k, v, g, beta, pool, cu_seqlens=cu, rows=jnp.asarray([1, 2], jnp.int32),
+                                    flags=jnp.asarray([1, 1], jnp.int32), scale=0.1, segment_chunks=8,
+                                    interpret=True)

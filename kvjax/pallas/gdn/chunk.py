@@ -72,6 +72,20 @@ FLAG_MORE = 4  # segment flag (chunk parallelism): the segment is not its sequen
 CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when long rows * Hv is at most this ...
 CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
 DECAY_FLOOR = -16.0  # the transition kernel's warm-up: drop M below exp(-16) = 1.1e-7 (float32's rounding)
+# The scan kernel holds one segment's M (next_pow2(K)^2 values in the input dtype) in shared memory: Triton 3.6 for
+# sm_90 gives it 262144 B at float32 K = 192, past a Hopper CTA's 227 KB (the launch fails), 147456 B at bfloat16
+# K = 192 and 65536 B at float32 K = 96. Chunk parallelism needs M within this many bytes.
+CP_MAX_M_BYTES = 128 << 10
+
+
+def cp_unsupported(kd: int, dtype) -> str | None:
+    """Why chunk parallelism cannot run at key dim ``kd`` and input ``dtype`` (``None``: it can): the scan
+    kernel's ``M`` tile, ``next_pow2(kd)^2`` values of ``dtype``, must fit :data:`CP_MAX_M_BYTES`."""
+    nbytes = next_pow2(kd) ** 2 * jnp.dtype(dtype).itemsize
+    if nbytes > CP_MAX_M_BYTES:
+        return (f"K={kd} in {jnp.dtype(dtype).name}: the scan kernel's M tile would take {nbytes} bytes of shared "
+                f"memory (> {CP_MAX_M_BYTES})")
+    return None
 
 
 def _row_range(cu_ref, flags_ref, n, num_seqs, num_rows: int):
@@ -515,12 +529,12 @@ def chunk_gated_delta_rule_pool(
     parallel (``transition_block`` columns of ``[M | B]`` per program; ``None``: 64 where that still gives
     ``2 * MANY_PROGRAMS`` programs, else 32), a scan kernel chains them into each
     segment's start state (``scan_block`` value columns per program), and the sequential kernel walks all
-    segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`;
-    0: off (the sequential kernel walks each sequence whole, in place on the pool). ``decay_floor`` (log units;
-    default :data:`DECAY_FLOOR`; ``None``: exact): the transition kernel's warm-up, which stops a segment's walk
-    where the chunks after it bound ``||M||`` below ``exp(decay_floor)`` (their decays and
-    :func:`chunk_growth`) and drops ``M``; each segment's start state is then off by at most that factor times a
-    state inside the previous segment.
+    segments in parallel; the final states reach the pool by one scatter. ``None``: :func:`auto_segment_chunks`
+    (0 where :func:`cp_unsupported`: float32 at K > 128; a positive count there is a ``ValueError``); 0: off (the
+    sequential kernel walks each sequence whole, in place on the pool). ``decay_floor`` (log units; default
+    :data:`DECAY_FLOOR`; ``None``: exact): the transition kernel's warm-up, which stops a segment's walk where the
+    chunks after it bound ``||M||`` below ``exp(decay_floor)`` (their decays and :func:`chunk_growth`) and drops
+    ``M``; each segment's start state is then off by at most that factor times a state inside the previous segment.
 
     ``seq``: the sequential kernel, ``"triton"`` (``_chunk_kernel``, after the preparation ``prep`` names) or
     ``"fused"`` (FlashQLA's layout: the Mosaic GPU preparation with ``outputs="inverse"`` and the fused Mosaic GPU
@@ -542,6 +556,8 @@ def chunk_gated_delta_rule_pool(
                               interpret=interpret)
         return o[:q.shape[0]], pool
     num_tokens, _, kd = q.shape
+    if segment_chunks and cp_unsupported(kd, q.dtype):
+        raise ValueError(f"segment_chunks={segment_chunks}: no chunk parallelism at {cp_unsupported(kd, q.dtype)}")
     f32 = q.dtype == jnp.float32
     chunk = CHUNK // 2 if f32 else CHUNK
     if num_stages is None:
@@ -558,7 +574,7 @@ def chunk_gated_delta_rule_pool(
         config=prep, interpret=interpret,
     )
     if segment_chunks is None:
-        segment_chunks = auto_segment_chunks(rows.shape[0], hv, w.shape[0])
+        segment_chunks = 0 if cp_unsupported(kd, w.dtype) else auto_segment_chunks(rows.shape[0], hv, w.shape[0])
     if segment_chunks:
         if block_v_auto:
             num_segs = rows.shape[0] + pl.cdiv(w.shape[0], segment_chunks) - 1
