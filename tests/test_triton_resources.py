@@ -1,0 +1,57 @@
+"""``benchmarks/triton_resources.py``: every Triton kernel of the backend tables' example calls, lowered for CUDA
+and compiled by Triton 3.6 (the device machine's version) for sm_90 on this CPU host, fits a Hopper CTA's shared
+memory; and the chunk-parallel GDN path's limit (:func:`kvjax.pallas.gdn.chunk.cp_unsupported`) against what the
+compiler gives its scan kernel.
+
+Triton's wheel is a test dependency on Linux x86-64 (pyproject.toml); elsewhere these tests skip with the reason.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers.bench import bench_module
+from helpers.gdn import GPU_LENS, KERNELS, make_inputs
+
+pytest.importorskip("triton", reason="needs Triton's wheel (Linux x86-64: pip install triton==3.6.0)")
+
+
+def test_every_table_kernel_fits_hopper_shared_memory():
+    with bench_module("triton_resources") as tr:
+        rows = tr.audit()
+    compiled = [r for r in rows if "shared" in r]
+    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r][:3]
+    ops = {r["op"] for r in compiled}
+    assert len(compiled) >= 100 and {"paged_attention", "chunk_gated_delta_rule", "mla_decode", "swiglu"} <= ops
+    over = [(r["op"], r["kernel"], r["shared"]) for r in compiled if r["shared"] > tr.HOPPER_SMEM]
+    assert not over, over
+    assert all(0 < r["shared"] and r["registers"] <= 255 for r in compiled)
+
+
+@pytest.mark.parametrize("kd, vd, dtype, fits", [(96, 80, jnp.float32, True), (192, 96, jnp.bfloat16, True),
+                                                 (192, 96, jnp.float32, False)])
+def test_chunk_parallel_limit_matches_the_compiled_scan(monkeypatch, rng, kd, vd, dtype, fits):
+    """With the limit lifted, the scan kernel of the chunk-parallel path compiles to more shared memory than a
+    Hopper CTA has exactly where ``cp_unsupported`` declines (float32 at K = 192: 256 KB), and within it where
+    the path runs (the GPU test's length grid: one 4096-token row)."""
+    from kvjax.ops import gdn
+    from kvjax.pallas.gdn import chunk
+
+    assert (chunk.cp_unsupported(kd, dtype) is None) == fits
+    monkeypatch.setattr(chunk, "cp_unsupported", lambda *a: None)
+    args = make_inputs(rng, GPU_LENS, 2, 4, kd, vd, dtype, pad_tokens=100)
+
+    def public(q, k, v, g, beta, cu, s0):
+        return KERNELS["chunk"](gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=True), s0)
+
+    with bench_module("triton_resources") as tr:
+        scans = [k for k in tr.capture_kernels(public, args, {}) if k["name"] == "gdn_chunk_scan"]
+        assert len(scans) == 1
+        with tempfile.TemporaryDirectory() as work:
+            shared = tr.compile_sm90(scans[0], work)["shared"]
+    assert shared >= np.dtype(jnp.dtype(dtype)).itemsize * 128 * 128
+    assert (shared <= tr.HOPPER_SMEM) == fits, shared
