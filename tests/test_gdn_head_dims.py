@@ -97,10 +97,10 @@ def test_pool_ops_any_head_dim_gpu(rng, op, lens, one_token, impl, kd, vd):
 
 def test_chunk_parallelism_only_where_the_scan_tile_fits(rng):
     """Chunk parallelism's scan kernel holds one segment's ``M`` (``next_pow2(K)^2`` values of the input dtype) in
-    shared memory: 256 KB at float32 K = 192, past a Hopper CTA's 227 KB (the GPU launch failed there). On the
-    GPU test's length grid (one 4096-token row, where ``auto`` takes chunk parallelism) the CUDA lowering has the
-    scan kernel at float32 K = 96 and bfloat16 K = 192 and not at float32 K = 192; asking for segments there is
-    a ``ValueError`` naming the value."""
+    shared memory: 256 KB at float32 K = 192 (Triton 3.6 for sm_90), past a Hopper CTA's 227 KB; the GPU test of
+    that shape failed (HISTORY run 251). On the GPU test's length grid (one 4096-token row, where ``auto`` takes
+    chunk parallelism) the CUDA lowering has the scan kernel at float32 K = 96 and bfloat16 K = 192 and not at
+    float32 K = 192; asking for segments there is a ``ValueError`` naming the value."""
     import jax
 
     from helpers.gdn import KERNELS

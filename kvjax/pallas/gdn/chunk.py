@@ -73,7 +73,7 @@ CP_MAX_HEAD_ROWS = 16  # segment_chunks=None: chunk parallelism when long rows *
 CP_MIN_SEGMENTS = 4  # ... and the padded stream holds at least this many segments
 DECAY_FLOOR = -16.0  # the transition kernel's warm-up: drop M below exp(-16) = 1.1e-7 (float32's rounding)
 # The scan kernel holds one segment's M (next_pow2(K)^2 values in the input dtype) in shared memory: Triton 3.6 for
-# sm_90 gives it 262144 B at float32 K = 192, past a Hopper CTA's 227 KB (the launch fails), 147456 B at bfloat16
+# sm_90 gives it 262144 B at float32 K = 192, past a Hopper CTA's 227 KB (a GPU test failed there), 147456 B at bfloat16
 # K = 192 and 65536 B at float32 K = 96. Chunk parallelism needs M within this many bytes.
 CP_MAX_M_BYTES = 128 << 10
 
@@ -574,7 +574,7 @@ def chunk_gated_delta_rule_pool(
         config=prep, interpret=interpret,
     )
     if segment_chunks is None:
-        segment_chunks = 0 if cp_unsupported(kd, w.dtype) else auto_segment_chunks(rows.shape[0], hv, w.shape[0])
+        segment_chunks = 0 if cp_unsupported(kd, q.dtype) else auto_segment_chunks(rows.shape[0], hv, w.shape[0])
     if segment_chunks:
         if block_v_auto:
             num_segs = rows.shape[0] + pl.cdiv(w.shape[0], segment_chunks) - 1
@@ -674,4 +674,4 @@ def mosaic_fused_preferred(call, state) -> str | None:  # a DeltaRuleCall and it
     if tokens >= MOSAIC_FUSED_MIN_TOKENS * num_seqs:
         return None
     return (f"several sequences need >= {MOSAIC_FUSED_MIN_TOKENS} tokens a sequence on average (the engine's "
-            f"chunked-prefill buckets measured faster on 'mosaic'), got {num_seqs} sequences, {tokens} tokens")
+            f"chunked-prefill buckets, measured either way, keep 'mosaic'), got {num_seqs} sequences, {tokens} tokens")
