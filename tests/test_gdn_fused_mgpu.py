@@ -6,9 +6,9 @@ GPU; the ``"mosaic-fused"`` backends of both prefill tables (``auto`` takes them
 fastest: :func:`kvjax.pallas.gdn.chunk.mosaic_fused_preferred`). GPU (``gpu`` marker): the compiled kernels, also
 through the ``"mosaic-fused"`` backends (``chunk_gated_delta_rule`` and the slot-pool ``gdn_prefill_pool`` against
 its gather -> reference -> scatter oracle). The preparation's ``outputs="inverse"`` runs its value heads' inverses
-in lockstep (its only form). References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward against the f32 recurrent
-reference (the bf16 bound of the GDN tests, relative L2 error <= 2e-2) and against the Triton sequential kernel on
-the same tokens (1e-2: other bf16 roundings).
+in lockstep (its only form). References: ``Tb`` against a float32 numpy inverse per chunk; the whole forward
+against the f32 recurrent reference (the bf16 bound of the GDN tests, relative L2 error <= 2e-2) and against the
+Triton sequential kernel on the same tokens (1e-2: other bf16 roundings).
 """
 
 from __future__ import annotations
