@@ -556,8 +556,9 @@ def chunk_gated_delta_rule_pool(
                               interpret=interpret)
         return o[:q.shape[0]], pool
     num_tokens, _, kd = q.shape
-    if segment_chunks and cp_unsupported(kd, q.dtype):
-        raise ValueError(f"segment_chunks={segment_chunks}: no chunk parallelism at {cp_unsupported(kd, q.dtype)}")
+    no_cp = cp_unsupported(kd, q.dtype)
+    if segment_chunks and no_cp:
+        raise ValueError(f"segment_chunks={segment_chunks}: no chunk parallelism at {no_cp}")
     f32 = q.dtype == jnp.float32
     chunk = CHUNK // 2 if f32 else CHUNK
     if num_stages is None:
@@ -574,7 +575,7 @@ def chunk_gated_delta_rule_pool(
         config=prep, interpret=interpret,
     )
     if segment_chunks is None:
-        segment_chunks = 0 if cp_unsupported(kd, q.dtype) else auto_segment_chunks(rows.shape[0], hv, w.shape[0])
+        segment_chunks = 0 if no_cp else auto_segment_chunks(rows.shape[0], hv, w.shape[0])
     if segment_chunks:
         if block_v_auto:
             num_segs = rows.shape[0] + pl.cdiv(w.shape[0], segment_chunks) - 1
