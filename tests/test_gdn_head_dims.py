@@ -103,7 +103,7 @@ def test_chunk_parallelism_only_where_the_scan_tile_fits(rng):
     float32 K = 192; asking for segments there is a ``ValueError`` naming the value."""
     import jax
 
-    from helpers.gdn import KERNELS
+    from helpers.gdn import public_kernel
     from kvjax.pallas.gdn.chunk import CP_MAX_M_BYTES, chunk_gated_delta_rule_pool, cp_unsupported
 
     assert cp_unsupported(96, jnp.float32) is None and cp_unsupported(192, jnp.bfloat16) is None
@@ -113,10 +113,7 @@ def test_chunk_parallelism_only_where_the_scan_tile_fits(rng):
     for kd, vd, dtype, scan in ((96, 80, jnp.float32, True), (192, 96, jnp.bfloat16, True),
                                 (192, 96, jnp.float32, False)):
         args = make_inputs(rng, GPU_LENS, 2, 4, kd, vd, dtype, pad_tokens=100)
-
-        def public(q, k, v, g, beta, cu, s0, kd=kd):
-            return KERNELS["chunk"](gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=True), s0)
-        text = jax.jit(public).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(public_kernel("chunk", kd)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert ("gdn_chunk_scan" in text) == scan, (kd, vd, dtype)
         assert ("gdn_chunk_transition" in text) == scan, (kd, vd, dtype)
     q, k, v, g, beta, cu, s0 = make_inputs(rng, [70, 9], 1, 2, 192, 96, jnp.float32, pad_tokens=3)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers.bench import bench_module
-from helpers.gdn import GPU_LENS, KERNELS, make_inputs
+from helpers.gdn import GPU_LENS, make_inputs, public_kernel
 
 pytest.importorskip("triton", reason="needs Triton's wheel (Linux x86-64: pip install triton==3.6.0)")
 
@@ -38,20 +38,17 @@ def test_chunk_parallel_limit_matches_the_compiled_scan(monkeypatch, rng, kd, vd
     """With the limit lifted, the scan kernel of the chunk-parallel path compiles to more shared memory than a
     Hopper CTA has exactly where ``cp_unsupported`` declines (float32 at K = 192: 256 KB), and within it where
     the path runs (the GPU test's length grid: one 4096-token row)."""
-    from kvjax.ops import gdn
     from kvjax.pallas.gdn import chunk
 
     assert (chunk.cp_unsupported(kd, dtype) is None) == fits
     args = make_inputs(rng, GPU_LENS, 2, 4, kd, vd, dtype, pad_tokens=100)
 
-    def public(q, k, v, g, beta, cu, s0):
-        return KERNELS["chunk"](gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=True), s0)
-
     monkeypatch.setattr(chunk, "cp_unsupported", lambda *a: None)
     chunk.chunk_gated_delta_rule_pool.clear_cache()  # no trace of this shape made under the limit, nor kept past it
     try:
         with bench_module("triton_resources") as tr:
-            scans = [k for k in tr.capture_kernels(public, args, {}) if k["name"] == "gdn_chunk_scan"]
+            kernels = tr.capture_kernels(public_kernel("chunk", kd), args, {})
+            scans = [k for k in kernels if k["name"] == "gdn_chunk_scan"]
             assert len(scans) == 1
             with tempfile.TemporaryDirectory() as work:
                 shared = tr.compile_sm90(scans[0], work)["shared"]

@@ -52,6 +52,14 @@ def make_inputs(rng, lens, hk, hv, kd, vd, dtype, *, pad_tokens=0, unit_qk=False
 KERNELS = {"chunk": chunk_gated_delta_rule_pallas, "recurrent": recurrent_gated_delta_rule_pallas}
 
 
+def public_kernel(kind, kd):
+    """``KERNELS[kind]`` compiled (not interpreted) as a function of :func:`make_inputs`' arrays, scale ``kd ** -0.5``
+    and the in-kernel l2norm: a function of arrays only, for ``jax.jit(...).trace(...).lower(...)``."""
+    def fn(q, k, v, g, beta, cu, s0):
+        return KERNELS[kind](gdn.DeltaRuleCall(q, k, v, g, beta, cu, kd ** -0.5, use_qk_l2norm=True), s0)
+    return fn
+
+
 def check_public_kernel(rng, kind, lens, hk, hv, kd, vd, dtype, *, l2, init, interpret, pad_tokens=3):
     q, k, v, g, beta, cu, s0 = make_inputs(rng, lens, hk, hv, kd, vd, dtype, pad_tokens=pad_tokens,
                                            unit_qk=not l2)
