@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers.procs import pytest_on_cpu_devices
+from helpers.tables import assert_auto_choices
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
 from kvjax.ops.collective import MOSAIC_MAX_BYTES, TABLE, all_reduce, prefer_mosaic
@@ -36,15 +37,11 @@ P = jax.sharding.PartitionSpec
 
 
 def test_table_chooses_as_documented():
-    h100, cpu = NAMED["h100"], NAMED["cpu"]
+    h100 = NAMED["h100"]
     want = {"decode T=64 hidden 4096 bf16 over 2": "mosaic", "decode T=64 hidden 4096 bf16 over 4": "reference",
             "decode T=16 hidden 1024 f32 over 2": "mosaic", "prefill T=2048 hidden 4096 bf16 over 2": "mosaic",
             "prefill T=8192 hidden 4096 bf16 over 2": "reference"}
-    assert set(TABLE.examples) == set(want)
-    for name, make_call in TABLE.examples.items():
-        args, kwargs = make_call()
-        assert TABLE.choose("auto", args, kwargs, h100)[0] == want[name], name
-        assert TABLE.choose("auto", args, kwargs, cpu)[0] == "reference", name
+    assert_auto_choices(TABLE, want)
     args, kwargs = TABLE.examples["prefill T=8192 hidden 4096 bf16 over 2"]()
     assert TABLE.choose("mosaic", args, kwargs, h100)[0] == "mosaic"  # declined by auto only, reachable by name
     assert args[0].size * 2 > MOSAIC_MAX_BYTES

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.tables import assert_auto_choices
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
 from kvjax.ops.linear import LINEAR_TABLE, linear
@@ -60,15 +61,11 @@ def test_reference_and_leading_dims(rng):
 
 
 def test_table_chooses_as_documented():
-    h100, cpu = NAMED["h100"], NAMED["cpu"]
+    h100 = NAMED["h100"]
     want = {"decode T=64 4096->4096 bf16": "pallas", "decode T=16 12288->4096 bf16": "pallas",
             "T=256 4096->4096 bf16": "reference", "T=64 4096->4096 f32": "reference",
             "decode T=64 4096->1024 bf16": "reference", "decode T=64 LM head 4096->32768 bf16": "reference"}
-    assert set(LINEAR_TABLE.examples) == set(want)
-    for name, make_call in LINEAR_TABLE.examples.items():
-        args, kwargs = make_call()
-        assert LINEAR_TABLE.choose("auto", args, kwargs, h100)[0] == want[name], name
-        assert LINEAR_TABLE.choose("auto", args, kwargs, cpu)[0] == "reference", name
+    assert_auto_choices(LINEAR_TABLE, want)
     args, _ = LINEAR_TABLE.examples["T=256 4096->4096 bf16"]()
     assert "T=256" in dict(LINEAR_TABLE.explain(args, {}, h100))["pallas"]
     args, _ = LINEAR_TABLE.examples["decode T=64 4096->1024 bf16"]()

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.tables import assert_auto_choices
 from kvjax.base.device import NAMED
 from kvjax.errors import UnknownImplError
 from kvjax.ops.mlp import SWIGLU_TABLE, swiglu
@@ -50,13 +51,10 @@ def test_reference_and_leading_dims(rng):
 
 
 def test_table_chooses_as_documented():
-    h100, cpu = NAMED["h100"], NAMED["cpu"]
+    h100 = NAMED["h100"]
     want = {"decode T=64 H=1024 I=3072 bf16": "pallas", "decode T=16 H=1024 I=3072 bf16": "pallas",
             "T=256 H=1024 I=3072 bf16": "reference", "T=64 H=1024 I=3072 f32": "reference"}
-    for name, make_call in SWIGLU_TABLE.examples.items():
-        args, kwargs = make_call()
-        assert SWIGLU_TABLE.choose("auto", args, kwargs, h100)[0] == want[name], name
-        assert SWIGLU_TABLE.choose("auto", args, kwargs, cpu)[0] == "reference", name
+    assert_auto_choices(SWIGLU_TABLE, want)
     args, _ = SWIGLU_TABLE.examples["T=256 H=1024 I=3072 bf16"]()
     assert "T=256" in dict(SWIGLU_TABLE.explain(args, {}, h100))["pallas"]
     args, _ = SWIGLU_TABLE.examples["T=64 H=1024 I=3072 f32"]()
