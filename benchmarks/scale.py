@@ -16,9 +16,10 @@ Sections (``--only``, default all, in this order):
   (:func:`kvjax.cli.run.run_policy`, the command's own code): tok/s (median over ``--repeats``), per device, the
   ratio to one device and whether the tokens equal one device's.
 - ``procs``: the same workload served by G processes of ``python -m kvjax run --coordinator ...`` started by this
-  script, one engine per process on its own device (``--local-devices i`` on GPUs) and its share of the requests:
-  tok/s (summed, and ``wall_tokens_per_s``: all tokens over the slowest process's wall) against one device and the
-  single-controller run, its tokens (digest) against theirs.
+  script, one engine per process on its own device (``--local-devices i`` on GPUs) and its share of the requests
+  (one run per ``--share`` mode: ``dynamic``, claimed while running, and / or ``static``, split up front): tok/s
+  (summed, and ``wall_tokens_per_s``: all tokens over the slowest process's wall less its compiling steps) against
+  one device and the single-controller run, its tokens (digest) against theirs.
 - ``tp``: the ``tp`` preset's model (a dense 3.7B Qwen3.5, bf16; ``--smoke``: its head counts at a tiny width, f32)
   in steady decode at ``--rows`` rows (64), ``recycle="timely"``, 512-token prompts, the engine's default decode
   bursts: one device, ``--mesh 1xG`` (tensor parallel; ``auto``'s all-reduce, XLA's ``psum`` as ``1xG psum`` and, for
@@ -137,8 +138,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: str) -> dict:
-    """G processes of ``kvjax run`` on one device each (``Gx1``): tok/s and tokens against the single controller."""
+def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: str,
+                  share: str = "dynamic") -> dict:
+    """G processes of ``kvjax run --share SHARE`` on one device each (``Gx1``): tok/s and tokens against the single
+    controller."""
     import jax
 
     argv = (["--preset", "cpu", "--scale", "0.01"] if smoke else ["--preset", "gpu"]) + ["--requests",
@@ -151,6 +154,7 @@ def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: s
     t0 = time.perf_counter()
     for i in range(g):
         cmd = [sys.executable, "-m", "kvjax", "run", *argv, "--repeats", str(repeats), "--no-compile-cache",
+               "--share", share,
                "--coordinator", f"localhost:{port}", "--num-processes", str(g), "--process-id", str(i),
                "--json", os.path.join(workdir, f"procs_{i}.json")] + (["--local-devices", str(i)] if gpu else [])
         log = open(os.path.join(workdir, f"procs_{i}.log"), "w")  # a file, not a pipe: no process blocks on it
@@ -174,7 +178,7 @@ def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: s
     for recycle in ("none", "timely"):
         s = doc["results"][recycle]
         sc, od = single.get(recycle), one.get(recycle)
-        rows.append(dict(run=f"{g} processes {recycle}", recycle=recycle, devices=g,
+        rows.append(dict(run=f"{g} processes ({share}) {recycle}", recycle=recycle, devices=g, share=share,
                          tokens_per_s=s["generated_tokens_per_s"],
                          tokens_per_s_repeats=s["generated_tokens_per_s_repeats"],
                          tokens_per_s_processes=s.get("generated_tokens_per_s_processes"),
@@ -489,6 +493,8 @@ def main(argv: list[str]) -> int:
                     "the tp and profile sections on one device")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--repeats", type=int, help="dp / procs: serves per policy (default 2; --smoke 1)")
+    ap.add_argument("--share", default="dynamic", help="procs: kvjax run's --share, comma list of dynamic, static "
+                    "(one run of the processes each)")
     ap.add_argument("--rows", type=int, help="tp: decoding rows (default 64; --smoke 8)")
     ap.add_argument("--steps", type=int, help="tp: timed decode steps (default 30; --smoke 4)")
     ap.add_argument("--profile", help="profile: the tp runs to trace, comma list of one, 1xG, '1xG psum', "
@@ -499,6 +505,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile-cache", help="persistent compilation cache (default: beside --out)")
     args = ap.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    if set(args.share.split(",")) - {"dynamic", "static"}:
+        ap.error(f"--share {args.share}: a comma list of dynamic, static")
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         ap.error(f"unknown section {bad[0]!r}; sections: {', '.join(SECTIONS)}")
@@ -546,7 +554,8 @@ def main(argv: list[str]) -> int:
             if section == "dp":
                 result = dp_section(g, repeats, smoke)
             elif section == "procs":
-                result = procs_section(g, repeats, smoke, doc["sections"].get("dp"), work)
+                result = {"shares": {share: procs_section(g, repeats, smoke, doc["sections"].get("dp"), work, share)
+                                     for share in args.share.split(",")}}
             elif section in ("tp", "profile"):
                 result = tp_section(g, rows, n, smoke, tp_runs, profile, args.profile_steps, trace_dir)
             elif section == "allreduce":

@@ -83,7 +83,7 @@ def test_scale_smoke_on_8_cpu_devices(tmp_path):
             one = next(r for r in dp if r["devices"] == 1 and r["recycle"] == row["recycle"])
             assert row["ratio"] == pytest.approx(row["tokens_per_s"] / one["tokens_per_s"])
             assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / row["devices"])
-        procs = doc["sections"]["procs"]
+        procs = doc["sections"]["procs"]["shares"]["dynamic"]
         assert procs["ok"] and all(row["identical_to_single_controller"] for row in procs["rows"])
         assert all(row["identical_greedy"] and row["identical_sampled"]
                    for row in doc["sections"]["deepseek"]["rows"][1:])
@@ -112,7 +112,8 @@ def test_one_device_runs_only_the_tp_sections(capsys, tmp_path):
         assert scale.tp_configs(4)["1x4 mosaic"] == ((1, 4), "mosaic")  # auto keeps psum over four devices
         for argv, message in ((["--gpus", "1", "--only", "dp,tp"], "--gpus 1 runs only the tp and profile"),
                               (["--gpus", "0"], "--gpus 0: need 1 to"),
-                              (["--gpus", "1", "--only", "profile", "--profile", "1xG,one"], "runs are one")):
+                              (["--gpus", "1", "--only", "profile", "--profile", "1xG,one"], "runs are one"),
+                              (["--share", "dynamic,round-robin"], "a comma list of dynamic, static")):
             with pytest.raises(SystemExit):
                 scale.main(argv + out)
             assert message in capsys.readouterr().err

@@ -83,6 +83,9 @@ def test_param_bytes_is_what_the_model_holds():
     (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
     (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "--mesh", "1x3"], "split evenly"),
     (["--local-devices", "0"], "--local-devices needs --coordinator"),
+    (["--share", "static"], "--share needs one engine per process"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "--devices", "2", "--share", "dynamic"],
+     "--share needs one engine per process"),
 ])
 def test_multi_process_flags_are_checked_before_any_work(argv, needle, capsys):
     assert cli_run.main(argv) == 2
@@ -220,11 +223,64 @@ def test_process_shares_cover_the_workload_keep_chains_and_balance_tokens():
     assert [sorted(p) for p in shares(lengths, 2)] == [[0], list(range(1, 10))]  # round-robin: 140 vs 50 tokens
 
 
-@pytest.mark.parametrize("mesh", [[], ["--devices", "2"]], ids=["one engine per process", "one mesh"])
+def test_claims_hand_out_every_chain_once_largest_first():
+    """``Claims`` over one counter (a stand-in for the coordinator's): processes claiming in any interleaving get
+    every chain exactly once, in the order of ``chains`` (largest first, a chain's turns together), then ``[]``
+    for good; ``StaticClaims`` hands out its ``shares`` part once. ``chains`` orders by tokens, ties by index."""
+    import itertools
+
+    from kvjax.cli.processes import Claims, StaticClaims, chains, shares
+    from kvjax.sched.workload import RequestSpec, multi_turn_workload, seed_workload
+
+    rng = np.random.default_rng(5)
+    for workload in (seed_workload(23, scale=0.01, seed=3),
+                     multi_turn_workload(7, turns=3, first_len=40, message_len=8, output_len=5, seed=4)):
+        order = chains(workload)
+        cost = [sum(workload[i].total_len for i in c) for c in order]
+        assert cost == sorted(cost, reverse=True) and sorted(i for c in order for i in c) == list(range(len(workload)))
+        assert all(workload[i].after in c for c in order for i in c if workload[i].after >= 0)
+        counters: dict[str, itertools.count] = {}
+
+        def increment(key: str, n: int) -> int:
+            assert n == 1
+            return next(counters.setdefault(key, itertools.count(1)))
+
+        procs = [Claims(workload, "none 0", increment) for _ in range(3)]
+        got: list[list[int]] = []
+        while not all(c.done for c in procs):
+            c = procs[rng.integers(3)]
+            chain = c.claim()
+            assert chain or c.done
+            got += [chain] if chain else []
+        assert got == order and all(c.claim() == [] for c in procs)
+        fresh = Claims(workload, "none 1", increment)  # another key: its own counter
+        assert fresh.claim() == order[0]
+        parts = shares(workload, 3)
+        for p in range(3):
+            st = StaticClaims(workload, 3, p)
+            assert (st.claim(), st.done, st.claim()) == (parts[p], True, [])
+    ties = [RequestSpec(np.ones(k, np.int32), 1) for k in (5, 9, 5, 9)]
+    assert chains(ties) == [[1], [3], [0], [2]]
+    assert Claims([], "x", increment=lambda k, n: 1).done
+
+
+def test_gather_served_rebuilds_the_workload_order_and_refuses_gaps_and_doubles():
+    """``gather_served`` in one process: the requests' tokens in workload order; a request missing or served
+    twice is an ``AssertionError`` (the second needs two processes, so only the first is checked here)."""
+    from kvjax.cli.processes import gather_served
+
+    served = {2: [7, 8, 9], 0: [1], 1: []}
+    assert gather_served(served, 3) == [[1], [], [7, 8, 9]]
+    with pytest.raises(AssertionError, match=r"requests \[3\] were served by no process"):
+        gather_served(served, 4)
+
+
+@pytest.mark.parametrize("mesh", [[], ["--share", "static"], ["--devices", "2"]],
+                         ids=["one engine per process", "static share", "one mesh"])
 @pytest.mark.slow
 def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
-    """Two processes give one process's tokens: each with its own engine on its share of the requests (data
-    parallel, the default), or both on one 2x1 mesh over their devices."""
+    """Two processes give one process's tokens: each with its own engine on the requests it claims (data parallel,
+    the default), or on a share fixed up front, or both on one 2x1 mesh over their devices."""
     if INNER:
         pytest.skip("runs in the main test process")
     run = [sys.executable, "-m", "kvjax", "run", "--requests", "3", "--scale", "0.01", "--repeats", "2",
@@ -240,17 +296,19 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
     r = subprocess.run(run + ["--json", "-"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     one = json.loads(r.stdout)
-    assert (two["processes"], two["mesh"], one["mesh"]) == (2, [2, 1] if mesh else None, None)
+    assert (two["processes"], two["mesh"], one["mesh"]) == (2, [2, 1] if "--devices" in mesh else None, None)
     assert two["tokens_digest"] == one["tokens_digest"]
     assert two["results"]["none"]["generated_tokens"] == one["results"]["none"]["generated_tokens"] > 0
-    if mesh:
+    if "--devices" in mesh:
         assert two["results"]["none"]["devices"] == 2
         assert len(two["results"]["none"]["pages_used_device_peak"]) == 2  # one pool per device, each step
     else:  # the figures of both engines, combined
         per = two["results"]["none"]["generated_tokens_per_s_processes"]
-        assert len(per) == 2 and all(r > 0 for r in per)
+        assert len(per) == 2 and all(r >= 0 for r in per) and sum(per) > 0  # dynamic: one may claim all 3
         assert two["results"]["none"]["generated_tokens_per_s"] == pytest.approx(sum(per), rel=1e-5)
-        assert two["results"]["none"]["wall_tokens_per_s"] > 0 and len(two["results"]["none"]["wall_s"]) == 2
+        res = two["results"]["none"]
+        assert res["wall_tokens_per_s"] > 0 and len(res["wall_s"]) == len(res["wall_net_s"]) == 2
+        assert all(0 < n <= w for n, w in zip(res["wall_net_s"], res["wall_s"]))  # less the compiling steps
 
 
 def test_device_drawn_weights_follow_the_init_distributions():

@@ -5,11 +5,13 @@ gloo between CPU processes), started once per process with ``--coordinator HOST:
 Two ways to use the processes' devices:
 
 - **One engine per process** (no ``--mesh`` / ``--devices``): data parallelism the way vLLM and SGLang run it, one
-  independent engine per device. Each process serves its share of the workload's requests (:func:`shares`: about
-  equal tokens) on its own device with its own scheduler, so the host work of each step is spread over the
-  processes' CPU cores. The processes
-  meet only at a barrier before each repeat (so their walls overlap) and at the end, when process 0 gathers every
-  request's tokens and each process's figures (:func:`combine`).
+  independent engine per device. Each process serves its share of the workload's requests on its own device with
+  its own scheduler, so the host work of each step is spread over the processes' CPU cores. The share is claimed
+  while the run goes (:class:`Claims`: the next request, largest first, from a counter on the coordinator,
+  whenever an engine has none waiting) or, with ``--share static``, fixed up front (:func:`shares`: about equal
+  tokens). The processes meet only at a barrier before each repeat (so their walls overlap), after each repeat,
+  when every process gathers every request's tokens (:func:`gather_served`), and at the end, for each process's
+  figures (:func:`combine`).
 - **One mesh over every process's devices** (``--mesh`` / ``--devices``): every process runs the same engine on the
   global mesh and plans every data shard's steps (the host work is repeated, not split), in lockstep.
 """
@@ -17,9 +19,8 @@ Two ways to use the processes' devices:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -74,34 +75,87 @@ def start_processes(args: argparse.Namespace, spec: str | None) -> int:
     return n
 
 
-def shares(workload: Sequence, processes: int) -> list[list[int]]:
-    """Which requests of ``workload`` each process serves (one engine per process): its indices, in workload order.
-    Requests chained by ``after`` stay in one process; chains go, largest first, to the process with the fewest
-    tokens (prompt + output) so far, so the processes finish together (a round-robin split leaves the slowest
-    process's wall, which the run's rate is over, longer). Deterministic: every process computes the same."""
+def chains(workload: Sequence) -> list[list[int]]:
+    """The requests of ``workload`` grouped into chains (a request with ``after`` joins its predecessor's chain, so a
+    conversation's turns stay in one engine and its prefix cache), largest first by tokens (prompt + output; ties
+    by first index), each chain's indices in workload order."""
     root = []
     for i, w in enumerate(workload):
         after = getattr(w, "after", -1)
         root.append(root[after] if 0 <= after < i else i)
-    chains: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {}
     for i, r in enumerate(root):
-        chains.setdefault(r, []).append(i)
-    cost = {r: sum(workload[i].total_len for i in idx) for r, idx in chains.items()}
+        groups.setdefault(r, []).append(i)
+    cost = {r: sum(workload[i].total_len for i in idx) for r, idx in groups.items()}
+    return [groups[r] for r in sorted(groups, key=lambda r: (-cost[r], r))]
+
+
+def shares(workload: Sequence, processes: int) -> list[list[int]]:
+    """A static split (``--share static``): which requests of ``workload`` each process serves, its indices in
+    workload order. The :func:`chains` go, largest first, to the process with the fewest tokens (prompt + output) so
+    far (a round-robin split leaves the slowest process's wall, which the run's rate is over, longer).
+    Deterministic: every process computes the same."""
     load, out = [0] * processes, [[] for _ in range(processes)]
-    for r in sorted(chains, key=lambda r: (-cost[r], r)):
+    for chain in chains(workload):
         p = min(range(processes), key=lambda p: (load[p], p))
-        load[p] += cost[r]
-        out[p].extend(chains[r])
+        load[p] += sum(workload[i].total_len for i in chain)
+        out[p].extend(chain)
     return [sorted(o) for o in out]
 
 
-def my_share(workload: Sequence, share: list[list[int]]) -> list:
-    """This process's requests of ``workload`` (its part of ``share``, :func:`shares`), ``after`` renumbered to the
-    share's order."""
-    mine = share[jax.process_index()]
-    local = {g: j for j, g in enumerate(mine)}
-    return [dataclasses.replace(w, after=local[w.after]) if getattr(w, "after", -1) >= 0 else w
-            for w in (workload[g] for g in mine)]
+class Claims:
+    """A dynamic split (``--share dynamic``, the default): the processes claim the workload's :func:`chains`,
+    largest first, one at a time while they run, from one counter that ``jax.distributed``'s coordinator keeps
+    (``key_value_increment`` is atomic, so every chain goes to exactly one process). An engine claims when it has
+    no request waiting (:func:`kvjax.cli.run` serves), so a process that runs faster, or whose requests suffer
+    fewer preemptions, serves more; a static split by tokens cannot see either (measured on two H200s, run 252:
+    the processes' rates 12-13% apart). Which process serves which request varies from run to run; each request's
+    tokens do not (sampling keys follow the request's workload index).
+
+    ``name`` keys the counter: one per serve of the workload (a policy and repeat), the same string in every
+    process. ``increment``: ``(key, n) -> new value``, the coordinator's counter by default (a test may pass its
+    own)."""
+
+    def __init__(self, workload: Sequence, name: str, increment: Callable[[str, int], int] | None = None):
+        self.order = chains(workload)  # list of chains, largest first
+        self.key = f"kvjax/claims/{name}"
+        self.increment = increment or _coordinator_increment()
+        self.done = not self.order
+
+    def claim(self) -> list[int]:
+        """The next unclaimed chain's workload indices (``[]`` once every chain is claimed)."""
+        if self.done:
+            return []
+        n = int(self.increment(self.key, 1))  # 1 for the first claim of this key, over every process
+        if n > len(self.order):
+            self.done = True
+            return []
+        return self.order[n - 1]
+
+
+def _coordinator_increment() -> Callable[[str, int], int]:
+    """``jax.distributed``'s coordinator counter (``key_value_increment`` of its client); ``UsageError`` outside a
+    multi-process run."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise UsageError("a dynamic share needs a multi-process run (--coordinator)")
+    return client.key_value_increment
+
+
+class StaticClaims:
+    """A static split (``--share static``) behind :class:`Claims`'s interface: the first :meth:`claim` returns this
+    process's whole part of :func:`shares` (every request queued at once), later ones ``[]``."""
+
+    def __init__(self, workload: Sequence, processes: int, process: int):
+        self.mine = shares(workload, processes)[process]
+        self.done = not self.mine
+
+    def claim(self) -> list[int]:
+        """This process's share (workload indices) the first time, then ``[]``."""
+        out, self.mine, self.done = self.mine, [], True
+        return out
 
 
 def barrier(name: str) -> None:
@@ -111,36 +165,43 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def gather_outputs(mine: list[list[int]], share: list[list[int]]) -> list[list[int]]:
-    """Every request's tokens, in workload order, from each process's ``mine`` (its requests' tokens, in the order
-    of its part of ``share``, :func:`shares`); the same list in every process."""
+def gather_served(served: dict[int, list[int]], total: int) -> list[list[int]]:
+    """Every request's tokens, in workload order (``total`` requests), from each process's ``served`` (workload
+    index -> the tokens it generated for that request; every request served by exactly one process); the same list
+    in every process. A collective: every process calls it."""
     from jax.experimental import multihost_utils
 
-    rows = max(len(s) for s in share)
-    width = max((len(o) for o in mine), default=0)
+    counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(served)], np.int32))).ravel()
+    width = max((len(o) for o in served.values()), default=0)
     width = int(np.max(multihost_utils.process_allgather(np.asarray([width], np.int32))))
-    buf = np.full((rows, width + 1), -1, np.int32)  # i32[rows, 1 + width]: length, then the tokens
-    for r, out in enumerate(mine):
-        buf[r, 0] = len(out)
-        buf[r, 1: 1 + len(out)] = out
-    every = np.asarray(multihost_utils.process_allgather(buf))  # i32[N, rows, 1 + width]
-    tokens: list[list[int]] = [[] for _ in range(sum(len(s) for s in share))]
-    for p, idx in enumerate(share):
-        for r, g in enumerate(idx):
-            tokens[g] = every[p, r, 1: 1 + every[p, r, 0]].tolist()
+    buf = np.full((max(int(counts.max()), 1), width + 2), -1, np.int32)  # i32[rows, 2 + width]: index, length, tokens
+    for r, (g, out) in enumerate(sorted(served.items())):
+        buf[r, :2] = g, len(out)
+        buf[r, 2: 2 + len(out)] = out
+    every = np.asarray(multihost_utils.process_allgather(buf))  # i32[N, rows, 2 + width]
+    tokens: list[list[int] | None] = [None] * total
+    for p, n in enumerate(counts):
+        for g, length, *rest in every[p, : int(n)].tolist():
+            if tokens[g] is not None:
+                raise AssertionError(f"request {g} was served by two processes")
+            tokens[g] = rest[:length]
+    missing = [g for g, t in enumerate(tokens) if t is None]
+    if missing:
+        raise AssertionError(f"requests {missing[:8]} were served by no process")
     return tokens
 
 
 def combine(summary: dict, repeats: int) -> dict:
     """The run's summary from each process's (one engine each): tokens, rates, running requests and preemptions
     summed, steps and step times the largest, shares averaged; ``generated_tokens_per_s_processes`` each process's
-    rate; ``wall_s`` each repeat's slowest process and ``wall_tokens_per_s`` the tokens of every process over it
-    (see :func:`wall_rate`). Every process gets the same dict."""
+    rate; ``wall_s`` each repeat's slowest process, ``wall_net_s`` the slowest of the processes' walls less their
+    compiling steps (``compile_s_repeats``), and ``wall_tokens_per_s`` the tokens of every process over that (see
+    :func:`wall_rate`). Every process gets the same dict."""
     from jax.experimental import multihost_utils
 
     keys = SUMMED + MAXED + AVERAGED
     vec = np.asarray([float(summary.get(k) or 0.0) for k in keys] + list(summary["wall_s"])
-                     + list(summary["generated_tokens_per_s_repeats"]), np.float32)
+                     + list(summary["generated_tokens_per_s_repeats"]) + list(summary["compile_s_repeats"]), np.float32)
     every = np.asarray(multihost_utils.process_allgather(vec), np.float64)  # f64[N, len(vec)]
     n = len(keys)
     out = dict(summary)
@@ -148,18 +209,22 @@ def combine(summary: dict, repeats: int) -> dict:
         col = every[:, j]
         value = float(col.sum() if k in SUMMED else col.max() if k in MAXED else col.mean())
         out[k] = int(round(value)) if isinstance(summary.get(k), int) else value  # counts stay ints
-    walls = every[:, n: n + repeats].max(0)  # f64[repeats]: the slowest process of each repeat
-    rates = every[:, n + repeats:].sum(0)  # f64[repeats]: the processes' rates, summed
-    out["wall_s"] = walls.tolist()
+    walls = every[:, n: n + repeats]  # f64[N, repeats]: each process's wall of each repeat
+    rates = every[:, n + repeats: n + 2 * repeats].sum(0)  # f64[repeats]: the processes' rates, summed
+    net = walls - every[:, n + 2 * repeats:]  # f64[N, repeats]: less the steps that compiled
+    out["wall_s"] = walls.max(0).tolist()
+    out["wall_net_s"] = net.max(0).tolist()
     out["generated_tokens_per_s_repeats"] = rates.tolist()
     out["generated_tokens_per_s"] = statistics.median(rates.tolist())
     out["generated_tokens_per_s_processes"] = every[:, keys.index("generated_tokens_per_s")].tolist()
-    out["wall_tokens_per_s"] = wall_rate(out["generated_tokens"], out["wall_s"])
+    out["wall_tokens_per_s"] = wall_rate(out["generated_tokens"], out["wall_net_s"])
     return out
 
 
 def wall_rate(tokens: int, walls: Sequence[float]) -> float:
     """Generated tokens over the wall time of a repeat, the median over the repeats after the first (which
-    compiles; the only one where there is one repeat)."""
+    compiles; the only one where there is one repeat). The callers pass walls less the time of the steps that
+    compiled (``wall_net_s``): with a dynamic share a process may meet a new bucket shape after the first repeat
+    (seen on CPU: a 2 s compile in a 1.4 s repeat)."""
     walls = list(walls)[1:] or list(walls)
     return statistics.median(tokens / w for w in walls)

@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +66,8 @@ from kvjax.cli.output import provenance, write_json
 from kvjax.cli.presets import (ATTENTION, PRESETS, Preset, attention_layout, build_model, check_device,
                                check_sizes, model_config, param_bytes)
 from kvjax.cli.report import check_plot_path, device_lines, format_table, save_plot, tokens_digest
-from kvjax.cli.processes import (MAX_HOST_DEVICES, barrier, combine, gather_outputs, my_share, parse_mesh,
-                                  shares, start_processes, wall_rate)
+from kvjax.cli.processes import (MAX_HOST_DEVICES, Claims, StaticClaims, barrier, combine, gather_served,
+                                  parse_mesh, start_processes, wall_rate)
 from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched.drafter import DISABLE_BY_BATCH_SIZE, FLAT_TOKENS, MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_workload
@@ -129,6 +131,40 @@ def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[l
     return out
 
 
+def _serve_claimed(engine: Engine, workload, claims, desc: str, progress: bool | None) -> dict[int, list[int]]:
+    """Serve the requests of ``workload`` that this process claims (a :class:`~kvjax.cli.processes.Claims` or
+    :class:`~kvjax.cli.processes.StaticClaims`): a chain is claimed whenever the engine has no request waiting, and
+    each request is queued under its workload index (its sampling stream). Returns workload index -> tokens of
+    every request served here; a tqdm bar over them named ``desc`` (``progress`` None: on when the whole workload
+    generates >= 4096 tokens)."""
+    bar = None
+    if progress or (progress is None and sum(w.max_new_tokens for w in workload) >= 4096):
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(unit="tok", desc=desc, file=sys.stderr, leave=False)
+        except ImportError:
+            pass
+    out: dict[int, list[int]] = {}
+    try:
+        while True:
+            if not claims.done and engine.num_waiting() == 0:
+                for g in claims.claim():
+                    engine.add_request(workload[g].prompt, workload[g].max_new_tokens, index=g)
+                    out[g] = []
+            if not engine.has_unfinished():
+                if claims.done:
+                    return out
+                continue
+            for o in engine.step():
+                out[o.index].extend(o.tokens)
+                if bar is not None:
+                    bar.update(len(o.tokens))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def burst_arg(text: str) -> int | str:
     """``--decode-burst``: ``auto`` or an int in [1, 64]."""
     return "auto" if text == "auto" else int_at_least(1, 64)(text)
@@ -142,15 +178,21 @@ def int_or_none_arg(text: str) -> int | None:
 def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, progress: bool | None,
                overlap: bool = True, prefix_caching: bool = False, mesh: jax.sharding.Mesh | None = None,
                decode_burst: int | str = "auto", repeats: int = 1, name: str | None = None, before_repeat=None,
-               host_cache_bytes: int = 0, speculative: SpeculativeConfig | None = None):
+               host_cache_bytes: int = 0, speculative: SpeculativeConfig | None = None,
+               claims: Callable[[str], Claims | StaticClaims] | None = None):
     """Serve ``workload`` with one recycle policy ``repeats`` times on one engine (compiled during the first);
     returns (outputs, summary dict, per-step columns). The summary is the last repeat's
     :meth:`EngineMetrics.summary` with ``generated_tokens_per_s`` the median over the repeats,
-    ``generated_tokens_per_s_repeats`` each repeat's, ``compile_time_s`` summed, ``wall_s`` each repeat's wall
-    time, ``wall_tokens_per_s`` the generated tokens over a repeat's wall time (:func:`~kvjax.cli.processes.wall_rate`)
+    ``generated_tokens_per_s_repeats`` each repeat's, ``compile_time_s`` summed (``compile_s_repeats`` each
+    repeat's), ``wall_s`` each repeat's wall time, ``wall_net_s`` the same less the steps that compiled,
+    ``wall_tokens_per_s`` the generated tokens over a repeat's ``wall_net_s`` (:func:`~kvjax.cli.processes.wall_rate`)
     and ``identical_repeats`` whether every repeat generated the same tokens; the columns are the last repeat's.
     ``before_repeat(name)``: called before each repeat's clock starts (a barrier of the processes). ``speculative``:
-    the engine's speculative decoding (``Engine(speculative=)``; the summary then has its acceptance figures)."""
+    the engine's speculative decoding (``Engine(speculative=)``; the summary then has its acceptance figures).
+    ``claims(name)``: one engine of a multi-process run serves only the requests it claims from that object
+    (:class:`~kvjax.cli.processes.Claims`, a new one per repeat, ``name`` the repeat's); the outputs are then every
+    process's, gathered after each repeat (:func:`~kvjax.cli.processes.gather_served`), and the summary this
+    process's."""
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
@@ -165,8 +207,14 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
         if before_repeat is not None:
             before_repeat(f"{name} {r}")
         t0 = time.perf_counter()
-        outs = _serve(engine, workload, f"{name} {r + 1}/{repeats}", progress)
-        wall = time.perf_counter() - t0
+        desc = f"{name} {r + 1}/{repeats}"
+        if claims is None:
+            outs = _serve(engine, workload, desc, progress)
+            wall = time.perf_counter() - t0
+        else:
+            served = _serve_claimed(engine, workload, claims(f"{name} {r}"), desc, progress)
+            wall = time.perf_counter() - t0
+            outs = gather_served(served, len(workload))
         engine.check_integrity()
         engine.clear_prefix_cache()  # every repeat starts from the same (empty) cache
         if not engine.is_idle():
@@ -174,14 +222,17 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
         first = outs if first is None else first
         runs.append((outs, engine.metrics.summary(num_pages=engine.total_pages), wall))
     outs, summary, _ = runs[-1]
-    rates = [s["generated_tokens_per_s"] for _, s, _ in runs]
+    rates = [s.get("generated_tokens_per_s", 0.0) for _, s, _ in runs]  # a process that claimed nothing: no steps
+    compiles = [s.get("compile_time_s", 0.0) for _, s, _ in runs]  # each repeat's steps that compiled
+    net = [w - c for (_, _, w), c in zip(runs, compiles)]
     devices = 1 if mesh is None else mesh.size
     summary = dict(summary, generated_tokens_per_s=statistics.median(rates), generated_tokens_per_s_repeats=rates,
-                   compile_time_s=sum(s["compile_time_s"] for _, s, _ in runs), wall_s=[w for _, _, w in runs],
+                   compile_time_s=sum(compiles), wall_s=[w for _, _, w in runs],
                    identical_repeats=all(o == first for o, _, _ in runs), devices=devices,
                    generated_tokens_per_s_per_device=statistics.median(rates) / devices,
                    pages_per_device=cache.num_pages,
-                   wall_tokens_per_s=wall_rate(summary["generated_tokens"], [w for _, _, w in runs]))
+                   compile_s_repeats=compiles, wall_net_s=net,
+                   wall_tokens_per_s=wall_rate(summary.get("generated_tokens", 0), net))
     cols = engine.metrics.to_dict()
     return outs, summary, {k: cols[k] for k in ("pages_used", "running", "generated", "t_step", "t_exposed",
                                                 "compiled")}
@@ -283,6 +334,10 @@ def build_parser() -> ArgumentParser:
                          "the mesh spans every process's devices. Only process 0 prints")
     ap.add_argument("--num-processes", type=int_at_least(1), help="processes of the multi-process run")
     ap.add_argument("--process-id", type=int_at_least(0), help="this process's index in the multi-process run")
+    ap.add_argument("--share", choices=("dynamic", "static"),
+                    help="one engine per process: how the processes split the requests. dynamic (default): each "
+                         "claims the next request, largest first, from the coordinator whenever it has none "
+                         "waiting; static: split by tokens before the run")
     ap.add_argument("--local-devices", metavar="IDS", type=comma_list(int_at_least(0)),
                     help="the local GPUs this process drives (e.g. 0 for one process per GPU); default: every GPU "
                          "it sees")
@@ -316,6 +371,8 @@ def main(argv: list[str]) -> int:
             flat_tokens=getattr(args, "flat_tokens", FLAT_TOKENS),
             disable_by_batch_size=getattr(args, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
         cache_dir, cache_note = compile_cache.resolve(args.compile_cache, args.no_compile_cache)
+        if args.share is not None and (args.coordinator is None or spec is not None):
+            raise UsageError("--share needs one engine per process (--coordinator without --mesh / --devices)")
         processes = start_processes(args, spec)  # before any other JAX use
         per_process = processes > 1 and spec is None  # one engine per process (data parallel)
         if cache_dir is not None:  # before any compilation; the command's entry only (library code sets no globals)
@@ -342,8 +399,11 @@ def main(argv: list[str]) -> int:
         model = build_model(p, seed=args.seed, mesh=mesh)
         if args.mtp:
             mtp_lib.attach(model, mtp_lib.init(model.config, seed=args.seed, dtype=jnp.dtype(p.dtype)))
-        share = shares(workload, processes) if per_process else None
-        served = my_share(workload, share) if per_process else workload
+        claims = None
+        if per_process and (args.share or "dynamic") == "dynamic":
+            claims = functools.partial(Claims, workload)
+        elif per_process:
+            claims = lambda _name: StaticClaims(workload, processes, jax.process_index())  # noqa: E731
     except ValueError as e:
         return fail("run", e)
     leader = jax.process_index() == 0  # every process serves the same steps; process 0 reports them
@@ -374,16 +434,16 @@ def main(argv: list[str]) -> int:
     for k, (recycle, cached) in enumerate(runs):
         host = host_bytes if k == len(runs) - 1 and host_bytes else 0
         name = recycle + ("+prefix" if cached else "") + ("+host" if host else "")
-        outputs[name], results[name], columns[name] = run_policy(model, served, cache, p, recycle,
+        outputs[name], results[name], columns[name] = run_policy(model, workload, cache, p, recycle,
                                                                  progress=args.progress if leader else False,
                                                                  overlap=args.overlap,
                                                                  prefix_caching=cached, mesh=mesh,
                                                                  decode_burst=args.decode_burst,
                                                                  before_repeat=barrier if per_process else None,
                                                                  repeats=args.repeats, name=name,
-                                                                 host_cache_bytes=host, speculative=speculative)
-    if per_process:  # every request's tokens and the processes' figures, in every process
-        outputs = {k: gather_outputs(v, share) for k, v in outputs.items()}
+                                                                 host_cache_bytes=host, speculative=speculative,
+                                                                 claims=claims)
+    if per_process:  # the processes' figures (their tokens were gathered after each repeat), in every process
         results = {k: combine(v, args.repeats) for k, v in results.items()}
     same = all(o == outputs["none"] for o in outputs.values()) and all(r["identical_repeats"] for r in results.values())
     gain = results["timely"]["generated_tokens_per_s"] / results["none"]["generated_tokens_per_s"]

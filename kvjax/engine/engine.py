@@ -224,6 +224,10 @@ class Engine:
         self.outputs.track(req.request_id, Tracked(index, params, req))
         return req.request_id
 
+    def num_waiting(self) -> int:
+        """Requests queued and not running: waiting for their first admission or preempted (every data shard)."""
+        return sum(len(s.waiting) + len(s.preempted) for s in self.schedulers)
+
     def has_unfinished(self) -> bool:
         """A request is queued, running, or waiting for tokens of a step in flight."""
         return any(s.has_unfinished() for s in self.schedulers) or bool(self.outputs.tracked)
