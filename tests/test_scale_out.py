@@ -225,9 +225,11 @@ def test_process_shares_cover_the_workload_keep_chains_and_balance_tokens():
 
 def test_claims_hand_out_every_chain_once_largest_first():
     """``Claims`` over one counter (a stand-in for the coordinator's): processes claiming in any interleaving get
-    every chain exactly once, in the order of ``chains`` (largest first, a chain's turns together), then ``[]``
-    for good; ``StaticClaims`` hands out its ``shares`` part once. ``chains`` orders by tokens, ties by index."""
+    every chain exactly once, each process its chains in the order of ``chains`` (largest first, a chain's turns
+    together), then ``[]`` for good; a claim without ``wait`` never blocks; an error of the counter reaches the
+    caller. ``StaticClaims`` hands out its ``shares`` part once. ``chains`` orders by tokens, ties by index."""
     import itertools
+    import threading
 
     from kvjax.cli.processes import Claims, StaticClaims, chains, shares
     from kvjax.sched.workload import RequestSpec, multi_turn_workload, seed_workload
@@ -239,26 +241,40 @@ def test_claims_hand_out_every_chain_once_largest_first():
         cost = [sum(workload[i].total_len for i in c) for c in order]
         assert cost == sorted(cost, reverse=True) and sorted(i for c in order for i in c) == list(range(len(workload)))
         assert all(workload[i].after in c for c in order for i in c if workload[i].after >= 0)
-        counters: dict[str, itertools.count] = {}
+        def counter():  # a fresh coordinator: the threads of the last workload's claims cannot reach it
+            counters: dict[str, itertools.count] = {}
+            lock = threading.Lock()
 
-        def increment(key: str, n: int) -> int:
-            assert n == 1
-            return next(counters.setdefault(key, itertools.count(1)))
+            def increment(key: str, n: int) -> int:
+                assert n == 1
+                with lock:
+                    return next(counters.setdefault(key, itertools.count(1)))
+            return increment
+
+        increment = counter()
 
         procs = [Claims(workload, "none 0", increment) for _ in range(3)]
-        got: list[list[int]] = []
+        got: list[list[list[int]]] = [[], [], []]
         while not all(c.done for c in procs):
-            c = procs[rng.integers(3)]
-            chain = c.claim()
-            assert chain or c.done
-            got += [chain] if chain else []
-        assert got == order and all(c.claim() == [] for c in procs)
+            p = int(rng.integers(3))
+            chain = procs[p].claim(wait=bool(rng.integers(2)))
+            got[p] += [chain] if chain else []
+        assert sorted(map(tuple, sum(got, []))) == sorted(map(tuple, order))  # every chain once
+        rank = {tuple(c): i for i, c in enumerate(order)}
+        assert all([rank[tuple(c)] for c in g] == sorted(rank[tuple(c)] for c in g) for g in got)
+        assert all(c.claim(wait=True) == [] for c in procs)
         fresh = Claims(workload, "none 1", increment)  # another key: its own counter
-        assert fresh.claim() == order[0]
+        assert fresh.claim(wait=True) == order[0]
         parts = shares(workload, 3)
         for p in range(3):
             st = StaticClaims(workload, 3, p)
             assert (st.claim(), st.done, st.claim()) == (parts[p], True, [])
+
+    def broken(key: str, n: int) -> int:
+        raise ConnectionError("coordinator gone")
+
+    with pytest.raises(ConnectionError, match="coordinator gone"):
+        Claims(seed_workload(3, scale=0.01, seed=3), "x", broken).claim(wait=True)
     ties = [RequestSpec(np.ones(k, np.int32), 1) for k in (5, 9, 5, 9)]
     assert chains(ties) == [[1], [3], [0], [2]]
     assert Claims([], "x", increment=lambda k, n: 1).done

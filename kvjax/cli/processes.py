@@ -19,7 +19,9 @@ Two ways to use the processes' devices:
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
+import threading
 from typing import Callable, Sequence
 
 import jax
@@ -106,31 +108,58 @@ def shares(workload: Sequence, processes: int) -> list[list[int]]:
 class Claims:
     """A dynamic split (``--share dynamic``, the default): the processes claim the workload's :func:`chains`,
     largest first, one at a time while they run, from one counter that ``jax.distributed``'s coordinator keeps
-    (``key_value_increment`` is atomic, so every chain goes to exactly one process). An engine claims when it has
-    no request waiting (:func:`kvjax.cli.run` serves), so a process that runs faster, or whose requests suffer
-    fewer preemptions, serves more; a static split by tokens cannot see either (measured on two H200s, run 252:
-    the processes' rates 12-13% apart). Which process serves which request varies from run to run; each request's
-    tokens do not (sampling keys follow the request's workload index).
+    (``key_value_increment`` is atomic, so every chain goes to exactly one process). An engine takes a chain when
+    it has no request waiting (:func:`kvjax.cli.run` serves), so a process that runs faster, or whose requests
+    suffer fewer preemptions, serves more; a static split by tokens cannot see either (measured on two H200s, run
+    252: the processes' rates 12-13% apart). Which process serves which request varies from run to run; each
+    request's tokens do not (sampling keys follow the request's workload index).
 
-    ``name`` keys the counter: one per serve of the workload (a policy and repeat), the same string in every
-    process. ``increment``: ``(key, n) -> new value``, the coordinator's counter by default (a test may pass its
-    own)."""
+    A claim is a round trip to the coordinator (2-3 ms on a CPU host here, about a GPU step), so a thread claims
+    one chain ahead: :meth:`claim` hands over the chain claimed before and starts the next claim, and never waits
+    unless ``wait``. ``name`` keys the counter: one per serve of the workload (a policy and repeat), the same string
+    in every process. ``increment``: ``(key, n) -> new value``, the coordinator's counter by default (a test may
+    pass its own)."""
 
     def __init__(self, workload: Sequence, name: str, increment: Callable[[str, int], int] | None = None):
         self.order = chains(workload)  # list of chains, largest first
         self.key = f"kvjax/claims/{name}"
         self.increment = increment or _coordinator_increment()
         self.done = not self.order
+        self._ready: queue.Queue = queue.Queue(maxsize=1)  # the chain claimed ahead, or None: every chain is taken
+        self._want = threading.Semaphore(0 if self.done else 1)
+        if not self.done:
+            threading.Thread(target=self._claim_ahead, daemon=True, name=f"claims {name}").start()
 
-    def claim(self) -> list[int]:
-        """The next unclaimed chain's workload indices (``[]`` once every chain is claimed)."""
+    def _claim_ahead(self) -> None:
+        while True:
+            self._want.acquire()
+            try:
+                n = int(self.increment(self.key, 1))  # 1 for the first claim of this key, over every process
+            except BaseException as err:  # handed to claim(), which raises it
+                self._ready.put(err)
+                return
+            chain = self.order[n - 1] if n <= len(self.order) else None
+            self._ready.put(chain)
+            if chain is None:
+                return
+
+    def claim(self, wait: bool = False) -> list[int]:
+        """The next chain this process claimed (its workload indices); ``[]`` if the claim in flight has not come
+        back (``wait``: wait for it) or every chain is taken (then ``done``)."""
         if self.done:
             return []
-        n = int(self.increment(self.key, 1))  # 1 for the first claim of this key, over every process
-        if n > len(self.order):
+        try:
+            got = self._ready.get(block=wait)
+        except queue.Empty:
+            return []
+        if isinstance(got, BaseException):
+            self.done = True
+            raise got
+        if got is None:
             self.done = True
             return []
-        return self.order[n - 1]
+        self._want.release()
+        return got
 
 
 def _coordinator_increment() -> Callable[[str, int], int]:
@@ -152,8 +181,9 @@ class StaticClaims:
         self.mine = shares(workload, processes)[process]
         self.done = not self.mine
 
-    def claim(self) -> list[int]:
-        """This process's share (workload indices) the first time, then ``[]``."""
+    def claim(self, wait: bool = False) -> list[int]:
+        """This process's share (workload indices) the first time, then ``[]`` (``wait``: as :meth:`Claims.claim`;
+        nothing to wait for)."""
         out, self.mine, self.done = self.mine, [], True
         return out
 

@@ -133,7 +133,7 @@ def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[l
 
 def _serve_claimed(engine: Engine, workload, claims, desc: str, progress: bool | None) -> dict[int, list[int]]:
     """Serve the requests of ``workload`` that this process claims (a :class:`~kvjax.cli.processes.Claims` or
-    :class:`~kvjax.cli.processes.StaticClaims`): a chain is claimed whenever the engine has no request waiting, and
+    :class:`~kvjax.cli.processes.StaticClaims`): a chain is taken whenever the engine has no request waiting, and
     each request is queued under its workload index (its sampling stream). Returns workload index -> tokens of
     every request served here; a tqdm bar over them named ``desc`` (``progress`` None: on when the whole workload
     generates >= 4096 tokens)."""
@@ -148,8 +148,9 @@ def _serve_claimed(engine: Engine, workload, claims, desc: str, progress: bool |
     out: dict[int, list[int]] = {}
     try:
         while True:
+            idle = not engine.has_unfinished()
             if not claims.done and engine.num_waiting() == 0:
-                for g in claims.claim():
+                for g in claims.claim(wait=idle):  # an idle engine waits for the claim in flight
                     engine.add_request(workload[g].prompt, workload[g].max_new_tokens, index=g)
                     out[g] = []
             if not engine.has_unfinished():
