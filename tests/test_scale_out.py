@@ -325,6 +325,8 @@ def test_two_processes_of_the_command_equal_one_process(tmp_path, mesh):
         res = two["results"]["none"]
         assert res["wall_tokens_per_s"] > 0 and len(res["wall_s"]) == len(res["wall_net_s"]) == 2
         assert all(0 < n <= w for n, w in zip(res["wall_net_s"], res["wall_s"]))  # less the compiling steps
+        assert res["requests_served"] == sum(res["requests_served_processes"]) == 3  # every request, once
+        assert "requests), " in logs[0]
 
 
 def test_device_drawn_weights_follow_the_init_distributions():

@@ -193,7 +193,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
     ``claims(name)``: one engine of a multi-process run serves only the requests it claims from that object
     (:class:`~kvjax.cli.processes.Claims`, a new one per repeat, ``name`` the repeat's); the outputs are then every
     process's, gathered after each repeat (:func:`~kvjax.cli.processes.gather_served`), and the summary this
-    process's."""
+    process's, with ``requests_served`` (in the last repeat)."""
     if mesh is not None:  # the same pages per KV head as one device
         cache = dataclasses.replace(cache, num_pages=max(cache.num_pages // mesh.shape["model"], 1))
     engine = Engine(model, cache, overlap=overlap, recycle=recycle, max_num_batched_tokens=p.max_tokens,
@@ -215,7 +215,7 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
         else:
             served = _serve_claimed(engine, workload, claims(f"{name} {r}"), desc, progress)
             wall = time.perf_counter() - t0
-            outs = gather_served(served, len(workload))
+            outs, served_last = gather_served(served, len(workload)), len(served)
         engine.check_integrity()
         engine.clear_prefix_cache()  # every repeat starts from the same (empty) cache
         if not engine.is_idle():
@@ -223,6 +223,8 @@ def run_policy(model, workload, cache: CacheConfig, p: Preset, recycle: str, *, 
         first = outs if first is None else first
         runs.append((outs, engine.metrics.summary(num_pages=engine.total_pages), wall))
     outs, summary, _ = runs[-1]
+    if claims is not None:
+        summary = dict(summary, requests_served=served_last)
     rates = [s.get("generated_tokens_per_s", 0.0) for _, s, _ in runs]  # a process that claimed nothing: no steps
     compiles = [s.get("compile_time_s", 0.0) for _, s, _ in runs]  # each repeat's steps that compiled
     net = [w - c for (_, _, w), c in zip(runs, compiles)]
@@ -457,7 +459,9 @@ def main(argv: list[str]) -> int:
     if per_process:
         for name, s in results.items():
             each = ", ".join(f"{r:.0f}" for r in s["generated_tokens_per_s_processes"])
-            print(f"# {name}: one engine per process, {s['generated_tokens_per_s']:.1f} tok/s summed ({each}); "
+            served = " + ".join(str(n) for n in s["requests_served_processes"])
+            print(f"# {name}: one engine per process ({served} requests), {s['generated_tokens_per_s']:.1f} tok/s "
+                  f"summed ({each}); "
                   f"{s['wall_tokens_per_s']:.1f} tok/s over the slowest process's wall", file=out)
     print(f"timely / none: {gain:.2f}x generated tokens/s (medians of {args.repeats}; "
           f"{min(timely_rates) / max(none_rates):.2f}-{max(timely_rates) / min(none_rates):.2f}x over the repeats' "
