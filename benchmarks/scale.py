@@ -182,6 +182,7 @@ def procs_section(g: int, repeats: int, smoke: bool, dp: dict | None, workdir: s
                          tokens_per_s=s["generated_tokens_per_s"],
                          tokens_per_s_repeats=s["generated_tokens_per_s_repeats"],
                          tokens_per_s_processes=s.get("generated_tokens_per_s_processes"),
+                         requests_served_processes=s.get("requests_served_processes"),
                          wall_tokens_per_s=s.get("wall_tokens_per_s"),
                          wall_ratio=s["wall_tokens_per_s"] / od["wall_tokens_per_s"]
                          if od and s.get("wall_tokens_per_s") else None,
