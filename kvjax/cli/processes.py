@@ -33,8 +33,7 @@ MAX_HOST_DEVICES = 64  # most CPU devices a process asks JAX for (each one is a 
 
 # the figures each process contributes to the combined summary, and how they combine
 SUMMED = ("requests_served", "generated_tokens", "generated_tokens_per_s", "computed_tokens", "prefill_tokens",
-          "running_mean",
-          "running_peak", "preemptions", "generated_tokens_per_step", "prefix_hit_tokens")
+          "running_mean", "running_peak", "preemptions", "generated_tokens_per_step", "prefix_hit_tokens")
 MAXED = ("steps", "sub_steps", "compile_time_s", "step_time_median_s", "page_util_peak")
 AVERAGED = ("page_util_mean", "host_share", "host_total_share")
 
@@ -225,8 +224,9 @@ def gather_served(served: dict[int, list[int]], total: int) -> list[list[int]]:
 def combine(summary: dict, repeats: int) -> dict:
     """The run's summary from each process's (one engine each): tokens, rates, running requests and preemptions
     summed, steps and step times the largest, shares averaged; ``generated_tokens_per_s_processes`` and
-    ``requests_served_processes`` each process's rate and requests (of the last repeat); ``wall_s`` each repeat's slowest process, ``wall_net_s`` the slowest of the processes' walls less their
-    compiling steps (``compile_s_repeats``), and ``wall_tokens_per_s`` the tokens of every process over that (see
+    ``requests_served_processes`` each process's rate and requests (of the last repeat); ``wall_s`` each repeat's
+    slowest process, ``wall_net_s`` the slowest of the processes' walls less their compiling steps
+    (``compile_s_repeats``), and ``wall_tokens_per_s`` the tokens of every process over that (see
     :func:`wall_rate`). Every process gets the same dict."""
     from jax.experimental import multihost_utils
 
