@@ -40,6 +40,7 @@ def _no_work(*args, **kwargs):
 @pytest.fixture
 def no_sim_work(monkeypatch):
     monkeypatch.setattr(simulate, "simulate", _no_work)
+    monkeypatch.setattr(simulate, "simulate_dispatch", _no_work)
 
 
 @pytest.fixture
@@ -212,6 +213,11 @@ def test_prefix_lengths_bound_the_drawn_workload(workload):
     (["--workload", "few-shot"], "--workload needs --prefix-caching"),
     (["--memory-requests", "0.01"], "cannot be served"),
     (["--max-seqs", str(10**9)], "needs about"),
+    (["--share", "static"], "--share needs --processes above 1"),
+    (["--processes", "2", "--share", "round-robin"], "--share"),
+    (["--processes", "0"], "--processes"),
+    (["--processes", "2", "--model-shards", "2"], "drop --model-shards"),
+    (["--prefix-caching", "--processes", "2"], "--processes is not used with --prefix-caching"),
 ])
 def test_simulate_refuses_before_any_work(argv, needle, capsys, no_sim_work, no_prefix_work):
     line = one_line_error(capsys, simulate.main, SMALL_SIM[:4] + argv)

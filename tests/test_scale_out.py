@@ -199,40 +199,17 @@ def test_tiny_tp_model_on_meshes_equals_one_device():
 # ---------------------------------------------------------------------------------------------- two processes
 
 
-def test_process_shares_cover_the_workload_keep_chains_and_balance_tokens():
-    """``shares``: every request in exactly one process, an ``after`` chain in one process, each process's tokens
-    within the largest chain of the mean (greedy largest-first), and the renumbered ``after`` of a share points at
-    the same request."""
-    from kvjax.cli.processes import shares
-    from kvjax.sched.workload import RequestSpec, multi_turn_workload, seed_workload
-
-    for workload in (seed_workload(37, scale=0.01, seed=3),
-                     multi_turn_workload(9, turns=3, first_len=40, message_len=8, output_len=5, seed=4)):
-        for n in (1, 2, 3, 4):
-            parts = shares(workload, n)
-            assert sorted(i for p in parts for i in p) == list(range(len(workload)))
-            where = {i: k for k, p in enumerate(parts) for i in p}
-            assert all(where[i] == where[w.after] for i, w in enumerate(workload) if w.after >= 0)
-            load = [sum(workload[i].total_len for i in p) for p in parts]
-            head = list(range(len(workload)))
-            for i, w in enumerate(workload):
-                head[i] = head[w.after] if w.after >= 0 else i
-            chain = {h: sum(w.total_len for w, g in zip(workload, head) if g == h) for h in set(head)}
-            assert max(load) - min(load) <= max(chain.values()), (n, load)
-    lengths = [RequestSpec(np.ones(k, np.int32), 1) for k in (90, 10, 10, 10, 10, 10, 10, 10, 10, 10)]
-    assert [sorted(p) for p in shares(lengths, 2)] == [[0], list(range(1, 10))]  # round-robin: 140 vs 50 tokens
-
-
 def test_claims_hand_out_every_chain_once_largest_first():
     """``Claims`` over one counter (a stand-in for the coordinator's): processes claiming in any interleaving get
     every chain exactly once, each process its chains in the order of ``chains`` (largest first, a chain's turns
     together), then ``[]`` for good; a claim without ``wait`` never blocks; an error of the counter reaches the
-    caller. ``StaticClaims`` hands out its ``shares`` part once. ``chains`` orders by tokens, ties by index."""
+    caller. ``StaticClaims`` hands out its ``shares`` part once."""
     import itertools
     import threading
 
-    from kvjax.cli.processes import Claims, StaticClaims, chains, shares
-    from kvjax.sched.workload import RequestSpec, multi_turn_workload, seed_workload
+    from kvjax.cli.processes import Claims, StaticClaims
+    from kvjax.sched.dispatch import chains, shares
+    from kvjax.sched.workload import multi_turn_workload, seed_workload
 
     rng = np.random.default_rng(5)
     for workload in (seed_workload(23, scale=0.01, seed=3),
@@ -275,8 +252,6 @@ def test_claims_hand_out_every_chain_once_largest_first():
 
     with pytest.raises(ConnectionError, match="coordinator gone"):
         Claims(seed_workload(3, scale=0.01, seed=3), "x", broken).claim(wait=True)
-    ties = [RequestSpec(np.ones(k, np.int32), 1) for k in (5, 9, 5, 9)]
-    assert chains(ties) == [[1], [3], [0], [2]]
     assert Claims([], "x", increment=lambda k, n: 1).done
 
 

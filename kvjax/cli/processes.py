@@ -9,9 +9,10 @@ Two ways to use the processes' devices:
   its own scheduler, so the host work of each step is spread over the processes' CPU cores. The share is claimed
   while the run goes (:class:`Claims`: the next request, largest first, from a counter on the coordinator,
   whenever an engine has none waiting) or, with ``--share static``, fixed up front (:func:`shares`: about equal
-  tokens). The processes meet only at a barrier before each repeat (so their walls overlap), after each repeat,
-  when every process gathers every request's tokens (:func:`gather_served`), and at the end, for each process's
-  figures (:func:`combine`).
+  tokens); both splits are :mod:`kvjax.sched.dispatch`'s, which ``kvjax simulate --processes N`` simulates. The
+  processes meet only at a barrier before each repeat (so their walls overlap), after each repeat, when every
+  process gathers every request's tokens (:func:`gather_served`), and at the end, for each process's figures
+  (:func:`combine`).
 - **One mesh over every process's devices** (``--mesh`` / ``--devices``): every process runs the same engine on the
   global mesh and plans every data shard's steps (the host work is repeated, not split), in lockstep.
 """
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 
 from kvjax.errors import UsageError
+from kvjax.sched.dispatch import chains, shares
 
 MAX_HOST_DEVICES = 64  # most CPU devices a process asks JAX for (each one is a thread pool)
 
@@ -75,34 +77,6 @@ def start_processes(args: argparse.Namespace, spec: str | None) -> int:
     jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=n, process_id=i,
                                local_device_ids=args.local_devices)
     return n
-
-
-def chains(workload: Sequence) -> list[list[int]]:
-    """The requests of ``workload`` grouped into chains (a request with ``after`` joins its predecessor's chain, so a
-    conversation's turns stay in one engine and its prefix cache), largest first by tokens (prompt + output; ties
-    by first index), each chain's indices in workload order."""
-    root = []
-    for i, w in enumerate(workload):
-        after = getattr(w, "after", -1)
-        root.append(root[after] if 0 <= after < i else i)
-    groups: dict[int, list[int]] = {}
-    for i, r in enumerate(root):
-        groups.setdefault(r, []).append(i)
-    cost = {r: sum(workload[i].total_len for i in idx) for r, idx in groups.items()}
-    return [groups[r] for r in sorted(groups, key=lambda r: (-cost[r], r))]
-
-
-def shares(workload: Sequence, processes: int) -> list[list[int]]:
-    """A static split (``--share static``): which requests of ``workload`` each process serves, its indices in
-    workload order. The :func:`chains` go, largest first, to the process with the fewest tokens (prompt + output) so
-    far (a round-robin split leaves the slowest process's wall, which the run's rate is over, longer).
-    Deterministic: every process computes the same."""
-    load, out = [0] * processes, [[] for _ in range(processes)]
-    for chain in chains(workload):
-        p = min(range(processes), key=lambda p: (load[p], p))
-        load[p] += sum(workload[i].total_len for i in chain)
-        out[p].extend(chain)
-    return [sorted(o) for o in out]
 
 
 class Claims:

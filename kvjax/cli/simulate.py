@@ -22,6 +22,7 @@ from kvjax.cli.output import provenance, write_json
 from kvjax.config import KV_CACHE_DTYPES, CacheConfig
 from kvjax.errors import UsageError
 from kvjax.sched.blocks import POOLS
+from kvjax.sched.dispatch import SHARES, format_dispatch_table, simulate_dispatch
 from kvjax.sched.prefix_cache import PrefixCacheConfig
 from kvjax.sched.recycle import RECYCLE_POLICIES
 from kvjax.sched.simulate import (PLACEMENTS, check_servable_sharded, format_prefix_table, format_table, simulate,
@@ -141,6 +142,13 @@ def build_parser() -> ArgumentParser:
                    help="how KV heads are split over --model-shards: balanced (the engine's head placement: the "
                         "same mix of SWA and full heads per device where the counts allow) or contiguous (in "
                         "head order); a comma list compares both")
+    p.add_argument("--processes", type=int_at_least(1), default=1,
+                   help="also split the workload over N engines, one per process as kvjax run --coordinator runs "
+                        "them, each with the page memory above, stepped in lockstep: a second table gives each "
+                        "engine's steps and the most the split gains over one engine at equal step times")
+    p.add_argument("--share", type=comma_list(SHARES), default=list(SHARES),
+                   help="with --processes: the splits to compare, dynamic (the next request, largest first, to an "
+                        "engine with none waiting) and / or static (split by tokens before the run)")
     p.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0, help="seed of the workload and tokens")
     p.add_argument("--check-every", type=int_at_least(0), default=0,
                    help="run the integrity checks every N steps (slow; 0: never)")
@@ -168,7 +176,9 @@ def build_parser() -> ArgumentParser:
 
 
 # flags a mode would ignore -> why (refused when given)
-_IGNORED_WITH_PREFIX = {"recycle": "--prefix-caching always recycles timely",
+_IGNORED_WITH_PREFIX = {"processes": "--prefix-caching simulates one engine",
+                        "share": "--prefix-caching simulates one engine",
+                        "recycle": "--prefix-caching always recycles timely",
                         "pool": "--prefix-caching always uses the shared pool",
                         "model_shards": "--prefix-caching simulates one page pool",
                         "placement": "--prefix-caching simulates one page pool"}
@@ -188,6 +198,10 @@ def _check_mode(p: ArgumentParser, args: argparse.Namespace, argv: list[str]) ->
             raise UsageError("--workload needs --prefix-caching (without it the workload is the seed-shaped one)")
         if "placement" in given and max(args.model_shards) == 1:
             raise UsageError("--placement needs --model-shards above 1 (one pool has nothing to place)")
+        if "share" in given and args.processes == 1:
+            raise UsageError("--share needs --processes above 1 (one engine has nothing to split)")
+        if args.processes > 1 and max(args.model_shards) > 1:
+            raise UsageError("--processes simulates engines of one page pool each: drop --model-shards")
         return
     for dest, why in _IGNORED_WITH_PREFIX.items():
         if dest in given:
@@ -283,8 +297,9 @@ def main(argv: list[str]) -> int:
         host, _ = seed_footprint(args.requests, scale=args.scale, spread=args.spread, num_kv_heads=args.kv_heads,
                                  page_size=args.page_size, full_requests=args.memory_requests * _page_ratio(args),
                                  max_seqs=args.max_seqs)
-        check_memory(host, f"--requests {args.requests} --scale {args.scale:g} --max-seqs {args.max_seqs} "
-                           f"--memory-requests {args.memory_requests:g}")
+        check_memory(host * args.processes, f"--requests {args.requests} --scale {args.scale:g} --max-seqs "
+                                             f"{args.max_seqs} --memory-requests {args.memory_requests:g}"
+                                             + (f" --processes {args.processes}" if args.processes > 1 else ""))
         workload = seed_workload(args.requests, scale=args.scale, spread=args.spread, seed=args.seed)
         cache = page_memory(args, cache_for(workload, num_kv_heads=args.kv_heads, page_size=args.page_size,
                                             full_requests=args.memory_requests, max_seqs=args.max_seqs))
@@ -307,9 +322,18 @@ def main(argv: list[str]) -> int:
                      seed=args.seed, check_every=args.check_every, progress=progress, model_shards=m,
                      placement=place))
                 for att, m, place, pool, recycle in runs]
-        results = _run_all(jobs, total * len(jobs), args.progress)
+        if args.processes > 1:
+            jobs += [(f"swa {len(att.swa_heads) / att.num_kv_heads:g} {pool} {recycle} x{args.processes} {share}",
+                      lambda progress, att=att, pool=pool, recycle=recycle, share=share: simulate_dispatch(
+                          workload, cache, att, engines=args.processes, share=share,
+                          max_num_batched_tokens=args.max_tokens, pool=pool, recycle=recycle, seed=args.seed,
+                          progress=progress))
+                     for att, _, _, pool, recycle in runs for share in args.share]
+        done = _run_all(jobs, total * len(jobs), args.progress)
+        results, dispatched = done[: len(runs)], done[len(runs):]
     except ValueError as e:
         return fail("simulate", e)
+    one_steps = {(r.swa_fraction, r.pool, r.recycle): r.steps for r in results if r.model_shards == 1}
     config = dict(vars(args), num_pages=cache.num_pages, max_blocks_per_seq=cache.max_blocks_per_seq,
                   mean_prompt=float(np.mean([w.prompt.size for w in workload])),
                   mean_output=float(np.mean([w.max_new_tokens for w in workload])))
@@ -317,7 +341,10 @@ def main(argv: list[str]) -> int:
         config.pop(key)
     if args.json:
         write_json(args.json, dict(meta=provenance("simulate", argv, device="host only (no model)", seed=args.seed),
-                                   config=config, results=[dataclasses.asdict(r) for r in results]))
+                                   config=config, results=[dataclasses.asdict(r) for r in results],
+                                   dispatch=[dict(dataclasses.asdict(d), rounds=d.run_steps,
+                                                  vs_one=one_steps[(d.swa_fraction, d.pool, d.recycle)] / d.run_steps)
+                                             for d in dispatched]))
     if args.json != "-":
         print(f"# {args.requests} requests, mean prompt {config['mean_prompt']:.0f} / output "
               f"{config['mean_output']:.0f} tokens; {args.kv_heads} KV heads, window {args.window}, sinks "
@@ -325,4 +352,8 @@ def main(argv: list[str]) -> int:
               f"requests in bf16 pages); "
               f"max_seqs {args.max_seqs}, {args.max_tokens} tokens/step")
         print(format_table(results))
+        if dispatched:
+            print(f"# {args.processes} engines, one per process, {cache.num_pages} pages each, in lockstep (every "
+                  f"engine's step the same time); vs one = one engine's steps over the slowest engine's")
+            print(format_dispatch_table(dispatched, one_steps))
     return 0
