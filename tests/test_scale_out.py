@@ -250,6 +250,11 @@ def test_claims_hand_out_every_chain_once_largest_first():
     def broken(key: str, n: int) -> int:
         raise ConnectionError("coordinator gone")
 
+    from kvjax.cli.processes import share_claims
+
+    with pytest.raises(ValueError, match="share must be 'dynamic' or 'static', got 'round-robin'"):
+        share_claims([], "round-robin", 2)
+    assert isinstance(share_claims(seed_workload(3, scale=0.01, seed=3), "static", 2)("x"), StaticClaims)
     with pytest.raises(ConnectionError, match="coordinator gone"):
         Claims(seed_workload(3, scale=0.01, seed=3), "x", broken).claim(wait=True)
     assert Claims([], "x", increment=lambda k, n: 1).done

@@ -162,6 +162,16 @@ class StaticClaims:
         return out
 
 
+def share_claims(workload: Sequence, share: str, processes: int) -> Callable[[str], Claims | StaticClaims]:
+    """``name -> claims`` for one serve of ``workload`` by this process: ``share`` ``"dynamic"`` (:class:`Claims`) or
+    ``"static"`` (:class:`StaticClaims`, this process's part of :func:`shares` over ``processes``)."""
+    if share == "dynamic":
+        return lambda name: Claims(workload, name)
+    if share == "static":
+        return lambda name: StaticClaims(workload, processes, jax.process_index())
+    raise ValueError(f"share must be 'dynamic' or 'static', got {share!r}")
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier ``name`` (a collective over every process's devices)."""
     from jax.experimental import multihost_utils

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import statistics
 import sys
@@ -67,7 +66,7 @@ from kvjax.cli.presets import (ATTENTION, PRESETS, Preset, attention_layout, bui
                                check_sizes, model_config, param_bytes)
 from kvjax.cli.report import check_plot_path, device_lines, format_table, save_plot, tokens_digest
 from kvjax.cli.processes import (MAX_HOST_DEVICES, Claims, StaticClaims, barrier, combine, gather_served,
-                                  parse_mesh, start_processes, wall_rate)
+                                  parse_mesh, share_claims, start_processes, wall_rate)
 from kvjax.models.qwen3_5 import mtp as mtp_lib
 from kvjax.sched.drafter import DISABLE_BY_BATCH_SIZE, FLAT_TOKENS, MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from kvjax.sched.workload import cache_for, check_servable, kv_page_bytes, same_memory, seed_workload
@@ -402,11 +401,7 @@ def main(argv: list[str]) -> int:
         model = build_model(p, seed=args.seed, mesh=mesh)
         if args.mtp:
             mtp_lib.attach(model, mtp_lib.init(model.config, seed=args.seed, dtype=jnp.dtype(p.dtype)))
-        claims = None
-        if per_process and (args.share or "dynamic") == "dynamic":
-            claims = functools.partial(Claims, workload)
-        elif per_process:
-            claims = lambda _name: StaticClaims(workload, processes, jax.process_index())  # noqa: E731
+        claims = share_claims(workload, args.share or "dynamic", processes) if per_process else None
     except ValueError as e:
         return fail("run", e)
     leader = jax.process_index() == 0  # every process serves the same steps; process 0 reports them
