@@ -207,7 +207,7 @@ def test_claims_hand_out_every_chain_once_largest_first():
     import itertools
     import threading
 
-    from kvjax.cli.processes import Claims, StaticClaims
+    from kvjax.cli.processes import Claims, StaticClaims, share_claims
     from kvjax.sched.dispatch import chains, shares
     from kvjax.sched.workload import multi_turn_workload, seed_workload
 
@@ -218,6 +218,7 @@ def test_claims_hand_out_every_chain_once_largest_first():
         cost = [sum(workload[i].total_len for i in c) for c in order]
         assert cost == sorted(cost, reverse=True) and sorted(i for c in order for i in c) == list(range(len(workload)))
         assert all(workload[i].after in c for c in order for i in c if workload[i].after >= 0)
+
         def counter():  # a fresh coordinator: the threads of the last workload's claims cannot reach it
             counters: dict[str, itertools.count] = {}
             lock = threading.Lock()
@@ -229,7 +230,6 @@ def test_claims_hand_out_every_chain_once_largest_first():
             return increment
 
         increment = counter()
-
         procs = [Claims(workload, "none 0", increment) for _ in range(3)]
         got: list[list[list[int]]] = [[], [], []]
         while not all(c.done for c in procs):
@@ -249,8 +249,6 @@ def test_claims_hand_out_every_chain_once_largest_first():
 
     def broken(key: str, n: int) -> int:
         raise ConnectionError("coordinator gone")
-
-    from kvjax.cli.processes import share_claims
 
     with pytest.raises(ValueError, match="share must be 'dynamic' or 'static', got 'round-robin'"):
         share_claims([], "round-robin", 2)
