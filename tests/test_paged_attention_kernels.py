@@ -500,6 +500,18 @@ def test_shared_memory_fit_keeps_bf16_defaults_and_shrinks_wide_or_f32_tiles():
     # a knob the caller set stays
     assert fit(head_dim=128, kv_itemsize=4, q_itemsize=4, block_k=128, num_stages=3, rows=128, min_block_k=16,
                min_rows=16, fixed=("num_stages",))[1] == 3
+    # fp8 pages' prefill counts one bf16 tile of the conversion: its head_dim-128 defaults (gather, page, pages of
+    # >= 128) stay; at head_dim 256 it shrinks where 2 stages of 128 keys compiled to 263680 B (tests/
+    # test_triton_resources.py compiles both)
+    for bk, st in ((128, 3), (64, 3)):
+        assert fit(head_dim=128, kv_itemsize=1, q_itemsize=2, block_k=bk, num_stages=st, rows=128, min_block_k=16,
+                   min_rows=16, convert_itemsize=2) == (bk, st, 128)
+    assert fit(head_dim=256, kv_itemsize=1, q_itemsize=2, block_k=128, num_stages=3, rows=128, min_block_k=16,
+               min_rows=16, convert_itemsize=2) == (64, 2, 128)
+    assert fit(head_dim=256, kv_itemsize=1, q_itemsize=2, block_k=128, num_stages=3, rows=128, min_block_k=128,
+               min_rows=16, convert_itemsize=2) == (128, 1, 128)
+    assert fit(head_dim=256, kv_itemsize=1, q_itemsize=2, block_k=128, num_stages=3, rows=128, min_block_k=16,
+               min_rows=16) == (128, 2, 128)  # without the tile: the plan that did not fit
 
 
 # ---------------------------------------------------------------- GPU grid

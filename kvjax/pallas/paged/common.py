@@ -163,16 +163,21 @@ def triton_shape_reason(call) -> str | None:  # kvjax.ops.attention.PagedAttenti
 
 
 def fit_shared_memory(*, head_dim: int, kv_itemsize: int, q_itemsize: int, block_k: int, num_stages: int,
-                      rows: int, min_block_k: int, min_rows: int, fixed: tuple[str, ...] = ()
-                      ) -> tuple[int, int, int]:
+                      rows: int, min_block_k: int, min_rows: int, fixed: tuple[str, ...] = (),
+                      convert_itemsize: int = 0) -> tuple[int, int, int]:
     """``(block_k, num_stages, rows)`` of a Triton paged kernel shrunk until its planned shared memory fits
     :data:`SMEM_BUDGET`: up to ``num_stages`` K and V blocks of ``block_k x head_dim`` in the software pipeline,
-    beside a ``rows x head_dim`` query tile. Stages go first (down to 2), then ``block_k`` (down to
+    beside a ``rows x head_dim`` query tile, and ``block_k x head_dim`` elements of ``convert_itemsize`` bytes: the
+    prefill kernel over fp8 pages passes 2, the tile of their bf16 conversion that Triton 3.6 keeps beside the
+    pipeline's buffers (sm_90, compiled on a CPU: at ``head_dim`` 256 it took 263680 B with 2 stages of 128 keys
+    where the pipeline and q planned 196608, past a Hopper CTA's 227 KB; the decode kernel's fp8 configurations
+    compiled within the plan without it, so it passes 0). Stages go first (down to 2), then ``block_k`` (down to
     ``min_block_k``), then the last stage (no pipelining), then ``rows`` (down to ``min_rows``); a knob named in
-    ``fixed`` (set by the caller) is left as it is. The tuned bf16 defaults at ``head_dim`` 128 fit unchanged;
-    float32 pages or ``head_dim`` 256 take fewer stages or smaller blocks instead of failing to launch."""
+    ``fixed`` (set by the caller) is left as it is. The tuned bf16 and fp8 defaults at ``head_dim`` 128 fit
+    unchanged; float32 pages or ``head_dim`` 256 take fewer stages or smaller blocks instead of failing to
+    launch."""
     def planned(bk: int, st: int, r: int) -> int:
-        return st * 2 * bk * head_dim * kv_itemsize + r * head_dim * q_itemsize
+        return st * 2 * bk * head_dim * kv_itemsize + r * head_dim * q_itemsize + bk * head_dim * convert_itemsize
 
     while planned(block_k, num_stages, rows) > SMEM_BUDGET:
         if num_stages > 2 and "num_stages" not in fixed:

@@ -332,7 +332,8 @@ def paged_prefill(
     rows = max(block_q or 128, min_rows)
     block_k, num_stages, rows = common.fit_shared_memory(
         head_dim=d, kv_itemsize=call.k_pages.dtype.itemsize, q_itemsize=q.dtype.itemsize, block_k=block_k,
-        num_stages=num_stages, rows=rows, min_block_k=max(page_size, 16), min_rows=min_rows, fixed=fixed)
+        num_stages=num_stages, rows=rows, min_block_k=max(page_size, 16), min_rows=min_rows, fixed=fixed,
+        convert_itemsize=2 if call.k_scale is not None else 0)
     reason = common.triton_shape_reason(call)
     if reason:
         raise ValueError(f"pallas paged_prefill {reason}")
