@@ -3,7 +3,9 @@
 Drives the real host scheduler with a synthetic workload and no model, and prints one table: per (SWA fraction,
 model shards and head placement, pool, recycle) run (``--model-shards M``: the same page memory in per-device
 pools, as the engine on a ``--mesh DxM``), or with ``--prefix-caching`` per prefix-cache mode (off / eager /
-keep_tail, timely recycling, shared pool). Every argument is checked, and the memory the run needs estimated,
+keep_tail, timely recycling, shared pool). ``--processes N`` adds a second table: the workload split over N
+engines as ``kvjax run``'s processes split it (:mod:`kvjax.sched.dispatch`). Every argument is checked, and the
+memory the run needs estimated,
 before the first simulation; a flag the chosen mode would ignore is refused. Numpy only, like :mod:`kvjax.sched`.
 """
 

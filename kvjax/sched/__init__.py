@@ -6,7 +6,8 @@ pool policies ``shared`` / ``partitioned``), ``recycle`` (the SWA recycle rule a
 checkpoint slots, head-wise matches), ``request``, ``plan`` (``StepPlan`` and shape buckets), ``scheduler`` (with
 ``admission``: which queued requests start; ``burst``: decode-burst plans; ``rebuild``: a fresh scheduler after a
 fault), ``workload`` and ``simulate`` (the capacity simulator behind ``python -m kvjax simulate``; its command line
-is :mod:`kvjax.cli.simulate`).
+is :mod:`kvjax.cli.simulate`), ``dispatch`` (one workload over several engines: the static and dynamic splits of
+``kvjax run``'s processes, and their simulation behind ``simulate --processes``).
 
 Bad input raises a ``ValueError`` (most often a :class:`kvjax.errors.KvjaxError`) naming the value, before
 anything changes; integers may be Python or numpy ints.
