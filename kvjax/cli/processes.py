@@ -185,9 +185,9 @@ def gather_served(served: dict[int, list[int]], total: int) -> list[list[int]]:
     in every process. A collective: every process calls it."""
     from jax.experimental import multihost_utils
 
-    counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(served)], np.int32))).ravel()
-    width = max((len(o) for o in served.values()), default=0)
-    width = int(np.max(multihost_utils.process_allgather(np.asarray([width], np.int32))))
+    mine = [len(served), max((len(o) for o in served.values()), default=0)]  # requests, longest output
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int32))).reshape(-1, 2)
+    counts, width = sizes[:, 0], int(sizes[:, 1].max())
     buf = np.full((max(int(counts.max()), 1), width + 2), -1, np.int32)  # i32[rows, 2 + width]: index, length, tokens
     for r, (g, out) in enumerate(sorted(served.items())):
         buf[r, :2] = g, len(out)

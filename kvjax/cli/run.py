@@ -106,18 +106,24 @@ def mesh_spec(args: argparse.Namespace) -> str | None:
     return args.mesh if args.devices is None else f"{args.devices}x1"
 
 
+def _token_bar(workload, desc: str, progress: bool | None, *, known_total: bool):
+    """A tqdm bar over generated tokens named ``desc`` on stderr, or None (``progress`` False, or None and the
+    workload generates < 4096 tokens, or no tqdm); its total is the workload's tokens where ``known_total`` (a
+    process that claims its requests does not know its share's)."""
+    total = sum(w.max_new_tokens for w in workload)
+    if not progress and (progress is not None or total < 4096):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total if known_total else None, unit="tok", desc=desc, file=sys.stderr, leave=False)
+
+
 def _serve(engine: Engine, workload, desc: str, progress: bool | None) -> list[list[int]]:
     """``engine.generate`` of ``workload`` with a tqdm bar named ``desc`` on stderr (``progress`` None: on for runs
     of 4096 tokens or more)."""
-    total = sum(w.max_new_tokens for w in workload)
-    bar = None
-    if progress or (progress is None and total >= 4096):
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, unit="tok", desc=desc, file=sys.stderr, leave=False)
-        except ImportError:
-            pass
+    bar = _token_bar(workload, desc, progress, known_total=True)
     out: list[list[int]] = [[] for _ in workload]
     try:
         for ev in engine.stream([w.prompt for w in workload], [w.max_new_tokens for w in workload], progress=False):
@@ -136,14 +142,7 @@ def _serve_claimed(engine: Engine, workload, claims, desc: str, progress: bool |
     each request is queued under its workload index (its sampling stream). Returns workload index -> tokens of
     every request served here; a tqdm bar over them named ``desc`` (``progress`` None: on when the whole workload
     generates >= 4096 tokens)."""
-    bar = None
-    if progress or (progress is None and sum(w.max_new_tokens for w in workload) >= 4096):
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(unit="tok", desc=desc, file=sys.stderr, leave=False)
-        except ImportError:
-            pass
+    bar = _token_bar(workload, desc, progress, known_total=False)
     out: dict[int, list[int]] = {}
     try:
         while True:
